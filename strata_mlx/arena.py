@@ -1,0 +1,195 @@
+"""The arena: a fixed set of expert slots in one MLX buffer, and which expert sits where.
+
+The buffer is allocated once, with a page of slack so that slot 0 starts page aligned (MLX's
+CPU buffers are not: address mod 4096 was 24), because direct I/O writes straight into slot
+memory through a numpy view of that buffer. Writes through the view are seen by later MLX
+computation on CPU and under MLX CUDA's unified memory. The arena array is kept alive for
+the life of the model and never donated.
+
+Residency (expert -> slot), pinning (slots the running layer reads) and eviction live here.
+This module never reads files and never computes with weights.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import mlx.core as mx
+import numpy as np
+
+from .store import ALIGNMENT
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class LRU:
+    """Evict the expert used longest ago."""
+
+    name = "lru"
+
+    def __init__(self, profile: np.ndarray | None = None, layers: list[int] | None = None):
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def touch(self, key: Key) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, evictable) -> Key | None:
+        for key in self._order:
+            if evictable(key):
+                return key
+        return None
+
+
+class LFUAging(LRU):
+    """Evict the least used expert; counts halve every `period` uses so old fame fades."""
+
+    name = "lfu"
+
+    def __init__(self, profile=None, layers=None, period: int = 4096):
+        super().__init__()
+        self._count: dict[Key, float] = {}
+        self._uses = 0
+        self._period = period
+
+    def touch(self, key: Key) -> None:
+        super().touch(key)
+        self._count[key] = self._count.get(key, 0.0) + 1.0
+        self._uses += 1
+        if self._uses % self._period == 0:
+            for k in self._count:
+                self._count[k] *= 0.5
+
+    def remove(self, key: Key) -> None:
+        super().remove(key)
+
+    def victim(self, evictable) -> Key | None:
+        best, best_score = None, None
+        for i, key in enumerate(self._order):  # LRU order breaks ties
+            if evictable(key):
+                s = self._count.get(key, 0.0)
+                if best is None or s < best_score:
+                    best, best_score = key, s
+        return best
+
+
+class ProfileAware(LRU):
+    """Evict the expert the routing profile ranks least popular in its layer (LRU tie-break)."""
+
+    name = "profile"
+
+    def __init__(self, profile: np.ndarray | None = None, layers: list[int] | None = None):
+        super().__init__()
+        self._pop: dict[int, np.ndarray] = {}
+        if profile is not None and layers is not None:
+            for pos, layer in enumerate(layers):
+                row = profile[pos].astype(np.float64)
+                self._pop[layer] = row / max(row.sum(), 1.0)
+
+    def victim(self, evictable) -> Key | None:
+        best, best_score = None, None
+        for key in self._order:
+            if evictable(key):
+                pop = self._pop.get(key[0])
+                s = float(pop[key[1]]) if pop is not None else 0.0
+                if best is None or s < best_score:
+                    best, best_score = key, s
+        return best
+
+
+POLICIES = {p.name: p for p in (LRU, LFUAging, ProfileAware)}
+
+
+class Arena:
+    """`n_slots` slots of `record_bytes` each, in one MLX uint8 buffer allocated once."""
+
+    def __init__(self, n_slots: int, record_bytes: int, eviction: str = "lru",
+                 profile: np.ndarray | None = None, layers: list[int] | None = None):
+        if n_slots < 1:
+            raise ValueError("the arena needs at least one slot")
+        if record_bytes % ALIGNMENT:
+            raise ValueError(f"record_bytes {record_bytes} is not a multiple of {ALIGNMENT}")
+        self.n_slots = n_slots
+        self.record_bytes = record_bytes
+        self.buffer = mx.zeros((n_slots * record_bytes + ALIGNMENT,), dtype=mx.uint8)
+        mx.eval(self.buffer)
+        self._host = np.array(self.buffer, copy=False)  # a writable view of the MLX buffer
+        self._start = (-self._host.ctypes.data) % ALIGNMENT
+        self.rows = self.buffer[self._start : self._start + n_slots * record_bytes].reshape(
+            n_slots, record_bytes
+        )
+        mx.eval(self.rows)
+        try:
+            self.policy = POLICIES[eviction](profile, layers)
+        except KeyError:
+            raise ValueError(f"unknown eviction policy {eviction!r}; one of {sorted(POLICIES)}") from None
+        self.slot_of: dict[Key, int] = {}
+        self.owner: list[Key | None] = [None] * n_slots
+        self.pinned: set[int] = set()
+        self.loading: set[int] = set()  # slots whose read is in flight
+        self._free = list(range(n_slots - 1, -1, -1))
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_slots * self.record_bytes
+
+    def address(self, slot: int) -> int:
+        return self._host.ctypes.data + self._start + slot * self.record_bytes
+
+    def view(self, slot: int) -> np.ndarray:
+        """Writable host view of one slot's memory."""
+        o = self._start + slot * self.record_bytes
+        return self._host[o : o + self.record_bytes]
+
+    def lookup(self, key: Key) -> int | None:
+        return self.slot_of.get(key)
+
+    def touch(self, key: Key) -> None:
+        self.policy.touch(key)
+
+    def _evictable(self, key: Key) -> bool:
+        s = self.slot_of[key]
+        return s not in self.pinned and s not in self.loading
+
+    def allocate(self, key: Key) -> int | None:
+        """A slot for `key` (evicting if needed), marked loading; None if every slot is busy."""
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = self.policy.victim(self._evictable)
+            if victim is None:
+                return None
+            slot = self.slot_of.pop(victim)
+            self.policy.remove(victim)
+        self.owner[slot] = key
+        self.slot_of[key] = slot
+        self.loading.add(slot)
+        self.policy.touch(key)
+        return slot
+
+    def loaded(self, slot: int) -> None:
+        self.loading.discard(slot)
+
+    def release(self, slot: int) -> None:
+        """Give a slot back (its read was dropped or failed): it holds nothing valid."""
+        key = self.owner[slot]
+        if key is not None:
+            self.slot_of.pop(key, None)
+            self.policy.remove(key)
+        self.owner[slot] = None
+        self.loading.discard(slot)
+        self.pinned.discard(slot)
+        self._free.append(slot)
+
+    def resident(self, key: Key) -> bool:
+        s = self.slot_of.get(key)
+        return s is not None and s not in self.loading
+
+    def pin(self, slots) -> None:
+        self.pinned.update(slots)
+
+    def unpin_all(self) -> None:
+        self.pinned.clear()

@@ -1,0 +1,249 @@
+"""The `strata-mlx` command: a thin shell over the Python API.
+
+Flag names follow mlx-lm where one exists. Every user error ends as one line on stderr
+naming the file and what is wrong, with exit code 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .store import StoreError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Run Mixture-of-Experts models larger than memory, experts streamed from SSD.")
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+def user_errors(fn):
+    """Turn the errors a user can cause into one line and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except (StoreError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+            _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+    return wrapper
+
+
+RUNTIME_HELP = "Expert cache"
+
+
+def runtime_options(
+    arena_gb: Optional[float], io_workers: int, read_ahead: str, lookahead_min_tokens: int,
+    static_cap: int, eviction: str, verify: bool, prefill_step_size: Optional[int], fake_stream: bool,
+):
+    from .loader import RuntimeConfig
+
+    return RuntimeConfig(
+        arena_gb=arena_gb, io_workers=io_workers, read_ahead=read_ahead, static_cap=static_cap,
+        lookahead_min_tokens=lookahead_min_tokens, eviction=eviction, verify=verify,
+        prefill_step_size=prefill_step_size, fake_stream=fake_stream,
+    )
+
+
+def parse_tokens(text: str, flag: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise ValueError(f"{flag}: no token ids")
+    return ids
+
+
+@app.command()
+@user_errors
+def generate(
+    model: Optional[Path] = typer.Option(None, "--model", help="A strata-mlx store (default: the built-in model)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
+    prompt_tokens: Optional[str] = typer.Option(None, "--prompt-tokens", help="Prompt as token ids: 1,2,3."),
+    max_tokens: int = typer.Option(100, "--max-tokens", "-m"),
+    temp: float = typer.Option(0.0, "--temp"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    chat: bool = typer.Option(False, "--chat/--no-chat", help="Wrap the prompt in the chat template."),
+    logits_out: Optional[Path] = typer.Option(None, "--logits-out", help="Write teacher-forced prompt logits [T, vocab] float32 .npy."),
+    logits_ref: Optional[Path] = typer.Option(None, "--logits-ref", help="Compare prompt logits with a .npy (KLD, top-1)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Override the store's experts per token."),
+    dump_moe: Optional[Path] = typer.Option(None, "--dump-moe", help="Write per-layer MoE state (.npy) here."),
+    moce_bonus: float = typer.Option(0.0, "--moce-bonus", help="Cache-aware routing: bonus on resident experts' logits in decode."),
+    verbose: bool = typer.Option(False, "--verbose", help="One trace line per prefill chunk."),
+    arena_gb: Optional[float] = typer.Option(None, "--arena-gb", help="Arena size (default: from memory)."),
+    io_workers: int = typer.Option(8, "--io-workers"),
+    read_ahead: str = typer.Option("lookahead", "--read-ahead", help="demand | static | lookahead"),
+    lookahead_min_tokens: int = typer.Option(1, "--lookahead-min-tokens"),
+    static_cap: int = typer.Option(256, "--static-cap"),
+    eviction: str = typer.Option("lru", "--eviction", help="lru | lfu | profile"),
+    verify: bool = typer.Option(False, "--verify/--no-verify", help="Check each record's checksum."),
+    prefill_step_size: Optional[int] = typer.Option(None, "--prefill-step-size"),
+    fake_stream: bool = typer.Option(False, "--fake-stream", help="Every expert counts as resident: times compute alone."),
+):
+    """Generate text from a store, streaming experts through the arena."""
+    import numpy as np
+
+    from .generate import stream_generate, summary, teacher_forced_logits
+    from .loader import load
+
+    if prompt is None and prompt_tokens is None:
+        prompt = "The capital of France is" if model is None else None
+        if prompt is None:
+            raise ValueError("give --prompt/-p or --prompt-tokens")
+    if model is None:
+        from .default_model import default_store
+
+        model = default_store()
+        if arena_gb is None:
+            from .default_model import DEFAULT_ARENA_GB
+
+            arena_gb = DEFAULT_ARENA_GB
+    cfg = runtime_options(arena_gb, io_workers, read_ahead, lookahead_min_tokens, static_cap,
+                          eviction, verify, prefill_step_size, fake_stream)
+    m, tok = load(model, config=cfg)
+    if top_k is not None:
+        _set_top_k(m, top_k)
+    cache = m.expert_cache
+    cache.route_bonus = moce_bonus
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if prompt_tokens is not None:
+        ids = parse_tokens(prompt_tokens, "--prompt-tokens")
+    else:
+        if tok is None:
+            raise ValueError(f"{model}: the store has no tokenizer; use --prompt-tokens")
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        ids = tok.encode(text)
+    if dump_moe is not None:
+        from .tools import MoeDumper
+
+        cache.dump = MoeDumper(dump_moe)
+    if logits_out is not None or logits_ref is not None:
+        logits = teacher_forced_logits(m, ids, cfg.prefill_step_size)
+        if logits_out is not None:
+            _save_npy(logits_out, logits)
+        if logits_ref is not None:
+            from .tools import kld_report, load_logits
+
+            typer.echo(kld_report(load_logits(logits_ref), logits).line())
+        if dump_moe is not None:
+            cache.dump.close()
+            cache.dump = None
+    last = None
+
+    def on_chunk(stats):
+        pass
+
+    for last in stream_generate(m, tok, ids, max_tokens=max_tokens, temp=temp, top_p=top_p,
+                                seed=seed, prefill_step_size=cfg.prefill_step_size):
+        if tok is not None:
+            typer.echo(last.text, nl=False)
+        else:
+            typer.echo(f"{last.token} ", nl=False)
+    typer.echo("")
+    if last is not None:
+        if verbose:
+            for i, c in enumerate(last.chunks):
+                typer.echo(chunk_line(i, c), err=True)
+        typer.echo(summary(last))
+    if cache.dump is not None:
+        cache.dump.close()
+    cache.close()
+
+
+def chunk_line(i: int, c) -> str:
+    return (
+        f"[chunk {i}] {c.tokens} tok {c.wall_s * 1e3:.1f} ms ({c.tokens / max(c.wall_s, 1e-9):.1f} tok/s) "
+        f"ahead {c.streamed_ahead_pct:.1f}% miss {c.miss_pct:.1f}% wait {c.exposed_wait_s * 1e3:.1f} ms "
+        f"read {c.experts_read} ({c.gb_read:.3f} GB, {c.gb_per_s:.2f} GB/s) wasted {c.wasted_readahead} "
+        f"dropped {c.readahead_dropped} sync {c.route_sync_s * 1e3:.1f} ms host {c.host_s * 1e3:.1f} ms"
+    )
+
+
+def _set_top_k(model, k: int) -> None:
+    n = model.args.num_experts if hasattr(model.args, "num_experts") else None
+    if k < 1 or (n and k > n):
+        raise ValueError(f"--top-k {k}: must lie in [1, {n}]")
+    for block in model.moe_blocks().values():
+        block.top_k = k
+
+
+def _save_npy(path: Path, array) -> None:
+    import os
+
+    import numpy as np
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, array)
+    os.replace(tmp, path)
+
+
+@app.command()
+@user_errors
+def convert(
+    hf_path: Optional[Path] = typer.Option(None, "--hf-path", help="Hugging Face checkpoint directory."),
+    gguf_path: Optional[Path] = typer.Option(None, "--gguf-path", help="A GGUF file."),
+    synthetic: Optional[str] = typer.Option(None, "--synthetic", help="A named shape from configs/ (random weights)."),
+    mlx_path: Path = typer.Option(..., "--mlx-path", help="Output store directory."),
+    quantize: bool = typer.Option(False, "--quantize", "-q"),
+    q_bits: int = typer.Option(4, "--q-bits"),
+    q_group_size: int = typer.Option(64, "--q-group-size"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float16 | bfloat16 | float32"),
+    calibration_tokens: int = typer.Option(256, "--calibration-tokens", help="Tokens for the routing profile (0: none)."),
+    split_experts: Optional[int] = typer.Option(None, "--split-experts", help="Dense GGUF: split each MLP into E experts."),
+):
+    """Convert a checkpoint into a strata-mlx store."""
+    sources = [s for s in (hf_path, gguf_path, synthetic) if s is not None]
+    if len(sources) != 1:
+        raise ValueError("give exactly one of --hf-path, --gguf-path, --synthetic")
+    if q_bits not in (2, 3, 4, 8):
+        raise ValueError(f"--q-bits {q_bits}: one of 2, 3, 4, 8")
+    if q_group_size not in (32, 64, 128):
+        raise ValueError(f"--q-group-size {q_group_size}: one of 32, 64, 128")
+    if hf_path is not None:
+        from .convert.hf import convert_hf
+
+        out = convert_hf(hf_path, mlx_path, quantize, q_bits, q_group_size, dtype, calibration_tokens)
+    elif gguf_path is not None:
+        from .convert.gguf import convert_gguf
+
+        out = convert_gguf(gguf_path, mlx_path, split_experts=split_experts,
+                           calibration_tokens=calibration_tokens)
+    else:
+        from .convert.synthetic import convert_synthetic
+
+        out = convert_synthetic(synthetic, mlx_path)
+    typer.echo(f"wrote {out}")
+
+
+@app.command("probe-ssd")
+@user_errors
+def probe_ssd(
+    path: Path = typer.Argument(..., help="A large file on the drive (e.g. a store's experts.bin)."),
+    record_bytes: int = typer.Option(1_474_560, "--record-bytes"),
+    seconds: float = typer.Option(2.0, "--seconds"),
+    workers: str = typer.Option("1,4,8,16", "--workers"),
+):
+    """Random record-sized direct reads at several worker counts: GB/s."""
+    from .probe import probe_ssd as probe
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    for row in probe(path, record_bytes=record_bytes, seconds=seconds,
+                     workers_list=tuple(parse_tokens(workers, "--workers"))):
+        typer.echo(f"workers {row['workers']:>3}: {row['gb_per_s']:.2f} GB/s ({row['reads']} reads, direct={row['direct']})")
+
+
+def main():  # pragma: no cover
+    app()

@@ -1,0 +1,180 @@
+"""Hugging Face safetensors checkpoints (bf16/fp16/fp32, sharded or not) -> a store.
+
+Accepts transformers 4 and 5 configs (rope_theta / rope_parameters, num_experts /
+num_local_experts) and both per-expert tensors (`experts.{e}.gate_proj.weight`) and fused
+ones (`experts.gate_up_proj` [E, 2I, D], `experts.down_proj` [E, D, I]). With `quantize`,
+experts and dense layers are MLX-affine quantized as mlx-lm's convert would.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import warnings
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..loader import family
+from ..models.base import normalize_config
+from ..quant import expert_tensors, layout_for
+from ..store import PROJECTIONS, StoreError, StoreWriter
+from .common import calibrate, check_output, copy_tokenizer, to_float_dtype
+
+
+def read_config(src: Path) -> dict[str, Any]:
+    path = src / "config.json"
+    if not path.is_file():
+        raise StoreError(f"{path}: missing (not a Hugging Face checkpoint directory)")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise StoreError(f"{path}: unreadable JSON ({e})") from None
+
+
+def check_safetensors(path: Path) -> None:
+    """Validate a safetensors header against the file size (a truncated download fails here)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise StoreError(f"{path}: truncated safetensors (no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise StoreError(f"{path}: truncated safetensors (header claims {n} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise StoreError(f"{path}: corrupt safetensors header") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise StoreError(f"{path}: truncated safetensors (tensors end at {8 + n + end}, file has {size} bytes)")
+
+
+def load_weights(src: Path) -> dict[str, mx.array]:
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise StoreError(f"{src}: no *.safetensors files")
+    weights = {}
+    for f in files:
+        check_safetensors(f)
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:
+            raise StoreError(f"{f}: unreadable safetensors ({e})") from None
+    return weights
+
+
+def expert_weights(weights: dict, prefix: str, names: dict[str, str], e: int) -> dict[str, mx.array]:
+    """Expert e's [out, in] gate/up/down from per-expert or fused tensors; removes nothing."""
+    per = f"{prefix}.{e}.{names['gate_proj']}.weight"
+    if per in weights:
+        return {p: weights[f"{prefix}.{e}.{names[p]}.weight"] for p in PROJECTIONS}
+    fused = f"{prefix}.gate_up_proj"
+    if fused in weights:
+        gate_up = weights[fused][e]
+        inter = gate_up.shape[0] // 2
+        return {"gate_proj": gate_up[:inter], "up_proj": gate_up[inter:],
+                "down_proj": weights[f"{prefix}.down_proj"][e]}
+    raise KeyError(per)
+
+
+def is_expert_key(key: str, prefixes: list[str]) -> bool:
+    return any(key.startswith(p + ".") for p in prefixes)
+
+
+def convert_hf(hf_path: str | Path, mlx_path: str | Path, quantize: bool = False, q_bits: int = 4,
+               q_group_size: int = 64, dtype: str | None = None, calibration_tokens: int = 256,
+               progress: bool = True) -> Path:
+    src = Path(hf_path)
+    out = check_output(mlx_path)
+    config = normalize_config(read_config(src))
+    model_type = config.get("model_type")
+    fam = family(model_type, src / "config.json")
+    try:
+        args = fam.ModelArgs.from_dict(config)
+    except TypeError as e:
+        missing = str(e).split("argument")[-1].strip(": ")
+        raise StoreError(f"{src / 'config.json'}: missing config keys: {missing}") from None
+    dtype = dtype or config.get("torch_dtype") or config.get("dtype") or "float16"
+    fdtype = to_float_dtype(dtype)
+    weights = load_weights(src)
+    model = fam.Model(args)
+    moe_layers = sorted(model.moe_blocks())
+    num_experts = config.get("num_experts", 0) if moe_layers else 0
+    prefixes = [fam.EXPERT_PREFIX.format(layer=l) for l in moe_layers]
+
+    equant = {"bits": q_bits, "group_size": q_group_size} if quantize else None
+    if moe_layers:
+        try:
+            first = expert_weights(weights, prefixes[0], fam.EXPERT_NAMES, 0)
+        except KeyError as e:
+            raise StoreError(f"{src}: expert tensor {e} not found in the checkpoint") from None
+        tensors, table = expert_tensors(first, equant, fdtype)
+        layout = layout_for(tensors, table)
+    else:
+        from ..store import RecordLayout
+
+        layout = RecordLayout([], {}, 4096)
+
+    dense = {k: v for k, v in weights.items() if not is_expert_key(k, prefixes)}
+    dense = model.sanitize(dense)
+    dense = {k: v.astype(fdtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in dense.items()}
+    store_config = dict(config)
+    store_config["torch_dtype"] = dtype
+    try:
+        model.load_weights(list(dense.items()), strict=True)
+    except ValueError as e:
+        raise StoreError(f"{src}: checkpoint does not match {model_type}: {str(e).splitlines()[0]}") from None
+    if quantize:
+        store_config["quantization"] = {"group_size": q_group_size, "bits": q_bits, "mode": "affine"}
+        qpred = getattr(model, "quant_predicate", None)
+
+        def predicate(path, m):
+            if not hasattr(m, "to_quantized") or m.weight.shape[-1] % q_group_size:
+                return False
+            p = qpred(path, m) if qpred else True
+            if isinstance(p, dict):
+                store_config["quantization"][path] = p
+            return p
+
+        nn.quantize(model, q_group_size, q_bits, class_predicate=predicate)
+        dense = dict(tree_flatten(model.parameters()))
+
+    writer = StoreWriter(out, model_type, store_config, layout, moe_layers, num_experts)
+    with writer:
+        writer.write_dense(dense)
+        if not copy_tokenizer(src, writer.path):
+            warnings.warn(f"{src}: no tokenizer files; the store will need --prompt-tokens", stacklevel=2)
+        _write_experts(writer, weights, prefixes, fam.EXPERT_NAMES, moe_layers, num_experts,
+                       equant, fdtype, progress, src)
+        calibrate(writer, calibration_tokens)
+        return writer.commit()
+
+
+def _write_experts(writer, weights, prefixes, names, moe_layers, num_experts, equant, fdtype,
+                   progress, src) -> None:
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(moe_layers) * num_experts, desc="experts", unit="expert",
+               disable=not progress)
+    for layer, prefix in zip(moe_layers, prefixes):
+        for e in range(num_experts):
+            try:
+                w = expert_weights(weights, prefix, names, e)
+            except KeyError as k:
+                raise StoreError(f"{src}: expert tensor {k} not found in the checkpoint") from None
+            tensors, _ = expert_tensors(w, equant, fdtype)
+            mx.eval(tensors)
+            writer.add_expert(layer, e, {k: _np(v) for k, v in tensors.items()})
+            bar.update(1)
+    bar.close()
+
+
+def _np(a: mx.array):
+    from ..quant import to_numpy
+
+    return to_numpy(a)

@@ -1,0 +1,228 @@
+"""Generation: chunked prefill, decode, sampling; `stream_generate` and `generate`.
+
+Shapes follow mlx-lm: `stream_generate` is a generator of GenerationResponse objects and the
+CLI is a thin shell over it. Each response also carries the expert cache's statistics.
+This module never touches the disk; the expert cache behind the model does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Generator
+
+import mlx.core as mx
+import numpy as np
+
+from .experts import ExpertStats
+
+
+@dataclass
+class GenerationResponse:
+    text: str
+    token: int | None
+    logprobs: mx.array | None
+    from_draft: bool
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None = None
+    expert_stats: ExpertStats | None = None  # whole generation so far
+    prefill_stats: ExpertStats | None = None
+    chunks: list[ExpertStats] = field(default_factory=list)  # per prefill chunk
+
+
+def make_sampler(temp: float = 0.0, top_p: float = 1.0) -> Callable[[mx.array], mx.array]:
+    """Greedy at temp 0; else temperature with optional nucleus (top-p) filtering."""
+    if temp <= 0:
+        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        logits = logprobs / temp
+        if 0 < top_p < 1:
+            probs = mx.softmax(logits, axis=-1)
+            order = mx.argsort(-probs, axis=-1)
+            sorted_p = mx.take_along_axis(probs, order, axis=-1)
+            cum = mx.cumsum(sorted_p, axis=-1)
+            keep_sorted = (cum - sorted_p) < top_p  # always keeps the most likely token
+            keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
+            logits = mx.where(keep, logits, -mx.inf)
+        return mx.random.categorical(logits, axis=-1)
+
+    return sample
+
+
+def prefill(model, prompt: mx.array, cache, step: int, on_chunk=None) -> mx.array:
+    """Run all prompt tokens but the last in chunks of `step`; return the remainder."""
+    expert_cache = getattr(model, "expert_cache", None)
+    while prompt.shape[0] > 1:
+        n = min(step, prompt.shape[0] - 1)
+        before = expert_cache.stats.copy() if expert_cache else None
+        t = time.perf_counter()
+        model(prompt[None, :n], cache=cache)
+        mx.eval([s for c in cache for s in c.state])
+        if expert_cache is not None:
+            chunk = expert_cache.stats.minus(before)
+            chunk.wall_s = time.perf_counter() - t
+            chunk.tokens = n
+            chunk.compute_s = chunk.wall_s - chunk.exposed_wait_s
+            if on_chunk:
+                on_chunk(chunk)
+        prompt = prompt[n:]
+    return prompt
+
+
+def generate_step(model, prompt: mx.array, max_tokens: int = 256, sampler=None,
+                  prefill_step_size: int | None = None, on_chunk=None,
+                  ) -> Generator[tuple[int, mx.array], None, None]:
+    """Yield (token, logprobs) pairs; the prompt is prefilled in chunks first."""
+    sampler = sampler or make_sampler()
+    cache = model.make_cache()
+    step = prefill_step_size or getattr(getattr(model, "runtime", None), "prefill_step_size", None) or 512
+    expert_cache = getattr(model, "expert_cache", None)
+    y = prefill(model, prompt, cache, step, on_chunk)
+
+    def forward(tokens):
+        logits = model(tokens[None], cache=cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return sampler(logprobs), logprobs.squeeze(0)
+
+    if expert_cache is not None:
+        expert_cache.decoding = False
+    token, logprobs = forward(y)
+    if expert_cache is not None:
+        expert_cache.decoding = True
+    try:
+        for n in range(max_tokens):
+            mx.eval(token)
+            t = token.item()
+            yield t, logprobs
+            if n + 1 == max_tokens:
+                break
+            token, logprobs = forward(mx.array([t]))
+    finally:
+        if expert_cache is not None:
+            expert_cache.decoding = False
+
+
+def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int = 256,
+                    temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                    prefill_step_size: int | None = None, stop: list[str] | None = None,
+                    ) -> Generator[GenerationResponse, None, None]:
+    """Generate from `prompt` (text, or token ids), yielding one response per token."""
+    if seed is not None:
+        mx.random.seed(seed)
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this store has no tokenizer: pass token ids")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+    if not ids:
+        raise ValueError("empty prompt")
+    vocab = model.args.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+    eos = tokenizer.eos_token_ids if tokenizer is not None else set()
+    detok = tokenizer.detokenizer() if tokenizer is not None else None
+    expert_cache = getattr(model, "expert_cache", None)
+    start_stats = expert_cache.stats.copy() if expert_cache else ExpertStats()
+    chunks: list[ExpertStats] = []
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    prefill_stats = None
+    text = ""
+    n = 0
+    prompt_tps = 0.0
+    for n, (token, logprobs) in enumerate(
+        generate_step(model, mx.array(ids), max_tokens, make_sampler(temp, top_p),
+                      prefill_step_size, on_chunk=chunks.append)
+    ):
+        if n == 0:
+            prompt_time = time.perf_counter() - tic
+            prompt_tps = len(ids) / prompt_time
+            tic = time.perf_counter()
+            if expert_cache:
+                prefill_stats = expert_cache.stats.minus(start_stats)
+                prefill_stats.wall_s = prompt_time
+                prefill_stats.tokens = len(ids)
+        finish = None
+        if token in eos:
+            finish = "stop"
+            segment = ""
+        else:
+            segment = detok.add(token) if detok else ""
+            text += segment
+        if stop and finish is None:
+            hit = _find_stop(text, stop)
+            if hit is not None:
+                segment = segment[: max(0, len(segment) - (len(text) - hit))]
+                text = text[:hit]
+                finish = "stop"
+        if finish is None and n + 1 == max_tokens:
+            finish = "length"
+        stats = None
+        if expert_cache:
+            stats = expert_cache.stats.minus(start_stats)
+            stats.wall_s = time.perf_counter() - tic + (prefill_stats.wall_s if prefill_stats else 0)
+            stats.tokens = len(ids) + n + 1
+        elapsed = time.perf_counter() - tic
+        yield GenerationResponse(
+            text=segment, token=token, logprobs=logprobs, from_draft=False,
+            prompt_tokens=len(ids), prompt_tps=prompt_tps, generation_tokens=n + 1,
+            generation_tps=(n + 1) / elapsed if elapsed > 0 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
+            expert_stats=stats, prefill_stats=prefill_stats, chunks=chunks,
+        )
+        if finish is not None:
+            break
+
+
+def _find_stop(text: str, stop: list[str]) -> int | None:
+    hits = [text.find(s) for s in stop if s and s in text]
+    return min(hits) if hits else None
+
+
+def generate(model, tokenizer, prompt: str | list[int], verbose: bool = False, **kwargs) -> str:
+    """The whole completion as a string (mlx-lm's generate)."""
+    text = ""
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(last.text, end="", flush=True)
+        text += last.text
+    if verbose and last is not None:
+        print()
+        print(summary(last))
+    return text
+
+
+def summary(r: GenerationResponse) -> str:
+    """mlx-lm's closing lines, then the expert cache's."""
+    lines = [
+        "=" * 10,
+        f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec",
+        f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec",
+        f"Peak memory: {r.peak_memory:.3f} GB",
+    ]
+    s = r.expert_stats
+    if s is not None:
+        lines.append(
+            f"Experts: hit rate {100 * s.hit_rate:.1f}% (streamed ahead {s.streamed_ahead_pct:.1f}%, "
+            f"misses {s.miss_pct:.1f}%), {s.experts_read} read, {s.gb_read:.3f} GB at "
+            f"{s.gb_per_s:.2f} GB/s, exposed wait {s.exposed_wait_s * 1e3:.0f} ms"
+        )
+    return "\n".join(lines)
+
+
+def teacher_forced_logits(model, ids: list[int], step: int | None = None) -> np.ndarray:
+    """float32 [T, vocab] logits of every prompt position (prefilled in chunks of `step`)."""
+    cache = model.make_cache()
+    step = step or getattr(getattr(model, "runtime", None), "prefill_step_size", None) or 512
+    out = []
+    for i in range(0, len(ids), step):
+        logits = model(mx.array([ids[i : i + step]]), cache=cache)
+        out.append(np.array(logits[0].astype(mx.float32)))
+    return np.concatenate(out, axis=0)

@@ -1,0 +1,164 @@
+"""load(): a store on disk -> MLX model modules with an expert cache behind their seams.
+
+Owns family lookup, dense weight loading, arena sizing and wiring the cache to each MoE
+layer. Never reads expert records itself (the cache does).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .arena import Arena
+from .experts import ExpertCache, SwitchGLU
+from .models.base import normalize_config
+from .prediction import ReadAhead
+from .store import DENSE, StoreError, load_manifest, load_profile
+from .tokenizer import load_tokenizer
+
+FAMILIES = {
+    "qwen3_moe": "qwen3_moe",
+    "qwen3_next": "qwen3_next",
+    "mixtral": "mixtral",
+    "olmoe": "olmoe",
+    "llama": "llama",
+}
+
+GB = 1024**3
+
+
+def family(model_type: str, source: str | Path = "config.json"):
+    """The model-family module for `model_type`, or a StoreError naming `source`."""
+    name = FAMILIES.get(model_type)
+    if name is None:
+        raise StoreError(
+            f"{source}: unknown architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return importlib.import_module(f".models.{name}", __package__)
+
+
+@dataclass
+class RuntimeConfig:
+    """How the expert cache runs; every field has a CLI flag of the same name."""
+
+    arena_gb: float | None = None  # None: automatic
+    io_workers: int = 8
+    read_ahead: str = "lookahead"  # demand | static | lookahead
+    static_cap: int = 256
+    lookahead_min_tokens: int = 1
+    eviction: str = "lru"
+    verify: bool = False
+    prefill_step_size: int | None = None  # None: chosen from memory
+    fake_stream: bool = False
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16 * GB
+
+
+def auto_arena_bytes(total_expert_bytes: int, dense_bytes: int, scratch_bytes: int,
+                     memory: int | None = None) -> int:
+    """Physical memory minus dense weights, cache/state and prompt scratch, minus headroom
+    for the OS and the rest of the process (a quarter of memory, at least 2 GB)."""
+    memory = memory or physical_memory()
+    headroom = max(memory // 4, 2 * GB)
+    free = memory - headroom - dense_bytes - scratch_bytes
+    return max(min(free, total_expert_bytes), 0)
+
+
+def prefill_scratch_bytes(args, step: int) -> int:
+    """A generous estimate of one prefill chunk's activation scratch."""
+    hidden = getattr(args, "hidden_size", 4096)
+    inter = max(getattr(args, "moe_intermediate_size", 0) or 0, getattr(args, "intermediate_size", 0) or 0)
+    k = getattr(args, "num_experts_per_tok", 1)
+    return step * (hidden * 16 + inter * k * 3) * 4
+
+
+def default_prefill_step(memory: int | None = None) -> int:
+    """2048 from 16 GB of memory up (the reference: fewer expert reads per token), else 512."""
+    return 2048 if (memory or physical_memory()) >= 16 * GB else 512
+
+
+def load(
+    path: str | Path,
+    arena_gb: float | None = None,
+    config: RuntimeConfig | None = None,
+    **overrides,
+):
+    """Load a strata-mlx store: returns (model, tokenizer or None), as mlx-lm's load()."""
+    cfg = config or RuntimeConfig()
+    if arena_gb is not None:
+        cfg.arena_gb = arena_gb
+    for k, v in overrides.items():
+        if not hasattr(cfg, k):
+            raise TypeError(f"load() got an unknown option {k!r}")
+        setattr(cfg, k, v)
+    path = Path(path)
+    manifest = load_manifest(path)
+    fam = family(manifest.model_type, path / "manifest.json")
+    args = fam.ModelArgs.from_dict(normalize_config(manifest.config))
+    model = fam.Model(args)
+
+    dense_path = path / DENSE
+    try:
+        weights = mx.load(str(dense_path))
+    except Exception as e:  # mlx raises RuntimeError/ValueError with its own wording
+        raise StoreError(f"{dense_path}: unreadable safetensors ({e})") from None
+    quant = manifest.config.get("quantization")
+    if quant:
+        def predicate(p, m):
+            if p in quant and isinstance(quant[p], dict):
+                return quant[p]
+            return hasattr(m, "to_quantized") and f"{p}.scales" in weights
+
+        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=predicate)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise StoreError(f"{dense_path}: {str(e).splitlines()[0]}") from None
+    mx.eval(model.parameters())
+
+    step = cfg.prefill_step_size or default_prefill_step()
+    cfg.prefill_step_size = step
+    rb = manifest.layout.record_bytes
+    total = manifest.expert_bytes
+    if cfg.arena_gb is None:
+        dense_bytes = sum(v.nbytes for v in weights.values())
+        arena_bytes = auto_arena_bytes(total, dense_bytes, prefill_scratch_bytes(args, step))
+    else:
+        arena_bytes = int(cfg.arena_gb * GB)
+    n_slots = max(1, min(arena_bytes // rb, manifest.num_experts * len(manifest.moe_layers)))
+    profile = load_profile(path, manifest)
+    arena = Arena(n_slots, rb, cfg.eviction, profile, manifest.moe_layers)
+
+    from .reader import Reader
+
+    reader = Reader(cfg.io_workers)
+    cache = ExpertCache(
+        path, manifest, arena, reader,
+        read_ahead=ReadAhead(cfg.read_ahead, cfg.static_cap, cfg.lookahead_min_tokens),
+        profile=profile, verify=cfg.verify, fake_stream=cfg.fake_stream,
+    )
+    attach(model, cache)
+    model.expert_cache = cache
+    model.runtime = cfg
+    model.store_path = path
+    return model, load_tokenizer(path)
+
+
+def attach(model, cache: ExpertCache) -> None:
+    """Point every MoE layer's seam at the cache and register its router for lookahead."""
+    for layer, block in model.moe_blocks().items():
+        block.switch_mlp.expert_cache = cache
+        cache.register_router(layer, lambda x, b=block: b.route(x)[0])
+    for _, m in model.named_modules():
+        if isinstance(m, SwitchGLU) and m.expert_cache is None:
+            raise RuntimeError(f"layer {m.layer}: MoE block not listed by moe_blocks()")

@@ -1,0 +1,140 @@
+"""Expert weight formats: how a projection's tensors sit in a record, and the reference path.
+
+Formats (the `quant` entry of a record layout, per projection):
+  {"format": "float"}                                   weight [out, in] in the store dtype
+  {"format": "affine", "bits": b, "group_size": g}      MLX affine: weight/scales/biases
+  {"format": "gguf", "type": "IQ2_XS"}                  ggml blocks, [out, row_bytes] uint8
+
+The reference path decodes records gathered from arena slots with plain MLX ops and computes
+SwiGLU experts exactly as mlx-lm's SwitchGLU does, so a fully resident store matches mlx-lm and
+transformers. Kernels (strata_mlx.kernels) are tested against this. This module never does I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .store import PROJECTIONS, RecordLayout
+
+_MX_DTYPES = {
+    "float32": mx.float32,
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "uint32": mx.uint32,
+    "uint8": mx.uint8,
+}
+
+
+def mx_dtype(name: str) -> mx.Dtype:
+    return _MX_DTYPES[name]
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    for k, v in _MX_DTYPES.items():
+        if v == dtype:
+            return k
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+def to_numpy(a: mx.array) -> np.ndarray:
+    """numpy copy of an MLX array; bfloat16 comes out as its uint16 bit pattern."""
+    if a.dtype == mx.bfloat16:
+        return np.array(a.view(mx.uint16))
+    return np.array(a)
+
+
+def expert_tensors(
+    weights: dict[str, mx.array], quant: dict[str, Any] | None, dtype: mx.Dtype
+) -> tuple[dict[str, mx.array], dict[str, dict[str, Any]]]:
+    """One expert's gate/up/down float weights [out, in] -> record tensors and quant table.
+
+    With `quant` = {"bits", "group_size"} the weights are MLX-affine quantized exactly as
+    mlx-lm quantizes a SwitchLinear (mx.quantize over the last axis), else cast to `dtype`.
+    """
+    tensors, table = {}, {}
+    for p in PROJECTIONS:
+        w = weights[p].astype(dtype)
+        if quant:
+            q, s, b = mx.quantize(w, quant["group_size"], quant["bits"])
+            tensors[f"{p}.weight"], tensors[f"{p}.scales"], tensors[f"{p}.biases"] = q, s, b
+            table[p] = {"format": "affine", "bits": quant["bits"], "group_size": quant["group_size"]}
+        else:
+            tensors[f"{p}.weight"] = w
+            table[p] = {"format": "float"}
+    return tensors, table
+
+
+def layout_for(tensors: dict[str, mx.array], table: dict[str, dict]) -> RecordLayout:
+    return RecordLayout.build(
+        {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in tensors.items()}, table
+    )
+
+
+def component_views(records: mx.array, layout: RecordLayout) -> dict[str, mx.array]:
+    """Typed [n, *shape] views of each component of n records ([n, record_bytes] uint8)."""
+    n = records.shape[0]
+    out = {}
+    for c in layout.components:
+        raw = records[:, c.offset : c.offset + c.nbytes]
+        out[c.name] = raw.view(mx_dtype(c.dtype)).reshape(n, *c.shape)
+    return out
+
+
+def _projection(x: mx.array, views: dict, proj: str, spec: dict, idx: mx.array, sort: bool):
+    fmt = spec["format"]
+    if fmt == "affine":
+        return mx.gather_qmm(
+            x,
+            views[f"{proj}.weight"],
+            views[f"{proj}.scales"],
+            views[f"{proj}.biases"],
+            rhs_indices=idx,
+            transpose=True,
+            group_size=spec["group_size"],
+            bits=spec["bits"],
+            sorted_indices=sort,
+        )
+    if fmt == "float":
+        w = views[f"{proj}.weight"]
+    elif fmt == "gguf":
+        from .gguf_quants import dequantize
+
+        blocks = views[f"{proj}.weight"]
+        n, out_dim, _ = blocks.shape
+        w = dequantize(spec["type"], blocks, (n, out_dim, spec["in_features"]), dtype=x.dtype)
+    else:
+        raise ValueError(f"unknown expert format {fmt!r}")
+    return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sort)
+
+
+def switch_glu_reference(
+    x: mx.array, records: mx.array, layout: RecordLayout, idx: mx.array
+) -> mx.array:
+    """SwiGLU experts over gathered records: x [..., D], idx [..., k] into records -> [..., k, D].
+
+    Mirrors mlx-lm's SwitchGLU (sorting rows by expert once there are >= 64 pairs) so that
+    the numerics, and therefore every comparison against mlx-lm, line up.
+    """
+    views = component_views(records, layout)
+    x = mx.expand_dims(x, (-2, -3))
+    sort = idx.size >= 64
+    inv = None
+    i = idx
+    if sort:
+        m = idx.shape[-1]
+        flat = idx.flatten()
+        order = mx.argsort(flat)
+        inv = mx.argsort(order)
+        x = x.flatten(0, -3)[order // m]
+        i = flat[order]
+    q = layout.quant
+    up = _projection(x, views, "up_proj", q["up_proj"], i, sort)
+    gate = _projection(x, views, "gate_proj", q["gate_proj"], i, sort)
+    h = (gate * mx.sigmoid(gate)) * up
+    y = _projection(h, views, "down_proj", q["down_proj"], i, sort)
+    if sort:
+        y = mx.unflatten(y[inv], 0, idx.shape)
+    return y.squeeze(-2)

@@ -1,0 +1,105 @@
+"""Tiny models built with transformers' own classes (random weights, CPU torch), saved once
+per session and converted by our converter: the oracles for every exactness test."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# Tests run on MLX's CPU backend unless a test asks for the GPU.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+
+
+def _hf_model(family: str):
+    import torch
+    import transformers as T
+
+    torch.manual_seed(0)
+    if family == "qwen3_moe":
+        cfg = T.Qwen3MoeConfig(**TINY, intermediate_size=64, moe_intermediate_size=16, head_dim=8,
+                               num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+        return T.Qwen3MoeForCausalLM(cfg)
+    if family == "mixtral":
+        cfg = T.MixtralConfig(**TINY, intermediate_size=16, num_local_experts=8,
+                              num_experts_per_tok=2)
+        return T.MixtralForCausalLM(cfg)
+    if family == "olmoe":
+        cfg = T.OlmoeConfig(**TINY, intermediate_size=16, num_experts=8, num_experts_per_tok=2)
+        return T.OlmoeForCausalLM(cfg)
+    if family == "qwen3_next":
+        cfg = T.Qwen3NextConfig(
+            **{**TINY, "num_hidden_layers": 4}, intermediate_size=64, moe_intermediate_size=16,
+            shared_expert_intermediate_size=16, head_dim=8, num_experts=8, num_experts_per_tok=2,
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2,
+            norm_topk_prob=True,
+        )
+        return T.Qwen3NextForCausalLM(cfg)
+    raise ValueError(family)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """family -> directory of a saved tiny transformers checkpoint (float32)."""
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            import torch
+
+            d = tmp_path_factory.mktemp(f"hf_{family}")
+            m = _hf_model(family).to(torch.float32).eval()
+            _randomize_norms(m)
+            m.save_pretrained(d)
+            made[family] = d
+        return made[family]
+
+    return get
+
+
+def _randomize_norms(m) -> None:
+    """Norm weights start at 1 (or 0): perturb them so that a misplaced norm shows."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+
+
+@pytest.fixture(scope="session")
+def store(hf_checkpoint, tmp_path_factory):
+    """(family, quantized) -> converted store directory."""
+    made: dict[tuple, Path] = {}
+
+    def get(family: str, quantize: bool = False, bits: int = 4) -> Path:
+        key = (family, quantize, bits)
+        if key not in made:
+            from strata_mlx.convert.hf import convert_hf
+
+            out = tmp_path_factory.mktemp("stores") / f"{family}-{'q' if quantize else 'f'}{bits}"
+            convert_hf(hf_checkpoint(family), out, quantize=quantize, q_bits=bits,
+                       q_group_size=32 if quantize else 64, progress=False, calibration_tokens=64)
+            made[key] = out
+        return made[key]
+
+    return get
+
+
+def hf_logits(checkpoint: Path, ids: list[int]) -> np.ndarray:
+    import torch
+    import transformers as T
+
+    m = T.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return m(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def prompt_ids(n: int = 64, seed: int = 0, vocab: int = 128) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
