@@ -1,8 +1,8 @@
 """strata-mlx: MLX inference for Mixture-of-Experts models larger than memory.
 
-    model, tokenizer = strata_mlx.load("path/to/store", arena_gb=6.5)
-    for r in strata_mlx.stream_generate(model, tokenizer, "Hello", max_tokens=32):
-        print(r.text, end="")
+model, tokenizer = strata_mlx.load("path/to/store", arena_gb=6.5)
+for r in strata_mlx.stream_generate(model, tokenizer, "Hello", max_tokens=32):
+    print(r.text, end="")
 """
 
 from .generate import GenerationResponse, generate, stream_generate

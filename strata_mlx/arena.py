@@ -68,7 +68,7 @@ class LFUAging(LRU):
 
     def victim(self, evictable) -> Key | None:
         best, best_score = None, None
-        for i, key in enumerate(self._order):  # LRU order breaks ties
+        for key in self._order:  # LRU order breaks ties
             if evictable(key):
                 s = self._count.get(key, 0.0)
                 if best is None or s < best_score:
@@ -106,8 +106,14 @@ POLICIES = {p.name: p for p in (LRU, LFUAging, ProfileAware)}
 class Arena:
     """`n_slots` slots of `record_bytes` each, in one MLX uint8 buffer allocated once."""
 
-    def __init__(self, n_slots: int, record_bytes: int, eviction: str = "lru",
-                 profile: np.ndarray | None = None, layers: list[int] | None = None):
+    def __init__(
+        self,
+        n_slots: int,
+        record_bytes: int,
+        eviction: str = "lru",
+        profile: np.ndarray | None = None,
+        layers: list[int] | None = None,
+    ):
         if n_slots < 1:
             raise ValueError("the arena needs at least one slot")
         if record_bytes % ALIGNMENT:
@@ -125,7 +131,9 @@ class Arena:
         try:
             self.policy = POLICIES[eviction](profile, layers)
         except KeyError:
-            raise ValueError(f"unknown eviction policy {eviction!r}; one of {sorted(POLICIES)}") from None
+            raise ValueError(
+                f"unknown eviction policy {eviction!r}; one of {sorted(POLICIES)}"
+            ) from None
         self.slot_of: dict[Key, int] = {}
         self.owner: list[Key | None] = [None] * n_slots
         self.pinned: set[int] = set()

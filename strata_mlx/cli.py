@@ -9,14 +9,16 @@ from __future__ import annotations
 import functools
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from .store import StoreError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Run Mixture-of-Experts models larger than memory, experts streamed from SSD.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Run Mixture-of-Experts models larger than memory, experts streamed from SSD.",
+)
 
 
 def _fail(msg: str) -> None:
@@ -41,15 +43,28 @@ RUNTIME_HELP = "Expert cache"
 
 
 def runtime_options(
-    arena_gb: Optional[float], io_workers: int, read_ahead: str, lookahead_min_tokens: int,
-    static_cap: int, eviction: str, verify: bool, prefill_step_size: Optional[int], fake_stream: bool,
+    arena_gb: float | None,
+    io_workers: int,
+    read_ahead: str,
+    lookahead_min_tokens: int,
+    static_cap: int,
+    eviction: str,
+    verify: bool,
+    prefill_step_size: int | None,
+    fake_stream: bool,
 ):
     from .loader import RuntimeConfig
 
     return RuntimeConfig(
-        arena_gb=arena_gb, io_workers=io_workers, read_ahead=read_ahead, static_cap=static_cap,
-        lookahead_min_tokens=lookahead_min_tokens, eviction=eviction, verify=verify,
-        prefill_step_size=prefill_step_size, fake_stream=fake_stream,
+        arena_gb=arena_gb,
+        io_workers=io_workers,
+        read_ahead=read_ahead,
+        static_cap=static_cap,
+        lookahead_min_tokens=lookahead_min_tokens,
+        eviction=eviction,
+        verify=verify,
+        prefill_step_size=prefill_step_size,
+        fake_stream=fake_stream,
     )
 
 
@@ -66,32 +81,57 @@ def parse_tokens(text: str, flag: str) -> list[int]:
 @app.command()
 @user_errors
 def generate(
-    model: Optional[Path] = typer.Option(None, "--model", help="A strata-mlx store (default: the built-in model)."),
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text ('-' reads stdin)."),
-    prompt_tokens: Optional[str] = typer.Option(None, "--prompt-tokens", help="Prompt as token ids: 1,2,3."),
+    model: Path | None = typer.Option(
+        None, "--model", help="A strata-mlx store (default: the built-in model)."
+    ),
+    prompt: str | None = typer.Option(
+        None, "--prompt", "-p", help="Prompt text ('-' reads stdin)."
+    ),
+    prompt_tokens: str | None = typer.Option(
+        None, "--prompt-tokens", help="Prompt as token ids: 1,2,3."
+    ),
     max_tokens: int = typer.Option(100, "--max-tokens", "-m"),
     temp: float = typer.Option(0.0, "--temp"),
     top_p: float = typer.Option(1.0, "--top-p"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    chat: bool = typer.Option(False, "--chat/--no-chat", help="Wrap the prompt in the chat template."),
-    logits_out: Optional[Path] = typer.Option(None, "--logits-out", help="Write teacher-forced prompt logits [T, vocab] float32 .npy."),
-    logits_ref: Optional[Path] = typer.Option(None, "--logits-ref", help="Compare prompt logits with a .npy (KLD, top-1)."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Override the store's experts per token."),
-    dump_moe: Optional[Path] = typer.Option(None, "--dump-moe", help="Write per-layer MoE state (.npy) here."),
-    moce_bonus: float = typer.Option(0.0, "--moce-bonus", help="Cache-aware routing: bonus on resident experts' logits in decode."),
+    seed: int | None = typer.Option(None, "--seed"),
+    chat: bool = typer.Option(
+        False, "--chat/--no-chat", help="Wrap the prompt in the chat template."
+    ),
+    logits_out: Path | None = typer.Option(
+        None, "--logits-out", help="Write teacher-forced prompt logits [T, vocab] float32 .npy."
+    ),
+    logits_ref: Path | None = typer.Option(
+        None, "--logits-ref", help="Compare prompt logits with a .npy (KLD, top-1)."
+    ),
+    top_k: int | None = typer.Option(
+        None, "--top-k", help="Override the store's experts per token."
+    ),
+    dump_moe: Path | None = typer.Option(
+        None, "--dump-moe", help="Write per-layer MoE state (.npy) here."
+    ),
+    moce_bonus: float = typer.Option(
+        0.0,
+        "--moce-bonus",
+        help="Cache-aware routing: bonus on resident experts' logits in decode.",
+    ),
     verbose: bool = typer.Option(False, "--verbose", help="One trace line per prefill chunk."),
-    arena_gb: Optional[float] = typer.Option(None, "--arena-gb", help="Arena size (default: from memory)."),
+    arena_gb: float | None = typer.Option(
+        None, "--arena-gb", help="Arena size (default: from memory)."
+    ),
     io_workers: int = typer.Option(8, "--io-workers"),
     read_ahead: str = typer.Option("lookahead", "--read-ahead", help="demand | static | lookahead"),
     lookahead_min_tokens: int = typer.Option(1, "--lookahead-min-tokens"),
     static_cap: int = typer.Option(256, "--static-cap"),
     eviction: str = typer.Option("lru", "--eviction", help="lru | lfu | profile"),
-    verify: bool = typer.Option(False, "--verify/--no-verify", help="Check each record's checksum."),
-    prefill_step_size: Optional[int] = typer.Option(None, "--prefill-step-size"),
-    fake_stream: bool = typer.Option(False, "--fake-stream", help="Every expert counts as resident: times compute alone."),
+    verify: bool = typer.Option(
+        False, "--verify/--no-verify", help="Check each record's checksum."
+    ),
+    prefill_step_size: int | None = typer.Option(None, "--prefill-step-size"),
+    fake_stream: bool = typer.Option(
+        False, "--fake-stream", help="Every expert counts as resident: times compute alone."
+    ),
 ):
     """Generate text from a store, streaming experts through the arena."""
-    import numpy as np
 
     from .generate import stream_generate, summary, teacher_forced_logits
     from .loader import load
@@ -108,8 +148,17 @@ def generate(
             from .default_model import DEFAULT_ARENA_GB
 
             arena_gb = DEFAULT_ARENA_GB
-    cfg = runtime_options(arena_gb, io_workers, read_ahead, lookahead_min_tokens, static_cap,
-                          eviction, verify, prefill_step_size, fake_stream)
+    cfg = runtime_options(
+        arena_gb,
+        io_workers,
+        read_ahead,
+        lookahead_min_tokens,
+        static_cap,
+        eviction,
+        verify,
+        prefill_step_size,
+        fake_stream,
+    )
     m, tok = load(model, config=cfg)
     if top_k is not None:
         _set_top_k(m, top_k)
@@ -144,8 +193,16 @@ def generate(
     def on_chunk(stats):
         pass
 
-    for last in stream_generate(m, tok, ids, max_tokens=max_tokens, temp=temp, top_p=top_p,
-                                seed=seed, prefill_step_size=cfg.prefill_step_size):
+    for last in stream_generate(
+        m,
+        tok,
+        ids,
+        max_tokens=max_tokens,
+        temp=temp,
+        top_p=top_p,
+        seed=seed,
+        prefill_step_size=cfg.prefill_step_size,
+    ):
         if tok is not None:
             typer.echo(last.text, nl=False)
         else:
@@ -192,16 +249,24 @@ def _save_npy(path: Path, array) -> None:
 @app.command()
 @user_errors
 def convert(
-    hf_path: Optional[Path] = typer.Option(None, "--hf-path", help="Hugging Face checkpoint directory."),
-    gguf_path: Optional[Path] = typer.Option(None, "--gguf-path", help="A GGUF file."),
-    synthetic: Optional[str] = typer.Option(None, "--synthetic", help="A named shape from configs/ (random weights)."),
+    hf_path: Path | None = typer.Option(
+        None, "--hf-path", help="Hugging Face checkpoint directory."
+    ),
+    gguf_path: Path | None = typer.Option(None, "--gguf-path", help="A GGUF file."),
+    synthetic: str | None = typer.Option(
+        None, "--synthetic", help="A named shape from configs/ (random weights)."
+    ),
     mlx_path: Path = typer.Option(..., "--mlx-path", help="Output store directory."),
     quantize: bool = typer.Option(False, "--quantize", "-q"),
     q_bits: int = typer.Option(4, "--q-bits"),
     q_group_size: int = typer.Option(64, "--q-group-size"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float16 | bfloat16 | float32"),
-    calibration_tokens: int = typer.Option(256, "--calibration-tokens", help="Tokens for the routing profile (0: none)."),
-    split_experts: Optional[int] = typer.Option(None, "--split-experts", help="Dense GGUF: split each MLP into E experts."),
+    dtype: str | None = typer.Option(None, "--dtype", help="float16 | bfloat16 | float32"),
+    calibration_tokens: int = typer.Option(
+        256, "--calibration-tokens", help="Tokens for the routing profile (0: none)."
+    ),
+    split_experts: int | None = typer.Option(
+        None, "--split-experts", help="Dense GGUF: split each MLP into E experts."
+    ),
 ):
     """Convert a checkpoint into a strata-mlx store."""
     sources = [s for s in (hf_path, gguf_path, synthetic) if s is not None]
@@ -214,12 +279,15 @@ def convert(
     if hf_path is not None:
         from .convert.hf import convert_hf
 
-        out = convert_hf(hf_path, mlx_path, quantize, q_bits, q_group_size, dtype, calibration_tokens)
+        out = convert_hf(
+            hf_path, mlx_path, quantize, q_bits, q_group_size, dtype, calibration_tokens
+        )
     elif gguf_path is not None:
         from .convert.gguf import convert_gguf
 
-        out = convert_gguf(gguf_path, mlx_path, split_experts=split_experts,
-                           calibration_tokens=calibration_tokens)
+        out = convert_gguf(
+            gguf_path, mlx_path, split_experts=split_experts, calibration_tokens=calibration_tokens
+        )
     else:
         from .convert.synthetic import convert_synthetic
 
@@ -230,7 +298,9 @@ def convert(
 @app.command("probe-ssd")
 @user_errors
 def probe_ssd(
-    path: Path = typer.Argument(..., help="A large file on the drive (e.g. a store's experts.bin)."),
+    path: Path = typer.Argument(
+        ..., help="A large file on the drive (e.g. a store's experts.bin)."
+    ),
     record_bytes: int = typer.Option(1_474_560, "--record-bytes"),
     seconds: float = typer.Option(2.0, "--seconds"),
     workers: str = typer.Option("1,4,8,16", "--workers"),
@@ -240,9 +310,15 @@ def probe_ssd(
 
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
-    for row in probe(path, record_bytes=record_bytes, seconds=seconds,
-                     workers_list=tuple(parse_tokens(workers, "--workers"))):
-        typer.echo(f"workers {row['workers']:>3}: {row['gb_per_s']:.2f} GB/s ({row['reads']} reads, direct={row['direct']})")
+    for row in probe(
+        path,
+        record_bytes=record_bytes,
+        seconds=seconds,
+        workers_list=tuple(parse_tokens(workers, "--workers")),
+    ):
+        typer.echo(
+            f"workers {row['workers']:>3}: {row['gb_per_s']:.2f} GB/s ({row['reads']} reads, direct={row['direct']})"
+        )
 
 
 def main():  # pragma: no cover

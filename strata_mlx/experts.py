@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -73,7 +73,9 @@ class ExpertStats:
         return ExpertStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
     def minus(self, other: ExpertStats) -> ExpertStats:
-        return ExpertStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+        return ExpertStats(
+            **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
+        )
 
     @property
     def hit_rate(self) -> float:
@@ -97,9 +99,13 @@ class ExpertStats:
 
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d.update(hit_rate=self.hit_rate, miss_pct=self.miss_pct,
-                 streamed_ahead_pct=self.streamed_ahead_pct, gb_read=self.gb_read,
-                 gb_per_s=self.gb_per_s)
+        d.update(
+            hit_rate=self.hit_rate,
+            miss_pct=self.miss_pct,
+            streamed_ahead_pct=self.streamed_ahead_pct,
+            gb_read=self.gb_read,
+            gb_per_s=self.gb_per_s,
+        )
         return d
 
 
@@ -124,9 +130,17 @@ class RoutingTrace:
 class ExpertCache:
     """Residency, reads and statistics for every MoE layer of one model."""
 
-    def __init__(self, store: str | Path, manifest: Manifest, arena: Arena, reader,
-                 read_ahead: ReadAhead | None = None, profile: np.ndarray | None = None,
-                 verify: bool = False, fake_stream: bool = False):
+    def __init__(
+        self,
+        store: str | Path,
+        manifest: Manifest,
+        arena: Arena,
+        reader,
+        read_ahead: ReadAhead | None = None,
+        profile: np.ndarray | None = None,
+        verify: bool = False,
+        fake_stream: bool = False,
+    ):
         self.store = Path(store)
         self.manifest = manifest
         self.layout = manifest.layout
@@ -215,7 +229,9 @@ class ExpertCache:
             return self._run_groups(layer, x, inds, ids, needed)
 
         waits = self._classify(layer, needed)
-        self.arena.pin(self.arena.slot_of[(layer, e)] for e in needed if (layer, e) in self.arena.slot_of)
+        self.arena.pin(
+            self.arena.slot_of[(layer, e)] for e in needed if (layer, e) in self.arena.slot_of
+        )
         if predict:
             self._submit_readahead(nxt, rank_by_tokens(np.array(pred), self.read_ahead.min_tokens))
         t2 = time.perf_counter()
@@ -354,8 +370,11 @@ class ExpertCache:
 
     def _drop_unneeded(self, layer: int, needed: set[int]) -> None:
         """Cancel this layer's queued read-ahead that its routing did not ask for."""
-        stale = [t for t, r in self._reads.items()
-                 if not r.urgent and r.key[0] == layer and r.key[1] not in needed]
+        stale = [
+            t
+            for t, r in self._reads.items()
+            if not r.urgent and r.key[0] == layer and r.key[1] not in needed
+        ]
         if not stale:
             return
         for tag in self.reader.cancel(stale):

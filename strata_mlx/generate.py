@@ -8,8 +8,8 @@ This module never touches the disk; the expert cache behind the model does.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Callable, Generator
 
 import mlx.core as mx
 import numpy as np
@@ -74,13 +74,22 @@ def prefill(model, prompt: mx.array, cache, step: int, on_chunk=None) -> mx.arra
     return prompt
 
 
-def generate_step(model, prompt: mx.array, max_tokens: int = 256, sampler=None,
-                  prefill_step_size: int | None = None, on_chunk=None,
-                  ) -> Generator[tuple[int, mx.array], None, None]:
+def generate_step(
+    model,
+    prompt: mx.array,
+    max_tokens: int = 256,
+    sampler=None,
+    prefill_step_size: int | None = None,
+    on_chunk=None,
+) -> Generator[tuple[int, mx.array], None, None]:
     """Yield (token, logprobs) pairs; the prompt is prefilled in chunks first."""
     sampler = sampler or make_sampler()
     cache = model.make_cache()
-    step = prefill_step_size or getattr(getattr(model, "runtime", None), "prefill_step_size", None) or 512
+    step = (
+        prefill_step_size
+        or getattr(getattr(model, "runtime", None), "prefill_step_size", None)
+        or 512
+    )
     expert_cache = getattr(model, "expert_cache", None)
     y = prefill(model, prompt, cache, step, on_chunk)
 
@@ -107,10 +116,17 @@ def generate_step(model, prompt: mx.array, max_tokens: int = 256, sampler=None,
             expert_cache.decoding = False
 
 
-def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int = 256,
-                    temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                    prefill_step_size: int | None = None, stop: list[str] | None = None,
-                    ) -> Generator[GenerationResponse, None, None]:
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: str | list[int],
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    prefill_step_size: int | None = None,
+    stop: list[str] | None = None,
+) -> Generator[GenerationResponse, None, None]:
     """Generate from `prompt` (text, or token ids), yielding one response per token."""
     if seed is not None:
         mx.random.seed(seed)
@@ -137,8 +153,14 @@ def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int =
     n = 0
     prompt_tps = 0.0
     for n, (token, logprobs) in enumerate(
-        generate_step(model, mx.array(ids), max_tokens, make_sampler(temp, top_p),
-                      prefill_step_size, on_chunk=chunks.append)
+        generate_step(
+            model,
+            mx.array(ids),
+            max_tokens,
+            make_sampler(temp, top_p),
+            prefill_step_size,
+            on_chunk=chunks.append,
+        )
     ):
         if n == 0:
             prompt_time = time.perf_counter() - tic
@@ -166,15 +188,25 @@ def stream_generate(model, tokenizer, prompt: str | list[int], max_tokens: int =
         stats = None
         if expert_cache:
             stats = expert_cache.stats.minus(start_stats)
-            stats.wall_s = time.perf_counter() - tic + (prefill_stats.wall_s if prefill_stats else 0)
+            stats.wall_s = (
+                time.perf_counter() - tic + (prefill_stats.wall_s if prefill_stats else 0)
+            )
             stats.tokens = len(ids) + n + 1
         elapsed = time.perf_counter() - tic
         yield GenerationResponse(
-            text=segment, token=token, logprobs=logprobs, from_draft=False,
-            prompt_tokens=len(ids), prompt_tps=prompt_tps, generation_tokens=n + 1,
+            text=segment,
+            token=token,
+            logprobs=logprobs,
+            from_draft=False,
+            prompt_tokens=len(ids),
+            prompt_tps=prompt_tps,
+            generation_tokens=n + 1,
             generation_tps=(n + 1) / elapsed if elapsed > 0 else 0.0,
-            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
-            expert_stats=stats, prefill_stats=prefill_stats, chunks=chunks,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+            expert_stats=stats,
+            prefill_stats=prefill_stats,
+            chunks=chunks,
         )
         if finish is not None:
             break

@@ -64,8 +64,9 @@ def physical_memory() -> int:
         return 16 * GB
 
 
-def auto_arena_bytes(total_expert_bytes: int, dense_bytes: int, scratch_bytes: int,
-                     memory: int | None = None) -> int:
+def auto_arena_bytes(
+    total_expert_bytes: int, dense_bytes: int, scratch_bytes: int, memory: int | None = None
+) -> int:
     """Physical memory minus dense weights, cache/state and prompt scratch, minus headroom
     for the OS and the rest of the process (a quarter of memory, at least 2 GB)."""
     memory = memory or physical_memory()
@@ -77,7 +78,9 @@ def auto_arena_bytes(total_expert_bytes: int, dense_bytes: int, scratch_bytes: i
 def prefill_scratch_bytes(args, step: int) -> int:
     """A generous estimate of one prefill chunk's activation scratch."""
     hidden = getattr(args, "hidden_size", 4096)
-    inter = max(getattr(args, "moe_intermediate_size", 0) or 0, getattr(args, "intermediate_size", 0) or 0)
+    inter = max(
+        getattr(args, "moe_intermediate_size", 0) or 0, getattr(args, "intermediate_size", 0) or 0
+    )
     k = getattr(args, "num_experts_per_tok", 1)
     return step * (hidden * 16 + inter * k * 3) * 4
 
@@ -114,12 +117,15 @@ def load(
         raise StoreError(f"{dense_path}: unreadable safetensors ({e})") from None
     quant = manifest.config.get("quantization")
     if quant:
+
         def predicate(p, m):
             if p in quant and isinstance(quant[p], dict):
                 return quant[p]
             return hasattr(m, "to_quantized") and f"{p}.scales" in weights
 
-        nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=predicate)
+        nn.quantize(
+            model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=predicate
+        )
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
@@ -143,9 +149,14 @@ def load(
 
     reader = Reader(cfg.io_workers)
     cache = ExpertCache(
-        path, manifest, arena, reader,
+        path,
+        manifest,
+        arena,
+        reader,
         read_ahead=ReadAhead(cfg.read_ahead, cfg.static_cap, cfg.lookahead_min_tokens),
-        profile=profile, verify=cfg.verify, fake_stream=cfg.fake_stream,
+        profile=profile,
+        verify=cfg.verify,
+        fake_stream=cfg.fake_stream,
     )
     attach(model, cache)
     model.expert_cache = cache

@@ -30,7 +30,9 @@ class ReadAhead:
 
     def __post_init__(self):
         if self.policy not in READ_AHEAD_POLICIES:
-            raise ValueError(f"unknown read-ahead policy {self.policy!r}; one of {READ_AHEAD_POLICIES}")
+            raise ValueError(
+                f"unknown read-ahead policy {self.policy!r}; one of {READ_AHEAD_POLICIES}"
+            )
 
     @property
     def predicts(self) -> bool:

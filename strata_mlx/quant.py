@@ -60,7 +60,11 @@ def expert_tensors(
         if quant:
             q, s, b = mx.quantize(w, quant["group_size"], quant["bits"])
             tensors[f"{p}.weight"], tensors[f"{p}.scales"], tensors[f"{p}.biases"] = q, s, b
-            table[p] = {"format": "affine", "bits": quant["bits"], "group_size": quant["group_size"]}
+            table[p] = {
+                "format": "affine",
+                "bits": quant["bits"],
+                "group_size": quant["group_size"],
+            }
         else:
             tensors[f"{p}.weight"] = w
             table[p] = {"format": "float"}

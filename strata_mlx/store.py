@@ -169,7 +169,9 @@ def load_manifest(store: str | Path) -> Manifest:
     if raw.get("format") != FORMAT_NAME:
         raise StoreError(f"{path}: not a strata-mlx manifest")
     if raw.get("version") != FORMAT_VERSION:
-        raise StoreError(f"{path}: store version {raw.get('version')}, this build reads {FORMAT_VERSION}")
+        raise StoreError(
+            f"{path}: store version {raw.get('version')}, this build reads {FORMAT_VERSION}"
+        )
     try:
         ex = raw["experts"]
         comps = [Component(**c) for c in ex["components"]]
@@ -198,9 +200,13 @@ def _validate(m: Manifest, store: Path) -> None:
         raise StoreError(f"{path}: record_bytes {rb} is not a positive multiple of {ALIGNMENT}")
     for c in m.layout.components:
         if c.offset < 0 or c.offset + c.nbytes > rb:
-            raise StoreError(f"{path}: component {c.name} [{c.offset}, +{c.nbytes}) outside the record")
+            raise StoreError(
+                f"{path}: component {c.name} [{c.offset}, +{c.nbytes}) outside the record"
+            )
         if int(np.prod(c.shape)) * _itemsize(c.dtype) != c.nbytes:
-            raise StoreError(f"{path}: component {c.name} shape {c.shape} does not match {c.nbytes} bytes")
+            raise StoreError(
+                f"{path}: component {c.name} shape {c.shape} does not match {c.nbytes} bytes"
+            )
     n_layers = len(m.moe_layers)
     if len(m.offsets) != n_layers or len(m.crc32) != n_layers:
         raise StoreError(f"{path}: offsets/crc32 tables do not cover {n_layers} MoE layers")
@@ -210,7 +216,9 @@ def _validate(m: Manifest, store: Path) -> None:
     size = experts_path.stat().st_size if n_layers else 0
     for pos, row in enumerate(m.offsets):
         if len(row) != m.num_experts or len(m.crc32[pos]) != m.num_experts:
-            raise StoreError(f"{path}: layer {m.moe_layers[pos]} lists {len(row)} experts, expected {m.num_experts}")
+            raise StoreError(
+                f"{path}: layer {m.moe_layers[pos]} lists {len(row)} experts, expected {m.num_experts}"
+            )
         for e, off in enumerate(row):
             if off % ALIGNMENT or off < 0 or off + rb > size:
                 raise StoreError(
@@ -231,12 +239,18 @@ def load_profile(store: str | Path, m: Manifest) -> np.ndarray | None:
     except (OSError, ValueError, KeyError) as e:
         raise StoreError(f"{path}: unreadable profile ({e})") from None
     if counts.shape != (len(m.moe_layers), m.num_experts):
-        raise StoreError(f"{path}: counts shape {counts.shape}, expected {(len(m.moe_layers), m.num_experts)}")
+        raise StoreError(
+            f"{path}: counts shape {counts.shape}, expected {(len(m.moe_layers), m.num_experts)}"
+        )
     return counts
 
 
 def save_profile(store: str | Path, counts: np.ndarray, tokens: int, source: str) -> None:
-    data = {"counts": np.asarray(counts).astype(int).tolist(), "tokens": int(tokens), "source": source}
+    data = {
+        "counts": np.asarray(counts).astype(int).tolist(),
+        "tokens": int(tokens),
+        "source": source,
+    }
     _atomic_write_text(Path(store) / PROFILE, json.dumps(data))
 
 
@@ -246,7 +260,9 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def read_record(store: str | Path, m: Manifest, layer: int, expert: int, verify: bool = True) -> bytes:
+def read_record(
+    store: str | Path, m: Manifest, layer: int, expert: int, verify: bool = True
+) -> bytes:
     """One record through the page cache (conversion, tests; the runtime reads via the arena)."""
     path = Path(store) / EXPERTS
     off, crc = m.record(layer, expert)
@@ -267,13 +283,24 @@ class StoreWriter:
     the temporary directory.
     """
 
-    def __init__(self, out: str | Path, model_type: str, config: dict, layout: RecordLayout,
-                 moe_layers: list[int], num_experts: int):
+    def __init__(
+        self,
+        out: str | Path,
+        model_type: str,
+        config: dict,
+        layout: RecordLayout,
+        moe_layers: list[int],
+        num_experts: int,
+    ):
         self.out = Path(out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", dir=self.out.parent))
         self.manifest = Manifest(
-            model_type, config, layout, list(moe_layers), num_experts,
+            model_type,
+            config,
+            layout,
+            list(moe_layers),
+            num_experts,
             offsets=[[-1] * num_experts for _ in moe_layers],
             crc32=[[0] * num_experts for _ in moe_layers],
         )
@@ -318,7 +345,9 @@ class StoreWriter:
             if off < 0
         ]
         if missing:
-            raise ValueError(f"store incomplete: {len(missing)} expert records never written, e.g. {missing[0]}")
+            raise ValueError(
+                f"store incomplete: {len(missing)} expert records never written, e.g. {missing[0]}"
+            )
         _atomic_write_text(self.tmp / MANIFEST, json.dumps(self.manifest.to_json()))
         return self.tmp
 

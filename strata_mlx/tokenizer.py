@@ -37,7 +37,9 @@ class Tokenizer:
         gen = path / "generation_config.json"
         if gen.is_file():
             eos = json.loads(gen.read_text()).get("eos_token_id")
-            self.eos_token_ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+            self.eos_token_ids.update(
+                eos if isinstance(eos, list) else [eos] if eos is not None else []
+            )
 
     @property
     def vocab_size(self) -> int:

@@ -12,8 +12,14 @@ import pytest
 # Tests run on MLX's CPU backend unless a test asks for the GPU.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 def _hf_model(family: str):
@@ -22,22 +28,39 @@ def _hf_model(family: str):
 
     torch.manual_seed(0)
     if family == "qwen3_moe":
-        cfg = T.Qwen3MoeConfig(**TINY, intermediate_size=64, moe_intermediate_size=16, head_dim=8,
-                               num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+        cfg = T.Qwen3MoeConfig(
+            **TINY,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            head_dim=8,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+        )
         return T.Qwen3MoeForCausalLM(cfg)
     if family == "mixtral":
-        cfg = T.MixtralConfig(**TINY, intermediate_size=16, num_local_experts=8,
-                              num_experts_per_tok=2)
+        cfg = T.MixtralConfig(
+            **TINY, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2
+        )
         return T.MixtralForCausalLM(cfg)
     if family == "olmoe":
         cfg = T.OlmoeConfig(**TINY, intermediate_size=16, num_experts=8, num_experts_per_tok=2)
         return T.OlmoeForCausalLM(cfg)
     if family == "qwen3_next":
         cfg = T.Qwen3NextConfig(
-            **{**TINY, "num_hidden_layers": 4}, intermediate_size=64, moe_intermediate_size=16,
-            shared_expert_intermediate_size=16, head_dim=8, num_experts=8, num_experts_per_tok=2,
-            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
-            linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2,
+            **{**TINY, "num_hidden_layers": 4},
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            head_dim=8,
+            num_experts=8,
+            num_experts_per_tok=2,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            full_attention_interval=2,
             norm_topk_prob=True,
         )
         return T.Qwen3NextForCausalLM(cfg)
@@ -84,8 +107,15 @@ def store(hf_checkpoint, tmp_path_factory):
             from strata_mlx.convert.hf import convert_hf
 
             out = tmp_path_factory.mktemp("stores") / f"{family}-{'q' if quantize else 'f'}{bits}"
-            convert_hf(hf_checkpoint(family), out, quantize=quantize, q_bits=bits,
-                       q_group_size=32 if quantize else 64, progress=False, calibration_tokens=64)
+            convert_hf(
+                hf_checkpoint(family),
+                out,
+                quantize=quantize,
+                q_bits=bits,
+                q_group_size=32 if quantize else 64,
+                progress=False,
+                calibration_tokens=64,
+            )
             made[key] = out
         return made[key]
 

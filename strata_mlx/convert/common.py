@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..store import MANIFEST, StoreError, StoreWriter, save_profile
-from ..tokenizer import TOKENIZER_FILES, load_tokenizer
+from ..tokenizer import TOKENIZER_FILES
 
 # Plain English prose for the routing profile when the store has a tokenizer.
 CALIBRATION_TEXT = (
@@ -33,7 +33,9 @@ CALIBRATION_TEXT = (
 def check_output(out: str | Path) -> Path:
     """Refuse to replace a directory that is not a strata-mlx store."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
+    if out.exists() and (
+        not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())
+    ):
         raise StoreError(f"{out}: exists and is not a strata-mlx store; refusing to overwrite it")
     return out
 
@@ -47,7 +49,9 @@ def copy_tokenizer(src: Path, dst: Path) -> bool:
     return copied and (dst / "tokenizer.json").is_file()
 
 
-def calibrate(writer: StoreWriter, tokens: int, seed: int = 0, arena_gb: float | None = None) -> None:
+def calibrate(
+    writer: StoreWriter, tokens: int, seed: int = 0, arena_gb: float | None = None
+) -> None:
     """Run the finished temporary store over `tokens` calibration tokens; save per-layer counts."""
     if tokens <= 0 or not writer.manifest.moe_layers:
         return

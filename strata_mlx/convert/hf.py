@@ -51,7 +51,9 @@ def check_safetensors(path: Path) -> None:
             raise StoreError(f"{path}: corrupt safetensors header") from None
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
-        raise StoreError(f"{path}: truncated safetensors (tensors end at {8 + n + end}, file has {size} bytes)")
+        raise StoreError(
+            f"{path}: truncated safetensors (tensors end at {8 + n + end}, file has {size} bytes)"
+        )
 
 
 def load_weights(src: Path) -> dict[str, mx.array]:
@@ -68,7 +70,9 @@ def load_weights(src: Path) -> dict[str, mx.array]:
     return weights
 
 
-def expert_weights(weights: dict, prefix: str, names: dict[str, str], e: int) -> dict[str, mx.array]:
+def expert_weights(
+    weights: dict, prefix: str, names: dict[str, str], e: int
+) -> dict[str, mx.array]:
     """Expert e's [out, in] gate/up/down from per-expert or fused tensors; removes nothing."""
     per = f"{prefix}.{e}.{names['gate_proj']}.weight"
     if per in weights:
@@ -77,8 +81,11 @@ def expert_weights(weights: dict, prefix: str, names: dict[str, str], e: int) ->
     if fused in weights:
         gate_up = weights[fused][e]
         inter = gate_up.shape[0] // 2
-        return {"gate_proj": gate_up[:inter], "up_proj": gate_up[inter:],
-                "down_proj": weights[f"{prefix}.down_proj"][e]}
+        return {
+            "gate_proj": gate_up[:inter],
+            "up_proj": gate_up[inter:],
+            "down_proj": weights[f"{prefix}.down_proj"][e],
+        }
     raise KeyError(per)
 
 
@@ -86,9 +93,16 @@ def is_expert_key(key: str, prefixes: list[str]) -> bool:
     return any(key.startswith(p + ".") for p in prefixes)
 
 
-def convert_hf(hf_path: str | Path, mlx_path: str | Path, quantize: bool = False, q_bits: int = 4,
-               q_group_size: int = 64, dtype: str | None = None, calibration_tokens: int = 256,
-               progress: bool = True) -> Path:
+def convert_hf(
+    hf_path: str | Path,
+    mlx_path: str | Path,
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    dtype: str | None = None,
+    calibration_tokens: int = 256,
+    progress: bool = True,
+) -> Path:
     src = Path(hf_path)
     out = check_output(mlx_path)
     config = normalize_config(read_config(src))
@@ -122,15 +136,23 @@ def convert_hf(hf_path: str | Path, mlx_path: str | Path, quantize: bool = False
 
     dense = {k: v for k, v in weights.items() if not is_expert_key(k, prefixes)}
     dense = model.sanitize(dense)
-    dense = {k: v.astype(fdtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in dense.items()}
+    dense = {
+        k: v.astype(fdtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in dense.items()
+    }
     store_config = dict(config)
     store_config["torch_dtype"] = dtype
     try:
         model.load_weights(list(dense.items()), strict=True)
     except ValueError as e:
-        raise StoreError(f"{src}: checkpoint does not match {model_type}: {str(e).splitlines()[0]}") from None
+        raise StoreError(
+            f"{src}: checkpoint does not match {model_type}: {str(e).splitlines()[0]}"
+        ) from None
     if quantize:
-        store_config["quantization"] = {"group_size": q_group_size, "bits": q_bits, "mode": "affine"}
+        store_config["quantization"] = {
+            "group_size": q_group_size,
+            "bits": q_bits,
+            "mode": "affine",
+        }
         qpred = getattr(model, "quant_predicate", None)
 
         def predicate(path, m):
@@ -148,19 +170,33 @@ def convert_hf(hf_path: str | Path, mlx_path: str | Path, quantize: bool = False
     with writer:
         writer.write_dense(dense)
         if not copy_tokenizer(src, writer.path):
-            warnings.warn(f"{src}: no tokenizer files; the store will need --prompt-tokens", stacklevel=2)
-        _write_experts(writer, weights, prefixes, fam.EXPERT_NAMES, moe_layers, num_experts,
-                       equant, fdtype, progress, src)
+            warnings.warn(
+                f"{src}: no tokenizer files; the store will need --prompt-tokens", stacklevel=2
+            )
+        _write_experts(
+            writer,
+            weights,
+            prefixes,
+            fam.EXPERT_NAMES,
+            moe_layers,
+            num_experts,
+            equant,
+            fdtype,
+            progress,
+            src,
+        )
         calibrate(writer, calibration_tokens)
         return writer.commit()
 
 
-def _write_experts(writer, weights, prefixes, names, moe_layers, num_experts, equant, fdtype,
-                   progress, src) -> None:
+def _write_experts(
+    writer, weights, prefixes, names, moe_layers, num_experts, equant, fdtype, progress, src
+) -> None:
     from tqdm import tqdm
 
-    bar = tqdm(total=len(moe_layers) * num_experts, desc="experts", unit="expert",
-               disable=not progress)
+    bar = tqdm(
+        total=len(moe_layers) * num_experts, desc="experts", unit="expert", disable=not progress
+    )
     for layer, prefix in zip(moe_layers, prefixes):
         for e in range(num_experts):
             try:

@@ -93,7 +93,7 @@ class ArraysCache:
 
 
 def create_attention_mask(h: mx.array, cache: KVCache | None = None):
-    """"causal" for a multi-token step (the fused kernel's own mask), None for one token."""
+    """ "causal" for a multi-token step (the fused kernel's own mask), None for one token."""
     return "causal" if h.shape[1] > 1 else None
 
 

@@ -156,7 +156,9 @@ class Model(nn.Module):
         return self.lm_head(out)
 
     def moe_blocks(self) -> dict[int, SparseMoeBlock]:
-        return {i: l.mlp for i, l in enumerate(self.model.layers) if isinstance(l.mlp, SparseMoeBlock)}
+        return {
+            i: l.mlp for i, l in enumerate(self.model.layers) if isinstance(l.mlp, SparseMoeBlock)
+        }
 
     def make_cache(self) -> list[Any]:
         return [KVCache() for _ in self.model.layers]
