@@ -181,12 +181,13 @@ class ExpertCache:
 
     def warm(self) -> None:
         """Read every expert that fits, layer by layer (a fully resident run when it all fits)."""
+        tags = []
         for layer in self.layers:
             for e in range(self.manifest.num_experts):
                 if len(self.arena.slot_of) >= self.arena.n_slots:
-                    return
-                self._ensure([(layer, e)])
-        self._collect(block=True)
+                    break
+                tags += self._ensure([(layer, e)])
+        self._wait(tags)
         self.stats = ExpertStats()
         self._prefetched.clear()
 
