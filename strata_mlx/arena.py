@@ -120,13 +120,17 @@ class Arena:
             raise ValueError(f"record_bytes {record_bytes} is not a multiple of {ALIGNMENT}")
         self.n_slots = n_slots
         self.record_bytes = record_bytes
-        self.buffer = mx.zeros((n_slots * record_bytes + ALIGNMENT,), dtype=mx.uint8)
+        # MLX shapes are int32: a flat uint8 buffer stops at 2 GB, so the buffer is 8-byte
+        # words (up to 16 GB per arena), viewed as [n_slots, record_bytes] bytes.
+        words = n_slots * record_bytes // 8
+        if words + ALIGNMENT // 8 >= 2**31:
+            raise ValueError(f"arena of {n_slots * record_bytes / 1e9:.1f} GB exceeds 16 GB")
+        self.buffer = mx.zeros((words + ALIGNMENT // 8,), dtype=mx.uint64)
         mx.eval(self.buffer)
-        self._host = np.array(self.buffer, copy=False)  # a writable view of the MLX buffer
+        self._host = np.array(self.buffer, copy=False).view(np.uint8)  # writable view
         self._start = (-self._host.ctypes.data) % ALIGNMENT
-        self.rows = self.buffer[self._start : self._start + n_slots * record_bytes].reshape(
-            n_slots, record_bytes
-        )
+        w0 = self._start // 8
+        self.rows = self.buffer[w0 : w0 + words].reshape(n_slots, record_bytes // 8).view(mx.uint8)
         mx.eval(self.rows)
         try:
             self.policy = POLICIES[eviction](profile, layers)

@@ -267,6 +267,15 @@ def convert(
     split_experts: int | None = typer.Option(
         None, "--split-experts", help="Dense GGUF: split each MLP into E experts."
     ),
+    router: str = typer.Option(
+        "structured",
+        "--router",
+        help="Synthetic routing: structured (skewed, correlated) | uniform.",
+    ),
+    set_: list[str] | None = typer.Option(
+        None, "--set", help="Synthetic shape override, e.g. --set num_hidden_layers=8."
+    ),
+    seed: int = typer.Option(0, "--seed"),
 ):
     """Convert a checkpoint into a strata-mlx store."""
     sources = [s for s in (hf_path, gguf_path, synthetic) if s is not None]
@@ -289,10 +298,62 @@ def convert(
             gguf_path, mlx_path, split_experts=split_experts, calibration_tokens=calibration_tokens
         )
     else:
-        from .convert.synthetic import convert_synthetic
+        from .convert.synthetic import convert_synthetic, synthetic_config
 
-        out = convert_synthetic(synthetic, mlx_path)
+        config = synthetic_config(synthetic)
+        for item in set_ or []:
+            key, sep, value = item.partition("=")
+            if not sep or key not in config:
+                raise ValueError(
+                    f"--set {item}: expected KEY=VALUE with KEY one of {sorted(config)}"
+                )
+            config[key] = type(config[key])(value)
+        out = convert_synthetic(
+            synthetic,
+            mlx_path,
+            config=config,
+            router=router,
+            seed=seed,
+            calibration_tokens=calibration_tokens,
+            dtype=dtype or "float16",
+        )
     typer.echo(f"wrote {out}")
+
+
+@app.command()
+@user_errors
+def bench(
+    model: Path = typer.Option(..., "--model"),
+    prompt_tokens: int = typer.Option(2048, "-p", "--prompt-tokens"),
+    generation_tokens: int = typer.Option(128, "-g", "--generation-tokens"),
+    arena_gb: float | None = typer.Option(None, "--arena-gb"),
+    prefill_step_size: int = typer.Option(1024, "--prefill-step-size"),
+    policies: str = typer.Option("demand,static,lookahead", "--policies"),
+    repeats: int = typer.Option(1, "--repeats", help="A/B rounds; the order rotates each round."),
+    io_workers: int = typer.Option(8, "--io-workers"),
+    static_cap: int = typer.Option(256, "--static-cap"),
+    json_out: Path | None = typer.Option(None, "--json", help="Write all figures as JSON."),
+):
+    """Prefill and decode, cold and warm, read-ahead policies side by side."""
+    from .bench import bench as run_bench
+    from .bench import markdown_table, save
+
+    names = tuple(p for p in policies.split(",") if p)
+    result = run_bench(
+        model,
+        prompt_tokens,
+        generation_tokens,
+        arena_gb,
+        prefill_step_size,
+        names,
+        repeats,
+        io_workers,
+        static_cap,
+        log=typer.echo,
+    )
+    typer.echo(markdown_table(result))
+    if json_out is not None:
+        save(result, json_out)
 
 
 @app.command("probe-ssd")

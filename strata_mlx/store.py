@@ -355,6 +355,7 @@ class StoreWriter:
         """Move the finished store into place."""
         if not (self.tmp / MANIFEST).is_file():
             self.finalize()
+        os.chmod(self.tmp, 0o755)  # mkdtemp made it private
         if self.out.exists():
             shutil.rmtree(self.out)
         os.replace(self.tmp, self.out)

@@ -1,0 +1,237 @@
+"""`strata-mlx bench`: read-ahead policies side by side on one store, in one run.
+
+mlx-lm's `-p 2048 -g 128` convention: a random prompt of p tokens is prefilled in chunks, then
+g tokens are decoded. Each policy runs cold (a fresh arena; reads are direct, so the page
+cache holds no experts) and then warm (the same prompt again on the arena the cold run left).
+Policies are interleaved in A/B rounds, rotating the order each round, because this machine's
+drive and cores are shared and noisy: only ratios measured side by side mean anything.
+
+Floors: the SSD floor of a chunk is its bytes read over the drive's own probe bandwidth
+(probe-ssd at the same worker count); the compute floor is the same chunk in fake-stream mode
+(every expert counts as resident). A chunk can be no faster than the larger of the two.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .experts import ExpertStats
+from .generate import make_sampler, prefill
+from .loader import RuntimeConfig, load
+from .store import EXPERTS, load_manifest
+
+
+@dataclass
+class Run:
+    policy: str
+    phase: str  # cold | warm
+    chunks: list[ExpertStats] = field(default_factory=list)
+    decode: ExpertStats | None = None
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+
+
+def _drop_page_cache() -> bool:
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _run(model, ids: list[int], gen: int, step: int, policy: str, phase: str) -> Run:
+    run = Run(policy, phase)
+    cache = model.make_cache()
+    ec = model.expert_cache
+    rest = prefill(model, mx.array(ids), cache, step, on_chunk=run.chunks.append)
+    sampler = make_sampler(0.0)
+    before = ec.stats.copy()
+    t = time.perf_counter()
+    ec.decoding = True
+    token = rest
+    for _ in range(gen):
+        logits = model(token[None], cache=cache)[:, -1, :]
+        token = sampler(logits)
+        mx.eval(token)
+    ec.decoding = False
+    run.decode_s = time.perf_counter() - t
+    run.decode = ec.stats.minus(before)
+    run.decode.wall_s = run.decode_s
+    run.decode_tokens = gen
+    return run
+
+
+def bench(
+    path: str | Path,
+    prompt_tokens: int = 2048,
+    gen_tokens: int = 128,
+    arena_gb: float | None = None,
+    prefill_step_size: int = 1024,
+    policies: tuple[str, ...] = ("demand", "static", "lookahead"),
+    repeats: int = 1,
+    io_workers: int = 8,
+    static_cap: int = 256,
+    probe_seconds: float = 2.0,
+    seed: int = 0,
+    log=print,
+) -> dict:
+    path = Path(path)
+    m = load_manifest(path)
+    vocab = m.config["vocab_size"]
+    ids = np.random.default_rng(seed).integers(0, vocab, size=prompt_tokens).tolist()
+    base = dict(
+        arena_gb=arena_gb,
+        io_workers=io_workers,
+        prefill_step_size=prefill_step_size,
+        static_cap=static_cap,
+    )
+
+    from .probe import probe_ssd
+
+    probe = probe_ssd(
+        path / EXPERTS,
+        record_bytes=m.layout.record_bytes,
+        workers_list=(io_workers,),
+        seconds=probe_seconds,
+    )[0]
+    ssd_gbps = probe["gb_per_s"]
+    log(f"probe-ssd: {ssd_gbps:.2f} GB/s at {io_workers} workers (direct={probe['direct']})")
+
+    model, _ = load(path, config=RuntimeConfig(**base, read_ahead="demand", fake_stream=True))
+    fake = _run(model, ids, gen_tokens, prefill_step_size, "fake-stream", "compute")
+    model.expert_cache.close()
+    del model
+    log(
+        f"compute floor (fake-stream): {_mean([c.wall_s for c in fake.chunks]) * 1e3:.0f} ms/chunk, "
+        f"decode {fake.decode_tokens / fake.decode_s:.2f} tok/s"
+    )
+
+    runs: list[Run] = []
+    for r in range(repeats):
+        order = list(policies[r % len(policies) :]) + list(policies[: r % len(policies)])
+        for policy in order:
+            dropped = _drop_page_cache()
+            model, _ = load(path, config=RuntimeConfig(**base, read_ahead=policy))
+            arena = model.expert_cache.arena
+            for phase in ("cold", "warm"):
+                run = _run(model, ids, gen_tokens, prefill_step_size, policy, phase)
+                runs.append(run)
+                log(
+                    _line(run, fake, ssd_gbps)
+                    + ("" if dropped or phase == "warm" else " (page cache not dropped)")
+                )
+            model.expert_cache.close()
+            del model
+    result = {
+        "store": str(path),
+        "expert_gb": m.expert_bytes / 1e9,
+        "arena_gb": arena.nbytes / 1e9,
+        "prompt_tokens": prompt_tokens,
+        "gen_tokens": gen_tokens,
+        "prefill_step_size": prefill_step_size,
+        "ssd_gbps": ssd_gbps,
+        "compute_chunk_s": _mean([c.wall_s for c in fake.chunks]),
+        "compute_decode_tps": fake.decode_tokens / fake.decode_s,
+        "runs": [_summary(run, fake, ssd_gbps) for run in runs],
+    }
+    return result
+
+
+def _mean(xs) -> float:
+    return float(np.mean(xs)) if len(xs) else 0.0
+
+
+def _total(chunks: list[ExpertStats]) -> ExpertStats:
+    t = ExpertStats()
+    for c in chunks:
+        t.add(c)
+    return t
+
+
+def _summary(run: Run, fake: Run, ssd_gbps: float) -> dict:
+    p = _total(run.chunks)
+    n = max(len(run.chunks), 1)
+    compute_floor = _mean([c.wall_s for c in fake.chunks])
+    ssd_floor = (p.bytes_read / n) / (ssd_gbps * 1e9) if ssd_gbps > 0 else 0.0
+    chunk_s = p.wall_s / n
+    d = run.decode
+    per_tok = max(run.decode_tokens, 1)
+    return {
+        "policy": run.policy,
+        "phase": run.phase,
+        "chunk_ms": chunk_s * 1e3,
+        "prefill_tps": p.tokens / p.wall_s if p.wall_s else 0.0,
+        "streamed_ahead_pct": p.streamed_ahead_pct,
+        "miss_pct": p.miss_pct,
+        "exposed_wait_ms_per_chunk": p.exposed_wait_s / n * 1e3,
+        "experts_read_per_chunk": p.experts_read / n,
+        "wasted_readahead": p.wasted_readahead,
+        "dropped_readahead": p.readahead_dropped,
+        "gb_read": p.gb_read,
+        "gb_per_s": p.bytes_read / p.wall_s / 1e9 if p.wall_s else 0.0,
+        "ssd_floor_ms": ssd_floor * 1e3,
+        "compute_floor_ms": compute_floor * 1e3,
+        "floor_ratio": chunk_s / max(ssd_floor, compute_floor)
+        if max(ssd_floor, compute_floor)
+        else 0.0,
+        "decode_tps": run.decode_tokens / run.decode_s if run.decode_s else 0.0,
+        "decode_ms_per_token": run.decode_s / per_tok * 1e3,
+        "decode_wait_ms_per_token": d.exposed_wait_s / per_tok * 1e3,
+        "decode_sync_ms_per_token": d.route_sync_s / per_tok * 1e3,
+        "decode_host_ms_per_token": d.host_s / per_tok * 1e3,
+        "decode_miss_pct": d.miss_pct,
+        "decode_streamed_ahead_pct": d.streamed_ahead_pct,
+        "decode_gb_read": d.gb_read,
+    }
+
+
+def _line(run: Run, fake: Run, ssd_gbps: float) -> str:
+    s = _summary(run, fake, ssd_gbps)
+    return (
+        f"{s['policy']:>9} {s['phase']}: prefill {s['chunk_ms']:.0f} ms/chunk ({s['prefill_tps']:.1f} tok/s), "
+        f"ahead {s['streamed_ahead_pct']:.1f}% miss {s['miss_pct']:.1f}% wait {s['exposed_wait_ms_per_chunk']:.0f} ms, "
+        f"read {s['experts_read_per_chunk']:.0f}/chunk wasted {s['wasted_readahead']} {s['gb_per_s']:.2f} GB/s, "
+        f"x{s['floor_ratio']:.2f} of floor (ssd {s['ssd_floor_ms']:.0f} ms, compute {s['compute_floor_ms']:.0f} ms) | "
+        f"decode {s['decode_tps']:.2f} tok/s (wait {s['decode_wait_ms_per_token']:.1f}, sync {s['decode_sync_ms_per_token']:.1f}, "
+        f"host {s['decode_host_ms_per_token']:.1f} ms/tok; miss {s['decode_miss_pct']:.1f}%)"
+    )
+
+
+def markdown_table(result: dict) -> str:
+    cols = [
+        "policy",
+        "phase",
+        "chunk_ms",
+        "prefill_tps",
+        "streamed_ahead_pct",
+        "miss_pct",
+        "exposed_wait_ms_per_chunk",
+        "experts_read_per_chunk",
+        "wasted_readahead",
+        "gb_per_s",
+        "floor_ratio",
+        "decode_tps",
+        "decode_wait_ms_per_token",
+        "decode_sync_ms_per_token",
+        "decode_miss_pct",
+    ]
+    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
+    rows = []
+    for r in result["runs"]:
+        rows.append(
+            "| "
+            + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols)
+            + " |"
+        )
+    return head + "\n".join(rows)
+
+
+def save(result: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(result, indent=1))
