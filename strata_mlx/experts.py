@@ -256,8 +256,8 @@ class ExpertCache:
 
     def _compute(self, x, ids, shape, needed, slots, keep=None) -> mx.array:
         local = np.searchsorted(np.asarray(needed), ids).astype(np.uint32).reshape(shape)
-        records = self.arena.rows[mx.array(np.asarray(slots, dtype=np.uint32))]
-        return kernels.switch_glu(x, records, self.layout, mx.array(local))
+        slots = mx.array(np.asarray(slots, dtype=np.uint32))
+        return kernels.switch_glu(x, self.arena.rows, slots, mx.array(local), self.layout)
 
     def _compute_fake(self, layer, x, inds, ids, needed) -> mx.array:
         # Compute alone: the experts' bytes are whatever the first slots hold (garbage-free,

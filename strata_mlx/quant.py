@@ -57,7 +57,8 @@ def expert_tensors(
     tensors, table = {}, {}
     for p in PROJECTIONS:
         w = weights[p].astype(dtype)
-        if quant:
+        # As mlx-lm: a projection whose input width the group size does not divide stays float.
+        if quant and w.shape[-1] % quant["group_size"] == 0:
             q, s, b = mx.quantize(w, quant["group_size"], quant["bits"])
             tensors[f"{p}.weight"], tensors[f"{p}.scales"], tensors[f"{p}.biases"] = q, s, b
             table[p] = {
