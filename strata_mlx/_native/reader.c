@@ -1,0 +1,764 @@
+/* strata_mlx._reader: a pool of native threads that pread expert records into caller memory.
+ *
+ * Python decides what to read and submits batches of (tag, file, offset, length, dest address);
+ * worker pthreads take requests off two queues (urgent always before read-ahead) and pread them
+ * without ever touching the GIL. Python collects (tag, error, bytes_read) completions through
+ * wait(), which releases the GIL while it blocks, or poll().
+ *
+ * Locking: one mutex guards everything below it in ReaderObject. Worker threads never call the
+ * Python API. Python-side methods take the mutex while holding the GIL, but never wait for the
+ * GIL while holding the mutex, so the two cannot deadlock. The file arrays are only changed
+ * with both the GIL and the mutex held, so submit() may validate against them with the GIL only.
+ *
+ * Error codes in completions: 0, a positive errno from pread, or SHORT_READ (-1) when the file
+ * ended before `length` bytes (a truncated store); bytes_read says how far the read got.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE 1 /* O_DIRECT */
+#endif
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define ALIGNMENT 4096
+#define SHORT_READ (-1)
+#define MAX_CHUNK ((size_t)1 << 30)      /* one pread at most 1 GiB (Linux and macOS limits) */
+#define WAIT_SLICE_NS 100000000ULL       /* wait() re-takes the GIL this often to see Ctrl-C */
+
+typedef struct {
+    long long tag;
+    int file;
+    long long offset;
+    Py_ssize_t length;
+    char *dest;
+} Request;
+
+typedef struct {
+    long long tag;
+    int err;
+    long long nread;
+} Completion;
+
+typedef struct { /* FIFO: live items are items[head .. len) */
+    Request *items;
+    Py_ssize_t head, len, cap;
+} Queue;
+
+typedef struct ReaderObject ReaderObject;
+typedef struct {
+    ReaderObject *reader;
+    int index;
+} WorkerArg;
+
+struct ReaderObject {
+    PyObject_HEAD
+    int nworkers, nstarted, sync_ready, closing;
+    pthread_t *threads;
+    WorkerArg *args;
+    pthread_mutex_t mu;
+    pthread_cond_t work; /* workers sleep here: queued work, resume or stop */
+    pthread_cond_t done; /* wait() sleeps here: a completion, a cancel or close */
+    /* --- guarded by mu --- */
+    int paused, stopping;
+    Queue urgent, ahead;
+    Completion *done_items;
+    Py_ssize_t n_done, cap_done;
+    long long *current; /* per worker: tag being read, valid while reading[w] */
+    char *reading;
+    int *fds, nfiles, cap_files;
+    char *direct;
+    unsigned long long bytes_read, requests_done, errors, *busy_ns;
+};
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* Wait on `cond` until `target` on the monotonic clock (the cond's clock on Linux). */
+static void cond_wait_until(pthread_cond_t *cond, pthread_mutex_t *mu, uint64_t target) {
+    struct timespec ts;
+#ifdef __APPLE__ /* no pthread_condattr_setclock: convert to the realtime clock */
+    uint64_t now = now_ns(), rel = target > now ? target - now : 0;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t abs_ns = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec + rel;
+#else
+    uint64_t abs_ns = target;
+#endif
+    ts.tv_sec = (time_t)(abs_ns / 1000000000ULL);
+    ts.tv_nsec = (long)(abs_ns % 1000000000ULL);
+    pthread_cond_timedwait(cond, mu, &ts);
+}
+
+/* ---------------------------------------------------------------- queues */
+
+static Py_ssize_t q_size(const Queue *q) { return q->len - q->head; }
+
+static int q_reserve(Queue *q, Py_ssize_t extra) {
+    if (q->len + extra > q->cap && q->head > 0) { /* slide live items to the front */
+        memmove(q->items, q->items + q->head, (size_t)q_size(q) * sizeof(Request));
+        q->len -= q->head;
+        q->head = 0;
+    }
+    if (q->len + extra > q->cap) {
+        Py_ssize_t cap = q->cap * 2 > q->len + extra ? q->cap * 2 : q->len + extra + 64;
+        Request *items = realloc(q->items, (size_t)cap * sizeof(Request));
+        if (!items) return -1;
+        q->items = items;
+        q->cap = cap;
+    }
+    return 0;
+}
+
+static void q_push(Queue *q, const Request *r) { q->items[q->len++] = *r; } /* after q_reserve */
+
+static Request q_pop(Queue *q) {
+    Request r = q->items[q->head++];
+    if (q->head == q->len) q->head = q->len = 0;
+    return r;
+}
+
+static Py_ssize_t q_find(const Queue *q, long long tag) {
+    for (Py_ssize_t i = q->head; i < q->len; i++)
+        if (q->items[i].tag == tag) return i;
+    return -1;
+}
+
+static void q_remove(Queue *q, Py_ssize_t i) {
+    memmove(q->items + i, q->items + i + 1, (size_t)(q->len - i - 1) * sizeof(Request));
+    q->len--;
+    if (q->head == q->len) q->head = q->len = 0;
+}
+
+/* ---------------------------------------------------------------- workers */
+
+/* pread until `length` bytes or EOF. Returns 0, an errno, or SHORT_READ. */
+static int read_fully(int fd, int direct, const Request *rq, long long *nread) {
+    Py_ssize_t got = 0;
+    int err = 0;
+    while (got < rq->length) {
+        size_t want = (size_t)(rq->length - got);
+        if (want > MAX_CHUNK) want = MAX_CHUNK;
+        ssize_t n = pread(fd, rq->dest + got, want, (off_t)(rq->offset + got));
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            err = errno;
+            break;
+        }
+        if (n == 0) {
+            err = SHORT_READ;
+            break;
+        }
+        got += n;
+        /* Direct I/O returns a partial block only at end of file; the next pread at the
+         * unaligned offset would fail with EINVAL, so check the size and call it EOF. */
+        if (direct && (n % ALIGNMENT) && got < rq->length) {
+            struct stat st;
+            if (fstat(fd, &st) == 0 && st.st_size <= rq->offset + got) {
+                err = SHORT_READ;
+                break;
+            }
+        }
+    }
+    *nread = got;
+    return err;
+}
+
+static void *worker_main(void *p) {
+    WorkerArg *arg = p;
+    ReaderObject *r = arg->reader;
+    int w = arg->index;
+    pthread_mutex_lock(&r->mu);
+    while (!r->stopping) {
+        Queue *q = NULL;
+        if (!r->paused) q = q_size(&r->urgent) ? &r->urgent : q_size(&r->ahead) ? &r->ahead : NULL;
+        if (!q) {
+            pthread_cond_wait(&r->work, &r->mu);
+            continue;
+        }
+        Request rq = q_pop(q);
+        int fd = r->fds[rq.file], direct = r->direct[rq.file];
+        r->current[w] = rq.tag;
+        r->reading[w] = 1;
+        pthread_mutex_unlock(&r->mu);
+
+        uint64_t t0 = now_ns();
+        long long nread = 0;
+        int err = read_fully(fd, direct, &rq, &nread);
+        uint64_t t1 = now_ns();
+
+        pthread_mutex_lock(&r->mu);
+        r->reading[w] = 0;
+        /* capacity was reserved by submit(): workers never allocate */
+        r->done_items[r->n_done++] = (Completion){rq.tag, err, nread};
+        r->bytes_read += (unsigned long long)nread;
+        r->requests_done++;
+        r->errors += err != 0;
+        r->busy_ns[w] += t1 - t0;
+        pthread_cond_broadcast(&r->done);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- helpers */
+
+static int check_open(ReaderObject *r) {
+    if (r->closing) {
+        PyErr_SetString(PyExc_ValueError, "Reader is closed");
+        return -1;
+    }
+    return 0;
+}
+
+/* A sequence of ints -> malloc'd array (caller frees). */
+static long long *parse_tags(PyObject *seq_obj, Py_ssize_t *n) {
+    PyObject *seq = PySequence_Fast(seq_obj, "tags must be a sequence of ints");
+    if (!seq) return NULL;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    long long *tags = PyMem_RawMalloc(sizeof(long long) * (size_t)(*n + 1));
+    if (!tags) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        tags[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (tags[i] == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            PyMem_RawFree(tags);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    return tags;
+}
+
+static PyObject *tag_list(const long long *tags, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *t = PyLong_FromLongLong(tags[i]);
+        if (!t) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, t);
+    }
+    return out;
+}
+
+static PyObject *completion_list(const Completion *c, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *t = Py_BuildValue("(LiL)", c[i].tag, c[i].err, c[i].nread);
+        if (!t) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, t);
+    }
+    return out;
+}
+
+static Py_ssize_t find_done(ReaderObject *r, long long tag) {
+    for (Py_ssize_t i = 0; i < r->n_done; i++)
+        if (r->done_items[i].tag == tag) return i;
+    return -1;
+}
+
+static int is_outstanding(ReaderObject *r, long long tag) {
+    if (q_find(&r->urgent, tag) >= 0 || q_find(&r->ahead, tag) >= 0) return 1;
+    for (int w = 0; w < r->nworkers; w++)
+        if (r->reading[w] && r->current[w] == tag) return 1;
+    return 0;
+}
+
+/* Move completions out (all, or those with `tags`) into `out`; keeps the rest in order. */
+static Py_ssize_t take_done(ReaderObject *r, const long long *tags, Py_ssize_t ntags,
+                            Completion *out) {
+    Py_ssize_t nout = 0, keep = 0;
+    if (!tags) {
+        memcpy(out, r->done_items, (size_t)r->n_done * sizeof(Completion));
+        nout = r->n_done;
+        r->n_done = 0;
+        return nout;
+    }
+    for (Py_ssize_t t = 0; t < ntags; t++) { /* in the order asked */
+        Py_ssize_t i = find_done(r, tags[t]);
+        if (i < 0) continue;
+        out[nout++] = r->done_items[i];
+        r->done_items[i].err = INT_MIN; /* mark taken */
+    }
+    for (Py_ssize_t i = 0; i < r->n_done; i++)
+        if (r->done_items[i].err != INT_MIN) r->done_items[keep++] = r->done_items[i];
+    r->n_done = keep;
+    return nout;
+}
+
+/* ---------------------------------------------------------------- lifecycle */
+
+static void stop_workers(ReaderObject *r, int release_gil) {
+    pthread_mutex_lock(&r->mu);
+    r->stopping = 1;
+    r->urgent.head = r->urgent.len = r->ahead.head = r->ahead.len = 0; /* queued: dropped */
+    pthread_cond_broadcast(&r->work);
+    pthread_cond_broadcast(&r->done);
+    pthread_mutex_unlock(&r->mu);
+    if (release_gil) {
+        Py_BEGIN_ALLOW_THREADS
+        for (int i = 0; i < r->nstarted; i++) pthread_join(r->threads[i], NULL);
+        Py_END_ALLOW_THREADS
+    } else { /* workers never need the GIL, so joining while holding it is safe */
+        for (int i = 0; i < r->nstarted; i++) pthread_join(r->threads[i], NULL);
+    }
+    r->nstarted = 0;
+    for (int i = 0; i < r->nfiles; i++) close(r->fds[i]);
+    r->nfiles = 0;
+}
+
+static void Reader_dealloc(ReaderObject *r) {
+    if (r->sync_ready) {
+        if (!r->closing) {
+            r->closing = 1;
+            stop_workers(r, 0);
+        }
+        pthread_mutex_destroy(&r->mu);
+        pthread_cond_destroy(&r->work);
+        pthread_cond_destroy(&r->done);
+    }
+    free(r->threads);
+    free(r->args);
+    free(r->urgent.items);
+    free(r->ahead.items);
+    free(r->done_items);
+    free(r->current);
+    free(r->reading);
+    free(r->fds);
+    free(r->direct);
+    free(r->busy_ns);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"workers", "start_paused", NULL};
+    int nworkers = 8, paused = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ip:Reader", kwlist, &nworkers, &paused))
+        return NULL;
+    if (nworkers < 1 || nworkers > 1024) {
+        PyErr_Format(PyExc_ValueError, "workers must be in 1..1024, got %d", nworkers);
+        return NULL;
+    }
+    ReaderObject *r = (ReaderObject *)type->tp_alloc(type, 0); /* zero-filled */
+    if (!r) return NULL;
+    r->nworkers = nworkers;
+    r->paused = paused;
+    r->threads = calloc((size_t)nworkers, sizeof(pthread_t));
+    r->args = calloc((size_t)nworkers, sizeof(WorkerArg));
+    r->current = calloc((size_t)nworkers, sizeof(long long));
+    r->reading = calloc((size_t)nworkers, 1);
+    r->busy_ns = calloc((size_t)nworkers, sizeof(unsigned long long));
+    if (!r->threads || !r->args || !r->current || !r->reading || !r->busy_ns) {
+        Py_DECREF(r);
+        return PyErr_NoMemory();
+    }
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+#ifndef __APPLE__
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+#endif
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->work, NULL);
+    pthread_cond_init(&r->done, &ca);
+    pthread_condattr_destroy(&ca);
+    r->sync_ready = 1;
+    for (int i = 0; i < nworkers; i++) {
+        r->args[i] = (WorkerArg){r, i};
+        int rc = pthread_create(&r->threads[i], NULL, worker_main, &r->args[i]);
+        if (rc) {
+            Py_DECREF(r); /* dealloc joins the ones started */
+            errno = rc;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        r->nstarted++;
+    }
+    return (PyObject *)r;
+}
+
+/* ---------------------------------------------------------------- methods */
+
+static PyObject *Reader_open(ReaderObject *r, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"path", "direct", NULL};
+    PyObject *path = NULL;
+    int direct = 1, fd, err = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|p:open", kwlist, PyUnicode_FSConverter, &path,
+                                     &direct))
+        return NULL;
+    if (check_open(r) < 0) goto fail;
+    const char *cpath = PyBytes_AS_STRING(path);
+    Py_BEGIN_ALLOW_THREADS
+#if defined(O_DIRECT) && !defined(__APPLE__)
+    fd = open(cpath, O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
+    if (fd < 0 && direct && errno == EINVAL) { /* e.g. a file system without direct I/O */
+        direct = 0;
+        fd = open(cpath, O_RDONLY | O_CLOEXEC);
+    }
+#else
+    fd = open(cpath, O_RDONLY | O_CLOEXEC);
+#ifdef __APPLE__
+    if (fd >= 0 && direct && fcntl(fd, F_NOCACHE, 1) == -1) direct = 0;
+#else
+    direct = 0;
+#endif
+#endif
+    err = errno;
+    Py_END_ALLOW_THREADS
+    if (fd < 0) {
+        errno = err;
+        PyErr_SetFromErrnoWithFilename(PyExc_OSError, cpath);
+        goto fail;
+    }
+    if (r->closing) { /* close() ran while the GIL was released above */
+        close(fd);
+        check_open(r);
+        goto fail;
+    }
+    pthread_mutex_lock(&r->mu);
+    if (r->nfiles == r->cap_files) {
+        int cap = r->cap_files ? r->cap_files * 2 : 8;
+        int *fds = realloc(r->fds, sizeof(int) * (size_t)cap);
+        if (fds) r->fds = fds;
+        char *dir = fds ? realloc(r->direct, (size_t)cap) : NULL;
+        if (dir) r->direct = dir;
+        if (!fds || !dir) {
+            pthread_mutex_unlock(&r->mu);
+            close(fd);
+            PyErr_NoMemory();
+            goto fail;
+        }
+        r->cap_files = cap;
+    }
+    int index = r->nfiles++;
+    r->fds[index] = fd;
+    r->direct[index] = (char)direct;
+    pthread_mutex_unlock(&r->mu);
+    Py_DECREF(path);
+    return PyLong_FromLong(index);
+fail:
+    Py_XDECREF(path);
+    return NULL;
+}
+
+static PyObject *Reader_is_direct(ReaderObject *r, PyObject *arg) {
+    long i = PyLong_AsLong(arg);
+    if (i == -1 && PyErr_Occurred()) return NULL;
+    if (i < 0 || i >= r->nfiles) return PyErr_Format(PyExc_ValueError, "no open file %ld", i);
+    return PyBool_FromLong(r->direct[i]);
+}
+
+static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"requests", "urgent", NULL};
+    PyObject *reqs_obj, *seq = NULL;
+    int urgent = 0;
+    Request *reqs = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|p:submit", kwlist, &reqs_obj, &urgent))
+        return NULL;
+    if (check_open(r) < 0) return NULL;
+    seq = PySequence_Fast(reqs_obj, "requests must be a sequence of tuples");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    reqs = PyMem_RawMalloc(sizeof(Request) * (size_t)(n + 1));
+    if (!reqs) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    /* Parse and validate the whole batch before queueing any of it. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Request *q = &reqs[i];
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *dest;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 5) {
+            PyErr_Format(PyExc_TypeError, "request %zd must be a tuple (tag, file_index, offset, "
+                         "length, dest_address)", i);
+            goto fail;
+        }
+        if (!PyArg_ParseTuple(item, "LiLnO", &q->tag, &q->file, &q->offset, &q->length, &dest))
+            goto fail;
+        unsigned long long address = PyLong_AsUnsignedLongLong(dest); /* rejects negatives */
+        if (address == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
+        q->dest = (char *)(uintptr_t)address;
+        const char *bad = NULL;
+        if (q->file < 0 || q->file >= r->nfiles) bad = "file_index is not an open file";
+        else if (q->offset < 0 || q->length < 0) bad = "offset and length must be >= 0";
+        else if (!q->dest) bad = "dest_address is NULL";
+        if (bad) {
+            PyErr_Format(PyExc_ValueError, "request %zd (tag %lld): %s", i, q->tag, bad);
+            goto fail;
+        }
+        if (r->direct[q->file]) {
+            const char *what = q->offset % ALIGNMENT ? "offset"
+                               : q->length % ALIGNMENT ? "length"
+                               : (uintptr_t)q->dest % ALIGNMENT ? "dest_address" : NULL;
+            if (what) {
+                PyErr_Format(PyExc_ValueError,
+                             "request %zd (tag %lld): %s is not a multiple of %d, which direct "
+                             "I/O on file %d requires (offset %lld, length %zd, dest 0x%llx)",
+                             i, q->tag, what, ALIGNMENT, q->file, q->offset, q->length,
+                             (unsigned long long)(uintptr_t)q->dest);
+                goto fail;
+            }
+        }
+    }
+    pthread_mutex_lock(&r->mu);
+    Queue *q = urgent ? &r->urgent : &r->ahead;
+    /* reserve completion slots for everything that can still complete, so workers never
+     * allocate */
+    Py_ssize_t need = r->n_done + q_size(&r->urgent) + q_size(&r->ahead) + r->nworkers + n;
+    if (need > r->cap_done) {
+        Completion *d = realloc(r->done_items, sizeof(Completion) * (size_t)(need * 2));
+        if (d) {
+            r->done_items = d;
+            r->cap_done = need * 2;
+        }
+    }
+    if (need > r->cap_done || q_reserve(q, n) < 0) {
+        pthread_mutex_unlock(&r->mu);
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) q_push(q, &reqs[i]);
+    pthread_cond_broadcast(&r->work);
+    pthread_mutex_unlock(&r->mu);
+    PyMem_RawFree(reqs);
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+fail:
+    PyMem_RawFree(reqs);
+    Py_XDECREF(seq);
+    return NULL;
+}
+
+/* cancel (to_urgent=0) or promote (to_urgent=1) queued read-ahead requests */
+static PyObject *move_ahead(ReaderObject *r, PyObject *tags_obj, int to_urgent) {
+    Py_ssize_t n;
+    long long *tags = parse_tags(tags_obj, &n), *moved;
+    if (!tags) return NULL;
+    Py_ssize_t nmoved = 0;
+    moved = PyMem_RawMalloc(sizeof(long long) * (size_t)(n + 1));
+    pthread_mutex_lock(&r->mu);
+    if (!moved || (to_urgent && q_reserve(&r->urgent, n) < 0)) {
+        pthread_mutex_unlock(&r->mu);
+        PyMem_RawFree(tags);
+        PyMem_RawFree(moved);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t t = 0; t < n; t++) {
+        Py_ssize_t i = q_find(&r->ahead, tags[t]);
+        if (i < 0) continue;
+        if (to_urgent) q_push(&r->urgent, &r->ahead.items[i]);
+        q_remove(&r->ahead, i);
+        moved[nmoved++] = tags[t];
+    }
+    pthread_cond_broadcast(to_urgent ? &r->work : &r->done); /* waiters on cancelled tags */
+    pthread_mutex_unlock(&r->mu);
+    PyObject *out = tag_list(moved, nmoved);
+    PyMem_RawFree(tags);
+    PyMem_RawFree(moved);
+    return out;
+}
+
+static PyObject *Reader_cancel(ReaderObject *r, PyObject *tags) { return move_ahead(r, tags, 0); }
+static PyObject *Reader_promote(ReaderObject *r, PyObject *tags) { return move_ahead(r, tags, 1); }
+
+enum { W_PENDING, W_READY, W_TIMEOUT, W_SLICE, W_UNKNOWN, W_CLOSED };
+
+static PyObject *Reader_wait(ReaderObject *r, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"tags", "timeout", NULL};
+    PyObject *tags_obj = Py_None, *timeout_obj = Py_None, *out = NULL;
+    long long *tags = NULL, unknown = 0;
+    Py_ssize_t ntags = 0, nout = 0;
+    Completion *taken = NULL;
+    int status = W_PENDING, nomem = 0;
+    uint64_t deadline = UINT64_MAX;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|OO:wait", kwlist, &tags_obj, &timeout_obj))
+        return NULL;
+    if (timeout_obj != Py_None) {
+        double t = PyFloat_AsDouble(timeout_obj);
+        if (t == -1.0 && PyErr_Occurred()) return NULL;
+        if (!(t >= 0)) return PyErr_Format(PyExc_ValueError, "timeout must be >= 0");
+        deadline = t > 1e9 ? UINT64_MAX : now_ns() + (uint64_t)(t * 1e9);
+    }
+    if (tags_obj != Py_None && !(tags = parse_tags(tags_obj, &ntags))) return NULL;
+    if (check_open(r) < 0) goto done;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        uint64_t slice_end = now_ns() + WAIT_SLICE_NS;
+        pthread_mutex_lock(&r->mu);
+        for (;;) {
+            if (tags) { /* all present? else is any missing tag nowhere at all? */
+                status = W_READY;
+                for (Py_ssize_t t = 0; t < ntags && status != W_UNKNOWN; t++) {
+                    if (find_done(r, tags[t]) >= 0) continue;
+                    status = W_PENDING;
+                    if (!is_outstanding(r, tags[t])) {
+                        status = W_UNKNOWN;
+                        unknown = tags[t];
+                    }
+                }
+            } else { /* at least one completion; nothing outstanding at all returns [] */
+                int outstanding = q_size(&r->urgent) || q_size(&r->ahead);
+                for (int w = 0; w < r->nworkers; w++) outstanding |= r->reading[w];
+                status = r->n_done || !outstanding ? W_READY : W_PENDING;
+            }
+            if (status != W_READY && r->stopping) status = W_CLOSED;
+            if (status != W_PENDING) break;
+            uint64_t now = now_ns();
+            if (now >= deadline) {
+                status = W_TIMEOUT;
+                break;
+            }
+            if (now >= slice_end) {
+                status = W_SLICE;
+                break;
+            }
+            cond_wait_until(&r->done, &r->mu, deadline < slice_end ? deadline : slice_end);
+        }
+        if (status == W_READY || status == W_TIMEOUT) {
+            taken = malloc(sizeof(Completion) * (size_t)(r->n_done + 1));
+            if (taken) nout = take_done(r, tags, ntags, taken);
+            else nomem = 1;
+        }
+        pthread_mutex_unlock(&r->mu);
+        Py_END_ALLOW_THREADS
+        if (status != W_SLICE) break;
+        if (PyErr_CheckSignals() < 0) goto done; /* e.g. KeyboardInterrupt; nothing taken */
+    }
+    if (nomem) PyErr_NoMemory();
+    else if (status == W_UNKNOWN)
+        PyErr_Format(PyExc_KeyError, "tag %lld is not queued, in flight or completed", unknown);
+    else if (status == W_CLOSED) PyErr_SetString(PyExc_ValueError, "Reader closed during wait");
+    else out = completion_list(taken, nout);
+done:
+    free(taken);
+    PyMem_RawFree(tags);
+    return out;
+}
+
+static PyObject *Reader_poll(ReaderObject *r, PyObject *unused) {
+    pthread_mutex_lock(&r->mu);
+    Completion *taken = malloc(sizeof(Completion) * (size_t)(r->n_done + 1));
+    Py_ssize_t n = taken ? take_done(r, NULL, 0, taken) : 0;
+    pthread_mutex_unlock(&r->mu);
+    PyObject *out = taken ? completion_list(taken, n) : PyErr_NoMemory();
+    free(taken);
+    return out;
+}
+
+static PyObject *set_paused(ReaderObject *r, int paused) {
+    pthread_mutex_lock(&r->mu);
+    r->paused = paused;
+    pthread_cond_broadcast(&r->work);
+    pthread_mutex_unlock(&r->mu);
+    Py_RETURN_NONE;
+}
+static PyObject *Reader_pause(ReaderObject *r, PyObject *u) { return set_paused(r, 1); }
+static PyObject *Reader_resume(ReaderObject *r, PyObject *u) { return set_paused(r, 0); }
+
+static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
+    unsigned long long *busy_ns = PyMem_RawMalloc(sizeof(unsigned long long) * (size_t)r->nworkers);
+    if (!busy_ns) return PyErr_NoMemory();
+    pthread_mutex_lock(&r->mu);
+    unsigned long long bytes = r->bytes_read, reqs = r->requests_done, errs = r->errors;
+    Py_ssize_t nu = q_size(&r->urgent), na = q_size(&r->ahead), nd = r->n_done;
+    int inflight = 0;
+    for (int w = 0; w < r->nworkers; w++) inflight += r->reading[w];
+    memcpy(busy_ns, r->busy_ns, sizeof(unsigned long long) * (size_t)r->nworkers);
+    pthread_mutex_unlock(&r->mu);
+    PyObject *busy = PyList_New(r->nworkers);
+    for (int w = 0; busy && w < r->nworkers; w++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(busy_ns[w]);
+        if (!v) Py_CLEAR(busy);
+        else PyList_SET_ITEM(busy, w, v);
+    }
+    PyMem_RawFree(busy_ns);
+    if (!busy) return NULL;
+    return Py_BuildValue("{s:K,s:K,s:K,s:N,s:n,s:n,s:i,s:n}", "bytes_read", bytes,
+                         "requests_done", reqs, "errors", errs, "busy_ns", busy, "queued_urgent",
+                         nu, "queued_ahead", na, "in_flight", inflight, "completions", nd);
+}
+
+static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
+    pthread_mutex_lock(&r->mu);
+    r->bytes_read = r->requests_done = r->errors = 0;
+    memset(r->busy_ns, 0, sizeof(unsigned long long) * (size_t)r->nworkers);
+    pthread_mutex_unlock(&r->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Reader_close(ReaderObject *r, PyObject *unused) {
+    if (!r->closing) {
+        r->closing = 1; /* set with the GIL held: a second close() returns at once */
+        stop_workers(r, 1);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *get_workers(ReaderObject *r, void *c) { return PyLong_FromLong(r->nworkers); }
+static PyObject *get_closed(ReaderObject *r, void *c) { return PyBool_FromLong(r->closing); }
+
+static PyMethodDef Reader_methods[] = {
+    {"open", (PyCFunction)(void (*)(void))Reader_open, METH_VARARGS | METH_KEYWORDS,
+     "open(path, direct=True) -> file index"},
+    {"is_direct", (PyCFunction)Reader_is_direct, METH_O, "is_direct(file_index) -> bool"},
+    {"submit", (PyCFunction)(void (*)(void))Reader_submit, METH_VARARGS | METH_KEYWORDS,
+     "submit(requests, urgent=False); requests: [(tag, file, offset, length, dest_address)]"},
+    {"cancel", (PyCFunction)Reader_cancel, METH_O, "cancel(tags) -> tags removed"},
+    {"promote", (PyCFunction)Reader_promote, METH_O, "promote(tags) -> tags moved to urgent"},
+    {"wait", (PyCFunction)(void (*)(void))Reader_wait, METH_VARARGS | METH_KEYWORDS,
+     "wait(tags=None, timeout=None) -> [(tag, err, bytes_read)]"},
+    {"poll", (PyCFunction)Reader_poll, METH_NOARGS, "poll() -> [(tag, err, bytes_read)]"},
+    {"pause", (PyCFunction)Reader_pause, METH_NOARGS, "stop starting new reads"},
+    {"resume", (PyCFunction)Reader_resume, METH_NOARGS, "start reads again"},
+    {"stats", (PyCFunction)Reader_stats, METH_NOARGS, "counters as a dict"},
+    {"reset_stats", (PyCFunction)Reader_reset_stats, METH_NOARGS, "zero the counters"},
+    {"close", (PyCFunction)Reader_close, METH_NOARGS, "stop workers, close files"},
+    {NULL},
+};
+
+static PyGetSetDef Reader_getset[] = {
+    {"workers", (getter)get_workers, NULL, "number of worker threads", NULL},
+    {"closed", (getter)get_closed, NULL, "True after close()", NULL},
+    {NULL},
+};
+
+static PyTypeObject ReaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "strata_mlx._reader.Reader",
+    .tp_basicsize = sizeof(ReaderObject),
+    .tp_dealloc = (destructor)Reader_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "Reader(workers=8, start_paused=False): native pread worker pool",
+    .tp_methods = Reader_methods,
+    .tp_getset = Reader_getset,
+    .tp_new = Reader_new,
+};
+
+static struct PyModuleDef reader_module = {
+    PyModuleDef_HEAD_INIT, "_reader", "Native direct-I/O reader threads (see strata_mlx.reader).",
+    -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__reader(void) {
+    if (PyType_Ready(&ReaderType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&reader_module);
+    if (!m) return NULL;
+    Py_INCREF(&ReaderType);
+    if (PyModule_AddObject(m, "Reader", (PyObject *)&ReaderType) < 0 ||
+        PyModule_AddIntConstant(m, "ALIGNMENT", ALIGNMENT) < 0 ||
+        PyModule_AddIntConstant(m, "SHORT_READ", SHORT_READ) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,177 @@
+"""Native SSD reader: worker pthreads pread expert records straight into arena memory.
+
+On MLX's CPU backend, Python threads that read files lose most of their bandwidth while the
+main thread sits in ``mx.eval`` (they fight it for the GIL). So the read loop lives in the C
+extension ``strata_mlx._reader``: its worker threads take requests off two queues and call
+``pread`` without ever holding the GIL. Python decides what to read, submits batches, and
+collects completions with :meth:`Reader.wait`, which releases the GIL while it blocks.
+
+Callers pass destination *addresses*, not buffers: a request writes ``length`` bytes at the raw
+address ``dest_address`` (a Python int, e.g. ``arr.ctypes.data + offset`` of the arena's numpy
+view). The caller must keep that memory alive and leave it alone until the request's
+completion has been collected, it has been cancelled, or :meth:`Reader.close` has returned.
+Nothing checks that the address is valid: a wrong one crashes the process.
+
+Files opened direct (``O_DIRECT`` on Linux, ``F_NOCACHE`` on macOS) need ``offset``,
+``length`` and ``dest_address`` to be multiples of :data:`ALIGNMENT`; :meth:`Reader.submit`
+raises ``ValueError`` otherwise. Where the file system refuses direct I/O the file is opened
+buffered instead and :meth:`Reader.is_direct` says so.
+
+Completions are ``(tag, error, bytes_read)`` tuples: ``error`` is 0, a positive ``errno`` from
+``pread``, or :data:`SHORT_READ` when the file ended before ``length`` bytes (a truncated
+store), with ``bytes_read`` saying how far it got.
+
+Tags are the caller's ints and must be unique among requests not yet collected (unchecked).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from . import _reader
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+ALIGNMENT: int = _reader.ALIGNMENT
+"""Direct I/O granularity in bytes (4096)."""
+
+SHORT_READ: int = _reader.SHORT_READ
+"""Completion error code (-1): end of file before the requested length."""
+
+Request = tuple[int, int, int, int, int]
+"""``(tag, file_index, offset, length, dest_address)``."""
+
+Completion = tuple[int, int, int]
+"""``(tag, error, bytes_read)``; error is 0, an errno, or SHORT_READ."""
+
+
+def error_message(code: int) -> str:
+    """Human-readable text for a completion's error code."""
+    if code == 0:
+        return "ok"
+    if code == SHORT_READ:
+        return "end of file before the requested length (truncated file?)"
+    return os.strerror(code)
+
+
+class Reader:
+    """A pool of native reader threads with an urgent and a read-ahead queue.
+
+    Workers always take urgent requests first; read-ahead requests run only while no urgent
+    one is queued. Usable as a context manager; :meth:`close` also runs on garbage collection.
+
+    Args:
+        workers: number of reader threads (concurrent preads in flight).
+        start_paused: start with the workers paused (nothing is read until :meth:`resume`);
+            lets tests and callers queue work deterministically.
+    """
+
+    def __init__(self, workers: int = 8, start_paused: bool = False) -> None:
+        self._r = _reader.Reader(workers, start_paused)
+
+    @property
+    def workers(self) -> int:
+        """Number of worker threads."""
+        return self._r.workers
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has been called."""
+        return self._r.closed
+
+    def open(self, path: str | os.PathLike, direct: bool = True) -> int:
+        """Open ``path`` read-only and return its file index for requests.
+
+        With ``direct=True`` the page cache is bypassed (Linux ``O_DIRECT``, macOS
+        ``F_NOCACHE``). If the file system rejects ``O_DIRECT`` (``EINVAL``) the file is opened
+        buffered instead; check :meth:`is_direct`. Files stay open until :meth:`close`.
+        Raises OSError if the file cannot be opened.
+        """
+        return self._r.open(path, direct)
+
+    def is_direct(self, file_index: int) -> bool:
+        """Whether the file was opened with direct I/O (and so needs aligned requests)."""
+        return self._r.is_direct(file_index)
+
+    def submit(self, requests: Sequence[Request], urgent: bool = False) -> None:
+        """Queue a batch of ``(tag, file_index, offset, length, dest_address)`` requests.
+
+        The whole batch is validated before any of it is queued, then queued under one lock,
+        in order, at the back of the urgent or the read-ahead queue. Raises ValueError for an
+        unknown file index, negative offset/length, a NULL address, or (direct files) an
+        offset, length or address that is not a multiple of :data:`ALIGNMENT`.
+        """
+        self._r.submit(requests, urgent)
+
+    def cancel(self, tags: Iterable[int]) -> list[int]:
+        """Drop queued read-ahead requests with these tags; returns the tags dropped.
+
+        Requests already being read, urgent ones and completed ones are not touched. A
+        cancelled tag never completes (waiting for it raises KeyError).
+        """
+        return self._r.cancel(list(tags))
+
+    def promote(self, tags: Iterable[int]) -> list[int]:
+        """Move queued read-ahead requests to the back of the urgent queue, in the order
+        given; returns the tags moved (those not in the read-ahead queue are skipped)."""
+        return self._r.promote(list(tags))
+
+    def wait(
+        self, tags: Iterable[int] | None = None, timeout: float | None = None
+    ) -> list[Completion]:
+        """Block (GIL released) until every tag in ``tags`` has completed; return and clear
+        their completions, in the order of ``tags``.
+
+        With ``tags=None``, block until at least one completion is available and return and
+        clear all of them, in completion order (``[]`` at once if nothing is queued, in flight
+        or completed). Completions not asked for stay for later :meth:`wait`/:meth:`poll`.
+
+        On ``timeout`` (seconds) return whichever of the asked-for completions are there,
+        possibly none: compare lengths to tell. Raises KeyError for a tag that is not queued,
+        in flight or completed (never submitted, cancelled, or already collected) instead of
+        waiting forever for it, and ValueError if the reader is closed. Ctrl-C interrupts it.
+        Waiting does not promote: a read-ahead tag you need now should be :meth:`promote`\\ d.
+        """
+        return self._r.wait(None if tags is None else list(tags), timeout)
+
+    def poll(self) -> list[Completion]:
+        """Return and clear all available completions without blocking."""
+        return self._r.poll()
+
+    def pause(self) -> None:
+        """Stop starting new reads (reads in flight finish)."""
+        self._r.pause()
+
+    def resume(self) -> None:
+        """Start reads again after :meth:`pause` or ``start_paused``."""
+        self._r.resume()
+
+    def stats(self) -> dict:
+        """Counters: ``bytes_read``, ``requests_done``, ``errors``, ``busy_ns`` (list, per
+        worker: time spent inside reads), and the current ``queued_urgent``,
+        ``queued_ahead``, ``in_flight`` and uncollected ``completions``."""
+        return self._r.stats()
+
+    def reset_stats(self) -> None:
+        """Zero bytes_read, requests_done, errors and busy_ns."""
+        self._r.reset_stats()
+
+    def close(self) -> None:
+        """Stop the workers and close the files. Reads in flight finish first; queued ones
+        are dropped. After it returns no thread writes to caller memory. Idempotent."""
+        self._r.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

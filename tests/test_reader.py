@@ -1,0 +1,300 @@
+"""The native reader: bytes land where asked, queue order, cancel/promote, errors, the GIL."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strata_mlx.reader import ALIGNMENT, SHORT_READ, Reader, error_message
+
+RECORD = 4 * ALIGNMENT
+N_RECORDS = 16
+
+
+def aligned(nbytes: int) -> tuple[np.ndarray, int]:
+    """A zeroed uint8 array of nbytes whose data address is ALIGNMENT aligned, and the address."""
+    raw = np.zeros(nbytes + ALIGNMENT, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGNMENT
+    view = raw[start : start + nbytes]
+    assert view.ctypes.data % ALIGNMENT == 0
+    return view, view.ctypes.data
+
+
+@pytest.fixture(scope="module")
+def data_dir():
+    # /tmp may be tmpfs (no O_DIRECT on older kernels); prefer a disk-backed directory.
+    base = "/var/tmp" if os.path.isdir("/var/tmp") and os.access("/var/tmp", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="strata-reader-", dir=base) as d:
+        yield Path(d)
+
+
+@pytest.fixture(scope="module")
+def data_file(data_dir) -> tuple[Path, bytes]:
+    payload = np.random.default_rng(0).integers(0, 256, RECORD * N_RECORDS, dtype=np.uint8)
+    path = data_dir / "records.bin"
+    path.write_bytes(payload.tobytes())
+    return path, payload.tobytes()
+
+
+def drain(reader: Reader, n: int) -> list[tuple[int, int, int]]:
+    """Collect n completions in completion order."""
+    out: list[tuple[int, int, int]] = []
+    while len(out) < n:
+        got = reader.wait(None, timeout=10)
+        assert got, "no completion within 10 s"
+        out += got
+    return out
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_reads_land_in_place(data_file, direct):
+    path, payload = data_file
+    buf, addr = aligned(RECORD * N_RECORDS)
+    order = np.random.default_rng(1).permutation(N_RECORDS)
+    with Reader(workers=4) as r:
+        f = r.open(path, direct=direct)
+        if not direct:
+            assert not r.is_direct(f)
+        # record i goes to slot order[i]
+        reqs = [(i, f, i * RECORD, RECORD, addr + int(order[i]) * RECORD) for i in range(N_RECORDS)]
+        r.submit(reqs[: N_RECORDS // 2], urgent=True)
+        r.submit(reqs[N_RECORDS // 2 :])
+        done = r.wait(range(N_RECORDS), timeout=10)
+        assert done == [(i, 0, RECORD) for i in range(N_RECORDS)]
+        stats = r.stats()
+        assert stats["bytes_read"] == RECORD * N_RECORDS
+        assert stats["requests_done"] == N_RECORDS
+        assert stats["errors"] == 0 and len(stats["busy_ns"]) == 4
+        assert r.poll() == []
+    for i in range(N_RECORDS):
+        slot = int(order[i])
+        assert (
+            buf[slot * RECORD : (slot + 1) * RECORD].tobytes()
+            == payload[i * RECORD : (i + 1) * RECORD]
+        )
+
+
+def test_buffered_allows_unaligned(data_file):
+    path, payload = data_file
+    buf = np.zeros(1000, dtype=np.uint8)
+    with Reader(workers=1) as r:
+        f = r.open(path, direct=False)
+        r.submit([(7, f, 12345, 999, buf.ctypes.data + 1)])
+        assert r.wait([7], timeout=10) == [(7, 0, 999)]
+    assert buf[1:].tobytes() == payload[12345 : 12345 + 999]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="procfs")
+def test_fallback_when_direct_refused():
+    # procfs refuses O_DIRECT with EINVAL: the reader falls back to buffered and says so.
+    expected = Path("/proc/version").read_bytes()
+    buf = np.zeros(len(expected), dtype=np.uint8)
+    with Reader(workers=1) as r:
+        f = r.open("/proc/version", direct=True)
+        assert r.is_direct(f) is False
+        r.submit([(1, f, 0, len(expected), buf.ctypes.data)])
+        assert r.wait([1], timeout=10) == [(1, 0, len(expected))]
+    assert buf.tobytes() == expected
+
+
+def test_urgent_before_read_ahead(data_file):
+    path, _ = data_file
+    _, addr = aligned(RECORD)
+    with Reader(workers=1, start_paused=True) as r:
+        f = r.open(path)
+        r.submit([(t, f, t * RECORD, RECORD, addr) for t in (1, 2, 3)])
+        r.submit([(t, f, t * RECORD, RECORD, addr) for t in (10, 11)], urgent=True)
+        assert r.stats()["queued_ahead"] == 3 and r.stats()["queued_urgent"] == 2
+        r.resume()
+        assert [c[0] for c in drain(r, 5)] == [10, 11, 1, 2, 3]
+
+
+def test_cancel(data_file):
+    path, _ = data_file
+    _, addr = aligned(RECORD)
+    with Reader(workers=1, start_paused=True) as r:
+        f = r.open(path)
+        r.submit([(t, f, t * RECORD, RECORD, addr) for t in range(1, 6)])
+        r.submit([(9, f, 0, RECORD, addr)], urgent=True)
+        assert r.cancel([2, 4, 9, 99]) == [2, 4]  # 9 is urgent, 99 unknown
+        r.resume()
+        assert [c[0] for c in drain(r, 4)] == [9, 1, 3, 5]
+        with pytest.raises(KeyError):
+            r.wait([2], timeout=10)  # cancelled: an error, not a hang
+        assert r.cancel([1]) == []  # already done
+        assert r.stats()["requests_done"] == 4
+
+
+def test_promote(data_file):
+    path, _ = data_file
+    _, addr = aligned(RECORD)
+    with Reader(workers=1, start_paused=True) as r:
+        f = r.open(path)
+        r.submit([(t, f, t * RECORD, RECORD, addr) for t in (1, 2, 3, 4)])
+        r.submit([(8, f, 0, RECORD, addr)], urgent=True)
+        assert r.promote([4, 3, 8, 77]) == [4, 3]
+        r.resume()
+        assert [c[0] for c in drain(r, 5)] == [8, 4, 3, 1, 2]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_truncated_file_is_an_error(data_dir, direct):
+    path = data_dir / f"short-{direct}.bin"
+    path.write_bytes(os.urandom(3 * ALIGNMENT + 1000))
+    _, addr = aligned(4 * ALIGNMENT)
+    with Reader(workers=2) as r:
+        f = r.open(path, direct=direct)
+        r.submit(
+            [
+                (1, f, 0, 2 * ALIGNMENT, addr),  # fine
+                (2, f, 2 * ALIGNMENT, 2 * ALIGNMENT, addr),  # runs past the end
+                (3, f, 8 * ALIGNMENT, ALIGNMENT, addr),  # starts past the end
+            ]
+        )
+        done = r.wait([1, 2, 3], timeout=10)
+        assert done == [
+            (1, 0, 2 * ALIGNMENT),
+            (2, SHORT_READ, ALIGNMENT + 1000),
+            (3, SHORT_READ, 0),
+        ]
+        assert r.stats()["errors"] == 2
+    assert "end of file" in error_message(SHORT_READ)
+
+
+def test_invalid_requests_raise(data_file):
+    path, _ = data_file
+    _, addr = aligned(2 * RECORD)
+    with Reader(workers=1, start_paused=True) as r:
+        f = r.open(path)
+        if not r.is_direct(f):
+            pytest.skip("file system refuses O_DIRECT")
+        good = (1, f, 0, RECORD, addr)
+        for bad, word in [
+            ((2, f, 100, RECORD, addr), "offset"),
+            ((2, f, 0, RECORD - 1, addr), "length"),
+            ((2, f, 0, RECORD, addr + 8), "dest_address"),
+            ((2, f + 5, 0, RECORD, addr), "file_index"),
+            ((2, f, -ALIGNMENT, RECORD, addr), ">= 0"),
+            ((2, f, 0, RECORD, 0), "NULL"),
+        ]:
+            with pytest.raises(ValueError, match=word):
+                r.submit([good, bad])
+        with pytest.raises(TypeError):
+            r.submit([[1, f, 0, RECORD, addr]])
+        with pytest.raises(OverflowError):
+            r.submit([(1, f, 0, RECORD, -4096)])
+        # a bad request rejects the whole batch: nothing was queued
+        assert r.stats()["queued_ahead"] == 0
+        with pytest.raises(FileNotFoundError):
+            r.open(path.parent / "missing.bin")
+
+
+def test_wait_timeout_unknown_and_close(data_file):
+    path, _ = data_file
+    _, addr = aligned(RECORD)
+    r = Reader(workers=1, start_paused=True)
+    f = r.open(path)
+    r.submit([(1, f, 0, RECORD, addr)])
+    assert r.wait([1], timeout=0.05) == []  # paused: times out, returns what is there
+    with pytest.raises(KeyError):
+        r.wait([1, 42])
+    r.resume()
+    r.submit([(2, f, 0, RECORD, addr)])
+    assert r.wait([2], timeout=10) == [(2, 0, RECORD)]
+    assert r.poll() == [(1, 0, RECORD)]  # not asked for above: kept
+    assert r.wait(None, timeout=0) == []  # nothing outstanding: returns at once
+    r.close()
+    r.close()
+    assert r.closed
+    with pytest.raises(ValueError):
+        r.submit([(3, f, 0, RECORD, addr)])
+    with pytest.raises(ValueError):
+        r.wait([3])
+
+
+def test_close_while_waiting_and_with_queued_work(data_file):
+    path, _ = data_file
+    _, addr = aligned(RECORD)
+    r = Reader(workers=1, start_paused=True)
+    f = r.open(path)
+    r.submit([(t, f, 0, RECORD, addr) for t in range(50)])
+    errors = []
+
+    def waiter():
+        try:
+            r.wait([0])
+        except ValueError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    r.close()  # queued requests are dropped, the waiter is woken with an error
+    t.join(10)
+    assert not t.is_alive() and len(errors) == 1
+
+
+def test_wait_releases_the_gil(data_file):
+    # The only thing that lets the read start is a Python thread that must first count to N,
+    # so wait() can only return if it let that thread run. No timing involved.
+    path, _ = data_file
+    _, addr = aligned(RECORD)
+    n = 200_000
+    count = 0
+    with Reader(workers=1, start_paused=True) as r:
+        f = r.open(path)
+        r.submit([(1, f, 0, RECORD, addr)])
+
+        def counter():
+            nonlocal count
+            for _ in range(n):
+                count += 1
+            r.resume()
+
+        t = threading.Thread(target=counter)
+        t.start()
+        done = r.wait([1], timeout=30)
+        t.join()
+    assert count == n
+    assert done == [(1, 0, RECORD)]
+
+
+def test_many_concurrent_requests(data_file):
+    path, payload = data_file
+    rng = np.random.default_rng(2)
+    n = 400
+    records = rng.integers(0, N_RECORDS, n)
+    buf, addr = aligned(n * RECORD)
+    with Reader(workers=8) as r:
+        f = r.open(path)
+        reqs = [
+            (i, f, int(rec) * RECORD, RECORD, addr + i * RECORD) for i, rec in enumerate(records)
+        ]
+        for start in range(0, n, 50):
+            r.submit(reqs[start : start + 50], urgent=bool(start % 100))
+        done = drain(r, n)
+    assert sorted(c[0] for c in done) == list(range(n))
+    assert all(c[1:] == (0, RECORD) for c in done)
+    for i, rec in enumerate(records):
+        got = buf[i * RECORD : (i + 1) * RECORD].tobytes()
+        assert got == payload[int(rec) * RECORD : (int(rec) + 1) * RECORD]
+
+
+def test_probe_small_file(data_dir):
+    from strata_mlx.probe import probe_ssd
+
+    path = data_dir / "probe.bin"
+    path.write_bytes(os.urandom(5 * ALIGNMENT + 123))  # smaller than one default record
+    results = probe_ssd(path, workers_list=(1, 3), seconds=0.2, max_reads=40)
+    assert [r["workers"] for r in results] == [1, 3]
+    for res in results:
+        assert res["record_bytes"] == 5 * ALIGNMENT
+        assert 1 <= res["reads"] <= 40 and res["gb_per_s"] > 0
+        assert isinstance(res["direct"], bool)
+    one = probe_ssd(path, record_bytes=3000, workers_list=(2,), max_reads=1)[0]
+    assert one["reads"] == 1 and one["record_bytes"] == ALIGNMENT
