@@ -1,0 +1,321 @@
+"""The OpenAI-compatible server, through the official `openai` client against a live uvicorn
+server on 127.0.0.1 (a random free port): chat and text completions, streaming, stop, limits,
+errors, concurrency, models and stats."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx  # the HTTP client the openai package is built on
+import openai
+import pytest
+import uvicorn
+
+import strata_mlx
+from strata_mlx.server import create_app
+from strata_mlx.store import load_manifest
+
+FAMILY = "qwen3_moe"
+NAME = "tiny-qwen3-moe"
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SENTENCES = [
+    "the cat sat on the mat",
+    "a dog ran in the park",
+    "what is the capital of france",
+    "paris is a city in france",
+    "tell me a story about a red fox",
+]
+
+
+def write_tokenizer(d, vocab_size: int = 128) -> None:
+    """A word-level tokenizer trained on a few sentences, padded to the tiny model's vocab."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    special = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = {w for line in SENTENCES + ["system user assistant"] for w in line.split()}
+    filler = [f"w{i}" for i in range(vocab_size - len(special) - len(words))]
+    corpus = SENTENCES + ["system user assistant"] + [" ".join(filler)]
+    trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=special)
+    tok.train_from_iterator(corpus, trainer)
+    assert tok.get_vocab_size() == vocab_size
+    assert all(tok.token_to_id(w) is not None for w in words)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None})
+    )
+
+
+@pytest.fixture(scope="module")
+def served(store, tmp_path_factory):
+    d = tmp_path_factory.mktemp("served") / "tiny"
+    src = store(FAMILY)
+    shutil.copytree(src, d)
+    write_tokenizer(d)
+    rb = load_manifest(d).layout.record_bytes
+    # 5 slots for 2 layers x 8 experts: requests really stream and evict.
+    model, tok = strata_mlx.load(d, arena_gb=5 * rb / 1024**3, read_ahead="lookahead")
+    assert tok is not None and tok.eos_token_ids == {tok._tok.token_to_id("<|im_end|>")}
+    app = create_app(model, tok, NAME)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        yield base, model, tok
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
+        model.expert_cache.close()
+    assert not thread.is_alive()
+
+
+@pytest.fixture
+def client(served):
+    base, _, _ = served
+    http = httpx.Client(trust_env=False, timeout=60)  # localhost only, no proxies
+    c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, http_client=http)
+    yield c
+    http.close()
+
+
+def chat_ids(tok, content: str) -> list[int]:
+    text = tok.apply_chat_template([{"role": "user", "content": content}])
+    return tok.encode(text, add_special_tokens=False)
+
+
+def chat(client, content, **kw):
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_tokens", 8)
+    return client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": content}], **kw
+    )
+
+
+def stream_chat(client, content, **kw):
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_tokens", 8)
+    text, finish, usage, n = "", None, None, 0
+    for chunk in client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": content}], stream=True, **kw
+    ):
+        n += 1
+        assert n < 1000
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+    return text, finish, usage
+
+
+def test_chat_matches_generate(served, client):
+    _, model, tok = served
+    r = chat(client, "what is the capital of france", max_tokens=10)
+    ids = chat_ids(tok, "what is the capital of france")
+    expected = strata_mlx.generate(model, tok, ids, max_tokens=10)
+    assert r.model == NAME and r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and msg.content == expected and expected
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(ids)
+    assert 1 <= r.usage.completion_tokens <= 10
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streaming_equals_non_streaming(client):
+    full = chat(client, "tell me a story", max_tokens=10)
+    text, finish, usage = stream_chat(
+        client, "tell me a story", max_tokens=10, stream_options={"include_usage": True}
+    )
+    assert text == full.choices[0].message.content
+    assert finish == full.choices[0].finish_reason
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_text_completions(served, client):
+    _, model, tok = served
+    r = client.completions.create(model=NAME, prompt="the cat sat", max_tokens=6, temperature=0)
+    assert r.object == "text_completion"
+    assert r.choices[0].text == strata_mlx.generate(
+        model, tok, tok.encode("the cat sat"), max_tokens=6
+    )
+    ids = [5, 9, 17, 3]
+    r2 = client.completions.create(model=NAME, prompt=ids, max_tokens=6, temperature=0)
+    assert r2.choices[0].text == strata_mlx.generate(model, tok, ids, max_tokens=6)
+    assert r2.usage.prompt_tokens == 4
+    text = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=NAME, prompt="the cat sat", max_tokens=6, temperature=0, stream=True
+        )
+    )
+    assert text == r.choices[0].text
+
+
+def test_stop_sequences(client):
+    full = chat(client, "a dog ran", max_tokens=16, stop=None).choices[0].message.content
+    words = full.split()
+    assert len(words) >= 4, full  # the tiny model's greedy output is long enough
+    # one word, a list, and a stop sequence spanning two tokens
+    for stop in (words[2], ["zzz-never", words[3]], f"{words[1]} {words[2]}"):
+        first = stop if isinstance(stop, str) else stop[1]
+        expected = full[: full.find(first)]
+        r = chat(client, "a dog ran", max_tokens=16, stop=stop)
+        assert r.choices[0].message.content == expected, stop
+        assert r.choices[0].finish_reason == "stop"
+        text, finish, _ = stream_chat(client, "a dog ran", max_tokens=16, stop=stop)
+        assert (text, finish) == (expected, "stop"), stop
+
+
+def test_max_tokens(client):
+    r = chat(client, "the cat sat on the mat", max_tokens=3)
+    assert r.usage.completion_tokens <= 3
+    if r.choices[0].finish_reason == "length":
+        assert r.usage.completion_tokens == 3
+    r0 = chat(client, "the cat sat on the mat", max_tokens=0)
+    assert r0.choices[0].message.content == "" and r0.usage.completion_tokens == 0
+    assert r0.choices[0].finish_reason == "length"
+    r4 = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "the cat"}],
+        max_completion_tokens=2,
+        temperature=0,
+    )
+    assert r4.usage.completion_tokens <= 2
+
+
+def test_sampling_with_seed_is_reproducible(client):
+    a = chat(client, "a red fox", temperature=1.0, top_p=0.9, seed=7, max_tokens=8)
+    b = chat(client, "a red fox", temperature=1.0, top_p=0.9, seed=7, max_tokens=8)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_bad_requests_answer_400_with_an_error_body(served, client):
+    base, _, _ = served
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "hello", max_tokens=-1)
+    assert e.value.status_code == 400
+    err = e.value.body
+    assert set(err) >= {"message", "type", "param", "code"} and err["param"] == "max_tokens"
+
+    url = base + "/v1/chat/completions"
+    cases = [
+        ({"model": NAME}, "messages"),  # missing messages
+        ({"model": NAME, "messages": "hi"}, "messages"),  # wrong type
+        ({"model": NAME, "messages": []}, "messages"),  # empty
+        ({"model": NAME, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ({"model": NAME, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        (
+            {"model": NAME, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+            "temperature",
+        ),
+        (
+            {"model": NAME, "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"},
+            "max_tokens",
+        ),
+        ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "top_p": 1.5}, "top_p"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "x"}], "stop": 3}, "stop"),
+    ]
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        for body, param in cases:
+            r = http.post(url, json=body)
+            assert r.status_code == 400, body
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert err["type"] == "invalid_request_error" and err["message"]
+            assert (err["param"] or "").startswith(param), (body, err)
+        r = http.post(url, content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        r = http.post(base + "/v1/completions", json={"model": NAME, "prompt": [500]})
+        assert r.status_code == 400 and "500" in r.json()["error"]["message"]
+        r = http.post(url, json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = http.get(base + "/v1/nothing")
+        assert r.status_code == 404 and "error" in r.json()
+
+
+def test_concurrent_requests_match_requests_made_alone(client):
+    prompts = ["the cat sat", "a dog ran in the park", "paris is a city", "tell me a story"]
+    alone = {p: chat(client, p, max_tokens=6).choices[0].message.content for p in prompts}
+    jobs = [(prompts[i % 4], i % 3 == 0) for i in range(20)]  # a third of them streamed
+
+    def one(job):
+        p, streamed = job
+        if streamed:
+            return p, stream_chat(client, p, max_tokens=6)[0]
+        return p, chat(client, p, max_tokens=6).choices[0].message.content
+
+    with ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(one, jobs, timeout=120))
+    assert len(results) == 20
+    for p, text in results:
+        assert text == alone[p], p
+
+
+def test_models_endpoint(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert client.models.retrieve(NAME).id == NAME
+
+
+def test_stats_endpoint(served, client):
+    base, model, _ = served
+    chat(client, "the cat", max_tokens=2)
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        for path in ("/v1/stats", "/stats"):
+            s = http.get(base + path).json()
+            assert s["model"] == NAME
+            ec = s["expert_cache"]
+            assert ec["lookups"] > 0 and ec["experts_read"] > 0 and 0 <= ec["hit_rate"] <= 1
+            assert ec["lookups"] == model.expert_cache.stats.lookups
+            assert s["arena"]["slots"] == 5
+            assert s["server"]["requests"] >= 1 and s["server"]["completion_tokens"] >= 1
+            assert s["served"]["lookups"] > 0 and s["served"]["wall_s"] > 0
+            assert s["served"]["tokens"] > 0
+
+
+def test_client_leaving_a_stream_stops_its_generation(served, client):
+    base, _, _ = served
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        before = http.get(base + "/v1/stats").json()["server"]
+        stream = client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": "tell me a story"}],
+            stream=True,
+            max_tokens=2000,
+            temperature=0,
+        )
+        next(iter(stream))
+        # the event loop answers while the worker thread generates
+        assert http.get(base + "/v1/models").status_code == 200
+        stream.close()
+        deadline = time.monotonic() + 30
+        while True:
+            s = http.get(base + "/v1/stats").json()["server"]
+            if s["active"] == 0 and s["requests"] > before["requests"]:
+                break
+            assert time.monotonic() < deadline, s
+            time.sleep(0.05)
+        assert s["completion_tokens"] - before["completion_tokens"] < 2000
+    assert chat(client, "the cat", max_tokens=2).usage.completion_tokens >= 1
