@@ -143,6 +143,7 @@ class Arena:
         self.pinned: set[int] = set()
         self.loading: set[int] = set()  # slots whose read is in flight
         self._free = list(range(n_slots - 1, -1, -1))
+        self.evicted: list[Key] = []  # evictions since the owner last drained this list
 
     @property
     def nbytes(self) -> int:
@@ -176,6 +177,7 @@ class Arena:
                 return None
             slot = self.slot_of.pop(victim)
             self.policy.remove(victim)
+            self.evicted.append(victim)
         self.owner[slot] = key
         self.slot_of[key] = slot
         self.loading.add(slot)

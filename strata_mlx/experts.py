@@ -342,10 +342,11 @@ class ExpertCache:
 
     def _evicted_check(self) -> None:
         # A prefetched expert evicted before use was a wasted read.
-        stale = [k for k in self._prefetched if k not in self.arena.slot_of]
-        for k in stale:
-            self._prefetched.discard(k)
-            self.stats.wasted_readahead += 1
+        for key in self.arena.evicted:
+            if key in self._prefetched:
+                self._prefetched.discard(key)
+                self.stats.wasted_readahead += 1
+        self.arena.evicted.clear()
 
     def _submit_readahead(self, layer: int, ranked: list[int]) -> None:
         keys = []

@@ -55,7 +55,11 @@ def _expert_layout(D: int, inter: int, bits: int, gs: int, dtype):
     return layout_for(tensors, table)
 
 
-def _random_expert(rng: np.random.Generator, layout, bits: int, scale_mul: float, np_dtype) -> dict:
+def _random_expert(
+    rng: np.random.Generator, pool: np.ndarray, layout, bits: int, scale_mul: float, np_dtype
+) -> dict:
+    """One expert: codes are windows at random offsets into a pool of random bytes (drawing
+    fresh bytes for every expert made conversion CPU-bound), scales drawn per expert."""
     out = {}
     for p in PROJECTIONS:
         w = layout.component(f"{p}.weight")
@@ -63,7 +67,8 @@ def _random_expert(rng: np.random.Generator, layout, bits: int, scale_mul: float
         fan_in = w.shape[1] * 32 // bits
         base = scale_mul / np.sqrt(fan_in) / 2 ** (bits - 1)
         scales = (base * rng.uniform(0.5, 1.5, size=s.shape)).astype(np_dtype)
-        out[f"{p}.weight"] = np.frombuffer(rng.bytes(w.nbytes), dtype=np.uint32).reshape(w.shape)
+        start = int(rng.integers(0, (pool.size - w.nbytes) // 4)) * 4
+        out[f"{p}.weight"] = pool[start : start + w.nbytes].view(np.uint32).reshape(w.shape)
         out[f"{p}.scales"] = scales
         out[f"{p}.biases"] = (-(2 ** (bits - 1)) * scales.astype(np.float32)).astype(np_dtype)
     return out
@@ -123,6 +128,7 @@ def convert_synthetic(
         attn.o_proj.weight = attn.o_proj.weight * residual_scale
     dense = dict(tree_flatten(model.parameters()))
     layout = _expert_layout(D, args.moe_intermediate_size, bits, gs, mdtype)
+    pool = np.frombuffer(rng.bytes(64 << 20), dtype=np.uint8)
     writer = StoreWriter(out, cfg["model_type"], cfg, layout, moe_layers, E)
     with writer:
         writer.write_dense(dense)
@@ -130,7 +136,7 @@ def convert_synthetic(
         for layer in moe_layers:
             for e in range(E):
                 writer.add_expert(
-                    layer, e, _random_expert(rng, layout, bits, residual_scale, np_dtype)
+                    layer, e, _random_expert(rng, pool, layout, bits, residual_scale, np_dtype)
                 )
                 bar.update(1)
         bar.close()
