@@ -172,7 +172,7 @@ def generate(
         if tok is None:
             raise ValueError(f"{model}: the store has no tokenizer; use --prompt-tokens")
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-        ids = tok.encode(text)
+        ids = tok.encode(text, add_special_tokens=not chat)  # a template carries its own BOS
     if dump_moe is not None:
         from .tools import MoeDumper
 
@@ -384,3 +384,17 @@ def probe_ssd(
 
 def main():  # pragma: no cover
     app()
+
+
+def _register_tools() -> None:
+    from .server import serve_command
+    from .tools import kld_command, route_parity_command
+
+    app.command("serve", help="An OpenAI-compatible server.")(user_errors(serve_command))
+    app.command("kld", help="KLD and top-1 agreement between two logits files.")(user_errors(kld_command))
+    app.command("route-parity", help="Routing of two configurations, per layer and token.")(
+        user_errors(route_parity_command)
+    )
+
+
+_register_tools()

@@ -119,7 +119,7 @@ class _Read:
 
 @dataclass
 class RoutingTrace:
-    """Routing decisions recorded for research (enable with ExpertCache.trace_routing)."""
+    """Routing decisions recorded for research: set `model.expert_cache.trace = RoutingTrace()`."""
 
     ids: dict[int, list[np.ndarray]] = field(default_factory=dict)  # layer -> per call [T, k]
 

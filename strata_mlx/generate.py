@@ -150,6 +150,7 @@ def stream_generate(
     tic = time.perf_counter()
     prefill_stats = None
     text = ""
+    emitted = 0  # characters of `text` already yielded
     n = 0
     prompt_tps = 0.0
     for n, (token, logprobs) in enumerate(
@@ -173,18 +174,20 @@ def stream_generate(
         finish = None
         if token in eos:
             finish = "stop"
-            segment = ""
-        else:
-            segment = detok.add(token) if detok else ""
-            text += segment
-        if stop and finish is None:
+        elif detok is not None:
+            text += detok.add(token)
+        end = len(text)
+        if stop and finish != "stop":
             hit = _find_stop(text, stop)
             if hit is not None:
-                segment = segment[: max(0, len(segment) - (len(text) - hit))]
-                text = text[:hit]
-                finish = "stop"
+                text, end, finish = text[:hit], hit, "stop"
+            else:
+                end = len(text) - _holdback(text, stop)  # might still become a stop string
         if finish is None and n + 1 == max_tokens:
             finish = "length"
+        if finish is not None:
+            end = len(text)
+        segment, emitted = text[emitted:end], end
         stats = None
         if expert_cache:
             stats = expert_cache.stats.minus(start_stats)
@@ -210,6 +213,17 @@ def stream_generate(
         )
         if finish is not None:
             break
+
+
+def _holdback(text: str, stop: list[str]) -> int:
+    """Length of the longest end of `text` that begins some stop string."""
+    best = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
 
 
 def _find_stop(text: str, stop: list[str]) -> int | None:

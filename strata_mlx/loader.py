@@ -6,6 +6,7 @@ layer. Never reads expert records itself (the cache does).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from dataclasses import dataclass
@@ -97,7 +98,7 @@ def load(
     **overrides,
 ):
     """Load a strata-mlx store: returns (model, tokenizer or None), as mlx-lm's load()."""
-    cfg = config or RuntimeConfig()
+    cfg = dataclasses.replace(config) if config is not None else RuntimeConfig()
     if arena_gb is not None:
         cfg.arena_gb = arena_gb
     for k, v in overrides.items():

@@ -159,6 +159,8 @@ def convert_hf(
             if not hasattr(m, "to_quantized") or m.weight.shape[-1] % q_group_size:
                 return False
             p = qpred(path, m) if qpred else True
+            if isinstance(p, dict) and m.weight.shape[-1] % p.get("group_size", q_group_size):
+                return False  # where mlx-lm's convert would fail, leave the layer float
             if isinstance(p, dict):
                 store_config["quantization"][path] = p
             return p

@@ -1,0 +1,216 @@
+"""The CLI as a user runs it: generate, convert, bench, probe-ssd, and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from conftest import prompt_ids
+
+import strata_mlx
+from strata_mlx.generate import teacher_forced_logits
+
+CLI = [sys.executable, "-m", "strata_mlx"]
+
+
+def run(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*CLI, *map(str, args)], capture_output=True, text=True, timeout=300, **kw
+    )
+
+
+def test_generate_with_prompt_tokens_and_logits_out(store, tmp_path):
+    path = store("qwen3_moe")
+    ids = prompt_ids(12, seed=7)
+    out = tmp_path / "logits.npy"
+    r = run(
+        "generate",
+        "--model",
+        path,
+        "--prompt-tokens",
+        ",".join(map(str, ids)),
+        "-m",
+        "5",
+        "--logits-out",
+        out,
+        "--arena-gb",
+        0.0001,
+        "--verbose",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Prompt: 12 tokens" in r.stdout and "Generation: 5 tokens" in r.stdout
+    assert "Peak memory" in r.stdout and "hit rate" in r.stdout
+    assert "[chunk 0]" in r.stderr
+    logits = np.load(out)
+    assert logits.shape == (12, 128) and logits.dtype == np.float32
+    model, _ = strata_mlx.load(path)
+    np.testing.assert_array_equal(logits, teacher_forced_logits(model, ids))
+
+
+def test_generate_greedy_tokens_match_the_api(store):
+    path = store("qwen3_moe")
+    ids = prompt_ids(8, seed=8)
+    r = run("generate", "--model", path, "--prompt-tokens", ",".join(map(str, ids)), "-m", "6")
+    assert r.returncode == 0, r.stderr
+    model, _ = strata_mlx.load(path)
+    expect = [x.token for x in strata_mlx.stream_generate(model, None, ids, max_tokens=6)]
+    assert r.stdout.split("\n")[0].split() == [str(t) for t in expect]
+
+
+def _error_line(r):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = [l for l in r.stderr.strip().splitlines() if l]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+def test_convert_errors_are_one_line_and_leave_nothing(hf_checkpoint, tmp_path):
+    src = hf_checkpoint("qwen3_moe")
+    # truncated safetensors
+    bad = tmp_path / "trunc"
+    shutil.copytree(src, bad)
+    st = bad / "model.safetensors"
+    os.truncate(st, st.stat().st_size // 2)
+    out = tmp_path / "out1"
+    line = _error_line(run("convert", "--hf-path", bad, "--mlx-path", out))
+    assert "model.safetensors" in line and "truncated" in line
+    assert not out.exists() and not list(tmp_path.glob(".out1*"))
+    # missing config keys
+    bad2 = tmp_path / "nokeys"
+    shutil.copytree(src, bad2)
+    cfg = json.loads((bad2 / "config.json").read_text())
+    del cfg["hidden_size"]
+    (bad2 / "config.json").write_text(json.dumps(cfg))
+    line = _error_line(run("convert", "--hf-path", bad2, "--mlx-path", tmp_path / "out2"))
+    assert "config.json" in line and "hidden_size" in line
+    # unknown architecture
+    cfg["hidden_size"] = 32
+    cfg["model_type"] = "llama4_xl"
+    (bad2 / "config.json").write_text(json.dumps(cfg))
+    line = _error_line(run("convert", "--hf-path", bad2, "--mlx-path", tmp_path / "out3"))
+    assert "config.json" in line and "llama4_xl" in line
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
+
+
+def test_convert_warns_without_tokenizer_and_quantizes(hf_checkpoint, tmp_path):
+    out = tmp_path / "q"
+    r = run(
+        "convert",
+        "--hf-path",
+        hf_checkpoint("qwen3_moe"),
+        "--mlx-path",
+        out,
+        "-q",
+        "--q-bits",
+        "4",
+        "--q-group-size",
+        "32",
+        "--calibration-tokens",
+        "16",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "no tokenizer" in r.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["quantization"]["bits"] == 4
+    assert (out / "profile.json").is_file()
+
+
+def test_store_with_bad_checksum_fails_with_verify(store, tmp_path):
+    path = tmp_path / "s"
+    shutil.copytree(store("qwen3_moe"), path)
+    with open(path / "experts.bin", "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xfe\xfd")
+    line = _error_line(
+        run("generate", "--model", path, "--prompt-tokens", "1,2,3", "-m", "2", "--verify")
+    )
+    assert "experts.bin" in line and "checksum" in line
+
+
+def test_generate_errors(store, tmp_path):
+    line = _error_line(run("generate", "--model", tmp_path / "nope", "--prompt-tokens", "1"))
+    assert "nope" in line
+    line = _error_line(run("generate", "--model", store("qwen3_moe"), "-p", "hello"))
+    assert "no tokenizer" in line
+    line = _error_line(run("generate", "--model", store("qwen3_moe"), "--prompt-tokens", "1,x"))
+    assert "--prompt-tokens" in line
+    line = _error_line(run("generate", "--model", store("qwen3_moe"), "--prompt-tokens", "999"))
+    assert "token ids" in line
+
+
+def test_synthetic_store_and_bench(tmp_path):
+    from strata_mlx.convert.synthetic import convert_synthetic, synthetic_config
+    from strata_mlx.store import load_manifest, load_profile
+
+    cfg = synthetic_config("bench-small")
+    cfg.update(
+        num_hidden_layers=3,
+        num_experts=32,
+        hidden_size=128,
+        moe_intermediate_size=64,
+        intermediate_size=256,
+        vocab_size=256,
+        num_attention_heads=2,
+        head_dim=64,
+        num_experts_per_tok=4,
+    )
+    path = convert_synthetic(
+        "tiny",
+        tmp_path / "synth",
+        config=cfg,
+        progress=False,
+        dtype="float32",
+        calibration_tokens=64,
+    )
+    m = load_manifest(path)
+    counts = load_profile(path, m)
+    assert counts.shape == (3, 32) and counts.sum() == 3 * 64 * 4
+    # structured routing is skewed: the top quarter of experts takes most picks
+    top = np.sort(counts, axis=1)[:, ::-1][:, :8].sum() / counts.sum()
+    assert top > 0.4
+    arena = 48 * m.layout.record_bytes / 1024**3  # half the experts: no expert-major groups
+    r = run(
+        "bench",
+        "--model",
+        path,
+        "-p",
+        "32",
+        "-g",
+        "4",
+        "--prefill-step-size",
+        "16",
+        "--arena-gb",
+        arena,
+        "--json",
+        tmp_path / "b.json",
+    )
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "b.json").read_text())
+    rows = {(x["policy"], x["phase"]): x for x in result["runs"]}
+    assert set(rows) == {
+        (p, ph) for p in ("demand", "static", "lookahead") for ph in ("cold", "warm")
+    }
+    assert rows[("demand", "cold")]["streamed_ahead_pct"] == 0
+    assert rows[("lookahead", "cold")]["streamed_ahead_pct"] > 0
+    assert "| policy |" in r.stdout
+
+
+def test_probe_ssd_cli(store):
+    r = run(
+        "probe-ssd",
+        Path(store("qwen3_moe")) / "experts.bin",
+        "--seconds",
+        "0.2",
+        "--workers",
+        "1,2",
+        "--record-bytes",
+        "4096",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("GB/s") == 2

@@ -1,0 +1,63 @@
+"""Generation: stop strings across tokens, sampling, and the response objects."""
+
+from __future__ import annotations
+
+from conftest import prompt_ids
+
+import strata_mlx
+from strata_mlx.tokenizer import StreamingDetokenizer
+
+
+class WordTokenizer:
+    """Token i decodes to "w{i} ": enough to test text handling without a vocabulary file."""
+
+    eos_token_ids: set[int] = set()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"w{i} " for i in ids)
+
+    def detokenizer(self):
+        return StreamingDetokenizer(self)
+
+
+def test_stop_string_spanning_tokens_is_never_streamed(store):
+    model, _ = strata_mlx.load(store("qwen3_moe"))
+    tok = WordTokenizer()
+    ids = prompt_ids(8, seed=9)
+    full = [r.token for r in strata_mlx.stream_generate(model, tok, ids, max_tokens=8)]
+    words = [f"w{t}" for t in full]
+    stop = f"{words[2]} {words[3]}"  # spans tokens 2 and 3
+    chunks = list(strata_mlx.stream_generate(model, tok, ids, max_tokens=8, stop=[stop]))
+    text = "".join(c.text for c in chunks)
+    assert text == "".join(f"{w} " for w in words[:2])
+    assert chunks[-1].finish_reason == "stop"
+    assert strata_mlx.generate(model, tok, ids, max_tokens=8, stop=[stop]) == text
+
+
+def test_length_finish_and_stats(store):
+    model, _ = strata_mlx.load(store("qwen3_moe"), arena_gb=0.0001)
+    rs = list(strata_mlx.stream_generate(model, WordTokenizer(), prompt_ids(8), max_tokens=4))
+    assert [r.finish_reason for r in rs] == [None, None, None, "length"]
+    last = rs[-1]
+    assert last.generation_tokens == 4 and last.prompt_tokens == 8
+    s = last.expert_stats
+    assert s.lookups == s.hits + s.streamed_ahead + s.misses > 0
+    assert s.bytes_read > 0 and s.gb_per_s > 0
+
+
+def test_seeded_sampling_repeats(store):
+    model, _ = strata_mlx.load(store("qwen3_moe"))
+    ids = prompt_ids(8, seed=10)
+    a = [
+        r.token
+        for r in strata_mlx.stream_generate(
+            model, None, ids, max_tokens=6, temp=1.0, top_p=0.9, seed=3
+        )
+    ]
+    b = [
+        r.token
+        for r in strata_mlx.stream_generate(
+            model, None, ids, max_tokens=6, temp=1.0, top_p=0.9, seed=3
+        )
+    ]
+    assert a == b
