@@ -41,8 +41,9 @@ def backend() -> str:
     return "reference"
 
 
-def switch_glu(x: mx.array, arena: mx.array, slots: mx.array, idx: mx.array,
-               layout: RecordLayout) -> mx.array:
+def switch_glu(
+    x: mx.array, arena: mx.array, slots: mx.array, idx: mx.array, layout: RecordLayout
+) -> mx.array:
     """x [..., D]; arena [n_slots, record_bytes] uint8; slots [n] uint32 (the layer's needed
     experts' slots); idx [..., k] into `slots` -> [..., k, D]."""
     name = backend()
