@@ -1,0 +1,764 @@
+"""GGUF files (llama.cpp) -> a store, read with gguf-py's GGUFReader.
+
+Dense Llama GGUF with `split_experts=E` (the built-in model is SmolLM2-135M-Instruct)
+---------------------------------------------------------------------------------
+Each layer's MLP, down(silu(gate(x)) * up(x)) over I neurons, becomes E SwiGLU experts of
+I/E neurons; the store is an ordinary MoE store, so the whole streaming path runs on it.
+
+*Grouping: contiguous neuron ranges* (expert e owns neurons [e*I/E, (e+1)*I/E)). Any
+partition of the neurons reproduces the dense MLP exactly when all E experts run, since the
+down projection sums over neurons. Contiguous ranges are the only partition that keeps the
+GGUF blocks intact: ggml blocks run along each row's input dimension, so gate/up experts are
+whole rows (any grouping would do for them), but down's blocks run along the neuron axis, and
+only a contiguous range whose width is a multiple of the block size (32 for Q4_0/Q4_1/Q8_0,
+256 for K-quants) cuts whole blocks. A neuron permutation (e.g. clustering co-firing
+neurons, which could help top-k < E) would force down to be requantized or stored in float.
+Widths that are not a block multiple (e.g. E=32 for I=1536: 48 neurons) still convert: down
+is then stored dequantized in float, exactly, at about 6x the bytes.
+
+*Router: least squares.* Only used when a run asks for fewer than E experts (`--top-k`;
+the default selects all E and is exact). For each layer the converter runs the model (all
+E experts) over calibration text, records the MLP input x and each expert's output norm
+||y_e(x)||, and fits logits = W x + b by ridge-regularised least squares to those norms; the
+top-k logits then pick the experts predicted to contribute most. It is a linear probe fitted
+in seconds, not a trained router: quality below E is a research question (docs/top_k.md).
+
+What each tensor type becomes (every conversion is lossless unless it says dequantized):
+  Q4_1  MLX affine 4-bit, group 32: scale = d, bias = m (identical arithmetic q*d + m; the
+        nibbles are re-packed from ggml's low-half/high-half order to MLX's element order).
+  Q4_0  MLX affine 4-bit, group 32: scale = d, bias = -8*d.
+  Q8_0  MLX affine 8-bit, group 32: stored byte q + 128, scale = d, bias = -128*d.
+  F32/F16/BF16  float.
+  others (K-quants, IQ*)  experts keep their ggml blocks as {"format": "gguf"} records when
+        strata_mlx.gguf_quants decodes the type; dense tensors are dequantized.
+Dense quantized tensors become MLX QuantizedLinear/QuantizedEmbedding with float32 scales
+(the model computes in float32 for files under 2 GiB, float16 above). Expert records keep
+float16 scales (d and m are float16 in the file).
+
+llama.cpp's converter permutes q/k rows for its interleaved rotary; they are un-permuted here
+(whole rows move, so quantized blocks survive) and the model uses transformers' rotary.
+
+The tokenizer is rebuilt from the GGUF metadata (tokenizer.ggml.model "gpt2": byte-level BPE
+with the pre-tokenizer named by tokenizer.ggml.pre) and written as tokenizer.json and
+tokenizer_config.json with the chat template.
+
+Qwen3-MoE GGUF (architecture "qwen3moe") keeps each expert's ggml blocks as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..store import PROJECTIONS, RecordLayout, StoreError, StoreWriter, save_profile
+from .common import CALIBRATION_TEXT, check_output
+
+GGUF_PROJ = {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+AFFINE_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+GROUP = 32
+
+# Extra prose for fitting the routers (with the shared calibration text: about 900 tokens).
+ROUTER_TEXT = (
+    "Every winter the harbour froze for a few weeks, and the fishing boats were pulled up on "
+    "the shingle and turned over like beetles. The children skated between them. Their "
+    "grandparents remembered a year when the ice reached the lighthouse and a man walked out "
+    "to it with a sack of coal on his back. Nobody believed him, but the story was told again "
+    "every time the cold came back.\n\n"
+    "A good recipe for bread needs only flour, water, salt and yeast. Mix them, knead the "
+    "dough for ten minutes until it is smooth, and leave it somewhere warm until it has "
+    "doubled in size. Shape the loaf, let it rise once more, and bake it in a hot oven for "
+    "about forty minutes. The crust should sound hollow when you tap the bottom.\n\n"
+    "The committee met on Tuesday to discuss the budget. Several members argued that the "
+    "library should stay open in the evenings, because students and workers have no other "
+    "quiet place to study. Others pointed out that heating and staff cost money and that the "
+    "roof still leaks. In the end they agreed to try late opening on two nights a week and to "
+    "count the visitors before deciding anything more.\n\n"
+    "Light travels at about three hundred thousand kilometres per second. Sunlight takes a "
+    "little over eight minutes to reach the Earth, and the light from the nearest star other "
+    "than the Sun has been travelling for more than four years. When we look at the night "
+    "sky we are looking into the past.\n\n"
+    "User: Can you explain what a prime number is?\nAssistant: A prime number is a whole "
+    "number greater than one whose only divisors are one and itself, such as 2, 3, 5, 7 and "
+    "11. Every other whole number greater than one can be written as a product of primes.\n"
+    "User: Write a short poem about autumn.\nAssistant: The maple lets its letters fall, / "
+    "red notes the wind forgets to read; / the garden keeps them, one and all, / and folds "
+    "them in around the seed.\n\n"
+    "import json\n\ndef load(path):\n    with open(path) as f:\n        return json.load(f)\n\n"
+    "for name, value in sorted(load('settings.json').items()):\n    print(name, value)\n\n"
+    "History is not only the record of kings and battles. It is also the price of grain, the "
+    "letters of merchants, the songs that farmers sang, and the tools that were found in the "
+    "mud of a riverbank. Historians piece these things together to understand how ordinary "
+    "people lived, what they feared, and what they hoped for their children.\n"
+)
+
+
+# ---- reading ------------------------------------------------------------------------------
+
+
+class _Gguf:
+    """A GGUF file's metadata and tensors, with StoreErrors that name the file."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+
+        if not path.is_file():
+            raise StoreError(f"{path}: no such file")
+        try:
+            self.reader = GGUFReader(str(path))
+        except Exception as e:  # gguf-py raises ValueError/struct.error/IndexError
+            raise StoreError(
+                f"{path}: not a readable GGUF file ({type(e).__name__}: {e})"
+            ) from None
+        self.path = path
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.arch = self.get("general.architecture")
+        if self.arch is None:
+            raise StoreError(f"{path}: GGUF metadata has no general.architecture")
+
+    def get(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        return f.contents()
+
+    def need(self, key: str):
+        v = self.get(key)
+        if v is None:
+            raise StoreError(f"{self.path}: GGUF metadata lacks {key}")
+        return v
+
+    def tensor(self, name: str):
+        t = self.tensors.get(name)
+        if t is None:
+            raise StoreError(f"{self.path}: tensor {name} not found")
+        return t
+
+
+def qtype_name(t) -> str:
+    return t.tensor_type.name
+
+
+def block_info(t) -> tuple[int, int]:
+    """(elements per block, bytes per block) of a tensor's type."""
+    from gguf import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[t.tensor_type]
+
+
+def raw_rows(t) -> np.ndarray:
+    """A tensor's data as stored: [..., rows, row_bytes] uint8 for quantized types, else the
+    float array [..., rows, cols]."""
+    return np.asarray(t.data)
+
+
+def dequantize_rows(data: np.ndarray, t) -> np.ndarray:
+    """float32 [..., rows, cols] of `data` (raw rows of tensor t's type, possibly sliced)."""
+    name = qtype_name(t)
+    if name in FLOAT_TYPES:
+        if name == "BF16":
+            return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return data.astype(np.float32)
+    from gguf.quants import dequantize
+
+    return dequantize(np.ascontiguousarray(data), t.tensor_type)
+
+
+def slice_cols(data: np.ndarray, t, start: int, stop: int) -> np.ndarray | None:
+    """Columns [start, stop) of raw rows, or None when the cut splits a ggml block."""
+    if qtype_name(t) in FLOAT_TYPES:
+        return data[..., start:stop]
+    bs, ts = block_info(t)
+    if start % bs or stop % bs:
+        return None
+    return data[..., start // bs * ts : stop // bs * ts]
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation. Its converter (LlamaModel.permute) maps each
+    head's rows [first half | second half] (transformers' rotate-half pairs i, i + d/2) to
+    interleaved pairs (2i, 2i + 1): reshape(n_head, 2, d/2).swapaxes(1, 2). The inverse is
+    reshape(n_head, d/2, 2).swapaxes(1, 2)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def repack_affine(data: np.ndarray, qtype: str, dtype=np.float16):
+    """ggml Q4_0 / Q4_1 / Q8_0 rows [..., row_bytes] -> MLX affine (weight uint32, scales,
+    biases), group 32, with mx.dequantize(weight, scales, biases) == ggml's dequantization."""
+    bs, ts = 32, {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[qtype]
+    lead = data.shape[:-1]
+    nb = data.shape[-1] // ts
+    b = np.ascontiguousarray(data).reshape(*lead, nb, ts)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == "Q8_0":
+        q = (b[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # [.., nb, 32]
+        packed = q
+        bias = -128.0 * d
+    else:
+        if qtype == "Q4_1":
+            bias = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            qs = b[..., 4:20]
+        else:
+            bias = -8.0 * d
+            qs = b[..., 2:18]
+        # ggml: element j < 16 is the low nibble of byte j, element j >= 16 the high nibble of
+        # byte j - 16. MLX: element i sits at bits 4*(i % 8) of uint32 i // 8 (little endian),
+        # i.e. byte i // 2, low nibble first.
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [.., nb, 32] in element order
+        packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    weight = np.ascontiguousarray(packed).reshape(*lead, nb * bs * AFFINE_TYPES[qtype] // 8)
+    weight = weight.view(np.uint32)
+    scales, biases = d.astype(dtype), bias.astype(dtype)
+    if dtype == np.float16 and not (
+        np.array_equal(scales.astype(np.float32), d)
+        and np.array_equal(biases.astype(np.float32), bias)
+    ):
+        raise StoreError(f"{qtype} block scale overflows float16")  # cannot happen for sane files
+    return weight, scales, biases
+
+
+def gguf_record_types() -> set[str]:
+    """ggml types the runtime decodes from expert records (strata_mlx.gguf_quants)."""
+    try:
+        from ..gguf_quants import FORMATS
+    except ImportError:
+        return set()
+    return set(FORMATS)
+
+
+# ---- expert record formats ----------------------------------------------------------------
+
+
+def choose_format(types: set[str], width_ok: bool, dtype: str) -> dict[str, Any]:
+    """How one projection is stored in every record, given its ggml types over all layers."""
+    if len(types) == 1 and width_ok:
+        (t,) = types
+        if t in AFFINE_TYPES:
+            return {"format": "affine", "bits": AFFINE_TYPES[t], "group_size": GROUP, "_src": t}
+        if t in FLOAT_TYPES:
+            return {"format": "float", "_dtype": dtype}
+        if t in gguf_record_types():
+            return {"format": "gguf", "type": t, "_src": t}
+    # Mixed types across layers (e.g. Q4_K_M's down), a cut through blocks, or a type the
+    # runtime cannot decode: dequantize, exactly, to float.
+    return {"format": "float", "_dtype": dtype}
+
+
+def projection_tensors(spec: dict, data: np.ndarray, t, out: int, inp: int) -> dict[str, tuple]:
+    """(dtype name, array) per record component of one expert's projection [out, inp]."""
+    fmt = spec["format"]
+    if fmt == "affine":
+        w, s, b = repack_affine(data, spec["_src"], np.float16)
+        return {"weight": ("uint32", w), "scales": ("float16", s), "biases": ("float16", b)}
+    if fmt == "gguf":
+        return {"weight": ("uint8", np.ascontiguousarray(data))}
+    w = dequantize_rows(data, t).reshape(*data.shape[:-2], out, inp)
+    return {"weight": (spec["_dtype"], _to_dtype(w, spec["_dtype"]))}
+
+
+def _to_dtype(a: np.ndarray, name: str) -> np.ndarray:
+    if name == "bfloat16":
+        return np.array(mx.array(a).astype(mx.bfloat16).view(mx.uint16))
+    return a.astype(name)
+
+
+def build_layout(example: dict[str, dict[str, tuple]], specs: dict[str, dict]) -> RecordLayout:
+    tensors = {}
+    for p in PROJECTIONS:
+        for comp, (dt, arr) in example[p].items():
+            tensors[f"{p}.{comp}"] = (dt, tuple(arr.shape))
+    quant = {p: {k: v for k, v in specs[p].items() if not k.startswith("_")} for p in PROJECTIONS}
+    return RecordLayout.build(tensors, quant)
+
+
+def record_arrays(parts: dict[str, dict[str, tuple]]) -> dict[str, np.ndarray]:
+    out = {}
+    for p, comps in parts.items():
+        for comp, (dt, arr) in comps.items():
+            out[f"{p}.{comp}"] = arr if dt != "bfloat16" else arr.view(np.uint16)
+    return out
+
+
+# ---- dense tensors ------------------------------------------------------------------------
+
+
+class DenseWriter:
+    """Dense weights as MLX arrays: affine-repacked where lossless, else float."""
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+        self.weights: dict[str, mx.array] = {}
+        self.quantized: dict[str, dict[str, int]] = {}
+
+    def add(self, name: str, t, data: np.ndarray | None = None, quantize: bool = True) -> None:
+        """Module path `name` (e.g. model.layers.0.self_attn.q_proj) from tensor t."""
+        data = raw_rows(t) if data is None else data
+        qt = qtype_name(t)
+        if quantize and qt in AFFINE_TYPES and data.ndim == 2:
+            w, s, b = repack_affine(data, qt, np.float32)
+            self.weights[f"{name}.weight"] = mx.array(w)
+            self.weights[f"{name}.scales"] = mx.array(s).astype(_mx(self.dtype))
+            self.weights[f"{name}.biases"] = mx.array(b).astype(_mx(self.dtype))
+            self.quantized[name] = {"group_size": GROUP, "bits": AFFINE_TYPES[qt]}
+            return
+        self.add_array(f"{name}.weight", dequantize_rows(data, t))
+
+    def add_array(self, key: str, a: np.ndarray) -> None:
+        self.weights[key] = mx.array(np.ascontiguousarray(a, dtype=np.float32)).astype(
+            _mx(self.dtype)
+        )
+
+    def quantization_config(self) -> dict[str, Any] | None:
+        if not self.quantized:
+            return None
+        bits = [q["bits"] for q in self.quantized.values()]
+        common = max(set(bits), key=bits.count)
+        cfg: dict[str, Any] = {"group_size": GROUP, "bits": common, "mode": "affine"}
+        for name, q in self.quantized.items():
+            if q["bits"] != common:
+                cfg[name] = q
+        return cfg
+
+
+def _mx(name: str):
+    return {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}[name]
+
+
+# ---- tokenizer ----------------------------------------------------------------------------
+
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> (split digits one by one first?, split regex or None for GPT-2's).
+# As llama.cpp's llama-vocab.cpp: "smollm" (and starcoder, refact, command-r) split every
+# digit, then GPT-2's regex.
+PRE_TOKENIZERS = {
+    "gpt2": (False, None),
+    "default": (False, None),
+    "mpt": (False, None),
+    "olmo": (False, None),
+    "smollm": (True, None),
+    "starcoder": (True, None),
+    "refact": (True, None),
+    "command-r": (True, None),
+    "llama-bpe": (False, LLAMA3_PATTERN),
+    "llama3": (False, LLAMA3_PATTERN),
+    "dbrx": (False, LLAMA3_PATTERN),
+    "smaug-bpe": (False, LLAMA3_PATTERN),
+    "qwen2": (False, QWEN2_PATTERN),
+    "qwen35": (False, QWEN2_PATTERN),
+}
+
+
+def build_tokenizer(g: _Gguf, out: Path) -> bool:
+    """tokenizer.json + tokenizer_config.json from GGUF metadata; False when there is none."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
+
+    kind = g.get("tokenizer.ggml.model")
+    if kind is None:
+        return False
+    if kind != "gpt2":
+        warnings.warn(
+            f"{g.path}: tokenizer model {kind!r} is not supported (only gpt2 BPE); "
+            "the store will need --prompt-tokens",
+            stacklevel=3,
+        )
+        return False
+    tokens = list(g.need("tokenizer.ggml.tokens"))
+    types = list(g.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges") or []]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = g.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        warnings.warn(f"{g.path}: pre-tokenizer {pre!r} unknown; using GPT-2's", stacklevel=3)
+    digits, pattern = PRE_TOKENIZERS.get(pre, (False, None))
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    if pattern is None:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    else:
+        steps.append(pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False))
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    tok.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    # ggml token types: 3 control (special), 4 user-defined (added, not special).
+    special = [
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i, ty in enumerate(types)
+        if ty == 3
+    ]
+    user = [
+        AddedToken(tokens[i], special=False, normalized=False)
+        for i, ty in enumerate(types)
+        if ty == 4
+    ]
+    if special:
+        tok.add_special_tokens(special)
+    if user:
+        tok.add_tokens(user)
+
+    def tid(key):
+        i = g.get(key)
+        return None if i is None or not 0 <= int(i) < len(tokens) else int(i)
+
+    bos, eos = tid("tokenizer.ggml.bos_token_id"), tid("tokenizer.ggml.eos_token_id")
+    unk, pad = tid("tokenizer.ggml.unknown_token_id"), tid("tokenizer.ggml.padding_token_id")
+    add_bos = bool(g.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(g.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    single, pair, sp = "$A", "$A $B", []
+    if add_bos:
+        single, pair = f"{tokens[bos]} {single}", f"{tokens[bos]} $A {tokens[bos]} $B"
+        sp.append((tokens[bos], bos))
+    if add_eos:
+        single, pair = f"{single} {tokens[eos]}", f"{pair} {tokens[eos]}"
+        if not add_bos or eos != bos:
+            sp.append((tokens[eos], eos))
+    if sp:
+        tok.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=sp
+        )
+    tok.save(str(out / "tokenizer.json"))
+    cfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(g.get(f"{g.arch}.context_length", 2048)),
+    }
+    for name, i in (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)):
+        if i is not None:
+            cfg[name] = tokens[i]
+    template = g.get("tokenizer.chat_template")
+    if template:
+        cfg["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    if eos is not None:
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return True
+
+
+# ---- llama (dense) with split experts -----------------------------------------------------
+
+
+def llama_config(g: _Gguf, n_experts: int, dtype: str) -> dict[str, Any]:
+    a = g.arch
+    heads = int(g.need(f"{a}.attention.head_count"))
+    kv = g.get(f"{a}.attention.head_count_kv", heads)
+    if isinstance(kv, list):
+        raise StoreError(f"{g.path}: per-layer head counts are not supported")
+    dim = int(g.need(f"{a}.embedding_length"))
+    head_dim = int(g.get(f"{a}.attention.key_length", dim // heads))
+    rope_dim = int(g.get(f"{a}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise StoreError(f"{g.path}: partial rotary ({rope_dim} of {head_dim}) is not supported")
+    emb = g.tensor("token_embd.weight")
+    cfg: dict[str, Any] = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": dim,
+        "num_hidden_layers": int(g.need(f"{a}.block_count")),
+        "intermediate_size": int(g.need(f"{a}.feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(g.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "vocab_size": int(g.get(f"{a}.vocab_size", int(emb.shape[1]))),
+        "rope_theta": float(g.get(f"{a}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g.get(f"{a}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
+        "num_experts": n_experts,
+        "num_experts_per_tok": n_experts,
+        "torch_dtype": dtype,
+    }
+    scaling = g.get(f"{a}.rope.scaling.type")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(g.need(f"{a}.rope.scaling.factor")),
+        }
+    elif scaling not in (None, "none"):
+        raise StoreError(f"{g.path}: rope scaling {scaling!r} is not supported")
+    if "rope_freqs.weight" in g.tensors:
+        cfg["rope_freq_factors"] = (
+            dequantize_rows(raw_rows(g.tensor("rope_freqs.weight")), g.tensor("rope_freqs.weight"))
+            .reshape(-1)
+            .tolist()
+        )
+    return cfg
+
+
+def convert_gguf(
+    gguf_path: str | Path,
+    mlx_path: str | Path,
+    split_experts: int | None = None,
+    calibration_tokens: int = 256,
+    progress: bool = True,
+) -> Path:
+    """Convert a GGUF file into a store at mlx_path; returns the store's path."""
+    src = Path(gguf_path)
+    out = check_output(mlx_path)
+    g = _Gguf(src)
+    if g.arch == "llama":
+        if split_experts is None:
+            raise StoreError(
+                f"{src}: a dense llama GGUF needs --split-experts E (e.g. 16): "
+                "each MLP becomes E experts"
+            )
+        return _convert_llama(g, out, int(split_experts), calibration_tokens, progress)
+    if g.arch == "qwen3moe":
+        if split_experts is not None:
+            raise StoreError(f"{src}: --split-experts is for dense models; qwen3moe has experts")
+        return _convert_qwen3moe(g, out, calibration_tokens, progress)
+    raise StoreError(f"{src}: GGUF architecture {g.arch!r} is not supported (llama, qwen3moe)")
+
+
+def _model_dtype(path: Path) -> str:
+    return "float32" if path.stat().st_size < 2 * 1024**3 else "float16"
+
+
+def _convert_llama(g: _Gguf, out: Path, E: int, calibration_tokens: int, progress: bool) -> Path:
+    from tqdm import tqdm
+
+    dtype = _model_dtype(g.path)
+    inter = int(g.need(f"{g.arch}.feed_forward_length"))
+    if E < 1 or inter % E:
+        divisors = [d for d in range(1, inter + 1) if inter % d == 0 and d <= 256]
+        raise StoreError(
+            f"{g.path}: --split-experts {E} must divide the MLP width {inter} "
+            f"(e.g. {', '.join(map(str, divisors[-8:]))})"
+        )
+    cfg = llama_config(g, E, dtype)
+    L, D, n = cfg["num_hidden_layers"], cfg["hidden_size"], inter // E
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    # One record format per projection, for every layer.
+    specs = {}
+    for p, gp in GGUF_PROJ.items():
+        ts = [g.tensor(f"blk.{i}.{gp}.weight") for i in range(L)]
+        types = {qtype_name(t) for t in ts}
+        ok = (
+            all(slice_cols(raw_rows(t), t, 0, n) is not None for t in ts)
+            if p == "down_proj"
+            else True
+        )
+        specs[p] = choose_format(types, ok, dtype)
+
+    def expert_parts(layer: int, e: int) -> dict[str, dict[str, tuple]]:
+        parts = {}
+        for p, gp in GGUF_PROJ.items():
+            t = g.tensor(f"blk.{layer}.{gp}.weight")
+            data = raw_rows(t)
+            if p == "down_proj":
+                cut = slice_cols(data, t, e * n, (e + 1) * n)
+                if cut is None:  # through a block: dequantize the rows, then cut
+                    cut = dequantize_rows(data, t)[:, e * n : (e + 1) * n]
+                    parts[p] = {"weight": (specs[p]["_dtype"], _to_dtype(cut, specs[p]["_dtype"]))}
+                    continue
+                parts[p] = projection_tensors(specs[p], cut, t, D, n)
+            else:
+                parts[p] = projection_tensors(specs[p], data[e * n : (e + 1) * n], t, n, D)
+        return parts
+
+    layout = build_layout(expert_parts(0, 0), specs)
+
+    dense = DenseWriter(dtype)
+    dense.add("model.embed_tokens", g.tensor("token_embd.weight"))
+    if not cfg["tie_word_embeddings"]:
+        dense.add("lm_head", g.tensor("output.weight"))
+    dense.add_array(
+        "model.norm.weight",
+        dequantize_rows(raw_rows(g.tensor("output_norm.weight")), g.tensor("output_norm.weight")),
+    )
+    for i in range(L):
+        pre = f"model.layers.{i}"
+        for gname, hname in (
+            ("attn_norm", "input_layernorm"),
+            ("ffn_norm", "post_attention_layernorm"),
+        ):
+            t = g.tensor(f"blk.{i}.{gname}.weight")
+            dense.add_array(f"{pre}.{hname}.weight", dequantize_rows(raw_rows(t), t))
+        for gname, hname, nh in (
+            ("attn_q", "q_proj", heads),
+            ("attn_k", "k_proj", kv),
+            ("attn_v", "v_proj", None),
+            ("attn_output", "o_proj", None),
+        ):
+            t = g.tensor(f"blk.{i}.{gname}.weight")
+            data = raw_rows(t)
+            if nh is not None:
+                data = unpermute_rows(data, nh)
+            dense.add(f"{pre}.self_attn.{hname}", t, data)
+            if f"blk.{i}.{gname}.bias" in g.tensors:
+                tb = g.tensor(f"blk.{i}.{gname}.bias")
+                b = dequantize_rows(raw_rows(tb), tb).reshape(-1)
+                if nh is not None:
+                    b = unpermute_rows(b, nh)
+                dense.add_array(f"{pre}.self_attn.{hname}.bias", b)
+        # Routers start at zero (unused while all experts run); fitted below.
+        dense.add_array(f"{pre}.mlp.gate.weight", np.zeros((E, D), np.float32))
+        dense.add_array(f"{pre}.mlp.gate.bias", np.zeros((E,), np.float32))
+    qcfg = dense.quantization_config()
+    if qcfg:
+        cfg["quantization"] = qcfg
+
+    writer = StoreWriter(out, "llama", cfg, layout, list(range(L)), E)
+    with writer:
+        writer.manifest.extra = {
+            "source": {"gguf": g.path.name, "architecture": g.arch},
+            "split": {
+                "experts": E,
+                "neurons_per_expert": n,
+                "grouping": "contiguous",
+                "router": "ridge least squares on ||expert output||, calibration text",
+                "formats": {p: s.get("_src", s["format"]) for p, s in specs.items()},
+            },
+        }
+        has_tok = build_tokenizer(g, writer.path)
+        if E > 1 and calibration_tokens > 0 and has_tok:
+            from ..tokenizer import load_tokenizer
+
+            ids = calibration_ids(load_tokenizer(writer.path), calibration_tokens)
+            fit_routers(dense, g, cfg, ids, n)
+        writer.write_dense(dense.weights)
+        bar = tqdm(total=L * E, desc="experts", unit="expert", disable=not progress)
+        for i in range(L):
+            for e in range(E):
+                writer.add_expert(i, e, record_arrays(expert_parts(i, e)))
+                bar.update(1)
+        bar.close()
+        if calibration_tokens > 0:
+            # top_k == E by default: every token runs every expert, so the profile is flat.
+            path = writer.finalize()
+            save_profile(
+                path,
+                np.full((L, E), calibration_tokens),
+                calibration_tokens,
+                "split experts: every expert runs for every token at the default top_k",
+            )
+        return writer.commit()
+
+
+def _rope_inv_freq(cfg: dict[str, Any]) -> np.ndarray:
+    d = cfg["head_dim"]
+    inv = 1.0 / cfg["rope_theta"] ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    if cfg.get("rope_freq_factors"):
+        inv = inv / np.asarray(cfg["rope_freq_factors"], dtype=np.float64)
+    if (cfg.get("rope_scaling") or {}).get("rope_type") == "linear":
+        inv = inv / cfg["rope_scaling"]["factor"]
+    return inv
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def mlp_inputs(g: _Gguf, cfg: dict[str, Any], ids: list[int]):
+    """Yield (layer, x [T, D], hidden [T, I], down [D, I]) of the dense model on `ids`: the MLP
+    input, its SwiGLU activations and its down projection, float32, computed in numpy.
+
+    A float32 reference forward of the GGUF's own (dequantized) weights: the routers are
+    fitted on the activations the model really sees, and numpy's matmul is several times
+    faster than MLX's CPU one, which keeps first-run conversion short.
+    """
+    L, H, KV = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd, eps, T = cfg["head_dim"], cfg["rms_norm_eps"], len(ids)
+
+    def deq(name, rows=None):
+        t = g.tensor(name)
+        data = raw_rows(t)
+        return dequantize_rows(data if rows is None else data[rows], t)
+
+    h = deq("token_embd.weight", np.asarray(ids))
+    ang = np.arange(T)[:, None] * _rope_inv_freq(cfg)[None]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+    def rope(x):  # [n, T, hd], transformers' rotate_half
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    causal = np.triu(np.full((T, T), -np.inf, dtype=np.float32), 1)
+    for i in range(L):
+        x = _rms(h, deq(f"blk.{i}.attn_norm.weight"), eps)
+        proj = {}
+        for gname, nh in (("attn_q", H), ("attn_k", KV), ("attn_v", None)):
+            t = g.tensor(f"blk.{i}.{gname}.weight")
+            w = dequantize_rows(raw_rows(t), t)
+            if nh is not None:
+                w = unpermute_rows(w, nh)
+            y = x @ w.T
+            if f"blk.{i}.{gname}.bias" in g.tensors:
+                b = deq(f"blk.{i}.{gname}.bias").reshape(-1)
+                y = y + (unpermute_rows(b, nh) if nh is not None else b)
+            proj[gname] = y.reshape(T, -1, hd).transpose(1, 0, 2)
+        q, k, v = rope(proj["attn_q"]), rope(proj["attn_k"]), proj["attn_v"]
+        k, v = np.repeat(k, H // KV, axis=0), np.repeat(v, H // KV, axis=0)
+        s = q @ k.transpose(0, 2, 1) / np.sqrt(hd) + causal
+        s = np.exp(s - s.max(-1, keepdims=True))
+        o = (s / s.sum(-1, keepdims=True)) @ v  # [H, T, hd]
+        h = h + o.transpose(1, 0, 2).reshape(T, -1) @ deq(f"blk.{i}.attn_output.weight").T
+        x = _rms(h, deq(f"blk.{i}.ffn_norm.weight"), eps)
+        gate = x @ deq(f"blk.{i}.ffn_gate.weight").T
+        hid = gate / (1 + np.exp(-gate)) * (x @ deq(f"blk.{i}.ffn_up.weight").T)
+        down = deq(f"blk.{i}.ffn_down.weight")
+        yield i, x, hid, down
+        h = h + hid @ down.T
+
+
+def calibration_ids(tok, tokens: int) -> list[int]:
+    ids = tok.encode(CALIBRATION_TEXT + "\n\n" + ROUTER_TEXT)
+    while len(ids) < tokens:
+        ids = ids + ids
+    return ids[: max(tokens, len(ids) if tokens <= len(ids) else tokens)]
+
+
+def fit_routers(
+    dense: DenseWriter, g: _Gguf, cfg: dict[str, Any], ids: list[int], n: int, ridge: float = 1e-2
+) -> None:
+    """Least-squares routers: logits_e = w_e . x + b_e fitted to ||expert e's output||."""
+    E = cfg["num_experts"]
+    for layer, x, hid, down in mlp_inputs(g, cfg, ids):
+        X = x.astype(np.float64)
+        norms = np.stack(
+            [
+                np.linalg.norm(
+                    hid[:, e * n : (e + 1) * n] @ down[:, e * n : (e + 1) * n].T, axis=-1
+                )
+                for e in range(E)
+            ],
+            axis=-1,
+        )  # [T, E]
+        A = np.concatenate([X, np.ones((X.shape[0], 1))], axis=1)
+        gram = A.T @ A
+        reg = ridge * np.trace(gram) / A.shape[1] * np.eye(A.shape[1])
+        reg[-1, -1] = 0.0  # the bias is not shrunk
+        W = np.linalg.solve(gram + reg, A.T @ norms.astype(np.float64))  # [D + 1, E]
+        dense.add_array(f"model.layers.{layer}.mlp.gate.weight", W[:-1].T)
+        dense.add_array(f"model.layers.{layer}.mlp.gate.bias", W[-1])
+
+
+# ---- qwen3moe: experts keep their ggml blocks ---------------------------------------------
+
+
+def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
+    raise StoreError(f"{g.path}: qwen3moe GGUF import is not implemented yet")
