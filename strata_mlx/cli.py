@@ -387,14 +387,25 @@ def main():  # pragma: no cover
 
 
 def _register_tools() -> None:
-    from .server import serve_command
     from .tools import kld_command, route_parity_command
 
-    app.command("serve", help="An OpenAI-compatible server.")(user_errors(serve_command))
-    app.command("kld", help="KLD and top-1 agreement between two logits files.")(user_errors(kld_command))
+    app.command("kld", help="KLD and top-1 agreement between two logits files.")(
+        user_errors(kld_command)
+    )
     app.command("route-parity", help="Routing of two configurations, per layer and token.")(
         user_errors(route_parity_command)
     )
+    try:
+        from .server import serve_command
+    except ImportError as e:  # a machine without the server stack still runs everything else
+        missing = e.name
+
+        @app.command("serve", help="An OpenAI-compatible server.")
+        def serve_unavailable():
+            _fail(f"serve needs {missing}: pip install -e . installs it")
+
+        return
+    app.command("serve", help="An OpenAI-compatible server.")(user_errors(serve_command))
 
 
 _register_tools()
