@@ -31,6 +31,7 @@ FAMILIES = {
 }
 
 GB = 1024**3
+MAX_AUTO_ARENA = 15 * GB  # one arena buffer holds at most 16 GB (MLX shapes are int32)
 
 
 def family(model_type: str, source: str | Path = "config.json"):
@@ -142,6 +143,8 @@ def load(
         arena_bytes = auto_arena_bytes(total, dense_bytes, prefill_scratch_bytes(args, step))
     else:
         arena_bytes = int(cfg.arena_gb * GB)
+    if cfg.arena_gb is None:
+        arena_bytes = min(arena_bytes, MAX_AUTO_ARENA)
     n_slots = max(1, min(arena_bytes // rb, manifest.num_experts * len(manifest.moe_layers)))
     profile = load_profile(path, manifest)
     arena = Arena(n_slots, rb, cfg.eviction, profile, manifest.moe_layers)
