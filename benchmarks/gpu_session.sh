@@ -8,29 +8,29 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 SYNTH=${SYNTH:-/root/strata-synth}
 export PYTHONUNBUFFERED=1
-py() { python3 "$@"; }
+export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$PWD"
 case "${1:-}" in
 setup)
-  py setup.py build_ext --inplace -q 2>&1 | tail -3
-  py -c "import mlx.core as mx; print(mx.default_device(), mx.__version__)"
-  py -m pytest -q -p no:cacheprovider tests/test_reader.py tests/test_streaming.py tests/test_models.py \
+  python3 setup.py build_ext --inplace -q 2>&1 | tail -3
+  python3 -c "import mlx.core as mx; print(mx.default_device(), mx.__version__)"
+  python3 -m pytest -q -p no:cacheprovider tests/test_reader.py tests/test_streaming.py tests/test_models.py \
      tests/test_generate.py tests/test_families.py -k "not quantized" 2>&1 | tail -15 | tee "$OUT/tests.log"
   ;;
 synth)
   df -h / /root | tee "$OUT/df.log"
-  /usr/bin/time -v py -m strata_mlx convert --synthetic qwen3-next-80b-a3b --mlx-path "$SYNTH" \
+  /usr/bin/time -v python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b --mlx-path "$SYNTH" \
      --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -25 | tee "$OUT/synth.log"
-  py -m strata_mlx probe-ssd "$SYNTH/experts.bin" --record-bytes 983040 --seconds 3 | tee "$OUT/probe.log"
-  py benchmarks/read_under_compute.py "$SYNTH/experts.bin" --record-bytes 983040 --seconds 3 \
+  python3 -m strata_mlx probe-ssd "$SYNTH/experts.bin" --record-bytes 983040 --seconds 3 | tee "$OUT/probe.log"
+  python3 benchmarks/read_under_compute.py "$SYNTH/experts.bin" --record-bytes 983040 --seconds 3 \
      --rounds 3 --workers 8 | tee "$OUT/read_under_compute.log"
   ;;
 bench)
-  py -m strata_mlx bench --model "$SYNTH" -p 2048 -g 128 --arena-gb 6.5 --prefill-step-size 1024 \
+  python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 128 --arena-gb 6.5 --prefill-step-size 1024 \
      --io-workers 8 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   ;;
 kernels)
-  py -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tail -30 | tee "$OUT/kernel_tests.log"
-  py benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log"
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tail -30 | tee "$OUT/kernel_tests.log"
+  python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log"
   ;;
 *) echo "usage: $0 setup|synth|bench|kernels"; exit 2;;
 esac

@@ -8,10 +8,12 @@
   - "metal": the same algorithm through mx.fast.metal_kernel (Apple silicon; not executed on
     Linux machines).
 A format without a kernel for the running backend falls back to the reference.
-`set_backend(...)` forces one for tests and benchmarks.
+`set_backend(...)` or STRATA_MLX_KERNELS=reference|cuda|metal forces one.
 """
 
 from __future__ import annotations
+
+import os
 
 import mlx.core as mx
 
@@ -33,6 +35,9 @@ def backend() -> str:
     """The backend automatic dispatch picks on this machine."""
     if _forced:
         return _forced
+    env = os.environ.get("STRATA_MLX_KERNELS")
+    if env:
+        return env
     if mx.default_device() == mx.gpu:
         if mx.metal.is_available():
             return "metal"
