@@ -82,7 +82,7 @@ def python_reads(path, arena: Arena, workers: int, seconds: float) -> float:
 MATRIX = 2048
 
 
-def under_compute(fn, seconds: float) -> tuple[float, float]:
+def under_compute(fn) -> tuple[float, float]:
     """Run fn (a read loop) in a thread while the main thread evaluates MLX matmuls."""
     result = {}
     th = threading.Thread(target=lambda: result.setdefault("gbps", fn()))
