@@ -333,3 +333,235 @@ def test_two_first_runs_do_not_clash(tmp_path):
     assert outs[0][0] == outs[1][0]
     assert sum("converting" in err for _, err in outs) == 1
     strata_mlx.store.load_manifest(outs[0][0].strip())
+
+
+# ---- tiny GGUFs written here: k-quant expert blocks, qwen3moe ------------------------------
+
+
+def _kquant_rows(name: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Random ggml blocks of a type gguf-py cannot quantize, with small finite fp16 scales."""
+    from strata_mlx.gguf_quants import FORMATS
+
+    f = FORMATS[name]
+    nb = cols // f.block_size
+    raw = rng.integers(0, 256, size=(rows, nb, f.type_size), dtype=np.uint8)
+    for off in f.f16_offsets:
+        d = rng.uniform(2e-5, 2e-4, size=(rows, nb)).astype(np.float16)
+        raw[:, :, off : off + 2] = d.view(np.uint8).reshape(rows, nb, 2)
+    return raw.reshape(rows, nb * f.type_size)
+
+
+def _quantized(w: np.ndarray, qtype: str, rng):
+    """(array for GGUFWriter.add_tensor, raw_dtype) of float rows w in ggml type `qtype`."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    t = GGMLQuantizationType[qtype]
+    if qtype == "F32":
+        return w.astype(np.float32), None
+    if qtype in ("Q4_0", "Q4_1", "Q8_0"):
+        return quantize(w.astype(np.float32), t), t
+    lead, cols = w.shape[:-1], w.shape[-1]
+    rows = _kquant_rows(qtype, int(np.prod(lead)), cols, rng)
+    return rows.reshape(*lead, -1), t
+
+
+def _write_gguf(path: Path, arch: str, meta: dict, tensors: dict) -> Path:
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    for key, value in meta.items():
+        getattr(w, f"add_{key}")(value)
+    for name, (array, raw) in tensors.items():
+        w.add_tensor(name, array, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _hf_from_gguf(path: Path, cfg):
+    import torch
+    import transformers as T
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    model = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    state = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    bad = model.load_state_dict(state, strict=False)
+    assert not bad.unexpected_keys and set(bad.missing_keys) <= {"lm_head.weight"}, bad
+    if "lm_head.weight" in bad.missing_keys:
+        model.tie_weights()
+    return model
+
+
+def _hf_logits(model, ids) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def _attn_tensors(i, D, H, KV, hd, rng, qtype="Q8_0"):
+    t = {}
+    for name, rows in (("attn_q", H * hd), ("attn_k", KV * hd), ("attn_v", KV * hd)):
+        t[f"blk.{i}.{name}.weight"] = _quantized(rng.standard_normal((rows, D)) * 0.05, qtype, rng)
+    t[f"blk.{i}.attn_output.weight"] = _quantized(
+        rng.standard_normal((D, H * hd)) * 0.05, qtype, rng
+    )
+    for name in ("attn_norm", "ffn_norm"):
+        t[f"blk.{i}.{name}.weight"] = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32), None
+    return t
+
+
+def test_split_llama_with_k_quant_blocks_matches_transformers(tmp_path):
+    """A dense llama GGUF whose MLP is Q4_K (gate/up kept as ggml blocks) and Q6_K down cut
+    through its 256-wide blocks (stored dequantized), untied Q6_K output: logits equal
+    transformers' LlamaForCausalLM from the same file."""
+    import transformers as T
+
+    rng = np.random.default_rng(3)
+    D, I, L, H, KV, V, E = (
+        256,
+        768,
+        2,
+        4,
+        2,
+        96,
+        6,
+    )  # 128 neurons per expert: down's cut splits blocks
+    hd = D // H
+    tensors = {
+        "token_embd.weight": _quantized(rng.standard_normal((V, D)) * 0.5, "Q8_0", rng),
+        "output.weight": _quantized(rng.standard_normal((V, D)), "Q6_K", rng),
+        "output_norm.weight": ((1 + 0.1 * rng.standard_normal(D)).astype(np.float32), None),
+    }
+    for i in range(L):
+        tensors.update(_attn_tensors(i, D, H, KV, hd, rng))
+        tensors[f"blk.{i}.ffn_gate.weight"] = _quantized(np.zeros((I, D)), "Q4_K", rng)
+        tensors[f"blk.{i}.ffn_up.weight"] = _quantized(np.zeros((I, D)), "Q4_K", rng)
+        tensors[f"blk.{i}.ffn_down.weight"] = _quantized(np.zeros((D, I)), "Q6_K", rng)
+    meta = dict(
+        block_count=L,
+        context_length=256,
+        embedding_length=D,
+        feed_forward_length=I,
+        head_count=H,
+        head_count_kv=KV,
+        rope_freq_base=10000.0,
+        layer_norm_rms_eps=1e-5,
+        vocab_size=V,
+        rope_dimension_count=hd,
+    )
+    path = _write_gguf(tmp_path / "tiny-llama.gguf", "llama", meta, tensors)
+
+    from strata_mlx.convert.gguf import convert_gguf
+
+    store = convert_gguf(path, tmp_path / "store", split_experts=E, progress=False)
+    quant = strata_mlx.store.load_manifest(store).layout.quant
+    assert quant["gate_proj"] == {"format": "gguf", "type": "Q4_K", "in_features": D}
+    assert quant["down_proj"] == {"format": "float"}
+    cfg = T.LlamaConfig(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=I,
+        num_hidden_layers=L,
+        num_attention_heads=H,
+        num_key_value_heads=KV,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    )
+    ids = rng.integers(0, V, size=40).tolist()
+    ref = _hf_logits(_hf_from_gguf(path, cfg), ids)
+    model, _ = strata_mlx.load(
+        store, arena_gb=4 * strata_mlx.store.load_manifest(store).layout.record_bytes / 1024**3
+    )
+    ours = teacher_forced_logits(model, ids, step=16)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+
+
+def test_qwen3moe_gguf_keeps_expert_blocks_and_matches_transformers(tmp_path):
+    """qwen3moe GGUF: Q4_K gate/up and Q6_K down experts stored as their own ggml blocks,
+    Q8_0 attention repacked, tied Q8_0 embedding; logits equal transformers' Qwen3MoE."""
+    import transformers as T
+
+    rng = np.random.default_rng(4)
+    D, I, L, H, KV, V, E, K = 256, 256, 2, 4, 2, 96, 8, 2
+    hd = 64
+    tensors = {
+        "token_embd.weight": _quantized(rng.standard_normal((V, D)) * 0.5, "Q8_0", rng),
+        "output_norm.weight": ((1 + 0.1 * rng.standard_normal(D)).astype(np.float32), None),
+    }
+    for i in range(L):
+        tensors.update(_attn_tensors(i, D, H, KV, hd, rng))
+        for name in ("attn_q_norm", "attn_k_norm"):
+            tensors[f"blk.{i}.{name}.weight"] = (
+                (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32),
+                None,
+            )
+        tensors[f"blk.{i}.ffn_gate_inp.weight"] = (
+            rng.standard_normal((E, D)).astype(np.float32),
+            None,
+        )
+        tensors[f"blk.{i}.ffn_gate_exps.weight"] = _quantized(np.zeros((E, I, D)), "Q4_K", rng)
+        tensors[f"blk.{i}.ffn_up_exps.weight"] = _quantized(np.zeros((E, I, D)), "Q4_K", rng)
+        tensors[f"blk.{i}.ffn_down_exps.weight"] = _quantized(np.zeros((E, D, I)), "Q6_K", rng)
+    meta = dict(
+        block_count=L,
+        context_length=256,
+        embedding_length=D,
+        feed_forward_length=I,
+        expert_feed_forward_length=I,
+        head_count=H,
+        head_count_kv=KV,
+        key_length=hd,
+        value_length=hd,
+        rope_freq_base=1e6,
+        layer_norm_rms_eps=1e-6,
+        vocab_size=V,
+        expert_count=E,
+        expert_used_count=K,
+    )
+    path = _write_gguf(tmp_path / "tiny-qwen3moe.gguf", "qwen3moe", meta, tensors)
+
+    from strata_mlx.convert.gguf import convert_gguf
+
+    store = convert_gguf(path, tmp_path / "store", progress=False, calibration_tokens=32)
+    m = strata_mlx.store.load_manifest(store)
+    assert m.layout.quant["gate_proj"] == {"format": "gguf", "type": "Q4_K", "in_features": D}
+    assert m.layout.quant["down_proj"] == {"format": "gguf", "type": "Q6_K", "in_features": I}
+    # Each record holds the expert's bytes exactly as the file has them.
+    data = np.asarray(_read_tensor(path, "blk.1.ffn_down_exps.weight"))
+    rec = np.frombuffer(strata_mlx.store.read_record(store, m, 1, 5), np.uint8)
+    c = m.layout.component("down_proj.weight")
+    np.testing.assert_array_equal(rec[c.offset : c.offset + c.nbytes], data[5].reshape(-1))
+    cfg = T.Qwen3MoeConfig(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=I,
+        moe_intermediate_size=I,
+        num_hidden_layers=L,
+        num_attention_heads=H,
+        num_key_value_heads=KV,
+        head_dim=hd,
+        num_experts=E,
+        num_experts_per_tok=K,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    )
+    ids = rng.integers(0, V, size=40).tolist()
+    ref = _hf_logits(_hf_from_gguf(path, cfg), ids)
+    model, _ = strata_mlx.load(store, arena_gb=5 * m.layout.record_bytes / 1024**3)
+    ours = teacher_forced_logits(model, ids, step=16)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
+
+
+def _read_tensor(path: Path, name: str):
+    from gguf import GGUFReader
+
+    return next(t.data for t in GGUFReader(str(path)).tensors if t.name == name)

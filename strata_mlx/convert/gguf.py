@@ -563,6 +563,8 @@ def _convert_llama(g: _Gguf, out: Path, E: int, calibration_tokens: int, progres
             else True
         )
         specs[p] = choose_format(types, ok, dtype)
+        if specs[p]["format"] == "gguf":
+            specs[p]["in_features"] = n if p == "down_proj" else D
 
     def expert_parts(layer: int, e: int) -> dict[str, dict[str, tuple]]:
         parts = {}
@@ -761,4 +763,106 @@ def fit_routers(
 
 
 def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
-    raise StoreError(f"{g.path}: qwen3moe GGUF import is not implemented yet")
+    """Qwen3-MoE: each expert's gate/up/down rows are cut out of the stacked [E, rows,
+    row_bytes] tensors as they are (no requantization); routers and dense tensors as above."""
+    from tqdm import tqdm
+
+    from .common import calibrate
+
+    a = g.arch
+    dtype = _model_dtype(g.path)
+    heads = int(g.need(f"{a}.attention.head_count"))
+    dim = int(g.need(f"{a}.embedding_length"))
+    L, E = int(g.need(f"{a}.block_count")), int(g.need(f"{a}.expert_count"))
+    inter = int(g.get(f"{a}.expert_feed_forward_length") or g.need(f"{a}.feed_forward_length"))
+    emb = g.tensor("token_embd.weight")
+    cfg: dict[str, Any] = {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_size": dim,
+        "num_hidden_layers": L,
+        "intermediate_size": int(g.get(f"{a}.feed_forward_length", inter)),
+        "moe_intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(g.get(f"{a}.attention.head_count_kv", heads)),
+        "head_dim": int(g.get(f"{a}.attention.key_length", dim // heads)),
+        "num_experts": E,
+        "num_experts_per_tok": int(g.need(f"{a}.expert_used_count")),
+        "norm_topk_prob": True,  # llama.cpp's qwen3moe graph always renormalizes the top-k
+        "rms_norm_eps": float(g.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "vocab_size": int(g.get(f"{a}.vocab_size", int(emb.shape[1]))),
+        "rope_theta": float(g.get(f"{a}.rope.freq_base", 1e6)),
+        "max_position_embeddings": int(g.get(f"{a}.context_length", 32768)),
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "torch_dtype": dtype,
+    }
+    shapes = {"gate_proj": (inter, dim), "up_proj": (inter, dim), "down_proj": (dim, inter)}
+    specs = {}
+    for p, gp in GGUF_PROJ.items():
+        types = {qtype_name(g.tensor(f"blk.{i}.{gp}_exps.weight")) for i in range(L)}
+        specs[p] = choose_format(types, True, dtype)
+        if len(types) > 1:
+            warnings.warn(
+                f"{g.path}: {gp}_exps mixes {sorted(types)} across layers; a store has one "
+                f"format per projection, so it is stored dequantized ({dtype})",
+                stacklevel=3,
+            )
+        if specs[p]["format"] == "gguf":
+            specs[p]["in_features"] = shapes[p][1]
+
+    def expert_parts(layer: int, e: int) -> dict[str, dict[str, tuple]]:
+        parts = {}
+        for p, gp in GGUF_PROJ.items():
+            t = g.tensor(f"blk.{layer}.{gp}_exps.weight")
+            parts[p] = projection_tensors(specs[p], raw_rows(t)[e], t, *shapes[p])
+        return parts
+
+    layout = build_layout(expert_parts(0, 0), specs)
+    dense = DenseWriter(dtype)
+    dense.add("model.embed_tokens", emb)
+    if not cfg["tie_word_embeddings"]:
+        dense.add("lm_head", g.tensor("output.weight"))
+    _add_norm(dense, g, "output_norm.weight", "model.norm.weight")
+    for i in range(L):
+        pre = f"model.layers.{i}"
+        _add_norm(dense, g, f"blk.{i}.attn_norm.weight", f"{pre}.input_layernorm.weight")
+        _add_norm(dense, g, f"blk.{i}.ffn_norm.weight", f"{pre}.post_attention_layernorm.weight")
+        _add_norm(dense, g, f"blk.{i}.attn_q_norm.weight", f"{pre}.self_attn.q_norm.weight")
+        _add_norm(dense, g, f"blk.{i}.attn_k_norm.weight", f"{pre}.self_attn.k_norm.weight")
+        for gname, hname in (
+            ("attn_q", "q_proj"),
+            ("attn_k", "k_proj"),
+            ("attn_v", "v_proj"),
+            ("attn_output", "o_proj"),
+        ):
+            # qwen3moe is a NeoX-rotary architecture in llama.cpp: q/k rows are not permuted.
+            dense.add(f"{pre}.self_attn.{hname}", g.tensor(f"blk.{i}.{gname}.weight"))
+        t = g.tensor(f"blk.{i}.ffn_gate_inp.weight")
+        dense.add(f"{pre}.mlp.gate", t, quantize=False)
+    qcfg = dense.quantization_config()
+    if qcfg:
+        cfg["quantization"] = qcfg
+
+    writer = StoreWriter(out, "qwen3_moe", cfg, layout, list(range(L)), E)
+    with writer:
+        writer.manifest.extra = {
+            "source": {"gguf": g.path.name, "architecture": g.arch},
+            "formats": {p: s.get("_src", s["format"]) for p, s in specs.items()},
+        }
+        writer.write_dense(dense.weights)
+        build_tokenizer(g, writer.path)
+        bar = tqdm(total=L * E, desc="experts", unit="expert", disable=not progress)
+        for i in range(L):
+            for e in range(E):
+                writer.add_expert(i, e, record_arrays(expert_parts(i, e)))
+                bar.update(1)
+        bar.close()
+        calibrate(writer, calibration_tokens)
+        return writer.commit()
+
+
+def _add_norm(dense: DenseWriter, g: _Gguf, name: str, key: str) -> None:
+    t = g.tensor(name)
+    dense.add_array(key, dequantize_rows(raw_rows(t), t))
