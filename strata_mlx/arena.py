@@ -100,7 +100,41 @@ class ProfileAware(LRU):
         return best
 
 
-POLICIES = {p.name: p for p in (LRU, LFUAging, ProfileAware)}
+class LayerDistance:
+    """Evict the expert whose layer comes back last: a forward pass visits layers in a cycle,
+    so the layer just computed is needed again only after every other layer, while the
+    layers just ahead are needed next. LRU gets this backwards (the least recently used
+    experts are those of the layers about to run). Within a layer, least recently used."""
+
+    name = "layer"
+
+    def __init__(self, profile: np.ndarray | None = None, layers: list[int] | None = None):
+        self._layers = sorted(layers or [])
+        self._pos = {l: i for i, l in enumerate(self._layers)}
+        self._by_layer: dict[int, OrderedDict[Key, None]] = {}
+        self.current: int | None = None  # the layer whose handshake runs now
+
+    def touch(self, key: Key) -> None:
+        od = self._by_layer.setdefault(key[0], OrderedDict())
+        od[key] = None
+        od.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        od = self._by_layer.get(key[0])
+        if od is not None:
+            od.pop(key, None)
+
+    def victim(self, evictable) -> Key | None:
+        n = len(self._layers)
+        start = self._pos.get(self.current, 0)
+        for i in range(n):  # current layer, the one before, ..., the one after it last
+            for key in self._by_layer.get(self._layers[(start - i) % n], ()):
+                if evictable(key):
+                    return key
+        return None
+
+
+POLICIES = {p.name: p for p in (LRU, LFUAging, ProfileAware, LayerDistance)}
 
 
 class Arena:
@@ -162,6 +196,11 @@ class Arena:
 
     def touch(self, key: Key) -> None:
         self.policy.touch(key)
+
+    def set_layer(self, layer: int) -> None:
+        """Tell a layer-aware eviction policy which layer runs now."""
+        if hasattr(self.policy, "current"):
+            self.policy.current = layer
 
     def _evictable(self, key: Key) -> bool:
         s = self.slot_of[key]

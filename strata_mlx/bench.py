@@ -105,6 +105,8 @@ def bench(
     log(f"probe-ssd: {ssd_gbps:.2f} GB/s at {io_workers} workers (direct={probe['direct']})")
 
     model, _ = load(path, config=RuntimeConfig(**base, read_ahead="demand", fake_stream=True))
+    # Warm-up: the first pass compiles kernels (MLX CUDA JITs them), which no run should pay.
+    _run(model, ids[: min(len(ids), prefill_step_size + 1)], 2, prefill_step_size, "warmup", "-")
     fake = _run(model, ids, gen_tokens, prefill_step_size, "fake-stream", "compute")
     model.expert_cache.close()
     del model

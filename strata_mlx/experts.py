@@ -122,9 +122,14 @@ class RoutingTrace:
     """Routing decisions recorded for research: set `model.expert_cache.trace = RoutingTrace()`."""
 
     ids: dict[int, list[np.ndarray]] = field(default_factory=dict)  # layer -> per call [T, k]
+    # lookahead: layer -> per call, the ids predicted for it from the previous layer's input
+    predicted: dict[int, list[np.ndarray]] = field(default_factory=dict)
 
     def record(self, layer: int, ids: np.ndarray) -> None:
         self.ids.setdefault(layer, []).append(ids)
+
+    def record_prediction(self, layer: int, ids: np.ndarray) -> None:
+        self.predicted.setdefault(layer, []).append(ids)
 
 
 class ExpertCache:
@@ -218,6 +223,7 @@ class ExpertCache:
         # The sync above evaluated everything up to this router, so the last layer's compute
         # (which read its pinned slots) is done: its slots may be reused from here on.
         self.arena.unpin_all()
+        self.arena.set_layer(layer)
         st.lookups += len(needed)
 
         if self.fake_stream:
@@ -234,7 +240,10 @@ class ExpertCache:
             self.arena.slot_of[(layer, e)] for e in needed if (layer, e) in self.arena.slot_of
         )
         if predict:
-            self._submit_readahead(nxt, rank_by_tokens(np.array(pred), self.read_ahead.min_tokens))
+            pred_ids = np.array(pred).reshape(-1, pred.shape[-1])
+            if self.trace is not None:
+                self.trace.record_prediction(nxt, pred_ids)
+            self._submit_readahead(nxt, rank_by_tokens(pred_ids, self.read_ahead.min_tokens))
         t2 = time.perf_counter()
         self._wait(waits)
         t3 = time.perf_counter()
@@ -314,6 +323,8 @@ class ExpertCache:
             else:
                 st.misses += 1
                 waits.append(self._ensure([key], urgent=True)[0])
+            # Pin as we go: a later miss of this same layer must not evict this one.
+            self.arena.pin([self.arena.slot_of[key]])
         if urgent:
             self.reader.promote(urgent)
         return waits

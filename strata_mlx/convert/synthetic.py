@@ -7,12 +7,16 @@ random MLX-affine codes with valid scales (every code maps to a weight in about
 
 Routing of random weights is close to uniform. `router="structured"` gives it the structure a
 trained model has, so that prediction and caching are tested on something like real traffic:
-  - skewed popularity: every embedding row shares a mean direction mu, and expert e's router
-    row carries z_e * mu with z_e falling as a Zipf-like log rank, so low-numbered-by-rank
-    experts win more often (about a 10x spread between the most and least popular);
-  - correlated consecutive layers: every layer's router is sqrt(1-a) R0 + sqrt(a) N_l around one
-    shared R0 (a = 0.3), and residual updates are scaled down so hidden states drift slowly,
-    which makes layer l+1's router applied to layer l's input a good predictor.
+  - skewed popularity: every embedding row (unit norm) adds 0.7 * mu, one shared direction,
+    and expert e's router row carries z_e * mu with z_e falling from 0 to -2 by log rank, so
+    some experts are far more popular than others;
+  - correlated consecutive layers: every layer's router is sqrt(0.95) R0 + sqrt(0.05) N_l
+    around one shared R0, and residual updates (attention output, experts) are scaled by 0.02
+    so hidden states drift slowly, which makes layer l+1's router applied to layer l's input
+    a good, imperfect predictor.
+  Tuned (numpy, hidden 2048, 512 experts, top-10, 1024 tokens) to what the reference system
+  saw on a real model: ~430 distinct experts per layer per chunk (reference: ~410), and a
+  per-token lookahead recall of ~0.7 of the true top-10.
 """
 
 from __future__ import annotations
@@ -109,18 +113,18 @@ def convert_synthetic(
     D, E = args.hidden_size, args.num_experts
     blocks = model.moe_blocks()
     moe_layers = sorted(blocks)
-    residual_scale = 0.1 if router == "structured" else 1.0
+    residual_scale = 0.02 if router == "structured" else 1.0
     if router == "structured":
         mu = rng.standard_normal(D).astype(np.float32)
         mu /= np.linalg.norm(mu)
         emb = np.array(model.model.embed_tokens.weight.astype(mx.float32))
-        emb = emb / (np.linalg.norm(emb, axis=1, keepdims=True) + 1e-6) + 1.0 * mu
+        emb = emb / (np.linalg.norm(emb, axis=1, keepdims=True) + 1e-6) + 0.7 * mu
         model.model.embed_tokens.weight = mx.array(emb).astype(mdtype)
         r0 = rng.standard_normal((E, D)).astype(np.float32)
         z = -2.0 * np.log1p(np.arange(E)) / np.log1p(E - 1)  # rank 0 most popular
         z = z[rng.permutation(E)]  # popularity unrelated to expert id
         for layer in moe_layers:
-            r = np.sqrt(0.7) * r0 + np.sqrt(0.3) * rng.standard_normal((E, D)).astype(np.float32)
+            r = np.sqrt(0.95) * r0 + np.sqrt(0.05) * rng.standard_normal((E, D)).astype(np.float32)
             r = (r + z[:, None] * mu[None, :]) / np.sqrt(D)
             blocks[layer].gate.weight = mx.array(r).astype(mdtype)
     for layer in model.layers:
