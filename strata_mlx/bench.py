@@ -81,6 +81,7 @@ def bench(
     probe_seconds: float = 2.0,
     seed: int = 0,
     log=print,
+    eviction: str = "lru",
 ) -> dict:
     path = Path(path)
     m = load_manifest(path)
@@ -91,6 +92,7 @@ def bench(
         io_workers=io_workers,
         prefill_step_size=prefill_step_size,
         static_cap=static_cap,
+        eviction=eviction,
     )
 
     from .probe import probe_ssd

@@ -122,7 +122,7 @@ def generate(
     read_ahead: str = typer.Option("lookahead", "--read-ahead", help="demand | static | lookahead"),
     lookahead_min_tokens: int = typer.Option(1, "--lookahead-min-tokens"),
     static_cap: int = typer.Option(256, "--static-cap"),
-    eviction: str = typer.Option("lru", "--eviction", help="lru | lfu | profile"),
+    eviction: str = typer.Option("lru", "--eviction", help="lru | lfu | profile | layer"),
     verify: bool = typer.Option(
         False, "--verify/--no-verify", help="Check each record's checksum."
     ),
@@ -333,6 +333,7 @@ def bench(
     io_workers: int = typer.Option(8, "--io-workers"),
     static_cap: int = typer.Option(256, "--static-cap"),
     json_out: Path | None = typer.Option(None, "--json", help="Write all figures as JSON."),
+    eviction: str = typer.Option("lru", "--eviction", help="lru | lfu | profile | layer"),
 ):
     """Prefill and decode, cold and warm, read-ahead policies side by side."""
     from .bench import bench as run_bench
@@ -349,6 +350,7 @@ def bench(
         repeats,
         io_workers,
         static_cap,
+        eviction=eviction,
         log=typer.echo,
     )
     typer.echo(markdown_table(result))
