@@ -565,3 +565,27 @@ def _read_tensor(path: Path, name: str):
     from gguf import GGUFReader
 
     return next(t.data for t in GGUFReader(str(path)).tensors if t.name == name)
+
+
+def _heldout() -> str:
+    doc = (Path(__file__).parents[1] / "docs" / "top_k.md").read_text()
+    return doc.split("<!-- heldout:start -->\n")[1].split("<!-- heldout:end -->")[0]
+
+
+def _perplexity(model, ids) -> float:
+    logits = teacher_forced_logits(model, ids, step=512).astype(np.float64)
+    m = logits.max(-1, keepdims=True)
+    logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+    return float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean()))
+
+
+@pytest.mark.slow
+def test_top_k_table_rows(first_run):
+    """docs/top_k.md: K = E is the dense model's 26.27; K = 12 (least squares) is 78.0."""
+    model, tok = strata_mlx.load(first_run["store"])
+    ids = tok.encode(_heldout())
+    assert len(ids) == 333
+    assert _perplexity(model, ids) == pytest.approx(26.27, abs=0.01)
+    for block in model.moe_blocks().values():
+        block.top_k = 12
+    assert _perplexity(model, ids) == pytest.approx(78.0, abs=0.1)
