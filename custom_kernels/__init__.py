@@ -1,0 +1,11 @@
+"""Quantized expert kernels reading weights straight from arena slots.
+
+One algorithm per weight format (algorithm.py) with thin dialect layers: Metal (metal.py,
+mx.fast.metal_kernel; not executed on this project's Linux machines), CUDA (cuda.py,
+mx.fast.cuda_kernel; verified on the GPU machine) and host C++ (host.py; tests only).
+`dispatch.kernel_for(backend, layout)` builds and caches them; strata_mlx.kernels calls it.
+"""
+
+from .dispatch import kernel_for, supported
+
+__all__ = ["kernel_for", "supported"]

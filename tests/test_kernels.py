@@ -1,0 +1,541 @@
+"""Expert kernels (custom_kernels/): one algorithm, three dialects, checked against the reference.
+
+CPU (CI):
+  - the decode expressions a kernel runs, interpreted by numpy, equal the reference
+    dequantizers bit for bit (gguf_quants.dequantize; mx.dequantize for affine);
+  - Metal, CUDA and host sources are the same shared body and header plus a dialect layer;
+  - the shared body, compiled as host C++ with 32-lane warps emulated, computes
+    switch_glu_reference's result (float32, decode and prefill tiles);
+  - kernel_for's semantics, the prefill tiling.
+GPU (`-m gpu`, MLX's CUDA backend): the CUDA dialect vs switch_glu_reference for every format,
+decode (T=1, k=10, D=2048, inter=512) and prefill (T=1024) shapes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import subprocess
+import tempfile
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from custom_kernels import algorithm, cuda, dispatch, host, metal
+from strata_mlx.gguf_quants import FORMATS, dequantize, row_bytes
+from strata_mlx.quant import (
+    component_views,
+    dtype_name,
+    expert_tensors,
+    layout_for,
+    switch_glu_reference,
+    to_numpy,
+)
+from strata_mlx.store import PROJECTIONS, RecordLayout
+
+HAVE_CXX = host.compiler() is not None
+needs_cxx = pytest.mark.skipif(not HAVE_CXX, reason="no C++ compiler for the host dialect")
+
+# ---------------------------------------------------------------------------------------------
+# Random experts in every format
+
+
+def _finite_f16_bits(rng, n):
+    bits = rng.integers(0, 1 << 16, size=n, dtype=np.uint16)
+    bad = (bits & 0x7C00) == 0x7C00
+    bits[bad] &= np.uint16(0xBFFF)
+    return bits
+
+
+# fp16 scale fields are set to +-U(0.5, 1.5) * this / sqrt(in) so weights are ~ 1/sqrt(in)
+_GGUF_D = {"IQ2_XS": 1 / 50, "IQ3_S": 1 / 128, "Q4_K": 1 / 240, "Q2_K": 1 / 12}
+
+
+def gguf_rows(qtype: str, rows: int, n_in: int, rng, full_range: bool = False) -> np.ndarray:
+    """uint8 [rows, row_bytes]: random blocks; fp16 fields random finite bit patterns
+    (full_range) or moderate values."""
+    f = FORMATS[qtype]
+    nb = n_in // f.block_size
+    raw = rng.integers(0, 256, size=(rows, nb, f.type_size), dtype=np.uint8)
+    for off in f.f16_offsets:
+        if full_range:
+            bits = _finite_f16_bits(rng, rows * nb)
+        else:
+            mag = rng.uniform(0.5, 1.5, rows * nb) * _GGUF_D[qtype] / np.sqrt(n_in)
+            sign = rng.choice([-1.0, 1.0], rows * nb)
+            bits = (mag * sign).astype(np.float16).view(np.uint16)
+        raw[:, :, off : off + 2] = bits.reshape(rows, nb, 1).view(np.uint8).reshape(rows, nb, 2)
+    return raw.reshape(rows, nb * f.type_size)
+
+
+def _shapes(d: int, inter: int) -> dict[str, tuple[int, int]]:
+    return {"gate_proj": (inter, d), "up_proj": (inter, d), "down_proj": (d, inter)}
+
+
+def affine_experts(n, d, inter, bits, gs, dtype, seed=0):
+    # all n experts quantized in one call per projection, exactly as expert_tensors does each;
+    # on the CPU stream (on the GPU, each new configuration would JIT-compile quantize)
+    with mx.stream(mx.cpu):
+        keys = mx.random.split(mx.random.key(seed), 3)
+        w = {
+            p: mx.random.normal((n, o, i), key=keys[j]) / np.sqrt(i)
+            for j, (p, (o, i)) in enumerate(_shapes(d, inter).items())
+        }
+        t, table = expert_tensors(w, {"bits": bits, "group_size": gs}, dtype)
+        layout = layout_for({name: v[0] for name, v in t.items()}, table)
+        t = {name: to_numpy(v) for name, v in t.items()}
+    recs = [np.frombuffer(layout.pack({k: v[e] for k, v in t.items()}), np.uint8) for e in range(n)]
+    return layout, recs
+
+
+def gguf_experts(n, d, inter, types: dict[str, str], seed=0):
+    rng = np.random.default_rng(seed)
+    comps, table = {}, {}
+    for p, (o, i) in _shapes(d, inter).items():
+        comps[f"{p}.weight"] = ("uint8", (o, row_bytes(types[p], i)))
+        table[p] = {"format": "gguf", "type": types[p], "in_features": i}
+    layout = RecordLayout.build(comps, table)
+    recs = []
+    for _ in range(n):
+        arrays = {
+            f"{p}.weight": gguf_rows(types[p], o, i, rng) for p, (o, i) in _shapes(d, inter).items()
+        }
+        recs.append(np.frombuffer(layout.pack(arrays), np.uint8))
+    return layout, recs
+
+
+def _gguf(gate_up: str, down: str | None = None):
+    return lambda n, d, i, seed: gguf_experts(
+        n, d, i, {"gate_proj": gate_up, "up_proj": gate_up, "down_proj": down or gate_up}, seed
+    )
+
+
+def _affine(bits, gs, dtype=mx.float16):
+    return lambda n, d, i, seed: affine_experts(n, d, i, bits, gs, dtype, seed)
+
+
+# name -> builder(n_experts, D, inter, seed) -> (layout, records)
+CASES = {
+    "affine4-g64": _affine(4, 64),
+    "affine4-g32-bf16scales": _affine(4, 32, mx.bfloat16),
+    "affine4-g128-f32scales": _affine(4, 128, mx.float32),
+    "affine2-g64": _affine(2, 64),
+    "affine3-g64": _affine(3, 64),
+    "affine8-g32": _affine(8, 32),
+    "IQ2_XS": _gguf("IQ2_XS"),
+    "Q4_K": _gguf("Q4_K"),
+    "IQ3_S": _gguf("IQ3_S"),
+    "Q2_K": _gguf("Q2_K"),
+    "IQ2_XS+Q2_K-down": _gguf("IQ2_XS", "Q2_K"),
+    "IQ3_S+Q4_K-down": _gguf("IQ3_S", "Q4_K"),
+}
+
+
+def make_problem(layout, recs, n_tokens, k, dtype, seed=0, n_slots=None):
+    """Records placed at random arena slots; routing as strata_mlx.experts builds it:
+    slots [n] of the needed experts, idx [T, k] into slots."""
+    rng = np.random.default_rng(seed + 1)
+    n = len(recs)
+    n_slots = n_slots or n + 3
+    where = rng.permutation(n_slots)[:n]
+    arena = np.zeros((n_slots, layout.record_bytes), np.uint8)
+    for e, s in enumerate(where):
+        arena[s] = recs[e]
+    ids = np.stack([rng.choice(n, k, replace=False) for _ in range(n_tokens)])
+    needed = np.unique(ids)
+    slots = mx.array(where[needed].astype(np.uint32))
+    idx = mx.array(np.searchsorted(needed, ids).astype(np.uint32))
+    d = algorithm.projection(layout, "gate_proj").in_features
+    x = mx.array(rng.standard_normal((n_tokens, d)).astype(np.float32)).astype(dtype)
+    return x, mx.array(arena), slots, idx
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: decode expressions vs reference dequantizers
+
+
+@pytest.mark.parametrize("qtype", sorted(algorithm.GGUF_DECODERS))
+def test_gguf_decode_bit_exact(qtype):
+    rng = np.random.default_rng(FORMATS[qtype].ggml_type)
+    rows, n_in = 7, 4 * 256
+    raw = gguf_rows(qtype, rows, n_in, rng, full_range=True)  # subnormal and huge scales too
+    ours = algorithm.decode_rows(algorithm.gguf_decoder(qtype), {"W": raw}, n_in)
+    ref = np.array(dequantize(qtype, mx.array(raw), (rows, n_in)))
+    np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_affine_decode_bit_exact(bits, group_size, dtype):
+    w = mx.random.normal((6, 512), key=mx.random.key(bits * 1000 + group_size)).astype(dtype)
+    q, s, b = mx.quantize(w, group_size, bits)
+    bases = {
+        "W": np.array(q).view(np.uint8).reshape(6, -1),
+        "S": to_numpy(s).view(np.uint8).reshape(6, -1),
+        "B": to_numpy(b).view(np.uint8).reshape(6, -1),
+    }
+    dec = algorithm.affine_decoder(bits, group_size, dtype_name(s.dtype))
+    ours = algorithm.decode_rows(dec, bases, 512)
+    # float32 scale * q + bias: what the kernels compute (fp16/bf16 scale * q is exact in f32)
+    ref = np.array(mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size, bits))
+    if dtype == mx.float32:  # fp32 scale * q rounds; fused or not may differ by an ulp
+        np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-7)
+    else:
+        np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))
+
+
+def test_decoders_load_only_aligned_in_bounds():
+    # decode_rows raises on misaligned or out-of-row loads; a minimal row (one block / group)
+    # puts every load at the edge.
+    for qtype in algorithm.GGUF_DECODERS:
+        raw = gguf_rows(qtype, 1, 256, np.random.default_rng(0))
+        algorithm.decode_rows(algorithm.gguf_decoder(qtype), {"W": raw}, 256)
+    for bits in (2, 3, 4, 5, 6, 8):
+        dec = algorithm.affine_decoder(bits, 32, "float16")
+        bases = {"W": np.zeros((1, 32 * bits // 8), np.uint8), "S": np.zeros((1, 2), np.uint8)}
+        bases["B"] = bases["S"]
+        algorithm.decode_rows(dec, bases, 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: one algorithm, dialect layers only
+
+
+def _sources_of(case: str, tm: int):
+    layout, _ = CASES[case](1, 256, 256, 0)
+    kern = dispatch.ExpertKernels(host, layout, dispatch.plan(layout))
+    return kern.sources(k=3, tm=tm)
+
+
+DIALECTS = {"metal": metal, "cuda": cuda, "host": host}
+DIALECT_TOKENS = re.compile(
+    r"device|__|thread_position|blockIdx|threadIdx|blockDim|simd|metal|expf|half|bfloat|#|ulong"
+)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_dialects_share_the_algorithm(case):
+    for src in _sources_of(case, tm=1) + _sources_of(case, tm=4):
+        stripped = {}
+        for name, mod in DIALECTS.items():
+            header, body = mod.sources(src)
+            assert header.startswith(mod.PRELUDE) and body.startswith(mod.PROLOGUE), name
+            stripped[name] = (header[len(mod.PRELUDE) :], body[len(mod.PROLOGUE) :])
+        # With the dialect layer removed, every dialect compiles the identical text ...
+        assert stripped["metal"] == stripped["cuda"] == stripped["host"] == (src.header, src.body)
+        # ... which names nothing dialect-specific.
+        for text in (src.header, src.body):
+            assert not DIALECT_TOKENS.search(text), DIALECT_TOKENS.search(text)
+
+
+def test_dialect_layers_define_the_same_names():
+    for name, mod in DIALECTS.items():
+        layer = mod.PRELUDE + mod.PROLOGUE
+        for n in algorithm.DIALECT_NAMES:
+            assert re.search(rf"(#define {n}\b|\b{n}\s*\(|\b{n}\s*=)", layer), (name, n)
+    # The dialect layers stay thin: no decode logic lives in them.
+    for mod in (metal, cuda):
+        assert len(mod.PRELUDE.splitlines()) + len(mod.PROLOGUE.splitlines()) < 30
+
+
+def test_metal_docstring_says_not_executed_here():
+    assert "NOT executed on this project's Linux machines" in metal.__doc__
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the shared body executed as host C++
+
+
+def _compare(y, ref, what, max_tol, frob_tol):
+    """Max error relative to the output's RMS, and relative Frobenius error."""
+    y32 = np.array(y.astype(mx.float32))
+    r32 = np.array(ref.astype(mx.float32))
+    assert y32.shape == r32.shape, (what, y32.shape, r32.shape)
+    assert np.isfinite(y32).all(), f"{what}: non-finite kernel output"
+    rms = float(np.sqrt(np.mean(r32.astype(np.float64) ** 2)))
+    assert rms > 0, f"{what}: reference is all zero"
+    err = np.abs(y32.astype(np.float64) - r32)
+    max_rel = float(err.max()) / rms
+    frob_rel = float(np.sqrt(np.mean(err**2))) / rms
+    assert max_rel <= max_tol and frob_rel <= frob_tol, (
+        f"{what}: max |kernel - reference| = {max_rel:.3g} x RMS (allowed {max_tol:.3g}), "
+        f"RMS error = {frob_rel:.3g} x RMS (allowed {frob_tol:.3g}); "
+        f"worst at {np.unravel_index(err.argmax(), err.shape)}"
+    )
+
+
+HOST_CASES = [(c, 1) for c in sorted(CASES)] + [
+    ("affine4-g64", 4),
+    ("IQ2_XS+Q2_K-down", 4),
+    ("IQ3_S+Q4_K-down", 4),
+    ("affine3-g64", 8),
+]
+
+
+@needs_cxx
+@pytest.mark.parametrize("case,tile", HOST_CASES)
+def test_host_kernel_matches_reference(case, tile):
+    layout, recs = CASES[case](6, 256, 256, 3)
+    x, arena, slots, idx = make_problem(layout, recs, n_tokens=5, k=3, dtype=mx.float32, seed=4)
+    fn = dispatch.kernel_for("host", layout)
+    y = fn(x, arena, slots, idx, layout, tile=tile)
+    ref = switch_glu_reference(x, arena[slots], layout, idx)
+    # float32 throughout; only the summation order differs (dots of 256 terms).
+    _compare(y, ref, f"host {case} tile={tile}", max_tol=1e-5, frob_tol=1e-6)
+
+
+@needs_cxx
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_host_dequant_kernel_bit_exact(case):
+    layout, recs = CASES[case](3, 256, 256, 5)
+    x, arena, slots, idx = make_problem(layout, recs, n_tokens=2, k=2, dtype=mx.float32)
+    fn = dispatch.kernel_for("host", layout)
+    got = fn.dequantize(arena, slots)
+    arena_np, slots_np = np.array(arena), np.array(slots)
+    for p, pr in dispatch.plan(layout).items():
+        for i, s in enumerate(slots_np):
+            bases = {
+                b: arena_np[s, off : off + stride * pr.out_features].reshape(pr.out_features, -1)
+                for b, off, stride in pr.offsets
+            }
+            want = algorithm.decode_rows(pr.decoder, bases, pr.in_features)
+            if layout.quant[p]["format"] == "gguf":  # and the reference itself, bit for bit
+                ref = dequantize(layout.quant[p]["type"], mx.array(bases["W"]), want.shape)
+                np.testing.assert_array_equal(np.array(ref).view(np.uint32), want.view(np.uint32))
+            np.testing.assert_array_equal(
+                np.array(got[p][i]).view(np.uint32), want.view(np.uint32), err_msg=f"{case} {p}"
+            )
+
+
+@needs_cxx
+@pytest.mark.parametrize("case", ["affine4-g64", "IQ2_XS+Q2_K-down", "IQ3_S+Q4_K-down"])
+def test_host_prefill_dequant_strategy(case):
+    layout, recs = CASES[case](4, 256, 256, 6)
+    x, arena, slots, idx = make_problem(layout, recs, n_tokens=9, k=2, dtype=mx.float32, seed=8)
+    fn = dispatch.kernel_for("host", layout)
+    y = fn(x, arena, slots, idx, layout)  # 18 pairs over <= 4 experts: prefill
+    assert dispatch.PREFILL_STRATEGY == "dequant"
+    ref = switch_glu_reference(x, arena[slots], layout, idx)
+    _compare(y, ref, f"host dequant {case}", max_tol=1e-5, frob_tol=1e-6)
+
+
+@needs_cxx
+def test_host_leading_dims_and_auto_tile():
+    layout, recs = CASES["affine4-g64"](4, 256, 256, 0)
+    x, arena, slots, idx = make_problem(layout, recs, n_tokens=6, k=2, dtype=mx.float32)
+    fn = dispatch.kernel_for("host", layout)
+    # 12 pairs over 4 experts: prefill, fused tiles
+    y = fn(x.reshape(2, 3, -1), arena, slots, idx.reshape(2, 3, 2), layout, strategy="fused")
+    ref = switch_glu_reference(x, arena[slots], layout, idx)
+    assert y.shape == (2, 3, 2, 256)
+    _compare(y.reshape(6, 2, 256), ref, "host leading dims", 1e-5, 1e-6)
+
+
+@needs_cxx
+def test_host_f16_helper_all_bit_patterns():
+    code = (
+        host.PRELUDE
+        + algorithm.SHARED_HEADER
+        + 'static float sk_warp_sum(float v) { return v; }\nextern "C" void f16_all(float* o)'
+        " { for (uint32_t h = 0; h < 65536u; ++h) o[h] = sk_f16(h); }\n"
+    )
+    with tempfile.TemporaryDirectory() as d:
+        src, lib = os.path.join(d, "f16.cpp"), os.path.join(d, "f16.so")
+        open(src, "w").write(code)
+        subprocess.run([host.compiler(), "-O1", "-shared", "-fPIC", "-o", lib, src], check=True)
+        out = np.zeros(65536, np.float32)
+        ctypes.CDLL(lib).f16_all(out.ctypes.data_as(ctypes.c_void_p))
+    ref = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(out), nan)
+    np.testing.assert_array_equal(out[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+
+
+@needs_cxx
+def test_host_harness_catches_divergent_warps():
+    src = algorithm.KernelSource(
+        "divergent",
+        ("a",),
+        ("o",),
+        "",
+        "  if (sk_gx & 1u) return;\n  o[0] = sk_warp_sum(1.0f);\n",
+        1,
+    )
+    run = host.build(src)
+    with pytest.raises(RuntimeError, match="diverged"):
+        run([mx.zeros((1,))], (32, 1, 1), (32, 1, 1), [(1,)], [mx.float32], [("T", mx.float32)])
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: dispatch semantics and tiling
+
+
+def test_kernel_for_semantics():
+    layout, _ = CASES["affine4-g64"](1, 256, 256, 0)
+    assert dispatch.kernel_for("reference", layout) is None
+    with pytest.raises(ValueError):
+        dispatch.kernel_for("vulkan", layout)
+    fn = dispatch.kernel_for("cuda", layout)  # built lazily: nothing compiles on the CPU
+    assert fn is not None and dispatch.kernel_for("cuda", layout) is fn
+    assert dispatch.kernel_for("metal", layout) is not fn
+    # formats without a kernel -> None (the caller falls back to the reference)
+    t, table = expert_tensors(
+        {p: mx.zeros(s) for p, s in _shapes(256, 256).items()}, None, mx.float16
+    )
+    assert dispatch.kernel_for("cuda", layout_for(t, table)) is None
+    q6 = gguf_experts(1, 256, 256, dict.fromkeys(PROJECTIONS, "Q4_K"))[0]
+    q6.quant["down_proj"] = {**q6.quant["down_proj"], "type": "Q6_K"}
+    assert dispatch.kernel_for("cuda", q6) is None
+    for case in CASES:
+        assert dispatch.supported(CASES[case](1, 256, 256, 0)[0]), case
+
+
+@pytest.mark.parametrize("tile", [1, 3, 8])
+def test_tile_pairs_cover_each_pair_once(tile):
+    rng = np.random.default_rng(tile)
+    n_slots = 7
+    ps = rng.integers(0, n_slots, 50).astype(np.uint32)
+    tiles, n_tiles = dispatch.tile_pairs(mx.array(ps), tile, n_slots)
+    t = np.array(tiles).reshape(n_tiles, tile)
+    used = t[t >= 0]
+    assert sorted(used.tolist()) == list(range(50))
+    for row in t:
+        members = row[row >= 0]
+        assert (row[: len(members)] >= 0).all()  # filled from the front
+        assert len(set(ps[members].tolist())) <= 1  # one slot per tile
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the CUDA dialect on MLX's CUDA backend
+
+D, INTER, K, N_EXPERTS = 2048, 512, 10, 32
+SHAPES = {"decode": 1, "prefill": 1024}
+EPS = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7, mx.float32: 2.0**-10}  # f32: TF32 matmuls
+
+# (case, shape, dtype, strategy). Each distinct kernel is a ~1.5 s JIT compile, and each affine
+# (bits, group, dtype) configuration costs MLX ~15 s of JIT for the reference's quantize and
+# gather_qmm, so the GPU matrix covers every decoder and every dialect-specific type once;
+# the remaining configurations (8-bit, bf16/f32 scales) run the same shared body on the CPU
+# (test_host_kernel_matches_reference). A larger matrix took 242 s on the H200 (most of it
+# MLX's JIT for the affine references); this one drops ~110 s of that.
+GPU_DECODE = (
+    "affine4-g64",
+    "affine2-g64",
+    "affine3-g64",
+    "IQ2_XS",
+    "Q4_K",
+    "IQ3_S",
+    "Q2_K",
+    "IQ2_XS+Q2_K-down",
+    "IQ3_S+Q4_K-down",
+)
+PREFILL_CASES = (  # automatic strategy: dequant kernels + gather_mm
+    "affine4-g64",
+    "affine2-g64",
+    "IQ2_XS",
+    "Q4_K",
+    "IQ2_XS+Q2_K-down",
+    "IQ3_S+Q4_K-down",
+)
+GPU_CASES = (
+    [(c, "decode", mx.float16, None) for c in GPU_DECODE]
+    + [(c, "prefill", mx.float16, None) for c in PREFILL_CASES]
+    + [(c, "prefill", mx.float16, "fused") for c in ("affine4-g64", "IQ3_S+Q4_K-down")]
+    + [("affine4-g64", "decode", mx.bfloat16, None), ("IQ2_XS", "decode", mx.float32, None)]
+)
+
+
+def _cuda_available() -> bool:
+    return hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    if not _cuda_available():
+        pytest.skip("needs MLX's CUDA backend")
+    mx.set_default_device(mx.gpu)
+    yield
+    mx.set_default_device(mx.cpu)
+
+
+_EXPERTS: dict[str, tuple] = {}
+
+
+def _experts(case):
+    if case not in _EXPERTS:
+        _EXPERTS[case] = CASES[case](N_EXPERTS, D, INTER, 7)
+    return _EXPERTS[case]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case,shape,dtype,strategy", GPU_CASES, ids=lambda v: str(v).split(".")[-1]
+)
+def test_cuda_matches_reference(gpu, case, shape, dtype, strategy):
+    layout, recs = _experts(case)
+    x, arena, slots, idx = make_problem(layout, recs, SHAPES[shape], K, dtype, seed=11)
+    fn = dispatch.kernel_for("cuda", layout)
+    y = fn(x, arena, slots, idx, layout, strategy=strategy)
+    ref = switch_glu_reference(x, arena[slots], layout, idx)
+    mx.eval(y, ref)
+    # Both sides accumulate in float32 in different orders; the reference also rounds gate, up
+    # and (GGUF) the weights to the activation dtype, both round h and y to it. Each rounding
+    # is <= eps/2 relative; through a random-signed sum it stays ~eps/2 of the output RMS, and
+    # the largest of ~20M outputs (<= ~5 RMS, ~5.5 sigma of the noise) stays under 16 eps RMS.
+    what = f"cuda {case} {shape} {dtype} strategy={strategy or 'auto'}"
+    _compare(y, ref, what, 16 * EPS[dtype], 2 * EPS[dtype])
+
+
+@pytest.mark.gpu
+def test_cuda_prefill_tile_sizes_agree(gpu):
+    layout, recs = _experts("IQ2_XS")
+    x, arena, slots, idx = make_problem(layout, recs, 64, K, mx.float16, seed=5)
+    fn = dispatch.kernel_for("cuda", layout)
+    y1 = fn(x, arena, slots, idx, layout, strategy="fused", tile=1)
+    y8 = fn(x, arena, slots, idx, layout, strategy="fused", tile=8)
+    # the same per-pair float32 arithmetic in the same order (up to FMA contraction choices)
+    _compare(y8, y1, "tile=8 vs tile=1", 2 * EPS[mx.float16], EPS[mx.float16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["Q4_K", "IQ3_S+Q4_K-down", "IQ2_XS+Q2_K-down", "affine2-g64"])
+def test_cuda_dequant_kernel_exact(gpu, case):
+    layout, recs = _experts(case)
+    _, arena, slots, _ = make_problem(layout, recs, 1, K, mx.float16, seed=3)
+    # fp16 output (the prefill kernels, already compiled): one rounding of the float32 value
+    got = dispatch.kernel_for("cuda", layout).dequantize(arena, slots, mx.float16)
+    views = component_views(arena[slots], layout)
+    for p, spec in layout.quant.items():
+        if spec["format"] == "gguf":  # float32 decode is exact: bit-identical to the reference
+            n, out, _ = views[f"{p}.weight"].shape
+            ref = dequantize(spec["type"], views[f"{p}.weight"], (n, out, spec["in_features"]))
+            ref = ref.astype(mx.float16)
+            ok = np.array_equal(np.array(got[p]).view(np.uint16), np.array(ref).view(np.uint16))
+        else:  # fp16 scale * q is exact in float32; + bias rounds once, as in mx.dequantize
+            w, sc, b = (views[f"{p}.{c}"] for c in ("weight", "scales", "biases"))
+            ref = mx.dequantize(
+                w, sc.astype(mx.float32), b.astype(mx.float32), spec["group_size"], spec["bits"]
+            )
+            err = np.abs(np.array(got[p].astype(mx.float32)) - np.array(ref))
+            ok = bool((err <= 2.0**-10 * np.abs(np.array(ref)) + 2.0**-24).all())  # <= 1 ulp
+        assert ok, f"cuda dequant {case} {p} differs from the reference dequantizer"
+
+
+@pytest.mark.gpu
+def test_cuda_switch_glu_reads_arena_slots_in_place(gpu):
+    from strata_mlx import kernels
+    from strata_mlx.arena import Arena
+
+    layout, recs = _experts("affine4-g64")
+    x, dense, slots, idx = make_problem(layout, recs, 3, K, mx.float16, seed=2)
+    arena = Arena(dense.shape[0], layout.record_bytes)  # the runtime's buffer (offset view)
+    arena_np = np.array(dense)
+    for s in range(dense.shape[0]):
+        arena.view(s)[:] = arena_np[s]
+    assert kernels.backend() == "cuda"
+    y = kernels.switch_glu(x, arena.rows, slots, idx, layout)
+    ref = switch_glu_reference(x, dense[slots], layout, idx)
+    _compare(y, ref, "switch_glu on Arena.rows", 16 * EPS[mx.float16], 2 * EPS[mx.float16])
