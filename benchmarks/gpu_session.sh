@@ -32,5 +32,15 @@ kernels)
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tail -30 | tee "$OUT/kernel_tests.log"
   python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log"
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels"; exit 2;;
+full)  # one call: build, synthetic store, reads under compute, bench (about 7 minutes)
+  python3 setup.py build_ext --inplace -q 2>&1 | tail -2
+  [ -d .sk-wheels ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .sk-wheels/*.whl
+  /usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --mlx-path "$SYNTH" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -3 | tee "$OUT/synth.log"
+  timeout 60 python3 benchmarks/read_under_compute.py "$SYNTH/experts.bin" --record-bytes 983040 \
+     --seconds 2 --rounds 2 --workers 8 2>&1 | tee "$OUT/read_under_compute.log"
+  python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 128 --arena-gb 6.5 --prefill-step-size 1024 \
+     --io-workers 8 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full"; exit 2;;
 esac
