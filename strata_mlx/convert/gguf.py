@@ -543,10 +543,10 @@ def _convert_llama(g: _Gguf, out: Path, E: int, calibration_tokens: int, progres
     dtype = _model_dtype(g.path)
     inter = int(g.need(f"{g.arch}.feed_forward_length"))
     if E < 1 or inter % E:
-        divisors = [d for d in range(1, inter + 1) if inter % d == 0 and d <= 256]
+        divisors = [d for d in range(1, min(inter, 64) + 1) if inter % d == 0]
         raise StoreError(
             f"{g.path}: --split-experts {E} must divide the MLP width {inter} "
-            f"(e.g. {', '.join(map(str, divisors[-8:]))})"
+            f"(one of {', '.join(map(str, divisors))}{', ...' if inter > 64 else ''})"
         )
     cfg = llama_config(g, E, dtype)
     L, D, n = cfg["num_hidden_layers"], cfg["hidden_size"], inter // E
