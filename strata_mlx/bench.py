@@ -122,7 +122,9 @@ def bench(
         order = list(policies[r % len(policies) :]) + list(policies[: r % len(policies)])
         for policy in order:
             dropped = _drop_page_cache()
-            model, _ = load(path, config=RuntimeConfig(**base, read_ahead=policy))
+            name, _, variant = policy.partition(":")  # "lookahead:always" predicts in decode too
+            extra = {"lookahead_decode_min_miss": 0.0} if variant == "always" else {}
+            model, _ = load(path, config=RuntimeConfig(**base, **extra, read_ahead=name))
             arena = model.expert_cache.arena
             for phase in ("cold", "warm"):
                 run = _run(model, ids, gen_tokens, prefill_step_size, policy, phase)

@@ -121,6 +121,11 @@ def generate(
     io_workers: int = typer.Option(8, "--io-workers"),
     read_ahead: str = typer.Option("lookahead", "--read-ahead", help="demand | static | lookahead"),
     lookahead_min_tokens: int = typer.Option(1, "--lookahead-min-tokens"),
+    lookahead_decode_min_miss: float = typer.Option(
+        0.02,
+        "--lookahead-decode-min-miss",
+        help="Decode predicts while its miss rate is above this.",
+    ),
     static_cap: int = typer.Option(256, "--static-cap"),
     eviction: str = typer.Option("lru", "--eviction", help="lru | lfu | profile | layer"),
     verify: bool = typer.Option(
@@ -159,6 +164,7 @@ def generate(
         prefill_step_size,
         fake_stream,
     )
+    cfg.lookahead_decode_min_miss = lookahead_decode_min_miss
     m, tok = load(model, config=cfg)
     if top_k is not None:
         _set_top_k(m, top_k)

@@ -13,6 +13,9 @@ The handshake, per MoE layer (SPEC mechanisms 4 and 5):
   5. the computation waits only for this layer's experts; that wait is the exposed wait;
   6. the slots are pinned until the next handshake, whose sync proves this layer's compute done.
 
+A forward's output must be evaluated before the next forward starts (as every generation loop
+does): the last layer's slots are released at the next forward's first handshake.
+
 Results never depend on which slot holds an expert: the records of the layer's distinct
 experts are gathered in expert-id order and computed as one batch, so every arena size,
 policy and slot placement gives bit-identical outputs. When a layer needs more experts than
@@ -167,6 +170,7 @@ class ExpertCache:
         self.trace: RoutingTrace | None = None
         self.route_bonus = 0.0  # cache-aware routing (decode); 0 = exact
         self.decoding = False  # set by generation around decode steps
+        self.decode_miss_rate = 1.0  # running average; starts high so decode predicts at first
         self._layer0_width = 0
         self.dump = None  # callable(layer, x, ids, scores, y) for --dump-moe
 
@@ -208,12 +212,16 @@ class ExpertCache:
         st = self.stats
         nxt = self._next.get(layer)
         predict = self.read_ahead.predicts and nxt in self.routers and not self.fake_stream
+        if predict and self.decoding:
+            predict = self.decode_miss_rate >= self.read_ahead.decode_min_miss
         t0 = time.perf_counter()
+        # x is evaluated with the ids: the ids alone need not depend on the previous layer's
+        # expert output (a router can ignore x), and only x proves that computation done.
         if predict:
             pred = self.routers[nxt](x)
-            mx.eval(inds, pred)
+            mx.eval(inds, pred, x)
         else:
-            mx.eval(inds)
+            mx.eval(inds, x)
         t1 = time.perf_counter()
         st.route_sync_s += t1 - t0
         ids = np.array(inds).reshape(-1, inds.shape[-1])
@@ -235,7 +243,11 @@ class ExpertCache:
             st.host_s += time.perf_counter() - t1
             return self._run_groups(layer, x, inds, ids, needed)
 
+        misses_before = st.misses
         waits = self._classify(layer, needed)
+        if self.decoding:  # a running average over the last ~100 decode layers
+            rate = (st.misses - misses_before) / len(needed)
+            self.decode_miss_rate += 0.01 * (rate - self.decode_miss_rate)
         self.arena.pin(
             self.arena.slot_of[(layer, e)] for e in needed if (layer, e) in self.arena.slot_of
         )

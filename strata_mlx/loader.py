@@ -53,6 +53,7 @@ class RuntimeConfig:
     read_ahead: str = "lookahead"  # demand | static | lookahead
     static_cap: int = 256
     lookahead_min_tokens: int = 1
+    lookahead_decode_min_miss: float = 0.02
     eviction: str = "lru"
     verify: bool = False
     prefill_step_size: int | None = None  # None: chosen from memory
@@ -157,7 +158,9 @@ def load(
         manifest,
         arena,
         reader,
-        read_ahead=ReadAhead(cfg.read_ahead, cfg.static_cap, cfg.lookahead_min_tokens),
+        read_ahead=ReadAhead(
+            cfg.read_ahead, cfg.static_cap, cfg.lookahead_min_tokens, cfg.lookahead_decode_min_miss
+        ),
         profile=profile,
         verify=cfg.verify,
         fake_stream=cfg.fake_stream,
