@@ -573,7 +573,9 @@ def serve(
 
 
 def serve_command(
-    model: Path = typer.Option(..., "--model", help="A strata-mlx store."),
+    model: Path | None = typer.Option(
+        None, "--model", help="A strata-mlx store (default: the built-in model)."
+    ),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8080, "--port"),
     model_name: str | None = typer.Option(
@@ -594,6 +596,12 @@ def serve_command(
         raise ValueError(f"--arena-gb {arena_gb}: must be positive")
     if io_workers < 1:
         raise ValueError(f"--io-workers {io_workers}: must be at least 1")
+    if model is None:
+        from .default_model import DEFAULT_ARENA_GB, default_store
+
+        model = default_store()
+        model_name = model_name or "smollm2-135m-instruct-split"
+        arena_gb = DEFAULT_ARENA_GB if arena_gb is None else arena_gb
     serve(
         model,
         host=host,
