@@ -135,6 +135,9 @@ def generate(
     fake_stream: bool = typer.Option(
         False, "--fake-stream", help="Every expert counts as resident: times compute alone."
     ),
+    preset: str | None = typer.Option(
+        None, "--preset", help="A runtime preset from configs/runtime/ (e.g. laptop-24gb)."
+    ),
 ):
     """Generate text from a store, streaming experts through the arena."""
 
@@ -165,6 +168,10 @@ def generate(
         fake_stream,
     )
     cfg.lookahead_decode_min_miss = lookahead_decode_min_miss
+    if preset is not None:
+        from .loader import apply_preset
+
+        apply_preset(cfg, preset)
     m, tok = load(model, config=cfg)
     if top_k is not None:
         _set_top_k(m, top_k)

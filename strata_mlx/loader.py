@@ -60,6 +60,28 @@ class RuntimeConfig:
     fake_stream: bool = False
 
 
+PRESETS = Path(__file__).resolve().parents[1] / "configs" / "runtime"
+
+
+def apply_preset(cfg: RuntimeConfig, name: str) -> RuntimeConfig:
+    """Fill the fields of `cfg` still at their defaults from configs/runtime/NAME.json."""
+    import json
+
+    path = PRESETS / f"{name}.json"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PRESETS.glob("*.json")))
+        raise StoreError(f"{path}: no such preset (known: {known})")
+    default = RuntimeConfig()
+    for key, value in json.loads(path.read_text()).items():
+        if key.startswith("_"):
+            continue
+        if not hasattr(cfg, key):
+            raise StoreError(f"{path}: unknown setting {key!r}")
+        if getattr(cfg, key) == getattr(default, key):
+            setattr(cfg, key, value)
+    return cfg
+
+
 def physical_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -214,3 +214,25 @@ def test_probe_ssd_cli(store):
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("GB/s") == 2
+
+
+def test_runtime_preset(store):
+    path = store("qwen3_moe")
+    r = run(
+        "generate",
+        "--model",
+        path,
+        "--prompt-tokens",
+        "1,2,3",
+        "-m",
+        "2",
+        "--preset",
+        "laptop-24gb",
+    )
+    assert r.returncode == 0, r.stderr
+    line = _error_line(run("generate", "--model", path, "--prompt-tokens", "1", "--preset", "nope"))
+    assert "nope.json" in line and "laptop-24gb" in line
+    from strata_mlx.loader import RuntimeConfig, apply_preset
+
+    cfg = apply_preset(RuntimeConfig(io_workers=4), "laptop-24gb")
+    assert cfg.arena_gb == 6.5 and cfg.prefill_step_size == 2048 and cfg.io_workers == 4
