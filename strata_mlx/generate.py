@@ -182,7 +182,7 @@ def stream_generate(
             if hit is not None:
                 text, end, finish = text[:hit], hit, "stop"
             else:
-                end = len(text) - _holdback(text, stop)  # might still become a stop string
+                end = len(text) - stop_holdback(text, stop)  # might still become a stop string
         if finish is None and n + 1 == max_tokens:
             finish = "length"
         if finish is not None:
@@ -215,8 +215,9 @@ def stream_generate(
             break
 
 
-def _holdback(text: str, stop: list[str]) -> int:
-    """Length of the longest end of `text` that begins some stop string."""
+def stop_holdback(text: str, stop: list[str]) -> int:
+    """Length of the longest end of `text` that begins some stop string: that much may still
+    become a stop sequence, so streaming holds it back."""
     best = 0
     for s in stop:
         for n in range(min(len(s) - 1, len(text)), best, -1):

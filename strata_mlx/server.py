@@ -30,6 +30,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .generate import stop_holdback
+
 DEFAULT_MAX_TOKENS = 512
 
 # ---- request models ------------------------------------------------------------------------
@@ -173,18 +175,6 @@ class Result:
     completion_tokens: int
 
 
-def _holdback(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string: that
-    much may still become a stop sequence, so streaming holds it back."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
 class Engine:
     """Runs generation jobs one at a time on a single worker thread."""
 
@@ -249,7 +239,7 @@ class Engine:
                     if hits:
                         text, finish = text[: min(hits)], "stop"
                 if on_text is not None:
-                    safe = len(text) if finish else len(text) - _holdback(text, stops)
+                    safe = len(text) if finish else len(text) - stop_holdback(text, stops)
                     if safe > emitted:
                         on_text(text[emitted:safe])
                         emitted = safe

@@ -245,16 +245,6 @@ def kld_command(
     typer.echo(kld_report(load_logits(ref), load_logits(test)).line())
 
 
-def _parse_ids(text: str, flag: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise ValueError(f"{flag}: no token ids")
-    return ids
-
-
 def traced_run(model_path: str | Path, ids: list[int], config):
     """Load the store with `config`, trace routing over teacher-forced `ids`:
     (RoutingTrace, logits [T, vocab])."""
@@ -298,7 +288,9 @@ def route_parity_command(
     if prefill_step_size < 1:
         raise ValueError(f"--prefill-step-size {prefill_step_size}: must be at least 1")
     if prompt_tokens is not None:
-        ids = _parse_ids(prompt_tokens, "--prompt-tokens")
+        from .cli import parse_tokens
+
+        ids = parse_tokens(prompt_tokens, "--prompt-tokens")
     else:
         if random_tokens < 1:
             raise ValueError(f"--random-tokens {random_tokens}: must be at least 1")
