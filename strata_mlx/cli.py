@@ -203,9 +203,6 @@ def generate(
             cache.dump = None
     last = None
 
-    def on_chunk(stats):
-        pass
-
     for last in stream_generate(
         m,
         tok,

@@ -147,7 +147,7 @@ def stream_generate(
     start_stats = expert_cache.stats.copy() if expert_cache else ExpertStats()
     chunks: list[ExpertStats] = []
     mx.reset_peak_memory()
-    tic = time.perf_counter()
+    tic = start = time.perf_counter()
     prefill_stats = None
     text = ""
     emitted = 0  # characters of `text` already yielded
@@ -213,6 +213,9 @@ def stream_generate(
         )
         if finish is not None:
             break
+    if expert_cache is not None:  # the session's running totals get time and tokens too
+        expert_cache.stats.wall_s += time.perf_counter() - start
+        expert_cache.stats.tokens += len(ids) + n + 1
 
 
 def stop_holdback(text: str, stop: list[str]) -> int:
