@@ -38,9 +38,10 @@ def greedy(model, ids, n=8, step=64):
     ]
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen3_next"])
 @pytest.mark.parametrize("step", [1, 7, 64])
-def test_bit_identical_across_arenas_and_policies(store, step):
-    path = store(FAMILY)
+def test_bit_identical_across_arenas_and_policies(store, step, family):
+    path = store(family)
     ids = prompt_ids(40, seed=3)
     ref_model = resident(path, step)
     ref = teacher_forced_logits(ref_model, ids, step)
