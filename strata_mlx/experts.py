@@ -248,9 +248,6 @@ class ExpertCache:
         if self.decoding:  # a running average over the last ~100 decode layers
             rate = (st.misses - misses_before) / len(needed)
             self.decode_miss_rate += 0.01 * (rate - self.decode_miss_rate)
-        self.arena.pin(
-            self.arena.slot_of[(layer, e)] for e in needed if (layer, e) in self.arena.slot_of
-        )
         if predict:
             pred_ids = np.array(pred).reshape(-1, pred.shape[-1])
             if self.trace is not None:
@@ -275,14 +272,14 @@ class ExpertCache:
         st.host_s += (t2 - t1) + (time.perf_counter() - t3)
         return y
 
-    def _compute(self, x, ids, shape, needed, slots, keep=None) -> mx.array:
+    def _compute(self, x, ids, shape, needed, slots) -> mx.array:
         local = np.searchsorted(np.asarray(needed), ids).astype(np.uint32).reshape(shape)
         slots = mx.array(np.asarray(slots, dtype=np.uint32))
         return kernels.switch_glu(x, self.arena.rows, slots, mx.array(local), self.layout)
 
     def _compute_fake(self, layer, x, inds, ids, needed) -> mx.array:
-        # Compute alone: the experts' bytes are whatever the first slots hold (garbage-free,
-        # zero-filled or stale), so outputs are meaningless but the work is the same.
+        # Compute alone: the experts' bytes are whatever the first slots hold (zeros or stale
+        # records), so outputs are meaningless but the work is the same.
         slots = [i % self.arena.n_slots for i in range(len(needed))]
         self.stats.hits += len(needed)
         return self._compute(x, ids, inds.shape, needed, slots)
