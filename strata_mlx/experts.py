@@ -268,21 +268,22 @@ class ExpertCache:
         if layer == self.layers[0]:
             self._layer0_width = len(needed)
         slots = [self.arena.slot_of[(layer, e)] for e in needed]
-        y = self._compute(x, ids, inds.shape, needed, slots)
+        y = self._compute(layer, x, ids, inds.shape, needed, slots)
         st.host_s += (t2 - t1) + (time.perf_counter() - t3)
         return y
 
-    def _compute(self, x, ids, shape, needed, slots) -> mx.array:
+    def _compute(self, layer, x, ids, shape, needed, slots) -> mx.array:
         local = np.searchsorted(np.asarray(needed), ids).astype(np.uint32).reshape(shape)
         slots = mx.array(np.asarray(slots, dtype=np.uint32))
-        return kernels.switch_glu(x, self.arena.rows, slots, mx.array(local), self.layout)
+        layout = self.manifest.layout_of(layer)
+        return kernels.switch_glu(x, self.arena.rows, slots, mx.array(local), layout)
 
     def _compute_fake(self, layer, x, inds, ids, needed) -> mx.array:
         # Compute alone: the experts' bytes are whatever the first slots hold (zeros or stale
         # records), so outputs are meaningless but the work is the same.
         slots = [i % self.arena.n_slots for i in range(len(needed))]
         self.stats.hits += len(needed)
-        return self._compute(x, ids, inds.shape, needed, slots)
+        return self._compute(layer, x, ids, inds.shape, needed, slots)
 
     def _run_groups(self, layer, x, inds, ids, needed) -> mx.array:
         """Expert-major groups: each group is made resident, computed with the full batch shape
@@ -301,7 +302,7 @@ class ExpertCache:
             self.arena.pin(gslots.values())
             filler = gslots[group[0]]
             slots = [gslots.get(e, filler) for e in needed]
-            yg = self._compute(x, ids, inds.shape, needed, slots)
+            yg = self._compute(layer, x, ids, inds.shape, needed, slots)
             member = np.isin(ids, group).reshape(*inds.shape, 1)
             y = yg if y is None else mx.where(mx.array(member), yg, y)
             mx.eval(y)

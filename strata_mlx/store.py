@@ -71,6 +71,15 @@ class RecordLayout:
     quant: dict[str, dict[str, Any]]
     record_bytes: int
 
+    def padded(self, record_bytes: int) -> RecordLayout:
+        """The same layout in records of `record_bytes` (every layer's slots are one size)."""
+        if record_bytes < self.record_bytes or record_bytes % ALIGNMENT:
+            raise ValueError(f"cannot pad a {self.record_bytes}-byte record to {record_bytes}")
+        return RecordLayout(self.components, self.quant, record_bytes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"components": [asdict(c) for c in self.components], "quant": self.quant}
+
     def component(self, name: str) -> Component:
         for c in self.components:
             if c.name == name:
@@ -114,6 +123,19 @@ class Manifest:
     crc32: list[list[int]]
     version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    # Per MoE layer position, where layers differ (a GGUF's down projection is Q6_K in some
+    # layers and Q4_K in others); None: every layer uses `layout`. All share record_bytes.
+    layer_layouts: list[RecordLayout] | None = None
+
+    def layout_of(self, layer: int) -> RecordLayout:
+        """The record layout of a layer's experts (`layer` is the model's layer index)."""
+        if self.layer_layouts is None:
+            return self.layout
+        return self.layer_layouts[self.layer_position(layer)]
+
+    @property
+    def layouts(self) -> list[RecordLayout]:
+        return [self.layout] if self.layer_layouts is None else self.layer_layouts
 
     def record(self, layer: int, expert: int) -> tuple[int, int]:
         """(offset, crc32) of a layer's expert; `layer` is the model's layer index."""
@@ -132,6 +154,16 @@ class Manifest:
         return self.layout.record_bytes * self.num_experts * len(self.moe_layers)
 
     def to_json(self) -> dict[str, Any]:
+        per_layer = {}
+        if self.layer_layouts is not None:
+            distinct: list[dict] = []
+            index = []
+            for lay in self.layer_layouts:
+                j = lay.to_json()
+                if j not in distinct:
+                    distinct.append(j)
+                index.append(distinct.index(j))
+            per_layer = {"layouts": distinct, "layer_layout": index}
         return {
             "format": FORMAT_NAME,
             "version": self.version,
@@ -147,6 +179,7 @@ class Manifest:
                 "components": [asdict(c) for c in self.layout.components],
                 "offsets": self.offsets,
                 "crc32": self.crc32,
+                **per_layer,
             },
             "dense": DENSE,
             "profile": PROFILE,
@@ -175,7 +208,15 @@ def load_manifest(store: str | Path) -> Manifest:
     try:
         ex = raw["experts"]
         comps = [Component(**c) for c in ex["components"]]
-        layout = RecordLayout(comps, ex["quant"], int(ex["record_bytes"]))
+        rb = int(ex["record_bytes"])
+        layout = RecordLayout(comps, ex["quant"], rb)
+        layer_layouts = None
+        if "layouts" in ex:
+            distinct = [
+                RecordLayout([Component(**c) for c in j["components"]], j["quant"], rb)
+                for j in ex["layouts"]
+            ]
+            layer_layouts = [distinct[int(i)] for i in ex["layer_layout"]]
         m = Manifest(
             model_type=raw["model_type"],
             config=raw["config"],
@@ -186,6 +227,7 @@ def load_manifest(store: str | Path) -> Manifest:
             crc32=ex["crc32"],
             version=raw["version"],
             extra=raw.get("extra", {}),
+            layer_layouts=layer_layouts,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise StoreError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
@@ -198,16 +240,19 @@ def _validate(m: Manifest, store: Path) -> None:
     rb = m.layout.record_bytes
     if rb <= 0 or rb % ALIGNMENT:
         raise StoreError(f"{path}: record_bytes {rb} is not a positive multiple of {ALIGNMENT}")
-    for c in m.layout.components:
-        if c.offset < 0 or c.offset + c.nbytes > rb:
-            raise StoreError(
-                f"{path}: component {c.name} [{c.offset}, +{c.nbytes}) outside the record"
-            )
-        if int(np.prod(c.shape)) * _itemsize(c.dtype) != c.nbytes:
-            raise StoreError(
-                f"{path}: component {c.name} shape {c.shape} does not match {c.nbytes} bytes"
-            )
     n_layers = len(m.moe_layers)
+    if m.layer_layouts is not None and len(m.layer_layouts) != n_layers:
+        raise StoreError(f"{path}: layer_layout covers {len(m.layer_layouts)} of {n_layers} layers")
+    for lay in m.layouts:
+        for c in lay.components:
+            if c.offset < 0 or c.offset + c.nbytes > rb:
+                raise StoreError(
+                    f"{path}: component {c.name} [{c.offset}, +{c.nbytes}) outside the record"
+                )
+            if int(np.prod(c.shape)) * _itemsize(c.dtype) != c.nbytes:
+                raise StoreError(
+                    f"{path}: component {c.name} shape {c.shape} does not match {c.nbytes} bytes"
+                )
     if len(m.offsets) != n_layers or len(m.crc32) != n_layers:
         raise StoreError(f"{path}: offsets/crc32 tables do not cover {n_layers} MoE layers")
     experts_path = store / EXPERTS
@@ -291,7 +336,14 @@ class StoreWriter:
         layout: RecordLayout,
         moe_layers: list[int],
         num_experts: int,
+        layer_layouts: list[RecordLayout] | None = None,
     ):
+        """`layer_layouts` (one per MoE layer, all of `layout.record_bytes`) where layers'
+        formats differ; `layout` is then the first layer's."""
+        if layer_layouts is not None and any(
+            lay.record_bytes != layout.record_bytes for lay in layer_layouts
+        ):
+            raise ValueError("every layer's records must be the same size (pad them)")
         self.out = Path(out)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", dir=self.out.parent))
@@ -303,6 +355,7 @@ class StoreWriter:
             num_experts,
             offsets=[[-1] * num_experts for _ in moe_layers],
             crc32=[[0] * num_experts for _ in moe_layers],
+            layer_layouts=layer_layouts,
         )
         self._f = open(self.tmp / EXPERTS, "wb")
         self._pos = 0
@@ -313,7 +366,7 @@ class StoreWriter:
         return self.tmp
 
     def add_expert(self, layer: int, expert: int, arrays: dict[str, np.ndarray]) -> None:
-        rec = self.manifest.layout.pack(arrays)
+        rec = self.manifest.layout_of(layer).pack(arrays)
         pos = self.manifest.layer_position(layer)
         self.manifest.offsets[pos][expert] = self._pos
         self.manifest.crc32[pos][expert] = zlib.crc32(rec)

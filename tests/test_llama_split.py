@@ -482,9 +482,11 @@ def test_split_llama_with_k_quant_blocks_matches_transformers(tmp_path):
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
 
 
-def test_qwen3moe_gguf_keeps_expert_blocks_and_matches_transformers(tmp_path):
+@pytest.mark.parametrize("down_types", [("Q6_K", "Q6_K"), ("Q6_K", "Q4_K")])
+def test_qwen3moe_gguf_keeps_expert_blocks_and_matches_transformers(tmp_path, down_types):
     """qwen3moe GGUF: Q4_K gate/up and Q6_K down experts stored as their own ggml blocks,
-    Q8_0 attention repacked, tied Q8_0 embedding; logits equal transformers' Qwen3MoE."""
+    Q8_0 attention repacked, tied Q8_0 embedding; logits equal transformers' Qwen3MoE. With
+    down types that differ by layer (as Q4_K_M files have), each layer keeps its own."""
     import transformers as T
 
     rng = np.random.default_rng(4)
@@ -507,7 +509,9 @@ def test_qwen3moe_gguf_keeps_expert_blocks_and_matches_transformers(tmp_path):
         )
         tensors[f"blk.{i}.ffn_gate_exps.weight"] = _quantized(np.zeros((E, I, D)), "Q4_K", rng)
         tensors[f"blk.{i}.ffn_up_exps.weight"] = _quantized(np.zeros((E, I, D)), "Q4_K", rng)
-        tensors[f"blk.{i}.ffn_down_exps.weight"] = _quantized(np.zeros((E, D, I)), "Q6_K", rng)
+        tensors[f"blk.{i}.ffn_down_exps.weight"] = _quantized(
+            np.zeros((E, D, I)), down_types[i], rng
+        )
     meta = dict(
         block_count=L,
         context_length=256,
@@ -531,11 +535,13 @@ def test_qwen3moe_gguf_keeps_expert_blocks_and_matches_transformers(tmp_path):
     store = convert_gguf(path, tmp_path / "store", progress=False, calibration_tokens=32)
     m = strata_mlx.store.load_manifest(store)
     assert m.layout.quant["gate_proj"] == {"format": "gguf", "type": "Q4_K", "in_features": D}
-    assert m.layout.quant["down_proj"] == {"format": "gguf", "type": "Q6_K", "in_features": I}
+    for i, t in enumerate(down_types):
+        assert m.layout_of(i).quant["down_proj"] == {"format": "gguf", "type": t, "in_features": I}
+    assert (m.layer_layouts is None) == (down_types[0] == down_types[1])
     # Each record holds the expert's bytes exactly as the file has them.
     data = np.asarray(_read_tensor(path, "blk.1.ffn_down_exps.weight"))
     rec = np.frombuffer(strata_mlx.store.read_record(store, m, 1, 5), np.uint8)
-    c = m.layout.component("down_proj.weight")
+    c = m.layout_of(1).component("down_proj.weight")
     np.testing.assert_array_equal(rec[c.offset : c.offset + c.nbytes], data[5].reshape(-1))
     cfg = T.Qwen3MoeConfig(
         vocab_size=V,

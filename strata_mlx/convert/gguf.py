@@ -42,7 +42,9 @@ The tokenizer is rebuilt from the GGUF metadata (tokenizer.ggml.model "gpt2": by
 with the pre-tokenizer named by tokenizer.ggml.pre) and written as tokenizer.json and
 tokenizer_config.json with the chat template.
 
-Qwen3-MoE GGUF (architecture "qwen3moe") keeps each expert's ggml blocks as they are.
+Qwen3-MoE GGUF (architecture "qwen3moe") keeps each expert's ggml blocks as they are, with
+each layer's own types (a Q4_K_M file's down projection is Q6_K in some layers and Q4_K in
+others): the store then has per-layer record layouts, padded to one record size.
 """
 
 from __future__ import annotations
@@ -803,27 +805,30 @@ def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bo
         "torch_dtype": dtype,
     }
     shapes = {"gate_proj": (inter, dim), "up_proj": (inter, dim), "down_proj": (dim, inter)}
-    specs = {}
-    for p, gp in GGUF_PROJ.items():
-        types = {qtype_name(g.tensor(f"blk.{i}.{gp}_exps.weight")) for i in range(L)}
-        specs[p] = choose_format(types, True, dtype)
-        if len(types) > 1:
-            warnings.warn(
-                f"{g.path}: {gp}_exps mixes {sorted(types)} across layers; a store has one "
-                f"format per projection, so it is stored dequantized ({dtype})",
-                stacklevel=3,
-            )
-        if specs[p]["format"] == "gguf":
-            specs[p]["in_features"] = shapes[p][1]
+    # Each layer keeps its own ggml types (a Q4_K_M file's down is Q6_K in some layers and
+    # Q4_K in others): per-layer record layouts, padded to one record size.
+    layer_specs = []
+    for i in range(L):
+        specs = {}
+        for p, gp in GGUF_PROJ.items():
+            qtype = qtype_name(g.tensor(f"blk.{i}.{gp}_exps.weight"))
+            specs[p] = choose_format({qtype}, True, dtype)
+            if specs[p]["format"] == "gguf":
+                specs[p]["in_features"] = shapes[p][1]
+        layer_specs.append(specs)
 
     def expert_parts(layer: int, e: int) -> dict[str, dict[str, tuple]]:
         parts = {}
         for p, gp in GGUF_PROJ.items():
             t = g.tensor(f"blk.{layer}.{gp}_exps.weight")
-            parts[p] = projection_tensors(specs[p], raw_rows(t)[e], t, *shapes[p])
+            parts[p] = projection_tensors(layer_specs[layer][p], raw_rows(t)[e], t, *shapes[p])
         return parts
 
-    layout = build_layout(expert_parts(0, 0), specs)
+    layouts = [build_layout(expert_parts(i, 0), layer_specs[i]) for i in range(L)]
+    record_bytes = max(lay.record_bytes for lay in layouts)
+    layouts = [lay.padded(record_bytes) for lay in layouts]
+    layout = layouts[0]
+    layer_layouts = None if all(lay == layout for lay in layouts) else layouts
     dense = DenseWriter(dtype)
     dense.add("model.embed_tokens", emb)
     if not cfg["tie_word_embeddings"]:
@@ -849,11 +854,13 @@ def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bo
     if qcfg:
         cfg["quantization"] = qcfg
 
-    writer = StoreWriter(out, "qwen3_moe", cfg, layout, list(range(L)), E)
+    writer = StoreWriter(out, "qwen3_moe", cfg, layout, list(range(L)), E, layer_layouts)
     with writer:
         writer.manifest.extra = {
             "source": {"gguf": g.path.name, "architecture": g.arch},
-            "formats": {p: s.get("_src", s["format"]) for p, s in specs.items()},
+            "formats": [
+                {p: s.get("_src", s["format"]) for p, s in specs.items()} for specs in layer_specs
+            ],
         }
         writer.write_dense(dense.weights)
         build_tokenizer(g, writer.path)
