@@ -89,6 +89,44 @@ def expert_weights(
     raise KeyError(per)
 
 
+def switch_prefix(expert_prefix: str) -> str:
+    """Where an mlx-lm checkpoint keeps the stacked experts: `...mlp.switch_mlp`."""
+    return expert_prefix.rsplit(".", 1)[0] + ".switch_mlp"
+
+
+def is_mlx_checkpoint(weights: dict, config: dict) -> bool:
+    """An mlx-lm checkpoint: stacked `switch_mlp` experts, quantized or not."""
+    return any(".switch_mlp." in k for k in weights)
+
+
+def expert_record(
+    weights: dict,
+    prefix: str,
+    names: dict[str, str],
+    e: int,
+    equant,
+    fdtype,
+    mlx_quant: dict | None,
+) -> tuple[dict, dict]:
+    """Expert e's record tensors and quant table, from per-expert or fused HF tensors
+    (quantized with `equant`, else cast to `fdtype`) or from an mlx-lm checkpoint's stacked
+    switch_mlp tensors (kept exactly as they are: already-quantized experts are not requantized)."""
+    if mlx_quant is None:
+        return expert_tensors(expert_weights(weights, prefix, names, e), equant, fdtype)
+    tensors, table = {}, {}
+    for p in PROJECTIONS:
+        base = f"{switch_prefix(prefix)}.{p}"
+        tensors[f"{p}.weight"] = weights[f"{base}.weight"][e]
+        if f"{base}.scales" in weights:
+            q = mlx_quant.get(base) if isinstance(mlx_quant.get(base), dict) else mlx_quant
+            tensors[f"{p}.scales"] = weights[f"{base}.scales"][e]
+            tensors[f"{p}.biases"] = weights[f"{base}.biases"][e]
+            table[p] = {"format": "affine", "bits": q["bits"], "group_size": q["group_size"]}
+        else:
+            table[p] = {"format": "float"}
+    return tensors, table
+
+
 def is_expert_key(key: str, prefixes: list[str]) -> bool:
     return any(key.startswith(p + ".") for p in prefixes)
 
@@ -121,24 +159,45 @@ def convert_hf(
     num_experts = config.get("num_experts", 0) if moe_layers else 0
     prefixes = [fam.EXPERT_PREFIX.format(layer=l) for l in moe_layers]
 
+    mlx_ckpt = is_mlx_checkpoint(weights, config)
+    mlx_quant = (config.get("quantization") or {}) if mlx_ckpt else None
+    if mlx_ckpt:
+        if quantize and mlx_quant:
+            raise StoreError(f"{src}: already quantized (an mlx-lm checkpoint); drop -q")
+        if model_type == "qwen3_next":
+            raise StoreError(f"{src}: mlx-lm qwen3_next checkpoints are not supported yet")
+        prefixes_all = prefixes + [switch_prefix(p) for p in prefixes]
+    else:
+        prefixes_all = prefixes
     equant = {"bits": q_bits, "group_size": q_group_size} if quantize else None
     if moe_layers:
         try:
-            first = expert_weights(weights, prefixes[0], fam.EXPERT_NAMES, 0)
+            tensors, table = expert_record(
+                weights, prefixes[0], fam.EXPERT_NAMES, 0, equant, fdtype, mlx_quant
+            )
         except KeyError as e:
             raise StoreError(f"{src}: expert tensor {e} not found in the checkpoint") from None
-        tensors, table = expert_tensors(first, equant, fdtype)
         layout = layout_for(tensors, table)
     else:
         from ..store import RecordLayout
 
         layout = RecordLayout([], {}, 4096)
 
-    dense = {k: v for k, v in weights.items() if not is_expert_key(k, prefixes)}
+    dense = {k: v for k, v in weights.items() if not is_expert_key(k, prefixes_all)}
     dense = model.sanitize(dense)
-    dense = {
-        k: v.astype(fdtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in dense.items()
-    }
+    if mlx_quant:
+        # Quantized dense layers stay as they are: rebuild the same modules first (as load()).
+        def quantized(path, m):
+            if path in mlx_quant and isinstance(mlx_quant[path], dict):
+                return mlx_quant[path]
+            return hasattr(m, "to_quantized") and f"{path}.scales" in dense
+
+        nn.quantize(model, mlx_quant["group_size"], mlx_quant["bits"], class_predicate=quantized)
+    else:
+        dense = {
+            k: v.astype(fdtype) if mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in dense.items()
+        }
     store_config = dict(config)
     store_config["torch_dtype"] = dtype
     try:
@@ -186,13 +245,24 @@ def convert_hf(
             fdtype,
             progress,
             src,
+            mlx_quant,
         )
         calibrate(writer, calibration_tokens)
         return writer.commit()
 
 
 def _write_experts(
-    writer, weights, prefixes, names, moe_layers, num_experts, equant, fdtype, progress, src
+    writer,
+    weights,
+    prefixes,
+    names,
+    moe_layers,
+    num_experts,
+    equant,
+    fdtype,
+    progress,
+    src,
+    mlx_quant,
 ) -> None:
     from tqdm import tqdm
 
@@ -202,10 +272,9 @@ def _write_experts(
     for layer, prefix in zip(moe_layers, prefixes):
         for e in range(num_experts):
             try:
-                w = expert_weights(weights, prefix, names, e)
+                tensors, _ = expert_record(weights, prefix, names, e, equant, fdtype, mlx_quant)
             except KeyError as k:
                 raise StoreError(f"{src}: expert tensor {k} not found in the checkpoint") from None
-            tensors, _ = expert_tensors(w, equant, fdtype)
             mx.eval(tensors)
             writer.add_expert(layer, e, {k: _np(v) for k, v in tensors.items()})
             bar.update(1)
