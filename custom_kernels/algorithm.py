@@ -563,6 +563,31 @@ class KernelSource:
     rows: int  # output rows per pair (grid x = 32 * rows)
 
 
+def wrap_mlx_kernel(factory: Callable, src: KernelSource, header: str, body: str) -> Callable:
+    """Compile through `factory` (mx.fast.cuda_kernel or mx.fast.metal_kernel: one signature)
+    as run(inputs, grid, threadgroup, output_shapes, output_dtypes, template)."""
+    kernel = factory(
+        name=src.name,
+        input_names=list(src.input_names),
+        output_names=list(src.output_names),
+        source=body,
+        header=header,
+        ensure_row_contiguous=True,
+    )
+
+    def run(inputs, grid, threadgroup, output_shapes, output_dtypes, template):
+        return kernel(
+            inputs=inputs,
+            grid=grid,
+            threadgroup=threadgroup,
+            output_shapes=output_shapes,
+            output_dtypes=output_dtypes,
+            template=template,
+        )
+
+    return run
+
+
 SHARED_HEADER = """\
 SK_FN uint32_t sk_ld8(const SK_GLOBAL uint8_t* p, uint32_t o) {
   return (uint32_t)p[o];

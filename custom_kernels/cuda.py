@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from .algorithm import KernelSource
+from .algorithm import KernelSource, wrap_mlx_kernel
 
 PRELUDE = """\
 #define SK_FN __device__ __forceinline__
@@ -54,24 +54,4 @@ def sources(src: KernelSource) -> tuple[str, str]:
 
 
 def build(src: KernelSource) -> Callable:
-    header, body = sources(src)
-    kernel = mx.fast.cuda_kernel(
-        name=src.name,
-        input_names=list(src.input_names),
-        output_names=list(src.output_names),
-        source=body,
-        header=header,
-        ensure_row_contiguous=True,
-    )
-
-    def run(inputs, grid, threadgroup, output_shapes, output_dtypes, template):
-        return kernel(
-            inputs=inputs,
-            grid=grid,
-            threadgroup=threadgroup,
-            output_shapes=output_shapes,
-            output_dtypes=output_dtypes,
-            template=template,
-        )
-
-    return run
+    return wrap_mlx_kernel(mx.fast.cuda_kernel, src, *sources(src))
