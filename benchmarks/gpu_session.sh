@@ -13,7 +13,7 @@ case "${1:-}" in
 setup)
   python3 setup.py build_ext --inplace -q 2>&1 | tail -3
   python3 -c "import mlx.core as mx; print(mx.default_device(), mx.__version__)"
-  python3 -m pytest -q -p no:cacheprovider tests/test_reader.py tests/test_streaming.py tests/test_models.py \
+  python3 -m pytest -q -p no:cacheprovider tests/test_reader.py tests/test_streaming.py \
      tests/test_generate.py tests/test_families.py -k "not quantized" 2>&1 | tail -15 | tee "$OUT/tests.log"
   ;;
 synth)

@@ -1,5 +1,5 @@
-"""Mixtral, OLMoE and Qwen3-Next against transformers (logits, cached decode), and every
-MoE family's 4-bit conversion against mlx-lm's quantized model of the same checkpoint."""
+"""Every family against transformers (logits, cached decode), and every MoE family's 4-bit
+conversion against mlx-lm's quantized model of the same checkpoint."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from conftest import TINY, _randomize_norms, hf_logits, prompt_ids
 import strata_mlx
 from strata_mlx.generate import teacher_forced_logits
 
-FAMILIES = ["mixtral", "olmoe", "qwen3_next"]
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -540,8 +540,6 @@ def _model_dtype(path: Path) -> str:
 
 
 def _convert_llama(g: _Gguf, out: Path, E: int, calibration_tokens: int, progress: bool) -> Path:
-    from tqdm import tqdm
-
     dtype = _model_dtype(g.path)
     inter = int(g.need(f"{g.arch}.feed_forward_length"))
     if E < 1 or inter % E:
@@ -649,12 +647,7 @@ def _convert_llama(g: _Gguf, out: Path, E: int, calibration_tokens: int, progres
             ids = calibration_ids(load_tokenizer(writer.path), calibration_tokens)
             fit_routers(dense, g, cfg, ids, n)
         writer.write_dense(dense.weights)
-        bar = tqdm(total=L * E, desc="experts", unit="expert", disable=not progress)
-        for i in range(L):
-            for e in range(E):
-                writer.add_expert(i, e, record_arrays(expert_parts(i, e)))
-                bar.update(1)
-        bar.close()
+        _write_experts(writer, L, E, expert_parts, progress)
         if calibration_tokens > 0:
             # top_k == E by default: every token runs every expert, so the profile is flat.
             path = writer.finalize()
@@ -771,8 +764,6 @@ def fit_routers(
 def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
     """Qwen3-MoE: each expert's gate/up/down rows are cut out of the stacked [E, rows,
     row_bytes] tensors as they are (no requantization); routers and dense tensors as above."""
-    from tqdm import tqdm
-
     from .common import calibrate
 
     a = g.arch
@@ -864,14 +855,20 @@ def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bo
         }
         writer.write_dense(dense.weights)
         build_tokenizer(g, writer.path)
-        bar = tqdm(total=L * E, desc="experts", unit="expert", disable=not progress)
-        for i in range(L):
-            for e in range(E):
-                writer.add_expert(i, e, record_arrays(expert_parts(i, e)))
-                bar.update(1)
-        bar.close()
+        _write_experts(writer, L, E, expert_parts, progress)
         calibrate(writer, calibration_tokens)
         return writer.commit()
+
+
+def _write_experts(writer: StoreWriter, L: int, E: int, expert_parts, progress: bool) -> None:
+    from tqdm import tqdm
+
+    bar = tqdm(total=L * E, desc="experts", unit="expert", disable=not progress)
+    for i in range(L):
+        for e in range(E):
+            writer.add_expert(i, e, record_arrays(expert_parts(i, e)))
+            bar.update(1)
+    bar.close()
 
 
 def _add_norm(dense: DenseWriter, g: _Gguf, name: str, key: str) -> None:
