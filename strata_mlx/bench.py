@@ -21,6 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from . import decode
 from .experts import ExpertStats
 from .generate import make_sampler, prefill
 from .loader import RuntimeConfig, load
@@ -57,7 +58,7 @@ def _run(model, ids: list[int], gen: int, step: int, policy: str, phase: str) ->
     ec.decoding = True
     token = rest
     for _ in range(gen):
-        logits = model(token[None], cache=cache)[:, -1, :]
+        logits = decode.forward(model, token[None], cache)[:, -1, :]
         token = sampler(logits)
         mx.eval(token)
     ec.decoding = False

@@ -64,6 +64,7 @@ class ExpertStats:
     route_sync_s: float = 0.0  # time spent in the per-layer host sync (includes compute)
     host_s: float = 0.0  # Python time in the handshake, outside syncs and waits
     groups: int = 0  # expert-major groups run (layers whose experts exceeded the arena)
+    recomputed_layers: int = 0  # pipelined decode: layers run again after a miss
     compute_s: float = 0.0  # wall time of chunks minus exposed wait (filled by generate)
     wall_s: float = 0.0
     tokens: int = 0
@@ -121,6 +122,15 @@ class _Read:
 
 
 @dataclass
+class Deferred:
+    """A layer computed without a host sync, awaiting verification (strata_mlx.decode)."""
+
+    layer: int
+    inds: mx.array  # the routing ids, evaluated with the layer
+    row: np.ndarray  # host copy of the residency row its slots were looked up in
+
+
+@dataclass
 class RoutingTrace:
     """Routing decisions recorded for research: set `model.expert_cache.trace = RoutingTrace()`."""
 
@@ -173,6 +183,18 @@ class ExpertCache:
         self.decode_miss_rate = 1.0  # running average; starts high so decode predicts at first
         self._layer0_width = 0
         self.dump = None  # callable(layer, x, ids, scores, y) for --dump-moe
+        # Kernels resolved once per layer: nothing on the hot path inspects a layout.
+        self._kernel = {l: kernels.expert_kernel(manifest.layout_of(l)) for l in self.layers}
+        # The residency map as the device sees it (pipelined decode, strata_mlx.decode):
+        # per layer, expert -> slot, -1 where not resident. The host copy is kept current;
+        # a layer's device row is rebuilt only when its residency changed.
+        self._pos = {l: manifest.layer_position(l) for l in self.layers}
+        self._table = np.full((len(self.layers), manifest.num_experts), -1, dtype=np.int32)
+        self._rows: dict[int, tuple[np.ndarray, mx.array]] = {}
+        self._dirty: set[int] = set(self.layers)
+        # Every expert fits at once: eviction never happens, so uses need not be recorded.
+        self._all_fit = arena.n_slots >= manifest.num_experts * len(self.layers)
+        self.pipeline: list[Deferred] | None = None  # set by the pipelined decoder
 
     # ---- public ----------------------------------------------------------------------
 
@@ -182,11 +204,7 @@ class ExpertCache:
 
     def resident_mask(self, layer: int) -> mx.array:
         """[num_experts] float: 1 where the expert of `layer` is resident (cache-aware routing)."""
-        m = np.zeros(self.manifest.num_experts, dtype=np.float32)
-        for (l, e), s in self.arena.slot_of.items():
-            if l == layer and s not in self.arena.loading:
-                m[e] = 1.0
-        return mx.array(m)
+        return mx.array((self._table[self._pos[layer]] >= 0).astype(np.float32))
 
     def warm(self) -> None:
         """Read every expert that fits, layer by layer (a fully resident run when it all fits)."""
@@ -209,6 +227,8 @@ class ExpertCache:
 
     def run_layer(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         """Experts of `layer` for x [..., D] routed to inds [..., k] -> [..., k, D]."""
+        if self.pipeline is not None:
+            return self._run_deferred(layer, x, inds)
         st = self.stats
         nxt = self._next.get(layer)
         predict = self.read_ahead.predicts and nxt in self.routers and not self.fake_stream
@@ -267,7 +287,7 @@ class ExpertCache:
             self._submit_readahead(first, self._profile_rank(first)[: max(self._layer0_width, 1)])
         if layer == self.layers[0]:
             self._layer0_width = len(needed)
-        slots = [self.arena.slot_of[(layer, e)] for e in needed]
+        slots = self._table[self._pos[layer]][needed]
         y = self._compute(layer, x, ids, inds.shape, needed, slots)
         st.host_s += (t2 - t1) + (time.perf_counter() - t3)
         return y
@@ -275,8 +295,68 @@ class ExpertCache:
     def _compute(self, layer, x, ids, shape, needed, slots) -> mx.array:
         local = np.searchsorted(np.asarray(needed), ids).astype(np.uint32).reshape(shape)
         slots = mx.array(np.asarray(slots, dtype=np.uint32))
-        layout = self.manifest.layout_of(layer)
-        return kernels.switch_glu(x, self.arena.rows, slots, mx.array(local), layout)
+        return self._kernel[layer](x, self.arena.rows, slots, mx.array(local))
+
+    # ---- the deferred handshake (pipelined decode) -------------------------------------
+
+    def _device_row(self, layer: int) -> tuple[np.ndarray, mx.array]:
+        if layer in self._dirty:
+            if self.fake_stream:  # every expert counts as resident, its bytes whatever is there
+                row = np.arange(self.manifest.num_experts, dtype=np.int32) % self.arena.n_slots
+                self._rows[layer] = (row, mx.array(row.astype(np.uint32)))
+                self._dirty.discard(layer)
+                return self._rows[layer]
+            row = self._table[self._pos[layer]].copy()
+            # Absent experts read slot 0: the result is discarded once the host sees the miss.
+            self._rows[layer] = (row, mx.array(np.maximum(row, 0).astype(np.uint32)))
+            self._dirty.discard(layer)
+        return self._rows[layer]
+
+    def _run_deferred(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+        """Experts computed with slots looked up on the device from this layer's residency
+        row as it stands now; no host sync. The decoder verifies the layer later."""
+        t = time.perf_counter()
+        if self._reads:
+            self._collect(block=False)  # landed read-ahead becomes visible to this layer
+        row, row_mx = self._device_row(layer)
+        slots = row_mx[inds.reshape(-1)]
+        idx = mx.arange(inds.size, dtype=mx.uint32).reshape(inds.shape)
+        y = self._kernel[layer](x, self.arena.rows, slots, idx)
+        self.pipeline.append(Deferred(layer, inds, row))
+        self.stats.host_s += time.perf_counter() - t
+        return y
+
+    def check_deferred(self, d: Deferred) -> bool:
+        """Wait for layer `d.layer`'s routing (only it: later layers keep computing) and say
+        whether every expert it chose was resident when its computation was built."""
+        st = self.stats
+        t0 = time.perf_counter()
+        ids = np.array(d.inds).reshape(-1, d.inds.shape[-1])
+        t1 = time.perf_counter()
+        st.route_sync_s += t1 - t0
+        if (d.row[ids] < 0).any():
+            return False
+        needed = np.unique(ids)
+        st.lookups += needed.size
+        if self._prefetched or not self._all_fit:
+            self._count_resident(d.layer, needed.tolist())
+        else:
+            st.hits += needed.size
+        if self.trace is not None:
+            self.trace.record(d.layer, ids)
+        st.host_s += time.perf_counter() - t1
+        return True
+
+    def _count_resident(self, layer: int, needed: list[int]) -> None:
+        st = self.stats
+        for e in needed:
+            key = (layer, e)
+            if key in self._prefetched:
+                self._prefetched.discard(key)
+                st.streamed_ahead += 1
+            else:
+                st.hits += 1
+            self.arena.touch(key)
 
     def _compute_fake(self, layer, x, inds, ids, needed) -> mx.array:
         # Compute alone: the experts' bytes are whatever the first slots hold (zeros or stale
@@ -364,6 +444,8 @@ class ExpertCache:
     def _evicted_check(self) -> None:
         # A prefetched expert evicted before use was a wasted read.
         for key in self.arena.evicted:
+            self._table[self._pos[key[0]], key[1]] = -1
+            self._dirty.add(key[0])
             if key in self._prefetched:
                 self._prefetched.discard(key)
                 self.stats.wasted_readahead += 1
@@ -434,6 +516,8 @@ class ExpertCache:
                     errors.append((r.key, "checksum", nbytes))
                     continue
             self.arena.loaded(r.slot)
+            self._table[self._pos[r.key[0]], r.key[1]] = r.slot
+            self._dirty.add(r.key[0])
             self.stats.experts_read += 1
             self.stats.bytes_read += nbytes
             if not r.urgent and not r.layer_wanted:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from . import decode
 from .experts import ExpertStats
 
 
@@ -94,7 +95,7 @@ def generate_step(
     y = prefill(model, prompt, cache, step, on_chunk)
 
     def forward(tokens):
-        logits = model(tokens[None], cache=cache)[:, -1, :]
+        logits = decode.forward(model, tokens[None], cache)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return sampler(logprobs), logprobs.squeeze(0)
 

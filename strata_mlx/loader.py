@@ -16,6 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .arena import Arena
+from .decode import MODES as DECODE_MODES
+from .decode import PipelinedDecoder
 from .experts import ExpertCache, SwitchGLU
 from .models.base import normalize_config
 from .prediction import ReadAhead
@@ -31,7 +33,6 @@ FAMILIES = {
 }
 
 GB = 1024**3
-MAX_AUTO_ARENA = 15 * GB  # one arena buffer holds at most 16 GB (MLX shapes are int32)
 
 
 def family(model_type: str, source: str | Path = "config.json"):
@@ -58,6 +59,8 @@ class RuntimeConfig:
     verify: bool = False
     prefill_step_size: int | None = None  # None: chosen from memory
     fake_stream: bool = False
+    decode: str = "pipelined"  # pipelined | sync (per-layer host sync; strata_mlx.decode)
+    decode_lag: int = 2  # pipelined: layers the host reads routing behind the device
 
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "runtime"
@@ -166,8 +169,6 @@ def load(
         arena_bytes = auto_arena_bytes(total, dense_bytes, prefill_scratch_bytes(args, step))
     else:
         arena_bytes = int(cfg.arena_gb * GB)
-    if cfg.arena_gb is None:
-        arena_bytes = min(arena_bytes, MAX_AUTO_ARENA)
     n_slots = max(1, min(arena_bytes // rb, manifest.num_experts * len(manifest.moe_layers)))
     profile = load_profile(path, manifest)
     arena = Arena(n_slots, rb, cfg.eviction, profile, manifest.moe_layers)
@@ -189,6 +190,9 @@ def load(
     )
     attach(model, cache)
     model.expert_cache = cache
+    if cfg.decode not in DECODE_MODES:
+        raise ValueError(f"unknown decode mode {cfg.decode!r}; one of {DECODE_MODES}")
+    model.decoder = PipelinedDecoder(model, cfg.decode_lag) if cfg.decode == "pipelined" else None
     model.runtime = cfg
     model.store_path = path
     return model, load_tokenizer(path)
