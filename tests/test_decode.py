@@ -1,0 +1,102 @@
+"""Pipelined decode (strata_mlx.decode) is exact: greedy tokens and every decode step's
+logits are bit-identical to the per-layer-sync path, for every family, arena size and lag,
+including tokens where a layer misses and is recomputed."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import prompt_ids
+
+import strata_mlx
+from strata_mlx.generate import stream_generate
+from strata_mlx.store import load_manifest
+
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next"]
+
+
+def arena_for(path, fraction: float) -> float:
+    m = load_manifest(path)
+    slots = max(1, round(fraction * m.num_experts * len(m.moe_layers)))
+    return slots * m.layout.record_bytes / 1024**3
+
+
+def decode(model, ids, n=10):
+    """Greedy tokens and the log-probabilities of every decode step."""
+    out = [(r.token, np.array(r.logprobs)) for r in stream_generate(model, None, ids, n)]
+    return [t for t, _ in out], np.stack([lp for _, lp in out])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pipelined_equals_sync(store, family):
+    path = store(family)
+    ids = prompt_ids(24, seed=11)
+    for fraction in (1.0, 0.25, 0.05):
+        gb = arena_for(path, fraction)
+        sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead="demand")
+        ref_tokens, ref_lp = decode(sync, ids)
+        for lag in (0, 2, 5):
+            model, _ = strata_mlx.load(path, arena_gb=gb, decode_lag=lag, read_ahead="demand")
+            tokens, lp = decode(model, ids)
+            assert tokens == ref_tokens, (fraction, lag)
+            assert np.array_equal(lp, ref_lp), (fraction, lag)
+            s = model.expert_cache.stats
+            assert s.lookups == sync.expert_cache.stats.lookups  # each layer counted once
+            if fraction == 1.0:
+                assert s.recomputed_layers == 0
+            model.expert_cache.close()
+        sync.expert_cache.close()
+
+
+class HoldingReader:
+    """The native reader, except that non-blocking polls never see a completion: every read
+    lands "late", so a layer built while its read-ahead is in flight misses."""
+
+    def __init__(self, reader):
+        self._reader = reader
+
+    def poll(self):
+        return []
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_a_read_held_back_mid_token_recomputes_exactly(store, family):
+    path = store(family)
+    ids = prompt_ids(24, seed=12)
+    gb = arena_for(path, 0.5)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
+    ref = decode(sync, ids, 12)
+    model, _ = strata_mlx.load(path, arena_gb=gb, read_ahead="lookahead", decode_lag=1)
+    ec = model.expert_cache
+    ec.reader = HoldingReader(ec.reader)
+    ec.read_ahead.decode_min_miss = 0.0  # predict in every decode layer: reads in flight
+    tokens, lp = decode(model, ids, 12)
+    assert tokens == ref[0]
+    assert np.array_equal(lp, ref[1])
+    assert ec.stats.recomputed_layers > 0
+    assert ec.stats.streamed_ahead > 0  # held read-ahead was promoted and waited for
+
+
+def test_all_resident_decode_does_no_per_expert_work(store, monkeypatch):
+    """With every expert resident, decode neither classifies experts one by one nor records
+    their uses (eviction cannot happen), and never recomputes."""
+    path = store("qwen3_moe")
+    model, _ = strata_mlx.load(path, arena_gb=arena_for(path, 1.0), read_ahead="demand")
+    ec = model.expert_cache
+    ec.warm()
+    ids = prompt_ids(16, seed=13)
+    cache = model.make_cache()
+    mx.eval(model(mx.array([ids]), cache=cache))  # prefill: the sync handshake
+
+    def forbidden(*a, **k):
+        raise AssertionError("per-expert work on the all-resident decode path")
+
+    monkeypatch.setattr(ec.arena, "touch", forbidden)
+    monkeypatch.setattr(ec, "_classify", forbidden)
+    for t in (3, 5, 7):
+        mx.eval(model.decoder(mx.array([[t]]), cache))
+    assert ec.stats.recomputed_layers == 0 and ec.stats.misses == 0
