@@ -48,6 +48,8 @@ class PipelinedDecoder:
         self.layers = model.layers
         tied = getattr(model.args, "tie_word_embeddings", False)
         self.head = inner.embed_tokens.as_linear if tied else model.lm_head
+        self.expert_cache.plan_pipelined_lookahead(lag + 1)
+        self._last: mx.array | None = None  # the last step's logits
 
     def __call__(self, tokens: mx.array, cache: list) -> mx.array:
         """tokens [1, 1] -> logits [1, 1, vocab], bit-identical to model(tokens, cache)."""
@@ -58,7 +60,10 @@ class PipelinedDecoder:
         pending: list[tuple[int, object]] = []  # (decoder layer, Deferred) not yet verified
         h = self.embed(tokens)
         i = 0
-        ec.arena.unpin_all()  # the last token was fully evaluated: no slot is in use
+        if self._last is not None:
+            mx.eval(self._last)  # (already evaluated by the sampler in a generation loop)
+        ec.settle()
+        ec.arena.unpin_all()  # the last token is evaluated: no slot is in use
         while True:
             if i < n:
                 inputs[i] = h
@@ -68,14 +73,15 @@ class PipelinedDecoder:
                 finally:
                     ec.pipeline = None
                 pending += [(i, d) for d in deferred]
+                outs = [a for d in deferred for a in d.outputs()]
                 i += 1
                 if i < n:
-                    mx.async_eval(h, *(d.inds for d in deferred))
+                    mx.async_eval(h, *outs)
                     check = max(len(pending) - self.lag, 0)
                     done = False
                 else:  # the head goes in while the last layers are checked
                     logits = self.head(self.norm(h))
-                    mx.async_eval(logits, *(d.inds for d in deferred))
+                    mx.async_eval(logits, *outs)
                     check, done = len(pending), True
             else:  # after a miss in a layer built last, nothing is left to build
                 logits = self.head(self.norm(h))
@@ -92,6 +98,7 @@ class PipelinedDecoder:
                 h = self._recover(missed, i, h, inputs, cache, saved)
                 pending, i = [], missed + 1
             elif done:
+                self._last = logits
                 return logits
 
     def _recover(self, j: int, built: int, h: mx.array, inputs, cache, saved) -> mx.array:
@@ -99,6 +106,7 @@ class PipelinedDecoder:
         ec = self.expert_cache
         t = time.perf_counter()
         mx.eval(h)  # nothing in flight may read a slot that the misses will refill
+        ec.settle()
         ec.stats.route_sync_s += time.perf_counter() - t
         ec.stats.recomputed_layers += built - j
         ec.arena.unpin_all()

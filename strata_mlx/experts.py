@@ -128,6 +128,11 @@ class Deferred:
     layer: int
     inds: mx.array  # the routing ids, evaluated with the layer
     row: np.ndarray  # host copy of the residency row its slots were looked up in
+    target: int | None = None  # lookahead: the layer predicted from this one's input
+    pred: mx.array | None = None  # its predicted ids
+
+    def outputs(self) -> list[mx.array]:
+        return [self.inds] if self.pred is None else [self.inds, self.pred]
 
 
 @dataclass
@@ -195,6 +200,9 @@ class ExpertCache:
         # Every expert fits at once: eviction never happens, so uses need not be recorded.
         self._all_fit = arena.n_slots >= manifest.num_experts * len(self.layers)
         self.pipeline: list[Deferred] | None = None  # set by the pipelined decoder
+        self._ahead: dict[int, int] = {}  # pipelined lookahead: layer -> layer it predicts
+        self._ahead_tags: dict[int, list[int]] = {}  # read-ahead submitted for a layer
+        self._in_flight: set[int] = set()  # layers built on the device, not yet complete
 
     # ---- public ----------------------------------------------------------------------
 
@@ -312,19 +320,52 @@ class ExpertCache:
             self._dirty.discard(layer)
         return self._rows[layer]
 
+    def plan_pipelined_lookahead(self, distance: int) -> None:
+        """Pipelined decode checks layer l while `distance - 1` later layers are already
+        built: a prediction made from l's input can only help layer l + distance."""
+        self._ahead = {
+            l: self.layers[i + distance]
+            for i, l in enumerate(self.layers)
+            if i + distance < len(self.layers) and self.layers[i + distance] in self.routers
+        }
+
     def _run_deferred(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         """Experts computed with slots looked up on the device from this layer's residency
         row as it stands now; no host sync. The decoder verifies the layer later."""
         t = time.perf_counter()
+        tags = self._ahead_tags.pop(layer, None)
+        if tags:
+            # Predicted reads for this layer still in flight: wait for them here, where the
+            # device still has the layers before it to compute, rather than miss.
+            t1 = time.perf_counter()
+            self._wait(tags)
+            self.stats.exposed_wait_s += time.perf_counter() - t1
         if self._reads:
             self._collect(block=False)  # landed read-ahead becomes visible to this layer
         row, row_mx = self._device_row(layer)
         slots = row_mx[inds.reshape(-1)]
         idx = mx.arange(inds.size, dtype=mx.uint32).reshape(inds.shape)
         y = self._kernel[layer](x, self.arena.rows, slots, idx)
-        self.pipeline.append(Deferred(layer, inds, row))
+        d = Deferred(layer, inds, row)
+        target = self._ahead.get(layer)
+        if target is not None and self._predicts_in_decode():
+            d.target, d.pred = target, self.routers[target](x)
+        self.pipeline.append(d)
+        self._in_flight.add(layer)
         self.stats.host_s += time.perf_counter() - t
         return y
+
+    def _predicts_in_decode(self) -> bool:
+        return (
+            self.read_ahead.predicts
+            and not self.fake_stream
+            and self.decode_miss_rate >= self.read_ahead.decode_min_miss
+        )
+
+    def settle(self) -> None:
+        """The device finished everything built so far (the decoder drained or the token
+        is evaluated): no layer's slots are in use."""
+        self._in_flight.clear()
 
     def check_deferred(self, d: Deferred) -> bool:
         """Wait for layer `d.layer`'s routing (only it: later layers keep computing) and say
@@ -334,6 +375,8 @@ class ExpertCache:
         ids = np.array(d.inds).reshape(-1, d.inds.shape[-1])
         t1 = time.perf_counter()
         st.route_sync_s += t1 - t0
+        # This layer's routing is known, so every layer before it has finished computing.
+        self._in_flight = {l for l in self._in_flight if l >= d.layer}
         if (d.row[ids] < 0).any():
             return False
         needed = np.unique(ids)
@@ -342,8 +385,18 @@ class ExpertCache:
             self._count_resident(d.layer, needed.tolist())
         else:
             st.hits += needed.size
+        self.decode_miss_rate -= 0.01 * self.decode_miss_rate  # a layer with no miss
         if self.trace is not None:
             self.trace.record(d.layer, ids)
+        if d.pred is not None:
+            pred = np.array(d.pred).reshape(-1, d.pred.shape[-1])
+            if self.trace is not None:
+                self.trace.record_prediction(d.target, pred)
+            ranked = rank_by_tokens(pred, self.read_ahead.min_tokens)
+            # Slots of layers still computing on the device must not be refilled.
+            tags = self._submit_readahead(d.target, ranked, protect=self._in_flight)
+            if tags:
+                self._ahead_tags[d.target] = tags
         st.host_s += time.perf_counter() - t1
         return True
 
@@ -451,7 +504,11 @@ class ExpertCache:
                 self.stats.wasted_readahead += 1
         self.arena.evicted.clear()
 
-    def _submit_readahead(self, layer: int, ranked: list[int]) -> None:
+    def _submit_readahead(
+        self, layer: int, ranked: list[int], protect: set[int] | None = None
+    ) -> list[int]:
+        """Read-ahead for `layer`'s experts in `ranked` order; no victim from a layer in
+        `protect`. Returns the tags submitted."""
         keys = []
         for e in ranked:
             key = (layer, e)
@@ -460,7 +517,7 @@ class ExpertCache:
             keys.append(key)
         reqs = []
         for key in keys:
-            slot = self.arena.allocate(key)
+            slot = self.arena.allocate(key, protect)
             if slot is None:
                 break  # no slot that is not pinned or mid-read: the rest waits for demand
             tag = self._tags = self._tags + 1
@@ -472,6 +529,7 @@ class ExpertCache:
         if reqs:
             self.stats.readahead_submitted += len(reqs)
             self.reader.submit(reqs, False)
+        return [r[0] for r in reqs]
 
     def _drop_unneeded(self, layer: int, needed: set[int]) -> None:
         """Cancel this layer's queued read-ahead that its routing did not ask for."""
