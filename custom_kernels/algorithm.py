@@ -620,6 +620,15 @@ SK_FN float sk_f32(uint32_t b) {
 """
 
 
+def _record_base(record_bytes: int) -> str:
+    """The line pointing l_rec at slot l_slot's record. The slot offset is 64-bit: an arena of
+    4 GiB or more overflows 32-bit arithmetic (slot * record_bytes). Offsets inside a record
+    (_bases, the loads) stay 32-bit, so a record must stay under 4 GiB."""
+    if not 0 < record_bytes < 2**32:
+        raise ValueError(f"record_bytes {record_bytes}: in-record offsets are 32-bit")
+    return f"  const SK_GLOBAL uint8_t* l_rec = arena + (SK_U64)l_slot * (SK_U64){record_bytes}u;"
+
+
 def _bases(p: str, proj: Projection, indent: str) -> list[str]:
     """Row base pointers l_{p}W (l_{p}S, l_{p}B) of row l_row in record l_rec."""
     return [
@@ -687,7 +696,7 @@ def _tile_prologue(
     out += [
         "  if (l_p0 < 0) return;",
         "  const uint32_t l_slot = pair_slot[l_p0];",
-        f"  const SK_GLOBAL uint8_t* l_rec = arena + (SK_U64)l_slot * (SK_U64){record_bytes}u;",
+        _record_base(record_bytes),
     ]
     for m in range(tm):
         pm = f"(uint32_t)l_p{m}" if m == 0 else f"(l_p{m} >= 0 ? (uint32_t)l_p{m} : 0u)"
@@ -756,7 +765,7 @@ def dequant_source(proj: Projection, record_bytes: int, label: str) -> KernelSou
         f"  const uint32_t l_row = l_t / {n_chunks}u;",
         f"  const uint32_t l_c = l_t - l_row * {n_chunks}u;",
         "  const uint32_t l_slot = slots[sk_gy];",
-        f"  const SK_GLOBAL uint8_t* l_rec = arena + (SK_U64)l_slot * (SK_U64){record_bytes}u;",
+        _record_base(record_bytes),
         *_bases("w", proj, "  "),
         *_decode_chunk("w", dec, "  "),
         f"  const SK_U64 l_o = ((SK_U64)sk_gy * {rows}u + l_row) * {n_in}u + l_c * {CHUNK}u;",

@@ -184,7 +184,8 @@ def build(src: KernelSource) -> Callable:
     def run(inputs, grid, threadgroup, output_shapes, output_dtypes, template):
         if dict(template).get("T", mx.float32) != mx.float32:
             raise TypeError("the host dialect runs float32 activations only")
-        ins = [np.ascontiguousarray(np.array(a)) for a in inputs]
+        # in place, no copy (np.asarray): the arena input can be many GB
+        ins = [np.ascontiguousarray(np.asarray(a)) for a in inputs]
         outs = [
             np.full(tuple(s), np.nan if dt == mx.float32 else 0, dtype=np.dtype(_np_name(dt)))
             for s, dt in zip(output_shapes, output_dtypes)

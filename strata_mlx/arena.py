@@ -1,10 +1,14 @@
 """The arena: a fixed set of expert slots in one MLX buffer, and which expert sits where.
 
-The buffer is allocated once, with a page of slack so that slot 0 starts page aligned (MLX's
-CPU buffers are not: address mod 4096 was 24), because direct I/O writes straight into slot
-memory through a numpy view of that buffer. Writes through the view are seen by later MLX
-computation on CPU and under MLX CUDA's unified memory. The arena array is kept alive for
-the life of the model and never donated.
+The buffer is allocated once, as 4 KiB pages of 8-byte words ([pages, 512] uint64): MLX shape
+dims are int32, so a flat buffer would stop at 2^31 elements (2 GB of bytes, 16 GB of words),
+while a 2-D one has no such limit (each dim < 2^31; 2^31 pages are 8 TB). It has one page of
+slack so that slot 0 starts page aligned (MLX's CPU buffers are not: address mod 4096 was 24),
+because direct I/O writes straight into slot memory through a numpy view of that buffer.
+`rows`, the [n_slots, record_bytes] uint8 array the kernels read, is an `as_strided` view of
+the buffer at that page offset, so it shares the buffer's memory. Writes through the numpy
+view are seen by later MLX computation on CPU and under MLX CUDA's unified memory. The arena
+array is kept alive for the life of the model and never donated.
 
 Residency (expert -> slot), pinning (slots the running layer reads) and eviction live here.
 This module never reads files and never computes with weights.
@@ -125,10 +129,12 @@ class LayerDistance:
             od.pop(key, None)
 
     def victim(self, evictable) -> Key | None:
-        n = len(self._layers)
-        start = self._pos.get(self.current, 0)
+        layers = self._layers or sorted(self._by_layer)  # no layer list given: those seen
+        pos = self._pos if self._layers else {l: i for i, l in enumerate(layers)}
+        n = len(layers)
+        start = pos.get(self.current, 0)
         for i in range(n):  # current layer, the one before, ..., the one after it last
-            for key in self._by_layer.get(self._layers[(start - i) % n], ()):
+            for key in self._by_layer.get(layers[(start - i) % n], ()):
                 if evictable(key):
                     return key
         return None
@@ -136,9 +142,43 @@ class LayerDistance:
 
 POLICIES = {p.name: p for p in (LRU, LFUAging, ProfileAware, LayerDistance)}
 
+PAGE_WORDS = ALIGNMENT // 8
+
+
+def buffer_shape(nbytes: int) -> tuple[int, int]:
+    """[pages, words per page] of uint64 holding `nbytes` (a multiple of ALIGNMENT) from any
+    start address: one page of slack for aligning slot 0."""
+    if nbytes % ALIGNMENT:
+        raise ValueError(f"{nbytes} bytes is not a multiple of {ALIGNMENT}")
+    pages = nbytes // ALIGNMENT + 1
+    if pages >= 2**31:
+        raise ValueError(f"arena of {nbytes / 1e12:.1f} TB exceeds 2^31 pages")
+    return pages, PAGE_WORDS
+
+
+def slot_rows(buffer: mx.array, n_slots: int, record_bytes: int, start: int) -> mx.array:
+    """[n_slots, record_bytes] uint8 view of `buffer` (shaped by buffer_shape) from byte
+    `start`, sharing its memory. mx.as_strided flattens its input, and one flat dim stops at
+    2^31 elements (16 GB of words: a 25 GB buffer fails there), so the view is taken through
+    the buffer's first page, which shares the whole allocation: as_strided does not bound a
+    view by its input's shape (MLX documents it as unchecked). It stays inside the buffer:
+    `start` lies in the page of slack."""
+    words = record_bytes // 8
+    if (
+        start % 8
+        or not 0 <= start < ALIGNMENT
+        or n_slots * record_bytes + ALIGNMENT > buffer.nbytes
+    ):
+        raise ValueError(
+            f"{n_slots} slots of {record_bytes} B from byte {start} overrun the buffer"
+        )
+    rows = mx.as_strided(buffer[:1], (n_slots, words), (words, 1), start // 8)
+    return rows.view(mx.uint8)
+
 
 class Arena:
-    """`n_slots` slots of `record_bytes` each, in one MLX uint8 buffer allocated once."""
+    """`n_slots` slots of `record_bytes` each, in one MLX buffer allocated once; `rows` is
+    that buffer as [n_slots, record_bytes] uint8, row s = slot s, at address(s)."""
 
     def __init__(
         self,
@@ -154,17 +194,11 @@ class Arena:
             raise ValueError(f"record_bytes {record_bytes} is not a multiple of {ALIGNMENT}")
         self.n_slots = n_slots
         self.record_bytes = record_bytes
-        # MLX shapes are int32: a flat uint8 buffer stops at 2 GB, so the buffer is 8-byte
-        # words (up to 16 GB per arena), viewed as [n_slots, record_bytes] bytes.
-        words = n_slots * record_bytes // 8
-        if words + ALIGNMENT // 8 >= 2**31:
-            raise ValueError(f"arena of {n_slots * record_bytes / 1e9:.1f} GB exceeds 16 GB")
-        self.buffer = mx.zeros((words + ALIGNMENT // 8,), dtype=mx.uint64)
+        self.buffer = mx.zeros(buffer_shape(self.nbytes), dtype=mx.uint64)
         mx.eval(self.buffer)
-        self._host = np.array(self.buffer, copy=False).view(np.uint8)  # writable view
+        self._host = np.array(self.buffer, copy=False).reshape(-1).view(np.uint8)  # writable
         self._start = (-self._host.ctypes.data) % ALIGNMENT
-        w0 = self._start // 8
-        self.rows = self.buffer[w0 : w0 + words].reshape(n_slots, record_bytes // 8).view(mx.uint8)
+        self.rows = slot_rows(self.buffer, n_slots, record_bytes, self._start)
         mx.eval(self.rows)
         try:
             self.policy = POLICIES[eviction](profile, layers)
