@@ -203,6 +203,7 @@ class ExpertCache:
         self._ahead: dict[int, int] = {}  # pipelined lookahead: layer -> layer it predicts
         self._ahead_tags: dict[int, list[int]] = {}  # read-ahead submitted for a layer
         self._in_flight: set[int] = set()  # layers built on the device, not yet complete
+        self._pair_index: dict[tuple, mx.array] = {}
 
     # ---- public ----------------------------------------------------------------------
 
@@ -344,7 +345,10 @@ class ExpertCache:
             self._collect(block=False)  # landed read-ahead becomes visible to this layer
         row, row_mx = self._device_row(layer)
         slots = row_mx[inds.reshape(-1)]
-        idx = mx.arange(inds.size, dtype=mx.uint32).reshape(inds.shape)
+        idx = self._pair_index.get(inds.shape)
+        if idx is None:  # pair p reads slots[p]
+            idx = mx.arange(inds.size, dtype=mx.uint32).reshape(inds.shape)
+            self._pair_index[inds.shape] = idx
         y = self._kernel[layer](x, self.arena.rows, slots, idx)
         d = Deferred(layer, inds, row)
         target = self._ahead.get(layer)

@@ -1,0 +1,156 @@
+"""Decode side by side in one process: mlx-lm's own model on a store's weights, and strata-mlx's
+decode paths (per-layer sync, pipelined at several lags) on the same store and prompt.
+
+    python benchmarks/decode.py STORE -p 2048 -g 128 [--arena-gb G] [--policies demand,lookahead]
+        [--modes sync,pipelined:1,pipelined:2,pipelined:4] [--no-baseline] [--rounds 2]
+
+Without --arena-gb every expert is made resident (warm()) and one loaded model serves every
+mode (only the decoder changes). With --arena-gb each (policy, mode) loads afresh, prefills
+the prompt cold and decodes: the decode after a prefill that left the arena holding what it
+holds. Rounds interleave the variants, rotating their order. Figures are ms/token between the
+first and the last generated token (the first is the prefill's); logits of every decode step
+are compared with mlx-lm's (max |difference| of log-probabilities) and greedy tokens counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import mlx.core as mx
+import numpy as np
+
+import strata_mlx
+from strata_mlx.decode import PipelinedDecoder
+from strata_mlx.generate import generate_step, make_sampler
+from strata_mlx.store import load_manifest
+
+
+def timed(steps, on_first=None):
+    """(ms/token of decode, tokens, [n, vocab] float32 log-probabilities) of a generator."""
+    tokens, lps = [], []
+    t_first = t_last = 0.0
+    for n, (tok, lp) in enumerate(steps):
+        tokens.append(int(tok))
+        lps.append(np.array(lp.astype(mx.float32)).reshape(-1))
+        if n == 0 and on_first is not None:
+            on_first()
+        t_last = time.perf_counter()
+        if n == 0:
+            t_first = t_last
+    ms = (t_last - t_first) / max(len(tokens) - 1, 1) * 1e3
+    return ms, tokens, np.stack(lps)
+
+
+def run_mlx_lm(model, ids, gen, step):
+    from mlx_lm.generate import generate_step as lm_step
+
+    return timed(lm_step(mx.array(ids), model, max_tokens=gen, prefill_step_size=step))
+
+
+def run_strata(model, ids, gen, step, on_first=None):
+    return timed(generate_step(model, mx.array(ids), gen, make_sampler(0.0), step), on_first)
+
+
+def set_mode(model, mode: str) -> None:
+    name, _, lag = mode.partition(":")
+    model.decoder = PipelinedDecoder(model, int(lag or 2)) if name == "pipelined" else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("store")
+    ap.add_argument("-p", "--prompt-tokens", type=int, default=2048)
+    ap.add_argument("-g", "--gen-tokens", type=int, default=128)
+    ap.add_argument("--prefill-step-size", type=int, default=1024)
+    ap.add_argument("--arena-gb", type=float, default=None)
+    ap.add_argument("--policies", default="demand")
+    ap.add_argument("--modes", default="sync,pipelined:1,pipelined:2,pipelined:4")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+
+    m = load_manifest(a.store)
+    ids = np.random.default_rng(0).integers(0, m.config["vocab_size"], a.prompt_tokens).tolist()
+    gen, step = a.gen_tokens, a.prefill_step_size
+    out: dict = {"store": a.store, "prompt": a.prompt_tokens, "gen": gen, "runs": []}
+    ref = None
+    if not a.no_baseline:
+        from strata_mlx.baseline import load_mlx_lm
+
+        t = time.perf_counter()
+        lm = load_mlx_lm(a.store)
+        print(f"mlx-lm model built in {time.perf_counter() - t:.1f} s", flush=True)
+        run_mlx_lm(lm, ids[: step + 1], 4, step)  # warm-up: kernels compile
+        for r in range(a.rounds):
+            ms, toks, lps = run_mlx_lm(lm, ids, gen, step)
+            ref = ref or (toks, lps)
+            out["runs"].append({"variant": "mlx-lm", "round": r, "ms_per_token": ms})
+            print(f"mlx-lm round {r}: decode {ms:.2f} ms/token", flush=True)
+        del lm
+        gc.collect()
+        mx.clear_cache()
+
+    policies = a.policies.split(",")
+    modes = a.modes.split(",")
+    variants = [(p, md) for p in policies for md in modes]
+    resident = None
+    if a.arena_gb is None:
+        gb = m.expert_bytes / 1024**3 * 1.01 + 0.01
+        resident, _ = strata_mlx.load(a.store, arena_gb=gb, read_ahead="demand")
+        t = time.perf_counter()
+        resident.expert_cache.warm()
+        print(f"strata-mlx: all {m.expert_bytes / 1e9:.1f} GB of experts resident in "
+              f"{time.perf_counter() - t:.1f} s", flush=True)
+        set_mode(resident, "sync")
+        run_strata(resident, ids[: step + 1], 4, step)
+        set_mode(resident, "pipelined:2")
+        run_strata(resident, ids[: step + 1], 4, step)
+    for r in range(a.rounds):
+        k = r % len(variants)
+        for policy, mode in variants[k:] + variants[:k]:
+            if resident is not None:
+                model = resident
+            else:
+                model, _ = strata_mlx.load(
+                    a.store, arena_gb=a.arena_gb, read_ahead=policy, prefill_step_size=step
+                )
+            set_mode(model, mode)
+            ec = model.expert_cache
+            before = []  # the statistics once the prefill is done: decode's alone
+            ms, toks, lps = run_strata(
+                model, ids, gen, step, on_first=lambda: before.append(ec.stats.copy())
+            )
+            s = ec.stats.minus(before[0])
+            row = {
+                "variant": f"{policy}/{mode}",
+                "round": r,
+                "ms_per_token": ms,
+                "misses": s.misses,
+                "miss_pct": s.miss_pct,
+                "readahead": s.readahead_submitted,
+                "streamed_ahead": s.streamed_ahead,
+                "recomputed_layers": s.recomputed_layers,
+                "wait_ms": s.exposed_wait_s * 1e3,
+            }
+            if ref is not None:
+                n = min(len(toks), len(ref[0]))
+                row["tokens_equal_mlx_lm"] = sum(x == y for x, y in zip(toks, ref[0]))
+                row["max_abs_logprob_diff"] = float(np.max(np.abs(lps[:n] - ref[1][:n])))
+            out["runs"].append(row)
+            print(json.dumps(row), flush=True)
+            if resident is None:
+                ec.close()
+                del model, ec
+                gc.collect()
+                mx.clear_cache()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
