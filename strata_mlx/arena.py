@@ -240,12 +240,16 @@ class Arena:
         s = self.slot_of[key]
         return s not in self.pinned and s not in self.loading
 
-    def allocate(self, key: Key) -> int | None:
-        """A slot for `key` (evicting if needed), marked loading; None if every slot is busy."""
+    def allocate(self, key: Key, protect: set[int] | None = None) -> int | None:
+        """A slot for `key` (evicting if needed, never an expert of a layer in `protect`),
+        marked loading; None if every slot is busy."""
         if self._free:
             slot = self._free.pop()
         else:
-            victim = self.policy.victim(self._evictable)
+            if protect:
+                victim = self.policy.victim(lambda k: k[0] not in protect and self._evictable(k))
+            else:
+                victim = self.policy.victim(self._evictable)
             if victim is None:
                 return None
             slot = self.slot_of.pop(victim)
