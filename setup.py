@@ -8,7 +8,8 @@ setup(
     ext_modules=[
         Extension(
             "strata_mlx._reader",
-            ["strata_mlx/_native/reader.c"],
+            ["strata_mlx/_native/reader.c", "strata_mlx/_native/checksum.c"],
+            depends=["strata_mlx/_native/checksum.h"],
             extra_compile_args=["-O2"],
             libraries=[] if sys.platform == "darwin" else ["pthread"],
         )

@@ -17,9 +17,18 @@ Files opened direct (``O_DIRECT`` on Linux, ``F_NOCACHE`` on macOS) need ``offse
 raises ``ValueError`` otherwise. Where the file system refuses direct I/O the file is opened
 buffered instead and :meth:`Reader.is_direct` says so.
 
+Integrity: a file opened with ``checksum="crc32c"`` (or ``"crc32"``, zlib's) takes requests
+with a sixth element, the record's expected checksum; the worker thread that read the bytes
+checks them before it reports the completion, still without the GIL, so verification costs
+no Python time and runs on as many cores as there are reads in flight. crc32c runs on the
+CPU's instruction (SSE4.2, ARMv8 CRC; ~12-17 GB/s a core measured on the dev machine), crc32
+by tables where the CPU has no instruction for it (~1.6 GB/s a core). :func:`checksum`
+computes either in Python, for writers and tests.
+
 Completions are ``(tag, error, bytes_read)`` tuples: ``error`` is 0, a positive ``errno`` from
-``pread``, or :data:`SHORT_READ` when the file ended before ``length`` bytes (a truncated
-store), with ``bytes_read`` saying how far it got.
+``pread``, :data:`SHORT_READ` when the file ended before ``length`` bytes (a truncated
+store), with ``bytes_read`` saying how far it got, or :data:`CHECKSUM_MISMATCH` when all the
+bytes were read but their checksum is not the one expected (the bytes are left in place).
 
 Tags are the caller's ints and must be unique among requests not yet collected (unchecked).
 """
@@ -42,11 +51,17 @@ ALIGNMENT: int = _reader.ALIGNMENT
 SHORT_READ: int = _reader.SHORT_READ
 """Completion error code (-1): end of file before the requested length."""
 
-Request = tuple[int, int, int, int, int]
-"""``(tag, file_index, offset, length, dest_address)``."""
+CHECKSUM_MISMATCH: int = _reader.CHECKSUM_MISMATCH
+"""Completion error code (-2): the bytes read do not have the expected checksum."""
+
+CHECKSUMS = ("crc32c", "crc32")
+"""Checksums the reader verifies: crc32c (new stores), crc32 (zlib's; older stores)."""
+
+Request = tuple[int, int, int, int, int] | tuple[int, int, int, int, int, int | None]
+"""``(tag, file_index, offset, length, dest_address[, expected_checksum])``."""
 
 Completion = tuple[int, int, int]
-"""``(tag, error, bytes_read)``; error is 0, an errno, or SHORT_READ."""
+"""``(tag, error, bytes_read)``; error is 0, an errno, SHORT_READ or CHECKSUM_MISMATCH."""
 
 
 def error_message(code: int) -> str:
@@ -55,7 +70,21 @@ def error_message(code: int) -> str:
         return "ok"
     if code == SHORT_READ:
         return "end of file before the requested length (truncated file?)"
+    if code == CHECKSUM_MISMATCH:
+        return "checksum mismatch (corrupt data)"
     return os.strerror(code)
+
+
+def checksum(name: str, data, value: int = 0) -> int:
+    """``name`` ("crc32c" or "crc32") of a bytes-like object, continuing from ``value``:
+    ``checksum(n, a + b) == checksum(n, b, checksum(n, a))``; crc32 equals ``zlib.crc32``.
+    Releases the GIL for large buffers."""
+    return _reader.checksum(name, data, value)
+
+
+def checksum_implementation(name: str) -> str:
+    """How this CPU computes ``name``: "sse4.2", "armv8-crc" or "table"."""
+    return _reader.checksum_impl(name)
 
 
 class Reader:
@@ -83,27 +112,33 @@ class Reader:
         """True once :meth:`close` has been called."""
         return self._r.closed
 
-    def open(self, path: str | os.PathLike, direct: bool = True) -> int:
+    def open(
+        self, path: str | os.PathLike, direct: bool = True, checksum: str | None = None
+    ) -> int:
         """Open ``path`` read-only and return its file index for requests.
 
         With ``direct=True`` the page cache is bypassed (Linux ``O_DIRECT``, macOS
         ``F_NOCACHE``). If the file system rejects ``O_DIRECT`` (``EINVAL``) the file is opened
-        buffered instead; check :meth:`is_direct`. Files stay open until :meth:`close`.
-        Raises OSError if the file cannot be opened.
+        buffered instead; check :meth:`is_direct`. With ``checksum`` (one of
+        :data:`CHECKSUMS`) requests may carry an expected checksum that the workers verify.
+        Files stay open until :meth:`close`. Raises OSError if the file cannot be opened.
         """
-        return self._r.open(path, direct)
+        return self._r.open(path, direct, checksum)
 
     def is_direct(self, file_index: int) -> bool:
         """Whether the file was opened with direct I/O (and so needs aligned requests)."""
         return self._r.is_direct(file_index)
 
     def submit(self, requests: Sequence[Request], urgent: bool = False) -> None:
-        """Queue a batch of ``(tag, file_index, offset, length, dest_address)`` requests.
+        """Queue a batch of ``(tag, file_index, offset, length, dest_address)`` requests,
+        each optionally with a sixth element: the expected checksum of the ``length`` bytes
+        (None: not checked), for a file opened with ``checksum=``.
 
         The whole batch is validated before any of it is queued, then queued under one lock,
         in order, at the back of the urgent or the read-ahead queue. Raises ValueError for an
-        unknown file index, negative offset/length, a NULL address, or (direct files) an
-        offset, length or address that is not a multiple of :data:`ALIGNMENT`.
+        unknown file index, negative offset/length, a NULL address, an expected checksum for a
+        file opened without one (or not in 32 bits), or (direct files) an offset, length or
+        address that is not a multiple of :data:`ALIGNMENT`.
         """
         self._r.submit(requests, urgent)
 
@@ -151,13 +186,14 @@ class Reader:
         self._r.resume()
 
     def stats(self) -> dict:
-        """Counters: ``bytes_read``, ``requests_done``, ``errors``, ``busy_ns`` (list, per
-        worker: time spent inside reads), and the current ``queued_urgent``,
+        """Counters: ``bytes_read``, ``requests_done``, ``errors``, ``verified`` (reads whose
+        checksum was checked), ``busy_ns`` and ``verify_ns`` (lists, per worker: time spent
+        inside reads, and checking checksums), and the current ``queued_urgent``,
         ``queued_ahead``, ``in_flight`` and uncollected ``completions``."""
         return self._r.stats()
 
     def reset_stats(self) -> None:
-        """Zero bytes_read, requests_done, errors and busy_ns."""
+        """Zero bytes_read, requests_done, errors, verified, busy_ns and verify_ns."""
         self._r.reset_stats()
 
     def close(self) -> None:

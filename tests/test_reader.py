@@ -1,4 +1,5 @@
-"""The native reader: bytes land where asked, queue order, cancel/promote, errors, the GIL."""
+"""The native reader: bytes land where asked, queue order, cancel/promote, errors, the GIL,
+checksums verified in the worker threads."""
 
 from __future__ import annotations
 
@@ -6,12 +7,22 @@ import os
 import sys
 import tempfile
 import threading
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from strata_mlx.reader import ALIGNMENT, SHORT_READ, Reader, error_message
+from strata_mlx import _reader
+from strata_mlx.reader import (
+    ALIGNMENT,
+    CHECKSUM_MISMATCH,
+    SHORT_READ,
+    Reader,
+    checksum,
+    checksum_implementation,
+    error_message,
+)
 
 RECORD = 4 * ALIGNMENT
 N_RECORDS = 16
@@ -298,3 +309,85 @@ def test_probe_small_file(data_dir):
         assert isinstance(res["direct"], bool)
     one = probe_ssd(path, record_bytes=3000, workers_list=(2,), max_reads=1)[0]
     assert one["reads"] == 1 and one["record_bytes"] == ALIGNMENT
+
+
+def test_checksums_match_references():
+    # the standard check values, zlib's crc32, and the instruction path against the tables
+    assert checksum("crc32c", b"123456789") == 0xE3069283
+    assert checksum("crc32", b"123456789") == 0xCBF43926 == zlib.crc32(b"123456789")
+    assert checksum("crc32c", b"") == 0 and checksum("crc32", b"") == 0
+    data = np.random.default_rng(3).integers(0, 256, 3 * 24576 + 1000, dtype=np.uint8).tobytes()
+    # lengths around the 8-byte words and the three-stream blocks (3 x 256, 3 x 8192)
+    for n in (1, 7, 8, 9, 767, 768, 769, 24575, 24576, 24577, 3 * 24576 + 999):
+        for start in (0, 3):
+            chunk = data[start : start + n]
+            assert checksum("crc32", chunk) == zlib.crc32(chunk), n
+            assert checksum("crc32c", chunk) == _reader.checksum_table("crc32c", chunk), n
+            cut = n // 3
+            for name in ("crc32", "crc32c"):
+                head = checksum(name, chunk[:cut])
+                assert checksum(name, chunk[cut:], head) == checksum(name, chunk), (name, n)
+    arr = np.frombuffer(data, dtype=np.uint8)
+    assert checksum("crc32c", arr) == checksum("crc32c", data)  # any buffer
+    assert checksum_implementation("crc32c") in ("sse4.2", "armv8-crc", "table")
+    with pytest.raises(ValueError, match="crc32c"):
+        checksum("md5", data)
+
+
+@pytest.mark.parametrize("name", ["crc32c", "crc32"])
+@pytest.mark.parametrize("direct", [True, False])
+def test_reads_are_verified_in_the_workers(data_file, name, direct):
+    path, payload = data_file
+    sums = [checksum(name, payload[i * RECORD : (i + 1) * RECORD]) for i in range(N_RECORDS)]
+    buf, addr = aligned(RECORD * 4)
+    with Reader(workers=2) as r:
+        f = r.open(path, direct=direct, checksum=name)
+        r.submit(
+            [
+                (1, f, 0, RECORD, addr, sums[0]),
+                (2, f, RECORD, RECORD, addr + RECORD, sums[1] ^ 1),  # wrong
+                (3, f, 2 * RECORD, RECORD, addr + 2 * RECORD, None),  # not checked
+                (4, f, 3 * RECORD, RECORD, addr + 3 * RECORD),  # not checked
+            ]
+        )
+        done = r.wait([1, 2, 3, 4], timeout=10)
+        assert done == [
+            (1, 0, RECORD),
+            (2, CHECKSUM_MISMATCH, RECORD),
+            (3, 0, RECORD),
+            (4, 0, RECORD),
+        ]
+        stats = r.stats()
+        assert stats["verified"] == 2 and stats["errors"] == 1
+        assert len(stats["verify_ns"]) == 2 and sum(stats["verify_ns"]) > 0
+    assert buf[RECORD : 2 * RECORD].tobytes() == payload[RECORD : 2 * RECORD]  # left in place
+    assert "checksum mismatch" in error_message(CHECKSUM_MISMATCH)
+
+
+def test_truncated_file_with_a_checksum_is_a_short_read(data_dir):
+    path = data_dir / "short-verified.bin"
+    path.write_bytes(os.urandom(ALIGNMENT + 10))
+    _, addr = aligned(2 * ALIGNMENT)
+    with Reader(workers=1) as r:
+        f = r.open(path, checksum="crc32c")
+        r.submit([(1, f, 0, 2 * ALIGNMENT, addr, 12345)])
+        assert r.wait([1], timeout=10) == [(1, SHORT_READ, ALIGNMENT + 10)]
+
+
+def test_checksum_requests_are_validated(data_file):
+    path, _ = data_file
+    _, addr = aligned(RECORD)
+    with Reader(workers=1, start_paused=True) as r:
+        plain = r.open(path)
+        checked = r.open(path, checksum="crc32c")
+        with pytest.raises(ValueError, match="without a checksum"):
+            r.submit([(1, plain, 0, RECORD, addr, 5)])
+        with pytest.raises(ValueError, match="32 bits"):
+            r.submit([(1, checked, 0, RECORD, addr, 1 << 32)])
+        with pytest.raises(OverflowError):
+            r.submit([(1, checked, 0, RECORD, addr, -1)])
+        with pytest.raises(TypeError):
+            r.submit([(1, checked, 0, RECORD, addr, 5, 6)])
+        with pytest.raises(ValueError, match="checksum must be"):
+            r.open(path, checksum="sha1")
+        assert r.stats()["queued_ahead"] == 0

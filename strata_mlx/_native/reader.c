@@ -1,7 +1,8 @@
 /* strata_mlx._reader: a pool of native threads that pread expert records into caller memory.
  *
- * Python decides what to read and submits batches of (tag, file, offset, length, dest address);
- * worker pthreads take requests off two queues (urgent always before read-ahead) and pread them
+ * Python decides what to read and submits batches of (tag, file, offset, length, dest address
+ * [, expected checksum]); worker pthreads take requests off two queues (urgent always before
+ * read-ahead), pread them and, where a checksum is expected, verify the bytes (checksum.c),
  * without ever touching the GIL. Python collects (tag, error, bytes_read) completions through
  * wait(), which releases the GIL while it blocks, or poll().
  *
@@ -10,8 +11,9 @@
  * GIL while holding the mutex, so the two cannot deadlock. The file arrays are only changed
  * with both the GIL and the mutex held, so submit() may validate against them with the GIL only.
  *
- * Error codes in completions: 0, a positive errno from pread, or SHORT_READ (-1) when the file
- * ended before `length` bytes (a truncated store); bytes_read says how far the read got.
+ * Error codes in completions: 0, a positive errno from pread, SHORT_READ (-1) when the file
+ * ended before `length` bytes (a truncated store; bytes_read says how far the read got), or
+ * CHECKSUM_MISMATCH (-2) when every byte was read but their checksum is not the one expected.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE 1 /* O_DIRECT */
@@ -28,8 +30,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "checksum.h"
+
 #define ALIGNMENT 4096
 #define SHORT_READ (-1)
+#define CHECKSUM_MISMATCH (-2)
 #define MAX_CHUNK ((size_t)1 << 30)      /* one pread at most 1 GiB (Linux and macOS limits) */
 #define WAIT_SLICE_NS 100000000ULL       /* wait() re-takes the GIL this often to see Ctrl-C */
 
@@ -39,6 +44,8 @@ typedef struct {
     long long offset;
     Py_ssize_t length;
     char *dest;
+    uint32_t expected; /* the checksum of the `length` bytes, where `verify` */
+    char verify;
 } Request;
 
 typedef struct {
@@ -74,8 +81,8 @@ struct ReaderObject {
     long long *current; /* per worker: tag being read, valid while reading[w] */
     char *reading;
     int *fds, nfiles, cap_files;
-    char *direct;
-    unsigned long long bytes_read, requests_done, errors, *busy_ns;
+    char *direct, *checksum; /* per file: opened O_DIRECT; CHECKSUM_* of its records */
+    unsigned long long bytes_read, requests_done, errors, verified, *busy_ns, *verify_ns;
 };
 
 static uint64_t now_ns(void) {
@@ -186,7 +193,7 @@ static void *worker_main(void *p) {
             continue;
         }
         Request rq = q_pop(q);
-        int fd = r->fds[rq.file], direct = r->direct[rq.file];
+        int fd = r->fds[rq.file], direct = r->direct[rq.file], kind = r->checksum[rq.file];
         r->current[w] = rq.tag;
         r->reading[w] = 1;
         pthread_mutex_unlock(&r->mu);
@@ -194,7 +201,13 @@ static void *worker_main(void *p) {
         uint64_t t0 = now_ns();
         long long nread = 0;
         int err = read_fully(fd, direct, &rq, &nread);
-        uint64_t t1 = now_ns();
+        uint64_t t1 = now_ns(), t2 = t1;
+        int checked = !err && rq.verify;
+        if (checked) {
+            if (checksum_update(kind, 0, rq.dest, (size_t)rq.length) != rq.expected)
+                err = CHECKSUM_MISMATCH;
+            t2 = now_ns();
+        }
 
         pthread_mutex_lock(&r->mu);
         r->reading[w] = 0;
@@ -203,7 +216,9 @@ static void *worker_main(void *p) {
         r->bytes_read += (unsigned long long)nread;
         r->requests_done++;
         r->errors += err != 0;
+        r->verified += checked;
         r->busy_ns[w] += t1 - t0;
+        r->verify_ns[w] += t2 - t1;
         pthread_cond_broadcast(&r->done);
     }
     pthread_mutex_unlock(&r->mu);
@@ -211,6 +226,17 @@ static void *worker_main(void *p) {
 }
 
 /* ---------------------------------------------------------------- helpers */
+
+/* None, "crc32" or "crc32c" -> CHECKSUM_*; -1 with an exception set otherwise. */
+static int checksum_kind(PyObject *name) {
+    if (name == NULL || name == Py_None) return CHECKSUM_NONE;
+    if (PyUnicode_Check(name)) {
+        if (PyUnicode_CompareWithASCIIString(name, "crc32c") == 0) return CHECKSUM_CRC32C;
+        if (PyUnicode_CompareWithASCIIString(name, "crc32") == 0) return CHECKSUM_CRC32;
+    }
+    PyErr_Format(PyExc_ValueError, "checksum must be None, 'crc32' or 'crc32c', not %R", name);
+    return -1;
+}
 
 static int check_open(ReaderObject *r) {
     if (r->closing) {
@@ -338,7 +364,9 @@ static void Reader_dealloc(ReaderObject *r) {
     free(r->reading);
     free(r->fds);
     free(r->direct);
+    free(r->checksum);
     free(r->busy_ns);
+    free(r->verify_ns);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
@@ -360,7 +388,8 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     r->current = calloc((size_t)nworkers, sizeof(long long));
     r->reading = calloc((size_t)nworkers, 1);
     r->busy_ns = calloc((size_t)nworkers, sizeof(unsigned long long));
-    if (!r->threads || !r->args || !r->current || !r->reading || !r->busy_ns) {
+    r->verify_ns = calloc((size_t)nworkers, sizeof(unsigned long long));
+    if (!r->threads || !r->args || !r->current || !r->reading || !r->busy_ns || !r->verify_ns) {
         Py_DECREF(r);
         return PyErr_NoMemory();
     }
@@ -390,13 +419,13 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 /* ---------------------------------------------------------------- methods */
 
 static PyObject *Reader_open(ReaderObject *r, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"path", "direct", NULL};
-    PyObject *path = NULL;
-    int direct = 1, fd, err = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|p:open", kwlist, PyUnicode_FSConverter, &path,
-                                     &direct))
+    static char *kwlist[] = {"path", "direct", "checksum", NULL};
+    PyObject *path = NULL, *checksum = NULL;
+    int direct = 1, fd, err = 0, kind;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|pO:open", kwlist, PyUnicode_FSConverter, &path,
+                                     &direct, &checksum))
         return NULL;
-    if (check_open(r) < 0) goto fail;
+    if ((kind = checksum_kind(checksum)) < 0 || check_open(r) < 0) goto fail;
     const char *cpath = PyBytes_AS_STRING(path);
     Py_BEGIN_ALLOW_THREADS
 #if defined(O_DIRECT) && !defined(__APPLE__)
@@ -432,7 +461,9 @@ static PyObject *Reader_open(ReaderObject *r, PyObject *args, PyObject *kw) {
         if (fds) r->fds = fds;
         char *dir = fds ? realloc(r->direct, (size_t)cap) : NULL;
         if (dir) r->direct = dir;
-        if (!fds || !dir) {
+        char *sums = dir ? realloc(r->checksum, (size_t)cap) : NULL;
+        if (sums) r->checksum = sums;
+        if (!fds || !dir || !sums) {
             pthread_mutex_unlock(&r->mu);
             close(fd);
             PyErr_NoMemory();
@@ -443,6 +474,7 @@ static PyObject *Reader_open(ReaderObject *r, PyObject *args, PyObject *kw) {
     int index = r->nfiles++;
     r->fds[index] = fd;
     r->direct[index] = (char)direct;
+    r->checksum[index] = (char)kind;
     pthread_mutex_unlock(&r->mu);
     Py_DECREF(path);
     return PyLong_FromLong(index);
@@ -477,21 +509,33 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
     /* Parse and validate the whole batch before queueing any of it. */
     for (Py_ssize_t i = 0; i < n; i++) {
         Request *q = &reqs[i];
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *dest;
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 5) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *dest, *expected = Py_None;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 5 || PyTuple_GET_SIZE(item) > 6) {
             PyErr_Format(PyExc_TypeError, "request %zd must be a tuple (tag, file_index, offset, "
-                         "length, dest_address)", i);
+                         "length, dest_address[, expected_checksum])", i);
             goto fail;
         }
-        if (!PyArg_ParseTuple(item, "LiLnO", &q->tag, &q->file, &q->offset, &q->length, &dest))
+        if (!PyArg_ParseTuple(item, "LiLnO|O", &q->tag, &q->file, &q->offset, &q->length, &dest,
+                              &expected))
             goto fail;
         unsigned long long address = PyLong_AsUnsignedLongLong(dest); /* rejects negatives */
         if (address == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
         q->dest = (char *)(uintptr_t)address;
+        q->verify = expected != Py_None;
+        q->expected = 0;
+        if (q->verify) {
+            unsigned long long sum = PyLong_AsUnsignedLongLong(expected); /* rejects negatives */
+            if (sum == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
+            q->expected = (uint32_t)sum;
+            if (sum != q->expected) q->verify = 2; /* reported below */
+        }
         const char *bad = NULL;
         if (q->file < 0 || q->file >= r->nfiles) bad = "file_index is not an open file";
         else if (q->offset < 0 || q->length < 0) bad = "offset and length must be >= 0";
         else if (!q->dest) bad = "dest_address is NULL";
+        else if (q->verify == 2) bad = "expected_checksum does not fit in 32 bits";
+        else if (q->verify && !r->checksum[q->file])
+            bad = "expected_checksum given for a file opened without a checksum";
         if (bad) {
             PyErr_Format(PyExc_ValueError, "request %zd (tag %lld): %s", i, q->tag, bad);
             goto fail;
@@ -666,32 +710,44 @@ static PyObject *Reader_pause(ReaderObject *r, PyObject *u) { return set_paused(
 static PyObject *Reader_resume(ReaderObject *r, PyObject *u) { return set_paused(r, 0); }
 
 static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
-    unsigned long long *busy_ns = PyMem_RawMalloc(sizeof(unsigned long long) * (size_t)r->nworkers);
+    size_t per_worker = sizeof(unsigned long long) * (size_t)r->nworkers;
+    unsigned long long *busy_ns = PyMem_RawMalloc(2 * per_worker), *verify_ns;
     if (!busy_ns) return PyErr_NoMemory();
+    verify_ns = busy_ns + r->nworkers;
     pthread_mutex_lock(&r->mu);
-    unsigned long long bytes = r->bytes_read, reqs = r->requests_done, errs = r->errors;
+    unsigned long long bytes = r->bytes_read, reqs = r->requests_done, errs = r->errors,
+                       verified = r->verified;
     Py_ssize_t nu = q_size(&r->urgent), na = q_size(&r->ahead), nd = r->n_done;
     int inflight = 0;
     for (int w = 0; w < r->nworkers; w++) inflight += r->reading[w];
-    memcpy(busy_ns, r->busy_ns, sizeof(unsigned long long) * (size_t)r->nworkers);
+    memcpy(busy_ns, r->busy_ns, per_worker);
+    memcpy(verify_ns, r->verify_ns, per_worker);
     pthread_mutex_unlock(&r->mu);
-    PyObject *busy = PyList_New(r->nworkers);
-    for (int w = 0; busy && w < r->nworkers; w++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(busy_ns[w]);
-        if (!v) Py_CLEAR(busy);
-        else PyList_SET_ITEM(busy, w, v);
+    PyObject *busy = PyList_New(r->nworkers), *verify = PyList_New(r->nworkers);
+    for (int w = 0; busy && verify && w < r->nworkers; w++) {
+        PyObject *b = PyLong_FromUnsignedLongLong(busy_ns[w]);
+        PyObject *v = PyLong_FromUnsignedLongLong(verify_ns[w]);
+        PyList_SET_ITEM(busy, w, b); /* a NULL item is dropped with its list below */
+        PyList_SET_ITEM(verify, w, v);
+        if (!b || !v) Py_CLEAR(busy);
     }
     PyMem_RawFree(busy_ns);
-    if (!busy) return NULL;
-    return Py_BuildValue("{s:K,s:K,s:K,s:N,s:n,s:n,s:i,s:n}", "bytes_read", bytes,
-                         "requests_done", reqs, "errors", errs, "busy_ns", busy, "queued_urgent",
-                         nu, "queued_ahead", na, "in_flight", inflight, "completions", nd);
+    if (!busy || !verify) {
+        Py_XDECREF(busy);
+        Py_XDECREF(verify);
+        return NULL;
+    }
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n}", "bytes_read", bytes,
+                         "requests_done", reqs, "errors", errs, "verified", verified, "busy_ns",
+                         busy, "verify_ns", verify, "queued_urgent", nu, "queued_ahead", na,
+                         "in_flight", inflight, "completions", nd);
 }
 
 static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
     pthread_mutex_lock(&r->mu);
-    r->bytes_read = r->requests_done = r->errors = 0;
+    r->bytes_read = r->requests_done = r->errors = r->verified = 0;
     memset(r->busy_ns, 0, sizeof(unsigned long long) * (size_t)r->nworkers);
+    memset(r->verify_ns, 0, sizeof(unsigned long long) * (size_t)r->nworkers);
     pthread_mutex_unlock(&r->mu);
     Py_RETURN_NONE;
 }
@@ -709,10 +765,11 @@ static PyObject *get_closed(ReaderObject *r, void *c) { return PyBool_FromLong(r
 
 static PyMethodDef Reader_methods[] = {
     {"open", (PyCFunction)(void (*)(void))Reader_open, METH_VARARGS | METH_KEYWORDS,
-     "open(path, direct=True) -> file index"},
+     "open(path, direct=True, checksum=None) -> file index"},
     {"is_direct", (PyCFunction)Reader_is_direct, METH_O, "is_direct(file_index) -> bool"},
     {"submit", (PyCFunction)(void (*)(void))Reader_submit, METH_VARARGS | METH_KEYWORDS,
-     "submit(requests, urgent=False); requests: [(tag, file, offset, length, dest_address)]"},
+     "submit(requests, urgent=False); requests: [(tag, file, offset, length, dest_address"
+     "[, expected_checksum])]"},
     {"cancel", (PyCFunction)Reader_cancel, METH_O, "cancel(tags) -> tags removed"},
     {"promote", (PyCFunction)Reader_promote, METH_O, "promote(tags) -> tags moved to urgent"},
     {"wait", (PyCFunction)(void (*)(void))Reader_wait, METH_VARARGS | METH_KEYWORDS,
@@ -744,19 +801,72 @@ static PyTypeObject ReaderType = {
     .tp_new = Reader_new,
 };
 
+/* ---------------------------------------------------------------- checksums */
+
+#define CHECKSUM_GIL_BYTES 65536 /* smaller buffers keep the GIL: releasing costs more */
+
+static PyObject *checksum_call(PyObject *args, int table) {
+    PyObject *name;
+    Py_buffer view;
+    unsigned long value = 0;
+    if (!PyArg_ParseTuple(args, "Oy*|k:checksum", &name, &view, &value)) return NULL;
+    int kind = checksum_kind(name);
+    if (kind <= 0) {
+        if (kind == 0) PyErr_SetString(PyExc_ValueError, "checksum must be 'crc32' or 'crc32c'");
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    uint32_t crc = (uint32_t)value;
+    if (view.len >= CHECKSUM_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        crc = table ? checksum_update_table(kind, crc, view.buf, (size_t)view.len)
+                    : checksum_update(kind, crc, view.buf, (size_t)view.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        crc = table ? checksum_update_table(kind, crc, view.buf, (size_t)view.len)
+                    : checksum_update(kind, crc, view.buf, (size_t)view.len);
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(crc);
+}
+
+static PyObject *mod_checksum(PyObject *m, PyObject *args) { return checksum_call(args, 0); }
+static PyObject *mod_checksum_table(PyObject *m, PyObject *args) { return checksum_call(args, 1); }
+
+static PyObject *mod_checksum_impl(PyObject *m, PyObject *name) {
+    int kind = checksum_kind(name);
+    if (kind <= 0) {
+        if (kind == 0) PyErr_SetString(PyExc_ValueError, "checksum must be 'crc32' or 'crc32c'");
+        return NULL;
+    }
+    return PyUnicode_FromString(checksum_impl(kind));
+}
+
+static PyMethodDef module_methods[] = {
+    {"checksum", mod_checksum, METH_VARARGS,
+     "checksum(name, data, value=0) -> int: 'crc32' (zlib's) or 'crc32c' of a buffer"},
+    {"checksum_table", mod_checksum_table, METH_VARARGS,
+     "checksum_table(name, data, value=0): the same by the portable tables (tests)"},
+    {"checksum_impl", mod_checksum_impl, METH_O,
+     "checksum_impl(name) -> 'sse4.2' | 'armv8-crc' | 'table'"},
+    {NULL},
+};
+
 static struct PyModuleDef reader_module = {
     PyModuleDef_HEAD_INIT, "_reader", "Native direct-I/O reader threads (see strata_mlx.reader).",
-    -1, NULL,
+    -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__reader(void) {
+    checksum_init();
     if (PyType_Ready(&ReaderType) < 0) return NULL;
     PyObject *m = PyModule_Create(&reader_module);
     if (!m) return NULL;
     Py_INCREF(&ReaderType);
     if (PyModule_AddObject(m, "Reader", (PyObject *)&ReaderType) < 0 ||
         PyModule_AddIntConstant(m, "ALIGNMENT", ALIGNMENT) < 0 ||
-        PyModule_AddIntConstant(m, "SHORT_READ", SHORT_READ) < 0) {
+        PyModule_AddIntConstant(m, "SHORT_READ", SHORT_READ) < 0 ||
+        PyModule_AddIntConstant(m, "CHECKSUM_MISMATCH", CHECKSUM_MISMATCH) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,0 +1,23 @@
+/* Checksums of expert records and store files (see checksum.c). */
+#ifndef STRATA_CHECKSUM_H
+#define STRATA_CHECKSUM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum { CHECKSUM_NONE = 0, CHECKSUM_CRC32 = 1, CHECKSUM_CRC32C = 2 };
+
+/* Build the tables once, before any other call (module init). */
+void checksum_init(void);
+
+/* crc of `n` bytes at `p` continuing from `crc` (0 to start), as zlib.crc32 / crc32c do:
+ * checksum(a + b) == checksum_update(kind, checksum(a), b). Thread-safe after init. */
+uint32_t checksum_update(int kind, uint32_t crc, const void *p, size_t n);
+
+/* The portable tables whatever the CPU has (tests compare the two). */
+uint32_t checksum_update_table(int kind, uint32_t crc, const void *p, size_t n);
+
+/* Which implementation crc32c and crc32 use on this CPU: "sse4.2", "armv8-crc" or "table". */
+const char *checksum_impl(int kind);
+
+#endif
