@@ -5,15 +5,29 @@ GET /v1/models, GET /v1/stats (also /stats) with the expert cache's counters.
 
 One model, one expert cache, one KV cache per request: generation runs on a single worker
 thread, so requests queue and never share state, and the event loop stays free to accept and
-stream. Bad requests are answered 400 with an OpenAI-style error body
-{"error": {"message", "type", "param", "code"}}.
+stream. What a request can get wrong is answered 4xx with an OpenAI-style error body
+{"error": {"message", "type", "param", "code"}}, never 500 (kept for faults of the server
+itself, e.g. a corrupt store):
+
+- a request whose client disconnects is cancelled, queued or running, streaming or not: the
+  worker stops at its next token (prefill runs to the end of its chunk);
+- at most `max_queue` requests wait behind the running one; more are answered 429 with a
+  Retry-After estimated from recent requests' durations;
+- a prompt longer than `max_prompt_tokens` and a max_tokens above `max_tokens_limit` are 400s
+  (both default to the model's context);
+- with an API key every request must carry `Authorization: Bearer <key>` (compared in constant
+  time) or gets 401; with allowed origins, browsers' CORS preflights from them succeed;
+- on SIGTERM the server stops accepting, lets requests in flight finish for up to
+  `shutdown_timeout` seconds, then cancels what is left and exits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
+import math
 import threading
 import time
 import uuid
@@ -26,13 +40,18 @@ from typing import Literal
 import typer
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .generate import stop_holdback
 
-DEFAULT_MAX_TOKENS = 512
+DEFAULT_MAX_TOKENS = 512  # a request's max_tokens when it gives none
+DEFAULT_MAX_QUEUE = 16  # requests waiting behind the running one
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds in-flight requests get after SIGTERM
+FALLBACK_CONTEXT = 8192  # the limits' default for a model whose config names no context
+MAX_SEED = (1 << 64) - 1  # mx.random.seed takes an unsigned 64-bit integer
 
 # ---- request models ------------------------------------------------------------------------
 
@@ -64,7 +83,7 @@ class _Sampling(_Strict):
     max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -115,6 +134,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.message, self.status, self.param, self.code, self.type = (
@@ -124,6 +144,7 @@ class APIError(Exception):
             code,
             type,
         )
+        self.headers = headers
 
     def body(self) -> dict:
         return {
@@ -136,7 +157,19 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _one_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _generation_error(e: Exception) -> APIError:
+    """A failure inside generation: a ValueError is the request's (an option out of range),
+    anything else the server's."""
+    if isinstance(e, ValueError):
+        return APIError(_one_line(e))
+    return APIError(_one_line(e), 500, type="server_error")
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -176,22 +209,83 @@ class Result:
 
 
 class Engine:
-    """Runs generation jobs one at a time on a single worker thread."""
+    """Runs generation jobs one at a time on a single worker thread, behind a bounded queue.
 
-    def __init__(self, model, tokenizer):
+    Every job carries a cancel event, set when its client disconnects or its request task is
+    cancelled (shutdown); the worker checks it before starting the job and after every token.
+    Counters are changed by the event loop and the worker, under `_counts`.
+    """
+
+    def __init__(self, model, tokenizer, max_queue: int = DEFAULT_MAX_QUEUE):
         self.model = model
         self.tokenizer = tokenizer
+        self.max_queue = max_queue
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-generate")
         self._lock = threading.Lock()  # belt and braces: one generation at a time
+        self._counts = threading.Lock()
+        self._closing = threading.Event()  # shutdown: every job stops at its next token
+        self._idle = threading.Event()  # no job running
+        self._idle.set()
         self.requests = 0
-        self.queued = 0
+        self.queued = 0  # admitted, not started
         self.active = 0
+        self.cancelled = 0  # stopped early or never started: the client left, or shutdown
+        self.rejected = 0  # answered 429
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.mean_request_s: float | None = None  # running mean, for Retry-After
         self.served = None  # ExpertStats summed over requests, with their wall time and tokens
 
-    def close(self) -> None:
+    def close(self, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> bool:
+        """Cancel every job, queued or running, and wait up to `timeout` seconds for the
+        worker to stop; returns whether it did."""
+        self._closing.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        return self._idle.wait(timeout)
+
+    def retry_after(self) -> int:
+        """Seconds until a place in the queue frees up: when the running request ends, at
+        most a mean request's duration from now (at least 1)."""
+        return max(1, min(3600, math.ceil(self.mean_request_s or 1.0)))
+
+    def _submit(
+        self, job: Job, on_text: Callable[[str], None] | None, cancelled: threading.Event
+    ) -> asyncio.Future:
+        """Admit `job` (429 when the queue is full) and hand it to the worker."""
+        with self._counts:
+            if self._closing.is_set():
+                raise APIError("the server is shutting down", 503, type="server_error")
+            if self.queued + self.active > self.max_queue:  # it would wait behind them
+                self.rejected += 1
+                wait = self.retry_after()
+                raise APIError(
+                    f"too many requests: {self.queued} already waiting (--max-queue "
+                    f"{self.max_queue}); retry after {wait} s",
+                    429,
+                    code="queue_full",
+                    type="rate_limit_error",
+                    headers={"Retry-After": str(wait)},
+                )
+            self.queued += 1
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(self._executor, self._work, job, on_text, cancelled)
+
+    def _work(self, job, on_text, cancelled) -> Result | None:
+        with self._counts:
+            self.queued -= 1
+            if cancelled.is_set() or self._closing.is_set():  # the client left while queued
+                self.cancelled += 1
+                return None
+            self.active += 1
+            self._idle.clear()
+        try:
+            with self._lock:
+                return self.run(job, on_text, cancelled)
+        finally:
+            with self._counts:
+                self.active -= 1
+                if not self.active:
+                    self._idle.set()
 
     def run(
         self,
@@ -203,15 +297,7 @@ class Engine:
         whole text so far; with `on_text`, text that may begin a stop string is held back."""
         from .generate import stream_generate
 
-        with self._lock:
-            self.queued -= 1
-            self.active += 1
-            try:
-                return self._run(job, on_text, cancelled, stream_generate)
-            finally:
-                self.active -= 1
-
-    def _run(self, job, on_text, cancelled, stream_generate) -> Result:
+        t0 = time.perf_counter()
         self.requests += 1
         self.prompt_tokens += len(job.ids)
         if job.max_tokens == 0:
@@ -219,6 +305,7 @@ class Engine:
         stops = [s for s in job.stop if s]
         longest = max((len(s) for s in stops), default=0)
         text, emitted, n, finish, r = "", 0, 0, None, None
+        stopped = False
         gen = stream_generate(
             self.model,
             self.tokenizer,
@@ -243,9 +330,17 @@ class Engine:
                     if safe > emitted:
                         on_text(text[emitted:safe])
                         emitted = safe
-                if finish is not None or (cancelled is not None and cancelled.is_set()):
+                if finish is not None:
                     break
-        self.completion_tokens += n
+                if self._closing.is_set() or (cancelled is not None and cancelled.is_set()):
+                    stopped = True
+                    break
+        with self._counts:
+            self.completion_tokens += n
+            self.cancelled += stopped
+        elapsed = time.perf_counter() - t0
+        m = self.mean_request_s
+        self.mean_request_s = elapsed if m is None else m + 0.2 * (elapsed - m)
         if r is not None and r.expert_stats is not None:
             if self.served is None:
                 self.served = r.expert_stats.copy()
@@ -253,13 +348,24 @@ class Engine:
                 self.served.add(r.expert_stats)
         return Result(text, finish or "length", len(job.ids), n)
 
-    async def complete(self, job: Job) -> Result:
-        loop = asyncio.get_running_loop()
-        self.queued += 1
-        return await loop.run_in_executor(self._executor, self.run, job)
+    async def complete(self, job: Job, request: Request | None = None) -> Result | None:
+        """Run `job` to the end; None if it was cancelled because `request`'s client left."""
+        cancelled = threading.Event()
+        future = self._submit(job, None, cancelled)
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({future, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not future.done() or future.cancelled():  # the client left, or shutdown
+                return None
+            return future.result()
+        finally:  # the client left, or this task was cancelled (shutdown): stop the job
+            cancelled.set()
+            gone.cancel()
 
-    async def stream(self, job: Job) -> AsyncIterator[tuple[str, object]]:
-        """("text", str) events as they come, then ("done", Result) or ("error", exc)."""
+    def stream(self, job: Job, request: Request | None = None) -> AsyncIterator[tuple[str, object]]:
+        """Admit `job` now (so that a full queue is a 429, not an event) and return its events:
+        ("text", str) as they come, then ("done", Result) or ("error", exc); nothing more once
+        the client has left."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
@@ -270,25 +376,48 @@ class Engine:
             except RuntimeError:  # the loop is gone (server shutting down)
                 cancelled.set()
 
-        def work() -> None:
-            try:
-                if cancelled.is_set():  # the client left while queued
-                    self.queued -= 1
-                    return
-                put(("done", self.run(job, lambda s: put(("text", s)), cancelled)))
-            except Exception as e:  # noqa: BLE001 - reported to the client as an error event
-                put(("error", e))
+        future = self._submit(job, lambda s: put(("text", s)), cancelled)
 
-        self.queued += 1
-        loop.run_in_executor(self._executor, work)
-        try:
-            while True:
-                kind, value = await queue.get()
-                yield kind, value
-                if kind != "text":
-                    return
-        finally:
-            cancelled.set()
+        def finished(f: asyncio.Future) -> None:
+            if f.cancelled():
+                queue.put_nowait(("gone", None))
+            elif f.exception() is not None:
+                queue.put_nowait(("error", f.exception()))
+            elif f.result() is None:
+                queue.put_nowait(("gone", None))
+            else:
+                queue.put_nowait(("done", f.result()))
+
+        future.add_done_callback(finished)
+
+        async def events():
+            # Starlette notices a client gone only when it next writes; text held back (a
+            # stop string) or a long prefill writes nothing, so watch the connection too.
+            gone = asyncio.ensure_future(_client_gone(request))
+            gone.add_done_callback(lambda _: cancelled.set() or queue.put_nowait(("gone", None)))
+            try:
+                while True:
+                    kind, value = await queue.get()
+                    if kind == "gone":
+                        return
+                    yield kind, value
+                    if kind != "text":
+                        return
+            finally:
+                cancelled.set()
+                gone.cancel()
+
+        return events()
+
+
+async def _client_gone(request: Request | None) -> None:
+    """Return once the client of `request` has disconnected (never, without a request)."""
+    if request is None:
+        await asyncio.Event().wait()
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 # ---- the app -------------------------------------------------------------------------------
@@ -306,19 +435,86 @@ def _usage(r: Result) -> dict:
     }
 
 
-def create_app(model, tokenizer, model_name: str, default_max_tokens: int = DEFAULT_MAX_TOKENS):
-    """The FastAPI app serving `model` under the name `model_name`."""
-    engine = Engine(model, tokenizer)
+class _BearerAuth:
+    """ASGI middleware: every HTTP request must carry `Authorization: Bearer <key>`; the key is
+    compared in constant time. Runs before the body is read, so an unauthenticated client
+    learns nothing from validation errors."""
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            # compare_digest on the token even when the scheme is wrong: no early exit
+            ok = hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
+            if not ok:
+                err = APIError(
+                    "missing or incorrect API key: send Authorization: Bearer <key>",
+                    401,
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def model_context(model) -> int:
+    """The model's context length (max_position_embeddings), FALLBACK_CONTEXT if unnamed."""
+    n = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else FALLBACK_CONTEXT
+
+
+def create_app(
+    model,
+    tokenizer,
+    model_name: str,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    *,
+    max_tokens_limit: int | None = None,
+    max_prompt_tokens: int | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    api_key: str | None = None,
+    allowed_origins: list[str] | None = None,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+):
+    """The FastAPI app serving `model` under the name `model_name`.
+
+    `max_tokens_limit` and `max_prompt_tokens` default to the model's context; at most
+    `max_queue` requests wait behind the running one. With `api_key`, requests need it as a
+    bearer token; `allowed_origins` (e.g. ["https://app.example"], or ["*"]) are answered
+    CORS headers. At shutdown, generation still running is cancelled and waited for up to
+    `shutdown_timeout` seconds."""
+    engine = Engine(model, tokenizer, max_queue)
     created = int(time.time())
     vocab = model.args.vocab_size
+    context = model_context(model)
+    max_tokens_limit = context if max_tokens_limit is None else max_tokens_limit
+    max_prompt_tokens = context if max_prompt_tokens is None else max_prompt_tokens
+    default_max_tokens = min(default_max_tokens, max_tokens_limit)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        engine.close()
+        await asyncio.get_running_loop().run_in_executor(None, engine.close, shutdown_timeout)
 
     app = FastAPI(title="strata-mlx", lifespan=lifespan)
     app.state.engine = engine
+    # Starlette runs the last middleware added first: CORS answers preflights (which carry
+    # no credentials) before the key is checked, and adds its headers to 401s too.
+    if api_key:
+        app.add_middleware(_BearerAuth, key=api_key)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            max_age=600,
+        )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -335,8 +531,7 @@ def create_app(model, tokenizer, model_name: str, default_max_tokens: int = DEFA
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return APIError(msg, 500, type="server_error").response()
+        return APIError(_one_line(exc), 500, type="server_error").response()
 
     def check_request(req: _Sampling) -> None:
         for param, bad in req.unsupported():
@@ -356,12 +551,38 @@ def create_app(model, tokenizer, model_name: str, default_max_tokens: int = DEFA
         if tokenizer is None:
             raise APIError(f"{model_name}: the model has no tokenizer; {what}")
 
-    def make_job(req: _Sampling, ids: list[int], max_tokens: int | None) -> Job:
+    def encode(text: str, param: str, **kw) -> list[int]:
+        try:
+            return tokenizer.encode(text, **kw)
+        except Exception as e:  # e.g. a lone surrogate the tokenizer cannot take as UTF-8
+            raise APIError(f"{param}: cannot be tokenized ({_one_line(e)})", param=param) from None
+
+    def make_job(
+        req: _Sampling,
+        ids: list[int],
+        max_tokens: int | None,
+        prompt_param: str = "prompt",
+        tokens_param: str = "max_tokens",
+    ) -> Job:
         if not ids:
-            raise APIError("the prompt is empty", param="prompt")
+            raise APIError("the prompt is empty", param=prompt_param)
+        if len(ids) > max_prompt_tokens:
+            raise APIError(
+                f"{prompt_param}: {len(ids)} tokens, more than this server's limit of "
+                f"{max_prompt_tokens} (--max-prompt-tokens)",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None and max_tokens > max_tokens_limit:
+            raise APIError(
+                f"{tokens_param}: {max_tokens}, more than this server's limit of "
+                f"{max_tokens_limit} (--max-tokens-limit)",
+                param=tokens_param,
+                code="invalid_value",
+            )
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
-            raise APIError(f"prompt token id {bad[0]} outside [0, {vocab})", param="prompt")
+            raise APIError(f"prompt token id {bad[0]} outside [0, {vocab})", param=prompt_param)
         temp = 1.0 if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
         if top_p == 0.0:
@@ -376,13 +597,29 @@ def create_app(model, tokenizer, model_name: str, default_max_tokens: int = DEFA
             stop=stop,
         )
 
-    async def respond(req: _Sampling, job: Job, kind: str):
+    async def respond(request: Request, req: _Sampling, job: Job, kind: str):
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if kind == "chat" else "text_completion"
         head = {"id": rid, "created": int(time.time()), "model": model_name}
 
         if not req.stream:
-            r = await engine.complete(job)
+            try:
+                r = await engine.complete(job, request)
+            except asyncio.CancelledError:
+                # uvicorn cancels what still runs when the shutdown's grace period ends (the
+                # job itself stops at its next token): say so rather than let it answer 500
+                return APIError(
+                    "the server shut down before the request finished",
+                    503,
+                    code="shutdown",
+                    type="server_error",
+                ).response()
+            except APIError:
+                raise
+            except Exception as e:  # noqa: BLE001 - answered as an error body, connection kept
+                raise _generation_error(e) from None
+            if r is None:  # nobody is listening; 499 as nginx logs a client that left
+                return APIError("the client disconnected", 499, code="cancelled").response()
             if kind == "chat":
                 choice = {
                     "index": 0,
@@ -415,10 +652,12 @@ def create_app(model, tokenizer, model_name: str, default_max_tokens: int = DEFA
                 c["usage"] = None
             return c
 
+        stream = engine.stream(job, request)  # admitted here: a full queue is a 429
+
         async def events():
             if kind == "chat":
                 yield _sse(chunk(None, None, first=True))
-            async for ev, value in engine.stream(job):
+            async for ev, value in stream:
                 if ev == "text":
                     yield _sse(chunk(value, None))
                 elif ev == "done":
@@ -428,8 +667,7 @@ def create_app(model, tokenizer, model_name: str, default_max_tokens: int = DEFA
                             {**head, "object": chunk_obj, "choices": [], "usage": _usage(value)}
                         )
                 else:
-                    msg = str(value).splitlines()[0] if str(value) else type(value).__name__
-                    yield _sse(APIError(msg, 500, type="server_error").body())
+                    yield _sse(_generation_error(value).body())
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(
@@ -439,7 +677,7 @@ def create_app(model, tokenizer, model_name: str, default_max_tokens: int = DEFA
         )
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_request(req)
         need_tokenizer("use /v1/completions with token ids")
         messages = []
@@ -466,14 +704,13 @@ def create_app(model, tokenizer, model_name: str, default_max_tokens: int = DEFA
             raise APIError(f"messages: the chat template failed: {e}", param="messages") from None
         # As Hugging Face's apply_chat_template(tokenize=True): the template places any special
         # tokens itself.
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        max_tokens = (
-            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        )
-        return await respond(req, make_job(req, ids, max_tokens), "chat")
+        ids = encode(text, "messages", add_special_tokens=False)
+        given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        job = make_job(req, ids, getattr(req, given), "messages", given)
+        return await respond(request, req, job, "chat")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         check_request(req)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -482,10 +719,10 @@ def create_app(model, tokenizer, model_name: str, default_max_tokens: int = DEFA
             prompt = prompt[0]
         if isinstance(prompt, str):
             need_tokenizer("send the prompt as token ids")
-            ids = tokenizer.encode(prompt)
+            ids = encode(prompt, "prompt")
         else:
             ids = list(prompt)
-        return await respond(req, make_job(req, ids, req.max_tokens), "completion")
+        return await respond(request, req, make_job(req, ids, req.max_tokens), "completion")
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "strata-mlx"}
@@ -510,6 +747,9 @@ def create_app(model, tokenizer, model_name: str, default_max_tokens: int = DEFA
                 "requests": engine.requests,
                 "active": engine.active,
                 "queued": max(engine.queued, 0),
+                "max_queue": engine.max_queue,
+                "cancelled": engine.cancelled,
+                "rejected": engine.rejected,
                 "prompt_tokens": engine.prompt_tokens,
                 "completion_tokens": engine.completion_tokens,
             },
@@ -540,9 +780,18 @@ def serve(
     port: int = 8080,
     model_name: str | None = None,
     log_level: str = "info",
+    *,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_tokens_limit: int | None = None,
+    max_prompt_tokens: int | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    api_key: str | None = None,
+    allowed_origins: list[str] | None = None,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     **runtime,
 ) -> None:
-    """Load the store at `model_path` with RuntimeConfig(**runtime) and serve it until stopped."""
+    """Load the store at `model_path` with RuntimeConfig(**runtime) and serve it until
+    stopped (SIGTERM or Ctrl-C: requests in flight get `shutdown_timeout` seconds)."""
     import uvicorn
 
     from .loader import RuntimeConfig, load
@@ -555,11 +804,37 @@ def serve(
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such store")
     model, tokenizer = load(path, config=cfg)
-    app = create_app(model, tokenizer, model_name or path.resolve().name)
+    app = create_app(
+        model,
+        tokenizer,
+        model_name or path.resolve().name,
+        max_tokens,
+        max_tokens_limit=max_tokens_limit,
+        max_prompt_tokens=max_prompt_tokens,
+        max_queue=max_queue,
+        api_key=api_key,
+        allowed_origins=allowed_origins,
+        # after the graceful period uvicorn cancels the requests; their jobs stop at the
+        # next token, which this bounds
+        shutdown_timeout=min(shutdown_timeout, 2.0),
+    )
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=shutdown_timeout,
+        )
     finally:
         model.expert_cache.close()
+
+
+def _positive(flag: str, value, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise ValueError(f"{flag} {value}: must be at least 1")
 
 
 def serve_command(
@@ -577,6 +852,45 @@ def serve_command(
     io_workers: int = typer.Option(8, "--io-workers"),
     read_ahead: str = typer.Option("lookahead", "--read-ahead", help="demand | static | lookahead"),
     prefill_step_size: int | None = typer.Option(None, "--prefill-step-size"),
+    verify: bool = typer.Option(
+        True,
+        "--verify/--no-verify",
+        help="Checksums of the dense weights (once) and of every expert record as it is read.",
+    ),
+    max_tokens: int = typer.Option(
+        DEFAULT_MAX_TOKENS, "--max-tokens", "-m", help="max_tokens of a request that gives none."
+    ),
+    max_tokens_limit: int | None = typer.Option(
+        None,
+        "--max-tokens-limit",
+        help="The largest max_tokens a request may ask (default: the model's context).",
+    ),
+    max_prompt_tokens: int | None = typer.Option(
+        None,
+        "--max-prompt-tokens",
+        help="The longest prompt accepted, in tokens (default: the model's context).",
+    ),
+    max_queue: int = typer.Option(
+        DEFAULT_MAX_QUEUE,
+        "--max-queue",
+        help="Requests that may wait behind the running one; more are answered 429.",
+    ),
+    shutdown_timeout: float = typer.Option(
+        DEFAULT_SHUTDOWN_TIMEOUT,
+        "--shutdown-timeout",
+        help="Seconds requests in flight get to finish after SIGTERM before they are cancelled.",
+    ),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        envvar="STRATA_MLX_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on every request (or set STRATA_MLX_API_KEY).",
+    ),
+    allowed_origins: str | None = typer.Option(
+        None,
+        "--allowed-origins",
+        help="Comma-separated origins browsers may call from (CORS), or '*'.",
+    ),
     log_level: str = typer.Option("info", "--log-level"),
 ):
     """Serve a store over an OpenAI-compatible HTTP API (chat and text completions)."""
@@ -586,6 +900,16 @@ def serve_command(
         raise ValueError(f"--arena-gb {arena_gb}: must be positive")
     if io_workers < 1:
         raise ValueError(f"--io-workers {io_workers}: must be at least 1")
+    _positive("--max-tokens", max_tokens, allow_none=False)
+    _positive("--max-tokens-limit", max_tokens_limit)
+    _positive("--max-prompt-tokens", max_prompt_tokens)
+    if max_queue < 0:
+        raise ValueError(f"--max-queue {max_queue}: must be at least 0")
+    if not (shutdown_timeout >= 0 and math.isfinite(shutdown_timeout)):
+        raise ValueError(f"--shutdown-timeout {shutdown_timeout}: must be a finite number >= 0")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key: empty")
+    origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()] or None
     if model is None:
         from .default_model import DEFAULT_ARENA_GB, default_store
 
@@ -598,8 +922,16 @@ def serve_command(
         port=port,
         model_name=model_name,
         log_level=log_level,
+        max_tokens=max_tokens,
+        max_tokens_limit=max_tokens_limit,
+        max_prompt_tokens=max_prompt_tokens,
+        max_queue=max_queue,
+        api_key=api_key,
+        allowed_origins=origins,
+        shutdown_timeout=shutdown_timeout,
         arena_gb=arena_gb,
         io_workers=io_workers,
         read_ahead=read_ahead,
         prefill_step_size=prefill_step_size,
+        verify=verify,
     )

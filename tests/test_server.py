@@ -1,12 +1,18 @@
 """The OpenAI-compatible server, through the official `openai` client against a live uvicorn
 server on 127.0.0.1 (a random free port): chat and text completions, streaming, stop, limits,
-errors, concurrency, models and stats."""
+errors, concurrency, models and stats; clients that leave, the queue bound, SIGTERM, the API
+key and CORS."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -55,37 +61,60 @@ def write_tokenizer(d, vocab_size: int = 128) -> None:
     )
 
 
+LONG = 1_000_000  # max_tokens of a request that runs until it is cancelled
+
+
 @pytest.fixture(scope="module")
-def served(store, tmp_path_factory):
+def tiny(store, tmp_path_factory):
+    """The tiny store with a tokenizer and a chat template."""
     d = tmp_path_factory.mktemp("served") / "tiny"
-    src = store(FAMILY)
-    shutil.copytree(src, d)
+    shutil.copytree(store(FAMILY), d)
     write_tokenizer(d)
-    rb = load_manifest(d).layout.record_bytes
+    return d
+
+
+def load_tiny(path):
+    rb = load_manifest(path).layout.record_bytes
     # 5 slots for 2 layers x 8 experts: requests really stream and evict.
-    model, tok = strata_mlx.load(d, arena_gb=5 * rb / 1024**3, read_ahead="lookahead")
+    model, tok = strata_mlx.load(path, arena_gb=5 * rb / 1024**3, read_ahead="lookahead")
     assert tok is not None and tok.eos_token_ids == {tok._tok.token_to_id("<|im_end|>")}
-    app = create_app(model, tok, NAME)
+    return model, tok
+
+
+@contextlib.contextmanager
+def running(app):
+    """`app` served by uvicorn on a thread, on a free port; yields the base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.02)
-    base = f"http://127.0.0.1:{port}"
     try:
-        yield base, model, tok
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=15)
         sock.close()
-        model.expert_cache.close()
     assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    model, tok = load_tiny(tiny)
+    # room for the concurrency test's 20 requests; max_tokens up to LONG
+    app = create_app(model, tok, NAME, max_queue=32, max_tokens_limit=LONG)
+    try:
+        with running(app) as base:
+            yield base, model, tok
+    finally:
+        model.expert_cache.close()
 
 
 @pytest.fixture
@@ -319,3 +348,214 @@ def test_client_leaving_a_stream_stops_its_generation(served, client):
             time.sleep(0.05)
         assert s["completion_tokens"] - before["completion_tokens"] < 2000
     assert chat(client, "the cat", max_tokens=2).usage.completion_tokens >= 1
+
+
+# ---- clients that leave, limits, the queue, authentication, CORS, shutdown ----------------
+
+
+def stats(base: str) -> dict:
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        return http.get(base + "/v1/stats", headers={"Authorization": f"Bearer {KEY}"}).json()[
+            "server"
+        ]
+
+
+def wait_for(base: str, what, timeout: float = 30.0) -> tuple[dict, float]:
+    """Poll the server's counters until `what(counters)`; (counters, seconds it took)."""
+    t0 = time.monotonic()
+    while True:
+        s = stats(base)
+        if what(s):
+            return s, time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout, s
+        time.sleep(0.02)
+
+
+def openai_client(base: str, timeout: float = 60, api_key: str = "none") -> openai.OpenAI:
+    http = httpx.Client(trust_env=False, timeout=timeout)
+    return openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, http_client=http)
+
+
+def test_non_streaming_client_that_leaves_frees_the_server_within_a_second(served):
+    base, _, _ = served
+    before = stats(base)
+    impatient = openai_client(base, timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APITimeoutError):
+        chat(impatient, "tell me a story", max_tokens=LONG)
+    assert time.monotonic() - t0 < 10
+    s, freed_in = wait_for(base, lambda s: s["active"] == 0 and s["queued"] == 0)
+    assert freed_in < 1.0, s
+    assert s["cancelled"] == before["cancelled"] + 1
+    assert 0 < s["completion_tokens"] - before["completion_tokens"] < LONG
+    impatient.close()
+
+
+def test_limits_and_out_of_range_fields_are_400s(served, client):
+    base, _, _ = served
+    too_long = client.completions  # the model's context is 512 tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        too_long.create(model=NAME, prompt=[1] * 513, max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "the cat", max_tokens=LONG + 1)
+    assert e.value.body["param"] == "max_tokens" and "limit" in e.value.body["message"]
+    for seed in (-1, 1 << 64):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, "the cat", seed=seed)
+        assert e.value.body["param"] == "seed"
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        url = base + "/v1/chat/completions"
+        body = {"model": NAME, "messages": [{"role": "user", "content": "\ud800"}]}
+        r = http.post(url, content=json.dumps(body), headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        r = http.post(url, content=b"[" * 100_000, headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        r = http.put(url, json={})
+        assert r.status_code == 405 and "error" in r.json()
+    assert chat(client, "the cat", max_tokens=2).usage.completion_tokens >= 1
+
+
+KEY = "sk-test-0123456789"
+ORIGIN = "https://app.example"
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny):
+    """A second server (its own model: one generation at a time per model) with a queue of
+    one, an API key and one allowed origin; limits from the model's context."""
+    model, tok = load_tiny(tiny)
+    app = create_app(model, tok, NAME, max_queue=1, api_key=KEY, allowed_origins=[ORIGIN])
+    try:
+        with running(app) as base:
+            yield base
+    finally:
+        model.expert_cache.close()
+
+
+def test_queue_bound_answers_429_with_retry_after(guarded):
+    base = guarded
+    # limits from the model's context (512): the longest request allowed runs long enough
+    running_one = openai_client(base, timeout=3, api_key=KEY)
+    queued_one = openai_client(base, timeout=3, api_key=KEY)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(chat, running_one, "tell me a story", max_tokens=512)
+        wait_for(base, lambda s: s["active"] == 1)
+        second = pool.submit(chat, queued_one, "the cat", max_tokens=512)
+        wait_for(base, lambda s: s["queued"] == 1)
+        c = openai_client(base, api_key=KEY)
+        with pytest.raises(openai.RateLimitError) as e:
+            chat(c, "a dog", max_tokens=2)
+        r = e.value.response
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert e.value.body["code"] == "queue_full"
+        for f in (first, second):  # done, or timed out and cancelled
+            with contextlib.suppress(openai.APITimeoutError):
+                f.result(timeout=60)
+    s, _ = wait_for(base, lambda s: s["active"] == 0 and s["queued"] == 0)
+    assert s["rejected"] >= 1
+    assert chat(c, "a dog", max_tokens=2).usage.completion_tokens >= 1  # served again
+    for x in (running_one, queued_one, c):
+        x.close()
+
+
+def test_api_key_is_required(guarded):
+    base = guarded
+    for key in ("none", KEY[:-1], KEY + "x"):
+        c = openai_client(base, api_key=key)
+        with pytest.raises(openai.AuthenticationError) as e:
+            chat(c, "the cat", max_tokens=1)
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            c.models.list()
+        c.close()
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        r = http.get(base + "/v1/models")  # no Authorization header at all
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        r = http.get(base + "/v1/models", headers={"Authorization": f"Basic {KEY}"})
+        assert r.status_code == 401
+    c = openai_client(base, api_key=KEY)
+    assert [m.id for m in c.models.list().data] == [NAME]
+    assert chat(c, "the cat", max_tokens=2).usage.completion_tokens >= 1
+    c.close()
+
+
+def test_cors_preflight_from_an_allowed_origin(guarded):
+    base = guarded
+    url = base + "/v1/chat/completions"
+    preflight = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        r = http.options(url, headers=preflight)  # a browser's preflight carries no key
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == ORIGIN
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = http.options(url, headers={**preflight, "Origin": "https://evil.example"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        auth = {"Origin": ORIGIN, "Authorization": f"Bearer {KEY}"}
+        r = http.post(url, json=body, headers=auth)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+        r = http.post(url, json=body, headers={"Origin": ORIGIN})  # the browser can read the 401
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == ORIGIN
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_finishes_or_cancels_requests_within_the_deadline(tiny):
+    deadline = 3.0
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "strata_mlx", "serve", "--model", str(tiny), "--port", str(port)]
+    cmd += ["--model-name", NAME, "--shutdown-timeout", str(deadline), "--log-level", "warning"]
+    cmd += ["--max-tokens-limit", str(LONG), "--arena-gb", "0.001"]
+    env = {**os.environ, "STRATA_MLX_API_KEY": KEY}  # the key from the environment
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() - t0 < 120, "server did not start"
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}):
+                    break
+            time.sleep(0.1)
+        short = openai_client(base, api_key=KEY)
+        long = openai_client(base, api_key=KEY)
+        stream = short.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": "a dog ran"}],
+            stream=True,
+            max_tokens=48,
+            temperature=0,
+        )
+        chunks = iter(stream)
+        next(chunks)  # the short streaming request is running
+        with ThreadPoolExecutor(1) as pool:
+            cut_short = pool.submit(chat, long, "tell me a story", max_tokens=LONG)
+            # the long one waits behind the short one (or, on a fast machine, already runs)
+            wait_for(base, lambda s: s["queued"] == 1 or s["requests"] == 2)
+            t_term = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+            assert finish[-1] in ("stop", "length")  # the request in flight finished
+            with pytest.raises(openai.InternalServerError) as e:
+                cut_short.result(timeout=60)  # ... the one that would not was cancelled
+            assert e.value.status_code == 503 and e.value.body["code"] == "shutdown"
+        proc.wait(timeout=60)
+        took = time.monotonic() - t_term
+        assert took < deadline + 5, took
+        # uvicorn re-raises the signal once it has shut down gracefully
+        assert proc.returncode in (0, -signal.SIGTERM), proc.stdout.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
