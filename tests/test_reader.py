@@ -330,6 +330,11 @@ def test_checksums_match_references():
     arr = np.frombuffer(data, dtype=np.uint8)
     assert checksum("crc32c", arr) == checksum("crc32c", data)  # any buffer
     assert checksum_implementation("crc32c") in ("sse4.2", "armv8-crc", "table")
+    assert checksum_implementation("crc32") in ("pclmul", "armv8-crc", "table")
+    # the folding path (>= 64 bytes) from any starting value, against zlib
+    for n in (64, 65, 79, 80, 127, 128, 4096 + 15):
+        assert checksum("crc32", data[:n], 0xDEADBEEF) == zlib.crc32(data[:n], 0xDEADBEEF), n
+        assert checksum("crc32c", data[:n], 7) == _reader.checksum_table("crc32c", data[:n], 7)
     with pytest.raises(ValueError, match="crc32c"):
         checksum("md5", data)
 

@@ -17,7 +17,7 @@ uint32_t checksum_update(int kind, uint32_t crc, const void *p, size_t n);
 /* The portable tables whatever the CPU has (tests compare the two). */
 uint32_t checksum_update_table(int kind, uint32_t crc, const void *p, size_t n);
 
-/* Which implementation crc32c and crc32 use on this CPU: "sse4.2", "armv8-crc" or "table". */
+/* Which implementation `kind` uses on this CPU: "sse4.2", "pclmul", "armv8-crc" or "table". */
 const char *checksum_impl(int kind);
 
 #endif

@@ -848,7 +848,7 @@ static PyMethodDef module_methods[] = {
     {"checksum_table", mod_checksum_table, METH_VARARGS,
      "checksum_table(name, data, value=0): the same by the portable tables (tests)"},
     {"checksum_impl", mod_checksum_impl, METH_O,
-     "checksum_impl(name) -> 'sse4.2' | 'armv8-crc' | 'table'"},
+     "checksum_impl(name) -> 'sse4.2' | 'pclmul' | 'armv8-crc' | 'table'"},
     {NULL},
 };
 
