@@ -83,8 +83,17 @@ def bench(
     seed: int = 0,
     log=print,
     eviction: str = "lru",
+    baseline: str | None = None,
 ) -> dict:
+    """Every policy cold then warm; with `baseline="mlx-lm"`, then mlx-lm's own model and
+    strata-mlx's on the same prompt, side by side (strata_mlx.baseline)."""
     path = Path(path)
+    if baseline not in (None, "mlx-lm"):
+        raise ValueError(f"--baseline {baseline}: the one baseline is mlx-lm")
+    if baseline is not None:
+        from .baseline import check_runnable
+
+        check_runnable(path)  # fail before the runs, not after them
     m = load_manifest(path)
     vocab = m.config["vocab_size"]
     ids = np.random.default_rng(seed).integers(0, vocab, size=prompt_tokens).tolist()
@@ -148,6 +157,12 @@ def bench(
         "compute_decode_tps": fake.decode_tokens / fake.decode_s,
         "runs": [_summary(run, fake, ssd_gbps) for run in runs],
     }
+    if baseline is not None:
+        from .baseline import compare
+
+        result["baseline"] = compare(
+            path, ids, gen_tokens, prefill_step_size, RuntimeConfig(**base), log=log
+        )
     return result
 
 

@@ -344,6 +344,11 @@ def bench(
     static_cap: int = typer.Option(256, "--static-cap"),
     json_out: Path | None = typer.Option(None, "--json", help="Write all figures as JSON."),
     eviction: str = typer.Option("lru", "--eviction", help="lru | lfu | profile | layer"),
+    baseline: str | None = typer.Option(
+        None,
+        "--baseline",
+        help="mlx-lm: then mlx-lm's own model and ours on the same prompt, with ratios.",
+    ),
 ):
     """Prefill and decode, cold and warm, read-ahead policies side by side."""
     from .bench import bench as run_bench
@@ -362,6 +367,7 @@ def bench(
         static_cap,
         eviction=eviction,
         log=typer.echo,
+        baseline=baseline,
     )
     typer.echo(markdown_table(result))
     if json_out is not None:
