@@ -42,5 +42,27 @@ full)  # one call: build, synthetic store, reads under compute, bench (about 7 m
   python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 128 --arena-gb 6.5 --prefill-step-size 1024 \
      --io-workers 8 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full"; exit 2;;
+decode)  # issue 17, call 1: store, GPU exactness tests, decode all resident beside mlx-lm
+  python3 setup.py build_ext --inplace -q 2>&1 | tail -2
+  /usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --mlx-path "$SYNTH" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -3 | tee "$OUT/synth.log"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode.py 2>&1 | tail -4 | tee "$OUT/tests.log"
+  timeout 330 python3 benchmarks/decode.py "$SYNTH" -p 2048 -g 128 --json "$OUT/decode-resident.json" \
+     2>&1 | tee "$OUT/decode-resident.log"
+  ;;
+decode-arena)  # issue 17, call 2: 6.5 GB arena: decode paths; bench (prefill) old code vs new
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -2
+  timeout 200 python3 benchmarks/decode.py "$SYNTH" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
+     --policies demand,lookahead --modes sync,pipelined:2 --rounds 1 --json "$OUT/decode-arena.json" \
+     2>&1 | tee "$OUT/decode-arena.log"
+  timeout 170 python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 64 --arena-gb 6.5 \
+     --prefill-step-size 1024 --policies demand,lookahead,lookahead:always --json "$OUT/bench-new.json" \
+     2>&1 | tee "$OUT/bench-new.log"
+  if [ -d "${OLD:-}" ]; then
+    (cd "$OLD" && python3 setup.py build_ext --inplace -q 2>&1 | tail -2 && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" \
+     timeout 170 python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 64 --arena-gb 6.5 \
+     --prefill-step-size 1024 --policies demand,lookahead --json "$OUT/bench-old.json") 2>&1 | tee "$OUT/bench-old.log"
+  fi
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena"; exit 2;;
 esac

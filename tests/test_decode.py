@@ -100,3 +100,22 @@ def test_all_resident_decode_does_no_per_expert_work(store, monkeypatch):
     for t in (3, 5, 7):
         mx.eval(model.decoder(mx.array([[t]]), cache))
     assert ec.stats.recomputed_layers == 0 and ec.stats.misses == 0
+
+
+def test_decode_falls_back_to_sync_while_most_layers_miss(store):
+    """A 5 % arena misses in nearly every layer: pipelined tokens would each be built,
+    found wrong and recomputed, so tokens run the sync handshake instead (same outputs)."""
+    path = store("qwen3_next")
+    ids = prompt_ids(24, seed=14)
+    gb = arena_for(path, 0.05)
+    runs = {}
+    for sync_above in (1.0, 0.3):
+        model, _ = strata_mlx.load(
+            path, arena_gb=gb, read_ahead="demand", decode_sync_above=sync_above
+        )
+        runs[sync_above] = (decode(model, ids, 12), model.expert_cache.stats.recomputed_layers)
+        assert model.expert_cache.decode_layer_miss_rate > 0.3
+    (tokens_always, lp_always), recomputed_always = runs[1.0]
+    (tokens, lp), recomputed = runs[0.3]
+    assert tokens == tokens_always and np.array_equal(lp, lp_always)
+    assert recomputed < recomputed_always
