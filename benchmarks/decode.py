@@ -103,8 +103,11 @@ def main() -> None:
         resident, _ = strata_mlx.load(a.store, arena_gb=gb, read_ahead="demand")
         t = time.perf_counter()
         resident.expert_cache.warm()
-        print(f"strata-mlx: all {m.expert_bytes / 1e9:.1f} GB of experts resident in "
-              f"{time.perf_counter() - t:.1f} s", flush=True)
+        print(
+            f"strata-mlx: all {m.expert_bytes / 1e9:.1f} GB of experts resident in "
+            f"{time.perf_counter() - t:.1f} s",
+            flush=True,
+        )
         set_mode(resident, "sync")
         run_strata(resident, ids[: step + 1], 4, step)
         set_mode(resident, "pipelined:1")
@@ -122,7 +125,7 @@ def main() -> None:
             ec = model.expert_cache
             before = []  # the statistics once the prefill is done: decode's alone
             ms, toks, lps = run_strata(
-                model, ids, gen, step, on_first=lambda: before.append(ec.stats.copy())
+                model, ids, gen, step, on_first=lambda ec=ec, b=before: b.append(ec.stats.copy())
             )
             s = ec.stats.minus(before[0])
             row = {
