@@ -148,6 +148,10 @@ def generate(
         prompt = "The capital of France is" if model is None else None
         if prompt is None:
             raise ValueError("give --prompt/-p or --prompt-tokens")
+    from .options import check_number, check_runtime, check_sampling
+
+    check_sampling(max_tokens, temp, top_p, seed, cli=True)  # before a model is loaded
+    check_number("moce_bonus", moce_bonus, 0, cli=True)
     if model is None:
         from .default_model import default_store
 
@@ -172,6 +176,7 @@ def generate(
         from .loader import apply_preset
 
         apply_preset(cfg, preset)
+    check_runtime(cfg, cli=True)
     m, tok = load(model, config=cfg)
     if top_k is not None:
         _set_top_k(m, top_k)
@@ -286,15 +291,71 @@ def convert(
         None, "--set", help="Synthetic shape override, e.g. --set num_hidden_layers=8."
     ),
     seed: int = typer.Option(0, "--seed"),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Replace an existing store at --mlx-path (kept until the new one is complete).",
+    ),
 ):
     """Convert a checkpoint into a strata-mlx store."""
     sources = [s for s in (hf_path, gguf_path, synthetic) if s is not None]
     if len(sources) != 1:
         raise ValueError("give exactly one of --hf-path, --gguf-path, --synthetic")
+    from .convert.common import check_output, overwriting
+
+    check_output(mlx_path, *(s for s in (hf_path, gguf_path) if s), overwrite=overwrite)
+    _exit_on_sigterm()  # SIGTERM unwinds: the temporary directory is removed on the way out
     if q_bits not in (2, 3, 4, 8):
         raise ValueError(f"--q-bits {q_bits}: one of 2, 3, 4, 8")
     if q_group_size not in (32, 64, 128):
         raise ValueError(f"--q-group-size {q_group_size}: one of 32, 64, 128")
+    from .options import MAX_SEED, check_int
+
+    check_int("calibration_tokens", calibration_tokens, 0, 1 << 20, cli=True)
+    check_int("seed", seed, 0, MAX_SEED, cli=True)
+    with overwriting(overwrite):
+        out = _convert(
+            hf_path,
+            gguf_path,
+            synthetic,
+            mlx_path,
+            quantize,
+            q_bits,
+            q_group_size,
+            dtype,
+            calibration_tokens,
+            split_experts,
+            router,
+            set_,
+            seed,
+        )
+    typer.echo(f"wrote {out}")
+
+
+def _exit_on_sigterm() -> None:
+    import signal
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _convert(
+    hf_path,
+    gguf_path,
+    synthetic,
+    mlx_path,
+    quantize,
+    q_bits,
+    q_group_size,
+    dtype,
+    calibration_tokens,
+    split_experts,
+    router,
+    set_,
+    seed,
+):
     if hf_path is not None:
         from .convert.hf import convert_hf
 
@@ -327,7 +388,7 @@ def convert(
             calibration_tokens=calibration_tokens,
             dtype=dtype or "float16",
         )
-    typer.echo(f"wrote {out}")
+    return out
 
 
 @app.command()
@@ -350,7 +411,11 @@ def bench(
         help="mlx-lm: then mlx-lm's own model and ours on the same prompt, with ratios.",
     ),
 ):
-    """Prefill and decode, cold and warm, read-ahead policies side by side."""
+    """Prefill and decode, cold and warm, read-ahead policies side by side.
+
+    Caches: before each cold run the store's own files are evicted from the OS page cache
+    (posix_fadvise DONTNEED on each file, Linux); nothing else on the machine is touched.
+    """
     from .bench import bench as run_bench
     from .bench import markdown_table, save
 

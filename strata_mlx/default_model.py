@@ -92,12 +92,13 @@ def default_store() -> Path:
             file=sys.stderr,
             flush=True,
         )
-        if out.exists():  # a store from an interrupted or older run: rebuild it
+        if out.exists() and not (out / "manifest.json").is_file():
             import shutil
 
-            shutil.rmtree(out)
-        # convert_gguf writes a temporary directory beside `out` and renames it into place.
-        convert_gguf(src, out, split_experts=DEFAULT_SPLIT, progress=False)
+            shutil.rmtree(out)  # left by an interrupted run of an older build
+        # convert_gguf writes a temporary directory beside `out` and renames it into place,
+        # replacing a store from an interrupted or older run only once the new one is whole.
+        convert_gguf(src, out, split_experts=DEFAULT_SPLIT, progress=False, overwrite=True)
     return out
 
 
@@ -109,7 +110,13 @@ class _Lock:
         self.fd: int | None = None
 
     def __enter__(self) -> _Lock:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # an existing cache directory that is read-only
+            raise StoreError(
+                f"{self.path.parent}: cannot write the cache directory ({e.strerror}); "
+                "set STRATA_MLX_HOME to a writable directory"
+            ) from None
         try:
             import fcntl
         except ImportError:  # no flock (Windows): the atomic rename alone guards the store

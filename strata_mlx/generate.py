@@ -16,6 +16,7 @@ import numpy as np
 
 from . import decode
 from .experts import ExpertStats
+from .options import OptionError, check_prompt_length, check_sampling
 
 
 @dataclass
@@ -36,8 +37,9 @@ class GenerationResponse:
 
 
 def make_sampler(temp: float = 0.0, top_p: float = 1.0) -> Callable[[mx.array], mx.array]:
-    """Greedy at temp 0; else temperature with optional nucleus (top-p) filtering."""
-    if temp <= 0:
+    """Greedy at temp 0 or top_p 0 (a nucleus of zero mass keeps the most likely token);
+    else temperature with optional nucleus (top-p) filtering."""
+    if temp <= 0 or top_p <= 0:
         return lambda logprobs: mx.argmax(logprobs, axis=-1)
 
     def sample(logprobs: mx.array) -> mx.array:
@@ -129,6 +131,7 @@ def stream_generate(
     stop: list[str] | None = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate from `prompt` (text, or token ids), yielding one response per token."""
+    check_sampling(max_tokens, temp, top_p, seed)
     if seed is not None:
         mx.random.seed(seed)
     if isinstance(prompt, str):
@@ -138,10 +141,11 @@ def stream_generate(
     else:
         ids = list(prompt)
     if not ids:
-        raise ValueError("empty prompt")
+        raise OptionError("empty prompt")
     vocab = model.args.vocab_size
     if any(not 0 <= i < vocab for i in ids):
-        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        raise OptionError(f"prompt token ids must lie in [0, {vocab})")
+    check_prompt_length(len(ids), getattr(model.args, "max_position_embeddings", None))
     eos = tokenizer.eos_token_ids if tokenizer is not None else set()
     detok = tokenizer.detokenizer() if tokenizer is not None else None
     expert_cache = getattr(model, "expert_cache", None)

@@ -16,12 +16,21 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .arena import Arena
-from .decode import MODES as DECODE_MODES
 from .decode import PipelinedDecoder
 from .experts import ExpertCache, SwitchGLU
 from .models.base import normalize_config
+from .options import check_runtime
 from .prediction import ReadAhead
-from .store import DENSE, StoreError, load_manifest, load_profile
+from .quant import check_layout
+from .store import (
+    AFFINE_BITS,
+    AFFINE_GROUP_SIZES,
+    DENSE,
+    JsonFields,
+    StoreError,
+    load_manifest,
+    load_profile,
+)
 from .tokenizer import load_tokenizer
 
 FAMILIES = {
@@ -132,18 +141,25 @@ def load(
         if not hasattr(cfg, k):
             raise TypeError(f"load() got an unknown option {k!r}")
         setattr(cfg, k, v)
+    check_runtime(cfg)
     path = Path(path)
     manifest = load_manifest(path)
-    fam = family(manifest.model_type, path / "manifest.json")
-    args = fam.ModelArgs.from_dict(normalize_config(manifest.config))
-    model = fam.Model(args)
+    source = path / "manifest.json"
+    fam = family(manifest.model_type, source)
+    args = fam.ModelArgs.from_dict(normalize_config(manifest.config), source, "config.")
+    try:
+        model = fam.Model(args)
+    except (ValueError, OverflowError) as e:  # a family's refusal, or a width MLX cannot index
+        raise StoreError(f"{source}: config: {str(e).splitlines()[0]}") from None
+    check_experts(manifest, model, args, source)
+    tokenizer = load_tokenizer(path)  # its files are checked before anything is allocated
 
     dense_path = path / DENSE
     try:
         weights = mx.load(str(dense_path))
     except Exception as e:  # mlx raises RuntimeError/ValueError with its own wording
         raise StoreError(f"{dense_path}: unreadable safetensors ({e})") from None
-    quant = manifest.config.get("quantization")
+    quant = check_quantization(manifest.config.get("quantization"), source)
     if quant:
 
         def predicate(p, m):
@@ -151,13 +167,19 @@ def load(
                 return quant[p]
             return hasattr(m, "to_quantized") and f"{p}.scales" in weights
 
-        nn.quantize(
-            model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=predicate
-        )
+        try:
+            nn.quantize(
+                model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=predicate
+            )
+        except ValueError as e:  # a layer whose width the group size does not divide
+            raise StoreError(f"{source}: config.quantization: {str(e).splitlines()[0]}") from None
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise StoreError(f"{dense_path}: {str(e).splitlines()[0]}") from None
+    bad = [k for k, v in weights.items() if v.dtype not in DENSE_DTYPES]
+    if bad:
+        raise StoreError(f"{dense_path}: {bad[0]} is {weights[bad[0]].dtype}, not a weight dtype")
     mx.eval(model.parameters())
 
     step = cfg.prefill_step_size or default_prefill_step()
@@ -190,12 +212,63 @@ def load(
     )
     attach(model, cache)
     model.expert_cache = cache
-    if cfg.decode not in DECODE_MODES:
-        raise ValueError(f"unknown decode mode {cfg.decode!r}; one of {DECODE_MODES}")
     model.decoder = PipelinedDecoder(model, cfg.decode_lag) if cfg.decode == "pipelined" else None
     model.runtime = cfg
     model.store_path = path
-    return model, load_tokenizer(path)
+    return model, tokenizer
+
+
+# What dense.safetensors may hold: float weights, and uint32 codes of quantized layers.
+DENSE_DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.uint32)
+
+
+def check_experts(manifest, model, args, source: Path) -> None:
+    """The manifest's expert tables against the model its config builds: the same MoE layers,
+    as many experts as the routers choose from, and record layouts of the model's width."""
+    blocks = sorted(model.moe_blocks())
+    if blocks != manifest.moe_layers:
+        raise StoreError(
+            f"{source}: experts.moe_layers {_brief(manifest.moe_layers)} are not the model's "
+            f"MoE layers {_brief(blocks)}"
+        )
+    n = getattr(args, "num_experts", None) or getattr(args, "num_local_experts", None)
+    if blocks and n != manifest.num_experts:
+        raise StoreError(f"{source}: experts.num_experts {manifest.num_experts}, config says {n}")
+    if manifest.layer_layouts is None:
+        check_layout(manifest.layout, args.hidden_size, f"{source}: experts")
+    else:
+        for layer, lay in zip(manifest.moe_layers, manifest.layer_layouts):
+            check_layout(lay, args.hidden_size, f"{source}: experts, layer {layer}")
+
+
+def check_quantization(quant, source: Path) -> dict | None:
+    """config.quantization (the dense layers'): group size and bits MLX accepts, globally and
+    per layer; None when the dense layers are not quantized."""
+    if quant is None or quant == {}:
+        return None
+    f = JsonFields(source)
+    f.dict(quant, "config.quantization", ("group_size", "bits"))
+    if quant.get("mode", "affine") != "affine":
+        f.fail("config.quantization.mode", f"{quant['mode']!r}; this build reads affine")
+    for key, spec in [("", quant)] + [
+        (f".{k}", v) for k, v in quant.items() if k not in ("group_size", "bits", "mode")
+    ]:
+        field = f"config.quantization{key}"
+        if not isinstance(spec, dict):
+            continue  # mlx-lm writes `path: false` for layers left unquantized
+        f.dict(spec, field, ("group_size", "bits"))
+        unknown = sorted(set(spec) - {"group_size", "bits", "mode"})
+        if key and unknown:
+            f.fail(field, f"unknown key {unknown[0]!r}")
+        for name, allowed in (("bits", AFFINE_BITS), ("group_size", AFFINE_GROUP_SIZES)):
+            f.int(spec[name], f"{field}.{name}")
+            if spec[name] not in allowed:
+                f.fail(f"{field}.{name}", f"{spec[name]} is not one of {allowed}")
+    return quant
+
+
+def _brief(xs: list[int]) -> str:
+    return str(xs) if len(xs) <= 8 else f"[{xs[0]}, {xs[1]}, ..., {xs[-1]}] ({len(xs)})"
 
 
 def attach(model, cache: ExpertCache) -> None:

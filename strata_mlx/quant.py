@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .store import PROJECTIONS, RecordLayout
+from .store import PROJECTIONS, RecordLayout, StoreError
 
 _MX_DTYPES = {
     "float32": mx.float32,
@@ -76,6 +76,67 @@ def layout_for(tensors: dict[str, mx.array], table: dict[str, dict]) -> RecordLa
     return RecordLayout.build(
         {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in tensors.items()}, table
     )
+
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def check_layout(layout: RecordLayout, hidden_size: int, where: str) -> None:
+    """A layout's components against its quant table and the model's width: gate and up
+    [I, D], down [D, I] with D = hidden_size, each component of the dtype and shape its format
+    needs. A StoreError naming `where` otherwise; nothing is computed from a layout that
+    fails here (a mismatch would surface as an MLX shape error mid-generation)."""
+    dims = {p: _logical_shape(layout, p, where) for p in PROJECTIONS}
+    inter = dims["gate_proj"][0]
+    want = {"gate_proj": (inter, hidden_size), "up_proj": (inter, hidden_size)}
+    want["down_proj"] = (hidden_size, inter)
+    for p in PROJECTIONS:
+        if dims[p] != want[p]:
+            raise StoreError(
+                f"{where}: {p} is {list(dims[p])} ([out, in]), the model needs {list(want[p])}"
+            )
+
+
+def _logical_shape(layout: RecordLayout, proj: str, where: str) -> tuple[int, int]:
+    """[out, in] of one projection's weight, from its components and format."""
+    comps = {c.name: c for c in layout.components}
+
+    def need(name: str, dtypes: tuple[str, ...], ndim: int = 2):
+        c = comps.get(f"{proj}.{name}")
+        if c is None:
+            raise StoreError(f"{where}: component {proj}.{name} missing")
+        if c.dtype not in dtypes or len(c.shape) != ndim:
+            raise StoreError(
+                f"{where}: component {proj}.{name} is {c.dtype} {c.shape}, "
+                f"expected {ndim} dimensions of {' or '.join(dtypes)}"
+            )
+        return c.shape
+
+    spec = layout.quant[proj]
+    fmt = spec["format"]
+    if fmt == "float":
+        return tuple(need("weight", FLOAT_DTYPES))
+    if fmt == "affine":
+        bits, gs = spec["bits"], spec["group_size"]
+        out, packed = need("weight", ("uint32",))
+        inp = packed * 32 // bits
+        if packed * 32 % bits or inp % gs:
+            raise StoreError(f"{where}: {proj}.weight width {packed} fits no {bits}-bit group {gs}")
+        for name in ("scales", "biases"):
+            if list(need(name, FLOAT_DTYPES)) != [out, inp // gs]:
+                raise StoreError(f"{where}: {proj}.{name} is not [{out}, {inp // gs}]")
+        return out, inp
+    from .gguf_quants import FORMATS
+
+    f = FORMATS[spec["type"]]
+    out, row_bytes = need("weight", ("uint8",))
+    inp = spec["in_features"]
+    if row_bytes != inp // f.block_size * f.type_size:
+        raise StoreError(
+            f"{where}: {proj}.weight rows of {row_bytes} bytes, {f.name} x {inp} needs "
+            f"{inp // f.block_size * f.type_size}"
+        )
+    return out, inp
 
 
 def component_views(records: mx.array, layout: RecordLayout) -> dict[str, mx.array]:

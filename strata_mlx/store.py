@@ -15,7 +15,9 @@ talks to the arena; readers get byte ranges and layouts from here and nothing el
 
 from __future__ import annotations
 
+import glob
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -187,85 +189,235 @@ class Manifest:
         }
 
 
+MAX_MANIFEST_BYTES = 1 << 30  # a 48-layer x 512-expert manifest is ~0.6 MB
+MAX_INT = (1 << 63) - 1  # offsets, sizes: what a C off_t / numpy int64 holds
+QUANT_FORMATS = ("float", "affine", "gguf")
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize / gather_qmm accept (bits 0 dies of SIGFPE)
+AFFINE_GROUP_SIZES = (32, 64, 128)
+COMPONENT_DTYPES = ("float32", "float16", "bfloat16", "uint32", "uint8")
+
+
+class JsonFields:
+    """Typed reads of a parsed JSON file: every failure is a StoreError naming the file and
+    the field (e.g. `experts.offsets[3][7]`), never a TypeError from deep inside the runtime."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def fail(self, field: str, msg: str):
+        raise StoreError(f"{self.path}: {field}: {msg}")
+
+    def int(self, v: Any, field: str, lo: int = 0, hi: int = MAX_INT) -> int:
+        if not isinstance(v, int) or isinstance(v, bool):
+            self.fail(field, f"expected an integer, got {_short(v)}")
+        if not lo <= v <= hi:
+            self.fail(field, f"{v} outside [{lo}, {hi}]")
+        return v
+
+    def str(self, v: Any, field: str, choices: tuple[str, ...] | None = None) -> str:
+        if not isinstance(v, str):
+            self.fail(field, f"expected a string, got {_short(v)}")
+        if choices is not None and v not in choices:
+            self.fail(field, f"{v!r} is not one of {', '.join(choices)}")
+        return v
+
+    def list(self, v: Any, field: str, n: int | None = None) -> list:
+        if not isinstance(v, list):
+            self.fail(field, f"expected a list, got {_short(v)}")
+        if n is not None and len(v) != n:
+            self.fail(field, f"{len(v)} entries, expected {n}")
+        return v
+
+    def dict(self, v: Any, field: str, keys: tuple[str, ...] = ()) -> dict:
+        if not isinstance(v, dict):
+            self.fail(field, f"expected an object, got {_short(v)}")
+        for k in keys:
+            if k not in v:
+                self.fail(f"{field}.{k}", "missing")
+        return v
+
+    def ints(self, v: Any, field: str, n: int, lo: int = 0, hi: int = MAX_INT) -> list[int]:
+        v = self.list(v, field, n)
+        for i, x in enumerate(v):
+            if not isinstance(x, int) or isinstance(x, bool) or not lo <= x <= hi:
+                self.int(x, f"{field}[{i}]", lo, hi)
+        return v
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return f"{type(v).__name__} {r if len(r) <= 40 else r[:37] + '...'}"
+
+
+def read_json(path: Path, what: str = "JSON") -> Any:
+    """A JSON file's contents, or a one-line StoreError naming it."""
+    try:
+        if path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise StoreError(f"{path}: {path.stat().st_size} bytes; not a {what} file")
+        return json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise StoreError(f"{path}: unreadable {what} ({msg})") from None
+
+
 def load_manifest(store: str | Path) -> Manifest:
-    """Read and validate a store's manifest against the files beside it."""
+    """Read and validate a store's manifest against the files beside it: every field's type
+    and range, before anything is allocated or computed."""
     store = Path(store)
     path = store / MANIFEST
     if not store.is_dir():
         raise StoreError(f"{store}: not a directory (expected a strata-mlx store)")
     if not path.is_file():
         raise StoreError(f"{path}: missing (not a strata-mlx store; convert the model first)")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise StoreError(f"{path}: unreadable JSON ({e})") from None
-    if raw.get("format") != FORMAT_NAME:
+    raw = read_json(path)
+    f = JsonFields(path)
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise StoreError(f"{path}: not a strata-mlx manifest")
-    if raw.get("version") != FORMAT_VERSION:
-        raise StoreError(
-            f"{path}: store version {raw.get('version')}, this build reads {FORMAT_VERSION}"
-        )
-    try:
-        ex = raw["experts"]
-        comps = [Component(**c) for c in ex["components"]]
-        rb = int(ex["record_bytes"])
-        layout = RecordLayout(comps, ex["quant"], rb)
-        layer_layouts = None
-        if "layouts" in ex:
-            distinct = [
-                RecordLayout([Component(**c) for c in j["components"]], j["quant"], rb)
-                for j in ex["layouts"]
-            ]
-            layer_layouts = [distinct[int(i)] for i in ex["layer_layout"]]
-        m = Manifest(
-            model_type=raw["model_type"],
-            config=raw["config"],
-            layout=layout,
-            moe_layers=[int(x) for x in ex["moe_layers"]],
-            num_experts=int(ex["num_experts"]),
-            offsets=ex["offsets"],
-            crc32=ex["crc32"],
-            version=raw["version"],
-            extra=raw.get("extra", {}),
-            layer_layouts=layer_layouts,
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise StoreError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
+    version = raw.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version != FORMAT_VERSION:
+        raise StoreError(f"{path}: store version {version!r}, this build reads {FORMAT_VERSION}")
+    f.dict(raw, "manifest", ("model_type", "config", "experts"))
+    model_type = f.str(raw["model_type"], "model_type")
+    config = f.dict(raw["config"], "config")
+    extra = f.dict(raw.get("extra", {}), "extra")
+    ex = f.dict(
+        raw["experts"],
+        "experts",
+        ("record_bytes", "num_experts", "moe_layers", "quant", "components", "offsets", "crc32"),
+    )
+    if ex.get("file", EXPERTS) != EXPERTS:
+        f.fail("experts.file", f"{_short(ex['file'])}; this build reads {EXPERTS}")
+    if ex.get("alignment", ALIGNMENT) != ALIGNMENT:
+        f.fail("experts.alignment", f"{_short(ex['alignment'])}; this build reads {ALIGNMENT}")
+    rb = f.int(ex["record_bytes"], "experts.record_bytes", ALIGNMENT)
+    if rb % ALIGNMENT:
+        f.fail("experts.record_bytes", f"{rb} is not a multiple of {ALIGNMENT}")
+    num_experts = f.int(ex["num_experts"], "experts.num_experts", 0, 1 << 20)
+    moe_layers = f.list(ex["moe_layers"], "experts.moe_layers")
+    f.ints(moe_layers, "experts.moe_layers", len(moe_layers), 0, 1 << 20)
+    if any(b <= a for a, b in zip(moe_layers, moe_layers[1:])):
+        f.fail("experts.moe_layers", "not strictly increasing")
+    if moe_layers and not num_experts:
+        f.fail("experts.num_experts", "0, but the store has MoE layers")
+    n_layers = len(moe_layers)
+    layout = _read_layout(f, ex, "experts", rb)
+    layer_layouts = None
+    if "layouts" in ex or "layer_layout" in ex:
+        distinct = [
+            _read_layout(f, j, f"experts.layouts[{i}]", rb)
+            for i, j in enumerate(f.list(ex.get("layouts"), "experts.layouts"))
+        ]
+        index = f.ints(ex.get("layer_layout"), "experts.layer_layout", n_layers)
+        for i, j in enumerate(index):
+            f.int(j, f"experts.layer_layout[{i}]", 0, len(distinct) - 1)
+        layer_layouts = [distinct[j] for j in index]
+        if layer_layouts and layer_layouts[0] != layout:
+            f.fail("experts.layer_layout", "layer 0's layout differs from experts.components")
+    offsets = f.list(ex["offsets"], "experts.offsets", n_layers)
+    crc32 = f.list(ex["crc32"], "experts.crc32", n_layers)
+    for pos in range(n_layers):
+        f.ints(offsets[pos], f"experts.offsets[{pos}]", num_experts)
+        f.ints(crc32[pos], f"experts.crc32[{pos}]", num_experts, 0, 0xFFFFFFFF)
+    m = Manifest(
+        model_type=model_type,
+        config=config,
+        layout=layout,
+        moe_layers=list(moe_layers),
+        num_experts=num_experts,
+        offsets=offsets,
+        crc32=crc32,
+        version=version,
+        extra=extra,
+        layer_layouts=layer_layouts,
+    )
     _validate(m, store)
     return m
 
 
+def _read_layout(f: JsonFields, j: Any, field: str, record_bytes: int) -> RecordLayout:
+    """A record layout (`components` and `quant`) checked for types, ranges and overlaps."""
+    j = f.dict(j, field, ("components", "quant"))
+    comps = []
+    for i, c in enumerate(f.list(j["components"], f"{field}.components")):
+        cf = f"{field}.components[{i}]"
+        c = f.dict(c, cf, ("name", "dtype", "shape", "offset", "nbytes"))
+        unknown = sorted(set(c) - {"name", "dtype", "shape", "offset", "nbytes"})
+        if unknown:
+            f.fail(cf, f"unknown key {unknown[0]!r}")
+        name = f.str(c["name"], f"{cf}.name")
+        dtype = f.str(c["dtype"], f"{cf}.dtype", COMPONENT_DTYPES)
+        shape = f.list(c["shape"], f"{cf}.shape")
+        if not 1 <= len(shape) <= 4:
+            f.fail(f"{cf}.shape", f"{len(shape)} dimensions, expected 1 to 4")
+        f.ints(shape, f"{cf}.shape", len(shape), 1, record_bytes)
+        offset = f.int(c["offset"], f"{cf}.offset", 0, record_bytes)
+        nbytes = f.int(c["nbytes"], f"{cf}.nbytes", 1, record_bytes)
+        if offset % _itemsize(dtype):
+            f.fail(f"{cf}.offset", f"{offset} is not a multiple of the {dtype} item size")
+        comps.append(Component(name, dtype, list(shape), offset, nbytes))
+    names = [c.name for c in comps]
+    if len(set(names)) != len(names):
+        f.fail(f"{field}.components", "duplicate component names")
+    for a, b in zip(
+        sorted(comps, key=lambda c: c.offset), sorted(comps, key=lambda c: c.offset)[1:]
+    ):
+        if a.offset + a.nbytes > b.offset:
+            f.fail(f"{field}.components", f"{a.name} and {b.name} overlap")
+    quant = f.dict(j["quant"], f"{field}.quant", PROJECTIONS)
+    for p in PROJECTIONS:
+        _read_quant(f, quant[p], f"{field}.quant.{p}")
+    return RecordLayout(comps, quant, record_bytes)
+
+
+def _read_quant(f: JsonFields, spec: Any, field: str) -> None:
+    spec = f.dict(spec, field, ("format",))
+    fmt = f.str(spec["format"], f"{field}.format", QUANT_FORMATS)
+    if fmt == "affine":
+        f.dict(spec, field, ("bits", "group_size"))
+        f.int(spec["bits"], f"{field}.bits", 0)
+        if spec["bits"] not in AFFINE_BITS:
+            f.fail(f"{field}.bits", f"{spec['bits']} is not one of {AFFINE_BITS}")
+        f.int(spec["group_size"], f"{field}.group_size", 0)
+        if spec["group_size"] not in AFFINE_GROUP_SIZES:
+            f.fail(
+                f"{field}.group_size", f"{spec['group_size']} is not one of {AFFINE_GROUP_SIZES}"
+            )
+    elif fmt == "gguf":
+        from .gguf_quants import FORMATS
+
+        f.dict(spec, field, ("type", "in_features"))
+        f.str(spec["type"], f"{field}.type", tuple(sorted(FORMATS)))
+        block = FORMATS[spec["type"]].block_size
+        n = f.int(spec["in_features"], f"{field}.in_features", block, 1 << 24)
+        if n % block:
+            f.fail(f"{field}.in_features", f"{n} is not a multiple of the block size {block}")
+
+
 def _validate(m: Manifest, store: Path) -> None:
+    """The parts that are checked against each other and against the files."""
     path = store / MANIFEST
     rb = m.layout.record_bytes
-    if rb <= 0 or rb % ALIGNMENT:
-        raise StoreError(f"{path}: record_bytes {rb} is not a positive multiple of {ALIGNMENT}")
-    n_layers = len(m.moe_layers)
-    if m.layer_layouts is not None and len(m.layer_layouts) != n_layers:
-        raise StoreError(f"{path}: layer_layout covers {len(m.layer_layouts)} of {n_layers} layers")
     for lay in m.layouts:
         for c in lay.components:
-            if c.offset < 0 or c.offset + c.nbytes > rb:
+            if c.offset + c.nbytes > rb:
                 raise StoreError(
                     f"{path}: component {c.name} [{c.offset}, +{c.nbytes}) outside the record"
                 )
-            if int(np.prod(c.shape)) * _itemsize(c.dtype) != c.nbytes:
+            if math.prod(c.shape) * _itemsize(c.dtype) != c.nbytes:
                 raise StoreError(
                     f"{path}: component {c.name} shape {c.shape} does not match {c.nbytes} bytes"
                 )
-    if len(m.offsets) != n_layers or len(m.crc32) != n_layers:
-        raise StoreError(f"{path}: offsets/crc32 tables do not cover {n_layers} MoE layers")
     experts_path = store / EXPERTS
-    if n_layers and not experts_path.is_file():
+    if m.moe_layers and not experts_path.is_file():
         raise StoreError(f"{experts_path}: missing")
-    size = experts_path.stat().st_size if n_layers else 0
+    size = experts_path.stat().st_size if experts_path.is_file() else 0
+    if rb > max(size, ALIGNMENT):
+        raise StoreError(
+            f"{path}: experts.record_bytes {rb} is larger than {experts_path} ({size} bytes)"
+        )
     for pos, row in enumerate(m.offsets):
-        if len(row) != m.num_experts or len(m.crc32[pos]) != m.num_experts:
-            raise StoreError(
-                f"{path}: layer {m.moe_layers[pos]} lists {len(row)} experts, expected {m.num_experts}"
-            )
         for e, off in enumerate(row):
-            if off % ALIGNMENT or off < 0 or off + rb > size:
+            if off % ALIGNMENT or off + rb > size:
                 raise StoreError(
                     f"{experts_path}: record of layer {m.moe_layers[pos]} expert {e} at {off} "
                     f"(+{rb}) lies outside the file ({size} bytes) or is unaligned; truncated store?"
@@ -279,15 +431,12 @@ def load_profile(store: str | Path, m: Manifest) -> np.ndarray | None:
     path = Path(store) / PROFILE
     if not path.is_file():
         return None
-    try:
-        counts = np.asarray(json.loads(path.read_text())["counts"], dtype=np.int64)
-    except (OSError, ValueError, KeyError) as e:
-        raise StoreError(f"{path}: unreadable profile ({e})") from None
-    if counts.shape != (len(m.moe_layers), m.num_experts):
-        raise StoreError(
-            f"{path}: counts shape {counts.shape}, expected {(len(m.moe_layers), m.num_experts)}"
-        )
-    return counts
+    f = JsonFields(path)
+    raw = f.dict(read_json(path, "profile"), "profile", ("counts",))
+    rows = f.list(raw["counts"], "counts", len(m.moe_layers))
+    for pos, row in enumerate(rows):
+        f.ints(row, f"counts[{pos}]", m.num_experts)
+    return np.array(rows, dtype=np.int64).reshape(len(m.moe_layers), m.num_experts)
 
 
 def save_profile(store: str | Path, counts: np.ndarray, tokens: int, source: str) -> None:
@@ -345,8 +494,15 @@ class StoreWriter:
         ):
             raise ValueError("every layer's records must be the same size (pad them)")
         self.out = Path(out)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", dir=self.out.parent))
+        remove_dead_temps(self.out)
+        self.tmp = _make_temp(self.out)
+        try:
+            self._start(model_type, config, layout, moe_layers, num_experts, layer_layouts)
+        except BaseException:  # SIGTERM (SystemExit) or a full disk before __enter__
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+
+    def _start(self, model_type, config, layout, moe_layers, num_experts, layer_layouts):
         self.manifest = Manifest(
             model_type,
             config,
@@ -357,7 +513,8 @@ class StoreWriter:
             crc32=[[0] * num_experts for _ in moe_layers],
             layer_layouts=layer_layouts,
         )
-        self._f = open(self.tmp / EXPERTS, "wb")
+        with _writing(self.out):
+            self._f = open(self.tmp / EXPERTS, "wb")
         self._pos = 0
 
     @property
@@ -386,7 +543,15 @@ class StoreWriter:
     def write_dense(self, weights: dict[str, Any], metadata: dict[str, str] | None = None) -> None:
         import mlx.core as mx
 
-        mx.save_safetensors(str(self.tmp / DENSE), weights, metadata=metadata or {"format": "mlx"})
+        try:
+            mx.save_safetensors(
+                str(self.tmp / DENSE), weights, metadata=metadata or {"format": "mlx"}
+            )
+        except RuntimeError as e:  # MLX's "[write] Unable to write N bytes to file."
+            raise StoreError(
+                f"{self.out}: cannot write the store ({e}); is the disk full?"
+            ) from None
+        _check_safetensors_written(self.out, self.tmp / DENSE, weights)
 
     def finalize(self) -> Path:
         """Write the manifest into the temporary directory (loadable there, not yet in place)."""
@@ -405,19 +570,31 @@ class StoreWriter:
         return self.tmp
 
     def commit(self) -> Path:
-        """Move the finished store into place."""
+        """Move the finished store into place. An existing store at `out` is kept until the
+        new one is complete: it is moved into the temporary directory, the temporary directory
+        is renamed to `out`, and only then is the old one deleted. A process killed between
+        the renames leaves a temporary directory whose dead owner the next conversion finds
+        (remove_dead_temps), and the old store is put back."""
         if not (self.tmp / MANIFEST).is_file():
             self.finalize()
-        os.chmod(self.tmp, 0o755)  # mkdtemp made it private
-        if self.out.exists():
-            shutil.rmtree(self.out)
-        os.replace(self.tmp, self.out)
+        with _writing(self.out):
+            os.chmod(self.tmp, 0o755)  # mkdtemp made it private
+            if self.out.is_symlink() or self.out.is_file():
+                raise StoreError(f"{self.out}: not a directory; refusing to replace it")
+            if self.out.exists():
+                os.replace(self.out, self.tmp / REPLACED)
+            os.replace(self.tmp, self.out)
+            _finish_replacement(self.out)
         return self.out
 
     def abort(self) -> None:
         try:
             self._f.close()
+        except OSError:
+            pass  # flushing what a full disk refused fails again; the directory goes anyway
         finally:
+            if (self.tmp / REPLACED).is_dir() and not self.out.exists():
+                os.replace(self.tmp / REPLACED, self.out)  # commit() failed between renames
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> StoreWriter:
@@ -426,3 +603,154 @@ class StoreWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
+            if issubclass(exc_type, OSError):  # a full disk, a read-only filesystem
+                raise StoreError(
+                    f"{self.out}: cannot write the store ({_os_reason(exc)})"
+                ) from None
+
+
+# ---- writing safely ---------------------------------------------------------------------
+# A conversion writes into `.{name}.{pid}-{start}-{host}.XXXXXXXX` beside its output: the
+# name says who owns it (pid, the kernel's start time of that process, a hash of the host
+# name) from the moment it exists, so a process killed at any point leaves nothing that the
+# next conversion into the same output cannot recognise as dead and remove. The same owner
+# goes into OWNER inside it, which stays with the store between commit()'s renames; a
+# replacement killed there is undone or finished by the next run.
+
+OWNER = ".strata-owner.json"
+REPLACED = ".replaced"  # the old store, inside the temporary directory during commit()
+
+
+def _process_start(pid: int) -> str | None:
+    """The kernel's start time of `pid` (Linux /proc): tells a reused pid from its owner."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    return fields[19] if len(fields) > 19 else None  # field 22, starttime
+
+
+def _host_tag() -> str:
+    import socket
+    import zlib
+
+    return f"{zlib.crc32(socket.gethostname().encode()):08x}"
+
+
+def _owner_tag() -> str:
+    return f"{os.getpid()}-{_process_start(os.getpid()) or 0}-{_host_tag()}"
+
+
+def _alive(pid: int, start: str | None, host: str) -> bool:
+    """Whether process `pid` (started at `start`, on host tag `host`) still runs; True when
+    unsure (a conversion on another machine sharing this drive)."""
+    if host != _host_tag():
+        return True
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    now = _process_start(pid)
+    return start is None or now is None or now == start
+
+
+def _temp_owner(d: Path, out: Path) -> tuple[int, str | None, str] | None:
+    """(pid, start, host) from a temporary directory's name, or None: not one of ours."""
+    import re
+
+    m = re.match(r"(\d+)-(\d+)-([0-9a-f]{8})\.[^.]+$", d.name[len(out.name) + 2 :])
+    return (int(m[1]), None if m[2] == "0" else m[2], m[3]) if m else None
+
+
+def _stamp_alive(d: Path) -> bool:
+    try:
+        owner = json.loads((d / OWNER).read_text())
+        pid, start, host = int(owner["pid"]), owner.get("start"), str(owner["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+    return _alive(pid, start, host)
+
+
+def remove_dead_temps(out: str | Path) -> list[Path]:
+    """Clean up after conversions into `out` that died: their temporary directories are
+    removed, and an old store that a dead replacement had moved aside is put back."""
+    out = Path(out)
+    removed = []
+    try:
+        found = [d for d in out.parent.glob(f".{glob.escape(out.name)}.*") if d.is_dir()]
+    except OSError:
+        return removed
+    for d in found:
+        owner = _temp_owner(d, out)
+        if owner is None or _alive(*owner):
+            continue
+        try:
+            if (d / REPLACED).is_dir() and not out.exists():
+                os.replace(d / REPLACED, out)  # killed between commit()'s two renames
+            shutil.rmtree(d)
+            removed.append(d)
+        except OSError:
+            pass  # not ours to fix (a read-only drive); the conversion itself will say
+    if (out / OWNER).is_file() and not _stamp_alive(out):
+        _finish_replacement(out)  # killed after the renames, before deleting the old store
+    return removed
+
+
+def _finish_replacement(out: Path) -> None:
+    shutil.rmtree(out / REPLACED, ignore_errors=True)
+    (out / OWNER).unlink(missing_ok=True)
+
+
+def _make_temp(out: Path) -> Path:
+    with _writing(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{_owner_tag()}.", dir=out.parent))
+        stamp = {"pid": os.getpid(), "host": _host_tag(), "start": _process_start(os.getpid())}
+        try:
+            (tmp / OWNER).write_text(json.dumps(stamp))
+        except BaseException:  # SIGTERM or a full disk this early: nothing to keep
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return tmp
+
+
+class _writing:
+    """OSError (read-only filesystem, full disk, no permission) -> one-line StoreError."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and issubclass(exc_type, OSError):
+            raise StoreError(f"{self.out}: cannot write the store ({_os_reason(exc)})") from None
+
+
+def _os_reason(e: OSError) -> str:
+    where = f": {e.filename}" if getattr(e, "filename", None) else ""
+    return f"{e.strerror or e}{where}"
+
+
+def _check_safetensors_written(out: Path, path: Path, weights: dict[str, Any]) -> None:
+    """MLX's save_safetensors does not always report a full disk (measured: writing to
+    /dev/full returns normally): check that the file holds every byte."""
+    want = sum(int(v.nbytes) for v in weights.values())
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise StoreError(f"{out}: cannot write the store ({_os_reason(e)})") from None
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if n < 0 or size < 8 + n + want:
+        raise StoreError(
+            f"{out}: {path.name} written short ({size} of at least {8 + max(n, 0) + want} "
+            "bytes); is the disk full?"
+        )

@@ -5,8 +5,9 @@ Owns text <-> ids and incremental detokenization for streaming. Never touches th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from .store import StoreError, read_json
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -17,29 +18,62 @@ TOKENIZER_FILES = (
 )
 
 
+class ChatTemplateError(ValueError):
+    """The chat template refused the messages (its own raise_exception); one line."""
+
+
 class Tokenizer:
+    """Every file is checked when the tokenizer is loaded (and the chat template compiled),
+    so a bad file is a StoreError naming it before any model work, not a failure mid-request."""
+
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as HFTokenizer
 
         path = Path(path)
-        self._tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        tj = path / "tokenizer.json"
+        try:
+            self._tok = HFTokenizer.from_file(str(tj))
+        except Exception as e:  # tokenizers raises a bare Exception with serde's message
+            raise StoreError(f"{tj}: unreadable tokenizer ({_first_line(e)})") from None
         cfg_path = path / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.config = _json_object(cfg_path) if cfg_path.is_file() else {}
         template = path / "chat_template.jinja"
-        self.chat_template = (
-            template.read_text() if template.is_file() else self.config.get("chat_template")
-        )
-        self.bos_token = _token_str(self.config.get("bos_token"))
-        self.eos_token = _token_str(self.config.get("eos_token"))
+        if template.is_file():
+            try:
+                self.chat_template = template.read_text()
+            except (OSError, ValueError) as e:
+                raise StoreError(f"{template}: unreadable ({_first_line(e)})") from None
+            self._template_source = str(template)
+        else:
+            self.chat_template = _template_text(self.config.get("chat_template"), cfg_path)
+            self._template_source = f"{cfg_path}: chat_template"
+        self._template = self._compile() if self.chat_template else None
+        self.bos_token = _token_str(self.config.get("bos_token"), cfg_path, "bos_token")
+        self.eos_token = _token_str(self.config.get("eos_token"), cfg_path, "eos_token")
         self.eos_token_ids: set[int] = set()
         if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
             self.eos_token_ids.add(self._tok.token_to_id(self.eos_token))
         gen = path / "generation_config.json"
         if gen.is_file():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            self.eos_token_ids.update(
-                eos if isinstance(eos, list) else [eos] if eos is not None else []
-            )
+            eos = _json_object(gen).get("eos_token_id")
+            ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+            for i in ids:
+                if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+                    raise StoreError(f"{gen}: eos_token_id: expected token ids, got {eos!r:.40}")
+            self.eos_token_ids.update(ids)
+
+    def _compile(self):
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        try:
+            return env.from_string(self.chat_template)
+        except TemplateError as e:
+            raise StoreError(
+                f"{self._template_source}: bad chat template ({_first_line(e)})"
+            ) from None
 
     @property
     def vocab_size(self) -> int:
@@ -56,16 +90,20 @@ class Tokenizer:
             # No template: plain "role: content" lines, then the assistant's turn.
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             return text + ("assistant: " if add_generation_prompt else "")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        return env.from_string(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        try:
+            text = self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # a template bug (UndefinedError, TypeError, ...) at render time
+            raise StoreError(
+                f"{self._template_source}: the chat template failed ({_first_line(e)})"
+            ) from None
+        return text
 
     def detokenizer(self) -> StreamingDetokenizer:
         return StreamingDetokenizer(self)
@@ -93,14 +131,38 @@ class StreamingDetokenizer:
         return self._t.decode(self.tokens)
 
 
-def _token_str(t) -> str | None:
+def _token_str(t, path: Path, field: str) -> str | None:
     if isinstance(t, dict):
-        return t.get("content")
+        t = t.get("content")
+    if t is not None and not isinstance(t, str):
+        raise StoreError(f"{path}: {field}: expected a string, got {type(t).__name__}")
     return t
 
 
+def _template_text(t, path: Path) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or Hugging Face's list of named
+    templates (the one named "default")."""
+    if isinstance(t, list):
+        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+        t = named.get("default")
+    if t is not None and not isinstance(t, str):
+        raise StoreError(f"{path}: chat_template: expected a string, got {type(t).__name__}")
+    return t
+
+
+def _json_object(path: Path) -> dict:
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise StoreError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def _raise(msg: str):
-    raise ValueError(msg)
+    raise ChatTemplateError(str(msg).splitlines()[0] if str(msg) else "the chat template refused")
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer | None:

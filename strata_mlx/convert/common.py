@@ -1,18 +1,31 @@
 """What every converter shares: output checks, the calibration pass, tokenizer copying.
 
 A converter writes into a StoreWriter (a temporary directory), runs calibration on the
-finished temporary store, and only then renames it into place.
+finished temporary store, and only then renames it into place. It never writes over its
+source, the directory it runs from, or an existing store without `overwrite`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import os
 import shutil
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from ..store import MANIFEST, StoreError, StoreWriter, save_profile
+from ..store import (
+    DENSE,
+    EXPERTS,
+    MANIFEST,
+    PROFILE,
+    StoreError,
+    StoreWriter,
+    remove_dead_temps,
+    save_profile,
+)
 from ..tokenizer import TOKENIZER_FILES
 
 # Plain English prose for the routing profile when the store has a tokenizer.
@@ -30,13 +43,75 @@ CALIBRATION_TEXT = (
 )
 
 
-def check_output(out: str | Path) -> Path:
-    """Refuse to replace a directory that is not a strata-mlx store."""
+# Whether a conversion may replace an existing store: converters take `overwrite=`; the CLI's
+# --overwrite also reaches converters that do not (yet) take it, through this variable.
+_OVERWRITE: contextvars.ContextVar[bool] = contextvars.ContextVar("overwrite", default=False)
+
+
+@contextlib.contextmanager
+def overwriting(allowed: bool = True):
+    """Within this block, check_output() lets a conversion replace an existing store."""
+    token = _OVERWRITE.set(allowed)
+    try:
+        yield
+    finally:
+        _OVERWRITE.reset(token)
+
+
+def store_files() -> set[str]:
+    """Names a store directory may hold; anything else is a user's and blocks replacing it."""
+    import strata_mlx.store as store
+
+    names = {MANIFEST, DENSE, EXPERTS, PROFILE, *TOKENIZER_FILES, store.OWNER}
+    return names | {getattr(store, "VERIFIED", ".verified.json")}
+
+
+def check_output(out: str | Path, *sources: str | Path, overwrite: bool | None = None) -> Path:
+    """Where a conversion may write, checked before it reads anything. Refused: the source
+    itself, a directory holding the source or the current directory (replacing it would
+    delete them), and anything that is not a strata-mlx store. An existing store is replaced
+    only with `overwrite` (default: the `overwriting()` setting, off), and only if it holds
+    nothing but store files. Temporary directories of dead conversions into `out` go first."""
     out = Path(out)
-    if out.exists() and (
-        not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())
-    ):
+    if overwrite is None:
+        overwrite = _OVERWRITE.get()
+    remove_dead_temps(out)
+    real = out.resolve()
+    for src in sources:
+        s = Path(src).resolve()
+        if s == real:
+            raise StoreError(f"{out}: is the source; write the store somewhere else")
+        if real in s.parents:
+            raise StoreError(f"{out}: holds the source {src}; write the store somewhere else")
+    cwd = Path.cwd().resolve()
+    if cwd == real or real in cwd.parents:
+        raise StoreError(
+            f"{out}: is the directory this command runs in (or holds it); "
+            "run it from elsewhere or write the store somewhere else"
+        )
+    parent = next(p for p in [real, *real.parents] if p.exists())
+    if not os.access(parent, os.W_OK):  # EROFS even for root, before any work is done
+        raise StoreError(f"{out}: cannot write the store ({parent} is not writable)")
+    if not out.exists() and not out.is_symlink():
+        return out
+    if not out.is_dir() or out.is_symlink():
+        raise StoreError(f"{out}: exists and is not a directory; refusing to overwrite it")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return out
+    if not (out / MANIFEST).is_file():
         raise StoreError(f"{out}: exists and is not a strata-mlx store; refusing to overwrite it")
+    if not overwrite:
+        raise StoreError(
+            f"{out}: a store already exists; pass --overwrite to replace it "
+            "(the old one is kept until the new one is complete)"
+        )
+    foreign = [n for n in entries if n not in store_files()]
+    if foreign:
+        raise StoreError(
+            f"{out}: holds {foreign[0]!r}, which is not a store file; "
+            "refusing to delete it with the old store (move it first)"
+        )
     return out
 
 
@@ -63,6 +138,12 @@ def calibrate(
     try:
         if tok is not None:
             ids = tok.encode(CALIBRATION_TEXT)
+            if not ids or max(ids) >= model.args.vocab_size:
+                raise StoreError(
+                    f"{path / 'tokenizer.json'}: the calibration text encodes to "
+                    f"{'no tokens' if not ids else f'id {max(ids)}'}, outside the model's "
+                    f"vocabulary of {model.args.vocab_size}"
+                )
             while len(ids) < tokens:
                 ids = ids + ids
             ids = ids[:tokens]

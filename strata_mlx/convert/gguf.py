@@ -64,6 +64,8 @@ GGUF_PROJ = {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_dow
 AFFINE_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 GROUP = 32
+MAX_DIM = 1 << 24  # any width, head count or layer count read from a header
+MAX_LAYERS = 1 << 12
 
 # Extra prose for fitting the routers (with the shared calibration text: ~770 SmolLM2 tokens).
 ROUTER_TEXT = (
@@ -111,15 +113,18 @@ class _Gguf:
 
         if not path.is_file():
             raise StoreError(f"{path}: no such file")
+        check_header(path)
         try:
             self.reader = GGUFReader(str(path))
+        except MemoryError:
+            raise  # a header that slipped past check_header: a bug of ours, not the file's
         except Exception as e:  # gguf-py raises ValueError/struct.error/IndexError
             raise StoreError(
                 f"{path}: not a readable GGUF file ({type(e).__name__}: {e})"
             ) from None
         self.path = path
         self.tensors = {t.name: t for t in self.reader.tensors}
-        self.arch = self.get("general.architecture")
+        self.arch = self.str("general.architecture")
         if self.arch is None:
             raise StoreError(f"{path}: GGUF metadata has no general.architecture")
 
@@ -127,7 +132,10 @@ class _Gguf:
         f = self.reader.fields.get(key)
         if f is None:
             return default
-        return f.contents()
+        try:
+            return f.contents()
+        except (ValueError, IndexError) as e:  # bad UTF-8, a value cut short
+            raise StoreError(f"{self.path}: metadata {key}: unreadable ({e})") from None
 
     def need(self, key: str):
         v = self.get(key)
@@ -135,11 +143,116 @@ class _Gguf:
             raise StoreError(f"{self.path}: GGUF metadata lacks {key}")
         return v
 
-    def tensor(self, name: str):
+    def fail(self, key: str, msg: str):
+        raise StoreError(f"{self.path}: metadata {key}: {msg}")
+
+    def int(self, key: str, default: int | None = None, lo: int = 1, hi: int = MAX_DIM) -> int:
+        """An integer field in [lo, hi] (needed when `default` is None)."""
+        v = self.need(key) if default is None else self.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool):
+            self.fail(key, f"expected an integer, got {type(v).__name__} {v!r:.40}")
+        if not lo <= v <= hi:
+            self.fail(key, f"{v} outside [{lo}, {hi}]")
+        return v
+
+    def float(self, key: str, default: float | None = None) -> float:
+        """A finite number > 0 (epsilons, rope bases and factors)."""
+        v = self.need(key) if default is None else self.get(key, default)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
+            self.fail(key, f"expected a number > 0, got {type(v).__name__} {v!r:.40}")
+        return float(v)
+
+    def str(self, key: str, default: str | None = None) -> str | None:
+        v = self.get(key, default)
+        if v is not None and not isinstance(v, str):
+            self.fail(key, f"expected a string, got {type(v).__name__}")
+        return v
+
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None):
+        """Tensor `name`; with `shape` ([rows, cols] order, as numpy), checked against it."""
         t = self.tensors.get(name)
         if t is None:
             raise StoreError(f"{self.path}: tensor {name} not found")
+        if shape is not None:
+            have = tuple(int(x) for x in reversed(t.shape))
+            if have != tuple(shape):
+                raise StoreError(
+                    f"{self.path}: tensor {name} is {list(have)}, the metadata implies {list(shape)}"
+                )
         return t
+
+
+# GGUF value types (gguf-py's GGUFValueType): scalar sizes in bytes, then STRING and ARRAY.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def check_header(path: Path) -> None:
+    """Walk a GGUF header (metadata and tensor infos) checking every count and length against
+    the bytes left in the file, before gguf-py parses it: gguf-py reads an array item by item
+    and, past the end of the file, gets empty items that do not advance, so a flipped array
+    length of 2^64 - 1 used to append empty items until the machine ran out of memory."""
+    import mmap
+    import struct
+
+    size = path.stat().st_size
+    if size < 24:
+        raise StoreError(f"{path}: not a GGUF file ({size} bytes)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            raise StoreError(f"{path}: not a GGUF file (no GGUF magic)")
+        order = ">" if struct.unpack_from("<I", m, 4)[0] & 0xFFFF == 0 else "<"
+        pos = 8
+
+        def need(n: int, what: str) -> None:
+            if n < 0 or n > size - pos:
+                raise StoreError(
+                    f"{path}: {what} needs {n} bytes at offset {pos}, the file has "
+                    f"{size - pos} left (corrupt or truncated header)"
+                )
+
+        def read(fmt: str, what: str) -> int:
+            nonlocal pos
+            n = struct.calcsize(fmt)
+            need(n, what)
+            (v,) = struct.unpack_from(order + fmt, m, pos)
+            pos += n
+            return v
+
+        def skip(n: int, what: str) -> None:
+            nonlocal pos
+            need(n, what)
+            pos += n
+
+        def value(t: int, what: str, depth: int = 0) -> None:
+            if t in _SCALAR_BYTES:
+                skip(_SCALAR_BYTES[t], what)
+            elif t == _STRING:
+                skip(read("Q", what), what)
+            elif t == _ARRAY and depth < 2:
+                item, n = read("I", what), read("Q", what)
+                if item in _SCALAR_BYTES:
+                    skip(n * _SCALAR_BYTES[item], f"{what} ({n} items)")
+                    return
+                need(n * (8 if item == _STRING else 12), f"{what} ({n} items)")
+                for _ in range(n):
+                    value(item, what, depth + 1)
+            else:
+                raise StoreError(f"{path}: {what}: unknown GGUF value type {t}")
+
+        n_tensors, n_kv = read("Q", "tensor count"), read("Q", "metadata count")
+        need(n_kv * 13 + n_tensors * 24, f"{n_kv} metadata fields and {n_tensors} tensor infos")
+        for i in range(n_kv):
+            key_len = read("Q", f"metadata field {i}")
+            skip(key_len, f"metadata field {i}'s key")
+            key = repr(bytes(m[pos - key_len : pos][:40]).decode("utf-8", "replace"))
+            value(read("I", f"metadata {key}"), f"metadata {key}")
+        for i in range(n_tensors):
+            skip(read("Q", f"tensor info {i}"), f"tensor info {i}'s name")
+            n_dims = read("I", f"tensor info {i}")
+            if n_dims > 4:  # GGML_MAX_DIMS
+                raise StoreError(f"{path}: tensor info {i}: {n_dims} dimensions")
+            skip(8 * n_dims + 4 + 8, f"tensor info {i}")
 
 
 def qtype_name(t) -> str:
@@ -364,8 +477,18 @@ PRE_TOKENIZERS = {
 }
 
 
-def build_tokenizer(g: _Gguf, out: Path) -> bool:
+def build_tokenizer(g: _Gguf, out: Path, vocab_size: int) -> bool:
     """tokenizer.json + tokenizer_config.json from GGUF metadata; False when there is none."""
+    try:
+        return _build_tokenizer(g, out, vocab_size)
+    except (StoreError, MemoryError):
+        raise
+    except Exception as e:  # tokenizers raises bare Exceptions (a merge of unknown tokens)
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise StoreError(f"{g.path}: tokenizer metadata rejected by tokenizers ({msg})") from None
+
+
+def _build_tokenizer(g: _Gguf, out: Path, vocab_size: int) -> bool:
     from tokenizers import (
         AddedToken,
         Regex,
@@ -376,7 +499,7 @@ def build_tokenizer(g: _Gguf, out: Path) -> bool:
         processors,
     )
 
-    kind = g.get("tokenizer.ggml.model")
+    kind = g.str("tokenizer.ggml.model")
     if kind is None:
         return False
     if kind != "gpt2":
@@ -386,12 +509,19 @@ def build_tokenizer(g: _Gguf, out: Path) -> bool:
             stacklevel=3,
         )
         return False
-    tokens = list(g.need("tokenizer.ggml.tokens"))
-    types = list(g.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in g.get("tokenizer.ggml.merges") or []]
+    tokens = _str_list(g, "tokenizer.ggml.tokens", g.need("tokenizer.ggml.tokens"))
+    if not 0 < len(tokens) <= vocab_size:
+        g.fail("tokenizer.ggml.tokens", f"{len(tokens)} tokens for a vocabulary of {vocab_size}")
+    types = g.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if not isinstance(types, list) or len(types) != len(tokens):
+        g.fail("tokenizer.ggml.token_type", f"expected {len(tokens)} token types")
+    merges = _str_list(g, "tokenizer.ggml.merges", g.get("tokenizer.ggml.merges") or [])
+    if any(" " not in m for m in merges):
+        g.fail("tokenizer.ggml.merges", "a merge without a space")
+    merges = [tuple(m.split(" ", 1)) for m in merges]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = g.get("tokenizer.ggml.pre", "default")
+    pre = g.str("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         warnings.warn(f"{g.path}: pre-tokenizer {pre!r} unknown; using GPT-2's", stacklevel=3)
     digits, pattern = PRE_TOKENIZERS.get(pre, (False, None))
@@ -421,12 +551,14 @@ def build_tokenizer(g: _Gguf, out: Path) -> bool:
 
     def tid(key):
         i = g.get(key)
-        return None if i is None or not 0 <= int(i) < len(tokens) else int(i)
+        if i is not None and (not isinstance(i, int) or isinstance(i, bool)):
+            g.fail(key, f"expected a token id, got {type(i).__name__}")
+        return None if i is None or not 0 <= i < len(tokens) else i
 
     bos, eos = tid("tokenizer.ggml.bos_token_id"), tid("tokenizer.ggml.eos_token_id")
     unk, pad = tid("tokenizer.ggml.unknown_token_id"), tid("tokenizer.ggml.padding_token_id")
-    add_bos = bool(g.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-    add_eos = bool(g.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    add_bos = _bool(g, "tokenizer.ggml.add_bos_token") and bos is not None
+    add_eos = _bool(g, "tokenizer.ggml.add_eos_token") and eos is not None
     single, pair, sp = "$A", "$A $B", []
     if add_bos:
         single, pair = f"{tokens[bos]} {single}", f"{tokens[bos]} $A {tokens[bos]} $B"
@@ -445,12 +577,12 @@ def build_tokenizer(g: _Gguf, out: Path) -> bool:
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(g.get(f"{g.arch}.context_length", 2048)),
+        "model_max_length": g.int(f"{g.arch}.context_length", 2048, hi=1 << 31),
     }
     for name, i in (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)):
         if i is not None:
             cfg[name] = tokens[i]
-    template = g.get("tokenizer.chat_template")
+    template = g.str("tokenizer.chat_template")
     if template:
         cfg["chat_template"] = template
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
@@ -459,55 +591,78 @@ def build_tokenizer(g: _Gguf, out: Path) -> bool:
     return True
 
 
+def _str_list(g: _Gguf, key: str, v) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        g.fail(key, "expected an array of strings")
+    return v
+
+
+def _bool(g: _Gguf, key: str) -> bool:
+    v = g.get(key, False)
+    if not isinstance(v, bool):
+        g.fail(key, f"expected true or false, got {type(v).__name__}")
+    return v
+
+
 # ---- llama (dense) with split experts -----------------------------------------------------
 
 
 def llama_config(g: _Gguf, n_experts: int, dtype: str) -> dict[str, Any]:
     a = g.arch
-    heads = int(g.need(f"{a}.attention.head_count"))
-    kv = g.get(f"{a}.attention.head_count_kv", heads)
-    if isinstance(kv, list):
+    heads = g.int(f"{a}.attention.head_count")
+    if isinstance(g.get(f"{a}.attention.head_count_kv"), list):
         raise StoreError(f"{g.path}: per-layer head counts are not supported")
-    dim = int(g.need(f"{a}.embedding_length"))
-    head_dim = int(g.get(f"{a}.attention.key_length", dim // heads))
-    rope_dim = int(g.get(f"{a}.rope.dimension_count", head_dim))
+    kv = g.int(f"{a}.attention.head_count_kv", heads)
+    dim = g.int(f"{a}.embedding_length")
+    head_dim = g.int(f"{a}.attention.key_length", max(dim // heads, 1))
+    rope_dim = g.int(f"{a}.rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise StoreError(f"{g.path}: partial rotary ({rope_dim} of {head_dim}) is not supported")
+    _check_heads(g, heads, kv, head_dim)
     emb = g.tensor("token_embd.weight")
+    vocab = g.int(f"{a}.vocab_size", int(emb.shape[1]))
+    g.tensor("token_embd.weight", (vocab, dim))
     cfg: dict[str, Any] = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": dim,
-        "num_hidden_layers": int(g.need(f"{a}.block_count")),
-        "intermediate_size": int(g.need(f"{a}.feed_forward_length")),
+        "num_hidden_layers": g.int(f"{a}.block_count", hi=MAX_LAYERS),
+        "intermediate_size": g.int(f"{a}.feed_forward_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(kv),
+        "num_key_value_heads": kv,
         "head_dim": head_dim,
-        "rms_norm_eps": float(g.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "vocab_size": int(g.get(f"{a}.vocab_size", int(emb.shape[1]))),
-        "rope_theta": float(g.get(f"{a}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(g.get(f"{a}.context_length", 2048)),
+        "rms_norm_eps": g.float(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+        "vocab_size": vocab,
+        "rope_theta": g.float(f"{a}.rope.freq_base", 10000.0),
+        "max_position_embeddings": g.int(f"{a}.context_length", 2048, hi=1 << 31),
         "tie_word_embeddings": "output.weight" not in g.tensors,
         "attention_bias": "blk.0.attn_q.bias" in g.tensors,
         "num_experts": n_experts,
         "num_experts_per_tok": n_experts,
         "torch_dtype": dtype,
     }
-    scaling = g.get(f"{a}.rope.scaling.type")
+    scaling = g.str(f"{a}.rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {
             "rope_type": "linear",
-            "factor": float(g.need(f"{a}.rope.scaling.factor")),
+            "factor": g.float(f"{a}.rope.scaling.factor"),
         }
     elif scaling not in (None, "none"):
         raise StoreError(f"{g.path}: rope scaling {scaling!r} is not supported")
     if "rope_freqs.weight" in g.tensors:
-        cfg["rope_freq_factors"] = (
-            dequantize_rows(raw_rows(g.tensor("rope_freqs.weight")), g.tensor("rope_freqs.weight"))
-            .reshape(-1)
-            .tolist()
-        )
+        t = g.tensor("rope_freqs.weight", (head_dim // 2,))
+        factors = dequantize_rows(raw_rows(t), t).reshape(-1)
+        if not (np.isfinite(factors) & (factors > 0)).all():
+            raise StoreError(f"{g.path}: tensor rope_freqs.weight holds values that are not > 0")
+        cfg["rope_freq_factors"] = factors.tolist()
     return cfg
+
+
+def _check_heads(g: _Gguf, heads: int, kv: int, head_dim: int) -> None:
+    if heads % kv:
+        raise StoreError(f"{g.path}: {kv} key/value heads do not divide {heads} heads")
+    if head_dim % 2 or heads * head_dim > MAX_DIM:
+        raise StoreError(f"{g.path}: head size {head_dim} x {heads} heads is not a model shape")
 
 
 def convert_gguf(
@@ -516,10 +671,12 @@ def convert_gguf(
     split_experts: int | None = None,
     calibration_tokens: int = 256,
     progress: bool = True,
+    overwrite: bool | None = None,
 ) -> Path:
-    """Convert a GGUF file into a store at mlx_path; returns the store's path."""
+    """Convert a GGUF file into a store at mlx_path; returns the store's path. An existing
+    store there is replaced only with `overwrite` (common.check_output)."""
     src = Path(gguf_path)
-    out = check_output(mlx_path)
+    out = check_output(mlx_path, src, overwrite=overwrite)
     g = _Gguf(src)
     if g.arch == "llama":
         if split_experts is None:
@@ -541,7 +698,7 @@ def _model_dtype(path: Path) -> str:
 
 def _convert_llama(g: _Gguf, out: Path, E: int, calibration_tokens: int, progress: bool) -> Path:
     dtype = _model_dtype(g.path)
-    inter = int(g.need(f"{g.arch}.feed_forward_length"))
+    inter = g.int(f"{g.arch}.feed_forward_length")
     if E < 1 or inter % E:
         divisors = [d for d in range(1, min(inter, 64) + 1) if inter % d == 0]
         raise StoreError(
@@ -551,6 +708,7 @@ def _convert_llama(g: _Gguf, out: Path, E: int, calibration_tokens: int, progres
     cfg = llama_config(g, E, dtype)
     L, D, n = cfg["num_hidden_layers"], cfg["hidden_size"], inter // E
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    _check_shapes(g, cfg, {"ffn_gate": (inter, D), "ffn_up": (inter, D), "ffn_down": (D, inter)})
 
     # One record format per projection, for every layer.
     specs = {}
@@ -640,11 +798,11 @@ def _convert_llama(g: _Gguf, out: Path, E: int, calibration_tokens: int, progres
                 "formats": {p: s.get("_src", s["format"]) for p, s in specs.items()},
             },
         }
-        has_tok = build_tokenizer(g, writer.path)
+        has_tok = build_tokenizer(g, writer.path, cfg["vocab_size"])
         if E > 1 and calibration_tokens > 0 and has_tok:
             from ..tokenizer import load_tokenizer
 
-            ids = calibration_ids(load_tokenizer(writer.path), calibration_tokens)
+            ids = calibration_ids(load_tokenizer(writer.path), calibration_tokens, g.path)
             fit_routers(dense, g, cfg, ids, n)
         writer.write_dense(dense.weights)
         _write_experts(writer, L, E, expert_parts, progress)
@@ -658,6 +816,40 @@ def _convert_llama(g: _Gguf, out: Path, E: int, calibration_tokens: int, progres
                 "split experts: every expert runs for every token at the default top_k",
             )
         return writer.commit()
+
+
+def _check_shapes(g: _Gguf, cfg: dict[str, Any], per_layer: dict[str, tuple[int, ...]]) -> None:
+    """Every tensor the converter reads against the shape the metadata implies, and its type
+    against what can be decoded, before anything is read or allocated: a header that lies
+    (an expert_count of 2^31 - 1) is an error naming the file, not a 24 GB allocation.
+    `per_layer`: the family's own tensors (blk.{i}.NAME.weight -> shape)."""
+    L, D, V = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+    H, KV, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
+    if "output.weight" in g.tensors:
+        shapes["output.weight"] = (V, D)
+    rows = {"attn_q": H * hd, "attn_k": KV * hd, "attn_v": KV * hd}
+    for i in range(L):
+        for name, r in rows.items():
+            shapes[f"blk.{i}.{name}.weight"] = (r, D)
+            if f"blk.{i}.{name}.bias" in g.tensors:
+                shapes[f"blk.{i}.{name}.bias"] = (r,)
+        shapes[f"blk.{i}.attn_output.weight"] = (D, H * hd)
+        for name in ("attn_norm", "ffn_norm"):
+            shapes[f"blk.{i}.{name}.weight"] = (D,)
+        for name, shape in per_layer.items():
+            shapes[f"blk.{i}.{name}.weight"] = shape
+    for name, shape in shapes.items():
+        t = g.tensor(name, shape)
+        if qtype_name(t) not in FLOAT_TYPES and not _dequantizable(t):
+            raise StoreError(f"{g.path}: tensor {name}: type {qtype_name(t)} is not supported")
+
+
+def _dequantizable(t) -> bool:
+    import gguf.quants
+
+    traits = getattr(gguf.quants, "_type_traits", None)  # gguf-py's dequantizers, by type
+    return traits is None or t.tensor_type in traits or qtype_name(t) in gguf_record_types()
 
 
 def _rope_inv_freq(cfg: dict[str, Any]) -> np.ndarray:
@@ -726,8 +918,10 @@ def mlp_inputs(g: _Gguf, cfg: dict[str, Any], ids: list[int]):
         h = h + hid @ down.T
 
 
-def calibration_ids(tok, tokens: int) -> list[int]:
+def calibration_ids(tok, tokens: int, source: str | Path = "tokenizer") -> list[int]:
     ids = tok.encode(CALIBRATION_TEXT + "\n\n" + ROUTER_TEXT)
+    if not ids:
+        raise StoreError(f"{source}: the tokenizer encodes the calibration text as no tokens")
     while len(ids) < tokens:
         ids = ids + ids
     return ids[: max(tokens, len(ids) if tokens <= len(ids) else tokens)]
@@ -768,34 +962,46 @@ def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bo
 
     a = g.arch
     dtype = _model_dtype(g.path)
-    heads = int(g.need(f"{a}.attention.head_count"))
-    dim = int(g.need(f"{a}.embedding_length"))
-    L, E = int(g.need(f"{a}.block_count")), int(g.need(f"{a}.expert_count"))
-    inter = int(g.get(f"{a}.expert_feed_forward_length") or g.need(f"{a}.feed_forward_length"))
+    heads = g.int(f"{a}.attention.head_count")
+    dim = g.int(f"{a}.embedding_length")
+    L, E = g.int(f"{a}.block_count", hi=MAX_LAYERS), g.int(f"{a}.expert_count")
+    if f"{a}.expert_feed_forward_length" in g.reader.fields:
+        inter = g.int(f"{a}.expert_feed_forward_length")
+    else:
+        inter = g.int(f"{a}.feed_forward_length")
+    kv = g.int(f"{a}.attention.head_count_kv", heads)
+    head_dim = g.int(f"{a}.attention.key_length", max(dim // heads, 1))
+    _check_heads(g, heads, kv, head_dim)
     emb = g.tensor("token_embd.weight")
+    top_k = g.int(f"{a}.expert_used_count")
+    if top_k > E:
+        g.fail(f"{a}.expert_used_count", f"{top_k} is more than expert_count {E}")
     cfg: dict[str, Any] = {
         "model_type": "qwen3_moe",
         "architectures": ["Qwen3MoeForCausalLM"],
         "hidden_size": dim,
         "num_hidden_layers": L,
-        "intermediate_size": int(g.get(f"{a}.feed_forward_length", inter)),
+        "intermediate_size": g.int(f"{a}.feed_forward_length", inter),
         "moe_intermediate_size": inter,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(g.get(f"{a}.attention.head_count_kv", heads)),
-        "head_dim": int(g.get(f"{a}.attention.key_length", dim // heads)),
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
         "num_experts": E,
-        "num_experts_per_tok": int(g.need(f"{a}.expert_used_count")),
+        "num_experts_per_tok": top_k,
         "norm_topk_prob": True,  # llama.cpp's qwen3moe graph always renormalizes the top-k
-        "rms_norm_eps": float(g.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "vocab_size": int(g.get(f"{a}.vocab_size", int(emb.shape[1]))),
-        "rope_theta": float(g.get(f"{a}.rope.freq_base", 1e6)),
-        "max_position_embeddings": int(g.get(f"{a}.context_length", 32768)),
+        "rms_norm_eps": g.float(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+        "vocab_size": g.int(f"{a}.vocab_size", int(emb.shape[1])),
+        "rope_theta": g.float(f"{a}.rope.freq_base", 1e6),
+        "max_position_embeddings": g.int(f"{a}.context_length", 32768, hi=1 << 31),
         "tie_word_embeddings": "output.weight" not in g.tensors,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "torch_dtype": dtype,
     }
     shapes = {"gate_proj": (inter, dim), "up_proj": (inter, dim), "down_proj": (dim, inter)}
+    per_layer = {f"{GGUF_PROJ[p]}_exps": (E, *shape) for p, shape in shapes.items()}
+    per_layer.update(ffn_gate_inp=(E, dim), attn_q_norm=(head_dim,), attn_k_norm=(head_dim,))
+    _check_shapes(g, cfg, per_layer)
     # Each layer keeps its own ggml types (a Q4_K_M file's down is Q6_K in some layers and
     # Q4_K in others): per-layer record layouts, padded to one record size.
     layer_specs = []
@@ -854,7 +1060,7 @@ def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bo
             ],
         }
         writer.write_dense(dense.weights)
-        build_tokenizer(g, writer.path)
+        build_tokenizer(g, writer.path, cfg["vocab_size"])
         _write_experts(writer, L, E, expert_parts, progress)
         calibrate(writer, calibration_tokens)
         return writer.commit()
@@ -863,12 +1069,11 @@ def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bo
 def _write_experts(writer: StoreWriter, L: int, E: int, expert_parts, progress: bool) -> None:
     from tqdm import tqdm
 
-    bar = tqdm(total=L * E, desc="experts", unit="expert", disable=not progress)
-    for i in range(L):
-        for e in range(E):
-            writer.add_expert(i, e, record_arrays(expert_parts(i, e)))
-            bar.update(1)
-    bar.close()
+    with tqdm(total=L * E, desc="experts", unit="expert", disable=not progress) as bar:
+        for i in range(L):
+            for e in range(E):
+                writer.add_expert(i, e, record_arrays(expert_parts(i, e)))
+                bar.update(1)
 
 
 def _add_norm(dense: DenseWriter, g: _Gguf, name: str, key: str) -> None:

@@ -140,17 +140,21 @@ def convert_hf(
     dtype: str | None = None,
     calibration_tokens: int = 256,
     progress: bool = True,
+    overwrite: bool | None = None,
 ) -> Path:
+    """A Hugging Face (or mlx-lm) checkpoint directory -> a store at mlx_path; an existing
+    store there is replaced only with `overwrite` (common.check_output)."""
     src = Path(hf_path)
-    out = check_output(mlx_path)
-    config = normalize_config(read_config(src))
+    out = check_output(mlx_path, src, overwrite=overwrite)
+    config = read_config(src)
+    if not isinstance(config, dict):
+        raise StoreError(f"{src / 'config.json'}: expected a JSON object")
+    config = normalize_config(config)
     model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise StoreError(f"{src / 'config.json'}: model_type: missing or not a string")
     fam = family(model_type, src / "config.json")
-    try:
-        args = fam.ModelArgs.from_dict(config)
-    except TypeError as e:
-        missing = str(e).split("argument")[-1].strip(": ")
-        raise StoreError(f"{src / 'config.json'}: missing config keys: {missing}") from None
+    args = fam.ModelArgs.from_dict(config, src / "config.json")
     dtype = dtype or config.get("torch_dtype") or config.get("dtype") or "float16"
     fdtype = to_float_dtype(dtype)
     weights = load_weights(src)
@@ -266,19 +270,17 @@ def _write_experts(
 ) -> None:
     from tqdm import tqdm
 
-    bar = tqdm(
-        total=len(moe_layers) * num_experts, desc="experts", unit="expert", disable=not progress
-    )
-    for layer, prefix in zip(moe_layers, prefixes):
-        for e in range(num_experts):
-            try:
-                tensors, _ = expert_record(weights, prefix, names, e, equant, fdtype, mlx_quant)
-            except KeyError as k:
-                raise StoreError(f"{src}: expert tensor {k} not found in the checkpoint") from None
-            mx.eval(tensors)
-            writer.add_expert(layer, e, {k: _np(v) for k, v in tensors.items()})
-            bar.update(1)
-    bar.close()
+    total = len(moe_layers) * num_experts
+    with tqdm(total=total, desc="experts", unit="expert", disable=not progress) as bar:
+        for layer, prefix in zip(moe_layers, prefixes):
+            for e in range(num_experts):
+                try:
+                    tensors, _ = expert_record(weights, prefix, names, e, equant, fdtype, mlx_quant)
+                except KeyError as k:
+                    raise StoreError(f"{src}: expert tensor {k} not found") from None
+                mx.eval(tensors)
+                writer.add_expert(layer, e, {k: _np(v) for k, v in tensors.items()})
+                bar.update(1)
 
 
 def _np(a: mx.array):
