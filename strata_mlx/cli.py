@@ -129,7 +129,9 @@ def generate(
     static_cap: int = typer.Option(256, "--static-cap"),
     eviction: str = typer.Option("lru", "--eviction", help="lru | lfu | profile | layer"),
     verify: bool = typer.Option(
-        False, "--verify/--no-verify", help="Check each record's checksum."
+        True,
+        "--verify/--no-verify",
+        help="Checksums of the dense weights (once) and of every expert record as it is read.",
     ),
     prefill_step_size: int | None = typer.Option(None, "--prefill-step-size"),
     fake_stream: bool = typer.Option(

@@ -28,7 +28,6 @@ The cache is the only thing that talks to the disk during generation.
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -40,6 +39,7 @@ import numpy as np
 from . import kernels
 from .arena import Arena, Key
 from .prediction import ReadAhead, profile_rank, rank_by_tokens
+from .reader import CHECKSUM_MISMATCH, SHORT_READ, error_message
 from .store import EXPERTS, Manifest, StoreError
 
 
@@ -176,7 +176,10 @@ class ExpertCache:
         self.routers: dict[int, Callable[[mx.array], mx.array]] = {}
         self.layers = list(manifest.moe_layers)
         self._next = dict(zip(self.layers, self.layers[1:]))  # the last layer has none
-        self._file = reader.open(str(self.store / EXPERTS)) if reader is not None else None
+        # With verify, the reader's threads check each record's checksum as it lands.
+        checksum = manifest.checksum if verify else None
+        path = str(self.store / EXPERTS)
+        self._file = reader.open(path, checksum=checksum) if reader is not None else None
         self._reads: dict[int, _Read] = {}  # tag -> read in flight
         self._tag_of: dict[Key, int] = {}
         self._tags = 0
@@ -186,6 +189,8 @@ class ExpertCache:
         self.route_bonus = 0.0  # cache-aware routing (decode); 0 = exact
         self.decoding = False  # set by generation around decode steps
         self.decode_miss_rate = 1.0  # running average; starts high so decode predicts at first
+        # Running fraction of decode layers that missed (pipelined decode's fallback rule)
+        self.decode_layer_miss_rate = 0.0
         self._layer0_width = 0
         self.dump = None  # callable(layer, x, ids, scores, y) for --dump-moe
         # Kernels resolved once per layer: nothing on the hot path inspects a layout.
@@ -217,13 +222,18 @@ class ExpertCache:
 
     def warm(self) -> None:
         """Read every expert that fits, layer by layer (a fully resident run when it all fits)."""
-        tags = []
-        for layer in self.layers:
-            for e in range(self.manifest.num_experts):
-                if len(self.arena.slot_of) >= self.arena.n_slots:
-                    break
-                tags += self._ensure([(layer, e)])
-        self._wait(tags)
+        free = self.arena.n_slots - len(self.arena.slot_of)
+        keys = [
+            (layer, e)
+            for layer in self.layers
+            for e in range(self.manifest.num_experts)
+            if (layer, e) not in self.arena.slot_of
+        ][: max(free, 0)]
+        self._ensure(keys)
+        # Completions are collected as they come (a wait on all 24 K tags at once rescans
+        # every tag at each completion: minutes for a whole 24 GB store on the H200).
+        while self._reads:
+            self._collect(block=True)
         self.stats = ExpertStats()
         self._prefetched.clear()
 
@@ -274,9 +284,11 @@ class ExpertCache:
 
         misses_before = st.misses
         waits = self._classify(layer, needed)
-        if self.decoding:  # a running average over the last ~100 decode layers
+        if self.decoding:  # running averages over the last ~100 / ~50 decode layers
             rate = (st.misses - misses_before) / len(needed)
             self.decode_miss_rate += 0.01 * (rate - self.decode_miss_rate)
+            missed = float(st.misses > misses_before)
+            self.decode_layer_miss_rate += 0.02 * (missed - self.decode_layer_miss_rate)
         if predict:
             pred_ids = np.array(pred).reshape(-1, pred.shape[-1])
             if self.trace is not None:
@@ -390,6 +402,7 @@ class ExpertCache:
         else:
             st.hits += needed.size
         self.decode_miss_rate -= 0.01 * self.decode_miss_rate  # a layer with no miss
+        self.decode_layer_miss_rate -= 0.02 * self.decode_layer_miss_rate
         if self.trace is not None:
             self.trace.record(d.layer, ids)
         if d.pred is not None:
@@ -405,15 +418,17 @@ class ExpertCache:
         return True
 
     def _count_resident(self, layer: int, needed: list[int]) -> None:
-        st = self.stats
         for e in needed:
-            key = (layer, e)
-            if key in self._prefetched:
-                self._prefetched.discard(key)
-                st.streamed_ahead += 1
-            else:
-                st.hits += 1
-            self.arena.touch(key)
+            self._count_hit((layer, e))
+
+    def _count_hit(self, key: Key) -> None:
+        """A resident expert used: a hit, or read-ahead that paid off; recorded for eviction."""
+        if key in self._prefetched:
+            self._prefetched.discard(key)
+            self.stats.streamed_ahead += 1
+        else:
+            self.stats.hits += 1
+        self.arena.touch(key)
 
     def _compute_fake(self, layer, x, inds, ids, needed) -> mx.array:
         # Compute alone: the experts' bytes are whatever the first slots hold (zeros or stale
@@ -461,12 +476,7 @@ class ExpertCache:
                 waits.append(tag)
                 urgent.append(tag)
             elif self.arena.resident(key):
-                if key in self._prefetched:
-                    self._prefetched.discard(key)
-                    st.streamed_ahead += 1
-                else:
-                    st.hits += 1
-                self.arena.touch(key)
+                self._count_hit(key)
             else:
                 st.misses += 1
                 waits.append(self._ensure([key], urgent=True)[0])
@@ -489,10 +499,13 @@ class ExpertCache:
                 slot = self.arena.allocate(key)
             self._evicted_check()
             tag = self._tags = self._tags + 1
-            off, _ = self.manifest.record(*key)
+            off, expected = self.manifest.record(*key)
             self._reads[tag] = _Read(key, slot, urgent)
             self._tag_of[key] = tag
-            reqs.append((tag, self._file, off, self.layout.record_bytes, self.arena.address(slot)))
+            expected = expected if self.verify else None
+            reqs.append(
+                (tag, self._file, off, self.layout.record_bytes, self.arena.address(slot), expected)
+            )
             tags.append(tag)
         if reqs:
             self.reader.submit(reqs, urgent)
@@ -525,10 +538,13 @@ class ExpertCache:
             if slot is None:
                 break  # no slot that is not pinned or mid-read: the rest waits for demand
             tag = self._tags = self._tags + 1
-            off, _ = self.manifest.record(*key)
+            off, expected = self.manifest.record(*key)
             self._reads[tag] = _Read(key, slot, urgent=False)
             self._tag_of[key] = tag
-            reqs.append((tag, self._file, off, self.layout.record_bytes, self.arena.address(slot)))
+            expected = expected if self.verify else None
+            reqs.append(
+                (tag, self._file, off, self.layout.record_bytes, self.arena.address(slot), expected)
+            )
         self._evicted_check()
         if reqs:
             self.stats.readahead_submitted += len(reqs)
@@ -571,12 +587,6 @@ class ExpertCache:
                 self.arena.release(r.slot)
                 errors.append((r.key, err, nbytes))
                 continue
-            if self.verify:
-                _, crc = self.manifest.record(*r.key)
-                if zlib.crc32(self.arena.view(r.slot)) != crc:
-                    self.arena.release(r.slot)
-                    errors.append((r.key, "checksum", nbytes))
-                    continue
             self.arena.loaded(r.slot)
             self._table[self._pos[r.key[0]], r.key[1]] = r.slot
             self._dirty.add(r.key[0])
@@ -587,12 +597,12 @@ class ExpertCache:
         if errors:
             (layer, expert), err, nbytes = errors[0]
             path = self.store / EXPERTS
-            if err == "checksum":
-                why = "checksum mismatch (corrupt record)"
-            elif err:
-                why = f"read failed: errno {err}"
-            else:
+            if err == CHECKSUM_MISMATCH:  # verified by the reader's thread that read it
+                why = f"checksum mismatch ({self.manifest.checksum}; corrupt record)"
+            elif err == SHORT_READ or not err:
                 why = f"short read ({nbytes} of {self.layout.record_bytes} bytes; truncated store?)"
+            else:
+                why = f"read failed: {error_message(err)} (errno {err})"
             raise ExpertReadError(f"{path}: layer {layer} expert {expert}: {why}")
 
     def _profile_rank(self, layer: int) -> list[int]:

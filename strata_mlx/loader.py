@@ -15,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import memory
 from .arena import Arena
 from .decode import PipelinedDecoder
 from .experts import ExpertCache, SwitchGLU
@@ -30,6 +31,7 @@ from .store import (
     StoreError,
     load_manifest,
     load_profile,
+    verify_dense,
 )
 from .tokenizer import load_tokenizer
 
@@ -65,11 +67,14 @@ class RuntimeConfig:
     lookahead_min_tokens: int = 1
     lookahead_decode_min_miss: float = 0.02
     eviction: str = "lru"
-    verify: bool = False
+    # Checksums: dense weights once at load (again only when the file changed), every expert
+    # record as the reader's threads read it. Off only to measure what it costs.
+    verify: bool = True
     prefill_step_size: int | None = None  # None: chosen from memory
     fake_stream: bool = False
     decode: str = "pipelined"  # pipelined | sync (per-layer host sync; strata_mlx.decode)
-    decode_lag: int = 2  # pipelined: layers the host reads routing behind the device
+    decode_lag: int = 1  # pipelined: layers the host reads routing behind the device
+    decode_sync_above: float = 0.3  # pipelined: tokens run synced while more layers miss
 
 
 PRESETS = Path(__file__).resolve().parents[1] / "configs" / "runtime"
@@ -155,6 +160,8 @@ def load(
     tokenizer = load_tokenizer(path)  # its files are checked before anything is allocated
 
     dense_path = path / DENSE
+    if cfg.verify:
+        verify_dense(path, manifest)
     try:
         weights = mx.load(str(dense_path))
     except Exception as e:  # mlx raises RuntimeError/ValueError with its own wording
@@ -191,6 +198,12 @@ def load(
         arena_bytes = auto_arena_bytes(total, dense_bytes, prefill_scratch_bytes(args, step))
     else:
         arena_bytes = int(cfg.arena_gb * GB)
+    arena_bytes = memory.fit_arena(  # refuse (or shrink an automatic arena) before allocating
+        min(arena_bytes, manifest.num_experts * len(manifest.moe_layers) * rb),
+        rb,
+        prefill_scratch_bytes(args, step) + memory.kv_cache_bytes(args, step),
+        cfg.arena_gb,
+    )
     n_slots = max(1, min(arena_bytes // rb, manifest.num_experts * len(manifest.moe_layers)))
     profile = load_profile(path, manifest)
     arena = Arena(n_slots, rb, cfg.eviction, profile, manifest.moe_layers)
@@ -212,7 +225,11 @@ def load(
     )
     attach(model, cache)
     model.expert_cache = cache
-    model.decoder = PipelinedDecoder(model, cfg.decode_lag) if cfg.decode == "pipelined" else None
+    model.decoder = (
+        PipelinedDecoder(model, cfg.decode_lag, cfg.decode_sync_above)
+        if cfg.decode == "pipelined"
+        else None
+    )
     model.runtime = cfg
     model.store_path = path
     return model, tokenizer

@@ -3,11 +3,15 @@
 A store is a directory:
 
     manifest.json       format version, architecture config, record layout, offsets, checksums
+                        (crc32c of every record and of dense.safetensors; stores made before
+                        crc32c carry zlib's crc32 of each record and none of the dense file)
     dense.safetensors   every weight that is not an expert (attention, norms, routers, embeddings)
     experts.bin         one record per (MoE layer, expert): gate, up and down with their scales,
                         contiguous and aligned to 4 KiB, so one expert is one read
     profile.json        per-layer expert popularity from a calibration pass
     tokenizer files     copied from the source when it has them
+    .verified.json      written at load: the dense file's size and mtime when its checksum last
+                        matched, so that it is read again only when it changed
 
 This module owns the layout and its validation. It never computes with weights and never
 talks to the arena; readers get byte ranges and layouts from here and nothing else.
@@ -21,12 +25,14 @@ import math
 import os
 import shutil
 import tempfile
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .reader import CHECKSUMS
+from .reader import checksum as _checksum
 
 FORMAT_NAME = "strata-mlx-store"
 FORMAT_VERSION = 1
@@ -37,6 +43,8 @@ MANIFEST = "manifest.json"
 DENSE = "dense.safetensors"
 EXPERTS = "experts.bin"
 PROFILE = "profile.json"
+VERIFIED = ".verified.json"
+CHECKSUM = "crc32c"  # what new stores record; "crc32" (zlib's) in stores made before it
 
 
 class StoreError(Exception):
@@ -122,12 +130,14 @@ class Manifest:
     moe_layers: list[int]
     num_experts: int
     offsets: list[list[int]]  # [moe layer position][expert] -> byte offset in experts.bin
-    crc32: list[list[int]]
+    checksums: list[list[int]]  # [moe layer position][expert] -> `checksum` of the record
     version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
     # Per MoE layer position, where layers differ (a GGUF's down projection is Q6_K in some
     # layers and Q4_K in others); None: every layer uses `layout`. All share record_bytes.
     layer_layouts: list[RecordLayout] | None = None
+    checksum: str = CHECKSUM  # the algorithm of `checksums` and `dense_checksum`
+    dense_checksum: int | None = None  # of dense.safetensors; None in stores made before it
 
     def layout_of(self, layer: int) -> RecordLayout:
         """The record layout of a layer's experts (`layer` is the model's layer index)."""
@@ -140,9 +150,9 @@ class Manifest:
         return [self.layout] if self.layer_layouts is None else self.layer_layouts
 
     def record(self, layer: int, expert: int) -> tuple[int, int]:
-        """(offset, crc32) of a layer's expert; `layer` is the model's layer index."""
+        """(offset, checksum) of a layer's expert; `layer` is the model's layer index."""
         pos = self.layer_position(layer)
-        return self.offsets[pos][expert], self.crc32[pos][expert]
+        return self.offsets[pos][expert], self.checksums[pos][expert]
 
     def layer_position(self, layer: int) -> int:
         try:
@@ -180,10 +190,12 @@ class Manifest:
                 "quant": self.layout.quant,
                 "components": [asdict(c) for c in self.layout.components],
                 "offsets": self.offsets,
-                "crc32": self.crc32,
+                "checksum": self.checksum,
+                "checksums": self.checksums,
                 **per_layer,
             },
             "dense": DENSE,
+            **({"dense_checksum": self.dense_checksum} if self.dense_checksum is not None else {}),
             "profile": PROFILE,
             **({"extra": self.extra} if self.extra else {}),
         }
@@ -283,8 +295,15 @@ def load_manifest(store: str | Path) -> Manifest:
     ex = f.dict(
         raw["experts"],
         "experts",
-        ("record_bytes", "num_experts", "moe_layers", "quant", "components", "offsets", "crc32"),
+        ("record_bytes", "num_experts", "moe_layers", "quant", "components", "offsets"),
     )
+    # A manifest without `checksum` predates crc32c: zlib's crc32 of each record, under "crc32".
+    checksum = f.str(ex.get("checksum", "crc32"), "experts.checksum", CHECKSUMS)
+    sums_key = "checksums" if "checksum" in ex else "crc32"
+    f.dict(ex, "experts", (sums_key,))
+    dense_checksum = raw.get("dense_checksum")
+    if dense_checksum is not None:
+        f.int(dense_checksum, "dense_checksum", 0, 0xFFFFFFFF)
     if ex.get("file", EXPERTS) != EXPERTS:
         f.fail("experts.file", f"{_short(ex['file'])}; this build reads {EXPERTS}")
     if ex.get("alignment", ALIGNMENT) != ALIGNMENT:
@@ -314,10 +333,10 @@ def load_manifest(store: str | Path) -> Manifest:
         if layer_layouts and layer_layouts[0] != layout:
             f.fail("experts.layer_layout", "layer 0's layout differs from experts.components")
     offsets = f.list(ex["offsets"], "experts.offsets", n_layers)
-    crc32 = f.list(ex["crc32"], "experts.crc32", n_layers)
+    checksums = f.list(ex[sums_key], f"experts.{sums_key}", n_layers)
     for pos in range(n_layers):
         f.ints(offsets[pos], f"experts.offsets[{pos}]", num_experts)
-        f.ints(crc32[pos], f"experts.crc32[{pos}]", num_experts, 0, 0xFFFFFFFF)
+        f.ints(checksums[pos], f"experts.{sums_key}[{pos}]", num_experts, 0, 0xFFFFFFFF)
     m = Manifest(
         model_type=model_type,
         config=config,
@@ -325,10 +344,12 @@ def load_manifest(store: str | Path) -> Manifest:
         moe_layers=list(moe_layers),
         num_experts=num_experts,
         offsets=offsets,
-        crc32=crc32,
+        checksums=checksums,
         version=version,
         extra=extra,
         layer_layouts=layer_layouts,
+        checksum=checksum,
+        dense_checksum=dense_checksum,
     )
     _validate(m, store)
     return m
@@ -459,15 +480,67 @@ def read_record(
 ) -> bytes:
     """One record through the page cache (conversion, tests; the runtime reads via the arena)."""
     path = Path(store) / EXPERTS
-    off, crc = m.record(layer, expert)
+    off, expected = m.record(layer, expert)
     with open(path, "rb") as f:
         f.seek(off)
         data = f.read(m.layout.record_bytes)
     if len(data) != m.layout.record_bytes:
         raise StoreError(f"{path}: short read of layer {layer} expert {expert} (truncated store?)")
-    if verify and zlib.crc32(data) != crc:
+    if verify and _checksum(m.checksum, data) != expected:
         raise StoreError(f"{path}: checksum mismatch in layer {layer} expert {expert}")
     return data
+
+
+def file_checksum(path: str | Path, name: str = CHECKSUM, chunk_bytes: int = 8 << 20) -> int:
+    """`name` ("crc32c" or "crc32") of a whole file, read in chunks; each chunk is summed
+    natively with the GIL released."""
+    value = 0
+    view = memoryview(bytearray(chunk_bytes))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            value = _checksum(name, view[:n], value)
+    return value
+
+
+def verify_dense(store: str | Path, m: Manifest) -> bool:
+    """Check dense.safetensors against the manifest's checksum, once: a stamp beside it
+    (.verified.json) records the file's size and mtime when it last matched, and while they
+    are unchanged the file is not read again (so corruption that keeps both, bit rot, is
+    caught only after the stamp is deleted). Where the store is read-only no stamp can be
+    written and the file is checked at every load. Returns whether the file was read (False
+    also for a store made before dense checksums, which cannot be checked). A mismatch is a
+    StoreError naming the file."""
+    if m.dense_checksum is None:
+        return False
+    store = Path(store)
+    path = store / DENSE
+    try:
+        st = path.stat()
+        stamp = {
+            "file": DENSE,
+            "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns,
+            "checksum": m.checksum,
+            "value": m.dense_checksum,
+        }
+        try:
+            if json.loads((store / VERIFIED).read_text()) == stamp:
+                return False
+        except (OSError, ValueError):
+            pass  # no stamp, or an unreadable one: verify
+        value = file_checksum(path, m.checksum)
+    except OSError as e:
+        raise StoreError(f"{path}: unreadable ({e.strerror or e})") from None
+    if value != m.dense_checksum:
+        raise StoreError(
+            f"{path}: checksum mismatch ({m.checksum} {value:08x}, the manifest records "
+            f"{m.dense_checksum:08x}): the file is corrupt or was changed; reconvert the store"
+        )
+    try:
+        _atomic_write_text(store / VERIFIED, json.dumps(stamp))
+    except OSError:
+        pass  # a read-only store: checked again at the next load
+    return True
 
 
 class StoreWriter:
@@ -510,7 +583,7 @@ class StoreWriter:
             list(moe_layers),
             num_experts,
             offsets=[[-1] * num_experts for _ in moe_layers],
-            crc32=[[0] * num_experts for _ in moe_layers],
+            checksums=[[0] * num_experts for _ in moe_layers],
             layer_layouts=layer_layouts,
         )
         with _writing(self.out):
@@ -526,7 +599,7 @@ class StoreWriter:
         rec = self.manifest.layout_of(layer).pack(arrays)
         pos = self.manifest.layer_position(layer)
         self.manifest.offsets[pos][expert] = self._pos
-        self.manifest.crc32[pos][expert] = zlib.crc32(rec)
+        self.manifest.checksums[pos][expert] = _checksum(CHECKSUM, rec)
         self._f.write(rec)
         self._pos += len(rec)
 
@@ -536,7 +609,7 @@ class StoreWriter:
             raise ValueError("record size does not match the layout")
         pos = self.manifest.layer_position(layer)
         self.manifest.offsets[pos][expert] = self._pos
-        self.manifest.crc32[pos][expert] = zlib.crc32(record)
+        self.manifest.checksums[pos][expert] = _checksum(CHECKSUM, record)
         self._f.write(record)
         self._pos += len(record)
 
@@ -552,6 +625,7 @@ class StoreWriter:
                 f"{self.out}: cannot write the store ({e}); is the disk full?"
             ) from None
         _check_safetensors_written(self.out, self.tmp / DENSE, weights)
+        self.manifest.dense_checksum = file_checksum(self.tmp / DENSE, CHECKSUM)
 
     def finalize(self) -> Path:
         """Write the manifest into the temporary directory (loadable there, not yet in place)."""

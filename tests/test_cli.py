@@ -121,16 +121,16 @@ def test_convert_warns_without_tokenizer_and_quantizes(hf_checkpoint, tmp_path):
     assert (out / "profile.json").is_file()
 
 
-def test_store_with_bad_checksum_fails_with_verify(store, tmp_path):
+def test_store_with_bad_checksum_fails_unless_no_verify(store, tmp_path):
     path = tmp_path / "s"
     shutil.copytree(store("qwen3_moe"), path)
     with open(path / "experts.bin", "r+b") as f:
         f.seek(100)
         f.write(b"\xff\xfe\xfd")
-    line = _error_line(
-        run("generate", "--model", path, "--prompt-tokens", "1,2,3", "-m", "2", "--verify")
-    )
-    assert "experts.bin" in line and "checksum" in line
+    line = _error_line(run("generate", "--model", path, "--prompt-tokens", "1,2,3", "-m", "2"))
+    assert "experts.bin" in line and "checksum mismatch" in line
+    r = run("generate", "--model", path, "--prompt-tokens", "1,2,3", "-m", "2", "--no-verify")
+    assert r.returncode == 0, r.stderr
 
 
 def test_generate_errors(store, tmp_path):

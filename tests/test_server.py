@@ -322,6 +322,9 @@ def test_stats_endpoint(served, client):
             assert s["server"]["requests"] >= 1 and s["server"]["completion_tokens"] >= 1
             assert s["served"]["lookups"] > 0 and s["served"]["wall_s"] > 0
             assert s["served"]["tokens"] > 0
+    # the server's records are verified as they are read (the default)
+    reads = model.expert_cache.reader.stats()
+    assert model.expert_cache.verify and reads["verified"] == reads["requests_done"] > 0
 
 
 def test_client_leaving_a_stream_stops_its_generation(served, client):

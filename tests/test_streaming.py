@@ -4,7 +4,9 @@ logits and greedy tokens to the fully resident model; the statistics add up; fau
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import zlib
 
 import mlx.core as mx
 import numpy as np
@@ -120,24 +122,84 @@ def test_truncated_store_under_a_running_model(store, tmp_path):
     model, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.25))
     m = load_manifest(path)
     os.truncate(path / EXPERTS, m.layout.record_bytes * 3 + 100)
-    with pytest.raises(ExpertReadError, match=r"layer \d+ expert \d+"):
+    with pytest.raises(ExpertReadError, match=r"layer \d+ expert \d+: short read \(\d+ of"):
         teacher_forced_logits(model, prompt_ids(16), 16)
     with pytest.raises(StoreError, match="truncated"):
         load_manifest(path)
 
 
-def test_corrupt_record_with_verification(store, tmp_path):
+def _flip_byte(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_corrupt_record_is_an_error_by_default(store, tmp_path):
     path = _copy_store(store(FAMILY), tmp_path / "s")
     m = load_manifest(path)
-    off, _ = m.record(m.moe_layers[0], 0)
-    with open(path / EXPERTS, "r+b") as f:
-        f.seek(off + 10)
-        b = f.read(1)
-        f.seek(off + 10)
-        f.write(bytes([b[0] ^ 0xFF]))
-    model, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 1.0), verify=True)
-    with pytest.raises(ExpertReadError, match=f"layer {m.moe_layers[0]} expert 0: checksum"):
+    assert m.checksum == "crc32c"
+    layer = m.moe_layers[-1]
+    off, _ = m.record(layer, 3)
+    _flip_byte(path / EXPERTS, off + 10)
+    model, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 1.0))
+    with pytest.raises(ExpertReadError, match=f"layer {layer} expert 3: checksum mismatch"):
         model.expert_cache.warm()
+    model.expert_cache.close()
+    # read-ahead and demand reads are verified alike, under generation
+    model, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.5), read_ahead="lookahead")
+    with pytest.raises(ExpertReadError, match=f"layer {layer} expert 3: checksum mismatch"):
+        teacher_forced_logits(model, list(range(64)), 8)
+    model.expert_cache.close()
+    # --no-verify reads the corrupt bytes without complaint (for those measuring the cost)
+    model, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 1.0), verify=False)
+    model.expert_cache.warm()
+    assert model.expert_cache.reader.stats()["verified"] == 0
+    model.expert_cache.close()
+
+
+def test_every_read_is_verified(store):
+    path = store(FAMILY)
+    model, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.25))
+    teacher_forced_logits(model, prompt_ids(16), 16)
+    cache = model.expert_cache
+    stats = cache.reader.stats()
+    assert stats["verified"] == stats["requests_done"] > 0 and stats["errors"] == 0
+    cache.close()
+
+
+def test_store_with_zlib_crc32_still_loads_and_is_verified(store, tmp_path):
+    """A store converted before crc32c: zlib's crc32 per record under "crc32", no checksum of
+    the dense file. It loads, computes the same, and its records are verified natively."""
+    src = store(FAMILY)
+    path = _copy_store(src, tmp_path / "old")
+    manifest = json.loads((path / "manifest.json").read_text())
+    ex = manifest["experts"]
+    del ex["checksum"], ex["checksums"], manifest["dense_checksum"]
+    m = load_manifest(src)
+    data = (path / EXPERTS).read_bytes()
+    rb = m.layout.record_bytes
+    ex["crc32"] = [[zlib.crc32(data[o : o + rb]) for o in row] for row in m.offsets]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    old = load_manifest(path)
+    assert old.checksum == "crc32" and old.dense_checksum is None
+    ids = prompt_ids(16, seed=3)
+    new_model, _ = strata_mlx.load(src, arena_gb=arena_gb(src, 0.25))
+    old_model, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.25))
+    assert np.array_equal(
+        np.array(teacher_forced_logits(new_model, ids, 16)),
+        np.array(teacher_forced_logits(old_model, ids, 16)),
+    )
+    assert old_model.expert_cache.reader.stats()["verified"] > 0
+    for model in (new_model, old_model):
+        model.expert_cache.close()
+    off, _ = old.record(old.moe_layers[0], 5)
+    _flip_byte(path / EXPERTS, off + rb - 1)  # the record's last byte (padding included)
+    model, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 1.0))
+    with pytest.raises(ExpertReadError, match=f"layer {old.moe_layers[0]} expert 5: checksum"):
+        model.expert_cache.warm()
+    model.expert_cache.close()
 
 
 def test_fake_stream_reads_nothing(store):

@@ -1,0 +1,143 @@
+"""What verifying expert records costs: read bandwidth with checksums on and off, in one run.
+
+    python benchmarks/verify_bandwidth.py STORE [--workers 8] [--seconds 4] [--rounds 3]
+    python benchmarks/verify_bandwidth.py --checksum-only      # GB/s a core, no drive
+
+Reads: random records of STORE's experts.bin, `workers` in flight, through the native reader
+as the expert cache issues them (direct I/O, one record a read), once with each record's
+checksum from the manifest verified in the reader's threads and once without; the two
+alternate for `rounds` rounds so that drift in the drive hits both alike. Also probe-ssd at
+the same worker count and record size: the figure docs/benchmarks.md reports ratios to.
+Prints GB/s of each, verified / unverified (issue 16 asks >= 95 %), verified / probe, and the
+share of the workers' time spent checksumming.
+
+--checksum-only: crc32c and crc32 GB/s on one core, on a record in cache and streaming over
+a buffer larger than the caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from strata_mlx.probe import probe_ssd
+from strata_mlx.reader import ALIGNMENT, Reader, checksum, checksum_implementation
+from strata_mlx.store import EXPERTS, load_manifest
+
+
+def aligned(nbytes: int) -> tuple[np.ndarray, int]:
+    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGNMENT
+    view = raw[start : start + nbytes]
+    return view, view.ctypes.data
+
+
+def read_round(store: Path, m, verify: bool, workers: int, seconds: float, seed: int) -> dict:
+    rb = m.layout.record_bytes
+    keys = [(layer, e) for layer in m.moe_layers for e in range(m.num_experts)]
+    rng = np.random.default_rng(seed)
+    slots = workers * 2
+    buf, base = aligned(rb * slots)
+    with Reader(workers) as r:
+        f = r.open(store / EXPERTS, checksum=m.checksum if verify else None)
+        tag = 0
+
+        def request(slot: int) -> tuple:
+            nonlocal tag
+            tag += 1
+            off, expected = m.record(*keys[int(rng.integers(len(keys)))])
+            return (tag, f, off, rb, base + slot * rb, expected if verify else None)
+
+        first = [request(s) for s in range(slots)]
+        slot_of = {q[0]: s for s, q in enumerate(first)}
+        t0 = time.perf_counter()
+        r.submit(first)
+        nbytes = 0
+        while slot_of:
+            more = []
+            for t, err, got in r.wait(None):
+                if err:
+                    raise OSError(err, f"read failed (error {err})")
+                nbytes += got
+                slot = slot_of.pop(t)
+                if time.perf_counter() - t0 < seconds:
+                    q = request(slot)
+                    slot_of[q[0]] = slot
+                    more.append(q)
+            if more:
+                r.submit(more)
+        elapsed = time.perf_counter() - t0
+        st = r.stats()
+        direct = r.is_direct(f)
+    del buf
+    busy = sum(st["busy_ns"]) + sum(st["verify_ns"])
+    return {
+        "gb_per_s": nbytes / elapsed / 1e9,
+        "reads": st["requests_done"],
+        "verified": st["verified"],
+        "verify_share": sum(st["verify_ns"]) / busy if busy else 0.0,
+        "direct": direct,
+    }
+
+
+def checksum_only() -> None:
+    for name in ("crc32c", "crc32"):
+        record = np.random.default_rng(0).integers(0, 256, 1_474_560, dtype=np.uint8)
+        checksum(name, record)
+        t0 = time.perf_counter()
+        n = 0
+        while time.perf_counter() - t0 < 1.0:
+            checksum(name, record)
+            n += 1
+        warm = n * record.nbytes / (time.perf_counter() - t0) / 1e9
+        big = np.ones(1 << 30, dtype=np.uint8)  # larger than any cache: streams from memory
+        t0 = time.perf_counter()
+        for start in range(0, big.nbytes, record.nbytes):
+            checksum(name, big[start : start + record.nbytes])
+        cold = big.nbytes / (time.perf_counter() - t0) / 1e9
+        print(
+            f"{name} ({checksum_implementation(name)}): {warm:.2f} GB/s a core on a cached "
+            f"record, {cold:.2f} GB/s streaming 1 GiB"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("store", type=Path, nargs="?")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--checksum-only", action="store_true")
+    a = ap.parse_args()
+    if a.checksum_only or a.store is None:
+        checksum_only()
+        if a.store is None:
+            return
+    m = load_manifest(a.store)
+    rb = m.layout.record_bytes
+    print(f"{a.store}: {m.checksum} records of {rb} bytes, {a.workers} workers")
+    runs: dict[bool, list[dict]] = {True: [], False: []}
+    for i in range(a.rounds):
+        for verify in (False, True) if i % 2 == 0 else (True, False):
+            res = read_round(a.store, m, verify, a.workers, a.seconds, seed=i)
+            runs[verify].append(res)
+            print(
+                f"round {i} verify={'on ' if verify else 'off'}: {res['gb_per_s']:.2f} GB/s "
+                f"({res['reads']} reads, {res['verified']} verified, direct={res['direct']}, "
+                f"{100 * res['verify_share']:.1f} % of worker time checksumming)"
+            )
+    probe = probe_ssd(a.store / EXPERTS, record_bytes=rb, workers_list=(a.workers,))[0]
+    on = statistics.median(r["gb_per_s"] for r in runs[True])
+    off = statistics.median(r["gb_per_s"] for r in runs[False])
+    print(
+        f"median: verify on {on:.2f} GB/s, off {off:.2f} GB/s, probe-ssd {probe['gb_per_s']:.2f}"
+        f" GB/s; on/off {100 * on / off:.1f} %, on/probe {100 * on / probe['gb_per_s']:.1f} %"
+    )
+
+
+if __name__ == "__main__":
+    main()
