@@ -137,6 +137,12 @@ def generate(
     fake_stream: bool = typer.Option(
         False, "--fake-stream", help="Every expert counts as resident: times compute alone."
     ),
+    decode: str = typer.Option(
+        "pipelined",
+        "--decode",
+        help="pipelined (routing checked a layer late, no per-layer sync) | sync (the old path)",
+    ),
+    decode_lag: int = typer.Option(1, "--decode-lag", help="Pipelined: layers of lag."),
     preset: str | None = typer.Option(
         None, "--preset", help="A runtime preset from configs/runtime/ (e.g. laptop-24gb)."
     ),
@@ -174,6 +180,7 @@ def generate(
         fake_stream,
     )
     cfg.lookahead_decode_min_miss = lookahead_decode_min_miss
+    cfg.decode, cfg.decode_lag = decode, decode_lag
     if preset is not None:
         from .loader import apply_preset
 

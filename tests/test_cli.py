@@ -236,3 +236,31 @@ def test_runtime_preset(store):
 
     cfg = apply_preset(RuntimeConfig(io_workers=4), "laptop-24gb")
     assert cfg.arena_gb == 6.5 and cfg.prefill_step_size == 2048 and cfg.io_workers == 4
+
+
+def test_generate_decode_paths_print_the_same_tokens(store):
+    """--decode sync (the per-layer handshake) and the default pipelined decode, as a user
+    runs them: the same greedy token ids on stdout."""
+    path = store("qwen3_moe")
+    ids = ",".join(map(str, prompt_ids(10, seed=8)))
+    outs = []
+    for extra in (["--decode", "sync"], ["--decode-lag", "2"]):
+        r = run(
+            "generate",
+            "--model",
+            path,
+            "--prompt-tokens",
+            ids,
+            "-m",
+            "6",
+            "--temp",
+            "0",
+            "--arena-gb",
+            0.0001,
+            *extra,
+        )
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout.split("==========")[0])
+    assert outs[0] == outs[1] and outs[0].strip()
+    r = run("generate", "--model", path, "--prompt-tokens", ids, "--decode", "bogus")
+    assert r.returncode != 0 and "--decode 'bogus'" in r.stderr
