@@ -69,6 +69,7 @@ def test_a_read_held_back_mid_token_recomputes_exactly(store, family):
     ids = prompt_ids(24, seed=12)
     gb = arena_for(path, 0.5)
     sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
+    sync.expert_cache.read_ahead.decode_min_miss = 0.0  # both predict in every decode layer
     ref = decode(sync, ids, 12)
     model, _ = strata_mlx.load(path, arena_gb=gb, read_ahead="lookahead", decode_lag=1)
     ec = model.expert_cache
