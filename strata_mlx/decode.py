@@ -17,9 +17,11 @@ with the layers after it, and checks it against the row the layer was built with
 So outputs are bit-identical to the sync path (tests/test_decode.py) and a miss costs at most
 `lag` + 1 layers of recomputation plus its read. While more than `sync_above` of recent decode
 layers missed, whole tokens run the sync handshake instead (measured break-even, see
-docs/decisions.md); its misses keep the running rate current, so pipelining resumes. Slots are safe to refill only while nothing in
-flight reads them: in this decoder the arena is written only after a drain, or into slots that
-the layers in flight cannot reference (their rows were built before the allocation).
+docs/decisions.md); its misses keep the running rate current, so pipelining resumes.
+
+Slots are safe to refill only while nothing in flight reads them: in this decoder the arena is
+written only after a drain, or into slots of layers not in flight (their rows are rebuilt
+before those layers are built again).
 
 This module never reads files; the expert cache does.
 """
@@ -75,6 +77,7 @@ class PipelinedDecoder:
         ec.settle()
         ec.arena.unpin_all()  # the last token is evaluated: no slot is in use
         while True:
+            outs: list[mx.array] = []
             if i < n:
                 inputs[i] = h
                 ec.pipeline = deferred = []
@@ -85,18 +88,13 @@ class PipelinedDecoder:
                 pending += [(i, d) for d in deferred]
                 outs = [a for d in deferred for a in d.outputs()]
                 i += 1
-                if i < n:
-                    mx.async_eval(h, *outs)
-                    check = max(len(pending) - self.lag, 0)
-                    done = False
-                else:  # the head goes in while the last layers are checked
-                    logits = self.head(self.norm(h))
-                    mx.async_eval(logits, *outs)
-                    check, done = len(pending), True
-            else:  # after a miss in a layer built last, nothing is left to build
+            if i < n:
+                mx.async_eval(h, *outs)
+                check = max(len(pending) - self.lag, 0)
+            else:  # every layer built: the head goes in while the last ones are checked
                 logits = self.head(self.norm(h))
-                mx.async_eval(logits)
-                check, done = len(pending), True
+                mx.async_eval(logits, *outs)
+                check = len(pending)
             missed = None
             for _ in range(check):
                 j, d = pending.pop(0)
@@ -107,7 +105,7 @@ class PipelinedDecoder:
                 # Everything built after layer `missed` used its wrong output: discard it.
                 h = self._recover(missed, i, h, inputs, cache, saved)
                 pending, i = [], missed + 1
-            elif done:
+            elif i == n:
                 self._last = logits
                 return logits
 

@@ -284,11 +284,8 @@ class ExpertCache:
 
         misses_before = st.misses
         waits = self._classify(layer, needed)
-        if self.decoding:  # running averages over the last ~100 / ~50 decode layers
-            rate = (st.misses - misses_before) / len(needed)
-            self.decode_miss_rate += 0.01 * (rate - self.decode_miss_rate)
-            missed = float(st.misses > misses_before)
-            self.decode_layer_miss_rate += 0.02 * (missed - self.decode_layer_miss_rate)
+        if self.decoding:
+            self._observe_decode_layer((st.misses - misses_before) / len(needed))
         if predict:
             pred_ids = np.array(pred).reshape(-1, pred.shape[-1])
             if self.trace is not None:
@@ -371,6 +368,14 @@ class ExpertCache:
         self.stats.host_s += time.perf_counter() - t
         return y
 
+    def _observe_decode_layer(self, miss_rate: float) -> None:
+        """Running averages over the last ~100 decode layers (the share of lookups that
+        missed: whether decode predicts) and ~50 (the share of layers with a miss: whether
+        pipelined decode falls back to the sync handshake)."""
+        self.decode_miss_rate += 0.01 * (miss_rate - self.decode_miss_rate)
+        missed = float(miss_rate > 0)
+        self.decode_layer_miss_rate += 0.02 * (missed - self.decode_layer_miss_rate)
+
     def _predicts_in_decode(self) -> bool:
         return (
             self.read_ahead.predicts
@@ -401,8 +406,7 @@ class ExpertCache:
             self._count_resident(d.layer, needed.tolist())
         else:
             st.hits += needed.size
-        self.decode_miss_rate -= 0.01 * self.decode_miss_rate  # a layer with no miss
-        self.decode_layer_miss_rate -= 0.02 * self.decode_layer_miss_rate
+        self._observe_decode_layer(0.0)
         if self.trace is not None:
             self.trace.record(d.layer, ids)
         if d.pred is not None:
@@ -498,18 +502,20 @@ class ExpertCache:
                 self._collect(block=True)
                 slot = self.arena.allocate(key)
             self._evicted_check()
-            tag = self._tags = self._tags + 1
-            off, expected = self.manifest.record(*key)
-            self._reads[tag] = _Read(key, slot, urgent)
-            self._tag_of[key] = tag
-            expected = expected if self.verify else None
-            reqs.append(
-                (tag, self._file, off, self.layout.record_bytes, self.arena.address(slot), expected)
-            )
-            tags.append(tag)
+            reqs.append(self._start_read(key, slot, urgent))
+            tags.append(reqs[-1][0])
         if reqs:
             self.reader.submit(reqs, urgent)
         return tags
+
+    def _start_read(self, key: Key, slot: int, urgent: bool) -> tuple:
+        """Record a read of `key` into `slot` as in flight; its request for the reader."""
+        tag = self._tags = self._tags + 1
+        off, expected = self.manifest.record(*key)
+        self._reads[tag] = _Read(key, slot, urgent)
+        self._tag_of[key] = tag
+        expected = expected if self.verify else None
+        return (tag, self._file, off, self.layout.record_bytes, self.arena.address(slot), expected)
 
     def _evicted_check(self) -> None:
         # A prefetched expert evicted before use was a wasted read.
@@ -537,14 +543,7 @@ class ExpertCache:
             slot = self.arena.allocate(key, protect)
             if slot is None:
                 break  # no slot that is not pinned or mid-read: the rest waits for demand
-            tag = self._tags = self._tags + 1
-            off, expected = self.manifest.record(*key)
-            self._reads[tag] = _Read(key, slot, urgent=False)
-            self._tag_of[key] = tag
-            expected = expected if self.verify else None
-            reqs.append(
-                (tag, self._file, off, self.layout.record_bytes, self.arena.address(slot), expected)
-            )
+            reqs.append(self._start_read(key, slot, urgent=False))
         self._evicted_check()
         if reqs:
             self.stats.readahead_submitted += len(reqs)

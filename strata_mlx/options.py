@@ -83,8 +83,7 @@ def check_runtime(cfg, cli: bool = False) -> None:
         check_int("prefill_step_size", cfg.prefill_step_size, 1, MAX_PREFILL_STEP, cli=cli)
     check_choice("decode", cfg.decode, MODES, cli=cli)
     check_int("decode_lag", cfg.decode_lag, 0, 1 << 10, cli=cli)
-    if getattr(cfg, "decode_sync_above", None) is not None:
-        check_number("decode_sync_above", cfg.decode_sync_above, 0, 1, cli=cli)
+    check_number("decode_sync_above", cfg.decode_sync_above, 0, 1, cli=cli)
     for name in ("verify", "fake_stream"):
         if not isinstance(getattr(cfg, name), bool):
             raise OptionError(f"{_name(name, cli)} {getattr(cfg, name)!r}: expected true or false")
