@@ -40,6 +40,7 @@ FAMILIES = {
     "qwen3_next": "qwen3_next",
     "mixtral": "mixtral",
     "olmoe": "olmoe",
+    "glm4_moe": "glm4_moe",
     "llama": "llama",
 }
 
@@ -75,25 +76,21 @@ class RuntimeConfig:
     decode: str = "pipelined"  # pipelined | sync (per-layer host sync; strata_mlx.decode)
     decode_lag: int = 1  # pipelined: layers the host reads routing behind the device
     decode_sync_above: float = 0.3  # pipelined: tokens run synced while more layers miss
-
-
-PRESETS = Path(__file__).resolve().parents[1] / "configs" / "runtime"
+    # pipelined: whole tokens, overlapped with the next one's build, while fewer layers miss
+    decode_token_below: float = 0.02
+    decode_chunk: int = 8  # pipelined "token" mode: layers submitted to the device at once
 
 
 def apply_preset(cfg: RuntimeConfig, name: str) -> RuntimeConfig:
     """Fill the fields of `cfg` still at their defaults from configs/runtime/NAME.json."""
-    import json
+    from . import configs
 
-    path = PRESETS / f"{name}.json"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in PRESETS.glob("*.json")))
-        raise StoreError(f"{path}: no such preset (known: {known})")
     default = RuntimeConfig()
-    for key, value in json.loads(path.read_text()).items():
+    for key, value in configs.read("runtime", name).items():
         if key.startswith("_"):
             continue
         if not hasattr(cfg, key):
-            raise StoreError(f"{path}: unknown setting {key!r}")
+            raise StoreError(f"{configs.path('runtime', name)}: unknown setting {key!r}")
         if getattr(cfg, key) == getattr(default, key):
             setattr(cfg, key, value)
     return cfg
@@ -226,7 +223,9 @@ def load(
     attach(model, cache)
     model.expert_cache = cache
     model.decoder = (
-        PipelinedDecoder(model, cfg.decode_lag, cfg.decode_sync_above)
+        PipelinedDecoder(
+            model, cfg.decode_lag, cfg.decode_sync_above, cfg.decode_token_below, cfg.decode_chunk
+        )
         if cfg.decode == "pipelined"
         else None
     )

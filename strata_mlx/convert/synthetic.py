@@ -42,7 +42,6 @@ attention included, gave the figures above.)
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,13 +50,12 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .. import configs
 from ..loader import family
 from ..models.base import normalize_config
 from ..quant import layout_for
-from ..store import PROJECTIONS, RecordLayout, StoreError, StoreWriter
+from ..store import PROJECTIONS, RecordLayout, StoreWriter
 from .common import calibrate, check_output
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 
 
 @dataclass
@@ -89,11 +87,8 @@ class Recipe:
 
 
 def synthetic_config(name: str) -> dict:
-    path = CONFIGS / f"{name}.json"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in CONFIGS.glob("*.json")))
-        raise StoreError(f"{path}: no such synthetic shape (known: {known})")
-    return json.loads(path.read_text())
+    """configs/models/NAME.json (package data: strata_mlx.configs)."""
+    return configs.read("models", name)
 
 
 def _expert_layout(D: int, inter: int, bits: int, gs: int, dtype):
