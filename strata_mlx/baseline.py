@@ -29,7 +29,7 @@ from .models.base import normalize_config
 from .store import DENSE, EXPERTS, PROJECTIONS, Manifest, StoreError, load_manifest
 
 # Our families that mlx-lm has, under the same module name; the same parameter names too.
-MLX_LM_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen3_next")
+MLX_LM_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe")
 
 
 def _mlx_lm():

@@ -64,6 +64,25 @@ def _hf_model(family: str):
             norm_topk_prob=True,
         )
         return T.Qwen3NextForCausalLM(cfg)
+    if family == "glm4_moe":
+        # Layer 0 dense; 8 experts in 2 groups, only the better group eligible (topk_group 1).
+        cfg = T.Glm4MoeConfig(
+            **{**TINY, "num_hidden_layers": 3},
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            head_dim=8,
+            partial_rotary_factor=0.5,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            use_qk_norm=True,
+            attention_bias=True,
+        )
+        return T.Glm4MoeForCausalLM(cfg)
     raise ValueError(family)
 
 
@@ -87,13 +106,19 @@ def hf_checkpoint(tmp_path_factory):
 
 
 def _randomize_norms(m) -> None:
-    """Norm weights start at 1 (or 0): perturb them so that a misplaced norm shows."""
+    """Norm weights start at 1 (or 0), attention biases and routers' correction biases at 0:
+    perturb them so that a misplaced one shows."""
     import torch
 
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" in name and p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                p.add_(torch.randn_like(p) * 0.1)
+        for name, b in m.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.05)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from strata_mlx.store import StoreError, load_manifest
 
 pytest.importorskip("mlx_lm")
 
-FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next"]
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe"]
 
 
 def resident(path):
@@ -48,8 +48,8 @@ def test_mlx_lm_model_from_store_matches_resident_strata(family, store):
     # Quantized where the store is: 4-bit affine gate/up, and what the store left float stays so
     # (these tiny experts' down projection has 16 inputs, fewer than a group of 32).
     layout = load_manifest(path).layout
-    sw = ref.layers[0].mlp if family != "mixtral" else ref.layers[0].block_sparse_moe
-    sw = sw.switch_mlp
+    blocks = [l.mlp if family != "mixtral" else l.block_sparse_moe for l in ref.layers]
+    sw = next(b for b in blocks if "switch_mlp" in b).switch_mlp  # GLM: layer 0 is dense
     assert (sw.gate_proj.bits, sw.gate_proj.group_size) == (4, 32)
     assert ("scales" in sw.down_proj) == (layout.quant["down_proj"]["format"] == "affine")
 

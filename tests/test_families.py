@@ -14,7 +14,7 @@ from conftest import TINY, _randomize_norms, hf_logits, prompt_ids
 import strata_mlx
 from strata_mlx.generate import teacher_forced_logits
 
-FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next"]
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -88,6 +88,24 @@ def _hf_model_q(family: str):
             **moe,
         )
         return T.Qwen3NextForCausalLM(cfg)
+    if family == "glm4_moe":
+        cfg = T.Glm4MoeConfig(
+            **{**Q_TINY, "num_hidden_layers": 3},
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            head_dim=16,
+            partial_rotary_factor=0.5,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            use_qk_norm=True,
+            attention_bias=True,
+            **moe,
+        )
+        return T.Glm4MoeForCausalLM(cfg)
     raise ValueError(family)
 
 
@@ -120,6 +138,9 @@ def _mlx_lm_config(checkpoint: Path) -> dict:
         for k, v in config.items()
         if k in ("rope_theta", "partial_rotary_factor", "num_experts", "num_local_experts")
     }
+    # GLM-4.5's ModelArgs requires rope_scaling, which transformers 5 leaves out when unset.
+    if config.get("model_type") == "glm4_moe":
+        patch.setdefault("rope_scaling", config.get("rope_scaling"))
     # Qwen3-Next: transformers 5 writes the layer schedule as layer_types only.
     if types := config.get("layer_types"):
         interval = types.index("full_attention") + 1

@@ -160,7 +160,9 @@ def convert_hf(
     weights = load_weights(src)
     model = fam.Model(args)
     moe_layers = sorted(model.moe_blocks())
-    num_experts = config.get("num_experts", 0) if moe_layers else 0
+    num_experts = 0
+    if moe_layers:  # DeepSeek-V3 and GLM-4.5 say n_routed_experts: their ModelArgs map it
+        num_experts = config.get("num_experts") or getattr(args, "num_experts", 0)
     prefixes = [fam.EXPERT_PREFIX.format(layer=l) for l in moe_layers]
 
     mlx_ckpt = is_mlx_checkpoint(weights, config)
@@ -198,8 +200,11 @@ def convert_hf(
 
         nn.quantize(model, mlx_quant["group_size"], mlx_quant["bits"], class_predicate=quantized)
     else:
+        keep = getattr(model, "cast_predicate", None)  # e.g. routers' correction biases
         dense = {
-            k: v.astype(fdtype) if mx.issubdtype(v.dtype, mx.floating) else v
+            k: v.astype(fdtype)
+            if mx.issubdtype(v.dtype, mx.floating) and (keep is None or keep(k))
+            else v
             for k, v in dense.items()
         }
     store_config = dict(config)
