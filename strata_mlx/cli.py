@@ -91,11 +91,39 @@ def generate(
         None, "--prompt-tokens", help="Prompt as token ids: 1,2,3."
     ),
     max_tokens: int = typer.Option(100, "--max-tokens", "-m"),
-    temp: float = typer.Option(0.0, "--temp"),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    seed: int | None = typer.Option(None, "--seed"),
-    chat: bool = typer.Option(
-        False, "--chat/--no-chat", help="Wrap the prompt in the chat template."
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0: greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sampling top-p (1: off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Sampling min-p (0: off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sampling top-k (0: off)."),
+    min_tokens_to_keep: int = typer.Option(
+        1, "--min-tokens-to-keep", help="Minimum tokens to keep for min-p sampling."
+    ),
+    xtc_probability: float = typer.Option(
+        0.0, "--xtc-probability", help="Probability of XTC sampling at each token."
+    ),
+    xtc_threshold: float = typer.Option(
+        0.1, "--xtc-threshold", help="XTC drops the tokens above this probability but one."
+    ),
+    repetition_penalty: float | None = typer.Option(
+        None, "--repetition-penalty", help="Penalty on the logits of recent tokens (1: none)."
+    ),
+    repetition_context_size: int = typer.Option(
+        20, "--repetition-context-size", help="Tokens the repetition penalty looks back."
+    ),
+    seed: int | None = typer.Option(None, "--seed", help="PRNG seed."),
+    chat: bool | None = typer.Option(
+        None,
+        "--chat/--no-chat",
+        help="Wrap the prompt in the chat template (default: with --system-prompt or "
+        "--chat-template-config).",
+    ),
+    system_prompt: str | None = typer.Option(
+        None, "--system-prompt", help="A system message before the prompt (implies --chat)."
+    ),
+    chat_template_config: str | None = typer.Option(
+        None,
+        "--chat-template-config",
+        help="More variables for the chat template, as a JSON object (implies --chat).",
     ),
     logits_out: Path | None = typer.Option(
         None, "--logits-out", help="Write teacher-forced prompt logits [T, vocab] float32 .npy."
@@ -103,8 +131,8 @@ def generate(
     logits_ref: Path | None = typer.Option(
         None, "--logits-ref", help="Compare prompt logits with a .npy (KLD, top-1)."
     ),
-    top_k: int | None = typer.Option(
-        None, "--top-k", help="Override the store's experts per token."
+    experts_per_token: int | None = typer.Option(
+        None, "--experts-per-token", help="Override the store's experts per token."
     ),
     dump_moe: Path | None = typer.Option(
         None, "--dump-moe", help="Write per-layer MoE state (.npy) here."
@@ -157,9 +185,27 @@ def generate(
         if prompt is None:
             raise ValueError("give --prompt/-p or --prompt-tokens")
     from .options import check_number, check_runtime, check_sampling
+    from .sampling import SamplingOptions
 
+    sampling = SamplingOptions(
+        temp=temp,
+        top_p=top_p,
+        min_p=min_p,
+        min_tokens_to_keep=min_tokens_to_keep,
+        top_k=top_k,
+        xtc_probability=xtc_probability,
+        xtc_threshold=xtc_threshold,
+        repetition_penalty=repetition_penalty,
+        repetition_context_size=repetition_context_size,
+    )
     check_sampling(max_tokens, temp, top_p, seed, cli=True)  # before a model is loaded
+    sampling.check(cli=True)
     check_number("moce_bonus", moce_bonus, 0, cli=True)
+    template_kwargs = _template_config(chat_template_config)
+    wants_chat = system_prompt is not None or chat_template_config is not None
+    if chat is False and wants_chat:
+        raise ValueError("--system-prompt and --chat-template-config need the chat template")
+    chat = wants_chat if chat is None else chat
     if model is None:
         from .default_model import default_store
 
@@ -187,8 +233,8 @@ def generate(
         apply_preset(cfg, preset)
     check_runtime(cfg, cli=True)
     m, tok = load(model, config=cfg)
-    if top_k is not None:
-        _set_top_k(m, top_k)
+    if experts_per_token is not None:
+        _set_experts_per_token(m, experts_per_token)
     cache = m.expert_cache
     cache.route_bonus = moce_bonus
     if prompt == "-":
@@ -198,7 +244,10 @@ def generate(
     else:
         if tok is None:
             raise ValueError(f"{model}: the store has no tokenizer; use --prompt-tokens")
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        messages = [{"role": "user", "content": prompt}]
+        if system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        text = tok.apply_chat_template(messages, **template_kwargs) if chat else prompt
         ids = tok.encode(text, add_special_tokens=not chat)  # a template carries its own BOS
     if dump_moe is not None:
         from .tools import MoeDumper
@@ -222,10 +271,10 @@ def generate(
         tok,
         ids,
         max_tokens=max_tokens,
-        temp=temp,
-        top_p=top_p,
         seed=seed,
         prefill_step_size=cfg.prefill_step_size,
+        sampler=sampling.sampler(tok),
+        logits_processors=sampling.logits_processors(m.args.vocab_size),
     ):
         if tok is not None:
             typer.echo(last.text, nl=False)
@@ -251,10 +300,28 @@ def chunk_line(i: int, c) -> str:
     )
 
 
-def _set_top_k(model, k: int) -> None:
+def _template_config(text: str | None) -> dict:
+    """--chat-template-config: a JSON object of template variables (mlx-lm's flag)."""
+    if text is None:
+        return {}
+    import json
+
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-config: not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError("--chat-template-config: expected a JSON object of template variables")
+    taken = sorted({"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(config))
+    if taken:
+        raise ValueError(f"--chat-template-config: {', '.join(taken)} are set by strata-mlx")
+    return config
+
+
+def _set_experts_per_token(model, k: int) -> None:
     n = model.args.num_experts if hasattr(model.args, "num_experts") else None
     if k < 1 or (n and k > n):
-        raise ValueError(f"--top-k {k}: must lie in [1, {n}]")
+        raise ValueError(f"--experts-per-token {k}: must lie in [1, {n}]")
     for block in model.moe_blocks().values():
         block.top_k = k
 
@@ -446,6 +513,33 @@ def bench(
     typer.echo(markdown_table(result))
     if json_out is not None:
         save(result, json_out)
+
+
+@app.command()
+@user_errors
+def plan(
+    model: Path = typer.Argument(..., help="A store, a Hugging Face checkpoint or a GGUF file."),
+    arena_gb: float | None = typer.Option(None, "--arena-gb", help="Default: automatic."),
+    prefill_step_size: int | None = typer.Option(None, "--prefill-step-size"),
+    prompt_tokens: int = typer.Option(2048, "-p", "--prompt-tokens"),
+    io_workers: int = typer.Option(8, "--io-workers"),
+    target_memory: float | None = typer.Option(
+        None, "--target-memory", help="GB, another machine."
+    ),
+    target_ssd_gbps: float | None = typer.Option(None, "--target-ssd-gbps"),
+    target_tflops: float | None = typer.Option(None, "--target-tflops"),
+    measure: bool = typer.Option(True, "--measure/--no-measure", help="Fake-stream compute run."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the forecast as JSON."),
+):
+    """Will MODEL fit, with what arena and chunk, and how fast: prefill and decode tok/s."""
+    from .plan import plan as run_plan
+    from .plan import save
+
+    f = run_plan(model, arena_gb, prefill_step_size, prompt_tokens, 128, io_workers,
+                 target_memory, target_ssd_gbps, target_tflops, measure)  # fmt: skip
+    typer.echo("\n".join(f.lines()))
+    if json_out is not None:
+        save(f, json_out)
 
 
 @app.command("probe-ssd")

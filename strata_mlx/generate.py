@@ -8,7 +8,7 @@ This module never touches the disk; the expert cache behind the model does.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -17,6 +17,7 @@ import numpy as np
 from . import decode
 from .experts import ExpertStats
 from .options import OptionError, check_prompt_length, check_sampling
+from .sampling import LogitsProcessor, Sampler, make_sampler  # make_sampler lived here
 
 
 @dataclass
@@ -34,27 +35,6 @@ class GenerationResponse:
     expert_stats: ExpertStats | None = None  # whole generation so far
     prefill_stats: ExpertStats | None = None
     chunks: list[ExpertStats] = field(default_factory=list)  # per prefill chunk
-
-
-def make_sampler(temp: float = 0.0, top_p: float = 1.0) -> Callable[[mx.array], mx.array]:
-    """Greedy at temp 0 or top_p 0 (a nucleus of zero mass keeps the most likely token);
-    else temperature with optional nucleus (top-p) filtering."""
-    if temp <= 0 or top_p <= 0:
-        return lambda logprobs: mx.argmax(logprobs, axis=-1)
-
-    def sample(logprobs: mx.array) -> mx.array:
-        logits = logprobs / temp
-        if 0 < top_p < 1:
-            probs = mx.softmax(logits, axis=-1)
-            order = mx.argsort(-probs, axis=-1)
-            sorted_p = mx.take_along_axis(probs, order, axis=-1)
-            cum = mx.cumsum(sorted_p, axis=-1)
-            keep_sorted = (cum - sorted_p) < top_p  # always keeps the most likely token
-            keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
-            logits = mx.where(keep, logits, -mx.inf)
-        return mx.random.categorical(logits, axis=-1)
-
-    return sample
 
 
 def prefill(model, prompt: mx.array, cache, step: int, on_chunk=None) -> mx.array:
@@ -84,8 +64,11 @@ def generate_step(
     sampler=None,
     prefill_step_size: int | None = None,
     on_chunk=None,
+    logits_processors: list[LogitsProcessor] | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
-    """Yield (token, logprobs) pairs; the prompt is prefilled in chunks first."""
+    """Yield (token, logprobs) pairs; the prompt is prefilled in chunks first.
+    `logits_processors` (mlx-lm's) change each step's logits before they are normalised;
+    they see the tokens so far, the prompt's included."""
     sampler = sampler or make_sampler()
     cache = model.make_cache()
     step = (
@@ -96,8 +79,15 @@ def generate_step(
     expert_cache = getattr(model, "expert_cache", None)
     y = prefill(model, prompt, cache, step, on_chunk)
 
+    context = prompt[: prompt.shape[0] - y.shape[0]]  # tokens so far, for processors
+
     def forward(tokens):
+        nonlocal context
         logits = decode.forward(model, tokens[None], cache)[:, -1, :]
+        if logits_processors:
+            context = mx.concatenate([context, tokens.astype(context.dtype)])
+            for processor in logits_processors:
+                logits = processor(context, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return sampler(logprobs), logprobs.squeeze(0)
 
@@ -129,8 +119,12 @@ def stream_generate(
     seed: int | None = None,
     prefill_step_size: int | None = None,
     stop: list[str] | None = None,
+    sampler: Sampler | None = None,
+    logits_processors: list[LogitsProcessor] | None = None,
 ) -> Generator[GenerationResponse, None, None]:
-    """Generate from `prompt` (text, or token ids), yielding one response per token."""
+    """Generate from `prompt` (text, or token ids), yielding one response per token.
+    `sampler` and `logits_processors` (strata_mlx.sampling) replace the sampler built from
+    `temp` and `top_p`."""
     check_sampling(max_tokens, temp, top_p, seed)
     if seed is not None:
         mx.random.seed(seed)
@@ -163,9 +157,10 @@ def stream_generate(
             model,
             mx.array(ids),
             max_tokens,
-            make_sampler(temp, top_p),
+            sampler or make_sampler(temp, top_p),
             prefill_step_size,
             on_chunk=chunks.append,
+            logits_processors=logits_processors,
         )
     ):
         if n == 0:

@@ -16,10 +16,17 @@ from typing import Any
 MAX_IO_WORKERS = 256
 MAX_PREFILL_STEP = 1 << 20
 MAX_SEED = (1 << 64) - 1  # mx.random.seed takes an unsigned 64-bit integer
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: -100 bans a token, 100 forces it
+XTC_MAX_THRESHOLD = 0.5  # above it more than one token could exceed it: mlx-lm's bound
 
 
 class OptionError(ValueError):
-    """An option outside its range; the message is one line naming the option."""
+    """An option outside its range; the message is one line naming the option, `param` its
+    Python / JSON name (the server's error body names it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 def _name(name: str, cli: bool) -> str:
@@ -37,7 +44,9 @@ def _is_number(v: Any) -> bool:
 def check_int(name: str, v: Any, lo: int, hi: int | None = None, cli: bool = False) -> int:
     if not _is_int(v) or v < lo or (hi is not None and v > hi):
         upper = f", {hi}]" if hi is not None else ", ...)"
-        raise OptionError(f"{_name(name, cli)} {v!r}: expected an integer in [{lo}{upper}")
+        raise OptionError(
+            f"{_name(name, cli)} {v!r}: expected an integer in [{lo}{upper}", param=name
+        )
     return v
 
 
@@ -55,13 +64,17 @@ def check_number(
     if not ok:
         low = f"({lo}" if lo_open else f"[{lo}"
         high = f", {hi}]" if hi is not None else ", inf)"
-        raise OptionError(f"{_name(name, cli)} {v!r}: expected a finite number in {low}{high}")
+        raise OptionError(
+            f"{_name(name, cli)} {v!r}: expected a finite number in {low}{high}", param=name
+        )
     return v
 
 
 def check_choice(name: str, v: Any, choices, cli: bool = False) -> str:
     if v not in choices:
-        raise OptionError(f"{_name(name, cli)} {v!r}: one of {', '.join(map(str, choices))}")
+        raise OptionError(
+            f"{_name(name, cli)} {v!r}: one of {', '.join(map(str, choices))}", param=name
+        )
     return v
 
 
@@ -99,6 +112,69 @@ def check_sampling(
     check_number("top_p", top_p, 0, 1, cli=cli)
     if seed is not None:
         check_int("seed", seed, 0, MAX_SEED, cli=cli)
+
+
+def check_sampler(
+    temp: Any,
+    top_p: Any,
+    min_p: Any,
+    min_tokens_to_keep: Any,
+    top_k: Any,
+    xtc_probability: Any,
+    xtc_threshold: Any,
+    cli: bool = False,
+) -> None:
+    """sampling.make_sampler's arguments, in its order. top_k 0 and min_p 0 are off."""
+    check_number("temp", temp, 0, cli=cli)
+    check_number("top_p", top_p, 0, 1, cli=cli)
+    check_number("min_p", min_p, 0, 1, cli=cli)
+    check_int("min_tokens_to_keep", min_tokens_to_keep, 1, cli=cli)
+    check_int("top_k", top_k, 0, cli=cli)
+    check_number("xtc_probability", xtc_probability, 0, 1, cli=cli)
+    check_number("xtc_threshold", xtc_threshold, 0, XTC_MAX_THRESHOLD, cli=cli)
+
+
+def check_logits_processors(
+    logit_bias: Any,
+    repetition_penalty: Any,
+    repetition_context_size: Any,
+    presence_penalty: Any = None,
+    presence_context_size: Any = 20,
+    frequency_penalty: Any = None,
+    frequency_context_size: Any = 20,
+    vocab_size: int | None = None,
+    cli: bool = False,
+) -> None:
+    """sampling.make_logits_processors' arguments. A penalty of None is off (0 too). A context
+    size is at least 1: mlx-lm takes 0, where tokens[-0:] silently means every token so far."""
+    if repetition_penalty is not None:
+        check_number("repetition_penalty", repetition_penalty, 0, cli=cli)
+    check_int("repetition_context_size", repetition_context_size, 1, cli=cli)
+    for name, penalty, size in (
+        ("presence", presence_penalty, presence_context_size),
+        ("frequency", frequency_penalty, frequency_context_size),
+    ):
+        if penalty is not None:
+            check_number(f"{name}_penalty", penalty, -math.inf, cli=cli)
+        check_int(f"{name}_context_size", size, 1, cli=cli)
+    if logit_bias is None:
+        return
+    if not isinstance(logit_bias, dict):
+        raise OptionError(
+            f"logit_bias {logit_bias!r}: expected a map of token ids to biases", param="logit_bias"
+        )
+    for token, bias in logit_bias.items():
+        if not _is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
+            within = f"[0, {vocab_size})" if vocab_size is not None else "[0, ...)"
+            raise OptionError(
+                f"logit_bias: token id {token!r} outside {within}", param="logit_bias"
+            )
+        if not (_is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            raise OptionError(
+                f"logit_bias[{token}] {bias!r}: expected a number in "
+                f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                param="logit_bias",
+            )
 
 
 def check_prompt_length(n_tokens: int, context: int | None) -> None:

@@ -46,12 +46,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .generate import stop_holdback
+from .options import MAX_SEED, OptionError
+from .sampling import SamplingOptions
 
 DEFAULT_MAX_TOKENS = 512  # a request's max_tokens when it gives none
 DEFAULT_MAX_QUEUE = 16  # requests waiting behind the running one
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds in-flight requests get after SIGTERM
 FALLBACK_CONTEXT = 8192  # the limits' default for a model whose config names no context
-MAX_SEED = (1 << 64) - 1  # mx.random.seed takes an unsigned 64-bit integer
 
 # ---- request models ------------------------------------------------------------------------
 
@@ -88,16 +89,22 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # mlx-lm's server's fields beyond OpenAI's; ranges are checked by strata_mlx.options
+    top_k: int = 0
+    min_p: float = 0.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    presence_penalty: float | None = None
+    presence_context_size: int = 20
+    frequency_penalty: float | None = None
+    frequency_context_size: int = 20
 
     def unsupported(self) -> list[tuple[str, bool]]:
         """(parameter, set to something this server does not do)."""
-        return [
-            ("n", self.n != 1),
-            ("presence_penalty", self.presence_penalty != 0),
-            ("frequency_penalty", self.frequency_penalty != 0),
-        ]
+        return [("n", self.n != 1)]
 
 
 class ChatCompletionRequest(_Sampling):
@@ -194,8 +201,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 class Job:
     ids: list[int]
     max_tokens: int
-    temp: float
-    top_p: float
+    sampling: SamplingOptions
     seed: int | None
     stop: list[str]
 
@@ -311,9 +317,9 @@ class Engine:
             self.tokenizer,
             job.ids,
             max_tokens=job.max_tokens,
-            temp=job.temp,
-            top_p=job.top_p,
             seed=job.seed,
+            sampler=job.sampling.sampler(self.tokenizer),
+            logits_processors=job.sampling.logits_processors(self.model.args.vocab_size),
         )
         with contextlib.closing(gen):
             for r in gen:
@@ -583,19 +589,48 @@ def create_app(
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise APIError(f"prompt token id {bad[0]} outside [0, {vocab})", param=prompt_param)
-        temp = 1.0 if req.temperature is None else req.temperature
-        top_p = 1.0 if req.top_p is None else req.top_p
-        if top_p == 0.0:
-            temp = 0.0  # nucleus of zero mass: the most likely token
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         return Job(
             ids=ids,
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-            temp=temp,
-            top_p=top_p,
+            sampling=sampling_options(req),
             seed=req.seed,
             stop=stop,
         )
+
+    def sampling_options(req: _Sampling) -> SamplingOptions:
+        """The request's sampling fields, checked by the ranges the CLI's flags have; what a
+        request leaves out takes OpenAI's default (temperature 1) or mlx-lm's."""
+        bias = None
+        if req.logit_bias is not None:
+            bias = {}
+            for key, value in req.logit_bias.items():
+                try:
+                    bias[int(key)] = value
+                except ValueError:
+                    raise APIError(
+                        f"logit_bias: {key!r} is not a token id", param="logit_bias"
+                    ) from None
+        options = SamplingOptions(
+            temp=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            min_p=req.min_p,
+            top_k=req.top_k,
+            xtc_probability=req.xtc_probability,
+            xtc_threshold=req.xtc_threshold,
+            logit_bias=bias,
+            repetition_penalty=req.repetition_penalty,
+            repetition_context_size=req.repetition_context_size,
+            presence_penalty=req.presence_penalty,
+            presence_context_size=req.presence_context_size,
+            frequency_penalty=req.frequency_penalty,
+            frequency_context_size=req.frequency_context_size,
+        )
+        try:
+            options.check(vocab)
+        except OptionError as e:
+            raise APIError(str(e), param=e.param, code="invalid_value") from None
+        return options
 
     async def respond(request: Request, req: _Sampling, job: Job, kind: str):
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]

@@ -85,13 +85,18 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs
+    ) -> str:
+        """`template_kwargs` are more variables for the template (e.g. Qwen3's enable_thinking),
+        as Hugging Face's apply_chat_template passes them."""
         if not self.chat_template:
             # No template: plain "role: content" lines, then the assistant's turn.
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             return text + ("assistant: " if add_generation_prompt else "")
         try:
             text = self._template.render(
+                **template_kwargs,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
