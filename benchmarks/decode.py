@@ -2,7 +2,7 @@
 decode paths (per-layer sync, pipelined at several lags) on the same store and prompt.
 
     python benchmarks/decode.py STORE -p 2048 -g 128 [--arena-gb G] [--policies demand,lookahead]
-        [--modes sync,pipelined:1,pipelined:2,pipelined:4] [--no-baseline] [--rounds 2]
+        [--modes sync,layers:1,token:4,token:8,token:16,adaptive] [--no-baseline] [--rounds 2]
 
 Without --arena-gb every expert is made resident (warm()) and one loaded model serves every
 mode (only the decoder changes). With --arena-gb each (policy, mode) loads afresh, prefills
@@ -55,8 +55,20 @@ def run_strata(model, ids, gen, step, on_first=None):
 
 
 def set_mode(model, mode: str) -> None:
-    name, _, lag = mode.partition(":")
-    model.decoder = PipelinedDecoder(model, int(lag or 1)) if name == "pipelined" else None
+    """sync | layers:LAG (each layer checked LAG layers late, never whole tokens) |
+    token:CHUNK (whole tokens overlapped with the next one's build, CHUNK layers submitted at
+    once, never the sync fallback) | adaptive (the runtime's defaults)."""
+    name, _, n = mode.partition(":")
+    if name == "sync":
+        model.decoder = None
+    elif name == "layers":
+        model.decoder = PipelinedDecoder(model, int(n or 1), token_below=0.0)
+    elif name == "token":
+        model.decoder = PipelinedDecoder(model, sync_above=1.0, token_below=1.0, chunk=int(n or 8))
+    elif name == "adaptive":
+        model.decoder = PipelinedDecoder(model)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}: sync | layers:LAG | token:CHUNK | adaptive")
 
 
 def main() -> None:
@@ -67,7 +79,7 @@ def main() -> None:
     ap.add_argument("--prefill-step-size", type=int, default=1024)
     ap.add_argument("--arena-gb", type=float, default=None)
     ap.add_argument("--policies", default="demand")
-    ap.add_argument("--modes", default="sync,pipelined:1,pipelined:2,pipelined:4")
+    ap.add_argument("--modes", default="sync,layers:1,token:4,token:8,token:16,adaptive")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--json", default=None)
@@ -110,7 +122,7 @@ def main() -> None:
         )
         set_mode(resident, "sync")
         run_strata(resident, ids[: step + 1], 4, step)
-        set_mode(resident, "pipelined:1")
+        set_mode(resident, "token:8")
         run_strata(resident, ids[: step + 1], 4, step)
     for r in range(a.rounds):
         k = r % len(variants)

@@ -22,9 +22,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from . import decode
 from .experts import ExpertStats
-from .generate import make_sampler, prefill
+from .generate import generate_step, make_sampler
 from .loader import RuntimeConfig, load
 from .store import EXPERTS, load_manifest
 
@@ -63,20 +62,18 @@ def _drop_page_cache(store: Path) -> bool:
 
 
 def _run(model, ids: list[int], gen: int, step: int, policy: str, phase: str) -> Run:
+    """Prefill `ids` in chunks of `step`, then decode `gen` tokens greedily as generate does
+    (the decode time runs from the first generated token, the prefill's, to the last)."""
     run = Run(policy, phase)
-    cache = model.make_cache()
     ec = model.expert_cache
-    rest = prefill(model, mx.array(ids), cache, step, on_chunk=run.chunks.append)
-    sampler = make_sampler(0.0)
+    steps = generate_step(
+        model, mx.array(ids), gen + 1, make_sampler(0.0), step, on_chunk=run.chunks.append
+    )
+    next(steps)  # the prefill and the first token
     before = ec.stats.copy()
     t = time.perf_counter()
-    ec.decoding = True
-    token = rest
-    for _ in range(gen):
-        logits = decode.forward(model, token[None], cache)[:, -1, :]
-        token = sampler(logits)
-        mx.eval(token)
-    ec.decoding = False
+    for _ in steps:
+        pass
     run.decode_s = time.perf_counter() - t
     run.decode = ec.stats.minus(before)
     run.decode.wall_s = run.decode_s

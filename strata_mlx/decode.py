@@ -3,24 +3,35 @@
 The per-layer handshake (strata_mlx.experts, "sync") stops the device at every MoE layer to
 read its routing ids: 48 syncs a token cost 21-26 ms/token on the H200 where the whole token
 computes in ~14 ms. The pipelined decoder builds each layer with its expert slots looked up on
-the device, in the residency row the cache keeps current, and submits it with
-`mx.async_eval`. The host reads a layer's routing `lag` layers later, while the device is busy
-with the layers after it, and checks it against the row the layer was built with:
+the device, in the residency row the cache keeps current, and verifies each layer's routing
+later against the row it was built with:
 
   - all chosen experts were resident: the layer is exact (the kernels compute each
     (token, expert) pair from its slot, the same arithmetic as the sync path);
-  - one was not: the device is drained (the layers computed after it are discarded), the
-    KV / recurrent state of those layers is rolled back, and the layer is computed again with
-    the sync handshake (its misses become urgent reads that it waits for, as SPEC asks);
-    decoding goes on pipelined from the next layer.
+  - one was not: the device is drained (what was computed after it is discarded), the KV /
+    recurrent state of those layers is rolled back, and the layer is computed again with the
+    sync handshake (its misses become urgent reads that it waits for, as SPEC asks); decoding
+    goes on pipelined from the next layer.
 
-So outputs are bit-identical to the sync path (tests/test_decode.py) and a miss costs at most
-`lag` + 1 layers of recomputation plus its read. While more than `sync_above` of recent decode
-layers missed, whole tokens run the sync handshake instead (measured break-even, see
-docs/decisions.md); its misses keep the running rate current, so pipelining resumes.
+A token runs in one of three ways, chosen from the running share of decode layers that missed
+(`ExpertCache.decode_layer_miss_rate`):
 
-Slots are safe to refill only while nothing in flight reads them: in this decoder the arena is
-written only after a drain, or into slots of layers not in flight (their rows are rebuilt
+  - "token" (below `token_below`, the warm case): the whole token is built and submitted in
+    chunks of `chunk` layers without a check; its layers are verified once the next token is
+    built too (`Step` / `finish`), so the host builds token t+1 while the device computes
+    token t, as mlx-lm's generate_step does. A miss discards both and recomputes from the
+    missed layer. No read-ahead is issued in this mode.
+  - "layers" (up to `sync_above`, or whenever decode lookahead predicts): each layer is
+    submitted on its own and verified `lag` layers later, while the device computes the ones
+    after it; a miss costs at most `lag` + 1 layers of recomputation plus its read, and the
+    lookahead reads of layer l + lag + 1 go in while layer l's successors compute.
+  - "sync" (above `sync_above`): the per-layer handshake (measured break-even,
+    docs/decisions.md); its misses keep the running rate current, so pipelining resumes.
+
+Outputs are bit-identical to the sync path in every mode (tests/test_decode.py).
+
+Slots are safe to refill only while nothing in flight reads them: the arena is written only
+after a drain, or ("layers" mode) into slots of layers not in flight (their rows are rebuilt
 before those layers are built again).
 
 This module never reads files; the expert cache does.
@@ -37,18 +48,44 @@ from .models.base import ArraysCache
 MODES = ("pipelined", "sync")
 
 
-class PipelinedDecoder:
-    """One decode step (a single token) of `model` with deferred routing checks."""
+class Step:
+    """One decode token built on the device, its routing not all verified yet."""
 
-    def __init__(self, model, lag: int = 1, sync_above: float = 0.3):
+    def __init__(self, cache: list, mode: str):
+        self.cache = cache
+        self.mode = mode
+        self.saved = [_save(c) for c in cache]  # each layer's state before this token
+        self.inputs: list[mx.array | None] = [None] * len(cache)
+        self.pending: list[tuple[int, object]] = []  # (decoder layer, Deferred) unverified
+        self.logits: mx.array | None = None
+        self.last: mx.array | None = None  # the last array submitted to the device
+        self.built = 0  # layers built (their state written)
+
+
+class PipelinedDecoder:
+    """Decode steps (one token each) of `model` with deferred routing checks."""
+
+    def __init__(
+        self,
+        model,
+        lag: int = 1,
+        sync_above: float = 0.3,
+        token_below: float = 0.02,
+        chunk: int = 8,
+    ):
         if lag < 0:
             raise ValueError(f"decode lag must be >= 0, got {lag}")
-        if not 0 <= sync_above <= 1:
-            raise ValueError(f"decode_sync_above must lie in [0, 1], got {sync_above}")
+        if chunk < 1:
+            raise ValueError(f"decode chunk must be >= 1, got {chunk}")
+        for name, v in (("decode_sync_above", sync_above), ("decode_token_below", token_below)):
+            if not 0 <= v <= 1:
+                raise ValueError(f"{name} must lie in [0, 1], got {v}")
         self.model = model
         self.expert_cache = model.expert_cache
         self.lag = lag
         self.sync_above = sync_above
+        self.token_below = token_below
+        self.chunk = chunk
         inner = model.model
         self.embed = inner.embed_tokens
         self.norm = inner.norm
@@ -56,73 +93,128 @@ class PipelinedDecoder:
         tied = getattr(model.args, "tie_word_embeddings", False)
         self.head = inner.embed_tokens.as_linear if tied else model.lm_head
         self.expert_cache.plan_pipelined_lookahead(lag + 1)
-        self._last: mx.array | None = None  # the last step's logits
 
     def __call__(self, tokens: mx.array, cache: list) -> mx.array:
         """tokens [1, 1] -> logits [1, 1, vocab], bit-identical to model(tokens, cache)."""
+        step = self.start(tokens, cache)
+        self.finish(step)
+        return step.logits
+
+    def mode(self) -> str:
+        """How the next token runs: "token", "layers" or "sync" (see the module docstring)."""
         ec = self.expert_cache
-        if ec.decode_layer_miss_rate > self.sync_above:
+        rate = ec.decode_layer_miss_rate
+        if rate > self.sync_above:
+            return "sync"
+        if rate < self.token_below and not ec._predicts_in_decode():
+            return "token"
+        return "layers"
+
+    def start(self, tokens: mx.array, cache: list) -> Step:
+        """Build one token (tokens [1, 1], possibly not yet evaluated) and submit it; in
+        "token" mode nothing is verified until `finish`."""
+        ec = self.expert_cache
+        mode = self.mode()
+        step = Step(cache, mode)
+        if mode == "sync":
             # Most layers miss: each would be built, found wrong and recomputed. The sync
             # handshake is cheaper here (H200: 178 against 228 ms/token at 35 % misses).
             ec.settle()
-            return self.model(tokens, cache=cache)
+            step.logits = self.model(tokens, cache=cache)
+            return step
+        if step.mode == "layers":
+            ec.settle()
+            ec.arena.unpin_all()  # the last token is verified and drained: no slot in use
+        self._build(step, 0, self.embed(tokens))
+        return step
+
+    def finish(self, step: Step, later: Step | None = None) -> bool:
+        """Verify every layer of `step`. On a miss, `later` (a token built on top of this
+        one) is discarded, and `step`'s logits are recomputed exactly: returns False."""
+        ec = self.expert_cache
+        exact = True
+        while step.pending:
+            j, d = step.pending.pop(0)
+            if ec.check_deferred(d):
+                continue
+            if later is not None:
+                self.discard(later)
+                later = None
+            h = self._recover(step, j)
+            step.mode, step.pending = "layers", []  # the rest is checked as it is built
+            self._build(step, j + 1, h)
+            exact = False
+        return exact
+
+    def discard(self, step: Step) -> None:
+        """Undo a token that was built but will not be used: wait for the device to finish
+        it (its kernels read slots that a miss is about to refill) and roll its state back."""
+        if step.last is not None or step.logits is not None:
+            mx.eval(step.last if step.last is not None else step.logits)
+        for c, s in zip(step.cache, step.saved):
+            _restore(c, s)
+        step.pending = []
+        self.expert_cache.settle()
+
+    def _build(self, step: Step, i: int, h: mx.array) -> None:
+        """Build layers i.. and the head of `step`; in "layers" mode check as we go."""
+        ec = self.expert_cache
         n = len(self.layers)
-        saved = [_save(c) for c in cache]  # each layer's cache state before this token
-        inputs: list[mx.array | None] = [None] * n
-        pending: list[tuple[int, object]] = []  # (decoder layer, Deferred) not yet verified
-        h = self.embed(tokens)
-        i = 0
-        if self._last is not None:
-            mx.eval(self._last)  # (already evaluated by the sampler in a generation loop)
-        ec.settle()
-        ec.arena.unpin_all()  # the last token is evaluated: no slot is in use
+        lag = self.lag if step.mode == "layers" else n
+        chunk = 1 if step.mode == "layers" else self.chunk
+        ec.pipeline_lookahead = step.mode == "layers"
+        outs: list[mx.array] = []
         while True:
-            outs: list[mx.array] = []
             if i < n:
-                inputs[i] = h
+                step.inputs[i] = h
                 ec.pipeline = deferred = []
                 try:
-                    h = self.layers[i](h, None, cache[i])
+                    h = self.layers[i](h, None, step.cache[i])
                 finally:
                     ec.pipeline = None
-                pending += [(i, d) for d in deferred]
-                outs = [a for d in deferred for a in d.outputs()]
+                step.pending += [(i, d) for d in deferred]
+                outs += [a for d in deferred for a in d.outputs()]
                 i += 1
+                step.built = max(step.built, i)
             if i < n:
-                mx.async_eval(h, *outs)
-                check = max(len(pending) - self.lag, 0)
+                if i % chunk == 0:
+                    mx.async_eval(h, *outs)
+                    step.last, outs = h, []
+                check = max(len(step.pending) - lag, 0)
             else:  # every layer built: the head goes in while the last ones are checked
-                logits = self.head(self.norm(h))
-                mx.async_eval(logits, *outs)
-                check = len(pending)
+                step.logits = self.head(self.norm(h))
+                mx.async_eval(step.logits, *outs)
+                step.last = step.logits
+                check = len(step.pending) if step.mode == "layers" else 0
             missed = None
             for _ in range(check):
-                j, d = pending.pop(0)
+                j, d = step.pending.pop(0)
                 if not ec.check_deferred(d):
                     missed = j
                     break
             if missed is not None:
                 # Everything built after layer `missed` used its wrong output: discard it.
-                h = self._recover(missed, i, h, inputs, cache, saved)
-                pending, i = [], missed + 1
+                h = self._recover(step, missed)
+                step.pending, outs, i = [], [], missed + 1
             elif i == n:
-                self._last = logits
-                return logits
+                return
 
-    def _recover(self, j: int, built: int, h: mx.array, inputs, cache, saved) -> mx.array:
+    def _recover(self, step: Step, j: int) -> mx.array:
         """Layer j missed: drain the device, roll back layers j.. and run j synchronously."""
         ec = self.expert_cache
         t = time.perf_counter()
-        mx.eval(h)  # nothing in flight may read a slot that the misses will refill
+        mx.eval(step.last)  # nothing in flight may read a slot that the misses will refill
         ec.settle()
         ec.stats.route_sync_s += time.perf_counter() - t
-        ec.stats.recomputed_layers += built - j
+        ec.stats.recomputed_layers += step.built - j
+        step.built = j + 1
         ec.arena.unpin_all()
-        for k in range(j, built):
-            _restore(cache[k], saved[k])
+        for k in range(j, len(step.cache)):
+            _restore(step.cache[k], step.saved[k])
         # The sync handshake: urgent reads for the misses, waited for; groups if needed.
-        h = self.layers[j](inputs[j], None, cache[j])
+        h = self.layers[j](step.inputs[j], None, step.cache[j])
         mx.async_eval(h)
+        step.last = h
         return h
 
 
@@ -143,7 +235,17 @@ def _restore(c, state) -> None:
 def forward(model, tokens: mx.array, cache: list) -> mx.array:
     """logits of `tokens` [1, T]: a single decode token goes through the pipelined decoder
     when the model's runtime asks for it, everything else through the model itself."""
-    dec = getattr(model, "decoder", None)
-    if dec is not None and tokens.shape[1] == 1 and model.expert_cache.dump is None:
+    dec = decoder_of(model, tokens)
+    if dec is not None:
         return dec(tokens, cache)
     return model(tokens, cache=cache)
+
+
+def decoder_of(model, tokens: mx.array | None = None) -> PipelinedDecoder | None:
+    """The model's pipelined decoder, if it has one and `tokens` is a single decode token."""
+    dec = getattr(model, "decoder", None)
+    if dec is None or model.expert_cache.dump is not None:
+        return None
+    if tokens is not None and tokens.shape[1] != 1:
+        return None
+    return dec

@@ -205,6 +205,7 @@ class ExpertCache:
         # Every expert fits at once: eviction never happens, so uses need not be recorded.
         self._all_fit = arena.n_slots >= manifest.num_experts * len(self.layers)
         self.pipeline: list[Deferred] | None = None  # set by the pipelined decoder
+        self.pipeline_lookahead = True  # whether its layers may predict (strata_mlx.decode)
         self._ahead: dict[int, int] = {}  # pipelined lookahead: layer -> layer it predicts
         self._ahead_tags: dict[int, list[int]] = {}  # read-ahead submitted for a layer
         self._in_flight: set[int] = set()  # layers built on the device, not yet complete
@@ -361,7 +362,7 @@ class ExpertCache:
         y = self._kernel[layer](x, self.arena.rows, slots, idx)
         d = Deferred(layer, inds, row)
         target = self._ahead.get(layer)
-        if target is not None and self._predicts_in_decode():
+        if target is not None and self.pipeline_lookahead and self._predicts_in_decode():
             d.target, d.pred = target, self.routers[target](x)
         self.pipeline.append(d)
         self._in_flight.add(layer)

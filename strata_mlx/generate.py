@@ -71,42 +71,74 @@ def generate_step(
     they see the tokens so far, the prompt's included."""
     sampler = sampler or make_sampler()
     cache = model.make_cache()
-    step = (
+    chunk = (
         prefill_step_size
         or getattr(getattr(model, "runtime", None), "prefill_step_size", None)
         or 512
     )
     expert_cache = getattr(model, "expert_cache", None)
-    y = prefill(model, prompt, cache, step, on_chunk)
+    y = prefill(model, prompt, cache, chunk, on_chunk)
 
-    context = prompt[: prompt.shape[0] - y.shape[0]]  # tokens so far, for processors
+    context = prompt  # the tokens so far, for logits_processors
 
-    def forward(tokens):
-        nonlocal context
-        logits = decode.forward(model, tokens[None], cache)[:, -1, :]
-        if logits_processors:
-            context = mx.concatenate([context, tokens.astype(context.dtype)])
-            for processor in logits_processors:
-                logits = processor(context, logits)
+    def sample(logits):
+        logits = logits[:, -1, :]
+        for processor in logits_processors or ():
+            logits = processor(context, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return sampler(logprobs), logprobs.squeeze(0)
 
+    dec = decode.decoder_of(model)
     if expert_cache is not None:
         expert_cache.decoding = False
-    token, logprobs = forward(y)
+    step = _start(model, dec, y[None], cache)
     if expert_cache is not None:
         expert_cache.decoding = True
     try:
         for n in range(max_tokens):
+            rng = mx.random.state[0]  # the key this token's sample draws from
+            token, logprobs = sample(step.logits)
+            # The next token is built on this one before this one is verified, while the
+            # device computes it (decode "token" mode; mlx-lm's generate_step overlaps alike).
+            later = None
+            if dec is not None and n + 1 < max_tokens and dec.mode() == "token":
+                later = dec.start(token[None], cache)
+            if dec is not None and not dec.finish(step, later):
+                # A layer missed: the logits were recomputed and `later` discarded. Sample
+                # again from the same key, so the tokens equal the per-layer-sync path's.
+                mx.random.seed(_seed_of(rng))
+                token, logprobs = sample(step.logits)
+                later = None
             mx.eval(token)
             t = token.item()
+            if logits_processors:
+                context = mx.concatenate([context, token.astype(context.dtype)])
             yield t, logprobs
             if n + 1 == max_tokens:
                 break
-            token, logprobs = forward(mx.array([t]))
+            step = later or _start(model, dec, mx.array([[t]]), cache)
     finally:
         if expert_cache is not None:
             expert_cache.decoding = False
+
+
+class _Done:
+    """A forward without a pipelined decoder: nothing left to verify."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+
+def _start(model, dec, tokens, cache):
+    if dec is None:
+        return _Done(model(tokens, cache=cache))
+    return dec.start(tokens, cache)
+
+
+def _seed_of(key: mx.array) -> int:
+    """The seed that makes `key` ([2] uint32) the global random key again."""
+    hi, lo = (int(v) for v in key.tolist())
+    return (hi << 32) | lo
 
 
 def stream_generate(

@@ -97,6 +97,8 @@ def check_runtime(cfg, cli: bool = False) -> None:
     check_choice("decode", cfg.decode, MODES, cli=cli)
     check_int("decode_lag", cfg.decode_lag, 0, 1 << 10, cli=cli)
     check_number("decode_sync_above", cfg.decode_sync_above, 0, 1, cli=cli)
+    check_number("decode_token_below", cfg.decode_token_below, 0, 1, cli=cli)
+    check_int("decode_chunk", cfg.decode_chunk, 1, 1 << 10, cli=cli)
     for name in ("verify", "fake_stream"):
         if not isinstance(getattr(cfg, name), bool):
             raise OptionError(f"{_name(name, cli)} {getattr(cfg, name)!r}: expected true or false")

@@ -22,10 +22,23 @@ def arena_for(path, fraction: float) -> float:
     return slots * m.layout.record_bytes / 1024**3
 
 
-def decode(model, ids, n=10):
-    """Greedy tokens and the log-probabilities of every decode step."""
-    out = [(r.token, np.array(r.logprobs)) for r in stream_generate(model, None, ids, n)]
+def decode(model, ids, n=10, **kw):
+    """Greedy (or sampled) tokens and the log-probabilities of every decode step."""
+    out = [(r.token, np.array(r.logprobs)) for r in stream_generate(model, None, ids, n, **kw)]
     return [t for t, _ in out], np.stack([lp for _, lp in out])
+
+
+# Pipelined variants, each forced into one mode: "layers" (checked `lag` layers late) never
+# runs whole tokens; "token" always does (each token verified after the next one is built,
+# a miss discards both), with `chunk` layers submitted at a time.
+VARIANTS = {
+    "layers-lag0": dict(decode_lag=0, decode_token_below=0.0),
+    "layers-lag2": dict(decode_lag=2, decode_token_below=0.0),
+    "layers-lag5": dict(decode_lag=5, decode_token_below=0.0),
+    "token-chunk1": dict(decode_token_below=1.0, decode_sync_above=1.0, decode_chunk=1),
+    "token-chunk3": dict(decode_token_below=1.0, decode_sync_above=1.0, decode_chunk=3),
+    "adaptive": dict(),
+}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -36,17 +49,34 @@ def test_pipelined_equals_sync(store, family):
         gb = arena_for(path, fraction)
         sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead="demand")
         ref_tokens, ref_lp = decode(sync, ids)
-        for lag in (0, 2, 5):
-            model, _ = strata_mlx.load(path, arena_gb=gb, decode_lag=lag, read_ahead="demand")
+        for name, kw in VARIANTS.items():
+            model, _ = strata_mlx.load(path, arena_gb=gb, read_ahead="demand", **kw)
             tokens, lp = decode(model, ids)
-            assert tokens == ref_tokens, (fraction, lag)
-            assert np.array_equal(lp, ref_lp), (fraction, lag)
+            assert tokens == ref_tokens, (fraction, name)
+            assert np.array_equal(lp, ref_lp), (fraction, name)
             s = model.expert_cache.stats
             assert s.lookups == sync.expert_cache.stats.lookups  # each layer counted once
             if fraction == 1.0:
                 assert s.recomputed_layers == 0
             model.expert_cache.close()
         sync.expert_cache.close()
+
+
+def test_sampled_tokens_equal_sync_across_recomputed_tokens(store):
+    """temp > 0: a token whose sample was drawn from logits that a miss then recomputed is
+    drawn again from the same random key, so the sampled stream equals the sync path's."""
+    path = store("qwen3_moe")
+    ids = prompt_ids(24, seed=15)
+    gb = arena_for(path, 0.25)
+    kw = dict(n=16, temp=1.0, seed=5)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead="demand")
+    ref = decode(sync, ids, **kw)
+    model, _ = strata_mlx.load(path, arena_gb=gb, read_ahead="demand", **VARIANTS["token-chunk3"])
+    got = decode(model, ids, **kw)
+    assert model.expert_cache.stats.recomputed_layers > 0  # some tokens were discarded
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    greedy = decode(sync, ids, n=16)[0]
+    assert ref[0] != greedy  # the comparison is of sampled tokens
 
 
 class HoldingReader:
