@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -461,6 +462,7 @@ QWEN2_PATTERN = (
 # digit, then GPT-2's regex.
 PRE_TOKENIZERS = {
     "gpt2": (False, None),
+    "gpt-2": (False, None),
     "default": (False, None),
     "mpt": (False, None),
     "olmo": (False, None),
@@ -678,18 +680,30 @@ def convert_gguf(
     src = Path(gguf_path)
     out = check_output(mlx_path, src, overwrite=overwrite)
     g = _Gguf(src)
+    moe = {
+        "qwen3moe": _convert_qwen3moe,
+        "qwen3next": _convert_qwen3next,
+        "olmoe": _convert_olmoe,
+    }
+    if g.arch == "llama" and _has_experts(g):
+        moe["llama"] = _convert_mixtral
+    if g.arch in moe:
+        if split_experts is not None:
+            raise StoreError(
+                f"{src}: --split-experts is for dense models; this {g.arch} GGUF has experts"
+            )
+        return moe[g.arch](g, out, calibration_tokens, progress)
     if g.arch == "llama":
         if split_experts is None:
             raise StoreError(
-                f"{src}: a dense llama GGUF needs --split-experts E (e.g. 16): "
-                "each MLP becomes E experts"
+                f"{src}: a dense llama GGUF (no ffn_*_exps tensors) needs --split-experts E "
+                "(e.g. 16): each MLP becomes E experts"
             )
         return _convert_llama(g, out, int(split_experts), calibration_tokens, progress)
-    if g.arch == "qwen3moe":
-        if split_experts is not None:
-            raise StoreError(f"{src}: --split-experts is for dense models; qwen3moe has experts")
-        return _convert_qwen3moe(g, out, calibration_tokens, progress)
-    raise StoreError(f"{src}: GGUF architecture {g.arch!r} is not supported (llama, qwen3moe)")
+    raise StoreError(
+        f"{src}: GGUF architecture {g.arch!r} is not supported (MoE: "
+        f"{', '.join(MOE_ARCHITECTURES)}; dense llama with --split-experts)"
+    )
 
 
 def _model_dtype(path: Path) -> str:
@@ -805,7 +819,7 @@ def _convert_llama(g: _Gguf, out: Path, E: int, calibration_tokens: int, progres
             ids = calibration_ids(load_tokenizer(writer.path), calibration_tokens, g.path)
             fit_routers(dense, g, cfg, ids, n)
         writer.write_dense(dense.weights)
-        _write_experts(writer, L, E, expert_parts, progress)
+        _write_experts(writer, range(L), E, expert_parts, progress)
         if calibration_tokens > 0:
             # top_k == E by default: every token runs every expert, so the profile is flat.
             path = writer.finalize()
@@ -818,27 +832,34 @@ def _convert_llama(g: _Gguf, out: Path, E: int, calibration_tokens: int, progres
         return writer.commit()
 
 
-def _check_shapes(g: _Gguf, cfg: dict[str, Any], per_layer: dict[str, tuple[int, ...]]) -> None:
+def _check_shapes(
+    g: _Gguf,
+    cfg: dict[str, Any],
+    per_layer: dict[str, tuple[int, ...]] | Callable[[int], dict[str, tuple[int, ...]]],
+    attention: bool = True,
+) -> None:
     """Every tensor the converter reads against the shape the metadata implies, and its type
     against what can be decoded, before anything is read or allocated: a header that lies
     (an expert_count of 2^31 - 1) is an error naming the file, not a 24 GB allocation.
-    `per_layer`: the family's own tensors (blk.{i}.NAME.weight -> shape)."""
+    `per_layer`: the family's own tensors (blk.{i}.NAME.weight -> shape), or a function of
+    the layer giving {NAME.weight or NAME.bias: shape}. `attention`: every layer has
+    Llama-style attention and attn_norm/ffn_norm tensors (checked here)."""
     L, D, V = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
-    H, KV, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
     if "output.weight" in g.tensors:
         shapes["output.weight"] = (V, D)
-    rows = {"attn_q": H * hd, "attn_k": KV * hd, "attn_v": KV * hd}
     for i in range(L):
-        for name, r in rows.items():
-            shapes[f"blk.{i}.{name}.weight"] = (r, D)
-            if f"blk.{i}.{name}.bias" in g.tensors:
-                shapes[f"blk.{i}.{name}.bias"] = (r,)
-        shapes[f"blk.{i}.attn_output.weight"] = (D, H * hd)
-        for name in ("attn_norm", "ffn_norm"):
-            shapes[f"blk.{i}.{name}.weight"] = (D,)
-        for name, shape in per_layer.items():
-            shapes[f"blk.{i}.{name}.weight"] = shape
+        if attention:
+            for name, shape in _attention_shapes(g, cfg, i).items():
+                shapes[f"blk.{i}.{name}"] = shape
+            for name in ("attn_norm", "ffn_norm"):
+                shapes[f"blk.{i}.{name}.weight"] = (D,)
+        if callable(per_layer):
+            for name, shape in per_layer(i).items():
+                shapes[f"blk.{i}.{name}"] = shape
+        else:
+            for name, shape in per_layer.items():
+                shapes[f"blk.{i}.{name}.weight"] = shape
     for name, shape in shapes.items():
         t = g.tensor(name, shape)
         if qtype_name(t) not in FLOAT_TYPES and not _dequantizable(t):
@@ -952,19 +973,36 @@ def fit_routers(
         dense.add_array(f"model.layers.{layer}.mlp.gate.bias", W[-1])
 
 
-# ---- qwen3moe: experts keep their ggml blocks ---------------------------------------------
+# ---- MoE architectures: experts keep their ggml blocks ------------------------------------
+#
+# qwen3moe, qwen3next, olmoe and Mixtral (architecture "llama" with ffn_*_exps tensors): each
+# expert's gate/up/down rows are cut out of the stacked [E, rows, row_bytes] tensors as they
+# are (no requantization), with each layer's own ggml types (a Q4_K_M file's down projection
+# is Q6_K in some layers and Q4_K in others): per-layer record layouts, padded to one record
+# size. llama.cpp's `--fuse-gate-up-exps` writes gate and up as one ffn_gate_up_exps tensor
+# [E, 2 * I, D], gate rows first: whole rows, so its blocks are kept too. Routers stay float;
+# dense tensors as above (Q4_0/Q4_1/Q8_0 repacked, others dequantized).
+
+MOE_ARCHITECTURES = ("qwen3moe", "qwen3next", "olmoe", "llama with ffn_*_exps (Mixtral)")
 
 
-def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
-    """Qwen3-MoE: each expert's gate/up/down rows are cut out of the stacked [E, rows,
-    row_bytes] tensors as they are (no requantization); routers and dense tensors as above."""
-    from .common import calibrate
+def _has_experts(g: _Gguf) -> bool:
+    """Whether the file is a MoE model, by its tensors (any blk.N.ffn_*_exps) or its
+    metadata ({arch}.expert_count > 0): a Mixtral GGUF is architecture "llama"."""
+    if any(n.endswith("_exps.weight") for n in g.tensors):
+        return True
+    n = g.get(f"{g.arch}.expert_count", 0)
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
 
+
+def _moe_sizes(g: _Gguf) -> dict[str, int]:
+    """What every MoE architecture's metadata says the same way."""
     a = g.arch
-    dtype = _model_dtype(g.path)
     heads = g.int(f"{a}.attention.head_count")
+    if isinstance(g.get(f"{a}.attention.head_count_kv"), list):
+        raise StoreError(f"{g.path}: per-layer head counts are not supported")
     dim = g.int(f"{a}.embedding_length")
-    L, E = g.int(f"{a}.block_count", hi=MAX_LAYERS), g.int(f"{a}.expert_count")
+    E = g.int(f"{a}.expert_count")
     if f"{a}.expert_feed_forward_length" in g.reader.fields:
         inter = g.int(f"{a}.expert_feed_forward_length")
     else:
@@ -972,25 +1010,169 @@ def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bo
     kv = g.int(f"{a}.attention.head_count_kv", heads)
     head_dim = g.int(f"{a}.attention.key_length", max(dim // heads, 1))
     _check_heads(g, heads, kv, head_dim)
-    emb = g.tensor("token_embd.weight")
     top_k = g.int(f"{a}.expert_used_count")
     if top_k > E:
         g.fail(f"{a}.expert_used_count", f"{top_k} is more than expert_count {E}")
-    cfg: dict[str, Any] = {
-        "model_type": "qwen3_moe",
-        "architectures": ["Qwen3MoeForCausalLM"],
+    emb = g.tensor("token_embd.weight")
+    return {
         "hidden_size": dim,
-        "num_hidden_layers": L,
-        "intermediate_size": g.int(f"{a}.feed_forward_length", inter),
-        "moe_intermediate_size": inter,
+        "num_hidden_layers": g.int(f"{a}.block_count", hi=MAX_LAYERS),
         "num_attention_heads": heads,
         "num_key_value_heads": kv,
         "head_dim": head_dim,
         "num_experts": E,
         "num_experts_per_tok": top_k,
+        "expert_size": inter,
+        "vocab_size": g.int(f"{a}.vocab_size", int(emb.shape[1])),
+    }
+
+
+def _rope_scaling(g: _Gguf) -> dict[str, Any] | None:
+    scaling = g.str(f"{g.arch}.rope.scaling.type")
+    if scaling in (None, "none"):
+        return None
+    if scaling == "linear":
+        return {"rope_type": "linear", "factor": g.float(f"{g.arch}.rope.scaling.factor")}
+    raise StoreError(f"{g.path}: rope scaling {scaling!r} is not supported")
+
+
+def _expert_tensor(g: _Gguf, layer: int, proj: str, inter: int):
+    """(tensor, row slice) holding layer `layer`'s `proj` for every expert: its own
+    ffn_*_exps tensor, or a half of the fused ffn_gate_up_exps."""
+    fused = f"blk.{layer}.ffn_gate_up_exps.weight"
+    if proj != "down_proj" and fused in g.tensors:
+        rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+        return g.tensor(fused), rows
+    return g.tensor(f"blk.{layer}.{GGUF_PROJ[proj]}_exps.weight"), slice(None)
+
+
+def _expert_shapes(g: _Gguf, layer: int, E: int, inter: int, dim: int) -> dict[str, tuple]:
+    """Layer `layer`'s expert tensors (name without blk.N. and .weight -> shape)."""
+    if f"blk.{layer}.ffn_gate_up_exps.weight" in g.tensors:
+        shapes = {"ffn_gate_up_exps": (E, 2 * inter, dim)}
+    else:
+        shapes = {"ffn_gate_exps": (E, inter, dim), "ffn_up_exps": (E, inter, dim)}
+    return {**shapes, "ffn_down_exps": (E, dim, inter), "ffn_gate_inp": (E, dim)}
+
+
+def _attention_shapes(g: _Gguf, cfg: dict[str, Any], i: int, q_rows: int | None = None) -> dict:
+    """A Llama-style attention block's tensors (q/k/v/output, biases where present)."""
+    D, H, KV, hd = (
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+    )
+    shapes: dict[str, tuple] = {}
+    rows = {"attn_q": q_rows or H * hd, "attn_k": KV * hd, "attn_v": KV * hd}
+    for name, r in rows.items():
+        shapes[f"{name}.weight"] = (r, D)
+        if f"blk.{i}.{name}.bias" in g.tensors:
+            shapes[f"{name}.bias"] = (r,)
+    shapes["attn_output.weight"] = (D, H * hd)
+    return shapes
+
+
+def _convert_moe(
+    g: _Gguf,
+    out: Path,
+    model_type: str,
+    cfg: dict[str, Any],
+    moe_layers: list[int],
+    dense: DenseWriter,
+    calibration_tokens: int,
+    progress: bool,
+) -> Path:
+    """Write the store of a MoE GGUF whose dense weights are already in `dense`: the experts
+    of `moe_layers` keep their ggml blocks (per-layer layouts where types differ)."""
+    from .common import calibrate
+
+    E, dim, dtype = cfg["num_experts"], cfg["hidden_size"], dense.dtype
+    inter = cfg.get("moe_intermediate_size", cfg.get("intermediate_size"))
+    shapes = {"gate_proj": (inter, dim), "up_proj": (inter, dim), "down_proj": (dim, inter)}
+    layer_specs = {}
+    for i in moe_layers:
+        specs = {}
+        for p in PROJECTIONS:
+            t, _ = _expert_tensor(g, i, p, inter)
+            specs[p] = choose_format({qtype_name(t)}, True, dtype)
+            if specs[p]["format"] == "gguf":
+                specs[p]["in_features"] = shapes[p][1]
+        layer_specs[i] = specs
+
+    def expert_parts(layer: int, e: int) -> dict[str, dict[str, tuple]]:
+        parts = {}
+        for p in PROJECTIONS:
+            t, rows = _expert_tensor(g, layer, p, inter)
+            data = raw_rows(t)[e][rows]
+            parts[p] = projection_tensors(layer_specs[layer][p], data, t, *shapes[p])
+        return parts
+
+    layouts = [build_layout(expert_parts(i, 0), layer_specs[i]) for i in moe_layers]
+    record_bytes = max(lay.record_bytes for lay in layouts)
+    layouts = [lay.padded(record_bytes) for lay in layouts]
+    layout = layouts[0]
+    layer_layouts = None if all(lay == layout for lay in layouts) else layouts
+    qcfg = dense.quantization_config()
+    if qcfg:
+        cfg["quantization"] = qcfg
+
+    writer = StoreWriter(out, model_type, cfg, layout, moe_layers, E, layer_layouts)
+    with writer:
+        writer.manifest.extra = {
+            "source": {"gguf": g.path.name, "architecture": g.arch},
+            "formats": [
+                {p: s.get("_src", s["format"]) for p, s in layer_specs[i].items()}
+                for i in moe_layers
+            ],
+        }
+        writer.write_dense(dense.weights)
+        build_tokenizer(g, writer.path, cfg["vocab_size"])
+        _write_experts(writer, moe_layers, E, expert_parts, progress)
+        calibrate(writer, calibration_tokens)
+        return writer.commit()
+
+
+def _add_attention(
+    dense: DenseWriter, g: _Gguf, i: int, pre: str, unpermute: tuple[int, int] | None = None
+) -> None:
+    """blk.i.attn_{q,k,v,output} (and biases) -> {pre}.self_attn.{q,k,v,o}_proj; with
+    `unpermute` = (heads, kv heads), q/k rows are un-permuted (llama.cpp's llama rotary)."""
+    heads, kv = unpermute or (None, None)
+    for gname, hname, nh in (
+        ("attn_q", "q_proj", heads),
+        ("attn_k", "k_proj", kv),
+        ("attn_v", "v_proj", None),
+        ("attn_output", "o_proj", None),
+    ):
+        t = g.tensor(f"blk.{i}.{gname}.weight")
+        data = raw_rows(t)
+        dense.add(f"{pre}.self_attn.{hname}", t, unpermute_rows(data, nh) if nh else data)
+        if f"blk.{i}.{gname}.bias" in g.tensors:
+            tb = g.tensor(f"blk.{i}.{gname}.bias")
+            b = dequantize_rows(raw_rows(tb), tb).reshape(-1)
+            dense.add_array(f"{pre}.self_attn.{hname}.bias", unpermute_rows(b, nh) if nh else b)
+
+
+def _add_embeddings(dense: DenseWriter, g: _Gguf, cfg: dict[str, Any]) -> None:
+    dense.add("model.embed_tokens", g.tensor("token_embd.weight"))
+    if not cfg["tie_word_embeddings"]:
+        dense.add("lm_head", g.tensor("output.weight"))
+    _add_norm(dense, g, "output_norm.weight", "model.norm.weight")
+
+
+def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
+    a, s = g.arch, _moe_sizes(g)
+    dtype = _model_dtype(g.path)
+    L, E, inter, dim = s["num_hidden_layers"], s["num_experts"], s["expert_size"], s["hidden_size"]
+    cfg: dict[str, Any] = {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        **{k: v for k, v in s.items() if k != "expert_size"},
+        "intermediate_size": g.int(f"{a}.feed_forward_length", inter),
+        "moe_intermediate_size": inter,
         "norm_topk_prob": True,  # llama.cpp's qwen3moe graph always renormalizes the top-k
         "rms_norm_eps": g.float(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
-        "vocab_size": g.int(f"{a}.vocab_size", int(emb.shape[1])),
         "rope_theta": g.float(f"{a}.rope.freq_base", 1e6),
         "max_position_embeddings": g.int(f"{a}.context_length", 32768, hi=1 << 31),
         "tie_word_embeddings": "output.weight" not in g.tensors,
@@ -998,79 +1180,324 @@ def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bo
         "mlp_only_layers": [],
         "torch_dtype": dtype,
     }
-    shapes = {"gate_proj": (inter, dim), "up_proj": (inter, dim), "down_proj": (dim, inter)}
-    per_layer = {f"{GGUF_PROJ[p]}_exps": (E, *shape) for p, shape in shapes.items()}
-    per_layer.update(ffn_gate_inp=(E, dim), attn_q_norm=(head_dim,), attn_k_norm=(head_dim,))
+    hd = s["head_dim"]
+
+    def per_layer(i: int) -> dict:
+        return {
+            **{f"{n}.weight": sh for n, sh in _expert_shapes(g, i, E, inter, dim).items()},
+            "attn_q_norm.weight": (hd,),
+            "attn_k_norm.weight": (hd,),
+        }
+
     _check_shapes(g, cfg, per_layer)
-    # Each layer keeps its own ggml types (a Q4_K_M file's down is Q6_K in some layers and
-    # Q4_K in others): per-layer record layouts, padded to one record size.
-    layer_specs = []
-    for i in range(L):
-        specs = {}
-        for p, gp in GGUF_PROJ.items():
-            qtype = qtype_name(g.tensor(f"blk.{i}.{gp}_exps.weight"))
-            specs[p] = choose_format({qtype}, True, dtype)
-            if specs[p]["format"] == "gguf":
-                specs[p]["in_features"] = shapes[p][1]
-        layer_specs.append(specs)
-
-    def expert_parts(layer: int, e: int) -> dict[str, dict[str, tuple]]:
-        parts = {}
-        for p, gp in GGUF_PROJ.items():
-            t = g.tensor(f"blk.{layer}.{gp}_exps.weight")
-            parts[p] = projection_tensors(layer_specs[layer][p], raw_rows(t)[e], t, *shapes[p])
-        return parts
-
-    layouts = [build_layout(expert_parts(i, 0), layer_specs[i]) for i in range(L)]
-    record_bytes = max(lay.record_bytes for lay in layouts)
-    layouts = [lay.padded(record_bytes) for lay in layouts]
-    layout = layouts[0]
-    layer_layouts = None if all(lay == layout for lay in layouts) else layouts
     dense = DenseWriter(dtype)
-    dense.add("model.embed_tokens", emb)
-    if not cfg["tie_word_embeddings"]:
-        dense.add("lm_head", g.tensor("output.weight"))
-    _add_norm(dense, g, "output_norm.weight", "model.norm.weight")
+    _add_embeddings(dense, g, cfg)
     for i in range(L):
         pre = f"model.layers.{i}"
         _add_norm(dense, g, f"blk.{i}.attn_norm.weight", f"{pre}.input_layernorm.weight")
         _add_norm(dense, g, f"blk.{i}.ffn_norm.weight", f"{pre}.post_attention_layernorm.weight")
         _add_norm(dense, g, f"blk.{i}.attn_q_norm.weight", f"{pre}.self_attn.q_norm.weight")
         _add_norm(dense, g, f"blk.{i}.attn_k_norm.weight", f"{pre}.self_attn.k_norm.weight")
-        for gname, hname in (
-            ("attn_q", "q_proj"),
-            ("attn_k", "k_proj"),
-            ("attn_v", "v_proj"),
-            ("attn_output", "o_proj"),
-        ):
-            # qwen3moe is a NeoX-rotary architecture in llama.cpp: q/k rows are not permuted.
-            dense.add(f"{pre}.self_attn.{hname}", g.tensor(f"blk.{i}.{gname}.weight"))
-        t = g.tensor(f"blk.{i}.ffn_gate_inp.weight")
-        dense.add(f"{pre}.mlp.gate", t, quantize=False)
-    qcfg = dense.quantization_config()
-    if qcfg:
-        cfg["quantization"] = qcfg
+        # qwen3moe is a NeoX-rotary architecture in llama.cpp: q/k rows are not permuted.
+        _add_attention(dense, g, i, pre)
+        dense.add(f"{pre}.mlp.gate", g.tensor(f"blk.{i}.ffn_gate_inp.weight"), quantize=False)
+    return _convert_moe(
+        g, out, "qwen3_moe", cfg, list(range(L)), dense, calibration_tokens, progress
+    )
 
-    writer = StoreWriter(out, "qwen3_moe", cfg, layout, list(range(L)), E, layer_layouts)
-    with writer:
-        writer.manifest.extra = {
-            "source": {"gguf": g.path.name, "architecture": g.arch},
-            "formats": [
-                {p: s.get("_src", s["format"]) for p, s in specs.items()} for specs in layer_specs
-            ],
+
+def _convert_olmoe(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
+    """OLMoE: norms over the whole q and k projections; softmax top-k without renormalizing
+    (llama.cpp's olmoe graph has no switch for it). Note llama.cpp's converter writes the
+    norm epsilon as 1e-5 whatever the checkpoint's config says (OLMoE's own is 1e-5)."""
+    a, s = g.arch, _moe_sizes(g)
+    dtype = _model_dtype(g.path)
+    L, E, inter, dim = s["num_hidden_layers"], s["num_experts"], s["expert_size"], s["hidden_size"]
+    rope_dim = g.int(f"{a}.rope.dimension_count", s["head_dim"])
+    if rope_dim != s["head_dim"]:
+        raise StoreError(f"{g.path}: partial rotary ({rope_dim} of {s['head_dim']}) in olmoe")
+    cfg: dict[str, Any] = {
+        "model_type": "olmoe",
+        "architectures": ["OlmoeForCausalLM"],
+        **{k: v for k, v in s.items() if k != "expert_size"},
+        "intermediate_size": inter,
+        "norm_topk_prob": False,
+        "rms_norm_eps": g.float(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": g.float(f"{a}.rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(g),
+        "max_position_embeddings": g.int(f"{a}.context_length", 4096, hi=1 << 31),
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
+        "torch_dtype": dtype,
+    }
+    if f"{a}.attention.clamp_kqv" in g.reader.fields:
+        cfg["clip_qkv"] = g.float(f"{a}.attention.clamp_kqv")
+    H, KV, hd = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
+
+    def per_layer(i: int) -> dict:
+        return {
+            **{f"{n}.weight": sh for n, sh in _expert_shapes(g, i, E, inter, dim).items()},
+            "attn_q_norm.weight": (H * hd,),
+            "attn_k_norm.weight": (KV * hd,),
         }
-        writer.write_dense(dense.weights)
-        build_tokenizer(g, writer.path, cfg["vocab_size"])
-        _write_experts(writer, L, E, expert_parts, progress)
-        calibrate(writer, calibration_tokens)
-        return writer.commit()
+
+    _check_shapes(g, cfg, per_layer)
+    dense = DenseWriter(dtype)
+    _add_embeddings(dense, g, cfg)
+    for i in range(L):
+        pre = f"model.layers.{i}"
+        _add_norm(dense, g, f"blk.{i}.attn_norm.weight", f"{pre}.input_layernorm.weight")
+        _add_norm(dense, g, f"blk.{i}.ffn_norm.weight", f"{pre}.post_attention_layernorm.weight")
+        _add_norm(dense, g, f"blk.{i}.attn_q_norm.weight", f"{pre}.self_attn.q_norm.weight")
+        _add_norm(dense, g, f"blk.{i}.attn_k_norm.weight", f"{pre}.self_attn.k_norm.weight")
+        _add_attention(dense, g, i, pre)  # a NeoX-rotary architecture: rows not permuted
+        dense.add(f"{pre}.mlp.gate", g.tensor(f"blk.{i}.ffn_gate_inp.weight"), quantize=False)
+    return _convert_moe(g, out, "olmoe", cfg, list(range(L)), dense, calibration_tokens, progress)
 
 
-def _write_experts(writer: StoreWriter, L: int, E: int, expert_parts, progress: bool) -> None:
+def _convert_mixtral(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
+    """Mixtral, which llama.cpp writes as architecture "llama" with expert tensors: q/k rows
+    un-permuted as for dense llama; top-k then softmax over the k (llama.cpp's softmax over
+    all experts renormalized over the top-k: the same weights)."""
+    a, s = g.arch, _moe_sizes(g)
+    dtype = _model_dtype(g.path)
+    L, E, inter, dim = s["num_hidden_layers"], s["num_experts"], s["expert_size"], s["hidden_size"]
+    rope_dim = g.int(f"{a}.rope.dimension_count", s["head_dim"])
+    if rope_dim != s["head_dim"]:
+        raise StoreError(f"{g.path}: partial rotary ({rope_dim} of {s['head_dim']}) in mixtral")
+    if "rope_freqs.weight" in g.tensors:
+        raise StoreError(f"{g.path}: rope_freqs.weight (llama3 rope) in a MoE llama GGUF")
+    cfg: dict[str, Any] = {
+        "model_type": "mixtral",
+        "architectures": ["MixtralForCausalLM"],
+        **{k: v for k, v in s.items() if k not in ("expert_size", "num_experts")},
+        "num_local_experts": E,
+        "num_experts": E,
+        "intermediate_size": inter,
+        "rms_norm_eps": g.float(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": g.float(f"{a}.rope.freq_base", 1e6),
+        "rope_scaling": _rope_scaling(g),
+        "max_position_embeddings": g.int(f"{a}.context_length", 32768, hi=1 << 31),
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "torch_dtype": dtype,
+    }
+    if "blk.0.attn_q.bias" in g.tensors:
+        raise StoreError(f"{g.path}: attention biases in a MoE llama GGUF (Mixtral has none)")
+
+    def per_layer(i: int) -> dict:
+        return {
+            **{f"{n}.weight": sh for n, sh in _expert_shapes(g, i, E, inter, dim).items()},
+        }
+
+    _check_shapes(g, cfg, per_layer)
+    heads, kv = s["num_attention_heads"], s["num_key_value_heads"]
+    dense = DenseWriter(dtype)
+    _add_embeddings(dense, g, cfg)
+    for i in range(L):
+        pre = f"model.layers.{i}"
+        _add_norm(dense, g, f"blk.{i}.attn_norm.weight", f"{pre}.input_layernorm.weight")
+        _add_norm(dense, g, f"blk.{i}.ffn_norm.weight", f"{pre}.post_attention_layernorm.weight")
+        _add_attention(dense, g, i, pre, unpermute=(heads, kv))
+        t = g.tensor(f"blk.{i}.ffn_gate_inp.weight")
+        dense.add(f"{pre}.block_sparse_moe.gate", t, quantize=False)
+    return _convert_moe(g, out, "mixtral", cfg, list(range(L)), dense, calibration_tokens, progress)
+
+
+def _convert_qwen3next(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
+    """Qwen3-Next, as llama.cpp's converter (convert_hf_to_gguf.py, Qwen3NextModel) writes it,
+    each of its changes undone:
+      in_proj_qkvz, grouped per key head [q k v z], is split into attn_qkv [all q | all k |
+        all v] and attn_gate [all z]: rows are put back (whole rows: blocks survive);
+      A_log is written as ssm_a = -exp(A_log): A_log = log(-ssm_a) (float64, ~1 ulp);
+      conv1d [C, 1, K] is squeezed to [C, K]: back to [C, K, 1] (our sanitized layout);
+      the (1 + w) norms get their 1 added, as our sanitize() does, so they are kept as they are
+        (the gated delta-net's own ssm_norm, a plain weight, has none).
+    Layer kinds come from {arch}.attention.recurrent_layers when present (transformers 5
+    checkpoints give only layer_types, and then the written full_attention_interval is the
+    default 4), else from full_attention_interval. The multi-token-prediction layers that
+    the converter appends (without --no-mtp) are left out. Layers without expert tensors
+    keep a dense MLP (ffn_gate/up/down)."""
+    a, s = g.arch, _moe_sizes(g)
+    dtype = _model_dtype(g.path)
+    L, E, inter, dim = s["num_hidden_layers"], s["num_experts"], s["expert_size"], s["hidden_size"]
+    H, hd = s["num_attention_heads"], s["head_dim"]
+    nextn = g.int(f"{a}.nextn_predict_layers", 0, lo=0, hi=L - 1)
+    L -= nextn
+    n_k = g.int(f"{a}.ssm.group_count")
+    n_v = g.int(f"{a}.ssm.time_step_rank")
+    d_k = g.int(f"{a}.ssm.state_size")
+    inner = g.int(f"{a}.ssm.inner_size")
+    if inner % n_v or n_v % n_k:
+        raise StoreError(
+            f"{g.path}: ssm.inner_size {inner} over {n_v} value heads in {n_k} key groups "
+            "is not a Qwen3-Next shape"
+        )
+    d_v, kernel = inner // n_v, g.int(f"{a}.ssm.conv_kernel")
+    rope_dim = g.int(f"{a}.rope.dimension_count", hd)
+    if rope_dim > hd or int(hd * (rope_dim / hd)) != rope_dim:
+        raise StoreError(f"{g.path}: rope.dimension_count {rope_dim} of head size {hd}")
+    recurrent = g.get(f"{a}.attention.recurrent_layers")
+    if recurrent is not None:
+        if not isinstance(recurrent, list) or len(recurrent) < L:
+            g.fail(f"{a}.attention.recurrent_layers", f"expected {L} true/false values")
+        linear = [bool(x) for x in recurrent[:L]]
+    else:
+        interval = g.int(f"{a}.full_attention_interval", 4)
+        linear = [(i + 1) % interval != 0 for i in range(L)]
+    moe_layers = [i for i in range(L) if _has_layer_experts(g, i)]
+    cfg: dict[str, Any] = {
+        "model_type": "qwen3_next",
+        "architectures": ["Qwen3NextForCausalLM"],
+        **{k: v for k, v in s.items() if k != "expert_size"},
+        "num_hidden_layers": L,
+        "intermediate_size": g.int(f"{a}.feed_forward_length", inter),
+        "moe_intermediate_size": inter,
+        "shared_expert_intermediate_size": g.int(f"{a}.expert_shared_feed_forward_length"),
+        "linear_num_value_heads": n_v,
+        "linear_num_key_heads": n_k,
+        "linear_key_head_dim": d_k,
+        "linear_value_head_dim": d_v,
+        "linear_conv_kernel_dim": kernel,
+        "layer_types": ["linear_attention" if x else "full_attention" for x in linear],
+        "norm_topk_prob": True,  # llama.cpp's qwen3next graph always renormalizes the top-k
+        "rms_norm_eps": g.float(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": g.float(f"{a}.rope.freq_base", 10000.0),
+        "partial_rotary_factor": rope_dim / hd,
+        "rope_scaling": _rope_scaling(g),
+        "max_position_embeddings": g.int(f"{a}.context_length", 32768, hi=1 << 31),
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(L) if i not in moe_layers],
+        "attention_bias": False,
+        "torch_dtype": dtype,
+    }
+    key_dim, value_dim = n_k * d_k, n_v * d_v
+    conv_dim = 2 * key_dim + value_dim
+    shexp = cfg["shared_expert_intermediate_size"]
+    dense_ffn = cfg["intermediate_size"]
+
+    def per_layer(i: int) -> dict:
+        shapes: dict[str, tuple] = {
+            "attn_norm.weight": (dim,),
+            "post_attention_norm.weight": (dim,),
+        }
+        if linear[i]:
+            shapes.update(
+                {
+                    "attn_qkv.weight": (conv_dim, dim),
+                    "attn_gate.weight": (value_dim, dim),
+                    "ssm_ba.weight": (2 * n_v, dim),
+                    "ssm_conv1d.weight": (conv_dim, kernel),
+                    "ssm_a": (n_v,),
+                    "ssm_dt.bias": (n_v,),
+                    "ssm_norm.weight": (d_v,),
+                    "ssm_out.weight": (dim, value_dim),
+                }
+            )
+        else:
+            shapes.update(_attention_shapes(g, cfg, i, q_rows=2 * H * hd))
+            shapes.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
+        if i in moe_layers:
+            shapes.update(
+                {f"{n}.weight": sh for n, sh in _expert_shapes(g, i, E, inter, dim).items()}
+            )
+            shapes.update(
+                {
+                    "ffn_gate_shexp.weight": (shexp, dim),
+                    "ffn_up_shexp.weight": (shexp, dim),
+                    "ffn_down_shexp.weight": (dim, shexp),
+                    "ffn_gate_inp_shexp.weight": (1, dim),
+                }
+            )
+        else:
+            shapes.update(
+                {
+                    "ffn_gate.weight": (dense_ffn, dim),
+                    "ffn_up.weight": (dense_ffn, dim),
+                    "ffn_down.weight": (dim, dense_ffn),
+                }
+            )
+        return shapes
+
+    _check_shapes(g, cfg, per_layer, attention=False)
+    dense = DenseWriter(dtype)
+    _add_embeddings(dense, g, cfg)
+    # in_proj_qkvz rows, group by key head: [q_g | k_g | v_g | z_g] out of [q | k | v] and z.
+    r = n_v // n_k
+    order = np.concatenate(
+        [
+            np.concatenate(
+                [
+                    np.arange(j * d_k, (j + 1) * d_k),
+                    key_dim + np.arange(j * d_k, (j + 1) * d_k),
+                    2 * key_dim + np.arange(j * r * d_v, (j + 1) * r * d_v),
+                    conv_dim + np.arange(j * r * d_v, (j + 1) * r * d_v),
+                ]
+            )
+            for j in range(n_k)
+        ]
+    )
+    for i in range(L):
+        pre = f"model.layers.{i}"
+        _add_norm(dense, g, f"blk.{i}.attn_norm.weight", f"{pre}.input_layernorm.weight")
+        _add_norm(
+            dense,
+            g,
+            f"blk.{i}.post_attention_norm.weight",
+            f"{pre}.post_attention_layernorm.weight",
+        )
+        if linear[i]:
+            la = f"{pre}.linear_attn"
+            qkv, z = g.tensor(f"blk.{i}.attn_qkv.weight"), g.tensor(f"blk.{i}.attn_gate.weight")
+            if qtype_name(qkv) == qtype_name(z):
+                rows = np.concatenate([raw_rows(qkv), raw_rows(z)])[order]
+                dense.add(f"{la}.in_proj_qkvz", qkv, rows)
+            else:
+                w = np.concatenate(
+                    [dequantize_rows(raw_rows(qkv), qkv), dequantize_rows(raw_rows(z), z)]
+                )
+                dense.add_array(f"{la}.in_proj_qkvz.weight", w[order])
+            dense.add(f"{la}.in_proj_ba", g.tensor(f"blk.{i}.ssm_ba.weight"))
+            dense.add(f"{la}.out_proj", g.tensor(f"blk.{i}.ssm_out.weight"))
+            t = g.tensor(f"blk.{i}.ssm_conv1d.weight")
+            conv = dequantize_rows(raw_rows(t), t).reshape(conv_dim, kernel, 1)
+            dense.add_array(f"{la}.conv1d.weight", conv)
+            t = g.tensor(f"blk.{i}.ssm_a")
+            A = dequantize_rows(raw_rows(t), t).reshape(-1).astype(np.float64)
+            if not (np.isfinite(A) & (A < 0)).all():
+                raise StoreError(f"{g.path}: tensor blk.{i}.ssm_a holds values that are not < 0")
+            dense.add_array(f"{la}.A_log", np.log(-A))
+            _add_norm(dense, g, f"blk.{i}.ssm_dt.bias", f"{la}.dt_bias")
+            _add_norm(dense, g, f"blk.{i}.ssm_norm.weight", f"{la}.norm.weight")
+        else:
+            _add_norm(dense, g, f"blk.{i}.attn_q_norm.weight", f"{pre}.self_attn.q_norm.weight")
+            _add_norm(dense, g, f"blk.{i}.attn_k_norm.weight", f"{pre}.self_attn.k_norm.weight")
+            _add_attention(dense, g, i, pre)  # NeoX rotary: rows not permuted
+        if i in moe_layers:
+            mlp = f"{pre}.mlp"
+            dense.add(f"{mlp}.gate", g.tensor(f"blk.{i}.ffn_gate_inp.weight"), quantize=False)
+            for p, gp in GGUF_PROJ.items():
+                dense.add(f"{mlp}.shared_expert.{p}", g.tensor(f"blk.{i}.{gp}_shexp.weight"))
+            t = g.tensor(f"blk.{i}.ffn_gate_inp_shexp.weight")
+            dense.add(f"{mlp}.shared_expert_gate", t, quantize=False)
+        else:
+            for p, gp in GGUF_PROJ.items():
+                dense.add(f"{pre}.mlp.{p}", g.tensor(f"blk.{i}.{gp}.weight"))
+    if not moe_layers:
+        raise StoreError(f"{g.path}: no layer has expert tensors (blk.N.ffn_gate_exps.weight)")
+    return _convert_moe(g, out, "qwen3_next", cfg, moe_layers, dense, calibration_tokens, progress)
+
+
+def _has_layer_experts(g: _Gguf, i: int) -> bool:
+    return any(f"blk.{i}.{n}.weight" in g.tensors for n in ("ffn_gate_exps", "ffn_gate_up_exps"))
+
+
+def _write_experts(writer: StoreWriter, layers, E: int, expert_parts, progress: bool) -> None:
     from tqdm import tqdm
 
-    with tqdm(total=L * E, desc="experts", unit="expert", disable=not progress) as bar:
-        for i in range(L):
+    layers = list(layers)
+    with tqdm(total=len(layers) * E, desc="experts", unit="expert", disable=not progress) as bar:
+        for i in layers:
             for e in range(E):
                 writer.add_expert(i, e, record_arrays(expert_parts(i, e)))
                 bar.update(1)
@@ -1078,4 +1505,4 @@ def _write_experts(writer: StoreWriter, L: int, E: int, expert_parts, progress: 
 
 def _add_norm(dense: DenseWriter, g: _Gguf, name: str, key: str) -> None:
     t = g.tensor(name)
-    dense.add_array(key, dequantize_rows(raw_rows(t), t))
+    dense.add_array(key, dequantize_rows(raw_rows(t), t).reshape(-1))
