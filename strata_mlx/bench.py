@@ -36,6 +36,7 @@ class Run:
     decode: ExpertStats | None = None
     decode_s: float = 0.0
     decode_tokens: int = 0
+    layers: dict | None = None  # bench --plot: per-layer counts (strata_mlx.plots)
 
 
 def _drop_page_cache(store: Path) -> bool:
@@ -96,6 +97,7 @@ def bench(
     log=print,
     eviction: str = "lru",
     baseline: str | None = None,
+    plot: str | Path | None = None,
 ) -> dict:
     """Every policy cold then warm; with `baseline="mlx-lm"`, then mlx-lm's own model and
     strata-mlx's on the same prompt, side by side (strata_mlx.baseline)."""
@@ -148,9 +150,15 @@ def bench(
             extra = {"lookahead_decode_min_miss": 0.0} if variant == "always" else {}
             model, _ = load(path, config=RuntimeConfig(**base, **extra, read_ahead=name))
             arena = model.expert_cache.arena
+            if plot is not None:
+                from .plots import LayerCounts
+
+                layers = LayerCounts(model.expert_cache)
             for phase in ("cold", "warm"):
                 run = _run(model, ids, gen_tokens, prefill_step_size, policy, phase)
                 runs.append(run)
+                if plot is not None:
+                    run.layers = layers.take()
                 log(
                     _line(run, fake, ssd_gbps)
                     + ("" if dropped or phase == "warm" else " (store's pages not evicted)")
@@ -169,6 +177,11 @@ def bench(
         "compute_decode_tps": fake.decode_tokens / fake.decode_s,
         "runs": [_summary(run, fake, ssd_gbps) for run in runs],
     }
+    if plot is not None:
+        from .plots import figures, plot_bench
+
+        result["plot"] = figures(runs, fake, ssd_gbps)
+        plot_bench(result, plot)
     if baseline is not None:
         from .baseline import compare
 

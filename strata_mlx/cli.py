@@ -486,6 +486,9 @@ def bench(
         "--baseline",
         help="mlx-lm: then mlx-lm's own model and ours on the same prompt, with ratios.",
     ),
+    plot: Path | None = typer.Option(
+        None, "--plot", help='Write a PNG of the run (pip install "strata-mlx[plot]").'
+    ),
 ):
     """Prefill and decode, cold and warm, read-ahead policies side by side.
 
@@ -496,6 +499,10 @@ def bench(
     from .bench import markdown_table, save
 
     names = tuple(p for p in policies.split(",") if p)
+    if plot is not None:
+        from .plots import require
+
+        require()
     result = run_bench(
         model,
         prompt_tokens,
@@ -509,6 +516,7 @@ def bench(
         eviction=eviction,
         log=typer.echo,
         baseline=baseline,
+        plot=plot,
     )
     typer.echo(markdown_table(result))
     if json_out is not None:

@@ -129,6 +129,37 @@ def default_prefill_step(memory: int | None = None) -> int:
     return 2048 if (memory or physical_memory()) >= 16 * GB else 512
 
 
+def choose_arena(
+    args,
+    record_bytes: int,
+    n_records: int,
+    dense_bytes: int,
+    arena_gb: float | None,
+    prefill_step_size: int | None,
+    memory_bytes: int | None = None,
+    available: int | None = None,
+) -> tuple[int, int]:
+    """(arena bytes, prefill chunk) that load() picks: the chunk from memory unless given, an
+    automatic arena from memory less dense weights and scratch, then the memory guard
+    (refuses, or shrinks an automatic arena, before anything is allocated). `memory_bytes`
+    and `available` (what a new allocation can get, dense weights already loaded) default to
+    this machine's; strata_mlx.plan passes another machine's."""
+    step = prefill_step_size or default_prefill_step(memory_bytes)
+    scratch = prefill_scratch_bytes(args, step)
+    if arena_gb is None:
+        arena = auto_arena_bytes(n_records * record_bytes, dense_bytes, scratch, memory_bytes)
+    else:
+        arena = int(arena_gb * GB)
+    arena = memory.fit_arena(
+        min(arena, n_records * record_bytes),
+        record_bytes,
+        scratch + memory.kv_cache_bytes(args, step),
+        arena_gb,
+        available,
+    )
+    return arena, step
+
+
 def load(
     path: str | Path,
     arena_gb: float | None = None,
@@ -186,22 +217,13 @@ def load(
         raise StoreError(f"{dense_path}: {bad[0]} is {weights[bad[0]].dtype}, not a weight dtype")
     mx.eval(model.parameters())
 
-    step = cfg.prefill_step_size or default_prefill_step()
-    cfg.prefill_step_size = step
     rb = manifest.layout.record_bytes
-    total = manifest.expert_bytes
-    if cfg.arena_gb is None:
-        dense_bytes = sum(v.nbytes for v in weights.values())
-        arena_bytes = auto_arena_bytes(total, dense_bytes, prefill_scratch_bytes(args, step))
-    else:
-        arena_bytes = int(cfg.arena_gb * GB)
-    arena_bytes = memory.fit_arena(  # refuse (or shrink an automatic arena) before allocating
-        min(arena_bytes, manifest.num_experts * len(manifest.moe_layers) * rb),
-        rb,
-        prefill_scratch_bytes(args, step) + memory.kv_cache_bytes(args, step),
-        cfg.arena_gb,
+    n_records = manifest.num_experts * len(manifest.moe_layers)
+    dense_bytes = sum(v.nbytes for v in weights.values())
+    arena_bytes, cfg.prefill_step_size = choose_arena(
+        args, rb, n_records, dense_bytes, cfg.arena_gb, cfg.prefill_step_size
     )
-    n_slots = max(1, min(arena_bytes // rb, manifest.num_experts * len(manifest.moe_layers)))
+    n_slots = max(1, min(arena_bytes // rb, n_records))
     profile = load_profile(path, manifest)
     arena = Arena(n_slots, rb, cfg.eviction, profile, manifest.moe_layers)
 

@@ -1,0 +1,726 @@
+"""`strata-mlx plan MODEL`: will this model run here (or on another machine), and how fast?
+
+Owns the forecast: from a store, a Hugging Face checkpoint directory (config.json and the
+safetensors headers only) or a GGUF file (its header only), plus a machine (this one: its
+memory and a short probe of the drive; or `--target-memory` / `--target-ssd-gbps`), it says
+whether the model fits, the arena and prefill chunk load() would pick (loader.choose_arena,
+the same code), the share of experts resident, and the expected prefill and decode tok/s.
+Never converts anything and never allocates an arena beyond the short fake-stream run that
+measures the compute floor of a store on this machine.
+
+The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts"):
+  - Popularity: the routing profile's per-layer counts give p_i, the chance that a token
+    picks expert i (uniform k/E without a profile). A chunk of T tokens needs expert i with
+    q_i = 1 - (1 - p_i)^T; its distinct experts are the sum of the q_i.
+  - Residency: the arena is LRU over a layer-major sweep, so an expert needed again after g
+    chunks (tokens, in decode) is still resident iff fewer than `slots` distinct experts were
+    needed in between: U(g) = sum_i 1 - (1 - q_i)^g <= slots. g* is the largest such g, and
+    an expert is a hit with probability 1 - (1 - q_i)^min(g*, history) (Che's approximation,
+    with the deterministic gaps of a sweep). When one chunk needs more than the arena holds,
+    g* = 0: every chunk reads all it needs (LRU on a cyclic sweep).
+  - Prefill: each chunk takes max(SSD floor, compute floor): bytes it reads over the probe's
+    GB/s at the I/O worker count, and the fake-stream chunk time (or FLOPs over a rate).
+  - Decode: a token costs the fake-stream decode time plus its misses, k (1 - hit) a layer,
+    read at the probe's bandwidth for that many reads in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .store import ALIGNMENT, COMPONENT_ALIGNMENT, EXPERTS, MANIFEST, StoreError
+
+GB = 1024**3
+# The reference system's GPU work: 2.0-2.4 s for a 1024-token chunk of an 80B-A3B model on a
+# 24 GB M5 MacBook Air (SPEC), ~2.8 TFLOP/s effective: the default rate for a target machine.
+REFERENCE_LAPTOP_TFLOPS = 2.8
+# Bytes a token's dense and expert weights take to stream through the laptop's memory
+# (M4/M5 Air: 120-153 GB/s): the decode compute floor of a target machine.
+REFERENCE_LAPTOP_MEMORY_GBPS = 120.0
+TOLERANCE = 0.25  # the issue's +-25 %
+
+
+@dataclass
+class ModelShape:
+    """What the forecast needs from a model, whatever its source."""
+
+    source: str  # store | hf | gguf
+    path: str
+    model_type: str
+    record_bytes: int  # one expert: gate + up + down, aligned as a store record
+    num_experts: int
+    moe_layers: int
+    top_k: int
+    dense_bytes: int
+    active_params: int  # per token: dense matmuls + top-k experts (FLOPs = 2x this)
+    profile: np.ndarray | None = field(default=None, repr=False)  # [layers, experts] counts
+    args: object = field(default=None, repr=False)  # the family's ModelArgs (memory sizing)
+    note: str = ""
+
+    @property
+    def n_records(self) -> int:
+        return self.num_experts * self.moe_layers
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.n_records * self.record_bytes
+
+
+@dataclass
+class Machine:
+    memory_bytes: int
+    available_bytes: int | None  # for a new allocation, dense weights already held
+    ssd_gbps: float  # random record reads at the I/O worker count (1e9 B/s)
+    ssd_gbps_one: float  # one read in flight
+    io_workers: int
+    name: str = "this machine"
+
+
+@dataclass
+class Forecast:
+    model: str
+    source: str
+    machine: str
+    fits: bool
+    verdict: str
+    arena_bytes: int = 0
+    prefill_step_size: int = 0
+    slots: int = 0
+    resident_share: float = 0.0
+    expert_gb: float = 0.0
+    dense_gb: float = 0.0
+    ssd_gbps: float = 0.0
+    prompt_tokens: int = 0
+    distinct_per_chunk: float = 0.0  # experts a full chunk needs, all layers
+    gb_read_per_chunk: float = 0.0  # mean over the cold prompt's chunks
+    ssd_floor_s: float = 0.0  # mean per chunk
+    compute_floor_s: float = 0.0  # per full chunk
+    compute_source: str = ""  # fake-stream | estimate
+    prefill_tps: float = 0.0
+    decode_hit_rate: float = 0.0
+    decode_misses_per_token: float = 0.0
+    decode_compute_ms: float = 0.0
+    decode_ms_per_token: float = 0.0
+    decode_tps: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out = [
+            f"{self.model} ({self.source}) on {self.machine}",
+            f"  {self.verdict}",
+        ]
+        if not self.fits:
+            return out + [f"  note: {n}" for n in self.notes]
+        out += [
+            f"  experts {self.expert_gb:.2f} GB, dense {self.dense_gb:.2f} GB; "
+            f"arena {self.arena_bytes / GB:.2f} GB = {self.slots} slots "
+            f"({100 * self.resident_share:.1f} % of the experts resident), "
+            f"prefill chunk {self.prefill_step_size}",
+            f"  prefill ({self.prompt_tokens} tokens, cold): {self.prefill_tps:.1f} tok/s; "
+            f"per chunk {self.distinct_per_chunk:.0f} distinct experts, "
+            f"{self.gb_read_per_chunk:.3f} GB read, SSD floor {self.ssd_floor_s * 1e3:.0f} ms "
+            f"at {self.ssd_gbps:.2f} GB/s, compute floor {self.compute_floor_s * 1e3:.0f} ms "
+            f"({self.compute_source})",
+            f"  decode: {self.decode_tps:.2f} tok/s ({self.decode_ms_per_token:.1f} ms/token: "
+            f"compute {self.decode_compute_ms:.1f}, {self.decode_misses_per_token:.1f} misses "
+            f"a token at a {100 * self.decode_hit_rate:.1f} % hit rate)",
+        ]
+        return out + [f"  note: {n}" for n in self.notes]
+
+
+# ---- model shapes ---------------------------------------------------------------------
+
+
+def _record_bytes(parts: list[int]) -> int:
+    """A store record of components of these sizes (64-byte aligned each, 4 KiB in all)."""
+    n = sum(-(-p // COMPONENT_ALIGNMENT) * COMPONENT_ALIGNMENT for p in parts)
+    return max(-(-n // ALIGNMENT) * ALIGNMENT, ALIGNMENT)
+
+
+def _args(config: dict, source):
+    from .loader import family
+    from .models.base import normalize_config
+
+    config = normalize_config(config)
+    fam = family(config.get("model_type"), source)
+    return fam, fam.ModelArgs.from_dict(config, source)
+
+
+def _active_params(args, per_expert_params: int, moe_layers: int) -> int:
+    """Matmul weights a token uses: attention and dense MLPs (estimated from the shape), the
+    LM head, and top-k experts in each MoE layer."""
+    D = args.hidden_size
+    L = args.num_hidden_layers
+    heads = getattr(args, "num_attention_heads", 1) or 1
+    kv = getattr(args, "num_key_value_heads", None) or heads
+    hd = getattr(args, "head_dim", None) or D // heads
+    attn = D * hd * (2 * heads + 2 * kv)
+    dense_mlp = 3 * D * (getattr(args, "intermediate_size", 0) or 0)
+    k = _top_k(args)
+    vocab = getattr(args, "vocab_size", 0) or 0
+    return L * attn + (L - moe_layers) * dense_mlp + moe_layers * k * per_expert_params + D * vocab
+
+
+def from_store(path: Path) -> ModelShape:
+    from .store import DENSE, load_manifest, load_profile
+
+    m = load_manifest(path)
+    _, args = _args(m.config, path / MANIFEST)
+    lay = m.layout
+    per_expert = 3 * args.hidden_size * _expert_width(args)
+    return ModelShape(
+        "store",
+        str(path),
+        m.model_type,
+        lay.record_bytes,
+        m.num_experts,
+        len(m.moe_layers),
+        _top_k(args),
+        (path / DENSE).stat().st_size,
+        _active_params(args, per_expert, len(m.moe_layers)),
+        load_profile(path, m),
+        args,
+    )
+
+
+def _expert_width(args) -> int:
+    """An expert's intermediate width (a split llama's experts share its MLP's columns)."""
+    width = getattr(args, "moe_intermediate_size", None)
+    if width:
+        return width
+    if args.model_type == "llama":
+        return args.intermediate_size // max(args.num_experts, 1)
+    return args.intermediate_size
+
+
+def _top_k(args) -> int:
+    return getattr(args, "num_experts_per_tok", None) or getattr(args, "num_experts", 1)
+
+
+def _safetensors_headers(src: Path) -> dict[str, tuple[str, int]]:
+    """name -> (dtype, bytes) from every *.safetensors header in src (no tensor data read)."""
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise StoreError(f"{src}: no *.safetensors files")
+    out = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise StoreError(f"{f}: truncated safetensors (no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > f.stat().st_size - 8:
+                raise StoreError(f"{f}: truncated safetensors (header claims {n} bytes)")
+            try:
+                header = json.loads(fh.read(n))
+            except ValueError:
+                raise StoreError(f"{f}: corrupt safetensors header") from None
+        for k, v in header.items():
+            if k != "__metadata__":
+                out[k] = (v["dtype"], v["data_offsets"][1] - v["data_offsets"][0])
+    return out
+
+
+ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "U8": 1, "I8": 1, "F64": 8}
+
+
+def from_hf(src: Path, q_bits: int | None = None, q_group_size: int = 64) -> ModelShape:
+    """As `convert --hf-path` would store it: experts as they are (an mlx-lm checkpoint's
+    quantized experts stay so), or MLX-affine at `q_bits` (-q)."""
+    from .convert.hf import read_config
+
+    config = read_config(src)
+    fam, args = _args(config, src / "config.json")
+    tensors = _safetensors_headers(src)
+    prefixes = {}
+    for layer in range(args.num_hidden_layers):
+        p = fam.EXPERT_PREFIX.format(layer=layer)
+        prefixes[layer] = (p + ".", p.rsplit(".", 1)[0] + ".switch_mlp.")
+    moe = [l for l, ps in prefixes.items() if any(k.startswith(ps) for k in tensors)]
+    E = getattr(args, "num_experts", None) or getattr(args, "num_local_experts", 0) or 0
+    expert_total, dense = 0, 0
+    for k, (_dtype, n) in tensors.items():
+        if any(k.startswith(prefixes[l]) for l in moe):
+            expert_total += n
+        else:
+            dense += n
+    D, inter = args.hidden_size, _expert_width(args)
+    if q_bits is not None:  # weights at q_bits, fp16 scale and bias per group
+        parts = [D * inter * q_bits // 8, 2 * 2 * D * inter // q_group_size] * 3
+        record = _record_bytes(parts)
+    else:
+        record = _record_bytes([expert_total // max(len(moe) * E, 1)])
+    note = "experts as in the checkpoint" if q_bits is None else f"experts at {q_bits}-bit"
+    return ModelShape(
+        "hf",
+        str(src),
+        config.get("model_type", "?"),
+        record,
+        E,
+        len(moe),
+        _top_k(args),
+        dense,
+        _active_params(args, 3 * D * inter, len(moe)),
+        None,
+        args,
+        note,
+    )
+
+
+def from_gguf(path: Path, split_experts: int | None = None) -> ModelShape:
+    """As `convert --gguf-path` would store it: expert blocks kept as they are (qwen3moe), or a
+    dense llama's MLPs split into `split_experts`; dense tensors dequantized (float32 under
+    2 GB of file, else float16, as the converter does)."""
+    from .convert.gguf import _Gguf, llama_config
+
+    g = _Gguf(path)
+    a = g.arch
+    if a == "llama":
+        E = split_experts or 16
+        config = llama_config(g, E, "float32")
+        pattern = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+    elif a == "qwen3moe":
+        E = g.int(f"{a}.expert_count")
+        heads = g.int(f"{a}.attention.head_count")
+        dim = g.int(f"{a}.embedding_length")
+        inter = g.int(f"{a}.expert_feed_forward_length", g.int(f"{a}.feed_forward_length", 1))
+        config = {
+            "model_type": "qwen3_moe",
+            "hidden_size": dim,
+            "num_hidden_layers": g.int(f"{a}.block_count"),
+            "intermediate_size": g.int(f"{a}.feed_forward_length", inter),
+            "moe_intermediate_size": inter,
+            "num_attention_heads": heads,
+            "num_key_value_heads": g.int(f"{a}.attention.head_count_kv", heads),
+            "head_dim": g.int(f"{a}.attention.key_length", max(dim // heads, 1)),
+            "num_experts": E,
+            "num_experts_per_tok": g.int(f"{a}.expert_used_count"),
+            "vocab_size": g.int(f"{a}.vocab_size", int(g.tensor("token_embd.weight").shape[1])),
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6,
+        }
+        pattern = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+    else:
+        raise StoreError(f"{path}: GGUF architecture {a!r} is not supported (llama, qwen3moe)")
+    _, args = _args(config, path)
+    item = 4 if path.stat().st_size < 2 * GB else 2
+    L = args.num_hidden_layers
+    expert_parts = [0, 0, 0]
+    dense = 0
+    for t in g.reader.tensors:
+        name = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name
+        if name in pattern:
+            expert_parts[pattern.index(name)] += int(t.n_bytes)
+        else:
+            dense += int(t.n_elements) * item
+    record = _record_bytes([p // (L * E) for p in expert_parts])
+    D, inter = args.hidden_size, _expert_width(args)
+    return ModelShape(
+        "gguf",
+        str(path),
+        config["model_type"],
+        record,
+        E,
+        L,
+        _top_k(args),
+        dense,
+        _active_params(args, 3 * D * inter, L),
+        None,
+        args,
+        f"llama MLPs split into {E} experts" if a == "llama" else "",
+    )
+
+
+def model_shape(
+    path: str | Path, q_bits: int | None = None, split_experts: int | None = None
+) -> ModelShape:
+    path = Path(path)
+    if path.is_dir() and (path / MANIFEST).is_file():
+        return from_store(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return from_hf(path, q_bits)
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF":
+            return from_gguf(path, split_experts)
+        raise StoreError(f"{path}: not a GGUF file (magic {magic!r})")
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    raise StoreError(
+        f"{path}: not a store (manifest.json), a Hugging Face checkpoint (config.json) or a GGUF"
+    )
+
+
+# ---- the machine ----------------------------------------------------------------------
+
+
+def probe_file(shape: ModelShape) -> Path:
+    """A large file on the drive the model lives on."""
+    p = Path(shape.path)
+    if shape.source == "store":
+        return p / EXPERTS
+    if shape.source == "hf":
+        return max(p.glob("*.safetensors"), key=lambda f: f.stat().st_size)
+    return p
+
+
+def this_machine(
+    shape: ModelShape, io_workers: int = 8, probe_seconds: float = 1.0, ssd_gbps=None
+) -> Machine:
+    from . import memory
+    from .loader import physical_memory
+    from .probe import probe_ssd
+
+    if ssd_gbps is None:
+        rows = probe_ssd(
+            probe_file(shape),
+            record_bytes=shape.record_bytes,
+            workers_list=(1, io_workers),
+            seconds=probe_seconds / 2,
+        )
+        one, many = rows[0]["gb_per_s"], rows[1]["gb_per_s"]
+    else:
+        one = many = ssd_gbps
+    avail = memory.available_bytes()
+    if avail is not None:
+        avail = max(avail - shape.dense_bytes, 0)  # load() sizes the arena with dense loaded
+    return Machine(physical_memory(), avail, many, one, io_workers)
+
+
+def target_machine(memory_gb: float, ssd_gbps: float, io_workers: int = 8) -> Machine:
+    """Another machine: `memory_gb` of which the wired limit of a Mac (~19 of 24 GB, SPEC)
+    can go to MLX, less the dense weights; a drive of `ssd_gbps` at any queue depth."""
+    mem = int(memory_gb * GB)
+    return Machine(mem, None, ssd_gbps, ssd_gbps, io_workers, f"a {memory_gb:g} GB machine")
+
+
+# ---- residency and reads --------------------------------------------------------------
+
+
+def pick_probabilities(shape: ModelShape) -> np.ndarray:
+    """[layers * experts] chance that one token picks each expert (sums to k a layer)."""
+    k, E, L = shape.top_k, shape.num_experts, shape.moe_layers
+    prof = shape.profile
+    if prof is None or prof.sum() == 0:
+        return np.full(L * E, k / max(E, 1))
+    prof = prof.astype(np.float64) + 1e-3  # an expert never seen in calibration is rare, not 0
+    p = prof / prof.sum(axis=1, keepdims=True) * k
+    return np.clip(p, 0.0, 1.0).reshape(-1)
+
+
+def reuse_gap(q: np.ndarray, slots: int, limit: int) -> int:
+    """The largest g <= limit with sum_i 1 - (1 - q_i)^g <= slots: an item needed again
+    after g steps is still resident (LRU)."""
+    if len(q) <= slots:
+        return limit
+    lq = np.log1p(-np.minimum(q, 1 - 1e-12))
+
+    def distinct(g: int) -> float:
+        return float(np.sum(-np.expm1(lq * g)))
+
+    if distinct(1) > slots:
+        return 0
+    lo, hi = 1, 1
+    while hi < limit and distinct(hi) <= slots:
+        lo, hi = hi, min(hi * 2, limit)
+    if distinct(hi) <= slots:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if distinct(mid) <= slots else (lo, mid)
+    return lo
+
+
+def hit_probability(q: np.ndarray, gap: int) -> np.ndarray:
+    return -np.expm1(np.log1p(-np.minimum(q, 1 - 1e-12)) * gap)
+
+
+def prefill_reads(p: np.ndarray, slots: int, prompt: int, step: int) -> list[tuple[int, float]]:
+    """[(tokens, experts read)] for each chunk of a cold prompt."""
+    out = []
+    done = 0
+    q_full = -np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * step)
+    gap = reuse_gap(q_full, slots, max(prompt // step, 1))
+    c = 0
+    while done < prompt:
+        t = min(step, prompt - done)
+        q = -np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * t)
+        hit = hit_probability(q_full, min(gap, c)) if c else np.zeros_like(q)
+        out.append((t, float(np.sum(q * (1 - hit)))))
+        done += t
+        c += 1
+    return out
+
+
+def decode_hit_rate(p: np.ndarray, slots: int, history: int) -> float:
+    """Share of a decode token's lookups resident (LRU at steady state, `history` tokens seen)."""
+    gap = reuse_gap(p, slots, max(history, 1))
+    return float(np.sum(p * hit_probability(p, gap)) / np.sum(p))
+
+
+def read_gbps(machine: Machine, in_flight: float) -> float:
+    """Bandwidth at `in_flight` reads: between the one-read and the full-queue probes."""
+    n = max(1.0, min(in_flight, machine.io_workers))
+    if machine.io_workers <= 1:
+        return machine.ssd_gbps
+    f = (n - 1) / (machine.io_workers - 1)
+    return machine.ssd_gbps_one + f * (machine.ssd_gbps - machine.ssd_gbps_one)
+
+
+# ---- compute --------------------------------------------------------------------------
+
+
+def measure_compute(
+    path: Path, step: int, tokens: int, decode_tokens: int, arena_gb: float
+) -> tuple[float, float]:
+    """(seconds per prefill token, seconds per decode token) of a fake-stream run (every
+    expert counts as resident: compute alone, as bench's compute floor)."""
+    from .bench import _run
+    from .loader import RuntimeConfig, load
+    from .store import load_manifest
+
+    vocab = load_manifest(path).config["vocab_size"]
+    ids = np.random.default_rng(0).integers(0, vocab, size=tokens).tolist()
+    cfg = RuntimeConfig(
+        arena_gb=arena_gb, read_ahead="demand", fake_stream=True, prefill_step_size=step
+    )
+    model, _ = load(path, config=cfg)
+    try:
+        _run(model, ids[: min(tokens, 8)], 1, step, "warmup", "-")  # kernels compile once
+        run = _run(model, ids, decode_tokens, step, "fake-stream", "compute")
+    finally:
+        model.expert_cache.close()
+    prefill_s = sum(c.wall_s for c in run.chunks)
+    return prefill_s / max(tokens, 1), run.decode_s / max(decode_tokens, 1)
+
+
+def estimate_compute(shape: ModelShape, tflops: float, memory_gbps: float) -> tuple[float, float]:
+    """(s per prefill token, s per decode token): FLOPs over a rate; weight bytes a token
+    reads over memory bandwidth."""
+    prefill = 2 * shape.active_params / (tflops * 1e12)
+    touched = shape.dense_bytes + shape.top_k * shape.moe_layers * shape.record_bytes
+    return prefill, max(touched / (memory_gbps * 1e9), prefill)
+
+
+# ---- the forecast ---------------------------------------------------------------------
+
+
+def forecast(
+    shape: ModelShape,
+    machine: Machine,
+    compute: tuple[float, float],
+    compute_source: str,
+    arena_gb: float | None = None,
+    prefill_step_size: int | None = None,
+    prompt_tokens: int = 2048,
+    gen_tokens: int = 128,
+) -> Forecast:
+    from .loader import choose_arena
+    from .memory import MemoryGuardError
+
+    f = Forecast(
+        Path(shape.path).name,
+        shape.source + (f", {shape.note}" if shape.note else ""),
+        machine.name,
+        True,
+        "",
+        expert_gb=shape.expert_bytes / 1e9,
+        dense_gb=shape.dense_bytes / 1e9,
+        ssd_gbps=machine.ssd_gbps,
+        prompt_tokens=prompt_tokens,
+        compute_source=compute_source,
+    )
+    available = machine.available_bytes
+    if available is None:
+        available = max(machine.memory_bytes - shape.dense_bytes, 0)
+    try:
+        arena, step = choose_arena(
+            shape.args,
+            shape.record_bytes,
+            shape.n_records,
+            shape.dense_bytes,
+            arena_gb,
+            prefill_step_size,
+            machine.memory_bytes,
+            available,
+        )
+    except MemoryGuardError as e:
+        f.fits = False
+        f.verdict = f"does not fit: {e}"
+        return f
+    slots = max(1, min(arena // shape.record_bytes, shape.n_records))
+    f.arena_bytes, f.prefill_step_size, f.slots = arena, step, slots
+    f.resident_share = slots / max(shape.n_records, 1)
+    f.verdict = (
+        "fits: every expert resident"
+        if slots >= shape.n_records
+        else f"fits, streaming: the arena holds {100 * f.resident_share:.1f} % of the experts"
+    )
+    p = pick_probabilities(shape)
+    rb = shape.record_bytes
+    chunks = prefill_reads(p, slots, prompt_tokens, step)
+    per_token, decode_s = compute
+    total_s, bytes_read, ssd_s = 0.0, 0.0, 0.0
+    for tokens, reads in chunks:
+        ssd = reads * rb / (machine.ssd_gbps * 1e9)
+        total_s += max(ssd, per_token * tokens)
+        bytes_read += reads * rb
+        ssd_s += ssd
+    n = len(chunks)
+    f.distinct_per_chunk = float(np.sum(-np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * step)))
+    f.gb_read_per_chunk = bytes_read / n / 1e9
+    f.ssd_floor_s = ssd_s / n
+    f.compute_floor_s = per_token * min(step, prompt_tokens)
+    f.prefill_tps = prompt_tokens / total_s if total_s else 0.0
+    layer_width = max(f.distinct_per_chunk / max(shape.moe_layers, 1), 1)
+    if layer_width > slots:
+        f.notes.append(
+            f"a chunk needs ~{layer_width:.0f} experts a layer, more than the arena's {slots} "
+            "slots: layers run in expert-major groups"
+        )
+
+    hit = decode_hit_rate(p, slots, prompt_tokens + gen_tokens)
+    per_layer_misses = shape.top_k * (1 - hit)
+    misses = per_layer_misses * shape.moe_layers
+    read_s = misses * rb / (read_gbps(machine, per_layer_misses) * 1e9)
+    f.decode_hit_rate = hit
+    f.decode_misses_per_token = misses
+    f.decode_compute_ms = decode_s * 1e3
+    f.decode_ms_per_token = (decode_s + read_s) * 1e3
+    f.decode_tps = 1e3 / f.decode_ms_per_token if f.decode_ms_per_token else 0.0
+    if shape.profile is None:
+        f.notes.append("no routing profile: expert popularity taken as uniform")
+    return f
+
+
+def plan(
+    model: str | Path,
+    arena_gb: float | None = None,
+    prefill_step_size: int | None = None,
+    prompt_tokens: int = 2048,
+    gen_tokens: int = 128,
+    io_workers: int = 8,
+    target_memory_gb: float | None = None,
+    target_ssd_gbps: float | None = None,
+    target_tflops: float | None = None,
+    measure: bool = True,
+    measure_tokens: int | None = None,
+    probe_seconds: float = 1.0,
+    q_bits: int | None = None,
+    split_experts: int | None = None,
+) -> Forecast:
+    """The forecast for `model` on this machine, or on a target machine where
+    `target_memory_gb` / `target_ssd_gbps` are given (the other taken from this one)."""
+    from .loader import default_prefill_step, physical_memory
+
+    shape = model_shape(model, q_bits, split_experts)
+    if shape.n_records == 0:
+        raise StoreError(f"{model}: no experts (a dense model): nothing streams")
+    targeted = target_memory_gb is not None or target_ssd_gbps is not None
+    if targeted:
+        here = None
+        if target_memory_gb is None or target_ssd_gbps is None:
+            here = this_machine(shape, io_workers, probe_seconds)
+        machine = target_machine(
+            target_memory_gb if target_memory_gb is not None else here.memory_bytes / GB,
+            target_ssd_gbps if target_ssd_gbps is not None else here.ssd_gbps,
+            io_workers,
+        )
+    else:
+        machine = this_machine(shape, io_workers, probe_seconds)
+    step = prefill_step_size or default_prefill_step(
+        machine.memory_bytes if targeted else physical_memory()
+    )
+    notes = []
+    if targeted:
+        tflops = target_tflops or REFERENCE_LAPTOP_TFLOPS
+        compute = estimate_compute(shape, tflops, REFERENCE_LAPTOP_MEMORY_GBPS)
+        source = f"estimate: {tflops:g} TFLOP/s"
+        if target_tflops is None:
+            notes.append(
+                f"target compute taken as the reference 24 GB laptop's ({tflops:g} TFLOP/s "
+                "effective; --target-tflops to change)"
+            )
+    elif measure and shape.source == "store":
+        tokens = measure_tokens or min(step, prompt_tokens)
+        fake_arena = min(arena_gb or 1.0, 1.0, shape.expert_bytes / GB)
+        compute = measure_compute(Path(shape.path), step, tokens, 4, fake_arena)
+        source = f"fake-stream, {tokens} tokens"
+    else:
+        tflops = target_tflops or _measured_tflops()
+        compute = estimate_compute(shape, tflops, _measured_memory_gbps())
+        source = f"estimate: {tflops:.3g} TFLOP/s"
+        notes.append("compute estimated from FLOPs (no store to time in fake-stream mode)")
+    f = forecast(shape, machine, compute, source, arena_gb, step, prompt_tokens, gen_tokens)
+    f.notes = notes + f.notes
+    return f
+
+
+def _measured_tflops() -> float:
+    """This machine's float32 matmul rate (a short MLX run)."""
+    import time
+
+    import mlx.core as mx
+
+    a = mx.random.normal((512, 1024))
+    b = mx.random.normal((1024, 1024))
+    mx.eval(a @ b)
+    t = time.perf_counter()
+    for _ in range(4):
+        mx.eval(a @ b)
+    return 4 * 2 * 512 * 1024 * 1024 / (time.perf_counter() - t) / 1e12
+
+
+def _measured_memory_gbps() -> float:
+    import time
+
+    a = np.ones(1 << 25, dtype=np.float32)
+    t = time.perf_counter()
+    float(a.sum())
+    return a.nbytes / (time.perf_counter() - t) / 1e9
+
+
+# ---- against bench --------------------------------------------------------------------
+
+
+def compare(f: dict | Forecast, bench_result: dict, policy: str = "lookahead") -> list[dict]:
+    """Forecast against a `bench --json` result (its cold run of `policy`): one row per
+    figure with the ratio measured / forecast and whether it is within TOLERANCE."""
+    f = asdict(f) if isinstance(f, Forecast) else f
+    runs = [r for r in bench_result["runs"] if r["policy"] == policy and r["phase"] == "cold"]
+    if not runs:
+        raise ValueError(f"bench result has no cold {policy} run")
+    r = runs[0]
+    rows = []
+    for name, measured, predicted in (
+        ("prefill tok/s", r["prefill_tps"], f["prefill_tps"]),
+        ("decode tok/s", r["decode_tps"], f["decode_tps"]),
+        ("GB read per chunk", r["gb_read"] / max(_chunks(bench_result), 1), f["gb_read_per_chunk"]),
+        ("decode miss %", r["decode_miss_pct"], 100 * (1 - f["decode_hit_rate"])),
+    ):
+        ratio = measured / predicted if predicted else math.inf
+        rows.append(
+            {
+                "figure": name,
+                "forecast": predicted,
+                "measured": measured,
+                "ratio": ratio,
+                "within": abs(ratio - 1) <= TOLERANCE,
+            }
+        )
+    return rows
+
+
+def _chunks(bench_result: dict) -> int:
+    return -(-bench_result["prompt_tokens"] // bench_result["prefill_step_size"])
+
+
+def save(f: Forecast, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(asdict(f), indent=1))
