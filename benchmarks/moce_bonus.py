@@ -1,6 +1,6 @@
 """Cache-aware routing (--moce-bonus): what it saves in reads and what it costs in quality.
 
-    python benchmarks/moce_bonus.py [--model STORE] [--top-k 8] [--bonuses 0.5,1,2,4]
+    python benchmarks/moce_bonus.py [--model STORE] [--experts-per-token 8] [--bonuses 0.5,1,2,4]
 
 Teacher-forced decode: the first 8 tokens of a fixed English text are prefilled, then every
 later token is fed one at a time in decode mode (where the bonus applies), collecting the
@@ -44,7 +44,7 @@ def decode_logits(model, ids: list[int], prefill: int = 8) -> tuple[np.ndarray, 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--top-k", type=int, default=8, help="0: the store's own top-k")
+    ap.add_argument("--experts-per-token", type=int, default=8, help="0: the store's own top-k")
     ap.add_argument("--bonuses", default="0.5,1,2,4")
     ap.add_argument("--arena-gb", type=float, default=None)
     a = ap.parse_args()
@@ -56,9 +56,9 @@ def main():
     ref = None
     for bonus in [0.0] + [float(b) for b in a.bonuses.split(",")]:
         model, tok = strata_mlx.load(path, arena_gb=arena, read_ahead="demand")
-        if a.top_k:
+        if a.experts_per_token:
             for block in model.moe_blocks().values():
-                block.top_k = a.top_k
+                block.top_k = a.experts_per_token
         model.expert_cache.route_bonus = bonus
         if tok is not None:
             ids = tok.encode(TEXT)
@@ -70,7 +70,9 @@ def main():
         r = kld_report(ref, logits)
         rows.append((bonus, r.mean, r.top1, stats.misses, stats.lookups, stats.experts_read))
         model.expert_cache.close()
-    print(f"store {path}, top-k {a.top_k}, arena {arena:.4f} GB, {len(ids) - 8} decode tokens")
+    print(
+        f"store {path}, experts per token {a.experts_per_token}, arena {arena:.4f} GB, {len(ids) - 8} decode tokens"
+    )
     print("| bonus | mean KLD (nats) | top-1 agreement | misses / lookups | experts read |")
     print("|---|---|---|---|---|")
     for b, k, t, m, lk, rd in rows:

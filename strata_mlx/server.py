@@ -3,6 +3,11 @@
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both streaming as SSE or not),
 GET /v1/models, GET /v1/stats (also /stats) with the expert cache's counters.
 
+Sampling fields are mlx-lm's server's (temperature, top_p, top_k, min_p, xtc_probability,
+xtc_threshold, logit_bias, repetition_penalty and repetition_context_size, presence_penalty,
+frequency_penalty and their context sizes, seed, stop), built into one sampler by
+strata_mlx.sampling exactly as `generate`'s flags are; an omitted temperature is OpenAI's 1.
+
 One model, one expert cache, one KV cache per request: generation runs on a single worker
 thread, so requests queue and never share state, and the event loop stays free to accept and
 stream. What a request can get wrong is answered 4xx with an OpenAI-style error body

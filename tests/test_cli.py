@@ -264,3 +264,102 @@ def test_generate_decode_paths_print_the_same_tokens(store):
     assert outs[0] == outs[1] and outs[0].strip()
     r = run("generate", "--model", path, "--prompt-tokens", ids, "--decode", "bogus")
     assert r.returncode != 0 and "--decode 'bogus'" in r.stderr
+
+
+# ---- sampling and chat flags as mlx-lm spells them -----------------------------------------
+
+
+def first_line_tokens(r) -> list[str]:
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split("\n")[0].split()
+
+
+def test_top_k_samples_and_experts_per_token_routes(store, tmp_path):
+    """--top-k is top-k sampling (mlx-lm's flag): 1 is greedy at any temperature, 5 draws what
+    the API's sampler draws from the same seed; --min-p and --repetition-penalty as the API;
+    --experts-per-token is the routing override --top-k used to be."""
+    from strata_mlx.sampling import make_logits_processors, make_sampler
+
+    path = store("qwen3_moe")
+    ids = prompt_ids(8, seed=8)
+    base = ["generate", "--model", path, "--prompt-tokens", ",".join(map(str, ids)), "-m", "8"]
+    model, _ = strata_mlx.load(path)
+
+    def api(**kw) -> list[str]:
+        return [str(r.token) for r in strata_mlx.stream_generate(model, None, ids, 8, **kw)]
+
+    greedy = first_line_tokens(run(*base))
+    assert greedy == api()
+    for flags in (["--top-k", "1"], ["--min-p", "1"]):
+        assert first_line_tokens(run(*base, "--temp", "1", "--seed", "4", *flags)) == greedy
+    top5 = first_line_tokens(run(*base, "--temp", "1", "--top-k", "5", "--seed", "4"))
+    assert top5 == api(seed=4, sampler=make_sampler(1.0, top_k=5)) and top5 != greedy
+    mixed = ["--temp", "0.8", "--top-p", "0.9", "--min-p", "0.05", "--seed", "9"]
+    mixed += ["--repetition-penalty", "1.4", "--repetition-context-size", "6"]
+    assert first_line_tokens(run(*base, *mixed)) == api(
+        seed=9,
+        sampler=make_sampler(0.8, top_p=0.9, min_p=0.05),
+        logits_processors=make_logits_processors(repetition_penalty=1.4, repetition_context_size=6),
+    )
+    out = tmp_path / "k1.npy"
+    assert first_line_tokens(run(*base, "--experts-per-token", "1", "--logits-out", out))
+    default = teacher_forced_logits(model, ids)
+    for block in model.moe_blocks().values():
+        block.top_k = 1
+    k1 = teacher_forced_logits(model, ids)
+    np.testing.assert_array_equal(np.load(out), k1)
+    assert not np.array_equal(k1, default)
+    model.expert_cache.close()
+
+
+def test_sampling_flag_errors(store):
+    path = store("qwen3_moe")
+    base = ["generate", "--model", path, "--prompt-tokens", "1,2", "-m", "2"]
+    for flags, flag in [
+        (["--top-k", "-1"], "--top-k"),
+        (["--min-p", "2"], "--min-p"),
+        (["--min-tokens-to-keep", "0"], "--min-tokens-to-keep"),
+        (["--repetition-penalty", "-1"], "--repetition-penalty"),
+        (["--repetition-context-size", "0"], "--repetition-context-size"),
+        (["--xtc-threshold", "0.7"], "--xtc-threshold"),
+        (["--experts-per-token", "99"], "--experts-per-token 99"),
+        (["--chat-template-config", "[1]"], "--chat-template-config"),
+        (["--chat-template-config", "{nope"], "--chat-template-config"),
+        (["--chat-template-config", '{"messages": 1}'], "--chat-template-config"),
+        (["--no-chat", "--system-prompt", "hi"], "--system-prompt"),
+    ]:
+        assert flag in _error_line(run(*base, *flags)), flags
+
+
+def test_system_prompt_and_chat_template_config(store, tmp_path):
+    """--system-prompt puts a system message before the prompt and --chat-template-config
+    passes variables to the template (both imply --chat): the prompt the summary counts is
+    the API's, and so is the text."""
+    from test_server import write_tokenizer
+
+    path = tmp_path / "chat"
+    shutil.copytree(store("qwen3_moe"), path)
+    write_tokenizer(path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if topic is defined %}{{ topic }} {% endif %}" + (config["chat_template"])
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    model, tok = strata_mlx.load(path)
+    user = {"role": "user", "content": "the cat sat"}
+    system = {"role": "system", "content": "paris is a city"}
+    for flags, text in [
+        (["--chat"], tok.apply_chat_template([user])),
+        (["--system-prompt", system["content"]], tok.apply_chat_template([system, user])),
+        (
+            ["--chat-template-config", '{"topic": "fox"}'],
+            tok.apply_chat_template([user], topic="fox"),
+        ),
+    ]:
+        ids = tok.encode(text, add_special_tokens=False)
+        r = run("generate", "--model", path, "-p", "the cat sat", "-m", "4", *flags)
+        assert r.returncode == 0, r.stderr
+        assert f"Prompt: {len(ids)} tokens" in r.stdout, (flags, r.stdout)
+        assert r.stdout.startswith(strata_mlx.generate(model, tok, ids, max_tokens=4)), flags
+    assert tok.apply_chat_template([user], topic="fox").startswith("fox <|im_start|>user")
+    model.expert_cache.close()

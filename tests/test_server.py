@@ -23,6 +23,7 @@ import pytest
 import uvicorn
 
 import strata_mlx
+from strata_mlx.sampling import SamplingOptions
 from strata_mlx.server import create_app
 from strata_mlx.store import load_manifest
 
@@ -237,6 +238,114 @@ def test_sampling_with_seed_is_reproducible(client):
     a = chat(client, "a red fox", temperature=1.0, top_p=0.9, seed=7, max_tokens=8)
     b = chat(client, "a red fox", temperature=1.0, top_p=0.9, seed=7, max_tokens=8)
     assert a.choices[0].message.content == b.choices[0].message.content
+
+
+# ---- sampling fields as mlx-lm's server spells them ---------------------------------------
+
+
+def content(client, prompt: str, **kw) -> str:
+    return chat(client, prompt, **kw).choices[0].message.content
+
+
+def api(model, tok, prompt: str, max_tokens: int = 8, seed=None, **kw) -> str:
+    """What the Python API generates for the chat `prompt` with sampling.SamplingOptions(**kw)."""
+    opts = SamplingOptions(**kw)
+    return strata_mlx.generate(
+        model,
+        tok,
+        chat_ids(tok, prompt),
+        max_tokens=max_tokens,
+        seed=seed,
+        sampler=opts.sampler(tok),
+        logits_processors=opts.logits_processors(model.args.vocab_size),
+    )
+
+
+def test_top_k_and_min_p_sample_as_the_api_does(served, client):
+    _, model, tok = served
+    greedy = content(client, "a red fox", temperature=0)
+    # top_k 1 and min_p 1 keep only the most likely token: greedy whatever the seed
+    for seed in (1, 2):
+        for extra in ({"top_k": 1}, {"min_p": 1.0}):
+            assert (
+                content(client, "a red fox", temperature=1, seed=seed, extra_body=extra) == greedy
+            )
+    body = {"top_k": 20, "min_p": 0.02}
+    outs = {
+        seed: content(client, "a red fox", temperature=0.9, seed=seed, extra_body=body)
+        for seed in (1, 2, 3, 4)
+    }
+    assert len(set(outs.values())) > 1  # it samples
+    assert content(client, "a red fox", temperature=0.9, seed=3, extra_body=body) == outs[3]
+    assert outs[3] == api(model, tok, "a red fox", seed=3, temp=0.9, top_k=20, min_p=0.02)
+    streamed, _, _ = stream_chat(client, "a red fox", temperature=0.9, seed=3, extra_body=body)
+    assert streamed == outs[3]
+
+
+def test_logit_bias_and_penalties_as_the_api_does(served, client):
+    _, model, tok = served
+    paris = tok.encode("paris", add_special_tokens=False)[0]
+    forced = content(client, "a dog ran", temperature=0, logit_bias={str(paris): 100})
+    assert forced.split() == ["paris"] * 8  # +100 on one token: nothing else is drawn
+    assert forced == api(model, tok, "a dog ran", logit_bias={paris: 100})
+    greedy = content(client, "a dog ran", temperature=0)
+    first = tok.encode(greedy.split()[0], add_special_tokens=False)[0]
+    banned = content(client, "a dog ran", temperature=0, logit_bias={str(first): -100})
+    assert banned.split()[0] != greedy.split()[0]
+    for fields in (
+        {"repetition_penalty": 1.5, "repetition_context_size": 8},
+        {"presence_penalty": 1.0},
+        {"frequency_penalty": 0.7, "frequency_context_size": 30},
+    ):
+        got = content(client, "a dog ran", temperature=0, max_tokens=12, extra_body=fields)
+        assert got == api(model, tok, "a dog ran", max_tokens=12, **fields), fields
+    # a penalty on what was said: the forced token once, then never again in its window
+    bias = {str(paris): 100}
+    once = content(client, "a dog ran", temperature=0, logit_bias=bias, presence_penalty=200)
+    assert once.split()[0] == "paris" and "paris" not in once.split()[1:]
+    assert once == api(model, tok, "a dog ran", logit_bias={paris: 100}, presence_penalty=200)
+    again = content(
+        client,
+        "a dog ran",
+        temperature=0,
+        logit_bias=bias,
+        extra_body={"repetition_penalty": 1e6},  # (100 + logit) / 1e6: as good as gone
+    )
+    assert again.split()[0] == "paris" and "paris" not in again.split()[1:]
+
+
+def test_out_of_range_sampling_fields_are_400s(served):
+    base, _, _ = served
+    cases = [
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_k": "5"}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": "x"}, "min_p"),
+        ({"xtc_probability": 2.0}, "xtc_probability"),
+        ({"xtc_threshold": 0.9}, "xtc_threshold"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"repetition_context_size": 0}, "repetition_context_size"),
+        ({"presence_penalty": "high"}, "presence_penalty"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": {"paris": 1}}, "logit_bias"),
+        ({"logit_bias": {"999": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 500}}, "logit_bias"),
+        ({"stop": ["a", 3]}, "stop"),
+    ]
+    url = base + "/v1/chat/completions"
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        for extra, param in cases:
+            for stream in (False, True):  # refused before a stream starts
+                body = {"model": NAME, "messages": [{"role": "user", "content": "x"}], **extra}
+                r = http.post(url, json={**body, "stream": stream})
+                assert r.status_code == 400, (extra, r.text)
+                err = r.json()["error"]
+                assert err["type"] == "invalid_request_error" and err["message"], extra
+                assert (err["param"] or "").startswith(param), (extra, err)
+        r = http.post(base + "/v1/completions", json={"model": NAME, "prompt": [1, 2], "top_k": -3})
+        assert r.status_code == 400 and "top_k" in r.json()["error"]["message"]
 
 
 def test_bad_requests_answer_400_with_an_error_body(served, client):
