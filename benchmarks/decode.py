@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 import strata_mlx
+from strata_mlx.bench import policy_options
 from strata_mlx.decode import PipelinedDecoder
 from strata_mlx.generate import generate_step, make_sampler
 from strata_mlx.store import load_manifest
@@ -131,7 +132,7 @@ def main() -> None:
                 model = resident
             else:
                 model, _ = strata_mlx.load(
-                    a.store, arena_gb=a.arena_gb, read_ahead=policy, prefill_step_size=step
+                    a.store, arena_gb=a.arena_gb, prefill_step_size=step, **policy_options(policy)
                 )
             set_mode(model, mode)
             ec = model.expert_cache

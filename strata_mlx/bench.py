@@ -62,6 +62,21 @@ def _drop_page_cache(store: Path) -> bool:
     return ok
 
 
+def policy_options(policy: str) -> dict:
+    """RuntimeConfig fields of a bench policy name: a read-ahead policy, optionally with
+    ":always" (lookahead predicts in decode too) and ":dN" (N layers predicted ahead)."""
+    name, *variants = policy.split(":")
+    out: dict = {"read_ahead": name}
+    for v in variants:
+        if v == "always":
+            out["lookahead_decode_min_miss"] = 0.0
+        elif v[:1] == "d" and v[1:].isdigit():
+            out["lookahead_depth"] = int(v[1:])
+        else:
+            raise ValueError(f"policy {policy!r}: unknown variant {v!r} (always | dN)")
+    return out
+
+
 def _run(model, ids: list[int], gen: int, step: int, policy: str, phase: str) -> Run:
     """Prefill `ids` in chunks of `step`, then decode `gen` tokens greedily as generate does
     (the decode time runs from the first generated token, the prefill's, to the last)."""
@@ -146,9 +161,7 @@ def bench(
         order = list(policies[r % len(policies) :]) + list(policies[: r % len(policies)])
         for policy in order:
             dropped = _drop_page_cache(path)
-            name, _, variant = policy.partition(":")  # "lookahead:always" predicts in decode too
-            extra = {"lookahead_decode_min_miss": 0.0} if variant == "always" else {}
-            model, _ = load(path, config=RuntimeConfig(**base, **extra, read_ahead=name))
+            model, _ = load(path, config=RuntimeConfig(**base, **policy_options(policy)))
             arena = model.expert_cache.arena
             if plot is not None:
                 from .plots import LayerCounts

@@ -176,6 +176,7 @@ class ExpertCache:
         self.routers: dict[int, Callable[[mx.array], mx.array]] = {}
         self.layers = list(manifest.moe_layers)
         self._next = dict(zip(self.layers, self.layers[1:]))  # the last layer has none
+        self._targets: dict[int, list[int]] = {}  # lookahead: layers predicted from each
         # With verify, the reader's threads check each record's checksum as it lands.
         checksum = manifest.checksum if verify else None
         path = str(self.store / EXPERTS)
@@ -214,8 +215,13 @@ class ExpertCache:
     # ---- public ----------------------------------------------------------------------
 
     def register_router(self, layer: int, route: Callable[[mx.array], mx.array]) -> None:
-        """`route(x) -> top-k ids` of `layer`, used to predict that layer from the one before."""
+        """`route(x) -> top-k ids` of `layer`, used to predict that layer from those before."""
         self.routers[layer] = route
+        depth = self.read_ahead.depth
+        self._targets = {
+            l: [t for t in self.layers[i + 1 : i + 1 + depth] if t in self.routers]
+            for i, l in enumerate(self.layers)
+        }
 
     def resident_mask(self, layer: int) -> mx.array:
         """[num_experts] float: 1 where the expert of `layer` is resident (cache-aware routing)."""
@@ -254,14 +260,14 @@ class ExpertCache:
         predict = self.read_ahead.predicts and nxt in self.routers and not self.fake_stream
         if predict and self.decoding:
             predict = self.decode_miss_rate >= self.read_ahead.decode_min_miss
+        # Lookahead predicts the next `depth` layers, each through its own router on this
+        # layer's input; the nearest first.
+        targets = self._targets[layer] if predict else []
         t0 = time.perf_counter()
         # x is evaluated with the ids: the ids alone need not depend on the previous layer's
         # expert output (a router can ignore x), and only x proves that computation done.
-        if predict:
-            pred = self.routers[nxt](x)
-            mx.eval(inds, pred, x)
-        else:
-            mx.eval(inds, x)
+        preds = [self.routers[t](x) for t in targets]
+        mx.eval(inds, x, *preds)
         t1 = time.perf_counter()
         st.route_sync_s += t1 - t0
         ids = np.array(inds).reshape(-1, inds.shape[-1])
@@ -287,11 +293,11 @@ class ExpertCache:
         waits = self._classify(layer, needed)
         if self.decoding:
             self._observe_decode_layer((st.misses - misses_before) / len(needed))
-        if predict:
+        for target, pred in zip(targets, preds):
             pred_ids = np.array(pred).reshape(-1, pred.shape[-1])
-            if self.trace is not None:
+            if self.trace is not None and target == nxt:
                 self.trace.record_prediction(nxt, pred_ids)
-            self._submit_readahead(nxt, rank_by_tokens(pred_ids, self.read_ahead.min_tokens))
+            self._submit_readahead(target, rank_by_tokens(pred_ids, self.read_ahead.min_tokens))
         t2 = time.perf_counter()
         self._wait(waits)
         t3 = time.perf_counter()

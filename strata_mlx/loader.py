@@ -67,6 +67,7 @@ class RuntimeConfig:
     static_cap: int = 256
     lookahead_min_tokens: int = 1
     lookahead_decode_min_miss: float = 0.02
+    lookahead_depth: int = 1  # layers predicted ahead from each layer's input
     eviction: str = "lru"
     # Checksums: dense weights once at load (again only when the file changed), every expert
     # record as the reader's threads read it. Off only to measure what it costs.
@@ -236,7 +237,11 @@ def load(
         arena,
         reader,
         read_ahead=ReadAhead(
-            cfg.read_ahead, cfg.static_cap, cfg.lookahead_min_tokens, cfg.lookahead_decode_min_miss
+            cfg.read_ahead,
+            cfg.static_cap,
+            cfg.lookahead_min_tokens,
+            cfg.lookahead_decode_min_miss,
+            cfg.lookahead_depth,
         ),
         profile=profile,
         verify=cfg.verify,

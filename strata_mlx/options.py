@@ -91,6 +91,7 @@ def check_runtime(cfg, cli: bool = False) -> None:
     check_int("static_cap", cfg.static_cap, 0, cli=cli)
     check_int("lookahead_min_tokens", cfg.lookahead_min_tokens, 1, cli=cli)
     check_number("lookahead_decode_min_miss", cfg.lookahead_decode_min_miss, 0, 1, cli=cli)
+    check_int("lookahead_depth", cfg.lookahead_depth, 1, 1 << 10, cli=cli)
     check_choice("eviction", cfg.eviction, sorted(POLICIES), cli=cli)
     if cfg.prefill_step_size is not None:
         check_int("prefill_step_size", cfg.prefill_step_size, 1, MAX_PREFILL_STEP, cli=cli)

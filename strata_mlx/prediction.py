@@ -32,6 +32,9 @@ class ReadAhead:
     # kernels on each layer's critical path cost more than the reads it could hide
     # (lookahead decode 14.4 tok/s against demand 19.2). 0 predicts always.
     decode_min_miss: float = 0.02
+    # lookahead: layers predicted from each layer's input (l+1 .. l+depth, each through its
+    # own router), read in that order
+    depth: int = 1
 
     def __post_init__(self):
         if self.policy not in READ_AHEAD_POLICIES:

@@ -92,3 +92,31 @@ def test_min_tokens_knob_filters_predictions(store):
         submitted[min_tokens] = model.expert_cache.stats.readahead_submitted
     assert submitted[8] < submitted[1]
     mx.eval(mx.zeros(1))
+
+
+def test_lookahead_depth_reads_further_ahead_exactly(tmp_path, monkeypatch):
+    """lookahead_depth=2 predicts layers l+1 and l+2 from layer l's input (each layer is
+    predicted twice, from both layers before it); outputs never change."""
+    path = predictable_store(tmp_path)
+    m = load_manifest(path)
+    layers = list(m.moe_layers)
+    ids = prompt_ids(24, seed=16)
+    outs, targets = {}, {}
+    for depth in (1, 2):
+        model, _ = strata_mlx.load(
+            path, arena_gb=0.05, read_ahead="lookahead", lookahead_depth=depth
+        )
+        ec = model.expert_cache
+        seen = targets[depth] = []
+        submit = ec._submit_readahead
+        monkeypatch.setattr(
+            ec,
+            "_submit_readahead",
+            lambda layer, *a, **k: seen.append(layer) or submit(layer, *a, **k),
+        )
+        outs[depth] = teacher_forced_logits(model, ids, 24)  # one chunk
+    assert np.array_equal(outs[1], outs[2])
+    # The first layer is predicted from the profile once the chunk is done (the next forward's).
+    assert targets[1] == layers[1:] + layers[:1]
+    want = [t for i in range(len(layers)) for t in layers[i + 1 : i + 3]] + layers[:1]
+    assert targets[2] == want
