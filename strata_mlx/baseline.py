@@ -29,7 +29,7 @@ from .models.base import normalize_config
 from .store import DENSE, EXPERTS, PROJECTIONS, Manifest, StoreError, load_manifest
 
 # Our families that mlx-lm has, under the same module name; the same parameter names too.
-MLX_LM_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe")
+MLX_LM_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3")
 
 
 def _mlx_lm():
@@ -56,7 +56,7 @@ def _check_runnable(path: Path, m: Manifest) -> None:
             f"{path}: the llama split family (a dense MLP split into experts) has no mlx-lm "
             "MoE counterpart"
         )
-    if m.model_type not in MLX_LM_FAMILIES:
+    if _module_name(m.model_type) not in MLX_LM_FAMILIES:
         raise StoreError(
             f"{path}: architecture {m.model_type!r} has no mlx-lm baseline here "
             f"(supported: {', '.join(MLX_LM_FAMILIES)})"
@@ -69,6 +69,13 @@ def _check_runnable(path: Path, m: Manifest) -> None:
                     f"{path}: experts' {proj} is GGUF {kind} blocks, which mlx-lm's "
                     "SwitchGLU cannot run (only MLX affine and float experts)"
                 )
+
+
+def _module_name(model_type: str) -> str:
+    """The family module a model type runs as (kimi_k2 as deepseek_v3, in mlx-lm too)."""
+    from .loader import FAMILIES
+
+    return FAMILIES.get(model_type, model_type)
 
 
 def mlx_lm_config(m: Manifest, path: Path) -> dict:
@@ -130,7 +137,7 @@ def load_mlx_lm(store_path: str | Path):
     path = Path(store_path)
     m = load_manifest(path)
     _check_runnable(path, m)
-    arch = importlib.import_module(f"mlx_lm.models.{m.model_type}")
+    arch = importlib.import_module(f"mlx_lm.models.{_module_name(m.model_type)}")
     config = mlx_lm_config(m, path)
     try:
         model = arch.Model(arch.ModelArgs.from_dict(config))

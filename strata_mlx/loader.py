@@ -41,6 +41,8 @@ FAMILIES = {
     "mixtral": "mixtral",
     "olmoe": "olmoe",
     "glm4_moe": "glm4_moe",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",  # the same architecture (mlx-lm maps it so too)
     "llama": "llama",
 }
 

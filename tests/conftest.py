@@ -83,6 +83,38 @@ def _hf_model(family: str):
             attention_bias=True,
         )
         return T.Glm4MoeForCausalLM(cfg)
+    if family == "deepseek_v3":
+        # Layer 0 dense; 8 experts in 4 groups, 2 groups eligible; q through its low-rank
+        # path; YaRN rotary (the scaled context, its mscale on the rotated dims and on the
+        # attention scale).
+        cfg = T.DeepseekV3Config(
+            **{**TINY, "num_hidden_layers": 3, "num_key_value_heads": 4},
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=12,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
+        )
+        return T.DeepseekV3ForCausalLM(cfg)
     raise ValueError(family)
 
 

@@ -20,7 +20,7 @@ from strata_mlx.store import StoreError, load_manifest
 
 pytest.importorskip("mlx_lm")
 
-FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe"]
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3"]
 
 
 def resident(path):

@@ -14,7 +14,7 @@ from conftest import TINY, _randomize_norms, hf_logits, prompt_ids
 import strata_mlx
 from strata_mlx.generate import teacher_forced_logits
 
-FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe"]
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -106,6 +106,34 @@ def _hf_model_q(family: str):
             **moe,
         )
         return T.Glm4MoeForCausalLM(cfg)
+    if family == "deepseek_v3":
+        # q without its low-rank path here (conftest's model takes it); YaRN as there.
+        cfg = T.DeepseekV3Config(
+            **{**Q_TINY, "num_hidden_layers": 3, "num_key_value_heads": 4},
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=16,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
+            **moe,
+        )
+        return T.DeepseekV3ForCausalLM(cfg)
     raise ValueError(family)
 
 
@@ -138,9 +166,10 @@ def _mlx_lm_config(checkpoint: Path) -> dict:
         for k, v in config.items()
         if k in ("rope_theta", "partial_rotary_factor", "num_experts", "num_local_experts")
     }
-    # GLM-4.5's ModelArgs requires rope_scaling, which transformers 5 leaves out when unset.
-    if config.get("model_type") == "glm4_moe":
-        patch.setdefault("rope_scaling", config.get("rope_scaling"))
+    # transformers 5 writes scaled rotary (DeepSeek-V3's YaRN) into rope_parameters only, and
+    # leaves rope_scaling out when unset, which GLM-4.5's ModelArgs requires.
+    if "rope_scaling" in config or config.get("model_type") == "glm4_moe":
+        patch["rope_scaling"] = config.get("rope_scaling")
     # Qwen3-Next: transformers 5 writes the layer schedule as layer_types only.
     if types := config.get("layer_types"):
         interval = types.index("full_attention") + 1
@@ -182,3 +211,134 @@ def test_quantized_matches_mlx_lm(family, q_checkpoint, tmp_path):
     model, _ = strata_mlx.load(out)
     ours = teacher_forced_logits(model, ids, step=64)
     np.testing.assert_array_equal(ours, ref)
+
+
+# ---- sigmoid group-limited routing (deepseek_v3, glm4_moe) -----------------------------------
+
+
+def _hf_route(logits, bias, k, n_group, topk_group, scale):
+    """transformers' DeepseekV3TopkRouter, in numpy: groups left out are masked with -inf."""
+    scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    choice = scores + bias
+    grouped = choice.reshape(len(choice), n_group, -1)
+    group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
+    kept = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]
+    mask = np.zeros_like(group_scores, dtype=bool)
+    np.put_along_axis(mask, kept, True, axis=-1)
+    choice = np.where(np.repeat(mask, grouped.shape[-1], axis=-1), choice, -np.inf)
+    inds = np.argsort(-choice, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(scores, inds, axis=-1)
+    return inds, scale * w / w.sum(-1, keepdims=True)
+
+
+def test_group_limited_route_matches_transformers_with_negative_biased_scores():
+    """A chosen group's expert whose biased score is negative still beats every expert of a
+    group left out (transformers masks with -inf; masking with 0 would pick the left-out)."""
+    from strata_mlx.models.deepseek_v3 import group_limited_route
+
+    logits = mx.array([[4.0, 3.0, -4.0, -5.0, -6.0, -7.0]])
+    bias = mx.array([0.0, 0.0, -0.5, -0.5, -0.9, -0.9])  # biased: .98 .95 -.48 -.49 -.90 -.90
+    inds, w = group_limited_route(logits, bias, 3, 3, 2, 2.5, True)
+    assert sorted(np.array(inds)[0].tolist()) == [0, 1, 2]
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 2, (200, 16)).astype(np.float32)
+    bias = rng.normal(-0.6, 0.5, 16).astype(np.float32)  # most biased scores negative
+    inds, w = group_limited_route(mx.array(logits), mx.array(bias), 3, 4, 2, 2.5, True)
+    ref_inds, ref_w = _hf_route(logits, bias, 3, 4, 2, 2.5)
+    order = np.argsort(np.array(inds), axis=-1)
+    got_inds = np.take_along_axis(np.array(inds), order, -1)
+    got_w = np.take_along_axis(np.array(w), order, -1)
+    ref_order = np.argsort(ref_inds, axis=-1)
+    assert np.array_equal(got_inds, np.take_along_axis(ref_inds, ref_order, -1))
+    np.testing.assert_allclose(got_w, np.take_along_axis(ref_w, ref_order, -1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_bf16_conversion_keeps_correction_bias_float32(family, hf_checkpoint, tmp_path):
+    from strata_mlx.convert.hf import convert_hf
+
+    out = convert_hf(
+        hf_checkpoint(family),
+        tmp_path / "s",
+        dtype="bfloat16",
+        progress=False,
+        calibration_tokens=0,
+    )
+    dense = mx.load(str(out / "dense.safetensors"))
+    biases = [k for k in dense if k.endswith("e_score_correction_bias")]
+    assert biases and all(dense[k].dtype == mx.float32 for k in biases)
+    assert dense["model.norm.weight"].dtype == mx.bfloat16
+    model, _ = strata_mlx.load(out)  # (not run: MLX's CPU gather_mm takes float32 only)
+    gate = model.moe_blocks()[1].gate
+    assert gate.e_score_correction_bias.dtype == mx.float32 and gate.weight.dtype == mx.bfloat16
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_mtp_layer_is_dropped(family, hf_checkpoint, tmp_path):
+    """Real GLM-4.5 and DeepSeek-V3 checkpoints carry a multi-token-prediction layer numbered
+    num_hidden_layers: conversion leaves it out (and its experts are not experts of ours)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from strata_mlx.convert.hf import convert_hf
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_checkpoint(family), src)
+    n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    w = load_file(src / "model.safetensors")
+    extra = {
+        k.replace(f"layers.{n - 1}.", f"layers.{n}."): v
+        for k, v in w.items()
+        if f"layers.{n - 1}." in k
+    }
+    extra[f"model.layers.{n}.eh_proj.weight"] = np.zeros((4, 4), np.float32)
+    save_file({**w, **extra}, src / "model.safetensors", metadata={"format": "pt"})
+    out = convert_hf(src, tmp_path / "s", progress=False, calibration_tokens=0)
+    dense = mx.load(str(out / "dense.safetensors"))
+    assert not any(k.startswith(f"model.layers.{n}.") for k in dense)
+    ids = prompt_ids(16)
+    model, _ = strata_mlx.load(out)
+    np.testing.assert_allclose(
+        teacher_forced_logits(model, ids, 16), hf_logits(hf_checkpoint(family), ids), atol=1e-4
+    )
+
+
+def test_kimi_k2_runs_as_deepseek_v3(hf_checkpoint, store, tmp_path):
+    """Kimi K2 checkpoints say model_type kimi_k2 with DeepSeek-V3's architecture."""
+    import shutil
+
+    from strata_mlx.convert.hf import convert_hf
+
+    src = tmp_path / "hf"
+    shutil.copytree(hf_checkpoint("deepseek_v3"), src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    out = convert_hf(src, tmp_path / "s", progress=False, calibration_tokens=0)
+    ids = prompt_ids(16)
+    kimi, _ = strata_mlx.load(out)
+    ref, _ = strata_mlx.load(store("deepseek_v3"))
+    assert kimi.model_type == "kimi_k2"
+    assert np.array_equal(teacher_forced_logits(kimi, ids, 16), teacher_forced_logits(ref, ids, 16))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"n_group": 3}, "n_group 3 does not divide n_routed_experts 8"),
+        ({"topk_group": 5}, "topk_group 5 outside"),
+        ({"num_experts_per_tok": 5}, "num_experts_per_tok 5 is more than the 4"),
+        ({"scoring_func": "softmax"}, "scoring_func 'softmax'"),
+    ],
+)
+def test_group_routing_configs_refused_in_one_line(change, message, hf_checkpoint):
+    from strata_mlx.loader import family
+    from strata_mlx.models.base import normalize_config
+    from strata_mlx.store import StoreError
+
+    path = hf_checkpoint("deepseek_v3") / "config.json"
+    config = normalize_config({**json.loads(path.read_text()), **change})
+    with pytest.raises(StoreError, match=message) as e:
+        family("deepseek_v3").ModelArgs.from_dict(config, path)
+    assert "\n" not in str(e.value)

@@ -1,7 +1,7 @@
 """GLM-4.5 / GLM-4.6 MoE (`glm4_moe`): attention with biased q/k/v projections, optional q/k
 norms and partial rotary; the first `first_k_dense_replace` layers dense, the rest routed SwiGLU
-experts chosen by sigmoid scores plus a correction bias (group-limited top-k, as DeepSeek-V3),
-plus a dense shared expert added unweighted.
+experts chosen by sigmoid scores plus a correction bias (group-limited top-k: DeepSeek-V3's
+router, imported from there), plus a dense shared expert added unweighted.
 
 Only the routed experts go through the seam; the router (`mlp.gate`: weight and
 `e_score_correction_bias`, both kept float) and the shared experts are dense weights. The
@@ -11,7 +11,6 @@ checkpoint's multi-token-prediction layer (`model.layers.{num_hidden_layers}`) i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -19,6 +18,7 @@ import mlx.nn as nn
 
 from ..experts import SwitchGLU
 from .base import BaseModelArgs, KVCache, create_attention_mask, swiglu
+from .deepseek_v3 import Router, check_group_routing, keep_float32
 
 # Where the checkpoint keeps layer l's experts, and each projection's name there.
 EXPERT_PREFIX = "model.layers.{layer}.mlp.experts"
@@ -64,71 +64,6 @@ class ModelArgs(BaseModelArgs):
     def num_experts(self) -> int:
         """The loader's and converter's name for the routed expert count."""
         return self.n_routed_experts
-
-
-def check_group_routing(args) -> None:
-    """Sigmoid group-limited routing's own constraints (ValueError, as the loader expects)."""
-    if args.scoring_func != "sigmoid":
-        raise ValueError(f"scoring_func {args.scoring_func!r}: only 'sigmoid' is supported")
-    if args.topk_method != "noaux_tc":
-        raise ValueError(f"topk_method {args.topk_method!r}: only 'noaux_tc' is supported")
-    n, groups, k = args.n_routed_experts, args.n_group, args.num_experts_per_tok
-    if not n:
-        return
-    if not groups or n % groups:
-        raise ValueError(f"n_group {groups} does not divide n_routed_experts {n}")
-    if not 0 < args.topk_group <= groups:
-        raise ValueError(f"topk_group {args.topk_group} outside [1, n_group {groups}]")
-    if groups > 1 and n // groups < 2:
-        raise ValueError(f"groups of {n // groups} expert: group scores sum each group's top 2")
-    if not 0 < k <= args.topk_group * (n // groups):
-        raise ValueError(
-            f"num_experts_per_tok {k} is more than the {args.topk_group * (n // groups)} "
-            f"experts of topk_group {args.topk_group} groups"
-        )
-
-
-@partial(mx.compile, shapeless=True)
-def _sigmoid_scores(logits: mx.array, bias: mx.array) -> tuple[mx.array, mx.array]:
-    """(sigmoid scores in float32, the same plus the correction bias: what top-k sees)."""
-    scores = mx.sigmoid(logits.astype(mx.float32))
-    return scores, scores + bias
-
-
-def group_limited_route(
-    logits: mx.array,
-    bias: mx.array,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    scale: float,
-    norm_topk_prob: bool,
-) -> tuple[mx.array, mx.array]:
-    """DeepSeek-V3's "noaux_tc" router: (ids [..., k], weights [..., k] float32).
-
-    Experts are ranked by sigmoid(logit) + bias, but only inside the `topk_group` groups whose
-    two best biased scores sum highest; the weights are the unbiased sigmoid scores of the
-    chosen experts, normalised to sum 1 if `norm_topk_prob`, times `scale`. Groups left out are
-    masked with -inf (as transformers), so a negative biased score still beats them.
-    """
-    scores, choice = _sigmoid_scores(logits, bias)
-    if n_group > 1:
-        grouped = mx.unflatten(choice, -1, (n_group, -1))
-        group_scores = mx.topk(grouped, 2, axis=-1).sum(axis=-1, keepdims=True)
-        drop = n_group - topk_group
-        if drop:
-            worst = mx.argpartition(group_scores, kth=drop - 1, axis=-2)[..., :drop, :]
-            grouped = mx.put_along_axis(
-                grouped, mx.stop_gradient(worst), mx.array(-mx.inf, grouped.dtype), axis=-2
-            )
-        choice = mx.flatten(grouped, -2, -1)
-    inds = mx.stop_gradient(mx.argpartition(-choice, kth=top_k - 1, axis=-1)[..., :top_k])
-    weights = mx.take_along_axis(scores, inds, axis=-1)
-    if norm_topk_prob and top_k > 1:  # one expert: its weight w / w is 1
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-    elif norm_topk_prob:
-        weights = mx.ones_like(weights)
-    return inds, weights * scale
 
 
 def rope_scale(rope_scaling: dict[str, Any] | None) -> float:
@@ -193,35 +128,6 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
-
-
-class Router(nn.Module):
-    """`mlp.gate`: a bare weight, not a Linear, so that quantization leaves it float (as
-    mlx-lm does), and the correction bias."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.top_k = args.num_experts_per_tok
-        self.n_group = args.n_group
-        self.topk_group = args.topk_group
-        self.scale = args.routed_scaling_factor
-        self.norm_topk_prob = args.norm_topk_prob
-        self.weight = mx.zeros((args.n_routed_experts, args.hidden_size))
-        self.e_score_correction_bias = mx.zeros((args.n_routed_experts,))
-
-    def __call__(self, x: mx.array, bonus: mx.array | None = None):
-        logits = x @ self.weight.T
-        if bonus is not None:
-            logits = logits + bonus
-        return group_limited_route(
-            logits,
-            self.e_score_correction_bias,
-            self.top_k,
-            self.n_group,
-            self.topk_group,
-            self.scale,
-            self.norm_topk_prob,
-        )
 
 
 class MoE(nn.Module):
@@ -318,13 +224,7 @@ class Model(nn.Module):
 
     @property
     def cast_predicate(self):
-        """The correction bias stays float32 when the rest is cast (as the checkpoints ship it:
-        bf16 would round biases that differ in the fourth digit, and they pick the experts)."""
-
-        def predicate(key: str) -> bool:
-            return "e_score_correction_bias" not in key
-
-        return predicate
+        return keep_float32
 
     @property
     def layers(self):
