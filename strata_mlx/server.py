@@ -7,6 +7,9 @@ Sampling fields are mlx-lm's server's (temperature, top_p, top_k, min_p, xtc_pro
 xtc_threshold, logit_bias, repetition_penalty and repetition_context_size, presence_penalty,
 frequency_penalty and their context sizes, seed, stop), built into one sampler by
 strata_mlx.sampling exactly as `generate`'s flags are; an omitted temperature is OpenAI's 1.
+Chat requests' `tools` go through the model's chat template (`tool_choice` "auto" or "none");
+the model's `<think>` reasoning comes back as `reasoning_content` and its Qwen3 `<tool_call>`
+blocks as `tool_calls`, streamed as OpenAI streams them (strata_mlx.chat_output).
 
 One model, one expert cache, one KV cache per request: generation runs on a single worker
 thread, so requests queue and never share state, and the event loop stays free to accept and
@@ -50,6 +53,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .chat_output import ChatStream, opens_reasoning, parse
 from .generate import stop_holdback
 from .options import MAX_SEED, OptionError
 from .sampling import SamplingOptions
@@ -82,6 +86,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls, for the template
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
 
 class _Sampling(_Strict):
@@ -116,6 +122,8 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
+    tools: list[dict] | None = None
+    tool_choice: Literal["auto", "none"] | None = None  # "required" / a named one: not done
 
     def unsupported(self):
         return super().unsupported() + [("logprobs", self.logprobs)]
@@ -473,6 +481,19 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
+def _template_tool_call(call: dict) -> dict:
+    """An OpenAI tool call as chat templates take it (Hugging Face's convention): its
+    arguments a mapping, not JSON text."""
+    fn = call.get("function")
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            fn = {**fn, "arguments": json.loads(fn["arguments"])}
+        except json.JSONDecodeError:
+            pass
+        call = {**call, "function": fn}
+    return call
+
+
 def model_context(model) -> int:
     """The model's context length (max_position_embeddings), FALLBACK_CONTEXT if unnamed."""
     n = getattr(getattr(model, "args", None), "max_position_embeddings", None)
@@ -637,7 +658,16 @@ def create_app(
             raise APIError(str(e), param=e.param, code="invalid_value") from None
         return options
 
-    async def respond(request: Request, req: _Sampling, job: Job, kind: str):
+    async def respond(
+        request: Request,
+        req: _Sampling,
+        job: Job,
+        kind: str,
+        tools: bool = False,
+        in_reasoning: bool = False,
+    ):
+        """`tools`: parse the model's tool-call blocks; `in_reasoning`: the prompt opened a
+        <think> block (chat only, strata_mlx.chat_output)."""
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if kind == "chat" else "text_completion"
         head = {"id": rid, "created": int(time.time()), "model": model_name}
@@ -661,11 +691,17 @@ def create_app(
             if r is None:  # nobody is listening; 499 as nginx logs a client that left
                 return APIError("the client disconnected", 499, code="cancelled").response()
             if kind == "chat":
+                out = parse(r.text, tools, in_reasoning)
+                message = {"role": "assistant", "content": out.content}
+                if out.reasoning is not None:
+                    message["reasoning_content"] = out.reasoning
+                if out.tool_calls:
+                    message["tool_calls"] = [c.as_dict() for c in out.tool_calls]
                 choice = {
                     "index": 0,
-                    "message": {"role": "assistant", "content": r.text},
+                    "message": message,
                     "logprobs": None,
-                    "finish_reason": r.finish_reason,
+                    "finish_reason": "tool_calls" if out.tool_calls else r.finish_reason,
                 }
             else:
                 choice = {
@@ -679,9 +715,9 @@ def create_app(
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunk_obj = obj + ".chunk" if kind == "chat" else obj
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> dict:
+        def chunk(text: str | None, finish: str | None, first: bool = False, delta=None) -> dict:
             if kind == "chat":
-                delta = {"role": "assistant", "content": ""} if first else {}
+                delta = delta or ({"role": "assistant", "content": ""} if first else {})
                 if text:
                     delta["content"] = text
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -694,14 +730,36 @@ def create_app(
 
         stream = engine.stream(job, request)  # admitted here: a full queue is a 429
 
+        parser = ChatStream(tools, in_reasoning) if kind == "chat" else None
+
+        def deltas(parsed) -> list[bytes]:
+            out = []
+            for what, value in parsed:
+                if what == "tool_call":
+                    index = len(parser.tool_calls) - 1
+                    delta = {"tool_calls": [value.as_dict(index)]}
+                else:
+                    delta = {"reasoning_content" if what == "reasoning" else "content": value}
+                out.append(_sse(chunk(None, None, delta=delta)))
+            return out
+
         async def events():
             if kind == "chat":
                 yield _sse(chunk(None, None, first=True))
             async for ev, value in stream:
                 if ev == "text":
-                    yield _sse(chunk(value, None))
+                    if parser is None:
+                        yield _sse(chunk(value, None))
+                        continue
+                    for c in deltas(parser.feed(value)):
+                        yield c
                 elif ev == "done":
-                    yield _sse(chunk(None, value.finish_reason))
+                    finish = value.finish_reason
+                    if parser is not None:
+                        for c in deltas(parser.close()):
+                            yield c
+                        finish = "tool_calls" if parser.tool_calls else finish
+                    yield _sse(chunk(None, finish))
                     if include_usage:
                         yield _sse(
                             {**head, "object": chunk_obj, "choices": [], "usage": _usage(value)}
@@ -737,9 +795,15 @@ def create_app(
             msg = {"role": m.role, "content": content}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_calls is not None:
+                msg["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             messages.append(msg)
+        tools = bool(req.tools) and req.tool_choice != "none"
+        extra = {"tools": req.tools} if tools else {}
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
         except Exception as e:  # the template's raise_exception, or a jinja error
             raise APIError(f"messages: the chat template failed: {e}", param="messages") from None
         # As Hugging Face's apply_chat_template(tokenize=True): the template places any special
@@ -747,7 +811,7 @@ def create_app(
         ids = encode(text, "messages", add_special_tokens=False)
         given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         job = make_job(req, ids, getattr(req, given), "messages", given)
-        return await respond(request, req, job, "chat")
+        return await respond(request, req, job, "chat", tools, opens_reasoning(text))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

@@ -671,3 +671,153 @@ def test_sigterm_finishes_or_cancels_requests_within_the_deadline(tiny):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- tool calls and reasoning ---------------------------------------------------------------
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t['function']['name'] }} "
+    "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] %}{{ m['content'] }}{% endif %}{% for c in m['tool_calls'] or [] %}"
+    "<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+# What a Qwen3 model says when it calls a tool, cut where the tags are split across tokens.
+SAID = [
+    "<thi",
+    "nk>\nThe user wants",
+    " the weather.\n</th",
+    "ink>\n\n<tool_",
+    'call>\n{"name": "get_weather", "argu',
+    'ments": {"city": "Paris"}}\n</tool_call>',
+]
+
+
+@pytest.fixture(scope="module")
+def tool_served(tiny, tmp_path_factory):
+    """A server whose chat template renders tools and tool calls."""
+    d = tmp_path_factory.mktemp("tools") / "tiny"
+    shutil.copytree(tiny, d)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": TOOLS_TEMPLATE})
+    )
+    model, tok = load_tiny(d)
+    try:
+        with running(create_app(model, tok, NAME)) as base:
+            yield base, tok
+    finally:
+        model.expert_cache.close()
+
+
+@pytest.fixture
+def says(monkeypatch):
+    """The model says `pieces` (one generation step each); the prompts it got are recorded."""
+    from types import SimpleNamespace
+
+    prompts: list[list[int]] = []
+    script: list[str] = []
+
+    def stream_generate(model, tokenizer, ids, **kw):
+        prompts.append(list(ids))
+        for i, text in enumerate(script):
+            last = i == len(script) - 1
+            yield SimpleNamespace(
+                text=text, finish_reason="stop" if last else None, expert_stats=None
+            )
+
+    # the module, not strata_mlx.generate (the package's generate function)
+    monkeypatch.setattr(sys.modules["strata_mlx.generate"], "stream_generate", stream_generate)
+
+    def set_script(pieces: list[str]) -> list[list[int]]:
+        script[:] = pieces
+        return prompts
+
+    return set_script
+
+
+def test_tool_call_round_trip_through_the_openai_client(tool_served, says):
+    base, tok = tool_served
+    c = openai_client(base)
+    user = {"role": "user", "content": "what is the weather in paris"}
+    prompts = says(SAID)
+    r = c.chat.completions.create(model=NAME, messages=[user], tools=TOOLS, max_tokens=64)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert msg.content is None and msg.reasoning_content == "The user wants the weather."
+    (call,) = msg.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"} and call.id
+    # the tools went through the template
+    rendered = tok.apply_chat_template([user], tools=TOOLS)
+    assert rendered.startswith("<|im_start|>system\nget_weather ")
+    assert prompts[-1] == tok.encode(rendered, add_special_tokens=False)
+
+    # streamed: deltas as OpenAI streams them, accumulated by the client's own types
+    reasoning, content, calls, finish = "", "", {}, None
+    for chunk in c.chat.completions.create(
+        model=NAME, messages=[user], tools=TOOLS, max_tokens=64, stream=True
+    ):
+        for ch in chunk.choices:
+            d = ch.delta
+            reasoning += getattr(d, "reasoning_content", None) or ""
+            content += d.content or ""
+            for tc in d.tool_calls or []:
+                calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                calls[tc.index]["name"] += tc.function.name or ""
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert (reasoning, content, finish) == ("The user wants the weather.", "", "tool_calls")
+    assert [(x["name"], json.loads(x["arguments"])) for x in calls.values()] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+
+    # the call and its answer go back to the model through the template
+    says(["It is sunny in Paris."])
+    history = [
+        user,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
+    r = c.chat.completions.create(model=NAME, messages=history, tools=TOOLS, max_tokens=64)
+    assert r.choices[0].message.content == "It is sunny in Paris."
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    expected = [
+        user,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    **call.model_dump(),
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "sunny", "tool_call_id": call.id},
+    ]
+    rendered = tok.apply_chat_template(expected, tools=TOOLS)
+    assert '<tool_call>{"arguments": {"city": "Paris"}, "name": "get_weather"}' in rendered
+    assert prompts[-1] == tok.encode(rendered, add_special_tokens=False)
+
+    # tool_choice "none": no tools in the prompt, the block stays text
+    says(SAID)
+    r = c.chat.completions.create(
+        model=NAME, messages=[user], tools=TOOLS, tool_choice="none", max_tokens=64
+    )
+    assert "<tool_call>" in r.choices[0].message.content and not r.choices[0].message.tool_calls
+    assert prompts[-1] == tok.encode(tok.apply_chat_template([user]), add_special_tokens=False)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=NAME, messages=[user], tools=TOOLS, tool_choice="required")
+    assert e.value.body["param"] == "tool_choice"
+    c.close()
