@@ -79,3 +79,28 @@ def test_requantizing_an_mlx_checkpoint_is_refused(mlx_lm_checkpoint, tmp_path):
     with pytest.raises(StoreError, match="already quantized"):
         convert_hf(mlx_lm_checkpoint, tmp_path / "s", quantize=True, progress=False)
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_mlx_lm_checkpoint_of_group_routed_families(family, tmp_path):
+    """What users download for GLM-4.5 and DeepSeek-V3 / Kimi K2 is mostly mlx-lm's own 4-bit
+    conversion: stacked switch_mlp experts, and DeepSeek's kv_b_proj already split into
+    quantized embed_q / unembed_out. Converted without requantizing, logits equal mlx-lm's."""
+    import torch
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+    from test_families import _hf_model_q, _mlx_lm_config
+
+    hf = tmp_path / "hf"
+    _hf_model_q(family).to(torch.float32).eval().save_pretrained(hf)
+    model, config = load_model(hf, model_config=_mlx_lm_config(hf))
+    model, config = quantize_model(model, config, 32, 4)
+    ckpt = tmp_path / "mlx"
+    save_model(ckpt, model)
+    save_config(config, ckpt / "config.json")
+
+    store = convert_hf(ckpt, tmp_path / "store", progress=False, calibration_tokens=16)
+    ids = prompt_ids(32, seed=15)
+    ref_model, _ = load_model(ckpt)
+    ref = np.array(ref_model(mx.array([ids]))[0].astype(mx.float32))
+    ours, _ = strata_mlx.load(store)
+    np.testing.assert_array_equal(teacher_forced_logits(ours, ids, step=32), ref)
