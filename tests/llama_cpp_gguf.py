@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
-
-import numpy as np
 
 LLAMA_CPP_PYTHON = "0.3.36"
 KEEP = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
@@ -51,6 +50,7 @@ def converter_dir() -> Path | None:
         if r.returncode or not sdist.is_file():
             return None
     tmp = cache / f"llama.cpp-{LLAMA_CPP_PYTHON}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)  # a run killed while extracting
     prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
     with tarfile.open(sdist) as tar:
         members = []
@@ -236,4 +236,3 @@ if __name__ == "__main__":  # a look at what the converter writes: python tests/
             for k, v in s["tensors"].items():
                 if ".1." not in k and ".2." not in k and ".3." not in k:
                     print("  ", k, v)
-    np.zeros(1)

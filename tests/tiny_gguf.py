@@ -1,4 +1,5 @@
-"""Tiny GGUF files (qwen3moe and dense llama) built with gguf-py's writer, metadata as data.
+"""Tiny GGUF files (qwen3moe and dense llama) built with gguf-py's writer, metadata as data;
+and rewriting another writer's GGUF with some tensors replaced (random k-/i-quant blocks).
 
 Metadata is a dict key -> (value, GGUFValueType, array item type or None), so tests and the
 fuzzers can change a field's value or type and write the file again in milliseconds.
@@ -152,3 +153,61 @@ def write(path: Path, arch: str, meta: dict, tensors: dict) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# ---- rewriting a GGUF (another writer's file) with some tensors replaced -------------------
+
+
+def rewrite(src: Path, dst: Path, replace: dict[str, tuple]) -> Path:
+    """Copy GGUF `src` to `dst` (every metadata field with its own value types, every tensor
+    in its order and type), with the tensors named in `replace` (name -> (array, raw ggml
+    type or None)) written instead."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    meta = {}
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = V(f.types[0])
+        meta[name] = (f.contents(), vtype, V(f.types[1]) if vtype == V.ARRAY else None)
+    tensors = {}
+    for t in r.tensors:
+        if t.name in replace:
+            tensors[t.name] = replace[t.name]
+        elif t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            tensors[t.name] = (np.array(t.data), None)
+        else:
+            tensors[t.name] = (np.array(t.data), t.tensor_type)
+    return write(dst, arch, meta, tensors)
+
+
+def random_blocks(qtype: str, shape: tuple[int, ...], rng, std: float = 0.05):
+    """(raw blocks [..., rows, row_bytes] uint8, their float32 values by gguf-py's own
+    dequantizer) of a `qtype` tensor of float `shape` [..., rows, cols]: random bytes (every
+    bit pattern of a k-quant or i-quant block is a valid block) with the fp16 scales (d and
+    dmin, set equal, so that the values scale with them) chosen for values of about `std`.
+    gguf-py cannot quantize these types; random blocks are as good a test of kept blocks."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    from strata_mlx.gguf_quants import get_format
+
+    t = GGMLQuantizationType[qtype]
+    bs, ts = GGML_QUANT_SIZES[t]
+    *lead, cols = shape
+    raw = rng.integers(0, 256, size=(*lead, cols // bs, ts), dtype=np.uint8)
+    f = get_format(qtype)
+    scale_fields = [(off, n) for name, off, n in f.fields if name in ("d", "dmin")]
+
+    def set_scale(value: float) -> None:
+        bits = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+        for off, n in scale_fields:
+            raw[..., off : off + n] = bits
+
+    set_scale(1.0)
+    unit = dequantize(raw.reshape(*lead, -1), t).std()
+    set_scale(std / unit)
+    raw = raw.reshape(*lead, cols // bs * ts)
+    return raw, dequantize(raw, t).reshape(shape)

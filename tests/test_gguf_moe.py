@@ -1,0 +1,343 @@
+"""GGUF import of the MoE families (olmoe, qwen3next, Mixtral as llama with ffn_*_exps) from
+files written by llama.cpp's own converter, against transformers on the same tiny models.
+
+- F32 GGUFs: logits within float noise of transformers' on the checkpoint itself.
+- Q8_0 GGUFs (`--outtype q8_0`): against transformers on the checkpoint with every tensor that
+  llama.cpp quantized replaced by its Q8_0 round trip (gguf-py's quantize then dequantize,
+  the functions llama.cpp's converter calls). Our import repacks Q8_0 to MLX affine 8-bit
+  with the same values exactly ((q + 128) * d - 128 * d = q * d: every term is exact in
+  float32), so what is left is float32 summation order: the same bound as for F32.
+- k-quant and i-quant experts (Q2_K..Q6_K, IQ2_XS, IQ3_S; each layer its own types, as a
+  Q4_K_M file's are): the expert tensors and lm_head of a llama.cpp F32 GGUF (hidden and
+  expert width 256, a whole block) are replaced by random blocks (gguf-py cannot quantize
+  these types); the store's records must hold the file's blocks byte for byte, and logits
+  match transformers with those tensors set to gguf-py's dequantization of the blocks. Our
+  expert kernels decode the blocks bit-identically to gguf-py (test_gguf_quants), so again
+  only summation order differs.
+
+Tolerance: |ours - ref| <= 1e-4 (1 + |ref|), test_families' float32 bound; measured maxima
+are 1e-7 to 7e-6 (see ATOL's comment).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import llama_cpp_gguf as lc
+import numpy as np
+import pytest
+import tiny_gguf
+
+import strata_mlx
+from strata_mlx.convert.gguf import convert_gguf
+from strata_mlx.generate import teacher_forced_logits
+from strata_mlx.store import EXPERTS, StoreError, load_manifest
+
+FAMILIES = ["mixtral", "olmoe", "qwen3_next"]
+# llama.cpp's converter has --fuse-gate-up-exps (ffn_gate_up_exps) for these only.
+FUSED = ["qwen3_next"]
+# Measured max |ours - ref| / (1 + |ref|), logits of |ref| <= 1.5: F32 and Q8_0 0.9-1.4e-7;
+# k/i-quant experts (256-wide) 0.6-1.0e-6, Qwen3-Next's 1.3e-6 and 6.8e-6 (its delta-net
+# recurrence carries rounding along the sequence). 1e-4 is test_families' float32 bound.
+ATOL = 1e-4
+
+# Expert types per layer (even, odd) and projection: every ggml block type the runtime keeps.
+QUANT_VARIANTS = {
+    "kquants": [("Q4_K", "Q5_K", "Q6_K"), ("Q2_K", "Q3_K", "Q4_K")],
+    "iquants": [("IQ2_XS", "IQ3_S", "Q2_K"), ("IQ3_S", "IQ2_XS", "IQ3_S")],
+}
+
+
+def _extra(family: str) -> tuple[str, ...]:
+    return ("--no-mtp",) if family == "qwen3_next" else ()
+
+
+@pytest.fixture(scope="session")
+def llama_cpp(tmp_path_factory):
+    """(family, variant) -> (GGUF path, the transformers model it was made from): every GGUF
+    written by one run of llama.cpp's converter (torch imported once)."""
+    src = lc.converter_dir()
+    if src is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py: pip could not fetch llama-cpp-python")
+    root = tmp_path_factory.mktemp("llama_cpp")
+    made, jobs = {}, []
+    for family in FAMILIES:
+        small = lc.hf_model(family)
+        wide = lc.hf_model(family, hidden=256, expert=256, seed=1)
+        ck_small = lc.save_checkpoint(small, root / f"{family}-small")
+        ck_wide = lc.save_checkpoint(wide, root / f"{family}-wide")
+        variants = [
+            ("f32", ck_small, small, "f32", ()),
+            ("q8_0", ck_small, small, "q8_0", ()),
+            ("wide", ck_wide, wide, "f32", ()),
+        ]
+        if family in FUSED:
+            variants.append(("fused", ck_small, small, "f32", ("--fuse-gate-up-exps",)))
+        for variant, ck, model, outtype, extra in variants:
+            out = root / f"{family}-{variant}.gguf"
+            jobs.append((ck, out, outtype, (*extra, *_extra(family))))
+            made[family, variant] = (out, model)
+    lc.convert_many(src, jobs)
+    return made
+
+
+def _ids(n: int = 48, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, len(lc.TOKENS), size=n).tolist()
+
+
+def _hf_logits(model, ids: list[int], replace: dict | None = None) -> np.ndarray:
+    import torch
+
+    if replace:
+        model = copy.deepcopy(model)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in replace.items():
+                params[name].copy_(torch.from_numpy(np.asarray(value, np.float32)))
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def _ours(store: Path, ids: list[int]) -> np.ndarray:
+    model, _ = strata_mlx.load(store)
+    return teacher_forced_logits(model, ids, step=64)
+
+
+def _close(ours: np.ndarray, ref: np.ndarray) -> None:
+    err = np.abs(ours - ref) / (1 + np.abs(ref))
+    assert err.max() <= ATOL, f"max error {err.max():.3g}"
+
+
+def _convert(path: Path, out: Path, **kw) -> Path:
+    return convert_gguf(path, out, progress=False, calibration_tokens=0, **kw)
+
+
+# ---- float and Q8_0, as llama.cpp's converter writes them ---------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_f32_gguf_matches_transformers(family, llama_cpp, tmp_path):
+    path, model = llama_cpp[family, "f32"]
+    store = _convert(path, tmp_path / "s")
+    assert load_manifest(store).model_type == family
+    ids = _ids()
+    _close(_ours(store, ids), _hf_logits(model, ids))
+
+
+def _q8_0_round_trip(model) -> dict[str, np.ndarray]:
+    """Every parameter llama.cpp's converter writes as Q8_0 (matrices but the routers, the
+    shared-expert gate and the delta-net's conv kernel), through gguf-py's Q8_0 round trip:
+    blocks of 32 along each row, as llama.cpp's converter (gguf.quants.quantize) makes them;
+    its row permutations (llama's q/k, Qwen3-Next's qkvz split) move whole rows."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    q8 = GGMLQuantizationType.Q8_0
+    out = {}
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            continue
+        if "conv1d" in name:
+            continue
+        w = p.detach().numpy().astype(np.float32)
+        out[name] = dequantize(quantize(w, q8), q8).reshape(w.shape)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_q8_0_gguf_matches_transformers_on_dequantized_weights(family, llama_cpp, tmp_path):
+    path, model = llama_cpp[family, "q8_0"]
+    store = _convert(path, tmp_path / "s")
+    m = load_manifest(store)
+    assert {q["format"] for q in m.layout.quant.values()} == {"affine"}
+    assert all(q["bits"] == 8 for q in m.layout.quant.values())
+    ids = _ids()
+    ours = _ours(store, ids)
+    _close(ours, _hf_logits(model, ids, _q8_0_round_trip(model)))
+    # The oracle tells Q8_0 from float: the unquantized checkpoint is far outside the bound.
+    assert np.abs(ours - _hf_logits(model, ids)).max() > 10 * ATOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_decode_matches_full_recompute(family, llama_cpp, tmp_path):
+    import mlx.core as mx
+
+    path, _ = llama_cpp[family, "q8_0"]
+    model, _ = strata_mlx.load(_convert(path, tmp_path / "s"))
+    ids = _ids(24, seed=1)
+    full = teacher_forced_logits(model, ids, step=64)
+    cache = model.make_cache()
+    model(mx.array([ids[:16]]), cache=cache)
+    steps = [np.array(model(mx.array([[t]]), cache=cache)[0, -1]) for t in ids[16:]]
+    np.testing.assert_allclose(np.stack(steps), full[16:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FUSED)
+def test_fused_gate_up_experts_equal_separate_ones(family, llama_cpp, tmp_path):
+    """llama.cpp's --fuse-gate-up-exps writes ffn_gate_up_exps [E, 2I, D]: the same records,
+    so the same logits bit for bit."""
+    fused = _convert(llama_cpp[family, "fused"][0], tmp_path / "fused")
+    plain = _convert(llama_cpp[family, "f32"][0], tmp_path / "plain")
+    assert (fused / EXPERTS).read_bytes() == (plain / EXPERTS).read_bytes()
+    ids = _ids()
+    np.testing.assert_array_equal(_ours(fused, ids), _ours(plain, ids))
+
+
+def test_tokenizer_is_the_checkpoints(llama_cpp, tmp_path):
+    """The byte-level BPE rebuilt from GGUF metadata (pre-tokenizer "gpt-2") encodes as the
+    checkpoint's own tokenizer."""
+    import transformers as T
+
+    from strata_mlx.tokenizer import load_tokenizer
+
+    path, _ = llama_cpp["olmoe", "f32"]
+    hf = T.AutoTokenizer.from_pretrained(path.parent / "olmoe-small")
+    tok = load_tokenizer(_convert(path, tmp_path / "s"))
+    for s in ["the cat in the hat", "  Hello,\tworld!\n\nIt's naïve — café ☕ 2024", lc.EOT]:
+        assert tok.encode(s) == hf(s).input_ids, s
+    assert tok.eos_token_ids == {len(lc.TOKENS) - 1}
+
+
+# ---- k-quant and i-quant experts, kept as blocks ------------------------------------------
+
+
+def _requantized(family: str, variant: str, llama_cpp, tmp_path: Path):
+    """The wide F32 GGUF with its experts (and lm_head, Q6_K) as random `variant` blocks;
+    returns (path, {GGUF tensor: raw blocks}, {transformers parameter: float values})."""
+    path, model = llama_cpp[family, "wide"]
+    from gguf import GGUFReader
+
+    rng = np.random.default_rng(7)
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    replace, raw, hf = {}, {}, {}
+
+    def put(name: str, qtype: str):
+        from gguf import GGMLQuantizationType
+
+        shape = tuple(int(x) for x in reversed(tensors[name].shape))
+        blocks, values = tiny_gguf.random_blocks(qtype, shape, rng, std=0.02)
+        replace[name] = (blocks, GGMLQuantizationType[qtype])
+        raw[name] = blocks
+        return values
+
+    hf["lm_head.weight"] = put("output.weight", "Q6_K")
+    layers = model.config.num_hidden_layers
+    for i in range(layers):
+        gate_t, up_t, down_t = QUANT_VARIANTS[variant][i % 2]
+        gate = put(f"blk.{i}.ffn_gate_exps.weight", gate_t)
+        up = put(f"blk.{i}.ffn_up_exps.weight", up_t)
+        hf[f"model.layers.{i}.mlp.experts.gate_up_proj"] = np.concatenate([gate, up], axis=1)
+        hf[f"model.layers.{i}.mlp.experts.down_proj"] = put(f"blk.{i}.ffn_down_exps.weight", down_t)
+    out = tiny_gguf.rewrite(path, tmp_path / f"{family}-{variant}.gguf", replace)
+    return out, raw, hf
+
+
+@pytest.mark.parametrize("variant", list(QUANT_VARIANTS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_experts_keep_their_blocks(family, variant, llama_cpp, tmp_path):
+    path, raw, hf = _requantized(family, variant, llama_cpp, tmp_path)
+    store = _convert(path, tmp_path / "s")
+    m = load_manifest(store)
+    experts = np.fromfile(store / EXPERTS, np.uint8)
+    for i in m.moe_layers:
+        layout = m.layout_of(i)
+        for p, (gp, want) in zip(
+            ("gate_proj", "up_proj", "down_proj"),
+            zip(("ffn_gate", "ffn_up", "ffn_down"), QUANT_VARIANTS[variant][i % 2]),
+        ):
+            assert layout.quant[p] == {"format": "gguf", "type": want, "in_features": 256}
+            c = layout.component(f"{p}.weight")
+            blocks = raw[f"blk.{i}.{gp}_exps.weight"]
+            for e in (0, m.num_experts - 1):
+                off = m.offsets[m.layer_position(i)][e] + c.offset
+                got = experts[off : off + c.nbytes]
+                assert got.tobytes() == blocks[e].tobytes(), (i, p, e)
+    ids = _ids()
+    _close(_ours(store, ids), _hf_logits(llama_cpp[family, "wide"][1], ids, hf))
+
+
+# ---- what is refused, and how --------------------------------------------------------------
+
+
+def test_mixtral_is_never_called_dense(llama_cpp, tmp_path):
+    path, _ = llama_cpp["mixtral", "f32"]
+    with pytest.raises(StoreError) as e:
+        _convert(path, tmp_path / "s", split_experts=8)
+    msg = str(e.value)
+    assert str(path) in msg and "has experts" in msg and "\n" not in msg
+
+
+def _edited(src: Path, dst: Path, drop: tuple[str, ...] = (), arch: str | None = None) -> Path:
+    """`src` without the tensors and metadata keys named in `drop`, under `arch`."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(src))
+    old = r.fields["general.architecture"].contents()
+    arch = arch or old
+    meta, tensors = {}, {}
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in drop:
+            continue
+        vtype = tiny_gguf.V(f.types[0])
+        sub = tiny_gguf.V(f.types[1]) if vtype == tiny_gguf.V.ARRAY else None
+        meta[name.replace(f"{old}.", f"{arch}.", 1)] = (f.contents(), vtype, sub)
+    for t in r.tensors:
+        if t.name not in drop:
+            raw = None if t.tensor_type.name in ("F32", "F16") else t.tensor_type
+            tensors[t.name] = (np.array(t.data), raw)
+    return tiny_gguf.write(dst, arch, meta, tensors)
+
+
+@pytest.mark.parametrize(
+    "family,drop,arch,words",
+    [
+        ("olmoe", (), "grok", ["architecture 'grok' is not supported", "olmoe", "qwen3next"]),
+        ("mixtral", ("blk.1.ffn_up_exps.weight",), None, ["blk.1.ffn_up_exps.weight not found"]),
+        ("olmoe", ("olmoe.expert_count",), None, ["olmoe.expert_count"]),
+        ("qwen3_next", ("qwen3next.ssm.group_count",), None, ["qwen3next.ssm.group_count"]),
+        ("qwen3_next", ("blk.0.ssm_a",), None, ["blk.0.ssm_a not found"]),
+    ],
+)
+def test_bad_files_name_the_file_and_what_is_missing(
+    family, drop, arch, words, llama_cpp, tmp_path
+):
+    path = _edited(llama_cpp[family, "f32"][0], tmp_path / "m.gguf", drop, arch)
+    with pytest.raises(StoreError) as e:
+        _convert(path, tmp_path / "s")
+    msg = str(e.value)
+    assert msg.startswith(str(path)) and "\n" not in msg, msg
+    for w in words:
+        assert w in msg, msg
+    assert not (tmp_path / "s").exists()
+
+
+def test_cli_unsupported_architecture_exits_2(llama_cpp, tmp_path):
+    path = _edited(llama_cpp["olmoe", "f32"][0], tmp_path / "m.gguf", arch="grok")
+    cmd = [sys.executable, "-m", "strata_mlx", "convert", "--gguf-path", str(path)]
+    r = subprocess.run(
+        [*cmd, "--mlx-path", str(tmp_path / "s")], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    line = r.stderr.strip().splitlines()[-1]
+    assert str(path) in line and "'grok'" in line and "olmoe" in line, r.stderr
+
+
+def test_the_fixtures_are_llama_cpps(llama_cpp):
+    """What the tests above lean on: the files are the converter's (its metadata keys, its
+    quirks), not ours."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(llama_cpp["mixtral", "f32"][0]))
+    assert r.fields["general.architecture"].contents() == "llama"
+    assert "blk.0.ffn_gate_exps.weight" in {t.name for t in r.tensors}
+    r = GGUFReader(str(llama_cpp["qwen3_next", "f32"][0]))
+    names = {t.name for t in r.tensors}
+    assert {"blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_a"} <= names
+    cfg = json.loads(
+        (llama_cpp["qwen3_next", "f32"][0].parent / "qwen3_next-small" / "config.json").read_text()
+    )
+    assert "layer_types" in cfg
