@@ -1,0 +1,158 @@
+"""`strata-mlx plan` (issue 14 item 1): the forecast from a store, a Hugging Face checkpoint or
+a GGUF; the arena it names is the one load() allocates; the residency model against exact
+counts; the comparison with a bench run on figures recorded on this machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strata_mlx import memory, plan
+from strata_mlx.loader import GB
+
+HERE = Path(__file__).parent
+CLI = [str(Path(sys.executable).with_name("strata-mlx"))]
+
+
+def _machine(ssd=1.0, mem=16 * GB, avail=8 * GB):
+    return plan.Machine(mem, avail, ssd, ssd / 2, 8)
+
+
+def test_store_hf_and_gguf_shapes_agree_with_their_stores(store, hf_checkpoint, tmp_path):
+    """The HF checkpoint's forecast (headers only) sizes records and dense weights as the
+    store converted from it has them."""
+    s = plan.model_shape(store("qwen3_moe"))
+    h = plan.model_shape(hf_checkpoint("qwen3_moe"))
+    assert (s.source, h.source) == ("store", "hf")
+    assert (h.num_experts, h.moe_layers, h.top_k) == (s.num_experts, s.moe_layers, s.top_k)
+    assert h.record_bytes == s.record_bytes
+    assert abs(h.dense_bytes - s.dense_bytes) <= 0.05 * s.dense_bytes
+    assert s.profile is not None and h.profile is None
+
+    sys.path.insert(0, str(HERE))
+    import tiny_gguf
+
+    meta, tensors = tiny_gguf.qwen3moe()
+    g = tiny_gguf.write(tmp_path / "m.gguf", "qwen3moe", meta, tensors)
+    from strata_mlx.convert.gguf import convert_gguf
+
+    gs = plan.model_shape(convert_gguf(g, tmp_path / "gs", calibration_tokens=0, progress=False))
+    gg = plan.model_shape(g)
+    assert gg.source == "gguf" and gg.record_bytes == gs.record_bytes
+    assert (gg.num_experts, gg.moe_layers, gg.top_k) == (gs.num_experts, gs.moe_layers, gs.top_k)
+
+
+def test_plan_names_the_arena_load_allocates(store, monkeypatch):
+    """Same store, same memory: plan's automatic arena and chunk are load()'s."""
+    path = store("qwen3_moe")
+    shape = plan.model_shape(path)
+    from strata_mlx.loader import prefill_scratch_bytes
+
+    other = prefill_scratch_bytes(shape.args, 64) + memory.kv_cache_bytes(shape.args, 64)
+    # room for about half the experts once the guard keeps a quarter of it free
+    avail = memory.RESERVE + other + shape.expert_bytes * 2 // 3
+    monkeypatch.setattr(memory, "available_bytes", lambda: avail)
+    f = plan.forecast(
+        shape,
+        plan.Machine(16 * GB, avail, 1.0, 0.5, 8),
+        (1e-3, 1e-2),
+        "test",
+        prefill_step_size=64,
+        prompt_tokens=128,
+    )
+    from strata_mlx.loader import load
+
+    model, _ = load(path, prefill_step_size=64)
+    try:
+        assert f.slots == model.expert_cache.arena.n_slots
+        assert f.prefill_step_size == model.runtime.prefill_step_size
+    finally:
+        model.expert_cache.close()
+    assert 0 < f.resident_share < 1
+
+
+def test_does_not_fit_is_a_verdict_not_an_error(store):
+    shape = plan.model_shape(store("qwen3_moe"))
+    f = plan.forecast(shape, _machine(avail=0), (1e-3, 1e-2), "test", arena_gb=1.0)
+    assert not f.fits and "does not fit" in f.verdict and "--arena-gb" in f.verdict
+
+
+def test_reuse_gap_and_hits_match_an_lru_simulation():
+    """The residency model (LRU over a layer-major sweep) against a simulated LRU arena."""
+    from collections import OrderedDict
+
+    rng = np.random.default_rng(0)
+    L, E, k, T = 4, 64, 4, 32
+    pop = rng.zipf(1.6, size=(L, E)).astype(float)
+    p = np.clip(pop / pop.sum(axis=1, keepdims=True) * k, 0, 1)
+    for slots in (40, 120, 200):
+        lru, hits, need = OrderedDict(), 0, 0
+        chunks = 40
+        for c in range(chunks):
+            for l in range(L):
+                picked = set()
+                for _ in range(T):
+                    picked |= set(rng.choice(E, size=k, replace=False, p=p[l] / p[l].sum()))
+                for e in sorted(picked):
+                    key = (l, e)
+                    if c >= chunks // 2:
+                        need += 1
+                        hits += key in lru
+                    lru[key] = True
+                    lru.move_to_end(key)
+                    if len(lru) > slots:
+                        lru.popitem(last=False)
+        measured = hits / need
+        # the model's steady-state chunk hit rate at this arena
+        q = -np.expm1(np.log1p(-np.minimum(p.reshape(-1), 1 - 1e-12)) * T)
+        gap = plan.reuse_gap(q, slots, chunks)
+        model = float(np.sum(q * plan.hit_probability(q, gap)) / np.sum(q))
+        assert abs(measured - model) <= 0.12, (slots, measured, model)
+
+
+RECORDED = HERE / "data" / "plan_vs_bench.json"
+
+
+def test_compare_on_figures_recorded_on_this_machine():
+    """`plan --json` and `bench --json` of the same store, recorded (docs/benchmarks.md,
+    "Forecasts"): the comparison logic, and the forecasts that were within +-25 %."""
+    rec = json.loads(RECORDED.read_text())
+    for case in rec["cases"]:
+        rows = {r["figure"]: r for r in plan.compare(case["plan"], case["bench"])}
+        for name in case["within"]:
+            assert rows[name]["within"], (case["name"], rows[name])
+        for r in rows.values():
+            assert r["ratio"] == pytest.approx(r["measured"] / r["forecast"])
+    bad = {"prompt_tokens": 64, "prefill_step_size": 64, "runs": []}
+    with pytest.raises(ValueError, match="no cold lookahead"):
+        plan.compare(rec["cases"][0]["plan"], bad)
+
+
+def test_cli_plan_prints_the_forecast_and_a_target_machine(store, tmp_path):
+    path = store("qwen3_moe")
+    out = tmp_path / "f.json"
+    r = subprocess.run(
+        [*CLI, "plan", str(path), "-p", "64", "--prefill-step-size", "32", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "fits" in r.stdout and "prefill" in r.stdout and "decode" in r.stdout
+    f = json.loads(out.read_text())
+    assert f["prefill_tps"] > 0 and f["decode_tps"] > 0 and f["compute_source"].startswith("fake")
+    r = subprocess.run(
+        [*CLI, "plan", str(path), "--target-memory", "24", "--target-ssd-gbps", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "a 24 GB machine" in r.stdout and "8.00 GB/s" in r.stdout
+    r = subprocess.run([*CLI, "plan", str(tmp_path / "nope")], capture_output=True, text=True)
+    assert r.returncode == 2 and "no such file" in r.stderr
