@@ -42,9 +42,13 @@ The tokenizer is rebuilt from the GGUF metadata (tokenizer.ggml.model "gpt2": by
 with the pre-tokenizer named by tokenizer.ggml.pre) and written as tokenizer.json and
 tokenizer_config.json with the chat template.
 
-Qwen3-MoE GGUF (architecture "qwen3moe") keeps each expert's ggml blocks as they are, with
-each layer's own types (a Q4_K_M file's down projection is Q6_K in some layers and Q4_K in
-others): the store then has per-layer record layouts, padded to one record size.
+MoE GGUFs keep each expert's ggml blocks as they are, with each layer's own types (a Q4_K_M
+file's down projection is Q6_K in some layers and Q4_K in others): the store then has
+per-layer record layouts, padded to one record size. Architectures, as llama.cpp's
+convert_hf_to_gguf.py writes them (tests/test_gguf_moe.py runs it): "qwen3moe", "qwen3next"
+(its changes to the delta-net tensors undone: _convert_qwen3next), "olmoe", and "llama" with
+blk.N.ffn_*_exps tensors, which is Mixtral: a llama GGUF is called dense only when it has no
+expert tensors and no expert_count.
 """
 
 from __future__ import annotations
