@@ -106,12 +106,50 @@ def write_tokenizer(d: Path) -> None:
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
+def write_sentencepiece(d: Path, vocab_size: int = 400) -> None:
+    """A SentencePiece BPE model (byte fallback, as Llama-2/Mistral/Mixtral's), trained on our
+    calibration text, saved as tokenizer.model with a tokenizer_config.json."""
+    import io
+
+    import sentencepiece as spm
+
+    from strata_mlx.convert.common import CALIBRATION_TEXT
+    from strata_mlx.convert.gguf import ROUTER_TEXT
+
+    lines = [x for x in (CALIBRATION_TEXT + "\n" + ROUTER_TEXT).splitlines() if x.strip()]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        # As Llama-2's and Mistral's: no text normalization, whitespace kept as it is (which
+        # is also all that llama.cpp's SPM tokenizer does).
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        minloglevel=2,
+    )
+    (d / "tokenizer.model").write_bytes(buf.getvalue())
+    cfg = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>"}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
 # ---- tiny random models --------------------------------------------------------------------
 
 VOCAB = 288  # > len(TOKENS); the converter pads the vocabulary with [PAD] tokens
 
 
-def hf_model(family: str, hidden: int = 32, expert: int = 32, layers: int = 2, seed: int = 0):
+def hf_model(
+    family: str,
+    hidden: int = 32,
+    expert: int = 32,
+    layers: int = 2,
+    seed: int = 0,
+    vocab: int = VOCAB,
+    bos_eos: tuple[int, int] = (len(TOKENS) - 1, len(TOKENS) - 1),
+):
     """A tiny transformers model of `family`, float32, random weights (norms perturbed so
     that a misplaced norm shows)."""
     import torch
@@ -119,7 +157,7 @@ def hf_model(family: str, hidden: int = 32, expert: int = 32, layers: int = 2, s
 
     torch.manual_seed(seed)
     base = dict(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
@@ -127,8 +165,8 @@ def hf_model(family: str, hidden: int = 32, expert: int = 32, layers: int = 2, s
         max_position_embeddings=512,
         num_experts_per_tok=2,
         tie_word_embeddings=False,
-        bos_token_id=len(TOKENS) - 1,
-        eos_token_id=len(TOKENS) - 1,
+        bos_token_id=bos_eos[0],
+        eos_token_id=bos_eos[1],
     )
     if family == "mixtral":
         cfg = T.MixtralConfig(**base, intermediate_size=expert, num_local_experts=8)
@@ -163,10 +201,13 @@ def hf_model(family: str, hidden: int = 32, expert: int = 32, layers: int = 2, s
     return m
 
 
-def save_checkpoint(model, d: Path) -> Path:
+def save_checkpoint(model, d: Path, sentencepiece: bool = False) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(d)
-    write_tokenizer(d)
+    if sentencepiece:
+        write_sentencepiece(d)
+    else:
+        write_tokenizer(d)
     return d
 
 

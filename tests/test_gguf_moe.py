@@ -75,6 +75,10 @@ def llama_cpp(tmp_path_factory):
             ("q8_0", ck_small, small, "q8_0", ()),
             ("wide", ck_wide, wide, "f32", ()),
         ]
+        if family == "mixtral":  # Mixtral's own tokenizer is SentencePiece
+            spm = lc.hf_model(family, vocab=400, bos_eos=(1, 2), seed=2)
+            ck_spm = lc.save_checkpoint(spm, root / f"{family}-spm", sentencepiece=True)
+            variants.append(("spm", ck_spm, spm, "f32", ()))
         if family in FUSED:
             variants.append(("fused", ck_small, small, "f32", ("--fuse-gate-up-exps",)))
         for variant, ck, model, outtype, extra in variants:
@@ -200,6 +204,37 @@ def test_tokenizer_is_the_checkpoints(llama_cpp, tmp_path):
     for s in ["the cat in the hat", "  Hello,\tworld!\n\nIt's naïve — café ☕ 2024", lc.EOT]:
         assert tok.encode(s) == hf(s).input_ids, s
     assert tok.eos_token_ids == {len(lc.TOKENS) - 1}
+
+
+def test_sentencepiece_tokenizer_is_the_checkpoints(llama_cpp, tmp_path):
+    """A SentencePiece vocabulary (tokenizer.ggml.model "llama": tokens and scores, as
+    llama.cpp writes Mixtral's) rebuilt as a BPE encodes as sentencepiece itself does, BOS
+    first; control tokens in the text are matched whole, as llama.cpp does."""
+    import sentencepiece as spm
+
+    from strata_mlx.convert.common import CALIBRATION_TEXT
+    from strata_mlx.tokenizer import load_tokenizer
+
+    path, model = llama_cpp["mixtral", "spm"]
+    store = _convert(path, tmp_path / "s")
+    tok = load_tokenizer(store)
+    sp = spm.SentencePieceProcessor(model_file=str(path.parent / "mixtral-spm" / "tokenizer.model"))
+    samples = [
+        "the cat in the hat",
+        "  Hello,\tworld!\n\nIt's naïve — café ☕ 2024",
+        " leading space",
+        "double  space",
+        "ünïcödé 漢字",
+        CALIBRATION_TEXT,
+    ]
+    for s in samples:
+        ids = tok.encode(s)
+        assert ids == [1, *sp.encode(s)], s
+        assert tok.decode(ids, skip_special_tokens=True) == s
+    assert tok.encode("</s> x")[:2] == [1, 2]
+    assert tok.eos_token_ids == {2}
+    ids = tok.encode("Every winter the harbour froze")
+    _close(_ours(store, ids), _hf_logits(model, ids))
 
 
 # ---- k-quant and i-quant experts, kept as blocks ------------------------------------------

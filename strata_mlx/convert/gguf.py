@@ -508,10 +508,10 @@ def _build_tokenizer(g: _Gguf, out: Path, vocab_size: int) -> bool:
     kind = g.str("tokenizer.ggml.model")
     if kind is None:
         return False
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         warnings.warn(
-            f"{g.path}: tokenizer model {kind!r} is not supported (only gpt2 BPE); "
-            "the store will need --prompt-tokens",
+            f"{g.path}: tokenizer model {kind!r} is not supported (gpt2 BPE and llama "
+            "SentencePiece are); the store will need --prompt-tokens",
             stacklevel=3,
         )
         return False
@@ -521,24 +521,27 @@ def _build_tokenizer(g: _Gguf, out: Path, vocab_size: int) -> bool:
     types = g.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if not isinstance(types, list) or len(types) != len(tokens):
         g.fail("tokenizer.ggml.token_type", f"expected {len(tokens)} token types")
-    merges = _str_list(g, "tokenizer.ggml.merges", g.get("tokenizer.ggml.merges") or [])
-    if any(" " not in m for m in merges):
-        g.fail("tokenizer.ggml.merges", "a merge without a space")
-    merges = [tuple(m.split(" ", 1)) for m in merges]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = g.str("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        warnings.warn(f"{g.path}: pre-tokenizer {pre!r} unknown; using GPT-2's", stacklevel=3)
-    digits, pattern = PRE_TOKENIZERS.get(pre, (False, None))
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
-    if pattern is None:
-        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    if kind == "llama":
+        tok = _sentencepiece_bpe(g, tokens)
     else:
-        steps.append(pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False))
-        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-    tok.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
-    tok.decoder = decoders.ByteLevel()
+        merges = _str_list(g, "tokenizer.ggml.merges", g.get("tokenizer.ggml.merges") or [])
+        if any(" " not in m for m in merges):
+            g.fail("tokenizer.ggml.merges", "a merge without a space")
+        merges = [tuple(m.split(" ", 1)) for m in merges]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        pre = g.str("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            warnings.warn(f"{g.path}: pre-tokenizer {pre!r} unknown; using GPT-2's", stacklevel=3)
+        digits, pattern = PRE_TOKENIZERS.get(pre, (False, None))
+        steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+        if pattern is None:
+            steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+        else:
+            steps.append(pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False))
+            steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        tok.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+        tok.decoder = decoders.ByteLevel()
     # ggml token types: 3 control (special), 4 user-defined (added, not special).
     special = [
         AddedToken(tokens[i], special=True, normalized=False)
@@ -563,7 +566,8 @@ def _build_tokenizer(g: _Gguf, out: Path, vocab_size: int) -> bool:
 
     bos, eos = tid("tokenizer.ggml.bos_token_id"), tid("tokenizer.ggml.eos_token_id")
     unk, pad = tid("tokenizer.ggml.unknown_token_id"), tid("tokenizer.ggml.padding_token_id")
-    add_bos = _bool(g, "tokenizer.ggml.add_bos_token") and bos is not None
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+    add_bos = _bool(g, "tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None
     add_eos = _bool(g, "tokenizer.ggml.add_eos_token") and eos is not None
     single, pair, sp = "$A", "$A $B", []
     if add_bos:
@@ -597,14 +601,58 @@ def _build_tokenizer(g: _Gguf, out: Path, vocab_size: int) -> bool:
     return True
 
 
+def _sentencepiece_bpe(g: _Gguf, tokens: list[str]):
+    """A SentencePiece BPE vocabulary (tokenizer.ggml.model "llama": tokens and scores, no
+    merges) as a tokenizers BPE, the way Llama-2/Mistral/Mixtral's own tokenizer.json is:
+    merges recovered from the scores (a token's merges rank by its score, best first, as
+    transformers' generate_merges and llama.cpp's SPM tokenizer, which merges the
+    best-scoring pair first), byte fallback to the <0xXX> tokens, spaces as U+2581 with one
+    prefixed (unless tokenizer.ggml.add_space_prefix is false)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = g.need("tokenizer.ggml.scores")
+    if (
+        not isinstance(scores, list)
+        or len(scores) != len(tokens)
+        or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores)
+    ):
+        g.fail("tokenizer.ggml.scores", f"expected {len(tokens)} numbers")
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    ranked = []
+    for t, i in vocab.items():
+        for cut in range(1, len(t)):
+            left, right = t[:cut], t[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[i], vocab[left], vocab[right], left, right))
+    merges = [(left, right) for *_, left, right in sorted(ranked)]
+    unk = g.get("tokenizer.ggml.unknown_token_id")
+    unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True
+        )
+    )
+    space = "\u2581"
+    steps = [normalizers.Replace(" ", space)]
+    decode = [decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if _bool(g, "tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend(space))
+        decode.append(decoders.Strip(" ", 1, 0))
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.decoder = decoders.Sequence(decode)
+    return tok
+
+
 def _str_list(g: _Gguf, key: str, v) -> list[str]:
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
         g.fail(key, "expected an array of strings")
     return v
 
 
-def _bool(g: _Gguf, key: str) -> bool:
-    v = g.get(key, False)
+def _bool(g: _Gguf, key: str, default: bool = False) -> bool:
+    v = g.get(key, default)
     if not isinstance(v, bool):
         g.fail(key, f"expected true or false, got {type(v).__name__}")
     return v
