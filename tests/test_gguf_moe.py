@@ -306,8 +306,14 @@ def test_mixtral_is_never_called_dense(llama_cpp, tmp_path):
     assert str(path) in msg and "has experts" in msg and "\n" not in msg
 
 
-def _edited(src: Path, dst: Path, drop: tuple[str, ...] = (), arch: str | None = None) -> Path:
-    """`src` without the tensors and metadata keys named in `drop`, under `arch`."""
+def _edited(
+    src: Path, dst: Path, drop: tuple[str, ...] = (), arch: str | None = None, unstack=False
+) -> Path:
+    """`src` without the tensors and metadata keys named in `drop`, under `arch`; with
+    `unstack`, each blk.N.ffn_*_exps tensor as one blk.N.ffn_*.E.weight per expert (how
+    llama.cpp wrote Mixtral before it stacked experts, early 2024)."""
+    import re
+
     from gguf import GGUFReader
 
     r = GGUFReader(str(src))
@@ -321,10 +327,32 @@ def _edited(src: Path, dst: Path, drop: tuple[str, ...] = (), arch: str | None =
         sub = tiny_gguf.V(f.types[1]) if vtype == tiny_gguf.V.ARRAY else None
         meta[name.replace(f"{old}.", f"{arch}.", 1)] = (f.contents(), vtype, sub)
     for t in r.tensors:
-        if t.name not in drop:
-            raw = None if t.tensor_type.name in ("F32", "F16") else t.tensor_type
+        if t.name in drop:
+            continue
+        raw = None if t.tensor_type.name in ("F32", "F16") else t.tensor_type
+        m = re.fullmatch(r"blk\.(\d+)\.(ffn_\w+)_exps\.weight", t.name)
+        if unstack and m:
+            for e, rows in enumerate(np.array(t.data)):
+                tensors[f"blk.{m[1]}.{m[2]}.{e}.weight"] = (rows, raw)
+        else:
             tensors[t.name] = (np.array(t.data), raw)
     return tiny_gguf.write(dst, arch, meta, tensors)
+
+
+@pytest.mark.parametrize("variant", ["f32", "q8_0"])
+def test_mixtral_with_one_tensor_per_expert(variant, llama_cpp, tmp_path):
+    """Early-2024 Mixtral GGUFs (blk.N.ffn_gate.E.weight, one tensor per expert): the same
+    records as the stacked file's, so the same logits bit for bit."""
+    path = llama_cpp["mixtral", variant][0]
+    legacy = _edited(path, tmp_path / "legacy.gguf", unstack=True)
+    from gguf import GGUFReader
+
+    assert "blk.0.ffn_gate.7.weight" in {t.name for t in GGUFReader(str(legacy)).tensors}
+    old = _convert(legacy, tmp_path / "old")
+    new = _convert(path, tmp_path / "new")
+    assert (old / EXPERTS).read_bytes() == (new / EXPERTS).read_bytes()
+    ids = _ids()
+    np.testing.assert_array_equal(_ours(old, ids), _ours(new, ids))
 
 
 @pytest.mark.parametrize(

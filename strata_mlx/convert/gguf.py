@@ -1088,18 +1088,32 @@ def _rope_scaling(g: _Gguf) -> dict[str, Any] | None:
     raise StoreError(f"{g.path}: rope scaling {scaling!r} is not supported")
 
 
-def _expert_tensor(g: _Gguf, layer: int, proj: str, inter: int):
-    """(tensor, row slice) holding layer `layer`'s `proj` for every expert: its own
-    ffn_*_exps tensor, or a half of the fused ffn_gate_up_exps."""
+def _expert_rows(g: _Gguf, layer: int, proj: str, inter: int, e: int):
+    """(tensor, raw rows) of expert e's `proj` in layer `layer`: a slice of its ffn_*_exps
+    tensor, or a half of the fused ffn_gate_up_exps, or (GGUFs from before llama.cpp stacked
+    experts, early 2024 Mixtral files) its own blk.N.ffn_*.E.weight tensor."""
+    legacy = f"blk.{layer}.{GGUF_PROJ[proj]}.{e}.weight"
+    if legacy in g.tensors:
+        t = g.tensor(legacy)
+        return t, raw_rows(t)
     fused = f"blk.{layer}.ffn_gate_up_exps.weight"
     if proj != "down_proj" and fused in g.tensors:
         rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-        return g.tensor(fused), rows
-    return g.tensor(f"blk.{layer}.{GGUF_PROJ[proj]}_exps.weight"), slice(None)
+        t = g.tensor(fused)
+        return t, raw_rows(t)[e][rows]
+    t = g.tensor(f"blk.{layer}.{GGUF_PROJ[proj]}_exps.weight")
+    return t, raw_rows(t)[e]
 
 
 def _expert_shapes(g: _Gguf, layer: int, E: int, inter: int, dim: int) -> dict[str, tuple]:
     """Layer `layer`'s expert tensors (name without blk.N. and .weight -> shape)."""
+    if f"blk.{layer}.ffn_gate.0.weight" in g.tensors:  # one tensor per expert
+        shapes = {}
+        for e in range(E):
+            shapes[f"ffn_gate.{e}"] = (inter, dim)
+            shapes[f"ffn_up.{e}"] = (inter, dim)
+            shapes[f"ffn_down.{e}"] = (dim, inter)
+        return {**shapes, "ffn_gate_inp": (E, dim)}
     if f"blk.{layer}.ffn_gate_up_exps.weight" in g.tensors:
         shapes = {"ffn_gate_up_exps": (E, 2 * inter, dim)}
     else:
@@ -1146,8 +1160,9 @@ def _convert_moe(
     for i in moe_layers:
         specs = {}
         for p in PROJECTIONS:
-            t, _ = _expert_tensor(g, i, p, inter)
-            specs[p] = choose_format({qtype_name(t)}, True, dtype)
+            # One type per projection and layer (per-expert tensors of mixed types: float).
+            types = {qtype_name(_expert_rows(g, i, p, inter, e)[0]) for e in range(E)}
+            specs[p] = choose_format(types, True, dtype)
             if specs[p]["format"] == "gguf":
                 specs[p]["in_features"] = shapes[p][1]
         layer_specs[i] = specs
@@ -1155,8 +1170,7 @@ def _convert_moe(
     def expert_parts(layer: int, e: int) -> dict[str, dict[str, tuple]]:
         parts = {}
         for p in PROJECTIONS:
-            t, rows = _expert_tensor(g, layer, p, inter)
-            data = raw_rows(t)[e][rows]
+            t, data = _expert_rows(g, layer, p, inter, e)
             parts[p] = projection_tensors(layer_specs[layer][p], data, t, *shapes[p])
         return parts
 
