@@ -15,6 +15,10 @@ files written by llama.cpp's own converter, against transformers on the same tin
   expert kernels decode the blocks bit-identically to gguf-py (test_gguf_quants), so again
   only summation order differs.
 
+Also: the rebuilt tokenizers (byte-level BPE; SentencePiece, against sentencepiece itself),
+llama.cpp's --fuse-gate-up-exps and early-2024 one-tensor-per-expert Mixtral files (same
+records as the stacked file's), and the one-line errors for files we cannot convert.
+
 Tolerance: |ours - ref| <= 1e-4 (1 + |ref|), test_families' float32 bound; measured maxima
 are 1e-7 to 7e-6 (see ATOL's comment).
 """

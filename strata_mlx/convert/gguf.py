@@ -39,8 +39,9 @@ llama.cpp's converter permutes q/k rows for its interleaved rotary; they are un-
 (whole rows move, so quantized blocks survive) and the model uses transformers' rotary.
 
 The tokenizer is rebuilt from the GGUF metadata (tokenizer.ggml.model "gpt2": byte-level BPE
-with the pre-tokenizer named by tokenizer.ggml.pre) and written as tokenizer.json and
-tokenizer_config.json with the chat template.
+with the pre-tokenizer named by tokenizer.ggml.pre; "llama": SentencePiece BPE, merges from
+the scores, byte fallback) and written as tokenizer.json and tokenizer_config.json with the
+chat template.
 
 MoE GGUFs keep each expert's ggml blocks as they are, with each layer's own types (a Q4_K_M
 file's down projection is Q6_K in some layers and Q4_K in others): the store then has
