@@ -46,23 +46,29 @@ decode)  # issue 17, call 1: store, GPU exactness tests, decode all resident bes
   python3 setup.py build_ext --inplace -q 2>&1 | tail -2
   /usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
      --mlx-path "$SYNTH" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -3 | tee "$OUT/synth.log"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode.py 2>&1 | tail -4 | tee "$OUT/tests.log"
-  timeout 330 python3 benchmarks/decode.py "$SYNTH" -p 2048 -g 128 --json "$OUT/decode-resident.json" \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_decode.py 2>&1 | tail -4 | tee "$OUT/tests.log"
+  timeout 300 python3 benchmarks/decode.py "$SYNTH" -p 2048 -g 128 --rounds 2 \
+     --modes sync,layers:1,token:4,token:8,token:16,adaptive --json "$OUT/decode-resident.json" \
      2>&1 | tee "$OUT/decode-resident.log"
   ;;
-decode-arena)  # issue 17, call 2: 6.5 GB arena: decode paths; bench (prefill) old code vs new
+decode-arena)  # issue 17, call 2: logits parity; 6.5 GB arena decode paths; prefill (new code)
   [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -2
-  timeout 200 python3 benchmarks/decode.py "$SYNTH" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
-     --policies demand,lookahead --modes sync,pipelined:2 --rounds 1 --json "$OUT/decode-arena.json" \
-     2>&1 | tee "$OUT/decode-arena.log"
+  timeout 150 python3 benchmarks/parity.py "$SYNTH" -p 128 --chunk 32 --json "$OUT/parity.json" \
+     2>&1 | tee "$OUT/parity.log"
+  timeout 250 python3 benchmarks/decode.py "$SYNTH" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
+     --policies demand,lookahead,lookahead:d2 --modes sync,adaptive --rounds 1 \
+     --json "$OUT/decode-arena.json" 2>&1 | tee "$OUT/decode-arena.log"
   timeout 170 python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 64 --arena-gb 6.5 \
-     --prefill-step-size 1024 --policies demand,lookahead,lookahead:always --json "$OUT/bench-new.json" \
+     --prefill-step-size 1024 --policies demand,lookahead --json "$OUT/bench-new.json" \
      2>&1 | tee "$OUT/bench-new.log"
-  if [ -d "${OLD:-}" ]; then
-    (cd "$OLD" && python3 setup.py build_ext --inplace -q 2>&1 | tail -2 && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" \
-     timeout 170 python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 64 --arena-gb 6.5 \
-     --prefill-step-size 1024 --policies demand,lookahead --json "$OUT/bench-old.json") 2>&1 | tee "$OUT/bench-old.log"
-  fi
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena"; exit 2;;
+prefill-old)  # issue 17, call 3: the same bench on the code before this issue ($OLD)
+  (cd "$OLD" && python3 setup.py build_ext --inplace -q 2>&1 | tail -2 && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" \
+   timeout 170 python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 64 --arena-gb 6.5 \
+   --prefill-step-size 1024 --policies demand,lookahead --json "$OUT/bench-old.json") 2>&1 | tee "$OUT/bench-old.log"
+  timeout 170 python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 64 --arena-gb 6.5 \
+     --prefill-step-size 1024 --policies lookahead,demand --json "$OUT/bench-new2.json" \
+     2>&1 | tee "$OUT/bench-new2.log"
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old"; exit 2;;
 esac
