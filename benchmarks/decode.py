@@ -65,7 +65,7 @@ def set_mode(model, mode: str) -> None:
     elif name == "layers":
         model.decoder = PipelinedDecoder(model, int(n or 1), token_below=0.0)
     elif name == "token":
-        model.decoder = PipelinedDecoder(model, sync_above=1.0, token_below=1.0, chunk=int(n or 8))
+        model.decoder = PipelinedDecoder(model, sync_above=1.0, token_below=1.0, chunk=int(n or 4))
     elif name == "adaptive":
         model.decoder = PipelinedDecoder(model)
     else:

@@ -71,7 +71,7 @@ class PipelinedDecoder:
         lag: int = 1,
         sync_above: float = 0.3,
         token_below: float = 0.02,
-        chunk: int = 8,
+        chunk: int = 4,
     ):
         if lag < 0:
             raise ValueError(f"decode lag must be >= 0, got {lag}")

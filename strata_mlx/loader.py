@@ -81,7 +81,7 @@ class RuntimeConfig:
     decode_sync_above: float = 0.3  # pipelined: tokens run synced while more layers miss
     # pipelined: whole tokens, overlapped with the next one's build, while fewer layers miss
     decode_token_below: float = 0.02
-    decode_chunk: int = 8  # pipelined "token" mode: layers submitted to the device at once
+    decode_chunk: int = 4  # pipelined "token" mode: layers submitted to the device at once
 
 
 def apply_preset(cfg: RuntimeConfig, name: str) -> RuntimeConfig:
@@ -230,9 +230,9 @@ def load(
     profile = load_profile(path, manifest)
     arena = Arena(n_slots, rb, cfg.eviction, profile, manifest.moe_layers)
 
-    from .reader import Reader
+    from .reader import Reader, needs_bounce
 
-    reader = Reader(cfg.io_workers)
+    reader = Reader(cfg.io_workers, bounce=needs_bounce())
     cache = ExpertCache(
         path,
         manifest,

@@ -98,10 +98,12 @@ class Reader:
         workers: number of reader threads (concurrent preads in flight).
         start_paused: start with the workers paused (nothing is read until :meth:`resume`);
             lets tests and callers queue work deterministically.
+        bounce: each worker reads into a buffer of its own, verifies it there, and copies
+            it into the destination (see :func:`needs_bounce`).
     """
 
-    def __init__(self, workers: int = 8, start_paused: bool = False) -> None:
-        self._r = _reader.Reader(workers, start_paused)
+    def __init__(self, workers: int = 8, start_paused: bool = False, bounce: bool = False) -> None:
+        self._r = _reader.Reader(workers, start_paused, bounce)
 
     @property
     def workers(self) -> int:
@@ -212,3 +214,15 @@ class Reader:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def needs_bounce() -> bool:
+    """Whether reads must land through a bounce buffer on this machine: on MLX's CUDA backend
+    arrays live in managed memory, which migrates between host and device in blocks larger
+    than a slot, and a direct read's DMA into such pages while kernels read neighbouring
+    slots is not coherent with it (H200, lookahead prefill: records whose checksums failed
+    though the file was sound). A copy by the CPU is. Apple silicon's unified memory does
+    not migrate; the CPU backend has no device."""
+    import mlx.core as mx
+
+    return mx.default_device() == mx.gpu and not mx.metal.is_available()

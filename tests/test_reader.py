@@ -63,12 +63,14 @@ def drain(reader: Reader, n: int) -> list[tuple[int, int, int]]:
     return out
 
 
+@pytest.mark.parametrize("bounce", [False, True])
 @pytest.mark.parametrize("direct", [True, False])
-def test_reads_land_in_place(data_file, direct):
+def test_reads_land_in_place(data_file, direct, bounce):
+    """Directly, or (bounce) read into each worker's own buffer and copied into place."""
     path, payload = data_file
     buf, addr = aligned(RECORD * N_RECORDS)
     order = np.random.default_rng(1).permutation(N_RECORDS)
-    with Reader(workers=4) as r:
+    with Reader(workers=4, bounce=bounce) as r:
         f = r.open(path, direct=direct)
         if not direct:
             assert not r.is_direct(f)
@@ -339,13 +341,14 @@ def test_checksums_match_references():
         checksum("md5", data)
 
 
+@pytest.mark.parametrize("bounce", [False, True])
 @pytest.mark.parametrize("name", ["crc32c", "crc32"])
 @pytest.mark.parametrize("direct", [True, False])
-def test_reads_are_verified_in_the_workers(data_file, name, direct):
+def test_reads_are_verified_in_the_workers(data_file, name, direct, bounce):
     path, payload = data_file
     sums = [checksum(name, payload[i * RECORD : (i + 1) * RECORD]) for i in range(N_RECORDS)]
     buf, addr = aligned(RECORD * 4)
-    with Reader(workers=2) as r:
+    with Reader(workers=2, bounce=bounce) as r:
         f = r.open(path, direct=direct, checksum=name)
         r.submit(
             [
@@ -365,7 +368,13 @@ def test_reads_are_verified_in_the_workers(data_file, name, direct):
         stats = r.stats()
         assert stats["verified"] == 2 and stats["errors"] == 1
         assert len(stats["verify_ns"]) == 2 and sum(stats["verify_ns"]) > 0
-    assert buf[RECORD : 2 * RECORD].tobytes() == payload[RECORD : 2 * RECORD]  # left in place
+    for i in (0, 2, 3):
+        assert (
+            buf[i * RECORD : (i + 1) * RECORD].tobytes() == payload[i * RECORD : (i + 1) * RECORD]
+        )
+    # A mismatched record is left where it landed; through a bounce buffer it is not copied.
+    landed = buf[RECORD : 2 * RECORD].tobytes() == payload[RECORD : 2 * RECORD]
+    assert landed != bounce
     assert "checksum mismatch" in error_message(CHECKSUM_MISMATCH)
 
 

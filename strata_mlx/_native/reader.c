@@ -68,6 +68,7 @@ typedef struct {
 struct ReaderObject {
     PyObject_HEAD
     int nworkers, nstarted, sync_ready, closing;
+    int bounce; /* read into a per-worker buffer, then copy into dest (see worker_main) */
     pthread_t *threads;
     WorkerArg *args;
     pthread_mutex_t mu;
@@ -184,6 +185,8 @@ static void *worker_main(void *p) {
     WorkerArg *arg = p;
     ReaderObject *r = arg->reader;
     int w = arg->index;
+    void *bounce = NULL; /* this worker's buffer in bounce mode, grown to the longest read */
+    size_t bounce_cap = 0;
     pthread_mutex_lock(&r->mu);
     while (!r->stopping) {
         Queue *q = NULL;
@@ -200,14 +203,36 @@ static void *worker_main(void *p) {
 
         uint64_t t0 = now_ns();
         long long nread = 0;
-        int err = read_fully(fd, direct, &rq, &nread);
+        int err = 0;
+        /* Bounce mode: the device may read other slots of the same memory while this read
+         * lands (CUDA managed memory migrates in blocks larger than a slot; DMA from O_DIRECT
+         * into such pages is not coherent with it). The drive writes a buffer of this worker;
+         * the CPU copies it into dest, which the driver keeps coherent. */
+        Request into = rq;
+        if (r->bounce) {
+            if ((size_t)rq.length > bounce_cap) {
+                free(bounce);
+                bounce_cap = 0;
+                if (posix_memalign(&bounce, ALIGNMENT, (size_t)rq.length) == 0)
+                    bounce_cap = (size_t)rq.length;
+                else
+                    bounce = NULL;
+            }
+            if (bounce)
+                into.dest = (char *)bounce;
+            else
+                err = ENOMEM;
+        }
+        if (!err) err = read_fully(fd, direct, &into, &nread);
         uint64_t t1 = now_ns(), t2 = t1;
         int checked = !err && rq.verify;
         if (checked) {
-            if (checksum_update(kind, 0, rq.dest, (size_t)rq.length) != rq.expected)
+            if (checksum_update(kind, 0, into.dest, (size_t)rq.length) != rq.expected)
                 err = CHECKSUM_MISMATCH;
             t2 = now_ns();
         }
+        if (r->bounce && nread > 0 && err != CHECKSUM_MISMATCH)
+            memcpy(rq.dest, into.dest, (size_t)nread);
 
         pthread_mutex_lock(&r->mu);
         r->reading[w] = 0;
@@ -222,6 +247,7 @@ static void *worker_main(void *p) {
         pthread_cond_broadcast(&r->done);
     }
     pthread_mutex_unlock(&r->mu);
+    free(bounce);
     return NULL;
 }
 
@@ -371,9 +397,10 @@ static void Reader_dealloc(ReaderObject *r) {
 }
 
 static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"workers", "start_paused", NULL};
-    int nworkers = 8, paused = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ip:Reader", kwlist, &nworkers, &paused))
+    static char *kwlist[] = {"workers", "start_paused", "bounce", NULL};
+    int nworkers = 8, paused = 0, bounce = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ipp:Reader", kwlist, &nworkers, &paused,
+                                     &bounce))
         return NULL;
     if (nworkers < 1 || nworkers > 1024) {
         PyErr_Format(PyExc_ValueError, "workers must be in 1..1024, got %d", nworkers);
@@ -382,6 +409,7 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     ReaderObject *r = (ReaderObject *)type->tp_alloc(type, 0); /* zero-filled */
     if (!r) return NULL;
     r->nworkers = nworkers;
+    r->bounce = bounce;
     r->paused = paused;
     r->threads = calloc((size_t)nworkers, sizeof(pthread_t));
     r->args = calloc((size_t)nworkers, sizeof(WorkerArg));
