@@ -225,4 +225,7 @@ def needs_bounce() -> bool:
     not migrate; the CPU backend has no device."""
     import mlx.core as mx
 
+    forced = os.environ.get("STRATA_MLX_BOUNCE")  # "0" / "1": measure either way
+    if forced in ("0", "1"):
+        return forced == "1"
     return mx.default_device() == mx.gpu and not mx.metal.is_available()
