@@ -107,13 +107,13 @@ def test_lookahead_depth_reads_further_ahead_exactly(tmp_path, monkeypatch):
             path, arena_gb=0.05, read_ahead="lookahead", lookahead_depth=depth
         )
         ec = model.expert_cache
-        seen = targets[depth] = []
-        submit = ec._submit_readahead
-        monkeypatch.setattr(
-            ec,
-            "_submit_readahead",
-            lambda layer, *a, **k: seen.append(layer) or submit(layer, *a, **k),
-        )
+        targets[depth] = seen = []
+
+        def record(layer, *a, seen=seen, submit=ec._submit_readahead, **k):
+            seen.append(layer)
+            return submit(layer, *a, **k)
+
+        monkeypatch.setattr(ec, "_submit_readahead", record)
         outs[depth] = teacher_forced_logits(model, ids, 24)  # one chunk
     assert np.array_equal(outs[1], outs[2])
     # The first layer is predicted from the profile once the chunk is done (the next forward's).
