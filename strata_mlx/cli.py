@@ -496,9 +496,18 @@ def bench(
     (posix_fadvise DONTNEED on each file, Linux); nothing else on the machine is touched.
     """
     from .bench import bench as run_bench
-    from .bench import markdown_table, save
+    from .bench import markdown_table, policy_options, save
+    from .options import MAX_PREFILL_STEP, check_int
 
+    check_int("prompt_tokens", prompt_tokens, 2, 1 << 24, cli=True)  # one chunk and a rest
+    check_int("generation_tokens", generation_tokens, 1, 1 << 20, cli=True)
+    check_int("prefill_step_size", prefill_step_size, 1, MAX_PREFILL_STEP, cli=True)
+    check_int("repeats", repeats, 1, 1000, cli=True)
     names = tuple(p for p in policies.split(",") if p)
+    if not names:
+        raise ValueError("--policies: name at least one (demand, static, lookahead)")
+    for name in names:
+        policy_options(name)  # an unknown variant fails here, before anything is loaded
     if plot is not None:
         from .plots import require
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import prompt_ids
 
 import strata_mlx
@@ -363,3 +364,21 @@ def test_system_prompt_and_chat_template_config(store, tmp_path):
         assert r.stdout.startswith(strata_mlx.generate(model, tok, ids, max_tokens=4)), flags
     assert tok.apply_chat_template([user], topic="fox").startswith("fox <|im_start|>user")
     model.expert_cache.close()
+
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["-p", "1"], "--prompt-tokens"),
+        (["-g", "0"], "--generation-tokens"),
+        (["--repeats", "0"], "--repeats"),
+        (["--prefill-step-size", "0"], "--prefill-step-size"),
+        (["--policies", "demand,sideways"], "sideways"),
+        (["--policies", "lookahead:d0x"], "d0x"),
+        (["--policies", ","], "--policies"),
+    ],
+)
+def test_bench_ranges_are_one_line_errors(store, args, names):
+    """Bad bench settings fail in one line, exit 2, before the store is loaded."""
+    line = _error_line(run("bench", "--model", store("qwen3_moe"), *args))
+    assert names in line
