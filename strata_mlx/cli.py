@@ -497,17 +497,34 @@ def bench(
     """
     from .bench import bench as run_bench
     from .bench import markdown_table, policy_options, save
-    from .options import MAX_PREFILL_STEP, check_int
+    from .loader import RuntimeConfig
+    from .options import OptionError, check_int, check_runtime
+    from .prediction import READ_AHEAD_POLICIES
 
     check_int("prompt_tokens", prompt_tokens, 2, 1 << 24, cli=True)  # one chunk and a rest
     check_int("generation_tokens", generation_tokens, 1, 1 << 20, cli=True)
-    check_int("prefill_step_size", prefill_step_size, 1, MAX_PREFILL_STEP, cli=True)
     check_int("repeats", repeats, 1, 1000, cli=True)
     names = tuple(p for p in policies.split(",") if p)
     if not names:
         raise ValueError("--policies: name at least one (demand, static, lookahead)")
-    for name in names:
-        policy_options(name)  # an unknown variant fails here, before anything is loaded
+    for name in names:  # each policy's runtime, checked before anything is loaded
+        cfg = RuntimeConfig(
+            arena_gb=arena_gb,
+            io_workers=io_workers,
+            prefill_step_size=prefill_step_size,
+            static_cap=static_cap,
+            eviction=eviction,
+            **policy_options(name),
+        )
+        try:
+            check_runtime(cfg, cli=True)
+        except OptionError as e:
+            if e.param != "read_ahead":
+                raise
+            known = ", ".join(READ_AHEAD_POLICIES)
+            raise OptionError(
+                f"--policies {name!r}: a policy is one of {known}", "policies"
+            ) from None
     if plot is not None:
         from .plots import require
 

@@ -149,8 +149,8 @@ class PipelinedDecoder:
     def discard(self, step: Step) -> None:
         """Undo a token that was built but will not be used: wait for the device to finish
         it (its kernels read slots that a miss is about to refill) and roll its state back."""
-        if step.last is not None or step.logits is not None:
-            mx.eval(step.last if step.last is not None else step.logits)
+        if step.last is not None:  # (a sync token has no last: it was evaluated layer by layer)
+            mx.eval(step.last)
         for c, s in zip(step.cache, step.saved):
             _restore(c, s)
         step.pending = []
@@ -232,20 +232,10 @@ def _restore(c, state) -> None:
         c.cache[:] = arrays
 
 
-def forward(model, tokens: mx.array, cache: list) -> mx.array:
-    """logits of `tokens` [1, T]: a single decode token goes through the pipelined decoder
-    when the model's runtime asks for it, everything else through the model itself."""
-    dec = decoder_of(model, tokens)
-    if dec is not None:
-        return dec(tokens, cache)
-    return model(tokens, cache=cache)
-
-
-def decoder_of(model, tokens: mx.array | None = None) -> PipelinedDecoder | None:
-    """The model's pipelined decoder, if it has one and `tokens` is a single decode token."""
+def decoder_of(model) -> PipelinedDecoder | None:
+    """The model's pipelined decoder, if its runtime asks for one and no --dump-moe hook
+    needs every layer's tensors as the per-layer handshake hands them over."""
     dec = getattr(model, "decoder", None)
     if dec is None or model.expert_cache.dump is not None:
-        return None
-    if tokens is not None and tokens.shape[1] != 1:
         return None
     return dec
