@@ -31,7 +31,7 @@ class LRU:
 
     name = "lru"
 
-    def __init__(self, profile: np.ndarray | None = None, layers: list[int] | None = None):
+    def __init__(self):
         self._order: OrderedDict[Key, None] = OrderedDict()
 
     def touch(self, key: Key) -> None:
@@ -53,7 +53,7 @@ class LFUAging(LRU):
 
     name = "lfu"
 
-    def __init__(self, profile=None, layers=None, period: int = 4096):
+    def __init__(self, period: int = 4096):
         super().__init__()
         self._count: dict[Key, float] = {}
         self._uses = 0
@@ -66,9 +66,6 @@ class LFUAging(LRU):
         if self._uses % self._period == 0:
             for k in self._count:
                 self._count[k] *= 0.5
-
-    def remove(self, key: Key) -> None:
-        super().remove(key)
 
     def victim(self, evictable) -> Key | None:
         best, best_score = None, None
@@ -112,7 +109,7 @@ class LayerDistance:
 
     name = "layer"
 
-    def __init__(self, profile: np.ndarray | None = None, layers: list[int] | None = None):
+    def __init__(self, layers: list[int] | None = None):
         self._layers = sorted(layers or [])
         self._pos = {l: i for i, l in enumerate(self._layers)}
         self._by_layer: dict[int, OrderedDict[Key, None]] = {}
@@ -141,6 +138,21 @@ class LayerDistance:
 
 
 POLICIES = {p.name: p for p in (LRU, LFUAging, ProfileAware, LayerDistance)}
+
+
+def make_policy(
+    eviction: str, profile: np.ndarray | None = None, layers: list[int] | None = None
+) -> LRU | LayerDistance:
+    """The policy named `eviction`, given only what it reads: the routing profile (rows in
+    the order of `layers`) for "profile", the layer cycle for "layer"."""
+    if eviction not in POLICIES:
+        raise ValueError(f"unknown eviction policy {eviction!r}; one of {sorted(POLICIES)}")
+    if eviction == "profile":
+        return ProfileAware(profile, layers)
+    if eviction == "layer":
+        return LayerDistance(layers)
+    return POLICIES[eviction]()
+
 
 PAGE_WORDS = ALIGNMENT // 8
 
@@ -200,12 +212,7 @@ class Arena:
         self._start = (-self._host.ctypes.data) % ALIGNMENT
         self.rows = slot_rows(self.buffer, n_slots, record_bytes, self._start)
         mx.eval(self.rows)
-        try:
-            self.policy = POLICIES[eviction](profile, layers)
-        except KeyError:
-            raise ValueError(
-                f"unknown eviction policy {eviction!r}; one of {sorted(POLICIES)}"
-            ) from None
+        self.policy = make_policy(eviction, profile, layers)
         self.slot_of: dict[Key, int] = {}
         self.owner: list[Key | None] = [None] * n_slots
         self.pinned: set[int] = set()
@@ -224,9 +231,6 @@ class Arena:
         """Writable host view of one slot's memory."""
         o = self._start + slot * self.record_bytes
         return self._host[o : o + self.record_bytes]
-
-    def lookup(self, key: Key) -> int | None:
-        return self.slot_of.get(key)
 
     def touch(self, key: Key) -> None:
         self.policy.touch(key)

@@ -23,7 +23,6 @@ from strata_mlx.arena import (
     Arena,
     LayerDistance,
     LFUAging,
-    ProfileAware,
     buffer_shape,
     slot_rows,
 )
@@ -229,7 +228,7 @@ def test_lru_evicts_least_recently_used():
     arena = full_arena(3, [(0, 0), (0, 1), (0, 2)])
     arena.touch((0, 0))  # a hit: (0, 1) is now the oldest
     assert evict(arena, (0, 3)) == (0, 1)
-    assert arena.lookup((0, 1)) is None and arena.resident((0, 3))
+    assert (0, 1) not in arena.slot_of and arena.resident((0, 3))
     assert evict(arena, (0, 4)) == (0, 2)
     assert evict(arena, (0, 5)) == (0, 0)
 
@@ -265,7 +264,7 @@ def test_profile_evicts_least_popular_in_its_layer():
     assert evict(arena, (3, 2)) == (7, 0)
     assert evict(arena, (7, 0)) == (3, 1)
     assert evict(arena, (5, 0)) == (7, 0)
-    arena.pin([arena.lookup((5, 0))])
+    arena.pin([arena.slot_of[(5, 0)]])
     assert evict(arena, (5, 1)) == (7, 2)  # (5,0) is pinned
     arena.unpin_all()
     arena.touch((5, 0))  # ties go by LRU: (5,1) is now the older of the two at 0
@@ -284,11 +283,11 @@ def test_layer_evicts_the_layer_that_comes_back_last():
     arena.set_layer(2)
     # the current layer first: its experts not needed now come back after a whole cycle
     assert evict(arena, (2, 5)) == (2, 1)
-    arena.pin([arena.lookup((2, 0)), arena.lookup((2, 5))])  # the running layer's experts
+    arena.pin([arena.slot_of[(2, 0)], arena.slot_of[(2, 5)]])  # the running layer's experts
     order = []
     for i in range(6):
         order.append(evict(arena, (2, 10 + i)))
-        arena.pin([arena.lookup((2, 10 + i))])
+        arena.pin([arena.slot_of[(2, 10 + i)]])
     # then the layer before, and so on backwards; the layer after the current one last
     assert order == [(1, 0), (1, 1), (0, 0), (0, 1), (3, 0), (3, 1)]
     assert arena.allocate((2, 99)) is None  # every slot pinned
@@ -332,7 +331,7 @@ def test_pinned_and_loading_slots_are_never_evicted(eviction):
         op = rng.random()
         if op < 0.5:
             key = rng.choice(keys)
-            if arena.lookup(key) is not None:
+            if key in arena.slot_of:
                 arena.touch(key)
                 continue
             arena.set_layer(key[0])
@@ -362,12 +361,10 @@ def test_pinned_and_loading_slots_are_never_evicted(eviction):
     assert evictions > 100 and refused > 0  # both paths were exercised
 
 
-def test_policies_are_the_documented_four():
-    assert POLICIES == {
-        "lru": LRU,
-        "lfu": LFUAging,
-        "profile": ProfileAware,
-        "layer": LayerDistance,
-    }
+def test_each_documented_policy_is_built_by_name():
+    assert sorted(POLICIES) == ["layer", "lfu", "lru", "profile"]
+    for name, cls in POLICIES.items():
+        policy = Arena(1, ALIGNMENT, name, profile=np.ones((1, 2)), layers=[0]).policy
+        assert type(policy) is cls and policy.name == name
     with pytest.raises(ValueError, match="unknown eviction policy"):
         Arena(1, ALIGNMENT, "fifo")
