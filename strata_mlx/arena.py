@@ -244,14 +244,19 @@ class Arena:
         s = self.slot_of[key]
         return s not in self.pinned and s not in self.loading
 
-    def allocate(self, key: Key, protect: set[int] | None = None) -> int | None:
-        """A slot for `key` (evicting if needed, never an expert of a layer in `protect`),
-        marked loading; None if every slot is busy."""
+    def allocate(
+        self, key: Key, protect: set[int] | None = None, keep: set[Key] | None = None
+    ) -> int | None:
+        """A slot for `key` (evicting if needed, never an expert of a layer in `protect` nor
+        one in `keep`), marked loading; None if every slot is busy."""
         if self._free:
             slot = self._free.pop()
         else:
-            if protect:
-                victim = self.policy.victim(lambda k: k[0] not in protect and self._evictable(k))
+            if protect or keep:
+                protect, keep = protect or (), keep or ()
+                victim = self.policy.victim(
+                    lambda k: k[0] not in protect and k not in keep and self._evictable(k)
+                )
             else:
                 victim = self.policy.victim(self._evictable)
             if victim is None:
