@@ -77,21 +77,32 @@ def policy_options(policy: str) -> dict:
     return out
 
 
-def _run(model, ids: list[int], gen: int, step: int, policy: str, phase: str) -> Run:
+def _run(model, ids: list[int], gen: int, step: int, policy: str, phase: str, layers=None) -> Run:
     """Prefill `ids` in chunks of `step`, then decode `gen` tokens greedily as generate does
-    (the decode time runs from the first generated token, the prefill's, to the last)."""
+    (the decode time runs from the first generated token, the prefill's, to the last).
+    `layers` (plots.LayerCounts) is cut where the chunks' and decode's stats are taken."""
     run = Run(policy, phase)
     ec = model.expert_cache
+
+    def chunk_done(chunk: ExpertStats) -> None:
+        run.chunks.append(chunk)
+        if layers is not None:
+            layers.cut("prefill")
+
     steps = generate_step(
-        model, mx.array(ids), gen + 1, make_sampler(0.0), step, on_chunk=run.chunks.append
+        model, mx.array(ids), gen + 1, make_sampler(0.0), step, on_chunk=chunk_done
     )
     next(steps)  # the prefill and the first token
+    if layers is not None:
+        layers.cut("first")  # the last prompt token's forward: in no chunk, not decode
     before = ec.stats.copy()
     t = time.perf_counter()
     for _ in steps:
         pass
     run.decode_s = time.perf_counter() - t
     run.decode = ec.stats.minus(before)
+    if layers is not None:
+        layers.cut("decode")
     run.decode.wall_s = run.decode_s
     run.decode_tokens = gen
     return run
@@ -163,12 +174,13 @@ def bench(
             dropped = _drop_page_cache(path)
             model, _ = load(path, config=RuntimeConfig(**base, **policy_options(policy)))
             arena = model.expert_cache.arena
+            layers = None
             if plot is not None:
                 from .plots import LayerCounts
 
                 layers = LayerCounts(model.expert_cache)
             for phase in ("cold", "warm"):
-                run = _run(model, ids, gen_tokens, prefill_step_size, policy, phase)
+                run = _run(model, ids, gen_tokens, prefill_step_size, policy, phase, layers)
                 runs.append(run)
                 if plot is not None:
                     run.layers = layers.take()

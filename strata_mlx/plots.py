@@ -15,15 +15,28 @@ COUNTERS = ("hits", "streamed_ahead", "misses")
 
 
 class LayerCounts:
-    """Hits, streamed-ahead and misses per layer, split into prefill and decode: the cache's
-    counters read before and after each of its per-layer entry points (run_layer, and
-    check_deferred for pipelined decode) and the difference credited to that layer."""
+    """Hits, streamed-ahead and misses per layer: the cache's counters read before and after
+    each of its per-layer entry points (run_layer, and check_deferred for pipelined decode)
+    and the difference credited to that layer.
+
+    What is counted goes to the open span until `cut(phase)` closes it under `phase`. Bench
+    cuts where it snapshots the cache's own stats (after each prefill chunk, after the first
+    token, after decode), so each phase's per-layer counts add up exactly to that phase's
+    ExpertStats. (The cache's `decoding` flag is no such boundary: the last prompt token's
+    forward runs with it off, in no chunk, and pipelined decode verifies that forward's
+    layers with it on.)"""
 
     def __init__(self, cache):
         self.cache = cache
-        self.counts: dict[str, dict[int, list[int]]] = {"prefill": {}, "decode": {}}
+        self.counts: dict[str, dict[int, list[int]]] = {}
+        # filled with every MoE layer up front: a reader on another thread (the dashboard)
+        # then never sees the dict change size
+        self._open: dict[int, list[int]] = self._empty()
         self._wrap("run_layer", lambda a: a[0])
         self._wrap("check_deferred", lambda a: a[0].layer)
+
+    def _empty(self) -> dict[int, list[int]]:
+        return {int(l): [0, 0, 0] for l in self.cache.layers}
 
     def _wrap(self, name: str, layer_of) -> None:
         inner = getattr(self.cache, name)
@@ -33,17 +46,30 @@ class LayerCounts:
             before = [getattr(st, c) for c in COUNTERS]
             out = inner(*a, **kw)
             st = self.cache.stats  # warm() and resets replace the object
-            phase = "decode" if self.cache.decoding else "prefill"
-            row = self.counts[phase].setdefault(int(layer_of(a)), [0, 0, 0])
+            row = self._open.setdefault(int(layer_of(a)), [0, 0, 0])
             for i, c in enumerate(COUNTERS):
                 row[i] += max(getattr(st, c) - before[i], 0)
             return out
 
         setattr(self.cache, name, counted)
 
+    def open(self) -> dict[int, list[int]]:
+        """A copy of the counts since the last cut (all of them, where nothing cuts)."""
+        return {l: list(v) for l, v in list(self._open.items())}
+
+    def cut(self, phase: str) -> None:
+        """Close the open span: its counts are added to `phase`'s."""
+        rows = self.counts.setdefault(phase, {})
+        for l, v in self._open.items():
+            if any(v):
+                row = rows.setdefault(l, [0, 0, 0])
+                for i in range(len(COUNTERS)):
+                    row[i] += v[i]
+        self._open = self._empty()
+
     def take(self) -> dict[str, dict[int, list[int]]]:
-        """The counts since the last take (then zero)."""
-        out, self.counts = self.counts, {"prefill": {}, "decode": {}}
+        """The counts per phase cut since the last take (then zero)."""
+        out, self.counts = self.counts, {}
         return out
 
 
@@ -110,7 +136,7 @@ def plot_bench(result: dict, path: str | Path) -> Path:
     )
 
     # per layer, the cold prefill of the last policy that recorded layers
-    shown = next((r for r in reversed(cold) if r["layers"]), None)
+    shown = next((r for r in reversed(cold) if (r["layers"] or {}).get("prefill")), None)
     a = ax[0][0]
     if shown is not None:
         rows = shown["layers"]["prefill"]
