@@ -33,7 +33,14 @@ def user_errors(fn):
     def wrapper(*a, **kw):
         try:
             return fn(*a, **kw)
-        except (StoreError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        except (
+            StoreError,
+            ValueError,
+            FileNotFoundError,
+            IsADirectoryError,
+            PermissionError,
+            ConnectionError,  # a lost rank of a pipeline (strata_mlx.distributed)
+        ) as e:
             _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
     return wrapper
@@ -174,6 +181,15 @@ def generate(
     preset: str | None = typer.Option(
         None, "--preset", help="A runtime preset from configs/runtime/ (e.g. laptop-24gb)."
     ),
+    pipeline: bool = typer.Option(
+        False, "--pipeline", help="Layers pipelined over the ranks of mlx.launch (mx.distributed)."
+    ),
+    pipeline_split: str | None = typer.Option(
+        None, "--pipeline-split", help="Layers per rank, e.g. 20,28 (default: by memory)."
+    ),
+    pipeline_timeout: float = typer.Option(
+        300.0, "--pipeline-timeout", help="Seconds a pipeline step may wait on another rank."
+    ),
 ):
     """Generate text from a store, streaming experts through the arena."""
 
@@ -232,11 +248,23 @@ def generate(
 
         apply_preset(cfg, preset)
     check_runtime(cfg, cli=True)
-    m, tok = load(model, config=cfg)
+    pipe = None
+    if pipeline:
+        from .distributed import Pipeline, serve_stage
+
+        pipe = Pipeline(split=pipeline_split, timeout_s=pipeline_timeout)
+    m, tok = load(model, config=cfg, pipeline=pipe)
     if experts_per_token is not None:
         _set_experts_per_token(m, experts_per_token)
     cache = m.expert_cache
     cache.route_bonus = moce_bonus
+    if pipe is not None and pipe.size > 1:
+        if pipe.rank != 0:  # rank 0 prompts, samples and prints; the others compute
+            serve_stage(m)
+            return
+        m.wait_ready()
+    else:
+        pipe = None
     if prompt == "-":
         prompt = sys.stdin.read()
     if prompt_tokens is not None:
@@ -286,6 +314,12 @@ def generate(
             for i, c in enumerate(last.chunks):
                 typer.echo(chunk_line(i, c), err=True)
         typer.echo(summary(last))
+    if pipe is not None:
+        from .distributed import rank_lines
+
+        for line in rank_lines(m.rank_stats()):
+            typer.echo(line)
+        m.close()
     if cache.dump is not None:
         cache.dump.close()
     cache.close()

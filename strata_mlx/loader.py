@@ -167,9 +167,11 @@ def load(
     path: str | Path,
     arena_gb: float | None = None,
     config: RuntimeConfig | None = None,
+    pipeline=None,
     **overrides,
 ):
-    """Load a strata-mlx store: returns (model, tokenizer or None), as mlx-lm's load()."""
+    """Load a strata-mlx store: returns (model, tokenizer or None), as mlx-lm's load().
+    `pipeline` (a strata_mlx.distributed.Pipeline): load only this rank's layers."""
     cfg = dataclasses.replace(config) if config is not None else RuntimeConfig()
     if arena_gb is not None:
         cfg.arena_gb = arena_gb
@@ -178,6 +180,10 @@ def load(
             raise TypeError(f"load() got an unknown option {k!r}")
         setattr(cfg, k, v)
     check_runtime(cfg)
+    if pipeline is not None and pipeline.size > 1:
+        cfg.decode = "sync"  # the pipelined decoder runs a whole model (strata_mlx.decode)
+    else:
+        pipeline = None
     path = Path(path)
     manifest = load_manifest(path)
     source = path / "manifest.json"
@@ -197,6 +203,11 @@ def load(
         weights = mx.load(str(dense_path))
     except Exception as e:  # mlx raises RuntimeError/ValueError with its own wording
         raise StoreError(f"{dense_path}: unreadable safetensors ({e})") from None
+    stage = None
+    if pipeline is not None:  # this rank's layers, records and weights only
+        step = cfg.prefill_step_size or default_prefill_step()
+        stage = pipeline.take(model, manifest, weights, args, step)
+        manifest, weights = stage.manifest, stage.weights
     quant = check_quantization(manifest.config.get("quantization"), source)
     if quant:
 
@@ -227,7 +238,9 @@ def load(
         args, rb, n_records, dense_bytes, cfg.arena_gb, cfg.prefill_step_size
     )
     n_slots = max(1, min(arena_bytes // rb, n_records))
-    profile = load_profile(path, manifest)
+    profile = load_profile(path, manifest if stage is None else stage.full_manifest)
+    if stage is not None:
+        profile = stage.profile(profile)
     arena = Arena(n_slots, rb, cfg.eviction, profile, manifest.moe_layers)
 
     from .reader import Reader, needs_bounce
@@ -260,6 +273,8 @@ def load(
     )
     model.runtime = cfg
     model.store_path = path
+    if pipeline is not None:
+        model = pipeline.wrap(model)
     return model, tokenizer
 
 

@@ -1,0 +1,226 @@
+"""Pipeline parallel (strata_mlx.distributed): processes on this machine joined by MLX's ring
+backend over 127.0.0.1, each holding a contiguous range of layers, give logits and greedy
+tokens bit-identical to one process, for a tiny model of every family; each rank reads only
+its own layers' experts; a rank that dies or goes silent makes rank 0 exit with one line.
+
+The ranks are started the way `mlx.launch` starts them (MLX_HOSTFILE, MLX_RANK), by this
+file run as a script (`python tests/test_distributed.py RANK_OUT STORE...`), so that every
+process has a deadline and its own exit code. One test runs the CLI under mlx.launch itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3"]
+PROMPT = 40  # tokens, in chunks of STEP: the second chunk's mask needs the sequence offset
+STEP = 16
+NEW_TOKENS = 6
+DEADLINE = 120  # s, for a whole launch; nothing here should take a tenth of it
+
+
+def _ids() -> list[int]:
+    return np.random.default_rng(5).integers(0, 128, size=PROMPT).tolist()
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def launch(n: int, argv: list[str], env: dict | None = None, timeout: float = DEADLINE):
+    """Start `n` ranks of `python argv...` joined by the ring backend on localhost; return
+    each rank's CompletedProcess-like (returncode, stdout, stderr), rank 0 first."""
+    d = Path(tempfile.mkdtemp(prefix="strata-ring-"))
+    hostfile = d / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(n)]))
+    procs = []
+    for rank in range(n):
+        e = {**os.environ, **(env or {}), "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)}
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *argv],
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    out = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a rank did not exit within {timeout} s")
+        out.append((p.returncode, so, se))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ring():
+    """Skip (with the reason) where MLX's ring backend cannot join two local processes."""
+    import mlx.core as mx
+
+    if not mx.distributed.is_available("ring"):
+        pytest.skip("this MLX build has no ring backend")
+    code = (
+        "import mlx.core as mx; g = mx.distributed.init(backend='ring', strict=True); "
+        "print(mx.distributed.all_sum(mx.array([1.0]), group=g).item())"
+    )
+    try:
+        res = launch(2, ["-c", code], timeout=30)
+    except pytest.fail.Exception as e:
+        pytest.skip(f"ring backend on 127.0.0.1: {e}")
+    if any(rc != 0 or so.strip() != "2.0" for rc, so, _ in res):
+        pytest.skip(f"ring backend on 127.0.0.1 failed: {res[0][2].strip()[-200:]}")
+
+
+def reference(path: Path) -> dict:
+    """One process: teacher-forced logits, greedy tokens and their log-probabilities."""
+    import strata_mlx
+    from strata_mlx.generate import stream_generate, teacher_forced_logits
+
+    model, _ = strata_mlx.load(path, prefill_step_size=STEP)
+    logits = teacher_forced_logits(model, _ids(), STEP)
+    steps = list(stream_generate(model, None, _ids(), NEW_TOKENS, prefill_step_size=STEP))
+    model.expert_cache.close()
+    return {
+        "logits": logits,
+        "tokens": [r.token for r in steps],
+        "logprobs": np.stack([np.array(r.logprobs) for r in steps]),
+    }
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_pipeline_is_bit_identical_for_every_family(store, ring, tmp_path, ranks):
+    paths = [store(f) for f in FAMILIES]
+    res = launch(ranks, [__file__, str(tmp_path), *map(str, paths)])
+    for rank, (rc, _, se) in enumerate(res):
+        assert rc == 0, f"rank {rank}: {se.strip()[-2000:]}"
+    for family, path in zip(FAMILIES, paths):
+        ref = reference(path)
+        got = np.load(tmp_path / f"{path.name}.npz")
+        assert np.array_equal(got["logits"], ref["logits"]), family
+        assert got["tokens"].tolist() == ref["tokens"], family
+        assert np.array_equal(got["logprobs"], ref["logprobs"]), family
+        rows = json.loads((tmp_path / f"{path.name}.json").read_text())
+        from strata_mlx.store import load_manifest
+
+        moe = load_manifest(path).moe_layers
+        assert [r["rank"] for r in rows] == list(range(ranks))
+        covered = []
+        for r in rows:
+            a, b = r["layers"]
+            covered += range(a, b)
+            own = [l for l in moe if a <= l < b]
+            assert r["moe_layers"] == own, (family, r)  # the rank's cache knows only these
+            assert set(r["resident_layers"]) <= set(own), (family, r)
+            assert (r["stats"]["experts_read"] > 0) == bool(own), (family, r)
+        assert covered == list(range(len(covered))) and covered[-1] + 1 >= max(moe), family
+
+
+def test_a_rank_that_dies_makes_rank_0_exit_with_one_line(store, ring, tmp_path):
+    path = store("qwen3_moe")
+    res = launch(2, [__file__, str(tmp_path), str(path)], env={"STRATA_TEST_RANK_1": "die"})
+    rc, _, err = res[0]
+    assert rc != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: pipeline rank 0"), err
+
+
+def test_a_silent_rank_trips_the_deadline(store, ring, tmp_path):
+    path = store("qwen3_moe")
+    res = launch(
+        2,
+        [__file__, str(tmp_path), str(path)],
+        env={"STRATA_TEST_RANK_1": "hang", "STRATA_TEST_TIMEOUT": "3"},
+        timeout=60,
+    )
+    rc, _, err = res[0]
+    assert rc == 3
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "no answer in 3 s" in lines[0], err
+
+
+def test_generate_under_mlx_launch(store, ring, tmp_path):
+    """The CLI as a user runs it: `mlx.launch -n 2 -- strata-mlx generate --pipeline`."""
+    import shutil
+
+    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+    if not Path(launcher).exists():
+        pytest.skip("mlx.launch is not installed")
+    path = store("qwen3_moe")
+    ids = ",".join(map(str, _ids()))
+    (port,) = _free_ports(1)
+    cmd = [launcher, "-n", "2", "--starting-port", str(port), "--", sys.executable, "-m"]
+    cmd += ["strata_mlx", "generate", "--pipeline", "--model", str(path), "--prompt-tokens"]
+    cmd += [ids, "-m", str(NEW_TOKENS), "--prefill-step-size", str(STEP)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE)
+    ref = reference(path)
+    assert p.stdout.split()[:NEW_TOKENS] == [str(t) for t in ref["tokens"]], p.stdout + p.stderr
+    assert "Rank 1: layers 1-1" in p.stdout, p.stdout
+
+
+# ---- one rank (this file run as a script) ------------------------------------------------------
+
+
+def _rank_main(out: Path, stores: list[str]) -> None:
+    import mlx.core as mx
+
+    import strata_mlx
+    from strata_mlx.distributed import Pipeline, serve_stage
+    from strata_mlx.generate import stream_generate, teacher_forced_logits
+
+    group = mx.distributed.init(backend="ring", strict=True)
+    role = os.environ.get(f"STRATA_TEST_RANK_{group.rank()}", "")
+    timeout = float(os.environ.get("STRATA_TEST_TIMEOUT", "60"))
+    for path in stores:
+        pipe = Pipeline(group, timeout_s=timeout, load_timeout_s=timeout)
+        model, _ = strata_mlx.load(path, prefill_step_size=STEP, pipeline=pipe)
+        if role == "die":
+            os._exit(5)
+        if role == "hang":
+            import time
+
+            time.sleep(timeout + 30)
+            os._exit(0)
+        if pipe.rank != 0:
+            serve_stage(model)
+            continue
+        model.wait_ready()
+        logits = teacher_forced_logits(model, _ids(), STEP)
+        steps = list(stream_generate(model, None, _ids(), NEW_TOKENS, prefill_step_size=STEP))
+        name = Path(path).name
+        np.savez(
+            out / f"{name}.npz",
+            logits=logits,
+            tokens=np.array([r.token for r in steps]),
+            logprobs=np.stack([np.array(r.logprobs) for r in steps]),
+        )
+        (out / f"{name}.json").write_text(json.dumps(model.rank_stats()))
+        model.close()
+        model.expert_cache.close()
+
+
+if __name__ == "__main__":
+    try:
+        _rank_main(Path(sys.argv[1]), sys.argv[2:])
+    except ConnectionError as e:  # strata_mlx.distributed.PipelineError
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
