@@ -1,7 +1,8 @@
 """`strata-mlx serve`: an OpenAI-compatible HTTP server for one model (FastAPI + uvicorn).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both streaming as SSE or not),
-GET /v1/models, GET /v1/stats (also /stats) with the expert cache's counters.
+GET /v1/models, GET /v1/stats (also /stats) with the expert cache's counters, GET /dashboard
+(a live page of them, strata_mlx.dashboard).
 
 Sampling fields are mlx-lm's server's (temperature, top_p, top_k, min_p, xtc_probability,
 xtc_threshold, logit_bias, repetition_penalty and repetition_context_size, presence_penalty,
@@ -54,6 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat_output import ChatStream, opens_reasoning, parse
+from .dashboard import add_routes
 from .generate import stop_holdback
 from .options import MAX_SEED, OptionError
 from .sampling import SamplingOptions
@@ -254,6 +256,7 @@ class Engine:
         self.completion_tokens = 0
         self.mean_request_s: float | None = None  # running mean, for Retry-After
         self.served = None  # ExpertStats summed over requests, with their wall time and tokens
+        self.last = None  # the running (or last) request's latest GenerationResponse
 
     def close(self, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> bool:
         """Cancel every job, queued or running, and wait up to `timeout` seconds for the
@@ -337,6 +340,9 @@ class Engine:
         with contextlib.closing(gen):
             for r in gen:
                 n += 1
+                self.last = r
+                with self._counts:  # per token: /v1/stats and the dashboard see it move
+                    self.completion_tokens += 1
                 start = max(0, len(text) - longest + 1)
                 text += r.text
                 finish = r.finish_reason
@@ -355,7 +361,6 @@ class Engine:
                     stopped = True
                     break
         with self._counts:
-            self.completion_tokens += n
             self.cancelled += stopped
         elapsed = time.perf_counter() - t0
         m = self.mean_request_s
@@ -872,6 +877,7 @@ def create_app(
 
     app.get("/v1/stats")(stats)
     app.get("/stats")(stats)
+    app.state.dashboard = add_routes(app, model, engine, stats)  # GET /dashboard
     return app
 
 
