@@ -21,6 +21,7 @@ PRELUDE = """\
 #define SK_FN __device__ __forceinline__
 #define SK_GLOBAL
 #define SK_U64 unsigned long long
+#define SK_UNROLL _Pragma("unroll")
 SK_FN float sk_as_float(uint32_t b) { return __uint_as_float(b); }
 SK_FN float sk_tof(float v) { return v; }
 SK_FN float sk_tof(__half v) { return __half2float(v); }

@@ -34,6 +34,7 @@ PRELUDE = """\
 #define SK_FN static inline
 #define SK_GLOBAL
 #define SK_U64 uint64_t
+#define SK_UNROLL
 SK_FN float sk_as_float(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
 SK_FN float sk_tof(float v) { return v; }
 SK_FN void sk_store(float* p, SK_U64 i, float v) { p[i] = v; }

@@ -2,9 +2,10 @@
 
 Metal is NOT executed on this project's Linux machines: nothing here has ever run on a Mac in
 this project's CI or on its GPU machine. What is verified is (1) on the CPU, that the source
-handed to Metal is the shared algorithm (algorithm.py) plus this file's prelude and prologue,
-character for character the same body as the CUDA dialect's (tests/test_kernels.py), and that
-the shared body computes the reference result when compiled as host C++ (host.py); (2) on the
+handed to Metal is the shared header and body (formats.h, algorithm.py) plus this file's prelude
+and prologue, character for character the same text as the CUDA dialect's, that it type-checks
+as C++ against stand-ins for Metal's builtins (tests/test_kernels.py), and that the shared text
+computes the reference result when compiled as host C++ (host.py); (2) on the
 GPU machine, that the CUDA dialect of that same body matches the reference.
 
 This module only maps the names the algorithm leaves to a dialect. MLX adds a kernel attribute
@@ -24,6 +25,7 @@ PRELUDE = """\
 #define SK_FN inline
 #define SK_GLOBAL device
 #define SK_U64 ulong
+#define SK_UNROLL _Pragma("clang loop unroll(full)")
 SK_FN float sk_as_float(uint32_t b) { return as_type<float>(b); }
 template <typename U> SK_FN float sk_tof(U v) { return static_cast<float>(v); }
 template <typename U> SK_FN void sk_store(device U* p, ulong i, float v) {

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import warnings
 from collections.abc import Callable
 
@@ -161,6 +162,65 @@ def _mismatch(y: mx.array, ref: mx.array, dtype: mx.Dtype) -> str | None:
             f"RMS error {rms_rel:.3g} x RMS (allowed {rms_tol:.3g})"
         )
     return None
+
+
+def example_layout(fmt: str, hidden: int, inter: int, down: str | None = None) -> RecordLayout:
+    """The record layout of one expert (gate/up [inter, hidden], down [hidden, inter]) whose
+    gate/up take format `fmt` and down `down` (default `fmt`): a GGUF type ("Q4_K", "Q2_K",
+    "IQ2_XS", "IQ3_S") or "affine{bits}-g{group_size}" (fp16 scales, as mx.quantize gives
+    an fp16 model)."""
+    shapes = {
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
+    comps, table = {}, {}
+    for p, (out, n_in) in shapes.items():
+        name = down if down and p == "down_proj" else fmt
+        affine = re.fullmatch(r"affine(\d+)-g(\d+)", name)
+        if affine:
+            bits, gs = int(affine[1]), int(affine[2])
+            if n_in * bits % 32 or n_in % gs:
+                raise ValueError(f"{name}: {n_in} inputs are not whole words and groups")
+            comps[f"{p}.weight"] = ("uint32", (out, n_in * bits // 32))
+            comps[f"{p}.scales"] = ("float16", (out, n_in // gs))
+            comps[f"{p}.biases"] = ("float16", (out, n_in // gs))
+            table[p] = {"format": "affine", "bits": bits, "group_size": gs}
+        else:
+            from .gguf_quants import row_bytes
+
+            comps[f"{p}.weight"] = ("uint8", (out, row_bytes(name, n_in)))
+            table[p] = {"format": "gguf", "type": name, "in_features": n_in}
+    return RecordLayout.build(comps, table)
+
+
+def kernel_source_text(layout: RecordLayout, dialect: str, top_k: int, tile: int = 1) -> str:
+    """Every kernel of `layout` on `dialect` ("metal", "cuda", "host") as that dialect hands it
+    to its compiler: the header (the same for all of them) once, then each kernel's body.
+    tile: pairs per warp of the fused kernels (1 in decode; dispatch.PREFILL_TILE in prefill)."""
+    from custom_kernels import dispatch
+
+    kern = dispatch.kernel_for(dialect, layout)
+    if kern is None:
+        raise ValueError(f"{format_name(layout)} has no kernel (the reference path runs it)")
+    srcs = [*kern.sources(top_k, tile), *kern.dequant_sources().values()]
+    header = kern.dialect.sources(srcs[0])[0]
+    via = {"metal": "mx.fast.metal_kernel", "cuda": "mx.fast.cuda_kernel"}.get(dialect)
+    out = [
+        f"// {format_name(layout)} expert kernels, {dialect} dialect"
+        f" (top-k {top_k}, {tile} pair(s) a warp)",
+        f"// ---- header of every kernel below: the {dialect} prelude + custom_kernels/formats.h",
+        header,
+    ]
+    wrap = f"{via} writes the signature around it" if via else "host.py wraps it"
+    for src in srcs:
+        assert kern.dialect.sources(src)[0] == header
+        out += [
+            f"// ---- kernel {src.name}: body ({wrap})",
+            f"// inputs {', '.join(src.input_names)}; outputs {', '.join(src.output_names)}",
+            kern.dialect.sources(src)[1],
+        ]
+    return "\n".join(out)
 
 
 def format_name(layout: RecordLayout) -> str:

@@ -1,14 +1,21 @@
 """Expert kernels (custom_kernels/): one algorithm, three dialects, checked against the reference.
 
 CPU (CI):
-  - the decode expressions a kernel runs, interpreted by numpy, equal the reference
-    dequantizers bit for bit (gguf_quants.dequantize; mx.dequantize for affine);
-  - Metal, CUDA and host sources are the same shared body and header plus a dialect layer;
+  - the decoders of formats.h, compiled as host C++, equal the reference dequantizers bit for
+    bit (gguf_quants.dequantize; mx.dequantize for affine), and load only aligned bytes of
+    their row (AddressSanitizer, UBSan);
+  - Metal, CUDA and host sources are the same shared body and header plus a dialect layer,
+    and the Metal and CUDA ones type-check as C++ against stand-ins for their builtins;
   - the shared body, compiled as host C++ with 32-lane warps emulated, computes
     switch_glu_reference's result (float32, decode and prefill tiles);
   - kernel_for's semantics, the prefill tiling.
 GPU (`-m gpu`, MLX's CUDA backend): the CUDA dialect vs switch_glu_reference for every format,
 decode (T=1, k=10, D=2048, inter=512) and prefill (T=1024) shapes.
+
+The CPU tests compare float32 kernels with references computed on the CPU stream, whatever the
+default device: there MLX rounds each float32 product and sum once, so 1e-5 x RMS bounds the
+summation-order difference. On MLX's CUDA backend float32 matmuls may run as TF32 (2^-10) and
+dequantize may fuse a multiply-add, which those bounds do not allow for.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import ctypes
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import mlx.core as mx
@@ -152,52 +160,134 @@ def make_problem(layout, recs, n_tokens, k, dtype, seed=0, n_slots=None):
     return x, mx.array(arena), slots, idx
 
 
+def cpu_reference(x, rows, layout, idx):
+    """switch_glu_reference on the CPU stream (see the module docstring for why)."""
+    with mx.stream(mx.cpu):
+        return switch_glu_reference(x, rows, layout, idx)
+
+
+def host_decode(dec: algorithm.Decoder, bases: dict[str, np.ndarray], n_in: int) -> np.ndarray:
+    """float32 [rows, n_in]: rows decoded by formats.h's decoder for `dec`, through the dequant
+    kernel compiled as host C++; `bases` holds each base's uint8 [rows, row_bytes]."""
+    offsets, off = [], 0
+    for b in dec.bases:
+        offsets.append((b, off, bases[b].shape[1]))
+        off += -(-bases[b].nbytes // 16) * 16
+    record = np.zeros(-(-off // 4096) * 4096, np.uint8)
+    for b, o, _ in offsets:
+        record[o : o + bases[b].nbytes] = bases[b].reshape(-1)
+    rows = bases[dec.bases[0]].shape[0]
+    proj = algorithm.Projection(dec, rows, n_in, tuple(offsets))
+    src = algorithm.dequant_source(proj, record.size, "rows")
+    tables = [mx.array(algorithm.tables()[t]) for t in dec.tables]
+    (w,) = host.build(src)(
+        [mx.array(record[None]), mx.array([0], dtype=mx.uint32), *tables],
+        (rows * n_in // algorithm.CHUNK, 1, 1),
+        (algorithm.THREADGROUP, 1, 1),
+        [(1, rows, n_in)],
+        [mx.float32],
+        [("T", mx.float32)],
+    )
+    return np.array(w[0])
+
+
 # ---------------------------------------------------------------------------------------------
-# CPU: decode expressions vs reference dequantizers
+# CPU: the decoders of formats.h vs the reference dequantizers
 
 
+@needs_cxx
 @pytest.mark.parametrize("qtype", sorted(algorithm.GGUF_DECODERS))
 def test_gguf_decode_bit_exact(qtype):
     rng = np.random.default_rng(FORMATS[qtype].ggml_type)
     rows, n_in = 7, 4 * 256
     raw = gguf_rows(qtype, rows, n_in, rng, full_range=True)  # subnormal and huge scales too
-    ours = algorithm.decode_rows(algorithm.gguf_decoder(qtype), {"W": raw}, n_in)
-    ref = np.array(dequantize(qtype, mx.array(raw), (rows, n_in)))
+    ours = host_decode(algorithm.gguf_decoder(qtype), {"W": raw}, n_in)
+    with mx.stream(mx.cpu):
+        ref = np.array(dequantize(qtype, mx.array(raw), (rows, n_in)))
     np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))
 
 
+@needs_cxx
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_affine_decode_bit_exact(bits, group_size, dtype):
-    w = mx.random.normal((6, 512), key=mx.random.key(bits * 1000 + group_size)).astype(dtype)
-    q, s, b = mx.quantize(w, group_size, bits)
+    with mx.stream(mx.cpu):  # the reference on the CPU (see the module docstring)
+        w = mx.random.normal((6, 512), key=mx.random.key(bits * 1000 + group_size)).astype(dtype)
+        q, s, b = mx.quantize(w, group_size, bits)
+        # float32 scale * q + bias: what the kernels compute (fp16/bf16 scale * q is exact)
+        ref = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size, bits)
+        ref = np.array(ref)
     bases = {
         "W": np.array(q).view(np.uint8).reshape(6, -1),
         "S": to_numpy(s).view(np.uint8).reshape(6, -1),
         "B": to_numpy(b).view(np.uint8).reshape(6, -1),
     }
     dec = algorithm.affine_decoder(bits, group_size, dtype_name(s.dtype))
-    ours = algorithm.decode_rows(dec, bases, 512)
-    # float32 scale * q + bias: what the kernels compute (fp16/bf16 scale * q is exact in f32)
-    ref = np.array(mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size, bits))
+    ours = host_decode(dec, bases, 512)
     if dtype == mx.float32:  # fp32 scale * q rounds; fused or not may differ by an ulp
         np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-7)
     else:
         np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))
 
 
-def test_decoders_load_only_aligned_in_bounds():
-    # decode_rows raises on misaligned or out-of-row loads; a minimal row (one block / group)
-    # puts every load at the edge.
-    for qtype in algorithm.GGUF_DECODERS:
-        raw = gguf_rows(qtype, 1, 256, np.random.default_rng(0))
-        algorithm.decode_rows(algorithm.gguf_decoder(qtype), {"W": raw}, 256)
+def _minimal_rows() -> list[tuple[algorithm.Decoder, dict[str, int], int]]:
+    """(decoder, bytes of each base's row, in_features) for the smallest row of each format:
+    one block, or one group, so that every load sits at the row's edge."""
+    rows = [(d, {"W": FORMATS[t].type_size}, 256) for t, d in algorithm.GGUF_DECODERS.items()]
     for bits in (2, 3, 4, 5, 6, 8):
-        dec = algorithm.affine_decoder(bits, 32, "float16")
-        bases = {"W": np.zeros((1, 32 * bits // 8), np.uint8), "S": np.zeros((1, 2), np.uint8)}
-        bases["B"] = bases["S"]
-        algorithm.decode_rows(dec, bases, 32)
+        for gs in (32, 64, 128):
+            for dtype, esz in (("float16", 2), ("bfloat16", 2), ("float32", 4)):
+                dec = algorithm.affine_decoder(bits, gs, dtype)
+                rows.append((dec, {"W": gs * bits // 8, "S": esz, "B": esz}, gs))
+    return rows
+
+
+@needs_cxx
+def test_decoders_load_only_aligned_in_bounds(tmp_path):
+    # Each base row is its own heap block of exactly its size: AddressSanitizer reports a load
+    # outside it (or outside a table), UBSan a misaligned one; the calls are those the kernels
+    # make (Decoder.call).
+    lines = [
+        host.PRELUDE + algorithm.SHARED_HEADER,
+        "static float sk_warp_sum(float v) { return v; }",
+    ]
+    lines += ["#include <cstdio>", "#include <cstdlib>"]
+    lines += [f"static uint32_t* {t};" for t in algorithm.tables()]
+    lines += [
+        "static const uint8_t* row(size_t n) {",
+        "  uint8_t* p = (uint8_t*)malloc(n);",
+        "  for (size_t i = 0; i < n; ++i) p[i] = (uint8_t)rand();",
+        "  return p;",
+        "}",
+        "int main() {",
+        "  float sink = 0.0f;",
+    ]
+    for t, table in algorithm.tables().items():
+        lines.append(f"  {t} = (uint32_t*)row({table.nbytes}u);")
+    for dec, sizes, n_in in _minimal_rows():
+        lines.append(f"  {{  // {dec.name}")
+        lines += [f"    const uint8_t* l_{b} = row({n}u);" for b, n in sizes.items()]
+        call = dec.call(tuple(f"l_{b}" for b in dec.bases), "c")
+        lines += [
+            f"    for (uint32_t c = 0u; c < {n_in // algorithm.CHUNK}u; ++c) {{",
+            f"      const sk_chunk r = {call};",
+            "      sink += r.scale + r.offset;",
+            "      for (int j = 0; j < 16; ++j) sink += r.q[j];",
+            "    }",
+            "  }",
+        ]
+    lines += ['  printf("%g\\n", sink);', "  return 0;", "}"]
+    src, exe = tmp_path / "decoders.cpp", tmp_path / "decoders"
+    src.write_text("\n".join(lines) + "\n")
+    flags = ["-std=c++17", "-O0", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+    r = subprocess.run([host.compiler(), *flags, "-o", str(exe), str(src)], capture_output=True)
+    if r.returncode and b"san" in r.stderr:
+        pytest.skip(f"no sanitizer runtime: {r.stderr.decode()[-200:]}")
+    assert r.returncode == 0, r.stderr.decode()[-4000:]
+    env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=0"}
+    r = subprocess.run([str(exe)], capture_output=True, env=env)
+    assert r.returncode == 0 and b"runtime error" not in r.stderr, r.stderr.decode()[-4000:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,6 +331,127 @@ def test_dialect_layers_define_the_same_names():
         assert len(mod.PRELUDE.splitlines()) + len(mod.PROLOGUE.splitlines()) < 30
 
 
+def test_generated_sources_are_short_lines():
+    # a person reads these (`strata-mlx kernels show`): no 400-character expression lines
+    for case in sorted(CASES):
+        layout, _ = CASES[case](1, 256, 256, 0)
+        kern = dispatch.ExpertKernels(host, layout, dispatch.plan(layout))
+        srcs = [
+            *kern.sources(k=3, tm=1),
+            *kern.sources(k=3, tm=8),
+            *kern.dequant_sources().values(),
+        ]
+        for src in srcs:
+            for mod in DIALECTS.values():
+                for line in "\n".join(mod.sources(src)).splitlines():
+                    assert len(line) <= 100, (case, src.name, line)
+
+
+@pytest.mark.parametrize("dialect", sorted(DIALECTS))
+def test_kernels_show_prints_the_compiled_source(dialect):
+    from typer.testing import CliRunner
+
+    from strata_mlx.cli import app
+
+    args = ["kernels", "show", "IQ3_S", "--down", "Q4_K", "--dialect", dialect]
+    r = CliRunner().invoke(app, [*args, "--hidden", "256", "--inter", "512", "--top-k", "4"])
+    assert r.exit_code == 0, r.output
+    mod = DIALECTS[dialect]
+    layout, _ = CASES["IQ3_S+Q4_K-down"](1, 256, 512, 0)
+    kern = dispatch.ExpertKernels(mod, layout, dispatch.plan(layout))
+    srcs = [*kern.sources(k=4, tm=1), *kern.dequant_sources().values()]
+    header = mod.sources(srcs[0])[0]
+    assert r.output.count(header) == 1  # once: every kernel has this header
+    for src in srcs:
+        assert src.name in r.output and mod.sources(src)[1] in r.output, src.name
+    r = CliRunner().invoke(app, ["kernels", "show", "Q6_K", "--dialect", dialect])
+    assert r.exit_code == 2 and "Q6_K has no kernel" in r.output
+
+
+# Stand-ins for the builtins each GPU dialect's prelude and prologue use: enough for the host
+# compiler to type-check the exact text MLX compiles (the kernel signature as MLX writes it,
+# T as each activation dtype). Neither GPU compiler runs on this project's CPU machines.
+GPU_STANDINS = {
+    "cuda": """\
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#define __device__
+#define __forceinline__ inline
+struct __half { float f; };
+struct __nv_bfloat16 { float f; };
+inline float __half2float(__half v) { return v.f; }
+inline float __bfloat162float(__nv_bfloat16 v) { return v.f; }
+inline __half __float2half(float v) { return {v}; }
+inline __nv_bfloat16 __float2bfloat16(float v) { return {v}; }
+inline float __uint_as_float(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
+struct sk_dim3 { uint32_t x, y, z; };
+static sk_dim3 blockIdx, blockDim, threadIdx;
+""",
+    "metal": """\
+#include <cstdint>
+#include <cstring>
+#define device
+#define thread
+typedef unsigned long ulong;
+struct half { float f; half(float v) : f(v) {} operator float() const { return f; } };
+struct bfloat16_t { float f; bfloat16_t(float v) : f(v) {} operator float() const { return f; } };
+template <typename To, typename From> To as_type(From v) { To t; std::memcpy(&t, &v, 4); return t; }
+namespace metal { inline float exp(float v) { return v; } inline float simd_sum(float v) { return v; } }
+struct uint3 { uint32_t x, y, z; };
+""",
+}
+GPU_DTYPES = {
+    "cuda": ("float", "__half", "__nv_bfloat16"),
+    "metal": ("float", "half", "bfloat16_t"),
+}
+_INPUT_TYPES = {"arena": "uint8_t", "pair_slot": "uint32_t", "slots": "uint32_t"}
+
+
+@needs_cxx
+@pytest.mark.parametrize("dialect", sorted(GPU_STANDINS))
+def test_gpu_dialect_sources_type_check_as_cxx(dialect, tmp_path):
+    mod = DIALECTS[dialect]
+    kernels = {}
+    for case in sorted(CASES):
+        layout, _ = CASES[case](1, 256, 256, 0)
+        kern = dispatch.ExpertKernels(mod, layout, dispatch.plan(layout))
+        srcs = [
+            *kern.sources(k=3, tm=1),
+            *kern.sources(k=3, tm=4),
+            *kern.dequant_sources().values(),
+        ]
+        kernels.update((src.name, src) for src in srcs)
+    header = mod.sources(next(iter(kernels.values())))[0]
+    lines = [GPU_STANDINS[dialect], header]
+    for i, src in enumerate(kernels.values()):
+        assert mod.sources(src)[0] == header  # one header for every kernel
+        params = []
+        for n in src.input_names:
+            ctype = _INPUT_TYPES.get(n, "int32_t" if n == "tile_pairs" else "T")
+            params.append(
+                f"const {ctype}* {n}" if n not in algorithm.tables() else f"const uint32_t* {n}"
+            )
+        params += [f"T* {n}" for n in src.output_names]
+        if dialect == "metal":
+            params = [f"device {p}" for p in params] + ["uint3 thread_position_in_grid"]
+        lines += [
+            f"template <typename T>\nvoid k{i}({', '.join(params)}) {{",
+            mod.sources(src)[1],
+            "}",
+        ]
+        lines += [
+            f"template void k{i}<{t}>({', '.join(params).replace('T*', t + '*')});"
+            for t in GPU_DTYPES[dialect]
+        ]
+    path = tmp_path / f"{dialect}.cpp"
+    path.write_text("\n".join(lines) + "\n")
+    cmd = [host.compiler(), "-std=c++17", "-fsyntax-only", "-Wno-unknown-pragmas", str(path)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
 def test_metal_docstring_says_not_executed_here():
     assert "NOT executed on this project's Linux machines" in metal.__doc__
 
@@ -282,7 +493,7 @@ def test_host_kernel_matches_reference(case, tile):
     x, arena, slots, idx = make_problem(layout, recs, n_tokens=5, k=3, dtype=mx.float32, seed=4)
     fn = dispatch.kernel_for("host", layout)
     y = fn(x, arena, slots, idx, layout, tile=tile)
-    ref = switch_glu_reference(x, arena[slots], layout, idx)
+    ref = cpu_reference(x, arena[slots], layout, idx)
     # float32 throughout; only the summation order differs (dots of 256 terms).
     _compare(y, ref, f"host {case} tile={tile}", max_tol=1e-5, frob_tol=1e-6)
 
@@ -294,20 +505,23 @@ def test_host_dequant_kernel_bit_exact(case):
     x, arena, slots, idx = make_problem(layout, recs, n_tokens=2, k=2, dtype=mx.float32)
     fn = dispatch.kernel_for("host", layout)
     got = fn.dequantize(arena, slots)
-    arena_np, slots_np = np.array(arena), np.array(slots)
+    records = np.array(arena)[np.array(slots)]
     for p, pr in dispatch.plan(layout).items():
-        for i, s in enumerate(slots_np):
-            bases = {
-                b: arena_np[s, off : off + stride * pr.out_features].reshape(pr.out_features, -1)
-                for b, off, stride in pr.offsets
-            }
-            want = algorithm.decode_rows(pr.decoder, bases, pr.in_features)
-            if layout.quant[p]["format"] == "gguf":  # and the reference itself, bit for bit
+        # the same decoder on the same rows copied out of the records (all slots stacked)
+        bases = {
+            b: records[:, off : off + stride * pr.out_features].reshape(-1, stride)
+            for b, off, stride in pr.offsets
+        }
+        want = host_decode(pr.decoder, bases, pr.in_features)
+        if layout.quant[p]["format"] == "gguf":  # and the reference itself, bit for bit
+            with mx.stream(mx.cpu):
                 ref = dequantize(layout.quant[p]["type"], mx.array(bases["W"]), want.shape)
-                np.testing.assert_array_equal(np.array(ref).view(np.uint32), want.view(np.uint32))
-            np.testing.assert_array_equal(
-                np.array(got[p][i]).view(np.uint32), want.view(np.uint32), err_msg=f"{case} {p}"
-            )
+            np.testing.assert_array_equal(np.array(ref).view(np.uint32), want.view(np.uint32))
+        np.testing.assert_array_equal(
+            np.array(got[p]).reshape(want.shape).view(np.uint32),
+            want.view(np.uint32),
+            err_msg=f"{case} {p}",
+        )
 
 
 @needs_cxx
@@ -318,7 +532,7 @@ def test_host_prefill_dequant_strategy(case):
     fn = dispatch.kernel_for("host", layout)
     y = fn(x, arena, slots, idx, layout)  # 18 pairs over <= 4 experts: prefill
     assert dispatch.PREFILL_STRATEGY == "dequant"
-    ref = switch_glu_reference(x, arena[slots], layout, idx)
+    ref = cpu_reference(x, arena[slots], layout, idx)
     _compare(y, ref, f"host dequant {case}", max_tol=1e-5, frob_tol=1e-6)
 
 
@@ -329,7 +543,7 @@ def test_host_leading_dims_and_auto_tile():
     fn = dispatch.kernel_for("host", layout)
     # 12 pairs over 4 experts: prefill, fused tiles
     y = fn(x.reshape(2, 3, -1), arena, slots, idx.reshape(2, 3, 2), layout, strategy="fused")
-    ref = switch_glu_reference(x, arena[slots], layout, idx)
+    ref = cpu_reference(x, arena[slots], layout, idx)
     assert y.shape == (2, 3, 2, 256)
     _compare(y.reshape(6, 2, 256), ref, "host leading dims", 1e-5, 1e-6)
 
@@ -367,6 +581,28 @@ def test_host_harness_catches_divergent_warps():
     run = host.build(src)
     with pytest.raises(RuntimeError, match="diverged"):
         run([mx.zeros((1,))], (32, 1, 1), (32, 1, 1), [(1,)], [mx.float32], [("T", mx.float32)])
+
+
+@needs_cxx
+def test_affine_kernels_do_not_import_gguf():
+    # gguf-py is needed by GGUF formats only: an affine model's kernels resolve, self-check and
+    # run without importing it.
+    code = """
+import sys
+import mlx.core as mx
+from strata_mlx import kernels
+from strata_mlx.quant import expert_tensors, layout_for
+shapes = {"gate_proj": (256, 256), "up_proj": (256, 256), "down_proj": (256, 256)}
+w = {p: mx.random.normal((1, *s)) / 16 for p, s in shapes.items()}
+t, table = expert_tensors(w, {"bits": 4, "group_size": 64}, mx.float16)
+layout = layout_for({n: v[0] for n, v in t.items()}, table)
+fn = kernels.expert_kernel(layout, "host")
+assert fn.__name__ != "reference", "the host kernel failed its self-check"
+loaded = sorted(m for m in sys.modules if m == "gguf" or m.endswith("gguf_quants"))
+assert not loaded, loaded
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------
