@@ -20,8 +20,17 @@ The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts")
     g* = 0: every chunk reads all it needs (LRU on a cyclic sweep).
   - Prefill: each chunk takes max(SSD floor, compute floor): bytes it reads over the probe's
     GB/s at the I/O worker count, and the fake-stream chunk time (or FLOPs over a rate).
-  - Decode: a token costs the fake-stream decode time plus its misses, k (1 - hit) a layer,
-    read at the probe's bandwidth for that many reads in flight.
+  - Decode: of a token's k lookups a layer, 1 - hit are not resident; lookahead predicts a
+    share `recall` of them from an earlier layer's input (measured in the fake-stream run:
+    each layer's input through the next layers' routers), which are streamed ahead, and the
+    rest are misses. The decoder's mode follows its own rule, simulated token by token: the
+    running share of layers with a miss (0.02 a layer toward each observation, from 0) puts
+    it in "sync" above decode_sync_above, else "layers" while lookahead predicts, else
+    "token". A token costs that mode's fake-stream decode time (its per-layer routing syncs
+    included), plus the handshake's Python per layer (measured in a short real decode), plus
+    the misses' reads at the probe's bandwidth for that many in flight, plus in "layers"
+    mode one synced layer recomputed for each layer that missed; streamed-ahead reads cost
+    only what the layers between prediction and use do not hide.
 """
 
 from __future__ import annotations
@@ -83,6 +92,28 @@ class Machine:
 
 
 @dataclass
+class Compute:
+    """What this machine (or a target) spends with every expert resident: fake-stream runs of
+    a store, or estimates. Per token unless named otherwise."""
+
+    prefill_s: float
+    decode_s: float  # decode "token" mode: whole tokens, no per-layer sync
+    decode_layers_s: float | None = None  # "layers" mode: routing read a layer late
+    decode_sync_s: float | None = None  # the per-layer handshake's sync
+    handshake_s: float = 0.0  # per decode layer: the handshake's Python, which fake-stream skips
+    recall: dict[int, float] = field(default_factory=dict)  # distance -> lookahead's recall
+
+    @classmethod
+    def of(cls, c: Compute | tuple[float, float]) -> Compute:
+        """A Compute, or (s per prefill token, s per decode token) for every mode alike."""
+        return c if isinstance(c, Compute) else cls(float(c[0]), float(c[1]))
+
+    def mode_s(self, mode: str) -> float:
+        v = {"layers": self.decode_layers_s, "sync": self.decode_sync_s}.get(mode)
+        return self.decode_s if v is None else v
+
+
+@dataclass
 class Forecast:
     model: str
     source: str
@@ -103,7 +134,10 @@ class Forecast:
     compute_floor_s: float = 0.0  # per full chunk
     compute_source: str = ""  # fake-stream | estimate
     prefill_tps: float = 0.0
-    decode_hit_rate: float = 0.0
+    decode_hit_rate: float = 0.0  # resident when asked (LRU)
+    decode_streamed_ahead: float = 0.0  # share of lookups lookahead brought in
+    decode_miss_rate: float = 0.0  # share of lookups the computation waited for
+    decode_modes: dict = field(default_factory=dict)  # tokens per decoder mode
     decode_misses_per_token: float = 0.0
     decode_compute_ms: float = 0.0
     decode_ms_per_token: float = 0.0
@@ -129,7 +163,11 @@ class Forecast:
             f"({self.compute_source})",
             f"  decode: {self.decode_tps:.2f} tok/s ({self.decode_ms_per_token:.1f} ms/token: "
             f"compute {self.decode_compute_ms:.1f}, {self.decode_misses_per_token:.1f} misses "
-            f"a token at a {100 * self.decode_hit_rate:.1f} % hit rate)",
+            f"a token: {100 * self.decode_hit_rate:.1f} % resident, "
+            f"{100 * self.decode_streamed_ahead:.1f} % streamed ahead, "
+            f"{100 * self.decode_miss_rate:.1f} % missed; modes "
+            + ", ".join(f"{m} {n}" for m, n in self.decode_modes.items())
+            + ")",
         ]
         return out + [f"  note: {n}" for n in self.notes]
 
@@ -479,9 +517,10 @@ def read_gbps(machine: Machine, in_flight: float) -> float:
 
 def measure_compute(
     path: Path, step: int, tokens: int, decode_tokens: int, arena_gb: float
-) -> tuple[float, float]:
-    """(seconds per prefill token, seconds per decode token) of a fake-stream run (every
-    expert counts as resident: compute alone, as bench's compute floor)."""
+) -> Compute:
+    """Fake-stream runs (every expert counts as resident: compute alone, as bench's compute
+    floor): prefill, and decode in each of the decoder's modes; lookahead's recall from the
+    same run's routing; then a short real decode for the handshake's Python per layer."""
     from .bench import _run
     from .loader import RuntimeConfig, load
     from .store import load_manifest
@@ -495,18 +534,164 @@ def measure_compute(
     try:
         _run(model, ids[: min(tokens, 8)], 1, step, "warmup", "-")  # kernels compile once
         run = _run(model, ids, decode_tokens, step, "fake-stream", "compute")
+        per_mode = {}
+        dec = model.decoder
+        if dec is not None:
+            keep = dec.sync_above, dec.token_below
+            for mode, (sync_above, token_below) in (("layers", (1.0, 0.0)), ("sync", (-1.0, 0))):
+                dec.sync_above, dec.token_below = sync_above, token_below
+                r = _run(model, ids[: min(tokens, step) + 1], decode_tokens, step, mode, "-")
+                per_mode[mode] = r.decode_s / max(decode_tokens, 1)
+            dec.sync_above, dec.token_below = keep
+        recall = lookahead_recall(model, ids, step, (1, model.runtime.decode_lag + 1))
     finally:
         model.expert_cache.close()
+    del model
     prefill_s = sum(c.wall_s for c in run.chunks)
-    return prefill_s / max(tokens, 1), run.decode_s / max(decode_tokens, 1)
+    return Compute(
+        prefill_s / max(tokens, 1),
+        run.decode_s / max(decode_tokens, 1),
+        per_mode.get("layers"),
+        per_mode.get("sync"),
+        handshake_s=measure_handshake(path, ids, step, decode_tokens, arena_gb),
+        recall=recall,
+    )
 
 
-def estimate_compute(shape: ModelShape, tflops: float, memory_gbps: float) -> tuple[float, float]:
-    """(s per prefill token, s per decode token): FLOPs over a rate; weight bytes a token
-    reads over memory bandwidth."""
+def lookahead_recall(model, ids: list[int], step: int, distances) -> dict[int, float]:
+    """distance d -> the share of a token's top-k at layer l + d that layer l + d's router,
+    applied to layer l's MoE input, picks: what one-token lookahead gets right (decode
+    predicts from the layer before in the per-layer handshake, from `lag + 1` layers before
+    in pipelined "layers" mode). From the prefill of `ids` (one prompt chunk)."""
+    import mlx.core as mx
+
+    cache = model.expert_cache
+    seen: dict[int, tuple] = {}
+
+    def record(layer, x, inds, scores, y):
+        seen[layer] = (x, inds)
+
+    cache.dump = record
+    try:
+        model(mx.array([ids[:step]]), cache=model.make_cache())
+    finally:
+        cache.dump = None
+    layers = [l for l in cache.layers if l in seen]
+    out = {}
+    for d in distances:
+        hit = total = 0
+        for i, l in enumerate(layers[:-d] if d else []):
+            target = layers[i + d]
+            if target not in cache.routers:
+                continue
+            x, _ = seen[l]
+            pred = np.array(cache.routers[target](x)).reshape(-1, seen[target][1].shape[-1])
+            true = np.array(seen[target][1]).reshape(pred.shape)
+            hit += sum(len(set(p) & set(t)) for p, t in zip(pred.tolist(), true.tolist()))
+            total += true.size
+        if total:
+            out[d] = hit / total
+    return out
+
+
+def measure_handshake(path: Path, ids: list[int], step: int, tokens: int, arena_gb: float) -> float:
+    """Seconds of Python per decode layer in the real handshake (classify, read-ahead,
+    completions), outside its syncs and waits: a short real decode, per-layer sync."""
+    from .bench import _run
+    from .loader import RuntimeConfig, load
+
+    cfg = RuntimeConfig(arena_gb=arena_gb, decode="sync", prefill_step_size=step)
+    model, _ = load(path, config=cfg)
+    try:
+        n_layers = len(model.expert_cache.layers)
+        run = _run(model, ids[: min(len(ids), step) + 1], tokens, step, "handshake", "-")
+    finally:
+        model.expert_cache.close()
+    return run.decode.host_s / max(tokens * n_layers, 1)
+
+
+# A host sync of a layer's routing ids: ~125 us on the H200 under MLX CUDA (SPEC); the
+# handshake's Python, 16-27 ms a 48-layer token there: ~0.45 ms a layer. For target machines.
+SYNC_S = 125e-6
+HANDSHAKE_S = 0.45e-3
+
+
+def estimate_compute(shape: ModelShape, tflops: float, memory_gbps: float) -> Compute:
+    """FLOPs over a rate; weight bytes a token reads over memory bandwidth; the per-layer
+    sync and the handshake's Python as measured on the H200."""
     prefill = 2 * shape.active_params / (tflops * 1e12)
     touched = shape.dense_bytes + shape.top_k * shape.moe_layers * shape.record_bytes
-    return prefill, max(touched / (memory_gbps * 1e9), prefill)
+    decode = max(touched / (memory_gbps * 1e9), prefill)
+    synced = decode + shape.moe_layers * SYNC_S
+    return Compute(prefill, decode, synced, synced, HANDSHAKE_S)
+
+
+def decode_forecast(
+    shape: ModelShape,
+    machine: Machine,
+    compute: Compute,
+    p: np.ndarray,
+    slots: int,
+    prompt_tokens: int,
+    gen_tokens: int,
+) -> dict:
+    """Decode of `gen_tokens` after a cold prompt, token by token through the decoder's own
+    rules (strata_mlx.decode; thresholds from RuntimeConfig's defaults)."""
+    from .loader import RuntimeConfig
+
+    cfg = RuntimeConfig()
+    k, L, rb = shape.top_k, max(shape.moe_layers, 1), shape.record_bytes
+    hit = decode_hit_rate(p, slots, prompt_tokens + gen_tokens)
+    absent = 1 - hit
+    distance = {"sync": 1, "layers": cfg.decode_lag + 1, "token": 1}
+
+    def shares(mode: str) -> tuple[float, float]:
+        """(streamed ahead, missed) of a lookup in `mode`: the first `distance` layers of a
+        token have no layer that far before them to be predicted from."""
+        d = distance[mode]
+        covered = max(L - d, 0) / L if mode != "token" else 0.0
+        ahead = absent * covered * compute.recall.get(d, 0.0)
+        return ahead, absent - ahead
+
+    def read_s(n: float) -> float:  # n reads of one layer, issued together
+        return n * rb / (read_gbps(machine, n) * 1e9) if n > 0 else 0.0
+
+    layer_rate, miss_rate = 0.0, 1.0  # the decoder's running averages, as a fresh load has them
+    modes: dict[str, int] = {}
+    total_s = compute_s = misses = ahead_sum = miss_sum = 0.0
+    for _ in range(gen_tokens):
+        predicting = miss_rate >= cfg.lookahead_decode_min_miss
+        if layer_rate > cfg.decode_sync_above:
+            mode = "sync"
+        elif layer_rate < cfg.decode_token_below and not predicting:
+            mode = "token"
+        else:
+            mode = "layers"
+        modes[mode] = modes.get(mode, 0) + 1
+        ahead, missed = shares(mode) if predicting else (0.0, absent)
+        layer_missed = 1 - (1 - missed) ** k  # a layer with at least one miss
+        base = compute.mode_s(mode)
+        cost = base + L * compute.handshake_s + L * read_s(k * missed)
+        # streamed-ahead reads are hidden behind the layers between prediction and use
+        cost += L * max(read_s(k * ahead) - distance[mode] * base / L, 0.0)
+        if mode == "layers":  # a layer that missed is drained and recomputed synced
+            cost += L * layer_missed * (compute.mode_s("sync") / L + compute.handshake_s)
+        total_s += cost
+        compute_s += base
+        misses += L * k * missed
+        ahead_sum += ahead
+        miss_sum += missed
+        for _ in range(L):
+            layer_rate += 0.02 * (layer_missed - layer_rate)
+            miss_rate += 0.01 * (missed - miss_rate)
+    n = max(gen_tokens, 1)
+    return {
+        "shares": (hit, ahead_sum / n, miss_sum / n),
+        "modes": modes,
+        "misses_per_token": misses / n,
+        "compute_s": compute_s / n,
+        "s_per_token": total_s / n,
+    }
 
 
 # ---- the forecast ---------------------------------------------------------------------
@@ -515,7 +700,7 @@ def estimate_compute(shape: ModelShape, tflops: float, memory_gbps: float) -> tu
 def forecast(
     shape: ModelShape,
     machine: Machine,
-    compute: tuple[float, float],
+    compute: Compute | tuple[float, float],
     compute_source: str,
     arena_gb: float | None = None,
     prefill_step_size: int | None = None,
@@ -566,7 +751,7 @@ def forecast(
     p = pick_probabilities(shape)
     rb = shape.record_bytes
     chunks = prefill_reads(p, slots, prompt_tokens, step)
-    per_token, decode_s = compute
+    per_token = Compute.of(compute).prefill_s
     total_s, bytes_read, ssd_s = 0.0, 0.0, 0.0
     for tokens, reads in chunks:
         ssd = reads * rb / (machine.ssd_gbps * 1e9)
@@ -586,14 +771,12 @@ def forecast(
             "slots: layers run in expert-major groups"
         )
 
-    hit = decode_hit_rate(p, slots, prompt_tokens + gen_tokens)
-    per_layer_misses = shape.top_k * (1 - hit)
-    misses = per_layer_misses * shape.moe_layers
-    read_s = misses * rb / (read_gbps(machine, per_layer_misses) * 1e9)
-    f.decode_hit_rate = hit
-    f.decode_misses_per_token = misses
-    f.decode_compute_ms = decode_s * 1e3
-    f.decode_ms_per_token = (decode_s + read_s) * 1e3
+    d = decode_forecast(shape, machine, Compute.of(compute), p, slots, prompt_tokens, gen_tokens)
+    f.decode_hit_rate, f.decode_streamed_ahead, f.decode_miss_rate = d["shares"]
+    f.decode_modes = d["modes"]
+    f.decode_misses_per_token = d["misses_per_token"]
+    f.decode_compute_ms = d["compute_s"] * 1e3
+    f.decode_ms_per_token = d["s_per_token"] * 1e3
     f.decode_tps = 1e3 / f.decode_ms_per_token if f.decode_ms_per_token else 0.0
     if shape.profile is None:
         f.notes.append("no routing profile: expert popularity taken as uniform")
@@ -651,7 +834,7 @@ def plan(
     elif measure and shape.source == "store":
         tokens = measure_tokens or min(step, prompt_tokens)
         fake_arena = min(arena_gb or 1.0, 1.0, shape.expert_bytes / GB)
-        compute = measure_compute(Path(shape.path), step, tokens, 4, fake_arena)
+        compute = measure_compute(Path(shape.path), step, tokens, 8, fake_arena)
         source = f"fake-stream, {tokens} tokens"
     else:
         tflops = target_tflops or _measured_tflops()
@@ -703,7 +886,7 @@ def compare(f: dict | Forecast, bench_result: dict, policy: str = "lookahead") -
         ("prefill tok/s", r["prefill_tps"], f["prefill_tps"]),
         ("decode tok/s", r["decode_tps"], f["decode_tps"]),
         ("GB read per chunk", r["gb_read"] / max(_chunks(bench_result), 1), f["gb_read_per_chunk"]),
-        ("decode miss %", r["decode_miss_pct"], 100 * (1 - f["decode_hit_rate"])),
+        ("decode miss %", r["decode_miss_pct"], 100 * _decode_miss_rate(f)),
     ):
         ratio = measured / predicted if predicted else math.inf
         rows.append(
@@ -716,6 +899,13 @@ def compare(f: dict | Forecast, bench_result: dict, policy: str = "lookahead") -
             }
         )
     return rows
+
+
+def _decode_miss_rate(f: dict) -> float:
+    # forecasts recorded before streamed-ahead was told from misses have no decode_miss_rate
+    if "decode_miss_rate" in f:
+        return f["decode_miss_rate"]
+    return 1 - f["decode_hit_rate"]
 
 
 def _chunks(bench_result: dict) -> int:

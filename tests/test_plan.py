@@ -156,3 +156,60 @@ def test_cli_plan_prints_the_forecast_and_a_target_machine(store, tmp_path):
     assert "a 24 GB machine" in r.stdout and "8.00 GB/s" in r.stdout
     r = subprocess.run([*CLI, "plan", str(tmp_path / "nope")], capture_output=True, text=True)
     assert r.returncode == 2 and "no such file" in r.stderr
+
+
+def _shape(layers=4, experts=16, k=2, record=4096):
+    return plan.ModelShape("store", "x", "qwen3_moe", record, experts, layers, k, 0, 1)
+
+
+def test_decode_forecast_follows_the_decoders_modes():
+    """Every expert resident: whole tokens ("token" mode) at the fake-stream decode time. An
+    arena of a quarter of them: lookahead's recall decides streamed-ahead against misses (the
+    first layers of a token have nothing before them to be predicted from), the decoder goes
+    from "layers" to "sync" as its running share of layers with a miss passes 0.3, and each
+    mode costs its own measured time."""
+    shape = _shape()
+    p = plan.pick_probabilities(shape)
+    c = plan.Compute(1e-3, 0.010, 0.020, 0.030, handshake_s=0.0, recall={1: 1.0, 2: 1.0})
+    d = plan.decode_forecast(shape, _machine(), c, p, shape.n_records, 64, 200)
+    # all resident: decode predicts until its running miss rate falls below 2 % (~100 tokens
+    # of 4 layers), then whole
+    # tokens go unsynced
+    assert sum(d["modes"].values()) == 200 and d["modes"]["token"] > 0
+    assert d["shares"][0] == pytest.approx(1.0, abs=1e-3) and d["misses_per_token"] < 1e-3
+
+    d = plan.decode_forecast(shape, _machine(ssd=1e9), c, p, 16, 64, 64)
+    hit, ahead, missed = d["shares"]
+    assert hit + ahead + missed == pytest.approx(1.0)
+    # recall 1: only the first layer (sync, distance 1) or two ("layers", distance 2) miss
+    assert (1 - hit) / 4 <= missed <= (1 - hit) / 2
+    assert d["modes"]["layers"] >= 1 and d["modes"]["sync"] >= 1
+    assert list(d["modes"]) == ["layers", "sync"]  # once synced, it stays so
+    assert 0.020 < d["s_per_token"] < 0.030 + 4 * 0.030 / 4
+
+    none = plan.decode_forecast(
+        shape, _machine(ssd=1e9), plan.Compute.of((1e-3, 0.01)), p, 16, 64, 64
+    )
+    assert none["shares"][1] == 0.0 and none["shares"][2] == pytest.approx(1 - hit)
+
+
+def test_compare_reads_the_miss_rate_or_older_forecasts_hit_rate():
+    f = {"prefill_tps": 1.0, "decode_tps": 1.0, "gb_read_per_chunk": 1.0, "decode_hit_rate": 0.5}
+    b = {
+        "prompt_tokens": 64,
+        "prefill_step_size": 64,
+        "runs": [
+            {
+                "policy": "lookahead",
+                "phase": "cold",
+                "prefill_tps": 1.0,
+                "decode_tps": 1.0,
+                "gb_read": 1.0,
+                "decode_miss_pct": 20.0,
+            }
+        ],
+    }
+    rows = {r["figure"]: r for r in plan.compare(f, b)}
+    assert rows["decode miss %"]["forecast"] == pytest.approx(50.0)
+    rows = {r["figure"]: r for r in plan.compare({**f, "decode_miss_rate": 0.2}, b)}
+    assert rows["decode miss %"]["within"] and rows["decode miss %"]["ratio"] == pytest.approx(1)
