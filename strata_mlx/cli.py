@@ -75,6 +75,24 @@ def runtime_options(
     )
 
 
+KV_FLAGS = {  # mlx-lm's KV cache flags, shared by generate and cache-prompt
+    "max_kv_size": typer.Option(
+        None, "--max-kv-size", help="Keep at most this many positions (a rotating KV cache)."
+    ),
+    "kv_bits": typer.Option(
+        None, "--kv-bits", help="Bits of the quantized KV cache (default: not quantized)."
+    ),
+    "kv_group_size": typer.Option(
+        64, "--kv-group-size", help="Group size of the KV cache's quantization."
+    ),
+    "quantized_kv_start": typer.Option(
+        5000,
+        "--quantized-kv-start",
+        help="With --kv-bits: quantize a layer's cache once it holds this many positions.",
+    ),
+}
+
+
 def parse_tokens(text: str, flag: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -190,6 +208,15 @@ def generate(
     pipeline_timeout: float = typer.Option(
         300.0, "--pipeline-timeout", help="Seconds a pipeline step may wait on another rank."
     ),
+    prompt_cache_file: Path | None = typer.Option(
+        None,
+        "--prompt-cache-file",
+        help="Start from a prompt cache written by cache-prompt (the prompt continues it).",
+    ),
+    max_kv_size: int | None = KV_FLAGS["max_kv_size"],
+    kv_bits: int | None = KV_FLAGS["kv_bits"],
+    kv_group_size: int = KV_FLAGS["kv_group_size"],
+    quantized_kv_start: int = KV_FLAGS["quantized_kv_start"],
 ):
     """Generate text from a store, streaming experts through the arena."""
 
@@ -217,6 +244,10 @@ def generate(
     check_sampling(max_tokens, temp, top_p, seed, cli=True)  # before a model is loaded
     sampling.check(cli=True)
     check_number("moce_bonus", moce_bonus, 0, cli=True)
+    from .prompt_cache import KVOptions
+
+    kv = KVOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
+    kv.check(cli=True)
     template_kwargs = _template_config(chat_template_config)
     wants_chat = system_prompt is not None or chat_template_config is not None
     if chat is False and wants_chat:
@@ -293,6 +324,9 @@ def generate(
             cache.dump.close()
             cache.dump = None
     last = None
+    prompt_cache, cached = _resume(m, tok, prompt_cache_file, kv, ids, prompt, prompt_tokens, chat)
+    if prompt_cache is not None and ids[: len(cached)] == cached:
+        ids = ids[len(cached) :]
 
     for last in stream_generate(
         m,
@@ -303,6 +337,12 @@ def generate(
         prefill_step_size=cfg.prefill_step_size,
         sampler=sampling.sampler(tok),
         logits_processors=sampling.logits_processors(m.args.vocab_size),
+        prompt_cache=prompt_cache,
+        cached_tokens=cached,
+        max_kv_size=kv.max_kv_size,
+        kv_bits=kv.kv_bits,
+        kv_group_size=kv.kv_group_size,
+        quantized_kv_start=kv.quantized_kv_start,
     ):
         if tok is not None:
             typer.echo(last.text, nl=False)
@@ -323,6 +363,132 @@ def generate(
     if cache.dump is not None:
         cache.dump.close()
     cache.close()
+
+
+@app.command("cache-prompt")
+@user_errors
+def cache_prompt(
+    prompt_cache_file: Path = typer.Option(
+        ..., "--prompt-cache-file", help="The .safetensors file to write."
+    ),
+    model: Path | None = typer.Option(
+        None, "--model", help="A strata-mlx store (default: the built-in model)."
+    ),
+    prompt: str | None = typer.Option(
+        None, "--prompt", "-p", help="Prompt text ('-' reads stdin)."
+    ),
+    prompt_tokens: str | None = typer.Option(
+        None, "--prompt-tokens", help="Prompt as token ids: 1,2,3."
+    ),
+    system_prompt: str | None = typer.Option(
+        None, "--system-prompt", help="A system message (rendered by the chat template)."
+    ),
+    chat: bool | None = typer.Option(
+        None,
+        "--chat/--no-chat",
+        help="Render through the chat template (default: with "
+        "--system-prompt or --chat-template-config), without the generation prompt.",
+    ),
+    chat_template_config: str | None = typer.Option(
+        None, "--chat-template-config", help="More chat template variables (JSON object)."
+    ),
+    max_kv_size: int | None = KV_FLAGS["max_kv_size"],
+    kv_bits: int | None = KV_FLAGS["kv_bits"],
+    kv_group_size: int = KV_FLAGS["kv_group_size"],
+    quantized_kv_start: int = KV_FLAGS["quantized_kv_start"],
+    arena_gb: float | None = typer.Option(
+        None, "--arena-gb", help="Arena size (default: from memory)."
+    ),
+    io_workers: int = typer.Option(8, "--io-workers"),
+    read_ahead: str = typer.Option("lookahead", "--read-ahead", help="demand | static | lookahead"),
+    prefill_step_size: int | None = typer.Option(None, "--prefill-step-size"),
+    verify: bool = typer.Option(True, "--verify/--no-verify"),
+    preset: str | None = typer.Option(
+        None, "--preset", help="A runtime preset from configs/runtime/."
+    ),
+):
+    """Run a prompt once and save its KV / recurrent state (mlx-lm's cache_prompt); generate
+    and serve start from it with --prompt-cache-file."""
+    import json
+    import time
+
+    from .generate import cache_prompt as run_prompt
+    from .loader import load
+    from .options import check_runtime
+    from .prompt_cache import KVOptions, save_prompt_cache
+
+    kv = KVOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
+    kv.check(cli=True)
+    template_kwargs = _template_config(chat_template_config)
+    wants_chat = system_prompt is not None or chat_template_config is not None
+    if chat is False and wants_chat:
+        raise ValueError("--system-prompt and --chat-template-config need the chat template")
+    chat = wants_chat if chat is None else chat
+    if prompt is None and prompt_tokens is None and system_prompt is None:
+        raise ValueError("give --prompt/-p, --prompt-tokens or --system-prompt")
+    if model is None:
+        from .default_model import DEFAULT_ARENA_GB, default_store
+
+        model = default_store()
+        arena_gb = DEFAULT_ARENA_GB if arena_gb is None else arena_gb
+    cfg = runtime_options(arena_gb, io_workers, read_ahead, 1, 256, "lru", verify,
+                          prefill_step_size, False)  # fmt: skip
+    if preset is not None:
+        from .loader import apply_preset
+
+        apply_preset(cfg, preset)
+    check_runtime(cfg, cli=True)
+    m, tok = load(model, config=cfg)
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if prompt_tokens is not None:
+        ids = parse_tokens(prompt_tokens, "--prompt-tokens")
+    elif tok is None:
+        raise ValueError(f"{model}: the store has no tokenizer; use --prompt-tokens")
+    elif chat:
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        if prompt is not None:
+            messages.append({"role": "user", "content": prompt})
+        text = tok.apply_chat_template(messages, add_generation_prompt=False, **template_kwargs)
+        ids = tok.encode(text, add_special_tokens=False)
+    else:
+        ids = tok.encode(prompt)
+    vocab = m.args.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+    t = time.perf_counter()
+    cache = run_prompt(m, ids, kv, cfg.prefill_step_size)
+    dt = time.perf_counter() - t
+    save_prompt_cache(prompt_cache_file, cache, m, ids,
+                      {"chat_template_config": json.dumps(template_kwargs)})  # fmt: skip
+    import mlx.core as mx
+
+    typer.echo(f"Prompt: {len(ids)} tokens, {len(ids) / max(dt, 1e-9):.3f} tokens-per-sec")
+    typer.echo(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    typer.echo(f"Saved {prompt_cache_file}")
+    m.expert_cache.close()
+
+
+def _resume(model, tok, path, kv, ids, prompt, prompt_tokens, chat):
+    """--prompt-cache-file: (cache, the tokens it covers), or (None, None). A prompt whose
+    tokens begin with the cached ones skips them; any other prompt continues the cache (raw
+    text encoded without a BOS, as mlx-lm's generate continues one)."""
+    if path is None:
+        return None, None
+    from .prompt_cache import check_kv_matches, load_prompt_cache
+
+    cache, cached, _ = load_prompt_cache(path, model)
+    check_kv_matches(path, cache, kv, cli=True)
+    if ids[: len(cached)] == cached and len(ids) > len(cached):
+        return cache, cached
+    if chat:
+        raise ValueError(
+            f"{path}: the cached tokens are not the beginning of this prompt as the chat "
+            "template renders it (cache-prompt it with the same --system-prompt)"
+        )
+    if prompt_tokens is None and tok is not None:
+        ids[:] = tok.encode(prompt, add_special_tokens=False)
+    return cache, cached
 
 
 def chunk_line(i: int, c) -> str:

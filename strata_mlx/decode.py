@@ -221,11 +221,16 @@ class PipelinedDecoder:
 def _save(c):
     if c is None:
         return None
+    if hasattr(c, "snapshot"):  # a cache that overwrites (RotatingKVCache) saves its own
+        return c.snapshot()
     return (c.offset, list(c.cache) if isinstance(c, ArraysCache) else None)
 
 
 def _restore(c, state) -> None:
     if c is None:
+        return
+    if hasattr(c, "restore"):
+        c.restore(state)
         return
     c.offset, arrays = state
     if arrays is not None:

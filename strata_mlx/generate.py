@@ -17,6 +17,7 @@ import numpy as np
 from . import decode
 from .experts import ExpertStats
 from .options import OptionError, check_prompt_length, check_sampling
+from .prompt_cache import KVOptions, make_prompt_cache, maybe_quantize, quantize_due
 from .sampling import LogitsProcessor, Sampler, make_sampler  # make_sampler lived here
 
 
@@ -37,14 +38,18 @@ class GenerationResponse:
     chunks: list[ExpertStats] = field(default_factory=list)  # per prefill chunk
 
 
-def prefill(model, prompt: mx.array, cache, step: int, on_chunk=None) -> mx.array:
-    """Run all prompt tokens but the last in chunks of `step`; return the remainder."""
+def prefill(
+    model, prompt: mx.array, cache, step: int, on_chunk=None, kv: KVOptions | None = None
+) -> mx.array:
+    """Run all prompt tokens but the last in chunks of `step`; return the remainder. With
+    `kv.kv_bits`, layers past `kv.quantized_kv_start` are quantized after each chunk."""
     expert_cache = getattr(model, "expert_cache", None)
     while prompt.shape[0] > 1:
         n = min(step, prompt.shape[0] - 1)
         before = expert_cache.stats.copy() if expert_cache else None
         t = time.perf_counter()
         model(prompt[None, :n], cache=cache)
+        maybe_quantize(cache, kv)
         mx.eval([s for c in cache for s in c.state])
         if expert_cache is not None:
             chunk = expert_cache.stats.minus(before)
@@ -65,21 +70,32 @@ def generate_step(
     prefill_step_size: int | None = None,
     on_chunk=None,
     logits_processors: list[LogitsProcessor] | None = None,
+    prompt_cache: list | None = None,
+    cached_tokens: list[int] | None = None,
+    kv: KVOptions | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Yield (token, logprobs) pairs; the prompt is prefilled in chunks first.
     `logits_processors` (mlx-lm's) change each step's logits before they are normalised;
-    they see the tokens so far, the prompt's included."""
+    they see the tokens so far, the prompt's included.
+
+    `prompt_cache` (strata_mlx.prompt_cache) is the state after `cached_tokens`: `prompt`
+    continues it, and the cache is extended in place. When the generator ends or is closed,
+    the cache covers the prompt and every yielded token but the last, all verified (a token
+    built ahead and not yet checked is rolled back). `kv` shapes a new cache (rotating,
+    quantized)."""
     sampler = sampler or make_sampler()
-    cache = model.make_cache()
+    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, kv)
     chunk = (
         prefill_step_size
         or getattr(getattr(model, "runtime", None), "prefill_step_size", None)
         or 512
     )
     expert_cache = getattr(model, "expert_cache", None)
-    y = prefill(model, prompt, cache, chunk, on_chunk)
+    y = prefill(model, prompt, cache, chunk, on_chunk, kv)
 
     context = prompt  # the tokens so far, for logits_processors
+    if cached_tokens:
+        context = mx.concatenate([mx.array(cached_tokens, dtype=prompt.dtype), prompt])
 
     def sample(logits):
         logits = logits[:, -1, :]
@@ -94,14 +110,18 @@ def generate_step(
     step = _start(model, dec, y[None], cache)
     if expert_cache is not None:
         expert_cache.decoding = True
+    later = None
     try:
         for n in range(max_tokens):
             rng = mx.random.state[0]  # the key this token's sample draws from
             token, logprobs = sample(step.logits)
             # The next token is built on this one before this one is verified, while the
             # device computes it (decode "token" mode; mlx-lm's generate_step overlaps alike).
+            # Not when the KV cache is to be quantized after this token: a miss recomputes
+            # this token, which must find the cache it was first built on.
             later = None
-            if dec is not None and n + 1 < max_tokens and dec.mode() == "token":
+            ahead = n + 1 < max_tokens and not quantize_due(cache, kv)
+            if dec is not None and ahead and dec.mode() == "token":
                 later = dec.start(token[None], cache)
             if dec is not None and not dec.finish(step, later):
                 # A layer missed: the logits were recomputed and `later` discarded. Sample
@@ -116,8 +136,12 @@ def generate_step(
             yield t, logprobs
             if n + 1 == max_tokens:
                 break
-            step = later or _start(model, dec, mx.array([[t]]), cache)
+            if later is None:
+                maybe_quantize(cache, kv)  # after a model call, before the next (mlx-lm's)
+            step, later = later or _start(model, dec, mx.array([[t]]), cache), None
     finally:
+        if later is not None:  # closed at a yield: the token built ahead was never checked
+            dec.discard(later)
         if expert_cache is not None:
             expert_cache.decoding = False
 
@@ -153,11 +177,22 @@ def stream_generate(
     stop: list[str] | None = None,
     sampler: Sampler | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
+    prompt_cache: list | None = None,
+    cached_tokens: list[int] | None = None,
+    max_kv_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate from `prompt` (text, or token ids), yielding one response per token.
     `sampler` and `logits_processors` (strata_mlx.sampling) replace the sampler built from
-    `temp` and `top_p`."""
+    `temp` and `top_p`. `prompt_cache` (covering `cached_tokens`, e.g. from
+    strata_mlx.prompt_cache.load_prompt_cache) is continued by `prompt` and extended in
+    place; `prompt_tokens` and `prompt_tps` then count the new tokens only, as mlx-lm's.
+    `max_kv_size`, `kv_bits`, `kv_group_size` and `quantized_kv_start` are mlx-lm's."""
     check_sampling(max_tokens, temp, top_p, seed)
+    kv = KVOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
+    kv.check()
     if seed is not None:
         mx.random.seed(seed)
     if isinstance(prompt, str):
@@ -171,7 +206,9 @@ def stream_generate(
     vocab = model.args.vocab_size
     if any(not 0 <= i < vocab for i in ids):
         raise OptionError(f"prompt token ids must lie in [0, {vocab})")
-    check_prompt_length(len(ids), getattr(model.args, "max_position_embeddings", None))
+    check_prompt_length(
+        len(ids) + len(cached_tokens or ()), getattr(model.args, "max_position_embeddings", None)
+    )
     eos = tokenizer.eos_token_ids if tokenizer is not None else set()
     detok = tokenizer.detokenizer() if tokenizer is not None else None
     expert_cache = getattr(model, "expert_cache", None)
@@ -193,6 +230,9 @@ def stream_generate(
             prefill_step_size,
             on_chunk=chunks.append,
             logits_processors=logits_processors,
+            prompt_cache=prompt_cache,
+            cached_tokens=cached_tokens,
+            kv=kv,
         )
     ):
         if n == 0:
@@ -297,6 +337,30 @@ def summary(r: GenerationResponse) -> str:
             f"{s.gb_per_s:.2f} GB/s, exposed wait {s.exposed_wait_s * 1e3:.0f} ms"
         )
     return "\n".join(lines)
+
+
+def cache_prompt(
+    model,
+    ids: list[int],
+    kv: KVOptions | None = None,
+    prefill_step_size: int | None = None,
+    on_chunk=None,
+    prompt_cache: list | None = None,
+) -> list:
+    """The cache after every token of `ids` (mlx-lm's cache_prompt: the last token is run
+    too), continuing `prompt_cache` if given; evaluated."""
+    if not ids:
+        raise OptionError("empty prompt")
+    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, kv)
+    step = prefill_step_size or getattr(model.runtime, "prefill_step_size", None) or 512
+    expert_cache = getattr(model, "expert_cache", None)
+    if expert_cache is not None:
+        expert_cache.decoding = False
+    y = prefill(model, mx.array(ids), cache, step, on_chunk, kv)
+    model(y[None], cache=cache)
+    maybe_quantize(cache, kv)
+    mx.eval([s for c in cache for s in c.state])
+    return cache
 
 
 def teacher_forced_logits(model, ids: list[int], step: int | None = None) -> np.ndarray:

@@ -188,7 +188,10 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 class KVCache:
-    """Keys and values grown in steps of 256 positions (as mlx-lm's KVCache)."""
+    """Keys and values grown in steps of 256 positions (as mlx-lm's KVCache).
+
+    Writes go only past `offset`, so rolling a token back (strata_mlx.decode) is setting
+    `offset` back; the same holds for QuantizedKVCache."""
 
     step = 256
 
@@ -220,9 +223,282 @@ class KVCache:
             return []
         return [self.keys, self.values]
 
+    def make_mask(self, n: int):
+        return "causal" if n > 1 else None
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def to_quantized(self, group_size: int, bits: int) -> QuantizedKVCache:
+        q = QuantizedKVCache(group_size, bits)
+        q.offset = self.offset
+        if self.keys is not None:
+            q.keys = mx.quantize(self.keys, group_size=group_size, bits=bits)
+            q.values = mx.quantize(self.values, group_size=group_size, bits=bits)
+        return q
+
+    def to_saved(self) -> tuple[dict[str, mx.array], dict]:
+        if self.keys is None:
+            return {}, {"offset": 0}
+        n = self.offset
+        return {"keys": self.keys[..., :n, :], "values": self.values[..., :n, :]}, {"offset": n}
+
+    @classmethod
+    def from_saved(cls, arrays: dict[str, mx.array], meta: dict):
+        c = cls()
+        c.offset = meta["offset"]
+        if arrays:
+            c.keys, c.values = arrays["keys"], arrays["values"]
+        return c
+
+
+class QuantizedKVCache:
+    """Keys and values stored as MLX affine codes (mlx-lm's QuantizedKVCache): `bits` per
+    element plus a float scale and bias per `group_size` of the head dimension. Attention
+    over it is `attention()`'s quantized path."""
+
+    step = 256
+
+    def __init__(self, group_size: int = 64, bits: int = 8):
+        self.keys = None  # (codes, scales, biases)
+        self.values = None
+        self.offset = 0
+        self.group_size = group_size
+        self.bits = bits
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        B, H, S, Dk = keys.shape
+        prev = self.offset
+        if self.keys is None or prev + S > self.keys[0].shape[2]:
+            per_word = 32 // self.bits
+            n = (self.step + S - 1) // self.step * self.step
+
+            def empty(d, dtype):
+                g = d // self.group_size
+                return (
+                    mx.zeros((B, H, n, d // per_word), mx.uint32),
+                    mx.zeros((B, H, n, g), dtype),
+                    mx.zeros((B, H, n, g), dtype),
+                )
+
+            new_k, new_v = empty(Dk, keys.dtype), empty(values.shape[3], keys.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                self.keys = tuple(
+                    mx.concatenate([a[..., :prev, :], b], axis=2) for a, b in zip(self.keys, new_k)
+                )
+                self.values = tuple(
+                    mx.concatenate([a[..., :prev, :], b], axis=2)
+                    for a, b in zip(self.values, new_v)
+                )
+        self.offset += S
+        qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
+        qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+        for i in range(3):
+            self.keys[i][..., prev : self.offset, :] = qk[i]
+            self.values[i][..., prev : self.offset, :] = qv[i]
+        n = self.offset
+        return (
+            tuple(a[..., :n, :] for a in self.keys),
+            tuple(a[..., :n, :] for a in self.values),
+        )
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        return [*self.keys, *self.values]
+
+    def make_mask(self, n: int):
+        return "causal" if n > 1 else None
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)
+
+    def to_saved(self) -> tuple[dict[str, mx.array], dict]:
+        meta = {"offset": self.offset, "group_size": self.group_size, "bits": self.bits}
+        if self.keys is None:
+            return {}, meta
+        n = self.offset
+        arrays = {}
+        for name, parts in (("keys", self.keys), ("values", self.values)):
+            for part, a in zip(("codes", "scales", "biases"), parts):
+                arrays[f"{name}.{part}"] = a[..., :n, :]
+        return arrays, meta
+
+    @classmethod
+    def from_saved(cls, arrays: dict[str, mx.array], meta: dict):
+        c = cls(meta["group_size"], meta["bits"])
+        c.offset = meta["offset"]
+        if arrays:
+            c.keys = tuple(arrays[f"keys.{p}"] for p in ("codes", "scales", "biases"))
+            c.values = tuple(arrays[f"values.{p}"] for p in ("codes", "scales", "biases"))
+        return c
+
+
+class RotatingKVCache:
+    """At most `max_size` positions of keys and values, the first `keep` always among them
+    (mlx-lm's RotatingKVCache, the same layout, so attention sums in the same order): a
+    multi-token step appends in temporal order (trimmed so each query still sees `max_size`
+    positions); a one-token step overwrites the oldest position of a ring.
+
+    The ring overwrites: a decode token cannot be undone by moving `offset` back. So the
+    pipelined decoder takes a `snapshot()` before each token (new handles to the arrays,
+    no copy) and `restore()`s it; while a snapshot holds the old arrays, a write copies the
+    buffer instead of updating it in place (MLX donates a buffer only when nothing else
+    holds it), one buffer's worth of memory traffic per layer and token, about what the
+    attention over the full window reads anyway."""
+
+    step = 256
+
+    def __init__(self, max_size: int, keep: int = 0):
+        self.keep = keep
+        self.max_size = max_size
+        self.keys = None
+        self.values = None
+        self.offset = 0
+        self._idx = 0  # where the next one-token write goes
+
+    def _trim(self, n: int, v: mx.array, append: mx.array | None = None) -> mx.array:
+        parts = [v[..., : self.keep, :], v[..., n + self.keep :, :]] if n > 0 else [v]
+        if append is not None:
+            parts.append(append)
+        return mx.concatenate(parts, axis=2)
+
+    def _temporal_order(self, v: mx.array) -> mx.array:
+        if self._idx == v.shape[2]:
+            return v
+        if self._idx < self.offset:  # wrapped: keep | oldest .. end | start .. newest
+            return mx.concatenate(
+                [v[..., : self.keep, :], v[..., self._idx :, :], v[..., self.keep : self._idx, :]],
+                axis=2,
+            )
+        return v[..., : self._idx, :]
+
+    def _append(self, keys: mx.array, values: mx.array):
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = self._temporal_order(self.keys)
+            self.values = self._temporal_order(self.values)
+            # Keep max_size - 1 old positions: the first new query then sees max_size.
+            n = self.keys.shape[2] - self.max_size + 1
+            self.keys = self._trim(n, self.keys, keys)
+            self.values = self._trim(n, self.values, values)
+        self.offset += keys.shape[2]
+        self._idx = self.keys.shape[2]
+        return self.keys, self.values
+
+    def _write_one(self, keys: mx.array, values: mx.array):
+        B, H, S, Dk = keys.shape
+        prev = self.offset
+        if self.keys is None or (prev >= self.keys.shape[2] and self.keys.shape[2] < self.max_size):
+            n = min(self.step, self.max_size - prev)
+            new_k = mx.zeros((B, H, n, Dk), keys.dtype)
+            new_v = mx.zeros((B, H, n, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                self.keys = mx.concatenate([self.keys, new_k], axis=2)
+                self.values = mx.concatenate([self.values, new_v], axis=2)
+            self._idx = prev
+        over = self.keys.shape[2] - self.max_size  # after a long multi-token step
+        if over > 0:
+            self.keys = self._trim(over, self.keys)
+            self.values = self._trim(over, self.values)
+            self._idx = self.max_size
+        if self._idx == self.max_size:
+            self._idx = self.keep
+        i = self._idx
+        self.keys[..., i : i + S, :] = keys
+        self.values[..., i : i + S, :] = values
+        self.offset += S
+        self._idx += S
+        if self.offset < self.keys.shape[2]:
+            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self.keys, self.values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if keys.shape[2] == 1:
+            return self._write_one(keys, values)
+        return self._append(keys, values)
+
+    def make_mask(self, n: int):
+        if n == 1:
+            return None
+        offset = min(self.max_size - 1, self.offset)
+        if offset + n > self.max_size:
+            return causal_mask(n, offset, window=self.max_size)
+        return "causal"
+
+    def snapshot(self):
+        fresh = lambda a: None if a is None else mx.array(a)  # noqa: E731
+        return (self.offset, self._idx, fresh(self.keys), fresh(self.values))
+
+    def restore(self, saved) -> None:
+        # New handles again: the snapshot may be restored more than once (a second miss
+        # later in the same token), and writes update a handle in place.
+        self.offset, self._idx, keys, values = saved
+        self.keys = None if keys is None else mx.array(keys)
+        self.values = None if values is None else mx.array(values)
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        return [self.keys, self.values]
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        self._idx -= n
+        return n
+
+    def is_trimmable(self) -> bool:
+        return self.offset < self.max_size
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def to_saved(self) -> tuple[dict[str, mx.array], dict]:
+        meta = {"offset": self.offset, "keep": self.keep, "max_size": self.max_size,
+                "idx": self._idx}  # fmt: skip
+        if self.keys is None:
+            return {}, meta
+        return {"keys": self.keys, "values": self.values}, meta
+
+    @classmethod
+    def from_saved(cls, arrays: dict[str, mx.array], meta: dict):
+        c = cls(meta["max_size"], meta["keep"])
+        c.offset, c._idx = meta["offset"], meta["idx"]
+        if arrays:
+            c.keys, c.values = arrays["keys"], arrays["values"]
+        return c
+
 
 class ArraysCache:
-    """Fixed slots of recurrent state (conv window, SSM / gated-delta state)."""
+    """Fixed slots of recurrent state (conv window, SSM / gated-delta state). Not trimmable:
+    the state after n tokens cannot be recovered from the state after n + 1."""
 
     def __init__(self, size: int):
         self.cache = [None] * size
@@ -238,10 +514,85 @@ class ArraysCache:
     def state(self):
         return [c for c in self.cache if c is not None]
 
+    def is_trimmable(self) -> bool:
+        return False
 
-def create_attention_mask(h: mx.array, cache: KVCache | None = None):
-    """ "causal" for a multi-token step (the fused kernel's own mask), None for one token."""
+    def trim(self, n: int) -> int:
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)
+
+    def to_saved(self) -> tuple[dict[str, mx.array], dict]:
+        arrays = {str(i): a for i, a in enumerate(self.cache) if a is not None}
+        return arrays, {"offset": self.offset, "size": len(self.cache)}
+
+    @classmethod
+    def from_saved(cls, arrays: dict[str, mx.array], meta: dict):
+        c = cls(meta["size"])
+        c.offset = meta["offset"]
+        for i, a in arrays.items():
+            if not i.isdigit() or int(i) >= len(c.cache):
+                raise ValueError(f"slot {i!r} outside the cache's {len(c.cache)} slots")
+            c.cache[int(i)] = a
+        return c
+
+
+CACHE_TYPES = {c.__name__: c for c in (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache)}
+
+
+def causal_mask(n: int, offset: int, window: int | None = None) -> mx.array:
+    """bool [n, offset + n]: query i (at position offset + i) sees keys 0..offset + i, and
+    with `window` only the last `window` of them."""
+    keys = mx.arange(offset + n)
+    queries = mx.arange(offset, offset + n) if offset else keys
+    mask = queries[:, None] >= keys[None]
+    if window is not None:
+        mask = mask & (queries[:, None] < keys[None] + window)
+    return mask
+
+
+def create_attention_mask(h: mx.array, cache=None):
+    """The cache's mask for a step of h.shape[1] tokens: "causal" for a multi-token step
+    (the fused kernel's own mask), None for one token; an explicit windowed mask where a
+    rotating cache's window cuts into the step."""
+    if cache is not None:
+        return cache.make_mask(h.shape[1])
     return "causal" if h.shape[1] > 1 else None
+
+
+def attention(q: mx.array, k, v, cache, scale: float, mask) -> mx.array:
+    """Scaled dot-product attention over the cache's keys and values: the fused kernel, or
+    over a QuantizedKVCache's codes by quantized matmuls (as mlx-lm's
+    quantized_scaled_dot_product_attention: the same operations in the same order)."""
+    if not isinstance(cache, QuantizedKVCache):
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    B, n_heads, L, D = q.shape
+    n_kv = k[0].shape[-3]
+    repeats = n_heads // n_kv
+    q = q * scale
+    if repeats > 1:
+        q = q.reshape(B, n_kv, repeats, L, D)
+        k = tuple(mx.expand_dims(a, -3) for a in k)
+        v = tuple(mx.expand_dims(a, -3) for a in v)
+    g, bits = cache.group_size, cache.bits
+    scores = mx.quantized_matmul(q, *k, transpose=True, group_size=g, bits=bits)
+    if mask is not None:
+        if isinstance(mask, str):
+            qL, kL = scores.shape[-2:]
+            mask = mx.arange(kL - qL, kL)[:, None] >= mx.arange(kL)[None]
+        if repeats > 1 and mask.ndim > 3:
+            mask = mx.expand_dims(mask, -3)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    scores = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(scores, *v, transpose=False, group_size=g, bits=bits)
+    if repeats > 1:
+        out = out.reshape(B, n_heads, L, D)
+    return out
 
 
 @partial(mx.compile, shapeless=True)

@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..experts import SwitchGLU
-from .base import BaseModelArgs, KVCache, swiglu
+from .base import BaseModelArgs, KVCache, RotatingKVCache, causal_mask, swiglu
 
 # Where the checkpoint keeps layer l's experts, and each projection's name there.
 EXPERT_PREFIX = "model.layers.{layer}.mlp.experts"
@@ -324,13 +324,6 @@ class QuantizedMultiLinear(nn.Module):
         )
 
 
-def causal_mask(n: int, offset: int) -> mx.array:
-    """bool [n, offset + n]: query i (at position offset + i) sees keys 0..offset + i."""
-    keys = mx.arange(offset + n)
-    queries = mx.arange(offset, offset + n) if offset else keys
-    return queries[:, None] >= keys[None]
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -465,8 +458,13 @@ class DeepseekV3Model(nn.Module):
         cache = cache or [None] * len(self.layers)
         L = h.shape[1]
         # An explicit mask (the rotary scores are masked with it); none for one token.
-        offset = cache[0].offset if cache[0] is not None else 0
-        mask = causal_mask(L, offset) if L > 1 else None
+        c = cache[0]
+        if L == 1:
+            mask = None
+        elif isinstance(c, RotatingKVCache):  # each query sees the last max_size positions
+            mask = causal_mask(L, min(c.max_size - 1, c.offset), window=c.max_size)
+        else:
+            mask = causal_mask(L, c.offset if c is not None else 0)
         for layer, c in zip(self.layers, cache):
             h = layer(h, mask, c)
         return self.norm(h)
@@ -492,6 +490,9 @@ class Model(nn.Module):
 
     def make_cache(self) -> list[Any]:
         return [KVCache() for _ in self.model.layers]
+
+    # The latent cache feeds the absorbed attention's own matmuls, not attention()'s.
+    quantized_kv = False
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Hugging Face dense names -> ours: drop the multi-token-prediction layers (numbered

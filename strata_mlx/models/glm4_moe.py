@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..experts import SwitchGLU
-from .base import BaseModelArgs, KVCache, create_attention_mask, swiglu
+from .base import BaseModelArgs, KVCache, attention, create_attention_mask, swiglu
 from .deepseek_v3 import Router, check_group_routing, keep_float32
 
 # Where the checkpoint keeps layer l's experts, and each projection's name there.
@@ -115,7 +115,7 @@ class Attention(nn.Module):
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        o = attention(q, k, v, cache, self.scale, mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..experts import SwitchGLU
-from .base import BaseModelArgs, KVCache, create_attention_mask
+from .base import BaseModelArgs, KVCache, attention, create_attention_mask
 
 # Where the checkpoint keeps layer l's experts, and each projection's name there.
 EXPERT_PREFIX = "model.layers.{layer}.mlp.experts"
@@ -94,7 +94,7 @@ class Attention(nn.Module):
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        o = attention(q, k, v, cache, self.scale, mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
