@@ -257,6 +257,12 @@ class Engine:
         self.mean_request_s: float | None = None  # running mean, for Retry-After
         self.served = None  # ExpertStats summed over requests, with their wall time and tokens
         self.last = None  # the running (or last) request's latest GenerationResponse
+        from .prompt_cache import PromptCacheLRU
+
+        # The last conversations' KV / recurrent state: a request that extends one prefills
+        # only what is new (mlx-lm server's prompt cache). Touched by the worker thread only.
+        self.prompt_caches = PromptCacheLRU()
+        self.prefilled_tokens = 0  # prompt tokens run through the model (reused ones are not)
 
     def close(self, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> bool:
         """Cancel every job, queued or running, and wait up to `timeout` seconds for the
@@ -328,18 +334,28 @@ class Engine:
         longest = max((len(s) for s in stops), default=0)
         text, emitted, n, finish, r = "", 0, 0, None, None
         stopped = False
+        from .prompt_cache import make_prompt_cache
+
+        cache, reused = self.prompt_caches.take(job.ids)
+        if cache is None:
+            cache = make_prompt_cache(self.model)
+        self.prefilled_tokens += len(job.ids) - reused
+        tokens: list[int] = []
         gen = stream_generate(
             self.model,
             self.tokenizer,
-            job.ids,
+            job.ids[reused:],
             max_tokens=job.max_tokens,
             seed=job.seed,
             sampler=job.sampling.sampler(self.tokenizer),
             logits_processors=job.sampling.logits_processors(self.model.args.vocab_size),
+            prompt_cache=cache,
+            cached_tokens=job.ids[:reused],
         )
         with contextlib.closing(gen):
             for r in gen:
                 n += 1
+                tokens.append(getattr(r, "token", None))
                 self.last = r
                 with self._counts:  # per token: /v1/stats and the dashboard see it move
                     self.completion_tokens += 1
@@ -360,6 +376,11 @@ class Engine:
                 if self._closing.is_set() or (cancelled is not None and cancelled.is_set()):
                     stopped = True
                     break
+        # Closed or finished, the cache covers the prompt and every token but the last; kept
+        # only where each layer's own count agrees.
+        covered = job.ids + tokens[:-1]
+        if tokens and None not in tokens and all(c.offset == len(covered) for c in cache):
+            self.prompt_caches.put(covered, cache)
         with self._counts:
             self.cancelled += stopped
         elapsed = time.perf_counter() - t0
@@ -861,6 +882,12 @@ def create_app(
                 "rejected": engine.rejected,
                 "prompt_tokens": engine.prompt_tokens,
                 "completion_tokens": engine.completion_tokens,
+                "prefilled_tokens": engine.prefilled_tokens,
+                "prompt_cache": {
+                    "entries": len(engine.prompt_caches),
+                    "hits": engine.prompt_caches.hits,
+                    "reused_tokens": engine.prompt_caches.reused_tokens,
+                },
             },
             # the cache's session counters (wall_s/tokens are not kept there) ...
             "expert_cache": cache.stats.as_dict() if cache is not None else None,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import TINY, prompt_ids
 from test_decode import VARIANTS, arena_for, decode
+from test_server import tiny  # noqa: F401 (a fixture: the tiny store with a tokenizer)
 
 import strata_mlx
 from strata_mlx.generate import cache_prompt, stream_generate
@@ -171,8 +172,9 @@ def test_saved_cache_resumes_as_a_cold_run(store, tmp_path, family):
     cache, tokens, meta = load_prompt_cache(f, model)
     assert tokens == head and meta["store_id"]
     warm = list(
-        stream_generate(model, None, tail, 8, prefill_step_size=8, prompt_cache=cache,
-                        cached_tokens=tokens)  # fmt: skip
+        stream_generate(
+            model, None, tail, 8, prefill_step_size=8, prompt_cache=cache, cached_tokens=tokens
+        )  # fmt: skip
     )
     assert [r.token for r in warm] == [r.token for r in cold]
     lp = [np.array(r.logprobs) for r in warm], [np.array(r.logprobs) for r in cold]
@@ -301,4 +303,48 @@ def test_load_refuses_a_cache_that_does_not_cover_its_tokens(store, tmp_path):
     save_prompt_cache(f, cache_prompt(model, [1, 2, 3]), model, [1, 2, 3, 4])
     with pytest.raises(PromptCacheError, match="holds 3 positions, the file covers 4 tokens"):
         load_prompt_cache(f, model)
+    model.expert_cache.close()
+
+
+def test_server_reuses_the_conversation_so_far(tiny):  # noqa: F811 (the fixture)
+    """A chat that grows by one turn, through the openai client: the reply equals a cold
+    generate()'s, and only the tokens after the common prefix with the last request's
+    prompt-and-reply are prefilled (the server's counters)."""
+    pytest.importorskip("openai")
+    import httpx2 as httpx
+    import openai
+    from test_server import NAME, load_tiny, running
+
+    from strata_mlx.prompt_cache import common_prefix
+    from strata_mlx.server import create_app
+
+    model, tok = load_tiny(tiny)
+
+    def ids_of(messages):
+        return tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+
+    with running(create_app(model, tok, NAME)) as base:
+        http = httpx.Client(trust_env=False, timeout=60)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0,
+                               http_client=http)  # fmt: skip
+        messages = [{"role": "user", "content": "tell me about the sea"}]
+        stats = []
+        for turn in ("and the mountains", "and the sky above them"):
+            ids = ids_of(messages)
+            before = http.get(base + "/v1/stats").json()["server"]
+            r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8,
+                                               temperature=0)  # fmt: skip
+            after = http.get(base + "/v1/stats").json()["server"]
+            reply = r.choices[0].message.content
+            cold = list(stream_generate(model, tok, ids, max_tokens=8))
+            assert reply == "".join(c.text for c in cold)
+            stats.append((ids, [c.token for c in cold], after["prefilled_tokens"]
+                          - before["prefilled_tokens"]))  # fmt: skip
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": turn}]
+        http.close()
+    (ids1, gen1, prefilled1), (ids2, _, prefilled2) = stats
+    assert prefilled1 == len(ids1)
+    reused = min(common_prefix(ids1 + gen1[:-1], ids2), len(ids2) - 1)
+    assert reused >= len(ids1)  # the whole first prompt at least
+    assert prefilled2 == len(ids2) - reused
     model.expert_cache.close()
