@@ -146,6 +146,14 @@ class Elsewhere(nn.Module):
     mlp = None  # what the families' moe_blocks() look at
     block_sparse_moe = None
 
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        # The layer's plain attributes (its kind, e.g. qwen3_next's is_linear): make_cache()
+        # builds each layer's cache from them.
+        for k, v in vars(layer).items():
+            if not k.startswith("_"):
+                setattr(self, k, v)
+
     def __call__(self, x, mask=None, cache=None):
         if cache is not None:
             cache.offset += x.shape[1]
@@ -224,7 +232,7 @@ class Pipeline:
         inner = model.model
         for i in range(n):
             if i not in own:
-                inner.layers[i] = Elsewhere()
+                inner.layers[i] = Elsewhere(inner.layers[i])
         if not self.first:
             inner.embed_tokens = Passthrough()
             inner.norm = Passthrough()

@@ -42,9 +42,16 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def launch(n: int, argv: list[str], env: dict | None = None, timeout: float = DEADLINE):
+def launch(
+    n: int,
+    argv: list[str],
+    env: dict | None = None,
+    timeout: float = DEADLINE,
+    kill_rest: bool = False,
+):
     """Start `n` ranks of `python argv...` joined by the ring backend on localhost; return
-    each rank's CompletedProcess-like (returncode, stdout, stderr), rank 0 first."""
+    each rank's (returncode, stdout, stderr), rank 0 first. `kill_rest`: once rank 0 has
+    exited, kill the others (a rank told to hang)."""
     d = Path(tempfile.mkdtemp(prefix="strata-ring-"))
     hostfile = d / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(n)]))
@@ -61,14 +68,19 @@ def launch(n: int, argv: list[str], env: dict | None = None, timeout: float = DE
             )
         )
     out = []
-    for p in procs:
-        try:
+    try:
+        for rank, p in enumerate(procs):
+            if rank and kill_rest:
+                p.kill()
             so, se = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"a rank did not exit within {timeout} s")
-        out.append((p.returncode, so, se))
+            out.append((p.returncode, so, se))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"rank {len(out)} did not exit within {timeout} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return out
 
 
@@ -107,13 +119,15 @@ def reference(path: Path) -> dict:
     }
 
 
+# Three ranks need three layers: the tiny qwen3_moe, mixtral and olmoe have two.
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_pipeline_is_bit_identical_for_every_family(store, ring, tmp_path, ranks):
-    paths = [store(f) for f in FAMILIES]
+    families = FAMILIES if ranks == 2 else ["qwen3_next", "glm4_moe", "deepseek_v3"]
+    paths = [store(f) for f in families]
     res = launch(ranks, [__file__, str(tmp_path), *map(str, paths)])
-    for rank, (rc, _, se) in enumerate(res):
-        assert rc == 0, f"rank {rank}: {se.strip()[-2000:]}"
-    for family, path in zip(FAMILIES, paths):
+    errors = [f"rank {r}: {se.strip()[-1500:]}" for r, (rc, _, se) in enumerate(res) if rc]
+    assert not errors, "\n".join(errors)
+    for family, path in zip(families, paths):
         ref = reference(path)
         got = np.load(tmp_path / f"{path.name}.npz")
         assert np.array_equal(got["logits"], ref["logits"]), family
@@ -139,8 +153,9 @@ def test_a_rank_that_dies_makes_rank_0_exit_with_one_line(store, ring, tmp_path)
     path = store("qwen3_moe")
     res = launch(2, [__file__, str(tmp_path), str(path)], env={"STRATA_TEST_RANK_1": "die"})
     rc, _, err = res[0]
-    assert rc != 0
-    lines = err.strip().splitlines()
+    assert rc == 2 and res[1][0] == 5
+    # MLX's ring backend logs its own "[ring] Socket ... closed" lines; then ours, one line.
+    lines = [l for l in err.strip().splitlines() if not l.startswith("[ring]") and l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: pipeline rank 0"), err
 
 
@@ -151,6 +166,7 @@ def test_a_silent_rank_trips_the_deadline(store, ring, tmp_path):
         [__file__, str(tmp_path), str(path)],
         env={"STRATA_TEST_RANK_1": "hang", "STRATA_TEST_TIMEOUT": "3"},
         timeout=60,
+        kill_rest=True,
     )
     rc, _, err = res[0]
     assert rc == 3
