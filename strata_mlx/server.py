@@ -925,6 +925,8 @@ def serve(
     api_key: str | None = None,
     allowed_origins: list[str] | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+    prompt_cache_size: int = 10,
+    prompt_cache_bytes: int = 1 << 30,
     **runtime,
 ) -> None:
     """Load the store at `model_path` with RuntimeConfig(**runtime) and serve it until
@@ -955,6 +957,9 @@ def serve(
         # next token, which this bounds
         shutdown_timeout=min(shutdown_timeout, 2.0),
     )
+    from .prompt_cache import PromptCacheLRU
+
+    app.state.engine.prompt_caches = PromptCacheLRU(prompt_cache_size, prompt_cache_bytes)
     try:
         uvicorn.run(
             app,
@@ -1029,6 +1034,12 @@ def serve_command(
         help="Comma-separated origins browsers may call from (CORS), or '*'.",
     ),
     log_level: str = typer.Option("info", "--log-level"),
+    prompt_cache_size: int = typer.Option(
+        10, "--prompt-cache-size", help="Conversations whose KV cache is kept for reuse (0: off)."
+    ),
+    prompt_cache_bytes: int = typer.Option(
+        1 << 30, "--prompt-cache-bytes", help="Bytes those kept caches may hold together."
+    ),
 ):
     """Serve a store over an OpenAI-compatible HTTP API (chat and text completions)."""
     if not 0 < port < 65536:
@@ -1042,6 +1053,8 @@ def serve_command(
     _positive("--max-prompt-tokens", max_prompt_tokens)
     if max_queue < 0:
         raise ValueError(f"--max-queue {max_queue}: must be at least 0")
+    if prompt_cache_size < 0 or prompt_cache_bytes < 0:
+        raise ValueError("--prompt-cache-size and --prompt-cache-bytes: must be at least 0")
     if not (shutdown_timeout >= 0 and math.isfinite(shutdown_timeout)):
         raise ValueError(f"--shutdown-timeout {shutdown_timeout}: must be a finite number >= 0")
     if api_key is not None and not api_key.strip():
@@ -1066,6 +1079,8 @@ def serve_command(
         api_key=api_key,
         allowed_origins=origins,
         shutdown_timeout=shutdown_timeout,
+        prompt_cache_size=prompt_cache_size,
+        prompt_cache_bytes=prompt_cache_bytes,
         arena_gb=arena_gb,
         io_workers=io_workers,
         read_ahead=read_ahead,
