@@ -283,6 +283,10 @@ def generate(
     if pipeline:
         from .distributed import Pipeline, serve_stage
 
+        if kv.max_kv_size or kv.kv_bits or prompt_cache_file:  # each rank has its own cache
+            raise ValueError(
+                "--pipeline: --max-kv-size, --kv-bits and --prompt-cache-file are not pipelined yet"
+            )
         pipe = Pipeline(split=pipeline_split, timeout_s=pipeline_timeout)
     m, tok = load(model, config=cfg, pipeline=pipe)
     if experts_per_token is not None:
