@@ -348,3 +348,23 @@ def test_server_reuses_the_conversation_so_far(tiny):  # noqa: F811 (the fixture
     assert reused >= len(ids1)  # the whole first prompt at least
     assert prefilled2 == len(ids2) - reused
     model.expert_cache.close()
+
+
+def test_cli_cached_system_prompt_then_chat(tiny, tmp_path):  # noqa: F811 (the fixture)
+    """cache-prompt --system-prompt, then generate with the same system prompt and a user
+    turn: the chat template's rendering begins with the cached tokens, so only the turn is
+    prefilled, and the text is a cold run's."""
+    f = tmp_path / "sys.safetensors"
+    system = "you answer about the sea and the sky, in short words"
+    r = run("cache-prompt", "--model", tiny, "--system-prompt", system, "--prompt-cache-file", f)
+    assert r.returncode == 0, r.stderr
+    cached = int(r.stdout.split("Prompt: ")[1].split()[0])
+    common = ("generate", "--model", tiny, "--system-prompt", system, "-p", "the sea", "-m", 6)
+    cold, warm = run(*common), run(*common, "--prompt-cache-file", f)
+    assert cold.returncode == 0 and warm.returncode == 0, warm.stderr
+    full = int(cold.stdout.split("Prompt: ")[1].split()[0])
+    assert cold.stdout.split("==========")[0] == warm.stdout.split("==========")[0]
+    assert f"Prompt: {full - cached} tokens" in warm.stdout and 0 < cached < full
+    other = run("generate", "--model", tiny, "--system-prompt", "else", "-p", "x",
+                "--prompt-cache-file", f)  # fmt: skip
+    assert other.returncode == 2 and "not the beginning of this prompt" in other.stderr
