@@ -54,7 +54,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .chat_output import ChatStream, opens_reasoning, parse
+from .chat_output import ChatStream, opens_reasoning, parse, tool_format
 from .dashboard import add_routes
 from .generate import stop_holdback
 from .options import MAX_SEED, OptionError
@@ -837,7 +837,9 @@ def create_app(
         ids = encode(text, "messages", add_special_tokens=False)
         given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         job = make_job(req, ids, getattr(req, given), "messages", given)
-        return await respond(request, req, job, "chat", tools, opens_reasoning(text))
+        # the tool-call format the template renders is the one the model writes
+        fmt = tools and tool_format(tokenizer.chat_template)
+        return await respond(request, req, job, "chat", fmt, opens_reasoning(text))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

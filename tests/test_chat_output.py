@@ -68,3 +68,72 @@ def test_prompt_that_opens_the_think_block():
         "Paris.",
         "hmm, Paris.",
     )
+
+
+# ---- other families' tool-call formats ------------------------------------------------------
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]  # fmt: skip
+
+# (format, what the model writes between its tool-call tags, mlx-lm's parser of the same body)
+OTHER_FORMATS = [
+    ("glm", "get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n", "glm47"),
+    ("mistral", ' [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]', "mistral"),
+    ("mistral", 'get_weather[ARGS]{"city": "Paris", "days": 3}', "mistral"),
+    ("kimi", '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+             '{"city": "Paris", "days": 3}<|tool_call_end|>', "kimi_k2"),
+]  # fmt: skip
+
+
+def test_other_formats_parse_as_mlx_lm_parses_them():
+    """The body of each family's block, parsed by mlx-lm's own tool parser and by ours (then
+    through the whole stream, split at every character): the same names and arguments."""
+    import importlib
+
+    import pytest
+
+    from strata_mlx.chat_output import FORMATS
+
+    pytest.importorskip("mlx_lm.tool_parsers")
+    for name, body, theirs_name in OTHER_FORMATS:
+        theirs = importlib.import_module(f"mlx_lm.tool_parsers.{theirs_name}")
+        expected = theirs.parse_tool_call(body, WEATHER)
+        expected = expected if isinstance(expected, list) else [expected]
+        fmt = FORMATS[name]
+        text = "Sure.\n" + fmt.open + body + (fmt.close or "")
+        for step in (1, 3, len(text)):
+            content, _, calls = streamed(text, step, tools=fmt)
+            assert content == "Sure.\n", (name, step)
+            got = [(n, json.loads(a)) for n, a in calls]
+            assert got == [(c["name"], c["arguments"]) for c in expected], (name, step)
+
+
+def test_deepseek_tool_calls_v3_and_v31():
+    from strata_mlx.chat_output import FORMATS
+
+    fmt = FORMATS["deepseek"]
+    v3 = ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n"
+          "```<｜tool▁call▁end｜>")  # fmt: skip
+    v31 = '<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"tz": "CET"}<｜tool▁call▁end｜>'
+    text = "Let me see." + fmt.open + v3 + v31 + fmt.close
+    for step in (1, 5, len(text)):
+        content, _, calls = streamed(text, step, tools=fmt)
+        assert content == "Let me see."
+        assert [(n, json.loads(a)) for n, a in calls] == [
+            ("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]  # fmt: skip
+    broken = "x" + fmt.open + "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\nnot json" + fmt.close
+    out = parse(broken, tools=fmt)
+    assert out.tool_calls == [] and out.content == broken
+
+
+def test_tool_format_is_picked_from_the_chat_template():
+    from strata_mlx.chat_output import tool_format
+
+    assert tool_format(None).name == "qwen3"
+    assert tool_format("{{ '<tool_call>' }}{{ tool_call.name }}<arg_key>").name == "glm"
+    assert tool_format("{{'<｜tool▁calls▁begin｜>'}}").name == "deepseek"
+    assert tool_format("<|tool_calls_section_begin|>").name == "kimi"
+    assert tool_format("[TOOL_CALLS]").name == "mistral"
+    out = parse("[TOOL_CALLS] not json", tools=tool_format("[TOOL_CALLS]"))
+    assert out.tool_calls == [] and out.content == "[TOOL_CALLS] not json"
