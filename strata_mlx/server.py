@@ -929,10 +929,15 @@ def serve(
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     prompt_cache_size: int = 10,
     prompt_cache_bytes: int = 1 << 30,
+    pipeline: bool = False,
+    pipeline_split: str | None = None,
+    pipeline_timeout: float = 300.0,
     **runtime,
 ) -> None:
     """Load the store at `model_path` with RuntimeConfig(**runtime) and serve it until
-    stopped (SIGTERM or Ctrl-C: requests in flight get `shutdown_timeout` seconds)."""
+    stopped (SIGTERM or Ctrl-C: requests in flight get `shutdown_timeout` seconds).
+    `pipeline`: this process is a rank of mlx.launch; rank 0 serves HTTP, the others compute
+    their layers (strata_mlx.distributed)."""
     import uvicorn
 
     from .loader import RuntimeConfig, load
@@ -944,7 +949,20 @@ def serve(
     path = Path(model_path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such store")
-    model, tokenizer = load(path, config=cfg)
+    pipe = None
+    if pipeline:
+        from .distributed import Pipeline, serve_stage
+
+        pipe = Pipeline(split=pipeline_split, timeout_s=pipeline_timeout)
+    model, tokenizer = load(path, config=cfg, pipeline=pipe)
+    if pipe is not None and pipe.size > 1:
+        if pipe.rank != 0:
+            serve_stage(model)
+            return
+        model.wait_ready()
+        prompt_cache_size = 0  # the other ranks hold one sequence's state, not rank 0's picks
+    else:
+        pipe = None
     app = create_app(
         model,
         tokenizer,
@@ -962,6 +980,8 @@ def serve(
     from .prompt_cache import PromptCacheLRU
 
     app.state.engine.prompt_caches = PromptCacheLRU(prompt_cache_size, prompt_cache_bytes)
+    if pipe is not None:
+        _stop_ranks_at_shutdown(app, model)
     try:
         uvicorn.run(
             app,
@@ -971,7 +991,25 @@ def serve(
             timeout_graceful_shutdown=shutdown_timeout,
         )
     finally:
+        if pipe is not None:
+            model.close()
         model.expert_cache.close()
+
+
+def _stop_ranks_at_shutdown(app, model) -> None:
+    """Tell the pipeline's other ranks to exit once the app has shut down and its worker is
+    idle (uvicorn re-raises SIGTERM after the lifespan, before serve()'s `finally`)."""
+    engine = app.state.engine
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a):
+        async with inner(a) as state:
+            yield state
+        if engine._idle.is_set():  # a generation still running owns the ring
+            model.close()
+
+    app.router.lifespan_context = lifespan
 
 
 def _positive(flag: str, value, allow_none: bool = True) -> None:
@@ -1042,6 +1080,15 @@ def serve_command(
     prompt_cache_bytes: int = typer.Option(
         1 << 30, "--prompt-cache-bytes", help="Bytes those kept caches may hold together."
     ),
+    pipeline: bool = typer.Option(
+        False, "--pipeline", help="Layers pipelined over the ranks of mlx.launch (mx.distributed)."
+    ),
+    pipeline_split: str | None = typer.Option(
+        None, "--pipeline-split", help="Layers per rank, e.g. 20,28 (default: by memory)."
+    ),
+    pipeline_timeout: float = typer.Option(
+        300.0, "--pipeline-timeout", help="Seconds a pipeline step may wait on another rank."
+    ),
 ):
     """Serve a store over an OpenAI-compatible HTTP API (chat and text completions)."""
     if not 0 < port < 65536:
@@ -1083,6 +1130,9 @@ def serve_command(
         shutdown_timeout=shutdown_timeout,
         prompt_cache_size=prompt_cache_size,
         prompt_cache_bytes=prompt_cache_bytes,
+        pipeline=pipeline,
+        pipeline_split=pipeline_split,
+        pipeline_timeout=pipeline_timeout,
         arena_gb=arena_gb,
         io_workers=io_workers,
         read_ahead=read_ahead,

@@ -42,16 +42,9 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def launch(
-    n: int,
-    argv: list[str],
-    env: dict | None = None,
-    timeout: float = DEADLINE,
-    kill_rest: bool = False,
-):
-    """Start `n` ranks of `python argv...` joined by the ring backend on localhost; return
-    each rank's (returncode, stdout, stderr), rank 0 first. `kill_rest`: once rank 0 has
-    exited, kill the others (a rank told to hang)."""
+def start(n: int, argv: list[str], env: dict | None = None) -> list[subprocess.Popen]:
+    """Start `n` ranks of `python argv...`, joined by the ring backend on localhost the way
+    mlx.launch joins them (a hostfile of 127.0.0.1 entries, MLX_RANK)."""
     d = Path(tempfile.mkdtemp(prefix="strata-ring-"))
     hostfile = d / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(n)]))
@@ -67,6 +60,12 @@ def launch(
                 text=True,
             )
         )
+    return procs
+
+
+def finish(procs, timeout: float = DEADLINE, kill_rest: bool = False):
+    """Each rank's (returncode, stdout, stderr), rank 0 first. `kill_rest`: once rank 0 has
+    exited, kill the others (a rank told to hang)."""
     out = []
     try:
         for rank, p in enumerate(procs):
@@ -82,6 +81,10 @@ def launch(
                 p.kill()
                 p.wait()
     return out
+
+
+def launch(n: int, argv: list[str], env: dict | None = None, timeout: float = DEADLINE, **kw):
+    return finish(start(n, argv, env), timeout, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +194,55 @@ def test_generate_under_mlx_launch(store, ring, tmp_path):
     ref = reference(path)
     assert p.stdout.split()[:NEW_TOKENS] == [str(t) for t in ref["tokens"]], p.stdout + p.stderr
     assert "Rank 1: layers 1-1" in p.stdout, p.stdout
+
+
+def test_serve_pipelined(store, ring, tmp_path):
+    """`strata-mlx serve --pipeline`: rank 0 answers HTTP, rank 1 computes; the completion
+    equals one process's; SIGTERM on rank 0 stops both."""
+    import shutil
+    import signal
+    import time
+
+    import httpx2 as httpx  # the HTTP client the openai package is built on
+    from test_server import write_tokenizer
+
+    import strata_mlx
+
+    d = tmp_path / "tiny"
+    shutil.copytree(store("qwen3_moe"), d)
+    write_tokenizer(d)
+    model, tok = strata_mlx.load(d)
+    want = strata_mlx.generate(model, tok, "paris is a city in", max_tokens=NEW_TOKENS)
+    model.expert_cache.close()
+    (port,) = _free_ports(1)
+    argv = ["-m", "strata_mlx", "serve", "--pipeline", "--model", str(d), "--port", str(port)]
+    procs = start(2, argv + ["--log-level", "warning"])
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert all(p.poll() is None for p in procs), finish(procs, 10)
+            try:
+                r = httpx.post(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    json={
+                        "prompt": "paris is a city in",
+                        "max_tokens": NEW_TOKENS,
+                        "temperature": 0,
+                    },
+                    timeout=30,
+                    trust_env=False,
+                )
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.2)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+    finally:
+        procs[0].send_signal(signal.SIGTERM)
+        res = finish(procs, 30)
+    # uvicorn re-raises SIGTERM once it has shut down; rank 1 was told to stop first
+    assert res[0][0] in (0, -signal.SIGTERM) and res[1][0] == 0, res
 
 
 # ---- one rank (this file run as a script) ------------------------------------------------------
