@@ -154,6 +154,18 @@ def _randomize_norms(m) -> None:
 
 
 @pytest.fixture(scope="session")
+def tiny_hf_model():
+    """family -> a fresh tiny transformers model (seeded random weights, not saved)."""
+    return _hf_model
+
+
+@pytest.fixture(scope="session")
+def randomize_norms():
+    """Perturb a transformers model's norms and zero-initialised biases in place."""
+    return _randomize_norms
+
+
+@pytest.fixture(scope="session")
 def store(hf_checkpoint, tmp_path_factory):
     """(family, quantized) -> converted store directory."""
     made: dict[tuple, Path] = {}

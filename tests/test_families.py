@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import TINY, _randomize_norms, hf_logits, prompt_ids
+from conftest import TINY, hf_logits, prompt_ids
 
 import strata_mlx
 from strata_mlx.generate import teacher_forced_logits
@@ -138,7 +138,7 @@ def _hf_model_q(family: str):
 
 
 @pytest.fixture(scope="module")
-def q_checkpoint(tmp_path_factory):
+def q_checkpoint(tmp_path_factory, randomize_norms):
     """family -> a saved float32 transformers checkpoint whose layers all quantize at g32."""
     made: dict[str, Path] = {}
 
@@ -148,7 +148,7 @@ def q_checkpoint(tmp_path_factory):
 
             d = tmp_path_factory.mktemp(f"hfq_{family}")
             m = _hf_model_q(family).to(torch.float32).eval()
-            _randomize_norms(m)
+            randomize_norms(m)
             m.save_pretrained(d)
             made[family] = d
         return made[family]

@@ -452,10 +452,6 @@ def test_gpu_dialect_sources_type_check_as_cxx(dialect, tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
 
 
-def test_metal_docstring_says_not_executed_here():
-    assert "NOT executed on this project's Linux machines" in metal.__doc__
-
-
 # ---------------------------------------------------------------------------------------------
 # CPU: the shared body executed as host C++
 
@@ -530,10 +526,15 @@ def test_host_prefill_dequant_strategy(case):
     layout, recs = CASES[case](4, 256, 256, 6)
     x, arena, slots, idx = make_problem(layout, recs, n_tokens=9, k=2, dtype=mx.float32, seed=8)
     fn = dispatch.kernel_for("host", layout)
-    y = fn(x, arena, slots, idx, layout)  # 18 pairs over <= 4 experts: prefill
-    assert dispatch.PREFILL_STRATEGY == "dequant"
+    y = fn(x, arena, slots, idx, layout, strategy="dequant")
     ref = cpu_reference(x, arena[slots], layout, idx)
     _compare(y, ref, f"host dequant {case}", max_tol=1e-5, frob_tol=1e-6)
+    # 18 pairs over <= 4 experts is prefill: the automatic strategy is PREFILL_STRATEGY's
+    auto = fn(x, arena, slots, idx, layout)
+    explicit = fn(x, arena, slots, idx, layout, strategy=dispatch.PREFILL_STRATEGY)
+    np.testing.assert_array_equal(np.array(auto), np.array(explicit))
+    decode = fn(x, arena, slots, idx, layout, strategy="fused", tile=1)
+    assert not np.array_equal(np.array(y), np.array(decode))  # the strategies are told apart
 
 
 @needs_cxx

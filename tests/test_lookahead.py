@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
-from conftest import _hf_model, prompt_ids
+from conftest import prompt_ids
 
 import strata_mlx
 from strata_mlx.convert.hf import convert_hf
@@ -13,13 +12,13 @@ from strata_mlx.generate import teacher_forced_logits
 from strata_mlx.store import load_manifest
 
 
-def predictable_store(tmp_path):
+def predictable_store(tmp_path, hf_model):
     """A Qwen3-MoE whose layers leave the residual stream unchanged (zero attention output
     and expert down projections) and share one router and one MoE norm: layer l+1's routing
     of layer l's MoE input is then exactly layer l+1's true routing."""
     import torch
 
-    m = _hf_model("qwen3_moe").float().eval()
+    m = hf_model("qwen3_moe").float().eval()
     layers = m.model.layers
     with torch.no_grad():
         for layer in layers:
@@ -34,8 +33,8 @@ def predictable_store(tmp_path):
     return convert_hf(src, tmp_path / "store", progress=False, calibration_tokens=16)
 
 
-def test_predicted_sets_equal_true_sets_on_a_predictable_model(tmp_path):
-    path = predictable_store(tmp_path)
+def test_predicted_sets_equal_true_sets_on_a_predictable_model(tmp_path, tiny_hf_model):
+    path = predictable_store(tmp_path, tiny_hf_model)
     model, _ = strata_mlx.load(path, read_ahead="lookahead")
     trace = model.expert_cache.trace = RoutingTrace()
     teacher_forced_logits(model, prompt_ids(24, seed=11), step=8)
@@ -69,11 +68,8 @@ def test_lookahead_reads_before_the_layer_asks(store):
     assert np.array_equal(outs["demand"], outs["lookahead"])
     assert np.array_equal(outs["demand-decode"], outs["lookahead-decode"])
     d, la = stats["demand"], stats["lookahead"]
-    assert (
-        la.misses < d.misses
-        and la.streamed_ahead > 0
-        and la.exposed_wait_s <= d.exposed_wait_s + 0.5
-    )
+    assert la.misses < d.misses and la.streamed_ahead > 0
+    assert d.exposed_wait_s > 0  # demand's misses were waited for, and the wait timed
     assert d.lookups == la.lookups  # the same routing
 
 
@@ -91,13 +87,12 @@ def test_min_tokens_knob_filters_predictions(store):
         teacher_forced_logits(model, ids, 16)
         submitted[min_tokens] = model.expert_cache.stats.readahead_submitted
     assert submitted[8] < submitted[1]
-    mx.eval(mx.zeros(1))
 
 
-def test_lookahead_depth_reads_further_ahead_exactly(tmp_path, monkeypatch):
+def test_lookahead_depth_reads_further_ahead_exactly(tmp_path, monkeypatch, tiny_hf_model):
     """lookahead_depth=2 predicts layers l+1 and l+2 from layer l's input (each layer is
     predicted twice, from both layers before it); outputs never change."""
-    path = predictable_store(tmp_path)
+    path = predictable_store(tmp_path, tiny_hf_model)
     m = load_manifest(path)
     layers = list(m.moe_layers)
     ids = prompt_ids(24, seed=16)
