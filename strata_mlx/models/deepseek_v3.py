@@ -18,7 +18,6 @@ multi-token-prediction layer (`model.layers.{num_hidden_layers}`) is dropped.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -28,6 +27,9 @@ import mlx.nn as nn
 
 from ..experts import SwitchGLU
 from .base import BaseModelArgs, KVCache, RotatingKVCache, causal_mask, swiglu
+from .rope import YarnRoPE as YarnRoPE  # re-exported: gpt_oss imports it
+from .rope import initialize_rope, yarn_attention_scale
+from .rope import rope_kind as rope_kind  # re-exported: gpt_oss imports it
 
 # Where the checkpoint keeps layer l's experts, and each projection's name there.
 EXPERT_PREFIX = "model.layers.{layer}.mlp.experts"
@@ -188,95 +190,6 @@ def keep_float32(key: str) -> bool:
     return "e_score_correction_bias" not in key
 
 
-# ---- rotary ----------------------------------------------------------------------------------
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-class YarnRoPE(nn.Module):
-    """YaRN: per-dimension blend of interpolated (positions / factor) and original
-    frequencies, ramped between the dims that turn `beta_fast` and `beta_slow` times over the
-    original context; rotated dims scaled by the attention factor (transformers' rules)."""
-
-    def __init__(self, dims: int, base: float, traditional: bool, scaling: dict[str, Any]):
-        super().__init__()
-        factor = scaling["factor"]
-        original = scaling["original_max_position_embeddings"]
-        beta_fast = scaling.get("beta_fast") or 32
-        beta_slow = scaling.get("beta_slow") or 1
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if scaling.get("attention_factor") is not None:
-            self.mscale = scaling["attention_factor"]
-        elif mscale and mscale_all_dim:
-            self.mscale = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-        else:
-            self.mscale = _yarn_mscale(factor)
-
-        def correction_dim(rotations: float) -> float:
-            return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low, high = math.floor(correction_dim(beta_fast)), math.ceil(correction_dim(beta_slow))
-        if scaling.get("truncate", True) is False:
-            low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-        low, high = max(low, 0), min(high, dims - 1)
-        if low == high:
-            high += 0.001  # no zero-width ramp
-        ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
-        keep = 1.0 - ramp  # share of the original (extrapolated) frequency
-        period = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
-        stretched = factor * period
-        # 1 / (keep / period + (1 - keep) / stretched), as one division
-        self._freqs = (stretched * period) / (stretched * keep + period * (1 - keep))
-        self.dims = dims
-        self.traditional = traditional
-
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
-        if self.mscale != 1.0:
-            x = x.at[..., : self.dims].multiply(self.mscale)
-        return mx.fast.rope(
-            x,
-            self.dims,
-            traditional=self.traditional,
-            base=None,
-            scale=1.0,
-            offset=offset,
-            freqs=self._freqs,
-        )
-
-
-def rope_kind(scaling: dict[str, Any] | None) -> str:
-    if not scaling:
-        return "default"
-    return scaling.get("rope_type") or scaling.get("type") or "default"
-
-
-def make_rope(dims: int, args: ModelArgs) -> nn.Module:
-    kind = rope_kind(args.rope_scaling)
-    traditional = args.rope_interleave  # interleaved pairs (x0, x1), (x2, x3), ...
-    if kind == "default":
-        return nn.RoPE(dims, traditional=traditional, base=args.rope_theta)
-    if kind == "linear":
-        scale = 1.0 / args.rope_scaling["factor"]
-        return nn.RoPE(dims, traditional=traditional, base=args.rope_theta, scale=scale)
-    if kind in ("yarn", "deepseek_yarn"):
-        for key in ("factor", "original_max_position_embeddings"):
-            if key not in args.rope_scaling:
-                raise ValueError(f"rope_scaling: {kind} needs {key}")
-        return YarnRoPE(dims, args.rope_theta, traditional, args.rope_scaling)
-    raise ValueError(f"unsupported rope scaling {kind!r}")
-
-
-def attention_scale(head_dim: int, scaling: dict[str, Any] | None) -> float:
-    """head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared where set."""
-    scale = head_dim**-0.5
-    if rope_kind(scaling) != "default" and scaling.get("mscale_all_dim"):
-        s = _yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
-        scale = scale * s * s
-    return scale
-
-
 # ---- attention -------------------------------------------------------------------------------
 
 
@@ -334,7 +247,7 @@ class Attention(nn.Module):
         self.nope = args.qk_nope_head_dim
         self.rope_dim = args.qk_rope_head_dim
         self.q_head_dim = self.nope + self.rope_dim
-        self.scale = attention_scale(self.q_head_dim, args.rope_scaling)
+        self.scale = yarn_attention_scale(self.q_head_dim, args.rope_scaling)
         bias = args.attention_bias
         if self.q_lora_rank is None:
             self.q_proj = nn.Linear(dim, self.n_heads * self.q_head_dim, bias=False)
@@ -347,7 +260,13 @@ class Attention(nn.Module):
         self.embed_q = MultiLinear(self.nope, self.kv_lora_rank, self.n_heads)
         self.unembed_out = MultiLinear(self.kv_lora_rank, args.v_head_dim, self.n_heads)
         self.o_proj = nn.Linear(self.n_heads * args.v_head_dim, dim, bias=bias)
-        self.rope = make_rope(self.rope_dim, args)
+        self.rope = initialize_rope(
+            self.rope_dim,
+            args.rope_theta,
+            args.rope_interleave,  # interleaved pairs (x0, x1), (x2, x3), ...
+            args.rope_scaling,
+            kinds=("default", "linear", "yarn", "deepseek_yarn"),
+        )
 
     def __call__(self, x: mx.array, mask: mx.array | None, cache: KVCache | None) -> mx.array:
         B, L, _ = x.shape

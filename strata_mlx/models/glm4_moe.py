@@ -19,6 +19,7 @@ import mlx.nn as nn
 from ..experts import SwitchGLU
 from .base import BaseModelArgs, KVCache, attention, create_attention_mask, swiglu
 from .deepseek_v3 import Router, check_group_routing, keep_float32
+from .rope import initialize_rope
 
 # Where the checkpoint keeps layer l's experts, and each projection's name there.
 EXPERT_PREFIX = "model.layers.{layer}.mlp.experts"
@@ -66,18 +67,6 @@ class ModelArgs(BaseModelArgs):
         return self.n_routed_experts
 
 
-def rope_scale(rope_scaling: dict[str, Any] | None) -> float:
-    """nn.RoPE's position scale for the rope types handled here (default and linear)."""
-    if not rope_scaling:
-        return 1.0
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if kind == "default":
-        return 1.0
-    if kind == "linear":
-        return 1.0 / rope_scaling["factor"]
-    raise ValueError(f"unsupported rope scaling {kind!r}")
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -96,11 +85,12 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
         # Partial rotary: the first dims of each head rotate (halves, not pairs); the rest pass.
-        self.rope = nn.RoPE(
+        self.rope = initialize_rope(
             int(head_dim * args.partial_rotary_factor),
-            traditional=False,
-            base=args.rope_theta,
-            scale=rope_scale(args.rope_scaling),
+            args.rope_theta,
+            False,
+            args.rope_scaling,
+            kinds=("default", "linear"),
         )
 
     def __call__(self, x: mx.array, mask, cache: KVCache | None) -> mx.array:

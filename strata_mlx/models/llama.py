@@ -14,7 +14,6 @@ rotary halves, so GGUF's permuted q/k rows are un-permuted by the converter).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +22,7 @@ import mlx.nn as nn
 
 from ..experts import SwitchGLU
 from .base import BaseModelArgs, KVCache, attention, create_attention_mask
+from .rope import initialize_rope
 
 # Where a store's experts came from, and each projection's name there (the split MLP).
 EXPERT_PREFIX = "model.layers.{layer}.mlp.experts"
@@ -63,45 +63,6 @@ class ModelArgs(BaseModelArgs):
             )
 
 
-class Llama3RoPE(nn.Module):
-    """Rotary embedding with explicit per-frequency values (Llama 3 scaling, rope_freqs)."""
-
-    def __init__(self, dims: int, freqs: mx.array):
-        super().__init__()
-        self.dims = dims
-        self._freqs = freqs
-
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
-        return mx.fast.rope(
-            x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._freqs
-        )
-
-
-def make_rope(args: ModelArgs, dims: int) -> nn.Module:
-    base = args.rope_theta
-    inv = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)  # 1 / inverse frequency
-    if args.rope_freq_factors is not None:
-        return Llama3RoPE(dims, inv * mx.array(args.rope_freq_factors, dtype=mx.float32))
-    scaling = args.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in ("default", None):
-        return nn.RoPE(dims, traditional=False, base=base)
-    if kind == "linear":
-        return nn.RoPE(dims, traditional=False, base=base, scale=1.0 / scaling["factor"])
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low = scaling.get("low_freq_factor", 1.0)
-        high = scaling.get("high_freq_factor", 4.0)
-        old = scaling.get("original_max_position_embeddings", 8192)
-        wavelens = 2 * math.pi * inv
-        freqs = mx.where(wavelens > old / low, inv * factor, inv)
-        medium = (wavelens > old / high) & (wavelens < old / low)
-        smooth = (old / wavelens - low) / (high - low)
-        freqs = mx.where(medium, freqs / ((1 - smooth) / factor + smooth), freqs)
-        return Llama3RoPE(dims, freqs)
-    raise ValueError(f"llama: rope scaling {kind!r} is not supported")
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -115,7 +76,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=bias)
-        self.rope = make_rope(args, head_dim)
+        self.rope = initialize_rope(
+            head_dim,
+            args.rope_theta,
+            False,
+            args.rope_scaling,
+            freq_factors=args.rope_freq_factors,
+            kinds=("default", "linear", "llama3"),
+        )
 
     def __call__(self, x: mx.array, mask, cache: KVCache | None) -> mx.array:
         B, L, _ = x.shape

@@ -10,6 +10,7 @@ import mlx.nn as nn
 
 from ..experts import SwitchGLU
 from .base import BaseModelArgs, KVCache, attention, create_attention_mask, top_k_route
+from .rope import initialize_rope
 
 # Where the checkpoint keeps layer l's experts, and each projection's name there.
 EXPERT_PREFIX = "model.layers.{layer}.block_sparse_moe.experts"
@@ -40,18 +41,6 @@ class ModelArgs(BaseModelArgs):
             self.num_key_value_heads = self.num_attention_heads
 
 
-def rope_scale(rope_scaling: dict[str, Any] | None) -> float:
-    """nn.RoPE's position scale for the rope types handled here (default and linear)."""
-    if not rope_scaling:
-        return 1.0
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if kind == "default":
-        return 1.0
-    if kind == "linear":
-        return 1.0 / rope_scaling["factor"]
-    raise ValueError(f"unsupported rope scaling {kind!r}")
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -64,11 +53,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * head_dim, dim, bias=False)
-        self.rope = nn.RoPE(
+        self.rope = initialize_rope(
             head_dim,
-            traditional=args.rope_traditional,
-            base=args.rope_theta,
-            scale=rope_scale(args.rope_scaling),
+            args.rope_theta,
+            args.rope_traditional,
+            args.rope_scaling,
+            kinds=("default", "linear"),
         )
 
     def __call__(self, x: mx.array, mask, cache: KVCache | None) -> mx.array:

@@ -26,6 +26,7 @@ from .base import (
     swiglu,
     top_k_route,
 )
+from .rope import initialize_rope
 
 # Where the checkpoint keeps layer l's experts, and each projection's name there.
 EXPERT_PREFIX = "model.layers.{layer}.mlp.experts"
@@ -86,18 +87,6 @@ class ModelArgs(BaseModelArgs):
         if self.layer_types:
             return self.layer_types[i] == "linear_attention"
         return (i + 1) % self.full_attention_interval != 0
-
-
-def rope_scale(rope_scaling: dict[str, Any] | None) -> float:
-    """nn.RoPE's position scale for the rope types handled here (default and linear)."""
-    if not rope_scaling:
-        return 1.0
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if kind == "default":
-        return 1.0
-    if kind == "linear":
-        return 1.0 / rope_scaling["factor"]
-    raise ValueError(f"unsupported rope scaling {kind!r}")
 
 
 @partial(mx.compile, shapeless=True)
@@ -229,11 +218,12 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
         # Partial rotary: only the first dims of each head rotate, the rest pass through.
-        self.rope = nn.RoPE(
+        self.rope = initialize_rope(
             int(head_dim * args.partial_rotary_factor),
-            traditional=False,
-            base=args.rope_theta,
-            scale=rope_scale(args.rope_scaling),
+            args.rope_theta,
+            False,
+            args.rope_scaling,
+            kinds=("default", "linear"),
         )
 
     def __call__(self, x: mx.array, mask, cache: KVCache | None) -> mx.array:

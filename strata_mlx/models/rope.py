@@ -1,0 +1,159 @@
+"""Rotary position embeddings and their scalings, shared by the model families (the shape of
+mlx-lm's rope_utils): `initialize_rope` builds the rotary module a config's `rope_scaling`
+asks for, and `yarn_attention_scale` is YaRN's softmax-scale correction.
+
+Kinds: "default", "linear" (positions / factor), "llama3" (frequencies smoothed between
+low_freq_factor and high_freq_factor wavelengths), "yarn" / "deepseek_yarn" (per-dimension
+blend of interpolated and original frequencies, transformers' rules), and llama.cpp's
+explicit per-frequency divisors (`freq_factors`, GGUF's rope_freqs tensor).
+
+Never: reads weights or configs beyond the scaling dict it is given.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def rope_kind(scaling: dict[str, Any] | None) -> str:
+    """The scaling's rope type, "default" when none is given."""
+    if not scaling:
+        return "default"
+    return scaling.get("rope_type") or scaling.get("type") or "default"
+
+
+class FreqsRoPE(nn.Module):
+    """Rotary embedding with explicit per-frequency periods (Llama 3 scaling, rope_freqs)."""
+
+    def __init__(self, dims: int, freqs: mx.array, traditional: bool = False):
+        super().__init__()
+        self.dims = dims
+        self.traditional = traditional
+        self._freqs = freqs
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        return mx.fast.rope(
+            x,
+            self.dims,
+            traditional=self.traditional,
+            base=None,
+            scale=1.0,
+            offset=offset,
+            freqs=self._freqs,
+        )
+
+
+def _periods(dims: int, base: float) -> mx.array:
+    """1 / inverse frequency of each rotated pair: base ** (2i / dims)."""
+    return base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+
+
+def llama3_freqs(dims: int, base: float, scaling: dict[str, Any]) -> mx.array:
+    inv = _periods(dims, base)
+    factor = scaling["factor"]
+    low = scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old = scaling.get("original_max_position_embeddings", 8192)
+    wavelens = 2 * math.pi * inv
+    freqs = mx.where(wavelens > old / low, inv * factor, inv)
+    medium = (wavelens > old / high) & (wavelens < old / low)
+    smooth = (old / wavelens - low) / (high - low)
+    return mx.where(medium, freqs / ((1 - smooth) / factor + smooth), freqs)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+class YarnRoPE(nn.Module):
+    """YaRN: per-dimension blend of interpolated (positions / factor) and original
+    frequencies, ramped between the dims that turn `beta_fast` and `beta_slow` times over the
+    original context; rotated dims scaled by the attention factor (transformers' rules)."""
+
+    def __init__(self, dims: int, base: float, traditional: bool, scaling: dict[str, Any]):
+        super().__init__()
+        factor = scaling["factor"]
+        original = scaling["original_max_position_embeddings"]
+        beta_fast = scaling.get("beta_fast") or 32
+        beta_slow = scaling.get("beta_slow") or 1
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if scaling.get("attention_factor") is not None:
+            self.mscale = scaling["attention_factor"]
+        elif mscale and mscale_all_dim:
+            self.mscale = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            self.mscale = _yarn_mscale(factor)
+
+        def correction_dim(rotations: float) -> float:
+            return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = math.floor(correction_dim(beta_fast)), math.ceil(correction_dim(beta_slow))
+        if scaling.get("truncate", True) is False:
+            low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        low, high = max(low, 0), min(high, dims - 1)
+        if low == high:
+            high += 0.001  # no zero-width ramp
+        ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+        keep = 1.0 - ramp  # share of the original (extrapolated) frequency
+        period = _periods(dims, base)
+        stretched = factor * period
+        # 1 / (keep / period + (1 - keep) / stretched), as one division
+        self._freqs = (stretched * period) / (stretched * keep + period * (1 - keep))
+        self.dims = dims
+        self.traditional = traditional
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        if self.mscale != 1.0:
+            x = x.at[..., : self.dims].multiply(self.mscale)
+        return mx.fast.rope(
+            x,
+            self.dims,
+            traditional=self.traditional,
+            base=None,
+            scale=1.0,
+            offset=offset,
+            freqs=self._freqs,
+        )
+
+
+def initialize_rope(
+    dims: int,
+    base: float,
+    traditional: bool,
+    scaling: dict[str, Any] | None = None,
+    freq_factors: list[float] | None = None,
+    kinds: tuple[str, ...] = ("default", "linear", "llama3", "yarn", "deepseek_yarn"),
+) -> nn.Module:
+    """The rotary module for `dims` rotated dims: `freq_factors` (llama.cpp's per-frequency
+    divisors) when given, else the kind `scaling` names, which must be one of `kinds` (the
+    ones a family's checkpoints are known to use)."""
+    if freq_factors is not None:
+        periods = _periods(dims, base) * mx.array(freq_factors, dtype=mx.float32)
+        return FreqsRoPE(dims, periods, traditional)
+    kind = rope_kind(scaling)
+    if kind not in kinds:
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    if kind == "default":
+        return nn.RoPE(dims, traditional=traditional, base=base)
+    if kind == "linear":
+        return nn.RoPE(dims, traditional=traditional, base=base, scale=1.0 / scaling["factor"])
+    if kind == "llama3":
+        return FreqsRoPE(dims, llama3_freqs(dims, base, scaling), traditional)
+    for key in ("factor", "original_max_position_embeddings"):
+        if key not in scaling:
+            raise ValueError(f"rope_scaling: {kind} needs {key}")
+    return YarnRoPE(dims, base, traditional, scaling)
+
+
+def yarn_attention_scale(head_dim: int, scaling: dict[str, Any] | None) -> float:
+    """head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared where set
+    (DeepSeek's softmax scale)."""
+    scale = head_dim**-0.5
+    if rope_kind(scaling) != "default" and scaling.get("mscale_all_dim"):
+        s = _yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+        scale = scale * s * s
+    return scale
