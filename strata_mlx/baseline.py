@@ -73,9 +73,9 @@ def _check_runnable(path: Path, m: Manifest) -> None:
 
 def _module_name(model_type: str) -> str:
     """The family module a model type runs as (kimi_k2 as deepseek_v3, in mlx-lm too)."""
-    from .loader import FAMILIES
+    from .loader import ALIASES
 
-    return FAMILIES.get(model_type, model_type)
+    return ALIASES.get(model_type, model_type)
 
 
 def mlx_lm_config(m: Manifest, path: Path) -> dict:

@@ -35,27 +35,28 @@ from .store import (
 )
 from .tokenizer import load_tokenizer
 
-FAMILIES = {
-    "qwen3_moe": "qwen3_moe",
-    "qwen3_next": "qwen3_next",
-    "mixtral": "mixtral",
-    "olmoe": "olmoe",
-    "glm4_moe": "glm4_moe",
-    "deepseek_v3": "deepseek_v3",
-    "kimi_k2": "deepseek_v3",  # the same architecture (mlx-lm maps it so too)
-    "llama": "llama",
-}
+# The supported model types, each run by models/<model_type>.py; ALIASES are run by
+# another type's module.
+FAMILIES = (
+    "qwen3_moe",
+    "qwen3_next",
+    "mixtral",
+    "olmoe",
+    "glm4_moe",
+    "deepseek_v3",
+    "llama",
+)
+ALIASES = {"kimi_k2": "deepseek_v3"}  # the same architecture (mlx-lm maps it so too)
 
 GB = 1024**3
 
 
 def family(model_type: str, source: str | Path = "config.json"):
     """The model-family module for `model_type`, or a StoreError naming `source`."""
-    name = FAMILIES.get(model_type)
-    if name is None:
-        raise StoreError(
-            f"{source}: unknown architecture {model_type!r}; supported: {', '.join(sorted(FAMILIES))}"
-        )
+    name = ALIASES.get(model_type, model_type)
+    if name not in FAMILIES:
+        known = ", ".join(sorted((*FAMILIES, *ALIASES)))
+        raise StoreError(f"{source}: unknown architecture {model_type!r}; supported: {known}")
     return importlib.import_module(f".models.{name}", __package__)
 
 
