@@ -48,6 +48,7 @@ def layout_signature(layout) -> str:
             "record_bytes": layout.record_bytes,
             "components": [asdict(c) for c in layout.components],
             "quant": layout.quant,
+            "activation": getattr(layout, "activation", None),
         },
         sort_keys=True,
     )
@@ -229,7 +230,13 @@ def tile_pairs(pair_slot: mx.array, tile: int, n_slots: int) -> tuple[mx.array, 
 
 
 def plan(layout) -> dict[str, algorithm.Projection] | None:
-    """Each projection's kernel view, or None if any has no kernel or the shapes don't chain."""
+    """Each projection's kernel view, or None if any has no kernel or the shapes don't chain.
+    Experts with biases or an activation other than SwiGLU (GPT-OSS) have none yet: the
+    reference path computes them."""
+    if getattr(layout, "activation", None) is not None or any(
+        c.name.endswith(".bias") for c in layout.components
+    ):
+        return None
     projs = {}
     for p in PROJECTIONS:
         pr = algorithm.projection(layout, p)

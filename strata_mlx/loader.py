@@ -44,6 +44,7 @@ FAMILIES = (
     "olmoe",
     "glm4_moe",
     "deepseek_v3",
+    "gpt_oss",
     "llama",
 )
 ALIASES = {"kimi_k2": "deepseek_v3"}  # the same architecture (mlx-lm maps it so too)

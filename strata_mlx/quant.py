@@ -5,6 +5,9 @@ Formats (the `quant` entry of a record layout, per projection):
   {"format": "affine", "bits": b, "group_size": g}      MLX affine: weight/scales/biases
   {"format": "gguf", "type": "IQ2_XS"}                  ggml blocks, [out, row_bytes] uint8
 
+A projection may carry a bias (`{proj}.bias`, float [out], never quantized: GPT-OSS), and a
+layout may name a gated activation other than SwiGLU (`layout.activation`: activation_fn).
+
 The reference path decodes records gathered from arena slots with plain MLX ops and computes
 SwiGLU experts exactly as mlx-lm's SwitchGLU does, so a fully resident store matches mlx-lm and
 transformers. Kernels (strata_mlx.kernels) are tested against this. This module never does I/O.
@@ -12,6 +15,7 @@ transformers. Kernels (strata_mlx.kernels) are tested against this. This module 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -49,13 +53,17 @@ def to_numpy(a: mx.array) -> np.ndarray:
 def expert_tensors(
     weights: dict[str, mx.array], quant: dict[str, Any] | None, dtype: mx.Dtype
 ) -> tuple[dict[str, mx.array], dict[str, dict[str, Any]]]:
-    """One expert's gate/up/down float weights [out, in] -> record tensors and quant table.
+    """One expert's gate/up/down float weights [out, in] (and biases [out] under
+    `{proj}.bias`, if it has them) -> record tensors and quant table.
 
     With `quant` = {"bits", "group_size"} the weights are MLX-affine quantized exactly as
-    mlx-lm quantizes a SwitchLinear (mx.quantize over the last axis), else cast to `dtype`.
+    mlx-lm quantizes a SwitchLinear (mx.quantize over the last axis), else cast to `dtype`;
+    biases are cast to `dtype` (mlx-lm's QuantizedSwitchLinear keeps its bias float).
     """
     tensors, table = {}, {}
     for p in PROJECTIONS:
+        if f"{p}.bias" in weights:
+            tensors[f"{p}.bias"] = weights[f"{p}.bias"].astype(dtype)
         w = weights[p].astype(dtype)
         # As mlx-lm: a projection whose input width the group size does not divide stays float.
         if quant and w.shape[-1] % quant["group_size"] == 0:
@@ -72,10 +80,35 @@ def expert_tensors(
     return tensors, table
 
 
-def layout_for(tensors: dict[str, mx.array], table: dict[str, dict]) -> RecordLayout:
+def layout_for(
+    tensors: dict[str, mx.array], table: dict[str, dict], activation: dict | None = None
+) -> RecordLayout:
     return RecordLayout.build(
-        {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in tensors.items()}, table
+        {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in tensors.items()}, table, activation
     )
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu_oai(gate: mx.array, up: mx.array, alpha: float, limit: float) -> mx.array:
+    """GPT-OSS: the gate clipped from above, up clipped both ways and shifted by 1, the gate's
+    sigmoid sharpened by alpha (transformers' GptOssExperts; mlx-lm's swiglu_oai, op for op)."""
+    gate = mx.minimum(gate, limit)
+    up = mx.clip(up, -limit, limit)
+    return (up + 1.0) * (gate * mx.sigmoid(alpha * gate))
+
+
+def activation_fn(spec: dict[str, Any] | None):
+    """(gate, up) -> hidden for a layout's `activation` (None: SwiGLU)."""
+    if spec is None:
+        return _plain_swiglu
+    if spec["name"] == "swiglu_oai":
+        alpha, limit = float(spec["alpha"]), float(spec["limit"])
+        return lambda gate, up: swiglu_oai(gate, up, alpha, limit)
+    raise ValueError(f"unknown expert activation {spec['name']!r}")
+
+
+def _plain_swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return (gate * mx.sigmoid(gate)) * up
 
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
@@ -90,10 +123,17 @@ def check_layout(layout: RecordLayout, hidden_size: int, where: str) -> None:
     inter = dims["gate_proj"][0]
     want = {"gate_proj": (inter, hidden_size), "up_proj": (inter, hidden_size)}
     want["down_proj"] = (hidden_size, inter)
+    comps = {c.name: c for c in layout.components}
     for p in PROJECTIONS:
         if dims[p] != want[p]:
             raise StoreError(
                 f"{where}: {p} is {list(dims[p])} ([out, in]), the model needs {list(want[p])}"
+            )
+        bias = comps.get(f"{p}.bias")
+        if bias is not None and (bias.dtype not in FLOAT_DTYPES or bias.shape != [want[p][0]]):
+            raise StoreError(
+                f"{where}: component {p}.bias is {bias.dtype} {bias.shape}, expected "
+                f"[{want[p][0]}] of {' or '.join(FLOAT_DTYPES)}"
             )
 
 
@@ -150,6 +190,14 @@ def component_views(records: mx.array, layout: RecordLayout) -> dict[str, mx.arr
 
 
 def _projection(x: mx.array, views: dict, proj: str, spec: dict, idx: mx.array, sort: bool):
+    y = _product(x, views, proj, spec, idx, sort)
+    bias = views.get(f"{proj}.bias")
+    if bias is not None:  # as mlx-lm's SwitchLinear: bias[indices] over the row axis
+        y = y + mx.expand_dims(bias[idx], -2)
+    return y
+
+
+def _product(x: mx.array, views: dict, proj: str, spec: dict, idx: mx.array, sort: bool):
     fmt = spec["format"]
     if fmt == "affine":
         return mx.gather_qmm(
@@ -199,7 +247,7 @@ def switch_glu_reference(
     q = layout.quant
     up = _projection(x, views, "up_proj", q["up_proj"], i, sort)
     gate = _projection(x, views, "gate_proj", q["gate_proj"], i, sort)
-    h = (gate * mx.sigmoid(gate)) * up
+    h = activation_fn(layout.activation)(gate, up)
     y = _projection(h, views, "down_proj", q["down_proj"], i, sort)
     if sort:
         y = mx.unflatten(y[inv], 0, idx.shape)

@@ -75,20 +75,27 @@ class RecordLayout:
 
     `quant[proj]` is {"format": "float"} or {"format": "affine", "bits": b, "group_size": g}
     or {"format": "gguf", "type": "IQ2_XS"}; every expert of every layer shares one layout.
+    Components `{proj}.bias` (float [out]), where present, are added to that projection's
+    output. `activation` is None for SwiGLU (silu(gate) * up), or GPT-OSS's clamped variant
+    {"name": "swiglu_oai", "alpha": a, "limit": l} (strata_mlx.quant.activation_fn).
     """
 
     components: list[Component]
     quant: dict[str, dict[str, Any]]
     record_bytes: int
+    activation: dict[str, Any] | None = None
 
     def padded(self, record_bytes: int) -> RecordLayout:
         """The same layout in records of `record_bytes` (every layer's slots are one size)."""
         if record_bytes < self.record_bytes or record_bytes % ALIGNMENT:
             raise ValueError(f"cannot pad a {self.record_bytes}-byte record to {record_bytes}")
-        return RecordLayout(self.components, self.quant, record_bytes)
+        return RecordLayout(self.components, self.quant, record_bytes, self.activation)
 
     def to_json(self) -> dict[str, Any]:
-        return {"components": [asdict(c) for c in self.components], "quant": self.quant}
+        j = {"components": [asdict(c) for c in self.components], "quant": self.quant}
+        if self.activation is not None:
+            j["activation"] = self.activation
+        return j
 
     def component(self, name: str) -> Component:
         for c in self.components:
@@ -97,14 +104,19 @@ class RecordLayout:
         raise KeyError(name)
 
     @classmethod
-    def build(cls, tensors: dict[str, tuple[str, tuple[int, ...]]], quant: dict) -> RecordLayout:
+    def build(
+        cls,
+        tensors: dict[str, tuple[str, tuple[int, ...]]],
+        quant: dict,
+        activation: dict[str, Any] | None = None,
+    ) -> RecordLayout:
         """Lay out named tensors (name -> (dtype, shape)) in insertion order."""
         comps, off = [], 0
         for name, (dtype, shape) in tensors.items():
             nbytes = int(np.prod(shape)) * _itemsize(dtype)
             comps.append(Component(name, dtype, list(shape), off, nbytes))
             off = _round_up(off + nbytes, COMPONENT_ALIGNMENT)
-        return cls(comps, quant, _round_up(max(off, 1), ALIGNMENT))
+        return cls(comps, quant, _round_up(max(off, 1), ALIGNMENT), activation)
 
     def pack(self, arrays: dict[str, np.ndarray]) -> bytes:
         """Serialize one expert's tensors (numpy; bfloat16 as uint16 bits) into a record."""
@@ -189,6 +201,11 @@ class Manifest:
                 "moe_layers": self.moe_layers,
                 "quant": self.layout.quant,
                 "components": [asdict(c) for c in self.layout.components],
+                **(
+                    {"activation": self.layout.activation}
+                    if self.layout.activation is not None
+                    else {}
+                ),
                 "offsets": self.offsets,
                 "checksum": self.checksum,
                 "checksums": self.checksums,
@@ -387,7 +404,22 @@ def _read_layout(f: JsonFields, j: Any, field: str, record_bytes: int) -> Record
     quant = f.dict(j["quant"], f"{field}.quant", PROJECTIONS)
     for p in PROJECTIONS:
         _read_quant(f, quant[p], f"{field}.quant.{p}")
-    return RecordLayout(comps, quant, record_bytes)
+    activation = j.get("activation")
+    if activation is not None:
+        _read_activation(f, activation, f"{field}.activation")
+    return RecordLayout(comps, quant, record_bytes, activation)
+
+
+ACTIVATIONS = {"swiglu_oai": ("alpha", "limit")}  # name -> its parameters (all numbers > 0)
+
+
+def _read_activation(f: JsonFields, spec: Any, field: str) -> None:
+    spec = f.dict(spec, field, ("name",))
+    name = f.str(spec["name"], f"{field}.name", tuple(ACTIVATIONS))
+    for key in ACTIVATIONS[name]:
+        v = f.dict(spec, field, (key,))[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            f.fail(f"{field}.{key}", f"expected a number > 0, got {_short(v)}")
 
 
 def _read_quant(f: JsonFields, spec: Any, field: str) -> None:

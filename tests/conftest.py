@@ -115,6 +115,20 @@ def _hf_model(family: str):
             },
         )
         return T.DeepseekV3ForCausalLM(cfg)
+    if family == "gpt_oss":
+        # Sliding, full, sliding layers with a window of 5 (the prompts are longer); the
+        # default YaRN rotary (truncate false); swiglu_limit 0.05, about the size of the tiny
+        # model's projections, so that the clamps bite (_randomize_norms scales the biases).
+        cfg = T.GptOssConfig(
+            **{**TINY, "num_hidden_layers": 3},
+            intermediate_size=16,
+            head_dim=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=5,
+            swiglu_limit=0.05,
+        )
+        return T.GptOssForCausalLM(cfg)
     raise ValueError(family)
 
 
@@ -138,8 +152,8 @@ def hf_checkpoint(tmp_path_factory):
 
 
 def _randomize_norms(m) -> None:
-    """Norm weights start at 1 (or 0), attention biases and routers' correction biases at 0:
-    perturb them so that a misplaced one shows."""
+    """Norm weights start at 1 (or 0), attention biases, routers' correction biases and
+    GPT-OSS's expert biases and sinks at 0: perturb them so that a misplaced one shows."""
     import torch
 
     with torch.no_grad():
@@ -148,6 +162,8 @@ def _randomize_norms(m) -> None:
                 p.add_(torch.randn_like(p) * 0.1)
             elif name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(("_proj_bias", "o_proj.bias", "sinks")):  # GPT-OSS: zeros
+                p.add_(torch.randn_like(p) * 0.05)
         for name, b in m.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.add_(torch.randn_like(b) * 0.05)

@@ -13,7 +13,7 @@ import strata_mlx
 from strata_mlx.generate import stream_generate
 from strata_mlx.store import load_manifest
 
-FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3"]
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3", "gpt_oss"]
 
 
 def arena_for(path, fraction: float) -> float:

@@ -14,7 +14,7 @@ from conftest import TINY, hf_logits, prompt_ids
 import strata_mlx
 from strata_mlx.generate import teacher_forced_logits
 
-FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3"]
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3", "gpt_oss"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -134,7 +134,52 @@ def _hf_model_q(family: str):
             **moe,
         )
         return T.DeepseekV3ForCausalLM(cfg)
+    if family == "gpt_oss":
+        # mlx-lm's swiglu_oai has alpha and limit fixed at the defaults, and its YaRN always
+        # rounds the ramp's ends (transformers' truncate true): the config says so here.
+        cfg = T.GptOssConfig(
+            **{**Q_TINY, "num_hidden_layers": 3},
+            intermediate_size=32,
+            head_dim=16,
+            num_local_experts=8,
+            sliding_window=5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": True,
+                "original_max_position_embeddings": 4096,
+            },
+            **moe,
+        )
+        return T.GptOssForCausalLM(cfg)
     raise ValueError(family)
+
+
+def _mlx_lm_layout(checkpoint: Path, out: Path) -> Path:
+    """GPT-OSS experts under mlx-lm's own names (its sanitize reads only OpenAI's MXFP4
+    blocks, or these): gate_proj / up_proj [E, I, D] and down_proj [E, D, I] `.weight` and
+    `.bias`, from transformers' gate_up_proj [E, D, 2I] (gate and up interleaved)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(checkpoint, out)
+    w = load_file(out / "model.safetensors")
+    for k in [k for k in w if k.endswith("experts.gate_up_proj")]:
+        base = k[: -len("gate_up_proj")]
+        gate_up, bias = w.pop(k), w.pop(k + "_bias")
+        down, down_bias = w.pop(base + "down_proj"), w.pop(base + "down_proj_bias")
+        w[base + "gate_proj.weight"] = np.ascontiguousarray(gate_up[..., ::2].swapaxes(-1, -2))
+        w[base + "up_proj.weight"] = np.ascontiguousarray(gate_up[..., 1::2].swapaxes(-1, -2))
+        w[base + "down_proj.weight"] = np.ascontiguousarray(down.swapaxes(-1, -2))
+        w[base + "gate_proj.bias"] = np.ascontiguousarray(bias[..., ::2])
+        w[base + "up_proj.bias"] = np.ascontiguousarray(bias[..., 1::2])
+        w[base + "down_proj.bias"] = down_bias
+    save_file(w, out / "model.safetensors", metadata={"format": "pt"})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +252,8 @@ def test_quantized_matches_mlx_lm(family, q_checkpoint, tmp_path):
         calibration_tokens=64,
     )
     ids = prompt_ids(64)
-    ref = mlx_lm_quantized_logits(ckpt, ids, bits=4, group_size=32)
+    mlx_lm_ckpt = _mlx_lm_layout(ckpt, tmp_path / "mlx_lm") if family == "gpt_oss" else ckpt
+    ref = mlx_lm_quantized_logits(mlx_lm_ckpt, ids, bits=4, group_size=32)
     model, _ = strata_mlx.load(out)
     ours = teacher_forced_logits(model, ids, step=64)
     np.testing.assert_array_equal(ours, ref)

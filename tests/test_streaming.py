@@ -40,7 +40,7 @@ def greedy(model, ids, n=8, step=64):
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3"]
+    "family", ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3", "gpt_oss"]
 )
 @pytest.mark.parametrize("step", [1, 7, 64])
 def test_bit_identical_across_arenas_and_policies(store, step, family):

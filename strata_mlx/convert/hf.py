@@ -73,10 +73,24 @@ def load_weights(src: Path) -> dict[str, mx.array]:
 def expert_weights(
     weights: dict, prefix: str, names: dict[str, str], e: int
 ) -> dict[str, mx.array]:
-    """Expert e's [out, in] gate/up/down from per-expert or fused tensors; removes nothing."""
+    """Expert e's [out, in] gate/up/down from per-expert or fused tensors (and its biases
+    [out] as `{proj}.bias` where the checkpoint has them); removes nothing."""
     per = f"{prefix}.{e}.{names['gate_proj']}.weight"
     if per in weights:
         return {p: weights[f"{prefix}.{e}.{names[p]}.weight"] for p in PROJECTIONS}
+    if f"{prefix}.gate_up_proj_bias" in weights:
+        # GPT-OSS (transformers' GptOssExperts): gate_up_proj [E, D, 2I] ([in, out]) with gate
+        # and up interleaved along out, down_proj [E, I, D], a bias for each.
+        gate_up = weights[f"{prefix}.gate_up_proj"][e]
+        bias = weights[f"{prefix}.gate_up_proj_bias"][e]
+        return {
+            "gate_proj": gate_up[:, ::2].T,
+            "up_proj": gate_up[:, 1::2].T,
+            "down_proj": weights[f"{prefix}.down_proj"][e].T,
+            "gate_proj.bias": bias[::2],
+            "up_proj.bias": bias[1::2],
+            "down_proj.bias": weights[f"{prefix}.down_proj_bias"][e],
+        }
     fused = f"{prefix}.gate_up_proj"
     if fused in weights:
         gate_up = weights[fused][e]
@@ -183,7 +197,8 @@ def convert_hf(
             )
         except KeyError as e:
             raise StoreError(f"{src}: expert tensor {e} not found in the checkpoint") from None
-        layout = layout_for(tensors, table)
+        # A family whose experts are not SwiGLU names its activation (GPT-OSS).
+        layout = layout_for(tensors, table, getattr(model, "expert_activation", None))
     else:
         from ..store import RecordLayout
 

@@ -50,7 +50,7 @@ POSITIVE = {
 # Upper bounds below MAX_DIM: a model is built layer by layer in Python before its weights are
 # checked, so a num_hidden_layers of 2^31 - 1 would exhaust memory building modules.
 AT_MOST = {"partial_rotary_factor": 1, "num_hidden_layers": 1 << 12}
-LAYER_TYPES = ("linear_attention", "full_attention")
+LAYER_TYPES = ("linear_attention", "full_attention")  # a family may name others (LAYER_TYPES)
 
 
 @dataclass
@@ -81,7 +81,7 @@ class BaseModelArgs:
                 if not 0 <= v <= hi:
                     fail(f.name, f"{v} outside [0, {hi}]")
             kw[f.name] = v
-        _check_together(kw, fail)
+        _check_together(kw, fail, getattr(cls, "LAYER_TYPES", LAYER_TYPES))
         try:
             return cls(**kw)
         except (ValueError, ZeroDivisionError) as e:  # a family's own __post_init__ checks
@@ -121,7 +121,7 @@ def _short(v: Any) -> str:
     return f"{type(v).__name__} {r if len(r) <= 40 else r[:37] + '...'}"
 
 
-def _check_together(kw: dict[str, Any], fail) -> None:
+def _check_together(kw: dict[str, Any], fail, layer_types=LAYER_TYPES) -> None:
     """Fields that only make sense together (head counts, top-k, layer lists, rope scaling)."""
     heads, kv = kw.get("num_attention_heads"), kw.get("num_key_value_heads")
     if heads and kv and heads % kv:
@@ -143,9 +143,9 @@ def _check_together(kw: dict[str, Any], fail) -> None:
     if types_ is not None:
         if len(types_) < layers:
             fail("layer_types", f"{len(types_)} entries for {layers} layers")
-        bad = [t for t in types_ if t not in LAYER_TYPES]
+        bad = [t for t in types_ if t not in layer_types]
         if bad:
-            fail("layer_types", f"{bad[0]!r} is not one of {', '.join(LAYER_TYPES)}")
+            fail("layer_types", f"{bad[0]!r} is not one of {', '.join(layer_types)}")
     for v in kw.get("rope_freq_factors") or []:
         if not v > 0:
             fail("rope_freq_factors", f"{v} must be > 0")
