@@ -123,14 +123,35 @@ def available_bytes() -> int | None:
     return min(found) if found else None
 
 
-def kv_cache_bytes(args, tokens: int) -> int:
-    """fp16 keys and values of `tokens` positions in every layer (mlx-lm grows its KVCache in
-    steps of 256 positions)."""
+def kv_cache_bytes(args, tokens: int, itemsize: int = 2) -> int:
+    """The KV cache and recurrent state after `tokens` positions, at `itemsize` bytes an
+    element (fp16 by default), as the families allocate them: attention layers' KVCache grows
+    in steps of 256 positions (as mlx-lm's) and holds, per position,
+      - keys and values of every KV head (GQA), sliding-window layers included (GPT-OSS keeps
+        every position: strata_mlx.models.gpt_oss);
+      - for multi-head latent attention (DeepSeek-V3, `kv_lora_rank`), the compressed latent
+        and the shared rotary key only (kv_lora_rank + qk_rope_head_dim), not the heads'
+        keys and values, ~25x less at DeepSeek-V3's shape;
+    and Qwen3-Next's linear-attention layers a fixed state whatever `tokens`: the conv window
+    [kernel - 1, conv width] at `itemsize` and the float32 delta-rule state [Hv, Dv, Dk]."""
     layers = getattr(args, "num_hidden_layers", 0) or 0
+    positions = -(-tokens // 256) * 256
+    rank = getattr(args, "kv_lora_rank", None)
+    if rank:
+        return layers * (rank + args.qk_rope_head_dim) * positions * itemsize
     heads = getattr(args, "num_attention_heads", 1) or 1
     kv_heads = getattr(args, "num_key_value_heads", None) or heads
     head_dim = getattr(args, "head_dim", None) or getattr(args, "hidden_size", 0) // heads
-    return layers * 2 * kv_heads * head_dim * (-(-tokens // 256) * 256) * 2
+    per_layer = 2 * kv_heads * head_dim * positions * itemsize
+    is_linear = getattr(args, "is_linear", None)
+    linear = sum(1 for i in range(layers) if is_linear(i)) if callable(is_linear) else 0
+    total = (layers - linear) * per_layer
+    if linear:
+        n_k, n_v = args.linear_num_key_heads, args.linear_num_value_heads
+        d_k, d_v = args.linear_key_head_dim, args.linear_value_head_dim
+        conv = (args.linear_conv_kernel_dim - 1) * (2 * n_k * d_k + n_v * d_v) * itemsize
+        total += linear * (conv + n_v * d_v * d_k * 4)
+    return total
 
 
 def _gb(n: int) -> str:

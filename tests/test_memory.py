@@ -92,6 +92,34 @@ def test_kv_cache_bytes():
     assert memory.kv_cache_bytes(args, 300) == 2 * 2 * 2 * 8 * 512 * 2
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "deepseek_v3", "gpt_oss"])
+def test_kv_cache_bytes_is_the_real_cache_after_a_prefill(store, family):
+    """GQA keys and values; DeepSeek-V3's latent cache (MLA); Qwen3-Next's fixed state in
+    its linear-attention layers; GPT-OSS's sliding layers: the estimate is the bytes the
+    families' caches hold after 300 positions (float32 stores: 4 bytes an element)."""
+    import mlx.core as mx
+    from conftest import prompt_ids
+
+    model, _ = strata_mlx.load(store(family))
+    cache = model.make_cache()
+    ids = prompt_ids(300, seed=2)
+    for i in range(0, len(ids), 128):
+        mx.eval(model(mx.array([ids[i : i + 128]]), cache=cache))
+    real = sum(a.nbytes for c in cache for a in c.state)
+    assert memory.kv_cache_bytes(model.args, 300, itemsize=4) == real
+    model.expert_cache.close()
+
+
+def test_kv_cache_bytes_of_latent_attention_at_deepseek_v3_shape():
+    """61 layers, 128 heads of 7168 / 128 = 56 by the GQA rule, ~25x the latent's 512 + 64."""
+    args = SimpleNamespace(num_hidden_layers=61, num_attention_heads=128,
+                           num_key_value_heads=128, hidden_size=7168)  # fmt: skip
+    gqa = memory.kv_cache_bytes(args, 4096)
+    mla = memory.kv_cache_bytes(SimpleNamespace(**vars(args), kv_lora_rank=512,
+                                                qk_rope_head_dim=64), 4096)  # fmt: skip
+    assert mla == 61 * 576 * 4096 * 2 and 24 < gqa / mla < 26
+
+
 def test_load_refuses_an_arena_larger_than_available(store, monkeypatch):
     path = store("qwen3_moe")
     m = load_manifest(path)
