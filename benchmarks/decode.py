@@ -4,8 +4,8 @@ decode paths (per-layer sync, pipelined at several lags) on the same store and p
     python benchmarks/decode.py STORE -p 2048 -g 128 [--arena-gb G] [--policies demand,lookahead]
         [--modes sync,layers:1,token:4,token:8,token:16,adaptive] [--no-baseline] [--rounds 2]
 
-Without --arena-gb every expert is made resident (warm()) and one loaded model serves every
-mode (only the decoder changes). With --arena-gb each (policy, mode) loads afresh, prefills
+Without --arena-gb every expert is made resident (warm()) and one loaded model per policy
+serves every mode (only the decoder changes). With --arena-gb each (policy, mode) loads afresh, prefills
 the prompt cold and decodes: the decode after a prefill that left the arena holding what it
 holds. Rounds interleave the variants, rotating their order. Figures are ms/token between the
 first and the last generated token (the first is the prefill's); logits of every decode step
@@ -110,26 +110,29 @@ def main() -> None:
     policies = a.policies.split(",")
     modes = a.modes.split(",")
     variants = [(p, md) for p in policies for md in modes]
-    resident = None
+    residents = {}  # all resident: one model per policy, loaded and warmed once
     if a.arena_gb is None:
         gb = m.expert_bytes / 1024**3 * 1.01 + 0.01
-        resident, _ = strata_mlx.load(a.store, arena_gb=gb, read_ahead="demand")
-        t = time.perf_counter()
-        resident.expert_cache.warm()
-        print(
-            f"strata-mlx: all {m.expert_bytes / 1e9:.1f} GB of experts resident in "
-            f"{time.perf_counter() - t:.1f} s",
-            flush=True,
-        )
-        set_mode(resident, "sync")
-        run_strata(resident, ids[: step + 1], 4, step)
-        set_mode(resident, "token:8")
-        run_strata(resident, ids[: step + 1], 4, step)
+        for policy in policies:
+            opts = {"read_ahead": "demand", **policy_options(policy)}
+            resident, _ = strata_mlx.load(a.store, arena_gb=gb, **opts)
+            t = time.perf_counter()
+            resident.expert_cache.warm()
+            print(
+                f"strata-mlx ({policy}): all {m.expert_bytes / 1e9:.1f} GB of experts resident "
+                f"in {time.perf_counter() - t:.1f} s",
+                flush=True,
+            )
+            set_mode(resident, "sync")
+            run_strata(resident, ids[: step + 1], 4, step)
+            set_mode(resident, "token:8")
+            run_strata(resident, ids[: step + 1], 4, step)
+            residents[policy] = resident
     for r in range(a.rounds):
         k = r % len(variants)
         for policy, mode in variants[k:] + variants[:k]:
-            if resident is not None:
-                model = resident
+            if residents:
+                model = residents[policy]
             else:
                 model, _ = strata_mlx.load(
                     a.store, arena_gb=a.arena_gb, prefill_step_size=step, **policy_options(policy)

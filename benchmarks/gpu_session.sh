@@ -70,5 +70,38 @@ prefill-old)  # issue 17, call 3: the same bench on the code before this issue (
      --prefill-step-size 1024 --policies lookahead,demand --json "$OUT/bench-new2.json" \
      2>&1 | tee "$OUT/bench-new2.log"
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old"; exit 2;;
+sched1)  # issue 10, call 1: store; prefill, loop against sync scheduling, chunk 1024
+  python3 setup.py build_ext --inplace -q 2>&1 | tail -2
+  /usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --mlx-path "$SYNTH" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -3 | tee "$OUT/synth.log"
+  python3 -m strata_mlx probe-ssd "$SYNTH/experts.bin" --record-bytes 983040 --seconds 2 | tee "$OUT/probe.log"
+  timeout 330 python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 16 --arena-gb 6.5 \
+     --prefill-step-size 1024 --policies lookahead:sync:d1,lookahead:loop:d2,static:sync \
+     --json "$OUT/sched1.json" 2>&1 | tee "$OUT/sched1.log"
+  ;;
+sched2)  # issue 10, call 2: more depths, chunk 2048; decode at 6.5 GB, loop against sync
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -2
+  timeout 200 python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 16 --arena-gb 6.5 \
+     --prefill-step-size 1024 --policies lookahead:loop:d3,lookahead:loop:d1,static:loop \
+     --json "$OUT/sched2.json" 2>&1 | tee "$OUT/sched2.log"
+  timeout 150 python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 16 --arena-gb 6.5 \
+     --prefill-step-size 2048 --policies lookahead:sync:d1,lookahead:loop:d2 \
+     --json "$OUT/sched2-2048.json" 2>&1 | tee "$OUT/sched2-2048.log"
+  timeout 220 python3 benchmarks/decode.py "$SYNTH" -p 2048 -g 64 --arena-gb 6.5 --no-baseline \
+     --policies demand:sync,demand:loop,lookahead:sync:d1,lookahead:loop --modes adaptive --rounds 1 \
+     --json "$OUT/decode-arena.json" 2>&1 | tee "$OUT/decode-arena.log"
+  ;;
+sched3)  # issue 10/17, call 3: resident decode, loop against sync, beside mlx-lm; old prefill
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -2
+  timeout 200 python3 benchmarks/decode.py "$SYNTH" -p 2048 -g 128 --rounds 2 \
+     --policies demand:sync,demand:loop --modes token:4 --json "$OUT/decode-resident.json" \
+     2>&1 | tee "$OUT/decode-resident.log"
+  (cd "$OLD" && python3 setup.py build_ext --inplace -q 2>&1 | tail -2 && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" \
+   timeout 170 python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 16 --arena-gb 6.5 \
+   --prefill-step-size 1024 --policies demand,lookahead --json "$OUT/bench-old.json") 2>&1 | tee "$OUT/bench-old.log"
+  timeout 170 python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 16 --arena-gb 6.5 \
+     --prefill-step-size 1024 --policies demand,lookahead --json "$OUT/bench-new.json" \
+     2>&1 | tee "$OUT/bench-new.log"
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3"; exit 2;;
 esac

@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .experts import ExpertStats
+from .stats import ExpertStats
 from .generate import generate_step, make_sampler
 from .loader import RuntimeConfig, load
 from .store import EXPERTS, load_manifest
@@ -64,7 +64,8 @@ def _drop_page_cache(store: Path) -> bool:
 
 def policy_options(policy: str) -> dict:
     """RuntimeConfig fields of a bench policy name: a read-ahead policy, optionally with
-    ":always" (lookahead predicts in decode too) and ":dN" (N layers predicted ahead)."""
+    ":always" (lookahead predicts in decode too), ":dN" (N layers predicted ahead), ":sync"
+    or ":loop" (the scheduler) and ":lwN" (the loop's low-water mark)."""
     name, *variants = policy.split(":")
     out: dict = {"read_ahead": name}  # the name is checked with the rest (check_runtime)
     for v in variants:
@@ -72,8 +73,14 @@ def policy_options(policy: str) -> dict:
             out["lookahead_decode_min_miss"] = 0.0
         elif v[:1] == "d" and v[1:].isdigit():
             out["lookahead_depth"] = int(v[1:])
+        elif v in ("sync", "loop"):
+            out["scheduler"] = v
+        elif v[:2] == "lw" and v[2:].isdigit():
+            out["scheduler_low_water"] = int(v[2:])
         else:
-            raise ValueError(f"policy {policy!r}: unknown variant {v!r} (always | dN)")
+            raise ValueError(
+                f"policy {policy!r}: unknown variant {v!r} (always | dN | sync | loop | lwN)"
+            )
     return out
 
 

@@ -15,10 +15,10 @@ import mlx.core as mx
 import numpy as np
 
 from . import decode
-from .experts import ExpertStats
 from .options import OptionError, check_prompt_length, check_sampling
 from .prompt_cache import KVOptions, make_prompt_cache, maybe_quantize, quantize_due
 from .sampling import LogitsProcessor, Sampler, make_sampler  # make_sampler lived here
+from .stats import ExpertStats
 
 
 @dataclass

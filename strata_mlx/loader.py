@@ -71,7 +71,11 @@ class RuntimeConfig:
     static_cap: int = 256
     lookahead_min_tokens: int = 1
     lookahead_decode_min_miss: float = 0.02
-    lookahead_depth: int = 1  # layers predicted ahead from each layer's input
+    lookahead_depth: int = 2  # layers predicted ahead from each layer's input
+    # loop: an asyncio event loop on its own thread schedules reads and keeps the drive busy
+    # between handshakes; sync: reads are scheduled only inside the handshake (the first wave)
+    scheduler: str = "loop"
+    scheduler_low_water: int | None = None  # loop: top up below this many queued (None: 2 x io)
     eviction: str = "lru"
     # Checksums: dense weights once at load (again only when the file changed), every expert
     # record as the reader's threads read it. Off only to measure what it costs.
@@ -263,6 +267,8 @@ def load(
         profile=profile,
         verify=cfg.verify,
         fake_stream=cfg.fake_stream,
+        scheduler=cfg.scheduler,
+        low_water=cfg.scheduler_low_water,
     )
     attach(model, cache)
     model.expert_cache = cache

@@ -83,6 +83,7 @@ def check_runtime(cfg, cli: bool = False) -> None:
     from .arena import POLICIES
     from .decode import MODES
     from .prediction import READ_AHEAD_POLICIES
+    from .scheduler import SCHEDULERS
 
     if cfg.arena_gb is not None:
         check_number("arena_gb", cfg.arena_gb, 0, lo_open=True, cli=cli)
@@ -93,6 +94,9 @@ def check_runtime(cfg, cli: bool = False) -> None:
     check_number("lookahead_decode_min_miss", cfg.lookahead_decode_min_miss, 0, 1, cli=cli)
     check_int("lookahead_depth", cfg.lookahead_depth, 1, 1 << 10, cli=cli)
     check_choice("eviction", cfg.eviction, sorted(POLICIES), cli=cli)
+    check_choice("scheduler", cfg.scheduler, SCHEDULERS, cli=cli)
+    if cfg.scheduler_low_water is not None:
+        check_int("scheduler_low_water", cfg.scheduler_low_water, 0, 1 << 20, cli=cli)
     if cfg.prefill_step_size is not None:
         check_int("prefill_step_size", cfg.prefill_step_size, 1, MAX_PREFILL_STEP, cli=cli)
     check_choice("decode", cfg.decode, MODES, cli=cli)

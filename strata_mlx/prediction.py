@@ -10,7 +10,13 @@ measurement:
   layer l's MoE input for every token; predicted experts ordered most-tokens-first and all
   submitted (no cap) before layer l waits on its misses. Layer 0 comes from the profile rank.
 
-This module only ranks expert ids; it never reads files or touches the arena.
+With lookahead, the layers after the next one (depth > 1) are predicted from the same input
+through their own routers; the scheduler reads them once the next layer's reads are done.
+
+`Predictor` holds the policy's decisions for one model: which layers a handshake predicts,
+what it submits after its wait (static, layer 0), and the running decode miss rates that
+switch decode's prediction and the pipelined decoder's modes. It only ranks expert ids; it
+never reads files or touches the arena.
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ class ReadAhead:
     # (lookahead decode 14.4 tok/s against demand 19.2). 0 predicts always.
     decode_min_miss: float = 0.02
     # lookahead: layers predicted from each layer's input (l+1 .. l+depth, each through its
-    # own router), read in that order
-    depth: int = 1
+    # own router), read in that order; those after l+1 once l+1's reads are done
+    depth: int = 2
 
     def __post_init__(self):
         if self.policy not in READ_AHEAD_POLICIES:
@@ -62,3 +68,70 @@ def profile_rank(counts: np.ndarray | None, num_experts: int) -> list[int]:
         return list(range(num_experts))
     counts = np.asarray(counts)
     return np.lexsort((np.arange(num_experts), -counts)).tolist()
+
+
+class Predictor:
+    """The read-ahead policy's decisions for the MoE `layers` of one model."""
+
+    def __init__(self, read_ahead: ReadAhead, layers: list[int], profile, num_experts: int):
+        self.read_ahead = read_ahead
+        self.layers = layers
+        self.profile = profile
+        self.num_experts = num_experts
+        self.routers: dict = {}  # layer -> route(x) -> top-k ids
+        self._targets: dict[int, list[int]] = {}
+        self.decode_miss_rate = 1.0  # running average; starts high so decode predicts at first
+        # Running fraction of decode layers that missed (pipelined decode's fallback rule)
+        self.decode_layer_miss_rate = 0.0
+        self.layer0_width = 0  # experts the first layer needed last time
+
+    def register_router(self, layer: int, route) -> None:
+        self.routers[layer] = route
+        depth = self.read_ahead.depth
+        self._targets = {
+            l: [t for t in self.layers[i + 1 : i + 1 + depth] if t in self.routers]
+            for i, l in enumerate(self.layers)
+        }
+
+    def targets(self, layer: int, decoding: bool) -> list[int]:
+        """The layers `layer`'s handshake predicts from its input, nearest first."""
+        if not self.read_ahead.predicts:
+            return []
+        if decoding and self.decode_miss_rate < self.read_ahead.decode_min_miss:
+            return []
+        return self._targets.get(layer, [])
+
+    def predicts_in_decode(self) -> bool:
+        return self.read_ahead.predicts and self.decode_miss_rate >= self.read_ahead.decode_min_miss
+
+    def rank(self, ids: np.ndarray) -> list[int]:
+        return rank_by_tokens(ids, self.read_ahead.min_tokens)
+
+    def after_wait(self, layer: int, nxt: int | None, needed: int) -> tuple[int, list[int]] | None:
+        """What to read once `layer`'s own misses are in: static's profile-ranked next layer;
+        lookahead's first layer of the next forward (no router input for it yet), as wide as
+        it was last time. `needed`: how many experts `layer` used."""
+        if layer == self.layers[0]:
+            width, self.layer0_width = self.layer0_width, needed
+        else:
+            width = self.layer0_width
+        policy = self.read_ahead.policy
+        if policy == "static":
+            target = self.layers[0] if nxt is None else nxt
+            return target, self.profile_rank(target)[: self.read_ahead.static_cap]
+        if policy == "lookahead" and nxt is None:
+            first = self.layers[0]
+            return first, self.profile_rank(first)[: max(width, 1)]
+        return None
+
+    def observe_decode_layer(self, miss_rate: float) -> None:
+        """Running averages over the last ~100 decode layers (the share of lookups that
+        missed: whether decode predicts) and ~50 (the share of layers with a miss: whether
+        pipelined decode falls back to the sync handshake)."""
+        self.decode_miss_rate += 0.01 * (miss_rate - self.decode_miss_rate)
+        missed = float(miss_rate > 0)
+        self.decode_layer_miss_rate += 0.02 * (missed - self.decode_layer_miss_rate)
+
+    def profile_rank(self, layer: int) -> list[int]:
+        counts = None if self.profile is None else self.profile[self.layers.index(layer)]
+        return profile_rank(counts, self.num_experts)

@@ -180,6 +180,21 @@ class Reader:
         """Return and clear all available completions without blocking."""
         return self._r.poll()
 
+    def notify_fd(self) -> int:
+        """The read end of a non-blocking pipe that becomes readable when a completion arrives
+        (for an event loop's ``add_reader``; created on first call, closed by :meth:`close`).
+        It gets one byte per :meth:`ack`, however many completions follow: call ``ack()``
+        before collecting, so a completion landing after the collection wakes it again."""
+        return self._r.notify_fd()
+
+    def ack(self) -> None:
+        """Re-arm :meth:`notify_fd` and drain it. Must not race :meth:`close`."""
+        self._r.ack()
+
+    def queued(self) -> int:
+        """Requests queued (urgent and read-ahead) that no worker has started."""
+        return self._r.queued()
+
     def pause(self) -> None:
         """Stop starting new reads (reads in flight finish)."""
         self._r.pause()

@@ -248,7 +248,7 @@ def kld_command(
 def traced_run(model_path: str | Path, ids: list[int], config):
     """Load the store with `config`, trace routing over teacher-forced `ids`:
     (RoutingTrace, logits [T, vocab])."""
-    from .experts import RoutingTrace
+    from .stats import RoutingTrace
     from .generate import teacher_forced_logits
     from .loader import load
 

@@ -104,11 +104,16 @@ def test_lookahead_depth_reads_further_ahead_exactly(tmp_path, monkeypatch, tiny
         ec = model.expert_cache
         targets[depth] = seen = []
 
-        def record(layer, *a, seen=seen, submit=ec._submit_readahead, **k):
+        def record(layer, *a, seen=seen, submit=ec.sched.read_ahead, **k):
             seen.append(layer)
             return submit(layer, *a, **k)
 
-        monkeypatch.setattr(ec, "_submit_readahead", record)
+        def record_reserve(keys, predicted, seen=seen, reserve=ec.sched.reserve):
+            seen.extend(dict.fromkeys(layer for layer, _ in keys))  # distinct, in order
+            return reserve(keys, predicted)
+
+        monkeypatch.setattr(ec.sched, "read_ahead", record)
+        monkeypatch.setattr(ec.sched, "reserve", record_reserve)
         outs[depth] = teacher_forced_logits(model, ids, 24)  # one chunk
     assert np.array_equal(outs[1], outs[2])
     # The first layer is predicted from the profile once the chunk is done (the next forward's).

@@ -83,14 +83,14 @@ def test_statistics_add_up(store, policy):
     model, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.5), read_ahead=policy)
     teacher_forced_logits(model, prompt_ids(32, seed=5), 3)
     cache = model.expert_cache
-    cache._collect(block=True) if cache._reads else None
+    cache.sched.drain()
     s = cache.stats
     rb = load_manifest(path).layout.record_bytes
     assert s.lookups == s.hits + s.streamed_ahead + s.misses
     assert s.bytes_read == s.experts_read * rb
     # Every read was an urgent miss or a read-ahead that was submitted and not dropped.
     assert s.experts_read == s.misses + s.readahead_submitted - s.readahead_dropped - len(
-        cache._reads
+        cache.sched.reads
     )
     assert s.wasted_readahead <= s.readahead_submitted
     if policy == "demand":

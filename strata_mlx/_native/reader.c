@@ -4,7 +4,9 @@
  * [, expected checksum]); worker pthreads take requests off two queues (urgent always before
  * read-ahead), pread them and, where a checksum is expected, verify the bytes (checksum.c),
  * without ever touching the GIL. Python collects (tag, error, bytes_read) completions through
- * wait(), which releases the GIL while it blocks, or poll().
+ * wait(), which releases the GIL while it blocks, or poll(). An event loop can instead watch
+ * notify_fd(): the read end of a pipe that gets a byte when a completion arrives after the
+ * last ack() (one byte per ack, however many completions), so it wakes without polling.
  *
  * Locking: one mutex guards everything below it in ReaderObject. Worker threads never call the
  * Python API. Python-side methods take the mutex while holding the GIL, but never wait for the
@@ -84,7 +86,18 @@ struct ReaderObject {
     int *fds, nfiles, cap_files;
     char *direct, *checksum; /* per file: opened O_DIRECT; CHECKSUM_* of its records */
     unsigned long long bytes_read, requests_done, errors, verified, *busy_ns, *verify_ns;
+    int notify_r, notify_w; /* the completion pipe (-1 until notify_fd()), its ends */
+    int notified;           /* a byte was written since the last ack() */
 };
+
+/* A completion arrived (mu held): wake an event loop watching notify_fd(), once per ack. */
+static void notify(ReaderObject *r) {
+    if (r->notify_w >= 0 && !r->notified) {
+        r->notified = 1;
+        ssize_t rc = write(r->notify_w, "c", 1); /* non-blocking; a full pipe is awake anyway */
+        (void)rc;
+    }
+}
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -245,6 +258,7 @@ static void *worker_main(void *p) {
         r->busy_ns[w] += t1 - t0;
         r->verify_ns[w] += t2 - t1;
         pthread_cond_broadcast(&r->done);
+        notify(r);
     }
     pthread_mutex_unlock(&r->mu);
     free(bounce);
@@ -369,6 +383,9 @@ static void stop_workers(ReaderObject *r, int release_gil) {
     r->nstarted = 0;
     for (int i = 0; i < r->nfiles; i++) close(r->fds[i]);
     r->nfiles = 0;
+    if (r->notify_r >= 0) close(r->notify_r);
+    if (r->notify_w >= 0) close(r->notify_w);
+    r->notify_r = r->notify_w = -1;
 }
 
 static void Reader_dealloc(ReaderObject *r) {
@@ -410,6 +427,7 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!r) return NULL;
     r->nworkers = nworkers;
     r->bounce = bounce;
+    r->notify_r = r->notify_w = -1;
     r->paused = paused;
     r->threads = calloc((size_t)nworkers, sizeof(pthread_t));
     r->args = calloc((size_t)nworkers, sizeof(WorkerArg));
@@ -788,6 +806,53 @@ static PyObject *Reader_close(ReaderObject *r, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static int set_flags(int fd, int fd_flags, int fl_flags) {
+    return fcntl(fd, F_SETFD, fcntl(fd, F_GETFD) | fd_flags) < 0 ||
+           fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | fl_flags) < 0;
+}
+
+static PyObject *Reader_notify_fd(ReaderObject *r, PyObject *unused) {
+    if (check_open(r) < 0) return NULL;
+    if (r->notify_r < 0) {
+        int p[2];
+        if (pipe(p) < 0) return PyErr_SetFromErrno(PyExc_OSError);
+        if (set_flags(p[0], FD_CLOEXEC, O_NONBLOCK) || set_flags(p[1], FD_CLOEXEC, O_NONBLOCK)) {
+            close(p[0]);
+            close(p[1]);
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        pthread_mutex_lock(&r->mu);
+        r->notify_r = p[0];
+        r->notify_w = p[1];
+        r->notified = 0;
+        if (r->n_done) notify(r); /* completions already waiting */
+        pthread_mutex_unlock(&r->mu);
+    }
+    return PyLong_FromLong(r->notify_r);
+}
+
+static PyObject *Reader_ack(ReaderObject *r, PyObject *unused) {
+    if (r->notify_r < 0) Py_RETURN_NONE;
+    char buf[64];
+    /* Drain, then re-arm: a completion before the re-arm wrote no byte but is collected by
+     * the caller's poll that follows; one after it writes a new byte. (Re-arming first
+     * would let a byte written between the two be drained with the flag left set: every
+     * later completion would go unannounced.) */
+    while (read(r->notify_r, buf, sizeof buf) > 0) {
+    }
+    pthread_mutex_lock(&r->mu);
+    r->notified = 0;
+    pthread_mutex_unlock(&r->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Reader_queued(ReaderObject *r, PyObject *unused) {
+    pthread_mutex_lock(&r->mu);
+    Py_ssize_t n = q_size(&r->urgent) + q_size(&r->ahead);
+    pthread_mutex_unlock(&r->mu);
+    return PyLong_FromSsize_t(n);
+}
+
 static PyObject *get_workers(ReaderObject *r, void *c) { return PyLong_FromLong(r->nworkers); }
 static PyObject *get_closed(ReaderObject *r, void *c) { return PyBool_FromLong(r->closing); }
 
@@ -808,6 +873,10 @@ static PyMethodDef Reader_methods[] = {
     {"stats", (PyCFunction)Reader_stats, METH_NOARGS, "counters as a dict"},
     {"reset_stats", (PyCFunction)Reader_reset_stats, METH_NOARGS, "zero the counters"},
     {"close", (PyCFunction)Reader_close, METH_NOARGS, "stop workers, close files"},
+    {"notify_fd", (PyCFunction)Reader_notify_fd, METH_NOARGS,
+     "notify_fd() -> read end of the completion pipe"},
+    {"ack", (PyCFunction)Reader_ack, METH_NOARGS, "re-arm notify_fd and drain it"},
+    {"queued", (PyCFunction)Reader_queued, METH_NOARGS, "requests queued, not yet started"},
     {NULL},
 };
 
