@@ -14,7 +14,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_kernels import _compare, gguf_experts, needs_cxx
+from test_kernels import _compare, cpu_reference, gguf_experts, needs_cxx
 
 from custom_kernels import dispatch
 from strata_mlx.arena import (
@@ -26,7 +26,6 @@ from strata_mlx.arena import (
     buffer_shape,
     slot_rows,
 )
-from strata_mlx.quant import switch_glu_reference
 from strata_mlx.store import ALIGNMENT
 
 GiB = 1024**3
@@ -154,8 +153,8 @@ def test_big_arena_expert_kernels_read_far_slots(big):
         small = mx.array(np.stack(recs[: len(far)]))  # record i in slot i
         x, idx = _routing(len(far), n_tokens=3, k=2, seed=5)
         slots = mx.array(far, dtype=mx.uint32)
-        ref = switch_glu_reference(x, small, layout, idx)
-        got_ref = switch_glu_reference(x, arena.rows[slots], layout, idx)
+        ref = cpu_reference(x, small, layout, idx)  # float32 on the CPU, as the host kernel
+        got_ref = cpu_reference(x, arena.rows[slots], layout, idx)
         np.testing.assert_array_equal(np.array(got_ref), np.array(ref))
         fn = dispatch.kernel_for("host", layout)
         y = fn(x, arena.rows, slots, idx, layout)
