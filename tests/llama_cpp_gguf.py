@@ -84,16 +84,22 @@ MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a")]
 TOKENS = byte_symbols() + ["".join(m) for m in MERGES] + [EOT]  # 262 ids
 
 
-def write_tokenizer(d: Path) -> None:
-    """A byte-level BPE (GPT-2 pre-tokenizer) with an end-of-text token, as transformers saves
-    one (tokenizer.json + tokenizer_config.json)."""
+# The added tokens llama.cpp's converter looks up by name in GLM-4.5's vocabulary (ids 262..).
+GLM_SPECIALS = ("[gMASK]", "<|user|>", "<|observation|>")
+
+
+def write_tokenizer(d: Path, specials: tuple[str, ...] = ()) -> None:
+    """A byte-level BPE (GPT-2 pre-tokenizer) with an end-of-text token (and `specials` after
+    it), as transformers saves one (tokenizer.json + tokenizer_config.json)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {t: i for i, t in enumerate(TOKENS)}
+    vocab = {t: i for i, t in enumerate(TOKENS + list(specials))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=MERGES, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(EOT, special=True, normalized=False)])
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in (EOT, *specials)]
+    )
     tok.save(str(d / "tokenizer.json"))
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -191,6 +197,56 @@ def hf_model(
             norm_topk_prob=True,
         )
         m = T.Qwen3NextForCausalLM(cfg)
+    elif family == "glm4_moe":
+        # Layer 0 dense; 8 experts in 2 groups, one eligible; partial rotary, q/k norms.
+        cfg = T.Glm4MoeConfig(
+            **{**base, "num_hidden_layers": max(layers, 3)},
+            intermediate_size=2 * expert,
+            moe_intermediate_size=expert,
+            head_dim=16,
+            partial_rotary_factor=0.5,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            use_qk_norm=True,
+            attention_bias=True,
+        )
+        m = T.Glm4MoeForCausalLM(cfg)
+    elif family == "deepseek_v3":
+        # Layer 0 dense; 8 experts in 4 groups, 2 eligible; q through its low-rank path; YaRN.
+        cfg = T.DeepseekV3Config(
+            **{**base, "num_hidden_layers": max(layers, 3), "num_key_value_heads": 4},
+            intermediate_size=2 * expert,
+            moe_intermediate_size=expert,
+            n_routed_experts=8,
+            n_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            kv_lora_rank=32,
+            q_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                # llama.cpp keeps only mscale_all_dim (yarn_log_multiplier) and scales the
+                # attention by it: equal to transformers where mscale is the same, as in
+                # DeepSeek-V3's own config.
+                "mscale": 0.8,
+                "mscale_all_dim": 0.8,
+            },
+        )
+        m = T.DeepseekV3ForCausalLM(cfg)
     else:
         raise ValueError(family)
     m = m.to(torch.float32).eval()
@@ -198,6 +254,11 @@ def hf_model(
         for name, p in m.named_parameters():
             if "norm" in name and p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                p.add_(torch.randn_like(p) * 0.1)
+        for name, b in m.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.05)
     return m
 
 
@@ -207,7 +268,14 @@ def save_checkpoint(model, d: Path, sentencepiece: bool = False) -> Path:
     if sentencepiece:
         write_sentencepiece(d)
     else:
-        write_tokenizer(d)
+        glm = model.config.model_type == "glm4_moe"
+        write_tokenizer(d, GLM_SPECIALS if glm else ())
+    if model.config.model_type == "deepseek_v3":
+        # DeepSeek-V3's own config.json names its router (transformers 5 leaves it out, and
+        # llama.cpp's converter writes expert_gating_func only from it).
+        config = json.loads((d / "config.json").read_text())
+        config.update(scoring_func="sigmoid", topk_method="noaux_tc")
+        (d / "config.json").write_text(json.dumps(config, indent=2))
     return d
 
 
