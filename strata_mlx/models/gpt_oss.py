@@ -122,6 +122,12 @@ class Attention(nn.Module):
         q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if cache is not None and type(cache) is not KVCache:
+            # The window below counts positions in a cache that holds them all, in order.
+            raise ValueError(
+                f"gpt_oss: its attention needs a plain KV cache, not {type(cache).__name__} "
+                "(no rotating or quantized KV cache: --max-kv-size, --kv-bits)"
+            )
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:
@@ -214,6 +220,9 @@ class Model(nn.Module):
 
     def make_cache(self) -> list[Any]:
         return [KVCache() for _ in self.model.layers]
+
+    # Attention sinks have no quantized-cache path (mlx-lm refuses them there too).
+    quantized_kv = False
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
