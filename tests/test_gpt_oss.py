@@ -96,3 +96,14 @@ def test_decode_past_the_window_matches_full_recompute(store):
     model(mx.array([ids[:3]]), cache=cache)
     steps = [np.array(model(mx.array([[t]]), cache=cache)[0, -1]) for t in ids[3:]]
     np.testing.assert_allclose(np.stack(steps), full[3:], atol=1e-5, rtol=1e-5)
+
+
+def test_rotating_cache_is_refused_in_one_line(store):
+    from strata_mlx.models.base import RotatingKVCache
+
+    model, _ = strata_mlx.load(store("gpt_oss"))
+    cache = [RotatingKVCache(16, keep=4) for _ in model.layers]
+    with pytest.raises(ValueError, match="plain KV cache, not RotatingKVCache") as e:
+        model(mx.array([[1, 2, 3]]), cache=cache)
+    assert "\n" not in str(e.value)
+    assert model.quantized_kv is False  # --kv-bits is refused before a cache is made
