@@ -306,7 +306,14 @@ def init(backend: str = "any"):
     """The distributed group of this process (a group of one outside mlx.launch)."""
     if not mx.distributed.is_available():
         raise PipelineError("this MLX build has no distributed backend")
-    return mx.distributed.init(backend=backend)
+    hostfile = os.environ.get("MLX_HOSTFILE")
+    if hostfile and os.path.isfile(hostfile) and not open(hostfile).read().strip():
+        # `mlx.launch -n 1` writes an empty hostfile, which the ring backend cannot parse
+        del os.environ["MLX_HOSTFILE"]
+    try:
+        return mx.distributed.init(backend=backend)
+    except RuntimeError as e:
+        raise PipelineError(f"pipeline: mx.distributed.init: {_first_line(e)}") from None
 
 
 def restrict_manifest(manifest, moe_layers: list[int]):

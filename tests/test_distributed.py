@@ -87,6 +87,49 @@ def launch(n: int, argv: list[str], env: dict | None = None, timeout: float = DE
     return finish(start(n, argv, env), timeout, **kw)
 
 
+def test_split_by_memory():
+    from strata_mlx.distributed import split_layers
+
+    assert split_layers([1] * 10, 2) == [range(0, 5), range(5, 10)]
+    # rank 0 also holds the embedding and head: it takes fewer layers
+    assert split_layers([1] * 10, 2, first_extra=4) == [range(0, 3), range(3, 10)]
+    # the largest rank's bytes are the least any contiguous split gives
+    assert split_layers([5, 1, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 6)]
+    # every rank gets a layer, even when one layer outweighs the rest
+    assert split_layers([10, 1, 1, 1], 3) == [range(0, 1), range(1, 3), range(3, 4)]
+    with pytest.raises(ValueError, match="3 ranks for 2 layers"):
+        split_layers([1, 1], 3)
+
+
+def test_split_given():
+    from strata_mlx.distributed import parse_split
+
+    assert parse_split("3, 5", 8, 2) == [range(0, 3), range(3, 8)]
+    for text, why in [("3,4", "add up to the model's 8"), ("8", "1 entries for 2 ranks")]:
+        with pytest.raises(ValueError, match=why):
+            parse_split(text, 8, 2)
+    with pytest.raises(ValueError, match="expected layer counts"):
+        parse_split("a,b", 8, 2)
+
+
+def test_layer_costs_put_experts_and_dense_weights_on_their_layer(store):
+    import mlx.core as mx
+
+    from strata_mlx.distributed import layer_costs
+    from strata_mlx.loader import family
+    from strata_mlx.models.base import normalize_config
+    from strata_mlx.store import load_manifest
+
+    path = store("deepseek_v3")  # layer 0 dense, layers 1-2 MoE
+    m = load_manifest(path)
+    args = family(m.model_type).ModelArgs.from_dict(normalize_config(m.config))
+    weights = mx.load(str(path / "dense.safetensors"))
+    costs, extra = layer_costs(weights, m, args, tokens=256)
+    record = m.layout.record_bytes * m.num_experts
+    assert costs[1] - costs[0] > record * 0.5 and costs[1] == costs[2]
+    assert extra == sum(w.nbytes for k, w in weights.items() if not k.startswith("model.layers."))
+
+
 @pytest.fixture(scope="module")
 def ring():
     """Skip (with the reason) where MLX's ring backend cannot join two local processes."""
