@@ -8,6 +8,10 @@
       prefill tok/s and decode ms/token of `generate`, with N ranks (N = 1: one process, the
       per-layer sync decode the pipeline runs, and the default decode mode beside it).
 
+  python benchmarks/pipeline.py store PATH
+      the store these figures were taken on: a random Qwen3-MoE (hidden 512, 8 layers, 16
+      experts, top-2, fp32 experts; transformers' own class), converted by strata-mlx.
+
 Rank 0 prints one JSON line per figure.
 """
 
@@ -104,6 +108,34 @@ def run(args) -> None:
         model.expert_cache.close()
 
 
+def store(args) -> None:
+    from pathlib import Path
+
+    import torch
+    import transformers as T
+
+    from strata_mlx.convert.hf import convert_hf
+
+    torch.manual_seed(0)
+    cfg = T.Qwen3MoeConfig(
+        vocab_size=2048,
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        num_experts=16,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+    )
+    hf = Path(args.path + ".hf")
+    T.Qwen3MoeForCausalLM(cfg).to(torch.float32).eval().save_pretrained(hf)
+    convert_hf(hf, Path(args.path), progress=False, calibration_tokens=32)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -119,8 +151,9 @@ def main() -> None:
     r.add_argument("--prefill-step-size", type=int, default=64)
     r.add_argument("--arena-gb", type=float, default=None)
     r.add_argument("--rounds", type=int, default=3)
+    sub.add_parser("store").add_argument("path")
     args = p.parse_args()
-    hop(args) if args.what == "hop" else run(args)
+    {"hop": hop, "run": run, "store": store}[args.what](args)
 
 
 if __name__ == "__main__":
