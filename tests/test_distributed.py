@@ -1,7 +1,8 @@
 """Pipeline parallel (strata_mlx.distributed): processes on this machine joined by MLX's ring
 backend over 127.0.0.1, each holding a contiguous range of layers, give logits and greedy
 tokens bit-identical to one process, for a tiny model of every family; each rank reads only
-its own layers' experts; a rank that dies or goes silent makes rank 0 exit with one line.
+its own layers' experts; a rank that dies or goes silent makes the others exit with one
+line.
 
 The ranks are started the way `mlx.launch` starts them (MLX_HOSTFILE, MLX_RANK), by this
 file run as a script (`python tests/test_distributed.py RANK_OUT STORE...`), so that every
@@ -203,6 +204,14 @@ def test_a_rank_that_dies_makes_rank_0_exit_with_one_line(store, ring, tmp_path)
     # MLX's ring backend logs its own "[ring] Socket ... closed" lines; then ours, one line.
     lines = [l for l in err.strip().splitlines() if not l.startswith("[ring]") and l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: pipeline rank 0"), err
+
+
+def test_rank_0_dying_makes_the_others_exit_with_one_line(store, ring, tmp_path):
+    path = store("qwen3_moe")
+    res = launch(2, [__file__, str(tmp_path), str(path)], env={"STRATA_TEST_RANK_0": "die"})
+    assert res[0][0] == 5 and res[1][0] == 2
+    lines = [l for l in res[1][2].strip().splitlines() if not l.startswith("[ring]") and l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: pipeline rank 1"), res[1][2]
 
 
 def test_a_silent_rank_trips_the_deadline(store, ring, tmp_path):
