@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3"]
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3", "gpt_oss"]
 PROMPT = 40  # tokens, in chunks of STEP: the second chunk's mask needs the sequence offset
 STEP = 16
 NEW_TOKENS = 6
@@ -169,7 +169,7 @@ def reference(path: Path) -> dict:
 # Three ranks need three layers: the tiny qwen3_moe, mixtral and olmoe have two.
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_pipeline_is_bit_identical_for_every_family(store, ring, tmp_path, ranks):
-    families = FAMILIES if ranks == 2 else ["qwen3_next", "glm4_moe", "deepseek_v3"]
+    families = FAMILIES if ranks == 2 else ["qwen3_next", "glm4_moe", "deepseek_v3", "gpt_oss"]
     paths = [store(f) for f in families]
     res = launch(ranks, [__file__, str(tmp_path), *map(str, paths)])
     errors = [f"rank {r}: {se.strip()[-1500:]}" for r, (rc, _, se) in enumerate(res) if rc]
