@@ -166,7 +166,7 @@ def main() -> None:
                 row["max_abs_logprob_diff"] = float(np.max(np.abs(lps[:n] - ref[1][:n])))
             out["runs"].append(row)
             print(json.dumps(row), flush=True)
-            if resident is None:
+            if not residents:
                 ec.close()
                 del model, ec
                 gc.collect()
