@@ -9,9 +9,11 @@ from __future__ import annotations
 import functools
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
+from .options import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_TIMEOUT, parse_tokens
 from .store import StoreError
 
 app = typer.Typer(
@@ -26,53 +28,170 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
+def _raised_by_us(e: BaseException) -> bool:
+    """A ValueError raised by a `raise` statement of strata_mlx itself (the modules that still
+    raise plain ValueError for a user's mistake), not one from numpy, MLX or a builtin: a bug."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or not Path(tb.tb_frame.f_code.co_filename).is_relative_to(_PACKAGE):
+        return False
+    import linecache
+
+    return (
+        linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).lstrip().startswith("raise")
+    )
+
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    from .distributed import PipelineError
+    from .options import OptionError
+    from .prompt_cache import PromptCacheError
+    from .tokenizer import ChatTemplateError
+
+    # StoreError covers ExpertReadError and MemoryGuardError; the OS errors name a user's path
+    return (StoreError, OptionError, PromptCacheError, ChatTemplateError, PipelineError,
+            FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)  # fmt: skip
+
+
 def user_errors(fn):
-    """Turn the errors a user can cause into one line and exit code 2."""
+    """Turn the errors a user can cause into one line and exit code 2; anything else is a bug
+    of ours and keeps its traceback."""
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
         try:
             return fn(*a, **kw)
-        except (
-            StoreError,
-            ValueError,
-            FileNotFoundError,
-            IsADirectoryError,
-            PermissionError,
-            ConnectionError,  # a lost rank of a pipeline (strata_mlx.distributed)
-        ) as e:
+        except Exception as e:
+            if not isinstance(e, _user_error_types()) and not (
+                type(e) is ValueError and _raised_by_us(e)
+            ):
+                raise
             _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
     return wrapper
 
 
-RUNTIME_HELP = "Expert cache"
+# ---- options declared once -----------------------------------------------------------------
+# The runtime flags (RuntimeConfig's fields, same names) default to None, "not given": the
+# config is RuntimeConfig's defaults, then --preset's values, then the flags given.
+
+Model = Annotated[
+    Path | None, typer.Option("--model", help="A strata-mlx store (default: the built-in model).")
+]
+ArenaGB = Annotated[
+    float | None, typer.Option("--arena-gb", help="Arena size in GB (default: from memory).")
+]
+IOWorkers = Annotated[int | None, typer.Option("--io-workers", help="Reader threads (default 8).")]
+ReadAhead = Annotated[
+    str | None,
+    typer.Option("--read-ahead", help="demand | static | lookahead (default lookahead)."),
+]
+StaticCap = Annotated[
+    int | None, typer.Option("--static-cap", help="static: experts read ahead per layer (256).")
+]
+LookaheadMinTokens = Annotated[
+    int | None,
+    typer.Option("--lookahead-min-tokens", help="lookahead: predict in chunks of at least this."),
+]
+LookaheadDecodeMinMiss = Annotated[
+    float | None,
+    typer.Option(
+        "--lookahead-decode-min-miss",
+        help="Decode predicts while its miss rate is above this (default 0.02).",
+    ),
+]
+LookaheadDepth = Annotated[
+    int | None,
+    typer.Option(
+        "--lookahead-depth", help="Layers predicted ahead from each layer's input (default 2)."
+    ),
+]
+Scheduler = Annotated[
+    str | None,
+    typer.Option(
+        "--scheduler",
+        help="loop (an asyncio loop keeps the drive busy between handshakes, the default) | "
+        "sync (reads scheduled inside the handshake only).",
+    ),
+]
+Eviction = Annotated[
+    str | None, typer.Option("--eviction", help="lru | lfu | profile | layer (default lru).")
+]
+Verify = Annotated[
+    bool | None,
+    typer.Option(
+        "--verify/--no-verify",
+        help="Checksums of the dense weights (once) and of every expert record as it is read "
+        "(default on).",
+    ),
+]
+PrefillStepSize = Annotated[
+    int | None,
+    typer.Option("--prefill-step-size", help="Prompt tokens per chunk (default: from memory)."),
+]
+FakeStream = Annotated[
+    bool | None,
+    typer.Option("--fake-stream", help="Every expert counts as resident: times compute alone."),
+]
+Decode = Annotated[
+    str | None,
+    typer.Option(
+        "--decode",
+        help="pipelined (routing checked a layer late, no per-layer sync; the default) | sync",
+    ),
+]
+DecodeLag = Annotated[
+    int | None, typer.Option("--decode-lag", help="Pipelined: layers of lag (default 1).")
+]
+Preset = Annotated[
+    str | None,
+    typer.Option("--preset", help="A runtime preset from configs/runtime/ (e.g. laptop-24gb)."),
+]
+Pipeline = Annotated[
+    bool,
+    typer.Option(
+        "--pipeline", help="Layers pipelined over the ranks of mlx.launch (mx.distributed)."
+    ),
+]
+PipelineSplit = Annotated[
+    str | None,
+    typer.Option("--pipeline-split", help="Layers per rank, e.g. 20,28 (default: by memory)."),
+]
+PipelineTimeout = Annotated[
+    float,
+    typer.Option("--pipeline-timeout", help="Seconds a pipeline step may wait on another rank."),
+]
 
 
-def runtime_options(
-    arena_gb: float | None,
-    io_workers: int,
-    read_ahead: str,
-    lookahead_min_tokens: int,
-    static_cap: int,
-    eviction: str,
-    verify: bool,
-    prefill_step_size: int | None,
-    fake_stream: bool,
-):
-    from .loader import RuntimeConfig
+def runtime_config(options: dict, preset: str | None = None):
+    """A checked RuntimeConfig: its defaults, then `preset`'s values, then the entries of
+    `options` (a command's arguments, by RuntimeConfig's field names) that were given."""
+    from dataclasses import fields
 
-    return RuntimeConfig(
-        arena_gb=arena_gb,
-        io_workers=io_workers,
-        read_ahead=read_ahead,
-        static_cap=static_cap,
-        lookahead_min_tokens=lookahead_min_tokens,
-        eviction=eviction,
-        verify=verify,
-        prefill_step_size=prefill_step_size,
-        fake_stream=fake_stream,
-    )
+    from .loader import RuntimeConfig, apply_preset
+    from .options import check_runtime
+
+    cfg = RuntimeConfig()
+    if preset is not None:
+        apply_preset(cfg, preset)
+    for f in fields(RuntimeConfig):
+        if options.get(f.name) is not None:
+            setattr(cfg, f.name, options[f.name])
+    check_runtime(cfg, cli=True)
+    return cfg
+
+
+def builtin_model(model: Path | None, arena_gb: float | None) -> tuple[Path, float | None]:
+    """--model and --arena-gb, the built-in model's store and arena when not given."""
+    if model is not None:
+        return model, arena_gb
+    from .default_model import DEFAULT_ARENA_GB, default_store
+
+    return default_store(), DEFAULT_ARENA_GB if arena_gb is None else arena_gb
 
 
 KV_FLAGS = {  # mlx-lm's KV cache flags, shared by generate and cache-prompt
@@ -93,22 +212,10 @@ KV_FLAGS = {  # mlx-lm's KV cache flags, shared by generate and cache-prompt
 }
 
 
-def parse_tokens(text: str, flag: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise ValueError(f"{flag}: no token ids")
-    return ids
-
-
 @app.command()
 @user_errors
 def generate(
-    model: Path | None = typer.Option(
-        None, "--model", help="A strata-mlx store (default: the built-in model)."
-    ),
+    model: Model = None,
     prompt: str | None = typer.Option(
         None, "--prompt", "-p", help="Prompt text ('-' reads stdin)."
     ),
@@ -168,46 +275,24 @@ def generate(
         help="Cache-aware routing: bonus on resident experts' logits in decode.",
     ),
     verbose: bool = typer.Option(False, "--verbose", help="One trace line per prefill chunk."),
-    arena_gb: float | None = typer.Option(
-        None, "--arena-gb", help="Arena size (default: from memory)."
-    ),
-    io_workers: int = typer.Option(8, "--io-workers"),
-    read_ahead: str = typer.Option("lookahead", "--read-ahead", help="demand | static | lookahead"),
-    lookahead_min_tokens: int = typer.Option(1, "--lookahead-min-tokens"),
-    lookahead_decode_min_miss: float = typer.Option(
-        0.02,
-        "--lookahead-decode-min-miss",
-        help="Decode predicts while its miss rate is above this.",
-    ),
-    static_cap: int = typer.Option(256, "--static-cap"),
-    eviction: str = typer.Option("lru", "--eviction", help="lru | lfu | profile | layer"),
-    verify: bool = typer.Option(
-        True,
-        "--verify/--no-verify",
-        help="Checksums of the dense weights (once) and of every expert record as it is read.",
-    ),
-    prefill_step_size: int | None = typer.Option(None, "--prefill-step-size"),
-    fake_stream: bool = typer.Option(
-        False, "--fake-stream", help="Every expert counts as resident: times compute alone."
-    ),
-    decode: str = typer.Option(
-        "pipelined",
-        "--decode",
-        help="pipelined (routing checked a layer late, no per-layer sync) | sync (the old path)",
-    ),
-    decode_lag: int = typer.Option(1, "--decode-lag", help="Pipelined: layers of lag."),
-    preset: str | None = typer.Option(
-        None, "--preset", help="A runtime preset from configs/runtime/ (e.g. laptop-24gb)."
-    ),
-    pipeline: bool = typer.Option(
-        False, "--pipeline", help="Layers pipelined over the ranks of mlx.launch (mx.distributed)."
-    ),
-    pipeline_split: str | None = typer.Option(
-        None, "--pipeline-split", help="Layers per rank, e.g. 20,28 (default: by memory)."
-    ),
-    pipeline_timeout: float = typer.Option(
-        300.0, "--pipeline-timeout", help="Seconds a pipeline step may wait on another rank."
-    ),
+    arena_gb: ArenaGB = None,
+    io_workers: IOWorkers = None,
+    read_ahead: ReadAhead = None,
+    lookahead_min_tokens: LookaheadMinTokens = None,
+    lookahead_decode_min_miss: LookaheadDecodeMinMiss = None,
+    lookahead_depth: LookaheadDepth = None,
+    scheduler: Scheduler = None,
+    static_cap: StaticCap = None,
+    eviction: Eviction = None,
+    verify: Verify = None,
+    prefill_step_size: PrefillStepSize = None,
+    fake_stream: FakeStream = None,
+    decode: Decode = None,
+    decode_lag: DecodeLag = None,
+    preset: Preset = None,
+    pipeline: Pipeline = False,
+    pipeline_split: PipelineSplit = None,
+    pipeline_timeout: PipelineTimeout = 300.0,
     prompt_cache_file: Path | None = typer.Option(
         None,
         "--prompt-cache-file",
@@ -219,7 +304,7 @@ def generate(
     quantized_kv_start: int = KV_FLAGS["quantized_kv_start"],
 ):
     """Generate text from a store, streaming experts through the arena."""
-
+    runtime = dict(locals())  # the arguments; runtime_config() takes RuntimeConfig's fields
     from .generate import stream_generate, summary, teacher_forced_logits
     from .loader import load
 
@@ -227,7 +312,7 @@ def generate(
         prompt = "The capital of France is" if model is None else None
         if prompt is None:
             raise ValueError("give --prompt/-p or --prompt-tokens")
-    from .options import check_number, check_runtime, check_sampling
+    from .options import check_number, check_sampling
     from .sampling import SamplingOptions
 
     sampling = SamplingOptions(
@@ -253,32 +338,8 @@ def generate(
     if chat is False and wants_chat:
         raise ValueError("--system-prompt and --chat-template-config need the chat template")
     chat = wants_chat if chat is None else chat
-    if model is None:
-        from .default_model import default_store
-
-        model = default_store()
-        if arena_gb is None:
-            from .default_model import DEFAULT_ARENA_GB
-
-            arena_gb = DEFAULT_ARENA_GB
-    cfg = runtime_options(
-        arena_gb,
-        io_workers,
-        read_ahead,
-        lookahead_min_tokens,
-        static_cap,
-        eviction,
-        verify,
-        prefill_step_size,
-        fake_stream,
-    )
-    cfg.lookahead_decode_min_miss = lookahead_decode_min_miss
-    cfg.decode, cfg.decode_lag = decode, decode_lag
-    if preset is not None:
-        from .loader import apply_preset
-
-        apply_preset(cfg, preset)
-    check_runtime(cfg, cli=True)
+    model, runtime["arena_gb"] = builtin_model(model, arena_gb)
+    cfg = runtime_config(runtime, preset)
     pipe = None
     if pipeline:
         from .distributed import Pipeline, serve_stage
@@ -375,9 +436,7 @@ def cache_prompt(
     prompt_cache_file: Path = typer.Option(
         ..., "--prompt-cache-file", help="The .safetensors file to write."
     ),
-    model: Path | None = typer.Option(
-        None, "--model", help="A strata-mlx store (default: the built-in model)."
-    ),
+    model: Model = None,
     prompt: str | None = typer.Option(
         None, "--prompt", "-p", help="Prompt text ('-' reads stdin)."
     ),
@@ -400,25 +459,21 @@ def cache_prompt(
     kv_bits: int | None = KV_FLAGS["kv_bits"],
     kv_group_size: int = KV_FLAGS["kv_group_size"],
     quantized_kv_start: int = KV_FLAGS["quantized_kv_start"],
-    arena_gb: float | None = typer.Option(
-        None, "--arena-gb", help="Arena size (default: from memory)."
-    ),
-    io_workers: int = typer.Option(8, "--io-workers"),
-    read_ahead: str = typer.Option("lookahead", "--read-ahead", help="demand | static | lookahead"),
-    prefill_step_size: int | None = typer.Option(None, "--prefill-step-size"),
-    verify: bool = typer.Option(True, "--verify/--no-verify"),
-    preset: str | None = typer.Option(
-        None, "--preset", help="A runtime preset from configs/runtime/."
-    ),
+    arena_gb: ArenaGB = None,
+    io_workers: IOWorkers = None,
+    read_ahead: ReadAhead = None,
+    prefill_step_size: PrefillStepSize = None,
+    verify: Verify = None,
+    preset: Preset = None,
 ):
     """Run a prompt once and save its KV / recurrent state (mlx-lm's cache_prompt); generate
     and serve start from it with --prompt-cache-file."""
+    runtime = dict(locals())
     import json
     import time
 
     from .generate import cache_prompt as run_prompt
     from .loader import load
-    from .options import check_runtime
     from .prompt_cache import KVOptions, save_prompt_cache
 
     kv = KVOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
@@ -430,18 +485,8 @@ def cache_prompt(
     chat = wants_chat if chat is None else chat
     if prompt is None and prompt_tokens is None and system_prompt is None:
         raise ValueError("give --prompt/-p, --prompt-tokens or --system-prompt")
-    if model is None:
-        from .default_model import DEFAULT_ARENA_GB, default_store
-
-        model = default_store()
-        arena_gb = DEFAULT_ARENA_GB if arena_gb is None else arena_gb
-    cfg = runtime_options(arena_gb, io_workers, read_ahead, 1, 256, "lru", verify,
-                          prefill_step_size, False)  # fmt: skip
-    if preset is not None:
-        from .loader import apply_preset
-
-        apply_preset(cfg, preset)
-    check_runtime(cfg, cli=True)
+    model, runtime["arena_gb"] = builtin_model(model, arena_gb)
+    cfg = runtime_config(runtime, preset)
     m, tok = load(model, config=cfg)
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -523,9 +568,10 @@ def _template_config(text: str | None) -> dict:
 
 
 def _set_experts_per_token(model, k: int) -> None:
-    n = model.args.num_experts if hasattr(model.args, "num_experts") else None
-    if k < 1 or (n and k > n):
-        raise ValueError(f"--experts-per-token {k}: must lie in [1, {n}]")
+    from .options import check_int
+
+    # the store's count, the same for every family (Mixtral's args name it num_local_experts)
+    check_int("experts_per_token", k, 1, model.expert_cache.manifest.num_experts, cli=True)
     for block in model.moe_blocks().values():
         block.top_k = k
 
@@ -674,17 +720,23 @@ def _convert(
 @app.command()
 @user_errors
 def bench(
-    model: Path = typer.Option(..., "--model"),
+    model: Annotated[Path, typer.Option("--model", help="A strata-mlx store.")],
     prompt_tokens: int = typer.Option(2048, "-p", "--prompt-tokens"),
     generation_tokens: int = typer.Option(128, "-g", "--generation-tokens"),
-    arena_gb: float | None = typer.Option(None, "--arena-gb"),
-    prefill_step_size: int = typer.Option(1024, "--prefill-step-size"),
-    policies: str = typer.Option("demand,static,lookahead", "--policies"),
+    arena_gb: ArenaGB = None,
+    prefill_step_size: PrefillStepSize = 1024,
+    policies: str = typer.Option(
+        "demand,static,lookahead",
+        "--policies",
+        help="Read-ahead policies, each with variants: lookahead:sync:d1 (see README).",
+    ),
     repeats: int = typer.Option(1, "--repeats", help="A/B rounds; the order rotates each round."),
-    io_workers: int = typer.Option(8, "--io-workers"),
-    static_cap: int = typer.Option(256, "--static-cap"),
+    io_workers: IOWorkers = 8,
+    static_cap: StaticCap = 256,
+    eviction: Eviction = "lru",
+    scheduler: Scheduler = None,
+    lookahead_depth: LookaheadDepth = None,
     json_out: Path | None = typer.Option(None, "--json", help="Write all figures as JSON."),
-    eviction: str = typer.Option("lru", "--eviction", help="lru | lfu | profile | layer"),
     baseline: str | None = typer.Option(
         None,
         "--baseline",
@@ -701,27 +753,21 @@ def bench(
     """
     from .bench import bench as run_bench
     from .bench import markdown_table, policy_options, save
-    from .loader import RuntimeConfig
-    from .options import OptionError, check_int, check_runtime
+    from .options import OptionError, check_int
     from .prediction import READ_AHEAD_POLICIES
 
     check_int("prompt_tokens", prompt_tokens, 2, 1 << 24, cli=True)  # one chunk and a rest
     check_int("generation_tokens", generation_tokens, 1, 1 << 20, cli=True)
     check_int("repeats", repeats, 1, 1000, cli=True)
-    names = tuple(p for p in policies.split(",") if p)
+    runtime_config(dict(scheduler=scheduler, lookahead_depth=lookahead_depth))  # before :variants
+    names = tuple(_with_variants(p, scheduler, lookahead_depth) for p in policies.split(",") if p)
     if not names:
-        raise ValueError("--policies: name at least one (demand, static, lookahead)")
+        raise OptionError("--policies: name at least one (demand, static, lookahead)", "policies")
     for name in names:  # each policy's runtime, checked before anything is loaded
-        cfg = RuntimeConfig(
-            arena_gb=arena_gb,
-            io_workers=io_workers,
-            prefill_step_size=prefill_step_size,
-            static_cap=static_cap,
-            eviction=eviction,
-            **policy_options(name),
-        )
+        given = dict(arena_gb=arena_gb, io_workers=io_workers, prefill_step_size=prefill_step_size,
+                     static_cap=static_cap, eviction=eviction)  # fmt: skip
         try:
-            check_runtime(cfg, cli=True)
+            runtime_config({**given, **policy_options(name)})
         except OptionError as e:
             if e.param != "read_ahead":
                 raise
@@ -751,6 +797,17 @@ def bench(
     typer.echo(markdown_table(result))
     if json_out is not None:
         save(result, json_out)
+
+
+def _with_variants(policy: str, scheduler: str | None, lookahead_depth: int | None) -> str:
+    """--scheduler and --lookahead-depth as the policy-name variants bench's runs take
+    (`:sync`, `:d3`), for each policy that does not name its own."""
+    variants = policy.split(":")[1:]
+    if scheduler is not None and not {"sync", "loop"} & set(variants):
+        policy += f":{scheduler}"
+    if lookahead_depth is not None and not any(v[:1] == "d" and v[1:].isdigit() for v in variants):
+        policy += f":d{lookahead_depth}"
+    return policy
 
 
 @app.command()
@@ -834,6 +891,122 @@ def kernels_show(
         _fail(str(e).strip("'\""))
 
 
+@app.command()
+@user_errors
+def serve(
+    model: Model = None,
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8080, "--port"),
+    model_name: str | None = typer.Option(
+        None, "--model-name", help="The name clients ask for (default: the store's folder name)."
+    ),
+    arena_gb: ArenaGB = None,
+    io_workers: IOWorkers = None,
+    read_ahead: ReadAhead = None,
+    lookahead_min_tokens: LookaheadMinTokens = None,
+    lookahead_decode_min_miss: LookaheadDecodeMinMiss = None,
+    lookahead_depth: LookaheadDepth = None,
+    scheduler: Scheduler = None,
+    static_cap: StaticCap = None,
+    eviction: Eviction = None,
+    verify: Verify = None,
+    prefill_step_size: PrefillStepSize = None,
+    decode: Decode = None,
+    decode_lag: DecodeLag = None,
+    preset: Preset = None,
+    max_tokens: int = typer.Option(
+        DEFAULT_MAX_TOKENS, "--max-tokens", "-m", help="max_tokens of a request that gives none."
+    ),
+    max_tokens_limit: int | None = typer.Option(
+        None,
+        "--max-tokens-limit",
+        help="The largest max_tokens a request may ask (default: the model's context).",
+    ),
+    max_prompt_tokens: int | None = typer.Option(
+        None,
+        "--max-prompt-tokens",
+        help="The longest prompt accepted, in tokens (default: the model's context).",
+    ),
+    max_queue: int = typer.Option(
+        DEFAULT_MAX_QUEUE,
+        "--max-queue",
+        help="Requests that may wait behind the running one; more are answered 429.",
+    ),
+    shutdown_timeout: float = typer.Option(
+        DEFAULT_SHUTDOWN_TIMEOUT,
+        "--shutdown-timeout",
+        help="Seconds requests in flight get to finish after SIGTERM before they are cancelled.",
+    ),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        envvar="STRATA_MLX_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on every request (or set STRATA_MLX_API_KEY).",
+    ),
+    allowed_origins: str | None = typer.Option(
+        None,
+        "--allowed-origins",
+        help="Comma-separated origins browsers may call from (CORS), or '*'.",
+    ),
+    log_level: str = typer.Option("info", "--log-level"),
+    prompt_cache_size: int = typer.Option(
+        10, "--prompt-cache-size", help="Conversations whose KV cache is kept for reuse (0: off)."
+    ),
+    prompt_cache_bytes: int = typer.Option(
+        1 << 30, "--prompt-cache-bytes", help="Bytes those kept caches may hold together."
+    ),
+    pipeline: Pipeline = False,
+    pipeline_split: PipelineSplit = None,
+    pipeline_timeout: PipelineTimeout = 300.0,
+):
+    """Serve a store over an OpenAI-compatible HTTP API (chat and text completions)."""
+    runtime = dict(locals())
+    from dataclasses import asdict
+
+    from .options import OptionError, check_int, check_number
+
+    try:
+        from .server import serve as run_server
+    except ImportError as e:  # a machine without the server stack still runs everything else
+        raise OptionError(f"serve needs {e.name}: pip install -e . installs it") from None
+    check_int("port", port, 1, 65535, cli=True)
+    check_int("max_tokens", max_tokens, 1, cli=True)
+    for name in ("max_tokens_limit", "max_prompt_tokens"):
+        if runtime[name] is not None:
+            check_int(name, runtime[name], 1, cli=True)
+    check_int("max_queue", max_queue, 0, cli=True)
+    check_int("prompt_cache_size", prompt_cache_size, 0, cli=True)
+    check_int("prompt_cache_bytes", prompt_cache_bytes, 0, cli=True)
+    check_number("shutdown_timeout", shutdown_timeout, 0, cli=True)
+    if api_key is not None and not api_key.strip():
+        raise OptionError("--api-key: empty", "api_key")
+    origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()] or None
+    if model is None:
+        model_name = model_name or "smollm2-135m-instruct-split"
+    model, runtime["arena_gb"] = builtin_model(model, arena_gb)
+    cfg = runtime_config(runtime, preset)
+    run_server(
+        model,
+        host=host,
+        port=port,
+        model_name=model_name,
+        log_level=log_level,
+        max_tokens=max_tokens,
+        max_tokens_limit=max_tokens_limit,
+        max_prompt_tokens=max_prompt_tokens,
+        max_queue=max_queue,
+        api_key=api_key,
+        allowed_origins=origins,
+        shutdown_timeout=shutdown_timeout,
+        prompt_cache_size=prompt_cache_size,
+        prompt_cache_bytes=prompt_cache_bytes,
+        pipeline=pipeline,
+        pipeline_split=pipeline_split,
+        pipeline_timeout=pipeline_timeout,
+        **asdict(cfg),
+    )
+
+
 def _register_tools() -> None:
     from .tools import kld_command, route_parity_command
 
@@ -843,17 +1016,6 @@ def _register_tools() -> None:
     app.command("route-parity", help="Routing of two configurations, per layer and token.")(
         user_errors(route_parity_command)
     )
-    try:
-        from .server import serve_command
-    except ImportError as e:  # a machine without the server stack still runs everything else
-        missing = e.name
-
-        @app.command("serve", help="An OpenAI-compatible server.")
-        def serve_unavailable():
-            _fail(f"serve needs {missing}: pip install -e . installs it")
-
-        return
-    app.command("serve", help="An OpenAI-compatible server.")(user_errors(serve_command))
 
 
 _register_tools()

@@ -18,6 +18,9 @@ MAX_PREFILL_STEP = 1 << 20
 MAX_SEED = (1 << 64) - 1  # mx.random.seed takes an unsigned 64-bit integer
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: -100 bans a token, 100 forces it
 XTC_MAX_THRESHOLD = 0.5  # above it more than one token could exceed it: mlx-lm's bound
+DEFAULT_MAX_TOKENS = 512  # serve: a request's max_tokens when it gives none
+DEFAULT_MAX_QUEUE = 16  # serve: requests waiting behind the running one
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # serve: seconds in-flight requests get after SIGTERM
 
 
 class OptionError(ValueError):
@@ -192,3 +195,14 @@ def check_prompt_length(n_tokens: int, context: int | None) -> None:
             f"prompt: {n_tokens} tokens, more than the model's context of {context} "
             "(max_position_embeddings)"
         )
+
+
+def parse_tokens(text: str, flag: str) -> list[int]:
+    """A flag's comma-separated token ids: "1,2,3"."""
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise OptionError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise OptionError(f"{flag}: no token ids")
+    return ids

@@ -248,9 +248,9 @@ def kld_command(
 def traced_run(model_path: str | Path, ids: list[int], config):
     """Load the store with `config`, trace routing over teacher-forced `ids`:
     (RoutingTrace, logits [T, vocab])."""
-    from .stats import RoutingTrace
     from .generate import teacher_forced_logits
     from .loader import load
+    from .stats import RoutingTrace
 
     model, _ = load(model_path, config=config)
     vocab = model.args.vocab_size
@@ -288,7 +288,7 @@ def route_parity_command(
     if prefill_step_size < 1:
         raise ValueError(f"--prefill-step-size {prefill_step_size}: must be at least 1")
     if prompt_tokens is not None:
-        from .cli import parse_tokens
+        from .options import parse_tokens
 
         ids = parse_tokens(prompt_tokens, "--prompt-tokens")
     else:
