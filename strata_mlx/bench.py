@@ -22,9 +22,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .stats import ExpertStats
 from .generate import generate_step, make_sampler
 from .loader import RuntimeConfig, load
+from .stats import ExpertStats
 from .store import EXPERTS, load_manifest
 
 
@@ -268,6 +268,10 @@ def _summary(run: Run, fake: Run, ssd_gbps: float) -> dict:
         "decode_miss_pct": d.miss_pct,
         "decode_streamed_ahead_pct": d.streamed_ahead_pct,
         "decode_gb_read": d.gb_read,
+        # the scheduler's loop thread: GIL time, and reads it added when the queue ran low
+        "loop_ms_per_chunk": p.loop_s / n * 1e3,
+        "topped_up_per_chunk": p.topped_up / n,
+        "decode_loop_ms_per_token": d.loop_s / per_tok * 1e3,
     }
 
 
@@ -277,6 +281,7 @@ def _line(run: Run, fake: Run, ssd_gbps: float) -> str:
         f"{s['policy']:>9} {s['phase']}: prefill {s['chunk_ms']:.0f} ms/chunk ({s['prefill_tps']:.1f} tok/s), "
         f"ahead {s['streamed_ahead_pct']:.1f}% miss {s['miss_pct']:.1f}% wait {s['exposed_wait_ms_per_chunk']:.0f} ms, "
         f"read {s['experts_read_per_chunk']:.0f}/chunk wasted {s['wasted_readahead']} {s['gb_per_s']:.2f} GB/s, "
+        f"loop {s['loop_ms_per_chunk']:.1f} ms topped up {s['topped_up_per_chunk']:.0f}/chunk, "
         f"x{s['floor_ratio']:.2f} of floor (ssd {s['ssd_floor_ms']:.0f} ms, compute {s['compute_floor_ms']:.0f} ms) | "
         f"decode {s['decode_tps']:.2f} tok/s (wait {s['decode_wait_ms_per_token']:.1f}, sync {s['decode_sync_ms_per_token']:.1f}, "
         f"host {s['decode_host_ms_per_token']:.1f} ms/tok; miss {s['decode_miss_pct']:.1f}%)"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,7 +96,7 @@ class ExpertCache:
         )
         self.trace: RoutingTrace | None = None
         self.route_bonus = 0.0  # cache-aware routing (decode); 0 = exact
-        self.decoding = False  # set by generation around decode steps
+        self.decoding = False  # inside `phase(decoding=True)`: generation's decode steps
         self.dump = None  # callable(layer, x, ids, scores, y) for --dump-moe
         # Kernels resolved once per layer: nothing on the hot path inspects a layout.
         self._kernel = {l: kernels.expert_kernel(manifest.layout_of(l)) for l in self.layers}
@@ -157,6 +158,16 @@ class ExpertCache:
         with self.sched.lock:
             self.stats = ExpertStats()
             self.sched.prefetched.clear()
+
+    @contextmanager
+    def phase(self, decoding: bool):
+        """Run the block as decode steps (decode's prediction rule, miss rates, cache-aware
+        routing) or as prefill; the previous phase is restored after it."""
+        before, self.decoding = self.decoding, decoding
+        try:
+            yield
+        finally:
+            self.decoding = before
 
     async def prefetch(self, layer: int, experts) -> None:
         """Read `experts` of `layer` as read-ahead and return once they are resident (for

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -105,45 +106,47 @@ def generate_step(
         return sampler(logprobs), logprobs.squeeze(0)
 
     dec = decode.decoder_of(model)
-    if expert_cache is not None:
-        expert_cache.decoding = False
-    step = _start(model, dec, y[None], cache)
-    if expert_cache is not None:
-        expert_cache.decoding = True
+    phase = expert_cache.phase if expert_cache is not None else _no_phase
+    with phase(decoding=False):
+        step = _start(model, dec, y[None], cache)
     later = None
-    try:
-        for n in range(max_tokens):
-            rng = mx.random.state[0]  # the key this token's sample draws from
-            token, logprobs = sample(step.logits)
-            # The next token is built on this one before this one is verified, while the
-            # device computes it (decode "token" mode; mlx-lm's generate_step overlaps alike).
-            # Not when the KV cache is to be quantized after this token: a miss recomputes
-            # this token, which must find the cache it was first built on.
-            later = None
-            ahead = n + 1 < max_tokens and not quantize_due(cache, kv)
-            if dec is not None and ahead and dec.mode() == "token":
-                later = dec.start(token[None], cache)
-            if dec is not None and not dec.finish(step, later):
-                # A layer missed: the logits were recomputed and `later` discarded. Sample
-                # again from the same key, so the tokens equal the per-layer-sync path's.
-                mx.random.seed(_seed_of(rng))
+    with phase(decoding=True):
+        try:
+            for n in range(max_tokens):
+                rng = mx.random.state[0]  # the key this token's sample draws from
                 token, logprobs = sample(step.logits)
+                # The next token is built on this one before this one is verified, while the
+                # device computes it (decode "token" mode; mlx-lm's generate_step overlaps alike).
+                # Not when the KV cache is to be quantized after this token: a miss recomputes
+                # this token, which must find the cache it was first built on.
                 later = None
-            mx.eval(token)
-            t = token.item()
-            if logits_processors:
-                context = mx.concatenate([context, token.astype(context.dtype)])
-            yield t, logprobs
-            if n + 1 == max_tokens:
-                break
-            if later is None:
-                maybe_quantize(cache, kv)  # after a model call, before the next (mlx-lm's)
-            step, later = later or _start(model, dec, mx.array([[t]]), cache), None
-    finally:
-        if later is not None:  # closed at a yield: the token built ahead was never checked
-            dec.discard(later)
-        if expert_cache is not None:
-            expert_cache.decoding = False
+                ahead = n + 1 < max_tokens and not quantize_due(cache, kv)
+                if dec is not None and ahead and dec.mode() == "token":
+                    later = dec.start(token[None], cache)
+                if dec is not None and not dec.finish(step, later):
+                    # A layer missed: the logits were recomputed and `later` discarded. Sample
+                    # again from the same key, so the tokens equal the per-layer-sync path's.
+                    mx.random.seed(_seed_of(rng))
+                    token, logprobs = sample(step.logits)
+                    later = None
+                mx.eval(token)
+                t = token.item()
+                if logits_processors:
+                    context = mx.concatenate([context, token.astype(context.dtype)])
+                yield t, logprobs
+                if n + 1 == max_tokens:
+                    break
+                if later is None:
+                    maybe_quantize(cache, kv)  # after a model call, before the next (mlx-lm's)
+                step, later = later or _start(model, dec, mx.array([[t]]), cache), None
+        finally:
+            if later is not None:  # closed at a yield: the token built ahead was never checked
+                dec.discard(later)
+
+
+@contextmanager
+def _no_phase(decoding: bool):
+    yield
 
 
 class _Done:
@@ -354,10 +357,10 @@ def cache_prompt(
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, kv)
     step = prefill_step_size or getattr(model.runtime, "prefill_step_size", None) or 512
     expert_cache = getattr(model, "expert_cache", None)
-    if expert_cache is not None:
-        expert_cache.decoding = False
-    y = prefill(model, mx.array(ids), cache, step, on_chunk, kv)
-    model(y[None], cache=cache)
+    phase = expert_cache.phase if expert_cache is not None else _no_phase
+    with phase(decoding=False):
+        y = prefill(model, mx.array(ids), cache, step, on_chunk, kv)
+        model(y[None], cache=cache)
     maybe_quantize(cache, kv)
     mx.eval([s for c in cache for s in c.state])
     return cache

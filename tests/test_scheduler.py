@@ -86,7 +86,10 @@ def test_loop_tops_up_from_the_reserve_without_evicting_pinned_or_predicted(stor
             for key in [(l0, 0), (l0, 1), (l1, 2), (l1, 3)]:
                 assert arena.resident(key), key
             # The pinned and predicted experts' slots are exactly where they were.
-            assert sched.row(l0)[[0, 1]].tolist() == [arena.slot_of[(l0, 0)], arena.slot_of[(l0, 1)]]
+            assert sched.row(l0)[[0, 1]].tolist() == [
+                arena.slot_of[(l0, 0)],
+                arena.slot_of[(l0, 1)],
+            ]
         ahead = [s for s in reader.submits if not s[0]]
         assert ahead[0][1] == first  # l1's prediction, submitted by the handshake
         # The loop's top-up came once reads had landed (the reader was paused before).
