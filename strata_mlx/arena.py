@@ -30,6 +30,7 @@ class LRU:
     """Evict the expert used longest ago."""
 
     name = "lru"
+    current: int | None = None  # the layer whose handshake runs now (see LayerDistance)
 
     def __init__(self):
         self._order: OrderedDict[Key, None] = OrderedDict()
@@ -236,9 +237,8 @@ class Arena:
         self.policy.touch(key)
 
     def set_layer(self, layer: int) -> None:
-        """Tell a layer-aware eviction policy which layer runs now."""
-        if hasattr(self.policy, "current"):
-            self.policy.current = layer
+        """Tell the eviction policy which layer runs now (the layer-aware one uses it)."""
+        self.policy.current = layer
 
     def _evictable(self, key: Key) -> bool:
         s = self.slot_of[key]

@@ -162,16 +162,13 @@ class PipelinedDecoder:
         n = len(self.layers)
         lag = self.lag if step.mode == "layers" else n
         chunk = 1 if step.mode == "layers" else self.chunk
-        ec.pipeline_lookahead = step.mode == "layers"
+        lookahead = step.mode == "layers"  # "token" mode checks too late for a prediction
         outs: list[mx.array] = []
         while True:
             if i < n:
                 step.inputs[i] = h
-                ec.pipeline = deferred = []
-                try:
+                with ec.deferred(lookahead) as deferred:
                     h = self.layers[i](h, None, step.cache[i])
-                finally:
-                    ec.pipeline = None
                 step.pending += [(i, d) for d in deferred]
                 outs += [a for d in deferred for a in d.outputs()]
                 i += 1

@@ -102,8 +102,8 @@ class ExpertCache:
         self._kernel = {l: kernels.expert_kernel(manifest.layout_of(l)) for l in self.layers}
         # Every expert fits at once: eviction never happens, so uses need not be recorded.
         self._all_fit = arena.n_slots >= manifest.num_experts * len(self.layers)
-        self.pipeline: list[Deferred] | None = None  # set by the pipelined decoder
-        self.pipeline_lookahead = True  # whether its layers may predict (strata_mlx.decode)
+        self.pipeline: list[Deferred] | None = None  # inside `deferred()`: where layers go
+        self.pipeline_lookahead = True  # whether those layers may predict
         self._ahead: dict[int, int] = {}  # pipelined lookahead: layer -> layer it predicts
         self._ahead_tags: dict[int, list[int]] = {}  # read-ahead submitted for a layer
         self._pair_index: dict[tuple, mx.array] = {}
@@ -255,6 +255,18 @@ class ExpertCache:
         return self._kernel[layer](x, self.arena.rows, slots, mx.array(local))
 
     # ---- the deferred handshake (pipelined decode) -------------------------------------
+
+    @contextmanager
+    def deferred(self, lookahead: bool):
+        """Layers run inside are built without a host sync, each recorded as a `Deferred`
+        in the list this yields for the pipelined decoder to check; with `lookahead` they may
+        predict a later layer from their input."""
+        records: list[Deferred] = []
+        self.pipeline, self.pipeline_lookahead = records, lookahead
+        try:
+            yield records
+        finally:
+            self.pipeline = None
 
     def plan_pipelined_lookahead(self, distance: int) -> None:
         """Pipelined decode checks layer l while `distance - 1` later layers are already
