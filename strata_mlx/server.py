@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import typer
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -56,13 +55,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat_output import ChatStream, opens_reasoning, parse, tool_format
 from .dashboard import add_routes
-from .generate import stop_holdback
-from .options import MAX_SEED, OptionError
+from .options import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    MAX_SEED,
+    OptionError,
+)
 from .sampling import SamplingOptions
 
-DEFAULT_MAX_TOKENS = 512  # a request's max_tokens when it gives none
-DEFAULT_MAX_QUEUE = 16  # requests waiting behind the running one
-DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds in-flight requests get after SIGTERM
 FALLBACK_CONTEXT = 8192  # the limits' default for a model whose config names no context
 
 # ---- request models ------------------------------------------------------------------------
@@ -158,6 +159,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         headers: dict[str, str] | None = None,
     ):
+        message = " ".join(message.splitlines())  # one line, whatever a request echoes in it
         super().__init__(message)
         self.message, self.status, self.param, self.code, self.type = (
             message,
@@ -205,6 +207,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     param = ".".join(loc) or None
     msg = e.get("msg", "invalid value")
     if e.get("type") == "missing":
+        if param is None:
+            return APIError("the request has no body: expected a JSON object", code="missing")
         return APIError(f"missing required parameter: {param}", param=param, code="missing")
     return APIError(f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
@@ -241,8 +245,8 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.max_queue = max_queue
+        # one worker thread: one generation at a time, no lock needed around it
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-generate")
-        self._lock = threading.Lock()  # belt and braces: one generation at a time
         self._counts = threading.Lock()
         self._closing = threading.Event()  # shutdown: every job stops at its next token
         self._idle = threading.Event()  # no job running
@@ -307,8 +311,7 @@ class Engine:
             self.active += 1
             self._idle.clear()
         try:
-            with self._lock:
-                return self.run(job, on_text, cancelled)
+            return self.run(job, on_text, cancelled)
         finally:
             with self._counts:
                 self.active -= 1
@@ -321,8 +324,8 @@ class Engine:
         on_text: Callable[[str], None] | None = None,
         cancelled: threading.Event | None = None,
     ) -> Result:
-        """Generate on the calling thread (the worker). Stop strings are matched here on the
-        whole text so far; with `on_text`, text that may begin a stop string is held back."""
+        """Generate on the calling thread (the worker), passing each piece of text to
+        `on_text`. Stop strings are stream_generate's: it holds back text that may begin one."""
         from .generate import stream_generate
 
         t0 = time.perf_counter()
@@ -330,9 +333,7 @@ class Engine:
         self.prompt_tokens += len(job.ids)
         if job.max_tokens == 0:
             return Result("", "length", len(job.ids), 0)
-        stops = [s for s in job.stop if s]
-        longest = max((len(s) for s in stops), default=0)
-        text, emitted, n, finish, r = "", 0, 0, None, None
+        text, n, finish, r = "", 0, None, None
         stopped = False
         from .prompt_cache import make_prompt_cache
 
@@ -351,6 +352,7 @@ class Engine:
             logits_processors=job.sampling.logits_processors(self.model.args.vocab_size),
             prompt_cache=cache,
             cached_tokens=job.ids[:reused],
+            stop=[s for s in job.stop if s],
         )
         with contextlib.closing(gen):
             for r in gen:
@@ -359,18 +361,10 @@ class Engine:
                 self.last = r
                 with self._counts:  # per token: /v1/stats and the dashboard see it move
                     self.completion_tokens += 1
-                start = max(0, len(text) - longest + 1)
                 text += r.text
                 finish = r.finish_reason
-                if stops:
-                    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-                    if hits:
-                        text, finish = text[: min(hits)], "stop"
-                if on_text is not None:
-                    safe = len(text) if finish else len(text) - stop_holdback(text, stops)
-                    if safe > emitted:
-                        on_text(text[emitted:safe])
-                        emitted = safe
+                if on_text is not None and r.text:
+                    on_text(r.text)
                 if finish is not None:
                     break
                 if self._closing.is_set() or (cancelled is not None and cancelled.is_set()):
@@ -526,6 +520,27 @@ def model_context(model) -> int:
     return n if isinstance(n, int) and n > 0 else FALLBACK_CONTEXT
 
 
+@dataclass
+class ServeState:
+    """What the handlers read, as `app.state.serve`: the engine and the server's limits."""
+
+    engine: Engine
+    model_name: str
+    created: int
+    vocab: int
+    default_max_tokens: int
+    max_tokens_limit: int
+    max_prompt_tokens: int
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+
 def create_app(
     model,
     tokenizer,
@@ -547,12 +562,17 @@ def create_app(
     CORS headers. At shutdown, generation still running is cancelled and waited for up to
     `shutdown_timeout` seconds."""
     engine = Engine(model, tokenizer, max_queue)
-    created = int(time.time())
-    vocab = model.args.vocab_size
     context = model_context(model)
     max_tokens_limit = context if max_tokens_limit is None else max_tokens_limit
-    max_prompt_tokens = context if max_prompt_tokens is None else max_prompt_tokens
-    default_max_tokens = min(default_max_tokens, max_tokens_limit)
+    state = ServeState(
+        engine=engine,
+        model_name=model_name,
+        created=int(time.time()),
+        vocab=model.args.vocab_size,
+        default_max_tokens=min(default_max_tokens, max_tokens_limit),
+        max_tokens_limit=max_tokens_limit,
+        max_prompt_tokens=context if max_prompt_tokens is None else max_prompt_tokens,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -560,6 +580,7 @@ def create_app(
         await asyncio.get_running_loop().run_in_executor(None, engine.close, shutdown_timeout)
 
     app = FastAPI(title="strata-mlx", lifespan=lifespan)
+    app.state.serve = state
     app.state.engine = engine
     # Starlette runs the last middleware added first: CORS answers preflights (which carry
     # no credentials) before the key is checked, and adds its headers to 401s too.
@@ -573,341 +594,381 @@ def create_app(
             allow_headers=["*"],
             max_age=600,
         )
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        return _validation_error(exc).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(str(exc.detail), exc.status_code, type=kind).response()
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        return APIError(_one_line(exc), 500, type="server_error").response()
-
-    def check_request(req: _Sampling) -> None:
-        for param, bad in req.unsupported():
-            if bad:
-                raise APIError(
-                    f"{param}: not supported by this server", param=param, code="unsupported"
-                )
-        if req.model is not None and req.model != model_name:
-            raise APIError(
-                f"the model {req.model!r} does not exist; this server serves {model_name!r}",
-                404,
-                param="model",
-                code="model_not_found",
-            )
-
-    def need_tokenizer(what: str) -> None:
-        if tokenizer is None:
-            raise APIError(f"{model_name}: the model has no tokenizer; {what}")
-
-    def encode(text: str, param: str, **kw) -> list[int]:
-        try:
-            return tokenizer.encode(text, **kw)
-        except Exception as e:  # e.g. a lone surrogate the tokenizer cannot take as UTF-8
-            raise APIError(f"{param}: cannot be tokenized ({_one_line(e)})", param=param) from None
-
-    def make_job(
-        req: _Sampling,
-        ids: list[int],
-        max_tokens: int | None,
-        prompt_param: str = "prompt",
-        tokens_param: str = "max_tokens",
-    ) -> Job:
-        if not ids:
-            raise APIError("the prompt is empty", param=prompt_param)
-        if len(ids) > max_prompt_tokens:
-            raise APIError(
-                f"{prompt_param}: {len(ids)} tokens, more than this server's limit of "
-                f"{max_prompt_tokens} (--max-prompt-tokens)",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        if max_tokens is not None and max_tokens > max_tokens_limit:
-            raise APIError(
-                f"{tokens_param}: {max_tokens}, more than this server's limit of "
-                f"{max_tokens_limit} (--max-tokens-limit)",
-                param=tokens_param,
-                code="invalid_value",
-            )
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise APIError(f"prompt token id {bad[0]} outside [0, {vocab})", param=prompt_param)
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        return Job(
-            ids=ids,
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-            sampling=sampling_options(req),
-            seed=req.seed,
-            stop=stop,
-        )
-
-    def sampling_options(req: _Sampling) -> SamplingOptions:
-        """The request's sampling fields, checked by the ranges the CLI's flags have; what a
-        request leaves out takes OpenAI's default (temperature 1) or mlx-lm's."""
-        bias = None
-        if req.logit_bias is not None:
-            bias = {}
-            for key, value in req.logit_bias.items():
-                try:
-                    bias[int(key)] = value
-                except ValueError:
-                    raise APIError(
-                        f"logit_bias: {key!r} is not a token id", param="logit_bias"
-                    ) from None
-        options = SamplingOptions(
-            temp=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            min_p=req.min_p,
-            top_k=req.top_k,
-            xtc_probability=req.xtc_probability,
-            xtc_threshold=req.xtc_threshold,
-            logit_bias=bias,
-            repetition_penalty=req.repetition_penalty,
-            repetition_context_size=req.repetition_context_size,
-            presence_penalty=req.presence_penalty,
-            presence_context_size=req.presence_context_size,
-            frequency_penalty=req.frequency_penalty,
-            frequency_context_size=req.frequency_context_size,
-        )
-        try:
-            options.check(vocab)
-        except OptionError as e:
-            raise APIError(str(e), param=e.param, code="invalid_value") from None
-        return options
-
-    async def respond(
-        request: Request,
-        req: _Sampling,
-        job: Job,
-        kind: str,
-        tools: bool = False,
-        in_reasoning: bool = False,
-    ):
-        """`tools`: parse the model's tool-call blocks; `in_reasoning`: the prompt opened a
-        <think> block (chat only, strata_mlx.chat_output)."""
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        obj = "chat.completion" if kind == "chat" else "text_completion"
-        head = {"id": rid, "created": int(time.time()), "model": model_name}
-
-        if not req.stream:
-            try:
-                r = await engine.complete(job, request)
-            except asyncio.CancelledError:
-                # uvicorn cancels what still runs when the shutdown's grace period ends (the
-                # job itself stops at its next token): say so rather than let it answer 500
-                return APIError(
-                    "the server shut down before the request finished",
-                    503,
-                    code="shutdown",
-                    type="server_error",
-                ).response()
-            except APIError:
-                raise
-            except Exception as e:  # noqa: BLE001 - answered as an error body, connection kept
-                raise _generation_error(e) from None
-            if r is None:  # nobody is listening; 499 as nginx logs a client that left
-                return APIError("the client disconnected", 499, code="cancelled").response()
-            if kind == "chat":
-                out = parse(r.text, tools, in_reasoning)
-                message = {"role": "assistant", "content": out.content}
-                if out.reasoning is not None:
-                    message["reasoning_content"] = out.reasoning
-                if out.tool_calls:
-                    message["tool_calls"] = [c.as_dict() for c in out.tool_calls]
-                choice = {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": None,
-                    "finish_reason": "tool_calls" if out.tool_calls else r.finish_reason,
-                }
-            else:
-                choice = {
-                    "index": 0,
-                    "text": r.text,
-                    "logprobs": None,
-                    "finish_reason": r.finish_reason,
-                }
-            return JSONResponse({**head, "object": obj, "choices": [choice], "usage": _usage(r)})
-
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunk_obj = obj + ".chunk" if kind == "chat" else obj
-
-        def chunk(text: str | None, finish: str | None, first: bool = False, delta=None) -> dict:
-            if kind == "chat":
-                delta = delta or ({"role": "assistant", "content": ""} if first else {})
-                if text:
-                    delta["content"] = text
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            c = {**head, "object": chunk_obj, "choices": [choice]}
-            if include_usage:
-                c["usage"] = None
-            return c
-
-        stream = engine.stream(job, request)  # admitted here: a full queue is a 429
-
-        parser = ChatStream(tools, in_reasoning) if kind == "chat" else None
-
-        def deltas(parsed) -> list[bytes]:
-            out = []
-            for what, value in parsed:
-                if what == "tool_call":
-                    index = len(parser.tool_calls) - 1
-                    delta = {"tool_calls": [value.as_dict(index)]}
-                else:
-                    delta = {"reasoning_content" if what == "reasoning" else "content": value}
-                out.append(_sse(chunk(None, None, delta=delta)))
-            return out
-
-        async def events():
-            if kind == "chat":
-                yield _sse(chunk(None, None, first=True))
-            async for ev, value in stream:
-                if ev == "text":
-                    if parser is None:
-                        yield _sse(chunk(value, None))
-                        continue
-                    for c in deltas(parser.feed(value)):
-                        yield c
-                elif ev == "done":
-                    finish = value.finish_reason
-                    if parser is not None:
-                        for c in deltas(parser.close()):
-                            yield c
-                        finish = "tool_calls" if parser.tool_calls else finish
-                    yield _sse(chunk(None, finish))
-                    if include_usage:
-                        yield _sse(
-                            {**head, "object": chunk_obj, "choices": [], "usage": _usage(value)}
-                        )
-                else:
-                    yield _sse(_generation_error(value).body())
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(
-            events(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        check_request(req)
-        need_tokenizer("use /v1/completions with token ids")
-        messages = []
-        for i, m in enumerate(req.messages):
-            if isinstance(m.content, list):
-                parts = []
-                for p in m.content:
-                    if p.type != "text" or p.text is None:
-                        raise APIError(
-                            f"messages[{i}].content: only text parts are supported, got {p.type!r}",
-                            param=f"messages.{i}.content",
-                        )
-                    parts.append(p.text)
-                content = "".join(parts)
-            else:
-                content = m.content or ""
-            msg = {"role": m.role, "content": content}
-            if m.name is not None:
-                msg["name"] = m.name
-            if m.tool_calls is not None:
-                msg["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
-            if m.tool_call_id is not None:
-                msg["tool_call_id"] = m.tool_call_id
-            messages.append(msg)
-        tools = bool(req.tools) and req.tool_choice != "none"
-        extra = {"tools": req.tools} if tools else {}
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
-        except Exception as e:  # the template's raise_exception, or a jinja error
-            raise APIError(f"messages: the chat template failed: {e}", param="messages") from None
-        # As Hugging Face's apply_chat_template(tokenize=True): the template places any special
-        # tokens itself.
-        ids = encode(text, "messages", add_special_tokens=False)
-        given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        job = make_job(req, ids, getattr(req, given), "messages", given)
-        # the tool-call format the template renders is the one the model writes
-        fmt = tools and tool_format(tokenizer.chat_template)
-        return await respond(request, req, job, "chat", fmt, opens_reasoning(text))
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        check_request(req)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError("prompt: one prompt per request (n = 1)", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            need_tokenizer("send the prompt as token ids")
-            ids = encode(prompt, "prompt")
-        else:
-            ids = list(prompt)
-        return await respond(request, req, make_job(req, ids, req.max_tokens), "completion")
-
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "strata-mlx"}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{name:path}")
-    async def model_info(name: str):
-        if name != model_name:
-            raise APIError(
-                f"the model {name!r} does not exist", 404, param="model", code="model_not_found"
-            )
-        return model_card()
-
-    async def stats():
-        cache = getattr(model, "expert_cache", None)
-        body = {
-            "model": model_name,
-            "server": {
-                "requests": engine.requests,
-                "active": engine.active,
-                "queued": max(engine.queued, 0),
-                "max_queue": engine.max_queue,
-                "cancelled": engine.cancelled,
-                "rejected": engine.rejected,
-                "prompt_tokens": engine.prompt_tokens,
-                "completion_tokens": engine.completion_tokens,
-                "prefilled_tokens": engine.prefilled_tokens,
-                "prompt_cache": {
-                    "entries": len(engine.prompt_caches),
-                    "hits": engine.prompt_caches.hits,
-                    "reused_tokens": engine.prompt_caches.reused_tokens,
-                },
-            },
-            # the cache's session counters (wall_s/tokens are not kept there) ...
-            "expert_cache": cache.stats.as_dict() if cache is not None else None,
-            # ... and the same summed over served requests, with their wall time and tokens
-            "served": engine.served.as_dict() if engine.served is not None else None,
-        }
-        if cache is not None:
-            body["arena"] = {
-                "slots": cache.arena.n_slots,
-                "resident": len(cache.arena.slot_of),
-                "record_bytes": cache.layout.record_bytes,
-            }
-        return body
-
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(Exception, _internal)
+    app.post("/v1/chat/completions")(chat_completions)
+    app.post("/v1/completions")(completions)
+    app.get("/v1/models")(models)
+    app.get("/v1/models/{name:path}")(model_info)
     app.get("/v1/stats")(stats)
     app.get("/stats")(stats)
-    app.state.dashboard = add_routes(app, model, engine, stats)  # GET /dashboard
+    # GET /dashboard
+    app.state.dashboard = add_routes(app, model, engine, lambda: stats_body(state))
     return app
+
+
+# ---- handlers: module-level, over app.state.serve ------------------------------------------
+
+
+async def _api_error(request: Request, exc: APIError):
+    return exc.response()
+
+
+async def _invalid(request: Request, exc: RequestValidationError):
+    return _validation_error(exc).response()
+
+
+async def _http(request: Request, exc: StarletteHTTPException):
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(str(exc.detail), exc.status_code, type=kind).response()
+
+
+async def _internal(request: Request, exc: Exception):
+    return APIError(_one_line(exc), 500, type="server_error").response()
+
+
+def _state(request: Request) -> ServeState:
+    return request.app.state.serve
+
+
+def _check_request(state: ServeState, req: _Sampling) -> None:
+    for param, bad in req.unsupported():
+        if bad:
+            raise APIError(
+                f"{param}: not supported by this server", param=param, code="unsupported"
+            )
+    if req.model is not None and req.model != state.model_name:
+        raise APIError(
+            f"the model {req.model!r} does not exist; this server serves {state.model_name!r}",
+            404,
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _need_tokenizer(state: ServeState, what: str) -> None:
+    if state.tokenizer is None:
+        raise APIError(f"{state.model_name}: the model has no tokenizer; {what}")
+
+
+def _encode(state: ServeState, text: str, param: str, **kw) -> list[int]:
+    try:
+        return state.tokenizer.encode(text, **kw)
+    except Exception as e:  # e.g. a lone surrogate the tokenizer cannot take as UTF-8
+        raise APIError(f"{param}: cannot be tokenized ({_one_line(e)})", param=param) from None
+
+
+def _make_job(
+    state: ServeState,
+    req: _Sampling,
+    ids: list[int],
+    max_tokens: int | None,
+    prompt_param: str = "prompt",
+    tokens_param: str = "max_tokens",
+) -> Job:
+    if not ids:
+        raise APIError("the prompt is empty", param=prompt_param)
+    if len(ids) > state.max_prompt_tokens:
+        raise APIError(
+            f"{prompt_param}: {len(ids)} tokens, more than this server's limit of "
+            f"{state.max_prompt_tokens} (--max-prompt-tokens)",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and max_tokens > state.max_tokens_limit:
+        raise APIError(
+            f"{tokens_param}: {max_tokens}, more than this server's limit of "
+            f"{state.max_tokens_limit} (--max-tokens-limit)",
+            param=tokens_param,
+            code="invalid_value",
+        )
+    bad = [i for i in ids if not 0 <= i < state.vocab]
+    if bad:
+        raise APIError(f"prompt token id {bad[0]} outside [0, {state.vocab})", param=prompt_param)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return Job(
+        ids=ids,
+        max_tokens=state.default_max_tokens if max_tokens is None else max_tokens,
+        sampling=_sampling_options(req, state.vocab),
+        seed=req.seed,
+        stop=stop,
+    )
+
+
+def _sampling_options(req: _Sampling, vocab: int) -> SamplingOptions:
+    """The request's sampling fields, checked by the ranges the CLI's flags have; what a
+    request leaves out takes OpenAI's default (temperature 1) or mlx-lm's."""
+    bias = None
+    if req.logit_bias is not None:
+        bias = {}
+        for key, value in req.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise APIError(
+                    f"logit_bias: {key!r} is not a token id", param="logit_bias"
+                ) from None
+    options = SamplingOptions(
+        temp=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        min_p=req.min_p,
+        top_k=req.top_k,
+        xtc_probability=req.xtc_probability,
+        xtc_threshold=req.xtc_threshold,
+        logit_bias=bias,
+        repetition_penalty=req.repetition_penalty,
+        repetition_context_size=req.repetition_context_size,
+        presence_penalty=req.presence_penalty,
+        presence_context_size=req.presence_context_size,
+        frequency_penalty=req.frequency_penalty,
+        frequency_context_size=req.frequency_context_size,
+    )
+    try:
+        options.check(vocab)
+    except OptionError as e:
+        raise APIError(str(e), param=e.param, code="invalid_value") from None
+    return options
+
+
+async def _respond(
+    state: ServeState,
+    request: Request,
+    req: _Sampling,
+    job: Job,
+    kind: str,
+    tools: bool = False,
+    in_reasoning: bool = False,
+):
+    """`tools`: parse the model's tool-call blocks; `in_reasoning`: the prompt opened a
+    <think> block (chat only, strata_mlx.chat_output)."""
+    engine = state.engine
+    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+    obj = "chat.completion" if kind == "chat" else "text_completion"
+    head = {"id": rid, "created": int(time.time()), "model": state.model_name}
+
+    if not req.stream:
+        try:
+            r = await engine.complete(job, request)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs when the shutdown's grace period ends (the
+            # job itself stops at its next token): say so rather than let it answer 500
+            return APIError(
+                "the server shut down before the request finished",
+                503,
+                code="shutdown",
+                type="server_error",
+            ).response()
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - answered as an error body, connection kept
+            raise _generation_error(e) from None
+        if r is None:  # nobody is listening; 499 as nginx logs a client that left
+            return APIError("the client disconnected", 499, code="cancelled").response()
+        if kind == "chat":
+            out = parse(r.text, tools, in_reasoning)
+            message = {"role": "assistant", "content": out.content}
+            if out.reasoning is not None:
+                message["reasoning_content"] = out.reasoning
+            if out.tool_calls:
+                message["tool_calls"] = [c.as_dict() for c in out.tool_calls]
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": "tool_calls" if out.tool_calls else r.finish_reason,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": r.text,
+                "logprobs": None,
+                "finish_reason": r.finish_reason,
+            }
+        return JSONResponse({**head, "object": obj, "choices": [choice], "usage": _usage(r)})
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    chunk_obj = obj + ".chunk" if kind == "chat" else obj
+
+    def chunk(text: str | None, finish: str | None, first: bool = False, delta=None) -> dict:
+        if kind == "chat":
+            delta = delta or ({"role": "assistant", "content": ""} if first else {})
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        c = {**head, "object": chunk_obj, "choices": [choice]}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    stream = engine.stream(job, request)  # admitted here: a full queue is a 429
+
+    parser = ChatStream(tools, in_reasoning) if kind == "chat" else None
+
+    def deltas(parsed) -> list[bytes]:
+        out = []
+        for what, value in parsed:
+            if what == "tool_call":
+                index = len(parser.tool_calls) - 1
+                delta = {"tool_calls": [value.as_dict(index)]}
+            else:
+                delta = {"reasoning_content" if what == "reasoning" else "content": value}
+            out.append(_sse(chunk(None, None, delta=delta)))
+        return out
+
+    async def events():
+        if kind == "chat":
+            yield _sse(chunk(None, None, first=True))
+        async for ev, value in stream:
+            if ev == "text":
+                if parser is None:
+                    yield _sse(chunk(value, None))
+                    continue
+                for c in deltas(parser.feed(value)):
+                    yield c
+            elif ev == "done":
+                finish = value.finish_reason
+                if parser is not None:
+                    for c in deltas(parser.close()):
+                        yield c
+                    finish = "tool_calls" if parser.tool_calls else finish
+                yield _sse(chunk(None, finish))
+                if include_usage:
+                    yield _sse({**head, "object": chunk_obj, "choices": [], "usage": _usage(value)})
+            else:
+                yield _sse(_generation_error(value).body())
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def chat_completions(req: ChatCompletionRequest, request: Request):
+    state = _state(request)
+    _check_request(state, req)
+    _need_tokenizer(state, "use /v1/completions with token ids")
+    messages = []
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, list):
+            parts = []
+            for p in m.content:
+                if p.type != "text" or p.text is None:
+                    raise APIError(
+                        f"messages[{i}].content: only text parts are supported, got {p.type!r}",
+                        param=f"messages.{i}.content",
+                    )
+                parts.append(p.text)
+            content = "".join(parts)
+        else:
+            content = m.content or ""
+        msg = {"role": m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_calls is not None:
+            msg["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        messages.append(msg)
+    tools = bool(req.tools) and req.tool_choice != "none"
+    extra = {"tools": req.tools} if tools else {}
+    tokenizer = state.tokenizer
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+    except Exception as e:  # the template's raise_exception, or a jinja error
+        raise APIError(f"messages: the chat template failed: {e}", param="messages") from None
+    # As Hugging Face's apply_chat_template(tokenize=True): the template places any special
+    # tokens itself.
+    ids = _encode(state, text, "messages", add_special_tokens=False)
+    given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    job = _make_job(state, req, ids, getattr(req, given), "messages", given)
+    # the tool-call format the template renders is the one the model writes
+    fmt = tools and tool_format(tokenizer.chat_template)
+    return await _respond(state, request, req, job, "chat", fmt, opens_reasoning(text))
+
+
+async def completions(req: CompletionRequest, request: Request):
+    state = _state(request)
+    _check_request(state, req)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError("prompt: one prompt per request (n = 1)", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        _need_tokenizer(state, "send the prompt as token ids")
+        ids = _encode(state, prompt, "prompt")
+    else:
+        ids = list(prompt)
+    job = _make_job(state, req, ids, req.max_tokens)
+    return await _respond(state, request, req, job, "completion")
+
+
+def _model_card(state: ServeState) -> dict:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "strata-mlx",
+    }
+
+
+async def models(request: Request):
+    return {"object": "list", "data": [_model_card(_state(request))]}
+
+
+async def model_info(name: str, request: Request):
+    state = _state(request)
+    if name != state.model_name:
+        raise APIError(
+            f"the model {name!r} does not exist", 404, param="model", code="model_not_found"
+        )
+    return _model_card(state)
+
+
+async def stats(request: Request):
+    return stats_body(_state(request))
+
+
+def stats_body(state: ServeState) -> dict:
+    """GET /v1/stats: the server's counters and the expert cache's."""
+    engine, model = state.engine, state.model
+    cache = getattr(model, "expert_cache", None)
+    body = {
+        "model": state.model_name,
+        "server": {
+            "requests": engine.requests,
+            "active": engine.active,
+            "queued": max(engine.queued, 0),
+            "max_queue": engine.max_queue,
+            "cancelled": engine.cancelled,
+            "rejected": engine.rejected,
+            "prompt_tokens": engine.prompt_tokens,
+            "completion_tokens": engine.completion_tokens,
+            "prefilled_tokens": engine.prefilled_tokens,
+            "prompt_cache": {
+                "entries": len(engine.prompt_caches),
+                "hits": engine.prompt_caches.hits,
+                "reused_tokens": engine.prompt_caches.reused_tokens,
+            },
+        },
+        # the cache's session counters (wall_s/tokens are not kept there) ...
+        "expert_cache": cache.stats.as_dict() if cache is not None else None,
+        # ... and the same summed over served requests, with their wall time and tokens
+        "served": engine.served.as_dict() if engine.served is not None else None,
+    }
+    if cache is not None:
+        body["arena"] = {
+            "slots": cache.arena.n_slots,
+            "resident": len(cache.arena.slot_of),
+            "record_bytes": cache.layout.record_bytes,
+        }
+    return body
 
 
 # ---- running it ----------------------------------------------------------------------------
@@ -1010,132 +1071,3 @@ def _stop_ranks_at_shutdown(app, model) -> None:
             model.close()
 
     app.router.lifespan_context = lifespan
-
-
-def _positive(flag: str, value, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value < 1:
-        raise ValueError(f"{flag} {value}: must be at least 1")
-
-
-def serve_command(
-    model: Path | None = typer.Option(
-        None, "--model", help="A strata-mlx store (default: the built-in model)."
-    ),
-    host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8080, "--port"),
-    model_name: str | None = typer.Option(
-        None, "--model-name", help="The name clients ask for (default: the store's folder name)."
-    ),
-    arena_gb: float | None = typer.Option(
-        None, "--arena-gb", help="Arena size (default: from memory)."
-    ),
-    io_workers: int = typer.Option(8, "--io-workers"),
-    read_ahead: str = typer.Option("lookahead", "--read-ahead", help="demand | static | lookahead"),
-    prefill_step_size: int | None = typer.Option(None, "--prefill-step-size"),
-    verify: bool = typer.Option(
-        True,
-        "--verify/--no-verify",
-        help="Checksums of the dense weights (once) and of every expert record as it is read.",
-    ),
-    max_tokens: int = typer.Option(
-        DEFAULT_MAX_TOKENS, "--max-tokens", "-m", help="max_tokens of a request that gives none."
-    ),
-    max_tokens_limit: int | None = typer.Option(
-        None,
-        "--max-tokens-limit",
-        help="The largest max_tokens a request may ask (default: the model's context).",
-    ),
-    max_prompt_tokens: int | None = typer.Option(
-        None,
-        "--max-prompt-tokens",
-        help="The longest prompt accepted, in tokens (default: the model's context).",
-    ),
-    max_queue: int = typer.Option(
-        DEFAULT_MAX_QUEUE,
-        "--max-queue",
-        help="Requests that may wait behind the running one; more are answered 429.",
-    ),
-    shutdown_timeout: float = typer.Option(
-        DEFAULT_SHUTDOWN_TIMEOUT,
-        "--shutdown-timeout",
-        help="Seconds requests in flight get to finish after SIGTERM before they are cancelled.",
-    ),
-    api_key: str | None = typer.Option(
-        None,
-        "--api-key",
-        envvar="STRATA_MLX_API_KEY",
-        help="Require 'Authorization: Bearer KEY' on every request (or set STRATA_MLX_API_KEY).",
-    ),
-    allowed_origins: str | None = typer.Option(
-        None,
-        "--allowed-origins",
-        help="Comma-separated origins browsers may call from (CORS), or '*'.",
-    ),
-    log_level: str = typer.Option("info", "--log-level"),
-    prompt_cache_size: int = typer.Option(
-        10, "--prompt-cache-size", help="Conversations whose KV cache is kept for reuse (0: off)."
-    ),
-    prompt_cache_bytes: int = typer.Option(
-        1 << 30, "--prompt-cache-bytes", help="Bytes those kept caches may hold together."
-    ),
-    pipeline: bool = typer.Option(
-        False, "--pipeline", help="Layers pipelined over the ranks of mlx.launch (mx.distributed)."
-    ),
-    pipeline_split: str | None = typer.Option(
-        None, "--pipeline-split", help="Layers per rank, e.g. 20,28 (default: by memory)."
-    ),
-    pipeline_timeout: float = typer.Option(
-        300.0, "--pipeline-timeout", help="Seconds a pipeline step may wait on another rank."
-    ),
-):
-    """Serve a store over an OpenAI-compatible HTTP API (chat and text completions)."""
-    if not 0 < port < 65536:
-        raise ValueError(f"--port {port}: must lie in [1, 65535]")
-    if arena_gb is not None and arena_gb <= 0:
-        raise ValueError(f"--arena-gb {arena_gb}: must be positive")
-    if io_workers < 1:
-        raise ValueError(f"--io-workers {io_workers}: must be at least 1")
-    _positive("--max-tokens", max_tokens, allow_none=False)
-    _positive("--max-tokens-limit", max_tokens_limit)
-    _positive("--max-prompt-tokens", max_prompt_tokens)
-    if max_queue < 0:
-        raise ValueError(f"--max-queue {max_queue}: must be at least 0")
-    if prompt_cache_size < 0 or prompt_cache_bytes < 0:
-        raise ValueError("--prompt-cache-size and --prompt-cache-bytes: must be at least 0")
-    if not (shutdown_timeout >= 0 and math.isfinite(shutdown_timeout)):
-        raise ValueError(f"--shutdown-timeout {shutdown_timeout}: must be a finite number >= 0")
-    if api_key is not None and not api_key.strip():
-        raise ValueError("--api-key: empty")
-    origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()] or None
-    if model is None:
-        from .default_model import DEFAULT_ARENA_GB, default_store
-
-        model = default_store()
-        model_name = model_name or "smollm2-135m-instruct-split"
-        arena_gb = DEFAULT_ARENA_GB if arena_gb is None else arena_gb
-    serve(
-        model,
-        host=host,
-        port=port,
-        model_name=model_name,
-        log_level=log_level,
-        max_tokens=max_tokens,
-        max_tokens_limit=max_tokens_limit,
-        max_prompt_tokens=max_prompt_tokens,
-        max_queue=max_queue,
-        api_key=api_key,
-        allowed_origins=origins,
-        shutdown_timeout=shutdown_timeout,
-        prompt_cache_size=prompt_cache_size,
-        prompt_cache_bytes=prompt_cache_bytes,
-        pipeline=pipeline,
-        pipeline_split=pipeline_split,
-        pipeline_timeout=pipeline_timeout,
-        arena_gb=arena_gb,
-        io_workers=io_workers,
-        read_ahead=read_ahead,
-        prefill_step_size=prefill_step_size,
-        verify=verify,
-    )
