@@ -330,6 +330,9 @@ def test_sampling_flag_errors(store):
         (["--no-chat", "--system-prompt", "hi"], "--system-prompt"),
     ]:
         assert flag in _error_line(run(*base, *flags)), flags
+    # every family's bound, Mixtral's too (its args name num_local_experts)
+    base[2] = store("mixtral")
+    assert "--experts-per-token 99" in _error_line(run(*base, "--experts-per-token", "99"))
 
 
 def test_system_prompt_and_chat_template_config(store, tmp_path):
@@ -376,9 +379,59 @@ def test_system_prompt_and_chat_template_config(store, tmp_path):
         (["--policies", "demand,sideways"], "sideways"),
         (["--policies", "lookahead:d0x"], "d0x"),
         (["--policies", ","], "--policies"),
+        (["--scheduler", "eager"], "--scheduler"),
+        (["--lookahead-depth", "0"], "--lookahead-depth"),
     ],
 )
 def test_bench_ranges_are_one_line_errors(store, args, names):
     """Bad bench settings fail in one line, exit 2, before the store is loaded."""
     line = _error_line(run("bench", "--model", store("qwen3_moe"), *args))
     assert names in line
+
+
+def test_scheduler_and_lookahead_depth_flags(store):
+    """--scheduler and --lookahead-depth reach the runtime: both schedulers print the same
+    tokens (the scheduler changes when experts are read, never what is computed)."""
+    path = store("qwen3_moe")
+    base = ("generate", "--model", path, "--prompt-tokens", "1,2,3,4", "-m", "3")
+    outs = [
+        run(*base, "--scheduler", s, "--lookahead-depth", d)
+        for s, d in (("sync", "1"), ("loop", "3"))
+    ]
+    assert all(r.returncode == 0 for r in outs), [r.stderr for r in outs]
+    assert outs[0].stdout.splitlines()[0] == outs[1].stdout.splitlines()[0]
+    assert "--scheduler" in _error_line(run(*base, "--scheduler", "eager"))
+    assert "--lookahead-depth" in _error_line(run(*base, "--lookahead-depth", "0"))
+
+
+def test_runtime_config_from_arguments_and_preset():
+    """Flags given win over the preset, the preset over RuntimeConfig's defaults."""
+    from strata_mlx.cli import runtime_config
+    from strata_mlx.loader import RuntimeConfig
+
+    cfg = runtime_config({"io_workers": 3, "arena_gb": None, "prompt": "x"}, "laptop-24gb")
+    assert cfg.io_workers == 3 and cfg.arena_gb == 6.5 and cfg.prefill_step_size == 2048
+    assert runtime_config({}) == RuntimeConfig()
+
+
+def test_user_errors_keep_a_bug_s_traceback():
+    """Our own error types are one line; another exception (a bug) is not hidden as one."""
+    import typer
+
+    from strata_mlx.cli import user_errors
+    from strata_mlx.options import OptionError, check_int
+
+    @user_errors
+    def refused():
+        check_int("io_workers", 0, 1, cli=True)
+
+    with pytest.raises(typer.Exit):
+        refused()
+
+    @user_errors
+    def buggy():
+        return int("not a number")  # a ValueError from a builtin: a bug, not a user's error
+
+    with pytest.raises(ValueError, match="invalid literal"):
+        buggy()
+    assert issubclass(OptionError, ValueError)
