@@ -379,12 +379,20 @@ class LoopScheduler(Scheduler):
             self._top_up()
 
     def wait(self, tags: list[int]) -> None:
+        """The caller collects while it waits (holding the lock, so the loop cannot): its
+        misses land without a hop through the loop's thread, and what else lands meanwhile
+        is made resident and tops the queue up as the loop would."""
         with self.lock:
             while True:
                 self._check_failed()
                 if not any(t in self.reads for t in tags):
                     return
-                self.lock.wait()
+                done = self.reader.wait(None, None)  # GIL released until one lands
+                if not done:
+                    raise RuntimeError("reads in flight that the reader does not know")
+                self._landed += 1
+                self._failed = self._failed or self._finish(done)
+                self._top_up()
 
     def collect(self, block: bool) -> None:
         with self.lock:

@@ -42,6 +42,11 @@ class ScriptedReader:
         self.done += len(out)
         return out
 
+    def wait(self, tags=None, timeout=None):
+        out = self._r.wait(tags, timeout)
+        self.done += len(out)
+        return out
+
     def __getattr__(self, name):
         return getattr(self._r, name)
 
@@ -54,7 +59,7 @@ def until(cond, timeout=10.0):
         time.sleep(0.005)
 
 
-def test_loop_tops_up_from_the_reserve_without_evicting_pinned_or_predicted(store):
+def test_scheduler_tops_up_from_the_reserve_without_evicting_pinned_or_predicted(store):
     path = store("qwen3_next")  # four MoE layers
     m = load_manifest(path)
     l0, l1, l2, l3 = m.moe_layers[:4]
