@@ -312,7 +312,7 @@ def generate(
         prompt = "The capital of France is" if model is None else None
         if prompt is None:
             raise ValueError("give --prompt/-p or --prompt-tokens")
-    from .options import check_number, check_sampling
+    from .options import check_int, check_sampling
     from .sampling import SamplingOptions
 
     sampling = SamplingOptions(
@@ -328,7 +328,6 @@ def generate(
     )
     check_sampling(max_tokens, temp, top_p, seed, cli=True)  # before a model is loaded
     sampling.check(cli=True)
-    check_number("moce_bonus", moce_bonus, 0, cli=True)
     from .prompt_cache import KVOptions
 
     kv = KVOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
@@ -340,6 +339,11 @@ def generate(
     chat = wants_chat if chat is None else chat
     model, runtime["arena_gb"] = builtin_model(model, arena_gb)
     cfg = runtime_config(runtime, preset)
+    if experts_per_token is not None:  # the store's count bounds it, in every family
+        from .store import load_manifest
+
+        n = load_manifest(model).num_experts
+        check_int("experts_per_token", experts_per_token, 1, n, cli=True)
     pipe = None
     if pipeline:
         from .distributed import Pipeline, serve_stage
@@ -350,10 +354,7 @@ def generate(
             )
         pipe = Pipeline(split=pipeline_split, timeout_s=pipeline_timeout)
     m, tok = load(model, config=cfg, pipeline=pipe)
-    if experts_per_token is not None:
-        _set_experts_per_token(m, experts_per_token)
     cache = m.expert_cache
-    cache.route_bonus = moce_bonus
     if pipe is not None and pipe.size > 1:
         if pipe.rank != 0:  # rank 0 prompts, samples and prints; the others compute
             serve_stage(m)
@@ -567,15 +568,6 @@ def _template_config(text: str | None) -> dict:
     return config
 
 
-def _set_experts_per_token(model, k: int) -> None:
-    from .options import check_int
-
-    # the store's count, the same for every family (Mixtral's args name it num_local_experts)
-    check_int("experts_per_token", k, 1, model.expert_cache.manifest.num_experts, cli=True)
-    for block in model.moe_blocks().values():
-        block.top_k = k
-
-
 def _save_npy(path: Path, array) -> None:
     import os
 
@@ -745,6 +737,9 @@ def bench(
     plot: Path | None = typer.Option(
         None, "--plot", help='Write a PNG of the run (pip install "strata-mlx[plot]").'
     ),
+    pipeline: Pipeline = False,
+    pipeline_split: PipelineSplit = None,
+    pipeline_timeout: PipelineTimeout = 300.0,
 ):
     """Prefill and decode, cold and warm, read-ahead policies side by side.
 
@@ -779,6 +774,12 @@ def bench(
         from .plots import require
 
         require()
+    make_pipeline = None
+    if pipeline:  # under mlx.launch: every rank loads each run; rank 0 drives and prints
+        from .distributed import Pipeline, init
+
+        group = init()
+        make_pipeline = lambda: Pipeline(group, pipeline_split, pipeline_timeout)  # noqa: E731
     result = run_bench(
         model,
         prompt_tokens,
@@ -793,7 +794,10 @@ def bench(
         log=typer.echo,
         baseline=baseline,
         plot=plot,
+        pipeline=make_pipeline,
     )
+    if not result:  # a rank other than 0: it served rank 0's runs
+        return
     typer.echo(markdown_table(result))
     if json_out is not None:
         save(result, json_out)

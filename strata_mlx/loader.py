@@ -20,7 +20,7 @@ from .arena import Arena
 from .decode import PipelinedDecoder
 from .experts import ExpertCache, SwitchGLU
 from .models.base import normalize_config
-from .options import check_runtime
+from .options import OptionError, check_runtime
 from .prediction import ReadAhead
 from .quant import check_layout
 from .store import (
@@ -88,6 +88,8 @@ class RuntimeConfig:
     # pipelined: whole tokens, overlapped with the next one's build, while fewer layers miss
     decode_token_below: float = 0.02
     decode_chunk: int = 4  # pipelined "token" mode: layers submitted to the device at once
+    experts_per_token: int | None = None  # None: the store's; else every MoE block's top-k
+    moce_bonus: float = 0.0  # cache-aware routing: bonus on resident experts' logits (decode)
 
 
 def apply_preset(cfg: RuntimeConfig, name: str) -> RuntimeConfig:
@@ -272,6 +274,15 @@ def load(
     )
     attach(model, cache)
     model.expert_cache = cache
+    cache.route_bonus = cfg.moce_bonus
+    if cfg.experts_per_token is not None:
+        if cfg.experts_per_token > manifest.num_experts:
+            raise OptionError(
+                f"{path}: experts_per_token {cfg.experts_per_token}: the store has "
+                f"{manifest.num_experts} experts a layer"
+            )
+        for block in model.moe_blocks().values():
+            block.top_k = cfg.experts_per_token
     model.decoder = (
         PipelinedDecoder(
             model, cfg.decode_lag, cfg.decode_sync_above, cfg.decode_token_below, cfg.decode_chunk

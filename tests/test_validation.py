@@ -426,3 +426,19 @@ def test_gguf_key_length_past_the_file_is_one_line(tmp_path):
     with pytest.raises(StoreError) as e:
         convert_gguf(path, tmp_path / "out", progress=False)
     assert len(_one_line(e.value)) < 300
+
+
+def test_routing_options_are_runtime_settings_applied_by_load(store):
+    """--experts-per-token and --moce-bonus are RuntimeConfig fields that load() applies
+    (nothing patched onto the model afterwards); a top-k above the store's count is refused
+    naming the store."""
+    path = store("mixtral")  # its args name the expert count num_local_experts
+    n = load_manifest(path).num_experts
+    model, _ = strata_mlx.load(path, experts_per_token=1, moce_bonus=0.5)
+    assert {b.top_k for b in model.moe_blocks().values()} == {1}
+    assert model.expert_cache.route_bonus == 0.5
+    model.expert_cache.close()
+    with pytest.raises(OptionError, match=rf"{path}: experts_per_token {n + 1}"):
+        strata_mlx.load(path, experts_per_token=n + 1)
+    with pytest.raises(OptionError, match="moce_bonus"):
+        strata_mlx.load(path, moce_bonus=-1.0)
