@@ -245,6 +245,11 @@ def load(
     arena_bytes, cfg.prefill_step_size = choose_arena(
         args, rb, n_records, dense_bytes, cfg.arena_gb, cfg.prefill_step_size
     )
+    if cfg.experts_per_token is not None and cfg.experts_per_token > manifest.num_experts:
+        raise OptionError(
+            f"{path}: experts_per_token {cfg.experts_per_token}: the store has "
+            f"{manifest.num_experts} experts a layer"
+        )
     n_slots = max(1, min(arena_bytes // rb, n_records))
     profile = load_profile(path, manifest if stage is None else stage.full_manifest)
     if stage is not None:
@@ -276,11 +281,6 @@ def load(
     model.expert_cache = cache
     cache.route_bonus = cfg.moce_bonus
     if cfg.experts_per_token is not None:
-        if cfg.experts_per_token > manifest.num_experts:
-            raise OptionError(
-                f"{path}: experts_per_token {cfg.experts_per_token}: the store has "
-                f"{manifest.num_experts} experts a layer"
-            )
         for block in model.moe_blocks().values():
             block.top_k = cfg.experts_per_token
     model.decoder = (
