@@ -37,6 +37,7 @@ class Run:
     decode_s: float = 0.0
     decode_tokens: int = 0
     layers: dict | None = None  # bench --plot: per-layer counts (strata_mlx.plots)
+    ranks: list[dict] | None = None  # bench --pipeline: each rank's share (strata_mlx.distributed)
 
 
 def _drop_page_cache(store: Path) -> bool:
@@ -131,10 +132,15 @@ def bench(
     eviction: str = "lru",
     baseline: str | None = None,
     plot: str | Path | None = None,
+    pipeline=None,
 ) -> dict:
     """Every policy cold then warm; with `baseline="mlx-lm"`, then mlx-lm's own model and
-    strata-mlx's on the same prompt, side by side (strata_mlx.baseline)."""
+    strata-mlx's on the same prompt, side by side (strata_mlx.baseline). `pipeline` (a
+    function that returns a fresh strata_mlx.distributed.Pipeline): every load is pipelined,
+    each run adds its ranks' figures; ranks other than 0 serve and return {}."""
     path = Path(path)
+    if pipeline is not None and (baseline is not None or plot is not None):
+        raise ValueError("--pipeline: --baseline and --plot are not pipelined")
     if baseline not in (None, "mlx-lm"):
         raise ValueError(f"--baseline {baseline}: the one baseline is mlx-lm")
     if baseline is not None:
@@ -152,6 +158,44 @@ def bench(
         eviction=eviction,
     )
 
+    fake_cfg = RuntimeConfig(**base, read_ahead="demand", fake_stream=True)
+    rounds = [list(policies[r % len(policies) :]) + list(policies[: r % len(policies)])
+              for r in range(repeats)]  # fmt: skip
+    if pipeline is not None and pipeline().rank != 0:
+        from .distributed import serve_loads
+
+        configs = [RuntimeConfig(**base, **policy_options(p)) for order in rounds for p in order]
+        serve_loads(path, [fake_cfg] + configs, pipeline, lambda: _drop_page_cache(path))
+        return {}
+
+    def load_model(cfg):
+        model, _ = load(path, config=cfg, pipeline=pipeline() if pipeline else None)
+        if hasattr(model, "rank_stats"):
+            model.wait_ready()
+        return model
+
+    def run_ranked(model, ids, policy, phase, layers=None) -> Run:
+        ranked = hasattr(model, "rank_stats")
+        before = model.rank_stats() if ranked else None
+        t = time.perf_counter()
+        run = _run(model, ids, gen_tokens, prefill_step_size, policy, phase, layers)
+        if ranked:
+            from .distributed import rank_figures
+
+            run.ranks = rank_figures(before, model.rank_stats(), time.perf_counter() - t)
+        return run
+
+    def log_ranks(run: Run) -> None:
+        from .distributed import rank_figure_line
+
+        for f in run.ranks or []:
+            log(rank_figure_line(f))
+
+    def close(model) -> None:
+        if hasattr(model, "rank_stats"):
+            model.close()  # the other ranks stop serving this load
+        model.expert_cache.close()
+
     from .probe import probe_ssd
 
     probe = probe_ssd(
@@ -163,23 +207,23 @@ def bench(
     ssd_gbps = probe["gb_per_s"]
     log(f"probe-ssd: {ssd_gbps:.2f} GB/s at {io_workers} workers (direct={probe['direct']})")
 
-    model, _ = load(path, config=RuntimeConfig(**base, read_ahead="demand", fake_stream=True))
+    model = load_model(fake_cfg)
     # Warm-up: the first pass compiles kernels (MLX CUDA JITs them), which no run should pay.
     _run(model, ids[: min(len(ids), prefill_step_size + 1)], 2, prefill_step_size, "warmup", "-")
-    fake = _run(model, ids, gen_tokens, prefill_step_size, "fake-stream", "compute")
-    model.expert_cache.close()
+    fake = run_ranked(model, ids, "fake-stream", "compute")
+    close(model)
     del model
     log(
         f"compute floor (fake-stream): {_mean([c.wall_s for c in fake.chunks]) * 1e3:.0f} ms/chunk, "
         f"decode {fake.decode_tokens / fake.decode_s:.2f} tok/s"
     )
+    log_ranks(fake)
 
     runs: list[Run] = []
-    for r in range(repeats):
-        order = list(policies[r % len(policies) :]) + list(policies[: r % len(policies)])
+    for order in rounds:
         for policy in order:
             dropped = _drop_page_cache(path)
-            model, _ = load(path, config=RuntimeConfig(**base, **policy_options(policy)))
+            model = load_model(RuntimeConfig(**base, **policy_options(policy)))
             arena = model.expert_cache.arena
             layers = None
             if plot is not None:
@@ -187,7 +231,7 @@ def bench(
 
                 layers = LayerCounts(model.expert_cache)
             for phase in ("cold", "warm"):
-                run = _run(model, ids, gen_tokens, prefill_step_size, policy, phase, layers)
+                run = run_ranked(model, ids, policy, phase, layers)
                 runs.append(run)
                 if plot is not None:
                     run.layers = layers.take()
@@ -195,7 +239,8 @@ def bench(
                     _line(run, fake, ssd_gbps)
                     + ("" if dropped or phase == "warm" else " (store's pages not evicted)")
                 )
-            model.expert_cache.close()
+                log_ranks(run)
+            close(model)
             del model
     result = {
         "store": str(path),
@@ -209,6 +254,10 @@ def bench(
         "compute_decode_tps": fake.decode_tokens / fake.decode_s,
         "runs": [_summary(run, fake, ssd_gbps) for run in runs],
     }
+    if fake.ranks is not None:
+        result["compute_ranks"] = fake.ranks
+        for row, run in zip(result["runs"], runs):
+            row["ranks"] = run.ranks
     if plot is not None:
         from .plots import figures, plot_bench
 

@@ -32,6 +32,7 @@ import os
 import re
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -204,6 +205,7 @@ class Pipeline:
         self.split: list[range] = []
         self.hidden_size = 0
         self.prev = (self.rank - 1) % self.size
+        self.stage_s = 0.0  # time in this rank's layers (compute and exposed waits), not hops
         self.next = (self.rank + 1) % self.size
 
     @property
@@ -375,10 +377,12 @@ class PipelineModel:
         pipe = self.pipe
         if cache is None:
             cache = self.make_cache()
+        t = time.perf_counter()
         h = _run_stage(self.model, inputs, cache)
         if pipe.size > 1:
             with pipe.deadline(f"a {inputs.shape[1]}-token step"):
                 mx.eval(h)
+                pipe.stage_s += time.perf_counter() - t
                 pipe.send_header(FORWARD, h.shape[:2], h.dtype)
                 pipe.send(h, pipe.next)
                 h = pipe.recv(h.shape, h.dtype, pipe.prev)
@@ -429,6 +433,7 @@ def stage_report(model, pipe: Pipeline) -> dict:
         "resident_layers": resident,  # the layers whose experts this rank's arena holds
         "arena_slots": cache.arena.n_slots,
         "stats": dataclasses.asdict(cache.stats),
+        "stage_s": pipe.stage_s,
     }
 
 
@@ -446,6 +451,55 @@ def rank_lines(rows: list[dict]) -> list[str]:
             f"{s.gb_read:.3f} GB, exposed wait {s.exposed_wait_s * 1e3:.0f} ms"
         )
     return out
+
+
+def rank_figures(before: list[dict], after: list[dict], wall_s: float) -> list[dict]:
+    """`bench --pipeline`: each rank's share of one run, from `rank_stats()` taken before
+    and after it; GB/s is the rank's bytes over the run's wall time."""
+    from .experts import ExpertStats
+
+    out = []
+    for b, a in zip(before, after):
+        s = ExpertStats(**a["stats"]).minus(ExpertStats(**b["stats"]))
+        out.append(
+            {
+                "rank": a["rank"],
+                "layers": a["layers"],
+                "moe_layers": a["moe_layers"],
+                "lookups": s.lookups,
+                "hits": s.hits,
+                "streamed_ahead": s.streamed_ahead,
+                "misses": s.misses,
+                "experts_read": s.experts_read,
+                "gb_read": s.gb_read,
+                "gb_per_s": s.gb_read / wall_s if wall_s > 0 else 0.0,
+                "exposed_wait_ms": s.exposed_wait_s * 1e3,
+                "stage_ms": (a["stage_s"] - b["stage_s"]) * 1e3,
+            }
+        )
+    return out
+
+
+def rank_figure_line(f: dict) -> str:
+    a, b = f["layers"]
+    return (
+        f"    rank {f['rank']}: layers {a}-{b - 1}, lookups {f['lookups']} (hits {f['hits']}, "
+        f"ahead {f['streamed_ahead']}, misses {f['misses']}), read {f['experts_read']} "
+        f"{f['gb_read']:.3f} GB {f['gb_per_s']:.2f} GB/s, wait {f['exposed_wait_ms']:.0f} ms, "
+        f"in its layers {f['stage_ms']:.0f} ms"
+    )
+
+
+def serve_loads(path, configs: list, make_pipeline, before_load=None) -> None:
+    """A rank other than 0 under `bench --pipeline`: load the store once for each of
+    `configs`, in rank 0's order, and serve each model until rank 0 closes it."""
+    from .loader import load
+
+    for cfg in configs:
+        if before_load is not None and not cfg.fake_stream:
+            before_load()
+        model, _ = load(path, config=cfg, pipeline=make_pipeline())
+        serve_stage(model)
 
 
 # ---- the other ranks ---------------------------------------------------------------------------
@@ -470,8 +524,10 @@ def serve_stage(model) -> None:
                 pipe.send(header, pipe.next)
             if op == FORWARD:
                 h = pipe.recv((b, length, pipe.hidden_size), DTYPES[dt], pipe.prev)
+                t = time.perf_counter()
                 h = _run_stage(model, h, cache)
                 mx.eval(h)
+                pipe.stage_s += time.perf_counter() - t
                 pipe.send(h, pipe.next)
             elif op == RESET:
                 cache = model.make_cache()

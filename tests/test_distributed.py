@@ -248,6 +248,50 @@ def test_generate_under_mlx_launch(store, ring, tmp_path):
     assert "Rank 1: layers 1-1" in p.stdout, p.stdout
 
 
+def test_bench_under_mlx_launch_reports_per_rank_figures(store, ring, tmp_path):
+    """`mlx.launch -n 2 -- strata-mlx bench --pipeline`: each run has one row per rank, each
+    rank's layers are its split, and the ranks' lookups add up to one process's."""
+    import shutil
+
+    import strata_mlx
+    from strata_mlx.bench import _run
+
+    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+    if not Path(launcher).exists():
+        pytest.skip("mlx.launch is not installed")
+    path = store("qwen3_moe")
+    out = tmp_path / "bench.json"
+    (port,) = _free_ports(1)
+    cmd = [launcher, "-n", "2", "--starting-port", str(port), "--", sys.executable, "-m"]
+    cmd += ["strata_mlx", "bench", "--pipeline", "--model", str(path), "-p", str(PROMPT)]
+    cmd += ["-g", "4", "--prefill-step-size", str(STEP), "--policies", "demand,lookahead"]
+    cmd += ["--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE)
+    assert p.returncode == 0 and out.exists(), p.stdout + p.stderr
+    assert "    rank 1: layers 1-1" in p.stdout, p.stdout
+    result = json.loads(out.read_text())
+
+    # one process, the same prompt (bench's: seed 0) and chunks
+    vocab = json.loads((path / "manifest.json").read_text())["config"]["vocab_size"]
+    ids = np.random.default_rng(0).integers(0, vocab, size=PROMPT).tolist()
+    model, _ = strata_mlx.load(path, prefill_step_size=STEP, read_ahead="demand")
+    before = model.expert_cache.stats.copy()
+    _run(model, ids, 4, STEP, "demand", "cold")
+    one = model.expert_cache.stats.minus(before)
+    model.expert_cache.close()
+
+    assert [r["policy"] for r in result["runs"]] == ["demand"] * 2 + ["lookahead"] * 2
+    for run in [{"ranks": result["compute_ranks"]}] + result["runs"]:
+        ranks = run["ranks"]
+        assert [r["layers"] for r in ranks] == [[0, 1], [1, 2]], ranks
+        assert [r["moe_layers"] for r in ranks] == [[0], [1]], ranks
+        assert sum(r["lookups"] for r in ranks) == one.lookups > 0, (ranks, one)
+        assert all(r["stage_ms"] > 0 for r in ranks), ranks
+    cold = result["runs"][0]["ranks"]
+    assert all(r["experts_read"] > 0 and r["gb_read"] > 0 for r in cold), cold
+    assert sum(r["misses"] for r in cold) == one.misses, (cold, one)
+
+
 def test_serve_pipelined(store, ring, tmp_path):
     """`strata-mlx serve --pipeline`: rank 0 answers HTTP, rank 1 computes; the completion
     equals one process's; SIGTERM on rank 0 stops both."""
