@@ -219,7 +219,6 @@ class Arena:
         self.pinned: set[int] = set()
         self.loading: set[int] = set()  # slots whose read is in flight
         self._free = list(range(n_slots - 1, -1, -1))
-        self.evicted: list[Key] = []  # evictions since the owner last drained this list
 
     @property
     def nbytes(self) -> int:
@@ -246,9 +245,11 @@ class Arena:
 
     def allocate(
         self, key: Key, protect: set[int] | None = None, keep: set[Key] | None = None
-    ) -> int | None:
-        """A slot for `key` (evicting if needed, never an expert of a layer in `protect` nor
-        one in `keep`), marked loading; None if every slot is busy."""
+    ) -> tuple[int, Key | None] | None:
+        """(slot, the expert evicted from it or None) for `key`, the slot marked loading;
+        never evicts an expert of a layer in `protect` nor one in `keep`. None if every slot
+        is busy."""
+        victim = None
         if self._free:
             slot = self._free.pop()
         else:
@@ -263,12 +264,11 @@ class Arena:
                 return None
             slot = self.slot_of.pop(victim)
             self.policy.remove(victim)
-            self.evicted.append(victim)
         self.owner[slot] = key
         self.slot_of[key] = slot
         self.loading.add(slot)
         self.policy.touch(key)
-        return slot
+        return slot, victim
 
     def loaded(self, slot: int) -> None:
         self.loading.discard(slot)

@@ -154,14 +154,15 @@ class Scheduler:
         with self.lock:
             reqs = []
             for key in keys:
-                slot = self.arena.allocate(key)
-                while slot is None:
+                got = self.arena.allocate(key)
+                while got is None:
                     # Every slot is pinned or mid-read: wait for a read to land, then retry.
                     if not self.reads:
                         raise RuntimeError("arena exhausted: every slot is pinned")
                     self.collect(block=True)
-                    slot = self.arena.allocate(key)
-                self._evicted_check()
+                    got = self.arena.allocate(key)
+                slot, victim = got
+                self._evicted(victim)
                 reqs.append(self._start_read(key, slot, urgent=True))
             if reqs:
                 self.reader.submit(reqs, True)
@@ -233,11 +234,12 @@ class Scheduler:
         for key in keys:
             if key in self.tag_of or key in self.arena.slot_of:
                 continue
-            slot = self.arena.allocate(key, protect, keep)
-            if slot is None:
+            got = self.arena.allocate(key, protect, keep)
+            if got is None:
                 break  # no slot that may be given up: the rest waits for demand
+            slot, victim = got
+            self._evicted(victim)
             reqs.append(self._start_read(key, slot, urgent=False))
-        self._evicted_check()
         if reqs:
             self.stats.readahead_submitted += len(reqs)
             self.reader.submit(reqs, False)
@@ -252,15 +254,15 @@ class Scheduler:
         expected = expected if self.verify else None
         return (tag, self._file, off, self.record_bytes, self.arena.address(slot), expected)
 
-    def _evicted_check(self) -> None:
-        # A prefetched expert evicted before use was a wasted read.
-        for key in self.arena.evicted:
-            self.table[self._pos[key[0]], key[1]] = -1
-            self._dirty.add(key[0])
-            if key in self.prefetched:
-                self.prefetched.discard(key)
-                self.stats.wasted_readahead += 1
-        self.arena.evicted.clear()
+    def _evicted(self, key: Key | None) -> None:
+        """`key` left the arena (None: nothing did); read-ahead evicted unused was wasted."""
+        if key is None:
+            return
+        self.table[self._pos[key[0]], key[1]] = -1
+        self._dirty.add(key[0])
+        if key in self.prefetched:
+            self.prefetched.discard(key)
+            self.stats.wasted_readahead += 1
 
     def _finish(self, completions) -> ExpertReadError | None:
         """Completions into residency; the error of the first failed read, if any."""

@@ -209,18 +209,18 @@ def full_arena(n_slots: int, keys, eviction: str = "lru", **kw) -> Arena:
     """An arena of `n_slots` whose slots hold `keys`, loaded, allocated in this order."""
     arena = Arena(n_slots, ALIGNMENT, eviction, **kw)
     for key in keys:
-        arena.loaded(arena.allocate(key))
+        arena.loaded(arena.allocate(key)[0])
     return arena
 
 
 def evict(arena: Arena, newcomer) -> tuple:
     """Allocate `newcomer` (loaded at once) and return the key it evicted."""
-    before = len(arena.evicted)
-    slot = arena.allocate(newcomer)
-    assert slot is not None, "every slot is busy"
+    got = arena.allocate(newcomer)
+    assert got is not None, "every slot is busy"
+    slot, victim = got
     arena.loaded(slot)
-    assert len(arena.evicted) == before + 1, "nothing was evicted"
-    return arena.evicted[-1]
+    assert victim is not None, "nothing was evicted"
+    return victim
 
 
 def test_lru_evicts_least_recently_used():
@@ -335,16 +335,16 @@ def test_pinned_and_loading_slots_are_never_evicted(eviction):
                 continue
             arena.set_layer(key[0])
             busy = {arena.owner[s] for s in arena.pinned | arena.loading}
-            n_before = len(arena.evicted)
-            slot = arena.allocate(key)
-            if slot is None:
+            got = arena.allocate(key)
+            if got is None:
                 refused += 1
                 assert len(arena.pinned | arena.loading) == arena.n_slots, "refused, yet idle"
                 continue
+            slot, victim = got
             assert slot in arena.loading and arena.owner[slot] == key
-            if len(arena.evicted) > n_before:
+            if victim is not None:
                 evictions += 1
-                assert arena.evicted[-1] not in busy, f"evicted a busy expert {arena.evicted[-1]}"
+                assert victim not in busy, f"evicted a busy expert {victim}"
         elif op < 0.7 and arena.loading:
             arena.loaded(rng.choice(sorted(arena.loading)))
         elif op < 0.85:
