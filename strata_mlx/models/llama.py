@@ -115,9 +115,10 @@ class SplitMLP(nn.Module):
         n, k = self.num_experts, min(self.top_k, self.num_experts)
         if k >= n:
             inds = mx.broadcast_to(mx.arange(n, dtype=mx.uint32), (*x.shape[:-1], n))
-            # The expert cache's per-layer sync evaluates the ids and takes that as proof that
-            # the previous layer's experts are computed (their slots may then be refilled).
-            # Constant ids would not prove it, so they are made to depend on x.
+            # The pipelined decoder's check (experts.check_deferred) takes a layer's evaluated
+            # ids as proof that the layers before it are computed (their slots may then be
+            # refilled). Constant ids would not prove it, so they are made to depend on x. (The
+            # sync handshake evaluates x with the ids, and needs no such help: test_llama_split.)
             (inds,) = mx.depends([inds], [x])
         else:
             logits = self.gate(x)
