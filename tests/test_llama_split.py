@@ -172,10 +172,10 @@ def test_default_generation_names_paris_and_streams(first_run):
     m = re.search(r"Experts: hit rate ([0-9.]+)%.*?(\d+) read, ([0-9.]+) GB", stats)
     assert m, stats
     # Every token runs all 480 experts and the arena holds a quarter: they really stream.
-    from strata_mlx.default_model import DEFAULT_ARENA_GB
+    from strata_mlx.default_model import default_arena_gb
 
     manifest = strata_mlx.store.load_manifest(first_run["store"])
-    assert DEFAULT_ARENA_GB * 1024**3 < manifest.expert_bytes / 3
+    assert default_arena_gb(first_run["store"]) * 1024**3 < manifest.expert_bytes / 3
     assert int(m.group(2)) > 12 * len(manifest.moe_layers) * manifest.num_experts
     assert float(m.group(3)) > 12 * manifest.expert_bytes / 1e9 * 0.9
 
