@@ -187,7 +187,24 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
     return c
 
 
-class KVCache:
+class _GrowingCache:
+    """What KVCache and QuantizedKVCache share: positions written only past `offset`."""
+
+    offset: int
+
+    def make_mask(self, n: int):
+        return "causal" if n > 1 else None
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def is_trimmable(self) -> bool:
+        return True
+
+
+class KVCache(_GrowingCache):
     """Keys and values grown in steps of 256 positions (as mlx-lm's KVCache).
 
     Writes go only past `offset`, so rolling a token back (strata_mlx.decode) is setting
@@ -223,17 +240,6 @@ class KVCache:
             return []
         return [self.keys, self.values]
 
-    def make_mask(self, n: int):
-        return "causal" if n > 1 else None
-
-    def trim(self, n: int) -> int:
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
-
-    def is_trimmable(self) -> bool:
-        return True
-
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
@@ -261,7 +267,7 @@ class KVCache:
         return c
 
 
-class QuantizedKVCache:
+class QuantizedKVCache(_GrowingCache):
     """Keys and values stored as MLX affine codes (mlx-lm's QuantizedKVCache): `bits` per
     element plus a float scale and bias per `group_size` of the head dimension. Attention
     over it is `attention()`'s quantized path."""
@@ -318,17 +324,6 @@ class QuantizedKVCache:
         if self.keys is None:
             return []
         return [*self.keys, *self.values]
-
-    def make_mask(self, n: int):
-        return "causal" if n > 1 else None
-
-    def trim(self, n: int) -> int:
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
-
-    def is_trimmable(self) -> bool:
-        return True
 
     @property
     def nbytes(self) -> int:
