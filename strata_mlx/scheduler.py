@@ -12,14 +12,16 @@ Two schedulers share that contract:
   This is the scheduling of the first wave, kept to measure the loop against.
 - `LoopScheduler` ("loop", the default): an asyncio event loop on a thread of its own. The
   reader's completion pipe wakes it (`loop.add_reader`, no polling); it collects completions,
-  makes landed records visible to the next layer built, wakes a handshake waiting for its
-  misses, and keeps the drive busy: whenever fewer reads are queued than `low_water`, it
+  makes landed records visible to the next layer built, and keeps the drive busy: whenever
+  fewer reads are queued than `low_water`, it
   submits the next of the reserve (the experts predicted for the layers after the next),
   each into a slot whose expert is neither pinned, mid-read, predicted, nor of a layer still
   computing. The reserve is replaced at every handshake, so stale guesses never pile up.
 
 One lock (a Condition) guards all of this state; the loop thread holds it only while it
-handles a batch of completions, and the handshake's waits release it. Reads themselves never
+handles a batch of completions. A handshake waiting for its misses holds it and collects
+itself (its urgent reads land without a hop through the loop's thread), topping the queue up
+as the loop would. Reads themselves never
 take the GIL: the reader's threads pread, verify and report completions in C.
 
 Results never depend on any of this: which slot holds an expert, and when it landed, never
