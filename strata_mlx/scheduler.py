@@ -18,11 +18,11 @@ Two schedulers share that contract:
   each into a slot whose expert is neither pinned, mid-read, predicted, nor of a layer still
   computing. The reserve is replaced at every handshake, so stale guesses never pile up.
 
-One lock (a Condition) guards all of this state; the loop thread holds it only while it
+One (re-entrant) lock guards all of this state; the loop thread holds it only while it
 handles a batch of completions. A handshake waiting for its misses holds it and collects
 itself (its urgent reads land without a hop through the loop's thread), topping the queue up
-as the loop would. Reads themselves never
-take the GIL: the reader's threads pread, verify and report completions in C.
+as the loop would. Reads themselves never take the GIL: the reader's threads pread, verify
+and report completions in C.
 
 Results never depend on any of this: which slot holds an expert, and when it landed, never
 changes what a layer computes (strata_mlx.experts).
@@ -71,7 +71,7 @@ class Scheduler:
         self.arena = arena
         self.reader = reader
         self.verify = verify
-        self.lock = threading.Condition()
+        self.lock = threading.RLock()
         self.stats = ExpertStats()
         # With verify, the reader's threads check each record's checksum as it lands.
         checksum = manifest.checksum if verify else None
@@ -210,14 +210,14 @@ class Scheduler:
         with self.lock:
             pending = [t for t in tags if t in self.reads]
             if pending:
-                self._raise(self._finish(self.reader.wait(pending, None)))
+                self._absorb(self.reader.wait(pending, None))
 
     def collect(self, block: bool) -> None:
         """Make landed reads resident; with `block`, wait for at least one if any is out."""
         with self.lock:
             if self.reads:
-                done = self.reader.wait(None, None) if block else self.reader.poll()
-                self._raise(self._finish(done))
+                self._absorb(self.reader.wait(None, None) if block else self.reader.poll())
+            self._check_failed()
 
     def drain(self) -> None:
         """Until no read is in flight."""
@@ -296,7 +296,9 @@ class Scheduler:
             why = f"read failed: {error_message(err)} (errno {err})"
         return ExpertReadError(f"{self.store / EXPERTS}: layer {layer} expert {expert}: {why}")
 
-    def _raise(self, error: ExpertReadError | None) -> None:
+    def _absorb(self, completions) -> None:
+        """Completions collected by the caller: into residency, a failed read raised."""
+        error = self._finish(completions)
         if error is not None:
             raise error
 
@@ -321,7 +323,6 @@ class LoopScheduler(Scheduler):
         self._next = 0  # the reserve's next key
         self._predicted: set[Key] = set()  # experts the reserve's reads may not evict
         self._failed: Exception | None = None  # raised at the caller's next request
-        self._landed = 0  # completions handled: a blocking collect waits for it to move
         self._fd = self.reader.notify_fd()
         self._loop = asyncio.new_event_loop()
         self._loop.add_reader(self._fd, self._on_completions)
@@ -337,24 +338,24 @@ class LoopScheduler(Scheduler):
             self._loop.close()
 
     def _on_completions(self) -> None:
-        """The reader's pipe is readable: collect, wake waiters, top the queue up."""
+        """The reader's pipe is readable: collect and top the queue up."""
         with self.lock:
             t0 = time.perf_counter()
             if self.reader is None:
                 return
             try:
                 self.reader.ack()  # before polling: a completion after the poll wakes us again
-                done = self.reader.poll()
-                if done:
-                    self._landed += 1
-                    error = self._finish(done)
-                    if error is not None and self._failed is None:
-                        self._failed = error
-                    self._top_up()
+                self._absorb(self.reader.poll())
             except Exception as e:  # a bug here must reach the caller, not hang it
                 self._failed = self._failed or e
-            self.lock.notify_all()
             self.stats.loop_s += time.perf_counter() - t0
+
+    def _absorb(self, completions) -> None:
+        """Completions, whoever collected them: into residency, a failed read kept for the
+        caller's next request, the queue topped up."""
+        if completions:
+            self._failed = self._failed or self._finish(completions)
+            self._top_up()
 
     def _top_up(self) -> None:
         """Reads from the reserve while the reader's queue is below the low-water mark."""
@@ -394,18 +395,7 @@ class LoopScheduler(Scheduler):
                 done = self.reader.wait(None, None)  # GIL released until one lands
                 if not done:
                     raise RuntimeError("reads in flight that the reader does not know")
-                self._landed += 1
-                self._failed = self._failed or self._finish(done)
-                self._top_up()
-
-    def collect(self, block: bool) -> None:
-        with self.lock:
-            self._check_failed()
-            if block and self.reads:
-                landed = self._landed
-                while self._landed == landed and self.reads:
-                    self.lock.wait()
-                    self._check_failed()
+                self._absorb(done)
 
     def _check_failed(self) -> None:
         if self._failed is not None:
