@@ -88,7 +88,7 @@ class ExpertCache:
         self.fake_stream = fake_stream  # every expert counts as resident: times compute alone
         self.layers = list(manifest.moe_layers)
         self._next = dict(zip(self.layers, self.layers[1:]))  # the last layer has none
-        self.predictor = Predictor(self.read_ahead, self.layers, profile, manifest.num_experts)
+        self.predictor = Predictor(self.read_ahead, manifest, profile)
         if reader is None:
             scheduler = "sync"  # nothing to read: no loop to run
         self.sched = make_scheduler(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -106,11 +106,10 @@ def generate_step(
         return sampler(logprobs), logprobs.squeeze(0)
 
     dec = decode.decoder_of(model)
-    phase = expert_cache.phase if expert_cache is not None else _no_phase
-    with phase(decoding=False):
+    with _phase(expert_cache, decoding=False):
         step = _start(model, dec, y[None], cache)
     later = None
-    with phase(decoding=True):
+    with _phase(expert_cache, decoding=True):
         try:
             for n in range(max_tokens):
                 rng = mx.random.state[0]  # the key this token's sample draws from
@@ -144,9 +143,9 @@ def generate_step(
                 dec.discard(later)
 
 
-@contextmanager
-def _no_phase(decoding: bool):
-    yield
+def _phase(expert_cache, decoding: bool):
+    """The expert cache's prefill or decode phase; nothing for a model without one."""
+    return nullcontext() if expert_cache is None else expert_cache.phase(decoding)
 
 
 class _Done:
@@ -357,8 +356,7 @@ def cache_prompt(
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, kv)
     step = prefill_step_size or getattr(model.runtime, "prefill_step_size", None) or 512
     expert_cache = getattr(model, "expert_cache", None)
-    phase = expert_cache.phase if expert_cache is not None else _no_phase
-    with phase(decoding=False):
+    with _phase(expert_cache, decoding=False):
         y = prefill(model, mx.array(ids), cache, step, on_chunk, kv)
         model(y[None], cache=cache)
     maybe_quantize(cache, kv)

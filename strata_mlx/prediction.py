@@ -71,13 +71,14 @@ def profile_rank(counts: np.ndarray | None, num_experts: int) -> list[int]:
 
 
 class Predictor:
-    """The read-ahead policy's decisions for the MoE `layers` of one model."""
+    """The read-ahead policy's decisions for the MoE layers of one model (`manifest`'s)."""
 
-    def __init__(self, read_ahead: ReadAhead, layers: list[int], profile, num_experts: int):
+    def __init__(self, read_ahead: ReadAhead, manifest, profile):
         self.read_ahead = read_ahead
-        self.layers = layers
+        self.manifest = manifest
+        self.layers = list(manifest.moe_layers)
         self.profile = profile
-        self.num_experts = num_experts
+        self.num_experts = manifest.num_experts
         self.routers: dict = {}  # layer -> route(x) -> top-k ids
         self._targets: dict[int, list[int]] = {}
         self.decode_miss_rate = 1.0  # running average; starts high so decode predicts at first
@@ -133,5 +134,6 @@ class Predictor:
         self.decode_layer_miss_rate += 0.02 * (missed - self.decode_layer_miss_rate)
 
     def profile_rank(self, layer: int) -> list[int]:
-        counts = None if self.profile is None else self.profile[self.layers.index(layer)]
-        return profile_rank(counts, self.num_experts)
+        if self.profile is None:
+            return profile_rank(None, self.num_experts)
+        return profile_rank(self.profile[self.manifest.layer_position(layer)], self.num_experts)
