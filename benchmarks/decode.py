@@ -26,6 +26,7 @@ import strata_mlx
 from strata_mlx.bench import policy_options
 from strata_mlx.decode import PipelinedDecoder
 from strata_mlx.generate import generate_step, make_sampler
+from strata_mlx.stats import RoutingTrace
 from strata_mlx.store import load_manifest
 
 
@@ -43,6 +44,19 @@ def timed(steps, on_first=None):
             t_first = t_last
     ms = (t_last - t_first) / max(len(tokens) - 1, 1) * 1e3
     return ms, tokens, np.stack(lps)
+
+
+def save_trace(path: str, trace: RoutingTrace) -> None:
+    """Routing ids of every call, per layer: `L{layer}` [calls * T, k] and `L{layer}_T` the
+    rows of each call (prefill chunks, then decode tokens), for offline cache studies."""
+    import os
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    arrays = {}
+    for layer, calls in trace.ids.items():
+        arrays[f"L{layer}"] = np.concatenate(calls).astype(np.int16)
+        arrays[f"L{layer}_T"] = np.array([len(c) for c in calls], dtype=np.int32)
+    np.savez_compressed(path, **arrays)
 
 
 def run_mlx_lm(model, ids, gen, step):
@@ -84,6 +98,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--eviction", default=None, help="the arena's eviction policy (lru, lfu, ...)")
+    ap.add_argument("--trace", default=None, help="directory: each variant's routing ids (npz)")
     a = ap.parse_args()
 
     m = load_manifest(a.store)
@@ -134,11 +150,18 @@ def main() -> None:
             if residents:
                 model = residents[policy]
             else:
+                extra = {"eviction": a.eviction} if a.eviction else {}
                 model, _ = strata_mlx.load(
-                    a.store, arena_gb=a.arena_gb, prefill_step_size=step, **policy_options(policy)
+                    a.store,
+                    arena_gb=a.arena_gb,
+                    prefill_step_size=step,
+                    **extra,
+                    **policy_options(policy),
                 )
             set_mode(model, mode)
             ec = model.expert_cache
+            if a.trace:
+                ec.trace = RoutingTrace()
             before = []  # the statistics once the prefill is done: decode's alone
             ms, toks, lps = run_strata(
                 model, ids, gen, step, on_first=lambda ec=ec, b=before: b.append(ec.stats.copy())
@@ -154,6 +177,13 @@ def main() -> None:
                 "streamed_ahead": s.streamed_ahead,
                 "recomputed_layers": s.recomputed_layers,
                 "wait_ms": s.exposed_wait_s * 1e3,
+                # per decode token: where the time went (the rest: the dense graph's Python,
+                # the kernels' launch, the device work not waited on in a route sync)
+                "route_sync_ms_tok": s.route_sync_s * 1e3 / max(gen - 1, 1),
+                "host_ms_tok": s.host_s * 1e3 / max(gen - 1, 1),
+                "wait_ms_tok": s.exposed_wait_s * 1e3 / max(gen - 1, 1),
+                "reads_tok": s.experts_read / max(gen - 1, 1),
+                "gb_s_in_decode": s.bytes_read / max(ms * (gen - 1) * 1e6, 1e-9),
             }
             if ref is not None:
                 # Greedy runs diverge at the first near-tie; after it the inputs differ, so
@@ -166,6 +196,8 @@ def main() -> None:
                 row["max_abs_logprob_diff"] = float(np.max(np.abs(lps[:n] - ref[1][:n])))
             out["runs"].append(row)
             print(json.dumps(row), flush=True)
+            if a.trace:
+                save_trace(f"{a.trace}/{policy}-{mode}-r{r}.npz".replace(":", "_"), ec.trace)
             if not residents:
                 ec.close()
                 del model, ec

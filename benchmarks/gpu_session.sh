@@ -103,5 +103,23 @@ sched3)  # issue 10/17, call 3: resident decode, loop against sync, beside mlx-l
      --prefill-step-size 1024 --policies demand,lookahead --json "$OUT/bench-new.json" \
      2>&1 | tee "$OUT/bench-new.log"
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3"; exit 2;;
+r7a)  # session 4, call 1: store; kernels after the issue-15 refactor; logits against float32
+  python3 setup.py build_ext --inplace -q 2>&1 | tail -2
+  /usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --mlx-path "$SYNTH" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -3 | tee "$OUT/synth.log"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tail -8 \
+     | tee "$OUT/kernel_tests.log"
+  timeout 240 python3 benchmarks/parity.py "$SYNTH" -p 128 --chunk 32 --json "$OUT/parity.json" \
+     2>&1 | tee "$OUT/parity.log"
+  ;;
+r7b)  # session 4, call 2: 6.5 GB decode, where the time goes, routing traces; bounce off
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -2
+  timeout 330 python3 benchmarks/decode.py "$SYNTH" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
+     --policies demand:sync,lookahead:loop --modes sync,adaptive --rounds 1 --trace "$OUT/trace" \
+     --json "$OUT/decode-arena.json" 2>&1 | tee "$OUT/decode-arena.log"
+  STRATA_MLX_BOUNCE=0 timeout 100 python3 benchmarks/decode.py "$SYNTH" -p 2048 -g 128 --arena-gb 6.5 \
+     --no-baseline --policies demand:sync --modes sync --rounds 1 \
+     --json "$OUT/decode-arena-nobounce.json" 2>&1 | tee "$OUT/decode-arena-nobounce.log"
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b"; exit 2;;
 esac

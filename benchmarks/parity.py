@@ -9,7 +9,12 @@ difference cannot change what the next position sees). Rows:
     weights, attention over a KV cache in another order): the noise floor of that arithmetic;
   - strata-mlx vs mlx-lm, with the backend's expert kernels and with the reference kernels
     (STRATA_MLX_KERNELS=reference: MLX ops, the oracle), every expert resident;
-  - strata-mlx kernels vs reference: what the custom kernels alone change.
+  - strata-mlx kernels vs reference: what the custom kernels alone change;
+  - each of them against the float32 oracle: mlx-lm's same model with every float parameter
+    (dense weights, quantization scales and biases) cast to float32, so activations and
+    accumulations run in float32 on the same quantized weights. Two implementations that
+    round differently are both "within numerical noise" when each is as far from the exact
+    arithmetic as the other: this is the scale the kernels' distance is judged on.
 Metrics: max |difference| of log-probabilities over all positions and vocabulary, mean KL
 divergence per position (nats), and the share of positions whose top-1 token agrees.
 """
@@ -74,6 +79,7 @@ def main() -> None:
     ap.add_argument("-p", "--prompt-tokens", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-fp32", action="store_true", help="skip the float32 oracle")
     a = ap.parse_args()
 
     from mlx_lm.models.cache import make_prompt_cache
@@ -85,6 +91,10 @@ def main() -> None:
     lm = load_mlx_lm(a.store)
     ref = logprobs(lm, ids, len(ids), make_prompt_cache(lm))
     lm_chunked = logprobs(lm, ids, a.chunk, make_prompt_cache(lm))
+    exact = None
+    if not a.no_fp32:
+        lm.set_dtype(mx.float32)  # floating parameters only: packed weights stay uint32
+        exact = logprobs(lm, ids, a.chunk, make_prompt_cache(lm))
     del lm
     gc.collect()
     mx.clear_cache()
@@ -96,6 +106,10 @@ def main() -> None:
         "strata-mlx (reference) vs mlx-lm": compare(ref, ours_ref),
         "strata-mlx kernels vs reference": compare(ours_ref, ours),
     }
+    if exact is not None:
+        rows["mlx-lm vs float32 oracle"] = compare(exact, ref)
+        rows["strata-mlx (kernels) vs float32 oracle"] = compare(exact, ours)
+        rows["strata-mlx (reference) vs float32 oracle"] = compare(exact, ours_ref)
     for name, r in rows.items():
         print(
             f"{name:>42}: max |dlogprob| {r['max_abs_logprob_diff']:.4g}, mean KL "
