@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 CHUNK = 16  # weights per chunk: every supported format keeps one (scale, offset) per chunk
+# (MXFP4's blocks of 32 are two chunks that read the same scale)
 WARP = 32
 THREADGROUP = 128
 
@@ -65,6 +66,7 @@ class Decoder:
     offset: bool  # whether w = scale * q + offset has an offset (else w = scale * q)
     tables: tuple[str, ...] = ()  # lookup tables the decoder takes after the chunk index
     align: int = 1  # widest load in bytes: row bases must be aligned to it
+    unaligned: tuple[str, ...] = ()  # bases read a byte at a time: exempt from `align`
 
     def call(self, bases: tuple[str, ...], chunk: str) -> str:
         """C call decoding chunk `chunk` of the row at `bases` (one C pointer per base)."""
@@ -107,6 +109,11 @@ GGUF_DECODERS = {
     "Q2_K": Decoder("Q2_K", "sk_decode_q2_k", ("W",), True, (), 4),
 }
 GGUF_BLOCK = 256
+
+# OCP MXFP4 (GPT-OSS's experts; strata_mlx.quant.dequantize_mxfp4): codes read as 32-bit words,
+# the E8M0 scale row byte by byte (its stride, in / 32 bytes, is odd for GPT-OSS's 2880).
+MXFP4_DECODER = Decoder("mxfp4", "sk_decode_mxfp4", ("W", "S"), False, (), 4, ("S",))
+MXFP4_BLOCK = 32
 
 
 def gguf_decoder(qtype: str) -> Decoder:
@@ -182,10 +189,19 @@ def projection(layout, proj: str) -> Projection | None:
         if n_in % GGUF_BLOCK or wc.dtype != "uint8" or wc.shape[1] != row_bytes(spec["type"], n_in):
             return None
         offs = (("W", wc.offset, wc.shape[1]),)
+    elif fmt == "mxfp4":
+        dec = MXFP4_DECODER
+        sc = layout.component(f"{proj}.scales")
+        n_in = wc.shape[1] * 2
+        if wc.dtype != "uint8" or sc.dtype != "uint8" or n_in % MXFP4_BLOCK:
+            return None
+        if sc.shape != [out, n_in // MXFP4_BLOCK]:
+            return None
+        offs = (("W", wc.offset, wc.shape[1]), ("S", sc.offset, sc.shape[1]))
     else:
         return None
-    for _, off, stride in offs:
-        if off % dec.align or stride % dec.align:
+    for base, off, stride in offs:
+        if base not in dec.unaligned and (off % dec.align or stride % dec.align):
             return None
     return Projection(dec, out, n_in, offs)
 

@@ -4,14 +4,16 @@
 // A *chunk* is 16 consecutive weights of one row, chunk c = weights [16c, 16c + 16). Every
 // supported format keeps one (scale, offset) per chunk, so a decoder returns the chunk as
 //   w[j] = scale * q[j] + offset,   j = 0..15,
-// with q[j] small integers (signed for the i-quants) held exactly in float32. The kernels
-// (algorithm.py) dot q with the activations first and scale once per chunk.
+// with q[j] small integers (signed for the i-quants; signed multiples of 0.5 for MXFP4) held
+// exactly in float32. The kernels (algorithm.py) dot q with the activations first and scale
+// once per chunk.
 //
 // Each decoder is checked bit for bit against the reference dequantizers
-// (strata_mlx.gguf_quants, mx.dequantize) by tests/test_kernels.py, compiled as host C++:
-// on random blocks whose fp16 fields take any finite value (subnormal and huge ones too), and
-// sk_f16 on all 65536 bit patterns; loads are checked aligned and inside the row under
-// AddressSanitizer and UBSan.
+// (strata_mlx.gguf_quants, mx.dequantize, strata_mlx.quant.dequantize_mxfp4) by
+// tests/test_kernels.py, compiled as host C++: on random blocks whose fp16 fields take any
+// finite value (subnormal and huge ones too), MXFP4 on every E8M0 scale, and sk_f16 on all
+// 65536 bit patterns; loads are checked aligned and inside the row under AddressSanitizer and
+// UBSan.
 //
 // This file names only what each dialect's PRELUDE defines (custom_kernels/cuda.py, host.py
 // and the Apple-silicon one): SK_FN, SK_GLOBAL, SK_UNROLL, sk_as_float, sk_tof. No
@@ -199,6 +201,39 @@ SK_FN sk_chunk sk_decode_q2_k(const SK_GLOBAL uint8_t* w, uint32_t c) {
     SK_UNROLL
     for (uint32_t i = 0u; i < 4u; ++i) {
       r.q[k * 4u + i] = (float)((v >> (shift + 8u * i)) & 3u);
+    }
+  }
+  return r;
+}
+
+// ---- OCP MXFP4 (GPT-OSS's experts; mx.quantize mode "mxfp4"): 32 weights a block --------------
+// Row W: 4-bit E2M1 codes, two a byte, low nibble first (16 bytes a block); row S: one E8M0
+// byte s a block, 2^(s - 127). w = E2M1[code] * 2^(s - 127). A chunk is 16 of a block's 32
+// weights, 8 bytes of codes (two 32-bit words); both chunks of a block read one scale byte.
+
+// 2^(s - 127) as float32 bits: s is the exponent field; s = 0 is the subnormal 2^-127;
+// s = 255 gives inf (as mx.dequantize; OCP reserves it for NaN).
+SK_FN float sk_e8m0(uint32_t s) {
+  return s == 0u ? sk_as_float(0x00400000u) : sk_as_float(s << 23u);
+}
+
+SK_FN sk_chunk sk_decode_mxfp4(const SK_GLOBAL uint8_t* w, const SK_GLOBAL uint8_t* scales,
+                               uint32_t c) {
+  sk_chunk r;
+  r.scale = sk_e8m0(sk_ld8(scales, c >> 1u));
+  r.offset = 0.0f;
+  SK_UNROLL
+  for (uint32_t k = 0u; k < 2u; ++k) {
+    const uint32_t v = sk_ld32(w, c * 8u + k * 4u);
+    SK_UNROLL
+    for (uint32_t i = 0u; i < 8u; ++i) {
+      // E2M1: sign | 2-bit exponent e | 1 mantissa bit m; twice its magnitude is
+      // m (e = 0, subnormal) or (2 + m) << (e - 1): 0, 1, 2, 3, 4, 6, 8, 12
+      const uint32_t code = (v >> (4u * i)) & 15u;
+      const uint32_t e = (code >> 1u) & 3u;
+      const uint32_t m = code & 1u;
+      const float g = (float)(e == 0u ? m : (2u + m) << (e - 1u)) * 0.5f;
+      r.q[k * 8u + i] = (code & 8u) != 0u ? -g : g;
     }
   }
   return r;

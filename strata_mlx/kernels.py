@@ -32,7 +32,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from .quant import mx_dtype, switch_glu_reference, to_numpy
+from .quant import MXFP4_BLOCK, mx_dtype, switch_glu_reference, to_numpy
 from .store import PROJECTIONS, Component, RecordLayout
 
 # fn(x [..., D], arena [n_slots, record_bytes] uint8, slots [n] uint32, idx [..., k] into
@@ -167,8 +167,8 @@ def _mismatch(y: mx.array, ref: mx.array, dtype: mx.Dtype) -> str | None:
 def example_layout(fmt: str, hidden: int, inter: int, down: str | None = None) -> RecordLayout:
     """The record layout of one expert (gate/up [inter, hidden], down [hidden, inter]) whose
     gate/up take format `fmt` and down `down` (default `fmt`): a GGUF type ("Q4_K", "Q2_K",
-    "IQ2_XS", "IQ3_S") or "affine{bits}-g{group_size}" (fp16 scales, as mx.quantize gives
-    an fp16 model)."""
+    "IQ2_XS", "IQ3_S"), "affine{bits}-g{group_size}" (fp16 scales, as mx.quantize gives
+    an fp16 model) or "mxfp4"."""
     shapes = {
         "gate_proj": (inter, hidden),
         "up_proj": (inter, hidden),
@@ -186,6 +186,12 @@ def example_layout(fmt: str, hidden: int, inter: int, down: str | None = None) -
             comps[f"{p}.scales"] = ("float16", (out, n_in // gs))
             comps[f"{p}.biases"] = ("float16", (out, n_in // gs))
             table[p] = {"format": "affine", "bits": bits, "group_size": gs}
+        elif name == "mxfp4":
+            if n_in % MXFP4_BLOCK:
+                raise ValueError(f"mxfp4: {n_in} inputs are not whole blocks of {MXFP4_BLOCK}")
+            comps[f"{p}.weight"] = ("uint8", (out, n_in // 2))
+            comps[f"{p}.scales"] = ("uint8", (out, n_in // MXFP4_BLOCK))
+            table[p] = {"format": "mxfp4"}
         else:
             from .gguf_quants import row_bytes
 
@@ -233,6 +239,8 @@ def format_name(layout: RecordLayout) -> str:
             n = f"affine {spec.get('bits')}-bit g{spec.get('group_size')}"
         elif fmt == "gguf":
             n = f"gguf {spec.get('type')}"
+        elif fmt == "mxfp4":
+            n = "mxfp4"
         else:
             n = str(fmt)
         if n not in names:
@@ -247,6 +255,8 @@ def _hidden(layout: RecordLayout) -> int:
     wc = layout.component("gate_proj.weight")
     if spec["format"] == "affine":
         return wc.shape[1] * 32 // int(spec["bits"])
+    if spec["format"] == "mxfp4":
+        return wc.shape[1] * 2
     return int(spec["in_features"])
 
 
@@ -268,6 +278,14 @@ def _arena(layout: RecordLayout, n_experts: int, n_slots: int, rng) -> np.ndarra
             biases = -scales * (2**bits - 1) / 2 * rng.uniform(0.9, 1.1, scales.shape)
             _put(recs, sc, scales)
             _put(recs, bc, biases)
+        elif spec["format"] == "mxfp4":
+            # codes uniform over the 16 E2M1 values (RMS 2.93): scales 2^(s-127) about
+            # 1 / (2.93 sqrt(in)), a power of two within a factor 2 either way
+            sc = layout.component(f"{p}.scales")
+            n_in = wc.shape[1] * 2
+            s = 127 + round(math.log2(1 / (2.93 * math.sqrt(n_in))))
+            scales = rng.integers(s - 1, s + 2, (n_experts, *sc.shape)).astype(np.uint8)
+            recs[:, sc.offset : sc.offset + sc.nbytes] = scales.reshape(n_experts, -1)
         elif spec["format"] == "gguf":
             from .gguf_quants import dequantize, get_format
 

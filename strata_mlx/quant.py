@@ -4,6 +4,8 @@ Formats (the `quant` entry of a record layout, per projection):
   {"format": "float"}                                   weight [out, in] in the store dtype
   {"format": "affine", "bits": b, "group_size": g}      MLX affine: weight/scales/biases
   {"format": "gguf", "type": "IQ2_XS"}                  ggml blocks, [out, row_bytes] uint8
+  {"format": "mxfp4"}                                   OCP MXFP4 (GPT-OSS's experts): weight
+                                                        uint8 [out, in/2], scales uint8 [out, in/32]
 
 A projection may carry a bias (`{proj}.bias`, float [out], never quantized: GPT-OSS), and a
 layout may name a gated activation other than SwiGLU (`layout.activation`: activation_fn).
@@ -50,6 +52,35 @@ def to_numpy(a: mx.array) -> np.ndarray:
     return np.array(a)
 
 
+# ---- MXFP4 (OCP microscaling FP4: GPT-OSS's experts, mx.quantize's "mxfp4" mode) -------------
+# A block is 32 weights of a row: 16 bytes of 4-bit E2M1 codes, two a byte with the low nibble
+# first (weight 2i in byte i's bits 0-3, weight 2i+1 in bits 4-7), and one E8M0 scale byte s,
+# 2^(s - 127). w = E2M1[code] * 2^(s - 127): exact in float32 for every code and scale (the
+# smallest non-zero weight is 0.5 * 2^-127, a float32 subnormal); s = 255 is 2^128 = inf, as
+# mx.dequantize decodes it (OCP reserves it for NaN; no checkpoint has it).
+MXFP4_BLOCK = 32
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def e8m0(scales: mx.array) -> mx.array:
+    """float32 2^(s - 127) of E8M0 bytes: the exponent field of a float32 (s = 0, 2^-127, is
+    the subnormal 0x00400000)."""
+    s = scales.astype(mx.uint32)
+    return mx.where(s == 0, mx.array(0x00400000, mx.uint32), s << 23).view(mx.float32)
+
+
+def dequantize_mxfp4(blocks: mx.array, scales: mx.array, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """MXFP4 rows -> weights: blocks uint8 [..., out, in/2], scales uint8 [..., out, in/32]
+    -> [..., out, in] in `dtype` (computed exactly in float32, then rounded once: bit for bit
+    mx.dequantize(..., mode="mxfp4", dtype=dtype), tests/test_mxfp4.py)."""
+    *lead, half = blocks.shape
+    codes = mx.stack([blocks & 15, blocks >> 4], axis=-1)  # [..., in/2, 2]: low nibble first
+    values = mx.array(E2M1, dtype=mx.float32)[codes.astype(mx.uint32)]
+    values = values.reshape(*lead, half * 2 // MXFP4_BLOCK, MXFP4_BLOCK)
+    w = values * mx.expand_dims(e8m0(scales), -1)
+    return w.reshape(*lead, half * 2).astype(dtype)
+
+
 def expert_tensors(
     weights: dict[str, mx.array], quant: dict[str, Any] | None, dtype: mx.Dtype
 ) -> tuple[dict[str, mx.array], dict[str, dict[str, Any]]]:
@@ -57,16 +88,23 @@ def expert_tensors(
     `{proj}.bias`, if it has them) -> record tensors and quant table.
 
     With `quant` = {"bits", "group_size"} the weights are MLX-affine quantized exactly as
-    mlx-lm quantizes a SwitchLinear (mx.quantize over the last axis), else cast to `dtype`;
-    biases are cast to `dtype` (mlx-lm's QuantizedSwitchLinear keeps its bias float).
+    mlx-lm quantizes a SwitchLinear (mx.quantize over the last axis); with {"mode": "mxfp4"}
+    they are MXFP4 from mx.quantize(..., mode="mxfp4") (its uint32 words kept as their bytes:
+    the layout GPT-OSS ships); else cast to `dtype`. Biases are cast to `dtype` (mlx-lm's
+    QuantizedSwitchLinear keeps its bias float).
     """
     tensors, table = {}, {}
+    mode = quant.get("mode", "affine") if quant else None
     for p in PROJECTIONS:
         if f"{p}.bias" in weights:
             tensors[f"{p}.bias"] = weights[f"{p}.bias"].astype(dtype)
         w = weights[p].astype(dtype)
         # As mlx-lm: a projection whose input width the group size does not divide stays float.
-        if quant and w.shape[-1] % quant["group_size"] == 0:
+        if mode == "mxfp4" and w.shape[-1] % MXFP4_BLOCK == 0:
+            q, s = mx.quantize(w, mode="mxfp4")
+            tensors[f"{p}.weight"], tensors[f"{p}.scales"] = q.view(mx.uint8), s
+            table[p] = {"format": "mxfp4"}
+        elif mode == "affine" and w.shape[-1] % quant["group_size"] == 0:
             q, s, b = mx.quantize(w, quant["group_size"], quant["bits"])
             tensors[f"{p}.weight"], tensors[f"{p}.scales"], tensors[f"{p}.biases"] = q, s, b
             table[p] = {
@@ -166,6 +204,16 @@ def _logical_shape(layout: RecordLayout, proj: str, where: str) -> tuple[int, in
             if list(need(name, FLOAT_DTYPES)) != [out, inp // gs]:
                 raise StoreError(f"{where}: {proj}.{name} is not [{out}, {inp // gs}]")
         return out, inp
+    if fmt == "mxfp4":
+        out, half = need("weight", ("uint8",))
+        inp = half * 2
+        if inp % MXFP4_BLOCK:
+            raise StoreError(
+                f"{where}: {proj}.weight rows of {inp} weights: not whole blocks of 32"
+            )
+        if list(need("scales", ("uint8",))) != [out, inp // MXFP4_BLOCK]:
+            raise StoreError(f"{where}: {proj}.scales is not [{out}, {inp // MXFP4_BLOCK}]")
+        return out, inp
     from .gguf_quants import FORMATS
 
     f = FORMATS[spec["type"]]
@@ -219,6 +267,8 @@ def _product(x: mx.array, views: dict, proj: str, spec: dict, idx: mx.array, sor
         blocks = views[f"{proj}.weight"]
         n, out_dim, _ = blocks.shape
         w = dequantize(spec["type"], blocks, (n, out_dim, spec["in_features"]), dtype=x.dtype)
+    elif fmt == "mxfp4":
+        w = dequantize_mxfp4(views[f"{proj}.weight"], views[f"{proj}.scales"], x.dtype)
     else:
         raise ValueError(f"unknown expert format {fmt!r}")
     return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sort)

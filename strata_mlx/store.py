@@ -74,7 +74,9 @@ class RecordLayout:
     """How one expert record is laid out, and how each projection is quantized.
 
     `quant[proj]` is {"format": "float"} or {"format": "affine", "bits": b, "group_size": g}
-    or {"format": "gguf", "type": "IQ2_XS"}; every expert of every layer shares one layout.
+    or {"format": "gguf", "type": "IQ2_XS"} or {"format": "mxfp4"} (OCP MXFP4 as GPT-OSS ships
+    it: `weight` uint8 [out, in/2], two E2M1 codes a byte, low nibble first; `scales` uint8
+    [out, in/32], an E8M0 exponent per 32 weights); every expert of every layer shares one layout.
     Components `{proj}.bias` (float [out]), where present, are added to that projection's
     output. `activation` is None for SwiGLU (silu(gate) * up), or GPT-OSS's clamped variant
     {"name": "swiglu_oai", "alpha": a, "limit": l} (strata_mlx.quant.activation_fn).
@@ -220,7 +222,7 @@ class Manifest:
 
 MAX_MANIFEST_BYTES = 1 << 30  # a 48-layer x 512-expert manifest is ~0.6 MB
 MAX_INT = (1 << 63) - 1  # offsets, sizes: what a C off_t / numpy int64 holds
-QUANT_FORMATS = ("float", "affine", "gguf")
+QUANT_FORMATS = ("float", "affine", "gguf", "mxfp4")
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize / gather_qmm accept (bits 0 dies of SIGFPE)
 AFFINE_GROUP_SIZES = (32, 64, 128)
 COMPONENT_DTYPES = ("float32", "float16", "bfloat16", "uint32", "uint8")

@@ -35,6 +35,7 @@ from custom_kernels import algorithm, cuda, dispatch, host, metal
 from strata_mlx.gguf_quants import FORMATS, dequantize, row_bytes
 from strata_mlx.quant import (
     component_views,
+    dequantize_mxfp4,
     dtype_name,
     expert_tensors,
     layout_for,
@@ -82,7 +83,7 @@ def _shapes(d: int, inter: int) -> dict[str, tuple[int, int]]:
     return {"gate_proj": (inter, d), "up_proj": (inter, d), "down_proj": (d, inter)}
 
 
-def affine_experts(n, d, inter, bits, gs, dtype, seed=0):
+def affine_experts(n, d, inter, bits, gs, dtype, seed=0, quant=None):
     # all n experts quantized in one call per projection, exactly as expert_tensors does each;
     # on the CPU stream (on the GPU, each new configuration would JIT-compile quantize)
     with mx.stream(mx.cpu):
@@ -91,7 +92,7 @@ def affine_experts(n, d, inter, bits, gs, dtype, seed=0):
             p: mx.random.normal((n, o, i), key=keys[j]) / np.sqrt(i)
             for j, (p, (o, i)) in enumerate(_shapes(d, inter).items())
         }
-        t, table = expert_tensors(w, {"bits": bits, "group_size": gs}, dtype)
+        t, table = expert_tensors(w, quant or {"bits": bits, "group_size": gs}, dtype)
         layout = layout_for({name: v[0] for name, v in t.items()}, table)
         t = {name: to_numpy(v) for name, v in t.items()}
     recs = [np.frombuffer(layout.pack({k: v[e] for k, v in t.items()}), np.uint8) for e in range(n)]
@@ -124,6 +125,12 @@ def _affine(bits, gs, dtype=mx.float16):
     return lambda n, d, i, seed: affine_experts(n, d, i, bits, gs, dtype, seed)
 
 
+def _mxfp4(n, d, inter, seed):
+    # mx.quantize's mxfp4 of normal weights (scales of each block's max), the layout GPT-OSS
+    # ships; fp16 is what the scales meet in a model (they are uint8 whatever it is)
+    return affine_experts(n, d, inter, 4, 32, mx.float16, seed, quant={"mode": "mxfp4"})
+
+
 # name -> builder(n_experts, D, inter, seed) -> (layout, records)
 CASES = {
     "affine4-g64": _affine(4, 64),
@@ -138,6 +145,7 @@ CASES = {
     "Q2_K": _gguf("Q2_K"),
     "IQ2_XS+Q2_K-down": _gguf("IQ2_XS", "Q2_K"),
     "IQ3_S+Q4_K-down": _gguf("IQ3_S", "Q4_K"),
+    "mxfp4": _mxfp4,
 }
 
 
@@ -231,10 +239,40 @@ def test_affine_decode_bit_exact(bits, group_size, dtype):
         np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))
 
 
+def mxfp4_rows(rows: int, n_in: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 codes [rows, n_in / 2] (every byte) and scales [rows, n_in / 32] cycling through
+    every E8M0 value, 0 (2^-127) and 255 (inf) included."""
+    codes = rng.integers(0, 256, size=(rows, n_in // 2), dtype=np.uint8)
+    scales = (np.arange(rows * n_in // 32) % 256).astype(np.uint8).reshape(rows, n_in // 32)
+    return codes, scales
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    """Bit for bit, NaNs aside (0 * 2^128: equal as NaNs, whatever their sign)."""
+    nan = np.isnan(a)
+    assert np.array_equal(nan, np.isnan(b)), what
+    np.testing.assert_array_equal(a[~nan].view(np.uint32), b[~nan].view(np.uint32), what)
+
+
+@needs_cxx
+def test_mxfp4_decode_bit_exact():
+    rows, n_in = 16, 32 * 48  # 768 blocks: every scale three times
+    codes, scales = mxfp4_rows(rows, n_in, np.random.default_rng(4))
+    ours = host_decode(algorithm.MXFP4_DECODER, {"W": codes, "S": scales}, n_in)
+    with mx.stream(mx.cpu):
+        ref = np.array(dequantize_mxfp4(mx.array(codes), mx.array(scales)))
+        mlx = mx.dequantize(
+            mx.array(codes).view(mx.uint32), mx.array(scales), mode="mxfp4", dtype=mx.float32
+        )
+    _same_bits(ours, ref, "formats.h vs dequantize_mxfp4")
+    _same_bits(ours, np.array(mlx), "formats.h vs mx.dequantize mxfp4")
+
+
 def _minimal_rows() -> list[tuple[algorithm.Decoder, dict[str, int], int]]:
     """(decoder, bytes of each base's row, in_features) for the smallest row of each format:
     one block, or one group, so that every load sits at the row's edge."""
     rows = [(d, {"W": FORMATS[t].type_size}, 256) for t, d in algorithm.GGUF_DECODERS.items()]
+    rows.append((algorithm.MXFP4_DECODER, {"W": 16, "S": 1}, 32))
     for bits in (2, 3, 4, 5, 6, 8):
         for gs in (32, 64, 128):
             for dtype, esz in (("float16", 2), ("bfloat16", 2), ("float32", 4)):
@@ -476,6 +514,7 @@ def _compare(y, ref, what, max_tol, frob_tol):
 
 HOST_CASES = [(c, 1) for c in sorted(CASES)] + [
     ("affine4-g64", 4),
+    ("mxfp4", 4),
     ("IQ2_XS+Q2_K-down", 4),
     ("IQ3_S+Q4_K-down", 4),
     ("affine3-g64", 8),
@@ -513,6 +552,10 @@ def test_host_dequant_kernel_bit_exact(case):
             with mx.stream(mx.cpu):
                 ref = dequantize(layout.quant[p]["type"], mx.array(bases["W"]), want.shape)
             np.testing.assert_array_equal(np.array(ref).view(np.uint32), want.view(np.uint32))
+        if layout.quant[p]["format"] == "mxfp4":
+            with mx.stream(mx.cpu):
+                ref = dequantize_mxfp4(mx.array(bases["W"]), mx.array(bases["S"]))
+            np.testing.assert_array_equal(np.array(ref).view(np.uint32), want.view(np.uint32))
         np.testing.assert_array_equal(
             np.array(got[p]).reshape(want.shape).view(np.uint32),
             want.view(np.uint32),
@@ -521,7 +564,7 @@ def test_host_dequant_kernel_bit_exact(case):
 
 
 @needs_cxx
-@pytest.mark.parametrize("case", ["affine4-g64", "IQ2_XS+Q2_K-down", "IQ3_S+Q4_K-down"])
+@pytest.mark.parametrize("case", ["affine4-g64", "IQ2_XS+Q2_K-down", "IQ3_S+Q4_K-down", "mxfp4"])
 def test_host_prefill_dequant_strategy(case):
     layout, recs = CASES[case](4, 256, 256, 6)
     x, arena, slots, idx = make_problem(layout, recs, n_tokens=9, k=2, dtype=mx.float32, seed=8)
@@ -668,6 +711,7 @@ GPU_DECODE = (
     "Q2_K",
     "IQ2_XS+Q2_K-down",
     "IQ3_S+Q4_K-down",
+    "mxfp4",
 )
 PREFILL_CASES = (  # automatic strategy: dequant kernels + gather_mm
     "affine4-g64",
@@ -676,6 +720,7 @@ PREFILL_CASES = (  # automatic strategy: dequant kernels + gather_mm
     "Q4_K",
     "IQ2_XS+Q2_K-down",
     "IQ3_S+Q4_K-down",
+    "mxfp4",
 )
 GPU_CASES = (
     [(c, "decode", mx.float16, None) for c in GPU_DECODE]
@@ -738,7 +783,9 @@ def test_cuda_prefill_tile_sizes_agree(gpu):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["Q4_K", "IQ3_S+Q4_K-down", "IQ2_XS+Q2_K-down", "affine2-g64"])
+@pytest.mark.parametrize(
+    "case", ["Q4_K", "IQ3_S+Q4_K-down", "IQ2_XS+Q2_K-down", "affine2-g64", "mxfp4"]
+)
 def test_cuda_dequant_kernel_exact(gpu, case):
     layout, recs = _experts(case)
     _, arena, slots, _ = make_problem(layout, recs, 1, K, mx.float16, seed=3)
@@ -750,6 +797,9 @@ def test_cuda_dequant_kernel_exact(gpu, case):
             n, out, _ = views[f"{p}.weight"].shape
             ref = dequantize(spec["type"], views[f"{p}.weight"], (n, out, spec["in_features"]))
             ref = ref.astype(mx.float16)
+            ok = np.array_equal(np.array(got[p]).view(np.uint16), np.array(ref).view(np.uint16))
+        elif spec["format"] == "mxfp4":  # exact in float32, then rounded once to fp16
+            ref = dequantize_mxfp4(views[f"{p}.weight"], views[f"{p}.scales"], mx.float16)
             ok = np.array_equal(np.array(got[p]).view(np.uint16), np.array(ref).view(np.uint16))
         else:  # fp16 scale * q is exact in float32; + bias rounds once, as in mx.dequantize
             w, sc, b = (views[f"{p}.{c}"] for c in ("weight", "scales", "biases"))
