@@ -276,10 +276,9 @@ def compare(
     gc.collect()
     mx.clear_cache()  # both models need not fit at once
 
-    cfg = dataclasses.replace(config) if config is not None else RuntimeConfig()
-    cfg.prefill_step_size = step
+    cfg = (config or RuntimeConfig()).replace(prefill_step_size=step)
     if cfg.arena_gb is None:
-        cfg.arena_gb = m.expert_bytes / GB
+        cfg = cfg.replace(arena_gb=m.expert_bytes / GB)
     model, _ = load(path, config=cfg)
     try:
         model.expert_cache.warm()

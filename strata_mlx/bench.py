@@ -150,7 +150,7 @@ def bench(
     m = load_manifest(path)
     vocab = m.config["vocab_size"]
     ids = np.random.default_rng(seed).integers(0, vocab, size=prompt_tokens).tolist()
-    base = dict(
+    base = RuntimeConfig().replace(
         arena_gb=arena_gb,
         io_workers=io_workers,
         prefill_step_size=prefill_step_size,
@@ -158,13 +158,13 @@ def bench(
         eviction=eviction,
     )
 
-    fake_cfg = RuntimeConfig(**base, read_ahead="demand", fake_stream=True)
+    fake_cfg = base.replace(read_ahead="demand", fake_stream=True)
     rounds = [list(policies[r % len(policies) :]) + list(policies[: r % len(policies)])
               for r in range(repeats)]  # fmt: skip
     if pipeline is not None and pipeline().rank != 0:
         from .distributed import serve_loads
 
-        configs = [RuntimeConfig(**base, **policy_options(p)) for order in rounds for p in order]
+        configs = [base.replace(**policy_options(p)) for order in rounds for p in order]
         serve_loads(path, [fake_cfg] + configs, pipeline, lambda: _drop_page_cache(path))
         return {}
 
@@ -223,7 +223,7 @@ def bench(
     for order in rounds:
         for policy in order:
             dropped = _drop_page_cache(path)
-            model = load_model(RuntimeConfig(**base, **policy_options(policy)))
+            model = load_model(base.replace(**policy_options(policy)))
             arena = model.expert_cache.arena
             layers = None
             if plot is not None:
@@ -266,9 +266,7 @@ def bench(
     if baseline is not None:
         from .baseline import compare
 
-        result["baseline"] = compare(
-            path, ids, gen_tokens, prefill_step_size, RuntimeConfig(**base), log=log
-        )
+        result["baseline"] = compare(path, ids, gen_tokens, prefill_step_size, base, log=log)
     return result
 
 

@@ -170,17 +170,14 @@ PipelineTimeout = Annotated[
 def runtime_config(options: dict, preset: str | None = None):
     """A checked RuntimeConfig: its defaults, then `preset`'s values, then the entries of
     `options` (a command's arguments, by RuntimeConfig's field names) that were given."""
-    from dataclasses import fields
-
     from .loader import RuntimeConfig, apply_preset
     from .options import check_runtime
 
     cfg = RuntimeConfig()
     if preset is not None:
-        apply_preset(cfg, preset)
-    for f in fields(RuntimeConfig):
-        if options.get(f.name) is not None:
-            setattr(cfg, f.name, options[f.name])
+        cfg = apply_preset(cfg, preset)
+    names = cfg.options()
+    cfg = cfg.replace(**{k: v for k, v in options.items() if k in names and v is not None})
     check_runtime(cfg, cli=True)
     return cfg
 
@@ -354,6 +351,10 @@ def generate(
                 "--pipeline: --max-kv-size, --kv-bits and --prompt-cache-file are not pipelined yet"
             )
         pipe = Pipeline(split=pipeline_split, timeout_s=pipeline_timeout)
+    if dump_moe is not None:
+        from .tools import MoeDumper
+
+        cfg = cfg.replace(dump=MoeDumper(dump_moe))
     m, tok = load(model, config=cfg, pipeline=pipe)
     cache = m.expert_cache
     if pipe is not None and pipe.size > 1:
@@ -375,10 +376,6 @@ def generate(
             messages.insert(0, {"role": "system", "content": system_prompt})
         text = tok.apply_chat_template(messages, **template_kwargs) if chat else prompt
         ids = tok.encode(text, add_special_tokens=not chat)  # a template carries its own BOS
-    if dump_moe is not None:
-        from .tools import MoeDumper
-
-        cache.dump = MoeDumper(dump_moe)
     if logits_out is not None or logits_ref is not None:
         logits = teacher_forced_logits(m, ids, cfg.prefill_step_size)
         if logits_out is not None:
@@ -387,9 +384,6 @@ def generate(
             from .tools import kld_report, load_logits
 
             typer.echo(kld_report(load_logits(logits_ref), logits).line())
-        if dump_moe is not None:
-            cache.dump.close()
-            cache.dump = None
     last = None
     prompt_cache, cached = _resume(m, tok, prompt_cache_file, kv, ids, prompt, prompt_tokens, chat)
     if prompt_cache is not None and ids[: len(cached)] == cached:
@@ -427,8 +421,8 @@ def generate(
         for line in rank_lines(m.rank_stats()):
             typer.echo(line)
         m.close()
-    if cache.dump is not None:
-        cache.dump.close()
+    if cfg.dump is not None:
+        cfg.dump.close()
     cache.close()
 
 
@@ -966,8 +960,6 @@ def serve(
 ):
     """Serve a store over an OpenAI-compatible HTTP API (chat and text completions)."""
     runtime = dict(locals())
-    from dataclasses import asdict
-
     from .options import OptionError, check_int, check_number
 
     try:
@@ -1008,7 +1000,7 @@ def serve(
         pipeline=pipeline,
         pipeline_split=pipeline_split,
         pipeline_timeout=pipeline_timeout,
-        **asdict(cfg),
+        config=cfg,
     )
 
 

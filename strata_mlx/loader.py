@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,6 +24,7 @@ from .models.base import normalize_config
 from .options import OptionError, check_runtime
 from .prediction import ReadAhead
 from .quant import check_layout
+from .stats import RoutingTrace
 from .store import (
     AFFINE_BITS,
     AFFINE_GROUP_SIZES,
@@ -61,17 +63,26 @@ def family(model_type: str, source: str | Path = "config.json"):
     return importlib.import_module(f".models.{name}", __package__)
 
 
+# The read-ahead settings by the names a user gives them (flags, preset keys, load()'s
+# keywords): RuntimeConfig holds them as one ReadAhead, these name its fields.
+READ_AHEAD_OPTIONS = {
+    "read_ahead": "policy",  # demand | static | lookahead
+    "static_cap": "static_cap",
+    "lookahead_min_tokens": "min_tokens",
+    "lookahead_decode_min_miss": "decode_min_miss",
+    "lookahead_depth": "depth",  # layers predicted ahead from each layer's input
+}
+
+
 @dataclass
 class RuntimeConfig:
-    """How the expert cache runs; every field has a CLI flag of the same name."""
+    """How the expert cache runs. Set by option name (`options()`, `replace()`): every field
+    but `read_ahead` is one, with a CLI flag of the same name; `read_ahead` (a ReadAhead, or
+    a policy name) is the READ_AHEAD_OPTIONS."""
 
     arena_gb: float | None = None  # None: automatic
     io_workers: int = 8
-    read_ahead: str = "lookahead"  # demand | static | lookahead
-    static_cap: int = 256
-    lookahead_min_tokens: int = 1
-    lookahead_decode_min_miss: float = 0.02
-    lookahead_depth: int = 2  # layers predicted ahead from each layer's input
+    read_ahead: ReadAhead = field(default_factory=ReadAhead)
     # loop: an asyncio event loop on its own thread schedules reads and keeps the drive busy
     # between handshakes; sync: reads are scheduled only inside the handshake (the first wave)
     scheduler: str = "loop"
@@ -90,21 +101,52 @@ class RuntimeConfig:
     decode_chunk: int = 4  # pipelined "token" mode: layers submitted to the device at once
     experts_per_token: int | None = None  # None: the store's; else every MoE block's top-k
     moce_bonus: float = 0.0  # cache-aware routing: bonus on resident experts' logits (decode)
+    # Research hooks on the expert cache: dump(layer, x, ids, scores, y) gets every MoE
+    # layer's state (--dump-moe: tools.MoeDumper; decode then runs the per-layer handshake),
+    # trace (a stats.RoutingTrace) records routing and lookahead's predictions.
+    dump: Callable | None = None
+    trace: RoutingTrace | None = None
+
+    def __post_init__(self):
+        if isinstance(self.read_ahead, str):  # RuntimeConfig(read_ahead="demand")
+            self.read_ahead = ReadAhead(self.read_ahead)
+
+    def options(self) -> dict:
+        """Every setting by its option name."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "read_ahead"}
+        for name, attr in READ_AHEAD_OPTIONS.items():
+            out[name] = getattr(self.read_ahead, attr)
+        return out
+
+    def replace(self, **options) -> RuntimeConfig:
+        """A copy with `options` (by option name) set; `read_ahead` may also be a ReadAhead.
+        An unknown name is a TypeError, as a call's unknown keyword is."""
+        unknown = sorted(set(options) - set(self.options()))
+        if unknown:
+            raise TypeError(f"unknown runtime option {unknown[0]!r}")
+        ahead = {a: options.pop(n) for n, a in READ_AHEAD_OPTIONS.items() if n in options}
+        read_ahead = self.read_ahead
+        if isinstance(ahead.get("policy"), ReadAhead):
+            read_ahead = ahead.pop("policy")
+        return dataclasses.replace(
+            self, **options, read_ahead=dataclasses.replace(read_ahead, **ahead)
+        )
 
 
 def apply_preset(cfg: RuntimeConfig, name: str) -> RuntimeConfig:
-    """Fill the fields of `cfg` still at their defaults from configs/runtime/NAME.json."""
+    """`cfg` with the options still at their defaults set from configs/runtime/NAME.json."""
     from . import configs
 
-    default = RuntimeConfig()
+    given, default = cfg.options(), RuntimeConfig().options()
+    preset = {}
     for key, value in configs.read("runtime", name).items():
         if key.startswith("_"):
             continue
-        if not hasattr(cfg, key):
+        if key not in given:
             raise StoreError(f"{configs.path('runtime', name)}: unknown setting {key!r}")
-        if getattr(cfg, key) == getattr(default, key):
-            setattr(cfg, key, value)
-    return cfg
+        if given[key] == default[key]:
+            preset[key] = value
+    return cfg.replace(**preset)
 
 
 def physical_memory() -> int:
@@ -180,13 +222,13 @@ def load(
 ):
     """Load a strata-mlx store: returns (model, tokenizer or None), as mlx-lm's load().
     `pipeline` (a strata_mlx.distributed.Pipeline): load only this rank's layers."""
-    cfg = dataclasses.replace(config) if config is not None else RuntimeConfig()
+    cfg = config if config is not None else RuntimeConfig()
     if arena_gb is not None:
-        cfg.arena_gb = arena_gb
-    for k, v in overrides.items():
-        if not hasattr(cfg, k):
-            raise TypeError(f"load() got an unknown option {k!r}")
-        setattr(cfg, k, v)
+        overrides["arena_gb"] = arena_gb
+    try:
+        cfg = cfg.replace(**overrides)
+    except TypeError as e:
+        raise TypeError(f"load(): {e}") from None
     check_runtime(cfg)
     if pipeline is not None and pipeline.size > 1:
         cfg.decode = "sync"  # the pipelined decoder runs a whole model (strata_mlx.decode)
@@ -264,13 +306,7 @@ def load(
         manifest,
         arena,
         reader,
-        read_ahead=ReadAhead(
-            cfg.read_ahead,
-            cfg.static_cap,
-            cfg.lookahead_min_tokens,
-            cfg.lookahead_decode_min_miss,
-            cfg.lookahead_depth,
-        ),
+        read_ahead=cfg.read_ahead,
         profile=profile,
         verify=cfg.verify,
         fake_stream=cfg.fake_stream,
@@ -279,7 +315,10 @@ def load(
     )
     attach(model, cache)
     model.expert_cache = cache
+    # What the cache and the blocks take from the runtime beyond their constructors' arguments
     cache.route_bonus = cfg.moce_bonus
+    cache.dump = cfg.dump
+    cache.trace = cfg.trace
     if cfg.experts_per_token is not None:
         for block in model.moe_blocks().values():
             block.top_k = cfg.experts_per_token

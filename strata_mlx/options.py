@@ -91,11 +91,12 @@ def check_runtime(cfg, cli: bool = False) -> None:
     if cfg.arena_gb is not None:
         check_number("arena_gb", cfg.arena_gb, 0, lo_open=True, cli=cli)
     check_int("io_workers", cfg.io_workers, 1, MAX_IO_WORKERS, cli=cli)
-    check_choice("read_ahead", cfg.read_ahead, READ_AHEAD_POLICIES, cli=cli)
-    check_int("static_cap", cfg.static_cap, 0, cli=cli)
-    check_int("lookahead_min_tokens", cfg.lookahead_min_tokens, 1, cli=cli)
-    check_number("lookahead_decode_min_miss", cfg.lookahead_decode_min_miss, 0, 1, cli=cli)
-    check_int("lookahead_depth", cfg.lookahead_depth, 1, 1 << 10, cli=cli)
+    ra = cfg.read_ahead  # a ReadAhead; its fields by their option names (loader.READ_AHEAD_OPTIONS)
+    check_choice("read_ahead", ra.policy, READ_AHEAD_POLICIES, cli=cli)
+    check_int("static_cap", ra.static_cap, 0, cli=cli)
+    check_int("lookahead_min_tokens", ra.min_tokens, 1, cli=cli)
+    check_number("lookahead_decode_min_miss", ra.decode_min_miss, 0, 1, cli=cli)
+    check_int("lookahead_depth", ra.depth, 1, 1 << 10, cli=cli)
     check_choice("eviction", cfg.eviction, sorted(POLICIES), cli=cli)
     check_choice("scheduler", cfg.scheduler, SCHEDULERS, cli=cli)
     if cfg.scheduler_low_water is not None:

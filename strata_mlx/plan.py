@@ -660,7 +660,7 @@ def decode_forecast(
     modes: dict[str, int] = {}
     total_s = compute_s = misses = ahead_sum = miss_sum = 0.0
     for _ in range(gen_tokens):
-        predicting = miss_rate >= cfg.lookahead_decode_min_miss
+        predicting = miss_rate >= cfg.read_ahead.decode_min_miss
         if layer_rate > cfg.decode_sync_above:
             mode = "sync"
         elif layer_rate < cfg.decode_token_below and not predicting:

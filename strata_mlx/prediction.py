@@ -30,6 +30,9 @@ READ_AHEAD_POLICIES = ("demand", "static", "lookahead")
 
 @dataclass
 class ReadAhead:
+    """The read-ahead settings (a field of loader.RuntimeConfig, which names them for the
+    CLI and presets; options.check_runtime holds their ranges)."""
+
     policy: str = "lookahead"
     static_cap: int = 256
     min_tokens: int = 1  # lookahead: a predicted expert needs at least this many tokens
@@ -41,12 +44,6 @@ class ReadAhead:
     # lookahead: layers predicted from each layer's input (l+1 .. l+depth, each through its
     # own router), read in that order; those after l+1 once l+1's reads are done
     depth: int = 2
-
-    def __post_init__(self):
-        if self.policy not in READ_AHEAD_POLICIES:
-            raise ValueError(
-                f"unknown read-ahead policy {self.policy!r}; one of {READ_AHEAD_POLICIES}"
-            )
 
     @property
     def predicts(self) -> bool:

@@ -993,9 +993,11 @@ def serve(
     pipeline: bool = False,
     pipeline_split: str | None = None,
     pipeline_timeout: float = 300.0,
+    config=None,
     **runtime,
 ) -> None:
-    """Load the store at `model_path` with RuntimeConfig(**runtime) and serve it until
+    """Load the store at `model_path` with `config` (a RuntimeConfig) and the `runtime`
+    options given by name (`read_ahead="demand"`, as load() takes them) and serve it until
     stopped (SIGTERM or Ctrl-C: requests in flight get `shutdown_timeout` seconds).
     `pipeline`: this process is a rank of mlx.launch; rank 0 serves HTTP, the others compute
     their layers (strata_mlx.distributed)."""
@@ -1003,10 +1005,7 @@ def serve(
 
     from .loader import RuntimeConfig, load
 
-    try:
-        cfg = RuntimeConfig(**runtime)
-    except TypeError as e:
-        raise ValueError(f"serve: {e}") from None
+    cfg = (config or RuntimeConfig()).replace(**runtime)
     path = Path(model_path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such store")

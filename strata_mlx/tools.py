@@ -252,17 +252,17 @@ def traced_run(model_path: str | Path, ids: list[int], config):
     from .loader import load
     from .stats import RoutingTrace
 
-    model, _ = load(model_path, config=config)
+    trace = RoutingTrace()
+    model, _ = load(model_path, config=config.replace(trace=trace))
     vocab = model.args.vocab_size
     if any(not 0 <= i < vocab for i in ids):
         model.expert_cache.close()
         raise ValueError(f"--prompt-tokens: token ids must lie in [0, {vocab})")
-    model.expert_cache.trace = RoutingTrace()
     try:
         logits = teacher_forced_logits(model, ids, config.prefill_step_size)
     finally:
         model.expert_cache.close()
-    return model.expert_cache.trace, logits
+    return trace, logits
 
 
 def route_parity_command(

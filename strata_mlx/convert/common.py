@@ -130,11 +130,12 @@ def calibrate(
     """Run the finished temporary store over `tokens` calibration tokens; save per-layer counts."""
     if tokens <= 0 or not writer.manifest.moe_layers:
         return
-    from ..experts import RoutingTrace
     from ..loader import load
+    from ..stats import RoutingTrace
 
     path = writer.finalize()
-    model, tok = load(path, arena_gb=arena_gb, read_ahead="demand")
+    trace = RoutingTrace()
+    model, tok = load(path, arena_gb=arena_gb, read_ahead="demand", trace=trace)
     try:
         if tok is not None:
             ids = tok.encode(CALIBRATION_TEXT)
@@ -152,15 +153,13 @@ def calibrate(
             vocab = model.args.vocab_size
             ids = np.random.default_rng(seed).integers(0, vocab, size=tokens).tolist()
             source = f"random token ids (seed {seed}); the store has no tokenizer"
-        cache = model.expert_cache
-        cache.trace = RoutingTrace()
         kv = model.make_cache()
         step = 256
         for i in range(0, len(ids), step):
             mx.eval(model(mx.array([ids[i : i + step]]), cache=kv))
         m = writer.manifest
         counts = np.zeros((len(m.moe_layers), m.num_experts), dtype=np.int64)
-        for layer, calls in cache.trace.ids.items():
+        for layer, calls in trace.ids.items():
             pos = m.layer_position(layer)
             for ids_np in calls:
                 counts[pos] += np.bincount(ids_np.reshape(-1), minlength=m.num_experts)
