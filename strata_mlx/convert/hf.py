@@ -3,7 +3,10 @@
 Accepts transformers 4 and 5 configs (rope_theta / rope_parameters, num_experts /
 num_local_experts) and both per-expert tensors (`experts.{e}.gate_proj.weight`) and fused
 ones (`experts.gate_up_proj` [E, 2I, D], `experts.down_proj` [E, D, I]). With `quantize`,
-experts and dense layers are MLX-affine quantized as mlx-lm's convert would.
+experts and dense layers are MLX-affine quantized as mlx-lm's convert would; with
+`q_mode="mxfp4"` the experts are MXFP4 (mx.quantize's mode) and the dense layers stay float,
+as GPT-OSS ships. GPT-OSS's own MXFP4 checkpoints (`experts.*_blocks` / `*_scales`, as
+transformers' Mxfp4 quantizer writes them) keep their expert bytes as they are.
 """
 
 from __future__ import annotations
@@ -103,6 +106,41 @@ def expert_weights(
     raise KeyError(per)
 
 
+def is_mxfp4_checkpoint(weights: dict) -> bool:
+    """GPT-OSS as OpenAI ships it: MXFP4 expert blocks (`experts.gate_up_proj_blocks`)."""
+    return any(k.endswith("experts.gate_up_proj_blocks") for k in weights)
+
+
+def mxfp4_expert_record(weights: dict, prefix: str, e: int, fdtype) -> tuple[dict, dict]:
+    """Expert e of a GPT-OSS MXFP4 checkpoint, its bytes kept: gate_up_proj_blocks
+    [E, 2I, D/32, 16] and gate_up_proj_scales [E, 2I, D/32] uint8 ([out, in] rows, gate and up
+    interleaved along out), down_proj_blocks [E, D, I/32, 16] / _scales [E, D, I/32]; each
+    row's blocks are its `weight` uint8 [out, in/2], its scales `scales` [out, in/32]. The
+    float biases are cast to `fdtype`."""
+    gate_up_bias = weights[f"{prefix}.gate_up_proj_bias"][e]
+    down = f"{prefix}.down_proj"
+    rows = {
+        "gate_proj": (f"{prefix}.gate_up_proj", slice(0, None, 2), gate_up_bias[::2]),
+        "up_proj": (f"{prefix}.gate_up_proj", slice(1, None, 2), gate_up_bias[1::2]),
+        "down_proj": (down, slice(None), weights[f"{down}_bias"][e]),
+    }
+    tensors, table = {}, {}
+    for p, (name, sel, bias) in rows.items():
+        blocks, scales = weights[f"{name}_blocks"][e][sel], weights[f"{name}_scales"][e][sel]
+        if blocks.dtype != mx.uint8 or scales.dtype != mx.uint8:
+            raise ValueError(f"{name}_blocks / _scales are {blocks.dtype} / {scales.dtype}")
+        if blocks.ndim != 3 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+            raise ValueError(
+                f"{name}_blocks {list(blocks.shape)} and _scales {list(scales.shape)} of an "
+                "expert are not [out, in/32, 16] and [out, in/32]"
+            )
+        tensors[f"{p}.bias"] = bias.astype(fdtype)
+        tensors[f"{p}.weight"] = blocks.reshape(blocks.shape[0], -1)
+        tensors[f"{p}.scales"] = scales
+        table[p] = {"format": "mxfp4"}
+    return tensors, table
+
+
 def switch_prefix(expert_prefix: str) -> str:
     """Where an mlx-lm checkpoint keeps the stacked experts: `...mlp.switch_mlp`."""
     return expert_prefix.rsplit(".", 1)[0] + ".switch_mlp"
@@ -124,7 +162,10 @@ def expert_record(
 ) -> tuple[dict, dict]:
     """Expert e's record tensors and quant table, from per-expert or fused HF tensors
     (quantized with `equant`, else cast to `fdtype`) or from an mlx-lm checkpoint's stacked
-    switch_mlp tensors (kept exactly as they are: already-quantized experts are not requantized)."""
+    switch_mlp tensors (kept exactly as they are: already-quantized experts are not requantized),
+    or from a GPT-OSS MXFP4 checkpoint's blocks (kept too)."""
+    if f"{prefix}.gate_up_proj_blocks" in weights:
+        return mxfp4_expert_record(weights, prefix, e, fdtype)
     if mlx_quant is None:
         return expert_tensors(expert_weights(weights, prefix, names, e), equant, fdtype)
     tensors, table = {}, {}
@@ -151,14 +192,19 @@ def convert_hf(
     quantize: bool = False,
     q_bits: int = 4,
     q_group_size: int = 64,
+    q_mode: str = "affine",
     dtype: str | None = None,
     calibration_tokens: int = 256,
     progress: bool = True,
     overwrite: bool | None = None,
 ) -> Path:
     """A Hugging Face (or mlx-lm) checkpoint directory -> a store at mlx_path; an existing
-    store there is replaced only with `overwrite` (common.check_output)."""
+    store there is replaced only with `overwrite` (common.check_output). `q_mode` (with
+    `quantize`): "affine" (q_bits, q_group_size; experts and dense layers) or "mxfp4" (experts
+    only: OCP MXFP4, 4-bit E2M1 in blocks of 32; the dense layers stay float)."""
     src = Path(hf_path)
+    if q_mode not in ("affine", "mxfp4"):
+        raise StoreError(f"--q-mode {q_mode}: expected affine or mxfp4")
     out = check_output(mlx_path, src, overwrite=overwrite)
     config = read_config(src)
     if not isinstance(config, dict):
@@ -189,7 +235,13 @@ def convert_hf(
         prefixes_all = prefixes + [switch_prefix(p) for p in prefixes]
     else:
         prefixes_all = prefixes
+    if is_mxfp4_checkpoint(weights):
+        if quantize:
+            raise StoreError(f"{src}: already quantized (MXFP4 experts); drop -q")
+        config.pop("quantization_config", None)  # the source's; the store's layout says MXFP4
     equant = {"bits": q_bits, "group_size": q_group_size} if quantize else None
+    if quantize and q_mode == "mxfp4":
+        equant, quantize = {"mode": "mxfp4"}, False  # the dense layers stay float
     if moe_layers:
         try:
             tensors, table = expert_record(
@@ -197,6 +249,8 @@ def convert_hf(
             )
         except KeyError as e:
             raise StoreError(f"{src}: expert tensor {e} not found in the checkpoint") from None
+        except ValueError as e:  # an MXFP4 checkpoint's blocks of the wrong type or shape
+            raise StoreError(f"{src}: {e}") from None
         # A family whose experts are not SwiGLU names its activation (GPT-OSS).
         layout = layout_for(tensors, table, getattr(model, "expert_activation", None))
     else:
