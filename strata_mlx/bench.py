@@ -24,6 +24,7 @@ import numpy as np
 
 from .generate import generate_step, make_sampler
 from .loader import RuntimeConfig, load
+from .options import OptionError
 from .stats import ExpertStats
 from .store import EXPERTS, load_manifest
 
@@ -79,7 +80,7 @@ def policy_options(policy: str) -> dict:
         elif v[:2] == "lw" and v[2:].isdigit():
             out["scheduler_low_water"] = int(v[2:])
         else:
-            raise ValueError(
+            raise OptionError(
                 f"policy {policy!r}: unknown variant {v!r} (always | dN | sync | loop | lwN)"
             )
     return out
@@ -140,9 +141,9 @@ def bench(
     each run adds its ranks' figures; ranks other than 0 serve and return {}."""
     path = Path(path)
     if pipeline is not None and (baseline is not None or plot is not None):
-        raise ValueError("--pipeline: --baseline and --plot are not pipelined")
+        raise OptionError("--pipeline: --baseline and --plot are not pipelined")
     if baseline not in (None, "mlx-lm"):
-        raise ValueError(f"--baseline {baseline}: the one baseline is mlx-lm")
+        raise OptionError(f"--baseline {baseline}: the one baseline is mlx-lm")
     if baseline is not None:
         from .baseline import check_runnable
 

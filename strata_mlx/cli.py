@@ -13,7 +13,13 @@ from typing import Annotated
 
 import typer
 
-from .options import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_TIMEOUT, parse_tokens
+from .options import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    OptionError,
+    parse_tokens,
+)
 from .store import StoreError
 
 app = typer.Typer(
@@ -28,27 +34,8 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def _raised_by_us(e: BaseException) -> bool:
-    """A ValueError raised by a `raise` statement of strata_mlx itself (the modules that still
-    raise plain ValueError for a user's mistake), not one from numpy, MLX or a builtin: a bug."""
-    tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None or not Path(tb.tb_frame.f_code.co_filename).is_relative_to(_PACKAGE):
-        return False
-    import linecache
-
-    return (
-        linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).lstrip().startswith("raise")
-    )
-
-
-_PACKAGE = Path(__file__).resolve().parent
-
-
 def _user_error_types() -> tuple[type[BaseException], ...]:
     from .distributed import PipelineError
-    from .options import OptionError
     from .prompt_cache import PromptCacheError
     from .tokenizer import ChatTemplateError
 
@@ -58,17 +45,16 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
 
 def user_errors(fn):
-    """Turn the errors a user can cause into one line and exit code 2; anything else is a bug
-    of ours and keeps its traceback."""
+    """Turn the errors a user can cause, our own types, into one line and exit code 2;
+    anything else (a plain ValueError included, ours or a library's) is a bug and keeps its
+    traceback."""
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
         try:
             return fn(*a, **kw)
         except Exception as e:
-            if not isinstance(e, _user_error_types()) and not (
-                type(e) is ValueError and _raised_by_us(e)
-            ):
+            if not isinstance(e, _user_error_types()):
                 raise
             _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
 
@@ -309,7 +295,7 @@ def generate(
     if prompt is None and prompt_tokens is None:
         prompt = "The capital of France is" if model is None else None
         if prompt is None:
-            raise ValueError("give --prompt/-p or --prompt-tokens")
+            raise OptionError("give --prompt/-p or --prompt-tokens")
     from .options import check_int, check_sampling
     from .sampling import SamplingOptions
 
@@ -333,7 +319,7 @@ def generate(
     template_kwargs = _template_config(chat_template_config)
     wants_chat = system_prompt is not None or chat_template_config is not None
     if chat is False and wants_chat:
-        raise ValueError("--system-prompt and --chat-template-config need the chat template")
+        raise OptionError("--system-prompt and --chat-template-config need the chat template")
     chat = wants_chat if chat is None else chat
     model, runtime["arena_gb"] = builtin_model(model, arena_gb)
     cfg = runtime_config(runtime, preset)
@@ -347,7 +333,7 @@ def generate(
         from .distributed import Pipeline, serve_stage
 
         if kv.max_kv_size or kv.kv_bits or prompt_cache_file:  # each rank has its own cache
-            raise ValueError(
+            raise OptionError(
                 "--pipeline: --max-kv-size, --kv-bits and --prompt-cache-file are not pipelined yet"
             )
         pipe = Pipeline(split=pipeline_split, timeout_s=pipeline_timeout)
@@ -370,7 +356,7 @@ def generate(
         ids = parse_tokens(prompt_tokens, "--prompt-tokens")
     else:
         if tok is None:
-            raise ValueError(f"{model}: the store has no tokenizer; use --prompt-tokens")
+            raise OptionError(f"{model}: the store has no tokenizer; use --prompt-tokens")
         messages = [{"role": "user", "content": prompt}]
         if system_prompt is not None:
             messages.insert(0, {"role": "system", "content": system_prompt})
@@ -477,10 +463,10 @@ def cache_prompt(
     template_kwargs = _template_config(chat_template_config)
     wants_chat = system_prompt is not None or chat_template_config is not None
     if chat is False and wants_chat:
-        raise ValueError("--system-prompt and --chat-template-config need the chat template")
+        raise OptionError("--system-prompt and --chat-template-config need the chat template")
     chat = wants_chat if chat is None else chat
     if prompt is None and prompt_tokens is None and system_prompt is None:
-        raise ValueError("give --prompt/-p, --prompt-tokens or --system-prompt")
+        raise OptionError("give --prompt/-p, --prompt-tokens or --system-prompt")
     model, runtime["arena_gb"] = builtin_model(model, arena_gb)
     cfg = runtime_config(runtime, preset)
     m, tok = load(model, config=cfg)
@@ -489,7 +475,7 @@ def cache_prompt(
     if prompt_tokens is not None:
         ids = parse_tokens(prompt_tokens, "--prompt-tokens")
     elif tok is None:
-        raise ValueError(f"{model}: the store has no tokenizer; use --prompt-tokens")
+        raise OptionError(f"{model}: the store has no tokenizer; use --prompt-tokens")
     elif chat:
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         if prompt is not None:
@@ -500,7 +486,7 @@ def cache_prompt(
         ids = tok.encode(prompt)
     vocab = m.args.vocab_size
     if any(not 0 <= i < vocab for i in ids):
-        raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        raise OptionError(f"prompt token ids must lie in [0, {vocab})")
     t = time.perf_counter()
     cache = run_prompt(m, ids, kv, cfg.prefill_step_size)
     dt = time.perf_counter() - t
@@ -527,7 +513,7 @@ def _resume(model, tok, path, kv, ids, prompt, prompt_tokens, chat):
     if ids[: len(cached)] == cached and len(ids) > len(cached):
         return cache, cached
     if chat:
-        raise ValueError(
+        raise OptionError(
             f"{path}: the cached tokens are not the beginning of this prompt as the chat "
             "template renders it (cache-prompt it with the same --system-prompt)"
         )
@@ -554,12 +540,12 @@ def _template_config(text: str | None) -> dict:
     try:
         config = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--chat-template-config: not JSON ({e})") from None
+        raise OptionError(f"--chat-template-config: not JSON ({e})") from None
     if not isinstance(config, dict):
-        raise ValueError("--chat-template-config: expected a JSON object of template variables")
+        raise OptionError("--chat-template-config: expected a JSON object of template variables")
     taken = sorted({"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(config))
     if taken:
-        raise ValueError(f"--chat-template-config: {', '.join(taken)} are set by strata-mlx")
+        raise OptionError(f"--chat-template-config: {', '.join(taken)} are set by strata-mlx")
     return config
 
 
@@ -611,37 +597,24 @@ def convert(
     ),
 ):
     """Convert a checkpoint into a strata-mlx store."""
+    flags = dict(locals())  # the arguments; _convert passes each converter the ones it takes
     sources = [s for s in (hf_path, gguf_path, synthetic) if s is not None]
     if len(sources) != 1:
-        raise ValueError("give exactly one of --hf-path, --gguf-path, --synthetic")
+        raise OptionError("give exactly one of --hf-path, --gguf-path, --synthetic")
     from .convert.common import check_output, overwriting
 
     check_output(mlx_path, *(s for s in (hf_path, gguf_path) if s), overwrite=overwrite)
     _exit_on_sigterm()  # SIGTERM unwinds: the temporary directory is removed on the way out
     if q_bits not in (2, 3, 4, 8):
-        raise ValueError(f"--q-bits {q_bits}: one of 2, 3, 4, 8")
+        raise OptionError(f"--q-bits {q_bits}: one of 2, 3, 4, 8")
     if q_group_size not in (32, 64, 128):
-        raise ValueError(f"--q-group-size {q_group_size}: one of 32, 64, 128")
+        raise OptionError(f"--q-group-size {q_group_size}: one of 32, 64, 128")
     from .options import MAX_SEED, check_int
 
     check_int("calibration_tokens", calibration_tokens, 0, 1 << 20, cli=True)
     check_int("seed", seed, 0, MAX_SEED, cli=True)
     with overwriting(overwrite):
-        out = _convert(
-            hf_path,
-            gguf_path,
-            synthetic,
-            mlx_path,
-            quantize,
-            q_bits,
-            q_group_size,
-            dtype,
-            calibration_tokens,
-            split_experts,
-            router,
-            set_,
-            seed,
-        )
+        out = _convert(hf_path, gguf_path, synthetic, mlx_path, flags)
     typer.echo(f"wrote {out}")
 
 
@@ -654,52 +627,52 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def _convert(
-    hf_path,
-    gguf_path,
-    synthetic,
-    mlx_path,
-    quantize,
-    q_bits,
-    q_group_size,
-    dtype,
-    calibration_tokens,
-    split_experts,
-    router,
-    set_,
-    seed,
-):
+def _convert(hf_path, gguf_path, synthetic, mlx_path, flags: dict) -> Path:
+    """The converter of the one source given, with the `convert` command's `flags` it takes."""
     if hf_path is not None:
         from .convert.hf import convert_hf
 
         out = convert_hf(
-            hf_path, mlx_path, quantize, q_bits, q_group_size, dtype, calibration_tokens
+            hf_path,
+            mlx_path,
+            flags["quantize"],
+            q_bits=flags["q_bits"],
+            q_group_size=flags["q_group_size"],
+            dtype=flags["dtype"],
+            calibration_tokens=flags["calibration_tokens"],
         )
     elif gguf_path is not None:
         from .convert.gguf import convert_gguf
 
         out = convert_gguf(
-            gguf_path, mlx_path, split_experts=split_experts, calibration_tokens=calibration_tokens
+            gguf_path,
+            mlx_path,
+            split_experts=flags["split_experts"],
+            calibration_tokens=flags["calibration_tokens"],
         )
     else:
         from .convert.synthetic import convert_synthetic, synthetic_config
 
         config = synthetic_config(synthetic)
-        for item in set_ or []:
+        for item in flags["set_"] or []:
             key, sep, value = item.partition("=")
             if not sep or key not in config:
-                raise ValueError(
+                raise OptionError(
                     f"--set {item}: expected KEY=VALUE with KEY one of {sorted(config)}"
                 )
-            config[key] = type(config[key])(value)
+            try:
+                config[key] = type(config[key])(value)
+            except ValueError:
+                kind = type(config[key]).__name__
+                raise OptionError(f"--set {item}: {key} takes a {kind}") from None
         out = convert_synthetic(
             synthetic,
             mlx_path,
             config=config,
-            router=router,
-            seed=seed,
-            calibration_tokens=calibration_tokens,
-            dtype=dtype or "float16",
+            router=flags["router"],
+            seed=flags["seed"],
+            calibration_tokens=flags["calibration_tokens"],
+            dtype=flags["dtype"] or "float16",
         )
     return out
 

@@ -40,6 +40,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .options import OptionError
+
 FORWARD, RESET, STATS, STOP = 1, 2, 3, 4
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
@@ -57,9 +59,9 @@ def split_layers(costs: list[int], ranks: int, first_extra: int = 0) -> list[ran
     (`costs` per layer; rank 0 also carries `first_extra`). Each rank gets >= 1 layer."""
     n = len(costs)
     if ranks < 1:
-        raise ValueError(f"pipeline: {ranks} ranks")
+        raise OptionError(f"pipeline: {ranks} ranks")
     if ranks > n:
-        raise ValueError(f"pipeline: {ranks} ranks for {n} layers; at most one rank a layer")
+        raise OptionError(f"pipeline: {ranks} ranks for {n} layers; at most one rank a layer")
 
     def pack(cap: int) -> list[int]:
         """Layers per rank, each rank filled while it stays within `cap`."""
@@ -95,13 +97,13 @@ def parse_split(text: str, n_layers: int, ranks: int) -> list[range]:
     try:
         counts = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise ValueError(
+        raise OptionError(
             f"--pipeline-split: expected layer counts like 10,14, got {text!r}"
         ) from None
     if len(counts) != ranks:
-        raise ValueError(f"--pipeline-split: {len(counts)} entries for {ranks} ranks")
+        raise OptionError(f"--pipeline-split: {len(counts)} entries for {ranks} ranks")
     if any(c < 1 for c in counts) or sum(counts) != n_layers:
-        raise ValueError(
+        raise OptionError(
             f"--pipeline-split: {text} must be positive and add up to the model's {n_layers} layers"
         )
     return _ranges(counts)

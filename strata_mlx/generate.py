@@ -199,7 +199,7 @@ def stream_generate(
         mx.random.seed(seed)
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError("this store has no tokenizer: pass token ids")
+            raise OptionError("this store has no tokenizer: pass token ids")
         ids = tokenizer.encode(prompt)
     else:
         ids = list(prompt)

@@ -24,8 +24,11 @@ DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # serve: seconds in-flight requests get after S
 
 
 class OptionError(ValueError):
-    """An option outside its range; the message is one line naming the option, `param` its
-    Python / JSON name (the server's error body names it)."""
+    """A value a user gave that cannot be used: an option outside its range, a flag's bad
+    text, a file a flag names that holds the wrong thing. The message is one line naming the
+    option (or the file); `param` its Python / JSON name (the server's error body names it).
+    The CLI reports these (and the other error types of ours) as one line; a plain ValueError
+    is a bug and keeps its traceback."""
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)

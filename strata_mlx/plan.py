@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .options import OptionError
 from .store import ALIGNMENT, COMPONENT_ALIGNMENT, EXPERTS, MANIFEST, StoreError
 
 GB = 1024**3
@@ -879,7 +880,7 @@ def compare(f: dict | Forecast, bench_result: dict, policy: str = "lookahead") -
     f = asdict(f) if isinstance(f, Forecast) else f
     runs = [r for r in bench_result["runs"] if r["policy"] == policy and r["phase"] == "cold"]
     if not runs:
-        raise ValueError(f"bench result has no cold {policy} run")
+        raise OptionError(f"bench result has no cold {policy} run")
     r = runs[0]
     rows = []
     for name, measured, predicted in (

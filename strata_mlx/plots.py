@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .options import OptionError
+
 COUNTERS = ("hits", "streamed_ahead", "misses")
 
 
@@ -115,7 +117,7 @@ def require() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError('--plot needs matplotlib: pip install "strata-mlx[plot]"') from None
+        raise OptionError('--plot needs matplotlib: pip install "strata-mlx[plot]"') from None
 
 
 def plot_bench(result: dict, path: str | Path) -> Path:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .options import OptionError
 from .reader import ALIGNMENT, Reader, error_message
 
 DEFAULT_RECORD_BYTES = 1_474_560  # one expert record of a typical 4-bit MoE layer
@@ -53,7 +54,7 @@ def probe_ssd(
     if size < record:
         record = size // ALIGNMENT * ALIGNMENT
     if record == 0:
-        raise ValueError(f"{path}: {size} bytes is too small to probe (needs {ALIGNMENT})")
+        raise OptionError(f"{path}: {size} bytes is too small to probe (needs {ALIGNMENT})")
     n_records = size // record
     rng = np.random.default_rng(seed)
     return [

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import typer
 
+from .options import OptionError
+
 # ---- logits and KLD ------------------------------------------------------------------------
 
 
@@ -25,20 +27,20 @@ def load_logits(path: str | Path) -> np.ndarray:
     """A .npy of float logits [T, vocab]; a one-line ValueError naming the file otherwise."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: no such file")
+        raise OptionError(f"{path}: no such file")
     try:
         a = np.load(path, allow_pickle=False)
     except Exception as e:  # numpy's own wording: bad magic, truncated, pickled object...
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"{path}: not a .npy array ({first})") from None
+        raise OptionError(f"{path}: not a .npy array ({first})") from None
     if not isinstance(a, np.ndarray):
-        raise ValueError(f"{path}: not a .npy array (an archive of several?)")
+        raise OptionError(f"{path}: not a .npy array (an archive of several?)")
     if a.ndim != 2 or a.shape[0] < 1 or a.shape[1] < 2:
-        raise ValueError(f"{path}: expected logits of shape [T, vocab], got {list(a.shape)}")
+        raise OptionError(f"{path}: expected logits of shape [T, vocab], got {list(a.shape)}")
     if not np.issubdtype(a.dtype, np.floating):
-        raise ValueError(f"{path}: expected float logits, got dtype {a.dtype}")
+        raise OptionError(f"{path}: expected float logits, got dtype {a.dtype}")
     if np.isnan(a).any():
-        raise ValueError(f"{path}: logits contain NaN")
+        raise OptionError(f"{path}: logits contain NaN")
     return a
 
 
@@ -87,7 +89,7 @@ def kld_report(ref, test) -> KLDReport:
     ref = load_logits(ref) if isinstance(ref, (str, Path)) else np.asarray(ref)
     test = load_logits(test) if isinstance(test, (str, Path)) else np.asarray(test)
     if ref.shape != test.shape or ref.ndim != 2:
-        raise ValueError(
+        raise OptionError(
             f"logits shapes differ: ref {list(ref.shape)} vs test {list(test.shape)} "
             "(both must be [T, vocab])"
         )
@@ -182,7 +184,7 @@ class MoeDumper:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
-            raise ValueError(f"{self.directory}: exists and is not a directory")
+            raise OptionError(f"{self.directory}: exists and is not a directory")
         self.directory.mkdir(parents=True, exist_ok=True)
         self.calls: dict[int, int] = {}
         self.files = 0
@@ -225,7 +227,7 @@ def dumps_equal(dir_a: str | Path, dir_b: str | Path) -> list[str]:
     dirs = [Path(dir_a), Path(dir_b)]
     for d in dirs:
         if not d.is_dir():
-            raise ValueError(f"{d}: no such dump directory")
+            raise OptionError(f"{d}: no such dump directory")
     a, b = ({p.name: p for p in d.glob("*.npy")} for d in dirs)
     return sorted(
         name
@@ -257,7 +259,7 @@ def traced_run(model_path: str | Path, ids: list[int], config):
     vocab = model.args.vocab_size
     if any(not 0 <= i < vocab for i in ids):
         model.expert_cache.close()
-        raise ValueError(f"--prompt-tokens: token ids must lie in [0, {vocab})")
+        raise OptionError(f"--prompt-tokens: token ids must lie in [0, {vocab})")
     try:
         logits = teacher_forced_logits(model, ids, config.prefill_step_size)
     finally:
@@ -286,14 +288,14 @@ def route_parity_command(
     from .store import load_manifest
 
     if prefill_step_size < 1:
-        raise ValueError(f"--prefill-step-size {prefill_step_size}: must be at least 1")
+        raise OptionError(f"--prefill-step-size {prefill_step_size}: must be at least 1")
     if prompt_tokens is not None:
         from .options import parse_tokens
 
         ids = parse_tokens(prompt_tokens, "--prompt-tokens")
     else:
         if random_tokens < 1:
-            raise ValueError(f"--random-tokens {random_tokens}: must be at least 1")
+            raise OptionError(f"--random-tokens {random_tokens}: must be at least 1")
         vocab = load_manifest(model).config.get("vocab_size", 128)
         ids = np.random.default_rng(0).integers(0, vocab, size=random_tokens).tolist()
     runs = []

@@ -53,6 +53,7 @@ from mlx.utils import tree_flatten
 from .. import configs
 from ..loader import family
 from ..models.base import normalize_config
+from ..options import OptionError
 from ..quant import layout_for
 from ..store import PROJECTIONS, RecordLayout, StoreWriter
 from .common import calibrate, check_output
@@ -180,10 +181,10 @@ def build_synthetic(
     bits = cfg.pop("expert_bits", 4)
     gs = cfg.pop("expert_group_size", 64)
     if router not in ("uniform", "structured"):
-        raise ValueError(f"--router {router}: uniform or structured")
+        raise OptionError(f"--router {router}: uniform or structured")
     cfg = normalize_config(cfg)
     if dtype not in ("float16", "float32"):
-        raise ValueError(f"--dtype {dtype}: float16 or float32 for synthetic stores")
+        raise OptionError(f"--dtype {dtype}: float16 or float32 for synthetic stores")
     mdtype, np_dtype = (mx.float16, np.float16) if dtype == "float16" else (mx.float32, np.float32)
     cfg["torch_dtype"] = dtype
     cfg["synthetic"] = {"name": name, "router": router, "seed": seed}
