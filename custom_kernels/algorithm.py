@@ -151,6 +151,8 @@ class Projection:
     out_features: int
     in_features: int
     offsets: tuple[tuple[str, int, int], ...]  # (base, byte offset in record, row stride)
+    # GPT-OSS: (byte offset in record, SCALE_DTYPES key) of a float [out] added to the output
+    bias: tuple[int, str] | None = None
 
 
 def projection(layout, proj: str) -> Projection | None:
@@ -203,7 +205,16 @@ def projection(layout, proj: str) -> Projection | None:
     for base, off, stride in offs:
         if base not in dec.unaligned and (off % dec.align or stride % dec.align):
             return None
-    return Projection(dec, out, n_in, offs)
+    bias = None
+    try:
+        bc = layout.component(f"{proj}.bias")
+    except KeyError:
+        bc = None
+    if bc is not None:
+        if bc.dtype not in SCALE_DTYPES or bc.shape != [out] or bc.offset % 4:
+            return None
+        bias = (bc.offset, bc.dtype)
+    return Projection(dec, out, n_in, offs, bias)
 
 
 @dataclass(frozen=True)
@@ -316,9 +327,51 @@ def _finish(name: str, tables_used: tuple[str, ...], role: str, header: str, bod
     return KernelSource(f"sk_{role}_{name}_{digest}", inputs, outputs, header, body, rows)
 
 
-def gate_up_source(gate: Projection, up: Projection, k: int, record_bytes: int, tm: int):
+def _bias_term(proj: Projection) -> str:
+    """` + bias[l_row]` of a biased projection (read from the record), else nothing."""
+    if proj.bias is None:
+        return ""
+    off, dtype = proj.bias
+    return f" + sk_scale_at<{SCALE_DTYPES[dtype]}>(l_rec + {off}u, l_row)"
+
+
+def _f32(v: float) -> str:
+    """A float32 literal that reads back as float32(v) (9 significant digits round-trip)."""
+    text = f"{float(np.float32(v)):.9g}"
+    return text + ("f" if "." in text or "e" in text else ".0f")
+
+
+def _gated(m: int, activation: dict | None, indent: str) -> tuple[list[str], str]:
+    """(lines, expression): h of pair m from its gate l_g{m} and up l_u{m} (float32): SwiGLU,
+    or GPT-OSS's clamped variant (strata_mlx.quant.swiglu_oai, op for op in float32)."""
+    if activation is None:
+        return [], f"l_g{m} / (1.0f + sk_exp(-l_g{m})) * l_u{m}"
+    if activation["name"] != "swiglu_oai":
+        raise ValueError(f"no kernel for activation {activation['name']!r}")
+    lim, alpha = _f32(activation["limit"]), _f32(activation["alpha"])
+    lines = [
+        f"{indent}const float l_cg{m} = l_g{m} < {lim} ? l_g{m} : {lim};",
+        f"{indent}const float l_cu{m} = l_u{m} < -{lim} ? -{lim}"
+        f" : (l_u{m} > {lim} ? {lim} : l_u{m});",
+    ]
+    lines.append(
+        f"{indent}const float l_h{m} = (l_cu{m} + 1.0f)"
+        f" * (l_cg{m} / (1.0f + sk_exp(-{alpha} * l_cg{m})));"
+    )
+    return lines, f"l_h{m}"
+
+
+def gate_up_source(
+    gate: Projection,
+    up: Projection,
+    k: int,
+    record_bytes: int,
+    tm: int,
+    activation: dict | None = None,
+):
     """Kernel 1: h[p, i] = silu(gate_i . x[p // k]) * (up_i . x[p // k]) for each pair p of a
-    tile; grid (32 * inter, n_tiles), pairs of tile t in tile_pairs[t*tm : t*tm + tm]."""
+    tile (with `activation` swiglu_oai: GPT-OSS's clamped form; biased projections add their
+    bias first); grid (32 * inter, n_tiles), pairs of tile t in tile_pairs[t*tm : t*tm + tm]."""
     rows, d = gate.out_features, gate.in_features
     lines = _tile_prologue(rows, tm, record_bytes, "x", lambda pm: f"(SK_U64)({pm} / {k}u) * {d}u")
     lines += [f"  float l_gacc{m} = 0.0f;" for m in range(tm)]
@@ -326,12 +379,13 @@ def gate_up_source(gate: Projection, up: Projection, k: int, record_bytes: int, 
     lines += _projection_loop("g", gate, tm)
     lines += _projection_loop("u", up, tm)
     for m in range(tm):
+        act_lines, h = _gated(m, activation, "    ")
         lines += [
-            f"  const float l_g{m} = sk_warp_sum(l_gacc{m});",
-            f"  const float l_u{m} = sk_warp_sum(l_uacc{m});",
+            f"  const float l_g{m} = sk_warp_sum(l_gacc{m}){_bias_term(gate)};",
+            f"  const float l_u{m} = sk_warp_sum(l_uacc{m}){_bias_term(up)};",
             f"  if (l_lane == 0u && l_p{m} >= 0) {{",
-            f"    sk_store(h, (SK_U64)l_p{m} * {rows}u + l_row,"
-            f" l_g{m} / (1.0f + sk_exp(-l_g{m})) * l_u{m});",
+            *act_lines,
+            f"    sk_store(h, (SK_U64)l_p{m} * {rows}u + l_row, {h});",
             "  }",
         ]
     used = tuple(sorted(set(gate.decoder.tables) | set(up.decoder.tables)))
@@ -347,7 +401,7 @@ def down_source(down: Projection, record_bytes: int, tm: int):
     lines += _projection_loop("d", down, tm)
     for m in range(tm):
         lines += [
-            f"  const float l_d{m} = sk_warp_sum(l_dacc{m});",
+            f"  const float l_d{m} = sk_warp_sum(l_dacc{m}){_bias_term(down)};",
             f"  if (l_lane == 0u && l_p{m} >= 0) {{",
             f"    sk_store(y, (SK_U64)l_p{m} * {rows}u + l_row, l_d{m});",
             "  }",

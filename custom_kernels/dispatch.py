@@ -31,6 +31,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from strata_mlx.quant import activation_fn, mx_dtype
 from strata_mlx.store import PROJECTIONS
 
 from . import algorithm
@@ -60,6 +61,7 @@ class ExpertKernels:
     def __init__(self, dialect: Any, layout, projections: dict[str, algorithm.Projection]):
         self.dialect = dialect
         self.record_bytes = layout.record_bytes
+        self.activation = getattr(layout, "activation", None)
         self.gate, self.up, self.down = (projections[p] for p in PROJECTIONS)
         self.hidden = self.gate.in_features
         self.inter = self.gate.out_features
@@ -69,7 +71,7 @@ class ExpertKernels:
 
     def sources(self, k: int, tm: int) -> tuple[algorithm.KernelSource, algorithm.KernelSource]:
         return (
-            algorithm.gate_up_source(self.gate, self.up, k, self.record_bytes, tm),
+            algorithm.gate_up_source(self.gate, self.up, k, self.record_bytes, tm, self.activation),
             algorithm.down_source(self.down, self.record_bytes, tm),
         )
 
@@ -161,11 +163,20 @@ class ExpertKernels:
         xs = mx.expand_dims(x2, -2)[order // k]
         i = flat[order]
 
-        def mm(a, p):
-            return mx.gather_mm(a, w[p].swapaxes(-1, -2), rhs_indices=i, sorted_indices=True)
+        projs = {"gate_proj": self.gate, "up_proj": self.up, "down_proj": self.down}
 
-        gate = mm(xs, "gate_proj")
-        h = (gate * mx.sigmoid(gate)) * mm(xs, "up_proj")
+        def mm(a, p):
+            y = mx.gather_mm(a, w[p].swapaxes(-1, -2), rhs_indices=i, sorted_indices=True)
+            if projs[p].bias is not None:  # as SwitchLinear: bias[indices] over the row axis
+                off, dtype = projs[p].bias
+                n = projs[p].out_features
+                raw = arena[slots, off : off + n * (4 if dtype == "float32" else 2)]
+                bias = raw.view(mx_dtype(dtype)).reshape(slots.size, n).astype(y.dtype)
+                y = y + mx.expand_dims(bias[i], -2)
+            return y
+
+        up = mm(xs, "up_proj")
+        h = activation_fn(self.activation)(mm(xs, "gate_proj"), up)
         y = mm(h, "down_proj")
         return mx.unflatten(y[inv], 0, idx2.shape).squeeze(-2)
 
@@ -231,11 +242,10 @@ def tile_pairs(pair_slot: mx.array, tile: int, n_slots: int) -> tuple[mx.array, 
 
 def plan(layout) -> dict[str, algorithm.Projection] | None:
     """Each projection's kernel view, or None if any has no kernel or the shapes don't chain.
-    Experts with biases or an activation other than SwiGLU (GPT-OSS) have none yet: the
-    reference path computes them."""
-    if getattr(layout, "activation", None) is not None or any(
-        c.name.endswith(".bias") for c in layout.components
-    ):
+    Biased projections and GPT-OSS's clamped SwiGLU (`layout.activation` swiglu_oai) are
+    computed by the kernels; any other activation, or a bias they cannot read, has none."""
+    activation = getattr(layout, "activation", None)
+    if activation is not None and activation.get("name") != "swiglu_oai":
         return None
     projs = {}
     for p in PROJECTIONS:

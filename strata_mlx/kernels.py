@@ -268,6 +268,9 @@ def _arena(layout: RecordLayout, n_experts: int, n_slots: int, rng) -> np.ndarra
     for p in PROJECTIONS:
         spec = layout.quant[p]
         wc = layout.component(f"{p}.weight")
+        if any(c.name == f"{p}.bias" for c in layout.components):  # GPT-OSS: O(0.1) biases
+            bc = layout.component(f"{p}.bias")
+            _put(recs, bc, rng.standard_normal((n_experts, *bc.shape)) * 0.1)
         if spec["format"] == "affine":
             bits = int(spec["bits"])
             n_in = wc.shape[1] * 32 // bits

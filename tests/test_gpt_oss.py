@@ -1,6 +1,6 @@
 """GPT-OSS beyond the family suites (test_families, test_streaming, test_decode): chunked
 prefill across the sliding window against transformers, the expert records' biases and
-activation in the store, the reference path as the only kernel for them, refused configs."""
+activation in the store, the reference path for float experts, refused configs."""
 
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ def test_records_carry_biases_and_the_clamped_activation(store):
     assert m.layout.activation == {"name": "swiglu_oai", "alpha": 1.702, "limit": 0.05}
 
 
-def test_no_kernel_claims_biased_experts(store):
-    """The CUDA and Metal kernels compute SwiGLU without biases: dispatch declines these
-    layouts on every backend, so the reference path computes them."""
+def test_float_experts_take_the_reference_path(store):
+    """Float experts have no kernel on any backend (the biases and the clamped SwiGLU do:
+    MXFP4 and affine GPT-OSS experts run the kernels, tests/test_mxfp4.py, test_kernels.py)."""
     from custom_kernels import dispatch
     from strata_mlx import kernels
 

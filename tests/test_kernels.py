@@ -83,17 +83,21 @@ def _shapes(d: int, inter: int) -> dict[str, tuple[int, int]]:
     return {"gate_proj": (inter, d), "up_proj": (inter, d), "down_proj": (d, inter)}
 
 
-def affine_experts(n, d, inter, bits, gs, dtype, seed=0, quant=None):
+def affine_experts(n, d, inter, bits, gs, dtype, seed=0, quant=None, activation=None):
     # all n experts quantized in one call per projection, exactly as expert_tensors does each;
-    # on the CPU stream (on the GPU, each new configuration would JIT-compile quantize)
+    # on the CPU stream (on the GPU, each new configuration would JIT-compile quantize).
+    # With `activation` (GPT-OSS's swiglu_oai) each projection has a bias too, O(0.3).
     with mx.stream(mx.cpu):
-        keys = mx.random.split(mx.random.key(seed), 3)
+        keys = mx.random.split(mx.random.key(seed), 6)
         w = {
             p: mx.random.normal((n, o, i), key=keys[j]) / np.sqrt(i)
             for j, (p, (o, i)) in enumerate(_shapes(d, inter).items())
         }
+        if activation is not None:
+            for j, (p, (o, _)) in enumerate(_shapes(d, inter).items()):
+                w[f"{p}.bias"] = mx.random.normal((n, o), key=keys[3 + j]) * 0.3
         t, table = expert_tensors(w, quant or {"bits": bits, "group_size": gs}, dtype)
-        layout = layout_for({name: v[0] for name, v in t.items()}, table)
+        layout = layout_for({name: v[0] for name, v in t.items()}, table, activation)
         t = {name: to_numpy(v) for name, v in t.items()}
     recs = [np.frombuffer(layout.pack({k: v[e] for k, v in t.items()}), np.uint8) for e in range(n)]
     return layout, recs
@@ -131,6 +135,17 @@ def _mxfp4(n, d, inter, seed):
     return affine_experts(n, d, inter, 4, 32, mx.float16, seed, quant={"mode": "mxfp4"})
 
 
+# GPT-OSS's experts: biased projections and the clamped SwiGLU, with a limit (1.0) that the
+# O(1) gate and up outputs cross often, so that both clamps bite.
+GPT_OSS_ACTIVATION = {"name": "swiglu_oai", "alpha": 1.702, "limit": 1.0}
+
+
+def _gpt_oss(quant, dtype=mx.float16):
+    return lambda n, d, i, seed: affine_experts(
+        n, d, i, 4, 32, dtype, seed, quant=quant, activation=GPT_OSS_ACTIVATION
+    )
+
+
 # name -> builder(n_experts, D, inter, seed) -> (layout, records)
 CASES = {
     "affine4-g64": _affine(4, 64),
@@ -146,6 +161,9 @@ CASES = {
     "IQ2_XS+Q2_K-down": _gguf("IQ2_XS", "Q2_K"),
     "IQ3_S+Q4_K-down": _gguf("IQ3_S", "Q4_K"),
     "mxfp4": _mxfp4,
+    "mxfp4-gpt-oss": _gpt_oss({"mode": "mxfp4"}),
+    "mxfp4-gpt-oss-bf16bias": _gpt_oss({"mode": "mxfp4"}, mx.bfloat16),
+    "affine4-g32-gpt-oss": _gpt_oss({"bits": 4, "group_size": 32}),
 }
 
 
@@ -515,6 +533,7 @@ def _compare(y, ref, what, max_tol, frob_tol):
 HOST_CASES = [(c, 1) for c in sorted(CASES)] + [
     ("affine4-g64", 4),
     ("mxfp4", 4),
+    ("mxfp4-gpt-oss", 4),
     ("IQ2_XS+Q2_K-down", 4),
     ("IQ3_S+Q4_K-down", 4),
     ("affine3-g64", 8),
@@ -564,7 +583,9 @@ def test_host_dequant_kernel_bit_exact(case):
 
 
 @needs_cxx
-@pytest.mark.parametrize("case", ["affine4-g64", "IQ2_XS+Q2_K-down", "IQ3_S+Q4_K-down", "mxfp4"])
+@pytest.mark.parametrize(
+    "case", ["affine4-g64", "IQ2_XS+Q2_K-down", "IQ3_S+Q4_K-down", "mxfp4", "mxfp4-gpt-oss"]
+)
 def test_host_prefill_dequant_strategy(case):
     layout, recs = CASES[case](4, 256, 256, 6)
     x, arena, slots, idx = make_problem(layout, recs, n_tokens=9, k=2, dtype=mx.float32, seed=8)
@@ -712,6 +733,7 @@ GPU_DECODE = (
     "IQ2_XS+Q2_K-down",
     "IQ3_S+Q4_K-down",
     "mxfp4",
+    "mxfp4-gpt-oss",
 )
 PREFILL_CASES = (  # automatic strategy: dequant kernels + gather_mm
     "affine4-g64",
@@ -721,6 +743,7 @@ PREFILL_CASES = (  # automatic strategy: dequant kernels + gather_mm
     "IQ2_XS+Q2_K-down",
     "IQ3_S+Q4_K-down",
     "mxfp4",
+    "mxfp4-gpt-oss",
 )
 GPU_CASES = (
     [(c, "decode", mx.float16, None) for c in GPU_DECODE]

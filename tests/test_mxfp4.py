@@ -362,6 +362,34 @@ def test_bit_identical_across_arenas_and_policies(stores, step):
         model.expert_cache.close()
 
 
+def test_host_kernel_runs_the_store_experts(stores):
+    """The one algorithm's kernels (host dialect) on the store's own records: biases, the
+    clamped SwiGLU and MXFP4 rows, against the reference; they pass their self-check, so on
+    CUDA and Metal these layouts run the kernels, not the reference."""
+    from custom_kernels import dispatch
+    from strata_mlx import kernels
+
+    path = stores["mxfp4"]
+    m = load_manifest(path)
+    layout = m.layout_of(m.moe_layers[0])
+    assert kernels.expert_kernel(layout, "host").__name__ != "reference"
+    arena = mx.array(
+        np.stack([np.frombuffer(read_record(path, m, 0, e), np.uint8) for e in range(8)])
+    )
+    rng = np.random.default_rng(0)
+    fn = dispatch.kernel_for("host", layout)
+    for n_tokens, strategy in ((2, "fused"), (12, "dequant"), (12, "fused")):
+        ids = np.stack([rng.choice(8, 2, replace=False) for _ in range(n_tokens)])
+        slots = mx.array(np.unique(ids).astype(np.uint32))
+        idx = mx.array(np.searchsorted(np.unique(ids), ids).astype(np.uint32))
+        x = mx.array(rng.standard_normal((n_tokens, 32)).astype(np.float32))
+        y = np.array(fn(x, arena, slots, idx, layout, strategy=strategy))
+        with mx.stream(mx.cpu):
+            ref = np.array(switch_glu_reference(x, arena[slots], layout, idx))
+        rms = float(np.sqrt(np.mean(ref.astype(np.float64) ** 2)))
+        assert np.abs(y - ref).max() <= 1e-5 * rms, (n_tokens, strategy)
+
+
 # ---- refusals, one line each ---------------------------------------------------------------
 
 
