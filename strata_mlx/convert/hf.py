@@ -192,11 +192,11 @@ def convert_hf(
     quantize: bool = False,
     q_bits: int = 4,
     q_group_size: int = 64,
-    q_mode: str = "affine",
     dtype: str | None = None,
     calibration_tokens: int = 256,
     progress: bool = True,
     overwrite: bool | None = None,
+    q_mode: str = "affine",
 ) -> Path:
     """A Hugging Face (or mlx-lm) checkpoint directory -> a store at mlx_path; an existing
     store there is replaced only with `overwrite` (common.check_output). `q_mode` (with
