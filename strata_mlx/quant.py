@@ -271,6 +271,17 @@ def _product(x: mx.array, views: dict, proj: str, spec: dict, idx: mx.array, sor
         w = dequantize_mxfp4(views[f"{proj}.weight"], views[f"{proj}.scales"], x.dtype)
     else:
         raise ValueError(f"unknown expert format {fmt!r}")
+    return _gather_mm(x, w, idx, sort)
+
+
+def _gather_mm(x: mx.array, w: mx.array, idx: mx.array, sort: bool) -> mx.array:
+    """x @ w[idx].T (mlx-lm's SwitchLinear). MLX's CPU gather_mm takes float32 only ("Currently
+    only supports float32"): there other dtypes (a bf16 GPT-OSS) multiply in float32 and round
+    back to x's dtype once."""
+    if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
+        wt = w.astype(mx.float32).swapaxes(-1, -2)
+        y = mx.gather_mm(x.astype(mx.float32), wt, rhs_indices=idx, sorted_indices=sort)
+        return y.astype(x.dtype)
     return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx, sorted_indices=sort)
 
 
