@@ -242,9 +242,13 @@ def run_strata(model, ids: list[int], gen: int, step: int) -> Timed:
 def last_logits(model, ids: list[int], step: int, cache: list) -> np.ndarray:
     """float32 logits of the last prompt position, the prompt run in chunks of `step` (the
     same chunks for either model: on CUDA a chunk's shape can move the last bits)."""
-    for i in range(0, len(ids), step):
-        logits = model(mx.array([ids[i : i + step]]), cache=cache)
-    return np.array(logits[0, -1].astype(mx.float32))
+    from .generate import forward_chunks
+
+    last: list[mx.array] = []  # each chunk's last position; the prompt's is the final one
+    forward_chunks(
+        model, mx.array(ids), cache, step, on_logits=lambda logits: last.append(logits[0, -1])
+    )
+    return np.array(last[-1].astype(mx.float32))
 
 
 def _warmup(run, model, ids: list[int], step: int) -> None:

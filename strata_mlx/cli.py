@@ -664,7 +664,7 @@ def _convert(hf_path, gguf_path, synthetic, mlx_path, flags: dict) -> Path:
                 config[key] = type(config[key])(value)
             except ValueError:
                 kind = type(config[key]).__name__
-                raise OptionError(f"--set {item}: {key} takes a {kind}") from None
+                raise OptionError(f"--set {item}: {value!r} is not a valid {kind}") from None
         out = convert_synthetic(
             synthetic,
             mlx_path,

@@ -8,7 +8,7 @@ This module never touches the disk; the expert cache behind the model does.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -39,28 +39,49 @@ class GenerationResponse:
     chunks: list[ExpertStats] = field(default_factory=list)  # per prefill chunk
 
 
-def prefill(
-    model, prompt: mx.array, cache, step: int, on_chunk=None, kv: KVOptions | None = None
-) -> mx.array:
-    """Run all prompt tokens but the last in chunks of `step`; return the remainder. With
-    `kv.kv_bits`, layers past `kv.quantized_kv_start` are quantized after each chunk."""
-    expert_cache = getattr(model, "expert_cache", None)
-    while prompt.shape[0] > 1:
-        n = min(step, prompt.shape[0] - 1)
-        before = expert_cache.stats.copy() if expert_cache else None
+def forward_chunks(
+    model,
+    tokens: mx.array,
+    cache: list,
+    step: int,
+    on_logits: Callable[[mx.array], None] | None = None,
+    on_chunk: Callable[[ExpertStats], None] | None = None,
+    kv: KVOptions | None = None,
+) -> None:
+    """The one loop over a prompt: `tokens` [T] through `model` in chunks of `step`
+    positions, extending `cache`. Prefill, teacher-forced logits, the converter's calibration
+    and baseline's parity logits all run it. After each chunk's forward: with `kv`, layers
+    past `kv.quantized_kv_start` quantized; the cache evaluated, and the chunk's logits
+    [1, n, vocab] with it when `on_logits` takes them (before the next forward, which may
+    release the expert slots they were computed from); `on_chunk` gets the chunk's expert
+    statistics. Logits no hook takes are never computed."""
+    expert_cache = getattr(model, "expert_cache", None) if on_chunk is not None else None
+    for i in range(0, tokens.shape[0], step):
+        n = min(step, tokens.shape[0] - i)
+        before = expert_cache.stats.copy() if expert_cache is not None else None
         t = time.perf_counter()
-        model(prompt[None, :n], cache=cache)
+        logits = model(tokens[None, i : i + n], cache=cache)
         maybe_quantize(cache, kv)
-        mx.eval([s for c in cache for s in c.state])
+        state = [s for c in cache for s in c.state]
+        mx.eval(state if on_logits is None else [logits, state])
+        if on_logits is not None:
+            on_logits(logits)
         if expert_cache is not None:
             chunk = expert_cache.stats.minus(before)
             chunk.wall_s = time.perf_counter() - t
             chunk.tokens = n
             chunk.compute_s = chunk.wall_s - chunk.exposed_wait_s
-            if on_chunk:
-                on_chunk(chunk)
-        prompt = prompt[n:]
-    return prompt
+            on_chunk(chunk)
+
+
+def prefill(
+    model, prompt: mx.array, cache, step: int, on_chunk=None, kv: KVOptions | None = None
+) -> mx.array:
+    """Run all prompt tokens but the last in chunks of `step`; return the remainder. With
+    `kv.kv_bits`, layers past `kv.quantized_kv_start` are quantized after each chunk."""
+    n = max(prompt.shape[0] - 1, 0)
+    forward_chunks(model, prompt[:n], cache, step, on_chunk=on_chunk, kv=kv)
+    return prompt[n:]
 
 
 def generate_step(
@@ -366,10 +387,13 @@ def cache_prompt(
 
 def teacher_forced_logits(model, ids: list[int], step: int | None = None) -> np.ndarray:
     """float32 [T, vocab] logits of every prompt position (prefilled in chunks of `step`)."""
-    cache = model.make_cache()
     step = step or getattr(getattr(model, "runtime", None), "prefill_step_size", None) or 512
     out = []
-    for i in range(0, len(ids), step):
-        logits = model(mx.array([ids[i : i + step]]), cache=cache)
-        out.append(np.array(logits[0].astype(mx.float32)))
+    forward_chunks(
+        model,
+        mx.array(ids),
+        model.make_cache(),
+        step,
+        on_logits=lambda logits: out.append(np.array(logits[0].astype(mx.float32))),
+    )
     return np.concatenate(out, axis=0)

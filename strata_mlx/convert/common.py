@@ -43,6 +43,8 @@ CALIBRATION_TEXT = (
 )
 
 
+CALIBRATION_STEP = 256  # calibration tokens a forward
+
 # Whether a conversion may replace an existing store: converters take `overwrite=`; the CLI's
 # --overwrite also reaches converters that do not (yet) take it, through this variable.
 _OVERWRITE: contextvars.ContextVar[bool] = contextvars.ContextVar("overwrite", default=False)
@@ -130,6 +132,7 @@ def calibrate(
     """Run the finished temporary store over `tokens` calibration tokens; save per-layer counts."""
     if tokens <= 0 or not writer.manifest.moe_layers:
         return
+    from ..generate import forward_chunks
     from ..loader import load
     from ..stats import RoutingTrace
 
@@ -153,10 +156,8 @@ def calibrate(
             vocab = model.args.vocab_size
             ids = np.random.default_rng(seed).integers(0, vocab, size=tokens).tolist()
             source = f"random token ids (seed {seed}); the store has no tokenizer"
-        kv = model.make_cache()
-        step = 256
-        for i in range(0, len(ids), step):
-            mx.eval(model(mx.array([ids[i : i + step]]), cache=kv))
+        # The routing is all the pass needs: the trace records it at each layer's handshake
+        forward_chunks(model, mx.array(ids), model.make_cache(), CALIBRATION_STEP)
         m = writer.manifest
         counts = np.zeros((len(m.moe_layers), m.num_experts), dtype=np.int64)
         for layer, calls in trace.ids.items():
