@@ -121,5 +121,29 @@ r7b)  # session 4, call 2: 6.5 GB decode, where the time goes, routing traces; b
      --no-baseline --policies demand:sync --modes sync --rounds 1 \
      --json "$OUT/decode-arena-nobounce.json" 2>&1 | tee "$OUT/decode-arena-nobounce.log"
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b"; exit 2;;
+r7c)  # session 4, call 3: store and GPU kernel tests side by side; 6.5 GB decode, split reads
+  python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  (/usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --mlx-path "$SYNTH" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -3 > "$OUT/synth.log") &
+  timeout 220 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -x 2>&1 | tail -15 \
+     > "$OUT/kernel_tests.log"
+  wait
+  cat "$OUT/synth.log" "$OUT/kernel_tests.log"
+  python3 -m strata_mlx probe-ssd "$SYNTH/experts.bin" --record-bytes 983040 --seconds 1 \
+     --workers 1,2,4,8,16 | tee "$OUT/probe.log"
+  python3 -m strata_mlx probe-ssd "$SYNTH/experts.bin" --record-bytes 245760 --seconds 1 \
+     --workers 4,8,16 | tee -a "$OUT/probe.log"
+  timeout 330 python3 benchmarks/decode.py "$SYNTH" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
+     --policies demand:sync,demand:sync:s128,demand:sync:s128:io16,lookahead:loop:s128:io16 \
+     --modes adaptive --rounds 1 --json "$OUT/decode-split.json" 2>&1 | tee "$OUT/decode-split.log"
+  ;;
+r7d)  # session 4, call 4: logits (experts in float32, the float32 oracle); prefill with split reads
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -2
+  timeout 200 python3 benchmarks/parity.py "$SYNTH" -p 128 --chunk 32 --json "$OUT/parity.json" \
+     2>&1 | tee "$OUT/parity.log"
+  timeout 250 python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 16 --arena-gb 6.5 \
+     --prefill-step-size 1024 --policies lookahead:loop,lookahead:loop:s128:io16 \
+     --json "$OUT/bench-split.json" 2>&1 | tee "$OUT/bench-split.log"
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d"; exit 2;;
 esac

@@ -10,6 +10,9 @@ difference cannot change what the next position sees). Rows:
   - strata-mlx vs mlx-lm, with the backend's expert kernels and with the reference kernels
     (STRATA_MLX_KERNELS=reference: MLX ops, the oracle), every expert resident;
   - strata-mlx kernels vs reference: what the custom kernels alone change;
+  - mlx-lm with its experts multiplied in float32 (dequantized, mx.gather_mm, rounded back to
+    the activations' dtype once per projection: what the custom kernels do, up to the SwiGLU's
+    rounding) against mlx-lm: how far that one legitimate change of rounding moves the logits;
   - each of them against the float32 oracle: mlx-lm's same model with every float parameter
     (dense weights, quantization scales and biases) cast to float32, so activations and
     accumulations run in float32 on the same quantized weights. Two implementations that
@@ -22,6 +25,7 @@ divergence per position (nats), and the share of positions whose top-1 token agr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -42,6 +46,42 @@ def logprobs(model, ids, chunk, cache):
         mx.eval(y)
         outs.append(np.array(y[0]))
     return np.concatenate(outs)
+
+
+@contextlib.contextmanager
+def experts_in_float32():
+    """mlx-lm's quantized SwitchLinear as dequantize + float32 gather_mm, rounded once."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    original = QuantizedSwitchLinear.__call__
+
+    def call(self, x, indices, sorted_indices=False):
+        ids = np.array(indices)
+        used, local = np.unique(ids, return_inverse=True)
+        u = mx.array(used.astype(np.uint32))
+        w = mx.dequantize(
+            self["weight"][u],
+            self["scales"][u],
+            None if self.get("biases") is None else self["biases"][u],
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        ).astype(mx.float32)
+        y = mx.gather_mm(
+            x.astype(mx.float32),
+            w.swapaxes(-1, -2),
+            rhs_indices=mx.array(local.reshape(ids.shape).astype(np.uint32)),
+            sorted_indices=sorted_indices,
+        ).astype(x.dtype)
+        if "bias" in self:
+            y = y + mx.expand_dims(self["bias"][indices], -2)
+        return y
+
+    QuantizedSwitchLinear.__call__ = call
+    try:
+        yield
+    finally:
+        QuantizedSwitchLinear.__call__ = original
 
 
 def compare(a: np.ndarray, b: np.ndarray) -> dict:
@@ -91,6 +131,8 @@ def main() -> None:
     lm = load_mlx_lm(a.store)
     ref = logprobs(lm, ids, len(ids), make_prompt_cache(lm))
     lm_chunked = logprobs(lm, ids, a.chunk, make_prompt_cache(lm))
+    with experts_in_float32():
+        lm_f32_experts = logprobs(lm, ids, len(ids), make_prompt_cache(lm))
     exact = None
     if not a.no_fp32:
         lm.set_dtype(mx.float32)  # floating parameters only: packed weights stay uint32
@@ -102,17 +144,19 @@ def main() -> None:
     ours_ref = strata_logprobs(a.store, ids, len(ids), "reference")
     rows = {
         f"mlx-lm vs mlx-lm (chunks of {a.chunk})": compare(ref, lm_chunked),
+        "mlx-lm, experts in float32, vs mlx-lm": compare(ref, lm_f32_experts),
         "strata-mlx (kernels) vs mlx-lm": compare(ref, ours),
         "strata-mlx (reference) vs mlx-lm": compare(ref, ours_ref),
         "strata-mlx kernels vs reference": compare(ours_ref, ours),
     }
     if exact is not None:
         rows["mlx-lm vs float32 oracle"] = compare(exact, ref)
+        rows["mlx-lm, experts in float32, vs float32 oracle"] = compare(exact, lm_f32_experts)
         rows["strata-mlx (kernels) vs float32 oracle"] = compare(exact, ours)
         rows["strata-mlx (reference) vs float32 oracle"] = compare(exact, ours_ref)
     for name, r in rows.items():
         print(
-            f"{name:>42}: max |dlogprob| {r['max_abs_logprob_diff']:.4g}, mean KL "
+            f"{name:>46}: max |dlogprob| {r['max_abs_logprob_diff']:.4g}, mean KL "
             f"{r['mean_kl']:.3g} (max {r['max_kl']:.3g}), top-1 agree {100 * r['top1_agree']:.1f} %",
             flush=True,
         )

@@ -67,7 +67,10 @@ def _drop_page_cache(store: Path) -> bool:
 def policy_options(policy: str) -> dict:
     """RuntimeConfig fields of a bench policy name: a read-ahead policy, optionally with
     ":always" (lookahead predicts in decode too), ":dN" (N layers predicted ahead), ":sync"
-    or ":loop" (the scheduler) and ":lwN" (the loop's low-water mark)."""
+    or ":loop" (the scheduler), ":lwN" (the loop's low-water mark), ":sN" (split reads, parts
+    of N KB; s0 whole), ":ioN" (N reader workers) and an eviction policy (":lru", ":lfu"...)."""
+    from .arena import POLICIES
+
     name, *variants = policy.split(":")
     out: dict = {"read_ahead": name}  # the name is checked with the rest (check_runtime)
     for v in variants:
@@ -79,9 +82,16 @@ def policy_options(policy: str) -> dict:
             out["scheduler"] = v
         elif v[:2] == "lw" and v[2:].isdigit():
             out["scheduler_low_water"] = int(v[2:])
+        elif v[:1] == "s" and v[1:].isdigit():
+            out["read_split_kb"] = int(v[1:])
+        elif v[:2] == "io" and v[2:].isdigit():
+            out["io_workers"] = int(v[2:])
+        elif v in POLICIES:
+            out["eviction"] = v
         else:
             raise OptionError(
-                f"policy {policy!r}: unknown variant {v!r} (always | dN | sync | loop | lwN)"
+                f"policy {policy!r}: unknown variant {v!r} (always | dN | sync | loop | lwN | "
+                f"sN | ioN | {' | '.join(sorted(POLICIES))})"
             )
     return out
 

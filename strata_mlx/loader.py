@@ -82,6 +82,10 @@ class RuntimeConfig:
 
     arena_gb: float | None = None  # None: automatic
     io_workers: int = 8
+    # Split reads: while workers would idle (decode's few misses a layer), a record is read as
+    # parts of at least this many KB by several workers side by side (reader.Reader's split).
+    # 0: whole records always.
+    read_split_kb: int = 0
     read_ahead: ReadAhead = field(default_factory=ReadAhead)
     # loop: an asyncio event loop on its own thread schedules reads and keeps the drive busy
     # between handshakes; sync: reads are scheduled only inside the handshake (the first wave)
@@ -300,7 +304,7 @@ def load(
 
     from .reader import Reader, needs_bounce
 
-    reader = Reader(cfg.io_workers, bounce=needs_bounce())
+    reader = Reader(cfg.io_workers, bounce=needs_bounce(), split=cfg.read_split_kb * 1024)
     cache = ExpertCache(
         path,
         manifest,

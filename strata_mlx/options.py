@@ -94,6 +94,12 @@ def check_runtime(cfg, cli: bool = False) -> None:
     if cfg.arena_gb is not None:
         check_number("arena_gb", cfg.arena_gb, 0, lo_open=True, cli=cli)
     check_int("io_workers", cfg.io_workers, 1, MAX_IO_WORKERS, cli=cli)
+    check_int("read_split_kb", cfg.read_split_kb, 0, 1 << 20, cli=cli)
+    if cfg.read_split_kb % 4:
+        raise OptionError(
+            f"{'--read-split-kb' if cli else 'read_split_kb'} must be a multiple of 4 "
+            f"(direct I/O's 4 KB blocks), got {cfg.read_split_kb}"
+        )
     ra = cfg.read_ahead  # a ReadAhead; its fields by their option names (loader.READ_AHEAD_OPTIONS)
     check_choice("read_ahead", ra.policy, READ_AHEAD_POLICIES, cli=cli)
     check_int("static_cap", ra.static_cap, 0, cli=cli)

@@ -100,10 +100,19 @@ class Reader:
             lets tests and callers queue work deterministically.
         bounce: each worker reads into a buffer of its own, verifies it there, and copies
             it into the destination (see :func:`needs_bounce`).
+        split: split reads (0: never). While workers would sit idle (fewer requests queued
+            and in flight than workers, as in decode, where a layer misses a few records),
+            each request of a batch is read as up to ``idle workers / batch size`` parts of
+            at least ``split`` bytes (a multiple of :data:`ALIGNMENT`), side by side; it still
+            completes once, when its last part has landed, and a checksum is verified over
+            the whole request by the worker that read that part. A split request is
+            cancelled only while none of its parts has started.
     """
 
-    def __init__(self, workers: int = 8, start_paused: bool = False, bounce: bool = False) -> None:
-        self._r = _reader.Reader(workers, start_paused, bounce)
+    def __init__(
+        self, workers: int = 8, start_paused: bool = False, bounce: bool = False, split: int = 0
+    ) -> None:
+        self._r = _reader.Reader(workers, start_paused, bounce, split)
 
     @property
     def workers(self) -> int:
@@ -192,7 +201,8 @@ class Reader:
         self._r.ack()
 
     def queued(self) -> int:
-        """Requests queued (urgent and read-ahead) that no worker has started."""
+        """Requests queued (urgent and read-ahead) that no worker has started (a split
+        request counts once, until its first part starts)."""
         return self._r.queued()
 
     def pause(self) -> None:
@@ -205,13 +215,13 @@ class Reader:
 
     def stats(self) -> dict:
         """Counters: ``bytes_read``, ``requests_done``, ``errors``, ``verified`` (reads whose
-        checksum was checked), ``busy_ns`` and ``verify_ns`` (lists, per worker: time spent
+        checksum was checked), ``split`` (requests read in parts), ``busy_ns`` and ``verify_ns`` (lists, per worker: time spent
         inside reads, and checking checksums), and the current ``queued_urgent``,
         ``queued_ahead``, ``in_flight`` and uncollected ``completions``."""
         return self._r.stats()
 
     def reset_stats(self) -> None:
-        """Zero bytes_read, requests_done, errors, verified, busy_ns and verify_ns."""
+        """Zero bytes_read, requests_done, errors, verified, split, busy_ns and verify_ns."""
         self._r.reset_stats()
 
     def close(self) -> None:

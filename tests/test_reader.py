@@ -405,3 +405,105 @@ def test_checksum_requests_are_validated(data_file):
         with pytest.raises(ValueError, match="checksum must be"):
             r.open(path, checksum="sha1")
         assert r.stats()["queued_ahead"] == 0
+
+
+# ---- split reads: one request read as parts by idle workers, completed once --------------
+
+
+@pytest.mark.parametrize("bounce", [False, True])
+@pytest.mark.parametrize("direct", [True, False])
+def test_split_reads_land_whole_and_complete_once(data_file, direct, bounce):
+    path, payload = data_file
+    big = 4 * RECORD  # 4 parts of one RECORD each with split=RECORD and 8 idle workers
+    sums = [checksum("crc32c", payload[i * big : (i + 1) * big]) for i in range(4)]
+    buf, addr = aligned(4 * big)
+    with Reader(workers=8, bounce=bounce, split=RECORD) as r:
+        f = r.open(path, direct=direct, checksum="crc32c")
+        # 2 requests, 8 idle workers: 4 parts each
+        r.submit([(t, f, t * big, big, addr + t * big, sums[t]) for t in (0, 1)], urgent=True)
+        assert r.wait([0, 1], timeout=10) == [(0, 0, big), (1, 0, big)]
+        stats = r.stats()
+        assert stats["requests_done"] == 2 and stats["verified"] == 2
+        assert stats["bytes_read"] == 2 * big and stats["split"] == 2
+        assert r.poll() == []
+        # a wrong checksum is caught over the whole request, whichever part finished last
+        r.submit([(2, f, 2 * big, big, addr + 2 * big, sums[2] ^ 1)])
+        assert r.wait([2], timeout=10) == [(2, CHECKSUM_MISMATCH, big)]
+        # a deep queue is read whole: 9 requests for 8 workers
+        r.pause()
+        r.submit([(10 + i, f, 0, RECORD, addr + 3 * big) for i in range(9)])
+        assert r.stats()["queued_ahead"] == 9 and r.queued() == 9
+        r.resume()
+        drain(r, 9)
+        assert r.stats()["split"] == 3
+    assert buf[: 2 * big].tobytes() == payload[: 2 * big]
+
+
+def test_split_request_parts_are_counted_cancelled_and_promoted_together(data_file):
+    path, payload = data_file
+    big = 4 * RECORD
+    buf, addr = aligned(3 * big)
+    with Reader(workers=8, start_paused=True, split=RECORD) as r:
+        f = r.open(path)
+        r.submit([(t, f, t * big, big, addr + t * big) for t in (0, 1)])  # 4 parts each
+        assert r.stats()["queued_ahead"] == 8 and r.queued() == 2
+        assert r.cancel([0]) == [0]
+        assert r.queued() == 1 and r.stats()["queued_ahead"] == 4
+        with pytest.raises(KeyError):
+            r.wait([0], timeout=1)
+        r.submit([(5, f, 2 * big, big, addr + 2 * big)], urgent=True)  # 4 idle: 4 parts
+        assert r.promote([1]) == [1]
+        assert r.stats()["queued_urgent"] == 8 and r.queued() == 2
+        r.resume()
+        assert sorted(c[0] for c in drain(r, 2)) == [1, 5]
+    assert buf[big:].tobytes() == payload[big : 3 * big]
+
+
+def test_close_drops_queued_parts(data_file):
+    path, _ = data_file
+    big = 4 * RECORD
+    _, addr = aligned(2 * big)
+    r = Reader(workers=4, start_paused=True, split=RECORD)
+    f = r.open(path)
+    r.submit([(0, f, 0, big, addr)])
+    r.resume()
+    assert r.wait([0], timeout=10) == [(0, 0, big)]
+    r.pause()
+    r.submit([(1, f, big, big, addr + big)])  # 4 parts queued, never started
+    r.close()  # drops them (and their group) with no completion and no crash
+    assert r.closed
+
+
+def test_split_must_be_aligned():
+    with pytest.raises(ValueError, match="split"):
+        Reader(workers=1, split=1000)
+    with pytest.raises(ValueError, match="split"):
+        Reader(workers=1, split=-4096)
+
+
+def test_split_reads_under_cancel_and_promote_races(data_file):
+    """Small batches while parts are in flight, cancels and promotes racing the workers:
+    every request not cancelled completes exactly once with its bytes in place."""
+    path, payload = data_file
+    rng = np.random.default_rng(7)
+    n_req, size = 120, 2 * RECORD
+    per_file = len(payload) // size
+    buf, addr = aligned(n_req * size)
+    sums = [checksum("crc32c", payload[(t % per_file) * size :][:size]) for t in range(n_req)]
+    cancelled: set[int] = set()
+    with Reader(workers=6, split=ALIGNMENT) as r:
+        f = r.open(path, checksum="crc32c")
+        for start in range(0, n_req, 3):
+            batch = range(start, start + 3)
+            reqs = [(t, f, (t % per_file) * size, size, addr + t * size, sums[t]) for t in batch]
+            r.submit(reqs, urgent=bool(rng.integers(2)))
+            if rng.integers(3) == 0:
+                cancelled.update(r.cancel([int(rng.integers(start + 1))]))
+            if rng.integers(3) == 0:
+                r.promote([int(rng.integers(start + 1))])
+        wanted = [t for t in range(n_req) if t not in cancelled]
+        assert r.wait(wanted, timeout=20) == [(t, 0, size) for t in wanted]
+        assert r.poll() == [] and r.stats()["requests_done"] == len(wanted)
+    for t in wanted:
+        src = (t % per_file) * size
+        assert buf[t * size : (t + 1) * size].tobytes() == payload[src : src + size]

@@ -40,6 +40,20 @@
 #define MAX_CHUNK ((size_t)1 << 30)      /* one pread at most 1 GiB (Linux and macOS limits) */
 #define WAIT_SLICE_NS 100000000ULL       /* wait() re-takes the GIL this often to see Ctrl-C */
 
+/* A request read as several parts by several workers (split reads, see Reader_submit): one
+ * completion, reported by the worker that finishes the last part, after it has verified the
+ * whole record where a checksum is expected. Guarded by mu; freed with its completion. */
+typedef struct {
+    long long tag;
+    int parts, pending, started; /* parts in all; not finished; taken by a worker */
+    int err;                     /* the first error of any part */
+    long long nread;             /* bytes read by all parts */
+    char *dest;
+    Py_ssize_t length;
+    uint32_t expected;
+    char verify;
+} Group;
+
 typedef struct {
     long long tag;
     int file;
@@ -48,6 +62,8 @@ typedef struct {
     char *dest;
     uint32_t expected; /* the checksum of the `length` bytes, where `verify` */
     char verify;
+    Group *group; /* a part of a split request (its checksum is the group's), or NULL */
+    char lead;    /* the group's first part: queued() counts requests, not parts */
 } Request;
 
 typedef struct {
@@ -71,6 +87,7 @@ struct ReaderObject {
     PyObject_HEAD
     int nworkers, nstarted, sync_ready, closing;
     int bounce; /* read into a per-worker buffer, then copy into dest (see worker_main) */
+    Py_ssize_t split; /* smallest part of a split request in bytes; 0: never split */
     pthread_t *threads;
     WorkerArg *args;
     pthread_mutex_t mu;
@@ -86,6 +103,7 @@ struct ReaderObject {
     int *fds, nfiles, cap_files;
     char *direct, *checksum; /* per file: opened O_DIRECT; CHECKSUM_* of its records */
     unsigned long long bytes_read, requests_done, errors, verified, *busy_ns, *verify_ns;
+    unsigned long long split_requests; /* requests read in parts */
     int notify_r, notify_w; /* the completion pipe (-1 until notify_fd()), its ends */
     int notified;           /* a byte was written since the last ack() */
 };
@@ -210,6 +228,7 @@ static void *worker_main(void *p) {
         }
         Request rq = q_pop(q);
         int fd = r->fds[rq.file], direct = r->direct[rq.file], kind = r->checksum[rq.file];
+        if (rq.group) rq.group->started++;
         r->current[w] = rq.tag;
         r->reading[w] = 1;
         pthread_mutex_unlock(&r->mu);
@@ -248,14 +267,35 @@ static void *worker_main(void *p) {
             memcpy(rq.dest, into.dest, (size_t)nread);
 
         pthread_mutex_lock(&r->mu);
+        r->bytes_read += (unsigned long long)nread;
+        r->busy_ns[w] += t1 - t0;
+        Group *g = rq.group;
+        if (g) { /* a part: the last one to finish completes the request */
+            if (err && !g->err) g->err = err;
+            g->nread += nread;
+            if (--g->pending > 0) {
+                r->reading[w] = 0;
+                continue;
+            }
+            err = g->err;
+            nread = g->nread;
+            checked = !err && g->verify;
+            if (checked) { /* the whole record, where its parts landed (reading[w] stays set) */
+                pthread_mutex_unlock(&r->mu);
+                t1 = now_ns();
+                if (checksum_update(kind, 0, g->dest, (size_t)g->length) != g->expected)
+                    err = CHECKSUM_MISMATCH;
+                t2 = now_ns();
+                pthread_mutex_lock(&r->mu);
+            }
+            free(g);
+        }
         r->reading[w] = 0;
         /* capacity was reserved by submit(): workers never allocate */
         r->done_items[r->n_done++] = (Completion){rq.tag, err, nread};
-        r->bytes_read += (unsigned long long)nread;
         r->requests_done++;
         r->errors += err != 0;
         r->verified += checked;
-        r->busy_ns[w] += t1 - t0;
         r->verify_ns[w] += t2 - t1;
         pthread_cond_broadcast(&r->done);
         notify(r);
@@ -366,10 +406,19 @@ static Py_ssize_t take_done(ReaderObject *r, const long long *tags, Py_ssize_t n
 
 /* ---------------------------------------------------------------- lifecycle */
 
+/* Drop every queued request (workers stopped): a split request's group goes with its last
+ * part, whether that part was queued or read. */
+static void drop_queued(Queue *q) {
+    for (Py_ssize_t i = q->head; i < q->len; i++) {
+        Group *g = q->items[i].group;
+        if (g && --g->pending == 0) free(g);
+    }
+    q->head = q->len = 0;
+}
+
 static void stop_workers(ReaderObject *r, int release_gil) {
     pthread_mutex_lock(&r->mu);
-    r->stopping = 1;
-    r->urgent.head = r->urgent.len = r->ahead.head = r->ahead.len = 0; /* queued: dropped */
+    r->stopping = 1; /* workers finish their read and exit: what is queued stays queued */
     pthread_cond_broadcast(&r->work);
     pthread_cond_broadcast(&r->done);
     pthread_mutex_unlock(&r->mu);
@@ -381,6 +430,8 @@ static void stop_workers(ReaderObject *r, int release_gil) {
         for (int i = 0; i < r->nstarted; i++) pthread_join(r->threads[i], NULL);
     }
     r->nstarted = 0;
+    drop_queued(&r->urgent);
+    drop_queued(&r->ahead);
     for (int i = 0; i < r->nfiles; i++) close(r->fds[i]);
     r->nfiles = 0;
     if (r->notify_r >= 0) close(r->notify_r);
@@ -414,11 +465,17 @@ static void Reader_dealloc(ReaderObject *r) {
 }
 
 static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"workers", "start_paused", "bounce", NULL};
+    static char *kwlist[] = {"workers", "start_paused", "bounce", "split", NULL};
     int nworkers = 8, paused = 0, bounce = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ipp:Reader", kwlist, &nworkers, &paused,
-                                     &bounce))
+    Py_ssize_t split = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ippn:Reader", kwlist, &nworkers, &paused,
+                                     &bounce, &split))
         return NULL;
+    if (split < 0 || split % ALIGNMENT) {
+        PyErr_Format(PyExc_ValueError, "split must be 0 or a multiple of %d bytes, got %zd",
+                     ALIGNMENT, split);
+        return NULL;
+    }
     if (nworkers < 1 || nworkers > 1024) {
         PyErr_Format(PyExc_ValueError, "workers must be in 1..1024, got %d", nworkers);
         return NULL;
@@ -427,6 +484,7 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!r) return NULL;
     r->nworkers = nworkers;
     r->bounce = bounce;
+    r->split = split;
     r->notify_r = r->notify_w = -1;
     r->paused = paused;
     r->threads = calloc((size_t)nworkers, sizeof(pthread_t));
@@ -536,6 +594,15 @@ static PyObject *Reader_is_direct(ReaderObject *r, PyObject *arg) {
     return PyBool_FromLong(r->direct[i]);
 }
 
+/* Parts a request is read in when `per` workers are free for it: each at least r->split
+ * bytes (and ALIGNMENT-sized, as direct I/O needs). 1: read whole. */
+static int split_parts(const ReaderObject *r, const Request *rq, Py_ssize_t per) {
+    Py_ssize_t parts = rq->length / r->split;
+    if (parts > per) parts = per;
+    if (parts > 64) parts = 64;
+    return parts >= 2 ? (int)parts : 1;
+}
+
 static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"requests", "urgent", NULL};
     PyObject *reqs_obj, *seq = NULL;
@@ -600,8 +667,23 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
             }
         }
     }
+    for (Py_ssize_t i = 0; i < n; i++) reqs[i].group = NULL, reqs[i].lead = 0;
     pthread_mutex_lock(&r->mu);
     Queue *q = urgent ? &r->urgent : &r->ahead;
+    /* Split reads: while workers would sit idle (few requests queued or in flight, as in
+     * decode, where a layer misses a handful of records), each request of this batch is read
+     * as up to idle / n parts of at least `split` bytes by as many workers, so a record's
+     * latency is that of its parts, read side by side. Deep queues (prefill) stay whole. */
+    Py_ssize_t parts_total = n, per = 0;
+    if (r->split > 0 && n > 0) {
+        Py_ssize_t busy = q_size(&r->urgent) + q_size(&r->ahead);
+        for (int w = 0; w < r->nworkers; w++) busy += r->reading[w];
+        per = busy < r->nworkers ? (r->nworkers - busy) / n : 0;
+        if (per >= 2) {
+            parts_total = 0;
+            for (Py_ssize_t i = 0; i < n; i++) parts_total += split_parts(r, &reqs[i], per);
+        }
+    }
     /* reserve completion slots for everything that can still complete, so workers never
      * allocate */
     Py_ssize_t need = r->n_done + q_size(&r->urgent) + q_size(&r->ahead) + r->nworkers + n;
@@ -612,12 +694,39 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
             r->cap_done = need * 2;
         }
     }
-    if (need > r->cap_done || q_reserve(q, n) < 0) {
+    if (need > r->cap_done || q_reserve(q, parts_total) < 0) {
         pthread_mutex_unlock(&r->mu);
         PyErr_NoMemory();
         goto fail;
     }
-    for (Py_ssize_t i = 0; i < n; i++) q_push(q, &reqs[i]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int parts = per >= 2 ? split_parts(r, &reqs[i], per) : 1;
+        Group *g = NULL;
+        Py_ssize_t part = parts > 1 ? ((reqs[i].length + parts - 1) / parts + ALIGNMENT - 1) /
+                                          ALIGNMENT * ALIGNMENT
+                                    : reqs[i].length;
+        if (parts > 1 && (g = malloc(sizeof(Group)))) {
+            parts = (int)((reqs[i].length + part - 1) / part);
+            *g = (Group){reqs[i].tag, parts, parts, 0, 0, 0, reqs[i].dest, reqs[i].length,
+                         reqs[i].expected, reqs[i].verify};
+            r->split_requests++;
+        }
+        if (!g) { /* whole (or no memory for a group: whole, too) */
+            q_push(q, &reqs[i]);
+            continue;
+        }
+        for (int k = 0; k < parts; k++) {
+            Request pr = reqs[i];
+            Py_ssize_t at = (Py_ssize_t)k * part;
+            pr.offset += at;
+            pr.dest += at;
+            pr.length = reqs[i].length - at < part ? reqs[i].length - at : part;
+            pr.verify = 0;
+            pr.group = g;
+            pr.lead = k == 0;
+            q_push(q, &pr);
+        }
+    }
     pthread_cond_broadcast(&r->work);
     pthread_mutex_unlock(&r->mu);
     PyMem_RawFree(reqs);
@@ -627,6 +736,13 @@ fail:
     PyMem_RawFree(reqs);
     Py_XDECREF(seq);
     return NULL;
+}
+
+/* Whether every part of `g` is still queued in `q` (none started): it can be cancelled. */
+static int all_queued(const Queue *q, const Group *g) {
+    int n = 0;
+    for (Py_ssize_t i = q->head; i < q->len; i++) n += q->items[i].group == g;
+    return g->started == 0 && n == g->parts;
 }
 
 /* cancel (to_urgent=0) or promote (to_urgent=1) queued read-ahead requests */
@@ -646,8 +762,15 @@ static PyObject *move_ahead(ReaderObject *r, PyObject *tags_obj, int to_urgent) 
     for (Py_ssize_t t = 0; t < n; t++) {
         Py_ssize_t i = q_find(&r->ahead, tags[t]);
         if (i < 0) continue;
-        if (to_urgent) q_push(&r->urgent, &r->ahead.items[i]);
-        q_remove(&r->ahead, i);
+        Group *g = r->ahead.items[i].group;
+        if (g && !to_urgent && !all_queued(&r->ahead, g))
+            continue; /* a part is being read: like a request in flight, not cancelled */
+        if (g && to_urgent && q_reserve(&r->urgent, g->parts) < 0) continue;
+        do { /* every queued part of a split request moves with it */
+            if (to_urgent) q_push(&r->urgent, &r->ahead.items[i]);
+            q_remove(&r->ahead, i);
+        } while (g && (i = q_find(&r->ahead, tags[t])) >= 0);
+        if (g && !to_urgent) free(g);
         moved[nmoved++] = tags[t];
     }
     pthread_cond_broadcast(to_urgent ? &r->work : &r->done); /* waiters on cancelled tags */
@@ -762,7 +885,7 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
     verify_ns = busy_ns + r->nworkers;
     pthread_mutex_lock(&r->mu);
     unsigned long long bytes = r->bytes_read, reqs = r->requests_done, errs = r->errors,
-                       verified = r->verified;
+                       verified = r->verified, split = r->split_requests;
     Py_ssize_t nu = q_size(&r->urgent), na = q_size(&r->ahead), nd = r->n_done;
     int inflight = 0;
     for (int w = 0; w < r->nworkers; w++) inflight += r->reading[w];
@@ -783,15 +906,16 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
         Py_XDECREF(verify);
         return NULL;
     }
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n}", "bytes_read", bytes,
-                         "requests_done", reqs, "errors", errs, "verified", verified, "busy_ns",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n}", "bytes_read", bytes,
+                         "requests_done", reqs, "errors", errs, "verified", verified,
+                         "split", split, "busy_ns",
                          busy, "verify_ns", verify, "queued_urgent", nu, "queued_ahead", na,
                          "in_flight", inflight, "completions", nd);
 }
 
 static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
     pthread_mutex_lock(&r->mu);
-    r->bytes_read = r->requests_done = r->errors = r->verified = 0;
+    r->bytes_read = r->requests_done = r->errors = r->verified = r->split_requests = 0;
     memset(r->busy_ns, 0, sizeof(unsigned long long) * (size_t)r->nworkers);
     memset(r->verify_ns, 0, sizeof(unsigned long long) * (size_t)r->nworkers);
     pthread_mutex_unlock(&r->mu);
@@ -848,7 +972,12 @@ static PyObject *Reader_ack(ReaderObject *r, PyObject *unused) {
 
 static PyObject *Reader_queued(ReaderObject *r, PyObject *unused) {
     pthread_mutex_lock(&r->mu);
-    Py_ssize_t n = q_size(&r->urgent) + q_size(&r->ahead);
+    Py_ssize_t n = 0;
+    for (int u = 0; u < 2; u++) { /* requests, not parts: a split one counts by its lead */
+        const Queue *q = u ? &r->ahead : &r->urgent;
+        for (Py_ssize_t i = q->head; i < q->len; i++)
+            n += !q->items[i].group || q->items[i].lead;
+    }
     pthread_mutex_unlock(&r->mu);
     return PyLong_FromSsize_t(n);
 }
