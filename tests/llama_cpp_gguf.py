@@ -247,6 +247,27 @@ def hf_model(
             },
         )
         m = T.DeepseekV3ForCausalLM(cfg)
+    elif family == "gpt_oss":
+        # Every expert axis a multiple of 32 (MXFP4 blocks); sliding layers of 5 positions;
+        # YaRN as GPT-OSS's own config has it (truncate false). llama.cpp's converter writes
+        # no swiglu limit or alpha (llama.cpp fixes them at 7.0 and 1.702): the defaults.
+        cfg = T.GptOssConfig(
+            **{**base, "num_hidden_layers": max(layers, 3)},
+            intermediate_size=expert,
+            head_dim=16,
+            num_local_experts=8,
+            sliding_window=5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        )
+        m = T.GptOssForCausalLM(cfg)
     else:
         raise ValueError(family)
     m = m.to(torch.float32).eval()
@@ -256,6 +277,8 @@ def hf_model(
                 p.add_(torch.randn_like(p) * 0.1)
             elif name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(("_proj_bias", "o_proj.bias", "router.bias", "sinks")):
+                p.add_(torch.randn_like(p) * 0.05)  # GPT-OSS's, zeros at init
         for name, b in m.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.add_(torch.randn_like(b) * 0.05)

@@ -15,6 +15,11 @@ files written by llama.cpp's own converter, against transformers on the same tin
   expert kernels decode the blocks bit-identically to gguf-py (test_gguf_quants), so again
   only summation order differs.
 
+- gpt-oss: F32, Q8_0 and MXFP4 GGUFs (the last from a checkpoint as OpenAI ships GPT-OSS,
+  whose MXFP4 blocks llama.cpp's converter repacks into ggml's nibble order): MXFP4 records
+  byte for byte those of the checkpoint converted directly, decoded they are gguf-py's
+  dequantization, logits transformers'.
+
 Also: the rebuilt tokenizers (byte-level BPE; SentencePiece, against sentencepiece itself),
 llama.cpp's --fuse-gate-up-exps and early-2024 one-tensor-per-expert Mixtral files (same
 records as the stacked file's), and the one-line errors for files we cannot convert.
@@ -414,3 +419,208 @@ def test_the_fixtures_are_llama_cpps(llama_cpp):
         (llama_cpp["qwen3_next", "f32"][0].parent / "qwen3_next-small" / "config.json").read_text()
     )
     assert "layer_types" in cfg
+
+
+# ---- gpt-oss: MXFP4 experts, as llama.cpp's converter writes them -----------------------
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_ggufs(tmp_path_factory):
+    """variant -> (GGUF, its checkpoint, the transformers model): llama.cpp's converter run on
+    a tiny GptOssForCausalLM saved float32 ("f32", "q8_0") and as OpenAI ships GPT-OSS, its
+    experts MXFP4 blocks ("mxfp4": the converter keeps them as ggml MXFP4)."""
+    from test_mxfp4 import mxfp4_checkpoint
+
+    src = lc.converter_dir()
+    if src is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py: pip could not fetch llama-cpp-python")
+    root = tmp_path_factory.mktemp("llama_cpp_gpt_oss")
+    model = lc.hf_model("gpt_oss")
+    ck = lc.save_checkpoint(model, root / "float")
+    mx4 = mxfp4_checkpoint(ck, root / "mxfp4")
+    made = {
+        "f32": (root / "f32.gguf", ck, model),
+        "q8_0": (root / "q8_0.gguf", ck, model),
+        "mxfp4": (root / "mxfp4.gguf", mx4, None),
+    }
+    lc.convert_many(
+        src, [(c, g, "q8_0" if v == "q8_0" else "f32", ()) for v, (g, c, _) in made.items()]
+    )
+    return made
+
+
+def _gpt_oss_transformers(checkpoint: Path, ids: list[int]) -> np.ndarray:
+    """transformers on the MXFP4 checkpoint (its own dequantizer, float32)."""
+    import torch
+    import transformers as T
+
+    m = T.AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32, quantization_config=T.Mxfp4Config(dequantize=True)
+    ).eval()
+    with torch.no_grad():
+        return m(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def test_gpt_oss_fixtures_are_llama_cpps(gpt_oss_ggufs):
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(gpt_oss_ggufs["mxfp4"][0]))
+    assert r.fields["general.architecture"].contents() == "gpt-oss"
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert {types[f"blk.0.ffn_{p}_exps.weight"] for p in ("gate", "up", "down")} == {"MXFP4"}
+    assert {"blk.0.attn_sinks.weight", "blk.0.ffn_gate_inp.bias", "blk.0.ffn_up_exps.bias"} <= set(
+        types
+    )
+    assert r.fields["gpt-oss.attention.sliding_window"].contents() == 5
+
+
+def test_gpt_oss_f32_gguf_matches_transformers(gpt_oss_ggufs, tmp_path):
+    path, _, model = gpt_oss_ggufs["f32"]
+    store = _convert(path, tmp_path / "s")
+    m = load_manifest(store)
+    assert m.model_type == "gpt_oss"
+    assert m.layout.activation == {"name": "swiglu_oai", "alpha": 1.702, "limit": 7.0}
+    assert m.config["layer_types"] == model.config.layer_types
+    assert m.config["sliding_window"] == model.config.sliding_window
+    ids = _ids()
+    _close(_ours(store, ids), _hf_logits(model, ids))
+
+
+def test_gpt_oss_mxfp4_gguf_keeps_the_checkpoints_bytes(gpt_oss_ggufs, tmp_path):
+    """llama.cpp's converter moves OpenAI's nibbles into ggml's block order (scale byte first,
+    elements j and j + 16 in byte j); the import moves them back: the records are those of
+    the MXFP4 checkpoint converted directly, byte for byte, and the logits transformers'."""
+    from strata_mlx.convert.hf import convert_hf
+
+    path, ck, _ = gpt_oss_ggufs["mxfp4"]
+    store = _convert(path, tmp_path / "s")
+    direct = convert_hf(ck, tmp_path / "hf", progress=False, calibration_tokens=0)
+    a, b = load_manifest(store), load_manifest(direct)
+    assert a.layout.quant == dict.fromkeys(
+        ("gate_proj", "up_proj", "down_proj"), {"format": "mxfp4"}
+    )
+    assert a.layout == b.layout
+    assert (store / EXPERTS).read_bytes() == (direct / EXPERTS).read_bytes()
+    ids = _ids()
+    _close(_ours(store, ids), _gpt_oss_transformers(ck, ids))
+
+
+def test_gpt_oss_mxfp4_records_decode_as_gguf_py(gpt_oss_ggufs, tmp_path):
+    """Each record's weight, decoded by our reference (quant.dequantize_mxfp4), equals gguf-py's
+    dequantization of the file's MXFP4 rows, bit for bit (float32; zeros' sign aside)."""
+    import mlx.core as mx
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    from strata_mlx.quant import dequantize_mxfp4
+    from strata_mlx.store import read_record
+
+    path = gpt_oss_ggufs["mxfp4"][0]
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    store = _convert(path, tmp_path / "s")
+    m = load_manifest(store)
+    for layer in m.moe_layers:
+        for p, gp in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+            rows = np.asarray(tensors[f"blk.{layer}.{gp}_exps.weight"].data)
+            want = dequantize(rows, GGMLQuantizationType.MXFP4)  # [E, out, in]
+            for e in range(m.num_experts):
+                rec = np.frombuffer(read_record(store, m, layer, e), np.uint8)
+                w, s = (m.layout.component(f"{p}.{c}") for c in ("weight", "scales"))
+                codes = rec[w.offset : w.offset + w.nbytes].reshape(w.shape)
+                scales = rec[s.offset : s.offset + s.nbytes].reshape(s.shape)
+                with mx.stream(mx.cpu):
+                    got = np.array(dequantize_mxfp4(mx.array(codes), mx.array(scales)))
+                _same_bits_but_zeros_sign(got, want[e])
+
+
+def test_mxfp4_repack_is_gguf_py_on_every_scale_and_code():
+    """repack_mxfp4 on random ggml blocks whose scale byte runs over 0..254 (every E8M0 value
+    but 255, NaN in OCP MXFP4: ggml reads it as 2^127, its 0 x 2^127 = 0 where ours is NaN):
+    decoded, gguf-py's dequantization bit for bit, zeros' sign aside."""
+    import mlx.core as mx
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from strata_mlx.convert.gguf import repack_mxfp4
+    from strata_mlx.quant import dequantize_mxfp4
+
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 256, (255, 4, 17), dtype=np.uint8)
+    blocks[..., 0] = np.arange(255, dtype=np.uint8)[:, None]
+    rows = blocks.reshape(255, -1)
+    codes, scales = repack_mxfp4(rows)
+    assert codes.shape == (255, 64) and scales.shape == (255, 4)
+    with mx.stream(mx.cpu):
+        got = np.array(dequantize_mxfp4(mx.array(codes), mx.array(scales)))
+    with np.errstate(over="ignore"):  # scales from 2^127 on: inf, on both sides
+        want = dequantize(rows, GGMLQuantizationType.MXFP4)
+    _same_bits_but_zeros_sign(got, want)
+
+
+def _same_bits_but_zeros_sign(got: np.ndarray, want: np.ndarray) -> None:
+    """float32 arrays equal bit for bit, but that a zero may be -0 on one side: E2M1's code 8
+    is -0 in OCP MXFP4 (and mx.dequantize, and ours) and ggml's kvalue 0 (+0)."""
+    np.testing.assert_array_equal(got, want)  # -0 == +0
+    nonzero = want != 0
+    np.testing.assert_array_equal(got.view(np.uint32)[nonzero], want.view(np.uint32)[nonzero])
+
+
+def _gpt_oss_q8_0_round_trip(model) -> dict[str, np.ndarray]:
+    """What llama.cpp's converter writes as Q8_0 for gpt-oss (attention, embeddings, lm_head
+    and experts; not the router, norms, sinks or biases), through gguf-py's round trip along
+    each GGUF row: transformers' expert tensors are [E, in, out], so they are transposed to
+    rows first (gate and up de-interleaved along out: whole rows, so no matter)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    q8 = GGMLQuantizationType.Q8_0
+    out = {}
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or "router" in name or name.endswith("_bias"):
+            continue
+        w = p.detach().numpy().astype(np.float32)
+        rows = np.ascontiguousarray(w.swapaxes(-1, -2)) if "experts" in name else w
+        back = dequantize(quantize(rows, q8), q8).reshape(rows.shape)
+        out[name] = back.swapaxes(-1, -2) if "experts" in name else back
+    return out
+
+
+def test_gpt_oss_q8_0_gguf_matches_transformers_on_dequantized_weights(gpt_oss_ggufs, tmp_path):
+    path, _, model = gpt_oss_ggufs["q8_0"]
+    store = _convert(path, tmp_path / "s")
+    m = load_manifest(store)
+    assert {q["format"] for q in m.layout.quant.values()} == {"affine"}
+    ids = _ids()
+    ours = _ours(store, ids)
+    _close(ours, _hf_logits(model, ids, _gpt_oss_q8_0_round_trip(model)))
+    assert np.abs(ours - _hf_logits(model, ids)).max() > 10 * ATOL
+
+
+def test_gpt_oss_cached_decode_matches_full_recompute(gpt_oss_ggufs, tmp_path):
+    import mlx.core as mx
+
+    model, _ = strata_mlx.load(_convert(gpt_oss_ggufs["mxfp4"][0], tmp_path / "s"))
+    ids = _ids(24, seed=1)
+    full = teacher_forced_logits(model, ids, step=64)
+    cache = model.make_cache()
+    model(mx.array([ids[:16]]), cache=cache)
+    steps = [np.array(model(mx.array([[t]]), cache=cache)[0, -1]) for t in ids[16:]]
+    np.testing.assert_allclose(np.stack(steps), full[16:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "drop,words",
+    [
+        (("gpt-oss.attention.sliding_window",), ["gpt-oss.attention.sliding_window"]),
+        (("blk.1.attn_sinks.weight",), ["blk.1.attn_sinks.weight not found"]),
+        (("blk.0.ffn_up_exps.bias",), ["blk.0.ffn_up_exps.bias not found"]),
+    ],
+)
+def test_gpt_oss_bad_files_name_the_file_and_what_is_missing(drop, words, gpt_oss_ggufs, tmp_path):
+    path = _edited(gpt_oss_ggufs["mxfp4"][0], tmp_path / "m.gguf", drop)
+    with pytest.raises(StoreError) as e:
+        _convert(path, tmp_path / "s")
+    msg = str(e.value)
+    assert msg.startswith(str(path)) and "\n" not in msg, msg
+    for w in words:
+        assert w in msg, msg

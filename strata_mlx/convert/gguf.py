@@ -29,6 +29,8 @@ What each tensor type becomes (every conversion is lossless unless it says dequa
   Q4_0  MLX affine 4-bit, group 32: scale = d, bias = -8*d.
   Q8_0  MLX affine 8-bit, group 32: stored byte q + 128, scale = d, bias = -128*d.
   F32/F16/BF16  float.
+  MXFP4 (gpt-oss's experts)  the store's {"format": "mxfp4"} records, the same bits with
+        the nibbles moved from ggml's block order to ours (repack_mxfp4).
   others (K-quants, IQ*)  experts keep their ggml blocks as {"format": "gguf"} records when
         strata_mlx.gguf_quants decodes the type; dense tensors are dequantized.
 Dense quantized tensors become MLX QuantizedLinear/QuantizedEmbedding with float32 scales
@@ -47,7 +49,8 @@ MoE GGUFs keep each expert's ggml blocks as they are, with each layer's own type
 file's down projection is Q6_K in some layers and Q4_K in others): the store then has
 per-layer record layouts, padded to one record size. Architectures, as llama.cpp's
 convert_hf_to_gguf.py writes them (tests/test_gguf_moe.py runs it): "qwen3moe", "qwen3next"
-(its changes to the delta-net tensors undone: _convert_qwen3next), "olmoe", and "llama" with
+(its changes to the delta-net tensors undone: _convert_qwen3next), "olmoe", "glm4moe",
+"deepseek2", "gpt-oss" (MXFP4 experts, biases, sinks: _convert_gpt_oss), and "llama" with
 blk.N.ffn_*_exps tensors, which is Mixtral: a llama GGUF is called dense only when it has no
 expert tensors and no expert_count.
 """
@@ -344,6 +347,22 @@ def repack_affine(data: np.ndarray, qtype: str, dtype=np.float16):
     return weight, scales, biases
 
 
+def repack_mxfp4(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml MXFP4 rows [..., row_bytes] -> the store's mxfp4 (codes uint8 [..., cols/2],
+    scales uint8 [..., cols/32]), the same bits moved: a ggml block (block_mxfp4) is its E8M0
+    scale byte, then 16 bytes whose byte j holds element j in its low nibble and element
+    j + 16 in its high one (gguf-py's quants.MXFP4); ours (transformers' and mx.quantize's
+    order) hold elements 2j and 2j + 1 of the block in byte j, low nibble first. The codes
+    themselves are the same E2M1 (ggml's kvalues are the E2M1 values doubled against a halved
+    scale: the same number)."""
+    lead = data.shape[:-1]
+    b = np.ascontiguousarray(data).reshape(*lead, -1, 17)
+    qs = b[..., 1:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [.., nb, 32] in element order
+    codes = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    return codes.reshape(*lead, -1), np.ascontiguousarray(b[..., 0])
+
+
 def gguf_record_types() -> set[str]:
     """ggml types the runtime decodes from expert records (strata_mlx.gguf_quants)."""
     try:
@@ -364,6 +383,8 @@ def choose_format(types: set[str], width_ok: bool, dtype: str) -> dict[str, Any]
             return {"format": "affine", "bits": AFFINE_TYPES[t], "group_size": GROUP, "_src": t}
         if t in FLOAT_TYPES:
             return {"format": "float", "_dtype": dtype}
+        if t == "MXFP4":  # GPT-OSS's experts: the store's own mxfp4 format, bits moved only
+            return {"format": "mxfp4", "_src": t}
         if t in gguf_record_types():
             return {"format": "gguf", "type": t, "_src": t}
     # Mixed types across layers (e.g. Q4_K_M's down), a cut through blocks, or a type the
@@ -379,6 +400,9 @@ def projection_tensors(spec: dict, data: np.ndarray, t, out: int, inp: int) -> d
         return {"weight": ("uint32", w), "scales": ("float16", s), "biases": ("float16", b)}
     if fmt == "gguf":
         return {"weight": ("uint8", np.ascontiguousarray(data))}
+    if fmt == "mxfp4":
+        codes, scales = repack_mxfp4(data)
+        return {"weight": ("uint8", codes), "scales": ("uint8", scales)}
     w = dequantize_rows(data, t).reshape(*data.shape[:-2], out, inp)
     return {"weight": (spec["_dtype"], _to_dtype(w, spec["_dtype"]))}
 
@@ -389,13 +413,17 @@ def _to_dtype(a: np.ndarray, name: str) -> np.ndarray:
     return a.astype(name)
 
 
-def build_layout(example: dict[str, dict[str, tuple]], specs: dict[str, dict]) -> RecordLayout:
+def build_layout(
+    example: dict[str, dict[str, tuple]],
+    specs: dict[str, dict],
+    activation: dict[str, Any] | None = None,
+) -> RecordLayout:
     tensors = {}
     for p in PROJECTIONS:
         for comp, (dt, arr) in example[p].items():
             tensors[f"{p}.{comp}"] = (dt, tuple(arr.shape))
     quant = {p: {k: v for k, v in specs[p].items() if not k.startswith("_")} for p in PROJECTIONS}
-    return RecordLayout.build(tensors, quant)
+    return RecordLayout.build(tensors, quant, activation)
 
 
 def record_arrays(parts: dict[str, dict[str, tuple]]) -> dict[str, np.ndarray]:
@@ -462,6 +490,14 @@ QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k's (GPT-4o's, and GPT-OSS's tokenizer.json), as llama.cpp's "gpt-4o" pre-tokenizer.
+GPT4O_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # tokenizer.ggml.pre -> (split digits one by one first?, split regex or None for GPT-2's).
 # As llama.cpp's llama-vocab.cpp: "smollm" (and starcoder, refact, command-r) split every
 # digit, then GPT-2's regex.
@@ -481,6 +517,7 @@ PRE_TOKENIZERS = {
     "smaug-bpe": (False, LLAMA3_PATTERN),
     "qwen2": (False, QWEN2_PATTERN),
     "qwen35": (False, QWEN2_PATTERN),
+    "gpt-4o": (False, GPT4O_PATTERN),
 }
 
 
@@ -739,6 +776,7 @@ def convert_gguf(
         "olmoe": _convert_olmoe,
         "glm4moe": _convert_glm4moe,
         "deepseek2": _convert_deepseek2,
+        "gpt-oss": _convert_gpt_oss,
     }
     if g.arch == "llama" and _has_experts(g):
         moe["llama"] = _convert_mixtral
@@ -1044,6 +1082,7 @@ MOE_ARCHITECTURES = (
     "olmoe",
     "glm4moe",
     "deepseek2 (sigmoid routing: DeepSeek-V3, Kimi K2)",
+    "gpt-oss",
     "llama with ffn_*_exps (Mixtral)",
 )
 
@@ -1158,9 +1197,12 @@ def _convert_moe(
     dense: DenseWriter,
     calibration_tokens: int,
     progress: bool,
+    activation: dict[str, Any] | None = None,
 ) -> Path:
     """Write the store of a MoE GGUF whose dense weights are already in `dense`: the experts
-    of `moe_layers` keep their ggml blocks (per-layer layouts where types differ)."""
+    of `moe_layers` keep their ggml blocks (per-layer layouts where types differ). Expert
+    biases (blk.N.ffn_*_exps.bias [E, out], GPT-OSS's) become each record's `{proj}.bias` in
+    the model's dtype; `activation` is the record layout's (None: SwiGLU)."""
     from .common import calibrate
 
     E, dim, dtype = cfg["num_experts"], cfg["hidden_size"], dense.dtype
@@ -1182,9 +1224,14 @@ def _convert_moe(
         for p in PROJECTIONS:
             t, data = _expert_rows(g, layer, p, inter, e)
             parts[p] = projection_tensors(layer_specs[layer][p], data, t, *shapes[p])
+            bias = f"blk.{layer}.{GGUF_PROJ[p]}_exps.bias"
+            if bias in g.tensors:
+                tb = g.tensor(bias)
+                b = dequantize_rows(raw_rows(tb)[e], tb).reshape(-1)
+                parts[p] = {"bias": (dtype, _to_dtype(b, dtype)), **parts[p]}
         return parts
 
-    layouts = [build_layout(expert_parts(i, 0), layer_specs[i]) for i in moe_layers]
+    layouts = [build_layout(expert_parts(i, 0), layer_specs[i], activation) for i in moe_layers]
     record_bytes = max(lay.record_bytes for lay in layouts)
     layouts = [lay.padded(record_bytes) for lay in layouts]
     layout = layouts[0]
@@ -1813,6 +1860,106 @@ def _deepseek2_rope_scaling(g: _Gguf) -> dict[str, Any] | None:
         "beta_slow": g.float(f"{a}.rope.scaling.yarn_beta_slow", 1.0),
         "mscale": m,
         "mscale_all_dim": m,
+    }
+
+
+# ---- gpt-oss -------------------------------------------------------------------------------
+
+# What llama.cpp's gpt-oss graph fixes and its converter therefore does not write: the clamped
+# SwiGLU's alpha and limit (ggml_swiglu_oai(..., 1.702f, 7.0f)), and the layer pattern
+# (set_swa_pattern(2): even layers sliding, odd ones full, as transformers' default).
+GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+
+
+def _convert_gpt_oss(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
+    """GPT-OSS (gpt-oss), as llama.cpp's converter (conversion/gpt_oss.py) writes it: MXFP4
+    experts (ffn_{gate,up,down}_exps, type MXFP4, gate and up de-interleaved from
+    gate_up_proj) kept as the store's mxfp4 records, their nibbles moved back to our order
+    (repack_mxfp4), or any other type as for the other families (a float checkpoint's
+    converts to F32/F16/BF16/Q8_0 experts); expert biases (ffn_*_exps.bias), the router's
+    bias (ffn_gate_inp.bias), attention biases and sinks (attn_sinks.weight); NeoX rotary
+    (rows not permuted) with YaRN from rope.scaling.*; attention.sliding_window. The file
+    has no `truncate` for YaRN: imported as GPT-OSS's config says (false), transformers'
+    and OpenAI's reference rule (llama.cpp itself rounds the ramp's ends: docs/decisions.md)."""
+    a, s = g.arch, _moe_sizes(g)
+    # GPT-OSS is a bf16 model: a file too big for float32 keeps bf16's range, not fp16's.
+    dtype = "float32" if g.path.stat().st_size < 2 * 1024**3 else "bfloat16"
+    L, E, inter, dim = s["num_hidden_layers"], s["num_experts"], s["expert_size"], s["hidden_size"]
+    H, hd = s["num_attention_heads"], s["head_dim"]
+    rope_dim = g.int(f"{a}.rope.dimension_count", hd)
+    if rope_dim != hd:
+        raise StoreError(f"{g.path}: partial rotary ({rope_dim} of {hd}) in gpt-oss")
+    cfg: dict[str, Any] = {
+        "model_type": "gpt_oss",
+        "architectures": ["GptOssForCausalLM"],
+        **{k: v for k, v in s.items() if k not in ("expert_size", "num_experts")},
+        "num_local_experts": E,
+        "num_experts": E,
+        "intermediate_size": inter,
+        "sliding_window": g.int(f"{a}.attention.sliding_window"),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)],
+        "rms_norm_eps": g.float(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": g.float(f"{a}.rope.freq_base", 150000.0),
+        "rope_scaling": _gpt_oss_rope_scaling(g),
+        "max_position_embeddings": g.int(f"{a}.context_length", 131072, hi=1 << 31),
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "attention_bias": True,
+        **GPT_OSS_SWIGLU,
+        "torch_dtype": dtype,
+    }
+
+    def per_layer(i: int) -> dict:
+        shapes = {
+            **_attention_shapes(g, cfg, i),
+            "attn_output.bias": (dim,),
+            "attn_sinks.weight": (H,),
+            "attn_norm.weight": (dim,),
+            "post_attention_norm.weight": (dim,),
+            **{f"{n}.weight": sh for n, sh in _expert_shapes(g, i, E, inter, dim).items()},
+            "ffn_gate_inp.bias": (E,),
+        }
+        for gp, rows in (("ffn_gate", inter), ("ffn_up", inter), ("ffn_down", dim)):
+            shapes[f"{gp}_exps.bias"] = (E, rows)
+        for name in ("attn_q", "attn_k", "attn_v"):
+            if f"{name}.bias" not in shapes:
+                raise StoreError(f"{g.path}: tensor blk.{i}.{name}.bias not found")
+        return shapes
+
+    _check_shapes(g, cfg, per_layer, attention=False)
+    dense = DenseWriter(dtype)
+    _add_embeddings(dense, g, cfg)
+    for i in range(L):
+        pre = f"model.layers.{i}"
+        _add_norm(dense, g, f"blk.{i}.attn_norm.weight", f"{pre}.input_layernorm.weight")
+        _add_norm(
+            dense,
+            g,
+            f"blk.{i}.post_attention_norm.weight",
+            f"{pre}.post_attention_layernorm.weight",
+        )
+        _add_attention(dense, g, i, pre)  # NeoX rotary: rows not permuted
+        _add_norm(dense, g, f"blk.{i}.attn_sinks.weight", f"{pre}.self_attn.sinks")
+        dense.add(f"{pre}.mlp.router", g.tensor(f"blk.{i}.ffn_gate_inp.weight"), quantize=False)
+        _add_norm(dense, g, f"blk.{i}.ffn_gate_inp.bias", f"{pre}.mlp.router.bias")
+    activation = {"name": "swiglu_oai", "alpha": cfg["swiglu_alpha"], "limit": cfg["swiglu_limit"]}
+    return _convert_moe(
+        g, out, "gpt_oss", cfg, list(range(L)), dense, calibration_tokens, progress, activation
+    )
+
+
+def _gpt_oss_rope_scaling(g: _Gguf) -> dict[str, Any] | None:
+    a = g.arch
+    if g.str(f"{a}.rope.scaling.type") != "yarn":
+        return _rope_scaling(g)
+    return {
+        "rope_type": "yarn",
+        "factor": g.float(f"{a}.rope.scaling.factor"),
+        "original_max_position_embeddings": g.int(
+            f"{a}.rope.scaling.original_context_length", hi=1 << 31
+        ),
+        "beta_fast": g.float(f"{a}.rope.scaling.yarn_beta_fast", 32.0),
+        "beta_slow": g.float(f"{a}.rope.scaling.yarn_beta_slow", 1.0),
+        "truncate": False,
     }
 
 
