@@ -42,8 +42,39 @@ def accesses(path: str) -> tuple[list[tuple[bool, int, np.ndarray]], int]:
     return seq, prompt_calls
 
 
+def replay_layer(seq, slots: int) -> tuple[int, int]:
+    """The arena's "layer" policy (LayerDistance): evict from the layer running now (the
+    one whose experts come back last in the cycle), then the one before it..., LRU within."""
+    layers = sorted({l for _, l, _ in seq})
+    pos = {l: i for i, l in enumerate(layers)}
+    by_layer = {l: OrderedDict() for l in layers}
+    n_res = misses = lookups = 0
+    for decode, layer, es in seq:
+        od = by_layer[layer]
+        pinned = {int(e) for e in es}
+        for e in pinned:
+            if e in od:
+                od.move_to_end(e)
+                continue
+            misses += decode
+            if n_res >= slots:
+                for i in range(len(layers)):
+                    victims = by_layer[layers[(pos[layer] - i) % len(layers)]]
+                    v = next((k for k in victims if i or k not in pinned), None)
+                    if v is not None:
+                        del victims[v]
+                        n_res -= 1
+                        break
+            od[e] = None
+            n_res += 1
+        lookups += decode * len(es)
+    return misses, lookups
+
+
 def replay(seq, slots: int, policy: str) -> tuple[int, int]:
-    """(decode misses, decode lookups) under `policy`: lru | lfu | belady."""
+    """(decode misses, decode lookups) under `policy`: lru | lfu | layer | belady."""
+    if policy == "layer":
+        return replay_layer(seq, slots)
     keys = [[(l, int(e)) for e in es] for _, l, es in seq]
     nxt: list[list[int]] = []
     if policy == "belady":
@@ -98,7 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
     ap.add_argument("--slots", type=int, required=True, help="arena slots (records)")
-    ap.add_argument("--policies", default="lru,lfu,belady")
+    ap.add_argument("--policies", default="lru,lfu,layer,belady")
     a = ap.parse_args()
     seq, prompt_calls = accesses(a.trace)
     tokens = sum(d for d, _, _ in seq) // max(len({l for _, l, _ in seq}), 1)

@@ -16,6 +16,7 @@ This module never reads files and never computes with weights.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 import mlx.core as mx
@@ -49,36 +50,76 @@ class LRU:
         return None
 
 
-class LFUAging(LRU):
-    """Evict the least used expert; counts halve every `period` uses so old fame fades."""
+class _Scored:
+    """Evict the lowest score, the least recently used among equal scores: a heap of
+    (score, use number, key) entries, lazily invalidated (a key's live entry is the one with
+    its latest use number), so a victim costs O(log n) instead of a scan of every resident
+    expert (1.5 ms an eviction at 7 K slots: 30 s a prefill chunk of the full-size store)."""
+
+    current: int | None = None
+
+    def __init__(self):
+        self._heap: list[tuple[float, int, Key]] = []
+        self._use: dict[Key, int] = {}  # resident key -> its latest use number
+        self._uses = 0
+
+    def score(self, key: Key) -> float:
+        raise NotImplementedError
+
+    def touch(self, key: Key) -> None:
+        self._uses += 1
+        self._use[key] = self._uses
+        heapq.heappush(self._heap, (self.score(key), self._uses, key))
+        if len(self._heap) > 4 * len(self._use) + 1024:  # drop dead entries now and then
+            self._heap = [e for e in self._heap if self._use.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+
+    def remove(self, key: Key) -> None:
+        self._use.pop(key, None)
+
+    def victim(self, evictable) -> Key | None:
+        skipped, found = [], None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            if self._use.get(entry[2]) != entry[1]:
+                continue  # a dead entry: used again since, or evicted
+            skipped.append(entry)  # live: back in the heap whatever happens
+            if evictable(entry[2]):
+                found = entry[2]
+                break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return found
+
+
+class LFUAging(_Scored):
+    """Evict the least used expert; counts halve every `period` uses so old fame fades
+    (kept as later uses weighing double instead: the same order, no pass over every count)."""
 
     name = "lfu"
 
     def __init__(self, period: int = 4096):
         super().__init__()
         self._count: dict[Key, float] = {}
-        self._uses = 0
+        self._weight = 1.0
         self._period = period
 
-    def touch(self, key: Key) -> None:
-        super().touch(key)
-        self._count[key] = self._count.get(key, 0.0) + 1.0
-        self._uses += 1
+    def score(self, key: Key) -> float:
+        c = self._count[key] = self._count.get(key, 0.0) + self._weight
         if self._uses % self._period == 0:
-            for k in self._count:
-                self._count[k] *= 0.5
+            self._weight *= 2.0
+            if self._weight > 2.0**400:  # rescale before floats overflow (every 400 periods)
+                self._rescale(2.0**-400)
+        return c
 
-    def victim(self, evictable) -> Key | None:
-        best, best_score = None, None
-        for key in self._order:  # LRU order breaks ties
-            if evictable(key):
-                s = self._count.get(key, 0.0)
-                if best is None or s < best_score:
-                    best, best_score = key, s
-        return best
+    def _rescale(self, f: float) -> None:
+        self._weight *= f
+        for k in self._count:
+            self._count[k] *= f
+        self._heap = [(c * f, n, k) for c, n, k in self._heap]  # order kept: heap stays one
 
 
-class ProfileAware(LRU):
+class ProfileAware(_Scored):
     """Evict the expert the routing profile ranks least popular in its layer (LRU tie-break)."""
 
     name = "profile"
@@ -91,15 +132,9 @@ class ProfileAware(LRU):
                 row = profile[pos].astype(np.float64)
                 self._pop[layer] = row / max(row.sum(), 1.0)
 
-    def victim(self, evictable) -> Key | None:
-        best, best_score = None, None
-        for key in self._order:
-            if evictable(key):
-                pop = self._pop.get(key[0])
-                s = float(pop[key[1]]) if pop is not None else 0.0
-                if best is None or s < best_score:
-                    best, best_score = key, s
-        return best
+    def score(self, key: Key) -> float:
+        pop = self._pop.get(key[0])
+        return float(pop[key[1]]) if pop is not None else 0.0
 
 
 class LayerDistance:
@@ -143,7 +178,7 @@ POLICIES = {p.name: p for p in (LRU, LFUAging, ProfileAware, LayerDistance)}
 
 def make_policy(
     eviction: str, profile: np.ndarray | None = None, layers: list[int] | None = None
-) -> LRU | LayerDistance:
+) -> LRU | _Scored | LayerDistance:
     """The policy named `eviction`, given only what it reads: the routing profile (rows in
     the order of `layers`) for "profile", the layer cycle for "layer"."""
     if eviction not in POLICIES:
@@ -211,6 +246,7 @@ class Arena:
         mx.eval(self.buffer)
         self._host = np.array(self.buffer, copy=False).reshape(-1).view(np.uint8)  # writable
         self._start = (-self._host.ctypes.data) % ALIGNMENT
+        self._base = self._host.ctypes.data + self._start  # slot 0's address
         self.rows = slot_rows(self.buffer, n_slots, record_bytes, self._start)
         mx.eval(self.rows)
         self.policy = make_policy(eviction, profile, layers)
@@ -225,7 +261,7 @@ class Arena:
         return self.n_slots * self.record_bytes
 
     def address(self, slot: int) -> int:
-        return self._host.ctypes.data + self._start + slot * self.record_bytes
+        return self._base + slot * self.record_bytes
 
     def view(self, slot: int) -> np.ndarray:
         """Writable host view of one slot's memory."""

@@ -117,7 +117,7 @@ class Scheduler:
         with self.lock:
             self._check_failed()
             st = self.stats
-            waits, urgent = [], []
+            waits, urgent, missed = [], [], []
             for e in needed:
                 key = (layer, e)
                 tag = self.tag_of.get(key)
@@ -129,12 +129,16 @@ class Scheduler:
                 elif self.arena.resident(key):
                     self.count_hit(key)
                 else:
-                    st.misses += 1
-                    waits.append(self.ensure([key])[0])
-                # Pin as we go: a later miss of this same layer must not evict this one.
+                    missed.append(key)
+                    continue
+                # Pinned before the misses are given slots: none of them may evict this one.
                 self.arena.pin([self.arena.slot_of[key]])
             if urgent:
                 self.reader.promote(urgent)
+            if missed:  # one batch: the reader splits it over its idle workers
+                st.misses += len(missed)
+                waits += self.ensure(missed)
+                self.arena.pin([self.arena.slot_of[k] for k in missed])
             return waits
 
     def count_hit(self, key: Key) -> None:

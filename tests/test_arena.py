@@ -254,6 +254,66 @@ def test_lfu_evicts_least_used_and_old_fame_fades():
     assert lru.victim(lambda k: True) == b
 
 
+class _ScanLFU(LRU):
+    """The scan the heap policies replaced, as the reference: the lowest score, scanning
+    the LRU order oldest first (so ties go to the least recently used)."""
+
+    def __init__(self, score):
+        super().__init__()
+        self.score = score
+
+    def victim(self, evictable):
+        best, best_score = None, None
+        for key in self._order:
+            if evictable(key):
+                s = self.score(key)
+                if best is None or s < best_score:
+                    best, best_score = key, s
+        return best
+
+
+@pytest.mark.parametrize("name", ["lfu", "profile"])
+def test_heap_policies_pick_the_scan_s_victims(name):
+    """LFUAging and ProfileAware keep a lazy heap; on a random run of touches, evictions and
+    filters (pinned / protected keys) they pick exactly what a scan of every key picks."""
+    rng = random.Random(3)
+    layers = [0, 1, 2]
+    profile = np.array([[rng.randint(0, 4) for _ in range(6)] for _ in layers])
+    if name == "lfu":
+        period, counts, uses = 5, {}, [0]
+
+        def touch_ref(key):  # counts halve every `period` uses (the original rule)
+            counts[key] = counts.get(key, 0.0) + 1.0
+            uses[0] += 1
+            if uses[0] % period == 0:
+                for k in counts:
+                    counts[k] *= 0.5
+
+        policy = LFUAging(period=period)
+        ref = _ScanLFU(lambda k: counts.get(k, 0.0))
+    else:
+        pop = {l: profile[i] / profile[i].sum() for i, l in enumerate(layers)}
+        policy = POLICIES["profile"](profile, layers)
+        ref = _ScanLFU(lambda k: float(pop[k[0]][k[1]]))
+    resident: set = set()
+    for step in range(3000):
+        if len(resident) < 8 or rng.random() < 0.5:
+            key = (rng.choice(layers), rng.randrange(6))
+            policy.touch(key)
+            ref.touch(key)
+            if name == "lfu":
+                touch_ref(key)
+            resident.add(key)
+            continue
+        blocked = {k for k in resident if rng.random() < 0.3}
+        want = ref.victim(lambda k, b=blocked: k not in b)
+        assert policy.victim(lambda k, b=blocked: k not in b) == want, step
+        if want is not None:
+            policy.remove(want)
+            ref.remove(want)
+            resident.discard(want)
+
+
 def test_profile_evicts_least_popular_in_its_layer():
     profile = np.array([[10, 1, 5], [0, 9, 2]])  # routing counts; rows are layers 3 and 7
     keys = [(3, 0), (3, 1), (7, 0), (7, 2), (7, 1)]

@@ -727,7 +727,10 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
             q_push(q, &pr);
         }
     }
-    pthread_cond_broadcast(&r->work);
+    /* wake as many workers as there are new reads, not all of them */
+    if (parts_total >= r->nworkers) pthread_cond_broadcast(&r->work);
+    else
+        for (Py_ssize_t i = 0; i < parts_total; i++) pthread_cond_signal(&r->work);
     pthread_mutex_unlock(&r->mu);
     PyMem_RawFree(reqs);
     Py_DECREF(seq);
