@@ -560,6 +560,9 @@ def _save_npy(path: Path, array) -> None:
     os.replace(tmp, path)
 
 
+Q_MODES = ("affine", "mxfp4")  # convert_hf's q_mode
+
+
 @app.command()
 @user_errors
 def convert(
@@ -574,6 +577,13 @@ def convert(
     quantize: bool = typer.Option(False, "--quantize", "-q"),
     q_bits: int = typer.Option(4, "--q-bits"),
     q_group_size: int = typer.Option(64, "--q-group-size"),
+    q_mode: str | None = typer.Option(
+        None,
+        "--q-mode",
+        help="With -q (--hf-path): affine (MLX affine, --q-bits/--q-group-size; the default) "
+        "| mxfp4 (experts in OCP MXFP4, 4 bits in blocks of 32, as GPT-OSS ships; dense "
+        "layers stay float).",
+    ),
     dtype: str | None = typer.Option(None, "--dtype", help="float16 | bfloat16 | float32"),
     calibration_tokens: int = typer.Option(
         256, "--calibration-tokens", help="Tokens for the routing profile (0: none)."
@@ -605,6 +615,10 @@ def convert(
 
     check_output(mlx_path, *(s for s in (hf_path, gguf_path) if s), overwrite=overwrite)
     _exit_on_sigterm()  # SIGTERM unwinds: the temporary directory is removed on the way out
+    if q_mode is not None and q_mode not in Q_MODES:
+        raise OptionError(f"--q-mode {q_mode}: one of {', '.join(Q_MODES)}")
+    if q_mode is not None and not quantize:
+        raise OptionError(f"--q-mode {q_mode}: the mode of -q; add -q (--quantize)")
     if q_bits not in (2, 3, 4, 8):
         raise OptionError(f"--q-bits {q_bits}: one of 2, 3, 4, 8")
     if q_group_size not in (32, 64, 128):
@@ -638,6 +652,7 @@ def _convert(hf_path, gguf_path, synthetic, mlx_path, flags: dict) -> Path:
             flags["quantize"],
             q_bits=flags["q_bits"],
             q_group_size=flags["q_group_size"],
+            q_mode=flags["q_mode"] or "affine",
             dtype=flags["dtype"],
             calibration_tokens=flags["calibration_tokens"],
         )

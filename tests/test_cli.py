@@ -122,6 +122,38 @@ def test_convert_warns_without_tokenizer_and_quantizes(hf_checkpoint, tmp_path):
     assert (out / "profile.json").is_file()
 
 
+def test_convert_q_mode_mxfp4_is_convert_hfs(hf_checkpoint, tmp_path):
+    """--q-mode mxfp4 with -q: the store convert_hf(..., quantize=True, q_mode="mxfp4") writes,
+    byte for byte; an unknown mode, or a mode without -q, is one line and exit 2."""
+    from strata_mlx.convert.hf import convert_hf
+
+    src = hf_checkpoint("gpt_oss")
+    out = tmp_path / "cli"
+    args = ("--calibration-tokens", "0")
+    r = run("convert", "--hf-path", src, "--mlx-path", out, "-q", "--q-mode", "mxfp4", *args)
+    assert r.returncode == 0, r.stderr
+    api = convert_hf(
+        src, tmp_path / "api", quantize=True, q_mode="mxfp4", progress=False, calibration_tokens=0
+    )
+    manifest = json.loads((out / "manifest.json").read_text())
+    # gate/up take 32 inputs (one block); down's 16 are not a block and stay float, as
+    # convert_hf leaves them
+    assert manifest["experts"]["quant"]["gate_proj"] == {"format": "mxfp4"}
+    assert "quantization" not in manifest["config"]  # the dense layers stay float
+    assert (out / "experts.bin").read_bytes() == (api / "experts.bin").read_bytes()
+    line = _error_line(
+        run("convert", "--hf-path", src, "--mlx-path", tmp_path / "x", "-q", "--q-mode", "nvfp4")
+    )
+    assert "--q-mode nvfp4" in line and "affine" in line and "mxfp4" in line
+    line = _error_line(
+        run("convert", "--hf-path", src, "--mlx-path", tmp_path / "y", "--q-mode", "mxfp4")
+    )
+    assert "--q-mode mxfp4" in line and "-q" in line
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    r = run("convert", "--help")
+    assert "--q-mode" in r.stdout and "mxfp4" in r.stdout
+
+
 def test_store_with_bad_checksum_fails_unless_no_verify(store, tmp_path):
     path = tmp_path / "s"
     shutil.copytree(store("qwen3_moe"), path)
