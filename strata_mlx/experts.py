@@ -395,10 +395,18 @@ class SwitchGLU(nn.Module):
         self.layer = layer
         self.expert_cache: ExpertCache | None = None
 
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, indices: mx.array, scores: mx.array | None = None):
+        """x [..., D] routed to indices [..., k]: with `scores` [..., k], the MoE output
+        [..., D] (the experts' outputs weighted by the scores and summed, in their dtype, as
+        mlx-lm's blocks do; handed to the dump hook); without, each expert's [..., k, D]."""
         if self.expert_cache is None:
             raise RuntimeError("experts not attached: load the model with strata_mlx.load()")
-        return self.expert_cache.run_layer(self.layer, x, indices)
+        y = self.expert_cache.run_layer(self.layer, x, indices)
+        if scores is None:
+            return y
+        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        self.observe(x, indices, scores, y)
+        return y
 
     def route_bonus(self) -> mx.array | None:
         """Cache-aware routing: a bonus on resident experts' router logits, decode only."""
