@@ -145,5 +145,18 @@ r7d)  # session 4, call 4: logits (experts in float32, the float32 oracle); pref
      --prefill-step-size 1024 --policies lookahead:loop,lookahead:loop:s128:io16 \
      --json "$OUT/bench-split.json" 2>&1 | tee "$OUT/bench-split.log"
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d"; exit 2;;
+r8a)  # next session, call 1: the GPU kernel matrix alone (30 cases; > 220 s beside a conversion)
+  python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tail -25 \
+     | tee "$OUT/kernel_tests.log"
+  ;;
+r8b)  # next session, call 2: store; decode and cold prefill at 6.5 GB, lru against lfu
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  /usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --mlx-path "$SYNTH" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -3 | tee "$OUT/synth.log"
+  timeout 400 python3 benchmarks/decode.py "$SYNTH" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
+     --policies demand:sync,demand:sync:lfu,lookahead:loop,lookahead:loop:lfu --modes adaptive \
+     --rounds 1 --json "$OUT/decode-lfu.json" 2>&1 | tee "$OUT/decode-lfu.log"
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b"; exit 2;;
 esac
