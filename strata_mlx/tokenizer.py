@@ -1,4 +1,11 @@
-"""The tokenizer: Hugging Face `tokenizers` plus the chat template from tokenizer_config.json.
+"""The tokenizer: Hugging Face `tokenizers` plus the chat template (chat_template.jinja, else
+chat_template.json, else tokenizer_config.json's chat_template: transformers' order).
+
+The template renders as transformers' apply_chat_template renders it: the same jinja
+environment (sandboxed, trim_blocks and lstrip_blocks, loop controls, a `{% generation %}`
+block that only renders its body) and the same globals and filters (`raise_exception`,
+`strftime_now`, a `tojson` that does not escape HTML), which GPT-OSS's harmony template needs
+(its system message carries strftime_now's date; tool arguments go through tojson).
 
 Owns text <-> ids and incremental detokenization for streaming. Never touches the model.
 """
@@ -15,6 +22,7 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
     "chat_template.jinja",
+    "chat_template.json",
 )
 
 
@@ -44,6 +52,10 @@ class Tokenizer:
             except (OSError, ValueError) as e:
                 raise StoreError(f"{template}: unreadable ({_first_line(e)})") from None
             self._template_source = str(template)
+        elif (path / "chat_template.json").is_file():  # {"chat_template": text}
+            ct = path / "chat_template.json"
+            self.chat_template = _template_text(_json_object(ct).get("chat_template"), ct)
+            self._template_source = f"{ct}: chat_template"
         else:
             self.chat_template = _template_text(self.config.get("chat_template"), cfg_path)
             self._template_source = f"{cfg_path}: chat_template"
@@ -64,10 +76,15 @@ class Tokenizer:
 
     def _compile(self):
         from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_block()]
+        )
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now
+        env.filters["tojson"] = _tojson
         try:
             return env.from_string(self.chat_template)
         except TemplateError as e:
@@ -164,6 +181,38 @@ def _json_object(path: Path) -> dict:
 
 def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _strftime_now(fmt: str) -> str:
+    from datetime import datetime
+
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' tojson: json.dumps as it is (jinja's own escapes <, >, & and ')."""
+    import json
+
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _generation_block():
+    """`{% generation %}...{% endgeneration %}` (transformers marks assistant text with it for
+    its training masks): rendered as its body."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body).set_lineno(lineno)
+
+    return Generation
 
 
 def _raise(msg: str):

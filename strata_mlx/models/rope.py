@@ -33,7 +33,7 @@ class FreqsRoPE(nn.Module):
         super().__init__()
         self.dims = dims
         self.traditional = traditional
-        self._freqs = freqs
+        self._freqs = _evaluated(freqs)
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         return mx.fast.rope(
@@ -45,6 +45,14 @@ class FreqsRoPE(nn.Module):
             offset=offset,
             freqs=self._freqs,
         )
+
+
+def _evaluated(freqs: mx.array) -> mx.array:
+    """`freqs` computed now, on the loading thread: left lazy, its graph is bound to this
+    thread's stream, and the server's generation thread failed evaluating it ("There is no
+    Stream(cpu, 0) in current thread")."""
+    mx.eval(freqs)
+    return freqs
 
 
 def _periods(dims: int, base: float) -> mx.array:
@@ -102,7 +110,7 @@ class YarnRoPE(nn.Module):
         period = _periods(dims, base)
         stretched = factor * period
         # 1 / (keep / period + (1 - keep) / stretched), as one division
-        self._freqs = (stretched * period) / (stretched * keep + period * (1 - keep))
+        self._freqs = _evaluated((stretched * period) / (stretched * keep + period * (1 - keep)))
         self.dims = dims
         self.traditional = traditional
 
