@@ -313,66 +313,45 @@ def from_hf(src: Path, q_bits: int | None = None, q_group_size: int = 64) -> Mod
 
 
 def from_gguf(path: Path, split_experts: int | None = None) -> ModelShape:
-    """As `convert --gguf-path` would store it: expert blocks kept as they are (qwen3moe), or a
-    dense llama's MLPs split into `split_experts`; dense tensors dequantized (float32 under
-    2 GB of file, else float16, as the converter does)."""
-    from .convert.gguf import _Gguf, llama_config
+    """As `convert --gguf-path` would store it (convert.gguf.gguf_config, the converter's own
+    reading of the header: config, MoE layers, record layouts): expert blocks kept as they
+    are, or a dense llama's MLPs split into `split_experts` (16 when not given); dense
+    tensors as DenseWriter keeps them (Q4_0/Q4_1/Q8_0 repacked, others in the model's
+    dtype: float32 under 2 GB of file, else float16; bfloat16 for gpt-oss)."""
+    from .convert.gguf import AFFINE_TYPES, GROUP, _Gguf, _has_experts, gguf_config, qtype_name
 
     g = _Gguf(path)
-    a = g.arch
-    if a == "llama":
-        E = split_experts or 16
-        config = llama_config(g, E, "float32")
-        pattern = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
-    elif a == "qwen3moe":
-        E = g.int(f"{a}.expert_count")
-        heads = g.int(f"{a}.attention.head_count")
-        dim = g.int(f"{a}.embedding_length")
-        inter = g.int(f"{a}.expert_feed_forward_length", g.int(f"{a}.feed_forward_length", 1))
-        config = {
-            "model_type": "qwen3_moe",
-            "hidden_size": dim,
-            "num_hidden_layers": g.int(f"{a}.block_count"),
-            "intermediate_size": g.int(f"{a}.feed_forward_length", inter),
-            "moe_intermediate_size": inter,
-            "num_attention_heads": heads,
-            "num_key_value_heads": g.int(f"{a}.attention.head_count_kv", heads),
-            "head_dim": g.int(f"{a}.attention.key_length", max(dim // heads, 1)),
-            "num_experts": E,
-            "num_experts_per_tok": g.int(f"{a}.expert_used_count"),
-            "vocab_size": g.int(f"{a}.vocab_size", int(g.tensor("token_embd.weight").shape[1])),
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 1e6,
-        }
-        pattern = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
-    else:
-        raise StoreError(f"{path}: GGUF architecture {a!r} is not supported (llama, qwen3moe)")
-    _, args = _args(config, path)
-    item = 4 if path.stat().st_size < 2 * GB else 2
-    L = args.num_hidden_layers
-    expert_parts = [0, 0, 0]
+    if split_experts is None and g.arch == "llama" and not _has_experts(g):
+        split_experts = 16
+    c = gguf_config(g, split_experts)
+    _, args = _args(c.config, path)
+    item = 2 if c.dtype in ("float16", "bfloat16") else 4
     dense = 0
-    for t in g.reader.tensors:
-        name = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name
-        if name in pattern:
-            expert_parts[pattern.index(name)] += int(t.n_bytes)
+    for name in c.dense_tensors:
+        t = g.tensors[name]
+        n = int(t.n_elements)
+        bits = AFFINE_TYPES.get(qtype_name(t))
+        if bits and len(t.shape) == 2 and "ffn_gate_inp" not in name:  # routers stay float
+            dense += n * bits // 8 + 2 * (n // GROUP) * item
         else:
-            dense += int(t.n_elements) * item
-    record = _record_bytes([p // (L * E) for p in expert_parts])
+            dense += n * item
     D, inter = args.hidden_size, _expert_width(args)
+    if c.split_experts:  # the converter's routers, float [E, D] and [E] a layer
+        dense += len(c.moe_layers) * c.num_experts * (D + 1) * item
+    moe = len(c.moe_layers)
     return ModelShape(
         "gguf",
         str(path),
-        config["model_type"],
-        record,
-        E,
-        L,
+        c.model_type,
+        c.layouts[0].record_bytes,
+        c.num_experts,
+        moe,
         _top_k(args),
         dense,
-        _active_params(args, 3 * D * inter, L),
+        _active_params(args, 3 * D * inter, moe),
         None,
         args,
-        f"llama MLPs split into {E} experts" if a == "llama" else "",
+        f"llama MLPs split into {c.num_experts} experts" if c.split_experts else "",
     )
 
 

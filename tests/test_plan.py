@@ -213,3 +213,111 @@ def test_compare_reads_the_miss_rate_or_older_forecasts_hit_rate():
     assert rows["decode miss %"]["forecast"] == pytest.approx(50.0)
     rows = {r["figure"]: r for r in plan.compare({**f, "decode_miss_rate": 0.2}, b)}
     assert rows["decode miss %"]["within"] and rows["decode miss %"]["ratio"] == pytest.approx(1)
+
+
+# ---- every GGUF architecture convert imports ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_ggufs(tmp_path_factory):
+    """name -> (GGUF, split_experts): files written by one run of llama.cpp's converter on
+    tiny transformers models of every MoE family convert imports (F32; Q8_0 for affine
+    records; GPT-OSS as OpenAI ships it, MXFP4; OLMoE's experts as k-quant blocks, a type a
+    layer), plus a dense llama (tiny_gguf) split into experts."""
+    sys.path.insert(0, str(HERE))
+    import llama_cpp_gguf as lc
+    import tiny_gguf
+
+    src = lc.converter_dir()
+    if src is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py: pip could not fetch llama-cpp-python")
+    from test_mxfp4 import mxfp4_checkpoint
+
+    root = tmp_path_factory.mktemp("plan_gguf")
+    jobs, made = [], {}
+    for family in ("mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3", "gpt_oss"):
+        ck = lc.save_checkpoint(lc.hf_model(family), root / family)
+        extra = ("--no-mtp",) if family == "qwen3_next" else ()
+        for outtype in ("f32", "q8_0") if family == "olmoe" else ("f32",):
+            made[f"{family}-{outtype}"] = (root / f"{family}-{outtype}.gguf", None)
+            jobs.append((ck, made[f"{family}-{outtype}"][0], outtype, extra))
+    mx4 = mxfp4_checkpoint(root / "gpt_oss", root / "gpt_oss-mxfp4")
+    made["gpt_oss-mxfp4"] = (root / "gpt_oss-mxfp4.gguf", None)
+    jobs.append((mx4, made["gpt_oss-mxfp4"][0], "f32", ()))
+    wide = lc.save_checkpoint(lc.hf_model("olmoe", hidden=256, expert=256), root / "olmoe-wide")
+    jobs.append((wide, root / "olmoe-wide.gguf", "f32", ()))
+    lc.convert_many(src, jobs)
+
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    rng = np.random.default_rng(0)
+    tensors = {t.name: t for t in GGUFReader(str(root / "olmoe-wide.gguf")).tensors}
+    replace = {}
+    for i, types in enumerate((("Q4_K", "Q5_K", "Q6_K"), ("Q2_K", "IQ3_S", "Q4_K"))):
+        for gp, qtype in zip(("ffn_gate", "ffn_up", "ffn_down"), types):
+            name = f"blk.{i}.{gp}_exps.weight"
+            shape = tuple(int(x) for x in reversed(tensors[name].shape))
+            blocks, _ = tiny_gguf.random_blocks(qtype, shape, rng, std=0.02)
+            replace[name] = (blocks, GGMLQuantizationType[qtype])
+    kq = tiny_gguf.rewrite(root / "olmoe-wide.gguf", root / "olmoe-kquants.gguf", replace)
+    made["olmoe-kquants"] = (kq, None)
+    meta, t = tiny_gguf.llama()
+    made["llama-split"] = (tiny_gguf.write(root / "llama.gguf", "llama", meta, t), 4)
+    return made
+
+
+PLAN_GGUFS = [
+    "mixtral-f32",
+    "olmoe-f32",
+    "olmoe-q8_0",
+    "olmoe-kquants",
+    "qwen3_next-f32",
+    "glm4_moe-f32",
+    "deepseek_v3-f32",
+    "gpt_oss-f32",
+    "gpt_oss-mxfp4",
+    "llama-split",
+]
+
+
+@pytest.mark.parametrize("name", PLAN_GGUFS)
+def test_gguf_shape_is_the_store_convert_writes(name, llama_cpp_ggufs, tmp_path):
+    """plan on a GGUF (its header) describes the store convert writes from it: the same
+    record size, experts, MoE layers, top-k and active parameters, and the dense weights'
+    bytes (the store's file less its safetensors header)."""
+    import struct
+
+    from strata_mlx.convert.gguf import convert_gguf
+    from strata_mlx.store import DENSE
+
+    path, split = llama_cpp_ggufs[name]
+    gg = plan.model_shape(path, split_experts=split)
+    store = convert_gguf(
+        path, tmp_path / "s", split_experts=split, calibration_tokens=0, progress=False
+    )
+    s = plan.model_shape(store)
+    assert gg.source == "gguf" and gg.model_type == s.model_type
+    assert (gg.record_bytes, gg.num_experts, gg.moe_layers, gg.top_k) == (
+        s.record_bytes,
+        s.num_experts,
+        s.moe_layers,
+        s.top_k,
+    )
+    assert gg.active_params == s.active_params
+    with open(store / DENSE, "rb") as f:
+        (header,) = struct.unpack("<Q", f.read(8))
+    assert gg.dense_bytes == pytest.approx(s.dense_bytes - 8 - header, rel=0.01)
+    f = plan.forecast(gg, _machine(), (1e-3, 1e-2), "test", prefill_step_size=64)
+    assert f.fits and f.prefill_tps > 0 and f.decode_tps > 0
+
+
+def test_gguf_of_an_architecture_convert_refuses_is_one_line(tmp_path):
+    sys.path.insert(0, str(HERE))
+    import tiny_gguf
+
+    meta, tensors = tiny_gguf.qwen3moe()
+    path = tiny_gguf.write(tmp_path / "m.gguf", "grok", meta, tensors)
+    with pytest.raises(plan.StoreError) as e:
+        plan.model_shape(path)
+    msg = str(e.value)
+    assert msg.startswith(str(path)) and "'grok'" in msg and "\n" not in msg, msg

@@ -53,6 +53,11 @@ convert_hf_to_gguf.py writes them (tests/test_gguf_moe.py runs it): "qwen3moe", 
 "deepseek2", "gpt-oss" (MXFP4 experts, biases, sinks: _convert_gpt_oss), and "llama" with
 blk.N.ffn_*_exps tensors, which is Mixtral: a llama GGUF is called dense only when it has no
 expert tensors and no expert_count.
+
+Each architecture's header is read in one place, before any tensor data: `gguf_config` gives
+the store's config, its MoE layers, each layer's record formats and layout, and which tensors
+become experts and which dense weights (a `_<arch>_config` each); the `_convert_<arch>` writers
+take it from there, and `strata-mlx plan FILE.gguf` forecasts from the same reading.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -407,6 +413,25 @@ def projection_tensors(spec: dict, data: np.ndarray, t, out: int, inp: int) -> d
     return {"weight": (spec["_dtype"], _to_dtype(w, spec["_dtype"]))}
 
 
+def projection_shapes(spec: dict, t, out: int, inp: int) -> dict[str, tuple]:
+    """(dtype name, shape) per record component, as projection_tensors gives them for one
+    expert's projection [out, inp] of tensor t, from the header alone (no data read)."""
+    fmt = spec["format"]
+    if fmt == "affine":
+        groups = inp // GROUP
+        return {
+            "weight": ("uint32", (out, inp * spec["bits"] // 32)),
+            "scales": ("float16", (out, groups)),
+            "biases": ("float16", (out, groups)),
+        }
+    if fmt == "gguf":
+        bs, ts = block_info(t)
+        return {"weight": ("uint8", (out, inp // bs * ts))}
+    if fmt == "mxfp4":
+        return {"weight": ("uint8", (out, inp // 2)), "scales": ("uint8", (out, inp // 32))}
+    return {"weight": (spec["_dtype"], (out, inp))}
+
+
 def _to_dtype(a: np.ndarray, name: str) -> np.ndarray:
     if name == "bfloat16":
         return np.array(mx.array(a).astype(mx.bfloat16).view(mx.uint16))
@@ -414,14 +439,16 @@ def _to_dtype(a: np.ndarray, name: str) -> np.ndarray:
 
 
 def build_layout(
-    example: dict[str, dict[str, tuple]],
+    shapes: dict[str, dict[str, tuple]],
     specs: dict[str, dict],
     activation: dict[str, Any] | None = None,
 ) -> RecordLayout:
+    """The record layout of one expert: `shapes` is projection -> component -> (dtype name,
+    shape), as projection_shapes gives them."""
     tensors = {}
     for p in PROJECTIONS:
-        for comp, (dt, arr) in example[p].items():
-            tensors[f"{p}.{comp}"] = (dt, tuple(arr.shape))
+        for comp, (dt, shape) in shapes[p].items():
+            tensors[f"{p}.{comp}"] = (dt, tuple(shape))
     quant = {p: {k: v for k, v in specs[p].items() if not k.startswith("_")} for p in PROJECTIONS}
     return RecordLayout.build(tensors, quant, activation)
 
@@ -770,31 +797,83 @@ def convert_gguf(
     src = Path(gguf_path)
     out = check_output(mlx_path, src, overwrite=overwrite)
     g = _Gguf(src)
-    moe = {
+    c = gguf_config(g, split_experts)
+    if c.split_experts is not None:
+        return _convert_llama(g, c, out, calibration_tokens, progress)
+    write = {
         "qwen3moe": _convert_qwen3moe,
         "qwen3next": _convert_qwen3next,
         "olmoe": _convert_olmoe,
         "glm4moe": _convert_glm4moe,
         "deepseek2": _convert_deepseek2,
         "gpt-oss": _convert_gpt_oss,
+        "llama": _convert_mixtral,
+    }
+    return write[g.arch](g, c, out, calibration_tokens, progress)
+
+
+@dataclass
+class GgufConfig:
+    """What convert_gguf makes of a GGUF, from its header alone (no tensor data read): the
+    store's config, its MoE layers and each one's record formats and layout, and which of
+    the file's tensors become expert records and which dense weights. The converter writes
+    the store from it and `strata-mlx plan` forecasts from it: one store, described once."""
+
+    config: dict[str, Any]
+    moe_layers: list[int]
+    layer_specs: dict[int, dict[str, dict]]  # MoE layer -> projection -> record format
+    layouts: list[RecordLayout]  # one per MoE layer, padded to one record size
+    expert_tensors: set[str]  # GGUF tensors that become expert records
+    dense_tensors: set[str]  # GGUF tensors that become dense weights (or feed them)
+    split_experts: int | None = None  # a dense llama's MLPs split into this many experts
+
+    @property
+    def model_type(self) -> str:
+        return self.config["model_type"]
+
+    @property
+    def num_experts(self) -> int:
+        return self.config["num_experts"]
+
+    @property
+    def dtype(self) -> str:
+        return self.config["torch_dtype"]
+
+    @property
+    def layer_layouts(self) -> list[RecordLayout] | None:
+        """Per-layer layouts for the store, or None when every layer has the first's."""
+        return None if all(lay == self.layouts[0] for lay in self.layouts) else self.layouts
+
+
+def gguf_config(g: _Gguf, split_experts: int | None = None) -> GgufConfig:
+    """The store `convert_gguf(g, split_experts=...)` writes, as far as the header says:
+    every check the converter makes before reading tensor data, and its errors."""
+    moe = {
+        "qwen3moe": _qwen3moe_config,
+        "qwen3next": _qwen3next_config,
+        "olmoe": _olmoe_config,
+        "glm4moe": _glm4moe_config,
+        "deepseek2": _deepseek2_config,
+        "gpt-oss": _gpt_oss_config,
     }
     if g.arch == "llama" and _has_experts(g):
-        moe["llama"] = _convert_mixtral
+        moe["llama"] = _mixtral_config
     if g.arch in moe:
         if split_experts is not None:
             raise StoreError(
-                f"{src}: --split-experts is for dense models; this {g.arch} GGUF has experts"
+                f"{g.path}: --split-experts is for dense models; this {g.arch} GGUF has experts"
             )
-        return moe[g.arch](g, out, calibration_tokens, progress)
+        cfg, moe_layers, read = moe[g.arch](g)
+        return _moe_config(g, cfg, moe_layers, read)
     if g.arch == "llama":
         if split_experts is None:
             raise StoreError(
-                f"{src}: a dense llama GGUF (no ffn_*_exps tensors) needs --split-experts E "
+                f"{g.path}: a dense llama GGUF (no ffn_*_exps tensors) needs --split-experts E "
                 "(e.g. 16): each MLP becomes E experts"
             )
-        return _convert_llama(g, out, int(split_experts), calibration_tokens, progress)
+        return _llama_split_config(g, int(split_experts))
     raise StoreError(
-        f"{src}: GGUF architecture {g.arch!r} is not supported (MoE: "
+        f"{g.path}: GGUF architecture {g.arch!r} is not supported (MoE: "
         f"{', '.join(MOE_ARCHITECTURES)}; dense llama with --split-experts)"
     )
 
@@ -803,7 +882,8 @@ def _model_dtype(path: Path) -> str:
     return "float32" if path.stat().st_size < 2 * 1024**3 else "float16"
 
 
-def _convert_llama(g: _Gguf, out: Path, E: int, calibration_tokens: int, progress: bool) -> Path:
+def _llama_split_config(g: _Gguf, E: int) -> GgufConfig:
+    """A dense llama whose MLPs become E experts of contiguous neuron ranges."""
     dtype = _model_dtype(g.path)
     inter = g.int(f"{g.arch}.feed_forward_length")
     if E < 1 or inter % E:
@@ -814,8 +894,9 @@ def _convert_llama(g: _Gguf, out: Path, E: int, calibration_tokens: int, progres
         )
     cfg = llama_config(g, E, dtype)
     L, D, n = cfg["num_hidden_layers"], cfg["hidden_size"], inter // E
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    _check_shapes(g, cfg, {"ffn_gate": (inter, D), "ffn_up": (inter, D), "ffn_down": (D, inter)})
+    read = _check_shapes(
+        g, cfg, {"ffn_gate": (inter, D), "ffn_up": (inter, D), "ffn_down": (D, inter)}
+    )
 
     # One record format per projection, for every layer.
     specs = {}
@@ -830,7 +911,30 @@ def _convert_llama(g: _Gguf, out: Path, E: int, calibration_tokens: int, progres
         specs[p] = choose_format(types, ok, dtype)
         if specs[p]["format"] == "gguf":
             specs[p]["in_features"] = n if p == "down_proj" else D
+    shapes = {
+        p: projection_shapes(specs[p], g.tensor(f"blk.0.{gp}.weight"), *shape)
+        for (p, gp), shape in zip(GGUF_PROJ.items(), ((n, D), (n, D), (D, n)))
+    }
+    layout = build_layout(shapes, specs)
+    experts = {f"blk.{i}.{gp}.weight" for i in range(L) for gp in GGUF_PROJ.values()}
+    return GgufConfig(
+        cfg,
+        list(range(L)),
+        {i: specs for i in range(L)},
+        [layout] * L,
+        experts,
+        read - experts,
+        E,
+    )
 
+
+def _convert_llama(
+    g: _Gguf, c: GgufConfig, out: Path, calibration_tokens: int, progress: bool
+) -> Path:
+    cfg, E, dtype, specs = c.config, c.num_experts, c.dtype, c.layer_specs[0]
+    L, D = cfg["num_hidden_layers"], cfg["hidden_size"]
+    n = cfg["intermediate_size"] // E
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     full: dict[str, Any] = {}  # the last down matrix dequantized whole
 
     def expert_parts(layer: int, e: int) -> dict[str, dict[str, tuple]]:
@@ -851,8 +955,7 @@ def _convert_llama(g: _Gguf, out: Path, E: int, calibration_tokens: int, progres
                 parts[p] = projection_tensors(specs[p], data[e * n : (e + 1) * n], t, n, D)
         return parts
 
-    layout = build_layout(expert_parts(0, 0), specs)
-
+    layout = c.layouts[0]
     dense = DenseWriter(dtype)
     dense.add("model.embed_tokens", g.tensor("token_embd.weight"))
     if not cfg["tie_word_embeddings"]:
@@ -930,10 +1033,11 @@ def _check_shapes(
     cfg: dict[str, Any],
     per_layer: dict[str, tuple[int, ...]] | Callable[[int], dict[str, tuple[int, ...]]],
     attention: bool = True,
-) -> None:
+) -> set[str]:
     """Every tensor the converter reads against the shape the metadata implies, and its type
     against what can be decoded, before anything is read or allocated: a header that lies
     (an expert_count of 2^31 - 1) is an error naming the file, not a 24 GB allocation.
+    Returns the names of those tensors.
     `per_layer`: the family's own tensors (blk.{i}.NAME.weight -> shape), or a function of
     the layer giving {NAME.weight or NAME.bias: shape}. `attention`: every layer has
     Llama-style attention and attn_norm/ffn_norm tensors (checked here)."""
@@ -957,6 +1061,7 @@ def _check_shapes(
         t = g.tensor(name, shape)
         if qtype_name(t) not in FLOAT_TYPES and not _dequantizable(t):
             raise StoreError(f"{g.path}: tensor {name}: type {qtype_name(t)} is not supported")
+    return set(shapes)
 
 
 def _dequantizable(t) -> bool:
@@ -1188,36 +1293,65 @@ def _attention_shapes(g: _Gguf, cfg: dict[str, Any], i: int, q_rows: int | None 
     return shapes
 
 
+def _projection_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Each projection's [out, in] in one expert of a MoE GGUF's store."""
+    dim = cfg["hidden_size"]
+    inter = cfg.get("moe_intermediate_size", cfg.get("intermediate_size"))
+    return {"gate_proj": (inter, dim), "up_proj": (inter, dim), "down_proj": (dim, inter)}
+
+
+def _moe_config(g: _Gguf, cfg: dict[str, Any], moe_layers: list[int], read: set[str]) -> GgufConfig:
+    """A MoE GGUF's store: the experts of `moe_layers` keep their ggml blocks, one format per
+    projection and layer (per-layer layouts where types differ, padded to one record size).
+    Expert biases (blk.N.ffn_*_exps.bias [E, out], GPT-OSS's) become each record's
+    `{proj}.bias` in the model's dtype. `read`: every tensor the converter reads."""
+    E, dtype = cfg["num_experts"], cfg["torch_dtype"]
+    shapes = _projection_shapes(cfg)
+    inter = shapes["gate_proj"][0]
+    activation = None
+    if cfg["model_type"] == "gpt_oss":
+        activation = {
+            "name": "swiglu_oai",
+            "alpha": cfg["swiglu_alpha"],
+            "limit": cfg["swiglu_limit"],
+        }
+    layer_specs, layouts, experts = {}, [], set()
+    for i in moe_layers:
+        specs, parts = {}, {}
+        for p in PROJECTIONS:
+            # One type per projection and layer (per-expert tensors of mixed types: float).
+            ts = [_expert_rows(g, i, p, inter, e)[0] for e in range(E)]
+            experts |= {t.name for t in ts}
+            specs[p] = choose_format({qtype_name(t) for t in ts}, True, dtype)
+            if specs[p]["format"] == "gguf":
+                specs[p]["in_features"] = shapes[p][1]
+            parts[p] = projection_shapes(specs[p], ts[0], *shapes[p])
+            bias = f"blk.{i}.{GGUF_PROJ[p]}_exps.bias"
+            if bias in g.tensors:
+                experts.add(bias)
+                parts[p] = {"bias": (dtype, (shapes[p][0],)), **parts[p]}
+        layer_specs[i] = specs
+        layouts.append(build_layout(parts, specs, activation))
+    record_bytes = max(lay.record_bytes for lay in layouts)
+    layouts = [lay.padded(record_bytes) for lay in layouts]
+    return GgufConfig(cfg, moe_layers, layer_specs, layouts, experts, read - experts)
+
+
 def _convert_moe(
     g: _Gguf,
+    c: GgufConfig,
     out: Path,
-    model_type: str,
-    cfg: dict[str, Any],
-    moe_layers: list[int],
     dense: DenseWriter,
     calibration_tokens: int,
     progress: bool,
-    activation: dict[str, Any] | None = None,
 ) -> Path:
-    """Write the store of a MoE GGUF whose dense weights are already in `dense`: the experts
-    of `moe_layers` keep their ggml blocks (per-layer layouts where types differ). Expert
-    biases (blk.N.ffn_*_exps.bias [E, out], GPT-OSS's) become each record's `{proj}.bias` in
-    the model's dtype; `activation` is the record layout's (None: SwiGLU)."""
+    """Write the store `c` of a MoE GGUF whose dense weights are already in `dense`."""
     from .common import calibrate
 
-    E, dim, dtype = cfg["num_experts"], cfg["hidden_size"], dense.dtype
-    inter = cfg.get("moe_intermediate_size", cfg.get("intermediate_size"))
-    shapes = {"gate_proj": (inter, dim), "up_proj": (inter, dim), "down_proj": (dim, inter)}
-    layer_specs = {}
-    for i in moe_layers:
-        specs = {}
-        for p in PROJECTIONS:
-            # One type per projection and layer (per-expert tensors of mixed types: float).
-            types = {qtype_name(_expert_rows(g, i, p, inter, e)[0]) for e in range(E)}
-            specs[p] = choose_format(types, True, dtype)
-            if specs[p]["format"] == "gguf":
-                specs[p]["in_features"] = shapes[p][1]
-        layer_specs[i] = specs
+    cfg, E, dtype = c.config, c.num_experts, c.dtype
+    moe_layers, layer_specs = c.moe_layers, c.layer_specs
+    shapes = _projection_shapes(cfg)
+    inter = shapes["gate_proj"][0]
 
     def expert_parts(layer: int, e: int) -> dict[str, dict[str, tuple]]:
         parts = {}
@@ -1231,16 +1365,11 @@ def _convert_moe(
                 parts[p] = {"bias": (dtype, _to_dtype(b, dtype)), **parts[p]}
         return parts
 
-    layouts = [build_layout(expert_parts(i, 0), layer_specs[i], activation) for i in moe_layers]
-    record_bytes = max(lay.record_bytes for lay in layouts)
-    layouts = [lay.padded(record_bytes) for lay in layouts]
-    layout = layouts[0]
-    layer_layouts = None if all(lay == layout for lay in layouts) else layouts
     qcfg = dense.quantization_config()
     if qcfg:
         cfg["quantization"] = qcfg
 
-    writer = StoreWriter(out, model_type, cfg, layout, moe_layers, E, layer_layouts)
+    writer = StoreWriter(out, c.model_type, cfg, c.layouts[0], moe_layers, E, c.layer_layouts)
     with writer:
         writer.manifest.extra = {
             "source": {"gguf": g.path.name, "architecture": g.arch},
@@ -1284,7 +1413,7 @@ def _add_embeddings(dense: DenseWriter, g: _Gguf, cfg: dict[str, Any]) -> None:
     _add_norm(dense, g, "output_norm.weight", "model.norm.weight")
 
 
-def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
+def _qwen3moe_config(g: _Gguf) -> tuple[dict[str, Any], list[int], set[str]]:
     a, s = g.arch, _moe_sizes(g)
     dtype = _model_dtype(g.path)
     L, E, inter, dim = s["num_hidden_layers"], s["num_experts"], s["expert_size"], s["hidden_size"]
@@ -1312,8 +1441,14 @@ def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bo
             "attn_k_norm.weight": (hd,),
         }
 
-    _check_shapes(g, cfg, per_layer)
-    dense = DenseWriter(dtype)
+    return cfg, list(range(L)), _check_shapes(g, cfg, per_layer)
+
+
+def _convert_qwen3moe(
+    g: _Gguf, c: GgufConfig, out: Path, calibration_tokens: int, progress: bool
+) -> Path:
+    cfg, L = c.config, c.config["num_hidden_layers"]
+    dense = DenseWriter(c.dtype)
     _add_embeddings(dense, g, cfg)
     for i in range(L):
         pre = f"model.layers.{i}"
@@ -1324,12 +1459,10 @@ def _convert_qwen3moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bo
         # qwen3moe is a NeoX-rotary architecture in llama.cpp: q/k rows are not permuted.
         _add_attention(dense, g, i, pre)
         dense.add(f"{pre}.mlp.gate", g.tensor(f"blk.{i}.ffn_gate_inp.weight"), quantize=False)
-    return _convert_moe(
-        g, out, "qwen3_moe", cfg, list(range(L)), dense, calibration_tokens, progress
-    )
+    return _convert_moe(g, c, out, dense, calibration_tokens, progress)
 
 
-def _convert_olmoe(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
+def _olmoe_config(g: _Gguf) -> tuple[dict[str, Any], list[int], set[str]]:
     """OLMoE: norms over the whole q and k projections; softmax top-k without renormalizing
     (llama.cpp's olmoe graph has no switch for it). Note llama.cpp's converter writes the
     norm epsilon as 1e-5 whatever the checkpoint's config says (OLMoE's own is 1e-5)."""
@@ -1364,8 +1497,14 @@ def _convert_olmoe(g: _Gguf, out: Path, calibration_tokens: int, progress: bool)
             "attn_k_norm.weight": (KV * hd,),
         }
 
-    _check_shapes(g, cfg, per_layer)
-    dense = DenseWriter(dtype)
+    return cfg, list(range(L)), _check_shapes(g, cfg, per_layer)
+
+
+def _convert_olmoe(
+    g: _Gguf, c: GgufConfig, out: Path, calibration_tokens: int, progress: bool
+) -> Path:
+    cfg, L = c.config, c.config["num_hidden_layers"]
+    dense = DenseWriter(c.dtype)
     _add_embeddings(dense, g, cfg)
     for i in range(L):
         pre = f"model.layers.{i}"
@@ -1375,10 +1514,10 @@ def _convert_olmoe(g: _Gguf, out: Path, calibration_tokens: int, progress: bool)
         _add_norm(dense, g, f"blk.{i}.attn_k_norm.weight", f"{pre}.self_attn.k_norm.weight")
         _add_attention(dense, g, i, pre)  # a NeoX-rotary architecture: rows not permuted
         dense.add(f"{pre}.mlp.gate", g.tensor(f"blk.{i}.ffn_gate_inp.weight"), quantize=False)
-    return _convert_moe(g, out, "olmoe", cfg, list(range(L)), dense, calibration_tokens, progress)
+    return _convert_moe(g, c, out, dense, calibration_tokens, progress)
 
 
-def _convert_mixtral(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
+def _mixtral_config(g: _Gguf) -> tuple[dict[str, Any], list[int], set[str]]:
     """Mixtral, which llama.cpp writes as architecture "llama" with expert tensors: q/k rows
     un-permuted as for dense llama; top-k then softmax over the k (llama.cpp's softmax over
     all experts renormalized over the top-k: the same weights)."""
@@ -1412,9 +1551,15 @@ def _convert_mixtral(g: _Gguf, out: Path, calibration_tokens: int, progress: boo
             **{f"{n}.weight": sh for n, sh in _expert_shapes(g, i, E, inter, dim).items()},
         }
 
-    _check_shapes(g, cfg, per_layer)
-    heads, kv = s["num_attention_heads"], s["num_key_value_heads"]
-    dense = DenseWriter(dtype)
+    return cfg, list(range(L)), _check_shapes(g, cfg, per_layer)
+
+
+def _convert_mixtral(
+    g: _Gguf, c: GgufConfig, out: Path, calibration_tokens: int, progress: bool
+) -> Path:
+    cfg, L = c.config, c.config["num_hidden_layers"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    dense = DenseWriter(c.dtype)
     _add_embeddings(dense, g, cfg)
     for i in range(L):
         pre = f"model.layers.{i}"
@@ -1423,10 +1568,10 @@ def _convert_mixtral(g: _Gguf, out: Path, calibration_tokens: int, progress: boo
         _add_attention(dense, g, i, pre, unpermute=(heads, kv))
         t = g.tensor(f"blk.{i}.ffn_gate_inp.weight")
         dense.add(f"{pre}.block_sparse_moe.gate", t, quantize=False)
-    return _convert_moe(g, out, "mixtral", cfg, list(range(L)), dense, calibration_tokens, progress)
+    return _convert_moe(g, c, out, dense, calibration_tokens, progress)
 
 
-def _convert_qwen3next(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
+def _qwen3next_config(g: _Gguf) -> tuple[dict[str, Any], list[int], set[str]]:
     """Qwen3-Next, as llama.cpp's converter (convert_hf_to_gguf.py, Qwen3NextModel) writes it,
     each of its changes undone:
       in_proj_qkvz, grouped per key head [q k v z], is split into attn_qkv [all q | all k |
@@ -1542,8 +1687,23 @@ def _convert_qwen3next(g: _Gguf, out: Path, calibration_tokens: int, progress: b
             )
         return shapes
 
-    _check_shapes(g, cfg, per_layer, attention=False)
-    dense = DenseWriter(dtype)
+    if not moe_layers:
+        raise StoreError(f"{g.path}: no layer has expert tensors (blk.N.ffn_gate_exps.weight)")
+    return cfg, moe_layers, _check_shapes(g, cfg, per_layer, attention=False)
+
+
+def _convert_qwen3next(
+    g: _Gguf, c: GgufConfig, out: Path, calibration_tokens: int, progress: bool
+) -> Path:
+    cfg, moe_layers = c.config, c.moe_layers
+    L = cfg["num_hidden_layers"]
+    n_k, n_v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    d_k, d_v = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    kernel = cfg["linear_conv_kernel_dim"]
+    linear = [t == "linear_attention" for t in cfg["layer_types"]]
+    key_dim, value_dim = n_k * d_k, n_v * d_v
+    conv_dim = 2 * key_dim + value_dim
+    dense = DenseWriter(c.dtype)
     _add_embeddings(dense, g, cfg)
     # in_proj_qkvz rows, group by key head: [q_g | k_g | v_g | z_g] out of [q | k | v] and z.
     r = n_v // n_k
@@ -1606,9 +1766,7 @@ def _convert_qwen3next(g: _Gguf, out: Path, calibration_tokens: int, progress: b
         else:
             for p, gp in GGUF_PROJ.items():
                 dense.add(f"{pre}.mlp.{p}", g.tensor(f"blk.{i}.{gp}.weight"))
-    if not moe_layers:
-        raise StoreError(f"{g.path}: no layer has expert tensors (blk.N.ffn_gate_exps.weight)")
-    return _convert_moe(g, out, "qwen3_next", cfg, moe_layers, dense, calibration_tokens, progress)
+    return _convert_moe(g, c, out, dense, calibration_tokens, progress)
 
 
 # ---- sigmoid-routed families: glm4moe (GLM-4.5), deepseek2 (DeepSeek-V3, Kimi K2) -----------
@@ -1684,7 +1842,7 @@ def _add_sigmoid_moe(dense: DenseWriter, g: _Gguf, cfg: dict[str, Any], i: int, 
             dense.add(f"{mlp}.shared_experts.{p}", g.tensor(f"blk.{i}.{gp}_shexp.weight"))
 
 
-def _convert_glm4moe(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
+def _glm4moe_config(g: _Gguf) -> tuple[dict[str, Any], list[int], set[str]]:
     """GLM-4.5 / 4.6 (glm4moe): NeoX rotary over the first rope.dimension_count dims of each
     head (rows not permuted), biased q/k/v, q/k norms where present; the converter's
     multi-token-prediction layers (nextn_predict_layers, appended to block_count) left out."""
@@ -1727,8 +1885,15 @@ def _convert_glm4moe(g: _Gguf, out: Path, calibration_tokens: int, progress: boo
             shapes.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
         return shapes
 
-    _check_shapes(g, cfg, per_layer, attention=False)
-    dense = DenseWriter(dtype)
+    moe_layers = list(range(cfg["first_k_dense_replace"], L))
+    return cfg, moe_layers, _check_shapes(g, cfg, per_layer, attention=False)
+
+
+def _convert_glm4moe(
+    g: _Gguf, c: GgufConfig, out: Path, calibration_tokens: int, progress: bool
+) -> Path:
+    cfg, L = c.config, c.config["num_hidden_layers"]
+    dense = DenseWriter(c.dtype)
     _add_embeddings(dense, g, cfg)
     for i in range(L):
         pre = f"model.layers.{i}"
@@ -1744,11 +1909,10 @@ def _convert_glm4moe(g: _Gguf, out: Path, calibration_tokens: int, progress: boo
             _add_norm(dense, g, f"blk.{i}.attn_k_norm.weight", f"{pre}.self_attn.k_norm.weight")
         _add_attention(dense, g, i, pre)  # NeoX rotary: rows not permuted
         _add_sigmoid_moe(dense, g, cfg, i, pre)
-    moe_layers = list(range(cfg["first_k_dense_replace"], L))
-    return _convert_moe(g, out, "glm4_moe", cfg, moe_layers, dense, calibration_tokens, progress)
+    return _convert_moe(g, c, out, dense, calibration_tokens, progress)
 
 
-def _convert_deepseek2(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
+def _deepseek2_config(g: _Gguf) -> tuple[dict[str, Any], list[int], set[str]]:
     """DeepSeek-V3 / Kimi K2 (deepseek2 with sigmoid routing), as llama.cpp's converter writes
     them: multi-head latent attention written as one-KV-head MQA (head_count_kv 1, key_length
     kv_lora_rank + rope dims); kv_b_proj split into attn_k_b [heads, rank, nope] and attn_v_b
@@ -1817,8 +1981,15 @@ def _convert_deepseek2(g: _Gguf, out: Path, calibration_tokens: int, progress: b
             )
         return shapes
 
-    _check_shapes(g, cfg, per_layer, attention=False)
-    dense = DenseWriter(dtype)
+    moe_layers = list(range(cfg["first_k_dense_replace"], L))
+    return cfg, moe_layers, _check_shapes(g, cfg, per_layer, attention=False)
+
+
+def _convert_deepseek2(
+    g: _Gguf, c: GgufConfig, out: Path, calibration_tokens: int, progress: bool
+) -> Path:
+    cfg, L, q_rank = c.config, c.config["num_hidden_layers"], c.config["q_lora_rank"]
+    dense = DenseWriter(c.dtype)
     _add_embeddings(dense, g, cfg)
     for i in range(L):
         pre, blk = f"model.layers.{i}", f"blk.{i}"
@@ -1838,8 +2009,7 @@ def _convert_deepseek2(g: _Gguf, out: Path, calibration_tokens: int, progress: b
             dense.add_array(f"{at}.{name}.weight", dequantize_rows(raw_rows(t), t))
         dense.add(f"{at}.o_proj", g.tensor(f"{blk}.attn_output.weight"))
         _add_sigmoid_moe(dense, g, cfg, i, pre)
-    moe_layers = list(range(cfg["first_k_dense_replace"], L))
-    return _convert_moe(g, out, "deepseek_v3", cfg, moe_layers, dense, calibration_tokens, progress)
+    return _convert_moe(g, c, out, dense, calibration_tokens, progress)
 
 
 def _deepseek2_rope_scaling(g: _Gguf) -> dict[str, Any] | None:
@@ -1871,7 +2041,7 @@ def _deepseek2_rope_scaling(g: _Gguf) -> dict[str, Any] | None:
 GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 
 
-def _convert_gpt_oss(g: _Gguf, out: Path, calibration_tokens: int, progress: bool) -> Path:
+def _gpt_oss_config(g: _Gguf) -> tuple[dict[str, Any], list[int], set[str]]:
     """GPT-OSS (gpt-oss), as llama.cpp's converter (conversion/gpt_oss.py) writes it: MXFP4
     experts (ffn_{gate,up,down}_exps, type MXFP4, gate and up de-interleaved from
     gate_up_proj) kept as the store's mxfp4 records, their nibbles moved back to our order
@@ -1925,8 +2095,14 @@ def _convert_gpt_oss(g: _Gguf, out: Path, calibration_tokens: int, progress: boo
                 raise StoreError(f"{g.path}: tensor blk.{i}.{name}.bias not found")
         return shapes
 
-    _check_shapes(g, cfg, per_layer, attention=False)
-    dense = DenseWriter(dtype)
+    return cfg, list(range(L)), _check_shapes(g, cfg, per_layer, attention=False)
+
+
+def _convert_gpt_oss(
+    g: _Gguf, c: GgufConfig, out: Path, calibration_tokens: int, progress: bool
+) -> Path:
+    cfg, L = c.config, c.config["num_hidden_layers"]
+    dense = DenseWriter(c.dtype)
     _add_embeddings(dense, g, cfg)
     for i in range(L):
         pre = f"model.layers.{i}"
@@ -1941,10 +2117,7 @@ def _convert_gpt_oss(g: _Gguf, out: Path, calibration_tokens: int, progress: boo
         _add_norm(dense, g, f"blk.{i}.attn_sinks.weight", f"{pre}.self_attn.sinks")
         dense.add(f"{pre}.mlp.router", g.tensor(f"blk.{i}.ffn_gate_inp.weight"), quantize=False)
         _add_norm(dense, g, f"blk.{i}.ffn_gate_inp.bias", f"{pre}.mlp.router.bias")
-    activation = {"name": "swiglu_oai", "alpha": cfg["swiglu_alpha"], "limit": cfg["swiglu_limit"]}
-    return _convert_moe(
-        g, out, "gpt_oss", cfg, list(range(L)), dense, calibration_tokens, progress, activation
-    )
+    return _convert_moe(g, c, out, dense, calibration_tokens, progress)
 
 
 def _gpt_oss_rope_scaling(g: _Gguf) -> dict[str, Any] | None:
