@@ -47,7 +47,8 @@ TOOLS = CACHE / "llama-tools"
 FAMILIES: dict[str, tuple[tuple[str, ...], dict]] = {
     "qwen3_moe": ((), {}),
     "mixtral": ((), {"num_hidden_layers": 1, "num_local_experts": EXPERTS}),
-    "olmoe": ((), {"num_hidden_layers": 1, "num_experts": EXPERTS}),
+    # llama.cpp loads OLMoE only without GQA (its attn_k_norm must be n_embd wide).
+    "olmoe": ((), {"num_hidden_layers": 1, "num_experts": EXPERTS, "num_key_value_heads": 4}),
     # One delta-net layer and one attention layer.
     "qwen3_next": (
         ("--no-mtp",),
