@@ -35,7 +35,7 @@ DATA = Path(__file__).parent / "data" / "gguf"
 TYPES = ("Q8_0", "Q4_K_M", "Q2_K", "IQ3_S", "IQ2_XS")
 # Q8_0 only for these (its import, an exact repack to MLX affine 8-bit, is the same for every
 # family, and it is the largest file): the fixtures stay ~15 MB in all.
-Q8_0_FAMILIES = ("qwen3_moe", "mixtral")
+Q8_0_FAMILIES = ("qwen3_moe",)
 NEEDS_IMATRIX = ("IQ3_S", "IQ2_XS")
 WIDTH = 256  # hidden and expert width: one k-quant super-block
 EXPERTS = 4
@@ -46,10 +46,11 @@ TOOLS = CACHE / "llama-tools"
 # family -> (llama.cpp converter extra arguments, {config key: value} over lc.hf_model's)
 FAMILIES: dict[str, tuple[tuple[str, ...], dict]] = {
     "qwen3_moe": ((), {}),
-    "mixtral": ((), {"num_hidden_layers": 1, "num_local_experts": EXPERTS}),
+    "mixtral": ((), {"num_hidden_layers": 1, "num_local_experts": EXPERTS, "head_dim": 32}),
     # llama.cpp loads OLMoE only without GQA (its attn_k_norm must be n_embd wide).
     "olmoe": ((), {"num_hidden_layers": 1, "num_experts": EXPERTS, "num_key_value_heads": 4}),
-    # One delta-net layer and one attention layer.
+    # One delta-net layer and one attention layer (llama.cpp's converter cannot map a dense
+    # Qwen3-Next MLP, mlp_only_layers: "Can not map tensor 'model.layers.1.mlp.down_proj'").
     "qwen3_next": (
         ("--no-mtp",),
         {
@@ -98,7 +99,7 @@ def family_config(family: str) -> tuple[str, dict]:
             num_hidden_layers=1,
             num_attention_heads=4,
             num_key_value_heads=2,
-            head_dim=64,
+            head_dim=32,  # o_proj's rows are 128 wide: llama-quantize's fallbacks
             max_position_embeddings=512,
             intermediate_size=2 * WIDTH,
             moe_intermediate_size=WIDTH,
@@ -186,9 +187,12 @@ def build_tools() -> Path:
     return src / "build" / "bin"
 
 
-def _run(cmd: list[str], log: list[str]) -> str:
-    log.append(" ".join(Path(c).name if "/" in c else c for c in cmd))
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+def _run(cmd: list[str], log: list[str], cwd: Path) -> str:
+    """Run a tool in `cwd` on file names relative to it: llama-quantize copies the imatrix's
+    file and dataset names into its output's metadata, so the bytes do not depend on where
+    the work directory is."""
+    log.append(" ".join([Path(cmd[0]).name, *cmd[1:]]))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=cwd)
     if r.returncode:
         raise RuntimeError(f"{cmd[0]} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r.stdout + r.stderr
@@ -225,11 +229,11 @@ def make(family: str, tools: Path, converter: Path, work: Path) -> dict:
 
     text = work / "calibration.txt"
     text.write_text(CALIBRATION_TEXT)
-    imatrix = work / "imatrix.gguf"
     imatrix_log = _run(
-        [str(tools / "llama-imatrix"), "-m", str(base), "-f", str(text), "-o", str(imatrix)]
+        [str(tools / "llama-imatrix"), "-m", base.name, "-f", text.name, "-o", "imatrix.gguf"]
         + ["-c", "64", "-b", "64", "-t", "2", "--no-ppl"],
         commands,
+        work,
     )
     files = {}
     for qtype in TYPES:
@@ -238,10 +242,15 @@ def make(family: str, tools: Path, converter: Path, work: Path) -> dict:
         out = DATA / f"{family}-{qtype}.gguf"
         cmd = [str(tools / "llama-quantize")]
         if qtype in NEEDS_IMATRIX:
-            cmd += ["--imatrix", str(imatrix)]
-        log = _run([*cmd, str(base), str(out), qtype, "2"], commands)
+            cmd += ["--imatrix", "imatrix.gguf"]
+        log = _run([*cmd, base.name, out.name, qtype, "2"], commands, work)
+        shutil.copyfile(work / out.name, out)
         fallbacks = sorted(
-            {re.sub(r"\s+", " ", x.strip()) for x in log.splitlines() if "fallback" in x}
+            {
+                re.sub(r"\s+", " ", x.split(" W ")[-1].strip())
+                for x in log.splitlines()
+                if "falling back" in x
+            }
         )
         files[out.name] = {
             "type": qtype,
@@ -258,8 +267,10 @@ def make(family: str, tools: Path, converter: Path, work: Path) -> dict:
         "converter_args": list(extra),
         "llama_cpp": llama_cpp_version(tools),
         "imatrix_text": "strata_mlx.convert.common.CALIBRATION_TEXT",
-        "imatrix_log_tail": [x for x in imatrix_log.splitlines() if "storing" in x or "ok" in x][
-            -5:
+        "imatrix_log": [
+            x.split(" I ")[-1].split(" W ")[-1].strip()
+            for x in imatrix_log.splitlines()
+            if any(w in x for w in ("computing over", "entries", "partial", "storing"))
         ],
         "commands": commands,
         "files": files,

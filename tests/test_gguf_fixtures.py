@@ -163,7 +163,8 @@ def test_the_model_is_the_fixtures(family):
         t = g.get(f"blk.{i}.ffn_gate_inp.weight")
         if t is not None:
             assert t.tensor_type.name == "F32"
-            want = params[f"model.layers.{i}.mlp.gate.weight"].detach().numpy()
+            router = "router" if family == "gpt_oss" else "gate"
+            want = params[f"model.layers.{i}.mlp.{router}.weight"].detach().numpy()
             np.testing.assert_array_equal(dequantized(t), want)
 
 
@@ -213,3 +214,12 @@ def test_fixture_matches_transformers_on_its_weights(family, name, tmp_path):
     ref = _hf_logits(model(family), ids, hf_weights(family, g))
     err = np.abs(ours - ref) / (1 + np.abs(ref))
     assert err.max() <= ATOL, f"max error {err.max():.3g}"
+
+
+def test_llama_quantize_drops_unit_dims():
+    """llama-quantize writes a tensor with ggml's n_dims, which drops trailing 1s:
+    Qwen3-Next's shared-expert gate [1, D] (the converter's F32 file) is [D] in its output,
+    which the import once refused ("is [256], the metadata implies [1, 256]")."""
+    for name in RECORDS.get("qwen3_next", {}).get("files", ()):
+        t = tensors(name)["blk.0.ffn_gate_inp_shexp.weight"]
+        assert [int(x) for x in t.shape] == [RECORDS["qwen3_next"]["config"]["hidden_size"]]

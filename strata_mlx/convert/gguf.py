@@ -190,7 +190,9 @@ class _Gguf:
             raise StoreError(f"{self.path}: tensor {name} not found")
         if shape is not None:
             have = tuple(int(x) for x in reversed(t.shape))
-            if have != tuple(shape):
+            # ggml drops a tensor's trailing size-1 dims (ggml_n_dims) when llama-quantize
+            # writes it: Qwen3-Next's [1, D] shared-expert gate comes back as [D].
+            if _outer_ones_dropped(have) != _outer_ones_dropped(tuple(shape)):
                 raise StoreError(
                     f"{self.path}: tensor {name} is {list(have)}, the metadata implies {list(shape)}"
                 )
@@ -198,6 +200,12 @@ class _Gguf:
 
 
 # GGUF value types (gguf-py's GGUFValueType): scalar sizes in bytes, then STRING and ARRAY.
+def _outer_ones_dropped(shape: tuple[int, ...]) -> tuple[int, ...]:
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
 
@@ -1762,7 +1770,8 @@ def _convert_qwen3next(
             for p, gp in GGUF_PROJ.items():
                 dense.add(f"{mlp}.shared_expert.{p}", g.tensor(f"blk.{i}.{gp}_shexp.weight"))
             t = g.tensor(f"blk.{i}.ffn_gate_inp_shexp.weight")
-            dense.add(f"{mlp}.shared_expert_gate", t, quantize=False)
+            gate = raw_rows(t).reshape(1, -1)  # [D] in llama-quantize's files (one row)
+            dense.add(f"{mlp}.shared_expert_gate", t, gate, quantize=False)
         else:
             for p, gp in GGUF_PROJ.items():
                 dense.add(f"{pre}.mlp.{p}", g.tensor(f"blk.{i}.{gp}.weight"))
