@@ -7,7 +7,7 @@ builds llama.cpp.
     python tests/make_quantized_fixtures.py [FAMILY ...]
 
 llama.cpp's tools are built once, CPU-only, from the vendor/llama.cpp of the llama-cpp-python
-sdist that tests/llama_cpp_gguf.py fetches (~14 min on 2 cores), under
+sdist that tests/llama_cpp_gguf.py fetches (17 min on 2 shared cores), under
 ~/.cache/strata-mlx/llama-tools (or $STRATA_LLAMA_TOOLS: a directory holding both binaries).
 
 Each family's JSON (tests/data/gguf/FAMILY.json) records what rebuilds the transformers model
@@ -15,6 +15,7 @@ exactly (class, config, seed; a digest of its weights to prove it), the llama.cp
 command run, and per file each tensor's type and the fallbacks llama-quantize reported.
 Hidden and expert width are 256, one whole k-quant block, so that the experts keep k-quant
 and i-quant blocks; vocabulary, layers and experts are as small as the family allows.
+The tools run in one work directory on relative names, so a rerun writes the same bytes.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import llama_cpp_gguf as lc
 DATA = Path(__file__).parent / "data" / "gguf"
 TYPES = ("Q8_0", "Q4_K_M", "Q2_K", "IQ3_S", "IQ2_XS")
 # Q8_0 only for these (its import, an exact repack to MLX affine 8-bit, is the same for every
-# family, and it is the largest file): the fixtures stay ~15 MB in all.
+# family, and it is the largest file): 19 MB in all.
 Q8_0_FAMILIES = ("qwen3_moe",)
 NEEDS_IMATRIX = ("IQ3_S", "IQ2_XS")
 WIDTH = 256  # hidden and expert width: one k-quant super-block
