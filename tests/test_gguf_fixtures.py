@@ -5,11 +5,13 @@ hold the file's blocks byte for byte, and its logits are transformers' on exactl
 weights.
 
 The oracle: the transformers model rebuilt from the fixture's JSON (class, config, seed; the
-weights' digest proves it is the one the file was made from), with every quantized tensor of
-the file replaced by gguf-py's dequantization of it (gguf.quants.dequantize), mapped back to
-transformers' names and layout (`hf_weights`: llama's q/k row permutation, Qwen3-Next's
-regrouped qkvz, experts stacked gate | up). The file's F32 tensors (norms, routers, ...) are
-the model's own values (the converter ran at F32), so transformers keeps those.
+weights' digest proves it is the one the file was made from), with every tensor of the file
+put in its place: gguf-py's dequantization (gguf.quants.dequantize) mapped back to
+transformers' names, layout and form (`hf_weights`: llama's q/k row permutation, Qwen3-Next's
+regrouped qkvz, its (1 + w) norms and -exp(A_log), DeepSeek's split kv_b, gpt-oss's
+interleaved gate | up; experts stacked gate | up). Every parameter is overwritten, so the
+oracle is transformers on exactly the file's weights, whatever the seed gives (checked: a
+model of another seed gives the same logits); the F32 tensors equal the seed's own values.
 
 Tolerance: test_gguf_moe's, |ours - ref| <= 1e-4 (1 + |ref|); measured 4.6e-7 to 1.2e-6 over
 the 29 files (float32 summation order: the expert kernels decode blocks as gguf-py does).
@@ -63,46 +65,79 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
+NORMS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+}
+
+
 def hf_weights(family: str, gguf: dict) -> dict[str, np.ndarray]:
-    """transformers parameter -> values, for every tensor of `gguf` that llama-quantize did not
-    leave F32, dequantized and put back in transformers' layout. Raises KeyError on a
-    quantized tensor it has no name for (so none is left out of the oracle)."""
+    """transformers parameter (or buffer) -> values, for every tensor of `gguf`, dequantized
+    and put back in transformers' layout and form. Raises KeyError on a tensor it has no
+    name for, so that none is left out of the oracle."""
     cfg = RECORDS[family]["config"]
     out: dict[str, np.ndarray] = {}
-    quantized = {n: t for n, t in gguf.items() if t.tensor_type.name != "F32"}
     top = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
+    top["output_norm.weight"] = "model.norm.weight"
     attn = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj"}
     attn |= {"attn_q_a": "q_a_proj", "attn_q_b": "q_b_proj", "attn_kv_a_mqa": "kv_a_proj_with_mqa"}
     shared = "shared_expert" if family == "qwen3_next" else "shared_experts"
     mlp = {f"ffn_{p}_shexp": f"{shared}.{p}_proj" for p in ("gate", "up", "down")}
     mlp |= {f"ffn_{p}": f"{p}_proj" for p in ("gate", "up", "down")}  # a leading dense layer
+    # Qwen3-Next's (1 + w) norms: the converter writes w + 1 (its delta-net norm is plain).
+    # (w + 1) - 1 is exact (Sterbenz), so transformers' 1 + w is the file's value exactly.
+    one = 1.0 if family == "qwen3_next" else 0.0
     done = set()
-    for name, t in quantized.items():
+    for name, t in gguf.items():
         if name in done:
             continue
         w = dequantized(t)
         if name in top:
-            out[top[name]] = w
+            out[top[name]] = w - one if name == "output_norm.weight" else w
             continue
-        _, i, kind, _ = name.split(".")
+        _, i, kind, *rest = name.split(".")
+        suffix = rest[0] if rest else ""
         pre = f"model.layers.{i}"
-        if kind in attn:
+        if kind in NORMS:
+            out[f"{pre}.{NORMS[kind]}.weight"] = w - one
+        elif kind in attn:
             if family == "mixtral" and kind in ("attn_q", "attn_k"):
                 heads = cfg["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
                 w = _unpermute(w, heads)
-            out[f"{pre}.self_attn.{attn[kind]}.weight"] = w
+            out[f"{pre}.self_attn.{attn[kind]}.{suffix}"] = w
+        elif kind == "attn_sinks":
+            out[f"{pre}.self_attn.sinks"] = w
+        elif kind == "ffn_gate_inp":
+            router = "router" if family == "gpt_oss" else "gate"
+            out[f"{pre}.mlp.{router}.{suffix}"] = w
+        elif kind == "ffn_gate_inp_shexp":
+            out[f"{pre}.mlp.shared_expert_gate.weight"] = w.reshape(1, -1)  # [D] in the file
+        elif kind == "exp_probs_b":
+            out[f"{pre}.mlp.gate.e_score_correction_bias"] = w
         elif kind in ("ffn_gate_exps", "ffn_up_exps"):
-            gate = dequantized(gguf[f"blk.{i}.ffn_gate_exps.weight"])
-            up = dequantized(gguf[f"blk.{i}.ffn_up_exps.weight"])
+            gate = dequantized(gguf[f"blk.{i}.ffn_gate_exps.{suffix}"])
+            up = dequantized(gguf[f"blk.{i}.ffn_up_exps.{suffix}"])
+            key = f"{pre}.mlp.experts.gate_up_proj"
             if family == "gpt_oss":  # [E, in, out], gate and up interleaved along out
-                gate_up = np.empty((*gate.shape[:1], gate.shape[2], 2 * gate.shape[1]), np.float32)
-                gate_up[..., ::2], gate_up[..., 1::2] = gate.swapaxes(1, 2), up.swapaxes(1, 2)
+                if suffix == "weight":
+                    gate, up = gate.swapaxes(1, 2), up.swapaxes(1, 2)
+                gate_up = np.empty((*gate.shape[:-1], 2 * gate.shape[-1]), np.float32)
+                gate_up[..., ::2], gate_up[..., 1::2] = gate, up
             else:
                 gate_up = np.concatenate([gate, up], axis=1)
-            out[f"{pre}.mlp.experts.gate_up_proj"] = gate_up
-            done |= {f"blk.{i}.ffn_gate_exps.weight", f"blk.{i}.ffn_up_exps.weight"}
+            out[key if suffix == "weight" else f"{key}_bias"] = gate_up
+            done |= {f"blk.{i}.ffn_gate_exps.{suffix}", f"blk.{i}.ffn_up_exps.{suffix}"}
         elif kind == "ffn_down_exps":
-            out[f"{pre}.mlp.experts.down_proj"] = w.swapaxes(1, 2) if family == "gpt_oss" else w
+            key = f"{pre}.mlp.experts.down_proj"
+            if suffix == "bias":
+                out[f"{key}_bias"] = w
+            else:
+                out[key] = w.swapaxes(1, 2) if family == "gpt_oss" else w
         elif kind in mlp:
             out[f"{pre}.mlp.{mlp[kind]}.weight"] = w
         elif kind in ("attn_k_b", "attn_v_b"):
@@ -113,10 +148,6 @@ def hf_weights(family: str, gguf: dict) -> dict[str, np.ndarray]:
             kv_b = np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1)
             out[f"{pre}.self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
             done |= {f"blk.{i}.attn_k_b.weight", f"blk.{i}.attn_v_b.weight"}
-        elif kind == "ssm_out":
-            out[f"{pre}.linear_attn.out_proj.weight"] = w
-        elif kind == "ssm_ba":
-            out[f"{pre}.linear_attn.in_proj_ba.weight"] = w
         elif kind in ("attn_qkv", "attn_gate"):
             # The converter's split of in_proj_qkvz ([q k v z] per key head) into attn_qkv
             # ([all q | all k | all v]) and attn_gate ([all z]), undone.
@@ -131,16 +162,32 @@ def hf_weights(family: str, gguf: dict) -> dict[str, np.ndarray]:
                 -1, qkv.shape[-1]
             )
             done |= {f"blk.{i}.attn_qkv.weight", f"blk.{i}.attn_gate.weight"}
+        elif kind == "ssm_out":
+            out[f"{pre}.linear_attn.out_proj.weight"] = w
+        elif kind == "ssm_ba":
+            out[f"{pre}.linear_attn.in_proj_ba.weight"] = w
+        elif kind == "ssm_a":  # -exp(A_log): back through float64 (~1 ulp)
+            out[f"{pre}.linear_attn.A_log"] = np.log(-w.astype(np.float64)).astype(np.float32)
+        elif kind == "ssm_dt":
+            out[f"{pre}.linear_attn.dt_bias"] = w
+        elif kind == "ssm_conv1d":  # [C, 1, K] squeezed to [C, K]
+            out[f"{pre}.linear_attn.conv1d.weight"] = w[:, None, :]
+        elif kind == "ssm_norm":
+            out[f"{pre}.linear_attn.norm.weight"] = w
         else:
             raise KeyError(f"{name} ({t.tensor_type.name}): no transformers name")
     return out
+
+
+def _state(m) -> dict:
+    return {**dict(m.named_parameters()), **dict(m.named_buffers())}
 
 
 def _hf_logits(m, ids: list[int], replace: dict[str, np.ndarray]) -> np.ndarray:
     import torch
 
     m = copy.deepcopy(m)
-    params = dict(m.named_parameters())
+    params = _state(m)
     with torch.no_grad():
         for name, value in replace.items():
             params[name].copy_(torch.from_numpy(value))
@@ -153,20 +200,22 @@ def _ids(n: int = 32, seed: int = 0) -> list[int]:
 
 @pytest.mark.parametrize("family", list(RECORDS))
 def test_the_model_is_the_fixtures(family):
-    """The rebuilt transformers model is the one the files were made from (same digest), and
-    the files' F32 routers are its own."""
+    """The rebuilt transformers model is the one the files were made from (same digest): the
+    files' F32 tensors (norms, routers, biases, ...) are its own values, and the files cover
+    every parameter. (The oracle below overwrites them all, so it would stand even if a
+    transformers release initialized differently; this test would then say so.)"""
     m = model(family)
     assert weights_digest(m) == RECORDS[family]["weights_sha256"]
-    params = dict(m.named_parameters())
-    name = next(n for n in RECORDS[family]["files"])
-    g = tensors(name)
-    for i in range(m.config.num_hidden_layers):
-        t = g.get(f"blk.{i}.ffn_gate_inp.weight")
-        if t is not None:
-            assert t.tensor_type.name == "F32"
-            router = "router" if family == "gpt_oss" else "gate"
-            want = params[f"model.layers.{i}.mlp.{router}.weight"].detach().numpy()
-            np.testing.assert_array_equal(dequantized(t), want)
+    state = _state(m)
+    for name in RECORDS[family]["files"]:
+        g = tensors(name)
+        mapped = hf_weights(family, g)
+        assert set(dict(m.named_parameters())) <= set(mapped), name
+        floats = {n for n, t in g.items() if t.tensor_type.name == "F32"}
+        only_f32 = hf_weights(family, {n: g[n] for n in floats})
+        for hf, w in only_f32.items():
+            ref = state[hf].detach().numpy()
+            np.testing.assert_allclose(w, ref, rtol=1e-6, atol=1e-7, err_msg=f"{name}: {hf}")
 
 
 @pytest.mark.parametrize("family,name", CASES)
@@ -177,8 +226,9 @@ def test_fixture_is_what_its_json_says(family, name):
     g = tensors(name)
     assert {n: t.tensor_type.name for n, t in g.items()} == rec["tensors"]
     assert (DATA / name).stat().st_size == rec["bytes"]
-    params = dict(model(family).named_parameters())
-    for hf, w in hf_weights(family, g).items():
+    params = _state(model(family))
+    quantized = {n: t for n, t in g.items() if t.tensor_type.name != "F32"}
+    for hf, w in hf_weights(family, quantized).items():
         ref = params[hf].detach().numpy()
         assert w.shape == ref.shape, hf
         r = np.corrcoef(w.ravel(), ref.ravel())[0, 1]
