@@ -220,10 +220,8 @@ def make(family: str, tools: Path, converter: Path, work: Path) -> dict:
     model = build_model(class_name, config, SEED)
     ck = lc.save_checkpoint(model, work / "checkpoint")
     base = work / f"{family}-F32.gguf"
-    commands = [
-        f"python convert_hf_to_gguf.py CHECKPOINT --outfile {base.name} --outtype f32 "
-        + " ".join(extra)
-    ]
+    convert = ["python convert_hf_to_gguf.py CHECKPOINT --outfile", base.name, "--outtype f32"]
+    commands = [" ".join([*convert, *extra])]
     lc.convert_many(converter, [(ck, base, "f32", extra)])
 
     from strata_mlx.convert.common import CALIBRATION_TEXT
@@ -266,6 +264,8 @@ def make(family: str, tools: Path, converter: Path, work: Path) -> dict:
         "config": config,
         "weights_sha256": weights_digest(model),
         "converter_args": list(extra),
+        "converter": "llama.cpp's convert_hf_to_gguf.py through tests/llama_cpp_gguf.py "
+        "(get_vocab_base_pre answers 'gpt-2': the toy tokenizer has no known fingerprint)",
         "llama_cpp": llama_cpp_version(tools),
         "imatrix_text": "strata_mlx.convert.common.CALIBRATION_TEXT",
         "imatrix_log": [
