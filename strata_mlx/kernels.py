@@ -32,6 +32,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+from .options import OptionError
 from .quant import MXFP4_BLOCK, mx_dtype, switch_glu_reference, to_numpy
 from .store import PROJECTIONS, Component, RecordLayout
 
@@ -45,7 +46,7 @@ def backend() -> str:
     env = os.environ.get("STRATA_MLX_KERNELS")
     if env:
         if env not in ("reference", "cuda", "metal"):
-            raise ValueError(f"STRATA_MLX_KERNELS={env!r}: one of reference, cuda, metal")
+            raise OptionError(f"STRATA_MLX_KERNELS={env!r}: one of reference, cuda, metal")
         return env
     if mx.default_device() == mx.gpu:
         if mx.metal.is_available():

@@ -467,3 +467,10 @@ def test_user_errors_keep_a_bug_s_traceback():
     with pytest.raises(ValueError, match="invalid literal"):
         buggy()
     assert issubclass(OptionError, ValueError)
+
+
+def test_a_bad_kernels_variable_is_one_line_and_exit_2(store):
+    env = {**os.environ, "STRATA_MLX_KERNELS": "bogus"}
+    r = run("generate", "--model", store("qwen3_moe"), "-p", "hi", "-m", "1", env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == "error: STRATA_MLX_KERNELS='bogus': one of reference, cuda, metal"
