@@ -48,7 +48,8 @@ def timed(steps, on_first=None):
 
 def save_trace(path: str, trace: RoutingTrace) -> None:
     """Routing ids of every call, per layer: `L{layer}` [calls * T, k] and `L{layer}_T` the
-    rows of each call (prefill chunks, then decode tokens), for offline cache studies."""
+    rows of each call (prefill chunks, then decode tokens), for offline cache studies; with
+    lookahead, `P{layer}` / `P{layer}_T` the ids predicted for the layer from the one before."""
     import os
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -56,6 +57,9 @@ def save_trace(path: str, trace: RoutingTrace) -> None:
     for layer, calls in trace.ids.items():
         arrays[f"L{layer}"] = np.concatenate(calls).astype(np.int16)
         arrays[f"L{layer}_T"] = np.array([len(c) for c in calls], dtype=np.int32)
+    for layer, calls in trace.predicted.items():  # lookahead: ids predicted for the layer
+        arrays[f"P{layer}"] = np.concatenate(calls).astype(np.int16)
+        arrays[f"P{layer}_T"] = np.array([len(c) for c in calls], dtype=np.int32)
     np.savez_compressed(path, **arrays)
 
 

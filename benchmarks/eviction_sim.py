@@ -26,7 +26,7 @@ def accesses(path: str) -> tuple[list[tuple[bool, int, np.ndarray]], int]:
     """[(is_decode, layer, distinct experts)] in execution order, and the number of prompt
     calls (prefill chunks)."""
     z = np.load(path)
-    layers = sorted(int(k[1:]) for k in z.files if not k.endswith("_T"))
+    layers = sorted(int(k[1:]) for k in z.files if k[0] == "L" and not k.endswith("_T"))
     rows = {l: np.split(z[f"L{l}"], np.cumsum(z[f"L{l}_T"])[:-1]) for l in layers}
     n_calls = min(len(r) for r in rows.values())
     seq = []
