@@ -1460,8 +1460,7 @@ def _convert_qwen3moe(
     _add_embeddings(dense, g, cfg)
     for i in range(L):
         pre = f"model.layers.{i}"
-        _add_norm(dense, g, f"blk.{i}.attn_norm.weight", f"{pre}.input_layernorm.weight")
-        _add_norm(dense, g, f"blk.{i}.ffn_norm.weight", f"{pre}.post_attention_layernorm.weight")
+        _add_layer_norms(dense, g, i, "ffn_norm")
         _add_norm(dense, g, f"blk.{i}.attn_q_norm.weight", f"{pre}.self_attn.q_norm.weight")
         _add_norm(dense, g, f"blk.{i}.attn_k_norm.weight", f"{pre}.self_attn.k_norm.weight")
         # qwen3moe is a NeoX-rotary architecture in llama.cpp: q/k rows are not permuted.
@@ -1516,8 +1515,7 @@ def _convert_olmoe(
     _add_embeddings(dense, g, cfg)
     for i in range(L):
         pre = f"model.layers.{i}"
-        _add_norm(dense, g, f"blk.{i}.attn_norm.weight", f"{pre}.input_layernorm.weight")
-        _add_norm(dense, g, f"blk.{i}.ffn_norm.weight", f"{pre}.post_attention_layernorm.weight")
+        _add_layer_norms(dense, g, i, "ffn_norm")
         _add_norm(dense, g, f"blk.{i}.attn_q_norm.weight", f"{pre}.self_attn.q_norm.weight")
         _add_norm(dense, g, f"blk.{i}.attn_k_norm.weight", f"{pre}.self_attn.k_norm.weight")
         _add_attention(dense, g, i, pre)  # a NeoX-rotary architecture: rows not permuted
@@ -1571,8 +1569,7 @@ def _convert_mixtral(
     _add_embeddings(dense, g, cfg)
     for i in range(L):
         pre = f"model.layers.{i}"
-        _add_norm(dense, g, f"blk.{i}.attn_norm.weight", f"{pre}.input_layernorm.weight")
-        _add_norm(dense, g, f"blk.{i}.ffn_norm.weight", f"{pre}.post_attention_layernorm.weight")
+        _add_layer_norms(dense, g, i, "ffn_norm")
         _add_attention(dense, g, i, pre, unpermute=(heads, kv))
         t = g.tensor(f"blk.{i}.ffn_gate_inp.weight")
         dense.add(f"{pre}.block_sparse_moe.gate", t, quantize=False)
@@ -1730,13 +1727,7 @@ def _convert_qwen3next(
     )
     for i in range(L):
         pre = f"model.layers.{i}"
-        _add_norm(dense, g, f"blk.{i}.attn_norm.weight", f"{pre}.input_layernorm.weight")
-        _add_norm(
-            dense,
-            g,
-            f"blk.{i}.post_attention_norm.weight",
-            f"{pre}.post_attention_layernorm.weight",
-        )
+        _add_layer_norms(dense, g, i, "post_attention_norm")
         if linear[i]:
             la = f"{pre}.linear_attn"
             qkv, z = g.tensor(f"blk.{i}.attn_qkv.weight"), g.tensor(f"blk.{i}.attn_gate.weight")
@@ -1906,13 +1897,7 @@ def _convert_glm4moe(
     _add_embeddings(dense, g, cfg)
     for i in range(L):
         pre = f"model.layers.{i}"
-        _add_norm(dense, g, f"blk.{i}.attn_norm.weight", f"{pre}.input_layernorm.weight")
-        _add_norm(
-            dense,
-            g,
-            f"blk.{i}.post_attention_norm.weight",
-            f"{pre}.post_attention_layernorm.weight",
-        )
+        _add_layer_norms(dense, g, i, "post_attention_norm")
         if cfg["use_qk_norm"]:
             _add_norm(dense, g, f"blk.{i}.attn_q_norm.weight", f"{pre}.self_attn.q_norm.weight")
             _add_norm(dense, g, f"blk.{i}.attn_k_norm.weight", f"{pre}.self_attn.k_norm.weight")
@@ -2003,8 +1988,7 @@ def _convert_deepseek2(
     for i in range(L):
         pre, blk = f"model.layers.{i}", f"blk.{i}"
         at = f"{pre}.self_attn"
-        _add_norm(dense, g, f"{blk}.attn_norm.weight", f"{pre}.input_layernorm.weight")
-        _add_norm(dense, g, f"{blk}.ffn_norm.weight", f"{pre}.post_attention_layernorm.weight")
+        _add_layer_norms(dense, g, i, "ffn_norm")
         if q_rank is None:
             dense.add(f"{at}.q_proj", g.tensor(f"{blk}.attn_q.weight"))
         else:
@@ -2115,13 +2099,7 @@ def _convert_gpt_oss(
     _add_embeddings(dense, g, cfg)
     for i in range(L):
         pre = f"model.layers.{i}"
-        _add_norm(dense, g, f"blk.{i}.attn_norm.weight", f"{pre}.input_layernorm.weight")
-        _add_norm(
-            dense,
-            g,
-            f"blk.{i}.post_attention_norm.weight",
-            f"{pre}.post_attention_layernorm.weight",
-        )
+        _add_layer_norms(dense, g, i, "post_attention_norm")
         _add_attention(dense, g, i, pre)  # NeoX rotary: rows not permuted
         _add_norm(dense, g, f"blk.{i}.attn_sinks.weight", f"{pre}.self_attn.sinks")
         dense.add(f"{pre}.mlp.router", g.tensor(f"blk.{i}.ffn_gate_inp.weight"), quantize=False)
@@ -2158,6 +2136,14 @@ def _write_experts(writer: StoreWriter, layers, E: int, expert_parts, progress: 
             for e in range(E):
                 writer.add_expert(i, e, record_arrays(expert_parts(i, e)))
                 bar.update(1)
+
+
+def _add_layer_norms(dense: DenseWriter, g: _Gguf, i: int, post: str) -> None:
+    """Layer i's two norms: attn_norm, and `post` (llama.cpp's name for the norm before the
+    MLP: ffn_norm, or post_attention_norm in the architectures that call it so)."""
+    pre = f"model.layers.{i}"
+    _add_norm(dense, g, f"blk.{i}.attn_norm.weight", f"{pre}.input_layernorm.weight")
+    _add_norm(dense, g, f"blk.{i}.{post}.weight", f"{pre}.post_attention_layernorm.weight")
 
 
 def _add_norm(dense: DenseWriter, g: _Gguf, name: str, key: str) -> None:
