@@ -271,6 +271,15 @@ def hf_model(
     else:
         raise ValueError(family)
     m = m.to(torch.float32).eval()
+    perturb(m)
+    return m
+
+
+def perturb(m) -> None:
+    """Norms, biases and sinks moved off their init values (ones / zeros), in place, from
+    torch's random stream: a misplaced or dropped one then shows in the logits."""
+    import torch
+
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" in name and p.dim() == 1:
@@ -282,7 +291,6 @@ def hf_model(
         for name, b in m.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.add_(torch.randn_like(b) * 0.05)
-    return m
 
 
 def save_checkpoint(model, d: Path, sentencepiece: bool = False) -> Path:

@@ -118,8 +118,8 @@ def family_config(family: str) -> tuple[str, dict]:
 
 
 def build_model(class_name: str, config: dict, seed: int):
-    """The float32 transformers model: `seed`'s random weights, norms and biases perturbed as
-    llama_cpp_gguf.hf_model does (so that a misplaced norm shows)."""
+    """The float32 transformers model: `seed`'s random weights, norms and biases perturbed
+    (llama_cpp_gguf.perturb, as its hf_model does, so that a misplaced norm shows)."""
     import torch
     import transformers as T
 
@@ -127,17 +127,7 @@ def build_model(class_name: str, config: dict, seed: int):
     cfg = T.AutoConfig.for_model(config.pop("model_type"), **config)
     torch.manual_seed(seed)
     m = getattr(T, class_name)(cfg).to(torch.float32).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name and p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith(("_proj_bias", "o_proj.bias", "router.bias", "sinks")):
-                p.add_(torch.randn_like(p) * 0.05)
-        for name, b in m.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.add_(torch.randn_like(b) * 0.05)
+    lc.perturb(m)
     return m
 
 
