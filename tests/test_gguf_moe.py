@@ -179,18 +179,23 @@ def test_q8_0_gguf_matches_transformers_on_dequantized_weights(family, llama_cpp
     assert np.abs(ours - _hf_logits(model, ids)).max() > 10 * ATOL
 
 
-@pytest.mark.parametrize("family", FAMILIES + SIGMOID)
-def test_cached_decode_matches_full_recompute(family, llama_cpp, tmp_path):
+def _cached_decode_matches_full_recompute(store: Path) -> None:
+    """Decoding token by token over the KV cache gives the full forward's logits."""
     import mlx.core as mx
 
-    path, _ = llama_cpp[family, "q8_0" if family in FAMILIES else "f32"]
-    model, _ = strata_mlx.load(_convert(path, tmp_path / "s"))
+    model, _ = strata_mlx.load(store)
     ids = _ids(24, seed=1)
     full = teacher_forced_logits(model, ids, step=64)
     cache = model.make_cache()
     model(mx.array([ids[:16]]), cache=cache)
     steps = [np.array(model(mx.array([[t]]), cache=cache)[0, -1]) for t in ids[16:]]
     np.testing.assert_allclose(np.stack(steps), full[16:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES + SIGMOID)
+def test_cached_decode_matches_full_recompute(family, llama_cpp, tmp_path):
+    path, _ = llama_cpp[family, "q8_0" if family in FAMILIES else "f32"]
+    _cached_decode_matches_full_recompute(_convert(path, tmp_path / "s"))
 
 
 @pytest.mark.parametrize("family", FUSED)
@@ -597,15 +602,7 @@ def test_gpt_oss_q8_0_gguf_matches_transformers_on_dequantized_weights(gpt_oss_g
 
 
 def test_gpt_oss_cached_decode_matches_full_recompute(gpt_oss_ggufs, tmp_path):
-    import mlx.core as mx
-
-    model, _ = strata_mlx.load(_convert(gpt_oss_ggufs["mxfp4"][0], tmp_path / "s"))
-    ids = _ids(24, seed=1)
-    full = teacher_forced_logits(model, ids, step=64)
-    cache = model.make_cache()
-    model(mx.array([ids[:16]]), cache=cache)
-    steps = [np.array(model(mx.array([[t]]), cache=cache)[0, -1]) for t in ids[16:]]
-    np.testing.assert_allclose(np.stack(steps), full[16:], atol=1e-5, rtol=1e-5)
+    _cached_decode_matches_full_recompute(_convert(gpt_oss_ggufs["mxfp4"][0], tmp_path / "s"))
 
 
 @pytest.mark.parametrize(
