@@ -97,8 +97,9 @@ def check_runtime(cfg, cli: bool = False) -> None:
     check_int("read_split_kb", cfg.read_split_kb, 0, 1 << 20, cli=cli)
     if cfg.read_split_kb % 4:
         raise OptionError(
-            f"{'--read-split-kb' if cli else 'read_split_kb'} must be a multiple of 4 "
-            f"(direct I/O's 4 KB blocks), got {cfg.read_split_kb}"
+            f"{_name('read_split_kb', cli)} {cfg.read_split_kb!r}: expected a multiple of 4 "
+            "(direct I/O's 4 KB blocks)",
+            param="read_split_kb",
         )
     ra = cfg.read_ahead  # a ReadAhead; its fields by their option names (loader.READ_AHEAD_OPTIONS)
     check_choice("read_ahead", ra.policy, READ_AHEAD_POLICIES, cli=cli)

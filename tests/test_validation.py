@@ -267,6 +267,9 @@ def test_api_refuses_the_same_values(store):
     for bad in ({"arena_gb": math.inf}, {"arena_gb": 0}, {"io_workers": 0}, {"decode": "x"}):
         with pytest.raises(OptionError):
             strata_mlx.load(path, **bad)
+    for bad in (-4, 6):  # split reads: parts of whole 4 KB blocks
+        with pytest.raises(OptionError, match="read_split_kb"):
+            strata_mlx.load(path, read_split_kb=bad)
     model, _ = strata_mlx.load(path)
     try:
         ids = prompt_ids(6)
