@@ -10,16 +10,18 @@ and the MoE layers in order within a call; a layer's distinct experts are looked
 (pinned while it runs, as the arena does). Only decode lookups are counted (from the second
 one-token call, as benchmarks/decode.py counts); the prefill is
 replayed so the arena enters decode holding what it would. Misses are per (layer, expert)
-lookup. Read-ahead is not modelled: these are demand misses.
+lookup. Read-ahead is not modelled: these are demand misses. The online policies are the
+arena's own classes, so what is replayed is what the runtime would do.
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
-from collections import OrderedDict, defaultdict
 
 import numpy as np
+
+from strata_mlx.arena import make_policy
 
 
 def accesses(path: str) -> tuple[list[tuple[bool, int, np.ndarray]], int]:
@@ -42,87 +44,73 @@ def accesses(path: str) -> tuple[list[tuple[bool, int, np.ndarray]], int]:
     return seq, prompt_calls
 
 
-def replay_layer(seq, slots: int) -> tuple[int, int]:
-    """The arena's "layer" policy (LayerDistance): evict from the layer running now (the
-    one whose experts come back last in the cycle), then the one before it..., LRU within."""
+def replay(seq, slots: int, policy: str) -> tuple[int, int]:
+    """(decode misses, decode lookups) under `policy`: one of the arena's own eviction
+    policies (strata_mlx.arena: lru, lfu, profile without a profile = lru, layer), driven as
+    the handshake drives them (a layer's hits touched and pinned, then its misses given
+    slots), or "belady"."""
+    if policy == "belady":
+        return _belady(seq, slots)
     layers = sorted({l for _, l, _ in seq})
-    pos = {l: i for i, l in enumerate(layers)}
-    by_layer = {l: OrderedDict() for l in layers}
-    n_res = misses = lookups = 0
+    pol = make_policy(policy, None, layers)
+    resident: set = set()
+    misses = lookups = 0
     for decode, layer, es in seq:
-        od = by_layer[layer]
-        pinned = {int(e) for e in es}
-        for e in pinned:
-            if e in od:
-                od.move_to_end(e)
-                continue
-            misses += decode
-            if n_res >= slots:
-                for i in range(len(layers)):
-                    victims = by_layer[layers[(pos[layer] - i) % len(layers)]]
-                    v = next((k for k in victims if i or k not in pinned), None)
-                    if v is not None:
-                        del victims[v]
-                        n_res -= 1
-                        break
-            od[e] = None
-            n_res += 1
-        lookups += decode * len(es)
+        pol.current = layer
+        keys = [(layer, int(e)) for e in es]
+        pinned = set(keys)
+        missed = [k for k in keys if k not in resident]
+        for k in keys:
+            if k in resident:
+                pol.touch(k)
+        for k in missed:
+            if len(resident) >= slots:
+                victim = pol.victim(lambda v, p=pinned: v not in p)
+                pol.remove(victim)
+                resident.discard(victim)
+            resident.add(k)
+            pol.touch(k)
+        misses += decode * len(missed)
+        lookups += decode * len(keys)
     return misses, lookups
 
 
-def replay(seq, slots: int, policy: str) -> tuple[int, int]:
-    """(decode misses, decode lookups) under `policy`: lru | lfu | layer | belady."""
-    if policy == "layer":
-        return replay_layer(seq, slots)
+def _belady(seq, slots: int) -> tuple[int, int]:
+    """Evict the resident expert whose next use is farthest in the future (lazy heap)."""
     keys = [[(l, int(e)) for e in es] for _, l, es in seq]
-    nxt: list[list[int]] = []
-    if policy == "belady":
-        last: dict = {}
-        inf = len(keys)
-        nxt = [[0] * len(k) for k in keys]
-        for i in range(len(keys) - 1, -1, -1):
-            for j, key in enumerate(keys[i]):
-                nxt[i][j] = last.get(key, inf)
-                last[key] = i
-    resident: OrderedDict = OrderedDict()  # key -> None, LRU order
-    freq: dict = defaultdict(int)
-    heap: list = []  # belady: (-next use, key), lazily invalidated
+    inf = len(keys)
+    nxt = [[0] * len(k) for k in keys]
+    last: dict = {}
+    for i in range(len(keys) - 1, -1, -1):
+        for j, key in enumerate(keys[i]):
+            nxt[i][j] = last.get(key, inf)
+            last[key] = i
+    resident: set = set()
+    heap: list = []  # (-next use, key), an entry live while it is the key's next use
     next_use: dict = {}
     misses = lookups = 0
     for i, ((decode, _, _), ks) in enumerate(zip(seq, keys)):
         pinned = set(ks)
         for j, key in enumerate(ks):
-            freq[key] += 1
-            if key in resident:
-                resident.move_to_end(key)
-            else:
+            if key not in resident:
                 misses += decode
                 if len(resident) >= slots:
-                    victim = _victim(policy, resident, freq, heap, next_use, pinned)
-                    del resident[victim]
-                resident[key] = None
-            if policy == "belady":
-                next_use[key] = nxt[i][j]
-                heapq.heappush(heap, (-nxt[i][j], key))
+                    skipped = []
+                    while True:
+                        neg, v = heapq.heappop(heap)
+                        if v not in resident or next_use.get(v) != -neg:
+                            continue
+                        if v not in pinned:
+                            break
+                        skipped.append((neg, v))
+                    for item in skipped:
+                        heapq.heappush(heap, item)
+                    resident.discard(v)
+                resident.add(key)
+            next_use[key] = nxt[i][j]
+            heapq.heappush(heap, (-nxt[i][j], key))
         lookups += decode * len(ks)
     return misses, lookups
-
-
-def _victim(policy, resident, freq, heap, next_use, pinned):
-    if policy == "lru":
-        return next(k for k in resident if k not in pinned)
-    if policy == "lfu":  # least used so far, the least recent among equals
-        return min((k for k in resident if k not in pinned), key=lambda k: freq[k])
-    skipped = []
-    while True:  # belady: the resident key whose next use is farthest
-        neg, key = heapq.heappop(heap)
-        if key in resident and next_use.get(key) == -neg and key not in pinned:
-            for item in skipped:
-                heapq.heappush(heap, item)
-            return key
-        if key in resident and next_use.get(key) == -neg:
-            skipped.append((neg, key))
 
 
 def main() -> None:
