@@ -54,7 +54,8 @@ class _Scored:
     """Evict the lowest score, the least recently used among equal scores: a heap of
     (score, use number, key) entries, lazily invalidated (a key's live entry is the one with
     its latest use number), so a victim costs O(log n) instead of a scan of every resident
-    expert (1.5 ms an eviction at 7 K slots: 30 s a prefill chunk of the full-size store)."""
+    expert (~1 ms an eviction at 7 K slots, benchmarks/eviction_cost.py: ~20 s of Python a
+    prefill chunk of the full-size store)."""
 
     current: int | None = None
 
