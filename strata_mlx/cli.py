@@ -596,6 +596,13 @@ def convert(
         "--router",
         help="Synthetic routing: structured (skewed, correlated) | uniform.",
     ),
+    recipe: str = typer.Option(
+        "default",
+        "--recipe",
+        help="Synthetic weights: default (outputs depend on the experts) | before-issue-17 "
+        "(every residual update x0.02: experts hardly matter, routing drifts little between "
+        "tokens; the store the first wave's decode figures were measured on).",
+    ),
     set_: list[str] | None = typer.Option(
         None, "--set", help="Synthetic shape override, e.g. --set num_hidden_layers=8."
     ),
@@ -666,7 +673,7 @@ def _convert(hf_path, gguf_path, synthetic, mlx_path, flags: dict) -> Path:
             calibration_tokens=flags["calibration_tokens"],
         )
     else:
-        from .convert.synthetic import convert_synthetic, synthetic_config
+        from .convert.synthetic import Recipe, convert_synthetic, synthetic_config
 
         config = synthetic_config(synthetic)
         for item in flags["set_"] or []:
@@ -688,6 +695,7 @@ def _convert(hf_path, gguf_path, synthetic, mlx_path, flags: dict) -> Path:
             seed=flags["seed"],
             calibration_tokens=flags["calibration_tokens"],
             dtype=flags["dtype"] or "float16",
+            recipe=Recipe.named(flags["recipe"]),
         )
     return out
 

@@ -29,8 +29,8 @@ TINY = dict(
 )
 
 
-def tiny_synthetic(path):
-    sets = [arg for k, v in TINY.items() for arg in ("--set", f"{k}={v}")]
+def tiny_synthetic(path, *extra):
+    sets = [arg for k, v in TINY.items() for arg in ("--set", f"{k}={v}")] + list(extra)
     r = subprocess.run(
         [sys.executable, "-m", "strata_mlx", "convert", "--synthetic", "bench-small"]
         + ["--mlx-path", str(path), "--dtype", "float32", "--calibration-tokens", "32", *sets],
@@ -55,10 +55,8 @@ def zero_layer(src, dst, layer: int):
     return dst
 
 
-def test_corrupt_experts_change_logits_and_tokens(tmp_path):
-    path = tiny_synthetic(tmp_path / "synth")
-    config = json.loads((path / "manifest.json").read_text())["config"]
-    assert all(config[k] == v for k, v in TINY.items())
+def intact_and_broken(path, tmp_path):
+    """Logits and greedy tokens of the store at `path` and of its copy with layer 1 zeroed."""
     broken = zero_layer(path, tmp_path / "broken", layer=1)
     ids = prompt_ids(32, seed=4, vocab=256)
     runs = {}
@@ -68,7 +66,15 @@ def test_corrupt_experts_change_logits_and_tokens(tmp_path):
         tokens = [r.token for r in stream_generate(model, None, ids, max_tokens=16)]
         runs[name] = logits, tokens
         model.expert_cache.close()
-    (ref, ref_tokens), (bad, bad_tokens) = runs["intact"], runs["broken"]
+    return runs["intact"], runs["broken"]
+
+
+def test_corrupt_experts_change_logits_and_tokens(tmp_path):
+    path = tiny_synthetic(tmp_path / "synth")
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert all(manifest["config"][k] == v for k, v in TINY.items())
+    assert manifest["config"]["synthetic"]["recipe"] == "default"
+    (ref, ref_tokens), (bad, bad_tokens) = intact_and_broken(path, tmp_path)
     diff = np.abs(bad - ref)
     # Numerical noise here is ~1e-6 (float32 logits of magnitude ~1; CPU runs are bit-exact);
     # one layer's experts move the logits by a sizeable share of their own spread.
@@ -76,3 +82,18 @@ def test_corrupt_experts_change_logits_and_tokens(tmp_path):
     assert np.sqrt(np.mean(diff**2)) > 0.05 * ref.std()
     assert np.mean(bad.argmax(-1) != ref.argmax(-1)) > 0.1  # teacher-forced top-1 moves
     assert bad_tokens != ref_tokens
+
+
+def test_recipe_before_issue_17_is_the_store_whose_experts_hardly_matter(tmp_path):
+    """`--recipe before-issue-17` rebuilds the store the first wave's decode figures came from
+    (issue 17's "today"): zeroing a layer's experts leaves its greedy tokens as they were."""
+    path = tiny_synthetic(tmp_path / "old", "--recipe", "before-issue-17")
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["config"]["synthetic"]["recipe"] == "before-issue-17"
+    (ref, ref_tokens), (bad, bad_tokens) = intact_and_broken(path, tmp_path)
+    # Every residual update is x0.02 of the default recipe's: zeroing layer 1 moved the logits
+    # by at most 4e-5 here (spread 0.55), the default recipe's by 1.29; 0.02 of the spread
+    # sits between the two by orders of magnitude either side.
+    diff = np.abs(bad - ref)
+    assert diff.max() < 0.02 * ref.std(), (diff.max(), ref.std())
+    assert bad_tokens == ref_tokens

@@ -42,6 +42,7 @@ attention included, gave the figures above.)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,23 @@ class Recipe:
     @classmethod
     def before_issue_17(cls) -> Recipe:
         return cls(embed_rms=False, gate_up_scale=0.02, down_scale=0.02, growth=0.0, centered=False)
+
+    @classmethod
+    def named(cls, name: str) -> Recipe:
+        """`convert --recipe NAME`."""
+        if name not in RECIPES:
+            raise OptionError(f"--recipe {name}: one of {', '.join(RECIPES)}")
+        return RECIPES[name]()
+
+    def name(self) -> str | dict:
+        """What a store's config records: the recipe's name, or its fields."""
+        for name, make in RECIPES.items():
+            if self == make():
+                return name
+        return dataclasses.asdict(self)
+
+
+RECIPES = {"default": Recipe, "before-issue-17": Recipe.before_issue_17}
 
 
 def synthetic_config(name: str) -> dict:
@@ -187,7 +205,8 @@ def build_synthetic(
         raise OptionError(f"--dtype {dtype}: float16 or float32 for synthetic stores")
     mdtype, np_dtype = (mx.float16, np.float16) if dtype == "float16" else (mx.float32, np.float32)
     cfg["torch_dtype"] = dtype
-    cfg["synthetic"] = {"name": name, "router": router, "seed": seed}
+    rc = recipe or Recipe()
+    cfg["synthetic"] = {"name": name, "router": router, "seed": seed, "recipe": rc.name()}
     fam = family(cfg["model_type"], f"synthetic shape {name}")
     args = fam.ModelArgs.from_dict(cfg)
     mx.random.seed(seed)
@@ -198,7 +217,6 @@ def build_synthetic(
     blocks = model.moe_blocks()
     moe_layers = sorted(blocks)
     structured = router == "structured"
-    rc = recipe or Recipe()
     if structured:
         mu = rng.standard_normal(D).astype(np.float32)
         mu /= np.linalg.norm(mu)
