@@ -158,5 +158,47 @@ r8b)  # next session, call 2: store; decode and cold prefill at 6.5 GB, lru agai
      --policies demand:sync,demand:sync:lfu,lookahead:loop,lookahead:loop:lfu --modes adaptive \
      --rounds 1 --json "$OUT/decode-lfu.json" 2>&1 | tee "$OUT/decode-lfu.log"
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b"; exit 2;;
+r9a)  # session 5, call 2: the GPU kernel matrix, MXFP4 / GPT-OSS first (issue 11), with figures
+  python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_kernels.py \
+     -k "mxfp4 or gpt" 2>&1 | grep -E "eps|passed|failed|Error" | tail -20 | tee "$OUT/kernel_tests_mxfp4.log"
+  timeout 330 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_kernels.py \
+     -k "not (mxfp4 or gpt)" 2>&1 | grep -E "eps|passed|failed|Error" | tail -40 | tee "$OUT/kernel_tests.log"
+  ;;
+r9b)  # session 5, call 3: the first wave's store (--recipe before-issue-17): issue 17's "today"
+  # at 6.5 GB against today's decoder; issue 10's prefill on the store its premise came from
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  OLDS=/root/strata-old
+  /usr/bin/time -f "old-recipe store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --recipe before-issue-17 --mlx-path "$OLDS" --calibration-tokens 256 2>&1 | grep -v "experts:" \
+     | tail -2 | tee "$OUT/synth-old.log"
+  timeout 200 python3 benchmarks/decode.py "$OLDS" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
+     --policies demand:sync,lookahead:loop --modes sync,adaptive --rounds 1 \
+     --json "$OUT/decode-old.json" 2>&1 | tee "$OUT/decode-old.log"
+  timeout 200 python3 -m strata_mlx bench --model "$OLDS" -p 2048 -g 16 --arena-gb 6.5 \
+     --prefill-step-size 1024 --io-workers 16 --policies lookahead:loop,lookahead:sync:d1,static:loop \
+     --json "$OUT/bench-old.json" 2>&1 | tee "$OUT/bench-old.log"
+  rm -rf "$OLDS"
+  ;;
+r9c)  # session 5, call 4: today's store; plan against bench (issue 14); verify on/off (issue 16)
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  [ -f "$SYNTH/manifest.json" ] || /usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx \
+     convert --synthetic qwen3-next-80b-a3b --mlx-path "$SYNTH" --calibration-tokens 256 2>&1 \
+     | grep -v "experts:" | tail -2 | tee "$OUT/synth.log"
+  timeout 60 python3 benchmarks/verify_bandwidth.py "$SYNTH" --seconds 3 --rounds 3 --workers 8 \
+     2>&1 | tee "$OUT/verify.log"
+  timeout 150 python3 -m strata_mlx plan "$SYNTH" -p 2048 --prefill-step-size 1024 --arena-gb 6.5 \
+     --json "$OUT/plan.json" 2>&1 | tee "$OUT/plan.log"
+  timeout 150 python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 32 --arena-gb 6.5 \
+     --prefill-step-size 1024 --policies lookahead --json "$OUT/bench-plan.json" 2>&1 | tee "$OUT/bench-plan.log"
+  python3 -c "import json, sys; from strata_mlx import plan
+for r in plan.compare(json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))): print(r)" \
+     "$OUT/plan.json" "$OUT/bench-plan.json" 2>&1 | tee "$OUT/plan-vs-bench.log"
+  ;;
+r9d)  # session 5, call 5: decode at 6.5 GB, lru against lfu (the heap), same run
+  timeout 400 python3 benchmarks/decode.py "$SYNTH" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
+     --policies demand:sync,demand:sync:lfu,lookahead:loop:lfu --modes adaptive \
+     --rounds 1 --json "$OUT/decode-lfu.json" 2>&1 | tee "$OUT/decode-lfu.log"
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d"; exit 2;;
 esac
