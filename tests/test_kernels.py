@@ -794,7 +794,9 @@ def test_cuda_matches_reference(gpu, case, shape, dtype, strategy):
     what = f"cuda {case} {shape} {dtype} strategy={strategy or 'auto'}"
     max_rel, frob_rel = _compare(y, ref, what, 16 * EPS[dtype], 2 * EPS[dtype])
     # the figures docs/benchmarks.md reports (pytest -s shows them)
-    print(f"\n{what}: max {max_rel / EPS[dtype]:.2f} eps x RMS, RMS error {frob_rel / EPS[dtype]:.3f} eps")
+    print(
+        f"\n{what}: max {max_rel / EPS[dtype]:.2f} eps x RMS, RMS error {frob_rel / EPS[dtype]:.3f} eps"
+    )
 
 
 @pytest.mark.gpu
