@@ -9,6 +9,10 @@ mkdir -p "$OUT"
 SYNTH=${SYNTH:-/root/strata-synth}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$PWD"
+plan_vs_bench() {  # PLAN.json BENCH.json: plan.compare's rows
+  python3 -c "import json, sys; from strata_mlx import plan
+for r in plan.compare(json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))): print(r)" "$@" 2>&1
+}
 case "${1:-}" in
 setup)
   python3 setup.py build_ext --inplace -q 2>&1 | tail -3
@@ -191,14 +195,25 @@ r9c)  # session 5, call 4: today's store; plan against bench (issue 14); verify 
      --json "$OUT/plan.json" 2>&1 | tee "$OUT/plan.log"
   timeout 150 python3 -m strata_mlx bench --model "$SYNTH" -p 2048 -g 32 --arena-gb 6.5 \
      --prefill-step-size 1024 --policies lookahead --json "$OUT/bench-plan.json" 2>&1 | tee "$OUT/bench-plan.log"
-  python3 -c "import json, sys; from strata_mlx import plan
-for r in plan.compare(json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))): print(r)" \
-     "$OUT/plan.json" "$OUT/bench-plan.json" 2>&1 | tee "$OUT/plan-vs-bench.log"
+  plan_vs_bench "$OUT/plan.json" "$OUT/bench-plan.json" | tee "$OUT/plan-vs-bench.log"
   ;;
 r9d)  # session 5, call 5: decode at 6.5 GB, lru against lfu (the heap), same run
   timeout 400 python3 benchmarks/decode.py "$SYNTH" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
      --policies demand:sync,demand:sync:lfu,lookahead:loop:lfu --modes adaptive \
      --rounds 1 --json "$OUT/decode-lfu.json" 2>&1 | tee "$OUT/decode-lfu.log"
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d"; exit 2;;
+r9e)  # session 5, last call: plan against bench after plan's Good-Turing fix, on a 12-layer store
+  # of the same per-layer shape (the full store takes longer to write than the budget left)
+  python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  S12=/root/strata-synth12
+  /usr/bin/time -f "12-layer store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --set num_hidden_layers=12 --mlx-path "$S12" --calibration-tokens 256 2>&1 | grep -v "experts:" \
+     | tail -2 | tee "$OUT/synth12.log"
+  timeout 80 python3 -m strata_mlx plan "$S12" -p 2048 --prefill-step-size 1024 --arena-gb 1.625 \
+     --json "$OUT/plan12.json" 2>&1 | tee "$OUT/plan12.log"
+  timeout 100 python3 -m strata_mlx bench --model "$S12" -p 2048 -g 32 --arena-gb 1.625 \
+     --prefill-step-size 1024 --policies lookahead --json "$OUT/bench12.json" 2>&1 | tee "$OUT/bench12.log"
+  plan_vs_bench "$OUT/plan12.json" "$OUT/bench12.json" | tee "$OUT/plan-vs-bench12.log"
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e"; exit 2;;
 esac

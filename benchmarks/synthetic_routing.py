@@ -15,6 +15,9 @@ MoE layer:
   moe/h      norm of the MoE update over the residual it is added to (mean over tokens)
   cos_mu     cosine of the residual with the router's shared direction (popularity skew)
   top64      share of the chunk's picks that go to its 64 most picked experts
+  plan       the distinct experts `strata-mlx plan` forecasts for the chunk from a profile of
+             its first --profile-tokens tokens (Good-Turing smoothed: plan.smoothed_shares),
+             and `seen`, what counting only the experts that profile saw gives
 
 and how much the experts matter: the last positions' logits with one layer's expert output
 zeroed (and with every layer's), against the intact model.
@@ -34,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from strata_mlx.convert.synthetic import Recipe, build_synthetic, synthetic_config
+from strata_mlx.plan import smoothed_shares
 from strata_mlx.store import PROJECTIONS
 
 
@@ -133,9 +137,13 @@ def measure(args) -> None:
         true = experts.ids[l]
         k = true.shape[1]
         a, m = before[l]
+        prof = np.bincount(true[: args.profile_tokens].ravel(), minlength=syn.num_experts)
+        p = np.clip(smoothed_shares(prof[None])[0] * k, 0, 1 - 1e-12)
         row = {
             "layer": l,
             "distinct": len(np.unique(true)),
+            "plan": float(np.sum(-np.expm1(np.log1p(-p) * len(true)))),
+            "seen": int((prof > 0).sum()),
             "moe/h": float(np.mean(np.linalg.norm(m, axis=1) / np.linalg.norm(a, axis=1))),
         }
         if syn.mu is not None:
@@ -159,7 +167,8 @@ def measure(args) -> None:
         )
     mean = lambda key: np.mean([r[key] for r in rows if key in r])  # noqa: E731
     print(
-        f"mean: distinct {mean('distinct'):.0f}, recall {mean('recall'):.3f}, set "
+        f"mean: distinct {mean('distinct'):.0f} (plan {mean('plan'):.0f} from "
+        f"{args.profile_tokens} tokens, seen {mean('seen'):.0f}), recall {mean('recall'):.3f}, set "
         f"{mean('set'):.3f}, overlap {mean('overlap'):.3f}, moe/h {mean('moe/h'):.3f}"
     )
 
@@ -191,6 +200,7 @@ def main() -> None:
     p.add_argument("--recipe", choices=["current", "before-issue-17"], default="current")
     p.add_argument("--set", action="append", help="a Recipe field, e.g. down_scale=8")
     p.add_argument("--set-config", action="append", help="a shape field, e.g. num_hidden_layers=4")
+    p.add_argument("--profile-tokens", type=int, default=256, help="the plan column's profile")
     p.add_argument("--logit-positions", type=int, default=64)
     p.add_argument("--no-zeroing", action="store_true", help="skip the experts-matter passes")
     measure(p.parse_args())
