@@ -438,7 +438,12 @@ def smoothed_shares(counts: np.ndarray) -> np.ndarray:
     Turing's estimate gives them, together, the share of picks that went to experts seen once
     (n1 / n), split evenly, and scales the seen ones' shares down by as much. Without it a
     chunk longer than the calibration run was forecast to need only the experts calibration
-    saw (H200 run 8: 365 of 512 a layer from 256 tokens, against 453 read)."""
+    saw (H200 run 8: 365 of 512 a layer from 256 tokens, against 453 read). Spreading that
+    share evenly over every unseen expert overshoots where popularity has a long tail: on the
+    qwen3-next synthetic shape's own routing (benchmarks/synthetic_routing.py, 4 layers), a
+    1024-token chunk needs 419 a layer; from a 256-token profile this gives 470 (+12 %), what
+    calibration saw 326 (-22 %), Chao's estimate of the unseen count 380 (-9 %); from 512
+    tokens 455 / 382 / 417. The forecast errs toward reading more."""
     c = counts.astype(np.float64)
     n = c.sum(axis=1, keepdims=True)
     unseen = c == 0
