@@ -6,7 +6,18 @@ weights as the store holds them (quantized dense layers stay quantized, as `load
 them) and every MoE layer's expert records, read through the manifest's offsets and layout,
 stacked into mlx-lm's SwitchGLU parameters (`switch_mlp.{gate,up,down}_proj.{weight,scales,
 biases}`). Our dense names are already what mlx-lm's modules hold after ITS sanitize() (Qwen3-
-Next's (1 + w) norms folded, conv kernels moved to [C, K, 1]), so sanitize() is not called.
+Next's (1 + w) norms folded, conv kernels moved to [C, K, 1]; GPT-OSS's gate_up_proj split,
+its experts under `mlp.experts`, where mlx-lm's gpt_oss keeps them), so sanitize() is not called.
+MXFP4 experts are mx.quantize(mode="mxfp4")'s own words and scales (strata_mlx.quant), so they
+load into mlx-lm's QuantizedSwitchLinear in that mode as they are.
+
+GPT-OSS runs as mlx-lm runs it, where the two differ: YaRN with `truncate: false` (its real
+configs) with the ramp's ends rounded (~1e-6 in logits, docs/decisions.md); MXFP4 experts
+decoded inside gather_qmm, ours before gather_mm (the same float32 weights, sums in another
+order: 3 x eps x max|logit| on the tiny model); at decode, sliding layers attend over mlx-lm's
+rotating cache in ring order once it wraps (~1e-7 in logits; equal before). Float and affine
+experts with `truncate: true` are bit-identical on a prompt. The clamped SwiGLU's alpha and
+limit, which mlx-lm fixes, must be 1.702 and 7.0.
 
 mlx-lm is an optional extra (`pip install -e ".[baseline]"`), imported only here and lazily.
 This module never touches the arena or the expert cache's reads; it reads experts.bin itself,
@@ -29,7 +40,21 @@ from .models.base import normalize_config
 from .store import DENSE, EXPERTS, PROJECTIONS, Manifest, StoreError, load_manifest
 
 # Our families that mlx-lm has, under the same module name; the same parameter names too.
-MLX_LM_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3")
+MLX_LM_FAMILIES = (
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+    "qwen3_next",
+    "glm4_moe",
+    "deepseek_v3",
+    "gpt_oss",
+)
+# Families whose mlx-lm model keeps the stacked experts under the checkpoint's own name
+# (gpt_oss: mlp.experts), not under switch_mlp.
+EXPERTS_AT_CHECKPOINT_NAME = ("gpt_oss",)
+# mlx-lm's gpt_oss builds SwigluOAI() at these defaults (and always biased attention, an
+# untied lm_head).
+GPT_OSS_SWIGLU = {"alpha": 1.702, "limit": 7.0}
 
 
 def _mlx_lm():
@@ -63,12 +88,30 @@ def _check_runnable(path: Path, m: Manifest) -> None:
         )
     for lay in m.layouts:
         for proj, spec in lay.quant.items():
-            if spec["format"] not in ("affine", "float"):
+            if spec["format"] not in ("affine", "mxfp4", "float"):
                 kind = spec.get("type", spec["format"])
                 raise StoreError(
                     f"{path}: experts' {proj} is GGUF {kind} blocks, which mlx-lm's "
-                    "SwitchGLU cannot run (only MLX affine and float experts)"
+                    "SwitchGLU cannot run (only MLX affine, MXFP4 and float experts)"
                 )
+    if m.model_type == "gpt_oss":
+        _check_gpt_oss(path, m)
+
+
+def _check_gpt_oss(path: Path, m: Manifest) -> None:
+    """What a GPT-OSS store may set that mlx-lm's gpt_oss cannot express."""
+    for lay in m.layouts:
+        got = {k: (lay.activation or {}).get(k) for k in GPT_OSS_SWIGLU}
+        if got != GPT_OSS_SWIGLU:
+            raise StoreError(
+                f"{path}: experts' swiglu alpha {got['alpha']} and limit {got['limit']}; "
+                "mlx-lm's gpt_oss fixes them at 1.702 and 7.0"
+            )
+    config = normalize_config(m.config)
+    if config.get("tie_word_embeddings", False):
+        raise StoreError(f"{path}: tied embeddings; mlx-lm's gpt_oss always has its own lm_head")
+    if not config.get("attention_bias", True):
+        raise StoreError(f"{path}: attention without biases; mlx-lm's gpt_oss always has them")
 
 
 def _module_name(model_type: str) -> str:
@@ -123,9 +166,26 @@ def stacked_experts(path: Path, m: Manifest, prefix: str, layer: int) -> dict[st
 
     layout = m.layout_of(layer)
     views = component_views(mx.array(_read_layer(path, m, layer)), layout)
-    out = {f"{prefix}.{name}": mx.contiguous(v) for name, v in views.items()}
+    out = {}
+    for name, v in views.items():
+        proj, part = name.split(".")
+        v = mx.contiguous(v)
+        if part == "weight" and layout.quant[proj]["format"] == "mxfp4":
+            v = v.view(mx.uint32)  # the bytes of mx.quantize(mode="mxfp4")'s uint32 words
+        out[f"{prefix}.{name}"] = v
     mx.eval(out)  # let the raw records go before the next layer is read
     return out
+
+
+def _switch_quant(spec: dict) -> dict | None:
+    """to_quantized() parameters of mlx-lm's SwitchLinear for an expert format; None: float."""
+    from .quant import MXFP4_BLOCK
+
+    if spec["format"] == "affine":
+        return {"group_size": spec["group_size"], "bits": spec["bits"], "mode": "affine"}
+    if spec["format"] == "mxfp4":
+        return {"group_size": MXFP4_BLOCK, "bits": 4, "mode": "mxfp4"}
+    return None
 
 
 def load_mlx_lm(store_path: str | Path):
@@ -141,7 +201,7 @@ def load_mlx_lm(store_path: str | Path):
     config = mlx_lm_config(m, path)
     try:
         model = arch.Model(arch.ModelArgs.from_dict(config))
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise StoreError(f"{path / 'manifest.json'}: mlx-lm's ModelArgs: {e}") from None
 
     dense_path = path / DENSE
@@ -152,15 +212,12 @@ def load_mlx_lm(store_path: str | Path):
     fam = family(m.model_type, path / "manifest.json")
     expert_quant = {}  # module path -> to_quantized() params, or None for float
     for layer in m.moe_layers:
-        prefix = switch_prefix(fam.EXPERT_PREFIX.format(layer=layer))
+        prefix = fam.EXPERT_PREFIX.format(layer=layer)
+        if m.model_type not in EXPERTS_AT_CHECKPOINT_NAME:
+            prefix = switch_prefix(prefix)
         weights.update(stacked_experts(path, m, prefix, layer))
         for proj in PROJECTIONS:
-            spec = m.layout_of(layer).quant[proj]
-            expert_quant[f"{prefix}.{proj}"] = (
-                {"group_size": spec["group_size"], "bits": spec["bits"], "mode": "affine"}
-                if spec["format"] == "affine"
-                else None
-            )
+            expert_quant[f"{prefix}.{proj}"] = _switch_quant(m.layout_of(layer).quant[proj])
 
     quant = config.get("quantization") or {}
 
