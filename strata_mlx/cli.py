@@ -812,6 +812,13 @@ def plan(
     arena_gb: float | None = typer.Option(None, "--arena-gb", help="Default: automatic."),
     prefill_step_size: int | None = typer.Option(None, "--prefill-step-size"),
     prompt_tokens: int = typer.Option(2048, "-p", "--prompt-tokens"),
+    generation_tokens: int = typer.Option(
+        128,
+        "-g",
+        "--generation-tokens",
+        help="Decode tokens after the cold prompt (the first ones find the arena as the "
+        "prefill left it): as bench's -g.",
+    ),
     io_workers: int = typer.Option(8, "--io-workers"),
     target_memory: float | None = typer.Option(
         None, "--target-memory", help="GB, another machine."
@@ -822,10 +829,13 @@ def plan(
     json_out: Path | None = typer.Option(None, "--json", help="Write the forecast as JSON."),
 ):
     """Will MODEL fit, with what arena and chunk, and how fast: prefill and decode tok/s."""
+    from .options import check_int
     from .plan import plan as run_plan
     from .plan import save
 
-    f = run_plan(model, arena_gb, prefill_step_size, prompt_tokens, 128, io_workers,
+    check_int("prompt_tokens", prompt_tokens, 1, 1 << 24, cli=True)
+    check_int("generation_tokens", generation_tokens, 1, 1 << 24, cli=True)
+    f = run_plan(model, arena_gb, prefill_step_size, prompt_tokens, generation_tokens, io_workers,
                  target_memory, target_ssd_gbps, target_tflops, measure)  # fmt: skip
     typer.echo("\n".join(f.lines()))
     if json_out is not None:

@@ -21,10 +21,12 @@ The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts")
     g* = 0: every chunk reads all it needs (LRU on a cyclic sweep).
   - Prefill: each chunk takes max(SSD floor, compute floor): bytes it reads over the probe's
     GB/s at the I/O worker count, and the fake-stream chunk time (or FLOPs over a rate).
-  - Decode: of a token's k lookups a layer, 1 - hit are not resident; lookahead predicts a
-    share `recall` of them from an earlier layer's input (measured in the fake-stream run:
-    each layer's input through the next layers' routers), which are streamed ahead, and the
-    rest are misses. The decoder's mode follows its own rule, simulated token by token: the
+  - Decode: of a token's k lookups a layer, 1 - hit are not resident, hit taken token by
+    token from what the cold prefill's sweep left in the arena as decode's own working set
+    replaces it (decode_hits: the first tokens after a long prompt miss far more than the
+    steady state); lookahead predicts a share `recall` of them from an earlier layer's
+    input (measured in the fake-stream run: each layer's input through the next layers'
+    routers), which are streamed ahead, and the rest are misses. The decoder's mode follows its own rule, simulated token by token: the
     running share of layers with a miss (0.02 a layer toward each observation, from 0) puts
     it in "sync" above decode_sync_above, else "layers" while lookahead predicts, else
     "token". A token costs that mode's fake-stream decode time (its per-layer routing syncs
@@ -500,10 +502,39 @@ def prefill_reads(p: np.ndarray, slots: int, prompt: int, step: int) -> list[tup
     return out
 
 
-def decode_hit_rate(p: np.ndarray, slots: int, history: int) -> float:
-    """Share of a decode token's lookups resident (LRU at steady state, `history` tokens seen)."""
-    gap = reuse_gap(p, slots, max(history, 1))
-    return float(np.sum(p * hit_probability(p, gap)) / np.sum(p))
+def decode_hits(
+    p: np.ndarray, layers: int, slots: int, prompt: int, step: int, gen: int
+) -> np.ndarray:
+    """[gen] share of each decode token's lookups resident, decoding right after a cold
+    prompt: the arena starts with what the prefill's layer sweep left (the last chunk's experts
+    of the last layers, or more when a chunk fits) and turns over to decode's own working set.
+
+    An expert is resident at decode token t if decode used it within its last min(t, g*)
+    tokens (g*: decode's LRU reuse gap), or if the prefill left it and it has not been pushed
+    out yet: a prefill item survives while fewer than `slots` items decode brought in came
+    after it, so about 1 - new(t) / slots of them are left once decode has brought in new(t)."""
+    last = prompt - step * ((max(prompt, 1) - 1) // step)  # the last chunk's tokens
+    q_chunk = -np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * last)
+    chunks = -(-max(prompt, 1) // step)
+    gap_c = reuse_gap(q_chunk, slots, chunks)
+    if gap_c >= 1:  # the arena holds more than a chunk: prefill's own steady state
+        left = hit_probability(q_chunk, gap_c)
+    else:  # the sweep's last layers only: fill from the last layer back
+        per_layer = q_chunk.reshape(layers, -1)
+        need = per_layer.sum(axis=1)
+        after = np.concatenate([np.cumsum(need[::-1])[::-1][1:], [0.0]])  # layers after l
+        kept = np.clip((slots - after) / np.maximum(need, 1e-12), 0.0, 1.0)
+        left = (per_layer * kept[:, None]).reshape(-1)
+    g_star = reuse_gap(p, slots, max(gen, 1))
+    lp = np.log1p(-np.minimum(p, 1 - 1e-12))
+    out = np.empty(gen)
+    for t in range(gen):
+        own = -np.expm1(lp * min(t, g_star))
+        new = float(np.sum(-np.expm1(lp * t) * (1 - left)))
+        carried = left * max(0.0, 1 - new / slots)
+        hit = 1 - (1 - own) * (1 - carried)
+        out[t] = float(np.sum(p * hit) / np.sum(p))
+    return out
 
 
 def read_gbps(machine: Machine, in_flight: float) -> float:
@@ -637,18 +668,18 @@ def decode_forecast(
     slots: int,
     prompt_tokens: int,
     gen_tokens: int,
+    step: int,
 ) -> dict:
-    """Decode of `gen_tokens` after a cold prompt, token by token through the decoder's own
+    """Decode of `gen_tokens` after a cold prompt in chunks of `step`, token by token through the decoder's own
     rules (strata_mlx.decode; thresholds from RuntimeConfig's defaults)."""
     from .loader import RuntimeConfig
 
     cfg = RuntimeConfig()
     k, L, rb = shape.top_k, max(shape.moe_layers, 1), shape.record_bytes
-    hit = decode_hit_rate(p, slots, prompt_tokens + gen_tokens)
-    absent = 1 - hit
+    hits = decode_hits(p, L, slots, prompt_tokens, step, gen_tokens)
     distance = {"sync": 1, "layers": cfg.decode_lag + 1, "token": 1}
 
-    def shares(mode: str) -> tuple[float, float]:
+    def shares(mode: str, absent: float) -> tuple[float, float]:
         """(streamed ahead, missed) of a lookup in `mode`: the first `distance` layers of a
         token have no layer that far before them to be predicted from."""
         d = distance[mode]
@@ -662,7 +693,8 @@ def decode_forecast(
     layer_rate, miss_rate = 0.0, 1.0  # the decoder's running averages, as a fresh load has them
     modes: dict[str, int] = {}
     total_s = compute_s = misses = ahead_sum = miss_sum = 0.0
-    for _ in range(gen_tokens):
+    for t in range(gen_tokens):
+        absent = 1 - hits[t]
         predicting = miss_rate >= cfg.read_ahead.decode_min_miss
         if layer_rate > cfg.decode_sync_above:
             mode = "sync"
@@ -671,7 +703,7 @@ def decode_forecast(
         else:
             mode = "layers"
         modes[mode] = modes.get(mode, 0) + 1
-        ahead, missed = shares(mode) if predicting else (0.0, absent)
+        ahead, missed = shares(mode, absent) if predicting else (0.0, absent)
         layer_missed = 1 - (1 - missed) ** k  # a layer with at least one miss
         base = compute.mode_s(mode)
         cost = base + L * compute.handshake_s + L * read_s(k * missed)
@@ -689,7 +721,7 @@ def decode_forecast(
             miss_rate += 0.01 * (missed - miss_rate)
     n = max(gen_tokens, 1)
     return {
-        "shares": (hit, ahead_sum / n, miss_sum / n),
+        "shares": (float(hits.mean()) if gen_tokens else 0.0, ahead_sum / n, miss_sum / n),
         "modes": modes,
         "misses_per_token": misses / n,
         "compute_s": compute_s / n,
@@ -774,7 +806,9 @@ def forecast(
             "slots: layers run in expert-major groups"
         )
 
-    d = decode_forecast(shape, machine, Compute.of(compute), p, slots, prompt_tokens, gen_tokens)
+    d = decode_forecast(
+        shape, machine, Compute.of(compute), p, slots, prompt_tokens, gen_tokens, step
+    )
     f.decode_hit_rate, f.decode_streamed_ahead, f.decode_miss_rate = d["shares"]
     f.decode_modes = d["modes"]
     f.decode_misses_per_token = d["misses_per_token"]
