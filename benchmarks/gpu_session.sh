@@ -3,6 +3,9 @@
 # device call each. Run from the repo root there, after ../shared/device's MLX CUDA install:
 #   export PYTHONPATH=/tmp/site; bash benchmarks/gpu_session.sh setup|synth|bench|kernels
 # Logs land in $OUT (the device tool brings them back).
+# A call carries at most 64 MiB (working tree + carried paths): MLX's CUDA half b is ~44 MB, so
+# run from a snapshot without the GGUF fixtures (git archive HEAD | tar -x -C .snap
+# --exclude=tests/data/gguf) and keep tests/data/gguf out of the tree for that call.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
