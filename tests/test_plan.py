@@ -214,6 +214,21 @@ def test_decode_forecast_follows_the_decoders_modes():
     assert none["shares"][1] == 0.0 and none["shares"][2] == pytest.approx(1 - hit)
 
 
+def test_read_ahead_share_follows_the_distances_the_runtime_predicts_from():
+    """With the arena far too small, decode soon runs the sync handshake, which predicts each
+    layer from the `depth` (2) layers before it: with recall 0.5 at both distances the four
+    layers are covered 0, 0.5, 0.75, 0.75 (independent guesses), so half of what is absent is
+    read ahead; with distance 1 only, 0, 0.5, 0.5, 0.5."""
+    shape = _shape()
+    p = plan.pick_probabilities(shape)
+    for recall, share in (({1: 0.5, 2: 0.5}, 0.5), ({1: 0.5}, 0.375)):
+        c = plan.Compute(1e-3, 0.010, 0.020, 0.030, handshake_s=0.0, recall=recall)
+        d = plan.decode_forecast(shape, _machine(ssd=1e9), c, p, 1, 64, 400, 64)
+        hit, ahead, missed = d["shares"]
+        assert d["modes"]["sync"] > 0.95 * 400
+        assert ahead / (1 - hit) == pytest.approx(share, abs=0.01)
+
+
 def _lru_use(lru, slots: int, key) -> bool:
     """One lookup in an LRU arena of `slots`: was it resident (then it is, most recent)."""
     hit = key in lru
