@@ -218,5 +218,20 @@ r9e)  # session 5, last call: plan against bench after plan's Good-Turing fix, o
      --prefill-step-size 1024 --policies lookahead --json "$OUT/bench12.json" 2>&1 | tee "$OUT/bench12.log"
   plan_vs_bench "$OUT/plan12.json" "$OUT/bench12.json" | tee "$OUT/plan-vs-bench12.log"
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e"; exit 2;;
+r10a)  # next session: plan against bench with plan's decode changes (decode_hits, real recall,
+  # read-ahead by mode) on the 12-layer store, -g as bench's
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  S12=/root/strata-synth12
+  [ -f "$S12/manifest.json" ] || python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --set num_hidden_layers=12 --mlx-path "$S12" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -1
+  for g in 32 128; do
+    timeout 100 python3 -m strata_mlx plan "$S12" -p 2048 -g $g --prefill-step-size 1024 \
+       --arena-gb 1.625 --json "$OUT/plan12-g$g.json" 2>&1 | tee "$OUT/plan12-g$g.log"
+    timeout 150 python3 -m strata_mlx bench --model "$S12" -p 2048 -g $g --arena-gb 1.625 \
+       --prefill-step-size 1024 --policies lookahead --json "$OUT/bench12-g$g.json" 2>&1 \
+       | tee "$OUT/bench12-g$g.log"
+    plan_vs_bench "$OUT/plan12-g$g.json" "$OUT/bench12-g$g.json" | tee "$OUT/plan-vs-bench12-g$g.log"
+  done
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a"; exit 2;;
 esac
