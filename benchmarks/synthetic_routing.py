@@ -36,7 +36,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from strata_mlx.convert.synthetic import Recipe, build_synthetic, synthetic_config
+from strata_mlx.convert.synthetic import RECIPES, Recipe, build_synthetic, synthetic_config
 from strata_mlx.plan import smoothed_shares
 from strata_mlx.store import PROJECTIONS
 
@@ -115,7 +115,7 @@ def measure(args) -> None:
     for item in args.set_config or []:
         k, _, v = item.partition("=")
         cfg[k] = type(cfg[k])(v)
-    recipe = Recipe.before_issue_17() if args.recipe == "before-issue-17" else Recipe()
+    recipe = Recipe.named(args.recipe)
     for item in args.set or []:
         k, _, v = item.partition("=")
         recipe = dataclasses.replace(recipe, **{k: type(getattr(recipe, k))(v)})
@@ -186,8 +186,8 @@ def measure(args) -> None:
         what = f"layer {zero[0]}" if len(zero) == 1 else "every layer"
         print(
             f"experts of {what} zeroed: max |logit diff| {np.abs(test - ref).max():.3f}, "
-            f"rms {np.sqrt(np.mean((test - ref) ** 2)):.3f}; argmax changed at {100 * changed:.0f}% "
-            "of positions"
+            f"rms {np.sqrt(np.mean((test - ref) ** 2)):.3f}; argmax changed at "
+            f"{100 * changed:.0f}% of positions"
         )
     experts.zero = set()
 
@@ -197,7 +197,7 @@ def main() -> None:
     p.add_argument("--shape", default="bench-small")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--recipe", choices=["current", "before-issue-17"], default="current")
+    p.add_argument("--recipe", choices=list(RECIPES), default="default")
     p.add_argument("--set", action="append", help="a Recipe field, e.g. down_scale=8")
     p.add_argument("--set-config", action="append", help="a shape field, e.g. num_hidden_layers=4")
     p.add_argument("--profile-tokens", type=int, default=256, help="the plan column's profile")

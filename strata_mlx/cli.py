@@ -618,6 +618,10 @@ def convert(
     sources = [s for s in (hf_path, gguf_path, synthetic) if s is not None]
     if len(sources) != 1:
         raise OptionError("give exactly one of --hf-path, --gguf-path, --synthetic")
+    if synthetic is not None:
+        from .convert.synthetic import Recipe
+
+        Recipe.named(recipe)  # a bad name is refused before any output is touched
     from .convert.common import check_output, overwriting
 
     check_output(mlx_path, *(s for s in (hf_path, gguf_path) if s), overwrite=overwrite)

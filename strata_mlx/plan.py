@@ -26,9 +26,10 @@ The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts")
     replaces it (decode_hits: the first tokens after a long prompt miss far more than the
     steady state); lookahead predicts a share `recall` of them from an earlier layer's
     input (measured with the experts' real outputs: each layer's input through the next
-    layers' routers), which are streamed ahead, and the rest are misses. The decoder's mode follows its own rule, simulated token by token: the
-    running share of layers with a miss (0.02 a layer toward each observation, from 0) puts
-    it in "sync" above decode_sync_above, else "layers" while lookahead predicts, else
+    layers' routers), which are streamed ahead, and the rest are misses. The decoder's mode
+    follows its own rule, simulated token by token: the running share of layers with a miss
+    (0.02 a layer toward each observation, from 0) puts it in "sync" above
+    decode_sync_above, else "layers" while lookahead predicts, else
     "token". A token costs that mode's fake-stream decode time (its per-layer routing syncs
     included), plus the handshake's Python per layer (measured in a short real decode), plus
     the misses' reads at the probe's bandwidth for that many in flight, plus in "layers"
@@ -132,6 +133,7 @@ class Forecast:
     dense_gb: float = 0.0
     ssd_gbps: float = 0.0
     prompt_tokens: int = 0
+    gen_tokens: int = 0  # decode tokens forecast after the cold prompt
     distinct_per_chunk: float = 0.0  # experts a full chunk needs, all layers
     gb_read_per_chunk: float = 0.0  # mean over the cold prompt's chunks
     ssd_floor_s: float = 0.0  # mean per chunk
@@ -165,7 +167,8 @@ class Forecast:
             f"{self.gb_read_per_chunk:.3f} GB read, SSD floor {self.ssd_floor_s * 1e3:.0f} ms "
             f"at {self.ssd_gbps:.2f} GB/s, compute floor {self.compute_floor_s * 1e3:.0f} ms "
             f"({self.compute_source})",
-            f"  decode: {self.decode_tps:.2f} tok/s ({self.decode_ms_per_token:.1f} ms/token: "
+            f"  decode ({self.gen_tokens} tokens): {self.decode_tps:.2f} tok/s "
+            f"({self.decode_ms_per_token:.1f} ms/token: "
             f"compute {self.decode_compute_ms:.1f}, {self.decode_misses_per_token:.1f} misses "
             f"a token: {100 * self.decode_hit_rate:.1f} % resident, "
             f"{100 * self.decode_streamed_ahead:.1f} % streamed ahead, "
@@ -689,7 +692,7 @@ def decode_forecast(
     cfg = RuntimeConfig()
     k, L, rb = shape.top_k, max(shape.moe_layers, 1), shape.record_bytes
     hits = decode_hits(p, L, slots, prompt_tokens, step, gen_tokens)
-    distance = {"sync": 1, "layers": cfg.decode_lag + 1, "token": 1}
+    distance = {"sync": 1, "layers": cfg.decode_lag + 1, "token": 1}  # prediction to use
     r = compute.recall
     depth = cfg.read_ahead.depth
     # Share of a layer's absent lookups some prediction read ahead. The sync handshake predicts
@@ -700,8 +703,8 @@ def decode_forecast(
     union = np.array(
         [1 - np.prod([1 - r.get(d, 0.0) for d in range(1, min(depth, i) + 1)]) for i in range(L)]
     )
-    lagged = np.array([r.get(distance["layers"], 0.0) if i >= distance["layers"] else 0.0
-                       for i in range(L)])  # fmt: skip
+    lag1 = distance["layers"]
+    lagged = np.where(np.arange(L) >= lag1, r.get(lag1, 0.0), 0.0)
 
     def shares(mode: str, absent: float) -> tuple[float, float]:
         """(streamed ahead, missed) of a lookup in `mode`. In "layers" mode the share of
@@ -777,6 +780,10 @@ def forecast(
     from .loader import choose_arena
     from .memory import MemoryGuardError
 
+    if prompt_tokens < 1 or gen_tokens < 1:
+        raise OptionError(
+            f"a forecast needs >= 1 prompt and decode token, got {prompt_tokens} and {gen_tokens}"
+        )
     f = Forecast(
         Path(shape.path).name,
         shape.source + (f", {shape.note}" if shape.note else ""),
@@ -787,6 +794,7 @@ def forecast(
         dense_gb=shape.dense_bytes / 1e9,
         ssd_gbps=machine.ssd_gbps,
         prompt_tokens=prompt_tokens,
+        gen_tokens=gen_tokens,
         compute_source=compute_source,
     )
     available = machine.available_bytes
@@ -946,6 +954,16 @@ def compare(f: dict | Forecast, bench_result: dict, policy: str = "lookahead") -
     """Forecast against a `bench --json` result (its cold run of `policy`): one row per
     figure with the ratio measured / forecast and whether it is within TOLERANCE."""
     f = asdict(f) if isinstance(f, Forecast) else f
+    for key, bench_key, flag in (
+        ("prompt_tokens", "prompt_tokens", "-p"),
+        ("prefill_step_size", "prefill_step_size", "--prefill-step-size"),
+        ("gen_tokens", "gen_tokens", "-g"),
+    ):
+        # (forecasts recorded before gen_tokens was kept have none: not checked)
+        if f.get(key) and bench_result.get(bench_key) and f[key] != bench_result[bench_key]:
+            raise OptionError(
+                f"the forecast is for {flag} {f[key]}, the bench run used {bench_result[bench_key]}"
+            )
     runs = [r for r in bench_result["runs"] if r["policy"] == policy and r["phase"] == "cold"]
     if not runs:
         raise OptionError(f"bench result has no cold {policy} run")

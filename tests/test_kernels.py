@@ -794,9 +794,8 @@ def test_cuda_matches_reference(gpu, case, shape, dtype, strategy):
     what = f"cuda {case} {shape} {dtype} strategy={strategy or 'auto'}"
     max_rel, frob_rel = _compare(y, ref, what, 16 * EPS[dtype], 2 * EPS[dtype])
     # the figures docs/benchmarks.md reports (pytest -s shows them)
-    print(
-        f"\n{what}: max {max_rel / EPS[dtype]:.2f} eps x RMS, RMS error {frob_rel / EPS[dtype]:.3f} eps"
-    )
+    eps = EPS[dtype]
+    print(f"\n{what}: max {max_rel / eps:.2f} eps x RMS, RMS error {frob_rel / eps:.3f} eps")
 
 
 @pytest.mark.gpu

@@ -149,9 +149,17 @@ def test_compare_on_figures_recorded_on_this_machine():
             assert rows[name]["within"], (case["name"], rows[name])
         for r in rows.values():
             assert r["ratio"] == pytest.approx(r["measured"] / r["forecast"])
-    bad = {"prompt_tokens": 64, "prefill_step_size": 64, "runs": []}
+    first = rec["cases"][0]
+    f = dict(first["plan"])
+    bad = {"prompt_tokens": f["prompt_tokens"], "prefill_step_size": 64, "runs": []}
     with pytest.raises(ValueError, match="no cold lookahead"):
-        plan.compare(rec["cases"][0]["plan"], bad)
+        plan.compare(f, bad)
+    # a forecast of another run's shape is refused, not compared
+    f["gen_tokens"] = 128
+    for key, flag in (("prompt_tokens", "-p"), ("gen_tokens", "-g")):
+        other = {**first["bench"], key: 7}
+        with pytest.raises(ValueError, match=f"forecast is for {flag} "):
+            plan.compare(f, other)
 
 
 def test_cli_plan_prints_the_forecast_and_a_target_machine(store, tmp_path):

@@ -94,7 +94,7 @@ class Recipe:
             raise OptionError(f"--recipe {name}: one of {', '.join(RECIPES)}")
         return RECIPES[name]()
 
-    def name(self) -> str | dict:
+    def manifest_entry(self) -> str | dict:
         """What a store's config records: the recipe's name, or its fields."""
         for name, make in RECIPES.items():
             if self == make():
@@ -206,7 +206,7 @@ def build_synthetic(
     mdtype, np_dtype = (mx.float16, np.float16) if dtype == "float16" else (mx.float32, np.float32)
     cfg["torch_dtype"] = dtype
     rc = recipe or Recipe()
-    cfg["synthetic"] = {"name": name, "router": router, "seed": seed, "recipe": rc.name()}
+    cfg["synthetic"] = {"name": name, "router": router, "seed": seed, "recipe": rc.manifest_entry()}
     fam = family(cfg["model_type"], f"synthetic shape {name}")
     args = fam.ModelArgs.from_dict(cfg)
     mx.random.seed(seed)
