@@ -441,7 +441,8 @@ def smoothed_shares(counts: np.ndarray) -> np.ndarray:
     """[layers, experts] share of a layer's picks each expert gets, from calibration counts.
     The experts calibration never saw are not absent, only rarer than it could tell: Good and
     Turing's estimate gives them, together, the share of picks that went to experts seen once
-    (n1 / n), split evenly, and scales the seen ones' shares down by as much. Without it a
+    (n1 / n), split evenly but none above what an expert seen once gets, and scales the seen
+    ones' shares down by as much; a layer calibration never reached is uniform. Without it a
     chunk longer than the calibration run was forecast to need only the experts calibration
     saw (H200 run 8: 365 of 512 a layer from 256 tokens, against 453 read). Spreading that
     share evenly over every unseen expert overshoots where popularity has a long tail: on the
@@ -454,11 +455,13 @@ def smoothed_shares(counts: np.ndarray) -> np.ndarray:
     unseen = c == 0
     n_unseen = unseen.sum(axis=1, keepdims=True)
     singles = (c == 1).sum(axis=1, keepdims=True)
-    mass = np.where(n_unseen > 0, singles / np.maximum(n, 1), 0.0)
-    # with no expert seen once the estimate is 0: keep unseen experts rare rather than absent
-    floor = 1e-3 / np.maximum(n, 1)
-    share = c / np.maximum(n, 1) * (1 - mass)
-    return np.where(unseen, np.maximum(mass / np.maximum(n_unseen, 1), floor), share)
+    safe_n = np.maximum(n, 1)
+    # no unseen expert above what one seen once would get; none seen once: rare, not absent
+    each = np.minimum(singles / safe_n / np.maximum(n_unseen, 1), 1 / (safe_n + n_unseen))
+    each = np.where(n_unseen > 0, np.maximum(each, 1e-3 / safe_n), 0.0)
+    share = np.where(unseen, each, c / safe_n * (1 - each * n_unseen))
+    share = share / share.sum(axis=1, keepdims=True)
+    return np.where(n > 0, share, 1.0 / c.shape[1])  # a layer calibration never reached
 
 
 def reuse_gap(q: np.ndarray, slots: int, limit: int) -> int:
@@ -509,33 +512,44 @@ def decode_hits(
     p: np.ndarray, layers: int, slots: int, prompt: int, step: int, gen: int
 ) -> np.ndarray:
     """[gen] share of each decode token's lookups resident, decoding right after a cold
-    prompt: the arena starts with what the prefill's layer sweep left (the last chunk's experts
-    of the last layers, or more when a chunk fits) and turns over to decode's own working set.
+    prompt: the arena starts with what the prefill's layer sweep left and turns over to
+    decode's own working set.
 
-    An expert is resident at decode token t if decode used it within its last min(t, g*)
-    tokens (g*: decode's LRU reuse gap), or if the prefill left it and it has not been pushed
-    out yet: a prefill item survives while fewer than `slots` items decode brought in came
-    after it, so about 1 - new(t) / slots of them are left once decode has brought in new(t)."""
-    last = prompt - step * ((max(prompt, 1) - 1) // step)  # the last chunk's tokens
-    q_chunk = -np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * last)
-    chunks = -(-max(prompt, 1) // step)
-    gap_c = reuse_gap(q_chunk, slots, chunks)
-    if gap_c >= 1:  # the arena holds more than a chunk: prefill's own steady state
-        left = hit_probability(q_chunk, gap_c)
-    else:  # the sweep's last layers only: fill from the last layer back
-        per_layer = q_chunk.reshape(layers, -1)
-        need = per_layer.sum(axis=1)
-        after = np.concatenate([np.cumsum(need[::-1])[::-1][1:], [0.0]])  # layers after l
-        kept = np.clip((slots - after) / np.maximum(need, 1e-12), 0.0, 1.0)
-        left = (per_layer * kept[:, None]).reshape(-1)
-    g_star = reuse_gap(p, slots, max(gen, 1))
+    What the sweep left: its (chunk, layer) positions walked from the newest back, each adding
+    the experts it touched that no newer position had, until `slots` are accounted for (LRU
+    keeps the most recent). An expert is resident at decode token t if decode used it within
+    its last min(t, g*) tokens (g*: decode's LRU reuse gap), or if the prefill left it and it
+    has not been pushed out: once decode has brought in more items than the arena had free,
+    the prefill's items go, oldest first (taken as evenly spread)."""
     lp = np.log1p(-np.minimum(p, 1 - 1e-12))
+    lp_layers = lp.reshape(layers, -1)
+    left = np.zeros_like(lp_layers)
+    room = float(slots)
+    sizes = [min(step, prompt - c) for c in range(0, max(prompt, 0), step)]
+    for tokens in reversed(sizes):
+        q = -np.expm1(lp_layers * tokens)
+        for l in reversed(range(layers)):
+            add = q[l] * (1 - left[l])
+            total = float(add.sum())
+            if total <= 0:
+                continue
+            f = min(1.0, room / total)
+            left[l] += f * add
+            room -= f * total
+            if room <= 1e-9:
+                break
+        if room <= 1e-9:
+            break
+    left = left.reshape(-1)
+    held = float(left.sum())
+    free = max(slots - held, 0.0)
+    g_star = reuse_gap(p, slots, max(gen, 1))
     out = np.empty(gen)
     for t in range(gen):
         own = -np.expm1(lp * min(t, g_star))
         new = float(np.sum(-np.expm1(lp * t) * (1 - left)))
-        carried = left * max(0.0, 1 - new / slots)
-        hit = 1 - (1 - own) * (1 - carried)
+        kept = min(max(1 - max(new - free, 0.0) / held, 0.0), 1.0) if held > 0 else 0.0
+        hit = 1 - (1 - own) * (1 - left * kept)
         out[t] = float(np.sum(p * hit) / np.sum(p))
     return out
 

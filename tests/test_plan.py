@@ -5,6 +5,7 @@ counts; the comparison with a bench run on figures recorded on this machine."""
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import subprocess
 import sys
@@ -114,11 +115,13 @@ def test_reuse_gap_and_hits_match_an_lru_simulation():
 
 def test_experts_calibration_never_saw_still_count_in_a_longer_chunk():
     """Distinct experts a 1024-token chunk needs, forecast from 256 calibration tokens, against
-    a simulation: Zipf popularity, each token picking k distinct experts by it (Gumbel top-k).
-    Counting only what calibration saw falls ~17 % short; Good-Turing's unseen share closes it."""
+    a simulation: popularity falling as rank^-1.5, each token picking k distinct experts by it
+    (Gumbel top-k), so a chunk needs ~83 % of them. Counting only what calibration saw falls
+    ~40 % short and ignoring the profile (k/E each) is ~20 % over; Good-Turing's unseen share
+    lands between, ~10 % over (spread evenly, it overshoots a long tail)."""
     rng = np.random.default_rng(0)
     E, k = 512, 10
-    logw = -np.log(np.arange(1, E + 1))
+    logw = -1.5 * np.log(np.arange(1, E + 1))
 
     def tokens(T):
         return np.argpartition(-(logw + rng.gumbel(size=(T, E))), k, axis=1)[:, :k]
@@ -127,13 +130,17 @@ def test_experts_calibration_never_saw_still_count_in_a_longer_chunk():
     shares = plan.smoothed_shares(counts)
     assert np.allclose(shares.sum(axis=1), 1.0)
     assert (shares[counts == 0] > 0).all()
+    # no expert calibration missed outranks one it saw once
+    assert shares[counts == 0].max() <= shares[counts == 1].min() + 1e-12
     p = np.clip(shares * k, 0, 1)
-    forecast = np.sum(-np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * 1024), axis=1)
-    truth = np.array([len(np.unique(tokens(1024))) for _ in range(4)])
-    seen = (counts > 0).sum(axis=1)
-    assert (seen < 0.9 * truth).all()  # the case the smoothing is for
-    # sampling noise of a 4-layer mean: a few experts; the model's own error here ~0.2 %
-    assert abs(forecast.mean() - truth.mean()) <= 0.02 * truth.mean(), (forecast, truth)
+    forecast = np.sum(-np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * 1024), axis=1).mean()
+    truth = np.mean([len(np.unique(tokens(1024))) for _ in range(4)])
+    seen = (counts > 0).sum(axis=1).mean()
+    uniform = E * -np.expm1(np.log1p(-k / E) * 1024)
+    assert seen < 0.7 * truth and uniform > 1.15 * truth  # neither extreme is near
+    assert truth <= forecast <= 1.15 * truth, (forecast, truth)
+    # a layer calibration never reached: every expert alike
+    assert np.allclose(plan.smoothed_shares(np.zeros((1, 8), int)), 1 / 8)
 
 
 RECORDED = HERE / "data" / "plan_vs_bench.json"
@@ -255,7 +262,7 @@ def test_decode_after_a_cold_prompt_matches_an_lru_simulation():
     from collections import OrderedDict
 
     rng = np.random.default_rng(1)
-    L, E, k, prompt, step, gen, trials = 4, 64, 4, 96, 32, 40, 12
+    L, E, k, gen, trials = 4, 64, 4, 40, 12
     pop = rng.zipf(2.0, size=(L, E)).astype(float)
     w = pop / pop.sum(axis=1, keepdims=True)
     # a token picks k distinct experts by w: the chance it picks each is not k w (measure it)
@@ -268,7 +275,10 @@ def test_decode_after_a_cold_prompt_matches_an_lru_simulation():
             for l in range(L)
         ]
     )
-    for slots in (48, 100, 180):
+    # prompts of whole chunks and with a short last chunk (what the chunk before it left counts)
+    for (prompt, step), slots in itertools.product(
+        ((96, 32), (97, 32), (129, 128)), (48, 100, 180)
+    ):
         hits = np.zeros(gen)
         for _ in range(trials):
             lru: OrderedDict = OrderedDict()
@@ -290,9 +300,9 @@ def test_decode_after_a_cold_prompt_matches_an_lru_simulation():
         for span in (slice(0, 4), slice(0, gen), slice(gen - 10, gen)):
             m, f = measured[span].mean(), model[span].mean()
             # 12 trials x 16 lookups a token: the measured mean is good to ~0.03 over 4 tokens
-            assert abs(m - f) <= 0.08, (slots, span, m, f)
-        if slots == 48:  # the case the model is for: the first tokens find far less
-            assert measured[:4].mean() < measured[gen - 10 :].mean() - 0.15
+            assert abs(m - f) <= 0.08, (prompt, step, slots, span, m, f)
+        if (prompt, slots) == (96, 48):  # the case the model is for: the first tokens find less
+            assert measured[:4].mean() < measured[gen - 10 :].mean() - 0.1
 
 
 def test_compare_reads_the_miss_rate_or_older_forecasts_hit_rate():
