@@ -809,9 +809,9 @@ def convert_gguf(
     if c.split_experts is not None:
         return _convert_llama(g, c, out, calibration_tokens, progress)
     write = {
-        "qwen3moe": _convert_qwen3moe,
+        "qwen3moe": _convert_qk_norm_moe,
         "qwen3next": _convert_qwen3next,
-        "olmoe": _convert_olmoe,
+        "olmoe": _convert_qk_norm_moe,
         "glm4moe": _convert_glm4moe,
         "deepseek2": _convert_deepseek2,
         "gpt-oss": _convert_gpt_oss,
@@ -1452,9 +1452,11 @@ def _qwen3moe_config(g: _Gguf) -> tuple[dict[str, Any], list[int], set[str]]:
     return cfg, list(range(L)), _check_shapes(g, cfg, per_layer)
 
 
-def _convert_qwen3moe(
+def _convert_qk_norm_moe(
     g: _Gguf, c: GgufConfig, out: Path, calibration_tokens: int, progress: bool
 ) -> Path:
+    """qwen3moe and olmoe: the same tensors (q/k norms per head in qwen3moe, over the whole
+    projection in olmoe: their shapes are the config's, checked by _check_shapes)."""
     cfg, L = c.config, c.config["num_hidden_layers"]
     dense = DenseWriter(c.dtype)
     _add_embeddings(dense, g, cfg)
@@ -1463,7 +1465,7 @@ def _convert_qwen3moe(
         _add_layer_norms(dense, g, i, "ffn_norm")
         _add_norm(dense, g, f"blk.{i}.attn_q_norm.weight", f"{pre}.self_attn.q_norm.weight")
         _add_norm(dense, g, f"blk.{i}.attn_k_norm.weight", f"{pre}.self_attn.k_norm.weight")
-        # qwen3moe is a NeoX-rotary architecture in llama.cpp: q/k rows are not permuted.
+        # NeoX-rotary architectures in llama.cpp: q/k rows are not permuted.
         _add_attention(dense, g, i, pre)
         dense.add(f"{pre}.mlp.gate", g.tensor(f"blk.{i}.ffn_gate_inp.weight"), quantize=False)
     return _convert_moe(g, c, out, dense, calibration_tokens, progress)
@@ -1505,22 +1507,6 @@ def _olmoe_config(g: _Gguf) -> tuple[dict[str, Any], list[int], set[str]]:
         }
 
     return cfg, list(range(L)), _check_shapes(g, cfg, per_layer)
-
-
-def _convert_olmoe(
-    g: _Gguf, c: GgufConfig, out: Path, calibration_tokens: int, progress: bool
-) -> Path:
-    cfg, L = c.config, c.config["num_hidden_layers"]
-    dense = DenseWriter(c.dtype)
-    _add_embeddings(dense, g, cfg)
-    for i in range(L):
-        pre = f"model.layers.{i}"
-        _add_layer_norms(dense, g, i, "ffn_norm")
-        _add_norm(dense, g, f"blk.{i}.attn_q_norm.weight", f"{pre}.self_attn.q_norm.weight")
-        _add_norm(dense, g, f"blk.{i}.attn_k_norm.weight", f"{pre}.self_attn.k_norm.weight")
-        _add_attention(dense, g, i, pre)  # a NeoX-rotary architecture: rows not permuted
-        dense.add(f"{pre}.mlp.gate", g.tensor(f"blk.{i}.ffn_gate_inp.weight"), quantize=False)
-    return _convert_moe(g, c, out, dense, calibration_tokens, progress)
 
 
 def _mixtral_config(g: _Gguf) -> tuple[dict[str, Any], list[int], set[str]]:
