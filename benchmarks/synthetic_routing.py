@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from strata_mlx.convert.synthetic import RECIPES, Recipe, build_synthetic, synthetic_config
-from strata_mlx.plan import smoothed_shares
+from strata_mlx.plan import hit_probability, smoothed_shares
 from strata_mlx.store import PROJECTIONS
 
 
@@ -138,11 +138,11 @@ def measure(args) -> None:
         k = true.shape[1]
         a, m = before[l]
         prof = np.bincount(true[: args.profile_tokens].ravel(), minlength=syn.num_experts)
-        p = np.clip(smoothed_shares(prof[None])[0] * k, 0, 1 - 1e-12)
+        p = np.clip(smoothed_shares(prof[None])[0] * k, 0, 1)
         row = {
             "layer": l,
             "distinct": len(np.unique(true)),
-            "plan": float(np.sum(-np.expm1(np.log1p(-p) * len(true)))),
+            "plan": float(np.sum(hit_probability(p, len(true)))),
             "seen": int((prof > 0).sum()),
             "moe/h": float(np.mean(np.linalg.norm(m, axis=1) / np.linalg.norm(a, axis=1))),
         }

@@ -521,23 +521,19 @@ def decode_hits(
     its last min(t, g*) tokens (g*: decode's LRU reuse gap), or if the prefill left it and it
     has not been pushed out: once decode has brought in more items than the arena had free,
     the prefill's items go, oldest first (taken as evenly spread)."""
-    lp = np.log1p(-np.minimum(p, 1 - 1e-12))
-    lp_layers = lp.reshape(layers, -1)
-    left = np.zeros_like(lp_layers)
+    p_layers = p.reshape(layers, -1)
+    left = np.zeros_like(p_layers)
     room = float(slots)
     sizes = [min(step, prompt - c) for c in range(0, max(prompt, 0), step)]
-    for tokens in reversed(sizes):
-        q = -np.expm1(lp_layers * tokens)
-        for l in reversed(range(layers)):
-            add = q[l] * (1 - left[l])
-            total = float(add.sum())
-            if total <= 0:
-                continue
-            f = min(1.0, room / total)
-            left[l] += f * add
-            room -= f * total
-            if room <= 1e-9:
-                break
+    newest_first = ((tokens, l) for tokens in reversed(sizes) for l in reversed(range(layers)))
+    for tokens, l in newest_first:
+        add = hit_probability(p_layers[l], tokens) * (1 - left[l])
+        total = float(add.sum())
+        if total <= 0:
+            continue
+        f = min(1.0, room / total)
+        left[l] += f * add
+        room -= f * total
         if room <= 1e-9:
             break
     left = left.reshape(-1)
@@ -546,8 +542,8 @@ def decode_hits(
     g_star = reuse_gap(p, slots, max(gen, 1))
     out = np.empty(gen)
     for t in range(gen):
-        own = -np.expm1(lp * min(t, g_star))
-        new = float(np.sum(-np.expm1(lp * t) * (1 - left)))
+        own = hit_probability(p, min(t, g_star))
+        new = float(np.sum(hit_probability(p, t) * (1 - left)))
         kept = min(max(1 - max(new - free, 0.0) / held, 0.0), 1.0) if held > 0 else 0.0
         hit = 1 - (1 - own) * (1 - left * kept)
         out[t] = float(np.sum(p * hit) / np.sum(p))

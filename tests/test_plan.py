@@ -133,7 +133,7 @@ def test_experts_calibration_never_saw_still_count_in_a_longer_chunk():
     # no expert calibration missed outranks one it saw once
     assert shares[counts == 0].max() <= shares[counts == 1].min() + 1e-12
     p = np.clip(shares * k, 0, 1)
-    forecast = np.sum(-np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * 1024), axis=1).mean()
+    forecast = np.sum(plan.hit_probability(p, 1024), axis=1).mean()
     truth = np.mean([len(np.unique(tokens(1024))) for _ in range(4)])
     seen = (counts > 0).sum(axis=1).mean()
     uniform = E * -np.expm1(np.log1p(-k / E) * 1024)
