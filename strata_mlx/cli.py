@@ -621,7 +621,7 @@ def convert(
     if synthetic is not None:
         from .convert.synthetic import Recipe
 
-        Recipe.named(recipe)  # a bad name is refused before any output is touched
+        flags["recipe"] = Recipe.named(recipe)  # a bad name: refused before any output
     from .convert.common import check_output, overwriting
 
     check_output(mlx_path, *(s for s in (hf_path, gguf_path) if s), overwrite=overwrite)
@@ -677,7 +677,7 @@ def _convert(hf_path, gguf_path, synthetic, mlx_path, flags: dict) -> Path:
             calibration_tokens=flags["calibration_tokens"],
         )
     else:
-        from .convert.synthetic import Recipe, convert_synthetic, synthetic_config
+        from .convert.synthetic import convert_synthetic, synthetic_config
 
         config = synthetic_config(synthetic)
         for item in flags["set_"] or []:
@@ -699,7 +699,7 @@ def _convert(hf_path, gguf_path, synthetic, mlx_path, flags: dict) -> Path:
             seed=flags["seed"],
             calibration_tokens=flags["calibration_tokens"],
             dtype=flags["dtype"] or "float16",
-            recipe=Recipe.named(flags["recipe"]),
+            recipe=flags["recipe"],
         )
     return out
 
