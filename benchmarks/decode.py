@@ -81,13 +81,18 @@ def set_mode(model, mode: str) -> None:
     if name == "sync":
         model.decoder = None
     elif name == "layers":
-        model.decoder = PipelinedDecoder(model, int(n or 1), token_below=0.0)
+        lag, _, chunk = (n or "1").partition(":")  # layers:LAG[:CHUNK]
+        model.decoder = PipelinedDecoder(
+            model, int(lag), token_below=0.0, layers_chunk=int(chunk or 1)
+        )
     elif name == "token":
         model.decoder = PipelinedDecoder(model, sync_above=1.0, token_below=1.0, chunk=int(n or 4))
     elif name == "adaptive":
         model.decoder = PipelinedDecoder(model)
     else:
-        raise SystemExit(f"unknown mode {mode!r}: sync | layers:LAG | token:CHUNK | adaptive")
+        raise SystemExit(
+            f"unknown mode {mode!r}: sync | layers:LAG[:CHUNK] | token:CHUNK | adaptive"
+        )
 
 
 def main() -> None:

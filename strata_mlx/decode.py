@@ -21,10 +21,12 @@ A token runs in one of three ways, chosen from the running share of decode layer
     built too (`Step` / `finish`), so the host builds token t+1 while the device computes
     token t, as mlx-lm's generate_step does. A miss discards both and recomputes from the
     missed layer. No read-ahead is issued in this mode.
-  - "layers" (up to `sync_above`, or whenever decode lookahead predicts): each layer is
-    submitted on its own and verified `lag` layers later, while the device computes the ones
-    after it; a miss costs at most `lag` + 1 layers of recomputation plus its read, and the
-    lookahead reads of layer l + lag + 1 go in while layer l's successors compute.
+  - "layers" (up to `sync_above`, or whenever decode lookahead predicts): layers are
+    submitted `layers_chunk` at a time (default 1) and each is verified `lag` layers later,
+    while the device computes the ones after it; a miss costs at most `lag` + 1 layers of
+    recomputation plus its read, and the lookahead reads of layer l + lag + 1 go in while
+    layer l's successors compute. With `lag` >= `layers_chunk` - 1 every check reads a layer
+    already submitted (a smaller lag is exact too, its checks evaluate the layer themselves).
   - "sync" (above `sync_above`): the per-layer handshake (measured break-even,
     docs/decisions.md); its misses keep the running rate current, so pipelining resumes.
 
@@ -72,11 +74,13 @@ class PipelinedDecoder:
         sync_above: float = 0.3,
         token_below: float = 0.02,
         chunk: int = 4,
+        layers_chunk: int = 1,
     ):
         if lag < 0:
             raise ValueError(f"decode lag must be >= 0, got {lag}")
-        if chunk < 1:
-            raise ValueError(f"decode chunk must be >= 1, got {chunk}")
+        for name, v in (("decode_chunk", chunk), ("decode_layers_chunk", layers_chunk)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
         for name, v in (("decode_sync_above", sync_above), ("decode_token_below", token_below)):
             if not 0 <= v <= 1:
                 raise ValueError(f"{name} must lie in [0, 1], got {v}")
@@ -86,6 +90,7 @@ class PipelinedDecoder:
         self.sync_above = sync_above
         self.token_below = token_below
         self.chunk = chunk
+        self.layers_chunk = layers_chunk
         inner = model.model
         self.embed = inner.embed_tokens
         self.norm = inner.norm
@@ -161,7 +166,7 @@ class PipelinedDecoder:
         ec = self.expert_cache
         n = len(self.layers)
         lag = self.lag if step.mode == "layers" else n
-        chunk = 1 if step.mode == "layers" else self.chunk
+        chunk = self.layers_chunk if step.mode == "layers" else self.chunk
         lookahead = step.mode == "layers"  # "token" mode checks too late for a prediction
         outs: list[mx.array] = []
         while True:

@@ -103,6 +103,7 @@ class RuntimeConfig:
     # pipelined: whole tokens, overlapped with the next one's build, while fewer layers miss
     decode_token_below: float = 0.02
     decode_chunk: int = 4  # pipelined "token" mode: layers submitted to the device at once
+    decode_layers_chunk: int = 1  # pipelined "layers" mode: the same
     experts_per_token: int | None = None  # None: the store's; else every MoE block's top-k
     moce_bonus: float = 0.0  # cache-aware routing: bonus on resident experts' logits (decode)
     # Research hooks on the expert cache: dump(layer, x, ids, scores, y) gets every MoE
@@ -328,7 +329,12 @@ def load(
             block.top_k = cfg.experts_per_token
     model.decoder = (
         PipelinedDecoder(
-            model, cfg.decode_lag, cfg.decode_sync_above, cfg.decode_token_below, cfg.decode_chunk
+            model,
+            cfg.decode_lag,
+            cfg.decode_sync_above,
+            cfg.decode_token_below,
+            cfg.decode_chunk,
+            cfg.decode_layers_chunk,
         )
         if cfg.decode == "pipelined"
         else None

@@ -118,6 +118,7 @@ def check_runtime(cfg, cli: bool = False) -> None:
     check_number("decode_sync_above", cfg.decode_sync_above, 0, 1, cli=cli)
     check_number("decode_token_below", cfg.decode_token_below, 0, 1, cli=cli)
     check_int("decode_chunk", cfg.decode_chunk, 1, 1 << 10, cli=cli)
+    check_int("decode_layers_chunk", cfg.decode_layers_chunk, 1, 1 << 10, cli=cli)
     if cfg.experts_per_token is not None:
         check_int("experts_per_token", cfg.experts_per_token, 1, 1 << 20, cli=cli)
     check_number("moce_bonus", cfg.moce_bonus, 0, cli=cli)

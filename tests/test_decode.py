@@ -28,13 +28,17 @@ def decode(model, ids, n=10, **kw):
     return [t for t, _ in out], np.stack([lp for _, lp in out])
 
 
-# Pipelined variants, each forced into one mode: "layers" (checked `lag` layers late) never
-# runs whole tokens; "token" always does (each token verified after the next one is built,
+# Pipelined variants, each forced into one mode: "layers" (checked `lag` layers late,
+# `layers_chunk` submitted at a time) never runs whole tokens; "token" always does (each token verified after the next one is built,
 # a miss discards both), with `chunk` layers submitted at a time.
 VARIANTS = {
     "layers-lag0": dict(decode_lag=0, decode_token_below=0.0),
     "layers-lag2": dict(decode_lag=2, decode_token_below=0.0),
     "layers-lag5": dict(decode_lag=5, decode_token_below=0.0),
+    # Layers submitted three at a time, checked two late (each check reads a submitted layer)
+    # or one late (a check evaluates layers not yet submitted itself).
+    "layers-chunk3-lag2": dict(decode_lag=2, decode_token_below=0.0, decode_layers_chunk=3),
+    "layers-chunk3-lag1": dict(decode_lag=1, decode_token_below=0.0, decode_layers_chunk=3),
     "token-chunk1": dict(decode_token_below=1.0, decode_sync_above=1.0, decode_chunk=1),
     "token-chunk3": dict(decode_token_below=1.0, decode_sync_above=1.0, decode_chunk=3),
     "adaptive": dict(),
@@ -93,8 +97,9 @@ class HoldingReader:
         return getattr(self._reader, name)
 
 
+@pytest.mark.parametrize("lag,chunk", [(1, 1), (2, 3)])
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
-def test_a_read_held_back_mid_token_recomputes_exactly(store, family):
+def test_a_read_held_back_mid_token_recomputes_exactly(store, family, lag, chunk):
     path = store(family)
     ids = prompt_ids(24, seed=12)
     gb = arena_for(path, 0.5)
@@ -104,7 +109,12 @@ def test_a_read_held_back_mid_token_recomputes_exactly(store, family):
     # The sync scheduler collects completions only through the reader's own calls, which
     # the holding reader intercepts (the loop's would arrive through its pipe regardless).
     model, _ = strata_mlx.load(
-        path, arena_gb=gb, read_ahead="lookahead", decode_lag=1, scheduler="sync"
+        path,
+        arena_gb=gb,
+        read_ahead="lookahead",
+        decode_lag=lag,
+        decode_layers_chunk=chunk,
+        scheduler="sync",
     )
     ec = model.expert_cache
     ec.reader = HoldingReader(ec.reader)
