@@ -233,5 +233,35 @@ r10a)  # next session: plan against bench with plan's decode changes (decode_hit
     plan_vs_bench "$OUT/plan12-g$g.json" "$OUT/bench12-g$g.json" | tee "$OUT/plan-vs-bench12-g$g.log"
   done
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a"; exit 2;;
+r10b)  # next session: the first wave's store at 6.5 GB, "layers" mode submitted in chunks
+  # (decode_layers_chunk) against layers:1, token:4 and adaptive (issue 17's 2x, miss cost)
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  OLDS=/root/strata-old
+  [ -f "$OLDS/manifest.json" ] || python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --recipe before-issue-17 --mlx-path "$OLDS" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -1
+  timeout 300 python3 benchmarks/decode.py "$OLDS" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
+     --policies demand:sync --modes adaptive,layers:1,layers:2:2,layers:4:4,layers:7:4,token:4 \
+     --rounds 1 --json "$OUT/decode-old-chunks.json" 2>&1 | tee "$OUT/decode-old-chunks.log"
+  timeout 150 python3 benchmarks/decode.py "$OLDS" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
+     --policies lookahead:loop --modes adaptive,layers:4:4,layers:7:4 --rounds 1 \
+     --json "$OUT/decode-old-chunks-la.json" 2>&1 | tee "$OUT/decode-old-chunks-la.log"
+  ;;
+r10c)  # next session: every expert resident, the same modes beside mlx-lm (issue 17's 1.15x)
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  [ -f /root/strata-synth/manifest.json ] || python3 -m strata_mlx convert --synthetic \
+     qwen3-next-80b-a3b --mlx-path /root/strata-synth --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -1
+  timeout 400 python3 benchmarks/decode.py /root/strata-synth -p 2048 -g 128 --rounds 2 \
+     --modes token:4,layers:1,layers:4:4,layers:7:4,adaptive \
+     --json "$OUT/decode-resident-chunks.json" 2>&1 | tee "$OUT/decode-resident-chunks.log"
+  ;;
+r10d)  # next session: issue 10's chunk 2048 (one cold chunk of the 2048-token prompt)
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  python3 -m strata_mlx probe-ssd /root/strata-synth/experts.bin --record-bytes 983040 --seconds 2 \
+     | tee "$OUT/probe-2048.log"
+  timeout 400 python3 -m strata_mlx bench --model /root/strata-synth -p 2048 -g 16 --arena-gb 6.5 \
+     --prefill-step-size 2048 --io-workers 16 \
+     --policies lookahead:loop,lookahead:sync:d1,static:loop \
+     --json "$OUT/bench-2048.json" 2>&1 | tee "$OUT/bench-2048.log"
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10c|r10d"; exit 2;;
 esac
