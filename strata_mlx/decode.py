@@ -10,7 +10,8 @@ later against the row it was built with:
     (token, expert) pair from its slot, the same arithmetic as the sync path);
   - one was not: the device is drained (what was computed after it is discarded), the KV /
     recurrent state of those layers is rolled back, and the layer is computed again with the
-    sync handshake (its misses become urgent reads that it waits for, as SPEC asks); decoding
+    sync handshake (its misses are urgent reads that it waits for, as SPEC asks; they were
+    submitted when the check found them, so they land while the device drains); decoding
     goes on pipelined from the next layer.
 
 A token runs in one of three ways, chosen from the running share of decode layers that missed
@@ -140,7 +141,7 @@ class PipelinedDecoder:
         exact = True
         while step.pending:
             j, d = step.pending.pop(0)
-            if ec.check_deferred(d):
+            if ec.check_deferred(d, alone=later is None):
                 continue
             if later is not None:
                 self.discard(later)

@@ -318,19 +318,28 @@ class ExpertCache:
         with self.sched.lock:
             self.sched.busy_layers.clear()
 
-    def check_deferred(self, d: Deferred) -> bool:
+    def check_deferred(self, d: Deferred, alone: bool = True) -> bool:
         """Wait for layer `d.layer`'s routing (only it: later layers keep computing) and say
-        whether every expert it chose was resident when its computation was built."""
+        whether every expert it chose was resident when its computation was built. `alone`:
+        nothing is in flight beyond this token's own later layers (no token built on top)."""
         st, sched = self.stats, self.sched
         t0 = time.perf_counter()
         ids = np.array(d.inds).reshape(-1, d.inds.shape[-1])
         t1 = time.perf_counter()
         st.route_sync_s += t1 - t0
-        # This layer's routing is known, so every layer before it has finished computing.
-        with sched.lock:
-            busy = sched.busy_layers
-            busy.difference_update([l for l in busy if l < d.layer])
+        if alone:
+            # This layer's routing is known, so every layer before it has finished computing
+            # (a token built on top would still be reading those layers' slots).
+            with sched.lock:
+                busy = sched.busy_layers
+                busy.difference_update([l for l in busy if l < d.layer])
         if (d.row[ids] < 0).any():
+            if alone:
+                # The misses' reads go in now, into slots of no layer still computing, so
+                # they land while the device drains what was built after this layer.
+                absent = np.unique(ids[sched.row(d.layer)[ids] < 0]).tolist()
+                sched.start_misses(d.layer, absent, sched.busy_layers)
+            st.host_s += time.perf_counter() - t1
             return False
         needed = np.unique(ids)
         st.lookups += needed.size

@@ -89,6 +89,7 @@ class Scheduler:
         self._rows: dict[int, tuple[np.ndarray, mx.array]] = {}
         self._dirty: set[int] = set(self._pos)
         self.busy_layers: set[int] = set()  # layers computing on the device (pipelined decode)
+        self.early: set[Key] = set()  # misses read before their claim (start_misses)
 
     # ---- what the handshake asks -------------------------------------------------------
 
@@ -121,14 +122,22 @@ class Scheduler:
             for e in needed:
                 key = (layer, e)
                 tag = self.tag_of.get(key)
-                if tag is not None:  # read-ahead in flight: promote it
-                    st.streamed_ahead += 1
+                early = key in self.early  # a miss whose read started before this claim
+                if early:
+                    self.early.discard(key)
+                    st.misses += 1
+                if tag is not None:  # in flight: read-ahead is promoted
+                    if not early:
+                        st.streamed_ahead += 1
                     self.reads[tag].layer_wanted = True
                     waits.append(tag)
                     urgent.append(tag)
                 elif self.arena.resident(key):
-                    self.count_hit(key)
-                else:
+                    if early:
+                        self.arena.touch(key)
+                    else:
+                        self.count_hit(key)
+                else:  # (an early read evicted since is no longer in `early`)
                     missed.append(key)
                     continue
                 # Pinned before the misses are given slots: none of them may evict this one.
@@ -173,6 +182,26 @@ class Scheduler:
             if reqs:
                 self.reader.submit(reqs, True)
             return [r[0] for r in reqs]
+
+    def start_misses(self, layer: int, experts: list[int], protect: set[int]) -> None:
+        """Urgent reads of `layer`'s absent `experts`, started before the handshake that
+        will claim (and count) them, into slots of no layer in `protect`; as many as there
+        are such slots (the handshake reads the rest)."""
+        with self.lock:
+            reqs = []
+            for e in experts:
+                key = (layer, e)
+                if key in self.tag_of or key in self.arena.slot_of:
+                    continue
+                got = self.arena.allocate(key, protect)
+                if got is None:
+                    break
+                slot, victim = got
+                self._evicted(victim)
+                reqs.append(self._start_read(key, slot, urgent=True))
+                self.early.add(key)
+            if reqs:
+                self.reader.submit(reqs, True)
 
     def read_ahead(
         self,
@@ -266,6 +295,7 @@ class Scheduler:
             return
         self.table[self._pos[key[0]], key[1]] = -1
         self._dirty.add(key[0])
+        self.early.discard(key)
         if key in self.prefetched:
             self.prefetched.discard(key)
             self.stats.wasted_readahead += 1

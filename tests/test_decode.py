@@ -164,3 +164,52 @@ def test_decode_falls_back_to_sync_while_most_layers_miss(store):
     (tokens, lp), recomputed = runs[0.3]
     assert tokens == tokens_always and np.array_equal(lp, lp_always)
     assert recomputed < recomputed_always
+
+
+def test_a_token_built_on_top_keeps_its_layers_busy(store):
+    """Checking token t while t + 1 is in flight must not release the slots of t + 1's layers
+    to read-ahead (the loop's top-up may run at any moment): only a token with nothing built
+    on top releases the layers before the one it checks."""
+    path = store("qwen3_next")
+    model, _ = strata_mlx.load(
+        path, arena_gb=arena_for(path, 1.0), read_ahead="demand", **VARIANTS["token-chunk3"]
+    )
+    ec, dec = model.expert_cache, model.decoder
+    cache = model.make_cache()
+    mx.eval(model(mx.array([prompt_ids(16, seed=16)]), cache=cache))
+    layers = set(ec.layers)
+    step = dec.start(mx.array([[3]]), cache)
+    later = dec.start(mx.array([[5]]), cache)
+    assert dec.finish(step, later)  # every expert resident: nothing missed
+    assert ec.sched.busy_layers >= layers  # `later` is in flight, every one of its layers
+    dec.finish(later)
+    assert not ec.sched.busy_layers & {l for l in layers if l < max(layers)}
+    ec.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_a_miss_found_in_layers_mode_starts_its_reads_before_the_drain(store, family):
+    """In "layers" mode a miss's urgent reads are submitted as soon as the check finds it,
+    and the sync handshake that recomputes the layer claims them as misses (not read-ahead,
+    nor hits if they landed first); outputs equal the sync path's."""
+    path = store(family)
+    ids = prompt_ids(24, seed=17)
+    gb = arena_for(path, 0.25)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead="demand")
+    ref = decode(sync, ids, 12)
+    model, _ = strata_mlx.load(path, arena_gb=gb, read_ahead="demand", **VARIANTS["layers-lag2"])
+    ec = model.expert_cache
+    started = []
+    real = ec.sched.start_misses
+    ec.sched.start_misses = lambda layer, es, protect: (
+        started.append(len(es)),
+        real(layer, es, protect),
+    )
+    tokens, lp = decode(model, ids, 12)
+    assert tokens == ref[0] and np.array_equal(lp, ref[1])
+    assert sum(started) > 0 and ec.stats.recomputed_layers > 0
+    # Demand reads nothing ahead: every record read is a miss, counted once, early or not.
+    assert ec.stats.misses == ec.stats.experts_read
+    assert ec.stats.streamed_ahead == 0
+    ec.close()
+    sync.expert_cache.close()
