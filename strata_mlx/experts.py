@@ -364,10 +364,21 @@ class ExpertCache:
 
     def _compute_fake(self, layer, x, inds, ids, needed) -> mx.array:
         # Compute alone: the experts' bytes are whatever the first slots hold (zeros or stale
-        # records), so outputs are meaningless but the work is the same.
-        slots = [i % self.arena.n_slots for i in range(len(needed))]
+        # records), so outputs are meaningless but the work is the same, expert-major groups
+        # included when the layer needs more experts than the arena has slots (_run_groups).
+        n = self.arena.n_slots
+        slots = [i % n for i in range(len(needed))]
         self.stats.hits += len(needed)
-        return self._compute(layer, x, ids, inds.shape, needed, slots)
+        if len(needed) <= n:
+            return self._compute(layer, x, ids, inds.shape, needed, slots)
+        y = None
+        for g in range(0, len(needed), n):
+            self.stats.groups += 1
+            yg = self._compute(layer, x, ids, inds.shape, needed, slots)
+            member = np.isin(ids, needed[g : g + n]).reshape(*inds.shape, 1)
+            y = yg if y is None else mx.where(mx.array(member), yg, y)
+            mx.eval(y)
+        return y
 
     def _run_groups(self, layer, x, inds, ids, needed) -> mx.array:
         """Expert-major groups: each group is made resident, computed with the full batch shape

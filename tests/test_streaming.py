@@ -209,3 +209,18 @@ def test_fake_stream_reads_nothing(store):
     teacher_forced_logits(model, prompt_ids(16), 16)
     assert model.expert_cache.stats.experts_read == 0
     assert model.expert_cache.stats.lookups > 0
+
+
+def test_fake_stream_computes_the_same_groups(store):
+    """Compute alone is the compute a run does at that arena: a layer that needs more experts
+    than the arena has slots runs in the same expert-major groups (bench's and plan's floor)."""
+    path = store(FAMILY)
+    runs = []
+    for fake in (False, True):
+        model, _ = strata_mlx.load(
+            path, arena_gb=arena_gb(path, 0.05), fake_stream=fake, read_ahead="demand"
+        )
+        teacher_forced_logits(model, prompt_ids(16), 16)
+        runs.append(model.expert_cache.stats.groups)
+        model.expert_cache.close()
+    assert runs[0] > 0 and runs[1] == runs[0]
