@@ -62,7 +62,9 @@ class Step:
         self.pending: list[tuple[int, object]] = []  # (decoder layer, Deferred) unverified
         self.logits: mx.array | None = None
         self.last: mx.array | None = None  # the last array submitted to the device
+        self.tail: mx.array | None = None  # the last layer output built (submitted or not)
         self.built = 0  # layers built (their state written)
+        self.discarded = False
 
 
 class PipelinedDecoder:
@@ -155,6 +157,9 @@ class PipelinedDecoder:
     def discard(self, step: Step) -> None:
         """Undo a token that was built but will not be used: wait for the device to finish
         it (its kernels read slots that a miss is about to refill) and roll its state back."""
+        if step.discarded:  # (an error inside finish, after it discarded `step`)
+            return
+        step.discarded = True
         if step.last is not None:  # (a sync token has no last: it was evaluated layer by layer)
             mx.eval(step.last)
         for c, s in zip(step.cache, step.saved):
@@ -175,6 +180,7 @@ class PipelinedDecoder:
                 step.inputs[i] = h
                 with ec.deferred(lookahead) as deferred:
                     h = self.layers[i](h, None, step.cache[i])
+                step.tail = h
                 step.pending += [(i, d) for d in deferred]
                 outs += [a for d in deferred for a in d.outputs()]
                 i += 1
@@ -206,8 +212,11 @@ class PipelinedDecoder:
         """Layer j missed: drain the device, roll back layers j.. and run j synchronously."""
         ec = self.expert_cache
         t = time.perf_counter()
-        mx.eval(step.last)  # nothing in flight may read a slot that the misses will refill
-        ec.settle()
+        # Nothing in flight may read a slot that the misses will refill: the layers built
+        # but not yet submitted (chunks) too, since their KV writes would run later, when
+        # the rebuilt layers are evaluated on top of them.
+        mx.eval(step.last, step.tail)
+        ec.settle(keep=j)  # layer j's slots stay protected until its handshake pins them
         ec.stats.route_sync_s += time.perf_counter() - t
         ec.stats.recomputed_layers += step.built - j
         step.built = j + 1

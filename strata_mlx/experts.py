@@ -107,6 +107,7 @@ class ExpertCache:
         self._ahead: dict[int, int] = {}  # pipelined lookahead: layer -> layer it predicts
         self._ahead_tags: dict[int, list[int]] = {}  # read-ahead submitted for a layer
         self._pair_index: dict[tuple, mx.array] = {}
+        self._observed: int | None = None  # a failed check fed the miss rate for this layer
 
     # ---- public ----------------------------------------------------------------------
 
@@ -185,6 +186,7 @@ class ExpertCache:
         if self.pipeline is not None:
             return self._run_deferred(layer, x, inds)
         st, sched, pr = self.stats, self.sched, self.predictor
+        observed, self._observed = self._observed, None
         nxt = self._next.get(layer)
         # Lookahead predicts the next `depth` layers, each through its own router on this
         # layer's input; the nearest first.
@@ -218,7 +220,7 @@ class ExpertCache:
 
         misses_before = st.misses
         waits = sched.claim(layer, needed)
-        if self.decoding:
+        if self.decoding and observed != layer:
             pr.observe_decode_layer((st.misses - misses_before) / len(needed))
         self._predict(targets, preds, nxt)
         t2 = time.perf_counter()
@@ -312,11 +314,14 @@ class ExpertCache:
     def _predicts_in_decode(self) -> bool:
         return not self.fake_stream and self.predictor.predicts_in_decode()
 
-    def settle(self) -> None:
+    def settle(self, keep: int | None = None) -> None:
         """The device finished everything built so far (the decoder drained or the token
-        is evaluated): no layer's slots are in use."""
+        is evaluated): no layer's slots are in use (but `keep`'s, about to be recomputed)."""
         with self.sched.lock:
-            self.sched.busy_layers.clear()
+            busy = self.sched.busy_layers
+            busy.clear()
+            if keep is not None:
+                busy.add(keep)
 
     def check_deferred(self, d: Deferred, alone: bool = True) -> bool:
         """Wait for layer `d.layer`'s routing (only it: later layers keep computing) and say
@@ -333,7 +338,14 @@ class ExpertCache:
             with sched.lock:
                 busy = sched.busy_layers
                 busy.difference_update([l for l in busy if l < d.layer])
-        if (d.row[ids] < 0).any():
+        absent_then = d.row[ids] < 0
+        if absent_then.any():
+            # The mode rule sees the layer as it was built (what it recomputes for), not the
+            # recomputing handshake's share, which a read landed meanwhile would make 0.
+            self.predictor.observe_decode_layer(
+                np.unique(ids[absent_then]).size / np.unique(ids).size
+            )
+            self._observed = d.layer
             if alone:
                 # The misses' reads go in now, into slots of no layer still computing, so
                 # they land while the device drains what was built after this layer.
