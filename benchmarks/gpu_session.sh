@@ -242,7 +242,13 @@ r10b)  # next session: the first wave's store at 6.5 GB, "layers" mode submitted
   timeout 300 python3 benchmarks/decode.py "$OLDS" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
      --policies demand:sync --modes adaptive,layers:1,layers:2:2,layers:4:4,layers:7:4,token:4 \
      --rounds 1 --json "$OUT/decode-old-chunks.json" 2>&1 | tee "$OUT/decode-old-chunks.log"
-  timeout 150 python3 benchmarks/decode.py "$OLDS" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
+  ;;
+r10b2)  # right after r10b (the machine keeps the store only while warm): the same with lookahead
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  OLDS=/root/strata-old
+  [ -f "$OLDS/manifest.json" ] || python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --recipe before-issue-17 --mlx-path "$OLDS" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -1
+  timeout 200 python3 benchmarks/decode.py "$OLDS" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
      --policies lookahead:loop --modes adaptive,layers:4:4,layers:7:4 --rounds 1 \
      --json "$OUT/decode-old-chunks-la.json" 2>&1 | tee "$OUT/decode-old-chunks-la.log"
   ;;
@@ -263,5 +269,5 @@ r10d)  # next session: issue 10's chunk 2048 (one cold chunk of the 2048-token p
      --policies lookahead:loop,lookahead:sync:d1,static:loop \
      --json "$OUT/bench-2048.json" 2>&1 | tee "$OUT/bench-2048.log"
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10c|r10d"; exit 2;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d"; exit 2;;
 esac
