@@ -377,39 +377,35 @@ class ExpertCache:
     def _compute_fake(self, layer, x, inds, ids, needed) -> mx.array:
         # Compute alone: the experts' bytes are whatever the first slots hold (zeros or stale
         # records), so outputs are meaningless but the work is the same, expert-major groups
-        # included when the layer needs more experts than the arena has slots (_run_groups).
-        n = self.arena.n_slots
-        slots = [i % n for i in range(len(needed))]
+        # included when the layer needs more experts than the arena has slots.
         self.stats.hits += len(needed)
-        if len(needed) <= n:
-            return self._compute(layer, x, ids, inds.shape, needed, slots)
-        y = None
-        for g in range(0, len(needed), n):
-            self.stats.groups += 1
-            yg = self._compute(layer, x, ids, inds.shape, needed, slots)
-            member = np.isin(ids, needed[g : g + n]).reshape(*inds.shape, 1)
-            y = yg if y is None else mx.where(mx.array(member), yg, y)
-            mx.eval(y)
-        return y
+        if len(needed) > self.arena.n_slots:
+            return self._run_groups(layer, x, inds, ids, needed)
+        slots = [i % self.arena.n_slots for i in range(len(needed))]
+        return self._compute(layer, x, ids, inds.shape, needed, slots)
 
     def _run_groups(self, layer, x, inds, ids, needed) -> mx.array:
         """Expert-major groups: each group is made resident, computed with the full batch shape
         (absent experts' rows borrow a group member's record and are discarded), then evaluated
-        so its slots can be reused. Each kept row is bit-identical to the one-pass result."""
+        so its slots can be reused. Each kept row is bit-identical to the one-pass result.
+        In fake-stream mode the same groups are computed from whatever the slots hold."""
         n = self.arena.n_slots
         y = None
         for g in range(0, len(needed), n):
             group = needed[g : g + n]
             self.stats.groups += 1
-            waits = self.sched.claim(layer, group)
-            t = time.perf_counter()
-            self.sched.wait(waits)
-            self.stats.exposed_wait_s += time.perf_counter() - t
-            with self.sched.lock:
-                gslots = {e: self.arena.slot_of[(layer, e)] for e in group}
-                self.arena.pin(gslots.values())
-            filler = gslots[group[0]]
-            slots = [gslots.get(e, filler) for e in needed]
+            if self.fake_stream:  # compute alone: any slots, nothing read or pinned
+                slots = [i % n for i in range(len(needed))]
+            else:
+                waits = self.sched.claim(layer, group)
+                t = time.perf_counter()
+                self.sched.wait(waits)
+                self.stats.exposed_wait_s += time.perf_counter() - t
+                with self.sched.lock:
+                    gslots = {e: self.arena.slot_of[(layer, e)] for e in group}
+                    self.arena.pin(gslots.values())
+                filler = gslots[group[0]]
+                slots = [gslots.get(e, filler) for e in needed]
             yg = self._compute(layer, x, ids, inds.shape, needed, slots)
             member = np.isin(ids, group).reshape(*inds.shape, 1)
             y = yg if y is None else mx.where(mx.array(member), yg, y)

@@ -188,20 +188,8 @@ class Scheduler:
         will claim (and count) them, into slots of no layer in `protect`; as many as there
         are such slots (the handshake reads the rest)."""
         with self.lock:
-            reqs = []
-            for e in experts:
-                key = (layer, e)
-                if key in self.tag_of or key in self.arena.slot_of:
-                    continue
-                got = self.arena.allocate(key, protect)
-                if got is None:
-                    break
-                slot, victim = got
-                self._evicted(victim)
-                reqs.append(self._start_read(key, slot, urgent=True))
-                self.early.add(key)
-            if reqs:
-                self.reader.submit(reqs, True)
+            tags = self._submit([(layer, e) for e in experts], protect, None, urgent=True)
+            self.early.update(self.reads[t].key for t in tags)
 
     def read_ahead(
         self,
@@ -213,14 +201,14 @@ class Scheduler:
         """Read-ahead for `layer`'s experts in `ranked` order; no victim from a layer in
         `protect` nor in `keep`. Returns the tags submitted."""
         with self.lock:
-            return self._submit_ahead([(layer, e) for e in ranked], protect, keep)
+            return self._submit([(layer, e) for e in ranked], protect, keep)
 
     def reserve(self, keys: list[Key], predicted: set[Key]) -> None:
         """Reads worth making once the next layer's are done, most valuable first. This
         scheduler has no moment between handshakes, so it submits them now."""
         if keys:
             with self.lock:
-                self._submit_ahead(keys, None, None)
+                self._submit(keys, None, None)
 
     def drop_unneeded(self, layer: int, needed: set[int]) -> None:
         """Cancel this layer's queued read-ahead that its routing did not ask for."""
@@ -264,7 +252,10 @@ class Scheduler:
 
     # ---- reads ------------------------------------------------------------------------
 
-    def _submit_ahead(self, keys: list[Key], protect, keep) -> list[int]:
+    def _submit(self, keys: list[Key], protect, keep, urgent: bool = False) -> list[int]:
+        """Reads (read-ahead unless `urgent`) of those of `keys` neither resident nor in
+        flight, in order, into slots whose expert is of no layer in `protect` and not in
+        `keep`, until no such slot is left; their tags."""
         reqs = []
         for key in keys:
             if key in self.tag_of or key in self.arena.slot_of:
@@ -274,10 +265,11 @@ class Scheduler:
                 break  # no slot that may be given up: the rest waits for demand
             slot, victim = got
             self._evicted(victim)
-            reqs.append(self._start_read(key, slot, urgent=False))
+            reqs.append(self._start_read(key, slot, urgent))
         if reqs:
-            self.stats.readahead_submitted += len(reqs)
-            self.reader.submit(reqs, False)
+            if not urgent:
+                self.stats.readahead_submitted += len(reqs)
+            self.reader.submit(reqs, urgent)
         return [r[0] for r in reqs]
 
     def _start_read(self, key: Key, slot: int, urgent: bool) -> tuple:
@@ -405,7 +397,7 @@ class LoopScheduler(Scheduler):
             if key not in self.tag_of and key not in self.arena.slot_of:
                 batch.append(key)
                 room -= 1
-        tags = self._submit_ahead(batch, self.busy_layers, self._predicted)
+        tags = self._submit(batch, self.busy_layers, self._predicted)
         self.stats.topped_up += len(tags)
         if len(tags) < len(batch):  # nothing left that may be evicted for them
             self._next = len(self._reserve)
