@@ -251,6 +251,7 @@ r10b2)  # right after r10b (the machine keeps the store only while warm): the sa
   timeout 200 python3 benchmarks/decode.py "$OLDS" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
      --policies lookahead:loop --modes adaptive,layers:4:4,layers:7:4 --rounds 1 \
      --json "$OUT/decode-old-chunks-la.json" 2>&1 | tee "$OUT/decode-old-chunks-la.log"
+  rm -rf "$OLDS"  # room for r10c's store (64 GiB disk)
   ;;
 r10c)  # next session: every expert resident, the same modes beside mlx-lm (issue 17's 1.15x)
   [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
