@@ -12,6 +12,8 @@ MoE layer:
   set        the chunk-level version: share of layer l+1's distinct experts predicted by any
              token (what bench's streamed-ahead % can reach)
   overlap    per-token share of layer l's expert ids that layer l+1 picks too
+  recall2    the same for layer l+2's router on layer l's input (the handshake's depth 2)
+  union2     what that and layer l+2's router on layer l+1's input find together
   moe/h      norm of the MoE update over the residual it is added to (mean over tokens)
   cos_mu     cosine of the residual with the router's shared direction (popularity skew)
   top64      share of the chunk's picks that go to its 64 most picked experts
@@ -159,6 +161,16 @@ def measure(args) -> None:
             row["recall"] = float(np.mean([len(set(p) & set(q)) / k for p, q in zip(pred, nt)]))
             row["set"] = len(set(pred.ravel()) & set(nt.ravel())) / len(np.unique(nt))
             row["overlap"] = float(np.mean([len(set(p) & set(q)) / k for p, q in zip(true, nt)]))
+        after = layers[layers.index(l) + 2] if layers.index(l) + 2 < len(layers) else None
+        if after is not None:  # layer l+2 from l's input, and with l+1's (the handshake's two)
+            far, _ = blocks[after].route(mx.array(experts.inputs[l]))
+            near, _ = blocks[after].route(mx.array(experts.inputs[nxt]))
+            at = experts.ids[after]
+            row["recall2"] = float(np.mean([len(set(p) & set(q)) / k for p, q in zip(np.array(far), at)]))
+            row["union2"] = float(np.mean([
+                len((set(f) | set(n)) & set(q)) / k
+                for f, n, q in zip(np.array(far), np.array(near), at)
+            ]))
         rows.append(row)
         print(
             "  ".join(
@@ -169,7 +181,8 @@ def measure(args) -> None:
     print(
         f"mean: distinct {mean('distinct'):.0f} (plan {mean('plan'):.0f} from "
         f"{args.profile_tokens} tokens, seen {mean('seen'):.0f}), recall {mean('recall'):.3f}, set "
-        f"{mean('set'):.3f}, overlap {mean('overlap'):.3f}, moe/h {mean('moe/h'):.3f}"
+        f"{mean('set'):.3f}, overlap {mean('overlap'):.3f}, moe/h {mean('moe/h'):.3f}, recall2 "
+        f"{mean('recall2'):.3f}, union2 {mean('union2'):.3f}"
     )
 
     if args.no_zeroing:

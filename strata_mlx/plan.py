@@ -107,6 +107,11 @@ class Compute:
     decode_sync_s: float | None = None  # the per-layer handshake's sync
     handshake_s: float = 0.0  # per decode layer: the handshake's Python, which fake-stream skips
     recall: dict[int, float] = field(default_factory=dict)  # distance -> lookahead's recall
+    # a -> the share of a layer's picks that the predictions from the a layers before it
+    # find together (the sync handshake's, a = min(depth, layers before)); measured, as
+    # guesses from neighbouring layers miss alike (H200 run 9: 68 % streamed ahead of the
+    # absent lookups, where independent guesses at the same recall said 81 %)
+    recall_union: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, c: Compute | tuple[float, float]) -> Compute:
@@ -594,7 +599,7 @@ def measure_compute(
         model.expert_cache.close()
     del model
     prefill_s = sum(c.wall_s for c in run.chunks)
-    handshake_s, recall = measure_real(path, ids, step, decode_tokens, arena_gb)
+    handshake_s, recall, union = measure_real(path, ids, step, decode_tokens, arena_gb)
     return Compute(
         prefill_s / max(tokens, 1),
         run.decode_s / max(decode_tokens, 1),
@@ -602,14 +607,19 @@ def measure_compute(
         per_mode.get("sync"),
         handshake_s=handshake_s,
         recall=recall,
+        recall_union=union,
     )
 
 
-def lookahead_recall(model, ids: list[int], step: int, distances) -> dict[int, float]:
-    """distance d -> the share of a token's top-k at layer l + d that layer l + d's router,
-    applied to layer l's MoE input, picks: what one-token lookahead gets right (decode
-    predicts from the layer before in the per-layer handshake, from `lag + 1` layers before
-    in pipelined "layers" mode). From the prefill of `ids` (one prompt chunk)."""
+def lookahead_recall(
+    model, ids: list[int], step: int, distances, depth: int = 0
+) -> tuple[dict[int, float], dict[int, float]]:
+    """(recall, union). recall: distance d -> the share of a token's top-k at layer l + d that
+    layer l + d's router, applied to layer l's MoE input, picks: what one-token lookahead gets
+    right (decode predicts from the layer before in the per-layer handshake, from `lag + 1`
+    layers before in pipelined "layers" mode). union: a in 1..depth -> the share that the
+    predictions from the a layers before a layer pick together (the sync handshake predicts
+    each layer from up to `depth` before it). From the prefill of `ids` (one prompt chunk)."""
     import mlx.core as mx
 
     cache = model.expert_cache
@@ -624,21 +634,33 @@ def lookahead_recall(model, ids: list[int], step: int, distances) -> dict[int, f
     finally:
         cache.dump = None
     layers = [l for l in cache.layers if l in seen]
-    out = {}
-    for d in distances:
-        hit = total = 0
-        for i, l in enumerate(layers[:-d] if d else []):
-            target = layers[i + d]
-            if target not in cache.routers:
-                continue
-            x, _ = seen[l]
-            pred = np.array(cache.routers[target](x)).reshape(-1, seen[target][1].shape[-1])
-            true = np.array(seen[target][1]).reshape(pred.shape)
-            hit += sum(len(set(p) & set(t)) for p, t in zip(pred.tolist(), true.tolist()))
-            total += true.size
-        if total:
-            out[d] = hit / total
-    return out
+    reach = max([*distances, depth, 0])
+    picks: dict[tuple[int, int], list[set]] = {}  # (target index, d) -> each token's picks
+    for j, target in enumerate(layers):
+        if target not in cache.routers:
+            continue
+        k = seen[target][1].shape[-1]
+        for d in range(1, min(reach, j) + 1):
+            pred = np.array(cache.routers[target](seen[layers[j - d]][0])).reshape(-1, k)
+            picks[j, d] = [set(p) for p in pred.tolist()]
+    truth = {j: np.array(seen[l][1]).reshape(-1, seen[l][1].shape[-1]).tolist()
+             for j, l in enumerate(layers)}
+
+    def share(j: int, ds: range) -> tuple[int, int]:
+        found = [set().union(*g) for g in zip(*(picks[j, d] for d in ds))]
+        return sum(len(f & set(t)) for f, t in zip(found, truth[j])), sum(map(len, truth[j]))
+
+    def mean(pairs) -> float | None:
+        hit, total = map(sum, zip(*pairs)) if pairs else (0, 0)
+        return hit / total if total else None
+
+    recall = {d: mean([share(j, range(d, d + 1)) for j in range(len(layers)) if (j, d) in picks])
+              for d in distances if d > 0}
+    union = {a: mean([share(j, range(1, a + 1)) for j in range(len(layers))
+                      if all((j, d) in picks for d in range(1, a + 1))])
+             for a in range(1, depth + 1)}
+    return ({d: r for d, r in recall.items() if r is not None},
+            {a: u for a, u in union.items() if u is not None})
 
 
 RECALL_TOKENS = 64  # tokens whose routing gives lookahead's recall (each picks k a layer)
@@ -646,10 +668,11 @@ RECALL_TOKENS = 64  # tokens whose routing gives lookahead's recall (each picks 
 
 def measure_real(
     path: Path, ids: list[int], step: int, tokens: int, arena_gb: float
-) -> tuple[float, dict[int, float]]:
+) -> tuple[float, dict[int, float], dict[int, float]]:
     """With the experts' real outputs: seconds of Python per decode layer in the handshake
     (classify, read-ahead, completions; outside its syncs and waits), from a short decode
-    with per-layer sync, and lookahead's recall at each distance it predicts from. Not from
+    with per-layer sync, and lookahead's recall at each distance it predicts from and of the
+    sync handshake's predictions together (lookahead_recall). Not from
     the fake-stream run, whose expert outputs are whatever the slots hold: the hidden states
     there lack the updates that move routing from one layer to the next (H200 run 8: the
     forecast streamed ahead 87 % of the absent lookups on that recall, bench 70 %)."""
@@ -663,10 +686,10 @@ def measure_real(
         run = _run(model, ids[: min(len(ids), step) + 1], tokens, step, "handshake", "-")
         depth = model.runtime.read_ahead.depth
         distances = sorted({*range(1, depth + 1), model.runtime.decode_lag + 1})
-        recall = lookahead_recall(model, ids, min(step, RECALL_TOKENS), distances)
+        recall, union = lookahead_recall(model, ids, min(step, RECALL_TOKENS), distances, depth)
     finally:
         model.expert_cache.close()
-    return run.decode.host_s / max(tokens * n_layers, 1), recall
+    return run.decode.host_s / max(tokens * n_layers, 1), recall, union
 
 
 # A host sync of a layer's routing ids: ~125 us on the H200 under MLX CUDA (SPEC); the
@@ -707,12 +730,15 @@ def decode_forecast(
     depth = cfg.read_ahead.depth
     # Share of a layer's absent lookups some prediction read ahead. The sync handshake predicts
     # layers l+1 .. l+depth from layer l's input, so layer i is predicted from up to `depth`
-    # layers before it (taken as independent guesses); "layers" mode predicts from lag + 1
+    # layers before it (their union measured); "layers" mode predicts from lag + 1
     # layers before, and a layer that missed is recomputed through the sync handshake, which
     # predicts as sync does. The first layers of a token have nothing that far before them.
-    union = np.array(
-        [1 - np.prod([1 - r.get(d, 0.0) for d in range(1, min(depth, i) + 1)]) for i in range(L)]
-    )
+    def union_at(a: int) -> float:  # measured, or (estimates) independent guesses
+        if a in compute.recall_union:
+            return compute.recall_union[a]
+        return 1 - float(np.prod([1 - r.get(d, 0.0) for d in range(1, a + 1)]))
+
+    union = np.array([union_at(min(depth, i)) if i else 0.0 for i in range(L)])
     lag1 = distance["layers"]
     lagged = np.where(np.arange(L) >= lag1, r.get(lag1, 0.0), 0.0)
 

@@ -232,12 +232,20 @@ def test_decode_forecast_follows_the_decoders_modes():
 def test_read_ahead_share_follows_the_distances_the_runtime_predicts_from():
     """With the arena far too small, decode soon runs the sync handshake, which predicts each
     layer from the `depth` (2) layers before it: with recall 0.5 at both distances the four
-    layers are covered 0, 0.5, 0.75, 0.75 (independent guesses), so half of what is absent is
-    read ahead; with distance 1 only, 0, 0.5, 0.5, 0.5."""
+    layers are covered 0, 0.5, 0.75, 0.75 (independent guesses, when the union is not
+    measured), so half of what is absent is read ahead; with distance 1 only, 0, 0.5, 0.5,
+    0.5; with the union measured as no better than one guess (both miss alike), the same."""
     shape = _shape()
     p = plan.pick_probabilities(shape)
-    for recall, share in (({1: 0.5, 2: 0.5}, 0.5), ({1: 0.5}, 0.375)):
-        c = plan.Compute(1e-3, 0.010, 0.020, 0.030, handshake_s=0.0, recall=recall)
+    for recall, union, share in (
+        ({1: 0.5, 2: 0.5}, {}, 0.5),
+        ({1: 0.5}, {}, 0.375),
+        ({1: 0.5, 2: 0.5}, {1: 0.5, 2: 0.5}, 0.375),
+        ({1: 0.5, 2: 0.5}, {1: 0.5, 2: 0.9}, (0.5 + 0.9 + 0.9) / 4),
+    ):
+        c = plan.Compute(
+            1e-3, 0.010, 0.020, 0.030, handshake_s=0.0, recall=recall, recall_union=union
+        )
         d = plan.decode_forecast(shape, _machine(ssd=1e9), c, p, 1, 64, 400, 64)
         hit, ahead, missed = d["shares"]
         assert d["modes"]["sync"] > 0.95 * 400
@@ -433,3 +441,41 @@ def test_gguf_of_an_architecture_convert_refuses_is_one_line(tmp_path):
         plan.model_shape(path)
     msg = str(e.value)
     assert msg.startswith(str(path)) and "'grok'" in msg and "\n" not in msg, msg
+
+
+def test_lookahead_recall_measures_the_union_not_independent_guesses():
+    """lookahead_recall on scripted routing (3 layers, top-2, 2 tokens): recall at each
+    distance, and the union of the predictions from the layers before a layer, counted pick
+    by pick, where two guesses that miss the same expert find no more than one."""
+    import mlx.core as mx
+
+    truth = {0: [[0, 1], [2, 3]], 1: [[0, 1], [2, 3]], 2: [[0, 1], [2, 3]]}
+    # router of layer t on the input of layer s: what it picks for each token
+    picks = {(1, 0): [[0, 5], [2, 5]], (2, 1): [[0, 5], [2, 5]], (2, 0): [[0, 6], [3, 6]]}
+
+    class Cache:
+        layers = [0, 1, 2]
+        dump = None
+
+        def __init__(self):
+            self.routers = {t: (lambda x, t=t: mx.array(picks[t, int(x.item())])) for t in (1, 2)}
+
+    class Model:
+        expert_cache = Cache()
+
+        def make_cache(self):
+            return None
+
+        def __call__(self, ids, cache=None):
+            for layer in self.expert_cache.layers:
+                self.expert_cache.dump(layer, mx.array(layer), mx.array(truth[layer]), None, None)
+
+    recall, union = plan.lookahead_recall(Model(), [1, 2], 2, [1, 2], depth=2)
+    assert recall == {1: 0.5, 2: 0.5}  # layers 1 and 2 from 1 before: 2 of 4; layer 2 from 2
+    # union over layer 2 alone (the only one with two layers before it): {0,5,6} and
+    # {2,3,5,6} find 0, 2 and 3 of 0, 1, 2, 3: 3 of 4, where independent guesses say 0.75 too;
+    # and union at a = 1 is recall at distance 1 over the same layers
+    assert union == {1: 0.5, 2: 0.75}
+    picks[2, 0] = [[0, 5], [2, 5]]  # now both guesses miss alike
+    recall, union = plan.lookahead_recall(Model(), [1, 2], 2, [1, 2], depth=2)
+    assert recall == {1: 0.5, 2: 0.5} and union == {1: 0.5, 2: 0.5}  # independence: 0.75
