@@ -29,6 +29,11 @@ class ExpertStats:
     host_s: float = 0.0  # Python time in the handshake, outside syncs and waits
     groups: int = 0  # expert-major groups run (layers whose experts exceeded the arena)
     recomputed_layers: int = 0  # pipelined decode: layers run again after a miss
+    # pipelined decode: tokens begun in each mode, and those begun while decode predicted
+    token_mode_tokens: int = 0
+    layers_mode_tokens: int = 0
+    sync_mode_tokens: int = 0
+    predicting_tokens: int = 0
     topped_up: int = 0  # read-ahead the scheduler's loop added when the drive ran low
     loop_s: float = 0.0  # time the scheduler's loop thread held the GIL
     compute_s: float = 0.0  # wall time of chunks minus exposed wait (filled by generate)

@@ -160,17 +160,25 @@ def test_decode_falls_back_to_sync_while_most_layers_miss(store):
     path = store("qwen3_next")
     ids = prompt_ids(24, seed=14)
     gb = arena_for(path, 0.05)
-    runs = {}
+    runs, modes = {}, {}
     for sync_above in (1.0, 0.3):
         model, _ = strata_mlx.load(
             path, arena_gb=gb, read_ahead="demand", decode_sync_above=sync_above
         )
-        runs[sync_above] = (decode(model, ids, 12), model.expert_cache.stats.recomputed_layers)
+        st = model.expert_cache.stats
+        runs[sync_above] = (decode(model, ids, 12), st.recomputed_layers)
+        modes[sync_above] = (st.token_mode_tokens, st.layers_mode_tokens, st.sync_mode_tokens)
         assert model.expert_cache.decode_layer_miss_rate > 0.3
+        assert st.predicting_tokens == 0  # demand: nothing predicted
     (tokens_always, lp_always), recomputed_always = runs[1.0]
     (tokens, lp), recomputed = runs[0.3]
     assert tokens == tokens_always and np.array_equal(lp, lp_always)
     assert recomputed < recomputed_always
+    # the stats count the tokens begun in each mode: never sync when sync_above is 1, and
+    # sync for most tokens once the miss rate passes 0.3 (the first ones run "layers": the
+    # rate starts at 0 and climbs 0.02 a layer)
+    assert modes[1.0][2] == 0 and sum(modes[1.0]) >= 11
+    assert modes[0.3][2] > modes[0.3][1] and sum(modes[0.3]) == sum(modes[1.0])
 
 
 def test_a_token_built_on_top_keeps_its_layers_busy(store):
