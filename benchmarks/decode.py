@@ -3,6 +3,7 @@ decode paths (per-layer sync, pipelined at several lags) on the same store and p
 
     python benchmarks/decode.py STORE -p 2048 -g 128 [--arena-gb G] [--policies demand,lookahead]
         [--modes sync,layers:1,token:4,token:8,token:16,adaptive] [--no-baseline] [--rounds 2]
+        [--interleave]
 
 Without --arena-gb every expert is made resident (warm()) and one loaded model per policy
 serves every mode (only the decoder changes). With --arena-gb each (policy, mode) loads afresh, prefills
@@ -69,6 +70,15 @@ def run_mlx_lm(model, ids, gen, step):
     return timed(lm_step(mx.array(ids), model, max_tokens=gen, prefill_step_size=step))
 
 
+def mlx_lm_round(lm, ids, gen, step, r, out, ref):
+    """One timed mlx-lm decode into `out`; its tokens and log-probabilities are the reference
+    (the first round's)."""
+    ms, toks, lps = run_mlx_lm(lm, ids, gen, step)
+    out["runs"].append({"variant": "mlx-lm", "round": r, "ms_per_token": ms})
+    print(f"mlx-lm round {r}: decode {ms:.2f} ms/token", flush=True)
+    return ref or (toks, lps)
+
+
 def run_strata(model, ids, gen, step, on_first=None):
     return timed(generate_step(model, mx.array(ids), gen, make_sampler(0.0), step), on_first)
 
@@ -106,6 +116,12 @@ def main() -> None:
     ap.add_argument("--modes", default="sync,layers:1,token:4,token:8,token:16,adaptive")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="keep mlx-lm's model loaded and run one mlx-lm round before each round of the "
+        "variants (the machine's drift shows in both; needs memory for both models)",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--eviction", default=None, help="the arena's eviction policy (lru, lfu, ...)")
     ap.add_argument("--trace", default=None, help="directory: each variant's routing ids (npz)")
@@ -123,14 +139,12 @@ def main() -> None:
         lm = load_mlx_lm(a.store)
         print(f"mlx-lm model built in {time.perf_counter() - t:.1f} s", flush=True)
         run_mlx_lm(lm, ids[: step + 1], 4, step)  # warm-up: kernels compile
-        for r in range(a.rounds):
-            ms, toks, lps = run_mlx_lm(lm, ids, gen, step)
-            ref = ref or (toks, lps)
-            out["runs"].append({"variant": "mlx-lm", "round": r, "ms_per_token": ms})
-            print(f"mlx-lm round {r}: decode {ms:.2f} ms/token", flush=True)
-        del lm
-        gc.collect()
-        mx.clear_cache()
+        for r in range(0 if a.interleave else a.rounds):
+            ref = mlx_lm_round(lm, ids, gen, step, r, out, ref)
+        if not a.interleave:
+            del lm
+            gc.collect()
+            mx.clear_cache()
 
     policies = a.policies.split(",")
     modes = a.modes.split(",")
@@ -154,6 +168,8 @@ def main() -> None:
             run_strata(resident, ids[: step + 1], 4, step)
             residents[policy] = resident
     for r in range(a.rounds):
+        if a.interleave and not a.no_baseline:
+            ref = mlx_lm_round(lm, ids, gen, step, r, out, ref)
         k = r % len(variants)
         for policy, mode in variants[k:] + variants[:k]:
             if residents:
@@ -217,9 +233,27 @@ def main() -> None:
                 del model, ec
                 gc.collect()
                 mx.clear_cache()
+    summarize(out["runs"])
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
+
+
+def summarize(runs: list[dict]) -> None:
+    """Each variant's median ms/token, and its ratio to mlx-lm's median and (rounds that had
+    an mlx-lm run, --interleave) the median of its per-round ratios."""
+    by: dict[str, dict[int, float]] = {}
+    for row in runs:
+        by.setdefault(row["variant"], {})[row["round"]] = row["ms_per_token"]
+    base = by.get("mlx-lm", {})
+    for variant, ms in by.items():
+        line = f"{variant}: median {np.median(list(ms.values())):.2f} ms/token"
+        if base and variant != "mlx-lm":
+            line += f", x{np.median(list(ms.values())) / np.median(list(base.values())):.2f} mlx-lm"
+            paired = [ms[r] / base[r] for r in ms if r in base]
+            if paired and len(base) == len(ms):
+                line += f" (per round x{np.median(paired):.2f})"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -270,5 +270,23 @@ r10d)  # next session: issue 10's chunk 2048 (one cold chunk of the 2048-token p
      --policies lookahead:loop,lookahead:sync:d1,static:loop \
      --json "$OUT/bench-2048.json" 2>&1 | tee "$OUT/bench-2048.log"
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d"; exit 2;;
+r11a)  # seventh session: every expert resident, mlx-lm interleaved round by round (issue 17's
+  # 1.15x with the machine's drift in both), decoder modes counted
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  [ -f /root/strata-synth/manifest.json ] || /usr/bin/time -f "synthetic store: %e s" python3 -m \
+     strata_mlx convert --synthetic qwen3-next-80b-a3b --mlx-path /root/strata-synth \
+     --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -2 | tee "$OUT/synth.log"
+  timeout 330 python3 benchmarks/decode.py /root/strata-synth -p 2048 -g 128 --rounds 4 \
+     --modes token:4,adaptive --interleave --json "$OUT/decode-interleaved.json" 2>&1 \
+     | tee "$OUT/decode-interleaved.log"
+  ;;
+r11b)  # right after r11a: plan against bench on the full store with plan's measured union
+  timeout 170 python3 -m strata_mlx plan /root/strata-synth -p 2048 -g 32 --prefill-step-size 1024 \
+     --arena-gb 6.5 --json "$OUT/plan.json" 2>&1 | tee "$OUT/plan.log"
+  timeout 170 python3 -m strata_mlx bench --model /root/strata-synth -p 2048 -g 32 --arena-gb 6.5 \
+     --prefill-step-size 1024 --policies lookahead --json "$OUT/bench-plan.json" 2>&1 \
+     | tee "$OUT/bench-plan.log"
+  plan_vs_bench "$OUT/plan.json" "$OUT/bench-plan.json" | tee "$OUT/plan-vs-bench.log"
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b"; exit 2;;
 esac
