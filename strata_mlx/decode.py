@@ -134,8 +134,7 @@ class PipelinedDecoder:
             step.logits = self.model(tokens, cache=cache)
             return step
         if step.mode == "layers":
-            ec.settle()
-            ec.arena.unpin_all()  # the last token is verified and drained: no slot in use
+            ec.settle()  # the last token is verified and drained: no slot in use
         self._build(step, 0, self.embed(tokens))
         return step
 
@@ -223,7 +222,6 @@ class PipelinedDecoder:
         ec.stats.route_sync_s += time.perf_counter() - t
         ec.stats.recomputed_layers += step.built - j
         step.built = j + 1
-        ec.arena.unpin_all()
         for k in range(j, len(step.cache)):
             _restore(step.cache[k], step.saved[k])
         # The sync handshake: urgent reads for the misses, waited for; groups if needed.

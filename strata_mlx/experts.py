@@ -14,7 +14,8 @@ The handshake, per MoE layer (SPEC mechanisms 4 and 5):
   6. the slots are pinned until the next handshake, whose sync proves this layer's compute done.
 
 A forward's output must be evaluated before the next forward starts (as every generation loop
-does): the last layer's slots are released at the next forward's first handshake.
+does): the last layer's slots are released at the next forward's first handshake, or when a
+generation or its decode starts (`idle`).
 
 Results never depend on which slot holds an expert: the records of the layer's distinct
 experts are gathered in expert-id order and computed as one batch, so every arena size,
@@ -41,7 +42,7 @@ import numpy as np
 from . import kernels
 from .arena import Arena
 from .prediction import Predictor, ReadAhead
-from .scheduler import ExpertReadError, make_scheduler
+from .scheduler import CLOSED, ExpertReadError, make_scheduler
 from .stats import ExpertStats, RoutingTrace
 from .store import Manifest
 
@@ -177,12 +178,25 @@ class ExpertCache:
         await asyncio.to_thread(self.sched.wait, tags)
 
     def close(self) -> None:
+        """Stop the scheduler and its reader. Idempotent; a layer run after it (a generation
+        abandoned mid-stream and resumed, or one running on another thread) raises
+        RuntimeError("expert cache is closed"), even where every expert it needs is resident."""
         self.sched.close()
+
+    def idle(self) -> None:
+        """Nothing is computing on the device and nothing built awaits a check (a generation
+        starts, or its decode does): what earlier forwards left goes. Busy layers and pinned
+        slots would only narrow eviction and read-ahead; read-ahead tags kept for a layer not
+        built yet would make it wait for another token's prediction."""
+        self.settle()
+        self._ahead_tags.clear()
 
     # ---- the handshake -----------------------------------------------------------------
 
     def run_layer(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         """Experts of `layer` for x [..., D] routed to inds [..., k] -> [..., k, D]."""
+        if self.sched.closed:
+            raise RuntimeError(CLOSED)
         if self.pipeline is not None:
             return self._run_deferred(layer, x, inds)
         st, sched, pr = self.stats, self.sched, self.predictor
@@ -316,8 +330,10 @@ class ExpertCache:
 
     def settle(self, keep: int | None = None) -> None:
         """The device finished everything built so far (the decoder drained or the token
-        is evaluated): no layer's slots are in use (but `keep`'s, about to be recomputed)."""
+        is evaluated): no slot is in use, neither a handshake's pins nor a pipelined layer's
+        (but `keep`'s, about to be recomputed)."""
         with self.sched.lock:
+            self.arena.unpin_all()
             busy = self.sched.busy_layers
             busy.clear()
             if keep is not None:

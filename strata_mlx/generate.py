@@ -113,7 +113,12 @@ def generate_step(
         or 512
     )
     expert_cache = getattr(model, "expert_cache", None)
+    # Nothing of an earlier generation is in flight (it ended, or was closed and its token
+    # built ahead rolled back), nor of the prefill once its chunks are evaluated: what they
+    # left in the expert cache (busy layers, the last handshake's pins) is released.
+    _idle(expert_cache)
     y = prefill(model, prompt, cache, chunk, on_chunk, kv)
+    _idle(expert_cache)
 
     context = prompt  # the tokens so far, for logits_processors
     if cached_tokens:
@@ -167,6 +172,11 @@ def generate_step(
 def _phase(expert_cache, decoding: bool):
     """The expert cache's prefill or decode phase; nothing for a model without one."""
     return nullcontext() if expert_cache is None else expert_cache.phase(decoding)
+
+
+def _idle(expert_cache) -> None:
+    if expert_cache is not None:
+        expert_cache.idle()
 
 
 class _Done:

@@ -45,6 +45,7 @@ from .stats import ExpertStats
 from .store import EXPERTS, Manifest, StoreError
 
 SCHEDULERS = ("loop", "sync")
+CLOSED = "expert cache is closed"
 
 
 class ExpertReadError(StoreError):
@@ -69,7 +70,8 @@ class Scheduler:
         self.manifest = manifest
         self.record_bytes = manifest.layout.record_bytes
         self.arena = arena
-        self.reader = reader
+        self._reader = reader
+        self.closed = False
         self.verify = verify
         self.lock = threading.RLock()
         self.stats = ExpertStats()
@@ -90,6 +92,18 @@ class Scheduler:
         self._dirty: set[int] = set(self._pos)
         self.busy_layers: set[int] = set()  # layers computing on the device (pipelined decode)
         self.early: set[Key] = set()  # misses read before their claim (start_misses)
+
+    @property
+    def reader(self):
+        """The native reader. Asked for after `close()` (a generation still running, on this
+        thread or another), it raises one line instead of handing out a closed reader."""
+        if self.closed:
+            raise RuntimeError(CLOSED)
+        return self._reader
+
+    @reader.setter
+    def reader(self, value) -> None:
+        self._reader = value
 
     # ---- what the handshake asks -------------------------------------------------------
 
@@ -246,9 +260,14 @@ class Scheduler:
             self.collect(block=True)
 
     def close(self) -> None:
-        if self.reader is not None:
-            self.reader.close()
-            self.reader = None
+        """Stop the reader (reads in flight land first). Idempotent; every request after it
+        raises RuntimeError("expert cache is closed")."""
+        with self.lock:  # after a handshake on another thread has collected its reads
+            if self.closed:
+                return
+            self.closed = True
+            if self._reader is not None:
+                self._reader.close()
 
     # ---- reads ------------------------------------------------------------------------
 
@@ -367,7 +386,7 @@ class LoopScheduler(Scheduler):
         """The reader's pipe is readable: collect and top the queue up."""
         with self.lock:
             t0 = time.perf_counter()
-            if self.reader is None:
+            if self.closed:
                 return
             try:
                 self.reader.ack()  # before polling: a completion after the poll wakes us again
@@ -435,8 +454,7 @@ class LoopScheduler(Scheduler):
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._thread = None
-        with self.lock:
-            super().close()
+        super().close()
 
 
 def make_scheduler(name: str, *args, low_water: int | None = None, **kw) -> Scheduler:

@@ -248,3 +248,40 @@ def test_a_token_discarded_twice_is_rolled_back_once(store):
     dec.discard(later)
     assert [c.offset for c in cache if hasattr(c, "offset")] == offsets
     model.expert_cache.close()
+
+
+def test_a_generation_starts_with_no_slot_in_use(store):
+    """A generation leaves the last layer busy and the last handshake's slots pinned, and its
+    prefill leaves the prompt's last layer pinned: both would only narrow eviction and
+    read-ahead (perf). The next generation's prefill and every first decode token start with
+    no busy layer and no pinned slot, and the tokens are still the sync path's."""
+    path = store("qwen3_next")
+    gb = arena_for(path, 0.5)
+    prompts = [prompt_ids(24, seed=20), prompt_ids(24, seed=21)]
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead="demand")
+    ref = [decode(sync, ids, 8) for ids in prompts]
+    model, _ = strata_mlx.load(path, arena_gb=gb, read_ahead="demand", **VARIANTS["token-chunk3"])
+    ec, dec = model.expert_cache, model.decoder
+    seen = []  # (what started, busy layers, pinned slots) as each handshake or token starts
+    handshake, start = ec.run_layer, dec.start
+
+    def run_layer(layer, x, inds):
+        if ec.pipeline is None:
+            seen.append(("handshake", set(ec.sched.busy_layers), set(ec.arena.pinned)))
+        return handshake(layer, x, inds)
+
+    def start_token(tokens, cache):
+        seen.append(("token", set(ec.sched.busy_layers), set(ec.arena.pinned)))
+        return start(tokens, cache)
+
+    ec.run_layer, dec.start = run_layer, start_token
+    for n, ids in enumerate(prompts):
+        seen.clear()
+        tokens, lp = decode(model, ids, 8)
+        assert tokens == ref[n][0] and np.array_equal(lp, ref[n][1])
+        first_token = next(s for s in seen if s[0] == "token")
+        assert first_token[1:] == (set(), set()), n
+        if n > 0:
+            assert seen[0] == ("handshake", set(), set())  # the prefill's first layer
+    ec.close()
+    sync.expert_cache.close()

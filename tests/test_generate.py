@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
 from conftest import prompt_ids
 
 import strata_mlx
+from strata_mlx.store import load_manifest
 from strata_mlx.tokenizer import StreamingDetokenizer
 
 
@@ -61,3 +66,58 @@ def test_seeded_sampling_repeats(store):
         )
     ]
     assert a == b
+
+
+def quarter_arena_gb(path) -> float:
+    m = load_manifest(path)
+    return m.num_experts * len(m.moe_layers) * m.layout.record_bytes / 4 / 1024**3
+
+
+@pytest.mark.parametrize("scheduler", ["loop", "sync"])
+@pytest.mark.parametrize("resident", [True, False])  # nothing left to read / reads every token
+def test_a_generation_resumed_after_close_fails_with_one_line(store, scheduler, resident):
+    """close() is idempotent; a generation that goes on after it (left at a yield and
+    resumed) raises one line, also when every expert it needs is resident (nothing to read)."""
+    path = store("qwen3_moe")
+    model, _ = strata_mlx.load(
+        path, arena_gb=None if resident else quarter_arena_gb(path), scheduler=scheduler
+    )
+    ec = model.expert_cache
+    if resident:
+        ec.warm()
+    gen = strata_mlx.stream_generate(model, None, prompt_ids(8, seed=19), max_tokens=16)
+    for _ in range(2):
+        next(gen)
+    assert (ec.stats.experts_read == 0) == resident
+    ec.close()
+    ec.close()
+    with pytest.raises(RuntimeError, match="^expert cache is closed$"):
+        next(gen)
+
+
+EXIT_SCRIPT = """
+import sys
+import strata_mlx
+from strata_mlx.generate import stream_generate
+
+abandoned = []  # generators left at a yield, closed by the interpreter's exit
+for close, gb in ((True, None), (True, {gb}), (False, {gb})):
+    model, _ = strata_mlx.load(sys.argv[1], arena_gb=gb)
+    gen = stream_generate(model, None, list(range(8)), 16)
+    for _ in range(2):
+        next(gen)
+    if close:
+        model.expert_cache.close()
+    abandoned.append(gen)
+"""
+
+
+def test_exit_with_an_abandoned_generation_prints_nothing(store):
+    """Generators left at a yield, their expert cache closed or not: the interpreter's exit
+    closes them (rolling back the token built ahead) without a word."""
+    path = store("qwen3_moe")
+    script = EXIT_SCRIPT.format(gb=quarter_arena_gb(path))
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300
+    )
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")

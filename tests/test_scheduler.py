@@ -120,6 +120,23 @@ def test_close_leaves_no_thread_or_descriptor(store):
     assert _fds() <= before_fds
 
 
+@pytest.mark.parametrize("scheduler", ["sync", "loop"])
+def test_a_request_after_close_is_one_line(store, scheduler):
+    """A handshake still running when the cache closes (a generation on another thread, the
+    server shutting down) gets one line from whichever request comes next, not a None's
+    AttributeError; close() twice is once."""
+    path = store(FAMILY)
+    m = load_manifest(path)
+    model, _ = strata_mlx.load(path, arena_gb=0.01, scheduler=scheduler)
+    sched = model.expert_cache.sched
+    sched.close()
+    sched.close()
+    layer = m.moe_layers[0]
+    for request in (lambda: sched.claim(layer, [0, 1]), lambda: sched.read_ahead(layer, [2])):
+        with pytest.raises(RuntimeError, match="^expert cache is closed$"):
+            request()
+
+
 def _corrupt(src, dst) -> None:
     import shutil
 
