@@ -32,9 +32,13 @@ The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts")
     decode_sync_above, else "layers" while lookahead predicts, else
     "token". A token costs that mode's fake-stream decode time (its per-layer routing syncs
     included), plus the handshake's Python per layer (measured in a short real decode), plus
-    the misses' reads at the probe's bandwidth for that many in flight, plus in "layers"
-    mode one synced layer recomputed for each layer that missed; streamed-ahead reads cost
-    only what the layers between prediction and use do not hide.
+    what its absent lookups cost, plus in "layers" mode one synced layer recomputed for each
+    layer that missed. An absent lookup costs what one cost in that short real decode (the
+    token's time beyond compute and handshake over its absent lookups: the drive at the
+    queue depth decode keeps, the predictions read in vain, the device's work on fresh
+    slots); for a target machine, or when that decode read too little, the misses' reads at
+    the probe's bandwidth for that many in flight, and streamed-ahead reads only what the
+    layers between prediction and use do not hide.
 """
 
 from __future__ import annotations
@@ -112,6 +116,11 @@ class Compute:
     # guesses from neighbouring layers miss alike (H200 run 9: 68 % streamed ahead of the
     # absent lookups, where independent guesses at the same recall said 81 %)
     recall_union: dict[int, float] = field(default_factory=dict)
+    # what a decode lookup that was not resident adds to its token, all in: its read at the
+    # queue depth decode keeps, the predictions read in vain around it, the device's and the
+    # host's work for a fresh slot; from a short real decode that reads (measure_real). None:
+    # the reads are costed from the probe's bandwidth alone (estimates, or nothing was read)
+    absent_s: float | None = None
 
     @classmethod
     def of(cls, c: Compute | tuple[float, float]) -> Compute:
@@ -599,15 +608,17 @@ def measure_compute(
         model.expert_cache.close()
     del model
     prefill_s = sum(c.wall_s for c in run.chunks)
-    handshake_s, recall, union = measure_real(path, ids, step, decode_tokens, arena_gb)
+    real = measure_real(path, ids, step, decode_tokens, arena_gb)
+    sync_s = per_mode.get("sync", run.decode_s / max(decode_tokens, 1))
     return Compute(
         prefill_s / max(tokens, 1),
         run.decode_s / max(decode_tokens, 1),
         per_mode.get("layers"),
         per_mode.get("sync"),
-        handshake_s=handshake_s,
-        recall=recall,
-        recall_union=union,
+        handshake_s=real.handshake_s,
+        recall=real.recall,
+        recall_union=real.union,
+        absent_s=real.absent_s(sync_s),
     )
 
 
@@ -664,15 +675,41 @@ def lookahead_recall(
 
 
 RECALL_TOKENS = 64  # tokens whose routing gives lookahead's recall (each picks k a layer)
+# Fewer absent lookups than this in measure_real's decode: too few to say what one costs
+MIN_ABSENT = 32
+
+
+@dataclass
+class RealDecode:
+    """measure_real's findings: per decode layer, the handshake's Python; lookahead's recall
+    (by distance, and the sync handshake's predictions together); and the short decode's
+    seconds a token and lookups a token that were not resident."""
+
+    handshake_s: float
+    recall: dict[int, float]
+    union: dict[int, float]
+    s_per_token: float
+    absent_per_token: float
+    layers: int
+    tokens: int
+
+    def absent_s(self, sync_s: float) -> float | None:
+        """What one absent lookup added to its token beyond `sync_s` (the sync handshake's
+        compute, fake-stream) and the handshake's Python, or None if too few were seen."""
+        if self.absent_per_token * self.tokens < MIN_ABSENT:
+            return None
+        extra = self.s_per_token - sync_s - self.layers * self.handshake_s
+        return extra / self.absent_per_token if extra > 0 else None
 
 
 def measure_real(
     path: Path, ids: list[int], step: int, tokens: int, arena_gb: float
-) -> tuple[float, dict[int, float], dict[int, float]]:
+) -> RealDecode:
     """With the experts' real outputs: seconds of Python per decode layer in the handshake
-    (classify, read-ahead, completions; outside its syncs and waits), from a short decode
-    with per-layer sync, and lookahead's recall at each distance it predicts from and of the
-    sync handshake's predictions together (lookahead_recall). Not from
+    (classify, read-ahead, completions; outside its syncs and waits) and what its absent
+    lookups cost, from a short decode with per-layer sync after a prompt of one chunk, and
+    lookahead's recall at each distance it predicts from and of the sync handshake's
+    predictions together (lookahead_recall). Not from
     the fake-stream run, whose expert outputs are whatever the slots hold: the hidden states
     there lack the updates that move routing from one layer to the next (H200 run 8: the
     forecast streamed ahead 87 % of the absent lookups on that recall, bench 70 %)."""
@@ -689,7 +726,16 @@ def measure_real(
         recall, union = lookahead_recall(model, ids, min(step, RECALL_TOKENS), distances, depth)
     finally:
         model.expert_cache.close()
-    return run.decode.host_s / max(tokens * n_layers, 1), recall, union
+    d, n = run.decode, max(tokens, 1)
+    return RealDecode(
+        d.host_s / max(tokens * n_layers, 1),
+        recall,
+        union,
+        run.decode_s / n,
+        (d.lookups - d.hits) / n,
+        n_layers,
+        n,
+    )
 
 
 # A host sync of a layer's routing ids: ~125 us on the H200 under MLX CUDA (SPEC); the
@@ -777,9 +823,13 @@ def decode_forecast(
         ahead, missed = shares(mode, absent) if predicting else (0.0, absent)
         layer_missed = 1 - (1 - missed) ** k  # a layer with at least one miss
         base = compute.mode_s(mode)
-        cost = base + L * compute.handshake_s + L * read_s(k * missed)
-        # streamed-ahead reads are hidden behind the layers between prediction and use
-        cost += L * max(read_s(k * ahead) - distance[mode] * base / L, 0.0)
+        cost = base + L * compute.handshake_s
+        if compute.absent_s is not None:  # measured: every absent lookup, missed or not
+            cost += L * k * (missed + ahead) * compute.absent_s
+        else:
+            # streamed-ahead reads are hidden behind the layers between prediction and use
+            cost += L * read_s(k * missed)
+            cost += L * max(read_s(k * ahead) - distance[mode] * base / L, 0.0)
         if mode == "layers":  # a layer that missed is drained and recomputed synced
             cost += L * layer_missed * (compute.mode_s("sync") / L + compute.handshake_s)
         total_s += cost

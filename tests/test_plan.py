@@ -479,3 +479,29 @@ def test_lookahead_recall_measures_the_union_not_independent_guesses():
     picks[2, 0] = [[0, 5], [2, 5]]  # now both guesses miss alike
     recall, union = plan.lookahead_recall(Model(), [1, 2], 2, [1, 2], depth=2)
     assert recall == {1: 0.5, 2: 0.5} and union == {1: 0.5, 2: 0.5}  # independence: 0.75
+
+
+def test_a_measured_absent_lookup_cost_replaces_the_probes():
+    """With what an absent lookup cost in plan's short real decode, every token costs its mode's
+    compute, the handshake, and that cost for each lookup not resident (missed or streamed
+    ahead alike), in place of reads costed from the probe; a decode that read too little, or
+    ran no slower than compute, gives no such cost."""
+    shape = _shape()
+    p = plan.pick_probabilities(shape)
+    kw = dict(handshake_s=1e-4, recall={1: 0.5, 2: 0.5}, recall_union={1: 0.5, 2: 0.6})
+    c = plan.Compute(1e-3, 0.010, 0.020, 0.030, absent_s=2e-3, **kw)
+    d = plan.decode_forecast(shape, _machine(ssd=1e9), c, p, 1, 64, 400, 64)
+    hit, ahead, missed = d["shares"]
+    assert d["modes"] == {"layers": d["modes"]["layers"], "sync": d["modes"]["sync"]}
+    # the arena of one slot: sync mode nearly throughout, where nothing is recomputed
+    per_token = 0.030 + 4 * 1e-4 + 4 * 2 * (1 - hit) * 2e-3
+    assert d["s_per_token"] == pytest.approx(per_token, rel=0.02)
+    probe = plan.decode_forecast(
+        shape, _machine(ssd=1e9), plan.Compute(1e-3, 0.010, 0.020, 0.030, **kw), p, 1, 64, 400, 64
+    )
+    assert probe["shares"] == d["shares"] and probe["s_per_token"] < d["s_per_token"]
+
+    real = plan.RealDecode(1e-4, {}, {}, 0.050, 10.0, 4, 8)  # 80 absent lookups in 8 tokens
+    assert real.absent_s(0.030) == pytest.approx((0.050 - 0.030 - 4 * 1e-4) / 10)
+    assert real.absent_s(0.060) is None  # no slower than compute: nothing to attribute
+    assert plan.RealDecode(1e-4, {}, {}, 0.050, 2.0, 4, 8).absent_s(0.030) is None  # 16 seen

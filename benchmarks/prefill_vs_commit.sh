@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Prefill of this checkout against an older commit's, policy by policy, on stores each code
+# converts itself from the same Hugging Face checkpoints (an old commit cannot read today's
+# manifests), the two codes alternating round by round. Run from the repo root, venv active:
+#   bash benchmarks/prefill_vs_commit.sh COMMIT HF_DIR... [-- BENCH ARGS]
+# e.g. bash benchmarks/prefill_vs_commit.sh 36960f5^ /tmp/pvb/hf_qwen3_next /tmp/pvb/hf_qwen3_moe
+# (benchmarks/plan_vs_bench.py leaves those tiny checkpoints in /tmp/pvb). Writes
+# $OUT/{old,new}-NAME-ROUND.json and prints each (store, policy, phase)'s medians.
+set -euo pipefail
+commit=$1; shift
+hf=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do hf+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+args=("$@"); [ ${#args[@]} -gt 0 ] || args=(-p 512 -g 8 --prefill-step-size 128 --arena-gb 0.0001
+  --policies demand,static,lookahead --repeats 2)
+OUT=${OUT:-/tmp/prefill-vs-commit}; ROUNDS=${ROUNDS:-3}; here=$PWD; old=$OUT/tree
+mkdir -p "$OUT"
+[ -d "$old" ] || git worktree add -q --detach "$old" "$commit"
+(cd "$old" && python setup.py build_ext --inplace -q >/dev/null 2>&1)
+for h in "${hf[@]}"; do
+  name=$(basename "$h")
+  for code in old new; do
+    dir=$here; [ $code = old ] && dir=$old
+    [ -f "$OUT/$code-$name/manifest.json" ] || (cd "$dir" && python -m strata_mlx convert \
+      --hf-path "$h" --mlx-path "$OUT/$code-$name" --calibration-tokens 64 >/dev/null 2>&1)
+  done
+done
+for r in $(seq "$ROUNDS"); do
+  for code in old new; do
+    dir=$here; [ $code = old ] && dir=$old
+    for h in "${hf[@]}"; do
+      name=$(basename "$h")
+      (cd "$dir" && python -m strata_mlx bench --model "$OUT/$code-$name" "${args[@]}" \
+        --json "$OUT/$code-$name-$r.json" >"$OUT/$code-$name-$r.log" 2>&1)
+    done
+  done
+done
+python - "$OUT" <<'PY'
+import glob, json, statistics as s, sys
+rows = {}
+for f in glob.glob(f"{sys.argv[1]}/*-*-[0-9]*.json"):
+    code, name = f.rsplit("/", 1)[1].split("-", 1)
+    name = name.rsplit("-", 1)[0]
+    for r in json.load(open(f))["runs"]:
+        rows.setdefault((name, r["policy"], r["phase"]), {}).setdefault(code, []).append(r["chunk_ms"])
+print("| store | policy | phase | old ms/chunk median (range) | new median (range) | new / old |")
+print("|---|---|---|---|---|---|")
+for (name, pol, ph), c in sorted(rows.items()):
+    o, n = c.get("old", []), c.get("new", [])
+    if o and n:
+        print(f"| {name} | {pol} | {ph} | {s.median(o):.1f} ({min(o):.1f}-{max(o):.1f}) | "
+              f"{s.median(n):.1f} ({min(n):.1f}-{max(n):.1f}) | {s.median(n) / s.median(o):.2f} |")
+PY
