@@ -202,9 +202,7 @@ def main() -> None:
                 "streamed_ahead": s.streamed_ahead,
                 "recomputed_layers": s.recomputed_layers,
                 # tokens begun in each decoder mode, and while decode lookahead predicted
-                "modes": {
-                    m: getattr(s, f"{m}_mode_tokens") for m in ("token", "layers", "sync")
-                },
+                "modes": {m: getattr(s, f"{m}_mode_tokens") for m in ("token", "layers", "sync")},
                 "predicting_tokens": s.predicting_tokens,
                 "wait_ms": s.exposed_wait_s * 1e3,
                 # per decode token: where the time went (the rest: the dense graph's Python,
@@ -233,15 +231,16 @@ def main() -> None:
                 del model, ec
                 gc.collect()
                 mx.clear_cache()
-    summarize(out["runs"])
+    summarize(out["runs"], paired=a.interleave)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
 
 
-def summarize(runs: list[dict]) -> None:
-    """Each variant's median ms/token, and its ratio to mlx-lm's median and (rounds that had
-    an mlx-lm run, --interleave) the median of its per-round ratios."""
+def summarize(runs: list[dict], paired: bool) -> None:
+    """Each variant's median ms/token, its ratio to mlx-lm's median and, when `paired`
+    (--interleave: each round's mlx-lm run came right before it), the median of its
+    per-round ratios."""
     by: dict[str, dict[int, float]] = {}
     for row in runs:
         by.setdefault(row["variant"], {})[row["round"]] = row["ms_per_token"]
@@ -250,9 +249,9 @@ def summarize(runs: list[dict]) -> None:
         line = f"{variant}: median {np.median(list(ms.values())):.2f} ms/token"
         if base and variant != "mlx-lm":
             line += f", x{np.median(list(ms.values())) / np.median(list(base.values())):.2f} mlx-lm"
-            paired = [ms[r] / base[r] for r in ms if r in base]
-            if paired and len(base) == len(ms):
-                line += f" (per round x{np.median(paired):.2f})"
+            ratios = [ms[r] / base[r] for r in ms if r in base]
+            if paired and ratios:
+                line += f" (per round x{np.median(ratios):.2f})"
         print(line, flush=True)
 
 

@@ -166,11 +166,17 @@ def measure(args) -> None:
             far, _ = blocks[after].route(mx.array(experts.inputs[l]))
             near, _ = blocks[after].route(mx.array(experts.inputs[nxt]))
             at = experts.ids[after]
-            row["recall2"] = float(np.mean([len(set(p) & set(q)) / k for p, q in zip(np.array(far), at)]))
-            row["union2"] = float(np.mean([
-                len((set(f) | set(n)) & set(q)) / k
-                for f, n, q in zip(np.array(far), np.array(near), at)
-            ]))
+            row["recall2"] = float(
+                np.mean([len(set(p) & set(q)) / k for p, q in zip(np.array(far), at)])
+            )
+            row["union2"] = float(
+                np.mean(
+                    [
+                        len((set(f) | set(n)) & set(q)) / k
+                        for f, n, q in zip(np.array(far), np.array(near), at)
+                    ]
+                )
+            )
         rows.append(row)
         print(
             "  ".join(

@@ -65,6 +65,8 @@ class Step:
         self.tail: mx.array | None = None  # the last layer output built (submitted or not)
         self.built = 0  # layers built (their state written)
         self.discarded = False
+        self.begun = mode  # the mode it was begun in (a miss turns `mode` to "layers")
+        self.predicting = False  # decode lookahead predicted when it was begun
 
 
 class PipelinedDecoder:
@@ -124,9 +126,7 @@ class PipelinedDecoder:
         ec = self.expert_cache
         mode = self.mode()
         step = Step(cache, mode)
-        st = ec.stats
-        setattr(st, f"{mode}_mode_tokens", getattr(st, f"{mode}_mode_tokens") + 1)
-        st.predicting_tokens += ec._predicts_in_decode()
+        step.predicting = ec._predicts_in_decode()
         if mode == "sync":
             # Most layers miss: each would be built, found wrong and recomputed. The sync
             # handshake is cheaper here (H200: 178 against 228 ms/token at 35 % misses).

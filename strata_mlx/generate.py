@@ -155,6 +155,7 @@ def generate_step(
                     token, logprobs = sample(step.logits)
                     later = None
                 mx.eval(token)
+                _count_mode(expert_cache, step)
                 t = token.item()
                 if logits_processors:
                     context = mx.concatenate([context, token.astype(context.dtype)])
@@ -184,6 +185,20 @@ class _Done:
 
     def __init__(self, logits):
         self.logits = logits
+
+
+def _count_mode(expert_cache, step) -> None:
+    """One token's logits are final: count the decoder mode it was begun in (a token built
+    ahead and discarded counts once, as the token it was rebuilt as)."""
+    if expert_cache is None:
+        return
+    st = expert_cache.stats
+    mode = getattr(step, "begun", "sync")  # without a pipelined decoder: the handshake
+    setattr(st, f"{mode}_mode_tokens", getattr(st, f"{mode}_mode_tokens") + 1)
+    predicting = getattr(step, "predicting", None)
+    if predicting is None:
+        predicting = expert_cache._predicts_in_decode()
+    st.predicting_tokens += predicting
 
 
 def _start(model, dec, tokens, cache):

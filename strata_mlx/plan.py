@@ -26,13 +26,15 @@ The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts")
     replaces it (decode_hits: the first tokens after a long prompt miss far more than the
     steady state); lookahead predicts a share `recall` of them from an earlier layer's
     input (measured with the experts' real outputs: each layer's input through the next
-    layers' routers), which are streamed ahead, and the rest are misses. The decoder's mode
+    layers' routers; the sync handshake's predictions of a layer from the `depth` layers
+    before it, together, by their measured union: they miss alike; independent guesses for a
+    target machine), which are streamed ahead, and the rest are misses. The decoder's mode
     follows its own rule, simulated token by token: the running share of layers with a miss
     (0.02 a layer toward each observation, from 0) puts it in "sync" above
     decode_sync_above, else "layers" while lookahead predicts, else
     "token". A token costs that mode's fake-stream decode time (its per-layer routing syncs
-    included), plus the handshake's Python per layer (measured in a short real decode), plus
-    what its absent lookups cost, plus in "layers" mode one synced layer recomputed for each
+    included), plus in "sync" mode the handshake's Python per layer (measured in a short real
+    decode), plus what its absent lookups cost, plus in "layers" mode one synced layer recomputed for each
     layer that missed. An absent lookup costs what one cost in that short real decode (the
     token's time beyond compute and handshake over its absent lookups: the drive at the
     queue depth decode keeps, the predictions read in vain, the device's work on fresh
@@ -102,8 +104,9 @@ class Machine:
 
 @dataclass
 class Compute:
-    """What this machine (or a target) spends with every expert resident: fake-stream runs of
-    a store, or estimates. Per token unless named otherwise."""
+    """What this machine (or a target) spends: with every expert resident (fake-stream runs
+    of a store, or estimates), per token unless named otherwise; and what lookahead predicts
+    and an absent lookup costs."""
 
     prefill_s: float
     decode_s: float  # decode "token" mode: whole tokens, no per-layer sync
@@ -116,10 +119,12 @@ class Compute:
     # guesses from neighbouring layers miss alike (H200 run 9: 68 % streamed ahead of the
     # absent lookups, where independent guesses at the same recall said 81 %)
     recall_union: dict[int, float] = field(default_factory=dict)
-    # what a decode lookup that was not resident adds to its token, all in: its read at the
-    # queue depth decode keeps, the predictions read in vain around it, the device's and the
-    # host's work for a fresh slot; from a short real decode that reads (measure_real). None:
-    # the reads are costed from the probe's bandwidth alone (estimates, or nothing was read)
+    # per decode lookup that was not resident (not per token): what it adds to its token, its
+    # read at the queue depth decode keeps, the predictions read in vain around it, the
+    # device's work on a fresh slot, the Python for it beyond the handshake's per layer; from
+    # a short real decode that reads (measure_real, with lookahead predicting, in sync mode:
+    # applied alike to every mode's absent lookups). None: the reads are costed from the
+    # probe's bandwidth (estimates for a target, or that decode read too little)
     absent_s: float | None = None
 
     @classmethod
@@ -581,7 +586,8 @@ def measure_compute(
 ) -> Compute:
     """Fake-stream runs (every expert counts as resident: compute alone, as bench's compute
     floor): prefill, and decode in each of the decoder's modes; then a short real run for the
-    handshake's Python per layer and lookahead's recall (measure_real)."""
+    handshake's Python per layer, lookahead's recall and union, and what an absent lookup
+    costs decode (measure_real)."""
     from .bench import _run
     from .loader import RuntimeConfig, load
     from .store import load_manifest
@@ -654,8 +660,10 @@ def lookahead_recall(
         for d in range(1, min(reach, j) + 1):
             pred = np.array(cache.routers[target](seen[layers[j - d]][0])).reshape(-1, k)
             picks[j, d] = [set(p) for p in pred.tolist()]
-    truth = {j: np.array(seen[l][1]).reshape(-1, seen[l][1].shape[-1]).tolist()
-             for j, l in enumerate(layers)}
+    truth = {
+        j: np.array(seen[l][1]).reshape(-1, seen[l][1].shape[-1]).tolist()
+        for j, l in enumerate(layers)
+    }
 
     def share(j: int, ds: range) -> tuple[int, int]:
         found = [set().union(*g) for g in zip(*(picks[j, d] for d in ds))]
@@ -665,13 +673,25 @@ def lookahead_recall(
         hit, total = map(sum, zip(*pairs)) if pairs else (0, 0)
         return hit / total if total else None
 
-    recall = {d: mean([share(j, range(d, d + 1)) for j in range(len(layers)) if (j, d) in picks])
-              for d in distances if d > 0}
-    union = {a: mean([share(j, range(1, a + 1)) for j in range(len(layers))
-                      if all((j, d) in picks for d in range(1, a + 1))])
-             for a in range(1, depth + 1)}
-    return ({d: r for d, r in recall.items() if r is not None},
-            {a: u for a, u in union.items() if u is not None})
+    recall = {
+        d: mean([share(j, range(d, d + 1)) for j in range(len(layers)) if (j, d) in picks])
+        for d in distances
+        if d > 0
+    }
+    union = {
+        a: mean(
+            [
+                share(j, range(1, a + 1))
+                for j in range(len(layers))
+                if all((j, d) in picks for d in range(1, a + 1))
+            ]
+        )
+        for a in range(1, depth + 1)
+    }
+    return (
+        {d: r for d, r in recall.items() if r is not None},
+        {a: u for a, u in union.items() if u is not None},
+    )
 
 
 RECALL_TOKENS = 64  # tokens whose routing gives lookahead's recall (each picks k a layer)
@@ -695,16 +715,17 @@ class RealDecode:
 
     def absent_s(self, sync_s: float) -> float | None:
         """What one absent lookup added to its token beyond `sync_s` (the sync handshake's
-        compute, fake-stream) and the handshake's Python, or None if too few were seen."""
+        compute, fake-stream) and the handshake's Python, or None if too few were seen.
+        Fake-stream's time holds part of that Python too (ids to numpy, the kernel's call), so
+        it is taken off twice here and added back once a token by the forecast: exact at this
+        decode's share of absent lookups, a little low where fewer are absent."""
         if self.absent_per_token * self.tokens < MIN_ABSENT:
             return None
         extra = self.s_per_token - sync_s - self.layers * self.handshake_s
-        return extra / self.absent_per_token if extra > 0 else None
+        return max(extra, 0.0) / self.absent_per_token
 
 
-def measure_real(
-    path: Path, ids: list[int], step: int, tokens: int, arena_gb: float
-) -> RealDecode:
+def measure_real(path: Path, ids: list[int], step: int, tokens: int, arena_gb: float) -> RealDecode:
     """With the experts' real outputs: seconds of Python per decode layer in the handshake
     (classify, read-ahead, completions; outside its syncs and waits) and what its absent
     lookups cost, from a short decode with per-layer sync after a prompt of one chunk, and
@@ -774,6 +795,7 @@ def decode_forecast(
     distance = {"sync": 1, "layers": cfg.decode_lag + 1, "token": 1}  # prediction to use
     r = compute.recall
     depth = cfg.read_ahead.depth
+
     # Share of a layer's absent lookups some prediction read ahead. The sync handshake predicts
     # layers l+1 .. l+depth from layer l's input, so layer i is predicted from up to `depth`
     # layers before it (their union measured); "layers" mode predicts from lag + 1
@@ -823,7 +845,8 @@ def decode_forecast(
         ahead, missed = shares(mode, absent) if predicting else (0.0, absent)
         layer_missed = 1 - (1 - missed) ** k  # a layer with at least one miss
         base = compute.mode_s(mode)
-        cost = base + L * compute.handshake_s
+        # the sync handshake's Python; the deferred path's is in fake-stream's own time
+        cost = base + (L * compute.handshake_s if mode == "sync" else 0.0)
         if compute.absent_s is not None:  # measured: every absent lookup, missed or not
             cost += L * k * (missed + ahead) * compute.absent_s
         else:

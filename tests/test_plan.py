@@ -451,7 +451,7 @@ def test_lookahead_recall_measures_the_union_not_independent_guesses():
 
     truth = {0: [[0, 1], [2, 3]], 1: [[0, 1], [2, 3]], 2: [[0, 1], [2, 3]]}
     # router of layer t on the input of layer s: what it picks for each token
-    picks = {(1, 0): [[0, 5], [2, 5]], (2, 1): [[0, 5], [2, 5]], (2, 0): [[0, 6], [3, 6]]}
+    picks = {(1, 0): [[0, 1], [2, 5]], (2, 1): [[0, 5], [2, 5]], (2, 0): [[0, 6], [3, 6]]}
 
     class Cache:
         layers = [0, 1, 2]
@@ -471,14 +471,15 @@ def test_lookahead_recall_measures_the_union_not_independent_guesses():
                 self.expert_cache.dump(layer, mx.array(layer), mx.array(truth[layer]), None, None)
 
     recall, union = plan.lookahead_recall(Model(), [1, 2], 2, [1, 2], depth=2)
-    assert recall == {1: 0.5, 2: 0.5}  # layers 1 and 2 from 1 before: 2 of 4; layer 2 from 2
-    # union over layer 2 alone (the only one with two layers before it): {0,5,6} and
-    # {2,3,5,6} find 0, 2 and 3 of 0, 1, 2, 3: 3 of 4, where independent guesses say 0.75 too;
-    # and union at a = 1 is recall at distance 1 over the same layers
-    assert union == {1: 0.5, 2: 0.75}
-    picks[2, 0] = [[0, 5], [2, 5]]  # now both guesses miss alike
+    # from 1 before: layer 1 finds 3 of its 4 picks, layer 2 2 of 4; layer 2 from 2 before: 2
+    assert recall == {1: 5 / 8, 2: 0.5}
+    # union at a = 1 is recall at distance 1 over the same layers (1 and 2); at a = 2 over
+    # layer 2 alone (the only one with two before it): {0,5,6} and {2,3,5,6} find 0, 2 and 3
+    # of 0, 1, 2, 3: 3 of 4, as independent guesses at 0.5 each would
+    assert union == {1: 5 / 8, 2: 0.75}
+    picks[2, 0] = [[0, 5], [2, 5]]  # now layer 2's two guesses miss alike
     recall, union = plan.lookahead_recall(Model(), [1, 2], 2, [1, 2], depth=2)
-    assert recall == {1: 0.5, 2: 0.5} and union == {1: 0.5, 2: 0.5}  # independence: 0.75
+    assert recall == {1: 5 / 8, 2: 0.5} and union == {1: 5 / 8, 2: 0.5}  # independence: 0.75
 
 
 def test_a_measured_absent_lookup_cost_replaces_the_probes():
@@ -492,7 +493,7 @@ def test_a_measured_absent_lookup_cost_replaces_the_probes():
     c = plan.Compute(1e-3, 0.010, 0.020, 0.030, absent_s=2e-3, **kw)
     d = plan.decode_forecast(shape, _machine(ssd=1e9), c, p, 1, 64, 400, 64)
     hit, ahead, missed = d["shares"]
-    assert d["modes"] == {"layers": d["modes"]["layers"], "sync": d["modes"]["sync"]}
+    assert set(d["modes"]) == {"layers", "sync"} and d["modes"]["sync"] > 0.95 * 400
     # the arena of one slot: sync mode nearly throughout, where nothing is recomputed
     per_token = 0.030 + 4 * 1e-4 + 4 * 2 * (1 - hit) * 2e-3
     assert d["s_per_token"] == pytest.approx(per_token, rel=0.02)
@@ -503,5 +504,22 @@ def test_a_measured_absent_lookup_cost_replaces_the_probes():
 
     real = plan.RealDecode(1e-4, {}, {}, 0.050, 10.0, 4, 8)  # 80 absent lookups in 8 tokens
     assert real.absent_s(0.030) == pytest.approx((0.050 - 0.030 - 4 * 1e-4) / 10)
-    assert real.absent_s(0.060) is None  # no slower than compute: nothing to attribute
+    assert real.absent_s(0.060) == 0.0  # no slower than compute: they cost nothing seen
     assert plan.RealDecode(1e-4, {}, {}, 0.050, 2.0, 4, 8).absent_s(0.030) is None  # 16 seen
+
+
+def test_plans_real_decode_sees_the_lookups_it_reads(store):
+    """measure_real on a store whose arena holds a third of the experts: its decode's absent
+    lookups (streamed ahead or missed) are counted and give a cost; with room for every
+    expert, only first uses are absent: fewer."""
+    from strata_mlx.store import load_manifest
+
+    path = store("qwen3_next")
+    m = load_manifest(path)
+    ids = np.random.default_rng(0).integers(0, m.config["vocab_size"], 32).tolist()
+    small = plan.measure_real(path, ids, 16, 8, m.expert_bytes * 0.3 / plan.GB)
+    assert small.tokens == 8 and small.layers == len(m.moe_layers)
+    assert small.absent_per_token * small.tokens >= plan.MIN_ABSENT
+    assert small.absent_s(0.0) > 0 and 0 < small.union[1] <= 1
+    whole = plan.measure_real(path, ids, 16, 8, m.expert_bytes * 1.5 / plan.GB)
+    assert whole.absent_per_token < small.absent_per_token
