@@ -86,7 +86,8 @@ def run_strata(model, ids, gen, step, on_first=None):
 def set_mode(model, mode: str) -> None:
     """sync | layers:LAG (each layer checked LAG layers late, never whole tokens) |
     token:CHUNK (whole tokens overlapped with the next one's build, CHUNK layers submitted at
-    once, never the sync fallback) | adaptive (the runtime's defaults)."""
+    once, never the sync fallback) | adaptive (the runtime's defaults) | adaptive+token (the
+    same, "token" mode allowed while decode lookahead predicts)."""
     name, _, n = mode.partition(":")
     if name == "sync":
         model.decoder = None
@@ -99,9 +100,12 @@ def set_mode(model, mode: str) -> None:
         model.decoder = PipelinedDecoder(model, sync_above=1.0, token_below=1.0, chunk=int(n or 4))
     elif name == "adaptive":
         model.decoder = PipelinedDecoder(model)
+    elif name == "adaptive+token":  # token mode while lookahead predicts too
+        model.decoder = PipelinedDecoder(model, token_while_predicting=True)
     else:
         raise SystemExit(
             f"unknown mode {mode!r}: sync | layers:LAG[:CHUNK] | token:CHUNK | adaptive"
+            " | adaptive+token"
         )
 
 

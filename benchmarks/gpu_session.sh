@@ -288,5 +288,15 @@ r11b)  # right after r11a: plan against bench on the full store with plan's meas
      | tee "$OUT/bench-plan.log"
   plan_vs_bench "$OUT/plan.json" "$OUT/bench-plan.json" | tee "$OUT/plan-vs-bench.log"
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b"; exit 2;;
+r11c)  # next session: the first wave's store at 6.5 GB; lookahead's decoder allowed "token"
+  # mode (decode_token_while_predicting) against today's rule and demand, modes counted
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  OLDS=/root/strata-old
+  [ -f "$OLDS/manifest.json" ] || python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --recipe before-issue-17 --mlx-path "$OLDS" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -1
+  timeout 300 python3 benchmarks/decode.py "$OLDS" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
+     --policies demand:sync,lookahead:loop --modes adaptive,adaptive+token --rounds 1 \
+     --json "$OUT/decode-old-token-predicting.json" 2>&1 | tee "$OUT/decode-old-token-predicting.log"
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c"; exit 2;;
 esac

@@ -22,7 +22,8 @@ A token runs in one of three ways, chosen from the running share of decode layer
     built too (`Step` / `finish`), so the host builds token t+1 while the device computes
     token t, as mlx-lm's generate_step does. A miss discards both and recomputes from the
     missed layer. No read-ahead is issued in this mode.
-  - "layers" (up to `sync_above`, or whenever decode lookahead predicts): layers are
+  - "layers" (up to `sync_above`, or whenever decode lookahead predicts, unless
+    `token_while_predicting` lets the share of layers that missed alone decide): layers are
     submitted `layers_chunk` at a time (default 1) and each is verified `lag` layers later,
     while the device computes the ones after it; a miss costs at most `lag` + 1 layers of
     recomputation plus its read, and the lookahead reads of layer l + lag + 1 go in while
@@ -80,6 +81,7 @@ class PipelinedDecoder:
         token_below: float = 0.02,
         chunk: int = 4,
         layers_chunk: int = 1,
+        token_while_predicting: bool = False,
     ):
         if lag < 0:
             raise ValueError(f"decode lag must be >= 0, got {lag}")
@@ -96,6 +98,7 @@ class PipelinedDecoder:
         self.token_below = token_below
         self.chunk = chunk
         self.layers_chunk = layers_chunk
+        self.token_while_predicting = token_while_predicting
         inner = model.model
         self.embed = inner.embed_tokens
         self.norm = inner.norm
@@ -116,7 +119,9 @@ class PipelinedDecoder:
         rate = ec.decode_layer_miss_rate
         if rate > self.sync_above:
             return "sync"
-        if rate < self.token_below and not ec._predicts_in_decode():
+        if rate < self.token_below and (
+            self.token_while_predicting or not ec._predicts_in_decode()
+        ):
             return "token"
         return "layers"
 

@@ -837,7 +837,9 @@ def decode_forecast(
         predicting = miss_rate >= cfg.read_ahead.decode_min_miss
         if layer_rate > cfg.decode_sync_above:
             mode = "sync"
-        elif layer_rate < cfg.decode_token_below and not predicting:
+        elif layer_rate < cfg.decode_token_below and (
+            cfg.decode_token_while_predicting or not predicting
+        ):
             mode = "token"
         else:
             mode = "layers"

@@ -290,3 +290,34 @@ def test_a_generation_starts_with_no_slot_in_use(store):
             assert seen[0] == ("handshake", set(), set())  # the prefill's first layer
     ec.close()
     sync.expert_cache.close()
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+def test_token_mode_while_lookahead_predicts_is_exact(store, fraction):
+    """decode_token_while_predicting: with lookahead predicting (its running miss rate starts
+    high after a load) and few layers missing, tokens run "token" mode, where before they
+    ran "layers"; the tokens and log-probabilities equal the per-layer-sync path's."""
+    path = store("qwen3_next")
+    ids = prompt_ids(24, seed=15)
+    gb = arena_for(path, fraction)
+    runs = {}
+    for name, kw in (
+        ("sync", dict(decode="sync")),
+        ("layers", dict()),
+        ("token", dict(decode_token_while_predicting=True)),
+    ):
+        model, _ = strata_mlx.load(path, arena_gb=gb, read_ahead="lookahead", **kw)
+        if fraction == 1.0:
+            model.expert_cache.warm()
+        runs[name] = decode(model, ids, 12), model.expert_cache.stats
+    (ref, ref_lp), _ = runs["sync"]
+    for name in ("layers", "token"):
+        (tokens, lp), st = runs[name]
+        assert tokens == ref and np.array_equal(lp, ref_lp), name
+        assert st.predicting_tokens > 0, name
+    old, new = runs["layers"][1], runs["token"][1]
+    if fraction == 1.0:  # nothing misses: every token whole, where a predicting one was not
+        assert old.token_mode_tokens == 0 and old.layers_mode_tokens == 12
+        assert new.token_mode_tokens == 12
+    else:
+        assert new.token_mode_tokens > old.token_mode_tokens
