@@ -42,6 +42,8 @@ VARIANTS = {
     "token-chunk1": dict(decode_token_below=1.0, decode_sync_above=1.0, decode_chunk=1),
     "token-chunk3": dict(decode_token_below=1.0, decode_sync_above=1.0, decode_chunk=3),
     "adaptive": dict(),
+    # lookahead predicting, token mode allowed meanwhile (decode_token_while_predicting)
+    "adaptive-lookahead-token": dict(read_ahead="lookahead", decode_token_while_predicting=True),
 }
 
 
@@ -54,7 +56,7 @@ def test_pipelined_equals_sync(store, family):
         sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead="demand")
         ref_tokens, ref_lp = decode(sync, ids)
         for name, kw in VARIANTS.items():
-            model, _ = strata_mlx.load(path, arena_gb=gb, read_ahead="demand", **kw)
+            model, _ = strata_mlx.load(path, arena_gb=gb, **{"read_ahead": "demand", **kw})
             tokens, lp = decode(model, ids)
             assert tokens == ref_tokens, (fraction, name)
             assert np.array_equal(lp, ref_lp), (fraction, name)
