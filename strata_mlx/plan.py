@@ -165,6 +165,8 @@ class Forecast:
     decode_modes: dict = field(default_factory=dict)  # tokens per decoder mode
     decode_misses_per_token: float = 0.0
     decode_compute_ms: float = 0.0
+    # what an absent lookup cost plan's short real decode (None: reads costed from the probe)
+    decode_absent_ms: float | None = None
     decode_ms_per_token: float = 0.0
     decode_tps: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -193,6 +195,11 @@ class Forecast:
             f"{100 * self.decode_streamed_ahead:.1f} % streamed ahead, "
             f"{100 * self.decode_miss_rate:.1f} % missed; modes "
             + ", ".join(f"{m} {n}" for m, n in self.decode_modes.items())
+            + (
+                ""
+                if self.decode_absent_ms is None
+                else f"; an absent lookup {self.decode_absent_ms:.3g} ms, measured"
+            )
             + ")",
         ]
         return out + [f"  note: {n}" for n in self.notes]
@@ -964,6 +971,8 @@ def forecast(
     f.decode_modes = d["modes"]
     f.decode_misses_per_token = d["misses_per_token"]
     f.decode_compute_ms = d["compute_s"] * 1e3
+    absent_s = Compute.of(compute).absent_s
+    f.decode_absent_ms = None if absent_s is None else absent_s * 1e3
     f.decode_ms_per_token = d["s_per_token"] * 1e3
     f.decode_tps = 1e3 / f.decode_ms_per_token if f.decode_ms_per_token else 0.0
     if shape.profile is None:
