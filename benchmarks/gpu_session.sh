@@ -281,6 +281,7 @@ r11a)  # seventh session: every expert resident, mlx-lm interleaved round by rou
      | tee "$OUT/decode-interleaved.log"
   ;;
 r11b)  # right after r11a: plan against bench on the full store with plan's measured union
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
   timeout 170 python3 -m strata_mlx plan /root/strata-synth -p 2048 -g 32 --prefill-step-size 1024 \
      --arena-gb 6.5 --json "$OUT/plan.json" 2>&1 | tee "$OUT/plan.log"
   timeout 170 python3 -m strata_mlx bench --model /root/strata-synth -p 2048 -g 32 --arena-gb 6.5 \
@@ -298,5 +299,16 @@ r11c)  # next session: the first wave's store at 6.5 GB; lookahead's decoder all
      --policies demand:sync,lookahead:loop --modes adaptive,adaptive+token --rounds 1 \
      --json "$OUT/decode-old-token-predicting.json" 2>&1 | tee "$OUT/decode-old-token-predicting.log"
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c"; exit 2;;
+r11d)  # next session, call 2 (after setup a, with half b): today's full store at 6.5 GB, decode
+  # lookahead predicting 1 layer ahead against 2 (read-bound decode: what its wasted reads
+  # cost), beside demand, modes counted; then the store stays for r11b
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  [ -f /root/strata-synth/manifest.json ] || /usr/bin/time -f "synthetic store: %e s" python3 -m \
+     strata_mlx convert --synthetic qwen3-next-80b-a3b --mlx-path /root/strata-synth \
+     --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -2 | tee "$OUT/synth.log"
+  timeout 330 python3 benchmarks/decode.py /root/strata-synth -p 2048 -g 64 --arena-gb 6.5 \
+     --no-baseline --policies demand:sync,lookahead:loop,lookahead:loop:d1 --modes adaptive \
+     --rounds 1 --json "$OUT/decode-depth.json" 2>&1 | tee "$OUT/decode-depth.log"
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d"; exit 2;;
 esac
