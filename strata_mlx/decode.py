@@ -52,10 +52,26 @@ from .models.base import ArraysCache
 MODES = ("pipelined", "sync")
 
 
+def choose_mode(
+    layer_miss_rate: float,
+    predicting: bool,
+    sync_above: float,
+    token_below: float,
+    token_while_predicting: bool = False,
+) -> str:
+    """ "sync", "token" or "layers" for the next token, from the running share of decode
+    layers that missed and whether decode lookahead predicts (see the module docstring)."""
+    if layer_miss_rate > sync_above:
+        return "sync"
+    if layer_miss_rate < token_below and (token_while_predicting or not predicting):
+        return "token"
+    return "layers"
+
+
 class Step:
     """One decode token built on the device, its routing not all verified yet."""
 
-    def __init__(self, cache: list, mode: str):
+    def __init__(self, cache: list, mode: str, predicting: bool = False):
         self.cache = cache
         self.mode = mode
         self.saved = [_save(c) for c in cache]  # each layer's state before this token
@@ -67,7 +83,7 @@ class Step:
         self.built = 0  # layers built (their state written)
         self.discarded = False
         self.begun = mode  # the mode it was begun in (a miss turns `mode` to "layers")
-        self.predicting = False  # decode lookahead predicted when it was begun
+        self.predicting = predicting  # decode lookahead predicted when it was begun
 
 
 class PipelinedDecoder:
@@ -116,23 +132,20 @@ class PipelinedDecoder:
     def mode(self) -> str:
         """How the next token runs: "token", "layers" or "sync" (see the module docstring)."""
         ec = self.expert_cache
-        rate = ec.decode_layer_miss_rate
-        if rate > self.sync_above:
-            return "sync"
-        if rate < self.token_below and (
-            self.token_while_predicting or not ec._predicts_in_decode()
-        ):
-            return "token"
-        return "layers"
+        return choose_mode(
+            ec.decode_layer_miss_rate,
+            ec._predicts_in_decode(),
+            self.sync_above,
+            self.token_below,
+            self.token_while_predicting,
+        )
 
     def start(self, tokens: mx.array, cache: list) -> Step:
         """Build one token (tokens [1, 1], possibly not yet evaluated) and submit it; in
         "token" mode nothing is verified until `finish`."""
         ec = self.expert_cache
-        mode = self.mode()
-        step = Step(cache, mode)
-        step.predicting = ec._predicts_in_decode()
-        if mode == "sync":
+        step = Step(cache, self.mode(), ec._predicts_in_decode())
+        if step.mode == "sync":
             # Most layers miss: each would be built, found wrong and recomputed. The sync
             # handshake is cheaper here (H200: 178 against 228 ms/token at 35 % misses).
             ec.settle()

@@ -181,10 +181,14 @@ def _idle(expert_cache) -> None:
 
 
 class _Done:
-    """A forward without a pipelined decoder: nothing left to verify."""
+    """A forward without a pipelined decoder: nothing left to verify (the per-layer
+    handshake ran it, predicting as decode lookahead did then)."""
 
-    def __init__(self, logits):
+    begun = "sync"
+
+    def __init__(self, logits, predicting: bool):
         self.logits = logits
+        self.predicting = predicting
 
 
 def _count_mode(expert_cache, step) -> None:
@@ -193,17 +197,16 @@ def _count_mode(expert_cache, step) -> None:
     if expert_cache is None:
         return
     st = expert_cache.stats
-    mode = getattr(step, "begun", "sync")  # without a pipelined decoder: the handshake
-    setattr(st, f"{mode}_mode_tokens", getattr(st, f"{mode}_mode_tokens") + 1)
-    predicting = getattr(step, "predicting", None)
-    if predicting is None:
-        predicting = expert_cache._predicts_in_decode()
-    st.predicting_tokens += predicting
+    name = f"{step.begun}_mode_tokens"
+    setattr(st, name, getattr(st, name) + 1)
+    st.predicting_tokens += step.predicting
 
 
 def _start(model, dec, tokens, cache):
     if dec is None:
-        return _Done(model(tokens, cache=cache))
+        ec = getattr(model, "expert_cache", None)
+        predicting = ec is not None and ec._predicts_in_decode()
+        return _Done(model(tokens, cache=cache), predicting)
     return dec.start(tokens, cache)
 
 

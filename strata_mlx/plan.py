@@ -29,18 +29,19 @@ The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts")
     layers' routers; the sync handshake's predictions of a layer from the `depth` layers
     before it, together, by their measured union: they miss alike; independent guesses for a
     target machine), which are streamed ahead, and the rest are misses. The decoder's mode
-    follows its own rule, simulated token by token: the running share of layers with a miss
-    (0.02 a layer toward each observation, from 0) puts it in "sync" above
-    decode_sync_above, else "layers" while lookahead predicts, else
-    "token". A token costs that mode's fake-stream decode time (its per-layer routing syncs
-    included), plus in "sync" mode the handshake's Python per layer (measured in a short real
-    decode), plus what its absent lookups cost, plus in "layers" mode one synced layer recomputed for each
-    layer that missed. An absent lookup costs what one cost in that short real decode (the
-    token's time beyond compute and handshake over its absent lookups: the drive at the
-    queue depth decode keeps, the predictions read in vain, the device's work on fresh
-    slots); for a target machine, or when that decode read too little, the misses' reads at
-    the probe's bandwidth for that many in flight, and streamed-ahead reads only what the
-    layers between prediction and use do not hide.
+    follows its own rule (decode.choose_mode), simulated token by token: the running share
+    of layers with a miss (0.02 a layer toward each observation, from 0) puts it in "sync"
+    above decode_sync_above, else "layers" while lookahead predicts (unless
+    decode_token_while_predicting), else "token". A token costs that mode's fake-stream
+    decode time (its per-layer routing syncs included), plus in "sync" mode the
+    handshake's Python per layer (measured in a short real decode), plus what its absent
+    lookups cost, plus in "layers" mode one synced layer recomputed for each layer that
+    missed. An absent lookup costs what one cost in that short real decode (the token's
+    time beyond compute and handshake over its absent lookups: the drive at the queue depth
+    decode keeps, the predictions read in vain, the device's work on fresh slots); for a
+    target machine, or when that decode read too little, the misses' reads at the probe's
+    bandwidth for that many in flight, and streamed-ahead reads only what the layers
+    between prediction and use do not hide.
 """
 
 from __future__ import annotations
@@ -794,6 +795,7 @@ def decode_forecast(
 ) -> dict:
     """Decode of `gen_tokens` after a cold prompt in chunks of `step`, token by token through
     the decoder's own rules (strata_mlx.decode; thresholds from RuntimeConfig's defaults)."""
+    from .decode import choose_mode
     from .loader import RuntimeConfig
 
     cfg = RuntimeConfig()
@@ -842,14 +844,13 @@ def decode_forecast(
     for t in range(gen_tokens):
         absent = 1 - hits[t]
         predicting = miss_rate >= cfg.read_ahead.decode_min_miss
-        if layer_rate > cfg.decode_sync_above:
-            mode = "sync"
-        elif layer_rate < cfg.decode_token_below and (
-            cfg.decode_token_while_predicting or not predicting
-        ):
-            mode = "token"
-        else:
-            mode = "layers"
+        mode = choose_mode(
+            layer_rate,
+            predicting,
+            cfg.decode_sync_above,
+            cfg.decode_token_below,
+            cfg.decode_token_while_predicting,
+        )
         modes[mode] = modes.get(mode, 0) + 1
         ahead, missed = shares(mode, absent) if predicting else (0.0, absent)
         layer_missed = 1 - (1 - missed) ** k  # a layer with at least one miss
