@@ -16,6 +16,20 @@ plan_vs_bench() {  # PLAN.json BENCH.json: plan.compare's rows
   python3 -c "import json, sys; from strata_mlx import plan
 for r in plan.compare(json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))): print(r)" "$@" 2>&1
 }
+old_vs_new_bench() {  # OLD_TREE STORE ROUND FIRST SECOND POLICIES: bench of each code on STORE
+  local tree=$1 store=$2 r=$3 pol=$6 code
+  for code in $4 $5; do
+    if [ "$code" = old ]; then
+      (cd "$tree" && PYTHONPATH="${PYTHONPATH%%:*}:$tree" timeout 280 python3 -m strata_mlx bench \
+         --model "$store" -p 2048 -g 128 --arena-gb 6.5 --prefill-step-size 1024 --policies "$pol" \
+         --json "$OUT/old-bench-$r.json" 2>&1 | tee "$OUT/old-bench-$r.log" | grep -v "^ *[0-9]")
+    else
+      timeout 280 python3 -m strata_mlx bench --model "$store" -p 2048 -g 128 --arena-gb 6.5 \
+         --prefill-step-size 1024 --policies "$pol" --json "$OUT/new-bench-$r.json" 2>&1 \
+         | tee "$OUT/new-bench-$r.log" | grep -v "^ *[0-9]"
+    fi
+  done
+}
 case "${1:-}" in
 setup)
   python3 setup.py build_ext --inplace -q 2>&1 | tail -3
@@ -310,5 +324,33 @@ r11d)  # next session, call 2 (after setup a, with half b): today's full store a
      --no-baseline --policies demand:sync,lookahead:loop,lookahead:loop:d1 --modes adaptive \
      --rounds 1 --json "$OUT/decode-depth.json" 2>&1 | tee "$OUT/decode-depth.log"
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d"; exit 2;;
+r12a)  # eighth session, call 2: the code issue 17 was filed on ($OLD, a tree of 36960f5^ beside
+  # this one) writes its own full store, then its bench and this code's take turns on it: issue
+  # 17's "today" and its prefill non-regression measured in one run, on one store
+  OLD=${OLD:-$PWD/old}; OLDS=/root/strata-old-code
+  (cd "$OLD" && python3 setup.py build_ext --inplace -q 2>&1 | tail -1)
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  [ -f "$OLDS/manifest.json" ] || (cd "$OLD" && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" /usr/bin/time -f \
+     "old code's synthetic store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --mlx-path "$OLDS" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -2) | tee "$OUT/synth-old.log"
+  old_vs_new_bench "$OLD" "$OLDS" 1 old new demand,lookahead
+  ;;
+r12b)  # right after r12a: the other order (drift falls on both codes alike)
+  OLD=${OLD:-$PWD/old}; OLDS=/root/strata-old-code
+  (cd "$OLD" && python3 setup.py build_ext --inplace -q 2>&1 | tail -1)
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  old_vs_new_bench "$OLD" "$OLDS" 2 new old lookahead,demand
+  ;;
+r12c)  # after r12b: the same store, this code's decoder modes: lookahead allowed "token" mode
+  # (adaptive+token, which reads nothing ahead in that mode) against today's rule and demand
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  timeout 400 python3 benchmarks/decode.py /root/strata-old-code -p 2048 -g 128 --arena-gb 6.5 \
+     --no-baseline --policies demand:sync,lookahead:loop --modes adaptive,adaptive+token \
+     --rounds 1 --json "$OUT/decode-oldcode-store.json" 2>&1 | tee "$OUT/decode-oldcode-store.log"
+  ;;
+r12d)  # last: the old store removed; plan against bench on today's 12-layer store (issue 14)
+  rm -rf /root/strata-old-code
+  bash "$0" r10a
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d|r12a|r12b|r12c|r12d"; exit 2;;
 esac
