@@ -348,9 +348,23 @@ r12c)  # after r12b: the same store, this code's decoder modes: lookahead allowe
      --no-baseline --policies demand:sync,lookahead:loop --modes adaptive,adaptive+token \
      --rounds 1 --json "$OUT/decode-oldcode-store.json" 2>&1 | tee "$OUT/decode-oldcode-store.log"
   ;;
+r12e)  # after r12c: prefill alone, the old code's lookahead against this code's under both
+  # schedulers (the asyncio loop, the default, and the per-layer sync one), taking turns
+  OLD=${OLD:-$PWD/old}; OLDS=/root/strata-old-code
+  (cd "$OLD" && python3 setup.py build_ext --inplace -q 2>&1 | tail -1)
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  for r in 3 4; do
+    timeout 150 python3 -m strata_mlx bench --model "$OLDS" -p 2048 -g 8 --arena-gb 6.5 \
+       --prefill-step-size 1024 --policies lookahead,lookahead:sync:d1 --json "$OUT/new-bench-$r.json" \
+       2>&1 | tee "$OUT/new-bench-$r.log" | grep -v "^ *[0-9]"
+    (cd "$OLD" && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" timeout 100 python3 -m strata_mlx bench \
+       --model "$OLDS" -p 2048 -g 8 --arena-gb 6.5 --prefill-step-size 1024 --policies lookahead \
+       --json "$OUT/old-bench-$r.json" 2>&1 | tee "$OUT/old-bench-$r.log" | grep -v "^ *[0-9]")
+  done
+  ;;
 r12d)  # last: the old store removed; plan against bench on today's 12-layer store (issue 14)
   rm -rf /root/strata-old-code
   bash "$0" r10a
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d|r12a|r12b|r12c|r12d"; exit 2;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d|r12a|r12b|r12c|r12d|r12e"; exit 2;;
 esac

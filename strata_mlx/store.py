@@ -686,12 +686,14 @@ class StoreWriter:
         if not (self.tmp / MANIFEST).is_file():
             self.finalize()
         with _writing(self.out):
+            _fsync_tree(self.tmp)  # on the drive before the old store is let go of
             os.chmod(self.tmp, 0o755)  # mkdtemp made it private
             if self.out.is_symlink() or self.out.is_file():
                 raise StoreError(f"{self.out}: not a directory; refusing to replace it")
             if self.out.exists():
                 os.replace(self.out, self.tmp / REPLACED)
             os.replace(self.tmp, self.out)
+            _fsync_dir(self.out.parent)  # the rename itself
             _finish_replacement(self.out)
         return self.out
 
@@ -807,6 +809,31 @@ def remove_dead_temps(out: str | Path) -> list[Path]:
     if (out / OWNER).is_file() and not _stamp_alive(out):
         _finish_replacement(out)  # killed after the renames, before deleting the old store
     return removed
+
+
+def _fsync_tree(root: Path) -> None:
+    """Every file under `root`, and its directories, flushed to the drive: a crash after the
+    rename into place must not leave a renamed store whose records are still in the page
+    cache only, while the store it replaced is gone. (It also means a conversion's time
+    includes its writeback, and a probe or bench right after it reads a drive at rest.)"""
+    for d, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(d))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # a file system that cannot sync a directory (some network mounts)
+    finally:
+        os.close(fd)
 
 
 def _finish_replacement(out: Path) -> None:

@@ -186,6 +186,39 @@ def test_a_failed_commit_puts_the_old_store_back(gguf, tmp_path, monkeypatch):
     assert _fingerprint(out) == before and not _temps(out)
 
 
+def test_the_new_store_is_on_the_drive_before_the_old_one_is_moved_aside(
+    gguf, tmp_path, monkeypatch
+):
+    """A crash after the renames must not find a store whose bytes were in the page cache
+    only: every file of the new store is fsynced before the first rename, the rename after."""
+    out = _convert(gguf, tmp_path / "s")
+    import strata_mlx.store as store
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("replace", str(b)))
+        return real_replace(a, b)
+
+    monkeypatch.setattr(store.os, "fsync", fsync)
+    monkeypatch.setattr(store.os, "replace", replace)
+    _convert(gguf, out, overwrite=True)
+    first = next(
+        i
+        for i, (kind, target) in enumerate(events)
+        if kind == "replace" and target.endswith(REPLACED)
+    )
+    synced = {Path(p).name for kind, p in events[:first] if kind == "fsync"}
+    assert {"experts.bin", "dense.safetensors", "manifest.json"} <= synced, events
+    last_rename = max(i for i, (kind, target) in enumerate(events) if target == str(out))
+    assert ("fsync", str(out.parent)) in events[last_rename:], events
+
+
 @pytest.mark.parametrize("where", ["experts", "dense", "manifest", "mkdtemp"])
 def test_disk_errors_are_one_line_and_leave_nothing(gguf, tmp_path, monkeypatch, where):
     """ENOSPC / EROFS at each write, injected (tests below use real filesystems)."""
