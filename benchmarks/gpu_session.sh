@@ -362,9 +362,20 @@ r12e)  # after r12c: prefill alone, the old code's lookahead against this code's
        --json "$OUT/old-bench-$r.json" 2>&1 | tee "$OUT/old-bench-$r.log" | grep -v "^ *[0-9]")
   done
   ;;
+r12f)  # a fresh machine's last minutes: prefill on the 12-layer store, the loop against the
+  # sync scheduler at depth 1 and the default (loop, depth 2): which of the two r12e's gap is
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  S12=/root/strata-synth12
+  [ -f "$S12/manifest.json" ] || /usr/bin/time -f "12-layer store: %e s" python3 -m strata_mlx \
+     convert --synthetic qwen3-next-80b-a3b --set num_hidden_layers=12 --mlx-path "$S12" \
+     --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -2
+  timeout 170 python3 -m strata_mlx bench --model "$S12" -p 2048 -g 8 --arena-gb 1.625 \
+     --prefill-step-size 1024 --policies lookahead:loop:d1,lookahead:sync:d1,lookahead --repeats 2 \
+     --json "$OUT/sched12.json" 2>&1 | tee "$OUT/sched12.log" | grep -v "^ *[0-9]"
+  ;;
 r12d)  # last: the old store removed; plan against bench on today's 12-layer store (issue 14)
   rm -rf /root/strata-old-code
   bash "$0" r10a
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d|r12a|r12b|r12c|r12d|r12e"; exit 2;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d|r12a|r12b|r12c|r12d|r12e|r12f"; exit 2;;
 esac
