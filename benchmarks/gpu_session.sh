@@ -17,14 +17,14 @@ plan_vs_bench() {  # PLAN.json BENCH.json: plan.compare's rows
 for r in plan.compare(json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))): print(r)" "$@" 2>&1
 }
 old_vs_new_bench() {  # OLD_TREE STORE ROUND FIRST SECOND POLICIES: bench of each code on STORE
-  local tree=$1 store=$2 r=$3 pol=$6 code
+  local tree=$1 store=$2 r=$3 pol=$6 code g=${G:-128}
   for code in $4 $5; do
     if [ "$code" = old ]; then
       (cd "$tree" && PYTHONPATH="${PYTHONPATH%%:*}:$tree" timeout 280 python3 -m strata_mlx bench \
-         --model "$store" -p 2048 -g 128 --arena-gb 6.5 --prefill-step-size 1024 --policies "$pol" \
+         --model "$store" -p 2048 -g $g --arena-gb 6.5 --prefill-step-size 1024 --policies "$pol" \
          --json "$OUT/old-bench-$r.json" 2>&1 | tee "$OUT/old-bench-$r.log" | grep -v "^ *[0-9]")
     else
-      timeout 280 python3 -m strata_mlx bench --model "$store" -p 2048 -g 128 --arena-gb 6.5 \
+      timeout 280 python3 -m strata_mlx bench --model "$store" -p 2048 -g $g --arena-gb 6.5 \
          --prefill-step-size 1024 --policies "$pol" --json "$OUT/new-bench-$r.json" 2>&1 \
          | tee "$OUT/new-bench-$r.log" | grep -v "^ *[0-9]"
     fi
@@ -373,9 +373,34 @@ r12f)  # a fresh machine's last minutes: prefill on the 12-layer store, the loop
      --prefill-step-size 1024 --policies lookahead:loop:d1,lookahead:sync:d1,lookahead --repeats 2 \
      --json "$OUT/sched12.json" 2>&1 | tee "$OUT/sched12.log" | grep -v "^ *[0-9]"
   ;;
+r13)  # next session: `r13 FIRST LAST` (after r12a has written the old code's store): prefill
+  # rounds FIRST..LAST of the two codes on it, -g 8, the order alternating round by round (odd:
+  # old first), each code's policies rotating; five rounds take about 500 s, so split them
+  OLD=${OLD:-$PWD/old}; OLDS=/root/strata-old-code
+  (cd "$OLD" && python3 setup.py build_ext --inplace -q 2>&1 | tail -1)
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  for r in $(seq "${2:-1}" "${3:-2}"); do
+    pol=demand,lookahead; [ $((r % 2)) = 0 ] && pol=lookahead,demand
+    first=old second=new; [ $((r % 2)) = 0 ] && first=new second=old
+    G=8 old_vs_new_bench "$OLD" "$OLDS" "p$r" $first $second $pol
+  done
+  python3 - "$OUT" <<'PY'
+import glob, json, statistics as st, sys
+rows = {}
+for f in glob.glob(f"{sys.argv[1]}/*-bench-p*.json"):
+    code = f.rsplit("/", 1)[1].split("-", 1)[0]
+    for r in json.load(open(f))["runs"]:
+        rows.setdefault((r["policy"], r["phase"]), {}).setdefault(code, []).append(r["chunk_ms"])
+for (pol, ph), c in sorted(rows.items()):
+    o, n = c.get("old", []), c.get("new", [])
+    if o and n:
+        print(f"{pol} {ph}: old {st.median(o):.0f} new {st.median(n):.0f} ms/chunk "
+              f"({len(o)}/{len(n)} runs): new/old {st.median(n) / st.median(o):.3f}")
+PY
+  ;;
 r12d)  # last: the old store removed; plan against bench on today's 12-layer store (issue 14)
   rm -rf /root/strata-old-code
   bash "$0" r10a
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d|r12a|r12b|r12c|r12d|r12e|r12f"; exit 2;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d|r12a|r12b|r12c|r12d|r12e|r12f|r13"; exit 2;;
 esac
