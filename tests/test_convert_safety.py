@@ -194,17 +194,23 @@ def test_the_new_store_is_on_the_drive_before_the_old_one_is_moved_aside(
     out = _convert(gguf, tmp_path / "s")
     import strata_mlx.store as store
 
-    events = []
-    real_fsync, real_replace = os.fsync, os.replace
+    events, path_of = [], {}
+    real_open, real_fsync, real_replace = os.open, os.fsync, os.replace
+
+    def open_(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        path_of[fd] = str(path)
+        return fd
 
     def fsync(fd):
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        events.append(("fsync", path_of.get(fd, "?")))
         return real_fsync(fd)
 
     def replace(a, b):
         events.append(("replace", str(b)))
         return real_replace(a, b)
 
+    monkeypatch.setattr(store.os, "open", open_)
     monkeypatch.setattr(store.os, "fsync", fsync)
     monkeypatch.setattr(store.os, "replace", replace)
     _convert(gguf, out, overwrite=True)
