@@ -242,17 +242,21 @@ def main() -> None:
 
 
 def summarize(runs: list[dict], paired: bool) -> None:
-    """Each variant's median ms/token, its ratio to mlx-lm's median and, when `paired`
-    (--interleave: each round's mlx-lm run came right before it), the median of its
-    per-round ratios."""
+    """Each variant's median ms/token and its ratio to the baseline's median: mlx-lm's, or
+    without it (--no-baseline) the first variant's (e.g. demand, for lookahead against it).
+    With mlx-lm `paired` (--interleave: each round's mlx-lm run came right before it), and
+    always between variants (a round runs each once, in rotated order), also the median of
+    the per-round ratios."""
     by: dict[str, dict[int, float]] = {}
     for row in runs:
         by.setdefault(row["variant"], {})[row["round"]] = row["ms_per_token"]
-    base = by.get("mlx-lm", {})
+    name = "mlx-lm" if "mlx-lm" in by else next(iter(by), None)
+    base = by.get(name, {})
+    paired = paired or name != "mlx-lm"
     for variant, ms in by.items():
         line = f"{variant}: median {np.median(list(ms.values())):.2f} ms/token"
-        if base and variant != "mlx-lm":
-            line += f", x{np.median(list(ms.values())) / np.median(list(base.values())):.2f} mlx-lm"
+        if base and variant != name:
+            line += f", x{np.median(list(ms.values())) / np.median(list(base.values())):.2f} {name}"
             ratios = [ms[r] / base[r] for r in ms if r in base]
             if paired and ratios:
                 line += f" (per round x{np.median(ratios):.2f})"

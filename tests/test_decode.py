@@ -323,3 +323,31 @@ def test_token_mode_while_lookahead_predicts_is_exact(store, fraction):
         assert new.token_mode_tokens == 12
     else:
         assert new.token_mode_tokens > old.token_mode_tokens
+
+
+def test_the_decode_benchmark_reports_variants_against_the_first_without_mlx_lm(capsys):
+    """benchmarks/decode.py --no-baseline: each variant against the first (lookahead against
+    demand), by medians and by the median of per-round ratios."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "decode.py"
+    spec = importlib.util.spec_from_file_location("decode_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [  # round 1 drifted slow for both: per round, lookahead is 0.8x demand's time
+        {"variant": "demand", "round": 0, "ms_per_token": 50.0},
+        {"variant": "lookahead", "round": 0, "ms_per_token": 40.0},
+        {"variant": "demand", "round": 1, "ms_per_token": 100.0},
+        {"variant": "lookahead", "round": 1, "ms_per_token": 80.0},
+        {"variant": "demand", "round": 2, "ms_per_token": 60.0},
+        {"variant": "lookahead", "round": 2, "ms_per_token": 48.0},
+    ]
+    bench.summarize(rows, paired=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "demand: median 60.00 ms/token"
+    assert lines[1] == "lookahead: median 48.00 ms/token, x0.80 demand (per round x0.80)"
+    bench.summarize([*rows, {"variant": "mlx-lm", "round": 0, "ms_per_token": 30.0}], False)
+    assert (
+        capsys.readouterr().out.splitlines()[1] == "lookahead: median 48.00 ms/token, x1.60 mlx-lm"
+    )
