@@ -398,9 +398,16 @@ for (pol, ph), c in sorted(rows.items()):
               f"({len(o)}/{len(n)} runs): new/old {st.median(n) / st.median(o):.3f}")
 PY
   ;;
+r13c)  # next session, after r13: decode on the old code's store, each policy under both
+  # schedulers (r12c compared demand:sync with lookahead:loop: two changes at once), 3 rounds
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  timeout 500 python3 benchmarks/decode.py /root/strata-old-code -p 2048 -g 128 --arena-gb 6.5 \
+     --no-baseline --policies demand:loop,demand:sync,lookahead:loop,lookahead:sync --modes adaptive \
+     --rounds 3 --json "$OUT/decode-oldcode-sched.json" 2>&1 | tee "$OUT/decode-oldcode-sched.log"
+  ;;
 r12d)  # last: the old store removed; plan against bench on today's 12-layer store (issue 14)
   rm -rf /root/strata-old-code
   bash "$0" r10a
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d|r12a|r12b|r12c|r12d|r12e|r12f|r13"; exit 2;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d|r12a|r12b|r12c|r12d|r12e|r12f|r13|r13c"; exit 2;;
 esac
