@@ -16,6 +16,10 @@ plan_vs_bench() {  # PLAN.json BENCH.json: plan.compare's rows
   python3 -c "import json, sys; from strata_mlx import plan
 for r in plan.compare(json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))): print(r)" "$@" 2>&1
 }
+build_both() {  # OLD_TREE: the native reader of the old tree and of this one
+  (cd "$1" && python3 setup.py build_ext --inplace -q 2>&1 | tail -1)
+  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+}
 old_vs_new_bench() {  # OLD_TREE STORE ROUND FIRST SECOND POLICIES: bench of each code on STORE
   local tree=$1 store=$2 r=$3 pol=$6 code g=${G:-128}
   for code in $4 $5; do
@@ -327,18 +331,14 @@ r11d)  # next session, call 2 (after setup a, with half b): today's full store a
 r12a)  # eighth session, call 2: the code issue 17 was filed on ($OLD, a tree of 36960f5^ beside
   # this one) writes its own full store, then its bench and this code's take turns on it: issue
   # 17's "today" and its prefill non-regression measured in one run, on one store
-  OLD=${OLD:-$PWD/old}; OLDS=/root/strata-old-code
-  (cd "$OLD" && python3 setup.py build_ext --inplace -q 2>&1 | tail -1)
-  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  OLD=${OLD:-$PWD/old}; OLDS=/root/strata-old-code; build_both "$OLD"
   [ -f "$OLDS/manifest.json" ] || (cd "$OLD" && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" /usr/bin/time -f \
      "old code's synthetic store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
      --mlx-path "$OLDS" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -2) | tee "$OUT/synth-old.log"
   old_vs_new_bench "$OLD" "$OLDS" 1 old new demand,lookahead
   ;;
 r12b)  # right after r12a: the other order (drift falls on both codes alike)
-  OLD=${OLD:-$PWD/old}; OLDS=/root/strata-old-code
-  (cd "$OLD" && python3 setup.py build_ext --inplace -q 2>&1 | tail -1)
-  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  OLD=${OLD:-$PWD/old}; OLDS=/root/strata-old-code; build_both "$OLD"
   old_vs_new_bench "$OLD" "$OLDS" 2 new old lookahead,demand
   ;;
 r12c)  # after r12b: the same store, this code's decoder modes: lookahead allowed "token" mode
@@ -350,9 +350,7 @@ r12c)  # after r12b: the same store, this code's decoder modes: lookahead allowe
   ;;
 r12e)  # after r12c: prefill alone, the old code's lookahead against this code's under both
   # schedulers (the asyncio loop, the default, and the per-layer sync one), taking turns
-  OLD=${OLD:-$PWD/old}; OLDS=/root/strata-old-code
-  (cd "$OLD" && python3 setup.py build_ext --inplace -q 2>&1 | tail -1)
-  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  OLD=${OLD:-$PWD/old}; OLDS=/root/strata-old-code; build_both "$OLD"
   for r in 3 4; do
     timeout 150 python3 -m strata_mlx bench --model "$OLDS" -p 2048 -g 8 --arena-gb 6.5 \
        --prefill-step-size 1024 --policies lookahead,lookahead:sync:d1 --json "$OUT/new-bench-$r.json" \
@@ -376,27 +374,13 @@ r12f)  # a fresh machine's last minutes: prefill on the 12-layer store, the loop
 r13)  # next session: `r13 FIRST LAST` (after r12a has written the old code's store): prefill
   # rounds FIRST..LAST of the two codes on it, -g 8, the order alternating round by round (odd:
   # old first), each code's policies rotating; five rounds take about 500 s, so split them
-  OLD=${OLD:-$PWD/old}; OLDS=/root/strata-old-code
-  (cd "$OLD" && python3 setup.py build_ext --inplace -q 2>&1 | tail -1)
-  [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  OLD=${OLD:-$PWD/old}; OLDS=/root/strata-old-code; build_both "$OLD"
   for r in $(seq "${2:-1}" "${3:-2}"); do
     pol=demand,lookahead; [ $((r % 2)) = 0 ] && pol=lookahead,demand
     first=old second=new; [ $((r % 2)) = 0 ] && first=new second=old
     G=8 old_vs_new_bench "$OLD" "$OLDS" "p$r" $first $second $pol
   done
-  python3 - "$OUT" <<'PY'
-import glob, json, statistics as st, sys
-rows = {}
-for f in glob.glob(f"{sys.argv[1]}/*-bench-p*.json"):
-    code = f.rsplit("/", 1)[1].split("-", 1)[0]
-    for r in json.load(open(f))["runs"]:
-        rows.setdefault((r["policy"], r["phase"]), {}).setdefault(code, []).append(r["chunk_ms"])
-for (pol, ph), c in sorted(rows.items()):
-    o, n = c.get("old", []), c.get("new", [])
-    if o and n:
-        print(f"{pol} {ph}: old {st.median(o):.0f} new {st.median(n):.0f} ms/chunk "
-              f"({len(o)}/{len(n)} runs): new/old {st.median(n) / st.median(o):.3f}")
-PY
+  python3 benchmarks/old_vs_new.py "$OUT"/old-bench-p*.json "$OUT"/new-bench-p*.json
   ;;
 r13c)  # next session, after r13: decode on the old code's store, each policy under both
   # schedulers (r12c compared demand:sync with lookahead:loop: two changes at once), 3 rounds

@@ -43,19 +43,4 @@ for r in $(seq "$ROUNDS"); do
     done
   done
 done
-python - "$OUT" <<'PY'
-import glob, json, statistics as s, sys
-rows = {}
-for f in glob.glob(f"{sys.argv[1]}/*-*-[0-9]*.json"):
-    code, name = f.rsplit("/", 1)[1].split("-", 1)
-    name = name.rsplit("-", 1)[0]
-    for r in json.load(open(f))["runs"]:
-        rows.setdefault((name, r["policy"], r["phase"]), {}).setdefault(code, []).append(r["chunk_ms"])
-print("| store | policy | phase | old ms/chunk median (range) | new median (range) | new / old |")
-print("|---|---|---|---|---|---|")
-for (name, pol, ph), c in sorted(rows.items()):
-    o, n = c.get("old", []), c.get("new", [])
-    if o and n:
-        print(f"| {name} | {pol} | {ph} | {s.median(o):.1f} ({min(o):.1f}-{max(o):.1f}) | "
-              f"{s.median(n):.1f} ({min(n):.1f}-{max(n):.1f}) | {s.median(n) / s.median(o):.2f} |")
-PY
+python "$here/benchmarks/old_vs_new.py" "$OUT"/old-*-[0-9]*.json "$OUT"/new-*-[0-9]*.json
