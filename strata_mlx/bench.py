@@ -68,7 +68,7 @@ def policy_options(policy: str) -> dict:
     """RuntimeConfig fields of a bench policy name: a read-ahead policy, optionally with
     ":always" (lookahead predicts in decode too), ":dN" (N layers predicted ahead), ":sync"
     or ":loop" (the scheduler), ":lwN" (the loop's low-water mark), ":sN" (split reads, parts
-    of N KB; s0 whole), ":ioN" (N reader workers) and an eviction policy (":lru", ":lfu"...)."""
+    of N KB; s0 whole), ":ioN" (N reader workers), ":nv" (records not verified) and an eviction policy (":lru", ":lfu"...)."""
     from .arena import POLICIES
 
     name, *variants = policy.split(":")
@@ -86,12 +86,14 @@ def policy_options(policy: str) -> dict:
             out["read_split_kb"] = int(v[1:])
         elif v[:2] == "io" and v[2:].isdigit():
             out["io_workers"] = int(v[2:])
+        elif v == "nv":
+            out["verify"] = False
         elif v in POLICIES:
             out["eviction"] = v
         else:
             raise OptionError(
                 f"policy {policy!r}: unknown variant {v!r} (always | dN | sync | loop | lwN | "
-                f"sN | ioN | {' | '.join(sorted(POLICIES))})"
+                f"sN | ioN | nv | {' | '.join(sorted(POLICIES))})"
             )
     return out
 
