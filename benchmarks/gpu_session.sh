@@ -21,6 +21,7 @@ build_both() {  # OLD_TREE: the native reader of the old tree and of this one
   [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
 }
 old_vs_new_bench() {  # OLD_TREE STORE ROUND FIRST SECOND POLICIES: bench of each code on STORE
+  # (NEWPOL: this code's policies, where they differ: variants the old code does not know)
   local tree=$1 store=$2 r=$3 pol=$6 code g=${G:-128}
   for code in $4 $5; do
     if [ "$code" = old ]; then
@@ -29,7 +30,7 @@ old_vs_new_bench() {  # OLD_TREE STORE ROUND FIRST SECOND POLICIES: bench of eac
          --json "$OUT/old-bench-$r.json" 2>&1 | tee "$OUT/old-bench-$r.log" | grep -v "^ *[0-9]")
     else
       timeout 280 python3 -m strata_mlx bench --model "$store" -p 2048 -g $g --arena-gb 6.5 \
-         --prefill-step-size 1024 --policies "$pol" --json "$OUT/new-bench-$r.json" 2>&1 \
+         --prefill-step-size 1024 --policies "${NEWPOL:-$pol}" --json "$OUT/new-bench-$r.json" 2>&1 \
          | tee "$OUT/new-bench-$r.log" | grep -v "^ *[0-9]"
     fi
   done
@@ -389,9 +390,32 @@ r13c)  # next session, after r13: decode on the old code's store, each policy un
      --no-baseline --policies demand:loop,demand:sync,lookahead:loop,lookahead:sync --modes adaptive \
      --rounds 3 --json "$OUT/decode-oldcode-sched.json" 2>&1 | tee "$OUT/decode-oldcode-sched.log"
   ;;
+r14)  # ninth session's plan, call 2: the old code's store (r12a's, 86-104 s), then what each
+  # step of a record's way into managed memory costs (run 11 had this code's prefill 1.06-1.30x
+  # the old code's, the same records read, read GB/s lower: the bounce copy and the checksum
+  # sat on each worker's slot on the drive; the old reader had neither), with the device
+  # reading the slots between reads as prefill's kernels do; then prefill round 1 (r14b)
+  OLD=${OLD:-$PWD/old}; OLDS=/root/strata-old-code; build_both "$OLD"
+  [ -f "$OLDS/manifest.json" ] || (cd "$OLD" && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" /usr/bin/time -f \
+     "old code's synthetic store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --mlx-path "$OLDS" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -2) | tee "$OUT/synth-old.log"
+  timeout 150 python3 benchmarks/read_path.py "$OLDS" --touch --seconds 3 --rounds 3 \
+     --variants direct,bounce,bounce+verify,bounce+verify+overlap,bounce+overlap 2>&1 | tee "$OUT/read-path.log"
+  bash "$0" r14b 1 1
+  ;;
+r14b)  # `r14b FIRST LAST`: prefill rounds as r13's, this code also with the overlap off (:ov0)
+  OLD=${OLD:-$PWD/old}; OLDS=/root/strata-old-code; build_both "$OLD"
+  for r in $(seq "${2:-1}" "${3:-2}"); do
+    pol=demand,lookahead np=demand,demand:ov0,lookahead,lookahead:ov0
+    [ $((r % 2)) = 0 ] && pol=lookahead,demand np=lookahead:ov0,lookahead,demand:ov0,demand
+    first=old second=new; [ $((r % 2)) = 0 ] && first=new second=old
+    G=8 NEWPOL=$np old_vs_new_bench "$OLD" "$OLDS" "q$r" $first $second $pol
+  done
+  python3 benchmarks/old_vs_new.py "$OUT"/old-bench-q*.json "$OUT"/new-bench-q*.json
+  ;;
 r12d)  # last: the old store removed; plan against bench on today's 12-layer store (issue 14)
   rm -rf /root/strata-old-code
   bash "$0" r10a
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d|r12a|r12b|r12c|r12d|r12e|r12f|r13|r13c"; exit 2;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d|r12a|r12b|r12c|r12d|r12e|r12f|r13|r13c|r14|r14b"; exit 2;;
 esac

@@ -2,7 +2,8 @@
 
 Each file is named CODE-NAME-ROUND.json (CODE "old" or "new"; NAME the store or stage; ROUND
 anything without a dash): prints, per (NAME, policy, phase), each code's median ms/chunk with
-its range and new / old. Used by benchmarks/prefill_vs_commit.sh and gpu_session.sh's r13:
+its range and new / old; a variant only the new code ran ("lookahead:ov0") stands against the
+old code's policy of its base name. Used by benchmarks/prefill_vs_commit.sh and gpu_session.sh's r13:
     python benchmarks/old_vs_new.py OUT/old-*.json OUT/new-*.json
 """
 
@@ -22,6 +23,10 @@ def main(paths: list[str]) -> None:
         for r in json.loads(Path(p).read_text())["runs"]:
             key = (name, r["policy"], r["phase"])
             rows.setdefault(key, {}).setdefault(code, []).append(r["chunk_ms"])
+    for (name, pol, ph), c in rows.items():  # a variant of this code's against the old policy
+        base = rows.get((name, pol.split(":")[0], ph), {})
+        if "old" not in c and "old" in base:
+            c["old"] = base["old"]
     print(
         "| store | policy | phase | old ms/chunk median (range) | new median (range) | new / old |"
     )

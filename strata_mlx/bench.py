@@ -68,7 +68,7 @@ def policy_options(policy: str) -> dict:
     """RuntimeConfig fields of a bench policy name: a read-ahead policy, optionally with
     ":always" (lookahead predicts in decode too), ":dN" (N layers predicted ahead), ":sync"
     or ":loop" (the scheduler), ":lwN" (the loop's low-water mark), ":sN" (split reads, parts
-    of N KB; s0 whole), ":ioN" (N reader workers), ":nv" (records not verified) and an eviction policy (":lru", ":lfu"...)."""
+    of N KB; s0 whole), ":ioN" (N reader workers), ":nv" (records not verified), ":ov0" / ":ov1" (the reader's overlap off / on) and an eviction policy (":lru", ":lfu"...)."""
     from .arena import POLICIES
 
     name, *variants = policy.split(":")
@@ -88,12 +88,14 @@ def policy_options(policy: str) -> dict:
             out["io_workers"] = int(v[2:])
         elif v == "nv":
             out["verify"] = False
+        elif v in ("ov0", "ov1"):
+            out["read_overlap"] = v == "ov1"
         elif v in POLICIES:
             out["eviction"] = v
         else:
             raise OptionError(
                 f"policy {policy!r}: unknown variant {v!r} (always | dN | sync | loop | lwN | "
-                f"sN | ioN | nv | {' | '.join(sorted(POLICIES))})"
+                f"sN | ioN | nv | ov0 | ov1 | {' | '.join(sorted(POLICIES))})"
             )
     return out
 

@@ -86,6 +86,9 @@ class RuntimeConfig:
     # parts of at least this many KB by several workers side by side (reader.Reader's split).
     # 0: whole records always.
     read_split_kb: int = 0
+    # The reader's threads let go of their slot on the drive once a pread returns, before the
+    # bounce copy and the checksum (reader.Reader's overlap): io_workers preads in flight.
+    read_overlap: bool = True
     read_ahead: ReadAhead = field(default_factory=ReadAhead)
     # loop: an asyncio event loop on its own thread schedules reads and keeps the drive busy
     # between handshakes; sync: reads are scheduled only inside the handshake (the first wave)
@@ -309,7 +312,12 @@ def load(
 
     from .reader import Reader, needs_bounce
 
-    reader = Reader(cfg.io_workers, bounce=needs_bounce(), split=cfg.read_split_kb * 1024)
+    reader = Reader(
+        cfg.io_workers,
+        bounce=needs_bounce(),
+        split=cfg.read_split_kb * 1024,
+        overlap=cfg.read_overlap,
+    )
     cache = ExpertCache(
         path,
         manifest,

@@ -107,12 +107,21 @@ class Reader:
             completes once, when its last part has landed, and a checksum is verified over
             the whole request by the worker that read that part. A split request is
             cancelled only while none of its parts has started.
+        overlap: run twice as many threads and let each go of its read slot as soon as its
+            pread returns, before the bounce copy and the checksum: ``workers`` preads stay
+            in flight while other threads finish theirs (without it, a worker's copy and
+            checksum are time its slot on the drive stands idle).
     """
 
     def __init__(
-        self, workers: int = 8, start_paused: bool = False, bounce: bool = False, split: int = 0
+        self,
+        workers: int = 8,
+        start_paused: bool = False,
+        bounce: bool = False,
+        split: int = 0,
+        overlap: bool = False,
     ) -> None:
-        self._r = _reader.Reader(workers, start_paused, bounce, split)
+        self._r = _reader.Reader(workers, start_paused, bounce, split, overlap)
 
     @property
     def workers(self) -> int:
@@ -215,9 +224,11 @@ class Reader:
 
     def stats(self) -> dict:
         """Counters: ``bytes_read``, ``requests_done``, ``errors``, ``verified`` (reads whose
-        checksum was checked), ``split`` (requests read in parts), ``busy_ns`` and ``verify_ns`` (lists, per worker: time spent
-        inside reads, and checking checksums), and the current ``queued_urgent``,
-        ``queued_ahead``, ``in_flight`` and uncollected ``completions``."""
+        checksum was checked), ``split`` (requests read in parts), ``busy_ns`` and
+        ``verify_ns`` (lists, per thread: time spent inside reads, and checking checksums),
+        ``preads_max`` (the most preads in flight at once since the last reset: at most
+        ``workers``), and the current ``queued_urgent``, ``queued_ahead``, ``in_flight``
+        (requests a thread holds) and uncollected ``completions``."""
         return self._r.stats()
 
     def reset_stats(self) -> None:

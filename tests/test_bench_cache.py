@@ -43,3 +43,18 @@ def test_bench_help_says_what_it_does_to_caches():
     assert r.exit_code == 0
     text = " ".join(r.output.replace("│", " ").split())  # rich boxes and wraps the help
     assert "posix_fadvise" in text and "nothing else on the machine is touched" in text
+
+
+def test_bench_policy_variants_name_the_runtime_options():
+    from strata_mlx.bench import policy_options
+    from strata_mlx.options import OptionError
+
+    assert policy_options("lookahead:ov0:nv:io16") == {
+        "read_ahead": "lookahead",
+        "read_overlap": False,
+        "verify": False,
+        "io_workers": 16,
+    }
+    assert policy_options("demand:ov1") == {"read_ahead": "demand", "read_overlap": True}
+    with pytest.raises(OptionError, match="unknown variant 'ov2'"):
+        policy_options("demand:ov2")

@@ -53,6 +53,21 @@ def data_file(data_dir) -> tuple[Path, bytes]:
     return path, payload.tobytes()
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["slots-held", "overlap"])
+def overlap(request, monkeypatch):
+    """Every test runs with the reader's overlap off and on (threads that let go of their
+    read slot before the copy and the checksum must land, verify, cancel and count alike)."""
+    on = request.param
+
+    class Overlapping(Reader):
+        def __init__(self, *args, **kw):
+            kw.setdefault("overlap", on)
+            super().__init__(*args, **kw)
+
+    monkeypatch.setitem(globals(), "Reader", Overlapping)
+    return on
+
+
 def drain(reader: Reader, n: int) -> list[tuple[int, int, int]]:
     """Collect n completions in completion order."""
     out: list[tuple[int, int, int]] = []
@@ -65,7 +80,7 @@ def drain(reader: Reader, n: int) -> list[tuple[int, int, int]]:
 
 @pytest.mark.parametrize("bounce", [False, True])
 @pytest.mark.parametrize("direct", [True, False])
-def test_reads_land_in_place(data_file, direct, bounce):
+def test_reads_land_in_place(data_file, direct, bounce, overlap):
     """Directly, or (bounce) read into each worker's own buffer and copied into place."""
     path, payload = data_file
     buf, addr = aligned(RECORD * N_RECORDS)
@@ -83,7 +98,7 @@ def test_reads_land_in_place(data_file, direct, bounce):
         stats = r.stats()
         assert stats["bytes_read"] == RECORD * N_RECORDS
         assert stats["requests_done"] == N_RECORDS
-        assert stats["errors"] == 0 and len(stats["busy_ns"]) == 4
+        assert stats["errors"] == 0 and len(stats["busy_ns"]) == (8 if overlap else 4)
         assert r.poll() == []
     for i in range(N_RECORDS):
         slot = int(order[i])
@@ -344,7 +359,7 @@ def test_checksums_match_references():
 @pytest.mark.parametrize("bounce", [False, True])
 @pytest.mark.parametrize("name", ["crc32c", "crc32"])
 @pytest.mark.parametrize("direct", [True, False])
-def test_reads_are_verified_in_the_workers(data_file, name, direct, bounce):
+def test_reads_are_verified_in_the_workers(data_file, name, direct, bounce, overlap):
     path, payload = data_file
     sums = [checksum(name, payload[i * RECORD : (i + 1) * RECORD]) for i in range(N_RECORDS)]
     buf, addr = aligned(RECORD * 4)
@@ -367,7 +382,7 @@ def test_reads_are_verified_in_the_workers(data_file, name, direct, bounce):
         ]
         stats = r.stats()
         assert stats["verified"] == 2 and stats["errors"] == 1
-        assert len(stats["verify_ns"]) == 2 and sum(stats["verify_ns"]) > 0
+        assert len(stats["verify_ns"]) == (4 if overlap else 2) and sum(stats["verify_ns"]) > 0
     for i in (0, 2, 3):
         assert (
             buf[i * RECORD : (i + 1) * RECORD].tobytes() == payload[i * RECORD : (i + 1) * RECORD]
@@ -507,3 +522,35 @@ def test_split_reads_under_cancel_and_promote_races(data_file):
     for t in wanted:
         src = (t % per_file) * size
         assert buf[t * size : (t + 1) * size].tobytes() == payload[src : src + size]
+
+
+# ---- overlap: a thread lets go of its slot on the drive before the copy and the checksum --
+
+
+@pytest.mark.parametrize("bounce", [False, True])
+def test_overlap_keeps_at_most_workers_preads_in_flight(data_file, overlap, bounce):
+    """Twice the threads with overlap, never more than `workers` preads at once; every record
+    lands whole and verified (bounce: through each thread's own buffer)."""
+    path, payload = data_file
+    sums = [checksum("crc32c", payload[i * RECORD : (i + 1) * RECORD]) for i in range(N_RECORDS)]
+    n = 200 * N_RECORDS  # enough reads that four threads unchecked would overlap
+    buf, base = aligned(n * RECORD)
+    with Reader(workers=2, start_paused=True, bounce=bounce) as r:
+        f = r.open(path, direct=False, checksum="crc32c")
+        r.submit(
+            [(t, f, (t % N_RECORDS) * RECORD, RECORD, base + t * RECORD, sums[t % N_RECORDS])
+             for t in range(n)]
+        )  # fmt: skip
+        r.resume()
+        done = drain(r, n)
+        stats = r.stats()
+    assert sorted(t for t, _, _ in done) == list(range(n))
+    assert all(err == 0 and got == RECORD for _, err, got in done)
+    assert stats["verified"] == n
+    assert len(stats["busy_ns"]) == (4 if overlap else 2)
+    assert 1 <= stats["preads_max"] <= 2
+    for t in range(n):
+        i = t % N_RECORDS
+        assert (
+            buf[t * RECORD : (t + 1) * RECORD].tobytes() == payload[i * RECORD : (i + 1) * RECORD]
+        )

@@ -224,3 +224,26 @@ def test_fake_stream_computes_the_same_groups(store):
         runs.append(model.expert_cache.stats.groups)
         model.expert_cache.close()
     assert runs[0] > 0 and runs[1] == runs[0]
+
+
+@pytest.mark.parametrize("policy", ["demand", "lookahead"])
+def test_reader_overlap_on_and_off_stream_the_same_logits(store, policy):
+    """read_overlap (the default) runs twice the reader threads, io_workers preads in flight;
+    off, a worker's copy and checksum hold its read slot, the first wave's way. Same bytes."""
+    path = store(FAMILY)
+    ids = prompt_ids(40, seed=5)
+    out = {}
+    for overlap in (False, True):
+        model, _ = strata_mlx.load(
+            path,
+            arena_gb=arena_gb(path, 0.05),
+            read_ahead=policy,
+            read_overlap=overlap,
+            io_workers=3,
+        )
+        out[overlap] = teacher_forced_logits(model, ids, 7)
+        st = model.expert_cache.reader.stats()
+        assert len(st["busy_ns"]) == (6 if overlap else 3) and 1 <= st["preads_max"] <= 3
+        assert model.expert_cache.stats.misses > 0  # the reads happened
+        model.expert_cache.close()
+    assert np.array_equal(out[False], out[True])

@@ -86,6 +86,11 @@ typedef struct {
 struct ReaderObject {
     PyObject_HEAD
     int nworkers, nstarted, sync_ready, closing;
+    /* threads: nworkers, or 2 x nworkers with overlap (a pread slot is let go of before the
+     * bounce copy and the checksum, so `nworkers` preads stay in flight while other threads
+     * finish theirs); per-thread arrays below are nthreads long */
+    int nthreads, overlap;
+    int preading, preading_max; /* threads inside a pread now; the most at once (mu) */
     int bounce; /* read into a per-worker buffer, then copy into dest (see worker_main) */
     Py_ssize_t split; /* smallest part of a split request in bytes; 0: never split */
     pthread_t *threads;
@@ -221,7 +226,8 @@ static void *worker_main(void *p) {
     pthread_mutex_lock(&r->mu);
     while (!r->stopping) {
         Queue *q = NULL;
-        if (!r->paused) q = q_size(&r->urgent) ? &r->urgent : q_size(&r->ahead) ? &r->ahead : NULL;
+        if (!r->paused && r->preading < r->nworkers)
+            q = q_size(&r->urgent) ? &r->urgent : q_size(&r->ahead) ? &r->ahead : NULL;
         if (!q) {
             pthread_cond_wait(&r->work, &r->mu);
             continue;
@@ -231,6 +237,7 @@ static void *worker_main(void *p) {
         if (rq.group) rq.group->started++;
         r->current[w] = rq.tag;
         r->reading[w] = 1;
+        if (++r->preading > r->preading_max) r->preading_max = r->preading;
         pthread_mutex_unlock(&r->mu);
 
         uint64_t t0 = now_ns();
@@ -257,6 +264,12 @@ static void *worker_main(void *p) {
         }
         if (!err) err = read_fully(fd, direct, &into, &nread);
         uint64_t t1 = now_ns(), t2 = t1;
+        if (r->overlap) { /* the drive's slot is free: the next queued read starts now */
+            pthread_mutex_lock(&r->mu);
+            r->preading--;
+            if (q_size(&r->urgent) || q_size(&r->ahead)) pthread_cond_signal(&r->work);
+            pthread_mutex_unlock(&r->mu);
+        }
         int checked = !err && rq.verify;
         if (checked) {
             if (checksum_update(kind, 0, into.dest, (size_t)rq.length) != rq.expected)
@@ -267,6 +280,7 @@ static void *worker_main(void *p) {
             memcpy(rq.dest, into.dest, (size_t)nread);
 
         pthread_mutex_lock(&r->mu);
+        if (!r->overlap) r->preading--;
         r->bytes_read += (unsigned long long)nread;
         r->busy_ns[w] += t1 - t0;
         Group *g = rq.group;
@@ -377,7 +391,7 @@ static Py_ssize_t find_done(ReaderObject *r, long long tag) {
 
 static int is_outstanding(ReaderObject *r, long long tag) {
     if (q_find(&r->urgent, tag) >= 0 || q_find(&r->ahead, tag) >= 0) return 1;
-    for (int w = 0; w < r->nworkers; w++)
+    for (int w = 0; w < r->nthreads; w++)
         if (r->reading[w] && r->current[w] == tag) return 1;
     return 0;
 }
@@ -465,11 +479,11 @@ static void Reader_dealloc(ReaderObject *r) {
 }
 
 static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"workers", "start_paused", "bounce", "split", NULL};
-    int nworkers = 8, paused = 0, bounce = 0;
+    static char *kwlist[] = {"workers", "start_paused", "bounce", "split", "overlap", NULL};
+    int nworkers = 8, paused = 0, bounce = 0, overlap = 0;
     Py_ssize_t split = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ippn:Reader", kwlist, &nworkers, &paused,
-                                     &bounce, &split))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ippnp:Reader", kwlist, &nworkers, &paused,
+                                     &bounce, &split, &overlap))
         return NULL;
     if (split < 0 || split % ALIGNMENT) {
         PyErr_Format(PyExc_ValueError, "split must be 0 or a multiple of %d bytes, got %zd",
@@ -483,16 +497,18 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     ReaderObject *r = (ReaderObject *)type->tp_alloc(type, 0); /* zero-filled */
     if (!r) return NULL;
     r->nworkers = nworkers;
+    r->overlap = overlap;
+    int nthreads = r->nthreads = overlap ? 2 * nworkers : nworkers;
     r->bounce = bounce;
     r->split = split;
     r->notify_r = r->notify_w = -1;
     r->paused = paused;
-    r->threads = calloc((size_t)nworkers, sizeof(pthread_t));
-    r->args = calloc((size_t)nworkers, sizeof(WorkerArg));
-    r->current = calloc((size_t)nworkers, sizeof(long long));
-    r->reading = calloc((size_t)nworkers, 1);
-    r->busy_ns = calloc((size_t)nworkers, sizeof(unsigned long long));
-    r->verify_ns = calloc((size_t)nworkers, sizeof(unsigned long long));
+    r->threads = calloc((size_t)nthreads, sizeof(pthread_t));
+    r->args = calloc((size_t)nthreads, sizeof(WorkerArg));
+    r->current = calloc((size_t)nthreads, sizeof(long long));
+    r->reading = calloc((size_t)nthreads, 1);
+    r->busy_ns = calloc((size_t)nthreads, sizeof(unsigned long long));
+    r->verify_ns = calloc((size_t)nthreads, sizeof(unsigned long long));
     if (!r->threads || !r->args || !r->current || !r->reading || !r->busy_ns || !r->verify_ns) {
         Py_DECREF(r);
         return PyErr_NoMemory();
@@ -507,7 +523,7 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     pthread_cond_init(&r->done, &ca);
     pthread_condattr_destroy(&ca);
     r->sync_ready = 1;
-    for (int i = 0; i < nworkers; i++) {
+    for (int i = 0; i < nthreads; i++) {
         r->args[i] = (WorkerArg){r, i};
         int rc = pthread_create(&r->threads[i], NULL, worker_main, &r->args[i]);
         if (rc) {
@@ -677,7 +693,9 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
     Py_ssize_t parts_total = n, per = 0;
     if (r->split > 0 && n > 0) {
         Py_ssize_t busy = q_size(&r->urgent) + q_size(&r->ahead);
-        for (int w = 0; w < r->nworkers; w++) busy += r->reading[w];
+        if (r->overlap) busy += r->preading; /* threads finishing a read hold no slot */
+        else
+            for (int w = 0; w < r->nworkers; w++) busy += r->reading[w];
         per = busy < r->nworkers ? (r->nworkers - busy) / n : 0;
         if (per >= 2) {
             parts_total = 0;
@@ -686,7 +704,7 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
     }
     /* reserve completion slots for everything that can still complete, so workers never
      * allocate */
-    Py_ssize_t need = r->n_done + q_size(&r->urgent) + q_size(&r->ahead) + r->nworkers + n;
+    Py_ssize_t need = r->n_done + q_size(&r->urgent) + q_size(&r->ahead) + r->nthreads + n;
     if (need > r->cap_done) {
         Completion *d = realloc(r->done_items, sizeof(Completion) * (size_t)(need * 2));
         if (d) {
@@ -824,7 +842,7 @@ static PyObject *Reader_wait(ReaderObject *r, PyObject *args, PyObject *kw) {
                 }
             } else { /* at least one completion; nothing outstanding at all returns [] */
                 int outstanding = q_size(&r->urgent) || q_size(&r->ahead);
-                for (int w = 0; w < r->nworkers; w++) outstanding |= r->reading[w];
+                for (int w = 0; w < r->nthreads; w++) outstanding |= r->reading[w];
                 status = r->n_done || !outstanding ? W_READY : W_PENDING;
             }
             if (status != W_READY && r->stopping) status = W_CLOSED;
@@ -882,21 +900,21 @@ static PyObject *Reader_pause(ReaderObject *r, PyObject *u) { return set_paused(
 static PyObject *Reader_resume(ReaderObject *r, PyObject *u) { return set_paused(r, 0); }
 
 static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
-    size_t per_worker = sizeof(unsigned long long) * (size_t)r->nworkers;
+    size_t per_worker = sizeof(unsigned long long) * (size_t)r->nthreads;
     unsigned long long *busy_ns = PyMem_RawMalloc(2 * per_worker), *verify_ns;
     if (!busy_ns) return PyErr_NoMemory();
-    verify_ns = busy_ns + r->nworkers;
+    verify_ns = busy_ns + r->nthreads;
     pthread_mutex_lock(&r->mu);
     unsigned long long bytes = r->bytes_read, reqs = r->requests_done, errs = r->errors,
                        verified = r->verified, split = r->split_requests;
     Py_ssize_t nu = q_size(&r->urgent), na = q_size(&r->ahead), nd = r->n_done;
-    int inflight = 0;
-    for (int w = 0; w < r->nworkers; w++) inflight += r->reading[w];
+    int inflight = 0, preading_max = r->preading_max;
+    for (int w = 0; w < r->nthreads; w++) inflight += r->reading[w];
     memcpy(busy_ns, r->busy_ns, per_worker);
     memcpy(verify_ns, r->verify_ns, per_worker);
     pthread_mutex_unlock(&r->mu);
-    PyObject *busy = PyList_New(r->nworkers), *verify = PyList_New(r->nworkers);
-    for (int w = 0; busy && verify && w < r->nworkers; w++) {
+    PyObject *busy = PyList_New(r->nthreads), *verify = PyList_New(r->nthreads);
+    for (int w = 0; busy && verify && w < r->nthreads; w++) {
         PyObject *b = PyLong_FromUnsignedLongLong(busy_ns[w]);
         PyObject *v = PyLong_FromUnsignedLongLong(verify_ns[w]);
         PyList_SET_ITEM(busy, w, b); /* a NULL item is dropped with its list below */
@@ -909,18 +927,19 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
         Py_XDECREF(verify);
         return NULL;
     }
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n}", "bytes_read", bytes,
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i}", "bytes_read", bytes,
                          "requests_done", reqs, "errors", errs, "verified", verified,
                          "split", split, "busy_ns",
                          busy, "verify_ns", verify, "queued_urgent", nu, "queued_ahead", na,
-                         "in_flight", inflight, "completions", nd);
+                         "in_flight", inflight, "completions", nd, "preads_max", preading_max);
 }
 
 static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
     pthread_mutex_lock(&r->mu);
     r->bytes_read = r->requests_done = r->errors = r->verified = r->split_requests = 0;
-    memset(r->busy_ns, 0, sizeof(unsigned long long) * (size_t)r->nworkers);
-    memset(r->verify_ns, 0, sizeof(unsigned long long) * (size_t)r->nworkers);
+    r->preading_max = r->preading;
+    memset(r->busy_ns, 0, sizeof(unsigned long long) * (size_t)r->nthreads);
+    memset(r->verify_ns, 0, sizeof(unsigned long long) * (size_t)r->nthreads);
     pthread_mutex_unlock(&r->mu);
     Py_RETURN_NONE;
 }

@@ -1,0 +1,117 @@
+"""What each step of a record's way into the arena costs: the native reader's bandwidth with the
+bounce copy, the checksum and the overlap each on and off, into arena slots, in one run.
+
+    python benchmarks/read_path.py STORE [--workers 8] [--seconds 3] [--rounds 3] [--touch]
+        [--variants direct,bounce,bounce+verify,bounce+verify+overlap]
+
+Reads: random records of STORE's experts.bin, `workers` in flight, one record a read, direct
+I/O, into the slots of an Arena (an MLX buffer: CUDA managed memory on the GPU machine, where
+the bounce copy lands through the driver's page migration), as the expert cache issues them.
+--touch: each batch of landed slots is then read by the device (a sum over their rows,
+evaluated), so that on CUDA the next reads into those slots find pages on the device, as in
+prefill, where kernels read the slots between reads. Variants rotate round by round, so drift
+in the drive falls on all alike; prints GB/s per round, medians, and each against the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from strata_mlx.arena import Arena
+from strata_mlx.reader import Reader
+from strata_mlx.store import EXPERTS, load_manifest
+
+PARTS = ("direct", "bounce", "verify", "overlap")
+
+
+def read_round(store: Path, m, arena: Arena, variant: set, workers: int, seconds: float,
+               touch: bool, seed: int) -> dict:  # fmt: skip
+    rb = m.layout.record_bytes
+    keys = [(layer, e) for layer in m.moe_layers for e in range(m.num_experts)]
+    rng = np.random.default_rng(seed)
+    verify = "verify" in variant
+    slots = min(arena.n_slots, workers * 2)
+    r = Reader(workers, bounce="bounce" in variant, overlap="overlap" in variant)
+    try:
+        f = r.open(store / EXPERTS, checksum=m.checksum if verify else None)
+        tag = 0
+
+        def request(slot: int) -> tuple:
+            nonlocal tag
+            tag += 1
+            off, expected = m.record(*keys[int(rng.integers(len(keys)))])
+            return (tag, f, off, rb, arena.address(slot), expected if verify else None)
+
+        first = [request(s) for s in range(slots)]
+        slot_of = {q[0]: s for s, q in enumerate(first)}
+        t0 = time.perf_counter()
+        r.submit(first)
+        nbytes = 0
+        while slot_of:
+            more, landed = [], []
+            for t, err, got in r.wait(None):
+                if err:
+                    raise OSError(err, f"{store / EXPERTS}: read failed (error {err})")
+                nbytes += got
+                slot = slot_of.pop(t)
+                landed.append(slot)
+                if time.perf_counter() - t0 < seconds:
+                    q = request(slot)
+                    slot_of[q[0]] = slot
+                    more.append(q)
+            if touch:  # the device reads what landed before those slots are read into again
+                mx.eval(arena.rows[mx.array(landed)].astype(mx.uint32).sum())
+            if more:
+                r.submit(more)
+        elapsed = time.perf_counter() - t0
+        st = r.stats()
+    finally:
+        r.close()
+    return {"gb_per_s": nbytes / elapsed / 1e9, "reads": st["requests_done"],
+            "verified": st["verified"], "preads_max": st["preads_max"]}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("store", type=Path)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--touch", action="store_true")
+    ap.add_argument("--variants", default="direct,bounce,bounce+verify,bounce+verify+overlap")
+    a = ap.parse_args()
+    variants = [v for v in a.variants.split(",") if v]
+    for v in variants:
+        bad = set(v.split("+")) - set(PARTS)
+        if bad:
+            raise SystemExit(f"--variants {v!r}: unknown {sorted(bad)} (parts: {', '.join(PARTS)})")
+    m = load_manifest(a.store)
+    rb = m.layout.record_bytes
+    arena = Arena(a.workers * 2, rb)
+    print(
+        f"{a.store}: {m.checksum} records of {rb} bytes, {a.workers} workers, device "
+        f"{mx.default_device()}, touch={a.touch}"
+    )
+    runs: dict[str, list[float]] = {v: [] for v in variants}
+    for i in range(a.rounds):
+        order = variants[i % len(variants) :] + variants[: i % len(variants)]
+        for v in order:
+            res = read_round(a.store, m, arena, set(v.split("+")), a.workers, a.seconds,
+                             a.touch, seed=i)  # fmt: skip
+            runs[v].append(res["gb_per_s"])
+            print(f"round {i} {v}: {res['gb_per_s']:.3f} GB/s ({res['reads']} reads, "
+                  f"{res['verified']} verified, preads at once <= {res['preads_max']})")  # fmt: skip
+    first = statistics.median(runs[variants[0]])
+    for v in variants:
+        med = statistics.median(runs[v])
+        print(f"{v}: median {med:.3f} GB/s, x{med / first:.3f} of {variants[0]}")
+
+
+if __name__ == "__main__":
+    main()
