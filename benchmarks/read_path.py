@@ -7,6 +7,8 @@ bounce copy, the checksum and the overlap each on and off, into arena slots, in 
 Reads: random records of STORE's experts.bin, `workers` in flight, one record a read, direct
 I/O, into the slots of an Arena (an MLX buffer: CUDA managed memory on the GPU machine, where
 the bounce copy lands through the driver's page migration), as the expert cache issues them.
+"4k": into an arena left in 4 KB pages (Arena(hugepages=False); by default the CPU backend's
+arena asks Linux for huge pages, which CUDA's managed memory does not take).
 --touch: each batch of landed slots is then read by the device (a sum over their rows,
 evaluated), so that on CUDA the next reads into those slots find pages on the device, as in
 prefill, where kernels read the slots between reads. Variants rotate round by round, so drift
@@ -27,7 +29,7 @@ from strata_mlx.arena import Arena
 from strata_mlx.reader import Reader
 from strata_mlx.store import EXPERTS, load_manifest
 
-PARTS = ("direct", "bounce", "verify", "overlap")
+PARTS = ("direct", "bounce", "verify", "overlap", "4k")
 
 
 def read_round(store: Path, m, arena: Arena, variant: set, workers: int, seconds: float,
@@ -71,10 +73,14 @@ def read_round(store: Path, m, arena: Arena, variant: set, workers: int, seconds
                 r.submit(more)
         elapsed = time.perf_counter() - t0
         st = r.stats()
+        direct = r.is_direct(f)
     finally:
         r.close()
+    busy = sum(st["busy_ns"]) + sum(st["verify_ns"])
     return {"gb_per_s": nbytes / elapsed / 1e9, "reads": st["requests_done"],
-            "verified": st["verified"], "preads_max": st["preads_max"]}  # fmt: skip
+            "verified": st["verified"], "preads_max": st["preads_max"],
+            "verify_share": sum(st["verify_ns"]) / busy if busy else 0.0,
+            "direct": direct}  # fmt: skip
 
 
 def main() -> None:
@@ -93,7 +99,7 @@ def main() -> None:
             raise SystemExit(f"--variants {v!r}: unknown {sorted(bad)} (parts: {', '.join(PARTS)})")
     m = load_manifest(a.store)
     rb = m.layout.record_bytes
-    arena = Arena(a.workers * 2, rb)
+    arenas = {False: Arena(a.workers * 2, rb), True: Arena(a.workers * 2, rb, hugepages=False)}
     print(
         f"{a.store}: {m.checksum} records of {rb} bytes, {a.workers} workers, device "
         f"{mx.default_device()}, touch={a.touch}"
@@ -102,7 +108,8 @@ def main() -> None:
     for i in range(a.rounds):
         order = variants[i % len(variants) :] + variants[: i % len(variants)]
         for v in order:
-            res = read_round(a.store, m, arena, set(v.split("+")), a.workers, a.seconds,
+            parts = set(v.split("+"))
+            res = read_round(a.store, m, arenas["4k" in parts], parts, a.workers, a.seconds,
                              a.touch, seed=i)  # fmt: skip
             runs[v].append(res["gb_per_s"])
             print(f"round {i} {v}: {res['gb_per_s']:.3f} GB/s ({res['reads']} reads, "

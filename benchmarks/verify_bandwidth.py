@@ -23,65 +23,19 @@ import time
 from pathlib import Path
 
 import numpy as np
+import read_path  # benchmarks/read_path.py, beside this file
 
+from strata_mlx.arena import Arena
 from strata_mlx.probe import probe_ssd
-from strata_mlx.reader import ALIGNMENT, Reader, checksum, checksum_implementation
+from strata_mlx.reader import checksum, checksum_implementation
 from strata_mlx.store import EXPERTS, load_manifest
 
 
-def aligned(nbytes: int) -> tuple[np.ndarray, int]:
-    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-    start = (-raw.ctypes.data) % ALIGNMENT
-    view = raw[start : start + nbytes]
-    return view, view.ctypes.data
-
-
 def read_round(store: Path, m, verify: bool, workers: int, seconds: float, seed: int) -> dict:
-    rb = m.layout.record_bytes
-    keys = [(layer, e) for layer in m.moe_layers for e in range(m.num_experts)]
-    rng = np.random.default_rng(seed)
-    slots = workers * 2
-    buf, base = aligned(rb * slots)
-    with Reader(workers) as r:
-        f = r.open(store / EXPERTS, checksum=m.checksum if verify else None)
-        tag = 0
-
-        def request(slot: int) -> tuple:
-            nonlocal tag
-            tag += 1
-            off, expected = m.record(*keys[int(rng.integers(len(keys)))])
-            return (tag, f, off, rb, base + slot * rb, expected if verify else None)
-
-        first = [request(s) for s in range(slots)]
-        slot_of = {q[0]: s for s, q in enumerate(first)}
-        t0 = time.perf_counter()
-        r.submit(first)
-        nbytes = 0
-        while slot_of:
-            more = []
-            for t, err, got in r.wait(None):
-                if err:
-                    raise OSError(err, f"read failed (error {err})")
-                nbytes += got
-                slot = slot_of.pop(t)
-                if time.perf_counter() - t0 < seconds:
-                    q = request(slot)
-                    slot_of[q[0]] = slot
-                    more.append(q)
-            if more:
-                r.submit(more)
-        elapsed = time.perf_counter() - t0
-        st = r.stats()
-        direct = r.is_direct(f)
-    del buf
-    busy = sum(st["busy_ns"]) + sum(st["verify_ns"])
-    return {
-        "gb_per_s": nbytes / elapsed / 1e9,
-        "reads": st["requests_done"],
-        "verified": st["verified"],
-        "verify_share": sum(st["verify_ns"]) / busy if busy else 0.0,
-        "direct": direct,
-    }
+    """One round of read_path.py's reads into arena slots, checksums verified or not."""
+    arena = Arena(workers * 2, m.layout.record_bytes)
+    variant = {"direct", "verify"} if verify else {"direct"}
+    return read_path.read_round(store, m, arena, variant, workers, seconds, False, seed)
 
 
 def checksum_only() -> None:

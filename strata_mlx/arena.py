@@ -22,6 +22,7 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
+from .reader import advise_hugepages
 from .store import ALIGNMENT
 
 Key = tuple[int, int]  # (layer, expert)
@@ -236,6 +237,7 @@ class Arena:
         eviction: str = "lru",
         profile: np.ndarray | None = None,
         layers: list[int] | None = None,
+        hugepages: bool = True,
     ):
         if n_slots < 1:
             raise ValueError("the arena needs at least one slot")
@@ -248,6 +250,8 @@ class Arena:
         self._host = np.array(self.buffer, copy=False).reshape(-1).view(np.uint8)  # writable
         self._start = (-self._host.ctypes.data) % ALIGNMENT
         self._base = self._host.ctypes.data + self._start  # slot 0's address
+        if hugepages and mx.default_device() == mx.cpu:  # host memory where reads land: huge
+            advise_hugepages(self._base, self.nbytes, zeroed=True)  # pages (CUDA's is managed)
         self.rows = slot_rows(self.buffer, n_slots, record_bytes, self._start)
         mx.eval(self.rows)
         self.policy = make_policy(eviction, profile, layers)

@@ -252,6 +252,17 @@ class Reader:
         self.close()
 
 
+def advise_hugepages(address: int, nbytes: int, zeroed: bool = False) -> bool:
+    """Ask the OS to back the whole pages of ``[address, address + nbytes)`` with huge pages
+    from their next fault on (Linux transparent huge pages, MADV_HUGEPAGE). ``zeroed``: the
+    range is private anonymous memory that holds only zeros (a fresh host buffer), so its
+    pages are given back (MADV_DONTNEED; they read as zeros) and return as huge pages. Direct
+    reads into 4 KB pages ran at half the bandwidth of reads into huge pages on the dev
+    machine (benchmarks/read_path.py). True if advised; False where not (macOS, THP off): a
+    hint, never an error."""
+    return _reader.advise_hugepages(address, nbytes, zeroed)
+
+
 def needs_bounce() -> bool:
     """Whether reads must land through a bounce buffer on this machine: on MLX's CUDA backend
     arrays live in managed memory, which migrates between host and device in blocks larger

@@ -427,3 +427,15 @@ def test_each_documented_policy_is_built_by_name():
         assert type(policy) is cls and policy.name == name
     with pytest.raises(ValueError, match="unknown eviction policy"):
         Arena(1, ALIGNMENT, "fifo")
+
+
+@pytest.mark.parametrize("hugepages", [True, False])
+def test_arena_slots_read_back_what_was_written_with_huge_pages_or_not(hugepages):
+    """The CPU backend's arena gives its zeroed pages back to come back huge; the slots still
+    start as zeros and the device sees what the host writes."""
+    arena = Arena(6, 2 * ALIGNMENT, hugepages=hugepages)
+    assert not np.array(arena.rows).any()
+    for s in range(6):
+        arena.view(s)[:] = s + 1
+    rows = np.array(arena.rows)
+    assert all((rows[s] == s + 1).all() for s in range(6))

@@ -554,3 +554,19 @@ def test_overlap_keeps_at_most_workers_preads_in_flight(data_file, overlap, boun
         assert (
             buf[t * RECORD : (t + 1) * RECORD].tobytes() == payload[i * RECORD : (i + 1) * RECORD]
         )
+
+
+def test_advise_hugepages_is_a_hint(overlap):
+    """True or False by the OS (Linux with THP: True), never an error for memory we own; the
+    zeroed form gives pages back that read as zeros again."""
+    from strata_mlx.reader import advise_hugepages
+
+    buf, addr = aligned(4 << 20)
+    buf[:] = 0
+    assert isinstance(advise_hugepages(addr, buf.nbytes), bool)
+    assert isinstance(advise_hugepages(addr, buf.nbytes, zeroed=True), bool)
+    assert not buf.any()
+    buf[:] = 7  # and the memory is still ours to write
+    assert (buf == 7).all()
+    with pytest.raises(ValueError, match="NULL"):
+        advise_hugepages(0, 4096)
