@@ -399,6 +399,7 @@ r14)  # ninth session's plan, call 2: the old code's store (r12a's, 86-104 s), t
   [ -f "$OLDS/manifest.json" ] || (cd "$OLD" && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" /usr/bin/time -f \
      "old code's synthetic store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
      --mlx-path "$OLDS" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -2) | tee "$OUT/synth-old.log"
+  cat /sys/kernel/mm/transparent_hugepage/enabled | tee "$OUT/thp.log"  # the bounce buffers' huge pages
   timeout 150 python3 benchmarks/read_path.py "$OLDS" --touch --seconds 3 --rounds 3 \
      --variants direct,bounce,bounce+verify,bounce+verify+overlap,bounce+overlap 2>&1 | tee "$OUT/read-path.log"
   bash "$0" r14b 1 1
