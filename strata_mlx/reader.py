@@ -253,13 +253,14 @@ class Reader:
 
 
 def advise_hugepages(address: int, nbytes: int, zeroed: bool = False) -> bool:
-    """Ask the OS to back the whole pages of ``[address, address + nbytes)`` with huge pages
-    from their next fault on (Linux transparent huge pages, MADV_HUGEPAGE). ``zeroed``: the
-    range is private anonymous memory that holds only zeros (a fresh host buffer), so its
-    pages are given back (MADV_DONTNEED; they read as zeros) and return as huge pages. Direct
-    reads into 4 KB pages ran at half the bandwidth of reads into huge pages on the dev
-    machine (benchmarks/read_path.py). True if advised; False where not (macOS, THP off): a
-    hint, never an error."""
+    """Ask the OS to back the 2 MB-aligned blocks inside ``[address, address + nbytes)`` with
+    huge pages from their next fault on (Linux transparent huge pages, MADV_HUGEPAGE; only
+    such blocks can become huge). ``zeroed``: the range is private anonymous memory that holds
+    only zeros (a fresh host buffer), so those blocks are given back (MADV_DONTNEED; they read
+    as zeros) and return as huge pages. Direct reads into 4 KB pages ran at half the bandwidth
+    of reads into huge pages on the dev machine (benchmarks/read_path.py). True if the kernel
+    took the advice; False where not (macOS, a range without a whole 2 MB block): a hint,
+    never an error."""
     return _reader.advise_hugepages(address, nbytes, zeroed)
 
 

@@ -556,17 +556,28 @@ def test_overlap_keeps_at_most_workers_preads_in_flight(data_file, overlap, boun
         )
 
 
-def test_advise_hugepages_is_a_hint(overlap):
-    """True or False by the OS (Linux with THP: True), never an error for memory we own; the
-    zeroed form gives pages back that read as zeros again."""
+def test_advise_hugepages_is_a_hint():
+    """True or False by the OS (Linux with THP: True), never an error for memory we own. The
+    zeroed form gives back the whole 2 MB blocks inside the range (they read as zeros again:
+    here they held 7s, to see it) and leaves the partial blocks at either end as they were."""
     from strata_mlx.reader import advise_hugepages
 
-    buf, addr = aligned(4 << 20)
-    buf[:] = 0
-    assert isinstance(advise_hugepages(addr, buf.nbytes), bool)
-    assert isinstance(advise_hugepages(addr, buf.nbytes, zeroed=True), bool)
-    assert not buf.any()
-    buf[:] = 7  # and the memory is still ours to write
-    assert (buf == 7).all()
+    huge = 2 << 20
+    buf, addr = aligned(5 * huge)
+    view = buf[(-addr) % huge + ALIGNMENT :]  # just past a 2 MB boundary: head, tail partial
+    view[:] = 7
+    first = (-view.ctypes.data) % huge  # the first whole block's offset
+    last = first + (view.nbytes - first) // huge * huge
+    assert first > 0 and last < view.nbytes
+    assert isinstance(advise_hugepages(view.ctypes.data, view.nbytes), bool)
+    assert (view == 7).all()  # the plain advice changes no byte
+    if advise_hugepages(view.ctypes.data, view.nbytes, zeroed=True):
+        assert not view[first:last].any()
+    else:  # another OS: nothing given back
+        assert (view[first:last] == 7).all()
+    assert (view[:first] == 7).all() and (view[last:] == 7).all()
+    view[:] = 7  # and the memory is still ours to write
+    assert (view == 7).all()
+    assert advise_hugepages(addr, huge // 2) is False  # no whole block inside: nothing to advise
     with pytest.raises(ValueError, match="NULL"):
         advise_hugepages(0, 4096)

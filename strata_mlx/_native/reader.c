@@ -148,16 +148,18 @@ static void cond_wait_until(pthread_cond_t *cond, pthread_mutex_t *mu, uint64_t 
 
 #define HUGE_PAGE (2u << 20)
 
-/* Ask Linux to back the whole pages of [addr, addr + len) with transparent huge pages from
- * their next fault on (MADV_HUGEPAGE; "madvise" is the common default). `zeroed`: the range
- * is private anonymous memory holding only zeros, so its pages are given back
- * (MADV_DONTNEED: they read as zeros again) and fault back in as huge pages; collapsing them
- * in place (MADV_COLLAPSE) took 3.6 s a GB on the dev machine. A direct read's DMA into 4 KB
- * pages pins and maps each one; into huge pages it ran 2x faster there
- * (benchmarks/read_path.py). 1 if advised, 0 if not (another OS, THP off): a hint. */
+/* Ask Linux to back the whole huge pages inside [addr, addr + len) (2 MB blocks, 2 MB
+ * aligned: only those can become huge) with transparent huge pages from their next fault on
+ * (MADV_HUGEPAGE; "madvise" is the common default). `zeroed`: the range is private anonymous
+ * memory holding only zeros, so those blocks are given back (MADV_DONTNEED: they read as
+ * zeros again) and fault back in as huge pages; collapsing them in place (MADV_COLLAPSE)
+ * took 3.6 s a GB on the dev machine. A direct read's DMA into 4 KB pages pins and maps each
+ * one; into huge pages it ran 2x faster there (benchmarks/read_path.py). 1 if the kernel
+ * took the advice, 0 if not (another OS, no 2 MB block inside the range): a hint. */
 static int advise_huge(void *addr, size_t len, int zeroed) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-    uintptr_t a = ((uintptr_t)addr + 4095) / 4096 * 4096, end = ((uintptr_t)addr + len) / 4096 * 4096;
+    uintptr_t a = ((uintptr_t)addr + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+    uintptr_t end = ((uintptr_t)addr + len) / HUGE_PAGE * HUGE_PAGE;
     if (end <= a) return 0;
     if (madvise((void *)a, end - a, MADV_HUGEPAGE) != 0) return 0;
     if (zeroed) madvise((void *)a, end - a, MADV_DONTNEED);
