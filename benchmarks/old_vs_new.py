@@ -2,8 +2,9 @@
 
 Each file is named CODE-NAME-ROUND.json (CODE "old" or "new"; NAME the store or stage; ROUND
 anything without a dash): prints, per (NAME, policy, phase), each code's median ms/chunk with
-its range and new / old; a variant only the new code ran ("lookahead:ov0") stands against the
-old code's policy of its base name. Used by benchmarks/prefill_vs_commit.sh and gpu_session.sh's r13:
+its range and new / old; a variant only the new code has ("lookahead:ov0", "demand:loop:nv")
+stands against the old code's policy without it ("lookahead", "demand:loop"). Used by
+benchmarks/prefill_vs_commit.sh and gpu_session.sh's r13 and r14b:
     python benchmarks/old_vs_new.py OUT/old-*.json OUT/new-*.json
 """
 
@@ -13,6 +14,8 @@ import json
 import statistics as st
 import sys
 from pathlib import Path
+
+NEW_ONLY = {"ov0", "ov1", "nv"}  # bench variants the old code (36960f5^) does not have
 
 
 def main(paths: list[str]) -> None:
@@ -24,7 +27,7 @@ def main(paths: list[str]) -> None:
             key = (name, r["policy"], r["phase"])
             rows.setdefault(key, {}).setdefault(code, []).append(r["chunk_ms"])
     for (name, pol, ph), c in rows.items():  # a variant of this code's against the old policy
-        base = rows.get((name, pol.split(":")[0], ph), {})
+        base = rows.get((name, ":".join(v for v in pol.split(":") if v not in NEW_ONLY), ph), {})
         if "old" not in c and "old" in base:
             c["old"] = base["old"]
     print(

@@ -4,7 +4,8 @@
     python benchmarks/verify_bandwidth.py --checksum-only      # GB/s a core, no drive
 
 Reads: random records of STORE's experts.bin, `workers` in flight, through the native reader
-as the expert cache issues them (direct I/O, one record a read), once with each record's
+as the expert cache issues them (direct I/O, one record a read, into arena slots, through the
+bounce buffer where the machine needs one, the overlap on), once with each record's
 checksum from the manifest verified in the reader's threads and once without; the two
 alternate for `rounds` rounds so that drift in the drive hits both alike. Also probe-ssd at
 the same worker count and record size: the figure docs/benchmarks.md reports ratios to.
@@ -27,14 +28,18 @@ import read_path  # benchmarks/read_path.py, beside this file
 
 from strata_mlx.arena import Arena
 from strata_mlx.probe import probe_ssd
-from strata_mlx.reader import checksum, checksum_implementation
+from strata_mlx.reader import checksum, checksum_implementation, needs_bounce
 from strata_mlx.store import EXPERTS, load_manifest
 
 
-def read_round(store: Path, m, verify: bool, workers: int, seconds: float, seed: int) -> dict:
-    """One round of read_path.py's reads into arena slots, checksums verified or not."""
-    arena = Arena(workers * 2, m.layout.record_bytes)
-    variant = {"direct", "verify"} if verify else {"direct"}
+def read_round(store: Path, m, arena: Arena, verify: bool, workers: int, seconds: float,
+               seed: int) -> dict:  # fmt: skip
+    """One round of read_path.py's reads into arena slots as the expert cache issues them
+    (through the bounce buffer where this machine needs one, the overlap on), checksums
+    verified or not."""
+    variant = (
+        {"overlap"} | ({"bounce"} if needs_bounce() else set()) | ({"verify"} if verify else set())
+    )
     return read_path.read_round(store, m, arena, variant, workers, seconds, False, seed)
 
 
@@ -74,10 +79,11 @@ def main() -> None:
     m = load_manifest(a.store)
     rb = m.layout.record_bytes
     print(f"{a.store}: {m.checksum} records of {rb} bytes, {a.workers} workers")
+    arena = Arena(a.workers * 2, rb)
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for i in range(a.rounds):
         for verify in (False, True) if i % 2 == 0 else (True, False):
-            res = read_round(a.store, m, verify, a.workers, a.seconds, seed=i)
+            res = read_round(a.store, m, arena, verify, a.workers, a.seconds, seed=i)
             runs[verify].append(res)
             print(
                 f"round {i} verify={'on ' if verify else 'off'}: {res['gb_per_s']:.2f} GB/s "
