@@ -16,6 +16,7 @@ from typing import Any
 MAX_IO_WORKERS = 256
 MAX_PREFILL_STEP = 1 << 20
 MAX_SEED = (1 << 64) - 1  # mx.random.seed takes an unsigned 64-bit integer
+MAX_INDEX = (1 << 31) - 1  # MLX slices and partitions with 32-bit integers
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: -100 bans a token, 100 forces it
 XTC_MAX_THRESHOLD = 0.5  # above it more than one token could exceed it: mlx-lm's bound
 DEFAULT_MAX_TOKENS = 512  # serve: a request's max_tokens when it gives none
@@ -153,8 +154,8 @@ def check_sampler(
     check_number("temp", temp, 0, cli=cli)
     check_number("top_p", top_p, 0, 1, cli=cli)
     check_number("min_p", min_p, 0, 1, cli=cli)
-    check_int("min_tokens_to_keep", min_tokens_to_keep, 1, cli=cli)
-    check_int("top_k", top_k, 0, cli=cli)
+    check_int("min_tokens_to_keep", min_tokens_to_keep, 1, MAX_INDEX, cli=cli)
+    check_int("top_k", top_k, 0, MAX_INDEX, cli=cli)
     check_number("xtc_probability", xtc_probability, 0, 1, cli=cli)
     check_number("xtc_threshold", xtc_threshold, 0, XTC_MAX_THRESHOLD, cli=cli)
 
@@ -174,14 +175,14 @@ def check_logits_processors(
     size is at least 1: mlx-lm takes 0, where tokens[-0:] silently means every token so far."""
     if repetition_penalty is not None:
         check_number("repetition_penalty", repetition_penalty, 0, cli=cli)
-    check_int("repetition_context_size", repetition_context_size, 1, cli=cli)
+    check_int("repetition_context_size", repetition_context_size, 1, MAX_INDEX, cli=cli)
     for name, penalty, size in (
         ("presence", presence_penalty, presence_context_size),
         ("frequency", frequency_penalty, frequency_context_size),
     ):
         if penalty is not None:
             check_number(f"{name}_penalty", penalty, -math.inf, cli=cli)
-        check_int(f"{name}_context_size", size, 1, cli=cli)
+        check_int(f"{name}_context_size", size, 1, MAX_INDEX, cli=cli)
     if logit_bias is None:
         return
     if not isinstance(logit_bias, dict):

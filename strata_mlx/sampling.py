@@ -109,7 +109,14 @@ def make_sampler(
     if top_p < 1:
         filters.append(lambda x: apply_top_p(x, top_p))
     if min_p > 0:
-        filters.append(lambda x: apply_min_p(x, min_p, min_tokens_to_keep))
+        # keeping the whole vocabulary or more is no filter (argpartition needs kth < size)
+        filters.append(
+            lambda x: (
+                x
+                if min_tokens_to_keep >= x.shape[-1]
+                else apply_min_p(x, min_p, min_tokens_to_keep)
+            )
+        )
     if xtc_probability > 0:
         filters.append(lambda x: apply_xtc(x, xtc_probability, xtc_threshold, specials))
     if top_k > 0:

@@ -83,6 +83,11 @@ def test_greedy_readings():
     a = [S.make_sampler(1.0, top_k=64)(lp).item() for _ in range(20)]
     mx.random.seed(2)
     assert a == [S.make_sampler(1.0)(lp).item() for _ in range(20)]
+    # so does min_p keeping that many tokens (argpartition refused it: a crash mid-generation)
+    mx.random.seed(2)
+    assert a == [
+        S.make_sampler(1.0, min_p=0.9, min_tokens_to_keep=100)(lp).item() for _ in range(20)
+    ]
 
 
 def test_min_p_by_hand():
@@ -144,6 +149,8 @@ def test_out_of_range_options_are_refused():
         dict(top_k=-1),
         dict(top_k=2.5),
         dict(min_tokens_to_keep=0),
+        dict(min_tokens_to_keep=1 << 31),  # MLX partitions with 32-bit integers
+        dict(top_k=1 << 31),
         dict(xtc_probability=2),
         dict(xtc_threshold=0.9),
     ]
@@ -155,6 +162,9 @@ def test_out_of_range_options_are_refused():
         (dict(repetition_penalty=-1), "repetition_penalty"),
         (dict(repetition_penalty=math.nan), "repetition_penalty"),
         (dict(repetition_context_size=0), "repetition_context_size"),
+        (dict(repetition_context_size=1 << 31), "repetition_context_size"),  # 32-bit slices
+        (dict(presence_context_size=1 << 40), "presence_context_size"),
+        (dict(frequency_context_size=1 << 40), "frequency_context_size"),
         (dict(logit_bias={128: 1.0}), "logit_bias"),
         (dict(logit_bias={-1: 1.0}), "logit_bias"),
         (dict(logit_bias={1: 101.0}), "logit_bias"),
