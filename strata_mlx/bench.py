@@ -26,7 +26,7 @@ from .generate import generate_step, make_sampler
 from .loader import RuntimeConfig, load
 from .options import OptionError
 from .stats import ExpertStats
-from .store import EXPERTS, load_manifest
+from .store import EXPERTS, load_manifest, write_text_atomic
 
 
 @dataclass
@@ -380,4 +380,4 @@ def markdown_table(result: dict) -> str:
 
 
 def save(result: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(result, indent=1))
+    write_text_atomic(path, json.dumps(result, indent=1))

@@ -312,6 +312,7 @@ def generate(
     )
     check_sampling(max_tokens, temp, top_p, seed, cli=True)  # before a model is loaded
     sampling.check(cli=True)
+    check_output(logits_out, "--logits-out")
     from .prompt_cache import KVOptions
 
     kv = KVOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
@@ -460,6 +461,7 @@ def cache_prompt(
 
     kv = KVOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
     kv.check(cli=True)
+    check_output(prompt_cache_file, "--prompt-cache-file")
     template_kwargs = _template_config(chat_template_config)
     wants_chat = system_prompt is not None or chat_template_config is not None
     if chat is False and wants_chat:
@@ -550,14 +552,35 @@ def _template_config(text: str | None) -> dict:
 
 
 def _save_npy(path: Path, array) -> None:
-    import os
-
     import numpy as np
 
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, array)
-    os.replace(tmp, path)
+    from .store import write_atomic
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a file, so that np.save adds no ".npy" to the name
+            np.save(f, array)
+
+    write_atomic(path, write)
+
+
+def check_output(path: Path | None, flag: str, suffix: str | None = None) -> None:
+    """Before anything is loaded or run: an output file `flag` names can be written where it
+    says (its directory exists and is writable, it is not a directory itself)."""
+    import os
+
+    if path is None:
+        return
+    where = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise OptionError(f"{flag} {path}: is a directory; name a file")
+    if not where.is_dir():
+        raise OptionError(f"{flag} {path}: no directory {where}")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise OptionError(f"{flag} {path}: cannot write in {where}")
+    if suffix is not None and path.suffix.lower() != suffix:
+        raise OptionError(
+            f"{flag} {path}: writes {suffix[1:].upper()}; give a name ending in {suffix}"
+        )
 
 
 Q_MODES = ("affine", "mxfp4")  # convert_hf's q_mode
@@ -749,6 +772,8 @@ def bench(
     check_int("prompt_tokens", prompt_tokens, 2, 1 << 24, cli=True)  # one chunk and a rest
     check_int("generation_tokens", generation_tokens, 1, 1 << 20, cli=True)
     check_int("repeats", repeats, 1, 1000, cli=True)
+    check_output(json_out, "--json")
+    check_output(plot, "--plot", suffix=".png")
     runtime_config(dict(scheduler=scheduler, lookahead_depth=lookahead_depth))  # before :variants
     names = tuple(_with_variants(p, scheduler, lookahead_depth) for p in policies.split(",") if p)
     if not names:
@@ -839,6 +864,7 @@ def plan(
 
     check_int("prompt_tokens", prompt_tokens, 1, 1 << 24, cli=True)
     check_int("generation_tokens", generation_tokens, 1, 1 << 24, cli=True)
+    check_output(json_out, "--json")
     f = run_plan(model, arena_gb, prefill_step_size, prompt_tokens, generation_tokens, io_workers,
                  target_memory, target_ssd_gbps, target_tflops, measure)  # fmt: skip
     typer.echo("\n".join(f.lines()))
@@ -857,16 +883,17 @@ def probe_ssd(
     workers: str = typer.Option("1,4,8,16", "--workers"),
 ):
     """Random record-sized direct reads at several worker counts: GB/s."""
+    from .options import MAX_IO_WORKERS, check_int, check_number
     from .probe import probe_ssd as probe
 
+    check_int("record_bytes", record_bytes, 1, 1 << 30, cli=True)
+    check_number("seconds", seconds, 0, 3600, lo_open=True, cli=True)
+    counts = tuple(parse_tokens(workers, "--workers"))
+    for n in counts:
+        check_int("workers", n, 1, MAX_IO_WORKERS, cli=True)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
-    for row in probe(
-        path,
-        record_bytes=record_bytes,
-        seconds=seconds,
-        workers_list=tuple(parse_tokens(workers, "--workers")),
-    ):
+    for row in probe(path, record_bytes=record_bytes, seconds=seconds, workers_list=counts):
         typer.echo(
             f"workers {row['workers']:>3}: {row['gb_per_s']:.2f} GB/s ({row['reads']} reads, direct={row['direct']})"
         )

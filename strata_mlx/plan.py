@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from .options import OptionError
-from .store import ALIGNMENT, COMPONENT_ALIGNMENT, EXPERTS, MANIFEST, StoreError
+from .store import ALIGNMENT, COMPONENT_ALIGNMENT, EXPERTS, MANIFEST, StoreError, write_text_atomic
 
 GB = 1024**3
 # The reference system's GPU work: 2.0-2.4 s for a 1024-token chunk of an 80B-A3B model on a
@@ -1121,4 +1121,4 @@ def _chunks(bench_result: dict) -> int:
 
 
 def save(f: Forecast, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(asdict(f), indent=1))
+    write_text_atomic(path, json.dumps(asdict(f), indent=1))

@@ -207,6 +207,10 @@ def plot_bench(result: dict, path: str | Path) -> Path:
 
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    from .store import write_atomic
+
+    try:
+        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
+    finally:
+        plt.close(fig)
     return path

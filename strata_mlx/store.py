@@ -500,13 +500,25 @@ def save_profile(store: str | Path, counts: np.ndarray, tokens: int, source: str
         "tokens": int(tokens),
         "source": source,
     }
-    _atomic_write_text(Path(store) / PROFILE, json.dumps(data))
+    write_text_atomic(Path(store) / PROFILE, json.dumps(data))
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def write_atomic(path: str | Path, write) -> None:
+    """`write(tmp)` writes the whole file at a temporary path beside `path`, which then
+    replaces `path` in one rename: a reader sees the old file or the new, never half of one;
+    on any failure the temporary file is removed and `path` is left as it was."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    write_atomic(path, lambda tmp: tmp.write_text(text))
 
 
 def read_record(
@@ -571,7 +583,7 @@ def verify_dense(store: str | Path, m: Manifest) -> bool:
             f"{m.dense_checksum:08x}): the file is corrupt or was changed; reconvert the store"
         )
     try:
-        _atomic_write_text(store / VERIFIED, json.dumps(stamp))
+        write_text_atomic(store / VERIFIED, json.dumps(stamp))
     except OSError:
         pass  # a read-only store: checked again at the next load
     return True
@@ -674,7 +686,7 @@ class StoreWriter:
             raise ValueError(
                 f"store incomplete: {len(missing)} expert records never written, e.g. {missing[0]}"
             )
-        _atomic_write_text(self.tmp / MANIFEST, json.dumps(self.manifest.to_json()))
+        write_text_atomic(self.tmp / MANIFEST, json.dumps(self.manifest.to_json()))
         return self.tmp
 
     def commit(self) -> Path:

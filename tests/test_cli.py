@@ -249,6 +249,48 @@ def test_probe_ssd_cli(store):
     assert r.stdout.count("GB/s") == 2
 
 
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["--workers", "0"], "--workers 0"),
+        (["--workers", "1,300"], "--workers 300"),
+        (["--record-bytes", "-5"], "--record-bytes"),
+        (["--seconds", "0"], "--seconds"),
+        (["--seconds", "nan"], "--seconds"),
+    ],
+)
+def test_probe_ssd_ranges_are_one_line_errors(store, args, names):
+    """Bad probe settings: one line, exit 2 (`--workers 0` was the reader's ValueError)."""
+    line = _error_line(run("probe-ssd", Path(store("qwen3_moe")) / "experts.bin", *args))
+    assert names in line
+
+
+@pytest.mark.parametrize(
+    "command, flag",
+    [
+        (["bench", "--json"], "--json"),
+        (["bench", "--plot"], "--plot"),
+        (["plan", "{model}", "--json"], "--json"),
+        (["generate", "--prompt-tokens", "1", "--logits-out"], "--logits-out"),
+        (["cache-prompt", "--prompt-tokens", "1", "--prompt-cache-file"], "--prompt-cache-file"),
+    ],
+)
+def test_output_files_are_checked_before_anything_loads(tmp_path, command, flag):
+    """An output a run could not write fails at once, not after the run: the model named here
+    does not exist, and the error is the output's (a missing directory, a directory, a plot
+    not named .png); nothing is written."""
+    model = tmp_path / "no-such-store"
+    cmd = [a.format(model=model) for a in command]
+    opts = [] if "{model}" in command else ["--model", model]
+    outputs = [tmp_path / "no-dir" / "out.png", tmp_path]
+    if flag == "--plot":
+        outputs.append(tmp_path / "out.svg")
+    for out in outputs:
+        line = _error_line(run(*cmd, out, *opts))
+        assert line.startswith(f"error: {flag} {out}: "), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_runtime_preset(store):
     path = store("qwen3_moe")
     r = run(

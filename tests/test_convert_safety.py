@@ -242,7 +242,7 @@ def test_disk_errors_are_one_line_and_leave_nothing(gguf, tmp_path, monkeypatch,
 
         monkeypatch.setattr(mx, "save_safetensors", short)
     elif where == "manifest":
-        monkeypatch.setattr(store, "_atomic_write_text", _raise(err))
+        monkeypatch.setattr(store, "write_text_atomic", _raise(err))
     else:
         monkeypatch.setattr(store.tempfile, "mkdtemp", _raise(OSError(errno.EROFS, "Read-only")))
     with pytest.raises(StoreError) as e:

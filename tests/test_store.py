@@ -91,7 +91,7 @@ def test_read_only_store_verifies_at_every_load(copy, monkeypatch):
     def refuse(path, text):
         raise PermissionError(13, "Read-only file system", str(path))
 
-    monkeypatch.setattr(store_module, "_atomic_write_text", refuse)
+    monkeypatch.setattr(store_module, "write_text_atomic", refuse)
     (copy / VERIFIED).unlink()
     m = load_manifest(copy)
     model, _ = strata_mlx.load(copy)
@@ -125,3 +125,22 @@ def test_bad_checksum_fields_are_store_errors(copy):
     (copy / "manifest.json").write_text(json.dumps(bad))
     with pytest.raises(StoreError, match="dense_checksum"):
         load_manifest(copy)
+
+
+def test_write_atomic_leaves_the_old_file_when_writing_fails(tmp_path):
+    """bench --json, plan --json, --plot, --logits-out and the store's own files: a failed
+    write leaves the file a user had, and no temporary beside it."""
+    path = tmp_path / "figures.json"
+    path.write_text("old")
+
+    def half_then_fail(tmp):
+        tmp.write_text("new, but only ha")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        store_module.write_atomic(path, half_then_fail)
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["figures.json"]
+    store_module.write_text_atomic(path, "new")
+    assert path.read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["figures.json"]
