@@ -81,11 +81,12 @@ def test_requantizing_an_mlx_checkpoint_is_refused(mlx_lm_checkpoint, tmp_path):
     assert not (tmp_path / "s").exists()
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
-def test_mlx_lm_checkpoint_of_group_routed_families(family, tmp_path):
-    """What users download for GLM-4.5 and DeepSeek-V3 / Kimi K2 is mostly mlx-lm's own 4-bit
-    conversion: stacked switch_mlp experts, and DeepSeek's kv_b_proj already split into
-    quantized embed_q / unembed_out. Converted without requantizing, logits equal mlx-lm's."""
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "qwen3_next"])
+def test_mlx_lm_checkpoint_of_more_families(family, tmp_path):
+    """What users download for GLM-4.5, DeepSeek-V3 / Kimi K2 and Qwen3-Next is mostly
+    mlx-lm's own 4-bit conversion: stacked switch_mlp experts, DeepSeek's kv_b_proj already
+    split into quantized embed_q / unembed_out, Qwen3-Next's norms already carrying their 1
+    and its routers in 8 bits. Converted without requantizing, logits equal mlx-lm's."""
     import torch
     from mlx_lm.utils import load_model, quantize_model, save_config, save_model
     from test_families import _hf_model_q, _mlx_lm_config

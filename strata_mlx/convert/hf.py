@@ -230,8 +230,6 @@ def convert_hf(
     if mlx_ckpt:
         if quantize and mlx_quant:
             raise StoreError(f"{src}: already quantized (an mlx-lm checkpoint); drop -q")
-        if model_type == "qwen3_next":
-            raise StoreError(f"{src}: mlx-lm qwen3_next checkpoints are not supported yet")
         prefixes_all = prefixes + [switch_prefix(p) for p in prefixes]
     else:
         prefixes_all = prefixes
@@ -259,7 +257,10 @@ def convert_hf(
         layout = RecordLayout([], {}, 4096)
 
     dense = {k: v for k, v in weights.items() if not is_expert_key(k, prefixes_all)}
-    dense = model.sanitize(dense)
+    # A family whose sanitize does what mlx-lm's did at conversion names how to take an
+    # mlx-lm checkpoint's weights instead (Qwen3-Next's norm shift is not idempotent).
+    again = getattr(model, "sanitize_mlx_lm", None) if mlx_ckpt else None
+    dense = again(dense) if again else model.sanitize(dense)
     if mlx_quant:
         # Quantized dense layers stay as they are: rebuild the same modules first (as load()).
         def quantized(path, m):

@@ -362,6 +362,12 @@ class Model(nn.Module):
                 weights[k] = v + 1.0
         return weights
 
+    def sanitize_mlx_lm(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """An mlx-lm checkpoint's dense weights (convert's hook): mlx-lm moved the conv
+        kernels and added the norms' 1 when it converted, and its own sanitize leaves a
+        checkpoint of stacked experts as it is; `sanitize` would add the 1 a second time."""
+        return weights
+
     @property
     def quant_predicate(self):
         def predicate(path, _):
