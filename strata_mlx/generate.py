@@ -47,6 +47,7 @@ def forward_chunks(
     on_logits: Callable[[mx.array], None] | None = None,
     on_chunk: Callable[[ExpertStats], None] | None = None,
     kv: KVOptions | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> None:
     """The one loop over a prompt: `tokens` [T] through `model` in chunks of `step`
     positions, extending `cache`. Prefill, teacher-forced logits, the converter's calibration
@@ -54,7 +55,8 @@ def forward_chunks(
     past `kv.quantized_kv_start` quantized; the cache evaluated, and the chunk's logits
     [1, n, vocab] with it when `on_logits` takes them (before the next forward, which may
     release the expert slots they were computed from); `on_chunk` gets the chunk's expert
-    statistics. Logits no hook takes are never computed."""
+    statistics; `on_progress` the positions done so far (it may raise to stop between
+    chunks: nothing is in flight then). Logits no hook takes are never computed."""
     expert_cache = getattr(model, "expert_cache", None) if on_chunk is not None else None
     for i in range(0, tokens.shape[0], step):
         n = min(step, tokens.shape[0] - i)
@@ -72,15 +74,25 @@ def forward_chunks(
             chunk.tokens = n
             chunk.compute_s = chunk.wall_s - chunk.exposed_wait_s
             on_chunk(chunk)
+        if on_progress is not None:
+            on_progress(i + n)
 
 
 def prefill(
-    model, prompt: mx.array, cache, step: int, on_chunk=None, kv: KVOptions | None = None
+    model,
+    prompt: mx.array,
+    cache,
+    step: int,
+    on_chunk=None,
+    kv: KVOptions | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> mx.array:
     """Run all prompt tokens but the last in chunks of `step`; return the remainder. With
     `kv.kv_bits`, layers past `kv.quantized_kv_start` are quantized after each chunk."""
     n = max(prompt.shape[0] - 1, 0)
-    forward_chunks(model, prompt[:n], cache, step, on_chunk=on_chunk, kv=kv)
+    forward_chunks(
+        model, prompt[:n], cache, step, on_chunk=on_chunk, kv=kv, on_progress=on_progress
+    )
     return prompt[n:]
 
 
@@ -95,6 +107,7 @@ def generate_step(
     prompt_cache: list | None = None,
     cached_tokens: list[int] | None = None,
     kv: KVOptions | None = None,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Yield (token, logprobs) pairs; the prompt is prefilled in chunks first.
     `logits_processors` (mlx-lm's) change each step's logits before they are normalised;
@@ -104,8 +117,12 @@ def generate_step(
     continues it, and the cache is extended in place. When the generator ends or is closed,
     the cache covers the prompt and every yielded token but the last, all verified (a token
     built ahead and not yet checked is rolled back). `kv` shapes a new cache (rotating,
-    quantized)."""
+    quantized). `prompt_progress_callback(done, total)` is mlx-lm's: called with 0 before the
+    prompt, after each prefill chunk, and with `total` once the first token's logits are in;
+    an exception it raises between chunks stops the generation there (the server's cancel)."""
     sampler = sampler or make_sampler()
+    total = prompt.shape[0]
+    progress = prompt_progress_callback or (lambda *_: None)
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, kv)
     chunk = (
         prefill_step_size
@@ -117,7 +134,8 @@ def generate_step(
     # built ahead rolled back), nor of the prefill once its chunks are evaluated: what they
     # left in the expert cache (busy layers, the last handshake's pins) is released.
     _idle(expert_cache)
-    y = prefill(model, prompt, cache, chunk, on_chunk, kv)
+    progress(0, total)
+    y = prefill(model, prompt, cache, chunk, on_chunk, kv, lambda done: progress(done, total))
     _idle(expert_cache)
 
     context = prompt  # the tokens so far, for logits_processors
@@ -159,6 +177,8 @@ def generate_step(
                 t = token.item()
                 if logits_processors:
                     context = mx.concatenate([context, token.astype(context.dtype)])
+                if n == 0:
+                    progress(total, total)
                 yield t, logprobs
                 if n + 1 == max_tokens:
                     break
@@ -234,13 +254,15 @@ def stream_generate(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 5000,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate from `prompt` (text, or token ids), yielding one response per token.
     `sampler` and `logits_processors` (strata_mlx.sampling) replace the sampler built from
     `temp` and `top_p`. `prompt_cache` (covering `cached_tokens`, e.g. from
     strata_mlx.prompt_cache.load_prompt_cache) is continued by `prompt` and extended in
     place; `prompt_tokens` and `prompt_tps` then count the new tokens only, as mlx-lm's.
-    `max_kv_size`, `kv_bits`, `kv_group_size` and `quantized_kv_start` are mlx-lm's."""
+    `max_kv_size`, `kv_bits`, `kv_group_size`, `quantized_kv_start` and
+    `prompt_progress_callback` (generate_step) are mlx-lm's."""
     check_sampling(max_tokens, temp, top_p, seed)
     kv = KVOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
     kv.check()
@@ -284,6 +306,7 @@ def stream_generate(
             prompt_cache=prompt_cache,
             cached_tokens=cached_tokens,
             kv=kv,
+            prompt_progress_callback=prompt_progress_callback,
         )
     ):
         if n == 0:

@@ -19,7 +19,7 @@ stream. What a request can get wrong is answered 4xx with an OpenAI-style error 
 itself, e.g. a corrupt store):
 
 - a request whose client disconnects is cancelled, queued or running, streaming or not: the
-  worker stops at its next token (prefill runs to the end of its chunk);
+  worker stops at its next token, or mid-prefill at the end of the chunk it is in;
 - at most `max_queue` requests wait behind the running one; more are answered 429 with a
   Retry-After estimated from recent requests' durations;
 - a prompt longer than `max_prompt_tokens` and a max_tokens above `max_tokens_limit` are 400s
@@ -233,11 +233,16 @@ class Result:
     completion_tokens: int
 
 
+class _Stopped(Exception):
+    """Raised from the prompt progress callback: the job's client left, or shutdown."""
+
+
 class Engine:
     """Runs generation jobs one at a time on a single worker thread, behind a bounded queue.
 
     Every job carries a cancel event, set when its client disconnects or its request task is
-    cancelled (shutdown); the worker checks it before starting the job and after every token.
+    cancelled (shutdown); the worker checks it before starting the job, between prefill
+    chunks (a long prompt stops mid-prefill) and after every token.
     Counters are changed by the event loop and the worker, under `_counts`.
     """
 
@@ -342,6 +347,11 @@ class Engine:
             cache = make_prompt_cache(self.model)
         self.prefilled_tokens += len(job.ids) - reused
         tokens: list[int] = []
+
+        def progress(done: int, total: int) -> None:  # between prefill chunks, and at the end
+            if self._closing.is_set() or (cancelled is not None and cancelled.is_set()):
+                raise _Stopped
+
         gen = stream_generate(
             self.model,
             self.tokenizer,
@@ -353,23 +363,27 @@ class Engine:
             prompt_cache=cache,
             cached_tokens=job.ids[:reused],
             stop=[s for s in job.stop if s],
+            prompt_progress_callback=progress,
         )
         with contextlib.closing(gen):
-            for r in gen:
-                n += 1
-                tokens.append(getattr(r, "token", None))
-                self.last = r
-                with self._counts:  # per token: /v1/stats and the dashboard see it move
-                    self.completion_tokens += 1
-                text += r.text
-                finish = r.finish_reason
-                if on_text is not None and r.text:
-                    on_text(r.text)
-                if finish is not None:
-                    break
-                if self._closing.is_set() or (cancelled is not None and cancelled.is_set()):
-                    stopped = True
-                    break
+            try:
+                for r in gen:
+                    n += 1
+                    tokens.append(getattr(r, "token", None))
+                    self.last = r
+                    with self._counts:  # per token: /v1/stats and the dashboard see it move
+                        self.completion_tokens += 1
+                    text += r.text
+                    finish = r.finish_reason
+                    if on_text is not None and r.text:
+                        on_text(r.text)
+                    if finish is not None:
+                        break
+                    if self._closing.is_set() or (cancelled is not None and cancelled.is_set()):
+                        stopped = True
+                        break
+            except _Stopped:  # between two prefill chunks: a long prompt stops there
+                stopped = True
         # Closed or finished, the cache covers the prompt and every token but the last; kept
         # only where each layer's own count agrees.
         covered = job.ids + tokens[:-1]

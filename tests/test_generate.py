@@ -121,3 +121,30 @@ def test_exit_with_an_abandoned_generation_prints_nothing(store):
         [sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300
     )
     assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+
+
+def test_prompt_progress_callback_is_called_as_mlx_lm_calls_it(store):
+    """mlx-lm's `prompt_progress_callback`: (0, T) first, then after each prefill chunk the
+    positions done, then (T, T) with the first token; the same calls, in order, as mlx-lm's
+    own generate_step makes on its own model of the same store with the same chunk."""
+    from mlx_lm.generate import generate_step as mlx_lm_generate_step
+
+    from strata_mlx.baseline import load_mlx_lm
+    from strata_mlx.generate import stream_generate
+
+    path = store("qwen3_moe")
+    ids = prompt_ids(29, seed=21)
+    model, _ = strata_mlx.load(path)
+    ours: list[tuple[int, int]] = []
+    list(stream_generate(model, None, ids, max_tokens=3, prefill_step_size=8,
+                         prompt_progress_callback=lambda *a: ours.append(a)))  # fmt: skip
+    model.expert_cache.close()
+    import mlx.core as mx
+
+    ref_model = load_mlx_lm(path)
+    theirs: list[tuple[int, int]] = []
+    gen = mlx_lm_generate_step(mx.array(ids), ref_model, max_tokens=3, prefill_step_size=8,
+                               prompt_progress_callback=lambda *a: theirs.append(a))  # fmt: skip
+    list(gen)
+    assert ours == theirs
+    assert ours[0] == (0, 29) and ours[-1] == (29, 29) and (8, 29) in ours

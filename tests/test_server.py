@@ -462,6 +462,49 @@ def test_client_leaving_a_stream_stops_its_generation(served, client):
     assert chat(client, "the cat", max_tokens=2).usage.completion_tokens >= 1
 
 
+def test_a_client_leaving_during_prefill_stops_it_between_chunks(tiny):
+    """A job cancelled while its prompt prefills stops at the end of the chunk it is in (it
+    used to prefill every chunk, then stop at the first token), and the engine serves the
+    next job as a fresh generation does."""
+    from strata_mlx.server import Engine, Job
+
+    rb = load_manifest(tiny).layout.record_bytes
+    model, tok = strata_mlx.load(tiny, arena_gb=5 * rb / 1024**3, prefill_step_size=8)
+
+    class Counting:  # the model, counting its forwards (a prefill chunk is one)
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, *a, **kw):
+            self.calls += 1
+            return model(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+    class LeavesAfterTwoChecks(threading.Event):  # (0, T), chunk 1 ... the client left
+        def __init__(self):
+            super().__init__()
+            self.checks = 0
+
+        def is_set(self):
+            self.checks += 1
+            return self.checks > 2
+
+    try:
+        engine = Engine(model, tok)
+        engine.model = counting = Counting()
+        long = Job(list(range(3, 63)), 4, SamplingOptions(), None, [])  # 59 positions: 8 chunks
+        r = engine.run(long, None, LeavesAfterTwoChecks())
+        assert (r.completion_tokens, engine.cancelled, counting.calls) == (0, 1, 2)
+        engine.model = model
+        ids = chat_ids(tok, "the cat")
+        after = engine.run(Job(ids, 6, SamplingOptions(), None, []))
+        assert after.text == api(model, tok, "the cat", max_tokens=6)
+    finally:
+        model.expert_cache.close()
+
+
 # ---- clients that leave, limits, the queue, authentication, CORS, shutdown ----------------
 
 
