@@ -21,7 +21,7 @@ from .arena import Arena
 from .decode import PipelinedDecoder
 from .experts import ExpertCache, SwitchGLU
 from .models.base import normalize_config
-from .options import OptionError, check_runtime
+from .options import OptionError, check_int, check_runtime
 from .prediction import ReadAhead
 from .quant import check_layout
 from .stats import RoutingTrace
@@ -203,14 +203,16 @@ def choose_arena(
     prefill_step_size: int | None,
     memory_bytes: int | None = None,
     available: int | None = None,
+    reserve_bytes: int = 0,
 ) -> tuple[int, int]:
     """(arena bytes, prefill chunk) that load() picks: the chunk from memory unless given, an
     automatic arena from memory less dense weights and scratch, then the memory guard
     (refuses, or shrinks an automatic arena, before anything is allocated). `memory_bytes`
     and `available` (what a new allocation can get, dense weights already loaded) default to
-    this machine's; strata_mlx.plan passes another machine's."""
+    this machine's; strata_mlx.plan passes another machine's. `reserve_bytes`: memory the
+    caller will hold beside the model (serve's kept prompt caches), counted as scratch is."""
     step = prefill_step_size or default_prefill_step(memory_bytes)
-    scratch = prefill_scratch_bytes(args, step)
+    scratch = prefill_scratch_bytes(args, step) + reserve_bytes
     if arena_gb is None:
         arena = auto_arena_bytes(n_records * record_bytes, dense_bytes, scratch, memory_bytes)
     else:
@@ -230,10 +232,13 @@ def load(
     arena_gb: float | None = None,
     config: RuntimeConfig | None = None,
     pipeline=None,
+    reserve_bytes: int = 0,
     **overrides,
 ):
     """Load a strata-mlx store: returns (model, tokenizer or None), as mlx-lm's load().
-    `pipeline` (a strata_mlx.distributed.Pipeline): load only this rank's layers."""
+    `pipeline` (a strata_mlx.distributed.Pipeline): load only this rank's layers.
+    `reserve_bytes`: memory the caller will hold beside the model (serve's kept prompt
+    caches): the automatic arena leaves it free, the memory guard counts it."""
     cfg = config if config is not None else RuntimeConfig()
     if arena_gb is not None:
         overrides["arena_gb"] = arena_gb
@@ -242,6 +247,7 @@ def load(
     except TypeError as e:
         raise TypeError(f"load(): {e}") from None
     check_runtime(cfg)
+    check_int("reserve_bytes", reserve_bytes, 0)
     if pipeline is not None and pipeline.size > 1:
         cfg.decode = "sync"  # the pipelined decoder runs a whole model (strata_mlx.decode)
     else:
@@ -297,8 +303,9 @@ def load(
     n_records = manifest.num_experts * len(manifest.moe_layers)
     dense_bytes = sum(v.nbytes for v in weights.values())
     arena_bytes, cfg.prefill_step_size = choose_arena(
-        args, rb, n_records, dense_bytes, cfg.arena_gb, cfg.prefill_step_size
-    )
+        args, rb, n_records, dense_bytes, cfg.arena_gb, cfg.prefill_step_size,
+        reserve_bytes=reserve_bytes,
+    )  # fmt: skip
     if cfg.experts_per_token is not None and cfg.experts_per_token > manifest.num_experts:
         raise OptionError(
             f"{path}: experts_per_token {cfg.experts_per_token}: the store has "

@@ -194,6 +194,6 @@ def fit_arena(
         f"(the arena needs at least one expert, {_gb(record_bytes)})"
     )
     raise MemoryGuardError(
-        f"{what} needs {_gb(need)} (arena {_gb(arena_bytes)}, KV cache and prompt scratch "
+        f"{what} needs {_gb(need)} (arena {_gb(arena_bytes)}, KV cache, prompt scratch and kept caches "
         f"{_gb(other_bytes)}, reserve {_gb(RESERVE)}) but {_gb(available)} is available; {fix}"
     )

@@ -1028,7 +1028,10 @@ def serve(
         from .distributed import Pipeline, serve_stage
 
         pipe = Pipeline(split=pipeline_split, timeout_s=pipeline_timeout)
-    model, tokenizer = load(path, config=cfg, pipeline=pipe)
+    # the prompt caches it keeps (up to prompt_cache_bytes) are memory the arena leaves free
+    # (none with several ranks: those keep no prompt caches, below)
+    kept = prompt_cache_bytes if prompt_cache_size > 0 and (pipe is None or pipe.size == 1) else 0
+    model, tokenizer = load(path, config=cfg, pipeline=pipe, reserve_bytes=kept)
     if pipe is not None and pipe.size > 1:
         if pipe.rank != 0:
             serve_stage(model)

@@ -10,6 +10,7 @@ import pytest
 import strata_mlx
 from strata_mlx import memory
 from strata_mlx.memory import GB, RESERVE, MemoryGuardError
+from strata_mlx.options import OptionError
 from strata_mlx.store import StoreError, load_manifest
 
 
@@ -138,3 +139,44 @@ def test_load_refuses_an_arena_larger_than_available(store, monkeypatch):
     assert "or less" in str(e.value)
     model, _ = strata_mlx.load(path, arena_gb=arena_gb / 4, prefill_step_size=64)
     assert model.expert_cache.arena.n_slots * m.layout.record_bytes <= experts // 4 + 1
+
+
+def test_memory_a_caller_keeps_beside_the_model_is_left_free(store, monkeypatch):
+    """serve's kept prompt caches (`reserve_bytes`): an arena that fits without them is
+    refused with them, the automatic arena leaves them free, and serve passes its
+    --prompt-cache-bytes (none when it keeps no prompt caches)."""
+    path = store("qwen3_moe")
+    m = load_manifest(path)
+    experts = m.num_experts * len(m.moe_layers) * m.layout.record_bytes
+    seen = []
+    real = memory.fit_arena
+    monkeypatch.setattr(memory, "fit_arena", lambda *a: seen.append(a[2]) or real(*a))
+    strata_mlx.load(path, arena_gb=experts / GB / 4, prefill_step_size=64)[0].expert_cache.close()
+    (other,) = seen
+    monkeypatch.setattr(memory, "available_bytes", lambda: RESERVE + other + experts // 2)
+    quarter = experts / GB / 4
+    strata_mlx.load(path, arena_gb=quarter, prefill_step_size=64)[0].expert_cache.close()
+    with pytest.raises(MemoryGuardError, match="kept caches"):
+        strata_mlx.load(path, arena_gb=quarter, prefill_step_size=64, reserve_bytes=experts // 2)
+    slots = []
+    for reserve in (0, experts // 4):
+        model, _ = strata_mlx.load(path, prefill_step_size=64, reserve_bytes=reserve)
+        slots.append(model.expert_cache.arena.n_slots * m.layout.record_bytes)
+        model.expert_cache.close()
+    assert slots[1] < slots[0] and slots[1] <= experts // 2 - experts // 4
+    with pytest.raises(OptionError, match="reserve_bytes"):
+        strata_mlx.load(path, reserve_bytes=-1)
+
+    from strata_mlx import loader, server
+
+    class Loaded(Exception):
+        pass
+
+    def load(*a, **kw):
+        raise Loaded(kw["reserve_bytes"])
+
+    monkeypatch.setattr(loader, "load", load)
+    for size, expect in ((10, 123), (0, 0)):
+        with pytest.raises(Loaded) as e:
+            server.serve(path, prompt_cache_size=size, prompt_cache_bytes=123)
+        assert e.value.args == (expect,)
