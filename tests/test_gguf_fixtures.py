@@ -277,3 +277,40 @@ def test_llama_quantize_drops_unit_dims():
     for name in RECORDS.get("qwen3_next", {}).get("files", ()):
         t = tensors(name)["blk.0.ffn_gate_inp_shexp.weight"]
         assert [int(x) for x in t.shape] == [RECORDS["qwen3_next"]["config"]["hidden_size"]]
+
+
+# One file a family, the quant types rotating (each file mixes types across layers: llama-quantize's
+# per-layer choices, so records of one store differ in layout from layer to layer).
+STREAMED = ["qwen3_moe-Q4_K_M.gguf", "qwen3_next-IQ3_S.gguf", "mixtral-Q2_K.gguf",
+            "olmoe-IQ2_XS.gguf", "glm4_moe-Q4_K_M.gguf", "deepseek_v3-IQ2_XS.gguf",
+            "gpt_oss-IQ3_S.gguf"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", STREAMED)
+def test_fixture_streams_bit_identically_through_small_arenas(name, tmp_path):
+    """A llama.cpp file's store gives the same logits and greedy tokens whatever share of its
+    experts the arena holds (all, a quarter, 5 %: expert-major groups) and whichever policy
+    reads them, as the converted stores of tests/test_streaming.py do: the reference system
+    is exact here, so this asserts equality."""
+    from strata_mlx.generate import stream_generate
+
+    store = convert_gguf(DATA / name, tmp_path / "s", progress=False, calibration_tokens=16)
+    m = load_manifest(store)
+    total = m.num_experts * len(m.moe_layers)
+    ids = _ids(24, seed=3)
+    runs = {}
+    for fraction, policy in ((1.0, "demand"), (0.25, "lookahead"), (0.05, "demand"),
+                             (0.05, "lookahead")):  # fmt: skip
+        slots = max(1, round(fraction * total))
+        model, _ = strata_mlx.load(store, arena_gb=slots * m.layout.record_bytes / 1024**3,
+                                   read_ahead=policy, prefill_step_size=8)  # fmt: skip
+        logits = teacher_forced_logits(model, ids, step=8)
+        tokens = [r.token for r in stream_generate(model, None, ids, max_tokens=6)]
+        misses = model.expert_cache.stats.misses
+        model.expert_cache.close()
+        runs[(fraction, policy)] = (logits, tokens, misses)
+    (ref, ref_tokens, _), *rest = runs.values()
+    for key, (logits, tokens, misses) in list(runs.items())[1:]:
+        np.testing.assert_array_equal(logits, ref, err_msg=str(key))
+        assert tokens == ref_tokens, key
+        assert misses > 0, key  # it streamed
