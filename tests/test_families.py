@@ -388,3 +388,63 @@ def test_group_routing_configs_refused_in_one_line(change, message, hf_checkpoin
     with pytest.raises(StoreError, match=message) as e:
         family("deepseek_v3").ModelArgs.from_dict(config, path)
     assert "\n" not in str(e.value)
+
+
+def test_fp8_block_quantized_deepseek_v3_matches_transformers_on_its_weights(
+    hf_checkpoint, tmp_path
+):
+    """DeepSeek-V3's own checkpoints are FP8: each linear weight e4m3 with a float32
+    `weight_scale_inv` per block (128 x 128 there; 16 x 16 here, so these small matrices
+    have several blocks and partial ones at the edges). The oracle: torch's own float8_e4m3fn
+    values times the blocks' scales, put into transformers' model; ours converts the FP8
+    checkpoint itself. The same tolerance as the float checkpoints'."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from strata_mlx.convert.hf import convert_hf
+
+    src, deq = tmp_path / "fp8", tmp_path / "dequantized"
+    shutil.copytree(hf_checkpoint("deepseek_v3"), src)
+    shutil.copytree(src, deq)
+    (f,) = src.glob("*.safetensors")
+    w = load_file(f)
+    fp8, oracle, bs = {}, dict(w), 16
+    for k, v in w.items():
+        linear = v.dim() == 2 and k.endswith("proj.weight") or k.endswith("proj_with_mqa.weight")
+        if not linear:
+            fp8[k] = v
+            continue
+        m, n = v.shape
+        blocks = torch.nn.functional.pad(v, (0, -n % bs, 0, -m % bs))
+        blocks = blocks.reshape(-(-m // bs), bs, -(-n // bs), bs)
+        scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-12)
+        full = scale.repeat_interleave(bs, 0).repeat_interleave(bs, 1)[:m, :n]
+        q = (v / full).to(torch.float8_e4m3fn)
+        fp8[k], fp8[k + "_scale_inv"] = q, scale.float()
+        oracle[k] = q.float() * full
+    assert sum(k.endswith("_scale_inv") for k in fp8) > 40  # experts, attention, shared
+    save_file(fp8, f, metadata={"format": "pt"})
+    save_file(oracle, deq / f.name, metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic", "weight_block_size": [bs, bs]}  # fmt: skip
+    (src / "config.json").write_text(json.dumps(config))
+
+    out = convert_hf(src, tmp_path / "s", progress=False, calibration_tokens=0)
+    assert "quantization_config" not in json.loads((out / "manifest.json").read_text())["config"]
+    ids = prompt_ids(32)
+    model, _ = strata_mlx.load(out)
+    ours = teacher_forced_logits(model, ids, 32)
+    np.testing.assert_allclose(ours, hf_logits(deq, ids), atol=1e-4, rtol=1e-4)
+    # the oracle tells the FP8 weights from the float ones they were made from
+    assert np.abs(ours - hf_logits(hf_checkpoint("deepseek_v3"), ids)).max() > 1e-3
+
+    from strata_mlx.store import StoreError
+
+    bad = next(k for k in fp8 if k.endswith("_scale_inv"))
+    save_file({**fp8, bad: fp8[bad][:1]}, f, metadata={"format": "pt"})
+    with pytest.raises(StoreError, match=f"{bad}: shape .* expected"):
+        convert_hf(src, tmp_path / "s2", progress=False, calibration_tokens=0)
+    assert not (tmp_path / "s2").exists()

@@ -6,7 +6,8 @@ ones (`experts.gate_up_proj` [E, 2I, D], `experts.down_proj` [E, D, I]). With `q
 experts and dense layers are MLX-affine quantized as mlx-lm's convert would; with
 `q_mode="mxfp4"` the experts are MXFP4 (mx.quantize's mode) and the dense layers stay float,
 as GPT-OSS ships. GPT-OSS's own MXFP4 checkpoints (`experts.*_blocks` / `*_scales`, as
-transformers' Mxfp4 quantizer writes them) keep their expert bytes as they are.
+transformers' Mxfp4 quantizer writes them) keep their expert bytes as they are. FP8
+block-quantized checkpoints (DeepSeek-V3's, `weight_scale_inv`) are dequantized as mlx-lm does.
 """
 
 from __future__ import annotations
@@ -71,6 +72,43 @@ def load_weights(src: Path) -> dict[str, mx.array]:
         except Exception as e:
             raise StoreError(f"{f}: unreadable safetensors ({e})") from None
     return weights
+
+
+def dequantize_fp8(weights: dict[str, mx.array], config: dict, src: Path) -> dict[str, mx.array]:
+    """FP8 block-quantized checkpoints (DeepSeek-V3's own, Qwen3's "-FP8"): each weight with a
+    `weight_scale_inv` is e4m3 (read as bytes) times one float32 scale per block of
+    config.quantization_config.weight_block_size (128 x 128 by default), the partial blocks at
+    the edges included, as mlx-lm's DeepSeek-V3 sanitize dequantizes it; the rest is as it was.
+    Lazy: nothing is computed until a record or the dense file is written."""
+    qc = config.get("quantization_config") or {}
+    block = qc.get("weight_block_size") or [128, 128]
+    where = f"{src / 'config.json'}: quantization_config.weight_block_size"
+    if not (isinstance(block, list) and len(block) == 2 and all(_pos_int(b) for b in block)):
+        raise StoreError(f"{where} {block!r}: expected two positive integers")
+    bm, bn = block
+    out = {k: v for k, v in weights.items() if not k.endswith("weight_scale_inv")}
+    for k, scale in weights.items():
+        if not k.endswith("weight_scale_inv"):
+            continue
+        name = k[: -len("_scale_inv")]
+        w = weights.get(name)
+        if w is None or w.ndim != 2 or w.dtype != mx.uint8:
+            what = "missing" if w is None else f"{w.dtype} {tuple(w.shape)}"
+            raise StoreError(f"{src}: {k}: its weight {name} is {what}, not 2-D FP8 (e4m3)")
+        m, n = w.shape
+        blocks = (-(-m // bm), -(-n // bn))
+        if tuple(scale.shape) != blocks:
+            raise StoreError(
+                f"{src}: {k}: shape {tuple(scale.shape)}, expected {blocks} for {name} "
+                f"{(m, n)} in blocks of {bm} x {bn}"
+            )
+        full = mx.repeat(mx.repeat(scale.astype(mx.float32), bm, axis=0), bn, axis=1)
+        out[name] = mx.from_fp8(w, dtype=mx.float32) * full[:m, :n]
+    return out
+
+
+def _pos_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 def expert_weights(
@@ -218,6 +256,9 @@ def convert_hf(
     dtype = dtype or config.get("torch_dtype") or config.get("dtype") or "float16"
     fdtype = to_float_dtype(dtype)
     weights = load_weights(src)
+    if any(k.endswith("weight_scale_inv") for k in weights):
+        weights = dequantize_fp8(weights, config, src)
+        config.pop("quantization_config", None)  # the source's; the store holds floats
     model = fam.Model(args)
     moe_layers = sorted(model.moe_blocks())
     num_experts = 0

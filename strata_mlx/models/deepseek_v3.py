@@ -417,14 +417,6 @@ class Model(nn.Module):
         [heads * (nope + v), rank] into embed_q [heads, rank, nope] and unembed_out
         [heads, v, rank] (an mlx-lm checkpoint's quantized one is dequantized, split and
         quantized again at its own bits, as mlx-lm does)."""
-        from ..store import StoreError
-
-        fp8 = next((k for k in weights if k.endswith("weight_scale_inv")), None)
-        if fp8 is not None:
-            raise StoreError(
-                f"{fp8}: FP8 block-quantized checkpoints are not supported; convert from a "
-                "bf16 checkpoint (or an mlx-lm one)"
-            )
         a = self.args
         weights = {
             k: v
