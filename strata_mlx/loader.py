@@ -204,13 +204,15 @@ def choose_arena(
     memory_bytes: int | None = None,
     available: int | None = None,
     reserve_bytes: int = 0,
+    kv_itemsize: int = 2,
 ) -> tuple[int, int]:
     """(arena bytes, prefill chunk) that load() picks: the chunk from memory unless given, an
     automatic arena from memory less dense weights and scratch, then the memory guard
     (refuses, or shrinks an automatic arena, before anything is allocated). `memory_bytes`
     and `available` (what a new allocation can get, dense weights already loaded) default to
     this machine's; strata_mlx.plan passes another machine's. `reserve_bytes`: memory the
-    caller will hold beside the model (serve's kept prompt caches), counted as scratch is."""
+    caller will hold beside the model (serve's kept prompt caches), counted as scratch is;
+    `kv_itemsize` the KV cache's bytes an element (memory.activation_itemsize)."""
     step = prefill_step_size or default_prefill_step(memory_bytes)
     scratch = prefill_scratch_bytes(args, step) + reserve_bytes
     if arena_gb is None:
@@ -220,7 +222,7 @@ def choose_arena(
     arena = memory.fit_arena(
         min(arena, n_records * record_bytes),
         record_bytes,
-        scratch + memory.kv_cache_bytes(args, step),
+        scratch + memory.kv_cache_bytes(args, step, kv_itemsize),
         arena_gb,
         available,
     )
@@ -304,7 +306,7 @@ def load(
     dense_bytes = sum(v.nbytes for v in weights.values())
     arena_bytes, cfg.prefill_step_size = choose_arena(
         args, rb, n_records, dense_bytes, cfg.arena_gb, cfg.prefill_step_size,
-        reserve_bytes=reserve_bytes,
+        reserve_bytes=reserve_bytes, kv_itemsize=memory.activation_itemsize(manifest.config),
     )  # fmt: skip
     if cfg.experts_per_token is not None and cfg.experts_per_token > manifest.num_experts:
         raise OptionError(

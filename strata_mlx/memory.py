@@ -123,6 +123,12 @@ def available_bytes() -> int | None:
     return min(found) if found else None
 
 
+def activation_itemsize(config: dict) -> int:
+    """Bytes an element of the activations, KV cache included, of a store whose config says
+    `torch_dtype` (the dense weights' float dtype: float32 stores compute in float32)."""
+    return 4 if config.get("torch_dtype") == "float32" else 2
+
+
 def kv_cache_bytes(args, tokens: int, itemsize: int = 2) -> int:
     """The KV cache and recurrent state after `tokens` positions, at `itemsize` bytes an
     element (fp16 by default), as the families allocate them: attention layers' KVCache grows

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .memory import activation_itemsize
 from .options import OptionError
 from .store import ALIGNMENT, COMPONENT_ALIGNMENT, EXPERTS, MANIFEST, StoreError, write_text_atomic
 
@@ -83,6 +84,7 @@ class ModelShape:
     profile: np.ndarray | None = field(default=None, repr=False)  # [layers, experts] counts
     args: object = field(default=None, repr=False)  # the family's ModelArgs (memory sizing)
     note: str = ""
+    kv_itemsize: int = 2  # the activations' and KV cache's bytes an element
 
     @property
     def n_records(self) -> int:
@@ -258,6 +260,7 @@ def from_store(path: Path) -> ModelShape:
         _active_params(args, per_expert, len(m.moe_layers)),
         load_profile(path, m),
         args,
+        kv_itemsize=activation_itemsize(m.config),
     )
 
 
@@ -342,6 +345,9 @@ def from_hf(src: Path, q_bits: int | None = None, q_group_size: int = 64) -> Mod
         None,
         args,
         note,
+        kv_itemsize=activation_itemsize(
+            {"torch_dtype": config.get("torch_dtype") or config.get("dtype")}
+        ),
     )
 
 
@@ -385,6 +391,7 @@ def from_gguf(path: Path, split_experts: int | None = None) -> ModelShape:
         None,
         args,
         f"llama MLPs split into {c.num_experts} experts" if c.split_experts else "",
+        kv_itemsize=item,
     )
 
 
@@ -929,6 +936,7 @@ def forecast(
             prefill_step_size,
             machine.memory_bytes,
             available,
+            kv_itemsize=shape.kv_itemsize,
         )
     except MemoryGuardError as e:
         f.fits = False

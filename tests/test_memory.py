@@ -180,3 +180,21 @@ def test_memory_a_caller_keeps_beside_the_model_is_left_free(store, monkeypatch)
         with pytest.raises(Loaded) as e:
             server.serve(path, prompt_cache_size=size, prompt_cache_bytes=123)
         assert e.value.args == (expect,)
+
+
+def test_the_guard_counts_a_float32_store_s_cache_at_4_bytes(store, monkeypatch):
+    """A float32 store (GGUF files under 2 GB, these tests' stores) computes, and keeps its
+    KV cache, in float32: load() and plan count 4 bytes an element, not fp16's 2."""
+    from strata_mlx import plan
+    from strata_mlx.loader import prefill_scratch_bytes
+
+    path = store("qwen3_moe")
+    assert load_manifest(path).config["torch_dtype"] == "float32"
+    seen = []
+    real = memory.fit_arena
+    monkeypatch.setattr(memory, "fit_arena", lambda *a: seen.append(a[2]) or real(*a))
+    model, _ = strata_mlx.load(path, prefill_step_size=300)
+    kv = memory.kv_cache_bytes(model.args, 300, itemsize=4)
+    assert seen == [prefill_scratch_bytes(model.args, 300) + kv]
+    model.expert_cache.close()
+    assert plan.from_store(path).kv_itemsize == 4
