@@ -121,17 +121,25 @@ def test_kv_cache_bytes_of_latent_attention_at_deepseek_v3_shape():
     assert mla == 61 * 576 * 4096 * 2 and 24 < gqa / mla < 26
 
 
-def test_load_refuses_an_arena_larger_than_available(store, monkeypatch):
-    path = store("qwen3_moe")
+def _room_for_half_the_experts(path, monkeypatch) -> int:
+    """Make what this machine has available room for half of the store's experts once the KV
+    cache and prompt scratch of one 64-token chunk (measured: the guard's own figure at one
+    load) and the reserve are counted; the experts' bytes."""
     m = load_manifest(path)
     experts = m.num_experts * len(m.moe_layers) * m.layout.record_bytes
     seen = []
     real = memory.fit_arena
     monkeypatch.setattr(memory, "fit_arena", lambda *a: seen.append(a[2]) or real(*a))
-    strata_mlx.load(path, arena_gb=experts / GB / 4, prefill_step_size=64)
-    (other,) = seen  # KV cache and prompt scratch of one 64-token chunk
-    # room for half the experts once KV cache, scratch and the reserve are counted
+    strata_mlx.load(path, arena_gb=experts / GB / 4, prefill_step_size=64)[0].expert_cache.close()
+    (other,) = seen
     monkeypatch.setattr(memory, "available_bytes", lambda: RESERVE + other + experts // 2)
+    return experts
+
+
+def test_load_refuses_an_arena_larger_than_available(store, monkeypatch):
+    path = store("qwen3_moe")
+    m = load_manifest(path)
+    experts = _room_for_half_the_experts(path, monkeypatch)
     arena_gb = experts / GB
     with pytest.raises(MemoryGuardError) as e:
         strata_mlx.load(path, arena_gb=arena_gb, prefill_step_size=64)
@@ -147,13 +155,7 @@ def test_memory_a_caller_keeps_beside_the_model_is_left_free(store, monkeypatch)
     --prompt-cache-bytes (none when it keeps no prompt caches)."""
     path = store("qwen3_moe")
     m = load_manifest(path)
-    experts = m.num_experts * len(m.moe_layers) * m.layout.record_bytes
-    seen = []
-    real = memory.fit_arena
-    monkeypatch.setattr(memory, "fit_arena", lambda *a: seen.append(a[2]) or real(*a))
-    strata_mlx.load(path, arena_gb=experts / GB / 4, prefill_step_size=64)[0].expert_cache.close()
-    (other,) = seen
-    monkeypatch.setattr(memory, "available_bytes", lambda: RESERVE + other + experts // 2)
+    experts = _room_for_half_the_experts(path, monkeypatch)
     quarter = experts / GB / 4
     strata_mlx.load(path, arena_gb=quarter, prefill_step_size=64)[0].expert_cache.close()
     with pytest.raises(MemoryGuardError, match="kept caches"):
