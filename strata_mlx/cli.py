@@ -991,6 +991,10 @@ def serve(
     prompt_cache_bytes: int = typer.Option(
         1 << 30, "--prompt-cache-bytes", help="Bytes those kept caches may hold together."
     ),
+    max_kv_size: int | None = KV_FLAGS["max_kv_size"],
+    kv_bits: int | None = KV_FLAGS["kv_bits"],
+    kv_group_size: int = KV_FLAGS["kv_group_size"],
+    quantized_kv_start: int = KV_FLAGS["quantized_kv_start"],
     pipeline: Pipeline = False,
     pipeline_split: PipelineSplit = None,
     pipeline_timeout: PipelineTimeout = 300.0,
@@ -1012,6 +1016,12 @@ def serve(
     check_int("prompt_cache_size", prompt_cache_size, 0, cli=True)
     check_int("prompt_cache_bytes", prompt_cache_bytes, 0, cli=True)
     check_number("shutdown_timeout", shutdown_timeout, 0, cli=True)
+    from .prompt_cache import KVOptions
+
+    kv = KVOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
+    kv.check(cli=True)
+    if pipeline and (kv.max_kv_size or kv.kv_bits):  # each rank has its own cache
+        raise OptionError("--pipeline: --max-kv-size and --kv-bits are not pipelined yet")
     if api_key is not None and not api_key.strip():
         raise OptionError("--api-key: empty", "api_key")
     origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()] or None
@@ -1037,6 +1047,7 @@ def serve(
         pipeline=pipeline,
         pipeline_split=pipeline_split,
         pipeline_timeout=pipeline_timeout,
+        kv=kv,
         config=cfg,
     )
 

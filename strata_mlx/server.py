@@ -246,10 +246,13 @@ class Engine:
     Counters are changed by the event loop and the worker, under `_counts`.
     """
 
-    def __init__(self, model, tokenizer, max_queue: int = DEFAULT_MAX_QUEUE):
+    def __init__(self, model, tokenizer, max_queue: int = DEFAULT_MAX_QUEUE, kv=None):
+        from .prompt_cache import KVOptions
+
         self.model = model
         self.tokenizer = tokenizer
         self.max_queue = max_queue
+        self.kv = kv or KVOptions()  # every generation's KV cache: rotating, quantized
         # one worker thread: one generation at a time, no lock needed around it
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-generate")
         self._counts = threading.Lock()
@@ -344,7 +347,7 @@ class Engine:
 
         cache, reused = self.prompt_caches.take(job.ids)
         if cache is None:
-            cache = make_prompt_cache(self.model)
+            cache = make_prompt_cache(self.model, self.kv)
         self.prefilled_tokens += len(job.ids) - reused
         tokens: list[int] = []
 
@@ -364,6 +367,10 @@ class Engine:
             cached_tokens=job.ids[:reused],
             stop=[s for s in job.stop if s],
             prompt_progress_callback=progress,
+            max_kv_size=self.kv.max_kv_size,
+            kv_bits=self.kv.kv_bits,
+            kv_group_size=self.kv.kv_group_size,
+            quantized_kv_start=self.kv.quantized_kv_start,
         )
         with contextlib.closing(gen):
             try:
@@ -567,6 +574,7 @@ def create_app(
     api_key: str | None = None,
     allowed_origins: list[str] | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+    kv=None,
 ):
     """The FastAPI app serving `model` under the name `model_name`.
 
@@ -574,8 +582,13 @@ def create_app(
     `max_queue` requests wait behind the running one. With `api_key`, requests need it as a
     bearer token; `allowed_origins` (e.g. ["https://app.example"], or ["*"]) are answered
     CORS headers. At shutdown, generation still running is cancelled and waited for up to
-    `shutdown_timeout` seconds."""
-    engine = Engine(model, tokenizer, max_queue)
+    `shutdown_timeout` seconds. `kv` (prompt_cache.KVOptions: mlx-lm's --max-kv-size,
+    --kv-bits, ...) shapes every generation's KV cache; a family that cannot take it is
+    refused here, before anything is served."""
+    from .prompt_cache import make_prompt_cache
+
+    engine = Engine(model, tokenizer, max_queue, kv)
+    make_prompt_cache(model, engine.kv)  # (DeepSeek-V3's latent cache is not quantized)
     context = model_context(model)
     max_tokens_limit = context if max_tokens_limit is None else max_tokens_limit
     state = ServeState(
@@ -1007,6 +1020,7 @@ def serve(
     pipeline: bool = False,
     pipeline_split: str | None = None,
     pipeline_timeout: float = 300.0,
+    kv=None,
     config=None,
     **runtime,
 ) -> None:
@@ -1053,6 +1067,7 @@ def serve(
         # after the graceful period uvicorn cancels the requests; their jobs stop at the
         # next token, which this bounds
         shutdown_timeout=min(shutdown_timeout, 2.0),
+        kv=kv,
     )
     from .prompt_cache import PromptCacheLRU
 

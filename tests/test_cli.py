@@ -291,6 +291,20 @@ def test_output_files_are_checked_before_anything_loads(tmp_path, command, flag)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["--kv-bits", "7"], "--kv-bits"),
+        (["--max-kv-size", "2"], "--max-kv-size"),
+        (["--pipeline", "--max-kv-size", "64"], "--pipeline"),
+    ],
+)
+def test_serve_kv_flags_are_checked_before_loading(tmp_path, args, names):
+    """serve's KV cache flags (mlx-lm's) fail in one line before a store is looked at."""
+    line = _error_line(run("serve", "--model", tmp_path / "no-such-store", *args))
+    assert names in line
+
+
 def test_runtime_preset(store):
     path = store("qwen3_moe")
     r = run(

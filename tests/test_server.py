@@ -505,6 +505,49 @@ def test_a_client_leaving_during_prefill_stops_it_between_chunks(tiny):
         model.expert_cache.close()
 
 
+def test_serve_with_a_rotating_kv_cache_answers_as_the_api(tiny):
+    """`serve --max-kv-size` (mlx-lm's flag): every request's cache is a RotatingKVCache of
+    that size; the first answer is what the Python API gives with the same max_kv_size (which
+    equals mlx-lm's, tests/test_prompt_cache.py), and a conversation that goes on from it
+    reuses its kept cache and answers as the API continuing that same cache does."""
+    from strata_mlx.prompt_cache import KVOptions, make_prompt_cache
+
+    model, tok = load_tiny(tiny)
+    kv = KVOptions(max_kv_size=16)
+    app = create_app(model, tok, NAME, kv=kv)
+    first = [{"role": "user", "content": "tell me about the quick brown fox"}]
+    try:
+        with running(app) as base:
+            c = openai_client(base)
+            got = c.chat.completions.create(model=NAME, messages=first, max_tokens=12,
+                                            temperature=0)  # fmt: skip
+            one = got.choices[0].message.content
+            ids = tok.encode(tok.apply_chat_template(first), add_special_tokens=False)
+            assert len(ids) + 12 > 16  # the cache rotated
+            cache = make_prompt_cache(model, kv)
+            ref = list(strata_mlx.stream_generate(model, tok, ids, max_tokens=12,
+                                                  prompt_cache=cache))  # fmt: skip
+            assert one == "".join(r.text for r in ref)
+            more = [
+                *first,
+                {"role": "assistant", "content": one},
+                {"role": "user", "content": "and?"},
+            ]
+            two = c.chat.completions.create(model=NAME, messages=more, max_tokens=8,
+                                            temperature=0).choices[0].message.content  # fmt: skip
+            s = stats(base)
+            more_ids = tok.encode(tok.apply_chat_template(more), add_special_tokens=False)
+            covered = ids + [r.token for r in ref][:-1]
+            assert more_ids[: len(covered)] == covered
+            cont = strata_mlx.stream_generate(model, tok, more_ids[len(covered) :], max_tokens=8,
+                                              prompt_cache=cache, cached_tokens=covered)  # fmt: skip
+            assert two == "".join(r.text for r in cont)
+            c.close()
+    finally:
+        model.expert_cache.close()
+    assert s["prompt_cache"]["hits"] == 1 and s["prompt_cache"]["reused_tokens"] == len(covered)
+
+
 # ---- clients that leave, limits, the queue, authentication, CORS, shutdown ----------------
 
 
