@@ -25,7 +25,7 @@ itself, e.g. a corrupt store):
 - a prompt longer than `max_prompt_tokens` and a max_tokens above `max_tokens_limit` are 400s
   (both default to the model's context);
 - with an API key every request must carry `Authorization: Bearer <key>` (compared in constant
-  time) or gets 401; with allowed origins, browsers' CORS preflights from them succeed;
+  time) or gets 401 (/dashboard, a browser's page, also HTTP Basic with the key as password); with allowed origins, browsers' CORS preflights from them succeed;
 - on SIGTERM the server stops accepting, lets requests in flight finish for up to
   `shutdown_timeout` seconds, then cancels what is left and exits.
 """
@@ -33,6 +33,7 @@ itself, e.g. a corrupt store):
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import json
@@ -498,24 +499,37 @@ def _usage(r: Result) -> dict:
 class _BearerAuth:
     """ASGI middleware: every HTTP request must carry `Authorization: Bearer <key>`; the key is
     compared in constant time. Runs before the body is read, so an unauthenticated client
-    learns nothing from validation errors."""
+    learns nothing from validation errors. /dashboard (a page a person opens in a browser,
+    which cannot send a bearer token) also takes HTTP Basic with the key as the password: a
+    401 there asks the browser for it, which then sends it with the page's own polls."""
 
     def __init__(self, app, key: str):
         self.app = app
         self.key = key.encode()
 
+    def _ok(self, auth: bytes, page: bool) -> bool:
+        scheme, _, token = auth.partition(b" ")
+        scheme, token = scheme.lower(), token.strip()
+        if page and scheme == b"basic":
+            try:
+                token = base64.b64decode(token, validate=True).partition(b":")[2]
+            except ValueError:
+                token = b""
+            return hmac.compare_digest(token, self.key)
+        # compare_digest on the token even when the scheme is wrong: no early exit
+        return hmac.compare_digest(token, self.key) and scheme == b"bearer"
+
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             auth = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            # compare_digest on the token even when the scheme is wrong: no early exit
-            ok = hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
-            if not ok:
+            page = scope.get("path", "").startswith("/dashboard")
+            if not self._ok(auth, page):
+                challenge = 'Basic realm="strata-mlx dashboard"' if page else "Bearer"
                 err = APIError(
                     "missing or incorrect API key: send Authorization: Bearer <key>",
                     401,
                     code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
+                    headers={"WWW-Authenticate": challenge},
                 )
                 await err.response()(scope, receive, send)
                 return

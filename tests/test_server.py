@@ -678,6 +678,31 @@ def test_api_key_is_required(guarded):
     c.close()
 
 
+def test_the_dashboard_behind_a_key_asks_a_browser_for_it(guarded):
+    """A browser cannot send a bearer token to a page it opens: /dashboard answers 401 with
+    a Basic challenge (the browser's login dialog), takes the key as the password, and its
+    data is served the same way; the API itself still takes bearer tokens only."""
+    base = guarded
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        r = http.get(base + "/dashboard")
+        assert r.status_code == 401
+        assert r.headers["www-authenticate"] == 'Basic realm="strata-mlx dashboard"'
+        for wrong in (("u", KEY[:-1]), ("u", "none"), (KEY, "")):
+            assert http.get(base + "/dashboard", auth=wrong).status_code == 401
+        assert (
+            http.get(base + "/dashboard", headers={"Authorization": "Basic %%%"}).status_code == 401
+        )
+        page = http.get(base + "/dashboard", auth=("anyone", KEY))
+        assert page.status_code == 200 and "<html" in page.text.lower()
+        data = http.get(base + "/dashboard/data", auth=("anyone", KEY))
+        assert data.status_code == 200 and "stats" in data.json()
+        assert (
+            http.get(base + "/dashboard", headers={"Authorization": f"Bearer {KEY}"}).status_code
+            == 200
+        )
+        assert http.get(base + "/v1/models", auth=("anyone", KEY)).status_code == 401
+
+
 def test_cors_preflight_from_an_allowed_origin(guarded):
     base = guarded
     url = base + "/v1/chat/completions"
