@@ -230,3 +230,28 @@ def test_dashboard_data_without_an_expert_cache():
     assert data["layers"] == [] and data["rates"]["tokens_per_s"] == 0.0
     json.dumps(data)
     assert "/dashboard/data" in page()
+
+
+def test_dashboard_behind_an_api_key_opens_in_a_browser_given_the_key(browser, store, tmp_path):
+    """`serve --api-key`: the browser gets the Basic challenge (no page without the key), and
+    with the key as its login's password the page loads and its polls keep succeeding."""
+    from test_server import KEY
+
+    d = tmp_path / "tiny"
+    shutil.copytree(store(FAMILY), d)
+    write_tokenizer(d)
+    model, tok = load_tiny(d)
+    app = create_app(model, tok, NAME, api_key=KEY)
+    try:
+        with running(app) as base:
+            anonymous = browser.new_page()
+            assert anonymous.goto(base + "/dashboard").status == 401
+            anonymous.close()
+            context = browser.new_context(http_credentials={"username": "me", "password": KEY})
+            page = context.new_page()
+            assert page.goto(base + "/dashboard").status == 200
+            shown_now = next_polls(page, 2)
+            assert shown_now["tiles"]["stats.model"] == NAME
+            context.close()
+    finally:
+        model.expert_cache.close()
