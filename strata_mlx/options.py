@@ -214,11 +214,11 @@ def check_prompt_length(n_tokens: int, context: int | None) -> None:
 
 
 def parse_tokens(text: str, flag: str) -> list[int]:
-    """A flag's comma-separated token ids: "1,2,3"."""
+    """A flag's comma-separated integers: "1,2,3" (token ids, worker counts)."""
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise OptionError(f"{flag}: expected comma-separated integers, got {text!r}") from None
     if not ids:
-        raise OptionError(f"{flag}: no token ids")
+        raise OptionError(f"{flag}: empty; expected comma-separated integers")
     return ids
