@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ import mlx.core as mx
 
 from .models.base import CACHE_TYPES, KVCache, RotatingKVCache
 from .options import OptionError, check_choice, check_int
+from .store import write_atomic
 
 FORMAT = "strata-mlx prompt cache"
 VERSION = 1
@@ -157,12 +157,9 @@ def save_prompt_cache(
         "experts_per_token": json.dumps(ident["experts_per_token"]),
         **(extra or {}),
     }
-    tmp = path.with_name(path.name + ".tmp.safetensors")
-    try:
-        mx.save_safetensors(str(tmp), arrays, metadata)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    # mx.save_safetensors adds ".safetensors" to a name without it
+    write_atomic(path, lambda tmp: mx.save_safetensors(str(tmp), arrays, metadata),
+                 tmp_suffix=".tmp.safetensors")  # fmt: skip
 
 
 def load_prompt_cache(path: str | Path, model=None) -> tuple[list, list[int], dict[str, str]]:

@@ -503,12 +503,13 @@ def save_profile(store: str | Path, counts: np.ndarray, tokens: int, source: str
     write_text_atomic(Path(store) / PROFILE, json.dumps(data))
 
 
-def write_atomic(path: str | Path, write) -> None:
-    """`write(tmp)` writes the whole file at a temporary path beside `path`, which then
-    replaces `path` in one rename: a reader sees the old file or the new, never half of one;
-    on any failure the temporary file is removed and `path` is left as it was."""
+def write_atomic(path: str | Path, write, tmp_suffix: str = ".tmp") -> None:
+    """`write(tmp)` writes the whole file at a temporary path beside `path` (its name plus
+    `tmp_suffix`: a writer that insists on an extension gets one), which then replaces `path`
+    in one rename: a reader sees the old file or the new, never half of one; on any failure
+    the temporary file is removed and `path` is left as it was."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + tmp_suffix)
     try:
         write(tmp)
         os.replace(tmp, path)
