@@ -312,7 +312,7 @@ def generate(
     )
     check_sampling(max_tokens, temp, top_p, seed, cli=True)  # before a model is loaded
     sampling.check(cli=True)
-    check_output(logits_out, "--logits-out")
+    check_output_file(logits_out, "--logits-out")
     from .prompt_cache import KVOptions
 
     kv = KVOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
@@ -461,7 +461,7 @@ def cache_prompt(
 
     kv = KVOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
     kv.check(cli=True)
-    check_output(prompt_cache_file, "--prompt-cache-file")
+    check_output_file(prompt_cache_file, "--prompt-cache-file")
     template_kwargs = _template_config(chat_template_config)
     wants_chat = system_prompt is not None or chat_template_config is not None
     if chat is False and wants_chat:
@@ -556,14 +556,10 @@ def _save_npy(path: Path, array) -> None:
 
     from .store import write_atomic
 
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:  # a file, so that np.save adds no ".npy" to the name
-            np.save(f, array)
-
-    write_atomic(path, write)
+    write_atomic(path, lambda tmp: np.save(tmp, array), tmp_suffix=".tmp.npy")  # np.save adds .npy
 
 
-def check_output(path: Path | None, flag: str, suffix: str | None = None) -> None:
+def check_output_file(path: Path | None, flag: str, suffix: str | None = None) -> None:
     """Before anything is loaded or run: an output file `flag` names can be written where it
     says (its directory exists and is writable, it is not a directory itself)."""
     import os
@@ -772,8 +768,8 @@ def bench(
     check_int("prompt_tokens", prompt_tokens, 2, 1 << 24, cli=True)  # one chunk and a rest
     check_int("generation_tokens", generation_tokens, 1, 1 << 20, cli=True)
     check_int("repeats", repeats, 1, 1000, cli=True)
-    check_output(json_out, "--json")
-    check_output(plot, "--plot", suffix=".png")
+    check_output_file(json_out, "--json")
+    check_output_file(plot, "--plot", suffix=".png")
     runtime_config(dict(scheduler=scheduler, lookahead_depth=lookahead_depth))  # before :variants
     names = tuple(_with_variants(p, scheduler, lookahead_depth) for p in policies.split(",") if p)
     if not names:
@@ -864,7 +860,7 @@ def plan(
 
     check_int("prompt_tokens", prompt_tokens, 1, 1 << 24, cli=True)
     check_int("generation_tokens", generation_tokens, 1, 1 << 24, cli=True)
-    check_output(json_out, "--json")
+    check_output_file(json_out, "--json")
     f = run_plan(model, arena_gb, prefill_step_size, prompt_tokens, generation_tokens, io_workers,
                  target_memory, target_ssd_gbps, target_tflops, measure)  # fmt: skip
     typer.echo("\n".join(f.lines()))
