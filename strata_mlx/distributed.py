@@ -132,8 +132,8 @@ def layer_costs(weights: dict, manifest, args, tokens: int) -> tuple[list[int], 
             costs[int(m.group(1))] += w.nbytes
         else:
             extra += w.nbytes
-    kv = memory.kv_cache_bytes(args, tokens, memory.activation_itemsize(manifest.config))
-    kv //= max(n, 1)
+    itemsize = memory.activation_itemsize(manifest.config.get("torch_dtype"))
+    kv = memory.kv_cache_bytes(args, tokens, itemsize) // max(n, 1)
     record = manifest.layout.record_bytes * manifest.num_experts
     moe = set(manifest.moe_layers)
     return [c + kv + (record if i in moe else 0) for i, c in enumerate(costs)], extra

@@ -304,9 +304,10 @@ def load(
     rb = manifest.layout.record_bytes
     n_records = manifest.num_experts * len(manifest.moe_layers)
     dense_bytes = sum(v.nbytes for v in weights.values())
+    itemsize = memory.activation_itemsize(manifest.config.get("torch_dtype"))
     arena_bytes, cfg.prefill_step_size = choose_arena(
         args, rb, n_records, dense_bytes, cfg.arena_gb, cfg.prefill_step_size,
-        reserve_bytes=reserve_bytes, kv_itemsize=memory.activation_itemsize(manifest.config),
+        reserve_bytes=reserve_bytes, kv_itemsize=itemsize,
     )  # fmt: skip
     if cfg.experts_per_token is not None and cfg.experts_per_token > manifest.num_experts:
         raise OptionError(

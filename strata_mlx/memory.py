@@ -123,10 +123,10 @@ def available_bytes() -> int | None:
     return min(found) if found else None
 
 
-def activation_itemsize(config: dict) -> int:
-    """Bytes an element of the activations, KV cache included, of a store whose config says
-    `torch_dtype` (the dense weights' float dtype: float32 stores compute in float32)."""
-    return 4 if config.get("torch_dtype") == "float32" else 2
+def activation_itemsize(dtype: str | None) -> int:
+    """Bytes an element of the activations, KV cache included, of a model whose dense
+    weights are `dtype` (a config's torch_dtype: float32 stores compute in float32)."""
+    return 4 if dtype == "float32" else 2
 
 
 def kv_cache_bytes(args, tokens: int, itemsize: int = 2) -> int:

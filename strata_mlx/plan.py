@@ -260,7 +260,7 @@ def from_store(path: Path) -> ModelShape:
         _active_params(args, per_expert, len(m.moe_layers)),
         load_profile(path, m),
         args,
-        kv_itemsize=activation_itemsize(m.config),
+        kv_itemsize=activation_itemsize(m.config.get("torch_dtype")),
     )
 
 
@@ -345,9 +345,7 @@ def from_hf(src: Path, q_bits: int | None = None, q_group_size: int = 64) -> Mod
         None,
         args,
         note,
-        kv_itemsize=activation_itemsize(
-            {"torch_dtype": config.get("torch_dtype") or config.get("dtype")}
-        ),
+        kv_itemsize=activation_itemsize(config.get("torch_dtype") or config.get("dtype")),
     )
 
 
