@@ -25,7 +25,8 @@ itself, e.g. a corrupt store):
 - a prompt longer than `max_prompt_tokens` and a max_tokens above `max_tokens_limit` are 400s
   (both default to the model's context);
 - with an API key every request must carry `Authorization: Bearer <key>` (compared in constant
-  time) or gets 401 (/dashboard, a browser's page, also HTTP Basic with the key as password); with allowed origins, browsers' CORS preflights from them succeed;
+  time) or gets 401 (/dashboard, a browser's page, also takes HTTP Basic with the key as the
+  password); with allowed origins, browsers' CORS preflights from them succeed;
 - on SIGTERM the server stops accepting, lets requests in flight finish for up to
   `shutdown_timeout` seconds, then cancels what is left and exits.
 """

@@ -46,12 +46,16 @@ def browser():
         b.close()
 
 
-@pytest.fixture(scope="module")
-def served(store, tmp_path_factory):
-    d = tmp_path_factory.mktemp("dashboard") / "tiny"
+def tiny_model(store, d: Path):
+    """test_server's tiny model, with its tokenizer, from a copy of the store at `d`."""
     shutil.copytree(store(FAMILY), d)
     write_tokenizer(d)
-    model, tok = load_tiny(d)
+    return load_tiny(d)
+
+
+@pytest.fixture(scope="module")
+def served(store, tmp_path_factory):
+    model, tok = tiny_model(store, tmp_path_factory.mktemp("dashboard") / "tiny")
     app = create_app(model, tok, NAME, max_tokens_limit=LONG)
     try:
         with running(app) as base:
@@ -237,10 +241,7 @@ def test_dashboard_behind_an_api_key_opens_in_a_browser_given_the_key(browser, s
     with the key as its login's password the page loads and its polls keep succeeding."""
     from test_server import KEY
 
-    d = tmp_path / "tiny"
-    shutil.copytree(store(FAMILY), d)
-    write_tokenizer(d)
-    model, tok = load_tiny(d)
+    model, tok = tiny_model(store, tmp_path / "tiny")
     app = create_app(model, tok, NAME, api_key=KEY)
     try:
         with running(app) as base:
