@@ -8,10 +8,14 @@ setup(
     ext_modules=[
         Extension(
             "strata_mlx._reader",
-            ["strata_mlx/_native/reader.c", "strata_mlx/_native/checksum.c"],
-            depends=["strata_mlx/_native/checksum.h"],
+            [
+                "strata_mlx/_native/reader.c",
+                "strata_mlx/_native/checksum.c",
+                "strata_mlx/_native/devcopy.c",
+            ],
+            depends=["strata_mlx/_native/checksum.h", "strata_mlx/_native/devcopy.h"],
             extra_compile_args=["-O2"],
-            libraries=[] if sys.platform == "darwin" else ["pthread"],
+            libraries=[] if sys.platform == "darwin" else ["pthread", "dl"],
         )
     ]
 )

@@ -7,6 +7,8 @@ bounce copy, the checksum and the overlap each on and off, into arena slots, in 
 Reads: random records of STORE's experts.bin, `workers` in flight, one record a read, direct
 I/O, into the slots of an Arena (an MLX buffer: CUDA managed memory on the GPU machine, where
 the bounce copy lands through the driver's page migration), as the expert cache issues them.
+"dc": (CUDA) the copy engine moves each record from pinned memory into an arena kept on the
+device (the expert cache's default there); without it the CPU copies into managed memory.
 "4k": into an arena left in 4 KB pages (Arena(hugepages=False); by default the CPU backend's
 arena asks Linux for huge pages, which CUDA's managed memory does not take).
 --touch: each batch of landed slots is then read by the device (a sum over their rows,
@@ -29,7 +31,7 @@ from strata_mlx.arena import Arena
 from strata_mlx.reader import Reader
 from strata_mlx.store import EXPERTS, load_manifest
 
-PARTS = ("direct", "bounce", "verify", "overlap", "4k")
+PARTS = ("direct", "bounce", "verify", "overlap", "4k", "dc")
 
 
 def read_round(store: Path, m, arena: Arena, variant: set, workers: int, seconds: float,
@@ -39,7 +41,8 @@ def read_round(store: Path, m, arena: Arena, variant: set, workers: int, seconds
     rng = np.random.default_rng(seed)
     verify = "verify" in variant
     slots = min(arena.n_slots, workers * 2)
-    r = Reader(workers, bounce="bounce" in variant, overlap="overlap" in variant)
+    r = Reader(workers, bounce="bounce" in variant, overlap="overlap" in variant,
+               device_copy="dc" in variant)  # fmt: skip
     try:
         f = r.open(store / EXPERTS, checksum=m.checksum if verify else None)
         tag = 0
@@ -77,7 +80,10 @@ def read_round(store: Path, m, arena: Arena, variant: set, workers: int, seconds
     finally:
         r.close()
     busy = sum(st["busy_ns"]) + sum(st["verify_ns"])
+    per = max(st["requests_done"], 1) * 1e3  # ns -> us a read
     return {"gb_per_s": nbytes / elapsed / 1e9, "reads": st["requests_done"],
+            "pread_us": sum(st["busy_ns"]) / per, "verify_us": sum(st["verify_ns"]) / per,
+            "copy_us": st["device_copy_ns"] / max(st["device_copies"], 1) / 1e3,
             "verified": st["verified"], "preads_max": st["preads_max"],
             "verify_share": sum(st["verify_ns"]) / busy if busy else 0.0,
             "direct": direct}  # fmt: skip
@@ -99,7 +105,11 @@ def main() -> None:
             raise SystemExit(f"--variants {v!r}: unknown {sorted(bad)} (parts: {', '.join(PARTS)})")
     m = load_manifest(a.store)
     rb = m.layout.record_bytes
-    arenas = {False: Arena(a.workers * 2, rb), True: Arena(a.workers * 2, rb, hugepages=False)}
+    dc = any("dc" in v.split("+") for v in variants)
+    arenas = {
+        False: Arena(a.workers * 2, rb, on_device=dc),
+        True: Arena(a.workers * 2, rb, hugepages=False, on_device=dc),
+    }
     print(
         f"{a.store}: {m.checksum} records of {rb} bytes, {a.workers} workers, device "
         f"{mx.default_device()}, touch={a.touch}"
@@ -113,7 +123,9 @@ def main() -> None:
                              a.touch, seed=i)  # fmt: skip
             runs[v].append(res["gb_per_s"])
             print(f"round {i} {v}: {res['gb_per_s']:.3f} GB/s ({res['reads']} reads, "
-                  f"{res['verified']} verified, preads at once <= {res['preads_max']})")  # fmt: skip
+                  f"{res['verified']} verified, preads at once <= {res['preads_max']}; a read: "
+                  f"pread {res['pread_us']:.0f} us, verify {res['verify_us']:.0f} us, device copy "
+                  f"{res['copy_us']:.0f} us)")  # fmt: skip
     first = statistics.median(runs[variants[0]])
     for v in variants:
         med = statistics.median(runs[v])

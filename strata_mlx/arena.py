@@ -22,7 +22,7 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
-from .reader import advise_hugepages
+from .reader import advise_hugepages, prefer_device
 from .store import ALIGNMENT
 
 Key = tuple[int, int]  # (layer, expert)
@@ -228,7 +228,9 @@ def slot_rows(buffer: mx.array, n_slots: int, record_bytes: int, start: int) -> 
 
 class Arena:
     """`n_slots` slots of `record_bytes` each, in one MLX buffer allocated once; `rows` is
-    that buffer as [n_slots, record_bytes] uint8, row s = slot s, at address(s)."""
+    that buffer as [n_slots, record_bytes] uint8, row s = slot s, at address(s). `on_device`
+    (CUDA, with the reader's device copy): the buffer's managed memory is kept on the device,
+    where the copy engine writes records and kernels read them without faulting pages in."""
 
     def __init__(
         self,
@@ -238,6 +240,7 @@ class Arena:
         profile: np.ndarray | None = None,
         layers: list[int] | None = None,
         hugepages: bool = True,
+        on_device: bool = False,
     ):
         if n_slots < 1:
             raise ValueError("the arena needs at least one slot")
@@ -252,6 +255,8 @@ class Arena:
         self._base = self._host.ctypes.data + self._start  # slot 0's address
         if hugepages and mx.default_device() == mx.cpu:  # host memory where reads land: huge
             advise_hugepages(self._base, self.nbytes, zeroed=True)  # pages (CUDA's is managed)
+        if on_device:  # CUDA: reads arrive by the copy engine; the slots live on the device
+            prefer_device(self._base, self.nbytes)
         self.rows = slot_rows(self.buffer, n_slots, record_bytes, self._start)
         mx.eval(self.rows)
         self.policy = make_policy(eviction, profile, layers)

@@ -68,7 +68,8 @@ def policy_options(policy: str) -> dict:
     """RuntimeConfig fields of a bench policy name: a read-ahead policy, optionally with
     ":always" (lookahead predicts in decode too), ":dN" (N layers predicted ahead), ":sync"
     or ":loop" (the scheduler), ":lwN" (the loop's low-water mark), ":sN" (split reads, parts
-    of N KB; s0 whole), ":ioN" (N reader workers), ":nv" (records not verified), ":ov0" / ":ov1" (the reader's overlap off / on) and an eviction policy (":lru", ":lfu"...)."""
+    of N KB; s0 whole), ":ioN" (N reader workers), ":nv" (records not verified), ":ov0" / ":ov1" (the reader's overlap off / on), ":dc0" / ":dc1" (CUDA: the CPU
+    or the copy engine moves reads into the arena) and an eviction policy (":lru", ":lfu"...)."""
     from .arena import POLICIES
 
     name, *variants = policy.split(":")
@@ -90,12 +91,14 @@ def policy_options(policy: str) -> dict:
             out["verify"] = False
         elif v in ("ov0", "ov1"):
             out["read_overlap"] = v == "ov1"
+        elif v in ("dc0", "dc1"):
+            out["device_copy"] = v == "dc1"
         elif v in POLICIES:
             out["eviction"] = v
         else:
             raise OptionError(
                 f"policy {policy!r}: unknown variant {v!r} (always | dN | sync | loop | lwN | "
-                f"sN | ioN | nv | ov0 | ov1 | {' | '.join(sorted(POLICIES))})"
+                f"sN | ioN | nv | ov0 | ov1 | dc0 | dc1 | {' | '.join(sorted(POLICIES))})"
             )
     return out
 
@@ -221,6 +224,18 @@ def bench(
     )[0]
     ssd_gbps = probe["gb_per_s"]
     log(f"probe-ssd: {ssd_gbps:.2f} GB/s at {io_workers} workers (direct={probe['direct']})")
+    from .probe import probe_data_path
+
+    path_probe = probe_data_path(
+        path, m, workers=io_workers, seconds=probe_seconds, overlap=base.read_overlap,
+        device_copy=None if base.device_copy else False,
+    )  # fmt: skip
+    path_gbps = path_probe["gb_per_s"]
+    log(
+        f"data path into the arena: {path_gbps:.2f} GB/s, "
+        f"{100 * path_gbps / ssd_gbps if ssd_gbps else 0:.0f}% of probe-ssd "
+        f"(verified, bounce={path_probe['bounce']}, device copy={path_probe['device_copy']})"
+    )
 
     model = load_model(fake_cfg)
     # Warm-up: the first pass compiles kernels (MLX CUDA JITs them), which no run should pay.
@@ -251,7 +266,7 @@ def bench(
                 if plot is not None:
                     run.layers = layers.take()
                 log(
-                    _line(run, fake, ssd_gbps)
+                    _line(run, fake, ssd_gbps, path_gbps)
                     + ("" if dropped or phase == "warm" else " (store's pages not evicted)")
                 )
                 log_ranks(run)
@@ -265,9 +280,10 @@ def bench(
         "gen_tokens": gen_tokens,
         "prefill_step_size": prefill_step_size,
         "ssd_gbps": ssd_gbps,
+        "data_path_gbps": path_gbps,
         "compute_chunk_s": _mean([c.wall_s for c in fake.chunks]),
         "compute_decode_tps": fake.decode_tokens / fake.decode_s,
-        "runs": [_summary(run, fake, ssd_gbps) for run in runs],
+        "runs": [_summary(run, fake, ssd_gbps, path_gbps) for run in runs],
     }
     if fake.ranks is not None:
         result["compute_ranks"] = fake.ranks
@@ -296,14 +312,22 @@ def _total(chunks: list[ExpertStats]) -> ExpertStats:
     return t
 
 
-def _summary(run: Run, fake: Run, ssd_gbps: float) -> dict:
+def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> dict:
+    """One run's figures. Floors: ssd (bytes over probe-ssd), read (bytes over the data path's
+    own probe: what the engine can get into its arena), compute (fake-stream); decode's floor
+    is max(compute, bytes a token over the data path)."""
     p = _total(run.chunks)
     n = max(len(run.chunks), 1)
     compute_floor = _mean([c.wall_s for c in fake.chunks])
     ssd_floor = (p.bytes_read / n) / (ssd_gbps * 1e9) if ssd_gbps > 0 else 0.0
+    read_floor = (p.bytes_read / n) / (path_gbps * 1e9) if path_gbps > 0 else 0.0
     chunk_s = p.wall_s / n
     d = run.decode
     per_tok = max(run.decode_tokens, 1)
+    decode_compute = fake.decode_s / fake.decode_tokens if fake.decode_tokens else 0.0
+    decode_read = d.bytes_read / per_tok / (path_gbps * 1e9) if path_gbps > 0 else 0.0
+    decode_floor = max(decode_compute, decode_read)
+    decode_s = run.decode_s / per_tok
     return {
         "policy": run.policy,
         "phase": run.phase,
@@ -322,6 +346,12 @@ def _summary(run: Run, fake: Run, ssd_gbps: float) -> dict:
         "floor_ratio": chunk_s / max(ssd_floor, compute_floor)
         if max(ssd_floor, compute_floor)
         else 0.0,
+        "read_floor_ms": read_floor * 1e3,
+        "path_floor_ratio": chunk_s / max(read_floor, compute_floor)
+        if max(read_floor, compute_floor)
+        else 0.0,
+        "decode_floor_ms": decode_floor * 1e3,
+        "decode_floor_ratio": decode_s / decode_floor if decode_floor else 0.0,
         "decode_tps": run.decode_tokens / run.decode_s if run.decode_s else 0.0,
         "decode_ms_per_token": run.decode_s / per_tok * 1e3,
         "decode_wait_ms_per_token": d.exposed_wait_s / per_tok * 1e3,
@@ -337,16 +367,18 @@ def _summary(run: Run, fake: Run, ssd_gbps: float) -> dict:
     }
 
 
-def _line(run: Run, fake: Run, ssd_gbps: float) -> str:
-    s = _summary(run, fake, ssd_gbps)
+def _line(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> str:
+    s = _summary(run, fake, ssd_gbps, path_gbps)
     return (
         f"{s['policy']:>9} {s['phase']}: prefill {s['chunk_ms']:.0f} ms/chunk ({s['prefill_tps']:.1f} tok/s), "
         f"ahead {s['streamed_ahead_pct']:.1f}% miss {s['miss_pct']:.1f}% wait {s['exposed_wait_ms_per_chunk']:.0f} ms, "
         f"read {s['experts_read_per_chunk']:.0f}/chunk wasted {s['wasted_readahead']} {s['gb_per_s']:.2f} GB/s, "
         f"loop {s['loop_ms_per_chunk']:.1f} ms topped up {s['topped_up_per_chunk']:.0f}/chunk, "
-        f"x{s['floor_ratio']:.2f} of floor (ssd {s['ssd_floor_ms']:.0f} ms, compute {s['compute_floor_ms']:.0f} ms) | "
+        f"x{s['floor_ratio']:.2f} of floor (ssd {s['ssd_floor_ms']:.0f} ms, compute {s['compute_floor_ms']:.0f} ms), "
+        f"x{s['path_floor_ratio']:.2f} of the data path's (read {s['read_floor_ms']:.0f} ms) | "
         f"decode {s['decode_tps']:.2f} tok/s (wait {s['decode_wait_ms_per_token']:.1f}, sync {s['decode_sync_ms_per_token']:.1f}, "
-        f"host {s['decode_host_ms_per_token']:.1f} ms/tok; miss {s['decode_miss_pct']:.1f}%)"
+        f"host {s['decode_host_ms_per_token']:.1f} ms/tok; miss {s['decode_miss_pct']:.1f}%), "
+        f"x{s['decode_floor_ratio']:.2f} of its floor ({s['decode_floor_ms']:.1f} ms)"
     )
 
 
@@ -363,10 +395,12 @@ def markdown_table(result: dict) -> str:
         "wasted_readahead",
         "gb_per_s",
         "floor_ratio",
+        "path_floor_ratio",
         "decode_tps",
         "decode_wait_ms_per_token",
         "decode_sync_ms_per_token",
         "decode_miss_pct",
+        "decode_floor_ratio",
     ]
     head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
     rows = []

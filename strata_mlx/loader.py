@@ -89,6 +89,11 @@ class RuntimeConfig:
     # The reader's threads let go of their slot on the drive once a pread returns, before the
     # bounce copy and the checksum (reader.Reader's overlap): io_workers preads in flight.
     read_overlap: bool = True
+    # CUDA: each read reaches its slot by the GPU's copy engine from pinned host memory, the
+    # arena kept on the device; off, the CPU copies it into managed memory, which the driver
+    # then migrates back to the device when a kernel first touches the slot (reader.Reader's
+    # device_copy). Ignored where there is no CUDA device.
+    device_copy: bool = True
     read_ahead: ReadAhead = field(default_factory=ReadAhead)
     # loop: an asyncio event loop on its own thread schedules reads and keeps the drive busy
     # between handshakes; sync: reads are scheduled only inside the handshake (the first wave)
@@ -318,15 +323,16 @@ def load(
     profile = load_profile(path, manifest if stage is None else stage.full_manifest)
     if stage is not None:
         profile = stage.profile(profile)
-    arena = Arena(n_slots, rb, cfg.eviction, profile, manifest.moe_layers)
+    from .reader import Reader, needs_bounce, uses_device_copy
 
-    from .reader import Reader, needs_bounce
-
+    device_copy = cfg.device_copy and uses_device_copy()
+    arena = Arena(n_slots, rb, cfg.eviction, profile, manifest.moe_layers, on_device=device_copy)
     reader = Reader(
         cfg.io_workers,
         bounce=needs_bounce(),
         split=cfg.read_split_kb * 1024,
         overlap=cfg.read_overlap,
+        device_copy=device_copy,
     )
     cache = ExpertCache(
         path,

@@ -123,7 +123,13 @@ def check_runtime(cfg, cli: bool = False) -> None:
     if cfg.experts_per_token is not None:
         check_int("experts_per_token", cfg.experts_per_token, 1, 1 << 20, cli=cli)
     check_number("moce_bonus", cfg.moce_bonus, 0, cli=cli)
-    for name in ("verify", "fake_stream", "decode_token_while_predicting", "read_overlap"):
+    for name in (
+        "verify",
+        "fake_stream",
+        "decode_token_while_predicting",
+        "read_overlap",
+        "device_copy",
+    ):
         if not isinstance(getattr(cfg, name), bool):
             raise OptionError(f"{_name(name, cli)} {getattr(cfg, name)!r}: expected true or false")
 

@@ -1,7 +1,9 @@
 """SSD bandwidth probe: random record-sized direct reads through the native reader.
 
 Measures what expert streaming can expect from a drive: reads of one expert record each, at
-record-aligned random offsets across a file, with 1, 4, 8, 16... reads in flight.
+record-aligned random offsets across a file, with 1, 4, 8, 16... reads in flight
+(`probe_ssd`); and what the expert cache gets of it into its arena, every step of a read
+included (`probe_data_path`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -118,3 +121,81 @@ def _probe_one(
         }
     del buf  # kept alive until the reader has stopped writing into it
     return result
+
+
+def probe_data_path(
+    store: str | os.PathLike,
+    manifest,
+    workers: int = 8,
+    seconds: float = 2.0,
+    verify: bool = True,
+    overlap: bool = True,
+    device_copy: bool | None = None,
+    touch: bool = True,
+    seed: int | None = None,
+) -> dict:
+    """The bandwidth the expert cache gets into its arena: random records of the store read
+    as the cache reads them (direct I/O; the bounce buffer where the machine needs one; the
+    checksum; the CUDA copy engine where `device_copy`, None: where the cache would use it)
+    into slots of an arena, `workers` in flight, each batch of landed slots then read by the
+    device (`touch`: the sum of their rows, evaluated), as kernels read slots between reads.
+    probe_ssd measures the drive alone; this measures the drive and every step after it.
+
+    Returns ``gb_per_s`` (1e9 bytes/s), ``reads``, ``seconds``, ``direct``, ``device_copy``,
+    ``bounce``. Raises OSError if a read fails or a record's checksum does not match."""
+    import mlx.core as mx
+
+    from .arena import Arena
+    from .reader import needs_bounce, uses_device_copy
+    from .store import EXPERTS
+
+    if device_copy is None:
+        device_copy = uses_device_copy()
+    rb = manifest.layout.record_bytes
+    keys = [(layer, e) for layer in manifest.moe_layers for e in range(manifest.num_experts)]
+    rng = np.random.default_rng(seed)
+    arena = Arena(2 * workers, rb, on_device=device_copy)
+    bounce = needs_bounce()
+    path = Path(store) / EXPERTS
+    with Reader(workers, bounce=bounce, overlap=overlap, device_copy=device_copy) as r:
+        f = r.open(path, checksum=manifest.checksum if verify else None)
+        tag = 0
+
+        def request(slot: int) -> tuple:
+            nonlocal tag
+            tag += 1
+            offset, expected = manifest.record(*keys[int(rng.integers(len(keys)))])
+            return (tag, f, offset, rb, arena.address(slot), expected if verify else None)
+
+        first = [request(s) for s in range(arena.n_slots)]
+        slot_of = {q[0]: s for s, q in enumerate(first)}
+        start = time.perf_counter()
+        r.submit(first)
+        nbytes = reads = 0
+        while slot_of:
+            more, landed = [], []
+            for t, err, got in r.wait(None):
+                if err:
+                    raise OSError(err, f"{path}: read failed: {error_message(err)}")
+                nbytes += got
+                reads += 1
+                slot = slot_of.pop(t)
+                landed.append(slot)
+                if time.perf_counter() - start < seconds:
+                    q = request(slot)
+                    slot_of[q[0]] = slot
+                    more.append(q)
+            if touch:
+                mx.eval(arena.rows[mx.array(landed)].astype(mx.uint32).sum())
+            if more:
+                r.submit(more)
+        elapsed = time.perf_counter() - start
+        direct = r.is_direct(f)
+    return {
+        "gb_per_s": nbytes / elapsed / 1e9,
+        "reads": reads,
+        "seconds": elapsed,
+        "direct": direct,
+        "device_copy": device_copy,
+        "bounce": bounce,
+    }

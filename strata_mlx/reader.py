@@ -55,6 +55,9 @@ SHORT_READ: int = _reader.SHORT_READ
 CHECKSUM_MISMATCH: int = _reader.CHECKSUM_MISMATCH
 """Completion error code (-2): the bytes read do not have the expected checksum."""
 
+DEVICE_COPY_FAILED: int = _reader.DEVICE_COPY_FAILED
+"""Completion error code (-3): the copy engine could not move the record into place."""
+
 CHECKSUMS = ("crc32c", "crc32")
 """Checksums the reader verifies: crc32c (new stores), crc32 (zlib's; older stores)."""
 
@@ -73,6 +76,8 @@ def error_message(code: int) -> str:
         return "end of file before the requested length (truncated file?)"
     if code == CHECKSUM_MISMATCH:
         return "checksum mismatch (corrupt data)"
+    if code == DEVICE_COPY_FAILED:
+        return "the CUDA copy into device memory failed"
     return os.strerror(code)
 
 
@@ -111,6 +116,12 @@ class Reader:
             pread returns, before the bounce copy and the checksum: ``workers`` preads stay
             in flight while other threads finish theirs (without it, a worker's copy and
             checksum are time its slot on the drive stands idle).
+        device_copy: (CUDA) the bounce buffers are pinned and each record reaches its
+            destination, device-visible memory, by the GPU's copy engine on a stream of the
+            worker's own, instead of a CPU memcpy into managed memory (which migrates the
+            pages to the host, and the next kernel to touch them migrates them back). Implies
+            ``bounce``. RuntimeError where no CUDA driver is present (see
+            :func:`device_copy_error`).
     """
 
     def __init__(
@@ -120,8 +131,9 @@ class Reader:
         bounce: bool = False,
         split: int = 0,
         overlap: bool = False,
+        device_copy: bool = False,
     ) -> None:
-        self._r = _reader.Reader(workers, start_paused, bounce, split, overlap)
+        self._r = _reader.Reader(workers, start_paused, bounce, split, overlap, device_copy)
 
     @property
     def workers(self) -> int:
@@ -227,7 +239,8 @@ class Reader:
         checksum was checked), ``split`` (requests read in parts), ``busy_ns`` and
         ``verify_ns`` (lists, per thread: time spent inside reads, and checking checksums),
         ``preads_max`` (the most preads in flight at once since the last reset: at most
-        ``workers``), and the current ``queued_urgent``, ``queued_ahead``, ``in_flight``
+        ``workers``), ``device_copies`` and ``device_copy_ns`` (copies by the copy engine,
+        and their time), and the current ``queued_urgent``, ``queued_ahead``, ``in_flight``
         (requests a thread holds) and uncollected ``completions``."""
         return self._r.stats()
 
@@ -277,3 +290,26 @@ def needs_bounce() -> bool:
     if forced in ("0", "1"):
         return forced == "1"
     return mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+
+def device_copy_error() -> str | None:
+    """None where the reader can copy by the CUDA copy engine (a CUDA driver and a device),
+    else the reason it cannot."""
+    return _reader.device_copy_error()
+
+
+def uses_device_copy() -> bool:
+    """Whether reads on this machine should reach the arena by the CUDA copy engine: MLX's
+    default device is a CUDA GPU (managed memory) and a CUDA driver is present.
+    STRATA_MLX_DEVICE_COPY=0/1 forces it (1 fails at load where CUDA is absent)."""
+    forced = os.environ.get("STRATA_MLX_DEVICE_COPY")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return needs_bounce() and device_copy_error() is None
+
+
+def prefer_device(address: int, nbytes: int) -> None:
+    """Keep the managed memory ``[address, address + nbytes)`` on CUDA device 0 and move it
+    there now (cudaMemAdvise preferred location + prefetch), so kernels reading it do not
+    fault pages in and copies into it land in device memory. RuntimeError without CUDA."""
+    _reader.prefer_device(address, nbytes)

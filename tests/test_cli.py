@@ -232,6 +232,12 @@ def test_synthetic_store_and_bench(tmp_path):
     assert rows[("demand", "cold")]["streamed_ahead_pct"] == 0
     assert rows[("lookahead", "cold")]["streamed_ahead_pct"] > 0
     assert "| policy |" in r.stdout
+    # the data path's own probe sets the read floor; decode has a floor of its own
+    assert result["data_path_gbps"] > 0 and "data path into the arena" in r.stderr + r.stdout
+    for row in rows.values():
+        assert row["path_floor_ratio"] > 0 and row["decode_floor_ratio"] > 0
+        assert row["decode_floor_ms"] > 0
+    assert rows[("demand", "cold")]["read_floor_ms"] > 0
 
 
 def test_probe_ssd_cli(store):

@@ -581,3 +581,70 @@ def test_advise_hugepages_is_a_hint():
     assert advise_hugepages(addr, huge // 2) is False  # no whole block inside: nothing to advise
     with pytest.raises(ValueError, match="NULL"):
         advise_hugepages(0, 4096)
+
+
+def test_device_copy_is_refused_in_one_line_without_cuda():
+    from strata_mlx import reader as rd
+
+    if rd.device_copy_error() is not None:  # no CUDA driver here: the reason, and a refusal
+        with pytest.raises(RuntimeError, match="^device_copy: .+"):
+            Reader(2, device_copy=True)
+        assert not rd.uses_device_copy()
+    with pytest.raises(ValueError, match="NULL address"):
+        rd.prefer_device(0, 4096)
+
+
+def test_data_path_probe_reads_verified_records_and_names_a_corrupt_one(store, tmp_path):
+    import shutil
+
+    from strata_mlx.probe import probe_data_path
+    from strata_mlx.store import EXPERTS, load_manifest
+
+    path = Path(store("qwen3_moe"))
+    m = load_manifest(path)
+    res = probe_data_path(path, m, workers=2, seconds=0.2, seed=0)
+    from strata_mlx.reader import uses_device_copy
+
+    assert res["gb_per_s"] > 0 and res["reads"] >= 4
+    assert res["device_copy"] is uses_device_copy()
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    with open(bad / EXPERTS, "r+b") as f:  # every record's first bytes changed
+        for layer in m.moe_layers:
+            for e in range(m.num_experts):
+                f.seek(m.record(layer, e)[0])
+                f.write(b"\xff" * 64)
+    with pytest.raises(OSError, match="checksum mismatch"):
+        probe_data_path(bad, m, workers=2, seconds=0.2, seed=0)
+
+
+@pytest.mark.gpu
+def test_device_copy_lands_verified_records_in_device_memory(store):
+    """CUDA: records read through pinned bounce buffers and the copy engine into an arena kept
+    on the device equal the file's bytes, as MLX reads them there."""
+    import mlx.core as mx
+
+    from strata_mlx import reader as rd
+    from strata_mlx.arena import Arena
+    from strata_mlx.store import EXPERTS, load_manifest
+
+    if not rd.uses_device_copy():
+        pytest.skip(f"no CUDA device copy here: {rd.device_copy_error()}")
+    path = Path(store("qwen3_moe"))
+    m = load_manifest(path)
+    rb = m.layout.record_bytes
+    keys = [(layer, e) for layer in m.moe_layers for e in range(m.num_experts)][:12]
+    arena = Arena(len(keys), rb, on_device=True)
+    mx.eval(arena.rows.astype(mx.uint32).sum())  # the device has touched every slot first
+    with Reader(4, bounce=True, overlap=True, device_copy=True) as r:
+        f = r.open(path / EXPERTS, checksum=m.checksum)
+        reqs = [(i, f, m.record(*k)[0], rb, arena.address(i), m.record(*k)[1])
+                for i, k in enumerate(keys)]  # fmt: skip
+        r.submit(reqs)
+        done = r.wait(list(range(len(keys))))
+        assert [err for _, err, _ in done] == [0] * len(keys)
+        assert r.stats()["device_copies"] == len(keys)
+    raw = (path / EXPERTS).read_bytes()
+    want = np.stack([np.frombuffer(raw, np.uint8, rb, m.record(*k)[0]) for k in keys])
+    got = np.array(arena.rows)
+    assert np.array_equal(got, want)

@@ -34,10 +34,12 @@
 #include <unistd.h>
 
 #include "checksum.h"
+#include "devcopy.h"
 
 #define ALIGNMENT 4096
 #define SHORT_READ (-1)
 #define CHECKSUM_MISMATCH (-2)
+#define DEVICE_COPY_FAILED (-3)
 #define MAX_CHUNK ((size_t)1 << 30)      /* one pread at most 1 GiB (Linux and macOS limits) */
 #define WAIT_SLICE_NS 100000000ULL       /* wait() re-takes the GIL this often to see Ctrl-C */
 
@@ -93,6 +95,7 @@ struct ReaderObject {
     int nthreads, overlap;
     int preading, preading_max; /* threads inside a pread now; the most at once (mu) */
     int bounce; /* read into a per-worker buffer, then copy into dest (see worker_main) */
+    int device_copy; /* that copy by the GPU's copy engine from pinned memory (devcopy.h) */
     Py_ssize_t split; /* smallest part of a split request in bytes; 0: never split */
     pthread_t *threads;
     WorkerArg *args;
@@ -110,6 +113,7 @@ struct ReaderObject {
     char *direct, *checksum; /* per file: opened O_DIRECT; CHECKSUM_* of its records */
     unsigned long long bytes_read, requests_done, errors, verified, *busy_ns, *verify_ns;
     unsigned long long split_requests; /* requests read in parts */
+    unsigned long long device_copies, device_copy_ns; /* copies by the copy engine, their time */
     int notify_r, notify_w; /* the completion pipe (-1 until notify_fd()), its ends */
     int notified;           /* a byte was written since the last ack() */
 };
@@ -252,6 +256,9 @@ static void *worker_main(void *p) {
     int w = arg->index;
     void *bounce = NULL; /* this worker's buffer in bounce mode, grown to the longest read */
     size_t bounce_cap = 0;
+    /* device_copy: this thread's stream; NULL (the CPU copies) if it could not be made */
+    DevCopyThread *dc = r->device_copy ? devcopy_thread_new() : NULL;
+    int pinned = 0; /* the bounce buffer is the driver's page-locked memory */
     pthread_mutex_lock(&r->mu);
     while (!r->stopping) {
         Queue *q = NULL;
@@ -279,14 +286,20 @@ static void *worker_main(void *p) {
         Request into = rq;
         if (r->bounce) {
             if ((size_t)rq.length > bounce_cap) {
-                free(bounce);
+                if (pinned)
+                    devcopy_free_host(bounce);
+                else
+                    free(bounce);
                 bounce_cap = 0;
                 size_t cap = ((size_t)rq.length + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-                if (posix_memalign(&bounce, HUGE_PAGE, cap) == 0) {
-                    bounce_cap = cap;
+                /* device copy: page-locked memory (the driver's, page aligned), else huge pages */
+                bounce = dc ? devcopy_alloc_host(cap) : NULL;
+                pinned = bounce != NULL;
+                if (!pinned && posix_memalign(&bounce, HUGE_PAGE, cap) == 0)
                     advise_huge(bounce, cap, 0); /* before the first touch: huge at fault */
-                } else
+                else if (!pinned)
                     bounce = NULL;
+                if (bounce) bounce_cap = cap;
             }
             if (bounce)
                 into.dest = (char *)bounce;
@@ -307,13 +320,24 @@ static void *worker_main(void *p) {
                 err = CHECKSUM_MISMATCH;
             t2 = now_ns();
         }
-        if (r->bounce && nread > 0 && err != CHECKSUM_MISMATCH)
-            memcpy(rq.dest, into.dest, (size_t)nread);
+        uint64_t copy_ns = 0;
+        if (r->bounce && nread > 0 && err != CHECKSUM_MISMATCH) {
+            if (dc) { /* from pageable memory too, where pinning failed: staged */
+                uint64_t c0 = now_ns();
+                if (devcopy_copy(dc, rq.dest, into.dest, (size_t)nread)) err = DEVICE_COPY_FAILED;
+                copy_ns = now_ns() - c0;
+            } else
+                memcpy(rq.dest, into.dest, (size_t)nread);
+        }
 
         pthread_mutex_lock(&r->mu);
         if (!r->overlap) r->preading--;
         r->bytes_read += (unsigned long long)nread;
         r->busy_ns[w] += t1 - t0;
+        if (copy_ns) {
+            r->device_copies++;
+            r->device_copy_ns += copy_ns;
+        }
         Group *g = rq.group;
         if (g) { /* a part: the last one to finish completes the request */
             if (err && !g->err) g->err = err;
@@ -346,7 +370,11 @@ static void *worker_main(void *p) {
         notify(r);
     }
     pthread_mutex_unlock(&r->mu);
-    free(bounce);
+    if (pinned)
+        devcopy_free_host(bounce);
+    else
+        free(bounce);
+    devcopy_thread_free(dc);
     return NULL;
 }
 
@@ -510,12 +538,17 @@ static void Reader_dealloc(ReaderObject *r) {
 }
 
 static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"workers", "start_paused", "bounce", "split", "overlap", NULL};
-    int nworkers = 8, paused = 0, bounce = 0, overlap = 0;
+    static char *kwlist[] = {"workers", "start_paused", "bounce", "split", "overlap",
+                             "device_copy", NULL};
+    int nworkers = 8, paused = 0, bounce = 0, overlap = 0, device_copy = 0;
     Py_ssize_t split = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ippnp:Reader", kwlist, &nworkers, &paused,
-                                     &bounce, &split, &overlap))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ippnpp:Reader", kwlist, &nworkers, &paused,
+                                     &bounce, &split, &overlap, &device_copy))
         return NULL;
+    if (device_copy && devcopy_init(0)) {
+        PyErr_Format(PyExc_RuntimeError, "device_copy: %s", devcopy_error());
+        return NULL;
+    }
     if (split < 0 || split % ALIGNMENT) {
         PyErr_Format(PyExc_ValueError, "split must be 0 or a multiple of %d bytes, got %zd",
                      ALIGNMENT, split);
@@ -530,7 +563,8 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     r->nworkers = nworkers;
     r->overlap = overlap;
     int nthreads = r->nthreads = overlap ? 2 * nworkers : nworkers;
-    r->bounce = bounce;
+    r->bounce = bounce || device_copy;
+    r->device_copy = device_copy;
     r->split = split;
     r->notify_r = r->notify_w = -1;
     r->paused = paused;
@@ -937,7 +971,8 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
     verify_ns = busy_ns + r->nthreads;
     pthread_mutex_lock(&r->mu);
     unsigned long long bytes = r->bytes_read, reqs = r->requests_done, errs = r->errors,
-                       verified = r->verified, split = r->split_requests;
+                       verified = r->verified, split = r->split_requests,
+                       copies = r->device_copies, copy_ns = r->device_copy_ns;
     Py_ssize_t nu = q_size(&r->urgent), na = q_size(&r->ahead), nd = r->n_done;
     int inflight = 0, preading_max = r->preading_max;
     for (int w = 0; w < r->nthreads; w++) inflight += r->reading[w];
@@ -958,16 +993,18 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
         Py_XDECREF(verify);
         return NULL;
     }
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i}", "bytes_read", bytes,
-                         "requests_done", reqs, "errors", errs, "verified", verified,
-                         "split", split, "busy_ns",
-                         busy, "verify_ns", verify, "queued_urgent", nu, "queued_ahead", na,
-                         "in_flight", inflight, "completions", nd, "preads_max", preading_max);
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K}",
+                         "bytes_read", bytes, "requests_done", reqs, "errors", errs,
+                         "verified", verified, "split", split, "busy_ns", busy,
+                         "verify_ns", verify, "queued_urgent", nu, "queued_ahead", na,
+                         "in_flight", inflight, "completions", nd, "preads_max", preading_max,
+                         "device_copies", copies, "device_copy_ns", copy_ns);
 }
 
 static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
     pthread_mutex_lock(&r->mu);
     r->bytes_read = r->requests_done = r->errors = r->verified = r->split_requests = 0;
+    r->device_copies = r->device_copy_ns = 0;
     r->preading_max = r->preading;
     memset(r->busy_ns, 0, sizeof(unsigned long long) * (size_t)r->nthreads);
     memset(r->verify_ns, 0, sizeof(unsigned long long) * (size_t)r->nthreads);
@@ -1137,7 +1174,40 @@ static PyObject *mod_advise_hugepages(PyObject *m, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+static PyObject *mod_device_copy_error(PyObject *m, PyObject *unused) {
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = devcopy_init(0);
+    Py_END_ALLOW_THREADS
+    if (rc == 0) Py_RETURN_NONE;
+    return PyUnicode_FromString(devcopy_error());
+}
+
+static PyObject *mod_prefer_device(PyObject *m, PyObject *args) {
+    unsigned long long addr;
+    Py_ssize_t len;
+    if (!PyArg_ParseTuple(args, "Kn:prefer_device", &addr, &len)) return NULL;
+    if (!addr || len <= 0) {
+        PyErr_SetString(PyExc_ValueError, "prefer_device: a NULL address or an empty range");
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = devcopy_init(0);
+    if (rc == 0) rc = devcopy_prefer_device((void *)(uintptr_t)addr, (size_t)len, 0);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_Format(PyExc_RuntimeError, "prefer_device: CUDA error %d %s", rc, devcopy_error());
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"device_copy_error", mod_device_copy_error, METH_NOARGS,
+     "device_copy_error() -> None where CUDA copies can run, else why not"},
+    {"prefer_device", mod_prefer_device, METH_VARARGS,
+     "prefer_device(address, nbytes): keep managed memory on CUDA device 0 and move it there"},
     {"advise_hugepages", mod_advise_hugepages, METH_VARARGS,
      "advise_hugepages(address, nbytes, zeroed=False) -> bool: huge pages from the next fault"},
     {"checksum", mod_checksum, METH_VARARGS,
@@ -1163,7 +1233,8 @@ PyMODINIT_FUNC PyInit__reader(void) {
     if (PyModule_AddObject(m, "Reader", (PyObject *)&ReaderType) < 0 ||
         PyModule_AddIntConstant(m, "ALIGNMENT", ALIGNMENT) < 0 ||
         PyModule_AddIntConstant(m, "SHORT_READ", SHORT_READ) < 0 ||
-        PyModule_AddIntConstant(m, "CHECKSUM_MISMATCH", CHECKSUM_MISMATCH) < 0) {
+        PyModule_AddIntConstant(m, "CHECKSUM_MISMATCH", CHECKSUM_MISMATCH) < 0 ||
+        PyModule_AddIntConstant(m, "DEVICE_COPY_FAILED", DEVICE_COPY_FAILED) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The fast-drive benchmark on the GPU machine: the full-size synthetic store on the machine's
+# disk and copied to a tmpfs (/dev/shm, a "drive" of ~29 GB/s, standing in for a laptop's
+# 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
+# one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
+# there, after ../shared/device's MLX CUDA install:
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|bench|resident|old-vs-new
+# Logs land in $OUT (the device tool brings them back).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+DISK=${DISK:-/root/strata-synth}   # the store on the machine's disk
+SHM=${SHM:-/dev/shm/strata-synth}  # the same store on tmpfs
+OLD=${OLD:-$PWD/.old}              # a tree of the code to compare against (git archive)
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$PWD"
+build() { [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -2; }
+bench() {  # NAME STORE POLICIES [extra bench args]: this code's bench, logged as NAME
+  local name=$1 store=$2 pol=$3; shift 3
+  timeout "${LIMIT:-560}" python3 -m strata_mlx bench --model "$store" -p 2048 -g "${G:-128}" \
+    --arena-gb 6.5 --prefill-step-size "${STEP:-1024}" --policies "$pol" --json "$OUT/$name.json" "$@" \
+    2>&1 | tee "$OUT/$name.log" | grep -v "^ *[0-9]"
+}
+case "${1:-}" in
+store)  # the store on disk and on tmpfs; the reader's GPU tests; the drive and the data path
+  build
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.log"
+  [ -f "$DISK/manifest.json" ] || /usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx \
+     convert --synthetic qwen3-next-80b-a3b --mlx-path "$DISK" --calibration-tokens 256 2>&1 \
+     | grep -v "experts:" | tail -2 | tee "$OUT/synth.log"
+  [ -f "$SHM/manifest.json" ] || (/usr/bin/time -f "copy to tmpfs: %e s" cp -r "$DISK" "$SHM") 2>&1 \
+     | tee -a "$OUT/synth.log"
+  df -h / /dev/shm | tee "$OUT/df.log"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_reader.py \
+     tests/test_streaming.py 2>&1 | tail -4 | tee "$OUT/tests.log"
+  for s in "$DISK" "$SHM"; do
+    python3 -m strata_mlx probe-ssd "$s/experts.bin" --record-bytes 983040 --seconds 2 2>&1 | tee -a "$OUT/probe.log"
+  done
+  timeout 120 python3 benchmarks/read_path.py "$SHM" --touch --seconds 2 --rounds 3 \
+     --variants bounce+verify+overlap,bounce+verify+overlap+dc,bounce+overlap+dc 2>&1 | tee "$OUT/read-path-shm.log"
+  ;;
+bench)  # tmpfs: each policy with the CPU copy (:dc0, the old data path) and the copy engine
+  build
+  bench "bench-shm" "$SHM" "${POL:-demand:dc0,demand,lookahead:dc0,lookahead}"
+  ;;
+old-vs-new)  # `old-vs-new STORE ROUND`: the old tree's bench, then this code's, same store
+  build; (cd "$OLD" && [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q | tail -1)
+  (cd "$OLD" && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" timeout 280 python3 -m strata_mlx bench --model "$2" \
+     -p 2048 -g "${G:-32}" --arena-gb 6.5 --prefill-step-size 1024 --policies demand,lookahead \
+     --json "$OUT/old-bench-$3.json" 2>&1 | tee "$OUT/old-bench-$3.log" | grep -v "^ *[0-9]")
+  LIMIT=280 bench "new-bench-$3" "$2" demand,lookahead
+  ;;
+resident)  # every expert resident, beside mlx-lm's own model, interleaved (benchmarks/decode.py)
+  build
+  timeout 560 python3 benchmarks/decode.py "$SHM" -p 2048 -g 128 --rounds "${ROUNDS:-3}" \
+     --modes "${MODES:-token:4}" --json "$OUT/resident.json" 2>&1 | tee "$OUT/resident.log"
+  ;;
+*) echo "usage: $0 store|bench|old-vs-new STORE ROUND|resident"; exit 2;;
+esac

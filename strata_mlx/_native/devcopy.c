@@ -1,0 +1,162 @@
+/* See devcopy.h. The driver API's prototypes are declared here (no CUDA headers at build time);
+ * their ABI is stable across driver versions, and a driver keeps its older entry points. */
+#include "devcopy.h"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef unsigned long long CUdeviceptr;
+typedef struct {
+    int type; /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
+    int id;
+} CUmemLocation;
+
+#define CU_STREAM_NON_BLOCKING 1
+#define CU_MEM_ADVISE_SET_PREFERRED_LOCATION 3
+
+static struct {
+    CUresult (*init)(unsigned);
+    CUresult (*device_get)(CUdevice *, int);
+    CUresult (*primary_ctx_retain)(CUcontext *, CUdevice);
+    CUresult (*ctx_set_current)(CUcontext);
+    CUresult (*stream_create)(CUstream *, unsigned);
+    CUresult (*stream_destroy)(CUstream);
+    CUresult (*stream_synchronize)(CUstream);
+    CUresult (*alloc_host)(void **, size_t);
+    CUresult (*free_host)(void *);
+    CUresult (*memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream);
+    CUresult (*advise_v2)(CUdeviceptr, size_t, int, CUmemLocation);
+    CUresult (*advise)(CUdeviceptr, size_t, int, CUdevice);
+    CUresult (*prefetch_v2)(CUdeviceptr, size_t, CUmemLocation, unsigned, CUstream);
+    CUresult (*prefetch)(CUdeviceptr, size_t, CUdevice, CUstream);
+    CUresult (*error_string)(CUresult, const char **);
+} cu;
+
+static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
+static int init_rc = 1; /* 1: not tried; 0: ready; < 0: failed */
+static CUcontext ctx;
+static char message[256];
+
+struct DevCopyThread {
+    CUstream stream;
+};
+
+const char *devcopy_error(void) { return message; }
+
+static void *sym(void *lib, const char *name) { return lib ? dlsym(lib, name) : NULL; }
+
+static int fail(int rc, const char *what, CUresult e) {
+    const char *s = NULL;
+    if (cu.error_string) cu.error_string(e, &s);
+    snprintf(message, sizeof message, "%s failed: %s (CUresult %d)", what, s ? s : "?", e);
+    return rc;
+}
+
+int devcopy_init(int ordinal) {
+    pthread_mutex_lock(&init_mu);
+    if (init_rc != 1) goto out;
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) lib = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        snprintf(message, sizeof message, "no CUDA driver (libcuda) on this machine");
+        init_rc = -1;
+        goto out;
+    }
+    *(void **)&cu.init = sym(lib, "cuInit");
+    *(void **)&cu.device_get = sym(lib, "cuDeviceGet");
+    *(void **)&cu.primary_ctx_retain = sym(lib, "cuDevicePrimaryCtxRetain");
+    *(void **)&cu.ctx_set_current = sym(lib, "cuCtxSetCurrent");
+    *(void **)&cu.stream_create = sym(lib, "cuStreamCreate");
+    *(void **)&cu.stream_destroy = sym(lib, "cuStreamDestroy_v2");
+    *(void **)&cu.stream_synchronize = sym(lib, "cuStreamSynchronize");
+    *(void **)&cu.alloc_host = sym(lib, "cuMemAllocHost_v2");
+    *(void **)&cu.free_host = sym(lib, "cuMemFreeHost");
+    *(void **)&cu.memcpy_htod_async = sym(lib, "cuMemcpyHtoDAsync_v2");
+    *(void **)&cu.advise_v2 = sym(lib, "cuMemAdvise_v2");
+    *(void **)&cu.advise = sym(lib, "cuMemAdvise");
+    *(void **)&cu.prefetch_v2 = sym(lib, "cuMemPrefetchAsync_v2");
+    *(void **)&cu.prefetch = sym(lib, "cuMemPrefetchAsync");
+    *(void **)&cu.error_string = sym(lib, "cuGetErrorString");
+    if (!cu.init || !cu.device_get || !cu.primary_ctx_retain || !cu.ctx_set_current ||
+        !cu.stream_create || !cu.stream_destroy || !cu.stream_synchronize ||
+        !cu.alloc_host || !cu.free_host || !cu.memcpy_htod_async) {
+        snprintf(message, sizeof message, "the CUDA driver lacks an entry point the reader needs");
+        init_rc = -2;
+        goto out;
+    }
+    CUdevice dev;
+    CUresult e;
+    if ((e = cu.init(0)) || (e = cu.device_get(&dev, ordinal)) ||
+        (e = cu.primary_ctx_retain(&ctx, dev))) {
+        init_rc = fail(-3, "CUDA initialisation", e);
+        goto out;
+    }
+    init_rc = 0;
+out:;
+    int rc = init_rc;
+    pthread_mutex_unlock(&init_mu);
+    return rc;
+}
+
+DevCopyThread *devcopy_thread_new(void) {
+    if (init_rc != 0) return NULL;
+    DevCopyThread *t = calloc(1, sizeof *t);
+    if (!t) return NULL;
+    if (cu.ctx_set_current(ctx) || cu.stream_create(&t->stream, CU_STREAM_NON_BLOCKING)) {
+        free(t);
+        return NULL;
+    }
+    return t;
+}
+
+void devcopy_thread_free(DevCopyThread *t) {
+    if (!t) return;
+    cu.stream_destroy(t->stream);
+    free(t);
+}
+
+void *devcopy_alloc_host(size_t len) {
+    void *p = NULL;
+    if (init_rc != 0 || cu.ctx_set_current(ctx) || cu.alloc_host(&p, len)) return NULL;
+    return p;
+}
+
+void devcopy_free_host(void *buf) {
+    if (buf && init_rc == 0) cu.free_host(buf);
+}
+
+int devcopy_copy(DevCopyThread *t, void *dst, const void *src, size_t len) {
+    CUresult e = cu.memcpy_htod_async((CUdeviceptr)(uintptr_t)dst, src, len, t->stream);
+    if (!e) e = cu.stream_synchronize(t->stream);
+    return e;
+}
+
+int devcopy_prefer_device(void *addr, size_t len, int ordinal) {
+    if (init_rc != 0) return -1;
+    CUresult e = cu.ctx_set_current(ctx);
+    if (e) return e;
+    CUdeviceptr p = (CUdeviceptr)(uintptr_t)addr;
+    CUmemLocation loc = {1, ordinal};
+    if (cu.advise_v2)
+        e = cu.advise_v2(p, len, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, loc);
+    else if (cu.advise)
+        e = cu.advise(p, len, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, ordinal);
+    if (e) return e;
+    CUstream s;
+    if ((e = cu.stream_create(&s, CU_STREAM_NON_BLOCKING))) return e;
+    if (cu.prefetch_v2)
+        e = cu.prefetch_v2(p, len, loc, 0, s);
+    else if (cu.prefetch)
+        e = cu.prefetch(p, len, ordinal, s);
+    if (!e) e = cu.stream_synchronize(s);
+    cu.stream_destroy(s);
+    return e;
+}

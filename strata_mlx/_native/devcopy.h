@@ -1,0 +1,33 @@
+/* Copies from host memory into CUDA device-visible memory, through the CUDA driver API loaded
+ * at run time (dlopen of libcuda), so the extension builds and runs where CUDA is absent.
+ *
+ * Why: MLX's CUDA arrays are managed memory. A CPU copy into a slot whose pages sit on the
+ * device migrates them to the host, and the next kernel to touch them migrates them back on
+ * fault; an asynchronous copy-engine transfer from pinned host memory writes the pages where
+ * they are. devcopy_* never touches the Python API. */
+#ifndef STRATA_DEVCOPY_H
+#define STRATA_DEVCOPY_H
+
+#include <stddef.h>
+
+/* Load libcuda and retain device `ordinal`'s primary context (the one MLX's runtime uses).
+ * 0 on success; otherwise a negative code and a message in devcopy_error(). Idempotent. */
+int devcopy_init(int ordinal);
+const char *devcopy_error(void);
+
+/* Per thread: a stream of its own (made current on first use), host buffers pinned. */
+typedef struct DevCopyThread DevCopyThread;
+DevCopyThread *devcopy_thread_new(void);
+void devcopy_thread_free(DevCopyThread *t);
+/* Page-locked host memory from the driver (asynchronous copies need it; pageable memory is
+ * staged by the driver, one copy at a time), or NULL; freed by devcopy_free_host. */
+void *devcopy_alloc_host(size_t len);
+void devcopy_free_host(void *buf);
+/* Copy len bytes from host `src` to device-visible `dst` and wait for it: 0 or a CUresult. */
+int devcopy_copy(DevCopyThread *t, void *dst, const void *src, size_t len);
+
+/* Ask the driver to keep [addr, addr + len) (managed memory) on the device and move it there
+ * now: 0 or a CUresult. */
+int devcopy_prefer_device(void *addr, size_t len, int ordinal);
+
+#endif
