@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|bench|resident|old-vs-new
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|bench|disk|resident|old-vs-new
 # Logs land in $OUT (the device tool brings them back).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -37,11 +37,22 @@ store)  # the store on disk and on tmpfs; the reader's GPU tests; the drive and 
     python3 -m strata_mlx probe-ssd "$s/experts.bin" --record-bytes 983040 --seconds 2 2>&1 | tee -a "$OUT/probe.log"
   done
   timeout 120 python3 benchmarks/read_path.py "$SHM" --touch --seconds 2 --rounds 3 \
-     --variants bounce+verify+overlap,bounce+verify+overlap+dc,bounce+overlap+dc 2>&1 | tee "$OUT/read-path-shm.log"
+     --variants bounce+verify+overlap,bounce+verify+overlap+dc,bounce+verify+overlap+dc+spin 2>&1 \
+     | tee "$OUT/read-path-shm.log"
   ;;
-bench)  # tmpfs: each policy with the CPU copy (:dc0, the old data path) and the copy engine
+bench)  # tmpfs: each policy with the CPU copy (:dc0, the old data path) and the copy engine;
+  # then where decode's host time goes, and a decode routing trace (benchmarks/eviction_sim.py)
   build
   bench "bench-shm" "$SHM" "${POL:-demand:dc0,demand,lookahead:dc0,lookahead}"
+  timeout 120 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 \
+     --policy lookahead --top 45 2>&1 | tee "$OUT/profile-decode.log" | head -60
+  mkdir -p "$OUT/trace"
+  timeout 150 python3 benchmarks/decode.py "$SHM" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
+     --policies demand --modes sync --rounds 1 --trace "$OUT/trace" 2>&1 | tail -3
+  ;;
+disk)  # the machine's own disk: each policy with the CPU copy (:dc0) and the copy engine
+  build
+  G=${G:-32} bench "bench-disk" "$DISK" "${POL:-demand:dc0,demand,lookahead:dc0,lookahead}"
   ;;
 old-vs-new)  # `old-vs-new STORE ROUND`: the old tree's bench, then this code's, same store
   build; (cd "$OLD" && [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q | tail -1)
@@ -55,5 +66,5 @@ resident)  # every expert resident, beside mlx-lm's own model, interleaved (benc
   timeout 560 python3 benchmarks/decode.py "$SHM" -p 2048 -g 128 --rounds "${ROUNDS:-3}" \
      --modes "${MODES:-token:4}" --json "$OUT/resident.json" 2>&1 | tee "$OUT/resident.log"
   ;;
-*) echo "usage: $0 store|bench|old-vs-new STORE ROUND|resident"; exit 2;;
+*) echo "usage: $0 store|bench|disk|old-vs-new STORE ROUND|resident"; exit 2;;
 esac

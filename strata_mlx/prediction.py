@@ -52,7 +52,10 @@ class ReadAhead:
 
 def rank_by_tokens(ids: np.ndarray, min_tokens: int = 1) -> list[int]:
     """Distinct experts in `ids` ([T, k] top-k ids), most tokens first, ties by id."""
-    experts, counts = np.unique(np.asarray(ids).reshape(-1), return_counts=True)
+    ids = np.asarray(ids)
+    if ids.ndim == 2 and ids.shape[0] == 1:  # one token (decode): each expert once, by id
+        return sorted(set(ids[0].tolist())) if min_tokens <= 1 else []
+    experts, counts = np.unique(ids.reshape(-1), return_counts=True)
     keep = counts >= min_tokens
     experts, counts = experts[keep], counts[keep]
     order = np.lexsort((experts, -counts))

@@ -120,7 +120,8 @@ class Reader:
             destination, device-visible memory, by the GPU's copy engine on a stream of the
             worker's own, instead of a CPU memcpy into managed memory (which migrates the
             pages to the host, and the next kernel to touch them migrates them back). Implies
-            ``bounce``. RuntimeError where no CUDA driver is present (see
+            ``bounce``; not with ``split`` (a split record is verified where its parts
+            land). RuntimeError where no CUDA driver is present (see
             :func:`device_copy_error`).
     """
 

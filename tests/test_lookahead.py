@@ -120,3 +120,18 @@ def test_lookahead_depth_reads_further_ahead_exactly(tmp_path, monkeypatch, tiny
     assert targets[1] == layers[1:] + layers[:1]
     want = [t for i in range(len(layers)) for t in layers[i + 1 : i + 3]] + layers[:1]
     assert targets[2] == want
+
+
+def test_one_token_ranking_equals_the_general_rule():
+    """Decode's one-token fast path ranks as np.unique + lexsort over the same ids would."""
+    from strata_mlx.prediction import rank_by_tokens
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        row = rng.choice(64, 8, replace=False)[None, :]
+        for min_tokens in (1, 2):
+            experts, counts = np.unique(row, return_counts=True)
+            keep = counts >= min_tokens
+            want = experts[keep][np.lexsort((experts[keep], -counts[keep]))].tolist()
+            assert rank_by_tokens(row, min_tokens) == want
+            assert rank_by_tokens(np.repeat(row, 2, axis=0), min_tokens) == sorted(row[0].tolist())

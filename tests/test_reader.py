@@ -648,3 +648,8 @@ def test_device_copy_lands_verified_records_in_device_memory(store):
     want = np.stack([np.frombuffer(raw, np.uint8, rb, m.record(*k)[0]) for k in keys])
     got = np.array(arena.rows)
     assert np.array_equal(got, want)
+
+
+def test_split_reads_and_device_copy_are_refused_together():
+    with pytest.raises(ValueError, match="split reads verify a record where its parts land"):
+        Reader(2, split=ALIGNMENT, device_copy=True)
