@@ -31,8 +31,8 @@ store)  # the store on disk and on tmpfs; the reader's GPU tests; the drive and 
   [ -f "$SHM/manifest.json" ] || (/usr/bin/time -f "copy to tmpfs: %e s" cp -r "$DISK" "$SHM") 2>&1 \
      | tee -a "$OUT/synth.log"
   df -h / /dev/shm | tee "$OUT/df.log"
-  timeout 90 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_reader.py \
-     2>&1 | tail -4 | tee "$OUT/tests.log"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_reader.py \
+     tests/test_streaming.py 2>&1 | tail -4 | tee "$OUT/tests.log"
   for s in "$DISK" "$SHM"; do
     python3 -m strata_mlx probe-ssd "$s/experts.bin" --record-bytes 983040 --seconds 2 2>&1 | tee -a "$OUT/probe.log"
   done
@@ -47,7 +47,7 @@ bench)  # tmpfs: each policy with the CPU copy (:dc0, the old data path) and the
   timeout 120 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 \
      --policy lookahead --top 45 2>&1 | tee "$OUT/profile-decode.log" | head -60
   mkdir -p "$OUT/trace"
-  timeout 120 python3 benchmarks/decode.py "$SHM" -p 1024 -g 128 --arena-gb 6.5 --no-baseline \
+  timeout 150 python3 benchmarks/decode.py "$SHM" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
      --policies demand --modes sync --rounds 1 --trace "$OUT/trace" 2>&1 | tail -3
   ;;
 disk)  # the machine's own disk: each policy with the CPU copy (:dc0) and the copy engine
@@ -61,11 +61,10 @@ old-vs-new)  # `old-vs-new STORE ROUND`: the old tree's bench, then this code's,
      --json "$OUT/old-bench-$3.json" 2>&1 | tee "$OUT/old-bench-$3.log" | grep -v "^ *[0-9]")
   LIMIT=280 bench "new-bench-$3" "$2" demand,lookahead
   ;;
-resident)  # every expert resident, beside mlx-lm's own model, interleaved rounds: prefill by
-  # gathered records + gather_qmm and by the custom kernel, chunks 1024 and 2048
+resident)  # every expert resident, beside mlx-lm's own model, interleaved (benchmarks/decode.py)
   build
-  timeout 500 python3 benchmarks/resident.py "$SHM" -p 2048 -g 64 --rounds "${ROUNDS:-3}" \
-     --json "$OUT/resident.json" 2>&1 | tee "$OUT/resident.log"
+  timeout 560 python3 benchmarks/decode.py "$SHM" -p 2048 -g 128 --rounds "${ROUNDS:-3}" \
+     --modes "${MODES:-token:4}" --json "$OUT/resident.json" 2>&1 | tee "$OUT/resident.log"
   ;;
 *) echo "usage: $0 store|bench|disk|old-vs-new STORE ROUND|resident"; exit 2;;
 esac

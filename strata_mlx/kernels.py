@@ -13,14 +13,6 @@ was done per call). Backends:
 A format without a kernel for the running backend falls back to the reference.
 STRATA_MLX_KERNELS=reference|cuda|metal forces one (read when a kernel is resolved).
 
-Prefill on CUDA, affine records: from PREFILL_GATHER_PAIRS (token, expert) pairs a call, the
-reference path (the needed records gathered into one buffer, then MLX's own gather_qmm, which
-uses the tensor cores) instead of the custom kernel, which stages nothing in shared memory and
-is 1.25-1.75x slower than gather_qmm at prefill sizes on the H200; decode sizes keep the
-kernel, level with gather_qmm there. The gathered records cost one copy of the layer's needed
-experts on the device (transient scratch). STRATA_MLX_PREFILL=kernel|gather chooses per call
-(`prefill_path()`), so one loaded model can be timed both ways.
-
 Self-check: the Metal kernels cannot run on this project's machines, so the first time a
 (backend, layout) variant is resolved in a process, `self_check` runs it once on a few random
 records in a small arena (2 decode tokens, 6 prefill tokens, in each activation dtype the
@@ -75,44 +67,12 @@ def expert_kernel(layout: RecordLayout, name: str | None = None) -> ExpertFn:
 
         fn = dispatch.kernel_for(name, layout)
         if fn is not None and _checked(name, layout, fn):
-            if name == "cuda" and _gathers_at_prefill(layout):
-                return _by_size(fn, layout)
             return lambda x, arena, slots, idx: fn(x, arena, slots, idx, layout)
 
     def reference(x, arena, slots, idx):
         return switch_glu_reference(x, arena[slots], layout, idx)
 
     return reference
-
-
-# (token, expert) pairs in one call from which CUDA prefill gathers records for gather_qmm:
-# a 1024-token chunk of a top-10 model makes 10240; decode makes k.
-PREFILL_GATHER_PAIRS = 256
-PREFILL_PATHS = ("gather", "kernel")
-
-
-def prefill_path() -> str:
-    """How CUDA prefill computes affine experts: "gather" (the default) or "kernel"
-    (STRATA_MLX_PREFILL), read at each call."""
-    env = os.environ.get("STRATA_MLX_PREFILL", "gather")
-    if env not in PREFILL_PATHS:
-        raise OptionError(f"STRATA_MLX_PREFILL={env!r}: one of {', '.join(PREFILL_PATHS)}")
-    return env
-
-
-def _gathers_at_prefill(layout: RecordLayout) -> bool:
-    return all(layout.quant[p]["format"] == "affine" for p in PROJECTIONS)
-
-
-def _by_size(fn: Callable, layout: RecordLayout) -> ExpertFn:
-    """The kernel for decode-sized calls; the reference (gather_qmm) for prefill-sized ones."""
-
-    def experts(x, arena, slots, idx):
-        if idx.size >= PREFILL_GATHER_PAIRS and prefill_path() == "gather":
-            return switch_glu_reference(x, arena[slots], layout, idx)
-        return fn(x, arena, slots, idx, layout)
-
-    return experts
 
 
 def switch_glu(

@@ -853,36 +853,3 @@ def test_cuda_switch_glu_reads_arena_slots_in_place(gpu):
     y = kernels.switch_glu(x, arena.rows, slots, idx, layout)
     ref = switch_glu_reference(x, dense[slots], layout, idx)
     _compare(y, ref, "switch_glu on Arena.rows", 16 * EPS[mx.float16], 2 * EPS[mx.float16])
-
-
-def test_cuda_prefill_gathers_records_for_gather_qmm_from_prefill_sizes(monkeypatch):
-    """Affine records on CUDA: decode-sized calls run the kernel, prefill-sized ones the
-    reference path (gathered records, gather_qmm) unless STRATA_MLX_PREFILL=kernel."""
-    from strata_mlx import kernels
-
-    layout, recs = affine_experts(6, 64, 32, 4, 32, mx.float32)
-    assert kernels._gathers_at_prefill(layout)
-    calls = []
-
-    def kernel(x, arena, slots, idx, layout):
-        calls.append(idx.size)
-        return mx.zeros((*idx.shape, x.shape[-1]), x.dtype)
-
-    experts = kernels._by_size(kernel, layout)
-    small = make_problem(layout, recs, 2, 4, mx.float32)
-    big_tokens = kernels.PREFILL_GATHER_PAIRS // 4
-    big = make_problem(layout, recs, big_tokens, 4, mx.float32, seed=1)
-    mx.eval(experts(*small))
-    assert calls == [8]
-    y = experts(*big)  # the reference path: no kernel call, the reference's numbers
-    x, arena, slots, idx = big
-    assert calls == [8]
-    assert mx.array_equal(y, switch_glu_reference(x, arena[slots], layout, idx))
-    monkeypatch.setenv("STRATA_MLX_PREFILL", "kernel")
-    mx.eval(experts(*big))
-    assert calls == [8, big_tokens * 4]
-    monkeypatch.setenv("STRATA_MLX_PREFILL", "fast")
-    with pytest.raises(ValueError, match="STRATA_MLX_PREFILL='fast'"):
-        experts(*big)
-    gguf_layout, _ = gguf_experts(2, 256, 256, {"gate_proj": "Q4_K", "up_proj": "Q4_K", "down_proj": "Q4_K"})
-    assert not kernels._gathers_at_prefill(gguf_layout)
