@@ -37,7 +37,7 @@ store)  # the store on disk and on tmpfs; the reader's GPU tests; the drive and 
     python3 -m strata_mlx probe-ssd "$s/experts.bin" --record-bytes 983040 --seconds 2 2>&1 | tee -a "$OUT/probe.log"
   done
   timeout 120 python3 benchmarks/read_path.py "$SHM" --touch --seconds 2 --rounds 3 \
-     --variants bounce+verify+overlap,bounce+verify+overlap+dc,bounce+verify+overlap+dc+spin 2>&1 \
+     --variants bounce+verify+overlap,bounce+verify+overlap+dc,bounce+overlap+dc 2>&1 \
      | tee "$OUT/read-path-shm.log"
   ;;
 bench)  # tmpfs: each policy with the CPU copy (:dc0, the old data path) and the copy engine;

@@ -9,7 +9,6 @@ I/O, into the slots of an Arena (an MLX buffer: CUDA managed memory on the GPU m
 the bounce copy lands through the driver's page migration), as the expert cache issues them.
 "dc": (CUDA) the copy engine moves each record from pinned memory into an arena kept on the
 device (the expert cache's default there); without it the CPU copies into managed memory.
-"spin": those copies are waited for by spinning (STRATA_MLX_COPY_SPIN=1), not sleeping.
 "4k": into an arena left in 4 KB pages (Arena(hugepages=False); by default the CPU backend's
 arena asks Linux for huge pages, which CUDA's managed memory does not take).
 --touch: each batch of landed slots is then read by the device (a sum over their rows,
@@ -21,7 +20,6 @@ in the drive falls on all alike; prints GB/s per round, medians, and each agains
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from pathlib import Path
@@ -33,7 +31,7 @@ from strata_mlx.arena import Arena
 from strata_mlx.reader import Reader
 from strata_mlx.store import EXPERTS, load_manifest
 
-PARTS = ("direct", "bounce", "verify", "overlap", "4k", "dc", "spin")
+PARTS = ("direct", "bounce", "verify", "overlap", "4k", "dc")
 
 
 def read_round(store: Path, m, arena: Arena, variant: set, workers: int, seconds: float,
@@ -43,7 +41,6 @@ def read_round(store: Path, m, arena: Arena, variant: set, workers: int, seconds
     rng = np.random.default_rng(seed)
     verify = "verify" in variant
     slots = min(arena.n_slots, workers * 2)
-    os.environ["STRATA_MLX_COPY_SPIN"] = "1" if "spin" in variant else "0"
     r = Reader(workers, bounce="bounce" in variant, overlap="overlap" in variant,
                device_copy="dc" in variant)  # fmt: skip
     try:

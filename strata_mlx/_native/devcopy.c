@@ -13,7 +13,6 @@ typedef int CUresult;
 typedef int CUdevice;
 typedef void *CUcontext;
 typedef void *CUstream;
-typedef void *CUevent;
 typedef unsigned long long CUdeviceptr;
 typedef struct {
     int type; /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
@@ -21,8 +20,6 @@ typedef struct {
 } CUmemLocation;
 
 #define CU_STREAM_NON_BLOCKING 1
-#define CU_EVENT_BLOCKING_SYNC 1
-#define CU_EVENT_DISABLE_TIMING 2
 #define CU_MEM_ADVISE_SET_PREFERRED_LOCATION 3
 
 static struct {
@@ -41,10 +38,6 @@ static struct {
     CUresult (*prefetch_v2)(CUdeviceptr, size_t, CUmemLocation, unsigned, CUstream);
     CUresult (*prefetch)(CUdeviceptr, size_t, CUdevice, CUstream);
     CUresult (*error_string)(CUresult, const char **);
-    CUresult (*event_create)(CUevent *, unsigned);
-    CUresult (*event_record)(CUevent, CUstream);
-    CUresult (*event_synchronize)(CUevent);
-    CUresult (*event_destroy)(CUevent);
 } cu;
 
 static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -54,10 +47,6 @@ static char message[256];
 
 struct DevCopyThread {
     CUstream stream;
-    /* Waits for a copy by sleeping on this event (blocking sync) rather than spinning in
-     * cuStreamSynchronize: 2 x io_workers threads spinning would take the cores the main
-     * thread needs to build and sync the next layers. NULL: spin (devcopy_thread_new). */
-    CUevent done;
 };
 
 const char *devcopy_error(void) { return message; }
@@ -96,14 +85,9 @@ int devcopy_init(int ordinal) {
     *(void **)&cu.prefetch_v2 = sym(lib, "cuMemPrefetchAsync_v2");
     *(void **)&cu.prefetch = sym(lib, "cuMemPrefetchAsync");
     *(void **)&cu.error_string = sym(lib, "cuGetErrorString");
-    *(void **)&cu.event_create = sym(lib, "cuEventCreate");
-    *(void **)&cu.event_record = sym(lib, "cuEventRecord");
-    *(void **)&cu.event_synchronize = sym(lib, "cuEventSynchronize");
-    *(void **)&cu.event_destroy = sym(lib, "cuEventDestroy_v2");
     if (!cu.init || !cu.device_get || !cu.primary_ctx_retain || !cu.ctx_set_current ||
         !cu.stream_create || !cu.stream_destroy || !cu.stream_synchronize ||
-        !cu.alloc_host || !cu.free_host || !cu.memcpy_htod_async || !cu.event_create ||
-        !cu.event_record || !cu.event_synchronize || !cu.event_destroy) {
+        !cu.alloc_host || !cu.free_host || !cu.memcpy_htod_async) {
         snprintf(message, sizeof message, "the CUDA driver lacks an entry point the reader needs");
         init_rc = -2;
         goto out;
@@ -122,7 +106,7 @@ out:;
     return rc;
 }
 
-DevCopyThread *devcopy_thread_new(int spin) {
+DevCopyThread *devcopy_thread_new(void) {
     if (init_rc != 0) return NULL;
     DevCopyThread *t = calloc(1, sizeof *t);
     if (!t) return NULL;
@@ -130,14 +114,11 @@ DevCopyThread *devcopy_thread_new(int spin) {
         free(t);
         return NULL;
     }
-    if (!spin && cu.event_create(&t->done, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING))
-        t->done = NULL;
     return t;
 }
 
 void devcopy_thread_free(DevCopyThread *t) {
     if (!t) return;
-    if (t->done) cu.event_destroy(t->done);
     cu.stream_destroy(t->stream);
     free(t);
 }
@@ -154,9 +135,8 @@ void devcopy_free_host(void *buf) {
 
 int devcopy_copy(DevCopyThread *t, void *dst, const void *src, size_t len) {
     CUresult e = cu.memcpy_htod_async((CUdeviceptr)(uintptr_t)dst, src, len, t->stream);
-    if (e) return e;
-    if (t->done && !(e = cu.event_record(t->done, t->stream))) return cu.event_synchronize(t->done);
-    return cu.stream_synchronize(t->stream);
+    if (!e) e = cu.stream_synchronize(t->stream);
+    return e;
 }
 
 int devcopy_prefer_device(void *addr, size_t len, int ordinal) {

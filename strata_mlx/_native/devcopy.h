@@ -15,10 +15,9 @@
 int devcopy_init(int ordinal);
 const char *devcopy_error(void);
 
-/* Per thread: a stream of its own; a copy is waited for by sleeping on an event, or with
- * `spin` by spinning in cuStreamSynchronize (the driver's default). */
+/* Per thread: a stream of its own (made current on first use), host buffers pinned. */
 typedef struct DevCopyThread DevCopyThread;
-DevCopyThread *devcopy_thread_new(int spin);
+DevCopyThread *devcopy_thread_new(void);
 void devcopy_thread_free(DevCopyThread *t);
 /* Page-locked host memory from the driver (asynchronous copies need it; pageable memory is
  * staged by the driver, one copy at a time), or NULL; freed by devcopy_free_host. */

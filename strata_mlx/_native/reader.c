@@ -96,7 +96,6 @@ struct ReaderObject {
     int preading, preading_max; /* threads inside a pread now; the most at once (mu) */
     int bounce; /* read into a per-worker buffer, then copy into dest (see worker_main) */
     int device_copy; /* that copy by the GPU's copy engine from pinned memory (devcopy.h) */
-    int copy_spin;   /* its waits spin (STRATA_MLX_COPY_SPIN=1 at construction), else sleep */
     Py_ssize_t split; /* smallest part of a split request in bytes; 0: never split */
     pthread_t *threads;
     WorkerArg *args;
@@ -258,7 +257,7 @@ static void *worker_main(void *p) {
     void *bounce = NULL; /* this worker's buffer in bounce mode, grown to the longest read */
     size_t bounce_cap = 0;
     /* device_copy: this thread's stream; NULL (the CPU copies) if it could not be made */
-    DevCopyThread *dc = r->device_copy ? devcopy_thread_new(r->copy_spin) : NULL;
+    DevCopyThread *dc = r->device_copy ? devcopy_thread_new() : NULL;
     int pinned = 0; /* the bounce buffer is the driver's page-locked memory */
     pthread_mutex_lock(&r->mu);
     while (!r->stopping) {
@@ -572,8 +571,6 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     int nthreads = r->nthreads = overlap ? 2 * nworkers : nworkers;
     r->bounce = bounce || device_copy;
     r->device_copy = device_copy;
-    const char *spin = getenv("STRATA_MLX_COPY_SPIN");
-    r->copy_spin = spin && spin[0] == '1';
     r->split = split;
     r->notify_r = r->notify_w = -1;
     r->paused = paused;
