@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .formats import MXFP4_BLOCK
+
 CHUNK = 16  # weights per chunk: every supported format keeps one (scale, offset) per chunk
 # (MXFP4's blocks of 32 are two chunks that read the same scale)
 WARP = 32
@@ -110,29 +112,29 @@ GGUF_DECODERS = {
 }
 GGUF_BLOCK = 256
 
-# OCP MXFP4 (GPT-OSS's experts; strata_mlx.format.quant.dequantize_mxfp4): codes read as 32-bit words,
-# the E8M0 scale row byte by byte (its stride, in / 32 bytes, is odd for GPT-OSS's 2880).
+# OCP MXFP4 (GPT-OSS's experts; strata_mlx.format.quant.dequantize_mxfp4): codes read as
+# 32-bit words, the E8M0 scale row byte by byte (its stride, in / 32 bytes, is odd for GPT-OSS's
+# 2880).
 MXFP4_DECODER = Decoder("mxfp4", "sk_decode_mxfp4", ("W", "S"), False, (), 4, ("S",))
-MXFP4_BLOCK = 32
 
 
 def gguf_decoder(qtype: str) -> Decoder:
     return GGUF_DECODERS[qtype]
 
 
-# ---- tables (kernel inputs of the i-quants; one source: strata_mlx.format.gguf_quants) --------------
+# ---- tables (kernel inputs of the i-quants; one source: ggml.py, gguf-py's own tables) -----
 
 
 @cache
 def tables() -> dict[str, np.ndarray]:
     """uint32 tables as the kernels index them (little-endian: byte j of an entry is weight j).
-    Imports gguf-py (through gguf_quants): only kernels of i-quant formats call this."""
-    from strata_mlx.format import gguf_quants as gq
+    Imports gguf-py (through ggml.py): only kernels of i-quant formats call this."""
+    from . import ggml
 
     out = {
-        "iq2xs_grid": np.array(gq.iq2xs_grid()).reshape(-1).view(np.uint32),  # [512 * 2]
-        "iq2xs_signs": np.array(gq.ksigns_iq2xs()).astype(np.uint32),  # [128]
-        "iq3s_grid": np.array(gq.iq3s_grid()).reshape(-1).view(np.uint32),  # [512]
+        "iq2xs_grid": ggml.grid("IQ2_XS").reshape(-1).view(np.uint32),  # [512 * 2]
+        "iq2xs_signs": ggml.ksigns_iq2xs().astype(np.uint32),  # [128]
+        "iq3s_grid": ggml.grid("IQ3_S").reshape(-1).view(np.uint32),  # [512]
     }
     for a in out.values():
         a.setflags(write=False)
@@ -184,7 +186,7 @@ def projection(layout, proj: str) -> Projection | None:
         if n_in % gs or sc.shape != [out, n_in // gs] or bc.shape != sc.shape:
             return None
     elif fmt == "gguf" and spec.get("type") in GGUF_DECODERS:
-        from strata_mlx.format.gguf_quants import row_bytes
+        from .ggml import row_bytes
 
         dec = gguf_decoder(spec["type"])
         n_in = int(spec["in_features"])
@@ -343,7 +345,7 @@ def _f32(v: float) -> str:
 
 def _gated(m: int, activation: dict | None, indent: str) -> tuple[list[str], str]:
     """(lines, expression): h of pair m from its gate l_g{m} and up l_u{m} (float32): SwiGLU,
-    or GPT-OSS's clamped variant (strata_mlx.format.quant.swiglu_oai, op for op in float32)."""
+    or GPT-OSS's clamped variant (formats.swiglu_oai, op for op in float32)."""
     if activation is None:
         return [], f"l_g{m} / (1.0f + sk_exp(-l_g{m})) * l_u{m}"
     if activation["name"] != "swiglu_oai":

@@ -18,7 +18,8 @@ Measured on the H200 (D=2048, inter=512, 512 experts, top-10, fp16, 1024 tokens)
 gather_qmm 0.165 ms. The fused prefill loses on activation reads (each lane reads 16 strided
 halves per chunk and pair); see benchmarks/kernels.py.
 
-Never: reads the store or chooses slots (strata_mlx.runtime.experts does), computes the reference.
+Never: reads the store or chooses slots (strata_mlx.runtime.experts does), computes the
+reference.
 """
 
 from __future__ import annotations
@@ -31,10 +32,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from strata_mlx.format.quant import activation_fn, mx_dtype
-from strata_mlx.format.store import PROJECTIONS
-
 from . import algorithm
+from .formats import PROJECTIONS, activation_fn, mx_dtype
 
 BACKENDS = ("cuda", "metal", "host")
 PREFILL_TILE = 8

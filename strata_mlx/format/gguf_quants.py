@@ -1,9 +1,9 @@
-"""GGUF (ggml) block quant formats as data, and one reference dequantizer per format.
+"""GGUF (ggml) block quant formats: one reference dequantizer per format.
 
-Owns: the byte layout of each supported ggml block (`FORMATS`, from llama.cpp's
-ggml-common.h as mirrored by gguf-py), the i-quant codebooks and sign tables (built once
-from gguf-py's own tables, exposed as MLX arrays so a GPU kernel can take them as inputs),
-and `dequantize`, which decodes raw block bytes with plain `mlx.core` ops (view, shifts,
+The formats as data (`FORMATS`: the byte layout of each supported ggml block, from llama.cpp's
+ggml-common.h as mirrored by gguf-py; `row_bytes`; the i-quant codebooks and sign tables) are
+custom_kernels.ggml's, one source for the kernels and this reference, imported here. Owns: the
+tables as MLX arrays (so a GPU kernel can take them as inputs) and `dequantize`, which decodes raw block bytes with plain `mlx.core` ops (view, shifts,
 masks, take, reshape; no Python loop over blocks) so it runs on any MLX backend and is the
 oracle that custom kernels are tested against. Every decoder follows gguf-py's float32
 operation order, so its output is bit-identical to `gguf.quants.dequantize`.
@@ -22,126 +22,39 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import cache
 
 import gguf
-import gguf.quants as gq
 import mlx.core as mx
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-# fp16 scale fields: `d` (scale), `dmin` (K-quant min scale), `m` (Q4_1 min).
-F16_FIELDS = ("d", "dmin", "m")
-
-# Field order and byte sizes inside one block (ggml-common.h `block_*` structs, QK_K = 256).
-# Note the K-quants are not uniform: Q2_K/Q3_K/Q6_K keep `d` at the END of the block,
-# Q4_K/Q5_K (and all legacy / i-quants) at the start.
-_LAYOUTS: dict[str, tuple[tuple[str, int], ...]] = {
-    "Q4_0": (("d", 2), ("qs", 16)),
-    "Q4_1": (("d", 2), ("m", 2), ("qs", 16)),
-    "Q8_0": (("d", 2), ("qs", 32)),
-    "Q2_K": (("scales", 16), ("qs", 64), ("d", 2), ("dmin", 2)),
-    "Q3_K": (("hmask", 32), ("qs", 64), ("scales", 12), ("d", 2)),
-    "Q4_K": (("d", 2), ("dmin", 2), ("scales", 12), ("qs", 128)),
-    "Q5_K": (("d", 2), ("dmin", 2), ("scales", 12), ("qh", 32), ("qs", 128)),
-    "Q6_K": (("ql", 128), ("qh", 64), ("scales", 16), ("d", 2)),
-    "IQ2_XS": (("d", 2), ("qs", 64), ("scales", 8)),
-    "IQ3_S": (("d", 2), ("qs", 64), ("qh", 8), ("signs", 32), ("scales", 4)),
-}
-
-
-@dataclass(frozen=True)
-class BlockFormat:
-    """One ggml block format: `block_size` weights stored in `type_size` bytes.
-
-    `fields` is the block's byte layout as (name, byte offset, byte length), in order.
-    """
-
-    name: str
-    ggml_type: int
-    block_size: int
-    type_size: int
-    fields: tuple[tuple[str, int, int], ...] = ()
-
-    def field(self, name: str) -> slice:
-        """Byte slice of field `name` within one block."""
-        for n, off, size in self.fields:
-            if n == name:
-                return slice(off, off + size)
-        raise KeyError(f"{self.name} has no field {name!r}")
-
-    @property
-    def f16_offsets(self) -> tuple[int, ...]:
-        """Byte offsets of the fp16 scale fields (`d`, `dmin`, `m`) within one block."""
-        return tuple(off for n, off, _ in self.fields if n in F16_FIELDS)
-
-
-def _make_format(name: str) -> BlockFormat:
-    qtype = GGMLQuantizationType[name]
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    fields, off = [], 0
-    for fname, size in _LAYOUTS[name]:
-        fields.append((fname, off, size))
-        off += size
-    if off != type_size:  # our layout table must agree with gguf-py's sizes
-        raise AssertionError(f"{name}: layout is {off} bytes, gguf says {type_size}")
-    return BlockFormat(name, int(qtype), block_size, type_size, tuple(fields))
-
-
-FORMATS: dict[str, BlockFormat] = {name: _make_format(name) for name in _LAYOUTS}
-
-
-def get_format(fmt: str | BlockFormat) -> BlockFormat:
-    if isinstance(fmt, BlockFormat):
-        return fmt
-    try:
-        return FORMATS[fmt]
-    except KeyError:
-        raise ValueError(f"unsupported GGUF quant type {fmt!r}; have {sorted(FORMATS)}") from None
-
-
-def row_bytes(fmt: str | BlockFormat, n_cols: int) -> int:
-    """Bytes of one row of `n_cols` weights (n_cols must be a multiple of the block size)."""
-    f = get_format(fmt)
-    if n_cols % f.block_size:
-        raise ValueError(f"{f.name}: row length {n_cols} is not a multiple of {f.block_size}")
-    return n_cols // f.block_size * f.type_size
-
+from custom_kernels import ggml
+from custom_kernels.ggml import FORMATS as FORMATS
+from custom_kernels.ggml import BlockFormat, get_format
+from custom_kernels.ggml import row_bytes as row_bytes
 
 # ---------------------------------------------------------------------------------------------
-# Codebooks and sign tables: built once from gguf-py's tables (the single source), cached.
+# Codebooks and sign tables as MLX arrays (custom_kernels.ggml builds them from gguf-py's).
 # Byte j of grid row i is weight j of that codebook entry, so `grid.view(mx.uint64)` (IQ2_XS)
 # or `grid.view(mx.uint32)` (IQ3_S) gives llama.cpp's packed little-endian tables exactly.
 
 
 @cache
-def _grid_np(cls_name: str) -> np.ndarray:
-    cls = getattr(gq, cls_name)
-    cls.init_grid()  # gguf-py decodes its packed `grid_hex` into a float32 grid, once
-    g = np.asarray(cls.grid, dtype=np.float32).reshape(cls.grid_shape)
-    u8 = g.astype(np.uint8)
-    assert np.array_equal(u8.astype(np.float32), g)
-    u8.setflags(write=False)
-    return u8
-
-
-@cache
 def iq2xs_grid() -> mx.array:
     """IQ2_XS codebook: uint8 [512, 8], entries in {0x08, 0x19, 0x2b}."""
-    return mx.array(_grid_np("IQ2_XS"))
+    return mx.array(ggml.grid("IQ2_XS"))
 
 
 @cache
 def iq3s_grid() -> mx.array:
     """IQ3_S codebook: uint8 [512, 4], entries in {1, 3, ..., 15}."""
-    return mx.array(_grid_np("IQ3_S"))
+    return mx.array(ggml.grid("IQ3_S"))
 
 
 @cache
 def ksigns_iq2xs() -> mx.array:
     """uint8 [128]: 7 stored sign bits -> 8 sign bits (bit 7 = parity of the low 7)."""
-    return mx.array(np.frombuffer(gq.IQ2_XXS.ksigns, dtype=np.uint8))
+    return mx.array(ggml.ksigns_iq2xs())
 
 
 @cache
@@ -365,6 +278,6 @@ def quantize_reference(fmt: str | BlockFormat, weights: np.ndarray) -> np.ndarra
     f = get_format(fmt)
     w = np.asarray(weights, dtype=np.float32)
     try:
-        return gguf.quants.quantize(w, GGMLQuantizationType(f.ggml_type))
+        return gguf.quants.quantize(w, gguf.GGMLQuantizationType(f.ggml_type))
     except NotImplementedError:
         raise NotImplementedError(f"gguf-py cannot quantize {f.name}") from None

@@ -9,40 +9,27 @@ Formats (the `quant` entry of a record layout, per projection):
 
 A projection may carry a bias (`{proj}.bias`, float [out], never quantized: GPT-OSS), and a
 layout may name a gated activation other than SwiGLU (`layout.activation`: activation_fn).
+The formats' tables and activations are custom_kernels.formats' (one source for the kernels
+and this reference), imported here.
 
 The reference path decodes records gathered from arena slots with plain MLX ops and computes
 SwiGLU experts exactly as mlx-lm's SwitchGLU does, so a fully resident store matches mlx-lm and
-transformers. Kernels (strata_mlx.runtime.kernels) are tested against this. This module never does I/O.
+transformers. Kernels (strata_mlx.runtime.kernels) are tested against this. This module never
+does I/O.
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from custom_kernels.formats import MXFP4_BLOCK as MXFP4_BLOCK
+from custom_kernels.formats import activation_fn, dtype_name, mx_dtype
+from custom_kernels.formats import swiglu_oai as swiglu_oai
+
 from .store import PROJECTIONS, RecordLayout, StoreError
-
-_MX_DTYPES = {
-    "float32": mx.float32,
-    "float16": mx.float16,
-    "bfloat16": mx.bfloat16,
-    "uint32": mx.uint32,
-    "uint8": mx.uint8,
-}
-
-
-def mx_dtype(name: str) -> mx.Dtype:
-    return _MX_DTYPES[name]
-
-
-def dtype_name(dtype: mx.Dtype) -> str:
-    for k, v in _MX_DTYPES.items():
-        if v == dtype:
-            return k
-    raise ValueError(f"unsupported dtype {dtype}")
 
 
 def to_numpy(a: mx.array) -> np.ndarray:
@@ -58,7 +45,6 @@ def to_numpy(a: mx.array) -> np.ndarray:
 # 2^(s - 127). w = E2M1[code] * 2^(s - 127): exact in float32 for every code and scale (the
 # smallest non-zero weight is 0.5 * 2^-127, a float32 subnormal); s = 255 is 2^128 = inf, as
 # mx.dequantize decodes it (OCP reserves it for NaN; no checkpoint has it).
-MXFP4_BLOCK = 32
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
@@ -124,29 +110,6 @@ def layout_for(
     return RecordLayout.build(
         {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in tensors.items()}, table, activation
     )
-
-
-@partial(mx.compile, shapeless=True)
-def swiglu_oai(gate: mx.array, up: mx.array, alpha: float, limit: float) -> mx.array:
-    """GPT-OSS: the gate clipped from above, up clipped both ways and shifted by 1, the gate's
-    sigmoid sharpened by alpha (transformers' GptOssExperts; mlx-lm's swiglu_oai, op for op)."""
-    gate = mx.minimum(gate, limit)
-    up = mx.clip(up, -limit, limit)
-    return (up + 1.0) * (gate * mx.sigmoid(alpha * gate))
-
-
-def activation_fn(spec: dict[str, Any] | None):
-    """(gate, up) -> hidden for a layout's `activation` (None: SwiGLU)."""
-    if spec is None:
-        return _plain_swiglu
-    if spec["name"] == "swiglu_oai":
-        alpha, limit = float(spec["alpha"]), float(spec["limit"])
-        return lambda gate, up: swiglu_oai(gate, up, alpha, limit)
-    raise ValueError(f"unknown expert activation {spec['name']!r}")
-
-
-def _plain_swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    return (gate * mx.sigmoid(gate)) * up
 
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from custom_kernels.formats import PROJECTIONS
+
 from ..stream.reader import CHECKSUMS
 from ..stream.reader import checksum as _checksum
 
@@ -38,7 +40,6 @@ FORMAT_NAME = "strata-mlx-store"
 FORMAT_VERSION = 1
 ALIGNMENT = 4096
 COMPONENT_ALIGNMENT = 64
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 MANIFEST = "manifest.json"
 DENSE = "dense.safetensors"
 EXPERTS = "experts.bin"
@@ -79,7 +80,7 @@ class RecordLayout:
     [out, in/32], an E8M0 exponent per 32 weights); every expert of every layer shares one layout.
     Components `{proj}.bias` (float [out]), where present, are added to that projection's
     output. `activation` is None for SwiGLU (silu(gate) * up), or GPT-OSS's clamped variant
-    {"name": "swiglu_oai", "alpha": a, "limit": l} (strata_mlx.format.quant.activation_fn).
+    {"name": "swiglu_oai", "alpha": a, "limit": l} (custom_kernels.formats.activation_fn).
     """
 
     components: list[Component]
