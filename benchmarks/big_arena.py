@@ -4,7 +4,7 @@ reading records from slots past 2, 4 and 16 GiB exactly as from a small arena.
     python3 benchmarks/big_arena.py --gb 25                # default device (CUDA: cuda kernels)
     python3 benchmarks/big_arena.py --gb 25 --device cpu   # CPU: reference + host C++ dialect
 
-Needs the memory (MLX zero-fills the arena) and the test helpers in tests/. tests/test_arena.py
+Needs the memory (MLX zero-fills the arena) and the test helpers in tests/. tests/stream/test_arena.py
 runs the same checks at 2.3 GB (4.4 GB with -m slow).
 """
 
@@ -25,9 +25,9 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 from test_kernels import EPS, _compare, gguf_experts  # noqa: E402
 
 from custom_kernels import dispatch  # noqa: E402
-from strata_mlx import kernels  # noqa: E402
-from strata_mlx.arena import Arena  # noqa: E402
-from strata_mlx.quant import switch_glu_reference  # noqa: E402
+from strata_mlx.format.quant import switch_glu_reference  # noqa: E402
+from strata_mlx.runtime import kernels  # noqa: E402
+from strata_mlx.stream.arena import Arena  # noqa: E402
 
 GiB = 1024**3
 

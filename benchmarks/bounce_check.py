@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 
 import strata_mlx
-from strata_mlx.experts import ExpertReadError
-from strata_mlx.store import load_manifest
+from strata_mlx.format.store import load_manifest
+from strata_mlx.runtime.experts import ExpertReadError
 
 
 def main() -> None:

@@ -24,11 +24,11 @@ import mlx.core as mx
 import numpy as np
 
 import strata_mlx
-from strata_mlx.bench import policy_options
-from strata_mlx.decode import PipelinedDecoder
-from strata_mlx.generate import generate_step, make_sampler
-from strata_mlx.stats import RoutingTrace
-from strata_mlx.store import load_manifest
+from strata_mlx.apps.bench import policy_options
+from strata_mlx.format.store import load_manifest
+from strata_mlx.generation.generate import generate_step, make_sampler
+from strata_mlx.runtime.decode import PipelinedDecoder
+from strata_mlx.stream.stats import RoutingTrace
 
 
 def timed(steps, on_first=None):
@@ -137,7 +137,7 @@ def main() -> None:
     out: dict = {"store": a.store, "prompt": a.prompt_tokens, "gen": gen, "runs": []}
     ref = None
     if not a.no_baseline:
-        from strata_mlx.baseline import load_mlx_lm
+        from strata_mlx.apps.baseline import load_mlx_lm
 
         t = time.perf_counter()
         lm = load_mlx_lm(a.store)

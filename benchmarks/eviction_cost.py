@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from strata_mlx.arena import POLICIES, make_policy
+from strata_mlx.stream.arena import POLICIES, make_policy
 
 
 def main() -> None:

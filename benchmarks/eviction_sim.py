@@ -21,7 +21,7 @@ import heapq
 
 import numpy as np
 
-from strata_mlx.arena import make_policy
+from strata_mlx.stream.arena import make_policy
 
 
 def accesses(path: str) -> tuple[list[tuple[bool, int, np.ndarray]], int]:
@@ -46,7 +46,7 @@ def accesses(path: str) -> tuple[list[tuple[bool, int, np.ndarray]], int]:
 
 def replay(seq, slots: int, policy: str) -> tuple[int, int]:
     """(decode misses, decode lookups) under `policy`: one of the arena's own eviction
-    policies (strata_mlx.arena: lru, lfu, profile without a profile = lru, layer), driven as
+    policies (strata_mlx.stream.arena: lru, lfu, profile without a profile = lru, layer), driven as
     the handshake drives them (a layer's hits touched and pinned, then its misses given
     slots), or "belady"."""
     if policy == "belady":

@@ -39,8 +39,8 @@ case "${1:-}" in
 setup)
   python3 setup.py build_ext --inplace -q 2>&1 | tail -3
   python3 -c "import mlx.core as mx; print(mx.default_device(), mx.__version__)"
-  python3 -m pytest -q -p no:cacheprovider tests/test_reader.py tests/test_streaming.py \
-     tests/test_generate.py tests/test_families.py -k "not quantized" 2>&1 | tail -15 | tee "$OUT/tests.log"
+  python3 -m pytest -q -p no:cacheprovider tests/stream/test_reader.py tests/runtime/test_streaming.py \
+     tests/generation/test_generate.py tests/models/test_families.py -k "not quantized" 2>&1 | tail -15 | tee "$OUT/tests.log"
   ;;
 synth)
   df -h / /root | tee "$OUT/df.log"
@@ -55,7 +55,7 @@ bench)
      --io-workers 8 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   ;;
 kernels)
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tail -30 | tee "$OUT/kernel_tests.log"
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_kernels.py 2>&1 | tail -30 | tee "$OUT/kernel_tests.log"
   python3 benchmarks/kernels.py 2>&1 | tee "$OUT/kernels.log"
   ;;
 full)  # one call: build, synthetic store, reads under compute, bench (about 7 minutes)
@@ -72,7 +72,7 @@ decode)  # issue 17, call 1: store, GPU exactness tests, decode all resident bes
   python3 setup.py build_ext --inplace -q 2>&1 | tail -2
   /usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
      --mlx-path "$SYNTH" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -3 | tee "$OUT/synth.log"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_decode.py 2>&1 | tail -4 | tee "$OUT/tests.log"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_decode.py 2>&1 | tail -4 | tee "$OUT/tests.log"
   timeout 300 python3 benchmarks/decode.py "$SYNTH" -p 2048 -g 128 --rounds 2 \
      --modes sync,layers:1,token:4,token:8,token:16,adaptive --json "$OUT/decode-resident.json" \
      2>&1 | tee "$OUT/decode-resident.log"
@@ -133,7 +133,7 @@ r7a)  # session 4, call 1: store; kernels after the issue-15 refactor; logits ag
   python3 setup.py build_ext --inplace -q 2>&1 | tail -2
   /usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
      --mlx-path "$SYNTH" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -3 | tee "$OUT/synth.log"
-  timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tail -8 \
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_kernels.py 2>&1 | tail -8 \
      | tee "$OUT/kernel_tests.log"
   timeout 240 python3 benchmarks/parity.py "$SYNTH" -p 128 --chunk 32 --json "$OUT/parity.json" \
      2>&1 | tee "$OUT/parity.log"
@@ -151,7 +151,7 @@ r7c)  # session 4, call 3: store and GPU kernel tests side by side; 6.5 GB decod
   python3 setup.py build_ext --inplace -q 2>&1 | tail -1
   (/usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
      --mlx-path "$SYNTH" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -3 > "$OUT/synth.log") &
-  timeout 220 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py -x 2>&1 | tail -15 \
+  timeout 220 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_kernels.py -x 2>&1 | tail -15 \
      > "$OUT/kernel_tests.log"
   wait
   cat "$OUT/synth.log" "$OUT/kernel_tests.log"
@@ -173,7 +173,7 @@ r7d)  # session 4, call 4: logits (experts in float32, the float32 oracle); pref
   ;;
 r8a)  # next session, call 1: the GPU kernel matrix alone (30 cases; > 220 s beside a conversion)
   python3 setup.py build_ext --inplace -q 2>&1 | tail -1
-  timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tail -25 \
+  timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_kernels.py 2>&1 | tail -25 \
      | tee "$OUT/kernel_tests.log"
   ;;
 r8b)  # next session, call 2: store; decode and cold prefill at 6.5 GB, lru against lfu
@@ -186,9 +186,9 @@ r8b)  # next session, call 2: store; decode and cold prefill at 6.5 GB, lru agai
   ;;
 r9a)  # session 5, call 2: the GPU kernel matrix, MXFP4 / GPT-OSS first (issue 11), with figures
   python3 setup.py build_ext --inplace -q 2>&1 | tail -1
-  timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_kernels.py \
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/runtime/test_kernels.py \
      -k "mxfp4 or gpt" 2>&1 | grep -E "eps|passed|failed|Error" | tail -20 | tee "$OUT/kernel_tests_mxfp4.log"
-  timeout 330 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_kernels.py \
+  timeout 330 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/runtime/test_kernels.py \
      -k "not (mxfp4 or gpt)" 2>&1 | grep -E "eps|passed|failed|Error" | tail -40 | tee "$OUT/kernel_tests.log"
   ;;
 r9b)  # session 5, call 3: the first wave's store (--recipe before-issue-17): issue 17's "today"

@@ -45,7 +45,7 @@ def _timeit(fn, iters: int, warmup: int = 3) -> float:
 
 def affine_experts(bits: int, group_size: int, rng):
     """(layout, arena [512, record_bytes], stacked {proj: (w, scales, biases)} [512, ...])."""
-    from strata_mlx.quant import expert_tensors, layout_for, to_numpy
+    from strata_mlx.format.quant import expert_tensors, layout_for, to_numpy
 
     recs, stacked = [], {p: [] for p in PROJ_SHAPES}
     layout = None
@@ -69,8 +69,8 @@ def affine_experts(bits: int, group_size: int, rng):
 
 
 def gguf_experts(qtype: str, rng):
-    from strata_mlx.gguf_quants import FORMATS, row_bytes
-    from strata_mlx.store import RecordLayout
+    from strata_mlx.format.gguf_quants import FORMATS, row_bytes
+    from strata_mlx.format.store import RecordLayout
 
     comps, table = {}, {}
     for p, (o, i) in PROJ_SHAPES.items():

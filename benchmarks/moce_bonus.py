@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 import strata_mlx
-from strata_mlx.tools import kld_report
+from strata_mlx.generation.tools import kld_report
 
 TEXT = (
     "The old lighthouse stood at the end of the harbour wall, and every evening the keeper "
@@ -48,7 +48,7 @@ def main():
     ap.add_argument("--bonuses", default="0.5,1,2,4")
     ap.add_argument("--arena-gb", type=float, default=None)
     a = ap.parse_args()
-    from strata_mlx.default_model import default_arena_gb, default_store
+    from strata_mlx.apps.default_model import default_arena_gb, default_store
 
     path = a.model or default_store()
     arena = a.arena_gb if a.arena_gb is not None else default_arena_gb(path)

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 import strata_mlx
-from strata_mlx.store import load_manifest
+from strata_mlx.format.store import load_manifest
 
 
 def logprobs(model, ids, chunk, cache):
@@ -124,7 +124,7 @@ def main() -> None:
 
     from mlx_lm.models.cache import make_prompt_cache
 
-    from strata_mlx.baseline import load_mlx_lm
+    from strata_mlx.apps.baseline import load_mlx_lm
 
     m = load_manifest(a.store)
     ids = np.random.default_rng(0).integers(0, m.config["vocab_size"], a.prompt_tokens).tolist()

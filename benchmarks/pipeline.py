@@ -2,7 +2,7 @@
 
   mlx.launch -n 2 -- python benchmarks/pipeline.py hop
       the hop: a hidden state sent rank 0 -> 1 -> 0 over the ring backend, per shape
-      (one decode token, prefill chunks), as strata_mlx.distributed sends it (header + array).
+      (one decode token, prefill chunks), as strata_mlx.runtime.distributed sends it (header + array).
 
   mlx.launch -n N -- python benchmarks/pipeline.py run STORE -p 64 -g 16 --prefill-step-size 64
       prefill tok/s and decode ms/token of `generate`, with N ranks (N = 1: one process, the
@@ -26,7 +26,7 @@ import mlx.core as mx
 
 
 def hop(args) -> None:
-    from strata_mlx.distributed import FORWARD, Pipeline
+    from strata_mlx.runtime.distributed import FORWARD, Pipeline
 
     pipe = Pipeline()
     assert pipe.size == 2, "run under mlx.launch -n 2"
@@ -64,8 +64,8 @@ def hop(args) -> None:
 
 def run(args) -> None:
     import strata_mlx
-    from strata_mlx.distributed import Pipeline, serve_stage
-    from strata_mlx.generate import stream_generate
+    from strata_mlx.generation.generate import stream_generate
+    from strata_mlx.runtime.distributed import Pipeline, serve_stage
 
     pipe = Pipeline()
     ids = list(range(1, args.prompt_tokens + 1))

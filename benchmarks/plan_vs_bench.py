@@ -51,9 +51,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
 
-    from strata_mlx import plan
-    from strata_mlx.bench import bench
-    from strata_mlx.store import load_manifest
+    from strata_mlx.apps import plan
+    from strata_mlx.apps.bench import bench
+    from strata_mlx.format.store import load_manifest
 
     a.out.mkdir(parents=True, exist_ok=True)
     cases = []

@@ -19,10 +19,10 @@ import mlx.core as mx
 import numpy as np
 
 import strata_mlx
-from strata_mlx.bench import policy_options
-from strata_mlx.generate import generate_step
-from strata_mlx.stats import ExpertStats
-from strata_mlx.store import load_manifest
+from strata_mlx.apps.bench import policy_options
+from strata_mlx.format.store import load_manifest
+from strata_mlx.generation.generate import generate_step
+from strata_mlx.stream.stats import ExpertStats
 
 
 def main() -> None:

@@ -27,9 +27,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from strata_mlx.arena import Arena
-from strata_mlx.reader import Reader
-from strata_mlx.store import EXPERTS, load_manifest
+from strata_mlx.format.store import EXPERTS, load_manifest
+from strata_mlx.stream.arena import Arena
+from strata_mlx.stream.reader import Reader
 
 PARTS = ("direct", "bounce", "verify", "overlap", "4k", "dc")
 

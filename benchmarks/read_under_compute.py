@@ -19,9 +19,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from strata_mlx.arena import Arena
-from strata_mlx.probe import probe_ssd
-from strata_mlx.reader import Reader
+from strata_mlx.stream.arena import Arena
+from strata_mlx.stream.probe import probe_ssd
+from strata_mlx.stream.reader import Reader
 
 
 def native_reads(path, arena: Arena, workers: int, seconds: float, stop: threading.Event) -> float:

@@ -19,8 +19,8 @@ import time
 import numpy as np
 
 import strata_mlx
-from strata_mlx.baseline import load_mlx_lm, run_mlx_lm, run_strata
-from strata_mlx.store import load_manifest
+from strata_mlx.apps.baseline import load_mlx_lm, run_mlx_lm, run_strata
+from strata_mlx.format.store import load_manifest
 
 
 def main() -> None:

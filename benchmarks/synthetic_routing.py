@@ -38,9 +38,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from strata_mlx.apps.plan import hit_probability, smoothed_shares
 from strata_mlx.convert.synthetic import RECIPES, Recipe, build_synthetic, synthetic_config
-from strata_mlx.plan import hit_probability, smoothed_shares
-from strata_mlx.store import PROJECTIONS
+from strata_mlx.format.store import PROJECTIONS
 
 
 class FloatExperts:

@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import read_path  # benchmarks/read_path.py, beside this file
 
-from strata_mlx.arena import Arena
-from strata_mlx.probe import probe_ssd
-from strata_mlx.reader import checksum, checksum_implementation, needs_bounce
-from strata_mlx.store import EXPERTS, load_manifest
+from strata_mlx.format.store import EXPERTS, load_manifest
+from strata_mlx.stream.arena import Arena
+from strata_mlx.stream.probe import probe_ssd
+from strata_mlx.stream.reader import checksum, checksum_implementation, needs_bounce
 
 
 def read_round(store: Path, m, arena: Arena, verify: bool, workers: int, seconds: float,

@@ -10,7 +10,7 @@ kernel's whole source as the dialect compiles it.
 The header and body use only names that a dialect layer defines (metal.py, cuda.py, host.py):
 `sk_gx`, `sk_gy` (global thread ids), `SK_FN`, `SK_GLOBAL`, `SK_U64`, `SK_UNROLL`,
 `sk_as_float`, `sk_tof`, `sk_store`, `sk_exp`, `sk_warp_sum`, and the template type `T` (x's
-dtype). Nothing else in them differs between dialects; tests/test_kernels.py checks that.
+dtype). Nothing else in them differs between dialects; tests/runtime/test_kernels.py checks that.
 
 Kernel structure. A warp (32 lanes) computes one output row for one *tile* of up to `tm` (token,
 expert) pairs that share an arena slot: lanes stride over the row's 16-weight chunks, decode each
@@ -33,6 +33,8 @@ from functools import cache
 from pathlib import Path
 
 import numpy as np
+
+from .formats import MXFP4_BLOCK
 
 CHUNK = 16  # weights per chunk: every supported format keeps one (scale, offset) per chunk
 # (MXFP4's blocks of 32 are two chunks that read the same scale)
@@ -110,29 +112,29 @@ GGUF_DECODERS = {
 }
 GGUF_BLOCK = 256
 
-# OCP MXFP4 (GPT-OSS's experts; strata_mlx.quant.dequantize_mxfp4): codes read as 32-bit words,
-# the E8M0 scale row byte by byte (its stride, in / 32 bytes, is odd for GPT-OSS's 2880).
+# OCP MXFP4 (GPT-OSS's experts; strata_mlx.format.quant.dequantize_mxfp4): codes read as
+# 32-bit words, the E8M0 scale row byte by byte (its stride, in / 32 bytes, is odd for GPT-OSS's
+# 2880).
 MXFP4_DECODER = Decoder("mxfp4", "sk_decode_mxfp4", ("W", "S"), False, (), 4, ("S",))
-MXFP4_BLOCK = 32
 
 
 def gguf_decoder(qtype: str) -> Decoder:
     return GGUF_DECODERS[qtype]
 
 
-# ---- tables (kernel inputs of the i-quants; one source: strata_mlx.gguf_quants) --------------
+# ---- tables (kernel inputs of the i-quants; one source: ggml.py, gguf-py's own tables) -----
 
 
 @cache
 def tables() -> dict[str, np.ndarray]:
     """uint32 tables as the kernels index them (little-endian: byte j of an entry is weight j).
-    Imports gguf-py (through gguf_quants): only kernels of i-quant formats call this."""
-    from strata_mlx import gguf_quants as gq
+    Imports gguf-py (through ggml.py): only kernels of i-quant formats call this."""
+    from . import ggml
 
     out = {
-        "iq2xs_grid": np.array(gq.iq2xs_grid()).reshape(-1).view(np.uint32),  # [512 * 2]
-        "iq2xs_signs": np.array(gq.ksigns_iq2xs()).astype(np.uint32),  # [128]
-        "iq3s_grid": np.array(gq.iq3s_grid()).reshape(-1).view(np.uint32),  # [512]
+        "iq2xs_grid": ggml.grid("IQ2_XS").reshape(-1).view(np.uint32),  # [512 * 2]
+        "iq2xs_signs": ggml.ksigns_iq2xs().astype(np.uint32),  # [128]
+        "iq3s_grid": ggml.grid("IQ3_S").reshape(-1).view(np.uint32),  # [512]
     }
     for a in out.values():
         a.setflags(write=False)
@@ -156,7 +158,7 @@ class Projection:
 
 
 def projection(layout, proj: str) -> Projection | None:
-    """The kernel view of `proj` in `layout` (a strata_mlx.store.RecordLayout), or None when
+    """The kernel view of `proj` in `layout` (a strata_mlx.format.store.RecordLayout), or None when
     its format has no kernel (float, other GGUF types, odd group sizes or alignment)."""
     spec = layout.quant.get(proj, {})
     fmt = spec.get("format")
@@ -184,7 +186,7 @@ def projection(layout, proj: str) -> Projection | None:
         if n_in % gs or sc.shape != [out, n_in // gs] or bc.shape != sc.shape:
             return None
     elif fmt == "gguf" and spec.get("type") in GGUF_DECODERS:
-        from strata_mlx.gguf_quants import row_bytes
+        from .ggml import row_bytes
 
         dec = gguf_decoder(spec["type"])
         n_in = int(spec["in_features"])
@@ -343,7 +345,7 @@ def _f32(v: float) -> str:
 
 def _gated(m: int, activation: dict | None, indent: str) -> tuple[list[str], str]:
     """(lines, expression): h of pair m from its gate l_g{m} and up l_u{m} (float32): SwiGLU,
-    or GPT-OSS's clamped variant (strata_mlx.quant.swiglu_oai, op for op in float32)."""
+    or GPT-OSS's clamped variant (formats.swiglu_oai, op for op in float32)."""
     if activation is None:
         return [], f"l_g{m} / (1.0f + sk_exp(-l_g{m})) * l_u{m}"
     if activation["name"] != "swiglu_oai":

@@ -18,7 +18,8 @@ Measured on the H200 (D=2048, inter=512, 512 experts, top-10, fp16, 1024 tokens)
 gather_qmm 0.165 ms. The fused prefill loses on activation reads (each lane reads 16 strided
 halves per chunk and pair); see benchmarks/kernels.py.
 
-Never: reads the store or chooses slots (strata_mlx.experts does), computes the reference.
+Never: reads the store or chooses slots (strata_mlx.runtime.experts does), computes the
+reference.
 """
 
 from __future__ import annotations
@@ -31,10 +32,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from strata_mlx.quant import activation_fn, mx_dtype
-from strata_mlx.store import PROJECTIONS
-
 from . import algorithm
+from .formats import PROJECTIONS, activation_fn, mx_dtype
 
 BACKENDS = ("cuda", "metal", "host")
 PREFILL_TILE = 8
@@ -155,7 +154,7 @@ class ExpertKernels:
         if slots.size > self.dialect.MAX_GRID_Y:
             raise ValueError(f"{slots.size} slots in one call; at most {self.dialect.MAX_GRID_Y}")
         w = self._dequantize(arena, slots, x2.dtype)
-        # mlx-lm's SwitchGLU arithmetic (as strata_mlx.quant.switch_glu_reference): pairs
+        # mlx-lm's SwitchGLU arithmetic (as strata_mlx.format.quant.switch_glu_reference): pairs
         # sorted by expert, grouped matmuls.
         flat = idx2.flatten()
         order = mx.argsort(flat)

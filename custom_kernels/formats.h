@@ -9,8 +9,8 @@
 // once per chunk.
 //
 // Each decoder is checked bit for bit against the reference dequantizers
-// (strata_mlx.gguf_quants, mx.dequantize, strata_mlx.quant.dequantize_mxfp4) by
-// tests/test_kernels.py, compiled as host C++: on random blocks whose fp16 fields take any
+// (strata_mlx.format.gguf_quants, mx.dequantize, strata_mlx.format.quant.dequantize_mxfp4) by
+// tests/runtime/test_kernels.py, compiled as host C++: on random blocks whose fp16 fields take any
 // finite value (subnormal and huge ones too), MXFP4 on every E8M0 scale, and sk_f16 on all
 // 65536 bit patterns; loads are checked aligned and inside the row under AddressSanitizer and
 // UBSan.

@@ -4,7 +4,7 @@ Metal is NOT executed on this project's Linux machines: nothing here has ever ru
 this project's CI or on its GPU machine. What is verified is (1) on the CPU, that the source
 handed to Metal is the shared header and body (formats.h, algorithm.py) plus this file's prelude
 and prologue, character for character the same text as the CUDA dialect's, that it type-checks
-as C++ against stand-ins for Metal's builtins (tests/test_kernels.py), and that the shared text
+as C++ against stand-ins for Metal's builtins (tests/runtime/test_kernels.py), and that the shared text
 computes the reference result when compiled as host C++ (host.py); (2) on the
 GPU machine, that the CUDA dialect of that same body matches the reference.
 

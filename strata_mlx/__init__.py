@@ -5,8 +5,8 @@ for r in strata_mlx.stream_generate(model, tokenizer, "Hello", max_tokens=32):
     print(r.text, end="")
 """
 
-from .generate import GenerationResponse, generate, stream_generate
-from .loader import RuntimeConfig, load
+from .generation.generate import GenerationResponse, generate, stream_generate
+from .runtime.loader import RuntimeConfig, load
 
 __all__ = ["load", "generate", "stream_generate", "GenerationResponse", "RuntimeConfig"]
 __version__ = "0.1.0"

@@ -1,3 +1,3 @@
-from .cli import app
+from .apps.cli import app
 
 app(prog_name="strata-mlx")

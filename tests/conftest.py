@@ -4,10 +4,19 @@ per session and converted by our converter: the oracles for every exactness test
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# Test modules share helpers and fixtures by module name (`from test_server import running`)
+# across the layer folders: each folder goes on sys.path once, as pytest puts there the folder
+# of a module it collects, so a module imported by name is the one pytest collected.
+LAYER_FOLDERS = ("format", "stream", "models", "runtime", "generation", "convert", "apps")
+for _folder in LAYER_FOLDERS:
+    if str(Path(__file__).parent / _folder) not in sys.path:
+        sys.path.append(str(Path(__file__).parent / _folder))
 
 # Tests run on MLX's CPU backend unless a test asks for the GPU.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,7 +1,7 @@
 """The GGUF fixtures in tests/data/gguf/: tiny random MoE models built with transformers' own
 classes, converted by llama.cpp's convert_hf_to_gguf.py to F32, then quantized by llama.cpp's
 own `llama-quantize` (Q8_0, Q4_K_M, Q2_K; IQ3_S and IQ2_XS with an importance matrix from its
-`llama-imatrix` on a short text). tests/test_gguf_fixtures.py reads the committed files; CI never
+`llama-imatrix` on a short text). tests/convert/test_gguf_fixtures.py reads the committed files; CI never
 builds llama.cpp.
 
     python tests/make_quantized_fixtures.py [FAMILY ...]

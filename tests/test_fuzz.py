@@ -37,9 +37,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import strata_mlx
+from strata_mlx.config import OptionError
 from strata_mlx.convert.gguf import convert_gguf
-from strata_mlx.options import OptionError
-from strata_mlx.store import StoreError, load_manifest
+from strata_mlx.format.store import StoreError, load_manifest
 
 OURS = (StoreError, OptionError)
 FUZZ = dict(

@@ -22,9 +22,9 @@ from conftest import prompt_ids
 from typer.testing import CliRunner
 
 import strata_mlx
-from strata_mlx.options import OptionError, check_sampling
-from strata_mlx.store import StoreError, load_manifest, load_profile
-from strata_mlx.tokenizer import ChatTemplateError, Tokenizer
+from strata_mlx.config import OptionError, check_sampling
+from strata_mlx.format.store import StoreError, load_manifest, load_profile
+from strata_mlx.generation.tokenizer import ChatTemplateError, Tokenizer
 
 FAMILY = "qwen3_moe"
 
@@ -203,7 +203,7 @@ def test_chat_template_errors(tmp_path):
 def test_a_bad_tokenizer_fails_before_the_arena_is_built(store, tmp_path, monkeypatch):
     path = _copy(store(FAMILY), tmp_path / "s")
     _tokenizer_dir(path, {"chat_template": "{% if %}"})
-    import strata_mlx.loader as loader
+    import strata_mlx.runtime.loader as loader
 
     monkeypatch.setattr(loader, "Arena", None)  # reaching the arena would raise TypeError
     with pytest.raises(StoreError, match="bad chat template"):
@@ -235,14 +235,14 @@ CLI_CASES = [
 
 
 def _cli(*args):
-    from strata_mlx.cli import app
+    from strata_mlx.apps.cli import app
 
     return CliRunner().invoke(app, list(map(str, args)))
 
 
 @pytest.mark.parametrize("args,flag", CLI_CASES, ids=[" ".join(c[0]) for c in CLI_CASES])
 def test_generate_options_out_of_range(store, monkeypatch, args, flag):
-    import strata_mlx.loader as loader
+    import strata_mlx.runtime.loader as loader
 
     monkeypatch.setattr(loader, "load_manifest", None)  # refused before any store is read
     r = _cli("generate", "--model", store(FAMILY), "--prompt-tokens", "1,2", *args)

@@ -192,7 +192,7 @@ def random_blocks(qtype: str, shape: tuple[int, ...], rng, std: float = 0.05):
     from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
-    from strata_mlx.gguf_quants import get_format
+    from strata_mlx.format.gguf_quants import get_format
 
     t = GGMLQuantizationType[qtype]
     bs, ts = GGML_QUANT_SIZES[t]

@@ -12,7 +12,7 @@ import json
 from importlib import resources
 from importlib.abc import Traversable
 
-from ..store import StoreError
+from ..format.store import StoreError
 
 KINDS = {"runtime": "preset", "models": "synthetic shape"}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..store import (
+from ..format.store import (
     DENSE,
     EXPERTS,
     MANIFEST,
@@ -26,7 +26,7 @@ from ..store import (
     remove_dead_temps,
     save_profile,
 )
-from ..tokenizer import TOKENIZER_FILES
+from ..generation.tokenizer import TOKENIZER_FILES
 
 # Plain English prose for the routing profile when the store has a tokenizer.
 CALIBRATION_TEXT = (
@@ -62,7 +62,7 @@ def overwriting(allowed: bool = True):
 
 def store_files() -> set[str]:
     """Names a store directory may hold; anything else is a user's and blocks replacing it."""
-    import strata_mlx.store as store
+    import strata_mlx.format.store as store
 
     names = {MANIFEST, DENSE, EXPERTS, PROFILE, *TOKENIZER_FILES, store.OWNER}
     return names | {getattr(store, "VERIFIED", ".verified.json")}
@@ -132,9 +132,9 @@ def calibrate(
     """Run the finished temporary store over `tokens` calibration tokens; save per-layer counts."""
     if tokens <= 0 or not writer.manifest.moe_layers:
         return
-    from ..generate import forward_chunks
-    from ..loader import load
-    from ..stats import RoutingTrace
+    from ..generation.generate import forward_chunks
+    from ..runtime.loader import load
+    from ..stream.stats import RoutingTrace
 
     path = writer.finalize()
     trace = RoutingTrace()

@@ -32,7 +32,7 @@ What each tensor type becomes (every conversion is lossless unless it says dequa
   MXFP4 (gpt-oss's experts)  the store's {"format": "mxfp4"} records, the same bits with
         the nibbles moved from ggml's block order to ours (repack_mxfp4).
   others (K-quants, IQ*)  experts keep their ggml blocks as {"format": "gguf"} records when
-        strata_mlx.gguf_quants decodes the type; dense tensors are dequantized.
+        strata_mlx.format.gguf_quants decodes the type; dense tensors are dequantized.
 Dense quantized tensors become MLX QuantizedLinear/QuantizedEmbedding with float32 scales
 (the model computes in float32 for files under 2 GiB, float16 above). Expert records keep
 float16 scales (d and m are float16 in the file).
@@ -48,7 +48,7 @@ chat template.
 MoE GGUFs keep each expert's ggml blocks as they are, with each layer's own types (a Q4_K_M
 file's down projection is Q6_K in some layers and Q4_K in others): the store then has
 per-layer record layouts, padded to one record size. Architectures, as llama.cpp's
-convert_hf_to_gguf.py writes them (tests/test_gguf_moe.py runs it): "qwen3moe", "qwen3next"
+convert_hf_to_gguf.py writes them (tests/convert/test_gguf_moe.py runs it): "qwen3moe", "qwen3next"
 (its changes to the delta-net tensors undone: _convert_qwen3next), "olmoe", "glm4moe",
 "deepseek2", "gpt-oss" (MXFP4 experts, biases, sinks: _convert_gpt_oss), and "llama" with
 blk.N.ffn_*_exps tensors, which is Mixtral: a llama GGUF is called dense only when it has no
@@ -72,7 +72,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..store import PROJECTIONS, RecordLayout, StoreError, StoreWriter, save_profile
+from ..format.store import PROJECTIONS, RecordLayout, StoreError, StoreWriter, save_profile
 from .common import CALIBRATION_TEXT, check_output
 
 GGUF_PROJ = {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
@@ -378,9 +378,9 @@ def repack_mxfp4(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def gguf_record_types() -> set[str]:
-    """ggml types the runtime decodes from expert records (strata_mlx.gguf_quants)."""
+    """ggml types the runtime decodes from expert records (strata_mlx.format.gguf_quants)."""
     try:
-        from ..gguf_quants import FORMATS
+        from ..format.gguf_quants import FORMATS
     except ImportError:
         return set()
     return set(FORMATS)
@@ -1018,7 +1018,7 @@ def _convert_llama(
         }
         has_tok = build_tokenizer(g, writer.path, cfg["vocab_size"])
         if E > 1 and calibration_tokens > 0 and has_tok:
-            from ..tokenizer import load_tokenizer
+            from ..generation.tokenizer import load_tokenizer
 
             ids = calibration_ids(load_tokenizer(writer.path), calibration_tokens, g.path)
             fit_routers(dense, g, cfg, ids, n)

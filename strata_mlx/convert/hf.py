@@ -22,10 +22,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..loader import family
+from ..format.quant import expert_tensors, layout_for
+from ..format.store import PROJECTIONS, StoreError, StoreWriter
 from ..models.base import normalize_config
-from ..quant import expert_tensors, layout_for
-from ..store import PROJECTIONS, StoreError, StoreWriter
+from ..runtime.loader import family
 from .common import calibrate, check_output, copy_tokenizer, to_float_dtype
 
 
@@ -293,7 +293,7 @@ def convert_hf(
         # A family whose experts are not SwiGLU names its activation (GPT-OSS).
         layout = layout_for(tensors, table, getattr(model, "expert_activation", None))
     else:
-        from ..store import RecordLayout
+        from ..format.store import RecordLayout
 
         layout = RecordLayout([], {}, 4096)
 
@@ -400,6 +400,6 @@ def _write_experts(
 
 
 def _np(a: mx.array):
-    from ..quant import to_numpy
+    from ..format.quant import to_numpy
 
     return to_numpy(a)

@@ -52,11 +52,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .. import configs
-from ..loader import family
+from ..config import OptionError
+from ..format.quant import layout_for
+from ..format.store import PROJECTIONS, RecordLayout, StoreWriter
 from ..models.base import normalize_config
-from ..options import OptionError
-from ..quant import layout_for
-from ..store import PROJECTIONS, RecordLayout, StoreWriter
+from ..runtime.loader import family
 from .common import calibrate, check_output
 
 

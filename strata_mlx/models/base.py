@@ -1,7 +1,7 @@
 """Pieces every model family shares: config args, caches, masks, activations.
 
 Families live one per file beside this one (mlx-lm's shape). A family's MoE block routes,
-then hands its experts to `strata_mlx.experts.SwitchGLU`; it never holds expert weights.
+then hands its experts to `strata_mlx.runtime.experts.SwitchGLU`; it never holds expert weights.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class BaseModelArgs:
     def from_dict(cls, params: dict[str, Any], source: str = "config", prefix: str = ""):
         """Build from a config dict, checking each field the dataclass declares for type and
         range first: a StoreError `{source}: {prefix}{field}: ...` on the first bad one."""
-        from ..store import StoreError
+        from ..format.store import StoreError
 
         def fail(name: str, msg: str):
             raise StoreError(f"{source}: {prefix}{name}: {msg}")
@@ -207,7 +207,7 @@ class _GrowingCache:
 class KVCache(_GrowingCache):
     """Keys and values grown in steps of 256 positions (as mlx-lm's KVCache).
 
-    Writes go only past `offset`, so rolling a token back (strata_mlx.decode) is setting
+    Writes go only past `offset`, so rolling a token back (strata_mlx.runtime.decode) is setting
     `offset` back; the same holds for QuantizedKVCache."""
 
     step = 256

@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..experts import SwitchGLU
+from ..runtime.experts import SwitchGLU
 from .base import BaseModelArgs, KVCache, RotatingKVCache, causal_mask, swiglu
 from .rope import YarnRoPE as YarnRoPE  # re-exported: gpt_oss imports it
 from .rope import initialize_rope, yarn_attention_scale

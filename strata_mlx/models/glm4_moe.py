@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..experts import SwitchGLU
+from ..runtime.experts import SwitchGLU
 from .base import BaseModelArgs, KVCache, attention, create_attention_mask, swiglu
 from .deepseek_v3 import Router, check_group_routing, keep_float32
 from .rope import initialize_rope

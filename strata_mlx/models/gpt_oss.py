@@ -5,7 +5,7 @@ carry biases and feed a clamped SwiGLU: (clip(up, -l, l) + 1) * g * sigmoid(alph
 g = min(gate, l) (alpha 1.702, l = swiglu_limit), then a biased down projection.
 
 Only the routed experts go through the seam: their weights and biases are one record each
-(`{proj}.bias` components) and the store's layout names the activation (strata_mlx.quant),
+(`{proj}.bias` components) and the store's layout names the activation (strata_mlx.format.quant),
 so the expert cache and its reference path compute them like any other family's.
 
 Sliding-window layers keep every position in their KV cache (a KVCache, like the full layers:
@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..experts import SwitchGLU
+from ..runtime.experts import SwitchGLU
 from .base import BaseModelArgs, KVCache
 from .rope import initialize_rope, rope_kind
 

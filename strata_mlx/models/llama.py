@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..experts import SwitchGLU
+from ..runtime.experts import SwitchGLU
 from .base import BaseModelArgs, KVCache, attention, create_attention_mask
 from .rope import initialize_rope
 

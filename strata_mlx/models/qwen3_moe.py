@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..experts import SwitchGLU
+from ..runtime.experts import SwitchGLU
 from .base import BaseModelArgs, KVCache, attention, create_attention_mask, swiglu, top_k_route
 
 # Where the checkpoint keeps layer l's experts, and each projection's name there.

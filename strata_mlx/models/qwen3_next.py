@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..experts import SwitchGLU
+from ..runtime.experts import SwitchGLU
 from .base import (
     ArraysCache,
     BaseModelArgs,

@@ -1,0 +1,417 @@
+"""`strata-mlx bench`: read-ahead policies side by side on one store, in one run.
+
+mlx-lm's `-p 2048 -g 128` convention: a random prompt of p tokens is prefilled in chunks, then
+g tokens are decoded. Each policy runs cold (a fresh arena; reads are direct, so the page
+cache holds no experts) and then warm (the same prompt again on the arena the cold run left).
+Policies are interleaved in A/B rounds, rotating the order each round, because this machine's
+drive and cores are shared and noisy: only ratios measured side by side mean anything.
+
+Floors: the SSD floor of a chunk is its bytes read over the drive's own probe bandwidth
+(probe-ssd at the same worker count); the compute floor is the same chunk in fake-stream mode
+(every expert counts as resident). A chunk can be no faster than the larger of the two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..config import OptionError
+from ..format.store import EXPERTS, load_manifest, write_text_atomic
+from ..generation.generate import generate_step, make_sampler
+from ..runtime.loader import RuntimeConfig, load
+from ..stream.stats import ExpertStats
+
+
+@dataclass
+class Run:
+    policy: str
+    phase: str  # cold | warm
+    chunks: list[ExpertStats] = field(default_factory=list)
+    decode: ExpertStats | None = None
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+    layers: dict | None = None  # bench --plot: per-layer counts (strata_mlx.plots)
+    ranks: list[dict] | None = None  # bench --pipeline: each rank's share (strata_mlx.distributed)
+
+
+def _drop_page_cache(store: Path) -> bool:
+    """Evict the store's own files from the page cache (posix_fadvise DONTNEED on each); the
+    rest of the machine's cache is left alone (this used to write /proc/sys/vm/drop_caches,
+    which as root dropped every process's cache). False where the OS has no fadvise (macOS:
+    reads there are F_NOCACHE, so experts do not enter the cache anyway)."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    ok = True
+    for f in sorted(p for p in Path(store).iterdir() if p.is_file()):
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            ok = False
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            ok = False
+        finally:
+            os.close(fd)
+    return ok
+
+
+def policy_options(policy: str) -> dict:
+    """RuntimeConfig fields of a bench policy name: a read-ahead policy, optionally with
+    ":always" (lookahead predicts in decode too), ":dN" (N layers predicted ahead), ":sync"
+    or ":loop" (the scheduler), ":lwN" (the loop's low-water mark), ":sN" (split reads, parts
+    of N KB; s0 whole), ":ioN" (N reader workers), ":nv" (records not verified), ":ov0" / ":ov1" (the reader's overlap off / on), ":dc0" / ":dc1" (CUDA: the CPU
+    or the copy engine moves reads into the arena) and an eviction policy (":lru", ":lfu"...)."""
+    from ..stream.arena import POLICIES
+
+    name, *variants = policy.split(":")
+    out: dict = {"read_ahead": name}  # the name is checked with the rest (check_runtime)
+    for v in variants:
+        if v == "always":
+            out["lookahead_decode_min_miss"] = 0.0
+        elif v[:1] == "d" and v[1:].isdigit():
+            out["lookahead_depth"] = int(v[1:])
+        elif v in ("sync", "loop"):
+            out["scheduler"] = v
+        elif v[:2] == "lw" and v[2:].isdigit():
+            out["scheduler_low_water"] = int(v[2:])
+        elif v[:1] == "s" and v[1:].isdigit():
+            out["read_split_kb"] = int(v[1:])
+        elif v[:2] == "io" and v[2:].isdigit():
+            out["io_workers"] = int(v[2:])
+        elif v == "nv":
+            out["verify"] = False
+        elif v in ("ov0", "ov1"):
+            out["read_overlap"] = v == "ov1"
+        elif v in ("dc0", "dc1"):
+            out["device_copy"] = v == "dc1"
+        elif v in POLICIES:
+            out["eviction"] = v
+        else:
+            raise OptionError(
+                f"policy {policy!r}: unknown variant {v!r} (always | dN | sync | loop | lwN | "
+                f"sN | ioN | nv | ov0 | ov1 | dc0 | dc1 | {' | '.join(sorted(POLICIES))})"
+            )
+    return out
+
+
+def _run(model, ids: list[int], gen: int, step: int, policy: str, phase: str, layers=None) -> Run:
+    """Prefill `ids` in chunks of `step`, then decode `gen` tokens greedily as generate does
+    (the decode time runs from the first generated token, the prefill's, to the last).
+    `layers` (plots.LayerCounts) is cut where the chunks' and decode's stats are taken."""
+    run = Run(policy, phase)
+    ec = model.expert_cache
+
+    def chunk_done(chunk: ExpertStats) -> None:
+        run.chunks.append(chunk)
+        if layers is not None:
+            layers.cut("prefill")
+
+    steps = generate_step(
+        model, mx.array(ids), gen + 1, make_sampler(0.0), step, on_chunk=chunk_done
+    )
+    next(steps)  # the prefill and the first token
+    if layers is not None:
+        layers.cut("first")  # the last prompt token's forward: in no chunk, not decode
+    before = ec.stats.copy()
+    t = time.perf_counter()
+    for _ in steps:
+        pass
+    run.decode_s = time.perf_counter() - t
+    run.decode = ec.stats.minus(before)
+    if layers is not None:
+        layers.cut("decode")
+    run.decode.wall_s = run.decode_s
+    run.decode_tokens = gen
+    return run
+
+
+def bench(
+    path: str | Path,
+    prompt_tokens: int = 2048,
+    gen_tokens: int = 128,
+    arena_gb: float | None = None,
+    prefill_step_size: int = 1024,
+    policies: tuple[str, ...] = ("demand", "static", "lookahead"),
+    repeats: int = 1,
+    io_workers: int = 8,
+    static_cap: int = 256,
+    probe_seconds: float = 2.0,
+    seed: int = 0,
+    log=print,
+    eviction: str = "lru",
+    baseline: str | None = None,
+    plot: str | Path | None = None,
+    pipeline=None,
+) -> dict:
+    """Every policy cold then warm; with `baseline="mlx-lm"`, then mlx-lm's own model and
+    strata-mlx's on the same prompt, side by side (strata_mlx.baseline). `pipeline` (a
+    function that returns a fresh strata_mlx.distributed.Pipeline): every load is pipelined,
+    each run adds its ranks' figures; ranks other than 0 serve and return {}."""
+    path = Path(path)
+    if pipeline is not None and (baseline is not None or plot is not None):
+        raise OptionError("--pipeline: --baseline and --plot are not pipelined")
+    if baseline not in (None, "mlx-lm"):
+        raise OptionError(f"--baseline {baseline}: the one baseline is mlx-lm")
+    if baseline is not None:
+        from .baseline import check_runnable
+
+        check_runnable(path)  # fail before the runs, not after them
+    m = load_manifest(path)
+    vocab = m.config["vocab_size"]
+    ids = np.random.default_rng(seed).integers(0, vocab, size=prompt_tokens).tolist()
+    base = RuntimeConfig().replace(
+        arena_gb=arena_gb,
+        io_workers=io_workers,
+        prefill_step_size=prefill_step_size,
+        static_cap=static_cap,
+        eviction=eviction,
+    )
+
+    fake_cfg = base.replace(read_ahead="demand", fake_stream=True)
+    rounds = [list(policies[r % len(policies) :]) + list(policies[: r % len(policies)])
+              for r in range(repeats)]  # fmt: skip
+    if pipeline is not None and pipeline().rank != 0:
+        from ..runtime.distributed import serve_loads
+
+        configs = [base.replace(**policy_options(p)) for order in rounds for p in order]
+        serve_loads(path, [fake_cfg] + configs, pipeline, lambda: _drop_page_cache(path))
+        return {}
+
+    def load_model(cfg):
+        model, _ = load(path, config=cfg, pipeline=pipeline() if pipeline else None)
+        if hasattr(model, "rank_stats"):
+            model.wait_ready()
+        return model
+
+    def run_ranked(model, ids, policy, phase, layers=None) -> Run:
+        ranked = hasattr(model, "rank_stats")
+        before = model.rank_stats() if ranked else None
+        t = time.perf_counter()
+        run = _run(model, ids, gen_tokens, prefill_step_size, policy, phase, layers)
+        if ranked:
+            from ..runtime.distributed import rank_figures
+
+            run.ranks = rank_figures(before, model.rank_stats(), time.perf_counter() - t)
+        return run
+
+    def log_ranks(run: Run) -> None:
+        from ..runtime.distributed import rank_figure_line
+
+        for f in run.ranks or []:
+            log(rank_figure_line(f))
+
+    def close(model) -> None:
+        if hasattr(model, "rank_stats"):
+            model.close()  # the other ranks stop serving this load
+        model.expert_cache.close()
+
+    from ..stream.probe import probe_ssd
+
+    probe = probe_ssd(
+        path / EXPERTS,
+        record_bytes=m.layout.record_bytes,
+        workers_list=(io_workers,),
+        seconds=probe_seconds,
+    )[0]
+    ssd_gbps = probe["gb_per_s"]
+    log(f"probe-ssd: {ssd_gbps:.2f} GB/s at {io_workers} workers (direct={probe['direct']})")
+    from ..stream.probe import probe_data_path
+
+    path_probe = probe_data_path(
+        path, m, workers=io_workers, seconds=probe_seconds, overlap=base.read_overlap,
+        device_copy=None if base.device_copy else False,
+    )  # fmt: skip
+    path_gbps = path_probe["gb_per_s"]
+    log(
+        f"data path into the arena: {path_gbps:.2f} GB/s, "
+        f"{100 * path_gbps / ssd_gbps if ssd_gbps else 0:.0f}% of probe-ssd "
+        f"(verified, bounce={path_probe['bounce']}, device copy={path_probe['device_copy']})"
+    )
+
+    model = load_model(fake_cfg)
+    # Warm-up: the first pass compiles kernels (MLX CUDA JITs them), which no run should pay.
+    _run(model, ids[: min(len(ids), prefill_step_size + 1)], 2, prefill_step_size, "warmup", "-")
+    fake = run_ranked(model, ids, "fake-stream", "compute")
+    close(model)
+    del model
+    log(
+        f"compute floor (fake-stream): {_mean([c.wall_s for c in fake.chunks]) * 1e3:.0f} ms/chunk, "
+        f"decode {fake.decode_tokens / fake.decode_s:.2f} tok/s"
+    )
+    log_ranks(fake)
+
+    runs: list[Run] = []
+    for order in rounds:
+        for policy in order:
+            dropped = _drop_page_cache(path)
+            model = load_model(base.replace(**policy_options(policy)))
+            arena = model.expert_cache.arena
+            layers = None
+            if plot is not None:
+                from .plots import LayerCounts
+
+                layers = LayerCounts(model.expert_cache)
+            for phase in ("cold", "warm"):
+                run = run_ranked(model, ids, policy, phase, layers)
+                runs.append(run)
+                if plot is not None:
+                    run.layers = layers.take()
+                log(
+                    _line(run, fake, ssd_gbps, path_gbps)
+                    + ("" if dropped or phase == "warm" else " (store's pages not evicted)")
+                )
+                log_ranks(run)
+            close(model)
+            del model
+    result = {
+        "store": str(path),
+        "expert_gb": m.expert_bytes / 1e9,
+        "arena_gb": arena.nbytes / 1e9,
+        "prompt_tokens": prompt_tokens,
+        "gen_tokens": gen_tokens,
+        "prefill_step_size": prefill_step_size,
+        "ssd_gbps": ssd_gbps,
+        "data_path_gbps": path_gbps,
+        "compute_chunk_s": _mean([c.wall_s for c in fake.chunks]),
+        "compute_decode_tps": fake.decode_tokens / fake.decode_s,
+        "runs": [_summary(run, fake, ssd_gbps, path_gbps) for run in runs],
+    }
+    if fake.ranks is not None:
+        result["compute_ranks"] = fake.ranks
+        for row, run in zip(result["runs"], runs):
+            row["ranks"] = run.ranks
+    if plot is not None:
+        from .plots import figures, plot_bench
+
+        result["plot"] = figures(runs, fake, ssd_gbps)
+        plot_bench(result, plot)
+    if baseline is not None:
+        from .baseline import compare
+
+        result["baseline"] = compare(path, ids, gen_tokens, prefill_step_size, base, log=log)
+    return result
+
+
+def _mean(xs) -> float:
+    return float(np.mean(xs)) if len(xs) else 0.0
+
+
+def _total(chunks: list[ExpertStats]) -> ExpertStats:
+    t = ExpertStats()
+    for c in chunks:
+        t.add(c)
+    return t
+
+
+def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> dict:
+    """One run's figures. Floors: ssd (bytes over probe-ssd), read (bytes over the data path's
+    own probe: what the engine can get into its arena), compute (fake-stream); decode's floor
+    is max(compute, bytes a token over the data path)."""
+    p = _total(run.chunks)
+    n = max(len(run.chunks), 1)
+    compute_floor = _mean([c.wall_s for c in fake.chunks])
+    ssd_floor = (p.bytes_read / n) / (ssd_gbps * 1e9) if ssd_gbps > 0 else 0.0
+    read_floor = (p.bytes_read / n) / (path_gbps * 1e9) if path_gbps > 0 else 0.0
+    chunk_s = p.wall_s / n
+    d = run.decode
+    per_tok = max(run.decode_tokens, 1)
+    decode_compute = fake.decode_s / fake.decode_tokens if fake.decode_tokens else 0.0
+    decode_read = d.bytes_read / per_tok / (path_gbps * 1e9) if path_gbps > 0 else 0.0
+    decode_floor = max(decode_compute, decode_read)
+    decode_s = run.decode_s / per_tok
+    return {
+        "policy": run.policy,
+        "phase": run.phase,
+        "chunk_ms": chunk_s * 1e3,
+        "prefill_tps": p.tokens / p.wall_s if p.wall_s else 0.0,
+        "streamed_ahead_pct": p.streamed_ahead_pct,
+        "miss_pct": p.miss_pct,
+        "exposed_wait_ms_per_chunk": p.exposed_wait_s / n * 1e3,
+        "experts_read_per_chunk": p.experts_read / n,
+        "wasted_readahead": p.wasted_readahead,
+        "dropped_readahead": p.readahead_dropped,
+        "gb_read": p.gb_read,
+        "gb_per_s": p.bytes_read / p.wall_s / 1e9 if p.wall_s else 0.0,
+        "ssd_floor_ms": ssd_floor * 1e3,
+        "compute_floor_ms": compute_floor * 1e3,
+        "floor_ratio": chunk_s / max(ssd_floor, compute_floor)
+        if max(ssd_floor, compute_floor)
+        else 0.0,
+        "read_floor_ms": read_floor * 1e3,
+        "path_floor_ratio": chunk_s / max(read_floor, compute_floor)
+        if max(read_floor, compute_floor)
+        else 0.0,
+        "decode_floor_ms": decode_floor * 1e3,
+        "decode_floor_ratio": decode_s / decode_floor if decode_floor else 0.0,
+        "decode_tps": run.decode_tokens / run.decode_s if run.decode_s else 0.0,
+        "decode_ms_per_token": run.decode_s / per_tok * 1e3,
+        "decode_wait_ms_per_token": d.exposed_wait_s / per_tok * 1e3,
+        "decode_sync_ms_per_token": d.route_sync_s / per_tok * 1e3,
+        "decode_host_ms_per_token": d.host_s / per_tok * 1e3,
+        "decode_miss_pct": d.miss_pct,
+        "decode_streamed_ahead_pct": d.streamed_ahead_pct,
+        "decode_gb_read": d.gb_read,
+        # the scheduler's loop thread: GIL time, and reads it added when the queue ran low
+        "loop_ms_per_chunk": p.loop_s / n * 1e3,
+        "topped_up_per_chunk": p.topped_up / n,
+        "decode_loop_ms_per_token": d.loop_s / per_tok * 1e3,
+    }
+
+
+def _line(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> str:
+    s = _summary(run, fake, ssd_gbps, path_gbps)
+    return (
+        f"{s['policy']:>9} {s['phase']}: prefill {s['chunk_ms']:.0f} ms/chunk ({s['prefill_tps']:.1f} tok/s), "
+        f"ahead {s['streamed_ahead_pct']:.1f}% miss {s['miss_pct']:.1f}% wait {s['exposed_wait_ms_per_chunk']:.0f} ms, "
+        f"read {s['experts_read_per_chunk']:.0f}/chunk wasted {s['wasted_readahead']} {s['gb_per_s']:.2f} GB/s, "
+        f"loop {s['loop_ms_per_chunk']:.1f} ms topped up {s['topped_up_per_chunk']:.0f}/chunk, "
+        f"x{s['floor_ratio']:.2f} of floor (ssd {s['ssd_floor_ms']:.0f} ms, compute {s['compute_floor_ms']:.0f} ms), "
+        f"x{s['path_floor_ratio']:.2f} of the data path's (read {s['read_floor_ms']:.0f} ms) | "
+        f"decode {s['decode_tps']:.2f} tok/s (wait {s['decode_wait_ms_per_token']:.1f}, sync {s['decode_sync_ms_per_token']:.1f}, "
+        f"host {s['decode_host_ms_per_token']:.1f} ms/tok; miss {s['decode_miss_pct']:.1f}%), "
+        f"x{s['decode_floor_ratio']:.2f} of its floor ({s['decode_floor_ms']:.1f} ms)"
+    )
+
+
+def markdown_table(result: dict) -> str:
+    cols = [
+        "policy",
+        "phase",
+        "chunk_ms",
+        "prefill_tps",
+        "streamed_ahead_pct",
+        "miss_pct",
+        "exposed_wait_ms_per_chunk",
+        "experts_read_per_chunk",
+        "wasted_readahead",
+        "gb_per_s",
+        "floor_ratio",
+        "path_floor_ratio",
+        "decode_tps",
+        "decode_wait_ms_per_token",
+        "decode_sync_ms_per_token",
+        "decode_miss_pct",
+        "decode_floor_ratio",
+    ]
+    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
+    rows = []
+    for r in result["runs"]:
+        rows.append(
+            "| "
+            + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols)
+            + " |"
+        )
+    return head + "\n".join(rows)
+
+
+def save(result: dict, path: str | Path) -> None:
+    write_text_atomic(path, json.dumps(result, indent=1))

@@ -1,0 +1,450 @@
+"""Generation: chunked prefill, decode, sampling; `stream_generate` and `generate`.
+
+Shapes follow mlx-lm: `stream_generate` is a generator of GenerationResponse objects and the
+CLI is a thin shell over it. Each response also carries the expert cache's statistics.
+This module never touches the disk; the expert cache behind the model does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from ..config import OptionError, check_prompt_length, check_sampling
+from ..runtime import decode
+from ..stream.stats import ExpertStats
+from .prompt_cache import KVOptions, make_prompt_cache, maybe_quantize, quantize_due
+from .sampling import LogitsProcessor, Sampler, make_sampler  # make_sampler lived here
+
+
+@dataclass
+class GenerationResponse:
+    text: str
+    token: int | None
+    logprobs: mx.array | None
+    from_draft: bool
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None = None
+    expert_stats: ExpertStats | None = None  # whole generation so far
+    prefill_stats: ExpertStats | None = None
+    chunks: list[ExpertStats] = field(default_factory=list)  # per prefill chunk
+
+
+def forward_chunks(
+    model,
+    tokens: mx.array,
+    cache: list,
+    step: int,
+    on_logits: Callable[[mx.array], None] | None = None,
+    on_chunk: Callable[[ExpertStats], None] | None = None,
+    kv: KVOptions | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> None:
+    """The one loop over a prompt: `tokens` [T] through `model` in chunks of `step`
+    positions, extending `cache`. Prefill, teacher-forced logits, the converter's calibration
+    and baseline's parity logits all run it. After each chunk's forward: with `kv`, layers
+    past `kv.quantized_kv_start` quantized; the cache evaluated, and the chunk's logits
+    [1, n, vocab] with it when `on_logits` takes them (before the next forward, which may
+    release the expert slots they were computed from); `on_chunk` gets the chunk's expert
+    statistics; `on_progress` the positions done so far (it may raise to stop between
+    chunks: nothing is in flight then). Logits no hook takes are never computed."""
+    expert_cache = getattr(model, "expert_cache", None) if on_chunk is not None else None
+    for i in range(0, tokens.shape[0], step):
+        n = min(step, tokens.shape[0] - i)
+        before = expert_cache.stats.copy() if expert_cache is not None else None
+        t = time.perf_counter()
+        logits = model(tokens[None, i : i + n], cache=cache)
+        maybe_quantize(cache, kv)
+        state = [s for c in cache for s in c.state]
+        mx.eval(state if on_logits is None else [logits, state])
+        if on_logits is not None:
+            on_logits(logits)
+        if expert_cache is not None:
+            chunk = expert_cache.stats.minus(before)
+            chunk.wall_s = time.perf_counter() - t
+            chunk.tokens = n
+            chunk.compute_s = chunk.wall_s - chunk.exposed_wait_s
+            on_chunk(chunk)
+        if on_progress is not None:
+            on_progress(i + n)
+
+
+def prefill(
+    model,
+    prompt: mx.array,
+    cache,
+    step: int,
+    on_chunk=None,
+    kv: KVOptions | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> mx.array:
+    """Run all prompt tokens but the last in chunks of `step`; return the remainder. With
+    `kv.kv_bits`, layers past `kv.quantized_kv_start` are quantized after each chunk."""
+    n = max(prompt.shape[0] - 1, 0)
+    forward_chunks(
+        model, prompt[:n], cache, step, on_chunk=on_chunk, kv=kv, on_progress=on_progress
+    )
+    return prompt[n:]
+
+
+def generate_step(
+    model,
+    prompt: mx.array,
+    max_tokens: int = 256,
+    sampler=None,
+    prefill_step_size: int | None = None,
+    on_chunk=None,
+    logits_processors: list[LogitsProcessor] | None = None,
+    prompt_cache: list | None = None,
+    cached_tokens: list[int] | None = None,
+    kv: KVOptions | None = None,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
+) -> Generator[tuple[int, mx.array], None, None]:
+    """Yield (token, logprobs) pairs; the prompt is prefilled in chunks first.
+    `logits_processors` (mlx-lm's) change each step's logits before they are normalised;
+    they see the tokens so far, the prompt's included.
+
+    `prompt_cache` (strata_mlx.generation.prompt_cache) is the state after `cached_tokens`: `prompt`
+    continues it, and the cache is extended in place. When the generator ends or is closed,
+    the cache covers the prompt and every yielded token but the last, all verified (a token
+    built ahead and not yet checked is rolled back). `kv` shapes a new cache (rotating,
+    quantized). `prompt_progress_callback(done, total)` is mlx-lm's: called with 0 before the
+    prompt, after each prefill chunk, and with `total` once the first token's logits are in;
+    an exception it raises between chunks stops the generation there (the server's cancel)."""
+    sampler = sampler or make_sampler()
+    total = prompt.shape[0]
+    progress = prompt_progress_callback or (lambda *_: None)
+    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, kv)
+    chunk = (
+        prefill_step_size
+        or getattr(getattr(model, "runtime", None), "prefill_step_size", None)
+        or 512
+    )
+    expert_cache = getattr(model, "expert_cache", None)
+    # Nothing of an earlier generation is in flight (it ended, or was closed and its token
+    # built ahead rolled back), nor of the prefill once its chunks are evaluated: what they
+    # left in the expert cache (busy layers, the last handshake's pins) is released.
+    _idle(expert_cache)
+    progress(0, total)
+    y = prefill(model, prompt, cache, chunk, on_chunk, kv, lambda done: progress(done, total))
+    _idle(expert_cache)
+
+    context = prompt  # the tokens so far, for logits_processors
+    if cached_tokens:
+        context = mx.concatenate([mx.array(cached_tokens, dtype=prompt.dtype), prompt])
+
+    def sample(logits):
+        logits = logits[:, -1, :]
+        for processor in logits_processors or ():
+            logits = processor(context, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return sampler(logprobs), logprobs.squeeze(0)
+
+    dec = decode.decoder_of(model)
+    with _phase(expert_cache, decoding=False):
+        step = _start(model, dec, y[None], cache)
+    later = None
+    with _phase(expert_cache, decoding=True):
+        try:
+            for n in range(max_tokens):
+                rng = mx.random.state[0]  # the key this token's sample draws from
+                token, logprobs = sample(step.logits)
+                # The next token is built on this one before this one is verified, while the
+                # device computes it (decode "token" mode; mlx-lm's generate_step overlaps alike).
+                # Not when the KV cache is to be quantized after this token: a miss recomputes
+                # this token, which must find the cache it was first built on.
+                later = None
+                ahead = n + 1 < max_tokens and not quantize_due(cache, kv)
+                if dec is not None and ahead and dec.mode() == "token":
+                    later = dec.start(token[None], cache)
+                if dec is not None and not dec.finish(step, later):
+                    # A layer missed: the logits were recomputed and `later` discarded. Sample
+                    # again from the same key, so the tokens equal the per-layer-sync path's.
+                    mx.random.seed(_seed_of(rng))
+                    token, logprobs = sample(step.logits)
+                    later = None
+                mx.eval(token)
+                _count_mode(expert_cache, step)
+                t = token.item()
+                if logits_processors:
+                    context = mx.concatenate([context, token.astype(context.dtype)])
+                if n == 0:
+                    progress(total, total)
+                yield t, logprobs
+                if n + 1 == max_tokens:
+                    break
+                if later is None:
+                    maybe_quantize(cache, kv)  # after a model call, before the next (mlx-lm's)
+                step, later = later or _start(model, dec, mx.array([[t]]), cache), None
+        finally:
+            if later is not None:  # closed at a yield: the token built ahead was never checked
+                dec.discard(later)
+
+
+def _phase(expert_cache, decoding: bool):
+    """The expert cache's prefill or decode phase; nothing for a model without one."""
+    return nullcontext() if expert_cache is None else expert_cache.phase(decoding)
+
+
+def _idle(expert_cache) -> None:
+    if expert_cache is not None:
+        expert_cache.idle()
+
+
+class _Done:
+    """A forward without a pipelined decoder: nothing left to verify (the per-layer
+    handshake ran it, predicting as decode lookahead did then)."""
+
+    begun = "sync"
+
+    def __init__(self, logits, predicting: bool):
+        self.logits = logits
+        self.predicting = predicting
+
+
+def _count_mode(expert_cache, step) -> None:
+    """One token's logits are final: count the decoder mode it was begun in (a token built
+    ahead and discarded counts once, as the token it was rebuilt as)."""
+    if expert_cache is None:
+        return
+    st = expert_cache.stats
+    name = f"{step.begun}_mode_tokens"
+    setattr(st, name, getattr(st, name) + 1)
+    st.predicting_tokens += step.predicting
+
+
+def _start(model, dec, tokens, cache):
+    if dec is None:
+        ec = getattr(model, "expert_cache", None)
+        predicting = ec is not None and ec._predicts_in_decode()
+        return _Done(model(tokens, cache=cache), predicting)
+    return dec.start(tokens, cache)
+
+
+def _seed_of(key: mx.array) -> int:
+    """The seed that makes `key` ([2] uint32) the global random key again."""
+    hi, lo = (int(v) for v in key.tolist())
+    return (hi << 32) | lo
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: str | list[int],
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    prefill_step_size: int | None = None,
+    stop: list[str] | None = None,
+    sampler: Sampler | None = None,
+    logits_processors: list[LogitsProcessor] | None = None,
+    prompt_cache: list | None = None,
+    cached_tokens: list[int] | None = None,
+    max_kv_size: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
+) -> Generator[GenerationResponse, None, None]:
+    """Generate from `prompt` (text, or token ids), yielding one response per token.
+    `sampler` and `logits_processors` (strata_mlx.generation.sampling) replace the sampler built from
+    `temp` and `top_p`. `prompt_cache` (covering `cached_tokens`, e.g. from
+    strata_mlx.generation.prompt_cache.load_prompt_cache) is continued by `prompt` and extended in
+    place; `prompt_tokens` and `prompt_tps` then count the new tokens only, as mlx-lm's.
+    `max_kv_size`, `kv_bits`, `kv_group_size`, `quantized_kv_start` and
+    `prompt_progress_callback` (generate_step) are mlx-lm's."""
+    check_sampling(max_tokens, temp, top_p, seed)
+    kv = KVOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
+    kv.check()
+    if seed is not None:
+        mx.random.seed(seed)
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise OptionError("this store has no tokenizer: pass token ids")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+    if not ids:
+        raise OptionError("empty prompt")
+    vocab = model.args.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        raise OptionError(f"prompt token ids must lie in [0, {vocab})")
+    check_prompt_length(
+        len(ids) + len(cached_tokens or ()), getattr(model.args, "max_position_embeddings", None)
+    )
+    eos = tokenizer.eos_token_ids if tokenizer is not None else set()
+    detok = tokenizer.detokenizer() if tokenizer is not None else None
+    expert_cache = getattr(model, "expert_cache", None)
+    start_stats = expert_cache.stats.copy() if expert_cache else ExpertStats()
+    chunks: list[ExpertStats] = []
+    mx.reset_peak_memory()
+    tic = start = time.perf_counter()
+    prefill_stats = None
+    text = ""
+    emitted = 0  # characters of `text` already yielded
+    n = 0
+    prompt_tps = 0.0
+    for n, (token, logprobs) in enumerate(
+        generate_step(
+            model,
+            mx.array(ids),
+            max_tokens,
+            sampler or make_sampler(temp, top_p),
+            prefill_step_size,
+            on_chunk=chunks.append,
+            logits_processors=logits_processors,
+            prompt_cache=prompt_cache,
+            cached_tokens=cached_tokens,
+            kv=kv,
+            prompt_progress_callback=prompt_progress_callback,
+        )
+    ):
+        if n == 0:
+            prompt_time = time.perf_counter() - tic
+            prompt_tps = len(ids) / prompt_time
+            tic = time.perf_counter()
+            if expert_cache:
+                prefill_stats = expert_cache.stats.minus(start_stats)
+                prefill_stats.wall_s = prompt_time
+                prefill_stats.tokens = len(ids)
+        finish = None
+        if token in eos:
+            finish = "stop"
+        elif detok is not None:
+            text += detok.add(token)
+        end = len(text)
+        if stop and finish != "stop":
+            hit = _find_stop(text, stop)
+            if hit is not None:
+                text, end, finish = text[:hit], hit, "stop"
+            else:
+                end = len(text) - stop_holdback(text, stop)  # might still become a stop string
+        if finish is None and n + 1 == max_tokens:
+            finish = "length"
+        if finish is not None:
+            end = len(text)
+        segment, emitted = text[emitted:end], end
+        stats = None
+        if expert_cache:
+            stats = expert_cache.stats.minus(start_stats)
+            stats.wall_s = (
+                time.perf_counter() - tic + (prefill_stats.wall_s if prefill_stats else 0)
+            )
+            stats.tokens = len(ids) + n + 1
+        elapsed = time.perf_counter() - tic
+        yield GenerationResponse(
+            text=segment,
+            token=token,
+            logprobs=logprobs,
+            from_draft=False,
+            prompt_tokens=len(ids),
+            prompt_tps=prompt_tps,
+            generation_tokens=n + 1,
+            generation_tps=(n + 1) / elapsed if elapsed > 0 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+            expert_stats=stats,
+            prefill_stats=prefill_stats,
+            chunks=chunks,
+        )
+        if finish is not None:
+            break
+    if expert_cache is not None:  # the session's running totals get time and tokens too
+        expert_cache.stats.wall_s += time.perf_counter() - start
+        expert_cache.stats.tokens += len(ids) + n + 1
+
+
+def stop_holdback(text: str, stop: list[str]) -> int:
+    """Length of the longest end of `text` that begins some stop string: that much may still
+    become a stop sequence, so streaming holds it back."""
+    best = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+def _find_stop(text: str, stop: list[str]) -> int | None:
+    hits = [text.find(s) for s in stop if s and s in text]
+    return min(hits) if hits else None
+
+
+def generate(model, tokenizer, prompt: str | list[int], verbose: bool = False, **kwargs) -> str:
+    """The whole completion as a string (mlx-lm's generate)."""
+    text = ""
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(last.text, end="", flush=True)
+        text += last.text
+    if verbose and last is not None:
+        print()
+        print(summary(last))
+    return text
+
+
+def summary(r: GenerationResponse) -> str:
+    """mlx-lm's closing lines, then the expert cache's."""
+    lines = [
+        "=" * 10,
+        f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec",
+        f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec",
+        f"Peak memory: {r.peak_memory:.3f} GB",
+    ]
+    s = r.expert_stats
+    if s is not None:
+        lines.append(
+            f"Experts: hit rate {100 * s.hit_rate:.1f}% (streamed ahead {s.streamed_ahead_pct:.1f}%, "
+            f"misses {s.miss_pct:.1f}%), {s.experts_read} read, {s.gb_read:.3f} GB at "
+            f"{s.gb_per_s:.2f} GB/s, exposed wait {s.exposed_wait_s * 1e3:.0f} ms"
+        )
+    return "\n".join(lines)
+
+
+def cache_prompt(
+    model,
+    ids: list[int],
+    kv: KVOptions | None = None,
+    prefill_step_size: int | None = None,
+    on_chunk=None,
+    prompt_cache: list | None = None,
+) -> list:
+    """The cache after every token of `ids` (mlx-lm's cache_prompt: the last token is run
+    too), continuing `prompt_cache` if given; evaluated."""
+    if not ids:
+        raise OptionError("empty prompt")
+    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, kv)
+    step = prefill_step_size or getattr(model.runtime, "prefill_step_size", None) or 512
+    expert_cache = getattr(model, "expert_cache", None)
+    with _phase(expert_cache, decoding=False):
+        y = prefill(model, mx.array(ids), cache, step, on_chunk, kv)
+        model(y[None], cache=cache)
+    maybe_quantize(cache, kv)
+    mx.eval([s for c in cache for s in c.state])
+    return cache
+
+
+def teacher_forced_logits(model, ids: list[int], step: int | None = None) -> np.ndarray:
+    """float32 [T, vocab] logits of every prompt position (prefilled in chunks of `step`)."""
+    step = step or getattr(getattr(model, "runtime", None), "prefill_step_size", None) or 512
+    out = []
+    forward_chunks(
+        model,
+        mx.array(ids),
+        model.make_cache(),
+        step,
+        on_logits=lambda logits: out.append(np.array(logits[0].astype(mx.float32))),
+    )
+    return np.concatenate(out, axis=0)

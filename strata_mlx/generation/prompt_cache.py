@@ -1,0 +1,337 @@
+"""Prompt caches: the KV and recurrent state a generation runs on, made, quantized, saved,
+loaded and kept for reuse.
+
+Owns which cache objects a generation uses (`make_prompt_cache`: the family's own, rotating
+with `--max-kv-size`, quantized from `--quantized-kv-start` on with `--kv-bits`, as mlx-lm's
+flags), the file a saved cache lives in, and the server's in-memory caches of the last
+conversations (`PromptCacheLRU`). The cache classes themselves are in models/base.py.
+Never runs the model (strata_mlx.generation.generate does) and never reads expert records.
+
+A saved cache is one .safetensors file: per layer `<layer>.<name>` arrays (a layer's cache
+class says which: `keys`, `values`, `keys.codes`, `0`, ...) and, as its string metadata,
+`format` ("strata-mlx prompt cache"), `version`, `layers` (JSON: per layer its class and
+integers: offset, ring position, quantization), `tokens` (JSON: the token ids the state
+covers), `store` (the store's path when saved), `store_id` (sha256 of its manifest.json:
+the model's identity), `model_type`, `experts_per_token` and `chat_template_config`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from ..config import OptionError, check_choice, check_int
+from ..format.store import write_atomic
+from ..models.base import CACHE_TYPES, KVCache, RotatingKVCache
+
+FORMAT = "strata-mlx prompt cache"
+VERSION = 1
+KEEP = 4  # positions a rotating cache never drops (mlx-lm's keep for --max-kv-size)
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize takes
+KV_GROUP_SIZES = (32, 64, 128)
+DEFAULT_QUANTIZED_KV_START = 5000  # mlx-lm's
+
+
+class PromptCacheError(ValueError):
+    """A prompt cache file that cannot be used: one line naming the file."""
+
+
+@dataclass
+class KVOptions:
+    """The KV cache's shape for a generation (mlx-lm's flags of the same names)."""
+
+    max_kv_size: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
+
+    def check(self, cli: bool = False) -> None:
+        if self.max_kv_size is not None:
+            check_int("max_kv_size", self.max_kv_size, KEEP + 1, cli=cli)
+        if self.kv_bits is not None:
+            check_choice("kv_bits", self.kv_bits, KV_BITS, cli=cli)
+        check_choice("kv_group_size", self.kv_group_size, KV_GROUP_SIZES, cli=cli)
+        check_int("quantized_kv_start", self.quantized_kv_start, 0, cli=cli)
+        if self.max_kv_size is not None and self.kv_bits is not None:
+            flags = ("--max-kv-size", "--kv-bits") if cli else ("max_kv_size", "kv_bits")
+            raise OptionError(f"{flags[0]} and {flags[1]}: a rotating cache is not quantized")
+
+
+def make_prompt_cache(model, kv: KVOptions | None = None, cli: bool = False) -> list:
+    """The model's cache for a new generation: its family's (`make_cache`), or with
+    `max_kv_size` a RotatingKVCache per layer. A family whose state cannot live in the asked
+    form is refused in one line."""
+    kv = kv or KVOptions()
+    kv.check(cli)
+    cache = model.make_cache()
+    family = model.args.model_type
+    if kv.kv_bits is not None and not getattr(model, "quantized_kv", True):
+        flag = "--kv-bits" if cli else "kv_bits"
+        raise OptionError(f"{flag}: {family}'s latent attention cache cannot be quantized")
+    if kv.max_kv_size is None:
+        return cache
+    if any(not isinstance(c, KVCache) for c in cache):
+        flag = "--max-kv-size" if cli else "max_kv_size"
+        raise OptionError(
+            f"{flag}: {family} keeps recurrent state over the whole context in its "
+            "linear-attention layers; only attention-only families take a rotating KV cache"
+        )
+    return [RotatingKVCache(kv.max_kv_size, keep=KEEP) for _ in cache]
+
+
+def quantize_due(cache: list, kv: KVOptions | None) -> bool:
+    """Would `maybe_quantize` convert a layer now?"""
+    if kv is None or kv.kv_bits is None:
+        return False
+    return any(type(c) is KVCache and c.offset >= kv.quantized_kv_start for c in cache)
+
+
+def maybe_quantize(cache: list, kv: KVOptions | None) -> None:
+    """Replace (in place) each KVCache holding `quantized_kv_start` positions or more by its
+    quantized form, as mlx-lm's maybe_quantize_kv_cache does after every model call."""
+    if not quantize_due(cache, kv):
+        return
+    for i, c in enumerate(cache):
+        if type(c) is KVCache and c.offset >= kv.quantized_kv_start:
+            if c.keys is not None and c.keys.shape[-1] % kv.kv_group_size:
+                raise OptionError(
+                    f"kv_group_size {kv.kv_group_size}: does not divide the head dimension "
+                    f"{c.keys.shape[-1]}"
+                )
+            cache[i] = c.to_quantized(kv.kv_group_size, kv.kv_bits)
+
+
+# ---- identity ---------------------------------------------------------------------------------
+
+
+def store_id(path: str | Path) -> str:
+    """sha256 of the store's manifest.json: its config, layout and every record's checksum."""
+    return hashlib.sha256(Path(path, "manifest.json").read_bytes()).hexdigest()
+
+
+def experts_per_token(model) -> list[int]:
+    """The experts per token the MoE blocks route to (--experts-per-token changes the model)."""
+    ks = {getattr(b, "top_k", None) for b in model.moe_blocks().values()}
+    return sorted(k for k in ks if k is not None)
+
+
+def identity(model) -> dict[str, Any]:
+    path = getattr(model, "store_path", None)
+    return {
+        "store": str(path) if path is not None else "",
+        "store_id": store_id(path) if path is not None else "",
+        "model_type": model.args.model_type,
+        "experts_per_token": experts_per_token(model),
+    }
+
+
+# ---- the file ---------------------------------------------------------------------------------
+
+
+def save_prompt_cache(
+    path: str | Path, cache: list, model, tokens: list[int], extra: dict[str, str] | None = None
+) -> None:
+    """Write `cache` (covering `tokens`) to `path`: a temporary file, then renamed."""
+    path = Path(path)
+    arrays: dict[str, mx.array] = {}
+    layers = []
+    for i, c in enumerate(cache):
+        a, meta = c.to_saved()
+        arrays.update({f"{i}.{k}": v for k, v in a.items()})
+        layers.append({"type": type(c).__name__, **meta})
+    ident = identity(model)
+    metadata = {
+        "format": FORMAT,
+        "version": str(VERSION),
+        "layers": json.dumps(layers),
+        "tokens": json.dumps(list(tokens)),
+        "store": ident["store"],
+        "store_id": ident["store_id"],
+        "model_type": ident["model_type"],
+        "experts_per_token": json.dumps(ident["experts_per_token"]),
+        **(extra or {}),
+    }
+    # mx.save_safetensors adds ".safetensors" to a name without it
+    write_atomic(path, lambda tmp: mx.save_safetensors(str(tmp), arrays, metadata),
+                 tmp_suffix=".tmp.safetensors")  # fmt: skip
+
+
+def load_prompt_cache(path: str | Path, model=None) -> tuple[list, list[int], dict[str, str]]:
+    """(cache, the tokens it covers, its metadata) from a file `save_prompt_cache` wrote;
+    with `model`, refused unless it was made by this model (store and experts per token)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptCacheError(f"{path}: no such prompt cache file")
+    try:
+        arrays, meta = mx.load(str(path), return_metadata=True)
+    except Exception as e:  # mlx words its own errors; the first line says enough
+        raise PromptCacheError(f"{path}: not a readable safetensors file ({_first(e)})") from None
+    if meta.get("format") != FORMAT:
+        raise PromptCacheError(
+            f"{path}: not a strata-mlx prompt cache (no format {FORMAT!r} in its metadata; "
+            "write one with strata-mlx cache-prompt)"
+        )
+    if meta.get("version") != str(VERSION):
+        raise PromptCacheError(f"{path}: prompt cache version {meta.get('version')!r}, "
+                               f"this build reads {VERSION}")  # fmt: skip
+    try:
+        layers = json.loads(meta["layers"])
+        tokens = json.loads(meta["tokens"])
+        if not (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)):
+            raise ValueError("tokens is not a list of integers")
+    except (KeyError, ValueError, TypeError) as e:
+        raise PromptCacheError(f"{path}: bad metadata ({_first(e)})") from None
+    if model is not None:
+        _check_belongs(path, meta, layers, tokens, model)
+    per_layer: list[dict[str, mx.array]] = [{} for _ in layers]
+    for name, a in arrays.items():
+        layer, _, key = name.partition(".")
+        if not layer.isdigit() or int(layer) >= len(layers):
+            raise PromptCacheError(f"{path}: tensor {name!r} names no layer of the cache")
+        per_layer[int(layer)][key] = a
+    cache = []
+    for i, (m, a) in enumerate(zip(layers, per_layer)):
+        cls = CACHE_TYPES.get(m.get("type")) if isinstance(m, dict) else None
+        if cls is None:
+            raise PromptCacheError(f"{path}: layer {i}: unknown cache type {m!r}")
+        try:
+            c = cls.from_saved(a, m)
+        except (KeyError, ValueError, TypeError) as e:
+            raise PromptCacheError(
+                f"{path}: layer {i} ({m['type']}): bad state ({_first(e)})"
+            ) from None
+        if c.offset != len(tokens):
+            raise PromptCacheError(
+                f"{path}: layer {i} holds {c.offset} positions, the file covers {len(tokens)} tokens"
+            )
+        cache.append(c)
+    return cache, tokens, meta
+
+
+def _check_belongs(path: Path, meta: dict, layers: list, tokens: list, model) -> None:
+    ours = identity(model)
+    if meta.get("store_id") != ours["store_id"]:
+        raise PromptCacheError(
+            f"{path}: made by another model (store {meta.get('store') or '?'}, "
+            f"{meta.get('model_type', '?')}), not by {ours['store']}"
+        )
+    theirs_k = meta.get("experts_per_token")
+    if theirs_k is not None and json.loads(theirs_k) != ours["experts_per_token"]:
+        raise PromptCacheError(
+            f"{path}: made with {json.loads(theirs_k)} experts per token, this model routes to "
+            f"{ours['experts_per_token']} (--experts-per-token)"
+        )
+    if len(layers) != len(model.layers):
+        raise PromptCacheError(f"{path}: {len(layers)} layers, the model has {len(model.layers)}")
+    vocab = model.args.vocab_size
+    if any(not 0 <= t < vocab for t in tokens):
+        raise PromptCacheError(f"{path}: token ids outside [0, {vocab})")
+
+
+def check_kv_matches(path: str | Path, cache: list, kv: KVOptions, cli: bool = False) -> None:
+    """A loaded cache against the asked --max-kv-size: a rotating cache of another size (or a
+    full one where a rotating one is asked) would silently change the context kept."""
+    sizes = {c.max_size for c in cache if isinstance(c, RotatingKVCache)}
+    flag = "--max-kv-size" if cli else "max_kv_size"
+    if kv.max_kv_size is not None and sizes != {kv.max_kv_size}:
+        have = f"rotating, size {sorted(sizes)[0]}" if sizes else "not rotating"
+        raise PromptCacheError(f"{path}: the saved KV cache is {have}; {flag} {kv.max_kv_size}")
+    if kv.max_kv_size is None and sizes:
+        raise PromptCacheError(
+            f"{path}: the saved KV cache is rotating, size {sorted(sizes)[0]}: give {flag} "
+            f"{sorted(sizes)[0]}"
+        )
+
+
+def _first(e: BaseException) -> str:
+    s = str(e)
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+# ---- reuse ------------------------------------------------------------------------------------
+
+
+def cache_nbytes(cache: list) -> int:
+    return sum(c.nbytes for c in cache)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def reusable_prefix(tokens: list[int], cache: list, prompt: list[int]) -> int:
+    """How many of `prompt`'s first tokens a cache covering `tokens` can stand for, leaving
+    at least one prompt token to run (its logits start the generation): the common prefix
+    where every layer can be trimmed back to it, else all of `tokens` or nothing."""
+    n = min(common_prefix(tokens, prompt), len(prompt) - 1)
+    if n == len(tokens):
+        return n
+    if n > 0 and all(c.is_trimmable() for c in cache):
+        return n
+    return 0
+
+
+def trim_to(cache: list, n_tokens: int, covered: int) -> None:
+    for c in cache:
+        c.trim(covered - n_tokens)
+
+
+class PromptCacheLRU:
+    """The caches of the last conversations (mlx-lm server's prompt cache), most recent last,
+    bounded by `max_entries` and `max_bytes`. `take` removes the entry it reuses: the new
+    generation extends that cache in place, and is `put` back when it ends."""
+
+    def __init__(self, max_entries: int = 10, max_bytes: int = 1 << 30):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[int, tuple[list[int], list]] = OrderedDict()
+        self._next = 0
+        self.reused_tokens = 0  # prompt tokens not prefilled thanks to a kept cache
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(cache_nbytes(c) for _, c in self._entries.values())
+
+    def take(self, prompt: list[int]) -> tuple[list | None, int]:
+        """(a cache trimmed to the longest reusable prefix of `prompt`, its length) or
+        (None, 0)."""
+        best, best_n = None, 0
+        for key, (tokens, cache) in self._entries.items():
+            n = reusable_prefix(tokens, cache, prompt)
+            if n > best_n:
+                best, best_n = key, n
+        if best is None:
+            return None, 0
+        tokens, cache = self._entries.pop(best)
+        trim_to(cache, best_n, len(tokens))
+        self.hits += 1
+        self.reused_tokens += best_n
+        return cache, best_n
+
+    def put(self, tokens: list[int], cache: list) -> None:
+        if not tokens or self.max_entries == 0 or cache_nbytes(cache) > self.max_bytes:
+            return
+        # An entry whose tokens the new one extends holds nothing the new one lacks.
+        for key in [k for k, (t, c) in self._entries.items() if common_prefix(t, tokens) == len(t)]:
+            del self._entries[key]
+        self._entries[self._next] = (list(tokens), cache)
+        self._next += 1
+        while self._entries and (
+            len(self._entries) > self.max_entries or self.nbytes > self.max_bytes
+        ):
+            self._entries.popitem(last=False)

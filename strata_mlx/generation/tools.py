@@ -1,0 +1,322 @@
+"""Measurement tools: logits KLD, routing parity between runtime configurations, MoE dumps.
+
+- load_logits / kld_report: compare teacher-forced logits [T, vocab] (e.g. `generate
+  --logits-out` of two builds or settings): KLD(ref || test) in nats and top-1 agreement.
+- route_parity: two RoutingTrace objects, token by token and layer by layer: the same set
+  of top-k experts?
+- MoeDumper / dumps_equal: per-layer MoE state (input, ids, scores, output) as .npy files,
+  and a byte comparison of two dump folders.
+
+User errors are ValueErrors with one line that names the file; the CLI makes them exit 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import typer
+
+from ..config import OptionError
+
+# ---- logits and KLD ------------------------------------------------------------------------
+
+
+def load_logits(path: str | Path) -> np.ndarray:
+    """A .npy of float logits [T, vocab]; a one-line ValueError naming the file otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise OptionError(f"{path}: no such file")
+    try:
+        a = np.load(path, allow_pickle=False)
+    except Exception as e:  # numpy's own wording: bad magic, truncated, pickled object...
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise OptionError(f"{path}: not a .npy array ({first})") from None
+    if not isinstance(a, np.ndarray):
+        raise OptionError(f"{path}: not a .npy array (an archive of several?)")
+    if a.ndim != 2 or a.shape[0] < 1 or a.shape[1] < 2:
+        raise OptionError(f"{path}: expected logits of shape [T, vocab], got {list(a.shape)}")
+    if not np.issubdtype(a.dtype, np.floating):
+        raise OptionError(f"{path}: expected float logits, got dtype {a.dtype}")
+    if np.isnan(a).any():
+        raise OptionError(f"{path}: logits contain NaN")
+    return a
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """float64 log-softmax over the last axis."""
+    x = np.asarray(x, dtype=np.float64)
+    m = np.max(x, axis=-1, keepdims=True)
+    s = x - m
+    return s - np.log(np.sum(np.exp(s), axis=-1, keepdims=True))
+
+
+@dataclass
+class KLDReport:
+    """KLD(ref || test) per position, in nats, and top-1 agreement."""
+
+    per_position: np.ndarray  # [T] float64
+    top1: float  # fraction of positions where argmax(ref) == argmax(test)
+    top1_matches: int
+
+    @property
+    def positions(self) -> int:
+        return int(self.per_position.shape[0])
+
+    @property
+    def mean(self) -> float:
+        return float(self.per_position.mean())
+
+    @property
+    def max(self) -> float:
+        return float(self.per_position.max())
+
+    @property
+    def argmax(self) -> int:
+        return int(self.per_position.argmax())
+
+    def line(self) -> str:
+        return (
+            f"KLD(ref||test) mean {self.mean:.6g} nats, max {self.max:.6g} (position "
+            f"{self.argmax}), top-1 agreement {100 * self.top1:.2f}% "
+            f"({self.top1_matches}/{self.positions}) over {self.positions} positions"
+        )
+
+
+def kld_report(ref, test) -> KLDReport:
+    """KLD(ref || test) of two logits arrays [T, vocab] (or .npy paths), in float64."""
+    ref = load_logits(ref) if isinstance(ref, (str, Path)) else np.asarray(ref)
+    test = load_logits(test) if isinstance(test, (str, Path)) else np.asarray(test)
+    if ref.shape != test.shape or ref.ndim != 2:
+        raise OptionError(
+            f"logits shapes differ: ref {list(ref.shape)} vs test {list(test.shape)} "
+            "(both must be [T, vocab])"
+        )
+    lr, lt = log_softmax(ref), log_softmax(test)
+    p = np.exp(lr)
+    with np.errstate(invalid="ignore"):
+        terms = np.where(p > 0, p * (lr - lt), 0.0)
+    per_position = terms.sum(axis=-1)
+    matches = int((ref.argmax(axis=-1) == test.argmax(axis=-1)).sum())
+    return KLDReport(per_position, matches / ref.shape[0], matches)
+
+
+# ---- routing parity ------------------------------------------------------------------------
+
+
+@dataclass
+class ParityReport:
+    """Per MoE layer: tokens compared and tokens whose top-k expert sets differ."""
+
+    tokens: dict[int, int] = field(default_factory=dict)
+    mismatches: dict[int, int] = field(default_factory=dict)
+    notes: dict[int, str] = field(default_factory=dict)  # e.g. token counts differ
+
+    @property
+    def total_mismatches(self) -> int:
+        return sum(self.mismatches.values())
+
+    @property
+    def ok(self) -> bool:
+        return self.total_mismatches == 0
+
+    def layer_lines(self) -> list[str]:
+        out = []
+        for layer in sorted(self.tokens):
+            line = f"layer {layer:3d}: {self.mismatches[layer]}/{self.tokens[layer]} tokens differ"
+            if layer in self.notes:
+                line += f" ({self.notes[layer]})"
+            out.append(line)
+        return out
+
+    def line(self) -> str:
+        n = len(self.tokens)
+        tokens = sum(self.tokens.values())
+        if self.ok:
+            return f"routing parity: identical top-k sets in {n} layers ({tokens} token-layers)"
+        bad = [layer for layer in sorted(self.tokens) if self.mismatches[layer]]
+        return (
+            f"routing parity: {self.total_mismatches} of {tokens} token-layers differ, in "
+            f"{len(bad)} of {n} layers (first: layer {bad[0]})"
+        )
+
+
+def _trace_rows(calls: list[np.ndarray]) -> np.ndarray:
+    if not calls:
+        return np.zeros((0, 0), dtype=np.int64)
+    rows = np.concatenate([np.asarray(c).reshape(-1, np.asarray(c).shape[-1]) for c in calls])
+    return np.sort(rows.astype(np.int64), axis=-1)
+
+
+def route_parity(trace_a, trace_b) -> ParityReport:
+    """Compare two RoutingTrace objects: per layer and token, the same set of top-k ids?
+
+    Calls of a layer are concatenated along tokens, so runs chunked differently compare
+    token by token. Tokens one trace has and the other lacks count as mismatches."""
+    rep = ParityReport()
+    for layer in sorted(set(trace_a.ids) | set(trace_b.ids)):
+        a = _trace_rows(trace_a.ids.get(layer, []))
+        b = _trace_rows(trace_b.ids.get(layer, []))
+        n = min(len(a), len(b))
+        extra = abs(len(a) - len(b))
+        if len(a) != len(b):
+            rep.notes[layer] = f"token counts differ: {len(a)} vs {len(b)}"
+        if n and a.shape[1] != b.shape[1]:
+            rep.notes[layer] = f"top-k differs: {a.shape[1]} vs {b.shape[1]}"
+            diff = n
+        else:
+            diff = int((a[:n] != b[:n]).any(axis=-1).sum()) if n else 0
+        rep.tokens[layer] = max(len(a), len(b))
+        rep.mismatches[layer] = diff + extra
+    return rep
+
+
+# ---- MoE dumps -----------------------------------------------------------------------------
+
+
+class MoeDumper:
+    """The expert cache's dump hook: writes `layer{L:03d}_call{N:04d}_{x|ids|scores|y}.npy`.
+
+    N counts the calls of layer L. ids are sorted along the last axis, and scores permuted
+    with them, so argpartition's order does not matter; x, scores and y are float32."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise OptionError(f"{self.directory}: exists and is not a directory")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.calls: dict[int, int] = {}
+        self.files = 0
+        self.closed = False
+
+    def __call__(self, layer, x, inds, scores, y) -> None:
+        import mlx.core as mx
+
+        if self.closed:
+            raise RuntimeError("MoeDumper: write after close()")
+        n = self.calls.get(layer, 0)
+        self.calls[layer] = n + 1
+
+        def f32(a) -> np.ndarray:
+            return (
+                np.array(a.astype(mx.float32))
+                if isinstance(a, mx.array)
+                else np.asarray(a, dtype=np.float32)
+            )
+
+        ids = np.array(inds).astype(np.int32)
+        sc = f32(scores)
+        order = np.argsort(ids, axis=-1, kind="stable")
+        arrays = {
+            "x": f32(x),
+            "ids": np.take_along_axis(ids, order, axis=-1),
+            "scores": np.take_along_axis(sc, order, axis=-1),
+            "y": f32(y),
+        }
+        for name, a in arrays.items():
+            np.save(self.directory / f"layer{layer:03d}_call{n:04d}_{name}.npy", a)
+            self.files += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def dumps_equal(dir_a: str | Path, dir_b: str | Path) -> list[str]:
+    """Names of the .npy files that differ byte for byte (or exist on one side only)."""
+    dirs = [Path(dir_a), Path(dir_b)]
+    for d in dirs:
+        if not d.is_dir():
+            raise OptionError(f"{d}: no such dump directory")
+    a, b = ({p.name: p for p in d.glob("*.npy")} for d in dirs)
+    return sorted(
+        name
+        for name in set(a) | set(b)
+        if name not in a or name not in b or a[name].read_bytes() != b[name].read_bytes()
+    )
+
+
+# ---- commands ------------------------------------------------------------------------------
+
+
+def kld_command(
+    ref: Path = typer.Option(..., "--ref", help="Reference logits .npy [T, vocab]."),
+    test: Path = typer.Option(..., "--test", help="Logits to test, same shape."),
+):
+    """KLD(ref || test) and top-1 agreement of two teacher-forced logits files."""
+    typer.echo(kld_report(load_logits(ref), load_logits(test)).line())
+
+
+def traced_run(model_path: str | Path, ids: list[int], config):
+    """Load the store with `config`, trace routing over teacher-forced `ids`:
+    (RoutingTrace, logits [T, vocab])."""
+    from ..runtime.loader import load
+    from ..stream.stats import RoutingTrace
+    from .generate import teacher_forced_logits
+
+    trace = RoutingTrace()
+    model, _ = load(model_path, config=config.replace(trace=trace))
+    vocab = model.args.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        model.expert_cache.close()
+        raise OptionError(f"--prompt-tokens: token ids must lie in [0, {vocab})")
+    try:
+        logits = teacher_forced_logits(model, ids, config.prefill_step_size)
+    finally:
+        model.expert_cache.close()
+    return trace, logits
+
+
+def route_parity_command(
+    model: Path = typer.Option(..., "--model", help="A strata-mlx store."),
+    prompt_tokens: str | None = typer.Option(
+        None, "--prompt-tokens", help="Prompt as token ids: 1,2,3."
+    ),
+    random_tokens: int = typer.Option(
+        64, "--random-tokens", help="Without --prompt-tokens: this many seeded random ids."
+    ),
+    arena_gb_a: float | None = typer.Option(None, "--arena-gb-a"),
+    arena_gb_b: float | None = typer.Option(None, "--arena-gb-b"),
+    read_ahead_a: str = typer.Option("lookahead", "--read-ahead-a"),
+    read_ahead_b: str = typer.Option("demand", "--read-ahead-b"),
+    prefill_step_size: int = typer.Option(512, "--prefill-step-size"),
+    io_workers: int = typer.Option(8, "--io-workers"),
+):
+    """Route the same prompt under two runtime configurations; per-layer top-k mismatches.
+    Exit code 1 if any token's expert set differs."""
+    from ..format.store import load_manifest
+    from ..runtime.loader import RuntimeConfig
+
+    if prefill_step_size < 1:
+        raise OptionError(f"--prefill-step-size {prefill_step_size}: must be at least 1")
+    if prompt_tokens is not None:
+        from ..config import parse_tokens
+
+        ids = parse_tokens(prompt_tokens, "--prompt-tokens")
+    else:
+        if random_tokens < 1:
+            raise OptionError(f"--random-tokens {random_tokens}: must be at least 1")
+        vocab = load_manifest(model).config.get("vocab_size", 128)
+        ids = np.random.default_rng(0).integers(0, vocab, size=random_tokens).tolist()
+    runs = []
+    for arena_gb, read_ahead in ((arena_gb_a, read_ahead_a), (arena_gb_b, read_ahead_b)):
+        cfg = RuntimeConfig(
+            arena_gb=arena_gb,
+            read_ahead=read_ahead,
+            prefill_step_size=prefill_step_size,
+            io_workers=io_workers,
+        )
+        runs.append(traced_run(model, ids, cfg))
+    (trace_a, logits_a), (trace_b, logits_b) = runs
+    rep = route_parity(trace_a, trace_b)
+    for line in rep.layer_lines():
+        typer.echo(line)
+    typer.echo(rep.line())
+    same = np.array_equal(logits_a, logits_b)
+    typer.echo(
+        "logits: bit-identical"
+        if same
+        else f"logits: differ; {kld_report(logits_a, logits_b).line()}"
+    )
+    if not rep.ok:
+        raise typer.Exit(1)

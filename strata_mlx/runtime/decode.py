@@ -1,0 +1,277 @@
+"""Decode without a host round trip per layer (SPEC mechanism 4, in its decode form).
+
+The per-layer handshake (strata_mlx.experts, "sync") stops the device at every MoE layer to
+read its routing ids: 48 syncs a token cost 21-26 ms/token on the H200 where the whole token
+computes in ~14 ms. The pipelined decoder builds each layer with its expert slots looked up on
+the device, in the residency row the cache keeps current, and verifies each layer's routing
+later against the row it was built with:
+
+  - all chosen experts were resident: the layer is exact (the kernels compute each
+    (token, expert) pair from its slot, the same arithmetic as the sync path);
+  - one was not: the device is drained (what was computed after it is discarded), the KV /
+    recurrent state of those layers is rolled back, and the layer is computed again with the
+    sync handshake (its misses are urgent reads that it waits for, as SPEC asks; they were
+    submitted when the check found them, so they land while the device drains); decoding
+    goes on pipelined from the next layer.
+
+A token runs in one of three ways, chosen from the running share of decode layers that missed
+(`ExpertCache.decode_layer_miss_rate`):
+
+  - "token" (below `token_below`, the warm case): the whole token is built and submitted in
+    chunks of `chunk` layers without a check; its layers are verified once the next token is
+    built too (`Step` / `finish`), so the host builds token t+1 while the device computes
+    token t, as mlx-lm's generate_step does. A miss discards both and recomputes from the
+    missed layer. No read-ahead is issued in this mode.
+  - "layers" (up to `sync_above`, or whenever decode lookahead predicts, unless
+    `token_while_predicting` lets the share of layers that missed alone decide): layers are
+    submitted `layers_chunk` at a time (default 1) and each is verified `lag` layers later,
+    while the device computes the ones after it; a miss costs at most `lag` + 1 layers of
+    recomputation plus its read, and the lookahead reads of layer l + lag + 1 go in while
+    layer l's successors compute. With `lag` >= `layers_chunk` - 1 every check reads a layer
+    already submitted (a smaller lag is exact too, its checks evaluate the layer themselves).
+  - "sync" (above `sync_above`): the per-layer handshake (measured break-even,
+    docs/decisions.md); its misses keep the running rate current, so pipelining resumes.
+
+Outputs are bit-identical to the sync path in every mode (tests/test_decode.py).
+
+Slots are safe to refill only while nothing in flight reads them: the arena is written only
+after a drain, or ("layers" mode) into slots of layers not in flight (their rows are rebuilt
+before those layers are built again).
+
+This module never reads files; the expert cache does.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from ..models.base import ArraysCache
+
+MODES = ("pipelined", "sync")
+
+
+def choose_mode(
+    layer_miss_rate: float,
+    predicting: bool,
+    sync_above: float,
+    token_below: float,
+    token_while_predicting: bool = False,
+) -> str:
+    """ "sync", "token" or "layers" for the next token, from the running share of decode
+    layers that missed and whether decode lookahead predicts (see the module docstring)."""
+    if layer_miss_rate > sync_above:
+        return "sync"
+    if layer_miss_rate < token_below and (token_while_predicting or not predicting):
+        return "token"
+    return "layers"
+
+
+class Step:
+    """One decode token built on the device, its routing not all verified yet."""
+
+    def __init__(self, cache: list, mode: str, predicting: bool = False):
+        self.cache = cache
+        self.mode = mode
+        self.saved = [_save(c) for c in cache]  # each layer's state before this token
+        self.inputs: list[mx.array | None] = [None] * len(cache)
+        self.pending: list[tuple[int, object]] = []  # (decoder layer, Deferred) unverified
+        self.logits: mx.array | None = None
+        self.last: mx.array | None = None  # the last array submitted to the device
+        self.tail: mx.array | None = None  # the last layer output built (submitted or not)
+        self.built = 0  # layers built (their state written)
+        self.discarded = False
+        self.begun = mode  # the mode it was begun in (a miss turns `mode` to "layers")
+        self.predicting = predicting  # decode lookahead predicted when it was begun
+
+
+class PipelinedDecoder:
+    """Decode steps (one token each) of `model` with deferred routing checks."""
+
+    def __init__(
+        self,
+        model,
+        lag: int = 1,
+        sync_above: float = 0.3,
+        token_below: float = 0.02,
+        chunk: int = 4,
+        layers_chunk: int = 1,
+        token_while_predicting: bool = False,
+    ):
+        if lag < 0:
+            raise ValueError(f"decode lag must be >= 0, got {lag}")
+        for name, v in (("decode_chunk", chunk), ("decode_layers_chunk", layers_chunk)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        for name, v in (("decode_sync_above", sync_above), ("decode_token_below", token_below)):
+            if not 0 <= v <= 1:
+                raise ValueError(f"{name} must lie in [0, 1], got {v}")
+        self.model = model
+        self.expert_cache = model.expert_cache
+        self.lag = lag
+        self.sync_above = sync_above
+        self.token_below = token_below
+        self.chunk = chunk
+        self.layers_chunk = layers_chunk
+        self.token_while_predicting = token_while_predicting
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.norm = inner.norm
+        self.layers = model.layers
+        tied = getattr(model.args, "tie_word_embeddings", False)
+        self.head = inner.embed_tokens.as_linear if tied else model.lm_head
+        self.expert_cache.plan_pipelined_lookahead(lag + 1)
+
+    def __call__(self, tokens: mx.array, cache: list) -> mx.array:
+        """tokens [1, 1] -> logits [1, 1, vocab], bit-identical to model(tokens, cache)."""
+        step = self.start(tokens, cache)
+        self.finish(step)
+        return step.logits
+
+    def mode(self) -> str:
+        """How the next token runs: "token", "layers" or "sync" (see the module docstring)."""
+        ec = self.expert_cache
+        return choose_mode(
+            ec.decode_layer_miss_rate,
+            ec._predicts_in_decode(),
+            self.sync_above,
+            self.token_below,
+            self.token_while_predicting,
+        )
+
+    def start(self, tokens: mx.array, cache: list) -> Step:
+        """Build one token (tokens [1, 1], possibly not yet evaluated) and submit it; in
+        "token" mode nothing is verified until `finish`."""
+        ec = self.expert_cache
+        step = Step(cache, self.mode(), ec._predicts_in_decode())
+        if step.mode == "sync":
+            # Most layers miss: each would be built, found wrong and recomputed. The sync
+            # handshake is cheaper here (H200: 178 against 228 ms/token at 35 % misses).
+            ec.settle()
+            step.logits = self.model(tokens, cache=cache)
+            return step
+        if step.mode == "layers":
+            ec.settle()  # the last token is verified and drained: no slot in use
+        self._build(step, 0, self.embed(tokens))
+        return step
+
+    def finish(self, step: Step, later: Step | None = None) -> bool:
+        """Verify every layer of `step`. On a miss, `later` (a token built on top of this
+        one) is discarded, and `step`'s logits are recomputed exactly: returns False."""
+        ec = self.expert_cache
+        exact = True
+        while step.pending:
+            j, d = step.pending.pop(0)
+            if ec.check_deferred(d, alone=later is None):
+                continue
+            if later is not None:
+                self.discard(later)
+                later = None
+            h = self._recover(step, j)
+            step.mode, step.pending = "layers", []  # the rest is checked as it is built
+            self._build(step, j + 1, h)
+            exact = False
+        return exact
+
+    def discard(self, step: Step) -> None:
+        """Undo a token that was built but will not be used: wait for the device to finish
+        it (its kernels read slots that a miss is about to refill) and roll its state back."""
+        if step.discarded:  # (an error inside finish, after it discarded `step`)
+            return
+        step.discarded = True
+        if step.last is not None:  # (a sync token has no last: it was evaluated layer by layer)
+            mx.eval(step.last)
+        for c, s in zip(step.cache, step.saved):
+            _restore(c, s)
+        step.pending = []
+        self.expert_cache.settle()
+
+    def _build(self, step: Step, i: int, h: mx.array) -> None:
+        """Build layers i.. and the head of `step`; in "layers" mode check as we go."""
+        ec = self.expert_cache
+        n = len(self.layers)
+        lag = self.lag if step.mode == "layers" else n
+        chunk = self.layers_chunk if step.mode == "layers" else self.chunk
+        lookahead = step.mode == "layers"  # "token" mode checks too late for a prediction
+        outs: list[mx.array] = []
+        while True:
+            if i < n:
+                step.inputs[i] = h
+                with ec.deferred(lookahead) as deferred:
+                    h = self.layers[i](h, None, step.cache[i])
+                step.tail = h
+                step.pending += [(i, d) for d in deferred]
+                outs += [a for d in deferred for a in d.outputs()]
+                i += 1
+                step.built = max(step.built, i)
+            if i < n:
+                if i % chunk == 0:
+                    mx.async_eval(h, *outs)
+                    step.last, outs = h, []
+                check = max(len(step.pending) - lag, 0)
+            else:  # every layer built: the head goes in while the last ones are checked
+                step.logits = self.head(self.norm(h))
+                mx.async_eval(step.logits, *outs)
+                step.last = step.logits
+                check = len(step.pending) if step.mode == "layers" else 0
+            missed = None
+            for _ in range(check):
+                j, d = step.pending.pop(0)
+                if not ec.check_deferred(d):
+                    missed = j
+                    break
+            if missed is not None:
+                # Everything built after layer `missed` used its wrong output: discard it.
+                h = self._recover(step, missed)
+                step.pending, outs, i = [], [], missed + 1
+            elif i == n:
+                return
+
+    def _recover(self, step: Step, j: int) -> mx.array:
+        """Layer j missed: drain the device, roll back layers j.. and run j synchronously."""
+        ec = self.expert_cache
+        t = time.perf_counter()
+        # Nothing in flight may read a slot that the misses will refill: the layers built
+        # but not yet submitted (chunks) too, since their KV writes would run later, when
+        # the rebuilt layers are evaluated on top of them.
+        mx.eval(step.last, step.tail)
+        ec.settle(keep=j)  # layer j's slots stay protected until its handshake pins them
+        ec.stats.route_sync_s += time.perf_counter() - t
+        ec.stats.recomputed_layers += step.built - j
+        step.built = j + 1
+        for k in range(j, len(step.cache)):
+            _restore(step.cache[k], step.saved[k])
+        # The sync handshake: urgent reads for the misses, waited for; groups if needed.
+        h = self.layers[j](step.inputs[j], None, step.cache[j])
+        mx.async_eval(h)
+        step.last = h
+        return h
+
+
+def _save(c):
+    if c is None:
+        return None
+    if hasattr(c, "snapshot"):  # a cache that overwrites (RotatingKVCache) saves its own
+        return c.snapshot()
+    return (c.offset, list(c.cache) if isinstance(c, ArraysCache) else None)
+
+
+def _restore(c, state) -> None:
+    if c is None:
+        return
+    if hasattr(c, "restore"):
+        c.restore(state)
+        return
+    c.offset, arrays = state
+    if arrays is not None:
+        c.cache[:] = arrays
+
+
+def decoder_of(model) -> PipelinedDecoder | None:
+    """The model's pipelined decoder, if its runtime asks for one and no --dump-moe hook
+    needs every layer's tensors as the per-layer handshake hands them over."""
+    dec = getattr(model, "decoder", None)
+    if dec is None or model.expert_cache.dump is not None:
+        return None
+    return dec

@@ -1,0 +1,466 @@
+"""The seam between model modules and the expert cache, and the per-layer handshake.
+
+Model files hold a `SwitchGLU(layer)` where mlx-lm holds a stacked all-experts SwitchGLU. It
+asks the ExpertCache "make these experts resident, give me their slots" and computes from
+the slots; nothing indexes a stacked tensor of every expert.
+
+The handshake, per MoE layer (SPEC mechanisms 4 and 5):
+  1. one host sync reads the routing ids (and, with lookahead, layer l+1's predicted ids,
+     computed inside the same graph);
+  2. queued read-ahead of this layer that it turns out not to need is dropped;
+  3. non-resident ids become urgent misses (read-ahead already in flight is promoted);
+  4. lookahead submits every predicted, non-resident expert of layer l+1 as read-ahead;
+  5. the computation waits only for this layer's experts; that wait is the exposed wait;
+  6. the slots are pinned until the next handshake, whose sync proves this layer's compute done.
+
+A forward's output must be evaluated before the next forward starts (as every generation loop
+does): the last layer's slots are released at the next forward's first handshake, or when a
+generation or its decode starts (`idle`).
+
+Results never depend on which slot holds an expert: the records of the layer's distinct
+experts are gathered in expert-id order and computed as one batch, so every arena size,
+policy and slot placement gives bit-identical outputs. When a layer needs more experts than
+the arena has slots, it runs in expert-major groups, each the same batch computation with
+only the group's rows kept.
+
+The cache is the only thing that talks to the disk during generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..format.store import Manifest
+from ..stream.arena import Arena
+from ..stream.prediction import Predictor, ReadAhead
+from ..stream.scheduler import CLOSED, ExpertReadError, make_scheduler
+from ..stream.stats import ExpertStats, RoutingTrace
+from . import kernels
+
+__all__ = ["ExpertCache", "ExpertReadError", "ExpertStats", "RoutingTrace", "SwitchGLU"]
+
+
+@dataclass
+class Deferred:
+    """A layer computed without a host sync, awaiting verification (strata_mlx.runtime.decode)."""
+
+    layer: int
+    inds: mx.array  # the routing ids, evaluated with the layer
+    row: np.ndarray  # host copy of the residency row its slots were looked up in
+    target: int | None = None  # lookahead: the layer predicted from this one's input
+    pred: mx.array | None = None  # its predicted ids
+
+    def outputs(self) -> list[mx.array]:
+        return [self.inds] if self.pred is None else [self.inds, self.pred]
+
+
+class ExpertCache:
+    """The handshake of every MoE layer of one model, over its scheduler (reads, residency,
+    statistics: strata_mlx.stream.scheduler) and its predictor (strata_mlx.stream.prediction)."""
+
+    def __init__(
+        self,
+        store: str | Path,
+        manifest: Manifest,
+        arena: Arena,
+        reader,
+        read_ahead: ReadAhead | None = None,
+        profile: np.ndarray | None = None,
+        verify: bool = False,
+        fake_stream: bool = False,
+        scheduler: str = "loop",
+        low_water: int | None = None,
+    ):
+        self.store = Path(store)
+        self.manifest = manifest
+        self.layout = manifest.layout
+        self.arena = arena
+        self.read_ahead = read_ahead or ReadAhead()
+        self.verify = verify
+        self.fake_stream = fake_stream  # every expert counts as resident: times compute alone
+        self.layers = list(manifest.moe_layers)
+        self._next = dict(zip(self.layers, self.layers[1:]))  # the last layer has none
+        self.predictor = Predictor(self.read_ahead, manifest, profile)
+        if reader is None:
+            scheduler = "sync"  # nothing to read: no loop to run
+        self.sched = make_scheduler(
+            scheduler, store, manifest, arena, reader, verify, low_water=low_water
+        )
+        self.trace: RoutingTrace | None = None
+        self.route_bonus = 0.0  # cache-aware routing (decode); 0 = exact
+        self.decoding = False  # inside `phase(decoding=True)`: generation's decode steps
+        self.dump = None  # callable(layer, x, ids, scores, y) for --dump-moe
+        # Kernels resolved once per layer: nothing on the hot path inspects a layout.
+        self._kernel = {l: kernels.expert_kernel(manifest.layout_of(l)) for l in self.layers}
+        # Every expert fits at once: eviction never happens, so uses need not be recorded.
+        self._all_fit = arena.n_slots >= manifest.num_experts * len(self.layers)
+        self.pipeline: list[Deferred] | None = None  # inside `deferred()`: where layers go
+        self.pipeline_lookahead = True  # whether those layers may predict
+        self._ahead: dict[int, int] = {}  # pipelined lookahead: layer -> layer it predicts
+        self._ahead_tags: dict[int, list[int]] = {}  # read-ahead submitted for a layer
+        self._pair_index: dict[tuple, mx.array] = {}
+        self._observed: int | None = None  # a failed check fed the miss rate for this layer
+
+    # ---- public ----------------------------------------------------------------------
+
+    @property
+    def stats(self) -> ExpertStats:
+        return self.sched.stats
+
+    @stats.setter
+    def stats(self, value: ExpertStats) -> None:
+        self.sched.stats = value
+
+    @property
+    def reader(self):
+        return self.sched.reader
+
+    @reader.setter
+    def reader(self, value) -> None:
+        self.sched.reader = value
+
+    @property
+    def decode_layer_miss_rate(self) -> float:
+        return self.predictor.decode_layer_miss_rate
+
+    @property
+    def routers(self) -> dict:
+        return self.predictor.routers
+
+    def register_router(self, layer: int, route: Callable[[mx.array], mx.array]) -> None:
+        """`route(x) -> top-k ids` of `layer`, used to predict that layer from those before."""
+        self.predictor.register_router(layer, route)
+
+    def resident_mask(self, layer: int) -> mx.array:
+        """[num_experts] float: 1 where the expert of `layer` is resident (cache-aware routing)."""
+        return mx.array((self.sched.row(layer) >= 0).astype(np.float32))
+
+    def warm(self) -> None:
+        """Read every expert that fits, layer by layer (a fully resident run when it all fits)."""
+        free = self.arena.n_slots - len(self.arena.slot_of)
+        keys = [
+            (layer, e)
+            for layer in self.layers
+            for e in range(self.manifest.num_experts)
+            if (layer, e) not in self.arena.slot_of
+        ][: max(free, 0)]
+        self.sched.ensure(keys)
+        # Completions are collected as they come (a wait on all 24 K tags at once rescans
+        # every tag at each completion: minutes for a whole 24 GB store on the H200).
+        self.sched.drain()
+        with self.sched.lock:
+            self.stats = ExpertStats()
+            self.sched.prefetched.clear()
+
+    @contextmanager
+    def phase(self, decoding: bool):
+        """Run the block as decode steps (decode's prediction rule, miss rates, cache-aware
+        routing) or as prefill; the previous phase is restored after it."""
+        before, self.decoding = self.decoding, decoding
+        try:
+            yield
+        finally:
+            self.decoding = before
+
+    async def prefetch(self, layer: int, experts) -> None:
+        """Read `experts` of `layer` as read-ahead and return once they are resident (for
+        research scripts: `await cache.prefetch(3, [0, 5])`)."""
+        tags = self.sched.read_ahead(layer, [int(e) for e in experts])
+        await asyncio.to_thread(self.sched.wait, tags)
+
+    def close(self) -> None:
+        """Stop the scheduler and its reader. Idempotent; a layer run after it (a generation
+        abandoned mid-stream and resumed, or one running on another thread) raises
+        RuntimeError("expert cache is closed"), even where every expert it needs is resident."""
+        self.sched.close()
+
+    def idle(self) -> None:
+        """Nothing is computing on the device and nothing built awaits a check (a generation
+        starts, or its decode does): what earlier forwards left goes. Busy layers and pinned
+        slots would only narrow eviction and read-ahead; read-ahead tags kept for a layer not
+        built yet would make it wait for another token's prediction."""
+        self.settle()
+        self._ahead_tags.clear()
+
+    # ---- the handshake -----------------------------------------------------------------
+
+    def run_layer(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+        """Experts of `layer` for x [..., D] routed to inds [..., k] -> [..., k, D]."""
+        if self.sched.closed:
+            raise RuntimeError(CLOSED)
+        if self.pipeline is not None:
+            return self._run_deferred(layer, x, inds)
+        st, sched, pr = self.stats, self.sched, self.predictor
+        observed, self._observed = self._observed, None
+        nxt = self._next.get(layer)
+        # Lookahead predicts the next `depth` layers, each through its own router on this
+        # layer's input; the nearest first.
+        targets = [] if self.fake_stream else pr.targets(layer, self.decoding)
+        t0 = time.perf_counter()
+        # x is evaluated with the ids: the ids alone need not depend on the previous layer's
+        # expert output (a router can ignore x), and only x proves that computation done.
+        preds = [pr.routers[t](x) for t in targets]
+        mx.eval(inds, x, *preds)
+        t1 = time.perf_counter()
+        st.route_sync_s += t1 - t0
+        ids = np.array(inds).reshape(-1, inds.shape[-1])
+        if self.trace is not None:
+            self.trace.record(layer, ids)
+        needed = np.unique(ids).tolist()
+        # The sync above evaluated everything up to this router, so the last layer's compute
+        # (which read its pinned slots) is done: its slots may be reused from here on.
+        with sched.lock:
+            self.arena.unpin_all()
+            self.arena.set_layer(layer)
+        st.lookups += len(needed)
+
+        if self.fake_stream:
+            return self._compute_fake(layer, x, inds, ids, needed)
+
+        sched.collect(block=False)
+        sched.drop_unneeded(layer, set(needed))
+        if len(needed) > self.arena.n_slots:
+            st.host_s += time.perf_counter() - t1
+            return self._run_groups(layer, x, inds, ids, needed)
+
+        misses_before = st.misses
+        waits = sched.claim(layer, needed)
+        if self.decoding and observed != layer:
+            pr.observe_decode_layer((st.misses - misses_before) / len(needed))
+        self._predict(targets, preds, nxt)
+        t2 = time.perf_counter()
+        sched.wait(waits)
+        t3 = time.perf_counter()
+        st.exposed_wait_s += t3 - t2
+        after = pr.after_wait(layer, nxt, len(needed))
+        if after is not None:
+            sched.read_ahead(*after)
+        slots = sched.row(layer)[needed]
+        y = self._compute(layer, x, ids, inds.shape, needed, slots)
+        st.host_s += (t2 - t1) + (time.perf_counter() - t3)
+        return y
+
+    def _predict(self, targets: list[int], preds: list[mx.array], nxt: int | None) -> None:
+        """Submit the next layer's predicted experts; reserve those of the layers after it."""
+        if not targets:
+            return
+        ranked = []
+        for target, pred in zip(targets, preds):
+            pred_ids = np.array(pred).reshape(-1, pred.shape[-1])
+            if self.trace is not None and target == nxt:
+                self.trace.record_prediction(nxt, pred_ids)
+            ranked.append((target, self.predictor.rank(pred_ids)))
+        (first, experts), later = ranked[0], ranked[1:]
+        self.sched.read_ahead(first, experts)
+        keys = [(t, e) for t, es in later for e in es]
+        predicted = {(t, e) for t, es in ranked for e in es}
+        self.sched.reserve(keys, predicted)
+
+    def _compute(self, layer, x, ids, shape, needed, slots) -> mx.array:
+        local = np.searchsorted(np.asarray(needed), ids).astype(np.uint32).reshape(shape)
+        slots = mx.array(np.asarray(slots, dtype=np.uint32))
+        return self._kernel[layer](x, self.arena.rows, slots, mx.array(local))
+
+    # ---- the deferred handshake (pipelined decode) -------------------------------------
+
+    @contextmanager
+    def deferred(self, lookahead: bool):
+        """Layers run inside are built without a host sync, each recorded as a `Deferred`
+        in the list this yields for the pipelined decoder to check; with `lookahead` they may
+        predict a later layer from their input."""
+        records: list[Deferred] = []
+        self.pipeline, self.pipeline_lookahead = records, lookahead
+        try:
+            yield records
+        finally:
+            self.pipeline = None
+
+    def plan_pipelined_lookahead(self, distance: int) -> None:
+        """Pipelined decode checks layer l while `distance - 1` later layers are already
+        built: a prediction made from l's input can only help layer l + distance."""
+        self._ahead = {
+            l: self.layers[i + distance]
+            for i, l in enumerate(self.layers)
+            if i + distance < len(self.layers) and self.layers[i + distance] in self.routers
+        }
+
+    def _run_deferred(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+        """Experts computed with slots looked up on the device from this layer's residency
+        row as it stands now; no host sync. The decoder verifies the layer later."""
+        t = time.perf_counter()
+        sched = self.sched
+        tags = self._ahead_tags.pop(layer, None)
+        if tags:
+            # Predicted reads for this layer still in flight: wait for them here, where the
+            # device still has the layers before it to compute, rather than miss.
+            t1 = time.perf_counter()
+            sched.wait(tags)
+            self.stats.exposed_wait_s += time.perf_counter() - t1
+        if sched.reads:
+            sched.collect(block=False)  # landed read-ahead becomes visible to this layer
+        with sched.lock:
+            # Slots of layers built on the device must not be refilled until they complete.
+            sched.busy_layers.add(layer)
+        row, row_mx = sched.device_row(layer, self.fake_stream)
+        slots = row_mx[inds.reshape(-1)]
+        idx = self._pair_index.get(inds.shape)
+        if idx is None:  # pair p reads slots[p]
+            idx = mx.arange(inds.size, dtype=mx.uint32).reshape(inds.shape)
+            self._pair_index[inds.shape] = idx
+        y = self._kernel[layer](x, self.arena.rows, slots, idx)
+        d = Deferred(layer, inds, row)
+        target = self._ahead.get(layer)
+        if target is not None and self.pipeline_lookahead and self._predicts_in_decode():
+            d.target, d.pred = target, self.routers[target](x)
+        self.pipeline.append(d)
+        self.stats.host_s += time.perf_counter() - t
+        return y
+
+    def _predicts_in_decode(self) -> bool:
+        return not self.fake_stream and self.predictor.predicts_in_decode()
+
+    def settle(self, keep: int | None = None) -> None:
+        """The device finished everything built so far (the decoder drained or the token
+        is evaluated): no slot is in use, neither a handshake's pins nor a pipelined layer's
+        (but `keep`'s, about to be recomputed)."""
+        with self.sched.lock:
+            self.arena.unpin_all()
+            busy = self.sched.busy_layers
+            busy.clear()
+            if keep is not None:
+                busy.add(keep)
+
+    def check_deferred(self, d: Deferred, alone: bool = True) -> bool:
+        """Wait for layer `d.layer`'s routing (only it: later layers keep computing) and say
+        whether every expert it chose was resident when its computation was built. `alone`:
+        nothing is in flight beyond this token's own later layers (no token built on top)."""
+        st, sched = self.stats, self.sched
+        t0 = time.perf_counter()
+        ids = np.array(d.inds).reshape(-1, d.inds.shape[-1])
+        t1 = time.perf_counter()
+        st.route_sync_s += t1 - t0
+        if alone:
+            # This layer's routing is known, so every layer before it has finished computing
+            # (a token built on top would still be reading those layers' slots).
+            with sched.lock:
+                busy = sched.busy_layers
+                busy.difference_update([l for l in busy if l < d.layer])
+        absent_then = d.row[ids] < 0
+        if absent_then.any():
+            # The mode rule sees the layer as it was built (what it recomputes for), not the
+            # recomputing handshake's share, which a read landed meanwhile would make 0.
+            self.predictor.observe_decode_layer(
+                np.unique(ids[absent_then]).size / np.unique(ids).size
+            )
+            self._observed = d.layer
+            if alone:
+                # The misses' reads go in now, into slots of no layer still computing, so
+                # they land while the device drains what was built after this layer.
+                absent = np.unique(ids[sched.row(d.layer)[ids] < 0]).tolist()
+                sched.start_misses(d.layer, absent, sched.busy_layers)
+            st.host_s += time.perf_counter() - t1
+            return False
+        needed = np.unique(ids)
+        st.lookups += needed.size
+        if sched.prefetched or not self._all_fit:
+            sched.count_resident(d.layer, needed.tolist())
+        else:
+            st.hits += needed.size
+        self.predictor.observe_decode_layer(0.0)
+        if self.trace is not None:
+            self.trace.record(d.layer, ids)
+        if d.pred is not None:
+            pred = np.array(d.pred).reshape(-1, d.pred.shape[-1])
+            if self.trace is not None:
+                self.trace.record_prediction(d.target, pred)
+            ranked = self.predictor.rank(pred)
+            # Slots of layers still computing on the device must not be refilled.
+            tags = sched.read_ahead(d.target, ranked, protect=sched.busy_layers)
+            if tags:
+                self._ahead_tags[d.target] = tags
+        st.host_s += time.perf_counter() - t1
+        return True
+
+    def _compute_fake(self, layer, x, inds, ids, needed) -> mx.array:
+        # Compute alone: the experts' bytes are whatever the first slots hold (zeros or stale
+        # records), so outputs are meaningless but the work is the same, expert-major groups
+        # included when the layer needs more experts than the arena has slots.
+        self.stats.hits += len(needed)
+        if len(needed) > self.arena.n_slots:
+            return self._run_groups(layer, x, inds, ids, needed)
+        slots = [i % self.arena.n_slots for i in range(len(needed))]
+        return self._compute(layer, x, ids, inds.shape, needed, slots)
+
+    def _run_groups(self, layer, x, inds, ids, needed) -> mx.array:
+        """Expert-major groups: each group is made resident, computed with the full batch shape
+        (absent experts' rows borrow a group member's record and are discarded), then evaluated
+        so its slots can be reused. Each kept row is bit-identical to the one-pass result.
+        In fake-stream mode the same groups are computed from whatever the slots hold."""
+        n = self.arena.n_slots
+        y = None
+        for g in range(0, len(needed), n):
+            group = needed[g : g + n]
+            self.stats.groups += 1
+            if self.fake_stream:  # compute alone: any slots, nothing read or pinned
+                slots = [i % n for i in range(len(needed))]
+            else:
+                waits = self.sched.claim(layer, group)
+                t = time.perf_counter()
+                self.sched.wait(waits)
+                self.stats.exposed_wait_s += time.perf_counter() - t
+                with self.sched.lock:
+                    gslots = {e: self.arena.slot_of[(layer, e)] for e in group}
+                    self.arena.pin(gslots.values())
+                filler = gslots[group[0]]
+                slots = [gslots.get(e, filler) for e in needed]
+            yg = self._compute(layer, x, ids, inds.shape, needed, slots)
+            member = np.isin(ids, group).reshape(*inds.shape, 1)
+            y = yg if y is None else mx.where(mx.array(member), yg, y)
+            mx.eval(y)
+            with self.sched.lock:
+                self.arena.unpin_all()
+        return y
+
+
+class SwitchGLU(nn.Module):
+    """A layer's routed SwiGLU experts, held by the expert cache (the seam)."""
+
+    def __init__(self, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.expert_cache: ExpertCache | None = None
+
+    def __call__(self, x: mx.array, indices: mx.array, scores: mx.array | None = None):
+        """x [..., D] routed to indices [..., k]: with `scores` [..., k], the MoE output
+        [..., D] (the experts' outputs weighted by the scores and summed, in their dtype, as
+        mlx-lm's blocks do; handed to the dump hook); without, each expert's [..., k, D]."""
+        if self.expert_cache is None:
+            raise RuntimeError("experts not attached: load the model with strata_mlx.load()")
+        y = self.expert_cache.run_layer(self.layer, x, indices)
+        if scores is None:
+            return y
+        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
+        self.observe(x, indices, scores, y)
+        return y
+
+    def route_bonus(self) -> mx.array | None:
+        """Cache-aware routing: a bonus on resident experts' router logits, decode only."""
+        c = self.expert_cache
+        if c is None or not c.route_bonus or not c.decoding:
+            return None
+        return c.route_bonus * c.resident_mask(self.layer)
+
+    def observe(self, x: mx.array, inds: mx.array, scores: mx.array, y: mx.array) -> None:
+        """Hand the layer's MoE state to a dump hook (--dump-moe), if one is set."""
+        c = self.expert_cache
+        if c is not None and c.dump is not None:
+            c.dump(self.layer, x, inds, scores, y)

@@ -1,0 +1,444 @@
+"""load(): a store on disk -> MLX model modules with an expert cache behind their seams.
+
+Owns family lookup, dense weight loading, arena sizing and wiring the cache to each MoE
+layer. Never reads expert records itself (the cache does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import OptionError, check_int, check_runtime
+from ..format.quant import check_layout
+from ..format.store import (
+    AFFINE_BITS,
+    AFFINE_GROUP_SIZES,
+    DENSE,
+    JsonFields,
+    StoreError,
+    load_manifest,
+    load_profile,
+    verify_dense,
+)
+from ..generation.tokenizer import load_tokenizer
+from ..models.base import normalize_config
+from ..stream import memory
+from ..stream.arena import Arena
+from ..stream.prediction import ReadAhead
+from ..stream.stats import RoutingTrace
+from .decode import PipelinedDecoder
+from .experts import ExpertCache, SwitchGLU
+
+# The supported model types, each run by models/<model_type>.py; ALIASES are run by
+# another type's module.
+FAMILIES = (
+    "qwen3_moe",
+    "qwen3_next",
+    "mixtral",
+    "olmoe",
+    "glm4_moe",
+    "deepseek_v3",
+    "gpt_oss",
+    "llama",
+)
+ALIASES = {"kimi_k2": "deepseek_v3"}  # the same architecture (mlx-lm maps it so too)
+
+GB = 1024**3
+
+
+def family(model_type: str, source: str | Path = "config.json"):
+    """The model-family module for `model_type`, or a StoreError naming `source`."""
+    name = ALIASES.get(model_type, model_type)
+    if name not in FAMILIES:
+        known = ", ".join(sorted((*FAMILIES, *ALIASES)))
+        raise StoreError(f"{source}: unknown architecture {model_type!r}; supported: {known}")
+    return importlib.import_module(f"..models.{name}", __package__)
+
+
+# The read-ahead settings by the names a user gives them (flags, preset keys, load()'s
+# keywords): RuntimeConfig holds them as one ReadAhead, these name its fields.
+READ_AHEAD_OPTIONS = {
+    "read_ahead": "policy",  # demand | static | lookahead
+    "static_cap": "static_cap",
+    "lookahead_min_tokens": "min_tokens",
+    "lookahead_decode_min_miss": "decode_min_miss",
+    "lookahead_depth": "depth",  # layers predicted ahead from each layer's input
+}
+
+
+@dataclass
+class RuntimeConfig:
+    """How the expert cache runs. Set by option name (`options()`, `replace()`): every field
+    but `read_ahead` is one, with a CLI flag of the same name; `read_ahead` (a ReadAhead, or
+    a policy name) is the READ_AHEAD_OPTIONS."""
+
+    arena_gb: float | None = None  # None: automatic
+    io_workers: int = 8
+    # Split reads: while workers would idle (decode's few misses a layer), a record is read as
+    # parts of at least this many KB by several workers side by side (reader.Reader's split).
+    # 0: whole records always.
+    read_split_kb: int = 0
+    # The reader's threads let go of their slot on the drive once a pread returns, before the
+    # bounce copy and the checksum (reader.Reader's overlap): io_workers preads in flight.
+    read_overlap: bool = True
+    # CUDA: each read reaches its slot by the GPU's copy engine from pinned host memory, the
+    # arena kept on the device; off, the CPU copies it into managed memory, which the driver
+    # then migrates back to the device when a kernel first touches the slot (reader.Reader's
+    # device_copy). Ignored where there is no CUDA device.
+    device_copy: bool = True
+    read_ahead: ReadAhead = field(default_factory=ReadAhead)
+    # loop: an asyncio event loop on its own thread schedules reads and keeps the drive busy
+    # between handshakes; sync: reads are scheduled only inside the handshake (the first wave)
+    scheduler: str = "loop"
+    scheduler_low_water: int | None = None  # loop: top up below this many queued (None: 2 x io)
+    eviction: str = "lru"
+    # Checksums: dense weights once at load (again only when the file changed), every expert
+    # record as the reader's threads read it. Off only to measure what it costs.
+    verify: bool = True
+    prefill_step_size: int | None = None  # None: chosen from memory
+    fake_stream: bool = False
+    decode: str = "pipelined"  # pipelined | sync (per-layer host sync; strata_mlx.decode)
+    decode_lag: int = 1  # pipelined: layers the host reads routing behind the device
+    decode_sync_above: float = 0.3  # pipelined: tokens run synced while more layers miss
+    # pipelined: whole tokens, overlapped with the next one's build, while fewer layers miss
+    decode_token_below: float = 0.02
+    decode_chunk: int = 4  # pipelined "token" mode: layers submitted to the device at once
+    decode_layers_chunk: int = 1  # pipelined "layers" mode: the same
+    # pipelined: "token" mode while decode lookahead predicts too (which it cannot do in that
+    # mode), when few layers miss; off: a predicting decoder runs "layers" mode (H200 run 9:
+    # that cost lookahead 41.6 against demand's 32.0 ms/token where 0.9 % of lookups missed)
+    decode_token_while_predicting: bool = False
+    experts_per_token: int | None = None  # None: the store's; else every MoE block's top-k
+    moce_bonus: float = 0.0  # cache-aware routing: bonus on resident experts' logits (decode)
+    # Research hooks on the expert cache: dump(layer, x, ids, scores, y) gets every MoE
+    # layer's state (--dump-moe: tools.MoeDumper; decode then runs the per-layer handshake),
+    # trace (a stats.RoutingTrace) records routing and lookahead's predictions.
+    dump: Callable | None = None
+    trace: RoutingTrace | None = None
+
+    def __post_init__(self):
+        if isinstance(self.read_ahead, str):  # RuntimeConfig(read_ahead="demand")
+            self.read_ahead = ReadAhead(self.read_ahead)
+
+    def options(self) -> dict:
+        """Every setting by its option name."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "read_ahead"}
+        for name, attr in READ_AHEAD_OPTIONS.items():
+            out[name] = getattr(self.read_ahead, attr)
+        return out
+
+    def replace(self, **options) -> RuntimeConfig:
+        """A copy with `options` (by option name) set; `read_ahead` may also be a ReadAhead.
+        An unknown name is a TypeError, as a call's unknown keyword is."""
+        unknown = sorted(set(options) - set(self.options()))
+        if unknown:
+            raise TypeError(f"unknown runtime option {unknown[0]!r}")
+        ahead = {a: options.pop(n) for n, a in READ_AHEAD_OPTIONS.items() if n in options}
+        read_ahead = self.read_ahead
+        if isinstance(ahead.get("policy"), ReadAhead):
+            read_ahead = ahead.pop("policy")
+        return dataclasses.replace(
+            self, **options, read_ahead=dataclasses.replace(read_ahead, **ahead)
+        )
+
+
+def apply_preset(cfg: RuntimeConfig, name: str) -> RuntimeConfig:
+    """`cfg` with the options still at their defaults set from configs/runtime/NAME.json."""
+    from .. import configs
+
+    given, default = cfg.options(), RuntimeConfig().options()
+    preset = {}
+    for key, value in configs.read("runtime", name).items():
+        if key.startswith("_"):
+            continue
+        if key not in given:
+            raise StoreError(f"{configs.path('runtime', name)}: unknown setting {key!r}")
+        if given[key] == default[key]:
+            preset[key] = value
+    return cfg.replace(**preset)
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16 * GB
+
+
+def auto_arena_bytes(
+    total_expert_bytes: int, dense_bytes: int, scratch_bytes: int, memory: int | None = None
+) -> int:
+    """Physical memory minus dense weights, cache/state and prompt scratch, minus headroom
+    for the OS and the rest of the process (a quarter of memory, at least 2 GB)."""
+    memory = memory or physical_memory()
+    headroom = max(memory // 4, 2 * GB)
+    free = memory - headroom - dense_bytes - scratch_bytes
+    return max(min(free, total_expert_bytes), 0)
+
+
+def prefill_scratch_bytes(args, step: int) -> int:
+    """A generous estimate of one prefill chunk's activation scratch."""
+    hidden = getattr(args, "hidden_size", 4096)
+    inter = max(
+        getattr(args, "moe_intermediate_size", 0) or 0, getattr(args, "intermediate_size", 0) or 0
+    )
+    k = getattr(args, "num_experts_per_tok", 1)
+    return step * (hidden * 16 + inter * k * 3) * 4
+
+
+def default_prefill_step(memory: int | None = None) -> int:
+    """2048 from 16 GB of memory up (the reference: fewer expert reads per token), else 512."""
+    return 2048 if (memory or physical_memory()) >= 16 * GB else 512
+
+
+def choose_arena(
+    args,
+    record_bytes: int,
+    n_records: int,
+    dense_bytes: int,
+    arena_gb: float | None,
+    prefill_step_size: int | None,
+    memory_bytes: int | None = None,
+    available: int | None = None,
+    reserve_bytes: int = 0,
+    kv_itemsize: int = 2,
+) -> tuple[int, int]:
+    """(arena bytes, prefill chunk) that load() picks: the chunk from memory unless given, an
+    automatic arena from memory less dense weights and scratch, then the memory guard
+    (refuses, or shrinks an automatic arena, before anything is allocated). `memory_bytes`
+    and `available` (what a new allocation can get, dense weights already loaded) default to
+    this machine's; strata_mlx.plan passes another machine's. `reserve_bytes`: memory the
+    caller will hold beside the model (serve's kept prompt caches), counted as scratch is;
+    `kv_itemsize` the KV cache's bytes an element (memory.activation_itemsize)."""
+    step = prefill_step_size or default_prefill_step(memory_bytes)
+    scratch = prefill_scratch_bytes(args, step) + reserve_bytes
+    if arena_gb is None:
+        arena = auto_arena_bytes(n_records * record_bytes, dense_bytes, scratch, memory_bytes)
+    else:
+        arena = int(arena_gb * GB)
+    arena = memory.fit_arena(
+        min(arena, n_records * record_bytes),
+        record_bytes,
+        scratch + memory.kv_cache_bytes(args, step, kv_itemsize),
+        arena_gb,
+        available,
+    )
+    return arena, step
+
+
+def load(
+    path: str | Path,
+    arena_gb: float | None = None,
+    config: RuntimeConfig | None = None,
+    pipeline=None,
+    reserve_bytes: int = 0,
+    **overrides,
+):
+    """Load a strata-mlx store: returns (model, tokenizer or None), as mlx-lm's load().
+    `pipeline` (a strata_mlx.distributed.Pipeline): load only this rank's layers.
+    `reserve_bytes`: memory the caller will hold beside the model (serve's kept prompt
+    caches): the automatic arena leaves it free, the memory guard counts it."""
+    cfg = config if config is not None else RuntimeConfig()
+    if arena_gb is not None:
+        overrides["arena_gb"] = arena_gb
+    try:
+        cfg = cfg.replace(**overrides)
+    except TypeError as e:
+        raise TypeError(f"load(): {e}") from None
+    check_runtime(cfg)
+    check_int("reserve_bytes", reserve_bytes, 0)
+    if pipeline is not None and pipeline.size > 1:
+        cfg.decode = "sync"  # the pipelined decoder runs a whole model (strata_mlx.decode)
+    else:
+        pipeline = None
+    path = Path(path)
+    manifest = load_manifest(path)
+    source = path / "manifest.json"
+    fam = family(manifest.model_type, source)
+    args = fam.ModelArgs.from_dict(normalize_config(manifest.config), source, "config.")
+    try:
+        model = fam.Model(args)
+    except (ValueError, OverflowError) as e:  # a family's refusal, or a width MLX cannot index
+        raise StoreError(f"{source}: config: {str(e).splitlines()[0]}") from None
+    check_experts(manifest, model, args, source)
+    tokenizer = load_tokenizer(path)  # its files are checked before anything is allocated
+
+    dense_path = path / DENSE
+    if cfg.verify:
+        verify_dense(path, manifest)
+    try:
+        weights = mx.load(str(dense_path))
+    except Exception as e:  # mlx raises RuntimeError/ValueError with its own wording
+        raise StoreError(f"{dense_path}: unreadable safetensors ({e})") from None
+    stage = None
+    if pipeline is not None:  # this rank's layers, records and weights only
+        step = cfg.prefill_step_size or default_prefill_step()
+        stage = pipeline.take(model, manifest, weights, args, step)
+        manifest, weights = stage.manifest, stage.weights
+    quant = check_quantization(manifest.config.get("quantization"), source)
+    if quant:
+
+        def predicate(p, m):
+            if p in quant and isinstance(quant[p], dict):
+                return quant[p]
+            return hasattr(m, "to_quantized") and f"{p}.scales" in weights
+
+        try:
+            nn.quantize(
+                model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=predicate
+            )
+        except ValueError as e:  # a layer whose width the group size does not divide
+            raise StoreError(f"{source}: config.quantization: {str(e).splitlines()[0]}") from None
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise StoreError(f"{dense_path}: {str(e).splitlines()[0]}") from None
+    bad = [k for k, v in weights.items() if v.dtype not in DENSE_DTYPES]
+    if bad:
+        raise StoreError(f"{dense_path}: {bad[0]} is {weights[bad[0]].dtype}, not a weight dtype")
+    mx.eval(model.parameters())
+
+    rb = manifest.layout.record_bytes
+    n_records = manifest.num_experts * len(manifest.moe_layers)
+    dense_bytes = sum(v.nbytes for v in weights.values())
+    itemsize = memory.activation_itemsize(manifest.config.get("torch_dtype"))
+    arena_bytes, cfg.prefill_step_size = choose_arena(
+        args, rb, n_records, dense_bytes, cfg.arena_gb, cfg.prefill_step_size,
+        reserve_bytes=reserve_bytes, kv_itemsize=itemsize,
+    )  # fmt: skip
+    if cfg.experts_per_token is not None and cfg.experts_per_token > manifest.num_experts:
+        raise OptionError(
+            f"{path}: experts_per_token {cfg.experts_per_token}: the store has "
+            f"{manifest.num_experts} experts a layer"
+        )
+    n_slots = max(1, min(arena_bytes // rb, n_records))
+    profile = load_profile(path, manifest if stage is None else stage.full_manifest)
+    if stage is not None:
+        profile = stage.profile(profile)
+    from ..stream.reader import Reader, needs_bounce, uses_device_copy
+
+    device_copy = cfg.device_copy and uses_device_copy()
+    if device_copy and cfg.read_split_kb:
+        raise OptionError(
+            f"read_split_kb {cfg.read_split_kb}: split reads are verified in host memory; "
+            "with device_copy (the default on CUDA) records land on the device: set "
+            "device_copy false to split"
+        )
+    arena = Arena(n_slots, rb, cfg.eviction, profile, manifest.moe_layers, on_device=device_copy)
+    reader = Reader(
+        cfg.io_workers,
+        bounce=needs_bounce(),
+        split=cfg.read_split_kb * 1024,
+        overlap=cfg.read_overlap,
+        device_copy=device_copy,
+    )
+    cache = ExpertCache(
+        path,
+        manifest,
+        arena,
+        reader,
+        read_ahead=cfg.read_ahead,
+        profile=profile,
+        verify=cfg.verify,
+        fake_stream=cfg.fake_stream,
+        scheduler=cfg.scheduler,
+        low_water=cfg.scheduler_low_water,
+    )
+    attach(model, cache)
+    model.expert_cache = cache
+    # What the cache and the blocks take from the runtime beyond their constructors' arguments
+    cache.route_bonus = cfg.moce_bonus
+    cache.dump = cfg.dump
+    cache.trace = cfg.trace
+    if cfg.experts_per_token is not None:
+        for block in model.moe_blocks().values():
+            block.top_k = cfg.experts_per_token
+    model.decoder = (
+        PipelinedDecoder(
+            model,
+            cfg.decode_lag,
+            cfg.decode_sync_above,
+            cfg.decode_token_below,
+            cfg.decode_chunk,
+            cfg.decode_layers_chunk,
+            token_while_predicting=cfg.decode_token_while_predicting,
+        )
+        if cfg.decode == "pipelined"
+        else None
+    )
+    model.runtime = cfg
+    model.store_path = path
+    if pipeline is not None:
+        model = pipeline.wrap(model)
+    return model, tokenizer
+
+
+# What dense.safetensors may hold: float weights, and uint32 codes of quantized layers.
+DENSE_DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.uint32)
+
+
+def check_experts(manifest, model, args, source: Path) -> None:
+    """The manifest's expert tables against the model its config builds: the same MoE layers,
+    as many experts as the routers choose from, and record layouts of the model's width."""
+    blocks = sorted(model.moe_blocks())
+    if blocks != manifest.moe_layers:
+        raise StoreError(
+            f"{source}: experts.moe_layers {_brief(manifest.moe_layers)} are not the model's "
+            f"MoE layers {_brief(blocks)}"
+        )
+    n = getattr(args, "num_experts", None) or getattr(args, "num_local_experts", None)
+    if blocks and n != manifest.num_experts:
+        raise StoreError(f"{source}: experts.num_experts {manifest.num_experts}, config says {n}")
+    if manifest.layer_layouts is None:
+        check_layout(manifest.layout, args.hidden_size, f"{source}: experts")
+    else:
+        for layer, lay in zip(manifest.moe_layers, manifest.layer_layouts):
+            check_layout(lay, args.hidden_size, f"{source}: experts, layer {layer}")
+
+
+def check_quantization(quant, source: Path) -> dict | None:
+    """config.quantization (the dense layers'): group size and bits MLX accepts, globally and
+    per layer; None when the dense layers are not quantized."""
+    if quant is None or quant == {}:
+        return None
+    f = JsonFields(source)
+    f.dict(quant, "config.quantization", ("group_size", "bits"))
+    if quant.get("mode", "affine") != "affine":
+        f.fail("config.quantization.mode", f"{quant['mode']!r}; this build reads affine")
+    for key, spec in [("", quant)] + [
+        (f".{k}", v) for k, v in quant.items() if k not in ("group_size", "bits", "mode")
+    ]:
+        field = f"config.quantization{key}"
+        if not isinstance(spec, dict):
+            continue  # mlx-lm writes `path: false` for layers left unquantized
+        f.dict(spec, field, ("group_size", "bits"))
+        unknown = sorted(set(spec) - {"group_size", "bits", "mode"})
+        if key and unknown:
+            f.fail(field, f"unknown key {unknown[0]!r}")
+        for name, allowed in (("bits", AFFINE_BITS), ("group_size", AFFINE_GROUP_SIZES)):
+            f.int(spec[name], f"{field}.{name}")
+            if spec[name] not in allowed:
+                f.fail(f"{field}.{name}", f"{spec[name]} is not one of {allowed}")
+    return quant
+
+
+def _brief(xs: list[int]) -> str:
+    return str(xs) if len(xs) <= 8 else f"[{xs[0]}, {xs[1]}, ..., {xs[-1]}] ({len(xs)})"
+
+
+def attach(model, cache: ExpertCache) -> None:
+    """Point every MoE layer's seam at the cache and register its router for lookahead."""
+    for layer, block in model.moe_blocks().items():
+        block.switch_mlp.expert_cache = cache
+        cache.register_router(layer, lambda x, b=block: b.route(x)[0])
+    for _, m in model.named_modules():
+        if isinstance(m, SwitchGLU) and m.expert_cache is None:
+            raise RuntimeError(f"layer {m.layer}: MoE block not listed by moe_blocks()")

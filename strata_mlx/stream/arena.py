@@ -1,0 +1,341 @@
+"""The arena: a fixed set of expert slots in one MLX buffer, and which expert sits where.
+
+The buffer is allocated once, as 4 KiB pages of 8-byte words ([pages, 512] uint64): MLX shape
+dims are int32, so a flat buffer would stop at 2^31 elements (2 GB of bytes, 16 GB of words),
+while a 2-D one has no such limit (each dim < 2^31; 2^31 pages are 8 TB). It has one page of
+slack so that slot 0 starts page aligned (MLX's CPU buffers are not: address mod 4096 was 24),
+because direct I/O writes straight into slot memory through a numpy view of that buffer.
+`rows`, the [n_slots, record_bytes] uint8 array the kernels read, is an `as_strided` view of
+the buffer at that page offset, so it shares the buffer's memory. Writes through the numpy
+view are seen by later MLX computation on CPU and under MLX CUDA's unified memory. The arena
+array is kept alive for the life of the model and never donated.
+
+Residency (expert -> slot), pinning (slots the running layer reads) and eviction live here.
+This module never reads files and never computes with weights.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+
+import mlx.core as mx
+import numpy as np
+
+from ..format.store import ALIGNMENT
+from .reader import advise_hugepages, prefer_device
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class LRU:
+    """Evict the expert used longest ago."""
+
+    name = "lru"
+    current: int | None = None  # the layer whose handshake runs now (see LayerDistance)
+
+    def __init__(self):
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def touch(self, key: Key) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, evictable) -> Key | None:
+        for key in self._order:
+            if evictable(key):
+                return key
+        return None
+
+
+class _Scored:
+    """Evict the lowest score, the least recently used among equal scores: a heap of
+    (score, use number, key) entries, lazily invalidated (a key's live entry is the one with
+    its latest use number), so a victim costs O(log n) instead of a scan of every resident
+    expert (~1 ms an eviction at 7 K slots, benchmarks/eviction_cost.py: ~20 s of Python a
+    prefill chunk of the full-size store)."""
+
+    current: int | None = None
+
+    def __init__(self):
+        self._heap: list[tuple[float, int, Key]] = []
+        self._use: dict[Key, int] = {}  # resident key -> its latest use number
+        self._uses = 0
+
+    def score(self, key: Key) -> float:
+        raise NotImplementedError
+
+    def touch(self, key: Key) -> None:
+        self._uses += 1
+        self._use[key] = self._uses
+        heapq.heappush(self._heap, (self.score(key), self._uses, key))
+        if len(self._heap) > 4 * len(self._use) + 1024:  # drop dead entries now and then
+            self._heap = [e for e in self._heap if self._use.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+
+    def remove(self, key: Key) -> None:
+        self._use.pop(key, None)
+
+    def victim(self, evictable) -> Key | None:
+        skipped, found = [], None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            if self._use.get(entry[2]) != entry[1]:
+                continue  # a dead entry: used again since, or evicted
+            skipped.append(entry)  # live: back in the heap whatever happens
+            if evictable(entry[2]):
+                found = entry[2]
+                break
+        for entry in skipped:
+            heapq.heappush(self._heap, entry)
+        return found
+
+
+class LFUAging(_Scored):
+    """Evict the least used expert; counts halve every `period` uses so old fame fades
+    (kept as later uses weighing double instead: the same order, no pass over every count)."""
+
+    name = "lfu"
+
+    def __init__(self, period: int = 4096):
+        super().__init__()
+        self._count: dict[Key, float] = {}
+        self._weight = 1.0
+        self._period = period
+
+    def score(self, key: Key) -> float:
+        c = self._count[key] = self._count.get(key, 0.0) + self._weight
+        if self._uses % self._period == 0:
+            self._weight *= 2.0
+            if self._weight > 2.0**400:  # rescale before floats overflow (every 400 periods)
+                self._rescale(2.0**-400)
+        return c
+
+    def _rescale(self, f: float) -> None:
+        self._weight *= f
+        for k in self._count:
+            self._count[k] *= f
+        self._heap = [(c * f, n, k) for c, n, k in self._heap]  # order kept: heap stays one
+
+
+class ProfileAware(_Scored):
+    """Evict the expert the routing profile ranks least popular in its layer (LRU tie-break)."""
+
+    name = "profile"
+
+    def __init__(self, profile: np.ndarray | None = None, layers: list[int] | None = None):
+        super().__init__()
+        self._pop: dict[int, np.ndarray] = {}
+        if profile is not None and layers is not None:
+            for pos, layer in enumerate(layers):
+                row = profile[pos].astype(np.float64)
+                self._pop[layer] = row / max(row.sum(), 1.0)
+
+    def score(self, key: Key) -> float:
+        pop = self._pop.get(key[0])
+        return float(pop[key[1]]) if pop is not None else 0.0
+
+
+class LayerDistance:
+    """Evict the expert whose layer comes back last: a forward pass visits layers in a cycle,
+    so the layer just computed is needed again only after every other layer, while the
+    layers just ahead are needed next. LRU gets this backwards (the least recently used
+    experts are those of the layers about to run). Within a layer, least recently used."""
+
+    name = "layer"
+
+    def __init__(self, layers: list[int] | None = None):
+        self._layers = sorted(layers or [])
+        self._pos = {l: i for i, l in enumerate(self._layers)}
+        self._by_layer: dict[int, OrderedDict[Key, None]] = {}
+        self.current: int | None = None  # the layer whose handshake runs now
+
+    def touch(self, key: Key) -> None:
+        od = self._by_layer.setdefault(key[0], OrderedDict())
+        od[key] = None
+        od.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        od = self._by_layer.get(key[0])
+        if od is not None:
+            od.pop(key, None)
+
+    def victim(self, evictable) -> Key | None:
+        layers = self._layers or sorted(self._by_layer)  # no layer list given: those seen
+        pos = self._pos if self._layers else {l: i for i, l in enumerate(layers)}
+        n = len(layers)
+        start = pos.get(self.current, 0)
+        for i in range(n):  # current layer, the one before, ..., the one after it last
+            for key in self._by_layer.get(layers[(start - i) % n], ()):
+                if evictable(key):
+                    return key
+        return None
+
+
+POLICIES = {p.name: p for p in (LRU, LFUAging, ProfileAware, LayerDistance)}
+
+
+def make_policy(
+    eviction: str, profile: np.ndarray | None = None, layers: list[int] | None = None
+) -> LRU | _Scored | LayerDistance:
+    """The policy named `eviction`, given only what it reads: the routing profile (rows in
+    the order of `layers`) for "profile", the layer cycle for "layer"."""
+    if eviction not in POLICIES:
+        raise ValueError(f"unknown eviction policy {eviction!r}; one of {sorted(POLICIES)}")
+    if eviction == "profile":
+        return ProfileAware(profile, layers)
+    if eviction == "layer":
+        return LayerDistance(layers)
+    return POLICIES[eviction]()
+
+
+PAGE_WORDS = ALIGNMENT // 8
+
+
+def buffer_shape(nbytes: int) -> tuple[int, int]:
+    """[pages, words per page] of uint64 holding `nbytes` (a multiple of ALIGNMENT) from any
+    start address: one page of slack for aligning slot 0."""
+    if nbytes % ALIGNMENT:
+        raise ValueError(f"{nbytes} bytes is not a multiple of {ALIGNMENT}")
+    pages = nbytes // ALIGNMENT + 1
+    if pages >= 2**31:
+        raise ValueError(f"arena of {nbytes / 1e12:.1f} TB exceeds 2^31 pages")
+    return pages, PAGE_WORDS
+
+
+def slot_rows(buffer: mx.array, n_slots: int, record_bytes: int, start: int) -> mx.array:
+    """[n_slots, record_bytes] uint8 view of `buffer` (shaped by buffer_shape) from byte
+    `start`, sharing its memory. mx.as_strided flattens its input, and one flat dim stops at
+    2^31 elements (16 GB of words: a 25 GB buffer fails there), so the view is taken through
+    the buffer's first page, which shares the whole allocation: as_strided does not bound a
+    view by its input's shape (MLX documents it as unchecked). It stays inside the buffer:
+    `start` lies in the page of slack."""
+    words = record_bytes // 8
+    if (
+        start % 8
+        or not 0 <= start < ALIGNMENT
+        or n_slots * record_bytes + ALIGNMENT > buffer.nbytes
+    ):
+        raise ValueError(
+            f"{n_slots} slots of {record_bytes} B from byte {start} overrun the buffer"
+        )
+    rows = mx.as_strided(buffer[:1], (n_slots, words), (words, 1), start // 8)
+    return rows.view(mx.uint8)
+
+
+class Arena:
+    """`n_slots` slots of `record_bytes` each, in one MLX buffer allocated once; `rows` is
+    that buffer as [n_slots, record_bytes] uint8, row s = slot s, at address(s). `on_device`
+    (CUDA, with the reader's device copy): the buffer's managed memory is kept on the device,
+    where the copy engine writes records and kernels read them without faulting pages in."""
+
+    def __init__(
+        self,
+        n_slots: int,
+        record_bytes: int,
+        eviction: str = "lru",
+        profile: np.ndarray | None = None,
+        layers: list[int] | None = None,
+        hugepages: bool = True,
+        on_device: bool = False,
+    ):
+        if n_slots < 1:
+            raise ValueError("the arena needs at least one slot")
+        if record_bytes % ALIGNMENT:
+            raise ValueError(f"record_bytes {record_bytes} is not a multiple of {ALIGNMENT}")
+        self.n_slots = n_slots
+        self.record_bytes = record_bytes
+        self.buffer = mx.zeros(buffer_shape(self.nbytes), dtype=mx.uint64)
+        mx.eval(self.buffer)
+        self._host = np.array(self.buffer, copy=False).reshape(-1).view(np.uint8)  # writable
+        self._start = (-self._host.ctypes.data) % ALIGNMENT
+        self._base = self._host.ctypes.data + self._start  # slot 0's address
+        if hugepages and mx.default_device() == mx.cpu:  # host memory where reads land: huge
+            advise_hugepages(self._base, self.nbytes, zeroed=True)  # pages (CUDA's is managed)
+        if on_device:  # CUDA: reads arrive by the copy engine; the slots live on the device
+            prefer_device(self._base, self.nbytes)
+        self.rows = slot_rows(self.buffer, n_slots, record_bytes, self._start)
+        mx.eval(self.rows)
+        self.policy = make_policy(eviction, profile, layers)
+        self.slot_of: dict[Key, int] = {}
+        self.owner: list[Key | None] = [None] * n_slots
+        self.pinned: set[int] = set()
+        self.loading: set[int] = set()  # slots whose read is in flight
+        self._free = list(range(n_slots - 1, -1, -1))
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_slots * self.record_bytes
+
+    def address(self, slot: int) -> int:
+        return self._base + slot * self.record_bytes
+
+    def view(self, slot: int) -> np.ndarray:
+        """Writable host view of one slot's memory."""
+        o = self._start + slot * self.record_bytes
+        return self._host[o : o + self.record_bytes]
+
+    def touch(self, key: Key) -> None:
+        self.policy.touch(key)
+
+    def set_layer(self, layer: int) -> None:
+        """Tell the eviction policy which layer runs now (the layer-aware one uses it)."""
+        self.policy.current = layer
+
+    def _evictable(self, key: Key) -> bool:
+        s = self.slot_of[key]
+        return s not in self.pinned and s not in self.loading
+
+    def allocate(
+        self, key: Key, protect: set[int] | None = None, keep: set[Key] | None = None
+    ) -> tuple[int, Key | None] | None:
+        """(slot, the expert evicted from it or None) for `key`, the slot marked loading;
+        never evicts an expert of a layer in `protect` nor one in `keep`. None if every slot
+        is busy."""
+        victim = None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            if protect or keep:
+                protect, keep = protect or (), keep or ()
+                victim = self.policy.victim(
+                    lambda k: k[0] not in protect and k not in keep and self._evictable(k)
+                )
+            else:
+                victim = self.policy.victim(self._evictable)
+            if victim is None:
+                return None
+            slot = self.slot_of.pop(victim)
+            self.policy.remove(victim)
+        self.owner[slot] = key
+        self.slot_of[key] = slot
+        self.loading.add(slot)
+        self.policy.touch(key)
+        return slot, victim
+
+    def loaded(self, slot: int) -> None:
+        self.loading.discard(slot)
+
+    def release(self, slot: int) -> None:
+        """Give a slot back (its read was dropped or failed): it holds nothing valid."""
+        key = self.owner[slot]
+        if key is not None:
+            self.slot_of.pop(key, None)
+            self.policy.remove(key)
+        self.owner[slot] = None
+        self.loading.discard(slot)
+        self.pinned.discard(slot)
+        self._free.append(slot)
+
+    def resident(self, key: Key) -> bool:
+        s = self.slot_of.get(key)
+        return s is not None and s not in self.loading
+
+    def pin(self, slots) -> None:
+        self.pinned.update(slots)
+
+    def unpin_all(self) -> None:
+        self.pinned.clear()

@@ -1,0 +1,316 @@
+"""Native SSD reader: worker pthreads pread expert records straight into arena memory.
+
+On MLX's CPU backend, Python threads that read files lose most of their bandwidth while the
+main thread sits in ``mx.eval`` (they fight it for the GIL). So the read loop lives in the C
+extension ``strata_mlx._reader``: its worker threads take requests off two queues and call
+``pread`` without ever holding the GIL. Python decides what to read, submits batches, and
+collects completions with :meth:`Reader.wait`, which releases the GIL while it blocks.
+
+Callers pass destination *addresses*, not buffers: a request writes ``length`` bytes at the raw
+address ``dest_address`` (a Python int, e.g. ``arr.ctypes.data + offset`` of the arena's numpy
+view). The caller must keep that memory alive and leave it alone until the request's
+completion has been collected, it has been cancelled, or :meth:`Reader.close` has returned.
+Nothing checks that the address is valid: a wrong one crashes the process.
+
+Files opened direct (``O_DIRECT`` on Linux, ``F_NOCACHE`` on macOS) need ``offset``,
+``length`` and ``dest_address`` to be multiples of :data:`ALIGNMENT`; :meth:`Reader.submit`
+raises ``ValueError`` otherwise. Where the file system refuses direct I/O the file is opened
+buffered instead and :meth:`Reader.is_direct` says so.
+
+Integrity: a file opened with ``checksum="crc32c"`` (or ``"crc32"``, zlib's) takes requests
+with a sixth element, the record's expected checksum; the worker thread that read the bytes
+checks them before it reports the completion, still without the GIL, so verification costs
+no Python time and runs on as many cores as there are reads in flight. crc32c runs on the
+CPU's instruction (SSE4.2, ARMv8 CRC: 16-19 GB/s a core on the dev machine's EPYC, 10-16 GB/s
+streaming from memory), crc32 on ARMv8 CRC or x86 carry-less multiplies (PCLMULQDQ: ~8 GB/s
+a core); tables (~1.6 GB/s) only on a CPU with neither. :func:`checksum` computes either in
+Python, for writers and tests.
+
+Completions are ``(tag, error, bytes_read)`` tuples: ``error`` is 0, a positive ``errno`` from
+``pread``, :data:`SHORT_READ` when the file ended before ``length`` bytes (a truncated
+store), with ``bytes_read`` saying how far it got, or :data:`CHECKSUM_MISMATCH` when all the
+bytes were read but their checksum is not the one expected (the bytes are left in place).
+
+Tags are the caller's ints and must be unique among requests not yet collected (unchecked).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from .. import _reader
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+ALIGNMENT: int = _reader.ALIGNMENT
+"""Direct I/O granularity in bytes (4096)."""
+
+SHORT_READ: int = _reader.SHORT_READ
+"""Completion error code (-1): end of file before the requested length."""
+
+CHECKSUM_MISMATCH: int = _reader.CHECKSUM_MISMATCH
+"""Completion error code (-2): the bytes read do not have the expected checksum."""
+
+DEVICE_COPY_FAILED: int = _reader.DEVICE_COPY_FAILED
+"""Completion error code (-3): the copy engine could not move the record into place."""
+
+CHECKSUMS = ("crc32c", "crc32")
+"""Checksums the reader verifies: crc32c (new stores), crc32 (zlib's; older stores)."""
+
+Request = tuple[int, int, int, int, int] | tuple[int, int, int, int, int, int | None]
+"""``(tag, file_index, offset, length, dest_address[, expected_checksum])``."""
+
+Completion = tuple[int, int, int]
+"""``(tag, error, bytes_read)``; error is 0, an errno, SHORT_READ or CHECKSUM_MISMATCH."""
+
+
+def error_message(code: int) -> str:
+    """Human-readable text for a completion's error code."""
+    if code == 0:
+        return "ok"
+    if code == SHORT_READ:
+        return "end of file before the requested length (truncated file?)"
+    if code == CHECKSUM_MISMATCH:
+        return "checksum mismatch (corrupt data)"
+    if code == DEVICE_COPY_FAILED:
+        return "the CUDA copy into device memory failed"
+    return os.strerror(code)
+
+
+def checksum(name: str, data, value: int = 0) -> int:
+    """``name`` ("crc32c" or "crc32") of a bytes-like object, continuing from ``value``:
+    ``checksum(n, a + b) == checksum(n, b, checksum(n, a))``; crc32 equals ``zlib.crc32``.
+    Releases the GIL for large buffers."""
+    return _reader.checksum(name, data, value)
+
+
+def checksum_implementation(name: str) -> str:
+    """How this CPU computes ``name``: "sse4.2", "pclmul", "armv8-crc" or "table"."""
+    return _reader.checksum_impl(name)
+
+
+class Reader:
+    """A pool of native reader threads with an urgent and a read-ahead queue.
+
+    Workers always take urgent requests first; read-ahead requests run only while no urgent
+    one is queued. Usable as a context manager; :meth:`close` also runs on garbage collection.
+
+    Args:
+        workers: number of reader threads (concurrent preads in flight).
+        start_paused: start with the workers paused (nothing is read until :meth:`resume`);
+            lets tests and callers queue work deterministically.
+        bounce: each worker reads into a buffer of its own, verifies it there, and copies
+            it into the destination (see :func:`needs_bounce`).
+        split: split reads (0: never). While workers would sit idle (fewer requests queued
+            and in flight than workers, as in decode, where a layer misses a few records),
+            each request of a batch is read as up to ``idle workers / batch size`` parts of
+            at least ``split`` bytes (a multiple of :data:`ALIGNMENT`), side by side; it still
+            completes once, when its last part has landed, and a checksum is verified over
+            the whole request by the worker that read that part. A split request is
+            cancelled only while none of its parts has started.
+        overlap: run twice as many threads and let each go of its read slot as soon as its
+            pread returns, before the bounce copy and the checksum: ``workers`` preads stay
+            in flight while other threads finish theirs (without it, a worker's copy and
+            checksum are time its slot on the drive stands idle).
+        device_copy: (CUDA) the bounce buffers are pinned and each record reaches its
+            destination, device-visible memory, by the GPU's copy engine on a stream of the
+            worker's own, instead of a CPU memcpy into managed memory (which migrates the
+            pages to the host, and the next kernel to touch them migrates them back). Implies
+            ``bounce``; not with ``split`` (a split record is verified where its parts
+            land). RuntimeError where no CUDA driver is present (see
+            :func:`device_copy_error`).
+    """
+
+    def __init__(
+        self,
+        workers: int = 8,
+        start_paused: bool = False,
+        bounce: bool = False,
+        split: int = 0,
+        overlap: bool = False,
+        device_copy: bool = False,
+    ) -> None:
+        self._r = _reader.Reader(workers, start_paused, bounce, split, overlap, device_copy)
+
+    @property
+    def workers(self) -> int:
+        """Number of worker threads."""
+        return self._r.workers
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has been called."""
+        return self._r.closed
+
+    def open(
+        self, path: str | os.PathLike, direct: bool = True, checksum: str | None = None
+    ) -> int:
+        """Open ``path`` read-only and return its file index for requests.
+
+        With ``direct=True`` the page cache is bypassed (Linux ``O_DIRECT``, macOS
+        ``F_NOCACHE``). If the file system rejects ``O_DIRECT`` (``EINVAL``) the file is opened
+        buffered instead; check :meth:`is_direct`. With ``checksum`` (one of
+        :data:`CHECKSUMS`) requests may carry an expected checksum that the workers verify.
+        Files stay open until :meth:`close`. Raises OSError if the file cannot be opened.
+        """
+        return self._r.open(path, direct, checksum)
+
+    def is_direct(self, file_index: int) -> bool:
+        """Whether the file was opened with direct I/O (and so needs aligned requests)."""
+        return self._r.is_direct(file_index)
+
+    def submit(self, requests: Sequence[Request], urgent: bool = False) -> None:
+        """Queue a batch of ``(tag, file_index, offset, length, dest_address)`` requests,
+        each optionally with a sixth element: the expected checksum of the ``length`` bytes
+        (None: not checked), for a file opened with ``checksum=``.
+
+        The whole batch is validated before any of it is queued, then queued under one lock,
+        in order, at the back of the urgent or the read-ahead queue. Raises ValueError for an
+        unknown file index, negative offset/length, a NULL address, an expected checksum for a
+        file opened without one (or not in 32 bits), or (direct files) an offset, length or
+        address that is not a multiple of :data:`ALIGNMENT`.
+        """
+        self._r.submit(requests, urgent)
+
+    def cancel(self, tags: Iterable[int]) -> list[int]:
+        """Drop queued read-ahead requests with these tags; returns the tags dropped.
+
+        Requests already being read, urgent ones and completed ones are not touched. A
+        cancelled tag never completes (waiting for it raises KeyError).
+        """
+        return self._r.cancel(list(tags))
+
+    def promote(self, tags: Iterable[int]) -> list[int]:
+        """Move queued read-ahead requests to the back of the urgent queue, in the order
+        given; returns the tags moved (those not in the read-ahead queue are skipped)."""
+        return self._r.promote(list(tags))
+
+    def wait(
+        self, tags: Iterable[int] | None = None, timeout: float | None = None
+    ) -> list[Completion]:
+        """Block (GIL released) until every tag in ``tags`` has completed; return and clear
+        their completions, in the order of ``tags``.
+
+        With ``tags=None``, block until at least one completion is available and return and
+        clear all of them, in completion order (``[]`` at once if nothing is queued, in flight
+        or completed). Completions not asked for stay for later :meth:`wait`/:meth:`poll`.
+
+        On ``timeout`` (seconds) return whichever of the asked-for completions are there,
+        possibly none: compare lengths to tell. Raises KeyError for a tag that is not queued,
+        in flight or completed (never submitted, cancelled, or already collected) instead of
+        waiting forever for it, and ValueError if the reader is closed. Ctrl-C interrupts it.
+        Waiting does not promote: a read-ahead tag you need now should be :meth:`promote`\\ d.
+        """
+        return self._r.wait(None if tags is None else list(tags), timeout)
+
+    def poll(self) -> list[Completion]:
+        """Return and clear all available completions without blocking."""
+        return self._r.poll()
+
+    def notify_fd(self) -> int:
+        """The read end of a non-blocking pipe that becomes readable when a completion arrives
+        (for an event loop's ``add_reader``; created on first call, closed by :meth:`close`).
+        It gets one byte per :meth:`ack`, however many completions follow: call ``ack()``
+        before collecting, so a completion landing after the collection wakes it again."""
+        return self._r.notify_fd()
+
+    def ack(self) -> None:
+        """Re-arm :meth:`notify_fd` and drain it. Must not race :meth:`close`."""
+        self._r.ack()
+
+    def queued(self) -> int:
+        """Requests queued (urgent and read-ahead) that no worker has started (a split
+        request counts once, until its first part starts)."""
+        return self._r.queued()
+
+    def pause(self) -> None:
+        """Stop starting new reads (reads in flight finish)."""
+        self._r.pause()
+
+    def resume(self) -> None:
+        """Start reads again after :meth:`pause` or ``start_paused``."""
+        self._r.resume()
+
+    def stats(self) -> dict:
+        """Counters: ``bytes_read``, ``requests_done``, ``errors``, ``verified`` (reads whose
+        checksum was checked), ``split`` (requests read in parts), ``busy_ns`` and
+        ``verify_ns`` (lists, per thread: time spent inside reads, and checking checksums),
+        ``preads_max`` (the most preads in flight at once since the last reset: at most
+        ``workers``), ``device_copies`` and ``device_copy_ns`` (copies by the copy engine,
+        and their time), and the current ``queued_urgent``, ``queued_ahead``, ``in_flight``
+        (requests a thread holds) and uncollected ``completions``."""
+        return self._r.stats()
+
+    def reset_stats(self) -> None:
+        """Zero bytes_read, requests_done, errors, verified, split, busy_ns and verify_ns."""
+        self._r.reset_stats()
+
+    def close(self) -> None:
+        """Stop the workers and close the files. Reads in flight finish first; queued ones
+        are dropped. After it returns no thread writes to caller memory. Idempotent."""
+        self._r.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def advise_hugepages(address: int, nbytes: int, zeroed: bool = False) -> bool:
+    """Ask the OS to back the 2 MB-aligned blocks inside ``[address, address + nbytes)`` with
+    huge pages from their next fault on (Linux transparent huge pages, MADV_HUGEPAGE; only
+    such blocks can become huge). ``zeroed``: the range is private anonymous memory that holds
+    only zeros (a fresh host buffer), so those blocks are given back (MADV_DONTNEED; they read
+    as zeros) and return as huge pages. Direct reads into 4 KB pages ran at half the bandwidth
+    of reads into huge pages on the dev machine (benchmarks/read_path.py). True if the kernel
+    took the advice; False where not (macOS, a range without a whole 2 MB block): a hint,
+    never an error."""
+    return _reader.advise_hugepages(address, nbytes, zeroed)
+
+
+def needs_bounce() -> bool:
+    """Whether reads must land through a bounce buffer on this machine: on MLX's CUDA backend
+    arrays live in managed memory, which migrates between host and device in blocks larger
+    than a slot, and a direct read's DMA into such pages while kernels read neighbouring
+    slots is not coherent with it (H200, lookahead prefill: records whose checksums failed
+    though the file was sound). A copy by the CPU is. Apple silicon's unified memory does
+    not migrate; the CPU backend has no device."""
+    import mlx.core as mx
+
+    forced = os.environ.get("STRATA_MLX_BOUNCE")  # "0" / "1": measure either way
+    if forced in ("0", "1"):
+        return forced == "1"
+    return mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+
+def device_copy_error() -> str | None:
+    """None where the reader can copy by the CUDA copy engine (a CUDA driver and a device),
+    else the reason it cannot."""
+    return _reader.device_copy_error()
+
+
+def uses_device_copy() -> bool:
+    """Whether reads on this machine should reach the arena by the CUDA copy engine: MLX's
+    default device is a CUDA GPU (managed memory) and a CUDA driver is present.
+    STRATA_MLX_DEVICE_COPY=0/1 forces it (1 fails at load where CUDA is absent)."""
+    forced = os.environ.get("STRATA_MLX_DEVICE_COPY")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return needs_bounce() and device_copy_error() is None
+
+
+def prefer_device(address: int, nbytes: int) -> None:
+    """Keep the managed memory ``[address, address + nbytes)`` on CUDA device 0 and move it
+    there now (cudaMemAdvise preferred location + prefetch), so kernels reading it do not
+    fault pages in and copies into it land in device memory. RuntimeError without CUDA."""
+    _reader.prefer_device(address, nbytes)

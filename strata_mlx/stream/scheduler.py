@@ -1,0 +1,465 @@
+"""The expert scheduler: which reads are in flight, where they land, and what to read next.
+
+The handshake (strata_mlx.experts) says what a layer needs (`claim`), what the next layer is
+predicted to need (`read_ahead`) and what would be worth reading after that (`reserve`); this
+module turns those into reads on the native reader, keeps the residency map (expert -> slot,
+on the host and as the device's per-layer rows) and counts what happened.
+
+Two schedulers share that contract:
+
+- `Scheduler` ("sync"): completions are collected inside the handshake's own calls, and
+  everything reserved is submitted at once. Between two handshakes nothing decides anything.
+  This is the scheduling of the first wave, kept to measure the loop against.
+- `LoopScheduler` ("loop", the default): an asyncio event loop on a thread of its own. The
+  reader's completion pipe wakes it (`loop.add_reader`, no polling); it collects completions,
+  makes landed records visible to the next layer built, and keeps the drive busy: whenever
+  fewer reads are queued than `low_water`, it
+  submits the next of the reserve (the experts predicted for the layers after the next),
+  each into a slot whose expert is neither pinned, mid-read, predicted, nor of a layer still
+  computing. The reserve is replaced at every handshake, so stale guesses never pile up.
+
+One (re-entrant) lock guards all of this state; the loop thread holds it only while it
+handles a batch of completions. A handshake waiting for its misses holds it and collects
+itself (its urgent reads land without a hop through the loop's thread), topping the queue up
+as the loop would. Reads themselves never take the GIL: the reader's threads pread, verify
+and report completions in C.
+
+Results never depend on any of this: which slot holds an expert, and when it landed, never
+changes what a layer computes (strata_mlx.experts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..format.store import EXPERTS, Manifest, StoreError
+from .arena import Arena, Key
+from .reader import CHECKSUM_MISMATCH, SHORT_READ, error_message
+from .stats import ExpertStats
+
+SCHEDULERS = ("loop", "sync")
+CLOSED = "expert cache is closed"
+
+
+class ExpertReadError(StoreError):
+    """An expert record could not be read or failed its checksum."""
+
+
+@dataclass
+class _Read:
+    key: Key
+    slot: int
+    urgent: bool
+    layer_wanted: bool = False  # a handshake asked for it while in flight
+
+
+class Scheduler:
+    """Reads, residency and statistics; completions collected by the caller's own calls."""
+
+    name = "sync"
+
+    def __init__(self, store: str | Path, manifest: Manifest, arena: Arena, reader, verify: bool):
+        self.store = Path(store)
+        self.manifest = manifest
+        self.record_bytes = manifest.layout.record_bytes
+        self.arena = arena
+        self._reader = reader
+        self.closed = False
+        self.verify = verify
+        self.lock = threading.RLock()
+        self.stats = ExpertStats()
+        # With verify, the reader's threads check each record's checksum as it lands.
+        checksum = manifest.checksum if verify else None
+        path = str(self.store / EXPERTS)
+        self._file = reader.open(path, checksum=checksum) if reader is not None else None
+        self.reads: dict[int, _Read] = {}  # tag -> read in flight
+        self.tag_of: dict[Key, int] = {}
+        self._tags = 0
+        self.prefetched: set[Key] = set()  # read-ahead landed, not used yet
+        # The residency map as the device sees it (pipelined decode): per layer,
+        # expert -> slot, -1 where not resident. The host copy is kept current; a layer's
+        # device row is rebuilt only when its residency changed.
+        self._pos = {l: manifest.layer_position(l) for l in manifest.moe_layers}
+        self.table = np.full((len(self._pos), manifest.num_experts), -1, dtype=np.int32)
+        self._rows: dict[int, tuple[np.ndarray, mx.array]] = {}
+        self._dirty: set[int] = set(self._pos)
+        self.busy_layers: set[int] = set()  # layers computing on the device (pipelined decode)
+        self.early: set[Key] = set()  # misses read before their claim (start_misses)
+
+    @property
+    def reader(self):
+        """The native reader. Asked for after `close()` (a generation still running, on this
+        thread or another), it raises one line instead of handing out a closed reader."""
+        if self.closed:
+            raise RuntimeError(CLOSED)
+        return self._reader
+
+    @reader.setter
+    def reader(self, value) -> None:
+        self._reader = value
+
+    # ---- what the handshake asks -------------------------------------------------------
+
+    def row(self, layer: int) -> np.ndarray:
+        """The host residency row of `layer`: expert -> slot, -1 where absent."""
+        return self.table[self._pos[layer]]
+
+    def device_row(self, layer: int, fake: bool = False) -> tuple[np.ndarray, mx.array]:
+        """(host copy, device row) of `layer`'s residency, rebuilt only when it changed.
+        Absent experts read slot 0: the result is discarded once the host sees the miss.
+        `fake`: every expert counts as resident, its bytes whatever its slot holds."""
+        with self.lock:
+            if layer in self._dirty:
+                if fake:
+                    n = self.manifest.num_experts
+                    row = np.arange(n, dtype=np.int32) % self.arena.n_slots
+                else:
+                    row = self.row(layer).copy()
+                self._rows[layer] = (row, mx.array(np.maximum(row, 0).astype(np.uint32)))
+                self._dirty.discard(layer)
+            return self._rows[layer]
+
+    def claim(self, layer: int, needed: list[int]) -> list[int]:
+        """Count hits / streamed-ahead / misses of `layer`'s `needed` experts, submit the
+        misses urgently, pin them all; the tags the computation must wait for."""
+        with self.lock:
+            self._check_failed()
+            st = self.stats
+            waits, urgent, missed = [], [], []
+            for e in needed:
+                key = (layer, e)
+                tag = self.tag_of.get(key)
+                early = key in self.early  # a miss whose read started before this claim
+                if early:
+                    self.early.discard(key)
+                    st.misses += 1
+                if tag is not None:  # in flight: read-ahead is promoted
+                    if not early:
+                        st.streamed_ahead += 1
+                    self.reads[tag].layer_wanted = True
+                    waits.append(tag)
+                    urgent.append(tag)
+                elif self.arena.resident(key):
+                    if early:
+                        self.arena.touch(key)
+                    else:
+                        self.count_hit(key)
+                else:  # (an early read evicted since is no longer in `early`)
+                    missed.append(key)
+                    continue
+                # Pinned before the misses are given slots: none of them may evict this one.
+                self.arena.pin([self.arena.slot_of[key]])
+            if urgent:
+                self.reader.promote(urgent)
+            if missed:  # one batch: the reader splits it over its idle workers
+                st.misses += len(missed)
+                waits += self.ensure(missed)
+                self.arena.pin([self.arena.slot_of[k] for k in missed])
+            return waits
+
+    def count_hit(self, key: Key) -> None:
+        """A resident expert used: a hit, or read-ahead that paid off; recorded for eviction."""
+        if key in self.prefetched:
+            self.prefetched.discard(key)
+            self.stats.streamed_ahead += 1
+        else:
+            self.stats.hits += 1
+        self.arena.touch(key)
+
+    def count_resident(self, layer: int, needed: list[int]) -> None:
+        with self.lock:
+            for e in needed:
+                self.count_hit((layer, e))
+
+    def ensure(self, keys: list[Key]) -> list[int]:
+        """Allocate slots and submit urgent reads for keys; returns their tags."""
+        with self.lock:
+            reqs = []
+            for key in keys:
+                got = self.arena.allocate(key)
+                while got is None:
+                    # Every slot is pinned or mid-read: wait for a read to land, then retry.
+                    if not self.reads:
+                        raise RuntimeError("arena exhausted: every slot is pinned")
+                    self.collect(block=True)
+                    got = self.arena.allocate(key)
+                slot, victim = got
+                self._evicted(victim)
+                reqs.append(self._start_read(key, slot, urgent=True))
+            if reqs:
+                self.reader.submit(reqs, True)
+            return [r[0] for r in reqs]
+
+    def start_misses(self, layer: int, experts: list[int], protect: set[int]) -> None:
+        """Urgent reads of `layer`'s absent `experts`, started before the handshake that
+        will claim (and count) them, into slots of no layer in `protect`; as many as there
+        are such slots (the handshake reads the rest)."""
+        with self.lock:
+            tags = self._submit([(layer, e) for e in experts], protect, None, urgent=True)
+            self.early.update(self.reads[t].key for t in tags)
+
+    def read_ahead(
+        self,
+        layer: int,
+        ranked: list[int],
+        protect: set[int] | None = None,
+        keep: set[Key] | None = None,
+    ) -> list[int]:
+        """Read-ahead for `layer`'s experts in `ranked` order; no victim from a layer in
+        `protect` nor in `keep`. Returns the tags submitted."""
+        with self.lock:
+            return self._submit([(layer, e) for e in ranked], protect, keep)
+
+    def reserve(self, keys: list[Key], predicted: set[Key]) -> None:
+        """Reads worth making once the next layer's are done, most valuable first. This
+        scheduler has no moment between handshakes, so it submits them now."""
+        if keys:
+            with self.lock:
+                self._submit(keys, None, None)
+
+    def drop_unneeded(self, layer: int, needed: set[int]) -> None:
+        """Cancel this layer's queued read-ahead that its routing did not ask for."""
+        with self.lock:
+            stale = [
+                t
+                for t, r in self.reads.items()
+                if not r.urgent and r.key[0] == layer and r.key[1] not in needed
+            ]
+            if not stale:
+                return
+            for tag in self.reader.cancel(stale):
+                r = self.reads.pop(tag)
+                del self.tag_of[r.key]
+                self.arena.release(r.slot)
+                self.stats.readahead_dropped += 1
+
+    def wait(self, tags: list[int]) -> None:
+        """Until every read in `tags` has landed (raises ExpertReadError if one failed)."""
+        with self.lock:
+            pending = [t for t in tags if t in self.reads]
+            if pending:
+                self._absorb(self.reader.wait(pending, None))
+
+    def collect(self, block: bool) -> None:
+        """Make landed reads resident; with `block`, wait for at least one if any is out."""
+        with self.lock:
+            if self.reads:
+                self._absorb(self.reader.wait(None, None) if block else self.reader.poll())
+            self._check_failed()
+
+    def drain(self) -> None:
+        """Until no read is in flight."""
+        while self.reads:
+            self.collect(block=True)
+
+    def close(self) -> None:
+        """Stop the reader (reads in flight land first). Idempotent; every request after it
+        raises RuntimeError("expert cache is closed")."""
+        with self.lock:  # after a handshake on another thread has collected its reads
+            if self.closed:
+                return
+            self.closed = True
+            if self._reader is not None:
+                self._reader.close()
+
+    # ---- reads ------------------------------------------------------------------------
+
+    def _submit(self, keys: list[Key], protect, keep, urgent: bool = False) -> list[int]:
+        """Reads (read-ahead unless `urgent`) of those of `keys` neither resident nor in
+        flight, in order, into slots whose expert is of no layer in `protect` and not in
+        `keep`, until no such slot is left; their tags."""
+        reqs = []
+        for key in keys:
+            if key in self.tag_of or key in self.arena.slot_of:
+                continue
+            got = self.arena.allocate(key, protect, keep)
+            if got is None:
+                break  # no slot that may be given up: the rest waits for demand
+            slot, victim = got
+            self._evicted(victim)
+            reqs.append(self._start_read(key, slot, urgent))
+        if reqs:
+            if not urgent:
+                self.stats.readahead_submitted += len(reqs)
+            self.reader.submit(reqs, urgent)
+        return [r[0] for r in reqs]
+
+    def _start_read(self, key: Key, slot: int, urgent: bool) -> tuple:
+        """Record a read of `key` into `slot` as in flight; its request for the reader."""
+        tag = self._tags = self._tags + 1
+        off, expected = self.manifest.record(*key)
+        self.reads[tag] = _Read(key, slot, urgent)
+        self.tag_of[key] = tag
+        expected = expected if self.verify else None
+        return (tag, self._file, off, self.record_bytes, self.arena.address(slot), expected)
+
+    def _evicted(self, key: Key | None) -> None:
+        """`key` left the arena (None: nothing did); read-ahead evicted unused was wasted."""
+        if key is None:
+            return
+        self.table[self._pos[key[0]], key[1]] = -1
+        self._dirty.add(key[0])
+        self.early.discard(key)
+        if key in self.prefetched:
+            self.prefetched.discard(key)
+            self.stats.wasted_readahead += 1
+
+    def _finish(self, completions) -> ExpertReadError | None:
+        """Completions into residency; the error of the first failed read, if any."""
+        errors = []
+        for tag, err, nbytes in completions:
+            r = self.reads.pop(tag, None)
+            if r is None:
+                continue
+            del self.tag_of[r.key]
+            if err or nbytes != self.record_bytes:
+                self.arena.release(r.slot)
+                errors.append((r.key, err, nbytes))
+                continue
+            self.arena.loaded(r.slot)
+            self.table[self._pos[r.key[0]], r.key[1]] = r.slot
+            self._dirty.add(r.key[0])
+            self.stats.experts_read += 1
+            self.stats.bytes_read += nbytes
+            if not r.urgent and not r.layer_wanted:
+                self.prefetched.add(r.key)
+        if not errors:
+            return None
+        (layer, expert), err, nbytes = errors[0]
+        if err == CHECKSUM_MISMATCH:  # verified by the reader's thread that read it
+            why = f"checksum mismatch ({self.manifest.checksum}; corrupt record)"
+        elif err == SHORT_READ or not err:
+            why = f"short read ({nbytes} of {self.record_bytes} bytes; truncated store?)"
+        else:
+            why = f"read failed: {error_message(err)} (errno {err})"
+        return ExpertReadError(f"{self.store / EXPERTS}: layer {layer} expert {expert}: {why}")
+
+    def _absorb(self, completions) -> None:
+        """Completions collected by the caller: into residency, a failed read raised."""
+        error = self._finish(completions)
+        if error is not None:
+            raise error
+
+    def _check_failed(self) -> None:
+        """A read that failed in the background is reported at the next request (loop)."""
+
+
+class LoopScheduler(Scheduler):
+    """The scheduler on an asyncio event loop of its own thread (see the module docstring).
+
+    Args:
+        low_water: the loop tops the reader's queue up from the reserve while fewer reads
+            than this are queued (None: twice the reader's workers).
+    """
+
+    name = "loop"
+
+    def __init__(self, *args, low_water: int | None = None, **kw):
+        super().__init__(*args, **kw)
+        self.low_water = low_water if low_water is not None else 2 * self.reader.workers
+        self._reserve: list[Key] = []
+        self._next = 0  # the reserve's next key
+        self._predicted: set[Key] = set()  # experts the reserve's reads may not evict
+        self._failed: Exception | None = None  # raised at the caller's next request
+        self._fd = self.reader.notify_fd()
+        self._loop = asyncio.new_event_loop()
+        self._loop.add_reader(self._fd, self._on_completions)
+        self._thread = threading.Thread(target=self._run, name="strata-mlx-scheduler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.remove_reader(self._fd)
+            self._loop.close()
+
+    def _on_completions(self) -> None:
+        """The reader's pipe is readable: collect and top the queue up."""
+        with self.lock:
+            t0 = time.perf_counter()
+            if self.closed:
+                return
+            try:
+                self.reader.ack()  # before polling: a completion after the poll wakes us again
+                self._absorb(self.reader.poll())
+            except Exception as e:  # a bug here must reach the caller, not hang it
+                self._failed = self._failed or e
+            self.stats.loop_s += time.perf_counter() - t0
+
+    def _absorb(self, completions) -> None:
+        """Completions, whoever collected them: into residency, a failed read kept for the
+        caller's next request, the queue topped up."""
+        if completions:
+            self._failed = self._failed or self._finish(completions)
+            self._top_up()
+
+    def _top_up(self) -> None:
+        """Reads from the reserve while the reader's queue is below the low-water mark."""
+        if self._next >= len(self._reserve) or self._failed is not None:
+            return
+        room = self.low_water - self.reader.queued()
+        if room <= 0:
+            return
+        batch = []
+        while room > 0 and self._next < len(self._reserve):
+            key = self._reserve[self._next]
+            self._next += 1
+            if key not in self.tag_of and key not in self.arena.slot_of:
+                batch.append(key)
+                room -= 1
+        tags = self._submit(batch, self.busy_layers, self._predicted)
+        self.stats.topped_up += len(tags)
+        if len(tags) < len(batch):  # nothing left that may be evicted for them
+            self._next = len(self._reserve)
+
+    # ---- the contract, for a caller on another thread -----------------------------------
+
+    def reserve(self, keys: list[Key], predicted: set[Key]) -> None:
+        with self.lock:
+            self._reserve, self._next, self._predicted = keys, 0, predicted
+            self._top_up()
+
+    def wait(self, tags: list[int]) -> None:
+        """The caller collects while it waits (holding the lock, so the loop cannot): its
+        misses land without a hop through the loop's thread, and what else lands meanwhile
+        is made resident and tops the queue up as the loop would."""
+        with self.lock:
+            while True:
+                self._check_failed()
+                if not any(t in self.reads for t in tags):
+                    return
+                done = self.reader.wait(None, None)  # GIL released until one lands
+                if not done:
+                    raise RuntimeError("reads in flight that the reader does not know")
+                self._absorb(done)
+
+    def _check_failed(self) -> None:
+        if self._failed is not None:
+            error, self._failed = self._failed, None
+            raise error
+
+    def close(self) -> None:
+        """Stop the loop (joining its thread), then the reader: no thread or descriptor is
+        left behind."""
+        if self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._thread = None
+        super().close()
+
+
+def make_scheduler(name: str, *args, low_water: int | None = None, **kw) -> Scheduler:
+    if name == "sync":
+        return Scheduler(*args, **kw)
+    if name == "loop":
+        return LoopScheduler(*args, low_water=low_water, **kw)
+    raise ValueError(f"unknown scheduler {name!r}; one of {SCHEDULERS}")

@@ -1,0 +1,539 @@
+"""The CLI as a user runs it: generate, convert, bench, probe-ssd, and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import prompt_ids
+
+import strata_mlx
+from strata_mlx.generation.generate import teacher_forced_logits
+
+CLI = [sys.executable, "-m", "strata_mlx"]
+
+
+def run(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*CLI, *map(str, args)], capture_output=True, text=True, timeout=300, **kw
+    )
+
+
+def test_generate_with_prompt_tokens_and_logits_out(store, tmp_path):
+    path = store("qwen3_moe")
+    ids = prompt_ids(12, seed=7)
+    out = tmp_path / "logits.npy"
+    r = run(
+        "generate",
+        "--model",
+        path,
+        "--prompt-tokens",
+        ",".join(map(str, ids)),
+        "-m",
+        "5",
+        "--logits-out",
+        out,
+        "--arena-gb",
+        0.0001,
+        "--verbose",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Prompt: 12 tokens" in r.stdout and "Generation: 5 tokens" in r.stdout
+    assert "Peak memory" in r.stdout and "hit rate" in r.stdout
+    assert "[chunk 0]" in r.stderr
+    logits = np.load(out)
+    assert logits.shape == (12, 128) and logits.dtype == np.float32
+    model, _ = strata_mlx.load(path)
+    np.testing.assert_array_equal(logits, teacher_forced_logits(model, ids))
+
+
+def test_generate_greedy_tokens_match_the_api(store):
+    path = store("qwen3_moe")
+    ids = prompt_ids(8, seed=8)
+    r = run("generate", "--model", path, "--prompt-tokens", ",".join(map(str, ids)), "-m", "6")
+    assert r.returncode == 0, r.stderr
+    model, _ = strata_mlx.load(path)
+    expect = [x.token for x in strata_mlx.stream_generate(model, None, ids, max_tokens=6)]
+    assert r.stdout.split("\n")[0].split() == [str(t) for t in expect]
+
+
+def _error_line(r):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = [l for l in r.stderr.strip().splitlines() if l]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+def test_convert_errors_are_one_line_and_leave_nothing(hf_checkpoint, tmp_path):
+    src = hf_checkpoint("qwen3_moe")
+    # truncated safetensors
+    bad = tmp_path / "trunc"
+    shutil.copytree(src, bad)
+    st = bad / "model.safetensors"
+    os.truncate(st, st.stat().st_size // 2)
+    out = tmp_path / "out1"
+    line = _error_line(run("convert", "--hf-path", bad, "--mlx-path", out))
+    assert "model.safetensors" in line and "truncated" in line
+    assert not out.exists() and not list(tmp_path.glob(".out1*"))
+    # missing config keys
+    bad2 = tmp_path / "nokeys"
+    shutil.copytree(src, bad2)
+    cfg = json.loads((bad2 / "config.json").read_text())
+    del cfg["hidden_size"]
+    (bad2 / "config.json").write_text(json.dumps(cfg))
+    line = _error_line(run("convert", "--hf-path", bad2, "--mlx-path", tmp_path / "out2"))
+    assert "config.json" in line and "hidden_size" in line
+    # unknown architecture
+    cfg["hidden_size"] = 32
+    cfg["model_type"] = "llama4_xl"
+    (bad2 / "config.json").write_text(json.dumps(cfg))
+    line = _error_line(run("convert", "--hf-path", bad2, "--mlx-path", tmp_path / "out3"))
+    assert "config.json" in line and "llama4_xl" in line
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
+
+
+def test_convert_warns_without_tokenizer_and_quantizes(hf_checkpoint, tmp_path):
+    out = tmp_path / "q"
+    r = run(
+        "convert",
+        "--hf-path",
+        hf_checkpoint("qwen3_moe"),
+        "--mlx-path",
+        out,
+        "-q",
+        "--q-bits",
+        "4",
+        "--q-group-size",
+        "32",
+        "--calibration-tokens",
+        "16",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "no tokenizer" in r.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["quantization"]["bits"] == 4
+    assert (out / "profile.json").is_file()
+
+
+def test_convert_q_mode_mxfp4_is_convert_hfs(hf_checkpoint, tmp_path):
+    """--q-mode mxfp4 with -q: the store convert_hf(..., quantize=True, q_mode="mxfp4") writes,
+    byte for byte; an unknown mode, or a mode without -q, is one line and exit 2."""
+    from strata_mlx.convert.hf import convert_hf
+
+    src = hf_checkpoint("gpt_oss")
+    out = tmp_path / "cli"
+    args = ("--calibration-tokens", "0")
+    r = run("convert", "--hf-path", src, "--mlx-path", out, "-q", "--q-mode", "mxfp4", *args)
+    assert r.returncode == 0, r.stderr
+    api = convert_hf(
+        src, tmp_path / "api", quantize=True, q_mode="mxfp4", progress=False, calibration_tokens=0
+    )
+    manifest = json.loads((out / "manifest.json").read_text())
+    # gate/up take 32 inputs (one block); down's 16 are not a block and stay float, as
+    # convert_hf leaves them
+    assert manifest["experts"]["quant"]["gate_proj"] == {"format": "mxfp4"}
+    assert "quantization" not in manifest["config"]  # the dense layers stay float
+    assert (out / "experts.bin").read_bytes() == (api / "experts.bin").read_bytes()
+    line = _error_line(
+        run("convert", "--hf-path", src, "--mlx-path", tmp_path / "x", "-q", "--q-mode", "nvfp4")
+    )
+    assert "--q-mode nvfp4" in line and "affine" in line and "mxfp4" in line
+    line = _error_line(
+        run("convert", "--hf-path", src, "--mlx-path", tmp_path / "y", "--q-mode", "mxfp4")
+    )
+    assert "--q-mode mxfp4" in line and "-q" in line
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    r = run("convert", "--help")
+    assert "--q-mode" in r.stdout and "mxfp4" in r.stdout
+
+
+def test_store_with_bad_checksum_fails_unless_no_verify(store, tmp_path):
+    path = tmp_path / "s"
+    shutil.copytree(store("qwen3_moe"), path)
+    with open(path / "experts.bin", "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xfe\xfd")
+    line = _error_line(run("generate", "--model", path, "--prompt-tokens", "1,2,3", "-m", "2"))
+    assert "experts.bin" in line and "checksum mismatch" in line
+    r = run("generate", "--model", path, "--prompt-tokens", "1,2,3", "-m", "2", "--no-verify")
+    assert r.returncode == 0, r.stderr
+
+
+def test_generate_errors(store, tmp_path):
+    line = _error_line(run("generate", "--model", tmp_path / "nope", "--prompt-tokens", "1"))
+    assert "nope" in line
+    line = _error_line(run("generate", "--model", store("qwen3_moe"), "-p", "hello"))
+    assert "no tokenizer" in line
+    line = _error_line(run("generate", "--model", store("qwen3_moe"), "--prompt-tokens", "1,x"))
+    assert "--prompt-tokens" in line
+    line = _error_line(run("generate", "--model", store("qwen3_moe"), "--prompt-tokens", "999"))
+    assert "token ids" in line
+
+
+def test_synthetic_store_and_bench(tmp_path):
+    from strata_mlx.convert.synthetic import convert_synthetic, synthetic_config
+    from strata_mlx.format.store import load_manifest, load_profile
+
+    cfg = synthetic_config("bench-small")
+    cfg.update(
+        num_hidden_layers=3,
+        num_experts=32,
+        hidden_size=128,
+        moe_intermediate_size=64,
+        intermediate_size=256,
+        vocab_size=256,
+        num_attention_heads=2,
+        head_dim=64,
+        num_experts_per_tok=4,
+    )
+    path = convert_synthetic(
+        "tiny",
+        tmp_path / "synth",
+        config=cfg,
+        progress=False,
+        dtype="float32",
+        calibration_tokens=64,
+    )
+    m = load_manifest(path)
+    counts = load_profile(path, m)
+    assert counts.shape == (3, 32) and counts.sum() == 3 * 64 * 4
+    # structured routing is skewed: the top quarter of experts takes most picks
+    top = np.sort(counts, axis=1)[:, ::-1][:, :8].sum() / counts.sum()
+    assert top > 0.4
+    arena = 48 * m.layout.record_bytes / 1024**3  # half the experts: no expert-major groups
+    r = run(
+        "bench",
+        "--model",
+        path,
+        "-p",
+        "32",
+        "-g",
+        "4",
+        "--prefill-step-size",
+        "16",
+        "--arena-gb",
+        arena,
+        "--json",
+        tmp_path / "b.json",
+    )
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "b.json").read_text())
+    rows = {(x["policy"], x["phase"]): x for x in result["runs"]}
+    assert set(rows) == {
+        (p, ph) for p in ("demand", "static", "lookahead") for ph in ("cold", "warm")
+    }
+    assert rows[("demand", "cold")]["streamed_ahead_pct"] == 0
+    assert rows[("lookahead", "cold")]["streamed_ahead_pct"] > 0
+    assert "| policy |" in r.stdout
+    # the data path's own probe sets the read floor; decode has a floor of its own
+    assert result["data_path_gbps"] > 0 and "data path into the arena" in r.stderr + r.stdout
+    for row in rows.values():
+        assert row["path_floor_ratio"] > 0 and row["decode_floor_ratio"] > 0
+        assert row["decode_floor_ms"] > 0
+    assert rows[("demand", "cold")]["read_floor_ms"] > 0
+
+
+def test_probe_ssd_cli(store):
+    r = run(
+        "probe-ssd",
+        Path(store("qwen3_moe")) / "experts.bin",
+        "--seconds",
+        "0.2",
+        "--workers",
+        "1,2",
+        "--record-bytes",
+        "4096",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("GB/s") == 2
+
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["--workers", "0"], "--workers 0"),
+        (["--workers", "1,300"], "--workers 300"),
+        (["--workers", ","], "--workers: empty"),
+        (["--record-bytes", "-5"], "--record-bytes"),
+        (["--seconds", "0"], "--seconds"),
+        (["--seconds", "nan"], "--seconds"),
+    ],
+)
+def test_probe_ssd_ranges_are_one_line_errors(store, args, names):
+    """Bad probe settings: one line, exit 2 (`--workers 0` was the reader's ValueError)."""
+    line = _error_line(run("probe-ssd", Path(store("qwen3_moe")) / "experts.bin", *args))
+    assert names in line
+
+
+@pytest.mark.parametrize(
+    "command, flag",
+    [
+        (["bench", "--json"], "--json"),
+        (["bench", "--plot"], "--plot"),
+        (["plan", "{model}", "--json"], "--json"),
+        (["generate", "--prompt-tokens", "1", "--logits-out"], "--logits-out"),
+        (["cache-prompt", "--prompt-tokens", "1", "--prompt-cache-file"], "--prompt-cache-file"),
+    ],
+)
+def test_output_files_are_checked_before_anything_loads(tmp_path, command, flag):
+    """An output a run could not write fails at once, not after the run: the model named here
+    does not exist, and the error is the output's (a missing directory, a directory, a plot
+    not named .png); nothing is written."""
+    model = tmp_path / "no-such-store"
+    cmd = [a.format(model=model) for a in command]
+    opts = [] if "{model}" in command else ["--model", model]
+    outputs = [tmp_path / "no-dir" / "out.png", tmp_path]
+    if flag == "--plot":
+        outputs.append(tmp_path / "out.svg")
+    for out in outputs:
+        line = _error_line(run(*cmd, out, *opts))
+        assert line.startswith(f"error: {flag} {out}: "), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["--kv-bits", "7"], "--kv-bits"),
+        (["--max-kv-size", "2"], "--max-kv-size"),
+        (["--pipeline", "--max-kv-size", "64"], "--pipeline"),
+    ],
+)
+def test_serve_kv_flags_are_checked_before_loading(tmp_path, args, names):
+    """serve's KV cache flags (mlx-lm's) fail in one line before a store is looked at."""
+    line = _error_line(run("serve", "--model", tmp_path / "no-such-store", *args))
+    assert names in line
+
+
+def test_runtime_preset(store):
+    path = store("qwen3_moe")
+    r = run(
+        "generate",
+        "--model",
+        path,
+        "--prompt-tokens",
+        "1,2,3",
+        "-m",
+        "2",
+        "--preset",
+        "laptop-24gb",
+    )
+    assert r.returncode == 0, r.stderr
+    line = _error_line(run("generate", "--model", path, "--prompt-tokens", "1", "--preset", "nope"))
+    assert "nope.json" in line and "laptop-24gb" in line
+    from strata_mlx.runtime.loader import RuntimeConfig, apply_preset
+
+    cfg = apply_preset(RuntimeConfig(io_workers=4), "laptop-24gb")
+    assert cfg.arena_gb == 6.5 and cfg.prefill_step_size == 2048 and cfg.io_workers == 4
+
+
+def test_generate_decode_paths_print_the_same_tokens(store):
+    """--decode sync (the per-layer handshake) and the default pipelined decode, as a user
+    runs them: the same greedy token ids on stdout."""
+    path = store("qwen3_moe")
+    ids = ",".join(map(str, prompt_ids(10, seed=8)))
+    outs = []
+    for extra in (["--decode", "sync"], ["--decode-lag", "2"]):
+        r = run(
+            "generate",
+            "--model",
+            path,
+            "--prompt-tokens",
+            ids,
+            "-m",
+            "6",
+            "--temp",
+            "0",
+            "--arena-gb",
+            0.0001,
+            *extra,
+        )
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout.split("==========")[0])
+    assert outs[0] == outs[1] and outs[0].strip()
+    r = run("generate", "--model", path, "--prompt-tokens", ids, "--decode", "bogus")
+    assert r.returncode != 0 and "--decode 'bogus'" in r.stderr
+
+
+# ---- sampling and chat flags as mlx-lm spells them -----------------------------------------
+
+
+def first_line_tokens(r) -> list[str]:
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split("\n")[0].split()
+
+
+def test_top_k_samples_and_experts_per_token_routes(store, tmp_path):
+    """--top-k is top-k sampling (mlx-lm's flag): 1 is greedy at any temperature, 5 draws what
+    the API's sampler draws from the same seed; --min-p and --repetition-penalty as the API;
+    --experts-per-token is the routing override --top-k used to be."""
+    from strata_mlx.generation.sampling import make_logits_processors, make_sampler
+
+    path = store("qwen3_moe")
+    ids = prompt_ids(8, seed=8)
+    base = ["generate", "--model", path, "--prompt-tokens", ",".join(map(str, ids)), "-m", "8"]
+    model, _ = strata_mlx.load(path)
+
+    def api(**kw) -> list[str]:
+        return [str(r.token) for r in strata_mlx.stream_generate(model, None, ids, 8, **kw)]
+
+    greedy = first_line_tokens(run(*base))
+    assert greedy == api()
+    for flags in (["--top-k", "1"], ["--min-p", "1"]):
+        assert first_line_tokens(run(*base, "--temp", "1", "--seed", "4", *flags)) == greedy
+    top5 = first_line_tokens(run(*base, "--temp", "1", "--top-k", "5", "--seed", "4"))
+    assert top5 == api(seed=4, sampler=make_sampler(1.0, top_k=5)) and top5 != greedy
+    mixed = ["--temp", "0.8", "--top-p", "0.9", "--min-p", "0.05", "--seed", "9"]
+    mixed += ["--repetition-penalty", "1.4", "--repetition-context-size", "6"]
+    assert first_line_tokens(run(*base, *mixed)) == api(
+        seed=9,
+        sampler=make_sampler(0.8, top_p=0.9, min_p=0.05),
+        logits_processors=make_logits_processors(repetition_penalty=1.4, repetition_context_size=6),
+    )
+    out = tmp_path / "k1.npy"
+    assert first_line_tokens(run(*base, "--experts-per-token", "1", "--logits-out", out))
+    default = teacher_forced_logits(model, ids)
+    for block in model.moe_blocks().values():
+        block.top_k = 1
+    k1 = teacher_forced_logits(model, ids)
+    np.testing.assert_array_equal(np.load(out), k1)
+    assert not np.array_equal(k1, default)
+    model.expert_cache.close()
+
+
+def test_sampling_flag_errors(store):
+    path = store("qwen3_moe")
+    base = ["generate", "--model", path, "--prompt-tokens", "1,2", "-m", "2"]
+    for flags, flag in [
+        (["--top-k", "-1"], "--top-k"),
+        (["--min-p", "2"], "--min-p"),
+        (["--min-tokens-to-keep", "0"], "--min-tokens-to-keep"),
+        (["--repetition-penalty", "-1"], "--repetition-penalty"),
+        (["--repetition-context-size", "0"], "--repetition-context-size"),
+        (["--xtc-threshold", "0.7"], "--xtc-threshold"),
+        (["--experts-per-token", "99"], "--experts-per-token 99"),
+        (["--chat-template-config", "[1]"], "--chat-template-config"),
+        (["--chat-template-config", "{nope"], "--chat-template-config"),
+        (["--chat-template-config", '{"messages": 1}'], "--chat-template-config"),
+        (["--no-chat", "--system-prompt", "hi"], "--system-prompt"),
+    ]:
+        assert flag in _error_line(run(*base, *flags)), flags
+    # every family's bound, Mixtral's too (its args name num_local_experts)
+    base[2] = store("mixtral")
+    assert "--experts-per-token 99" in _error_line(run(*base, "--experts-per-token", "99"))
+
+
+def test_system_prompt_and_chat_template_config(store, tmp_path):
+    """--system-prompt puts a system message before the prompt and --chat-template-config
+    passes variables to the template (both imply --chat): the prompt the summary counts is
+    the API's, and so is the text."""
+    from test_server import write_tokenizer
+
+    path = tmp_path / "chat"
+    shutil.copytree(store("qwen3_moe"), path)
+    write_tokenizer(path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if topic is defined %}{{ topic }} {% endif %}" + (config["chat_template"])
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    model, tok = strata_mlx.load(path)
+    user = {"role": "user", "content": "the cat sat"}
+    system = {"role": "system", "content": "paris is a city"}
+    for flags, text in [
+        (["--chat"], tok.apply_chat_template([user])),
+        (["--system-prompt", system["content"]], tok.apply_chat_template([system, user])),
+        (
+            ["--chat-template-config", '{"topic": "fox"}'],
+            tok.apply_chat_template([user], topic="fox"),
+        ),
+    ]:
+        ids = tok.encode(text, add_special_tokens=False)
+        r = run("generate", "--model", path, "-p", "the cat sat", "-m", "4", *flags)
+        assert r.returncode == 0, r.stderr
+        assert f"Prompt: {len(ids)} tokens" in r.stdout, (flags, r.stdout)
+        assert r.stdout.startswith(strata_mlx.generate(model, tok, ids, max_tokens=4)), flags
+    assert tok.apply_chat_template([user], topic="fox").startswith("fox <|im_start|>user")
+    model.expert_cache.close()
+
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["-p", "1"], "--prompt-tokens"),
+        (["-g", "0"], "--generation-tokens"),
+        (["--repeats", "0"], "--repeats"),
+        (["--prefill-step-size", "0"], "--prefill-step-size"),
+        (["--policies", "demand,sideways"], "sideways"),
+        (["--policies", "lookahead:d0x"], "d0x"),
+        (["--policies", ","], "--policies"),
+        (["--scheduler", "eager"], "--scheduler"),
+        (["--lookahead-depth", "0"], "--lookahead-depth"),
+    ],
+)
+def test_bench_ranges_are_one_line_errors(store, args, names):
+    """Bad bench settings fail in one line, exit 2, before the store is loaded."""
+    line = _error_line(run("bench", "--model", store("qwen3_moe"), *args))
+    assert names in line
+
+
+def test_scheduler_and_lookahead_depth_flags(store):
+    """--scheduler and --lookahead-depth reach the runtime: both schedulers print the same
+    tokens (the scheduler changes when experts are read, never what is computed)."""
+    path = store("qwen3_moe")
+    base = ("generate", "--model", path, "--prompt-tokens", "1,2,3,4", "-m", "3")
+    outs = [
+        run(*base, "--scheduler", s, "--lookahead-depth", d)
+        for s, d in (("sync", "1"), ("loop", "3"))
+    ]
+    assert all(r.returncode == 0 for r in outs), [r.stderr for r in outs]
+    assert outs[0].stdout.splitlines()[0] == outs[1].stdout.splitlines()[0]
+    assert "--scheduler" in _error_line(run(*base, "--scheduler", "eager"))
+    assert "--lookahead-depth" in _error_line(run(*base, "--lookahead-depth", "0"))
+
+
+def test_runtime_config_from_arguments_and_preset():
+    """Flags given win over the preset, the preset over RuntimeConfig's defaults."""
+    from strata_mlx.apps.cli import runtime_config
+    from strata_mlx.runtime.loader import RuntimeConfig
+
+    cfg = runtime_config({"io_workers": 3, "arena_gb": None, "prompt": "x"}, "laptop-24gb")
+    assert cfg.io_workers == 3 and cfg.arena_gb == 6.5 and cfg.prefill_step_size == 2048
+    assert runtime_config({}) == RuntimeConfig()
+
+
+def test_user_errors_keep_a_bug_s_traceback():
+    """Our own error types are one line; another exception (a bug) is not hidden as one."""
+    import typer
+
+    from strata_mlx.apps.cli import user_errors
+    from strata_mlx.config import OptionError, check_int
+
+    @user_errors
+    def refused():
+        check_int("io_workers", 0, 1, cli=True)
+
+    with pytest.raises(typer.Exit):
+        refused()
+
+    @user_errors
+    def buggy():
+        return int("not a number")  # a ValueError from a builtin: a bug, not a user's error
+
+    with pytest.raises(ValueError, match="invalid literal"):
+        buggy()
+    assert issubclass(OptionError, ValueError)
+
+
+def test_a_bad_kernels_variable_is_one_line_and_exit_2(store):
+    env = {**os.environ, "STRATA_MLX_KERNELS": "bogus"}
+    r = run("generate", "--model", store("qwen3_moe"), "-p", "hi", "-m", "1", env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == "error: STRATA_MLX_KERNELS='bogus': one of reference, cuda, metal"

@@ -1,0 +1,319 @@
+"""Conversion that cannot destroy (issue 16 item 4): never over its source or the directory it
+runs from; an existing store replaced only with --overwrite, and kept until the new one is
+complete; temporary directories of dead conversions removed by the next run; a read-only or
+full filesystem a one-line error that leaves nothing behind."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tiny_gguf
+
+import strata_mlx
+from strata_mlx.convert.gguf import convert_gguf
+from strata_mlx.format.store import OWNER, REPLACED, StoreError, load_manifest, remove_dead_temps
+
+CLI = [sys.executable, "-m", "strata_mlx"]
+
+
+def run(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*CLI, *map(str, args)], capture_output=True, text=True, timeout=300, **kw
+    )
+
+
+def _error_line(r) -> str:
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+    lines = [line.rsplit("expert/s]", 1)[-1] for line in lines if line.rsplit("expert/s]", 1)[-1]]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr  # after a progress bar
+    return lines[0]
+
+
+@pytest.fixture
+def gguf(tmp_path) -> Path:
+    return tiny_gguf.write(tmp_path / "m.gguf", "qwen3moe", *tiny_gguf.qwen3moe())
+
+
+def _convert(src, out, **kw):
+    return convert_gguf(src, out, progress=False, calibration_tokens=0, **kw)
+
+
+def _fingerprint(path: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def _temps(out: Path) -> list[Path]:
+    return sorted(out.parent.glob(f".{out.name}.*"))
+
+
+def test_existing_store_needs_overwrite_and_foreign_files_are_kept(gguf, tmp_path):
+    out = _convert(gguf, tmp_path / "s")
+    before = _fingerprint(out)
+    with pytest.raises(StoreError, match="a store already exists; pass --overwrite"):
+        _convert(gguf, out)
+    assert _fingerprint(out) == before
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(StoreError, match="'notes.txt', which is not a store file"):
+        _convert(gguf, out, overwrite=True)
+    (out / "notes.txt").unlink()
+    assert _convert(gguf, out, overwrite=True) == out
+    load_manifest(out)
+    assert not _temps(out) and not (out / OWNER).exists() and not (out / REPLACED).exists()
+    # A directory that is not a store is never replaced, not even with overwrite.
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "a.jpg").write_bytes(b"x")
+    with pytest.raises(StoreError, match="not a strata-mlx store"):
+        _convert(gguf, other, overwrite=True)
+    assert (other / "a.jpg").read_bytes() == b"x"
+
+
+def test_refuses_the_source_and_the_working_directory(gguf, tmp_path, hf_checkpoint):
+    # The source inside the output (replacing it would delete the source).
+    holder = tmp_path / "holder"
+    holder.mkdir()
+    inside = shutil.copy(gguf, holder / "m.gguf")
+    with pytest.raises(StoreError, match="holds the source"):
+        _convert(inside, holder, overwrite=True)
+    # A Hugging Face directory as its own output.
+    src = tmp_path / "hf"
+    shutil.copytree(hf_checkpoint("qwen3_moe"), src)
+    line = _error_line(run("convert", "--hf-path", src, "--mlx-path", src, "--overwrite"))
+    assert "is the source" in line
+    # `convert --mlx-path .` run inside an existing store (used to delete both stores).
+    store = _convert(gguf, tmp_path / "s")
+    before = _fingerprint(store)
+    line = _error_line(
+        run("convert", "--gguf-path", gguf, "--mlx-path", ".", "--overwrite", cwd=store)
+    )
+    assert "the directory this command runs in" in line
+    assert _fingerprint(store) == before and not _temps(store)
+
+
+def test_cli_overwrite(gguf, tmp_path):
+    out = tmp_path / "s"
+    args = ("convert", "--gguf-path", gguf, "--mlx-path", out, "--calibration-tokens", 0)
+    assert run(*args).returncode == 0
+    line = _error_line(run(*args))
+    assert "pass --overwrite" in line
+    r = run(*args, "--overwrite")
+    assert r.returncode == 0, r.stderr
+    load_manifest(out)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _temp(out: Path, pid: int, start: str = "0", tag: str = "") -> Path:
+    """A temporary directory of a conversion into `out` by process `pid`, as StoreWriter
+    names them (the owner is in the name from the moment it exists)."""
+    from strata_mlx.format.store import _host_tag
+
+    d = out.parent / f".{out.name}.{pid}-{start}-{_host_tag()}.{tag or 'abcd1234'}"
+    d.mkdir(parents=True)
+    return d
+
+
+def _stamp(d: Path, pid: int) -> None:
+    from strata_mlx.format.store import _host_tag
+
+    (d / OWNER).write_text(json.dumps({"pid": pid, "host": _host_tag(), "start": None}))
+
+
+def test_temporary_directories_of_dead_conversions_are_removed(gguf, tmp_path):
+    out = tmp_path / "s"
+    dead = _temp(out, _dead_pid(), tag="dead")
+    (dead / "experts.bin").write_bytes(b"\0" * 4096)  # killed before its stamp was written
+    reused = _temp(out, os.getpid(), start="1", tag="reused")  # a live pid, another process
+    alive = _temp(out, os.getpid(), tag="alive")
+    unknown = tmp_path / ".s.unknown1"  # not named as ours: not ours to judge
+    unknown.mkdir()
+    other = _temp(tmp_path / "t", _dead_pid())  # another output's
+    _convert(gguf, out)
+    assert not dead.exists() and not reused.exists()
+    assert alive.exists() and unknown.exists() and other.exists()
+
+
+def test_a_replacement_killed_between_its_renames_is_undone(gguf, tmp_path):
+    out = _convert(gguf, tmp_path / "s")
+    before = _fingerprint(out)
+    # Killed after moving the old store aside, before renaming the new one into place.
+    tmp = _temp(out, _dead_pid())
+    os.replace(out, tmp / REPLACED)
+    assert not out.exists()
+    remove_dead_temps(out)
+    assert _fingerprint(out) == before and not tmp.exists()
+    # Killed after both renames, before deleting the old store.
+    shutil.copytree(out, tmp_path / "old")
+    os.replace(tmp_path / "old", out / REPLACED)
+    _stamp(out, _dead_pid())
+    remove_dead_temps(out)
+    assert _fingerprint(out) == before and not (out / REPLACED).exists()
+
+
+def test_a_failed_commit_puts_the_old_store_back(gguf, tmp_path, monkeypatch):
+    out = _convert(gguf, tmp_path / "s")
+    before = _fingerprint(out)
+    import strata_mlx.format.store as store
+
+    real = os.replace
+    calls = []
+
+    def second_fails(a, b):
+        calls.append((a, b))
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error", str(b))
+        return real(a, b)
+
+    monkeypatch.setattr(store.os, "replace", second_fails)
+    with pytest.raises(StoreError, match="cannot write the store"):
+        _convert(gguf, out, overwrite=True)
+    monkeypatch.setattr(store.os, "replace", real)
+    assert _fingerprint(out) == before and not _temps(out)
+
+
+def test_the_new_store_is_on_the_drive_before_the_old_one_is_moved_aside(
+    gguf, tmp_path, monkeypatch
+):
+    """A crash after the renames must not find a store whose bytes were in the page cache
+    only: every file of the new store is fsynced before the first rename, the rename after."""
+    out = _convert(gguf, tmp_path / "s")
+    import strata_mlx.format.store as store
+
+    events, path_of = [], {}
+    real_open, real_fsync, real_replace = os.open, os.fsync, os.replace
+
+    def open_(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        path_of[fd] = str(path)
+        return fd
+
+    def fsync(fd):
+        events.append(("fsync", path_of.get(fd, "?")))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("replace", str(b)))
+        return real_replace(a, b)
+
+    monkeypatch.setattr(store.os, "open", open_)
+    monkeypatch.setattr(store.os, "fsync", fsync)
+    monkeypatch.setattr(store.os, "replace", replace)
+    _convert(gguf, out, overwrite=True)
+    first = next(
+        i
+        for i, (kind, target) in enumerate(events)
+        if kind == "replace" and target.endswith(REPLACED)
+    )
+    synced = {Path(p).name for kind, p in events[:first] if kind == "fsync"}
+    assert {"experts.bin", "dense.safetensors", "manifest.json"} <= synced, events
+    last_rename = max(i for i, (kind, target) in enumerate(events) if target == str(out))
+    assert ("fsync", str(out.parent)) in events[last_rename:], events
+
+
+@pytest.mark.parametrize("where", ["experts", "dense", "manifest", "mkdtemp"])
+def test_disk_errors_are_one_line_and_leave_nothing(gguf, tmp_path, monkeypatch, where):
+    """ENOSPC / EROFS at each write, injected (tests below use real filesystems)."""
+    import strata_mlx.format.store as store
+
+    err = OSError(errno.ENOSPC, "No space left on device", "x")
+    if where == "experts":
+        monkeypatch.setattr(store.StoreWriter, "add_expert", _raise(err))
+    elif where == "dense":
+
+        def short(path, weights, metadata=None):
+            Path(path).write_bytes(b"\x10" + b"\0" * 7)  # what a full disk leaves
+
+        import mlx.core as mx
+
+        monkeypatch.setattr(mx, "save_safetensors", short)
+    elif where == "manifest":
+        monkeypatch.setattr(store, "write_text_atomic", _raise(err))
+    else:
+        monkeypatch.setattr(store.tempfile, "mkdtemp", _raise(OSError(errno.EROFS, "Read-only")))
+    with pytest.raises(StoreError) as e:
+        _convert(gguf, tmp_path / "s")
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and str(tmp_path / "s") in msg, msg
+    assert ("disk full" in msg) if where == "dense" else ("cannot write the store" in msg)
+    assert not (tmp_path / "s").exists() and not _temps(tmp_path / "s")
+
+
+def _raise(e):
+    def f(*a, **kw):
+        raise e
+
+    return f
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, options: str):
+    path.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
+    )
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True)
+
+
+@pytest.mark.parametrize("size", ["8k", "48k"])  # dense written short / experts.bin ENOSPC
+def test_full_disk_for_real(gguf, tmp_path, size):
+    with _tmpfs(tmp_path / "small", f"size={size}") as fs:
+        line = _error_line(
+            run("convert", "--gguf-path", gguf, "--mlx-path", fs / "s", "--calibration-tokens", 0)
+        )
+        assert str(fs / "s") in line and ("No space left" in line or "disk full" in line), line
+        assert list(fs.iterdir()) == []
+
+
+def test_read_only_filesystem_for_real(gguf, tmp_path):
+    with _tmpfs(tmp_path / "ro", "ro,size=1m") as fs:
+        line = _error_line(run("convert", "--gguf-path", gguf, "--mlx-path", fs / "s"))
+        assert "cannot write the store" in line and "not writable" in line, line
+
+
+def test_sigterm_removes_the_temporary_directory(hf_checkpoint, tmp_path):
+    out = tmp_path / "s"
+    p = subprocess.Popen(
+        [*CLI, "convert", "--hf-path", str(hf_checkpoint("qwen3_moe")), "--mlx-path", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 60
+    while not _temps(out) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    p.send_signal(signal.SIGTERM)
+    p.wait(60)
+    if p.returncode == 0:
+        pytest.skip("the conversion finished before SIGTERM")
+    assert p.returncode == 128 + signal.SIGTERM, p.stderr.read()
+    assert "Traceback" not in p.stderr.read().decode()
+    assert not _temps(out) and not out.exists()
+
+
+def test_loadable_after_overwrite(gguf, tmp_path):
+    out = _convert(gguf, tmp_path / "s")
+    out = _convert(gguf, out, overwrite=True)
+    model, tok = strata_mlx.load(out)
+    try:
+        assert len(list(strata_mlx.stream_generate(model, tok, "hi", max_tokens=2))) == 2
+    finally:
+        model.expert_cache.close()

@@ -1,0 +1,150 @@
+"""Generation: stop strings across tokens, sampling, and the response objects."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import prompt_ids
+
+import strata_mlx
+from strata_mlx.format.store import load_manifest
+from strata_mlx.generation.tokenizer import StreamingDetokenizer
+
+
+class WordTokenizer:
+    """Token i decodes to "w{i} ": enough to test text handling without a vocabulary file."""
+
+    eos_token_ids: set[int] = set()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"w{i} " for i in ids)
+
+    def detokenizer(self):
+        return StreamingDetokenizer(self)
+
+
+def test_stop_string_spanning_tokens_is_never_streamed(store):
+    model, _ = strata_mlx.load(store("qwen3_moe"))
+    tok = WordTokenizer()
+    ids = prompt_ids(8, seed=9)
+    full = [r.token for r in strata_mlx.stream_generate(model, tok, ids, max_tokens=8)]
+    words = [f"w{t}" for t in full]
+    stop = f"{words[2]} {words[3]}"  # spans tokens 2 and 3
+    chunks = list(strata_mlx.stream_generate(model, tok, ids, max_tokens=8, stop=[stop]))
+    text = "".join(c.text for c in chunks)
+    assert text == "".join(f"{w} " for w in words[:2])
+    assert chunks[-1].finish_reason == "stop"
+    assert strata_mlx.generate(model, tok, ids, max_tokens=8, stop=[stop]) == text
+
+
+def test_length_finish_and_stats(store):
+    model, _ = strata_mlx.load(store("qwen3_moe"), arena_gb=0.0001)
+    rs = list(strata_mlx.stream_generate(model, WordTokenizer(), prompt_ids(8), max_tokens=4))
+    assert [r.finish_reason for r in rs] == [None, None, None, "length"]
+    last = rs[-1]
+    assert last.generation_tokens == 4 and last.prompt_tokens == 8
+    s = last.expert_stats
+    assert s.lookups == s.hits + s.streamed_ahead + s.misses > 0
+    assert s.bytes_read > 0 and s.gb_per_s > 0
+
+
+def test_seeded_sampling_repeats(store):
+    model, _ = strata_mlx.load(store("qwen3_moe"))
+    ids = prompt_ids(8, seed=10)
+    a = [
+        r.token
+        for r in strata_mlx.stream_generate(
+            model, None, ids, max_tokens=6, temp=1.0, top_p=0.9, seed=3
+        )
+    ]
+    b = [
+        r.token
+        for r in strata_mlx.stream_generate(
+            model, None, ids, max_tokens=6, temp=1.0, top_p=0.9, seed=3
+        )
+    ]
+    assert a == b
+
+
+def quarter_arena_gb(path) -> float:
+    m = load_manifest(path)
+    return m.num_experts * len(m.moe_layers) * m.layout.record_bytes / 4 / 1024**3
+
+
+@pytest.mark.parametrize("scheduler", ["loop", "sync"])
+@pytest.mark.parametrize("resident", [True, False])  # nothing left to read / reads every token
+def test_a_generation_resumed_after_close_fails_with_one_line(store, scheduler, resident):
+    """close() is idempotent; a generation that goes on after it (left at a yield and
+    resumed) raises one line, also when every expert it needs is resident (nothing to read)."""
+    path = store("qwen3_moe")
+    model, _ = strata_mlx.load(
+        path, arena_gb=None if resident else quarter_arena_gb(path), scheduler=scheduler
+    )
+    ec = model.expert_cache
+    if resident:
+        ec.warm()
+    gen = strata_mlx.stream_generate(model, None, prompt_ids(8, seed=19), max_tokens=16)
+    for _ in range(2):
+        next(gen)
+    assert (ec.stats.experts_read == 0) == resident
+    ec.close()
+    ec.close()
+    with pytest.raises(RuntimeError, match="^expert cache is closed$"):
+        next(gen)
+
+
+EXIT_SCRIPT = """
+import sys
+import strata_mlx
+from strata_mlx.generation.generate import stream_generate
+
+abandoned = []  # generators left at a yield, closed by the interpreter's exit
+for close, gb in ((True, None), (True, {gb}), (False, {gb})):
+    model, _ = strata_mlx.load(sys.argv[1], arena_gb=gb)
+    gen = stream_generate(model, None, list(range(8)), 16)
+    for _ in range(2):
+        next(gen)
+    if close:
+        model.expert_cache.close()
+    abandoned.append(gen)
+"""
+
+
+def test_exit_with_an_abandoned_generation_prints_nothing(store):
+    """Generators left at a yield, their expert cache closed or not: the interpreter's exit
+    closes them (rolling back the token built ahead) without a word."""
+    path = store("qwen3_moe")
+    script = EXIT_SCRIPT.format(gb=quarter_arena_gb(path))
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300
+    )
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+
+
+def test_prompt_progress_callback_is_called_as_mlx_lm_calls_it(store):
+    """mlx-lm's `prompt_progress_callback`: (0, T) first, then after each prefill chunk the
+    positions done, then (T, T) with the first token; the same calls, in order, as mlx-lm's
+    own generate_step makes on its own model of the same store with the same chunk."""
+    from mlx_lm.generate import generate_step as mlx_lm_generate_step
+
+    from strata_mlx.apps.baseline import load_mlx_lm
+    from strata_mlx.generation.generate import stream_generate
+
+    path = store("qwen3_moe")
+    ids = prompt_ids(29, seed=21)
+    model, _ = strata_mlx.load(path)
+    ours: list[tuple[int, int]] = []
+    list(stream_generate(model, None, ids, max_tokens=3, prefill_step_size=8,
+                         prompt_progress_callback=lambda *a: ours.append(a)))  # fmt: skip
+    model.expert_cache.close()
+    import mlx.core as mx
+
+    ref_model = load_mlx_lm(path)
+    theirs: list[tuple[int, int]] = []
+    gen = mlx_lm_generate_step(mx.array(ids), ref_model, max_tokens=3, prefill_step_size=8,
+                               prompt_progress_callback=lambda *a: theirs.append(a))  # fmt: skip
+    list(gen)
+    assert ours == theirs
+    assert ours[0] == (0, 29) and ours[-1] == (29, 29) and (8, 29) in ours

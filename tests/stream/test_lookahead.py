@@ -1,0 +1,137 @@
+"""Lookahead: exact predictions where routing is predictable, and a win in reads."""
+
+from __future__ import annotations
+
+import numpy as np
+from conftest import prompt_ids
+
+import strata_mlx
+from strata_mlx.convert.hf import convert_hf
+from strata_mlx.format.store import load_manifest
+from strata_mlx.generation.generate import teacher_forced_logits
+from strata_mlx.runtime.experts import RoutingTrace
+
+
+def predictable_store(tmp_path, hf_model):
+    """A Qwen3-MoE whose layers leave the residual stream unchanged (zero attention output
+    and expert down projections) and share one router and one MoE norm: layer l+1's routing
+    of layer l's MoE input is then exactly layer l+1's true routing."""
+    import torch
+
+    m = hf_model("qwen3_moe").float().eval()
+    layers = m.model.layers
+    with torch.no_grad():
+        for layer in layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.post_attention_layernorm.weight.copy_(layers[0].post_attention_layernorm.weight)
+            layer.mlp.gate.weight.copy_(layers[0].mlp.gate.weight)
+            for name, p in layer.mlp.experts.named_parameters():
+                if "down" in name:
+                    p.zero_()
+    src = tmp_path / "hf"
+    m.save_pretrained(src)
+    return convert_hf(src, tmp_path / "store", progress=False, calibration_tokens=16)
+
+
+def test_predicted_sets_equal_true_sets_on_a_predictable_model(tmp_path, tiny_hf_model):
+    path = predictable_store(tmp_path, tiny_hf_model)
+    model, _ = strata_mlx.load(path, read_ahead="lookahead")
+    trace = model.expert_cache.trace = RoutingTrace()
+    teacher_forced_logits(model, prompt_ids(24, seed=11), step=8)
+    layers = sorted(trace.ids)
+    assert trace.predicted  # predictions were made
+    for nxt in layers[1:]:
+        pred = np.concatenate(trace.predicted[nxt])
+        true = np.concatenate(trace.ids[nxt])
+        assert pred.shape == true.shape
+        assert all(set(p) == set(t) for p, t in zip(pred, true))
+
+
+def test_lookahead_reads_before_the_layer_asks(store):
+    """Same arena, same prompt: lookahead turns misses into reads streamed ahead, in prefill
+    and in one-token decode, and never changes the outputs.
+
+    The arena holds 13 of the 16 experts. In much smaller arenas wrong predictions evict
+    experts that would have been hits (measured here with 10 slots: misses 51 -> 55 with
+    LRU), which docs/decisions.md records."""
+    path = store("qwen3_moe")
+    m = load_manifest(path)
+    arena = 13 * m.layout.record_bytes / 1024**3
+    ids = prompt_ids(24, seed=12)
+    stats, outs = {}, {}
+    for policy in ("demand", "lookahead"):
+        model, _ = strata_mlx.load(path, arena_gb=arena, read_ahead=policy)
+        outs[policy] = teacher_forced_logits(model, ids, 4)
+        decode = [r.token for r in strata_mlx.stream_generate(model, None, ids[:4], max_tokens=12)]
+        outs[policy + "-decode"] = np.array(decode)
+        stats[policy] = model.expert_cache.stats
+    assert np.array_equal(outs["demand"], outs["lookahead"])
+    assert np.array_equal(outs["demand-decode"], outs["lookahead-decode"])
+    d, la = stats["demand"], stats["lookahead"]
+    assert la.misses < d.misses and la.streamed_ahead > 0
+    assert d.exposed_wait_s > 0  # demand's misses were waited for, and the wait timed
+    assert d.lookups == la.lookups  # the same routing
+
+
+def test_min_tokens_knob_filters_predictions(store):
+    path = store("qwen3_moe")
+    ids = prompt_ids(32, seed=13)
+    submitted = {}
+    for min_tokens in (1, 8):
+        model, _ = strata_mlx.load(
+            path,
+            arena_gb=10 * load_manifest(path).layout.record_bytes / 1024**3,
+            read_ahead="lookahead",
+            lookahead_min_tokens=min_tokens,
+        )
+        teacher_forced_logits(model, ids, 16)
+        submitted[min_tokens] = model.expert_cache.stats.readahead_submitted
+    assert submitted[8] < submitted[1]
+
+
+def test_lookahead_depth_reads_further_ahead_exactly(tmp_path, monkeypatch, tiny_hf_model):
+    """lookahead_depth=2 predicts layers l+1 and l+2 from layer l's input (each layer is
+    predicted twice, from both layers before it); outputs never change."""
+    path = predictable_store(tmp_path, tiny_hf_model)
+    m = load_manifest(path)
+    layers = list(m.moe_layers)
+    ids = prompt_ids(24, seed=16)
+    outs, targets = {}, {}
+    for depth in (1, 2):
+        model, _ = strata_mlx.load(
+            path, arena_gb=0.05, read_ahead="lookahead", lookahead_depth=depth
+        )
+        ec = model.expert_cache
+        targets[depth] = seen = []
+
+        def record(layer, *a, seen=seen, submit=ec.sched.read_ahead, **k):
+            seen.append(layer)
+            return submit(layer, *a, **k)
+
+        def record_reserve(keys, predicted, seen=seen, reserve=ec.sched.reserve):
+            seen.extend(dict.fromkeys(layer for layer, _ in keys))  # distinct, in order
+            return reserve(keys, predicted)
+
+        monkeypatch.setattr(ec.sched, "read_ahead", record)
+        monkeypatch.setattr(ec.sched, "reserve", record_reserve)
+        outs[depth] = teacher_forced_logits(model, ids, 24)  # one chunk
+    assert np.array_equal(outs[1], outs[2])
+    # The first layer is predicted from the profile once the chunk is done (the next forward's).
+    assert targets[1] == layers[1:] + layers[:1]
+    want = [t for i in range(len(layers)) for t in layers[i + 1 : i + 3]] + layers[:1]
+    assert targets[2] == want
+
+
+def test_one_token_ranking_equals_the_general_rule():
+    """Decode's one-token fast path ranks as np.unique + lexsort over the same ids would."""
+    from strata_mlx.stream.prediction import rank_by_tokens
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        row = rng.choice(64, 8, replace=False)[None, :]
+        for min_tokens in (1, 2):
+            experts, counts = np.unique(row, return_counts=True)
+            keep = counts >= min_tokens
+            want = experts[keep][np.lexsort((experts[keep], -counts[keep]))].tolist()
+            assert rank_by_tokens(row, min_tokens) == want
+            assert rank_by_tokens(np.repeat(row, 2, axis=0), min_tokens) == sorted(row[0].tolist())

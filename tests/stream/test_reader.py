@@ -1,0 +1,655 @@
+"""The native reader: bytes land where asked, queue order, cancel/promote, errors, the GIL,
+checksums verified in the worker threads."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from strata_mlx import _reader
+from strata_mlx.stream.reader import (
+    ALIGNMENT,
+    CHECKSUM_MISMATCH,
+    SHORT_READ,
+    Reader,
+    checksum,
+    checksum_implementation,
+    error_message,
+)
+
+RECORD = 4 * ALIGNMENT
+N_RECORDS = 16
+
+
+def aligned(nbytes: int) -> tuple[np.ndarray, int]:
+    """A zeroed uint8 array of nbytes whose data address is ALIGNMENT aligned, and the address."""
+    raw = np.zeros(nbytes + ALIGNMENT, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGNMENT
+    view = raw[start : start + nbytes]
+    assert view.ctypes.data % ALIGNMENT == 0
+    return view, view.ctypes.data
+
+
+@pytest.fixture(scope="module")
+def data_dir():
+    # /tmp may be tmpfs (no O_DIRECT on older kernels); prefer a disk-backed directory.
+    base = "/var/tmp" if os.path.isdir("/var/tmp") and os.access("/var/tmp", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="strata-reader-", dir=base) as d:
+        yield Path(d)
+
+
+@pytest.fixture(scope="module")
+def data_file(data_dir) -> tuple[Path, bytes]:
+    payload = np.random.default_rng(0).integers(0, 256, RECORD * N_RECORDS, dtype=np.uint8)
+    path = data_dir / "records.bin"
+    path.write_bytes(payload.tobytes())
+    return path, payload.tobytes()
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["slots-held", "overlap"])
+def overlap(request, monkeypatch):
+    """Every test runs with the reader's overlap off and on (threads that let go of their
+    read slot before the copy and the checksum must land, verify, cancel and count alike)."""
+    on = request.param
+
+    class Overlapping(Reader):
+        def __init__(self, *args, **kw):
+            kw.setdefault("overlap", on)
+            super().__init__(*args, **kw)
+
+    monkeypatch.setitem(globals(), "Reader", Overlapping)
+    return on
+
+
+def drain(reader: Reader, n: int) -> list[tuple[int, int, int]]:
+    """Collect n completions in completion order."""
+    out: list[tuple[int, int, int]] = []
+    while len(out) < n:
+        got = reader.wait(None, timeout=10)
+        assert got, "no completion within 10 s"
+        out += got
+    return out
+
+
+@pytest.mark.parametrize("bounce", [False, True])
+@pytest.mark.parametrize("direct", [True, False])
+def test_reads_land_in_place(data_file, direct, bounce, overlap):
+    """Directly, or (bounce) read into each worker's own buffer and copied into place."""
+    path, payload = data_file
+    buf, addr = aligned(RECORD * N_RECORDS)
+    order = np.random.default_rng(1).permutation(N_RECORDS)
+    with Reader(workers=4, bounce=bounce) as r:
+        f = r.open(path, direct=direct)
+        if not direct:
+            assert not r.is_direct(f)
+        # record i goes to slot order[i]
+        reqs = [(i, f, i * RECORD, RECORD, addr + int(order[i]) * RECORD) for i in range(N_RECORDS)]
+        r.submit(reqs[: N_RECORDS // 2], urgent=True)
+        r.submit(reqs[N_RECORDS // 2 :])
+        done = r.wait(range(N_RECORDS), timeout=10)
+        assert done == [(i, 0, RECORD) for i in range(N_RECORDS)]
+        stats = r.stats()
+        assert stats["bytes_read"] == RECORD * N_RECORDS
+        assert stats["requests_done"] == N_RECORDS
+        assert stats["errors"] == 0 and len(stats["busy_ns"]) == (8 if overlap else 4)
+        assert r.poll() == []
+    for i in range(N_RECORDS):
+        slot = int(order[i])
+        assert (
+            buf[slot * RECORD : (slot + 1) * RECORD].tobytes()
+            == payload[i * RECORD : (i + 1) * RECORD]
+        )
+
+
+def test_buffered_allows_unaligned(data_file):
+    path, payload = data_file
+    buf = np.zeros(1000, dtype=np.uint8)
+    with Reader(workers=1) as r:
+        f = r.open(path, direct=False)
+        r.submit([(7, f, 12345, 999, buf.ctypes.data + 1)])
+        assert r.wait([7], timeout=10) == [(7, 0, 999)]
+    assert buf[1:].tobytes() == payload[12345 : 12345 + 999]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="procfs")
+def test_fallback_when_direct_refused():
+    # procfs refuses O_DIRECT with EINVAL: the reader falls back to buffered and says so.
+    expected = Path("/proc/version").read_bytes()
+    buf = np.zeros(len(expected), dtype=np.uint8)
+    with Reader(workers=1) as r:
+        f = r.open("/proc/version", direct=True)
+        assert r.is_direct(f) is False
+        r.submit([(1, f, 0, len(expected), buf.ctypes.data)])
+        assert r.wait([1], timeout=10) == [(1, 0, len(expected))]
+    assert buf.tobytes() == expected
+
+
+def test_urgent_before_read_ahead(data_file):
+    path, _ = data_file
+    _, addr = aligned(RECORD)
+    with Reader(workers=1, start_paused=True) as r:
+        f = r.open(path)
+        r.submit([(t, f, t * RECORD, RECORD, addr) for t in (1, 2, 3)])
+        r.submit([(t, f, t * RECORD, RECORD, addr) for t in (10, 11)], urgent=True)
+        assert r.stats()["queued_ahead"] == 3 and r.stats()["queued_urgent"] == 2
+        r.resume()
+        assert [c[0] for c in drain(r, 5)] == [10, 11, 1, 2, 3]
+
+
+def test_cancel(data_file):
+    path, _ = data_file
+    _, addr = aligned(RECORD)
+    with Reader(workers=1, start_paused=True) as r:
+        f = r.open(path)
+        r.submit([(t, f, t * RECORD, RECORD, addr) for t in range(1, 6)])
+        r.submit([(9, f, 0, RECORD, addr)], urgent=True)
+        assert r.cancel([2, 4, 9, 99]) == [2, 4]  # 9 is urgent, 99 unknown
+        r.resume()
+        assert [c[0] for c in drain(r, 4)] == [9, 1, 3, 5]
+        with pytest.raises(KeyError):
+            r.wait([2], timeout=10)  # cancelled: an error, not a hang
+        assert r.cancel([1]) == []  # already done
+        assert r.stats()["requests_done"] == 4
+
+
+def test_promote(data_file):
+    path, _ = data_file
+    _, addr = aligned(RECORD)
+    with Reader(workers=1, start_paused=True) as r:
+        f = r.open(path)
+        r.submit([(t, f, t * RECORD, RECORD, addr) for t in (1, 2, 3, 4)])
+        r.submit([(8, f, 0, RECORD, addr)], urgent=True)
+        assert r.promote([4, 3, 8, 77]) == [4, 3]
+        r.resume()
+        assert [c[0] for c in drain(r, 5)] == [8, 4, 3, 1, 2]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_truncated_file_is_an_error(data_dir, direct):
+    path = data_dir / f"short-{direct}.bin"
+    path.write_bytes(os.urandom(3 * ALIGNMENT + 1000))
+    _, addr = aligned(4 * ALIGNMENT)
+    with Reader(workers=2) as r:
+        f = r.open(path, direct=direct)
+        r.submit(
+            [
+                (1, f, 0, 2 * ALIGNMENT, addr),  # fine
+                (2, f, 2 * ALIGNMENT, 2 * ALIGNMENT, addr),  # runs past the end
+                (3, f, 8 * ALIGNMENT, ALIGNMENT, addr),  # starts past the end
+            ]
+        )
+        done = r.wait([1, 2, 3], timeout=10)
+        assert done == [
+            (1, 0, 2 * ALIGNMENT),
+            (2, SHORT_READ, ALIGNMENT + 1000),
+            (3, SHORT_READ, 0),
+        ]
+        assert r.stats()["errors"] == 2
+    assert "end of file" in error_message(SHORT_READ)
+
+
+def test_invalid_requests_raise(data_file):
+    path, _ = data_file
+    _, addr = aligned(2 * RECORD)
+    with Reader(workers=1, start_paused=True) as r:
+        f = r.open(path)
+        if not r.is_direct(f):
+            pytest.skip("file system refuses O_DIRECT")
+        good = (1, f, 0, RECORD, addr)
+        for bad, word in [
+            ((2, f, 100, RECORD, addr), "offset"),
+            ((2, f, 0, RECORD - 1, addr), "length"),
+            ((2, f, 0, RECORD, addr + 8), "dest_address"),
+            ((2, f + 5, 0, RECORD, addr), "file_index"),
+            ((2, f, -ALIGNMENT, RECORD, addr), ">= 0"),
+            ((2, f, 0, RECORD, 0), "NULL"),
+        ]:
+            with pytest.raises(ValueError, match=word):
+                r.submit([good, bad])
+        with pytest.raises(TypeError):
+            r.submit([[1, f, 0, RECORD, addr]])
+        with pytest.raises(OverflowError):
+            r.submit([(1, f, 0, RECORD, -4096)])
+        # a bad request rejects the whole batch: nothing was queued
+        assert r.stats()["queued_ahead"] == 0
+        with pytest.raises(FileNotFoundError):
+            r.open(path.parent / "missing.bin")
+
+
+def test_wait_timeout_unknown_and_close(data_file):
+    path, _ = data_file
+    _, addr = aligned(RECORD)
+    r = Reader(workers=1, start_paused=True)
+    f = r.open(path)
+    r.submit([(1, f, 0, RECORD, addr)])
+    assert r.wait([1], timeout=0.05) == []  # paused: times out, returns what is there
+    with pytest.raises(KeyError):
+        r.wait([1, 42])
+    r.resume()
+    r.submit([(2, f, 0, RECORD, addr)])
+    assert r.wait([2], timeout=10) == [(2, 0, RECORD)]
+    assert r.poll() == [(1, 0, RECORD)]  # not asked for above: kept
+    assert r.wait(None, timeout=0) == []  # nothing outstanding: returns at once
+    r.close()
+    r.close()
+    assert r.closed
+    with pytest.raises(ValueError):
+        r.submit([(3, f, 0, RECORD, addr)])
+    with pytest.raises(ValueError):
+        r.wait([3])
+
+
+def test_close_while_waiting_and_with_queued_work(data_file):
+    path, _ = data_file
+    _, addr = aligned(RECORD)
+    r = Reader(workers=1, start_paused=True)
+    f = r.open(path)
+    r.submit([(t, f, 0, RECORD, addr) for t in range(50)])
+    errors = []
+
+    def waiter():
+        try:
+            r.wait([0])
+        except ValueError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    r.close()  # queued requests are dropped, the waiter is woken with an error
+    t.join(10)
+    assert not t.is_alive() and len(errors) == 1
+
+
+def test_wait_releases_the_gil(data_file):
+    # The only thing that lets the read start is a Python thread that must first count to N,
+    # so wait() can only return if it let that thread run. No timing involved.
+    path, _ = data_file
+    _, addr = aligned(RECORD)
+    n = 200_000
+    count = 0
+    with Reader(workers=1, start_paused=True) as r:
+        f = r.open(path)
+        r.submit([(1, f, 0, RECORD, addr)])
+
+        def counter():
+            nonlocal count
+            for _ in range(n):
+                count += 1
+            r.resume()
+
+        t = threading.Thread(target=counter)
+        t.start()
+        done = r.wait([1], timeout=30)
+        t.join()
+    assert count == n
+    assert done == [(1, 0, RECORD)]
+
+
+def test_many_concurrent_requests(data_file):
+    path, payload = data_file
+    rng = np.random.default_rng(2)
+    n = 400
+    records = rng.integers(0, N_RECORDS, n)
+    buf, addr = aligned(n * RECORD)
+    with Reader(workers=8) as r:
+        f = r.open(path)
+        reqs = [
+            (i, f, int(rec) * RECORD, RECORD, addr + i * RECORD) for i, rec in enumerate(records)
+        ]
+        for start in range(0, n, 50):
+            r.submit(reqs[start : start + 50], urgent=bool(start % 100))
+        done = drain(r, n)
+    assert sorted(c[0] for c in done) == list(range(n))
+    assert all(c[1:] == (0, RECORD) for c in done)
+    for i, rec in enumerate(records):
+        got = buf[i * RECORD : (i + 1) * RECORD].tobytes()
+        assert got == payload[int(rec) * RECORD : (int(rec) + 1) * RECORD]
+
+
+def test_probe_small_file(data_dir):
+    from strata_mlx.stream.probe import probe_ssd
+
+    path = data_dir / "probe.bin"
+    path.write_bytes(os.urandom(5 * ALIGNMENT + 123))  # smaller than one default record
+    results = probe_ssd(path, workers_list=(1, 3), seconds=0.2, max_reads=40)
+    assert [r["workers"] for r in results] == [1, 3]
+    for res in results:
+        assert res["record_bytes"] == 5 * ALIGNMENT
+        assert 1 <= res["reads"] <= 40 and res["gb_per_s"] > 0
+        assert isinstance(res["direct"], bool)
+    one = probe_ssd(path, record_bytes=3000, workers_list=(2,), max_reads=1)[0]
+    assert one["reads"] == 1 and one["record_bytes"] == ALIGNMENT
+
+
+def test_checksums_match_references():
+    # the standard check values, zlib's crc32, and the instruction path against the tables
+    assert checksum("crc32c", b"123456789") == 0xE3069283
+    assert checksum("crc32", b"123456789") == 0xCBF43926 == zlib.crc32(b"123456789")
+    assert checksum("crc32c", b"") == 0 and checksum("crc32", b"") == 0
+    data = np.random.default_rng(3).integers(0, 256, 3 * 24576 + 1000, dtype=np.uint8).tobytes()
+    # lengths around the 8-byte words and the three-stream blocks (3 x 256, 3 x 8192)
+    for n in (1, 7, 8, 9, 767, 768, 769, 24575, 24576, 24577, 3 * 24576 + 999):
+        for start in (0, 3):
+            chunk = data[start : start + n]
+            assert checksum("crc32", chunk) == zlib.crc32(chunk), n
+            assert checksum("crc32c", chunk) == _reader.checksum_table("crc32c", chunk), n
+            cut = n // 3
+            for name in ("crc32", "crc32c"):
+                head = checksum(name, chunk[:cut])
+                assert checksum(name, chunk[cut:], head) == checksum(name, chunk), (name, n)
+    arr = np.frombuffer(data, dtype=np.uint8)
+    assert checksum("crc32c", arr) == checksum("crc32c", data)  # any buffer
+    assert checksum_implementation("crc32c") in ("sse4.2", "armv8-crc", "table")
+    assert checksum_implementation("crc32") in ("pclmul", "armv8-crc", "table")
+    # the folding path (>= 64 bytes) from any starting value, against zlib
+    for n in (64, 65, 79, 80, 127, 128, 4096 + 15):
+        assert checksum("crc32", data[:n], 0xDEADBEEF) == zlib.crc32(data[:n], 0xDEADBEEF), n
+        assert checksum("crc32c", data[:n], 7) == _reader.checksum_table("crc32c", data[:n], 7)
+    with pytest.raises(ValueError, match="crc32c"):
+        checksum("md5", data)
+
+
+@pytest.mark.parametrize("bounce", [False, True])
+@pytest.mark.parametrize("name", ["crc32c", "crc32"])
+@pytest.mark.parametrize("direct", [True, False])
+def test_reads_are_verified_in_the_workers(data_file, name, direct, bounce, overlap):
+    path, payload = data_file
+    sums = [checksum(name, payload[i * RECORD : (i + 1) * RECORD]) for i in range(N_RECORDS)]
+    buf, addr = aligned(RECORD * 4)
+    with Reader(workers=2, bounce=bounce) as r:
+        f = r.open(path, direct=direct, checksum=name)
+        r.submit(
+            [
+                (1, f, 0, RECORD, addr, sums[0]),
+                (2, f, RECORD, RECORD, addr + RECORD, sums[1] ^ 1),  # wrong
+                (3, f, 2 * RECORD, RECORD, addr + 2 * RECORD, None),  # not checked
+                (4, f, 3 * RECORD, RECORD, addr + 3 * RECORD),  # not checked
+            ]
+        )
+        done = r.wait([1, 2, 3, 4], timeout=10)
+        assert done == [
+            (1, 0, RECORD),
+            (2, CHECKSUM_MISMATCH, RECORD),
+            (3, 0, RECORD),
+            (4, 0, RECORD),
+        ]
+        stats = r.stats()
+        assert stats["verified"] == 2 and stats["errors"] == 1
+        assert len(stats["verify_ns"]) == (4 if overlap else 2) and sum(stats["verify_ns"]) > 0
+    for i in (0, 2, 3):
+        assert (
+            buf[i * RECORD : (i + 1) * RECORD].tobytes() == payload[i * RECORD : (i + 1) * RECORD]
+        )
+    # A mismatched record is left where it landed; through a bounce buffer it is not copied.
+    landed = buf[RECORD : 2 * RECORD].tobytes() == payload[RECORD : 2 * RECORD]
+    assert landed != bounce
+    assert "checksum mismatch" in error_message(CHECKSUM_MISMATCH)
+
+
+def test_truncated_file_with_a_checksum_is_a_short_read(data_dir):
+    path = data_dir / "short-verified.bin"
+    path.write_bytes(os.urandom(ALIGNMENT + 10))
+    _, addr = aligned(2 * ALIGNMENT)
+    with Reader(workers=1) as r:
+        f = r.open(path, checksum="crc32c")
+        r.submit([(1, f, 0, 2 * ALIGNMENT, addr, 12345)])
+        assert r.wait([1], timeout=10) == [(1, SHORT_READ, ALIGNMENT + 10)]
+
+
+def test_checksum_requests_are_validated(data_file):
+    path, _ = data_file
+    _, addr = aligned(RECORD)
+    with Reader(workers=1, start_paused=True) as r:
+        plain = r.open(path)
+        checked = r.open(path, checksum="crc32c")
+        with pytest.raises(ValueError, match="without a checksum"):
+            r.submit([(1, plain, 0, RECORD, addr, 5)])
+        with pytest.raises(ValueError, match="32 bits"):
+            r.submit([(1, checked, 0, RECORD, addr, 1 << 32)])
+        with pytest.raises(OverflowError):
+            r.submit([(1, checked, 0, RECORD, addr, -1)])
+        with pytest.raises(TypeError):
+            r.submit([(1, checked, 0, RECORD, addr, 5, 6)])
+        with pytest.raises(ValueError, match="checksum must be"):
+            r.open(path, checksum="sha1")
+        assert r.stats()["queued_ahead"] == 0
+
+
+# ---- split reads: one request read as parts by idle workers, completed once --------------
+
+
+@pytest.mark.parametrize("bounce", [False, True])
+@pytest.mark.parametrize("direct", [True, False])
+def test_split_reads_land_whole_and_complete_once(data_file, direct, bounce):
+    path, payload = data_file
+    big = 4 * RECORD  # 4 parts of one RECORD each with split=RECORD and 8 idle workers
+    sums = [checksum("crc32c", payload[i * big : (i + 1) * big]) for i in range(4)]
+    buf, addr = aligned(4 * big)
+    with Reader(workers=8, bounce=bounce, split=RECORD) as r:
+        f = r.open(path, direct=direct, checksum="crc32c")
+        # 2 requests, 8 idle workers: 4 parts each
+        r.submit([(t, f, t * big, big, addr + t * big, sums[t]) for t in (0, 1)], urgent=True)
+        assert r.wait([0, 1], timeout=10) == [(0, 0, big), (1, 0, big)]
+        stats = r.stats()
+        assert stats["requests_done"] == 2 and stats["verified"] == 2
+        assert stats["bytes_read"] == 2 * big and stats["split"] == 2
+        assert r.poll() == []
+        # a wrong checksum is caught over the whole request, whichever part finished last
+        r.submit([(2, f, 2 * big, big, addr + 2 * big, sums[2] ^ 1)])
+        assert r.wait([2], timeout=10) == [(2, CHECKSUM_MISMATCH, big)]
+        # a deep queue is read whole: 9 requests for 8 workers
+        r.pause()
+        r.submit([(10 + i, f, 0, RECORD, addr + 3 * big) for i in range(9)])
+        assert r.stats()["queued_ahead"] == 9 and r.queued() == 9
+        r.resume()
+        drain(r, 9)
+        assert r.stats()["split"] == 3
+    assert buf[: 2 * big].tobytes() == payload[: 2 * big]
+
+
+def test_split_request_parts_are_counted_cancelled_and_promoted_together(data_file):
+    path, payload = data_file
+    big = 4 * RECORD
+    buf, addr = aligned(3 * big)
+    with Reader(workers=8, start_paused=True, split=RECORD) as r:
+        f = r.open(path)
+        r.submit([(t, f, t * big, big, addr + t * big) for t in (0, 1)])  # 4 parts each
+        assert r.stats()["queued_ahead"] == 8 and r.queued() == 2
+        assert r.cancel([0]) == [0]
+        assert r.queued() == 1 and r.stats()["queued_ahead"] == 4
+        with pytest.raises(KeyError):
+            r.wait([0], timeout=1)
+        r.submit([(5, f, 2 * big, big, addr + 2 * big)], urgent=True)  # 4 idle: 4 parts
+        assert r.promote([1]) == [1]
+        assert r.stats()["queued_urgent"] == 8 and r.queued() == 2
+        r.resume()
+        assert sorted(c[0] for c in drain(r, 2)) == [1, 5]
+    assert buf[big:].tobytes() == payload[big : 3 * big]
+
+
+def test_close_drops_queued_parts(data_file):
+    path, _ = data_file
+    big = 4 * RECORD
+    _, addr = aligned(2 * big)
+    r = Reader(workers=4, start_paused=True, split=RECORD)
+    f = r.open(path)
+    r.submit([(0, f, 0, big, addr)])
+    r.resume()
+    assert r.wait([0], timeout=10) == [(0, 0, big)]
+    r.pause()
+    r.submit([(1, f, big, big, addr + big)])  # 4 parts queued, never started
+    r.close()  # drops them (and their group) with no completion and no crash
+    assert r.closed
+
+
+def test_split_must_be_aligned():
+    with pytest.raises(ValueError, match="split"):
+        Reader(workers=1, split=1000)
+    with pytest.raises(ValueError, match="split"):
+        Reader(workers=1, split=-4096)
+
+
+def test_split_reads_under_cancel_and_promote_races(data_file):
+    """Small batches while parts are in flight, cancels and promotes racing the workers:
+    every request not cancelled completes exactly once with its bytes in place."""
+    path, payload = data_file
+    rng = np.random.default_rng(7)
+    n_req, size = 120, 2 * RECORD
+    per_file = len(payload) // size
+    buf, addr = aligned(n_req * size)
+    sums = [checksum("crc32c", payload[(t % per_file) * size :][:size]) for t in range(n_req)]
+    cancelled: set[int] = set()
+    with Reader(workers=6, split=ALIGNMENT) as r:
+        f = r.open(path, checksum="crc32c")
+        for start in range(0, n_req, 3):
+            batch = range(start, start + 3)
+            reqs = [(t, f, (t % per_file) * size, size, addr + t * size, sums[t]) for t in batch]
+            r.submit(reqs, urgent=bool(rng.integers(2)))
+            if rng.integers(3) == 0:
+                cancelled.update(r.cancel([int(rng.integers(start + 1))]))
+            if rng.integers(3) == 0:
+                r.promote([int(rng.integers(start + 1))])
+        wanted = [t for t in range(n_req) if t not in cancelled]
+        assert r.wait(wanted, timeout=20) == [(t, 0, size) for t in wanted]
+        assert r.poll() == [] and r.stats()["requests_done"] == len(wanted)
+    for t in wanted:
+        src = (t % per_file) * size
+        assert buf[t * size : (t + 1) * size].tobytes() == payload[src : src + size]
+
+
+# ---- overlap: a thread lets go of its slot on the drive before the copy and the checksum --
+
+
+@pytest.mark.parametrize("bounce", [False, True])
+def test_overlap_keeps_at_most_workers_preads_in_flight(data_file, overlap, bounce):
+    """Twice the threads with overlap, never more than `workers` preads at once; every record
+    lands whole and verified (bounce: through each thread's own buffer)."""
+    path, payload = data_file
+    sums = [checksum("crc32c", payload[i * RECORD : (i + 1) * RECORD]) for i in range(N_RECORDS)]
+    n = 200 * N_RECORDS  # enough reads that four threads unchecked would overlap
+    buf, base = aligned(n * RECORD)
+    with Reader(workers=2, start_paused=True, bounce=bounce) as r:
+        f = r.open(path, direct=False, checksum="crc32c")
+        r.submit(
+            [(t, f, (t % N_RECORDS) * RECORD, RECORD, base + t * RECORD, sums[t % N_RECORDS])
+             for t in range(n)]
+        )  # fmt: skip
+        r.resume()
+        done = drain(r, n)
+        stats = r.stats()
+    assert sorted(t for t, _, _ in done) == list(range(n))
+    assert all(err == 0 and got == RECORD for _, err, got in done)
+    assert stats["verified"] == n
+    assert len(stats["busy_ns"]) == (4 if overlap else 2)
+    assert 1 <= stats["preads_max"] <= 2
+    for t in range(n):
+        i = t % N_RECORDS
+        assert (
+            buf[t * RECORD : (t + 1) * RECORD].tobytes() == payload[i * RECORD : (i + 1) * RECORD]
+        )
+
+
+def test_advise_hugepages_is_a_hint():
+    """True or False by the OS (Linux with THP: True), never an error for memory we own. The
+    zeroed form gives back the whole 2 MB blocks inside the range (they read as zeros again:
+    here they held 7s, to see it) and leaves the partial blocks at either end as they were."""
+    from strata_mlx.stream.reader import advise_hugepages
+
+    huge = 2 << 20
+    buf, addr = aligned(5 * huge)
+    view = buf[(-addr) % huge + ALIGNMENT :]  # just past a 2 MB boundary: head, tail partial
+    view[:] = 7
+    first = (-view.ctypes.data) % huge  # the first whole block's offset
+    last = first + (view.nbytes - first) // huge * huge
+    assert first > 0 and last < view.nbytes
+    assert isinstance(advise_hugepages(view.ctypes.data, view.nbytes), bool)
+    assert (view == 7).all()  # the plain advice changes no byte
+    if advise_hugepages(view.ctypes.data, view.nbytes, zeroed=True):
+        assert not view[first:last].any()
+    else:  # another OS: nothing given back
+        assert (view[first:last] == 7).all()
+    assert (view[:first] == 7).all() and (view[last:] == 7).all()
+    view[:] = 7  # and the memory is still ours to write
+    assert (view == 7).all()
+    assert advise_hugepages(addr, huge // 2) is False  # no whole block inside: nothing to advise
+    with pytest.raises(ValueError, match="NULL"):
+        advise_hugepages(0, 4096)
+
+
+def test_device_copy_is_refused_in_one_line_without_cuda():
+    from strata_mlx.stream import reader as rd
+
+    if rd.device_copy_error() is not None:  # no CUDA driver here: the reason, and a refusal
+        with pytest.raises(RuntimeError, match="^device_copy: .+"):
+            Reader(2, device_copy=True)
+        assert not rd.uses_device_copy()
+    with pytest.raises(ValueError, match="NULL address"):
+        rd.prefer_device(0, 4096)
+
+
+def test_data_path_probe_reads_verified_records_and_names_a_corrupt_one(store, tmp_path):
+    import shutil
+
+    from strata_mlx.format.store import EXPERTS, load_manifest
+    from strata_mlx.stream.probe import probe_data_path
+
+    path = Path(store("qwen3_moe"))
+    m = load_manifest(path)
+    res = probe_data_path(path, m, workers=2, seconds=0.2, seed=0)
+    from strata_mlx.stream.reader import uses_device_copy
+
+    assert res["gb_per_s"] > 0 and res["reads"] >= 4
+    assert res["device_copy"] is uses_device_copy()
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    with open(bad / EXPERTS, "r+b") as f:  # every record's first bytes changed
+        for layer in m.moe_layers:
+            for e in range(m.num_experts):
+                f.seek(m.record(layer, e)[0])
+                f.write(b"\xff" * 64)
+    with pytest.raises(OSError, match="checksum mismatch"):
+        probe_data_path(bad, m, workers=2, seconds=0.2, seed=0)
+
+
+@pytest.mark.gpu
+def test_device_copy_lands_verified_records_in_device_memory(store):
+    """CUDA: records read through pinned bounce buffers and the copy engine into an arena kept
+    on the device equal the file's bytes, as MLX reads them there."""
+    import mlx.core as mx
+
+    from strata_mlx.stream import reader as rd
+    from strata_mlx.format.store import EXPERTS, load_manifest
+    from strata_mlx.stream.arena import Arena
+
+    if not rd.uses_device_copy():
+        pytest.skip(f"no CUDA device copy here: {rd.device_copy_error()}")
+    path = Path(store("qwen3_moe"))
+    m = load_manifest(path)
+    rb = m.layout.record_bytes
+    keys = [(layer, e) for layer in m.moe_layers for e in range(m.num_experts)][:12]
+    arena = Arena(len(keys), rb, on_device=True)
+    mx.eval(arena.rows.astype(mx.uint32).sum())  # the device has touched every slot first
+    with Reader(4, bounce=True, overlap=True, device_copy=True) as r:
+        f = r.open(path / EXPERTS, checksum=m.checksum)
+        reqs = [(i, f, m.record(*k)[0], rb, arena.address(i), m.record(*k)[1])
+                for i, k in enumerate(keys)]  # fmt: skip
+        r.submit(reqs)
+        done = r.wait(list(range(len(keys))))
+        assert [err for _, err, _ in done] == [0] * len(keys)
+        assert r.stats()["device_copies"] == len(keys)
+    raw = (path / EXPERTS).read_bytes()
+    want = np.stack([np.frombuffer(raw, np.uint8, rb, m.record(*k)[0]) for k in keys])
+    got = np.array(arena.rows)
+    assert np.array_equal(got, want)
+
+
+def test_split_reads_and_device_copy_are_refused_together():
+    with pytest.raises(ValueError, match="split reads verify a record where its parts land"):
+        Reader(2, split=ALIGNMENT, device_copy=True)
