@@ -1,8 +1,9 @@
 """`strata-mlx serve`: an OpenAI-compatible HTTP server for one model (FastAPI + uvicorn).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both streaming as SSE or not),
-GET /v1/models, GET /v1/stats (also /stats) with the expert cache's counters, GET /dashboard
-(a live page of them, strata_mlx.dashboard).
+POST /v1/messages (Anthropic's Messages API, strata_mlx.anthropic_api), GET /v1/models,
+GET /v1/stats (also /stats) with the expert cache's counters, GET /dashboard (a live page of
+them, strata_mlx.dashboard).
 
 Sampling fields are mlx-lm's server's (temperature, top_p, top_k, min_p, xtc_probability,
 xtc_threshold, logit_bias, repetition_penalty and repetition_context_size, presence_penalty,
@@ -55,7 +56,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .chat_output import ChatStream, opens_reasoning, parse, tool_format
+from .chat_output import ChatStream, ToolFormat, opens_reasoning, parse, tool_format
 from .dashboard import add_routes
 from .options import (
     DEFAULT_MAX_QUEUE,
@@ -233,6 +234,7 @@ class Result:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    stop_sequence: str | None = None  # the request's stop string that ended the text
 
 
 class _Stopped(Exception):
@@ -343,7 +345,7 @@ class Engine:
         self.prompt_tokens += len(job.ids)
         if job.max_tokens == 0:
             return Result("", "length", len(job.ids), 0)
-        text, n, finish, r = "", 0, None, None
+        text, n, finish, r, matched = "", 0, None, None, None
         stopped = False
         from .prompt_cache import make_prompt_cache
 
@@ -384,6 +386,7 @@ class Engine:
                         self.completion_tokens += 1
                     text += r.text
                     finish = r.finish_reason
+                    matched = getattr(r, "stop_sequence", None)
                     if on_text is not None and r.text:
                         on_text(r.text)
                     if finish is not None:
@@ -408,7 +411,7 @@ class Engine:
                 self.served = r.expert_stats.copy()
             else:
                 self.served.add(r.expert_stats)
-        return Result(text, finish or "length", len(job.ids), n)
+        return Result(text, finish or "length", len(job.ids), n, matched)
 
     async def complete(self, job: Job, request: Request | None = None) -> Result | None:
         """Run `job` to the end; None if it was cancelled because `request`'s client left."""
@@ -498,9 +501,10 @@ def _usage(r: Result) -> dict:
 
 
 class _BearerAuth:
-    """ASGI middleware: every HTTP request must carry `Authorization: Bearer <key>`; the key is
-    compared in constant time. Runs before the body is read, so an unauthenticated client
-    learns nothing from validation errors. /dashboard (a page a person opens in a browser,
+    """ASGI middleware: every HTTP request must carry `Authorization: Bearer <key>` (or, as
+    Anthropic's clients send it, `x-api-key: <key>`); the key is compared in constant time.
+    Runs before the body is read, so an unauthenticated client learns nothing from
+    validation errors. /dashboard (a page a person opens in a browser,
     which cannot send a bearer token) also takes HTTP Basic with the key as the password: a
     401 there asks the browser for it, which then sends it with the page's own polls."""
 
@@ -522,7 +526,10 @@ class _BearerAuth:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            auth = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            auth = headers.get(b"authorization", b"")
+            if b"x-api-key" in headers and not auth:
+                auth = b"Bearer " + headers[b"x-api-key"]
             page = scope.get("path", "").startswith("/dashboard")
             if not self._ok(auth, page):
                 challenge = 'Basic realm="strata-mlx dashboard"' if page else "Bearer"
@@ -600,6 +607,7 @@ def create_app(
     `shutdown_timeout` seconds. `kv` (prompt_cache.KVOptions: mlx-lm's --max-kv-size,
     --kv-bits, ...) shapes every generation's KV cache; a family that cannot take it is
     refused here, before anything is served."""
+    from . import anthropic_api  # it builds on this module's request models
     from .prompt_cache import make_prompt_cache
 
     engine = Engine(model, tokenizer, max_queue, kv)
@@ -642,6 +650,7 @@ def create_app(
     app.add_exception_handler(Exception, _internal)
     app.post("/v1/chat/completions")(chat_completions)
     app.post("/v1/completions")(completions)
+    anthropic_api.add_routes(app)  # POST /v1/messages
     app.get("/v1/models")(models)
     app.get("/v1/models/{name:path}")(model_info)
     app.get("/v1/stats")(stats)
@@ -891,8 +900,25 @@ async def _respond(
     )
 
 
+@dataclass
+class ChatJob:
+    """A chat request made ready for the engine: its job, the tool-call format to parse (False
+    when the request offered no tools) and whether the prompt opened a <think> block."""
+
+    job: Job
+    tools: ToolFormat | Literal[False]
+    in_reasoning: bool
+
+
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = _state(request)
+    chat = chat_job(state, req)
+    return await _respond(state, request, req, chat.job, "chat", chat.tools, chat.in_reasoning)
+
+
+def chat_job(state: ServeState, req: ChatCompletionRequest) -> ChatJob:
+    """Template and tokenize a chat request into a job, as /v1/chat/completions does (the
+    Anthropic and Responses APIs translate their requests into one); APIError if bad."""
     _check_request(state, req)
     _need_tokenizer(state, "use /v1/completions with token ids")
     messages = []
@@ -931,7 +957,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     job = _make_job(state, req, ids, getattr(req, given), "messages", given)
     # the tool-call format the template renders is the one the model writes
     fmt = tools and tool_format(tokenizer.chat_template)
-    return await _respond(state, request, req, job, "chat", fmt, opens_reasoning(text))
+    return ChatJob(job, fmt, opens_reasoning(text))
 
 
 async def completions(req: CompletionRequest, request: Request):
@@ -952,16 +978,29 @@ async def completions(req: CompletionRequest, request: Request):
 
 
 def _model_card(state: ServeState) -> dict:
+    """The model as OpenAI's clients list it, with the fields Anthropic's read."""
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.created))
     return {
         "id": state.model_name,
         "object": "model",
         "created": state.created,
         "owned_by": "strata-mlx",
+        "type": "model",
+        "display_name": state.model_name,
+        "created_at": created,
     }
 
 
 async def models(request: Request):
-    return {"object": "list", "data": [_model_card(_state(request))]}
+    name = _state(request).model_name
+    return {
+        "object": "list",
+        "data": [_model_card(_state(request))],
+        # Anthropic's pagination fields: one page
+        "has_more": False,
+        "first_id": name,
+        "last_id": name,
+    }
 
 
 async def model_info(name: str, request: Request):
