@@ -1,9 +1,10 @@
 """`strata-mlx serve`: an OpenAI-compatible HTTP server for one model (FastAPI + uvicorn).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both streaming as SSE or not),
-POST /v1/messages (Anthropic's Messages API, strata_mlx.anthropic_api), GET /v1/models,
-GET /v1/stats (also /stats) with the expert cache's counters, GET /dashboard (a live page of
-them, strata_mlx.dashboard).
+POST /v1/messages (Anthropic's Messages API, strata_mlx.anthropic_api), POST /v1/responses
+(OpenAI's Responses API, strata_mlx.responses_api), GET /v1/models, GET /v1/stats (also
+/stats) with the expert cache's counters, GET /dashboard (a live page of them,
+strata_mlx.dashboard).
 
 Sampling fields are mlx-lm's server's (temperature, top_p, top_k, min_p, xtc_probability,
 xtc_threshold, logit_bias, repetition_penalty and repetition_context_size, presence_penalty,
@@ -607,7 +608,7 @@ def create_app(
     `shutdown_timeout` seconds. `kv` (prompt_cache.KVOptions: mlx-lm's --max-kv-size,
     --kv-bits, ...) shapes every generation's KV cache; a family that cannot take it is
     refused here, before anything is served."""
-    from . import anthropic_api  # it builds on this module's request models
+    from . import anthropic_api, responses_api  # they build on this module's request models
     from .prompt_cache import make_prompt_cache
 
     engine = Engine(model, tokenizer, max_queue, kv)
@@ -651,6 +652,7 @@ def create_app(
     app.post("/v1/chat/completions")(chat_completions)
     app.post("/v1/completions")(completions)
     anthropic_api.add_routes(app)  # POST /v1/messages
+    responses_api.add_routes(app)  # POST /v1/responses
     app.get("/v1/models")(models)
     app.get("/v1/models/{name:path}")(model_info)
     app.get("/v1/stats")(stats)
