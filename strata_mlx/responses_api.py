@@ -13,7 +13,8 @@ incomplete_details.reason "max_output_tokens" when the tokens ran out. Streamed,
 the API's: response.created, response.in_progress, then per item output_item.added,
 content_part.added, output_text.delta / reasoning_text.delta / function_call_arguments.delta
 and their .done events, output_item.done, and last response.completed (or
-response.incomplete), each with its sequence_number.
+response.incomplete; a failure mid-way: an error event, then response.failed), each with its
+sequence_number.
 
 Errors are the chat path's OpenAI error bodies. This server keeps no responses:
 previous_response_id is refused (send the conversation as input, as with store false). This
@@ -388,6 +389,9 @@ async def responses(req: ResponsesRequest, request: Request):
                 yield _sse(
                     output.event("error", code=value.code, message=value.message, param=value.param)
                 )
+                error = {"code": value.code or value.type, "message": value.message}
+                failed = {**response, "status": "failed", "error": error, "output": output.items}
+                yield _sse(output.event("response.failed", response=failed))
             else:
                 for e in output.feed(op, kind, value):
                     yield _sse(e)

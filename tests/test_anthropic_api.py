@@ -293,3 +293,32 @@ def test_tool_use_round_trip_prompts_as_chat_completions(tool_served, says):
     assert prompts[-1] == tok.encode(tok.apply_chat_template([user]), add_special_tokens=False)
     a.close()
     o.close()
+
+
+def test_a_failure_mid_stream_ends_it_with_an_error_event(tool_served, monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    def stream_generate(model, tokenizer, ids, **kw):
+        yield SimpleNamespace(text="It is", finish_reason=None, expert_stats=None)
+        raise RuntimeError("the store is corrupt")
+
+    monkeypatch.setattr(sys.modules["strata_mlx.generate"], "stream_generate", stream_generate)
+    base, _ = tool_served
+    body = {
+        "model": NAME,
+        "max_tokens": 8,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        r = http.post(base + "/v1/messages", json=body)
+    events = [block.split("\n") for block in r.text.strip().split("\n\n")]
+    names = [e[0].removeprefix("event: ") for e in events]
+    assert names[:3] == ["message_start", "content_block_start", "content_block_delta"]
+    assert names[-1] == "error" and "message_stop" not in names
+    error = json.loads(events[-1][1].removeprefix("data: "))
+    assert error == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "the store is corrupt"},
+    }

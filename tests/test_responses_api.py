@@ -250,3 +250,24 @@ def test_function_call_round_trip_prompts_as_chat_completions(tool_served, says)
     assert "<tool_call>" in r3.output_text
     assert prompts[-1] == tok.encode(tok.apply_chat_template([user]), add_special_tokens=False)
     c.close()
+
+
+def test_a_failure_mid_stream_ends_it_with_an_error_event(tool_served, monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    def stream_generate(model, tokenizer, ids, **kw):
+        yield SimpleNamespace(text="It is", finish_reason=None, expert_stats=None)
+        raise RuntimeError("the store is corrupt")
+
+    monkeypatch.setattr(sys.modules["strata_mlx.generate"], "stream_generate", stream_generate)
+    base, _ = tool_served
+    c = openai_client(base)
+    events = list(c.responses.create(model=NAME, input="hi", stream=True))
+    types = [e.type for e in events]
+    assert "response.output_text.delta" in types and "response.completed" not in types
+    assert types[-2:] == ["error", "response.failed"]
+    assert events[-2].message == "the store is corrupt"
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.message == "the store is corrupt"
+    c.close()
