@@ -1022,6 +1022,7 @@ def stats_body(state: ServeState) -> dict:
     """GET /v1/stats: the server's counters and the expert cache's."""
     engine, model = state.engine, state.model
     cache = getattr(model, "expert_cache", None)
+    disk = getattr(engine.prompt_caches, "disk", None)  # strata_mlx.prompt_cache_dir
     body = {
         "model": state.model_name,
         "server": {
@@ -1038,6 +1039,8 @@ def stats_body(state: ServeState) -> dict:
                 "entries": len(engine.prompt_caches),
                 "hits": engine.prompt_caches.hits,
                 "reused_tokens": engine.prompt_caches.reused_tokens,
+                # --prompt-cache-dir: the files, and what requests resumed from them
+                "disk": disk.stats() if disk is not None else None,
             },
         },
         # the cache's session counters (wall_s/tokens are not kept there) ...
@@ -1073,6 +1076,8 @@ def serve(
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     prompt_cache_size: int = 10,
     prompt_cache_bytes: int = 1 << 30,
+    prompt_cache_dir: str | Path | None = None,
+    prompt_cache_dir_bytes: int | None = None,
     pipeline: bool = False,
     pipeline_split: str | None = None,
     pipeline_timeout: float = 300.0,
@@ -1083,6 +1088,8 @@ def serve(
     """Load the store at `model_path` with `config` (a RuntimeConfig) and the `runtime`
     options given by name (`read_ahead="demand"`, as load() takes them) and serve it until
     stopped (SIGTERM or Ctrl-C: requests in flight get `shutdown_timeout` seconds).
+    `prompt_cache_dir`: the prompt caches also spill to that directory, up to
+    `prompt_cache_dir_bytes` (strata_mlx.prompt_cache_dir).
     `pipeline`: this process is a rank of mlx.launch; rank 0 serves HTTP, the others compute
     their layers (strata_mlx.distributed)."""
     import uvicorn
@@ -1128,6 +1135,10 @@ def serve(
     from .prompt_cache import PromptCacheLRU
 
     app.state.engine.prompt_caches = PromptCacheLRU(prompt_cache_size, prompt_cache_bytes)
+    if prompt_cache_dir is not None and pipe is None:
+        from .prompt_cache_dir import DEFAULT_MAX_BYTES, attach
+
+        attach(app, prompt_cache_dir, prompt_cache_dir_bytes or DEFAULT_MAX_BYTES)
     if pipe is not None:
         _stop_ranks_at_shutdown(app, model)
     try:
