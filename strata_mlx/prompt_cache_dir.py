@@ -89,6 +89,7 @@ class PromptCacheDir:
         self.reused_tokens = 0  # prompt tokens those did not prefill
         self.written = 0  # files written
         self.dropped = 0  # files deleted: the size bound, or unreadable ones of this model
+        self.failed_writes = 0  # states not kept: the write failed (a full disk)
         self._scan()
 
     # ---- the index ------------------------------------------------------------------------
@@ -180,7 +181,12 @@ class PromptCacheDir:
         if path in self._entries and self._entries[path].tokens == list(tokens):
             self._touch(self._entries[path])
             return
-        save_prompt_cache(path, cache, self.model, tokens)
+        try:
+            save_prompt_cache(path, cache, self.model, tokens)
+        except (OSError, RuntimeError, ValueError):
+            # a full or read-only disk: the state is not kept, the request it ends is not failed
+            self.failed_writes += 1
+            return
         self.written += 1
         for e in [
             e for e in self._entries.values() if common_prefix(e.tokens, tokens) == len(e.tokens)
@@ -201,6 +207,7 @@ class PromptCacheDir:
             "reused_tokens": self.reused_tokens,
             "written": self.written,
             "dropped": self.dropped,
+            "failed_writes": self.failed_writes,
         }
 
 

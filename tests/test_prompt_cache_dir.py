@@ -180,3 +180,22 @@ def test_prompt_cache_dir_that_is_a_file_is_a_one_line_error(tmp_path):
 def test_prompt_cache_dir_bytes_must_be_positive(tmp_path, flag):
     line = _error_line(run("serve", "--model", tmp_path / "no-store", flag, "0"))
     assert flag in line
+
+
+def test_a_failed_write_keeps_nothing_and_fails_nothing(tiny, tmp_path, monkeypatch):
+    import errno
+
+    import strata_mlx.prompt_cache_dir as pcd
+
+    def full_disk(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    model, _ = load_tiny(tiny)
+    try:
+        d = PromptCacheDir(tmp_path, model)
+        monkeypatch.setattr(pcd, "save_prompt_cache", full_disk)
+        d.put([1, 2, 3], _cache(model, 3))
+        assert (len(d), d.written, d.failed_writes) == (0, 0, 1)
+        assert d.stats()["failed_writes"] == 1
+    finally:
+        model.expert_cache.close()
