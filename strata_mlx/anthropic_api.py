@@ -1,4 +1,5 @@
-"""Anthropic's Messages API on the server: POST /v1/messages, streamed (SSE) or not.
+"""Anthropic's Messages API on the server: POST /v1/messages, streamed (SSE) or not, and
+POST /v1/messages/count_tokens.
 
 The request (system prompt, messages of text / tool_use / tool_result blocks, tools,
 tool_choice "auto" or "none", stop_sequences, max_tokens, temperature, top_p, top_k) is
@@ -32,7 +33,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from . import chat_turn
 from .chat_output import ToolCall
-from .server import APIError, ChatCompletionRequest, Result, _state, _validation_error
+from .server import (
+    APIError,
+    ChatCompletionRequest,
+    Result,
+    _state,
+    _validation_error,
+    chat_job,
+)
 
 # ---- request models ------------------------------------------------------------------------
 
@@ -92,6 +100,10 @@ class MessagesRequest(_Strict):
     top_k: int | None = Field(None, ge=0)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    max_tokens: int = Field(1, ge=0)  # not sent: counting generates nothing
 
 
 # ---- the request as chat completions take it -----------------------------------------------
@@ -364,6 +376,11 @@ async def messages(req: MessagesRequest, request: Request):
     )
 
 
+async def count_tokens(req: CountTokensRequest, request: Request):
+    """The prompt's length in tokens, as /v1/messages would template it."""
+    return {"input_tokens": len(chat_job(_state(request), to_chat(req)).job.ids)}
+
+
 # ---- routes --------------------------------------------------------------------------------
 
 
@@ -386,7 +403,8 @@ class _AnthropicRoute(APIRoute):
 
 
 def add_routes(app: FastAPI) -> None:
-    """POST /v1/messages on `app` (strata_mlx.server.create_app's)."""
+    """POST /v1/messages and /v1/messages/count_tokens on `app` (strata_mlx.server's)."""
     router = APIRouter(route_class=_AnthropicRoute)
     router.post("/v1/messages")(messages)
+    router.post("/v1/messages/count_tokens")(count_tokens)
     app.include_router(router)

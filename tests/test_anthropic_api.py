@@ -105,6 +105,13 @@ def test_a_message_is_the_chat_completion_of_the_same_request(clients):
     assert types[0] == "message_start" and types[-1] == "message_stop"
     assert types[1] == "content_block_start" and types[-3] == "content_block_stop"
     assert types[-2] == "message_delta" and "content_block_delta" in types
+    # counted without generating: the prompt's length
+    counted = a.messages.count_tokens(
+        model=NAME,
+        system=SYSTEM,
+        messages=[{"role": "user", "content": "what is the capital of france"}],
+    )
+    assert counted.input_tokens == r.usage.input_tokens
 
 
 def test_stop_sequences(clients):
