@@ -211,98 +211,91 @@ class _Output:
 
     def feed(self, op: str, kind: str, value) -> list[dict]:
         if op == "start":
-            if kind == "tool_call":
-                item = {
-                    "id": _id("fc_"),
-                    "type": "function_call",
-                    "status": "in_progress",
-                    "call_id": value.id,
-                    "name": value.name,
-                    "arguments": "",
-                }
-            elif kind == "reasoning":
-                item = {
-                    "id": _id("rs_"),
-                    "type": "reasoning",
-                    "status": "in_progress",
-                    "summary": [],
-                    "content": [],
-                }
-            else:
-                item = {
-                    "id": _id("msg_"),
-                    "type": "message",
-                    "status": "in_progress",
-                    "role": "assistant",
-                    "content": [],
-                }
-            self.items.append(item)
-            out = [
-                self.event(
-                    "response.output_item.added",
-                    output_index=len(self.items) - 1,
-                    item=copy.deepcopy(item),
-                )
-            ]
-            if kind == "tool_call":
-                item["arguments"] = value.arguments
-                return out + [
-                    self.event(
-                        "response.function_call_arguments.delta",
-                        **self._at(),
-                        delta=value.arguments,
-                    )
-                ]
-            part = (
-                {"type": "reasoning_text", "text": ""}
-                if kind == "reasoning"
-                else {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            )
-            item["content"].append(part)
-            return out + [
-                self.event(
-                    "response.content_part.added", **self._at(), content_index=0, part=dict(part)
-                )
-            ]
-        item = self.items[-1]
+            return self._start(kind, value)
         if op == "delta":
-            item["content"][0]["text"] += value
-            what = "reasoning_text" if kind == "reasoning" else "output_text"
-            extra = {} if kind == "reasoning" else {"logprobs": []}
-            return [
-                self.event(
-                    f"response.{what}.delta", **self._at(), content_index=0, delta=value, **extra
-                )
-            ]
-        # stop
+            return self._delta(kind, value)
+        return self._stop(kind)
+
+    def _start(self, kind: str, value) -> list[dict]:
+        item = _new_item(kind, value)
+        self.items.append(item)
+        added = copy.deepcopy(item)  # as it was when added: empty
+        out = [
+            self.event("response.output_item.added", output_index=len(self.items) - 1, item=added)
+        ]
+        if kind == "tool_call":  # parsed whole: its arguments in one delta
+            item["arguments"] = value.arguments
+            delta = self.event(
+                "response.function_call_arguments.delta", **self._at(), delta=value.arguments
+            )
+            return out + [delta]
+        part = _TEXT_PART[kind]()
+        item["content"].append(part)
+        added = self.event(
+            "response.content_part.added", **self._at(), content_index=0, part=dict(part)
+        )
+        return out + [added]
+
+    def _delta(self, kind: str, text: str) -> list[dict]:
+        self.items[-1]["content"][0]["text"] += text
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        what = _TEXT_PART[kind]()["type"]
+        at = {**self._at(), "content_index": 0}
+        return [self.event(f"response.{what}.delta", **at, delta=text, **extra)]
+
+    def _stop(self, kind: str) -> list[dict]:
+        item = self.items[-1]
         item["status"] = "completed"
         if kind == "tool_call":
+            args = item["arguments"]
             out = [
-                self.event(
-                    "response.function_call_arguments.done",
-                    **self._at(),
-                    arguments=item["arguments"],
-                )
+                self.event("response.function_call_arguments.done", **self._at(), arguments=args)
             ]
         else:
             part = item["content"][0]
-            what = "reasoning_text" if kind == "reasoning" else "output_text"
             extra = {} if kind == "reasoning" else {"logprobs": []}
+            at = {**self._at(), "content_index": 0}
             out = [
-                self.event(
-                    f"response.{what}.done",
-                    **self._at(),
-                    content_index=0,
-                    text=part["text"],
-                    **extra,
-                ),
-                self.event(
-                    "response.content_part.done", **self._at(), content_index=0, part=dict(part)
-                ),
+                self.event(f"response.{part['type']}.done", **at, text=part["text"], **extra),
+                self.event("response.content_part.done", **at, part=dict(part)),
             ]
-        return out + [
-            self.event("response.output_item.done", output_index=len(self.items) - 1, item=item)
-        ]
+        done = self.event("response.output_item.done", output_index=len(self.items) - 1, item=item)
+        return out + [done]
+
+
+# the part a reasoning item and a message hold their text in
+_TEXT_PART = {
+    "reasoning": lambda: {"type": "reasoning_text", "text": ""},
+    "text": lambda: {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+}
+
+
+def _new_item(kind: str, value) -> dict:
+    """An output item as it starts (in progress, empty) for a block of `kind`."""
+    if kind == "tool_call":
+        return {
+            "id": _id("fc_"),
+            "type": "function_call",
+            "status": "in_progress",
+            "call_id": value.id,
+            "name": value.name,
+            "arguments": "",
+        }
+    if kind == "reasoning":
+        return {
+            "id": _id("rs_"),
+            "type": "reasoning",
+            "status": "in_progress",
+            "summary": [],
+            "content": [],
+        }
+    return {
+        "id": _id("msg_"),
+        "type": "message",
+        "status": "in_progress",
+        "role": "assistant",
+        "content": [],
+    }
 
 
 def status(r: Result, tool_calls: list[ToolCall]) -> tuple[str, dict | None]:
