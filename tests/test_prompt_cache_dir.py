@@ -5,14 +5,19 @@ files it cannot use are dropped or left alone."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import httpx2 as httpx
 import mlx.core as mx
 import pytest
 import test_server
 from test_cli import _error_line, run
-from test_server import NAME, load_tiny, running
+from test_server import NAME, free_port, load_tiny, running
 
 import strata_mlx
 from strata_mlx.models.base import KVCache
@@ -199,3 +204,51 @@ def test_a_failed_write_keeps_nothing_and_fails_nothing(tiny, tmp_path, monkeypa
         assert d.stats()["failed_writes"] == 1
     finally:
         model.expert_cache.close()
+
+
+def _serve(tiny, d, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "strata_mlx", "serve", "--model", str(tiny), "--port", str(port)]
+    cmd += ["--model-name", NAME, "--log-level", "warning", "--prompt-cache-dir", str(d)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    t0 = time.monotonic()
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() - t0 < 120, "server did not start"
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models"):
+                return proc
+        time.sleep(0.1)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    assert proc.returncode in (0, -signal.SIGTERM), proc.stdout.read().decode()
+
+
+def test_serve_prompt_cache_dir_across_a_sigterm_restart(tiny, tmp_path):
+    """The flag as a user gives it: stopped by SIGTERM, restarted, the conversation resumes."""
+    d = tmp_path / "sessions"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = _serve(tiny, d, port)
+    try:
+        answer = post_chat(base, FIRST)
+        _stop(proc)
+        assert len(list(d.glob("*.safetensors"))) == 1
+        proc = _serve(tiny, d, port)
+        second = FIRST + [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "the cat sat"},
+        ]
+        post_chat(base, second)
+        s = server_stats(base)
+        assert s["prompt_cache"]["disk"]["hits"] == 1
+        assert (
+            s["prefilled_tokens"] == s["prompt_tokens"] - s["prompt_cache"]["disk"]["reused_tokens"]
+        )
+        _stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
