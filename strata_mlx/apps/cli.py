@@ -987,6 +987,15 @@ def serve(
     prompt_cache_bytes: int = typer.Option(
         1 << 30, "--prompt-cache-bytes", help="Bytes those kept caches may hold together."
     ),
+    prompt_cache_dir: Path | None = typer.Option(
+        None,
+        "--prompt-cache-dir",
+        help="Also keep conversations' KV caches in this directory: what memory evicts, and "
+        "all at shutdown; a restarted server resumes them from there.",
+    ),
+    prompt_cache_dir_bytes: int = typer.Option(
+        16 << 30, "--prompt-cache-dir-bytes", help="Bytes the directory's caches may hold."
+    ),
     max_kv_size: int | None = KV_FLAGS["max_kv_size"],
     kv_bits: int | None = KV_FLAGS["kv_bits"],
     kv_group_size: int = KV_FLAGS["kv_group_size"],
@@ -995,7 +1004,8 @@ def serve(
     pipeline_split: PipelineSplit = None,
     pipeline_timeout: PipelineTimeout = 300.0,
 ):
-    """Serve a store over an OpenAI-compatible HTTP API (chat and text completions)."""
+    """Serve a store over HTTP: OpenAI's chat and text completions and Responses API, and
+    Anthropic's Messages API."""
     runtime = dict(locals())
     from ..config import OptionError, check_int, check_number
 
@@ -1011,6 +1021,11 @@ def serve(
     check_int("max_queue", max_queue, 0, cli=True)
     check_int("prompt_cache_size", prompt_cache_size, 0, cli=True)
     check_int("prompt_cache_bytes", prompt_cache_bytes, 0, cli=True)
+    check_int("prompt_cache_dir_bytes", prompt_cache_dir_bytes, 1, cli=True)
+    if pipeline and prompt_cache_dir is not None:  # the other ranks hold the state
+        raise OptionError("--pipeline: --prompt-cache-dir is not pipelined yet")
+    if prompt_cache_dir is not None and prompt_cache_dir.exists() and not prompt_cache_dir.is_dir():
+        raise OptionError(f"--prompt-cache-dir {prompt_cache_dir}: not a directory")
     check_number("shutdown_timeout", shutdown_timeout, 0, cli=True)
     from ..generation.prompt_cache import KVOptions
 
@@ -1040,6 +1055,8 @@ def serve(
         shutdown_timeout=shutdown_timeout,
         prompt_cache_size=prompt_cache_size,
         prompt_cache_bytes=prompt_cache_bytes,
+        prompt_cache_dir=prompt_cache_dir,
+        prompt_cache_dir_bytes=prompt_cache_dir_bytes,
         pipeline=pipeline,
         pipeline_split=pipeline_split,
         pipeline_timeout=pipeline_timeout,

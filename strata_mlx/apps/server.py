@@ -1,8 +1,10 @@
 """`strata-mlx serve`: an OpenAI-compatible HTTP server for one model (FastAPI + uvicorn).
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both streaming as SSE or not),
-GET /v1/models, GET /v1/stats (also /stats) with the expert cache's counters, GET /dashboard
-(a live page of them, strata_mlx.apps.dashboard).
+POST /v1/messages (Anthropic's Messages API, strata_mlx.apps.anthropic_api), POST /v1/responses
+(OpenAI's Responses API, strata_mlx.apps.responses_api), GET /v1/models, GET /v1/stats (also
+/stats) with the expert cache's counters, GET /dashboard (a live page of them,
+strata_mlx.apps.dashboard).
 
 Sampling fields are mlx-lm's server's (temperature, top_p, top_k, min_p, xtc_probability,
 xtc_threshold, logit_bias, repetition_penalty and repetition_context_size, presence_penalty,
@@ -62,7 +64,7 @@ from ..config import (
     MAX_SEED,
     OptionError,
 )
-from ..generation.chat_output import ChatStream, opens_reasoning, parse, tool_format
+from ..generation.chat_output import ChatStream, ToolFormat, opens_reasoning, parse, tool_format
 from ..generation.sampling import SamplingOptions
 from .dashboard import add_routes
 
@@ -233,6 +235,7 @@ class Result:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    stop_sequence: str | None = None  # the request's stop string that ended the text
 
 
 class _Stopped(Exception):
@@ -343,7 +346,7 @@ class Engine:
         self.prompt_tokens += len(job.ids)
         if job.max_tokens == 0:
             return Result("", "length", len(job.ids), 0)
-        text, n, finish, r = "", 0, None, None
+        text, n, finish, r, matched = "", 0, None, None, None
         stopped = False
         from ..generation.prompt_cache import make_prompt_cache
 
@@ -384,6 +387,7 @@ class Engine:
                         self.completion_tokens += 1
                     text += r.text
                     finish = r.finish_reason
+                    matched = getattr(r, "stop_sequence", None)
                     if on_text is not None and r.text:
                         on_text(r.text)
                     if finish is not None:
@@ -408,7 +412,7 @@ class Engine:
                 self.served = r.expert_stats.copy()
             else:
                 self.served.add(r.expert_stats)
-        return Result(text, finish or "length", len(job.ids), n)
+        return Result(text, finish or "length", len(job.ids), n, matched)
 
     async def complete(self, job: Job, request: Request | None = None) -> Result | None:
         """Run `job` to the end; None if it was cancelled because `request`'s client left."""
@@ -498,9 +502,10 @@ def _usage(r: Result) -> dict:
 
 
 class _BearerAuth:
-    """ASGI middleware: every HTTP request must carry `Authorization: Bearer <key>`; the key is
-    compared in constant time. Runs before the body is read, so an unauthenticated client
-    learns nothing from validation errors. /dashboard (a page a person opens in a browser,
+    """ASGI middleware: every HTTP request must carry `Authorization: Bearer <key>` (or, as
+    Anthropic's clients send it, `x-api-key: <key>`); the key is compared in constant time.
+    Runs before the body is read, so an unauthenticated client learns nothing from
+    validation errors. /dashboard (a page a person opens in a browser,
     which cannot send a bearer token) also takes HTTP Basic with the key as the password: a
     401 there asks the browser for it, which then sends it with the page's own polls."""
 
@@ -522,7 +527,10 @@ class _BearerAuth:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            auth = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            auth = headers.get(b"authorization", b"")
+            if b"x-api-key" in headers and not auth:
+                auth = b"Bearer " + headers[b"x-api-key"]
             page = scope.get("path", "").startswith("/dashboard")
             if not self._ok(auth, page):
                 challenge = 'Basic realm="strata-mlx dashboard"' if page else "Bearer"
@@ -601,6 +609,7 @@ def create_app(
     --kv-bits, ...) shapes every generation's KV cache; a family that cannot take it is
     refused here, before anything is served."""
     from ..generation.prompt_cache import make_prompt_cache
+    from . import anthropic_api, responses_api  # they build on this module's request models
 
     engine = Engine(model, tokenizer, max_queue, kv)
     make_prompt_cache(model, engine.kv)  # (DeepSeek-V3's latent cache is not quantized)
@@ -642,6 +651,8 @@ def create_app(
     app.add_exception_handler(Exception, _internal)
     app.post("/v1/chat/completions")(chat_completions)
     app.post("/v1/completions")(completions)
+    anthropic_api.add_routes(app)  # POST /v1/messages
+    responses_api.add_routes(app)  # POST /v1/responses
     app.get("/v1/models")(models)
     app.get("/v1/models/{name:path}")(model_info)
     app.get("/v1/stats")(stats)
@@ -891,8 +902,25 @@ async def _respond(
     )
 
 
+@dataclass
+class ChatJob:
+    """A chat request made ready for the engine: its job, the tool-call format to parse (False
+    when the request offered no tools) and whether the prompt opened a <think> block."""
+
+    job: Job
+    tools: ToolFormat | Literal[False]
+    in_reasoning: bool
+
+
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = _state(request)
+    chat = chat_job(state, req)
+    return await _respond(state, request, req, chat.job, "chat", chat.tools, chat.in_reasoning)
+
+
+def chat_job(state: ServeState, req: ChatCompletionRequest) -> ChatJob:
+    """Template and tokenize a chat request into a job, as /v1/chat/completions does (the
+    Anthropic and Responses APIs translate their requests into one); APIError if bad."""
     _check_request(state, req)
     _need_tokenizer(state, "use /v1/completions with token ids")
     messages = []
@@ -931,7 +959,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     job = _make_job(state, req, ids, getattr(req, given), "messages", given)
     # the tool-call format the template renders is the one the model writes
     fmt = tools and tool_format(tokenizer.chat_template)
-    return await _respond(state, request, req, job, "chat", fmt, opens_reasoning(text))
+    return ChatJob(job, fmt, opens_reasoning(text))
 
 
 async def completions(req: CompletionRequest, request: Request):
@@ -952,16 +980,29 @@ async def completions(req: CompletionRequest, request: Request):
 
 
 def _model_card(state: ServeState) -> dict:
+    """The model as OpenAI's clients list it, with the fields Anthropic's read."""
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(state.created))
     return {
         "id": state.model_name,
         "object": "model",
         "created": state.created,
         "owned_by": "strata-mlx",
+        "type": "model",
+        "display_name": state.model_name,
+        "created_at": created,
     }
 
 
 async def models(request: Request):
-    return {"object": "list", "data": [_model_card(_state(request))]}
+    name = _state(request).model_name
+    return {
+        "object": "list",
+        "data": [_model_card(_state(request))],
+        # Anthropic's pagination fields: one page
+        "has_more": False,
+        "first_id": name,
+        "last_id": name,
+    }
 
 
 async def model_info(name: str, request: Request):
@@ -981,6 +1022,7 @@ def stats_body(state: ServeState) -> dict:
     """GET /v1/stats: the server's counters and the expert cache's."""
     engine, model = state.engine, state.model
     cache = getattr(model, "expert_cache", None)
+    disk = getattr(engine.prompt_caches, "disk", None)  # strata_mlx.apps.prompt_cache_dir
     body = {
         "model": state.model_name,
         "server": {
@@ -997,6 +1039,8 @@ def stats_body(state: ServeState) -> dict:
                 "entries": len(engine.prompt_caches),
                 "hits": engine.prompt_caches.hits,
                 "reused_tokens": engine.prompt_caches.reused_tokens,
+                # --prompt-cache-dir: the files, and what requests resumed from them
+                "disk": disk.stats() if disk is not None else None,
             },
         },
         # the cache's session counters (wall_s/tokens are not kept there) ...
@@ -1032,6 +1076,8 @@ def serve(
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     prompt_cache_size: int = 10,
     prompt_cache_bytes: int = 1 << 30,
+    prompt_cache_dir: str | Path | None = None,
+    prompt_cache_dir_bytes: int | None = None,
     pipeline: bool = False,
     pipeline_split: str | None = None,
     pipeline_timeout: float = 300.0,
@@ -1042,6 +1088,8 @@ def serve(
     """Load the store at `model_path` with `config` (a RuntimeConfig) and the `runtime`
     options given by name (`read_ahead="demand"`, as load() takes them) and serve it until
     stopped (SIGTERM or Ctrl-C: requests in flight get `shutdown_timeout` seconds).
+    `prompt_cache_dir`: the prompt caches also spill to that directory, up to
+    `prompt_cache_dir_bytes` (strata_mlx.apps.prompt_cache_dir).
     `pipeline`: this process is a rank of mlx.launch; rank 0 serves HTTP, the others compute
     their layers (strata_mlx.runtime.distributed)."""
     import uvicorn
@@ -1087,6 +1135,10 @@ def serve(
     from ..generation.prompt_cache import PromptCacheLRU
 
     app.state.engine.prompt_caches = PromptCacheLRU(prompt_cache_size, prompt_cache_bytes)
+    if prompt_cache_dir is not None and pipe is None:
+        from .prompt_cache_dir import DEFAULT_MAX_BYTES, attach
+
+        attach(app, prompt_cache_dir, prompt_cache_dir_bytes or DEFAULT_MAX_BYTES)
     if pipe is not None:
         _stop_ranks_at_shutdown(app, model)
     try:

@@ -34,6 +34,7 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float  # GB
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
     expert_stats: ExpertStats | None = None  # whole generation so far
     prefill_stats: ExpertStats | None = None
     chunks: list[ExpertStats] = field(default_factory=list)  # per prefill chunk
@@ -294,6 +295,7 @@ def stream_generate(
     emitted = 0  # characters of `text` already yielded
     n = 0
     prompt_tps = 0.0
+    matched = None  # the stop string found, if one ends the text
     for n, (token, logprobs) in enumerate(
         generate_step(
             model,
@@ -324,8 +326,9 @@ def stream_generate(
             text += detok.add(token)
         end = len(text)
         if stop and finish != "stop":
-            hit = _find_stop(text, stop)
-            if hit is not None:
+            found = _find_stop(text, stop)
+            if found is not None:
+                hit, matched = found
                 text, end, finish = text[:hit], hit, "stop"
             else:
                 end = len(text) - stop_holdback(text, stop)  # might still become a stop string
@@ -353,6 +356,7 @@ def stream_generate(
             generation_tps=(n + 1) / elapsed if elapsed > 0 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish,
+            stop_sequence=matched,
             expert_stats=stats,
             prefill_stats=prefill_stats,
             chunks=chunks,
@@ -376,9 +380,14 @@ def stop_holdback(text: str, stop: list[str]) -> int:
     return best
 
 
-def _find_stop(text: str, stop: list[str]) -> int | None:
-    hits = [text.find(s) for s in stop if s and s in text]
-    return min(hits) if hits else None
+def _find_stop(text: str, stop: list[str]) -> tuple[int, str] | None:
+    """Where the first stop string in `text` begins, and which one (of two beginning at the
+    same place, the one listed first)."""
+    hits = [(text.find(s), i) for i, s in enumerate(stop) if s and s in text]
+    if not hits:
+        return None
+    at, i = min(hits)
+    return at, stop[i]
 
 
 def generate(model, tokenizer, prompt: str | list[int], verbose: bool = False, **kwargs) -> str:

@@ -624,8 +624,8 @@ def test_device_copy_lands_verified_records_in_device_memory(store):
     on the device equal the file's bytes, as MLX reads them there."""
     import mlx.core as mx
 
-    from strata_mlx.stream import reader as rd
     from strata_mlx.format.store import EXPERTS, load_manifest
+    from strata_mlx.stream import reader as rd
     from strata_mlx.stream.arena import Arena
 
     if not rd.uses_device_copy():
