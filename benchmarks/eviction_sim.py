@@ -4,8 +4,8 @@ distance from the best any policy could do is measured, not guessed.
 
     python benchmarks/eviction_sim.py TRACE.npz --slots 7000 [--policies lru,lfu,belady]
 
-TRACE.npz comes from `benchmarks/decode.py --trace DIR` (per layer, the routing ids of every
-call: the prompt's chunks, then one row per decode token). The replay walks the calls in order
+TRACE.npz is a trace file (strata_mlx.trace: `strata-mlx bench --trace`, `generate --trace`,
+`load(trace=...)`, or `benchmarks/decode.py --trace DIR`). The replay walks the calls in order
 and the MoE layers in order within a call; a layer's distinct experts are looked up together
 (pinned while it runs, as the arena does). Only decode lookups are counted (from the second
 one-token call, as benchmarks/decode.py counts); the prefill is
@@ -21,27 +21,15 @@ import heapq
 
 import numpy as np
 
+from strata_mlx import trace
 from strata_mlx.arena import make_policy
 
 
 def accesses(path: str) -> tuple[list[tuple[bool, int, np.ndarray]], int]:
     """[(is_decode, layer, distinct experts)] in execution order, and the number of prompt
-    calls (prefill chunks)."""
-    z = np.load(path)
-    layers = sorted(int(k[1:]) for k in z.files if k[0] == "L" and not k.endswith("_T"))
-    rows = {l: np.split(z[f"L{l}"], np.cumsum(z[f"L{l}_T"])[:-1]) for l in layers}
-    n_calls = min(len(r) for r in rows.values())
-    seq = []
-    prompt_calls = 0
-    first = next((c for c in range(n_calls) if len(rows[layers[0]][c]) == 1), n_calls)
-    for c in range(n_calls):
-        # The first one-token call is the prompt's last token (generate_step's first step):
-        # benchmarks/decode.py counts decode from the token after it.
-        decode = c > first
-        prompt_calls += not decode
-        for l in layers:
-            seq.append((decode, l, np.unique(rows[l][c])))
-    return seq, prompt_calls
+    calls (prefill chunks and the prompt's last token): strata_mlx.trace reads the file."""
+    t = trace.read(path)
+    return list(t.lookups()), t.decode_from
 
 
 def replay(seq, slots: int, policy: str) -> tuple[int, int]:

@@ -133,6 +133,14 @@ Decode = Annotated[
 DecodeLag = Annotated[
     int | None, typer.Option("--decode-lag", help="Pipelined: layers of lag (default 1).")
 ]
+TraceFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--trace",
+        help="Write the routing trace (.npz, strata_mlx.trace) for strata-mlx cache-sim; "
+        "bench: each cold run's.",
+    ),
+]
 Preset = Annotated[
     str | None,
     typer.Option("--preset", help="A runtime preset from configs/runtime/ (e.g. laptop-24gb)."),
@@ -259,6 +267,7 @@ def generate(
         help="Cache-aware routing: bonus on resident experts' logits in decode.",
     ),
     verbose: bool = typer.Option(False, "--verbose", help="One trace line per prefill chunk."),
+    trace_file: TraceFile = None,
     arena_gb: ArenaGB = None,
     io_workers: IOWorkers = None,
     read_ahead: ReadAhead = None,
@@ -313,6 +322,7 @@ def generate(
     check_sampling(max_tokens, temp, top_p, seed, cli=True)  # before a model is loaded
     sampling.check(cli=True)
     check_output_file(logits_out, "--logits-out")
+    check_output_file(trace_file, "--trace")
     from .prompt_cache import KVOptions
 
     kv = KVOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
@@ -342,6 +352,12 @@ def generate(
         from .tools import MoeDumper
 
         cfg = cfg.replace(dump=MoeDumper(dump_moe))
+    if trace_file is not None:
+        if pipe is not None:
+            raise OptionError("--trace: a pipelined run's routing is not traced yet")
+        from .stats import RoutingTrace
+
+        cfg = cfg.replace(trace=RoutingTrace())
     m, tok = load(model, config=cfg, pipeline=pipe)
     cache = m.expert_cache
     if pipe is not None and pipe.size > 1:
@@ -410,6 +426,10 @@ def generate(
         m.close()
     if cfg.dump is not None:
         cfg.dump.close()
+    if trace_file is not None:
+        from . import trace
+
+        trace.write(trace_file, trace.of_model(m))
     cache.close()
 
 
@@ -754,6 +774,7 @@ def bench(
     pipeline: Pipeline = False,
     pipeline_split: PipelineSplit = None,
     pipeline_timeout: PipelineTimeout = 300.0,
+    trace_file: TraceFile = None,
 ):
     """Prefill and decode, cold and warm, read-ahead policies side by side.
 
@@ -770,6 +791,9 @@ def bench(
     check_int("repeats", repeats, 1, 1000, cli=True)
     check_output_file(json_out, "--json")
     check_output_file(plot, "--plot", suffix=".png")
+    check_output_file(trace_file, "--trace")
+    if trace_file is not None and pipeline:
+        raise OptionError("--trace: a pipelined run's routing is not traced yet")
     runtime_config(dict(scheduler=scheduler, lookahead_depth=lookahead_depth))  # before :variants
     names = tuple(_with_variants(p, scheduler, lookahead_depth) for p in policies.split(",") if p)
     if not names:
@@ -811,6 +835,7 @@ def bench(
         baseline=baseline,
         plot=plot,
         pipeline=make_pipeline,
+        trace=trace_file,
     )
     if not result:  # a rank other than 0: it served rank 0's runs
         return
