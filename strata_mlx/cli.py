@@ -105,7 +105,12 @@ Scheduler = Annotated[
     ),
 ]
 Eviction = Annotated[
-    str | None, typer.Option("--eviction", help="lru | lfu | profile | layer (default lru).")
+    str | None,
+    typer.Option(
+        "--eviction",
+        help="lru | lfu | profile | layer (default lru), a candidate of strata_mlx.policies, "
+        "or module:Class (a plug-in).",
+    ),
 ]
 Verify = Annotated[
     bool | None,
@@ -853,6 +858,25 @@ def _with_variants(policy: str, scheduler: str | None, lookahead_depth: int | No
     if lookahead_depth is not None and not any(v[:1] == "d" and v[1:].isdigit() for v in variants):
         policy += f":d{lookahead_depth}"
     return policy
+
+
+@app.command("cache-sim")
+@user_errors
+def cache_sim(
+    trace_file: Path = typer.Argument(..., help="A trace file (bench/generate --trace)."),
+    slots: int = typer.Option(..., "--slots", help="Arena slots (expert records)."),
+    policy: str = typer.Option(
+        "lru,lfu,belady",
+        "--policy",
+        help="Comma-separated: eviction policies (names, module:Class plug-ins) and belady.",
+    ),
+):
+    """Replay a routing trace through eviction policies and Belady's optimum: decode miss %
+    and MB/token for each (strata_mlx.cache_sim)."""
+    from .cache_sim import report
+
+    for line in report(trace_file, slots, policy):
+        typer.echo(line)
 
 
 @app.command()

@@ -1,0 +1,225 @@
+"""Trace replay: what an arena of N slots would have read under each eviction policy, and
+under Belady's optimum, for a recorded routing trace (strata_mlx.trace).
+
+    strata-mlx cache-sim TRACE --slots N --policy lru,lfu,arc,belady
+
+The replay does what the handshake does, call by call and MoE layer by layer: the policy is
+told the running layer (`current`), the layer's distinct experts are looked up together, its
+hits are touched and pinned, then its misses get slots one by one (each evicts the policy's
+victim among the unpinned residents, or takes a free slot) and are touched; after the layer,
+a policy with `predicted` is told the trace's lookahead prediction for the next layer. The
+online policies are the arena's own classes and the plug-ins of strata_mlx.policies, so a
+replay's LRU misses equal a live run's with demand reads and the per-layer handshake
+(tests/test_cache_sim.py checks it). Read-ahead is not modelled: these are demand misses.
+Belady's optimum evicts the resident expert next used farthest in the future: no online
+policy misses less.
+
+Decode figures count from the trace's decode_from call (bench's decode tokens); MB a token
+is misses x the store's record bytes / decode tokens. The prefill is replayed too, so the
+arena enters decode holding what it would, and its misses are reported beside decode's.
+
+Nothing here loads a model or reads expert records.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import policies
+from . import trace as traces
+from .options import OptionError
+
+
+@dataclass
+class Replay:
+    """One policy's misses over one trace at one arena size."""
+
+    policy: str
+    slots: int
+    record_bytes: int
+    decode_tokens: int
+    prefill_lookups: int = 0
+    prefill_misses: int = 0
+    decode_lookups: int = 0
+    decode_misses: int = 0
+
+    @property
+    def miss_pct(self) -> float:
+        """Decode lookups that missed, %."""
+        return 100.0 * self.decode_misses / self.decode_lookups if self.decode_lookups else 0.0
+
+    @property
+    def prefill_miss_pct(self) -> float:
+        return 100.0 * self.prefill_misses / self.prefill_lookups if self.prefill_lookups else 0.0
+
+    @property
+    def mb_per_token(self) -> float:
+        """Decode's reads a token, MB (record bytes x misses / decode tokens)."""
+        if not self.decode_tokens:
+            return 0.0
+        return self.decode_misses * self.record_bytes / self.decode_tokens / 1e6
+
+    @property
+    def prefill_share(self) -> float:
+        """The prefill's share of the run's reads, %."""
+        total = self.prefill_misses + self.decode_misses
+        return 100.0 * self.prefill_misses / total if total else 0.0
+
+    def line(self, lru: Replay | None = None, best: Replay | None = None) -> str:
+        """One line: decode miss % and MB/token, the prefill's; with the LRU and Belady
+        replays, the share of LRU's distance to the optimum this policy closes."""
+        mb = f"{self.mb_per_token:8.2f} MB/token" if self.record_bytes else "    - MB/token"
+        out = (
+            f"{self.policy:>12}: decode {self.miss_pct:5.1f} % miss "
+            f"({self.decode_misses} of {self.decode_lookups}) {mb} | prefill "
+            f"{self.prefill_miss_pct:5.1f} % miss, {self.prefill_share:4.1f} % of reads"
+        )
+        if lru is not None and best is not None and lru.decode_misses > best.decode_misses:
+            closed = (lru.decode_misses - self.decode_misses) / (
+                lru.decode_misses - best.decode_misses
+            )
+            out += f" | gap closed {100 * closed:5.1f} %"
+        return out
+
+
+def _check_slots(trace: traces.Trace, slots: int) -> None:
+    if slots < 1:
+        raise OptionError(f"--slots {slots}: expected at least 1")
+    widest = max(
+        (len(np.unique(trace.ids[l][c])) for l in trace.layers for c in range(trace.calls)),
+        default=0,
+    )
+    if widest > slots:
+        raise OptionError(
+            f"--slots {slots}: a layer needs {widest} experts in one call of this trace "
+            f"(the runtime would run expert-major groups); give at least {widest}"
+        )
+
+
+def _predictions(trace: traces.Trace) -> dict[int, list[np.ndarray]]:
+    """The trace's predictions for each layer that has one for every call (a run that
+    predicted only some calls cannot be lined up with them)."""
+    return {l: p for l, p in trace.predicted.items() if len(p) >= trace.calls}
+
+
+def replay(trace: traces.Trace, slots: int, policy) -> Replay:
+    """Misses of `trace` in an arena of `slots` under `policy` (a name, "module:Class" or a
+    class: strata_mlx.policies), or "belady"."""
+    _check_slots(trace, slots)
+    if policy == "belady":
+        return _belady(trace, slots)
+    name, _ = policies.resolve(policy, "--policy")
+    pol = policies.build(policy, trace.profile, trace.layers)
+    told = getattr(pol, "predicted", None)
+    preds = _predictions(trace) if told is not None else {}
+    nxt = dict(zip(trace.layers, trace.layers[1:]))
+    out = Replay(name, slots, trace.record_bytes, trace.decode_tokens)
+    resident: set = set()
+    for c in range(trace.calls):
+        decode = c >= trace.decode_from
+        for layer in trace.layers:
+            pol.current = layer
+            keys = [(layer, int(e)) for e in np.unique(trace.ids[layer][c])]
+            pinned = set(keys)
+            missed = [k for k in keys if k not in resident]
+            for k in keys:
+                if k in resident:
+                    pol.touch(k)
+            for k in missed:
+                if len(resident) >= slots:
+                    victim = pol.victim(lambda v, p=pinned: v not in p)
+                    if victim is None or victim not in resident:
+                        raise OptionError(f"policy {name}: victim {victim!r} is not resident")
+                    pol.remove(victim)
+                    resident.discard(victim)
+                resident.add(k)
+                pol.touch(k)
+            if decode:
+                out.decode_lookups += len(keys)
+                out.decode_misses += len(missed)
+            else:
+                out.prefill_lookups += len(keys)
+                out.prefill_misses += len(missed)
+            target = nxt.get(layer)
+            if target in preds:
+                told(target, np.unique(preds[target][c]).tolist())
+    return out
+
+
+def _belady(trace: traces.Trace, slots: int) -> Replay:
+    """Evict the unpinned resident expert whose next use is farthest in the future (a lazy
+    heap of next uses)."""
+    seq = [(d, [(l, int(e)) for e in es]) for d, l, es in trace.lookups()]
+    never = len(seq)
+    nxt: list[list[int]] = [[0] * len(k) for _, k in seq]
+    last: dict = {}
+    for i in range(len(seq) - 1, -1, -1):
+        for j, key in enumerate(seq[i][1]):
+            nxt[i][j] = last.get(key, never)
+            last[key] = i
+    out = Replay("belady", slots, trace.record_bytes, trace.decode_tokens)
+    resident: set = set()
+    heap: list = []  # (-next use, key): live while it is the key's next use
+    next_use: dict = {}
+    for i, (decode, keys) in enumerate(seq):
+        pinned = set(keys)
+        # hits first, as the handshake: their next use moves before any miss evicts
+        order = [j for j, k in enumerate(keys) if k in resident]
+        order += [j for j, k in enumerate(keys) if k not in resident]
+        misses = 0
+        for j in order:
+            key = keys[j]
+            if key not in resident:
+                misses += 1
+                if len(resident) >= slots:
+                    skipped = []
+                    while True:
+                        neg, v = heapq.heappop(heap)
+                        if v not in resident or next_use.get(v) != -neg:
+                            continue
+                        if v not in pinned:
+                            break
+                        skipped.append((neg, v))
+                    for item in skipped:
+                        heapq.heappush(heap, item)
+                    resident.discard(v)
+                resident.add(key)
+            next_use[key] = nxt[i][j]
+            heapq.heappush(heap, (-nxt[i][j], key))
+        if decode:
+            out.decode_lookups += len(keys)
+            out.decode_misses += misses
+        else:
+            out.prefill_lookups += len(keys)
+            out.prefill_misses += misses
+    return out
+
+
+def compare(trace: traces.Trace, slots: int, names: list) -> list[Replay]:
+    """Every policy of `names` replayed on `trace` (each checked before any runs)."""
+    for name in names:
+        if name != "belady":
+            policies.check(name, "--policy")
+    _check_slots(trace, slots)
+    return [replay(trace, slots, n) for n in names]
+
+
+def report(path: str | Path, slots: int, policy_list: str) -> list[str]:
+    """cache-sim's lines: the trace, then one line per policy."""
+    names = [p for p in policy_list.split(",") if p]
+    if not names:
+        raise OptionError("--policy: name at least one (e.g. lru,belady)")
+    trace = traces.read(path)
+    results = compare(trace, slots, names)
+    by = {r.policy: r for r in results}
+    lru, best = by.get("lru"), by.get("belady")
+    head = (
+        f"{path}: {trace.calls} calls ({trace.decode_from} prompt, {trace.decode_tokens} "
+        f"decode), {len(trace.layers)} MoE layers x {trace.num_experts} experts, "
+        f"{slots} slots ({100 * slots / (len(trace.layers) * trace.num_experts):.1f} %)"
+    )
+    return [head] + [r.line(lru, best) for r in results]
