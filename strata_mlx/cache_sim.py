@@ -4,10 +4,11 @@ under Belady's optimum, for a recorded routing trace (strata_mlx.trace).
     strata-mlx cache-sim TRACE --slots N --policy lru,lfu,arc,belady
 
 The replay does what the handshake does, call by call and MoE layer by layer: the policy is
-told the running layer (`current`), the layer's distinct experts are looked up together, its
-hits are touched and pinned, then its misses get slots one by one (each evicts the policy's
-victim among the unpinned residents, or takes a free slot) and are touched; after the layer,
-a policy with `predicted` is told the trace's lookahead prediction for the next layer. The
+told the running layer (`current`), the layer's distinct experts are looked up together,
+a policy with `predicted` is told the trace's lookahead prediction for the next layer (the
+handshake computes it in the same sync as the layer's routing), the layer's hits are touched
+and pinned, then its misses get slots one by one (each evicts the policy's victim among the
+unpinned residents, or takes a free slot) and are touched. The
 online policies are the arena's own classes and the plug-ins of strata_mlx.policies, so a
 replay's LRU misses equal a live run's with demand reads and the per-layer handshake
 (tests/test_cache_sim.py checks it). Read-ahead is not modelled: these are demand misses.
@@ -123,6 +124,9 @@ def replay(trace: traces.Trace, slots: int, policy) -> Replay:
         decode = c >= trace.decode_from
         for layer in trace.layers:
             pol.current = layer
+            target = nxt.get(layer)
+            if target in preds:  # the handshake has it before this layer's misses get slots
+                told(target, np.unique(preds[target][c]).tolist())
             keys = [(layer, int(e)) for e in np.unique(trace.ids[layer][c])]
             pinned = set(keys)
             missed = [k for k in keys if k not in resident]
@@ -144,9 +148,6 @@ def replay(trace: traces.Trace, slots: int, policy) -> Replay:
             else:
                 out.prefill_lookups += len(keys)
                 out.prefill_misses += len(missed)
-            target = nxt.get(layer)
-            if target in preds:
-                told(target, np.unique(preds[target][c]).tolist())
     return out
 
 

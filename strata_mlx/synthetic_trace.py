@@ -85,12 +85,23 @@ def _topk(logits: np.ndarray, k: int) -> np.ndarray:
     return np.argpartition(-logits, k - 1, axis=-1)[..., :k]
 
 
-def routing(knobs: RoutingKnobs, tokens: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def routing(
+    knobs: RoutingKnobs, tokens: int, seed: int = 0, stream: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """(ids [layers, tokens, k], predicted [layers, tokens, k]: layer l's ids predicted from
-    layer l-1's input; row 0 is layer 0's own)."""
+    layer l-1's input; row 0 is layer 0's own). `seed` draws the routers, `stream` the
+    tokens: another stream is other text through the same model (a calibration profile)."""
     check(knobs)
     rng = np.random.default_rng(seed)
     E, k, L, d = knobs.num_experts, knobs.top_k, knobs.layers, knobs.dim
+    r0 = rng.standard_normal((E, d))
+    z = -knobs.skew * np.log1p(np.arange(E)) / np.log1p(E - 1)
+    z = z[rng.permutation(E)]
+    routers = [
+        np.sqrt(knobs.layer_corr) * r0 + np.sqrt(1 - knobs.layer_corr) * rng.standard_normal((E, d))
+        for _ in range(L)
+    ]
+    rng = np.random.default_rng([seed, stream + 1])
     # Each layer's input moves from the one before by an increment that has the same
     # structure as the first input (a drifting context and a fresh part), so deep layers
     # keep the reuse across tokens while consecutive layers differ by `drift`.
@@ -102,17 +113,11 @@ def routing(knobs: RoutingKnobs, tokens: int, seed: int = 0) -> tuple[np.ndarray
     parts = np.sqrt(knobs.context) * c + np.sqrt(1 - knobs.context) * rng.standard_normal(
         (L, tokens, d)
     )
-    r0 = rng.standard_normal((E, d))
-    z = -knobs.skew * np.log1p(np.arange(E)) / np.log1p(E - 1)
-    z = z[rng.permutation(E)]
     scale = 1 / np.sqrt(d)
     ids = np.empty((L, tokens, k), dtype=np.int64)
     pred = np.empty_like(ids)
     x = prev_x = None
-    for l in range(L):
-        r = np.sqrt(knobs.layer_corr) * r0 + np.sqrt(1 - knobs.layer_corr) * rng.standard_normal(
-            (E, d)
-        )
+    for l, r in enumerate(routers):
         x = parts[0] if x is None else (x + knobs.drift * parts[l]) / np.sqrt(1 + knobs.drift**2)
         ids[l] = _topk(scale * x @ r.T + z, k)
         pred[l] = _topk(scale * (x if prev_x is None else prev_x) @ r.T + z, k)
@@ -127,13 +132,20 @@ def make_trace(
     prefill_step_size: int = 1024,
     record_bytes: int = 0,
     seed: int = 0,
+    calibration_tokens: int = 512,
 ) -> traces.Trace:
     """A trace as generation would record it: the prompt but its last token in chunks of
-    `prefill_step_size`, the last prompt token, then `decode_tokens` one-token calls."""
+    `prefill_step_size`, the last prompt token, then `decode_tokens` one-token calls; its
+    profile counts `calibration_tokens` of other text through the same routers (a store's
+    calibration)."""
     if prompt_tokens < 1 or decode_tokens < 0 or prefill_step_size < 1:
         raise OptionError("prompt_tokens and prefill_step_size >= 1, decode_tokens >= 0")
     total = prompt_tokens + decode_tokens
     ids, pred = routing(knobs, total, seed)
+    calibration, _ = routing(knobs, calibration_tokens, seed, stream=1)
+    profile = np.stack(
+        [np.bincount(row.ravel(), minlength=knobs.num_experts) for row in calibration]
+    )
     bounds = list(range(0, prompt_tokens - 1, prefill_step_size)) + list(
         range(prompt_tokens - 1, total + 1)
     )
@@ -148,6 +160,7 @@ def make_trace(
         ids={l: [ids[l, a:b] for a, b in calls] for l in layers},
         predicted={l: [pred[l, a:b] for a, b in calls] for l in layers[1:]},
         decode_from=prompt_calls,
+        profile=profile.astype(np.float64),
     )
 
 
