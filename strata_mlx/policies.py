@@ -187,7 +187,85 @@ class ProfileLRU(_Scored):
         return self._uses + (self.weight * float(bonus[key[1]]) if bonus is not None else 0.0)
 
 
-CANDIDATES = {p.name: p for p in (LRU2, LRFU, ARC, ProtectedLRU, ProfileLRU)}
+class Adaptive:
+    """Follow whichever of several policies would have missed least lately (set dueling,
+    as in adaptive cache insertion): each component runs twice, once ordering the real
+    residents (its victim is the one taken when it leads) and once in a shadow arena of the
+    same size fed the same uses, where its misses are counted with a half-life of
+    `half_life` uses. The arena's size is learnt at the first eviction (the arena is full
+    then). Shadows treat the running layer's experts as pinned."""
+
+    name = "adaptive"
+
+    def __init__(
+        self,
+        layers: list[int] | None = None,
+        profile: np.ndarray | None = None,
+        # Measured by replay (docs/research.md): with "layer" too, or a half-life of 16 K
+        # uses, the synthetic store's trace lost 10-20 points of the gap closed.
+        components: tuple[str, ...] = ("lru", "lfu", "profile"),
+        half_life: float = 1024.0,
+    ):
+        self.components = components
+        self._real = [build(c, profile, layers) for c in components]
+        self._shadow = [build(c, profile, layers) for c in components]
+        self._held: list[set[Key]] = [set() for _ in components]
+        self._misses = [0.0] * len(components)
+        self._weight = 1.0
+        self._growth = 2.0 ** (1.0 / half_life)  # later misses weigh more: old ones fade
+        self._resident: set[Key] = set()
+        self.capacity: int | None = None
+        self.leader = 0  # the component followed now
+        self._current: int | None = None
+
+    @property
+    def current(self) -> int | None:
+        return self._current
+
+    @current.setter
+    def current(self, layer: int | None) -> None:
+        self._current = layer
+        for p in (*self._real, *self._shadow):
+            p.current = layer
+
+    def touch(self, key: Key) -> None:
+        self._resident.add(key)
+        for p in self._real:
+            p.touch(key)
+        self._weight *= self._growth
+        if self._weight > 2.0**500:  # rescale before floats overflow
+            self._misses = [m * 2.0**-500 for m in self._misses]
+            self._weight *= 2.0**-500
+        layer = self._current
+        for i, (p, held) in enumerate(zip(self._shadow, self._held)):
+            if key not in held:
+                self._misses[i] += self._weight
+                if self.capacity is not None and len(held) >= self.capacity:
+                    victim = p.victim(lambda k: k[0] != layer)
+                    if victim is not None:
+                        p.remove(victim)
+                        held.discard(victim)
+                held.add(key)
+            p.touch(key)
+
+    def remove(self, key: Key) -> None:
+        self._resident.discard(key)
+        for p in self._real:
+            p.remove(key)
+
+    def victim(self, evictable) -> Key | None:
+        if self.capacity is None:
+            self.capacity = len(self._resident)
+        self.leader = min(range(len(self._misses)), key=self._misses.__getitem__)
+        order = [self.leader] + [i for i in range(len(self._real)) if i != self.leader]
+        for i in order:
+            key = self._real[i].victim(evictable)
+            if key is not None:
+                return key
+        return None
+
+
+CANDIDATES = {p.name: p for p in (LRU2, LRFU, ARC, ProtectedLRU, ProfileLRU, Adaptive)}
 
 
 def names() -> list[str]:

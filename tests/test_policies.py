@@ -102,13 +102,14 @@ def test_outputs_are_bit_identical_whatever_the_policy(store, plugin):
     ref_logits = teacher_forced_logits(ref_model, ids, 8)
     ref_tokens = generate(ref_model)
     assert ref_model.expert_cache.stats.misses == 0
-    for eviction in [*policies.names(), plugin, "research_mru:MRU"]:
-        for decode in ("pipelined", "sync"):
-            model = load_small(path, eviction, decode=decode, read_ahead="lookahead")
-            assert np.array_equal(teacher_forced_logits(model, ids, 8), ref_logits), eviction
-            assert generate(model) == ref_tokens, (eviction, decode)
-            assert model.expert_cache.stats.misses > 0
-            model.expert_cache.close()
+    runs = [(e, "pipelined") for e in policies.names()]
+    runs += [(plugin, "pipelined"), ("research_mru:MRU", "sync"), ("adaptive", "sync")]
+    for eviction, decode in runs:
+        model = load_small(path, eviction, decode=decode, read_ahead="lookahead")
+        assert np.array_equal(teacher_forced_logits(model, ids, 8), ref_logits), eviction
+        assert generate(model) == ref_tokens, (eviction, decode)
+        assert model.expert_cache.stats.misses > 0
+        model.expert_cache.close()
 
 
 class NoVictim:
@@ -204,3 +205,27 @@ def test_a_plug_in_gets_the_keywords_it_names():
     p = policies.build(Both, profile=np.ones((2, 4)), layers=[0, 3])
     assert p.kw["layers"] == [0, 3] and p.kw["profile"].shape == (2, 4)
     assert isinstance(policies.build(Neither, layers=[0]), Neither)
+
+
+def test_adaptive_follows_the_component_that_would_have_missed_less():
+    """Two experts of each layer are popular in the profile; a loop over six experts a layer
+    in an eight-slot arena thrashes LRU, while the profile keeps the popular ones: the
+    shadows count that, and the adaptive policy follows the profile."""
+    profile = np.array([[50.0, 50.0, 1.0, 1.0, 1.0, 1.0]] * 2)
+    p = policies.Adaptive(layers=[0, 1], profile=profile, components=("lru", "profile"))
+    resident: set = set()
+    for _ in range(30):
+        for e in range(6):
+            for layer in (0, 1):
+                p.current = layer
+                key = (layer, e)
+                if key not in resident:
+                    if len(resident) >= 8:
+                        v = p.victim(lambda k, layer=layer: k[0] != layer)
+                        p.remove(v)
+                        resident.discard(v)
+                    resident.add(key)
+                p.touch(key)
+    assert p.capacity == 8
+    assert p.components[p.leader] == "profile"
+    assert {(0, 0), (0, 1), (1, 0), (1, 1)} <= resident
