@@ -209,18 +209,73 @@ def compare(trace: traces.Trace, slots: int, names: list) -> list[Replay]:
     return [replay(trace, slots, n) for n in names]
 
 
-def report(path: str | Path, slots: int, policy_list: str) -> list[str]:
-    """cache-sim's lines: the trace, then one line per policy."""
+def parse_slots(text: str) -> list[int]:
+    """--slots: one arena size or a comma-separated sweep."""
+    try:
+        sizes = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise OptionError(
+            f"--slots {text!r}: expected slot counts, e.g. 7099 or 2000,4000"
+        ) from None
+    if not sizes:
+        raise OptionError("--slots: give at least one slot count")
+    return sizes
+
+
+def report(
+    path: str | Path, slots: str | int, policy_list: str, plot: str | Path | None = None
+) -> list[str]:
+    """cache-sim's lines: the trace, then one line per policy, for each arena size; with
+    `plot`, a PNG of decode MB/token (miss % without record bytes) against the arena."""
     names = [p for p in policy_list.split(",") if p]
     if not names:
         raise OptionError("--policy: name at least one (e.g. lru,belady)")
+    sizes = parse_slots(str(slots))
+    if plot is not None:
+        from .plots import require
+
+        require()
     trace = traces.read(path)
-    results = compare(trace, slots, names)
-    by = {r.policy: r for r in results}
-    lru, best = by.get("lru"), by.get("belady")
-    head = (
-        f"{path}: {trace.calls} calls ({trace.decode_from} prompt, {trace.decode_tokens} "
-        f"decode), {len(trace.layers)} MoE layers x {trace.num_experts} experts, "
-        f"{slots} slots ({100 * slots / (len(trace.layers) * trace.num_experts):.1f} %)"
-    )
-    return [head] + [r.line(lru, best) for r in results]
+    lines, sweep = [], []
+    for n in sizes:
+        results = compare(trace, n, names)
+        sweep.append(results)
+        by = {r.policy: r for r in results}
+        lru, best = by.get("lru"), by.get("belady")
+        records = len(trace.layers) * trace.num_experts
+        lines.append(
+            f"{path}: {trace.calls} calls ({trace.decode_from} prompt, {trace.decode_tokens} "
+            f"decode), {len(trace.layers)} MoE layers x {trace.num_experts} experts, "
+            f"{n} slots ({100 * n / records:.1f} %)"
+        )
+        lines += [r.line(lru, best) for r in results]
+    if plot is not None:
+        plot_sweep(sweep, plot, str(path))
+    return lines
+
+
+def plot_sweep(sweep: list[list[Replay]], path: str | Path, title: str = "") -> Path:
+    """Decode MB/token (miss % when the trace has no record bytes) of each policy against
+    the arena's slots, one line per policy, written to a PNG (temporary file, then rename)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .store import write_atomic
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_bytes = all(r.record_bytes for rs in sweep for r in rs)
+    for i, name in enumerate(r.policy for r in sweep[0]):
+        xs = [rs[i].slots for rs in sweep]
+        ys = [rs[i].mb_per_token if by_bytes else rs[i].miss_pct for rs in sweep]
+        ax.plot(xs, ys, marker="o", label=name, linestyle="--" if name == "belady" else "-")
+    ax.set_xlabel("arena slots (expert records)")
+    ax.set_ylabel("decode MB/token" if by_bytes else "decode miss %")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"), tmp_suffix=".tmp.png")
+    plt.close(fig)
+    return Path(path)

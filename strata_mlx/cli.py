@@ -864,18 +864,24 @@ def _with_variants(policy: str, scheduler: str | None, lookahead_depth: int | No
 @user_errors
 def cache_sim(
     trace_file: Path = typer.Argument(..., help="A trace file (bench/generate --trace)."),
-    slots: int = typer.Option(..., "--slots", help="Arena slots (expert records)."),
+    slots: str = typer.Option(
+        ..., "--slots", help="Arena slots (expert records); a comma list sweeps sizes."
+    ),
     policy: str = typer.Option(
         "lru,lfu,belady",
         "--policy",
         help="Comma-separated: eviction policies (names, module:Class plug-ins) and belady.",
+    ),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Write a PNG of MB/token against the arena's slots."
     ),
 ):
     """Replay a routing trace through eviction policies and Belady's optimum: decode miss %
     and MB/token for each (strata_mlx.cache_sim)."""
     from .cache_sim import report
 
-    for line in report(trace_file, slots, policy):
+    check_output_file(plot, "--plot", suffix=".png")
+    for line in report(trace_file, slots, policy, plot):
         typer.echo(line)
 
 

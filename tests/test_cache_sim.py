@@ -147,3 +147,22 @@ def test_cache_sim_bad_input_is_one_line(tmp_path, args, says):
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     r = run_cli(tmp_path / "missing.npz", "--slots", 4)
     assert r.returncode != 0 and "no such trace file" in r.stderr
+
+
+def test_cache_sim_sweeps_arena_sizes_and_plots_them(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    rng = np.random.default_rng(1)
+    ids = {l: [rng.integers(0, 16, (1, 2)) for _ in range(20)] for l in (0, 1)}
+    f = tmp_path / "t.npz"
+    trace.write(f, trace.Trace([0, 1], 16, 8192, ids))
+    png = tmp_path / "sweep.png"
+    r = run_cli(f, "--slots", "4,8,16", "--policy", "lru,belady", "--plot", png)
+    assert r.returncode == 0, r.stderr
+    heads = [line for line in r.stdout.splitlines() if line.startswith(str(f))]
+    assert [h.split(", ")[-1] for h in heads] == ["4 slots (12.5 %)", "8 slots (25.0 %)",
+                                                  "16 slots (50.0 %)"]  # fmt: skip
+    assert matplotlib.image.imread(png).ndim == 3
+    r = run_cli(f, "--slots", "4,x")
+    assert r.returncode != 0 and "--slots '4,x': expected slot counts" in r.stderr
