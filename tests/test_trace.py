@@ -113,19 +113,18 @@ def test_generate_and_bench_write_traces(store, tmp_path):
     t = trace.read(out)
     assert t.decode_tokens == 3 and t.num_experts == load_manifest(path).num_experts
 
-    from strata_mlx.bench import bench
-
-    bench(
-        path,
-        prompt_tokens=16,
-        gen_tokens=3,
-        prefill_step_size=8,
-        policies=("demand", "lookahead"),
-        probe_seconds=0.1,
-        arena_gb=small_arena_gb(path, 12),
-        log=lambda *_: None,
-        trace=tmp_path / "b.npz",
-    )
+    r = subprocess.run(
+        [
+            *cmd[:3], "bench", "--model", str(path), "-p", "16", "-g", "3",
+            "--prefill-step-size", "8", "--arena-gb", str(small_arena_gb(path, 12)),
+            "--policies", "demand,lookahead", "--trace", str(tmp_path / "b.npz"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert f"trace: {tmp_path / 'b-demand-r0.npz'}" in r.stdout
     for policy in ("demand", "lookahead"):
         t = trace.read(tmp_path / f"b-{policy}-r0.npz")
         # the cold run alone: 2 chunks, the last prompt token, 3 decode calls
