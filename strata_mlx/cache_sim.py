@@ -11,7 +11,9 @@ and pinned, then its misses get slots one by one (each evicts the policy's victi
 unpinned residents, or takes a free slot) and are touched. The
 online policies are the arena's own classes and the plug-ins of strata_mlx.policies, so a
 replay's LRU misses equal a live run's with demand reads and the per-layer handshake
-(tests/test_cache_sim.py checks it). Read-ahead is not modelled: these are demand misses.
+(tests/test_cache_sim.py checks it). These are demand misses unless `--read-ahead` models
+decode's lookahead from the trace's predictions (replay's docstring): then MB/token counts
+the read-ahead too, and the misses are the reads a token still waits for.
 Belady's optimum evicts the resident expert next used farthest in the future: no online
 policy misses less.
 
@@ -47,6 +49,8 @@ class Replay:
     prefill_misses: int = 0
     decode_lookups: int = 0
     decode_misses: int = 0
+    decode_ahead_reads: int = 0  # read ahead in decode (modelled lookahead)
+    decode_ahead_used: int = 0  # of those, used by the layer they were read for
 
     @property
     def miss_pct(self) -> float:
@@ -59,10 +63,11 @@ class Replay:
 
     @property
     def mb_per_token(self) -> float:
-        """Decode's reads a token, MB (record bytes x misses / decode tokens)."""
+        """Decode's reads a token, MB (record bytes x (misses + read-ahead) / decode tokens)."""
         if not self.decode_tokens:
             return 0.0
-        return self.decode_misses * self.record_bytes / self.decode_tokens / 1e6
+        reads = self.decode_misses + self.decode_ahead_reads
+        return reads * self.record_bytes / self.decode_tokens / 1e6
 
     @property
     def prefill_share(self) -> float:
@@ -79,6 +84,9 @@ class Replay:
             f"({self.decode_misses} of {self.decode_lookups}) {mb} | prefill "
             f"{self.prefill_miss_pct:5.1f} % miss, {self.prefill_share:4.1f} % of reads"
         )
+        if self.decode_ahead_reads:
+            used = 100 * self.decode_ahead_used / self.decode_ahead_reads
+            out += f" | read ahead {self.decode_ahead_reads / max(self.decode_tokens, 1):.1f}/token, {used:.0f} % used"
         if lru is not None and best is not None and lru.decode_misses > best.decode_misses:
             closed = (lru.decode_misses - self.decode_misses) / (
                 lru.decode_misses - best.decode_misses
@@ -107,25 +115,72 @@ def _predictions(trace: traces.Trace) -> dict[int, list[np.ndarray]]:
     return {l: p for l, p in trace.predicted.items() if len(p) >= trace.calls}
 
 
-def replay(trace: traces.Trace, slots: int, policy) -> Replay:
+READ_AHEAD = ("none", "lookahead", "scored")
+
+
+def replay(trace: traces.Trace, slots: int, policy, read_ahead: str = "none") -> Replay:
     """Misses of `trace` in an arena of `slots` under `policy` (a name, "module:Class" or a
-    class: strata_mlx.policies), or "belady"."""
+    class: strata_mlx.policies), or "belady". `read_ahead` models decode's lookahead from
+    the trace's predictions: "lookahead" reads every predicted expert of the next layer that
+    is not resident once a layer's misses have slots (as the handshake does), "scored" only
+    while a read-ahead expert has lately been more likely to be used than the expert it
+    would evict to be wanted again within one forward pass (both running rates)."""
     _check_slots(trace, slots)
+    if read_ahead not in READ_AHEAD:
+        raise OptionError(f"--read-ahead {read_ahead!r}: one of {', '.join(READ_AHEAD)}")
     if policy == "belady":
+        if read_ahead != "none":
+            raise OptionError("--read-ahead: Belady's optimum reads nothing ahead")
         return _belady(trace, slots)
     name, _ = policies.resolve(policy, "--policy")
     pol = policies.build(policy, trace.profile, trace.layers)
     told = getattr(pol, "predicted", None)
-    preds = _predictions(trace) if told is not None else {}
+    preds = _predictions(trace) if told is not None or read_ahead != "none" else {}
+    if read_ahead != "none" and not preds:
+        raise OptionError(
+            "--read-ahead: the trace has no prediction for every call (record it with "
+            "--read-ahead lookahead --decode sync --lookahead-decode-min-miss 0)"
+        )
     nxt = dict(zip(trace.layers, trace.layers[1:]))
     out = Replay(name, slots, trace.record_bytes, trace.decode_tokens)
+    if read_ahead != "none":
+        out.policy = f"{name}+{read_ahead}"
     resident: set = set()
+    ahead: set = set()  # read ahead for a layer that has not run yet
+    evicted: dict = {}  # key -> step it was evicted at, while a reuse would count
+    recent: list = []  # (step, key) of evictions, oldest first
+    window = len(trace.layers)  # "wanted again soon": within one forward pass
+    rate = {"use": 0.7, "reuse": 0.0}  # running: read-ahead used; evicted wanted again
+
+    def learn(what: str, sample: float) -> None:
+        rate[what] += 0.01 * (sample - rate[what])
+
+    def evict(step: int, pinned: set) -> None:
+        victim = pol.victim(lambda v, p=pinned: v not in p)
+        if victim is None or victim not in resident:
+            raise OptionError(f"policy {name}: victim {victim!r} is not resident")
+        pol.remove(victim)
+        resident.discard(victim)
+        if victim in ahead:  # read ahead and evicted unused
+            ahead.discard(victim)
+            learn("use", 0.0)
+        evicted[victim] = step
+        recent.append((step, victim))
+
+    step = 0
     for c in range(trace.calls):
         decode = c >= trace.decode_from
         for layer in trace.layers:
+            step += 1
+            while recent and recent[0][0] < step - window:
+                s, k = recent.pop(0)
+                if evicted.get(k) == s:  # not wanted again within the window
+                    del evicted[k]
+                    learn("reuse", 0.0)
             pol.current = layer
             target = nxt.get(layer)
-            if target in preds:  # the handshake has it before this layer's misses get slots
+            if told is not None and target in preds:
+                # the handshake has it before this layer's misses get slots
                 told(target, np.unique(preds[target][c]).tolist())
             keys = [(layer, int(e)) for e in np.unique(trace.ids[layer][c])]
             pinned = set(keys)
@@ -133,13 +188,19 @@ def replay(trace: traces.Trace, slots: int, policy) -> Replay:
             for k in keys:
                 if k in resident:
                     pol.touch(k)
+                    if k in ahead:
+                        ahead.discard(k)
+                        learn("use", 1.0)
+                        out.decode_ahead_used += decode
+            for k in [k for k in ahead if k[0] == layer]:  # read ahead for this layer, unused
+                ahead.discard(k)
+                learn("use", 0.0)
             for k in missed:
+                if k in evicted:
+                    del evicted[k]
+                    learn("reuse", 1.0)
                 if len(resident) >= slots:
-                    victim = pol.victim(lambda v, p=pinned: v not in p)
-                    if victim is None or victim not in resident:
-                        raise OptionError(f"policy {name}: victim {victim!r} is not resident")
-                    pol.remove(victim)
-                    resident.discard(victim)
+                    evict(step, pinned)
                 resident.add(k)
                 pol.touch(k)
             if decode:
@@ -148,6 +209,23 @@ def replay(trace: traces.Trace, slots: int, policy) -> Replay:
             else:
                 out.prefill_lookups += len(keys)
                 out.prefill_misses += len(missed)
+            if read_ahead == "none" or not decode or target not in preds:
+                continue
+            for e in np.unique(preds[target][c]).tolist():
+                k = (target, e)
+                if k in resident:
+                    continue
+                if k in evicted:  # evicted and predicted again: wanted again soon
+                    del evicted[k]
+                    learn("reuse", 1.0)
+                if len(resident) >= slots:
+                    if read_ahead == "scored" and rate["use"] <= rate["reuse"]:
+                        continue
+                    evict(step, pinned)
+                resident.add(k)
+                pol.touch(k)
+                ahead.add(k)
+                out.decode_ahead_reads += 1
     return out
 
 
@@ -200,13 +278,19 @@ def _belady(trace: traces.Trace, slots: int) -> Replay:
     return out
 
 
-def compare(trace: traces.Trace, slots: int, names: list) -> list[Replay]:
-    """Every policy of `names` replayed on `trace` (each checked before any runs)."""
+def compare(trace: traces.Trace, slots: int, names: list, read_ahead: str = "none") -> list[Replay]:
+    """Every policy of `names` replayed on `trace` (each checked before any runs); with
+    `read_ahead`, each online policy also with that read-ahead beside it."""
     for name in names:
         if name != "belady":
             policies.check(name, "--policy")
     _check_slots(trace, slots)
-    return [replay(trace, slots, n) for n in names]
+    out = []
+    for n in names:
+        out.append(replay(trace, slots, n))
+        if read_ahead != "none" and n != "belady":
+            out.append(replay(trace, slots, n, read_ahead))
+    return out
 
 
 def parse_slots(text: str) -> list[int]:
@@ -223,7 +307,11 @@ def parse_slots(text: str) -> list[int]:
 
 
 def report(
-    path: str | Path, slots: str | int, policy_list: str, plot: str | Path | None = None
+    path: str | Path,
+    slots: str | int,
+    policy_list: str,
+    plot: str | Path | None = None,
+    read_ahead: str = "none",
 ) -> list[str]:
     """cache-sim's lines: the trace, then one line per policy, for each arena size; with
     `plot`, a PNG of decode MB/token (miss % without record bytes) against the arena."""
@@ -231,6 +319,8 @@ def report(
     if not names:
         raise OptionError("--policy: name at least one (e.g. lru,belady)")
     sizes = parse_slots(str(slots))
+    if read_ahead not in READ_AHEAD:
+        raise OptionError(f"--read-ahead {read_ahead!r}: one of {', '.join(READ_AHEAD)}")
     if plot is not None:
         from .plots import require
 
@@ -238,7 +328,7 @@ def report(
     trace = traces.read(path)
     lines, sweep = [], []
     for n in sizes:
-        results = compare(trace, n, names)
+        results = compare(trace, n, names, read_ahead)
         sweep.append(results)
         by = {r.policy: r for r in results}
         lru, best = by.get("lru"), by.get("belady")

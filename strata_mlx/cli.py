@@ -875,13 +875,19 @@ def cache_sim(
     plot: Path | None = typer.Option(
         None, "--plot", help="Write a PNG of MB/token against the arena's slots."
     ),
+    read_ahead: str = typer.Option(
+        "none",
+        "--read-ahead",
+        help="none | lookahead | scored: also replay decode read-ahead from the trace's "
+        "predictions, beside each policy.",
+    ),
 ):
     """Replay a routing trace through eviction policies and Belady's optimum: decode miss %
     and MB/token for each (strata_mlx.cache_sim)."""
     from .cache_sim import report
 
     check_output_file(plot, "--plot", suffix=".png")
-    for line in report(trace_file, slots, policy, plot):
+    for line in report(trace_file, slots, policy, plot, read_ahead):
         typer.echo(line)
 
 

@@ -14,6 +14,7 @@ from conftest import prompt_ids
 import strata_mlx
 from strata_mlx import cache_sim, trace
 from strata_mlx.generate import stream_generate
+from strata_mlx.options import OptionError
 from strata_mlx.stats import RoutingTrace
 from strata_mlx.store import load_manifest
 
@@ -166,3 +167,43 @@ def test_cache_sim_sweeps_arena_sizes_and_plots_them(tmp_path):
     assert matplotlib.image.imread(png).ndim == 3
     r = run_cli(f, "--slots", "4,x")
     assert r.returncode != 0 and "--slots '4,x': expected slot counts" in r.stderr
+
+
+def predicted_trace(perfect: bool) -> trace.Trace:
+    """4 layers of 16 experts, one token a call; predictions the true next layer's ids, or
+    ids never used."""
+    rng = np.random.default_rng(3)
+    ids = {l: [np.arange(8).reshape(4, 2)] + [rng.integers(0, 8, (1, 2)) for _ in range(300)]
+           for l in range(4)}  # fmt: skip
+    pred = {l: [c if perfect else c + 8 for c in ids[l]] for l in range(1, 4)}
+    return trace.Trace(list(range(4)), 16, 4096, ids, predicted=pred, decode_from=1)
+
+
+def test_read_ahead_is_modelled_from_the_trace_s_predictions():
+    t = predicted_trace(perfect=True)
+    plain = cache_sim.replay(t, 12, "lru")
+    ahead = cache_sim.replay(t, 12, "lru", "lookahead")
+    assert ahead.policy == "lru+lookahead"
+    # layers 1-3 are read ahead before they run: only layer 0 can miss
+    assert ahead.decode_misses < plain.decode_misses
+    assert ahead.decode_ahead_used == ahead.decode_ahead_reads > 0
+    reads = ahead.decode_misses + ahead.decode_ahead_reads
+    assert ahead.mb_per_token == pytest.approx(reads * 4096 / t.decode_tokens / 1e6)
+    # predictions never used: lookahead reads them all for nothing and evicts what was needed;
+    # the scored read-ahead learns that they are not used and stops
+    t = predicted_trace(perfect=False)
+    wasted = cache_sim.replay(t, 12, "lru", "lookahead")
+    scored = cache_sim.replay(t, 12, "lru", "scored")
+    assert wasted.decode_ahead_used == 0 and wasted.decode_misses >= plain.decode_misses
+    assert scored.decode_ahead_reads < wasted.decode_ahead_reads / 2
+
+
+def test_read_ahead_needs_predictions_and_an_online_policy():
+    t = predicted_trace(perfect=True)
+    with pytest.raises(OptionError, match="Belady's optimum reads nothing ahead"):
+        cache_sim.replay(t, 12, "belady", "lookahead")
+    t.predicted = {}
+    with pytest.raises(OptionError, match="--read-ahead: the trace has no prediction"):
+        cache_sim.replay(t, 12, "lru", "lookahead")
+    with pytest.raises(OptionError, match="--read-ahead 'always': one of none"):
+        cache_sim.replay(t, 12, "lru", "always")
