@@ -4,113 +4,22 @@ distance from the best any policy could do is measured, not guessed.
 
     python benchmarks/eviction_sim.py TRACE.npz --slots 7000 [--policies lru,lfu,belady]
 
-TRACE.npz comes from `benchmarks/decode.py --trace DIR` (per layer, the routing ids of every
-call: the prompt's chunks, then one row per decode token). The replay walks the calls in order
-and the MoE layers in order within a call; a layer's distinct experts are looked up together
-(pinned while it runs, as the arena does). Only decode lookups are counted (from the second
-one-token call, as benchmarks/decode.py counts); the prefill is
-replayed so the arena enters decode holding what it would. Misses are per (layer, expert)
-lookup. Read-ahead is not modelled: these are demand misses. The online policies are the
-arena's own classes, so what is replayed is what the runtime would do.
+TRACE.npz is a trace file (strata_mlx.stream.trace: `strata-mlx bench --trace`, `generate --trace`,
+`load(trace=...)`, or `benchmarks/decode.py --trace DIR`). The replay is strata_mlx.apps.cache_sim's
+(`strata-mlx cache-sim` prints more: MB/token, the prefill, the gap closed): the calls in order,
+the MoE layers in order within a call, a layer's distinct experts looked up together and
+pinned while it runs, the arena's own policy classes driven as the handshake drives them.
+Only decode lookups are counted (from the second one-token call, as benchmarks/decode.py
+counts); the prefill is replayed so the arena enters decode holding what it would. Read-ahead
+is not modelled: these are demand misses.
 """
 
 from __future__ import annotations
 
 import argparse
-import heapq
 
-import numpy as np
-
-from strata_mlx.stream.arena import make_policy
-
-
-def accesses(path: str) -> tuple[list[tuple[bool, int, np.ndarray]], int]:
-    """[(is_decode, layer, distinct experts)] in execution order, and the number of prompt
-    calls (prefill chunks)."""
-    z = np.load(path)
-    layers = sorted(int(k[1:]) for k in z.files if k[0] == "L" and not k.endswith("_T"))
-    rows = {l: np.split(z[f"L{l}"], np.cumsum(z[f"L{l}_T"])[:-1]) for l in layers}
-    n_calls = min(len(r) for r in rows.values())
-    seq = []
-    prompt_calls = 0
-    first = next((c for c in range(n_calls) if len(rows[layers[0]][c]) == 1), n_calls)
-    for c in range(n_calls):
-        # The first one-token call is the prompt's last token (generate_step's first step):
-        # benchmarks/decode.py counts decode from the token after it.
-        decode = c > first
-        prompt_calls += not decode
-        for l in layers:
-            seq.append((decode, l, np.unique(rows[l][c])))
-    return seq, prompt_calls
-
-
-def replay(seq, slots: int, policy: str) -> tuple[int, int]:
-    """(decode misses, decode lookups) under `policy`: one of the arena's own eviction
-    policies (strata_mlx.stream.arena: lru, lfu, profile without a profile = lru, layer), driven as
-    the handshake drives them (a layer's hits touched and pinned, then its misses given
-    slots), or "belady"."""
-    if policy == "belady":
-        return _belady(seq, slots)
-    layers = sorted({l for _, l, _ in seq})
-    pol = make_policy(policy, None, layers)
-    resident: set = set()
-    misses = lookups = 0
-    for decode, layer, es in seq:
-        pol.current = layer
-        keys = [(layer, int(e)) for e in es]
-        pinned = set(keys)
-        missed = [k for k in keys if k not in resident]
-        for k in keys:
-            if k in resident:
-                pol.touch(k)
-        for k in missed:
-            if len(resident) >= slots:
-                victim = pol.victim(lambda v, p=pinned: v not in p)
-                pol.remove(victim)
-                resident.discard(victim)
-            resident.add(k)
-            pol.touch(k)
-        misses += decode * len(missed)
-        lookups += decode * len(keys)
-    return misses, lookups
-
-
-def _belady(seq, slots: int) -> tuple[int, int]:
-    """Evict the resident expert whose next use is farthest in the future (lazy heap)."""
-    keys = [[(l, int(e)) for e in es] for _, l, es in seq]
-    inf = len(keys)
-    nxt = [[0] * len(k) for k in keys]
-    last: dict = {}
-    for i in range(len(keys) - 1, -1, -1):
-        for j, key in enumerate(keys[i]):
-            nxt[i][j] = last.get(key, inf)
-            last[key] = i
-    resident: set = set()
-    heap: list = []  # (-next use, key), an entry live while it is the key's next use
-    next_use: dict = {}
-    misses = lookups = 0
-    for i, ((decode, _, _), ks) in enumerate(zip(seq, keys)):
-        pinned = set(ks)
-        for j, key in enumerate(ks):
-            if key not in resident:
-                misses += decode
-                if len(resident) >= slots:
-                    skipped = []
-                    while True:
-                        neg, v = heapq.heappop(heap)
-                        if v not in resident or next_use.get(v) != -neg:
-                            continue
-                        if v not in pinned:
-                            break
-                        skipped.append((neg, v))
-                    for item in skipped:
-                        heapq.heappush(heap, item)
-                    resident.discard(v)
-                resident.add(key)
-            next_use[key] = nxt[i][j]
-            heapq.heappush(heap, (-nxt[i][j], key))
-        lookups += decode * len(ks)
-    return misses, lookups
+from strata_mlx.apps import cache_sim
+from strata_mlx.stream import trace
 
 
 def main() -> None:
@@ -119,12 +28,15 @@ def main() -> None:
     ap.add_argument("--slots", type=int, required=True, help="arena slots (records)")
     ap.add_argument("--policies", default="lru,lfu,layer,belady")
     a = ap.parse_args()
-    seq, prompt_calls = accesses(a.trace)
-    tokens = sum(d for d, _, _ in seq) // max(len({l for _, l, _ in seq}), 1)
-    print(f"{a.trace}: {prompt_calls} prompt calls, {tokens} decode tokens, {a.slots} slots")
-    for policy in a.policies.split(","):
-        m, n = replay(seq, a.slots, policy)
-        print(f"  {policy:>7}: decode misses {m} of {n} lookups ({100 * m / max(n, 1):.1f} %)")
+    t = trace.read(a.trace)
+    print(
+        f"{a.trace}: {t.decode_from} prompt calls, {t.decode_tokens} decode tokens, {a.slots} slots"
+    )
+    for r in cache_sim.compare(t, a.slots, a.policies.split(",")):
+        print(
+            f"  {r.policy:>7}: decode misses {r.decode_misses} of {r.decode_lookups} lookups "
+            f"({r.miss_pct:.1f} %)"
+        )
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def check_choice(name: str, v: Any, choices, cli: bool = False) -> str:
 def check_runtime(cfg, cli: bool = False) -> None:
     """Every field of a loader.RuntimeConfig."""
     from .runtime.decode import MODES
-    from .stream.arena import POLICIES
+    from .stream.policies import check as check_policy
     from .stream.prediction import READ_AHEAD_POLICIES
     from .stream.scheduler import SCHEDULERS
 
@@ -108,7 +108,7 @@ def check_runtime(cfg, cli: bool = False) -> None:
     check_int("lookahead_min_tokens", ra.min_tokens, 1, cli=cli)
     check_number("lookahead_decode_min_miss", ra.decode_min_miss, 0, 1, cli=cli)
     check_int("lookahead_depth", ra.depth, 1, 1 << 10, cli=cli)
-    check_choice("eviction", cfg.eviction, sorted(POLICIES), cli=cli)
+    check_policy(cfg.eviction, _name("eviction", cli))
     check_choice("scheduler", cfg.scheduler, SCHEDULERS, cli=cli)
     if cfg.scheduler_low_water is not None:
         check_int("scheduler_low_water", cfg.scheduler_low_water, 0, 1 << 20, cli=cli)

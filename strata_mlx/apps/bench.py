@@ -26,7 +26,8 @@ from ..config import OptionError
 from ..format.store import EXPERTS, load_manifest, write_text_atomic
 from ..generation.generate import generate_step, make_sampler
 from ..runtime.loader import RuntimeConfig, load
-from ..stream.stats import ExpertStats
+from ..stream import trace as traces
+from ..stream.stats import ExpertStats, RoutingTrace
 
 
 @dataclass
@@ -151,8 +152,10 @@ def bench(
     baseline: str | None = None,
     plot: str | Path | None = None,
     pipeline=None,
+    trace: str | Path | None = None,
 ) -> dict:
-    """Every policy cold then warm; with `baseline="mlx-lm"`, then mlx-lm's own model and
+    """Every policy cold then warm; `trace`: each cold run's routing trace written there
+    (strata_mlx.stream.trace; one file per run when there are several: trace.run_path); with `baseline="mlx-lm"`, then mlx-lm's own model and
     strata-mlx's on the same prompt, side by side (strata_mlx.baseline). `pipeline` (a
     function that returns a fresh strata_mlx.distributed.Pipeline): every load is pipelined,
     each run adds its ranks' figures; ranks other than 0 serve and return {}."""
@@ -250,10 +253,13 @@ def bench(
     log_ranks(fake)
 
     runs: list[Run] = []
-    for order in rounds:
+    for r, order in enumerate(rounds):
         for policy in order:
             dropped = _drop_page_cache(path)
-            model = load_model(base.replace(**policy_options(policy)))
+            cfg = base.replace(**policy_options(policy))
+            if trace is not None:
+                cfg = cfg.replace(trace=RoutingTrace())
+            model = load_model(cfg)
             arena = model.expert_cache.arena
             layers = None
             if plot is not None:
@@ -263,6 +269,11 @@ def bench(
             for phase in ("cold", "warm"):
                 run = run_ranked(model, ids, policy, phase, layers)
                 runs.append(run)
+                if trace is not None and phase == "cold":
+                    out = traces.run_path(trace, policy, r, len(policies) * repeats > 1)
+                    traces.write(out, traces.of_model(model))
+                    model.expert_cache.trace = None  # the warm run is not in the file
+                    log(f"trace: {out}")
                 if plot is not None:
                     run.layers = layers.take()
                 log(

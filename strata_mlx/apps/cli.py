@@ -105,7 +105,12 @@ Scheduler = Annotated[
     ),
 ]
 Eviction = Annotated[
-    str | None, typer.Option("--eviction", help="lru | lfu | profile | layer (default lru).")
+    str | None,
+    typer.Option(
+        "--eviction",
+        help="lru | lfu | profile | layer (default lru), a candidate of strata_mlx.stream.policies, "
+        "or module:Class (a plug-in).",
+    ),
 ]
 Verify = Annotated[
     bool | None,
@@ -132,6 +137,14 @@ Decode = Annotated[
 ]
 DecodeLag = Annotated[
     int | None, typer.Option("--decode-lag", help="Pipelined: layers of lag (default 1).")
+]
+TraceFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--trace",
+        help="Write the routing trace (.npz, strata_mlx.stream.trace) for strata-mlx cache-sim; "
+        "bench: each cold run's.",
+    ),
 ]
 Preset = Annotated[
     str | None,
@@ -259,6 +272,7 @@ def generate(
         help="Cache-aware routing: bonus on resident experts' logits in decode.",
     ),
     verbose: bool = typer.Option(False, "--verbose", help="One trace line per prefill chunk."),
+    trace_file: TraceFile = None,
     arena_gb: ArenaGB = None,
     io_workers: IOWorkers = None,
     read_ahead: ReadAhead = None,
@@ -313,6 +327,7 @@ def generate(
     check_sampling(max_tokens, temp, top_p, seed, cli=True)  # before a model is loaded
     sampling.check(cli=True)
     check_output_file(logits_out, "--logits-out")
+    check_output_file(trace_file, "--trace")
     from ..generation.prompt_cache import KVOptions
 
     kv = KVOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
@@ -342,6 +357,12 @@ def generate(
         from ..generation.tools import MoeDumper
 
         cfg = cfg.replace(dump=MoeDumper(dump_moe))
+    if trace_file is not None:
+        if pipe is not None:
+            raise OptionError("--trace: a pipelined run's routing is not traced yet")
+        from ..stream.stats import RoutingTrace
+
+        cfg = cfg.replace(trace=RoutingTrace())
     m, tok = load(model, config=cfg, pipeline=pipe)
     cache = m.expert_cache
     if pipe is not None and pipe.size > 1:
@@ -410,6 +431,10 @@ def generate(
         m.close()
     if cfg.dump is not None:
         cfg.dump.close()
+    if trace_file is not None:
+        from ..stream import trace
+
+        trace.write(trace_file, trace.of_model(m))
     cache.close()
 
 
@@ -754,6 +779,7 @@ def bench(
     pipeline: Pipeline = False,
     pipeline_split: PipelineSplit = None,
     pipeline_timeout: PipelineTimeout = 300.0,
+    trace_file: TraceFile = None,
 ):
     """Prefill and decode, cold and warm, read-ahead policies side by side.
 
@@ -770,6 +796,9 @@ def bench(
     check_int("repeats", repeats, 1, 1000, cli=True)
     check_output_file(json_out, "--json")
     check_output_file(plot, "--plot", suffix=".png")
+    check_output_file(trace_file, "--trace")
+    if trace_file is not None and pipeline:
+        raise OptionError("--trace: a pipelined run's routing is not traced yet")
     runtime_config(dict(scheduler=scheduler, lookahead_depth=lookahead_depth))  # before :variants
     names = tuple(_with_variants(p, scheduler, lookahead_depth) for p in policies.split(",") if p)
     if not names:
@@ -811,6 +840,7 @@ def bench(
         baseline=baseline,
         plot=plot,
         pipeline=make_pipeline,
+        trace=trace_file,
     )
     if not result:  # a rank other than 0: it served rank 0's runs
         return
@@ -828,6 +858,37 @@ def _with_variants(policy: str, scheduler: str | None, lookahead_depth: int | No
     if lookahead_depth is not None and not any(v[:1] == "d" and v[1:].isdigit() for v in variants):
         policy += f":d{lookahead_depth}"
     return policy
+
+
+@app.command("cache-sim")
+@user_errors
+def cache_sim(
+    trace_file: Path = typer.Argument(..., help="A trace file (bench/generate --trace)."),
+    slots: str = typer.Option(
+        ..., "--slots", help="Arena slots (expert records); a comma list sweeps sizes."
+    ),
+    policy: str = typer.Option(
+        "lru,lfu,belady",
+        "--policy",
+        help="Comma-separated: eviction policies (names, module:Class plug-ins) and belady.",
+    ),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Write a PNG of MB/token against the arena's slots."
+    ),
+    read_ahead: str = typer.Option(
+        "none",
+        "--read-ahead",
+        help="none | lookahead | scored: also replay decode read-ahead from the trace's "
+        "predictions, beside each policy.",
+    ),
+):
+    """Replay a routing trace through eviction policies and Belady's optimum: decode miss %
+    and MB/token for each (strata_mlx.apps.cache_sim)."""
+    from .cache_sim import report
+
+    check_output_file(plot, "--plot", suffix=".png")
+    for line in report(trace_file, slots, policy, plot, read_ahead):
+        typer.echo(line)
 
 
 @app.command()

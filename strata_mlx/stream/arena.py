@@ -182,9 +182,12 @@ def make_policy(
     eviction: str, profile: np.ndarray | None = None, layers: list[int] | None = None
 ) -> LRU | _Scored | LayerDistance:
     """The policy named `eviction`, given only what it reads: the routing profile (rows in
-    the order of `layers`) for "profile", the layer cycle for "layer"."""
-    if eviction not in POLICIES:
-        raise ValueError(f"unknown eviction policy {eviction!r}; one of {sorted(POLICIES)}")
+    the order of `layers`) for "profile", the layer cycle for "layer". Any other name, a
+    "module:Class" or a class is a plug-in (strata_mlx.stream.policies)."""
+    if not isinstance(eviction, str) or eviction not in POLICIES:
+        from .policies import build
+
+        return build(eviction, profile, layers)
     if eviction == "profile":
         return ProfileAware(profile, layers)
     if eviction == "layer":

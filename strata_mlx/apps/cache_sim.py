@@ -1,0 +1,371 @@
+"""Trace replay: what an arena of N slots would have read under each eviction policy, and
+under Belady's optimum, for a recorded routing trace (strata_mlx.stream.trace).
+
+    strata-mlx cache-sim TRACE --slots N --policy lru,lfu,arc,belady
+
+The replay does what the handshake does, call by call and MoE layer by layer: the policy is
+told the running layer (`current`), the layer's distinct experts are looked up together,
+a policy with `predicted` is told the trace's lookahead prediction for the next layer (the
+handshake computes it in the same sync as the layer's routing), the layer's hits are touched
+and pinned, then its misses get slots one by one (each evicts the policy's victim among the
+unpinned residents, or takes a free slot) and are touched. The
+online policies are the arena's own classes and the plug-ins of strata_mlx.stream.policies, so a
+replay's LRU misses equal a live run's with demand reads and the per-layer handshake
+(tests/test_cache_sim.py checks it). These are demand misses unless `--read-ahead` models
+decode's lookahead from the trace's predictions (replay's docstring): then MB/token counts
+the read-ahead too, and the misses are the reads a token still waits for.
+Belady's optimum evicts the resident expert next used farthest in the future: no online
+policy misses less.
+
+Decode figures count from the trace's decode_from call (bench's decode tokens); MB a token
+is misses x the store's record bytes / decode tokens. The prefill is replayed too, so the
+arena enters decode holding what it would, and its misses are reported beside decode's.
+
+Nothing here loads a model or reads expert records.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import OptionError
+from ..stream import policies
+from ..stream import trace as traces
+
+
+@dataclass
+class Replay:
+    """One policy's misses over one trace at one arena size."""
+
+    policy: str
+    slots: int
+    record_bytes: int
+    decode_tokens: int
+    prefill_lookups: int = 0
+    prefill_misses: int = 0
+    decode_lookups: int = 0
+    decode_misses: int = 0
+    decode_ahead_reads: int = 0  # read ahead in decode (modelled lookahead)
+    decode_ahead_used: int = 0  # of those, used by the layer they were read for
+
+    @property
+    def miss_pct(self) -> float:
+        """Decode lookups that missed, %."""
+        return 100.0 * self.decode_misses / self.decode_lookups if self.decode_lookups else 0.0
+
+    @property
+    def prefill_miss_pct(self) -> float:
+        return 100.0 * self.prefill_misses / self.prefill_lookups if self.prefill_lookups else 0.0
+
+    @property
+    def mb_per_token(self) -> float:
+        """Decode's reads a token, MB (record bytes x (misses + read-ahead) / decode tokens)."""
+        if not self.decode_tokens:
+            return 0.0
+        reads = self.decode_misses + self.decode_ahead_reads
+        return reads * self.record_bytes / self.decode_tokens / 1e6
+
+    @property
+    def prefill_share(self) -> float:
+        """The prefill's share of the run's reads, %."""
+        total = self.prefill_misses + self.decode_misses
+        return 100.0 * self.prefill_misses / total if total else 0.0
+
+    def line(self, lru: Replay | None = None, best: Replay | None = None) -> str:
+        """One line: decode miss % and MB/token, the prefill's; with the LRU and Belady
+        replays, the share of LRU's distance to the optimum this policy closes."""
+        mb = f"{self.mb_per_token:8.2f} MB/token" if self.record_bytes else "    - MB/token"
+        out = (
+            f"{self.policy:>12}: decode {self.miss_pct:5.1f} % miss "
+            f"({self.decode_misses} of {self.decode_lookups}) {mb} | prefill "
+            f"{self.prefill_miss_pct:5.1f} % miss, {self.prefill_share:4.1f} % of reads"
+        )
+        if self.decode_ahead_reads:
+            used = 100 * self.decode_ahead_used / self.decode_ahead_reads
+            out += f" | read ahead {self.decode_ahead_reads / max(self.decode_tokens, 1):.1f}/token, {used:.0f} % used"
+        if lru is not None and best is not None and lru.decode_misses > best.decode_misses:
+            closed = (lru.decode_misses - self.decode_misses) / (
+                lru.decode_misses - best.decode_misses
+            )
+            out += f" | gap closed {100 * closed:5.1f} %"
+        return out
+
+
+def _check_slots(trace: traces.Trace, slots: int) -> None:
+    if slots < 1:
+        raise OptionError(f"--slots {slots}: expected at least 1")
+    widest = max(
+        (len(np.unique(trace.ids[l][c])) for l in trace.layers for c in range(trace.calls)),
+        default=0,
+    )
+    if widest > slots:
+        raise OptionError(
+            f"--slots {slots}: a layer needs {widest} experts in one call of this trace "
+            f"(the runtime would run expert-major groups); give at least {widest}"
+        )
+
+
+def _predictions(trace: traces.Trace) -> dict[int, list[np.ndarray]]:
+    """The trace's predictions for each layer that has one for every call (a run that
+    predicted only some calls cannot be lined up with them)."""
+    return {l: p for l, p in trace.predicted.items() if len(p) >= trace.calls}
+
+
+READ_AHEAD = ("none", "lookahead", "scored")
+
+
+def replay(trace: traces.Trace, slots: int, policy, read_ahead: str = "none") -> Replay:
+    """Misses of `trace` in an arena of `slots` under `policy` (a name, "module:Class" or a
+    class: strata_mlx.stream.policies), or "belady". `read_ahead` models decode's lookahead from
+    the trace's predictions: "lookahead" reads every predicted expert of the next layer that
+    is not resident once a layer's misses have slots (as the handshake does), "scored" only
+    while a read-ahead expert has lately been more likely to be used than the expert it
+    would evict to be wanted again within one forward pass (both running rates)."""
+    _check_slots(trace, slots)
+    if read_ahead not in READ_AHEAD:
+        raise OptionError(f"--read-ahead {read_ahead!r}: one of {', '.join(READ_AHEAD)}")
+    if policy == "belady":
+        if read_ahead != "none":
+            raise OptionError("--read-ahead: Belady's optimum reads nothing ahead")
+        return _belady(trace, slots)
+    name, _ = policies.resolve(policy, "--policy")
+    pol = policies.build(policy, trace.profile, trace.layers)
+    told = getattr(pol, "predicted", None)
+    preds = _predictions(trace) if told is not None or read_ahead != "none" else {}
+    if read_ahead != "none" and not preds:
+        raise OptionError(
+            "--read-ahead: the trace has no prediction for every call (record it with "
+            "--read-ahead lookahead --decode sync --lookahead-decode-min-miss 0)"
+        )
+    nxt = dict(zip(trace.layers, trace.layers[1:]))
+    out = Replay(name, slots, trace.record_bytes, trace.decode_tokens)
+    if read_ahead != "none":
+        out.policy = f"{name}+{read_ahead}"
+    resident: set = set()
+    ahead: set = set()  # read ahead for a layer that has not run yet
+    evicted: dict = {}  # key -> step it was evicted at, while a reuse would count
+    recent: list = []  # (step, key) of evictions, oldest first
+    window = len(trace.layers)  # "wanted again soon": within one forward pass
+    rate = {"use": 0.7, "reuse": 0.0}  # running: read-ahead used; evicted wanted again
+
+    def learn(what: str, sample: float) -> None:
+        rate[what] += 0.01 * (sample - rate[what])
+
+    def evict(step: int, pinned: set) -> None:
+        victim = pol.victim(lambda v, p=pinned: v not in p)
+        if victim is None or victim not in resident:
+            raise OptionError(f"policy {name}: victim {victim!r} is not resident")
+        pol.remove(victim)
+        resident.discard(victim)
+        if victim in ahead:  # read ahead and evicted unused
+            ahead.discard(victim)
+            learn("use", 0.0)
+        evicted[victim] = step
+        recent.append((step, victim))
+
+    step = 0
+    for c in range(trace.calls):
+        decode = c >= trace.decode_from
+        for layer in trace.layers:
+            step += 1
+            while recent and recent[0][0] < step - window:
+                s, k = recent.pop(0)
+                if evicted.get(k) == s:  # not wanted again within the window
+                    del evicted[k]
+                    learn("reuse", 0.0)
+            pol.current = layer
+            target = nxt.get(layer)
+            if told is not None and target in preds:
+                # the handshake has it before this layer's misses get slots
+                told(target, np.unique(preds[target][c]).tolist())
+            keys = [(layer, int(e)) for e in np.unique(trace.ids[layer][c])]
+            pinned = set(keys)
+            missed = [k for k in keys if k not in resident]
+            for k in keys:
+                if k in resident:
+                    pol.touch(k)
+                    if k in ahead:
+                        ahead.discard(k)
+                        learn("use", 1.0)
+                        out.decode_ahead_used += decode
+            for k in [k for k in ahead if k[0] == layer]:  # read ahead for this layer, unused
+                ahead.discard(k)
+                learn("use", 0.0)
+            for k in missed:
+                if k in evicted:
+                    del evicted[k]
+                    learn("reuse", 1.0)
+                if len(resident) >= slots:
+                    evict(step, pinned)
+                resident.add(k)
+                pol.touch(k)
+            if decode:
+                out.decode_lookups += len(keys)
+                out.decode_misses += len(missed)
+            else:
+                out.prefill_lookups += len(keys)
+                out.prefill_misses += len(missed)
+            if read_ahead == "none" or not decode or target not in preds:
+                continue
+            for e in np.unique(preds[target][c]).tolist():
+                k = (target, e)
+                if k in resident:
+                    continue
+                if k in evicted:  # evicted and predicted again: wanted again soon
+                    del evicted[k]
+                    learn("reuse", 1.0)
+                if len(resident) >= slots:
+                    if read_ahead == "scored" and rate["use"] <= rate["reuse"]:
+                        continue
+                    evict(step, pinned)
+                resident.add(k)
+                pol.touch(k)
+                ahead.add(k)
+                out.decode_ahead_reads += 1
+    return out
+
+
+def _belady(trace: traces.Trace, slots: int) -> Replay:
+    """Evict the unpinned resident expert whose next use is farthest in the future (a lazy
+    heap of next uses)."""
+    seq = [(d, [(l, int(e)) for e in es]) for d, l, es in trace.lookups()]
+    never = len(seq)
+    nxt: list[list[int]] = [[0] * len(k) for _, k in seq]
+    last: dict = {}
+    for i in range(len(seq) - 1, -1, -1):
+        for j, key in enumerate(seq[i][1]):
+            nxt[i][j] = last.get(key, never)
+            last[key] = i
+    out = Replay("belady", slots, trace.record_bytes, trace.decode_tokens)
+    resident: set = set()
+    heap: list = []  # (-next use, key): live while it is the key's next use
+    next_use: dict = {}
+    for i, (decode, keys) in enumerate(seq):
+        pinned = set(keys)
+        # hits first, as the handshake: their next use moves before any miss evicts
+        order = [j for j, k in enumerate(keys) if k in resident]
+        order += [j for j, k in enumerate(keys) if k not in resident]
+        misses = 0
+        for j in order:
+            key = keys[j]
+            if key not in resident:
+                misses += 1
+                if len(resident) >= slots:
+                    skipped = []
+                    while True:
+                        neg, v = heapq.heappop(heap)
+                        if v not in resident or next_use.get(v) != -neg:
+                            continue
+                        if v not in pinned:
+                            break
+                        skipped.append((neg, v))
+                    for item in skipped:
+                        heapq.heappush(heap, item)
+                    resident.discard(v)
+                resident.add(key)
+            next_use[key] = nxt[i][j]
+            heapq.heappush(heap, (-nxt[i][j], key))
+        if decode:
+            out.decode_lookups += len(keys)
+            out.decode_misses += misses
+        else:
+            out.prefill_lookups += len(keys)
+            out.prefill_misses += misses
+    return out
+
+
+def compare(trace: traces.Trace, slots: int, names: list, read_ahead: str = "none") -> list[Replay]:
+    """Every policy of `names` replayed on `trace` (each checked before any runs); with
+    `read_ahead`, each online policy also with that read-ahead beside it."""
+    for name in names:
+        if name != "belady":
+            policies.check(name, "--policy")
+    _check_slots(trace, slots)
+    out = []
+    for n in names:
+        out.append(replay(trace, slots, n))
+        if read_ahead != "none" and n != "belady":
+            out.append(replay(trace, slots, n, read_ahead))
+    return out
+
+
+def parse_slots(text: str) -> list[int]:
+    """--slots: one arena size or a comma-separated sweep."""
+    try:
+        sizes = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise OptionError(
+            f"--slots {text!r}: expected slot counts, e.g. 7099 or 2000,4000"
+        ) from None
+    if not sizes:
+        raise OptionError("--slots: give at least one slot count")
+    return sizes
+
+
+def report(
+    path: str | Path,
+    slots: str | int,
+    policy_list: str,
+    plot: str | Path | None = None,
+    read_ahead: str = "none",
+) -> list[str]:
+    """cache-sim's lines: the trace, then one line per policy, for each arena size; with
+    `plot`, a PNG of decode MB/token (miss % without record bytes) against the arena."""
+    names = [p for p in policy_list.split(",") if p]
+    if not names:
+        raise OptionError("--policy: name at least one (e.g. lru,belady)")
+    sizes = parse_slots(str(slots))
+    if read_ahead not in READ_AHEAD:
+        raise OptionError(f"--read-ahead {read_ahead!r}: one of {', '.join(READ_AHEAD)}")
+    if plot is not None:
+        from .plots import require
+
+        require()
+    trace = traces.read(path)
+    lines, sweep = [], []
+    for n in sizes:
+        results = compare(trace, n, names, read_ahead)
+        sweep.append(results)
+        by = {r.policy: r for r in results}
+        lru, best = by.get("lru"), by.get("belady")
+        records = len(trace.layers) * trace.num_experts
+        lines.append(
+            f"{path}: {trace.calls} calls ({trace.decode_from} prompt, {trace.decode_tokens} "
+            f"decode), {len(trace.layers)} MoE layers x {trace.num_experts} experts, "
+            f"{n} slots ({100 * n / records:.1f} %)"
+        )
+        lines += [r.line(lru, best) for r in results]
+    if plot is not None:
+        plot_sweep(sweep, plot, str(path))
+    return lines
+
+
+def plot_sweep(sweep: list[list[Replay]], path: str | Path, title: str = "") -> Path:
+    """Decode MB/token (miss % when the trace has no record bytes) of each policy against
+    the arena's slots, one line per policy, written to a PNG (temporary file, then rename)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..format.store import write_atomic
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_bytes = all(r.record_bytes for rs in sweep for r in rs)
+    for i, name in enumerate(r.policy for r in sweep[0]):
+        xs = [rs[i].slots for rs in sweep]
+        ys = [rs[i].mb_per_token if by_bytes else rs[i].miss_pct for rs in sweep]
+        ax.plot(xs, ys, marker="o", label=name, linestyle="--" if name == "belady" else "-")
+    ax.set_xlabel("arena slots (expert records)")
+    ax.set_ylabel("decode MB/token" if by_bytes else "decode miss %")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png"), tmp_suffix=".tmp.png")
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,331 @@
+"""Eviction policies as plug-ins: the interface a policy implements, how one is named or
+passed (to `load()`, `--eviction`, `strata-mlx cache-sim --policy`), and the candidate
+policies measured against the arena's built-ins by trace replay.
+
+A policy is any object with three methods; keys are (layer, expert) pairs:
+
+    touch(key)          key was used, or was just given a slot: it is resident
+    remove(key)         key left the arena (evicted, or its read was dropped or failed)
+    victim(evictable)   -> the resident key to evict, one for which evictable(key) is true
+                        (pinned and in-flight slots are not), or None if there is none
+
+and two optional ones the arena and the replay set or call:
+
+    current             an attribute: the layer whose handshake runs now (set before its
+                        lookups; a forward pass visits the MoE layers in order)
+    predicted(layer, experts)
+                        the experts lookahead predicts `layer` will use, told before `layer`
+                        runs (cache-sim replays the trace's predictions; the live runtime
+                        does not call it yet)
+
+A policy is given as a built-in name (arena.POLICIES), a candidate's name here, a class or
+factory, or "module:Class" (a file module.py on the import path, or a dotted module). A
+class is constructed with those of the keywords `layers` (the MoE layers in forward order)
+and `profile` (the store's routing profile, [layers, experts] counts, or None) that its
+__init__ names; a class taking neither is constructed with no arguments.
+
+A policy decides only which resident expert goes: it never reads files, never sees weights,
+and cannot change a model's outputs (the tests check them bit-identical under every policy).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+
+from ..config import OptionError
+from .arena import LRU, POLICIES, Key, _Scored, make_policy
+
+
+class LRU2(_Scored):
+    """LRU-K with K = 2: evict the expert whose second most recent use is oldest; experts used
+    once go first, least recently used among them (an expert must prove itself twice)."""
+
+    name = "lru2"
+
+    def __init__(self):
+        super().__init__()
+        self._last: dict[Key, int] = {}
+
+    def score(self, key: Key) -> float:
+        before = self._last.get(key, 0)  # 0: used once so far (uses count from 1)
+        self._last[key] = self._uses
+        return float(before)
+
+
+class LRFU(_Scored):
+    """Frequency with aging by reuse distance (LRFU, Lee et al. 2001): every use adds 1 to an
+    expert's score and the score halves every `half_life` uses of the arena, so an expert is
+    ranked by how often and how recently it was used at once; half_life -> 0 is LRU, -> inf is
+    LFU. Scores are kept as log2(score) + t / half_life, which orders experts as their decayed
+    scores at any common time do, so a heap entry never needs updating as time passes."""
+
+    name = "lrfu"
+
+    def __init__(self, half_life: float = 2048.0):
+        super().__init__()
+        self._half_life = half_life
+        self._log: dict[Key, float] = {}  # key -> log2(score at its last use) + t / half_life
+
+    def score(self, key: Key) -> float:
+        now = self._uses / self._half_life
+        old = self._log.get(key)
+        decayed = 0.0 if old is None else 2.0 ** (old - now)  # the old score, aged to now
+        self._log[key] = math.log2(decayed + 1.0) + now
+        return self._log[key]
+
+
+class ARC:
+    """Adaptive replacement (Megiddo and Modha, 2003), as an eviction order: resident experts
+    are in T1 (used once since they came in) or T2 (used again); ghosts of those evicted from
+    each are remembered (B1, B2, as many as are resident). A new expert found in B1 says T1
+    was evicted too early: the target size of T1 grows; one found in B2 shrinks it. The
+    victim is T1's least recent while T1 exceeds its target, else T2's."""
+
+    name = "arc"
+    current: int | None = None
+
+    def __init__(self):
+        self._t1: OrderedDict[Key, None] = OrderedDict()
+        self._t2: OrderedDict[Key, None] = OrderedDict()
+        self._b1: OrderedDict[Key, None] = OrderedDict()
+        self._b2: OrderedDict[Key, None] = OrderedDict()
+        self._p = 0.0  # target size of T1
+
+    def touch(self, key: Key) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._t2[key] = None
+        elif key in self._t2:
+            self._t2.move_to_end(key)
+        elif key in self._b1:
+            self._p = min(self._p + max(len(self._b2) / len(self._b1), 1.0), self._size())
+            del self._b1[key]
+            self._t2[key] = None
+        elif key in self._b2:
+            self._p = max(self._p - max(len(self._b1) / len(self._b2), 1.0), 0.0)
+            del self._b2[key]
+            self._t2[key] = None
+        else:
+            self._t1[key] = None
+
+    def _size(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def remove(self, key: Key) -> None:
+        for live, ghost in ((self._t1, self._b1), (self._t2, self._b2)):
+            if key in live:
+                del live[key]
+                ghost[key] = None
+                while len(self._b1) + len(self._b2) > max(self._size(), 1):
+                    (self._b1 if len(self._b1) > len(self._b2) else self._b2).popitem(last=False)
+                return
+
+    def victim(self, evictable) -> Key | None:
+        lists = (self._t1, self._t2) if len(self._t1) > self._p else (self._t2, self._t1)
+        for od in lists:
+            for key in od:
+                if evictable(key):
+                    return key
+        return None
+
+
+class ProtectedLRU(LRU):
+    """LRU that does not evict an expert lookahead predicted for a layer that has not run
+    yet: a prediction protects its experts until their layer's handshake. Falls back to
+    plain LRU when every evictable expert is protected."""
+
+    name = "protected"
+
+    def __init__(self):
+        super().__init__()
+        self._protected: dict[int, set[int]] = {}  # layer -> predicted experts
+
+    @property
+    def current(self) -> int | None:
+        return self._current
+
+    @current.setter
+    def current(self, layer: int | None) -> None:
+        self._current = layer
+        self._protected.pop(layer, None)  # the layer runs: its prediction is spent
+
+    _current: int | None = None
+
+    def predicted(self, layer: int, experts) -> None:
+        self._protected[layer] = {int(e) for e in experts}
+
+    def victim(self, evictable) -> Key | None:
+        prot = self._protected
+        key = super().victim(lambda k: evictable(k) and k[1] not in prot.get(k[0], ()))
+        return key if key is not None else super().victim(evictable)
+
+
+class ProfileLRU(_Scored):
+    """Recency with the profile's popularity as a head start: an expert's score is its last
+    use number plus `weight` uses per unit of its share of its layer's routing (times the
+    number of experts, so a uniform layer's experts get `weight`)."""
+
+    name = "profile-lru"
+
+    def __init__(self, profile: np.ndarray | None = None, layers: list[int] | None = None):
+        super().__init__()
+        self._bonus: dict[int, np.ndarray] = {}
+        if profile is not None and layers is not None:
+            for pos, layer in enumerate(layers):
+                row = np.asarray(profile[pos], dtype=np.float64)
+                self._bonus[layer] = row / max(row.sum(), 1.0) * len(row)
+        self.weight = 1024.0
+
+    def score(self, key: Key) -> float:
+        bonus = self._bonus.get(key[0])
+        return self._uses + (self.weight * float(bonus[key[1]]) if bonus is not None else 0.0)
+
+
+class Adaptive:
+    """Follow whichever of several policies would have missed least lately (set dueling,
+    as in adaptive cache insertion): each component runs twice, once ordering the real
+    residents (its victim is the one taken when it leads) and once in a shadow arena of the
+    same size fed the same uses, where its misses are counted with a half-life of
+    `half_life` uses. The arena's size is learnt at the first eviction (the arena is full
+    then). Shadows treat the running layer's experts as pinned."""
+
+    name = "adaptive"
+
+    def __init__(
+        self,
+        layers: list[int] | None = None,
+        profile: np.ndarray | None = None,
+        # Measured by replay (docs/research.md): with "layer" too, or a half-life of 16 K
+        # uses, the synthetic store's trace lost 10-20 points of the gap closed.
+        components: tuple[str, ...] = ("lru", "lfu", "profile"),
+        half_life: float = 1024.0,
+    ):
+        self.components = components
+        self._real = [build(c, profile, layers) for c in components]
+        self._shadow = [build(c, profile, layers) for c in components]
+        self._held: list[set[Key]] = [set() for _ in components]
+        self._misses = [0.0] * len(components)
+        self._weight = 1.0
+        self._growth = 2.0 ** (1.0 / half_life)  # later misses weigh more: old ones fade
+        self._resident: set[Key] = set()
+        self.capacity: int | None = None
+        self.leader = 0  # the component followed now
+        self._current: int | None = None
+
+    @property
+    def current(self) -> int | None:
+        return self._current
+
+    @current.setter
+    def current(self, layer: int | None) -> None:
+        self._current = layer
+        for p in (*self._real, *self._shadow):
+            p.current = layer
+
+    def touch(self, key: Key) -> None:
+        self._resident.add(key)
+        for p in self._real:
+            p.touch(key)
+        self._weight *= self._growth
+        if self._weight > 2.0**500:  # rescale before floats overflow
+            self._misses = [m * 2.0**-500 for m in self._misses]
+            self._weight *= 2.0**-500
+        layer = self._current
+        for i, (p, held) in enumerate(zip(self._shadow, self._held)):
+            if key not in held:
+                self._misses[i] += self._weight
+                if self.capacity is not None and len(held) >= self.capacity:
+                    victim = p.victim(lambda k: k[0] != layer)
+                    if victim is not None:
+                        p.remove(victim)
+                        held.discard(victim)
+                held.add(key)
+            p.touch(key)
+
+    def remove(self, key: Key) -> None:
+        self._resident.discard(key)
+        for p in self._real:
+            p.remove(key)
+
+    def victim(self, evictable) -> Key | None:
+        if self.capacity is None:
+            self.capacity = len(self._resident)
+        self.leader = min(range(len(self._misses)), key=self._misses.__getitem__)
+        order = [self.leader] + [i for i in range(len(self._real)) if i != self.leader]
+        for i in order:
+            key = self._real[i].victim(evictable)
+            if key is not None:
+                return key
+        return None
+
+
+CANDIDATES = {p.name: p for p in (LRU2, LRFU, ARC, ProtectedLRU, ProfileLRU, Adaptive)}
+
+
+def names() -> list[str]:
+    """Every policy given by name: the arena's built-ins, then the candidates."""
+    return sorted(POLICIES) + sorted(CANDIDATES)
+
+
+def resolve(spec, flag: str = "eviction") -> tuple[str, Callable]:
+    """(a display name, the class or factory) of a policy given by name, "module:Class", or
+    as a class or factory; an OptionError naming `flag` and the value otherwise."""
+    if callable(spec) and not isinstance(spec, str):
+        return getattr(spec, "name", getattr(spec, "__name__", repr(spec))), spec
+    if not isinstance(spec, str):
+        raise OptionError(f"{flag} {spec!r}: a policy name, 'module:Class' or a class", "eviction")
+    if spec in POLICIES or spec in CANDIDATES:
+        return spec, POLICIES.get(spec) or CANDIDATES[spec]
+    if ":" not in spec:
+        raise OptionError(
+            f"{flag} {spec!r}: unknown eviction policy; one of {', '.join(names())}, "
+            "or module:Class",
+            "eviction",
+        )
+    module, _, attr = spec.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except ImportError as e:
+        raise OptionError(f"{flag} {spec!r}: cannot import {module} ({e})", "eviction") from None
+    except AttributeError:
+        raise OptionError(f"{flag} {spec!r}: {module} has no {attr}", "eviction") from None
+    if not callable(obj):
+        raise OptionError(f"{flag} {spec!r}: {attr} is not a class", "eviction")
+    return spec, obj
+
+
+def _check_methods(obj, spec, flag: str) -> None:
+    missing = [m for m in ("touch", "remove", "victim") if not callable(getattr(obj, m, None))]
+    if missing:
+        raise OptionError(f"{flag} {spec!r}: a policy needs {', '.join(missing)}", "eviction")
+
+
+def check(spec, flag: str = "eviction") -> None:
+    """That `spec` names a policy, and a class given has the three methods (before a load)."""
+    _, factory = resolve(spec, flag)
+    if isinstance(factory, type):
+        _check_methods(factory, spec, flag)
+
+
+def build(spec, profile: np.ndarray | None = None, layers: list[int] | None = None):
+    """A fresh policy for one arena (see the module docstring for the keywords it gets)."""
+    if isinstance(spec, str) and spec in POLICIES:
+        return make_policy(spec, profile, layers)
+    _, factory = resolve(spec)
+    given = {"layers": layers, "profile": profile}
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature to read: nothing is passed
+        params = {}
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    policy = factory(**{k: v for k, v in given.items() if takes_all or k in params})
+    _check_methods(policy, spec, "eviction")
+    return policy

@@ -1,0 +1,210 @@
+"""Trace replay (strata_mlx.apps.cache_sim): it counts what a live run counts, Belady's optimum is
+optimal, and `strata-mlx cache-sim` prints a line per policy or a one-line error."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import prompt_ids
+
+import strata_mlx
+from strata_mlx.apps import cache_sim
+from strata_mlx.config import OptionError
+from strata_mlx.format.store import load_manifest
+from strata_mlx.generation.generate import stream_generate
+from strata_mlx.stream import trace
+from strata_mlx.stream.stats import RoutingTrace
+
+FAMILY = "qwen3_moe"
+SLOTS = 9  # of the tiny store's 16 records: every call fits, and it misses
+
+
+def live_run(path, eviction, scheduler="loop"):
+    rb = load_manifest(path).layout.record_bytes
+    model, _ = strata_mlx.load(
+        path,
+        arena_gb=SLOTS * rb / 1024**3,
+        read_ahead="demand",
+        decode="sync",
+        eviction=eviction,
+        scheduler=scheduler,
+        trace=RoutingTrace(),
+    )
+    assert model.expert_cache.arena.n_slots == SLOTS
+    tokens = [
+        r.token
+        for r in stream_generate(
+            model, None, prompt_ids(24, seed=9), max_tokens=12, prefill_step_size=8
+        )
+    ]
+    model.expert_cache.close()
+    return model, tokens
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "arc"])
+@pytest.mark.parametrize("scheduler", ["loop", "sync"])
+def test_a_replay_counts_the_misses_of_a_live_run(store, tmp_path, eviction, scheduler):
+    path = store(FAMILY)
+    model, _ = live_run(path, eviction, scheduler)
+    live = model.expert_cache.stats
+    f = tmp_path / "t.npz"
+    trace.write(f, trace.of_model(model))
+    r = cache_sim.replay(trace.read(f), SLOTS, eviction)
+    assert live.misses > 10  # the arena misses, in prefill and decode
+    assert r.prefill_lookups + r.decode_lookups == live.lookups
+    assert r.prefill_misses + r.decode_misses == live.misses
+    assert r.decode_misses > 0 and r.decode_tokens == 11
+
+
+def brute_force_min_misses(seq, slots):
+    """The fewest misses of any eviction choice (exhaustive): seq is [(layer keys)]."""
+
+    @functools.cache
+    def best(i, resident):
+        if i == len(seq):
+            return 0
+        keys = seq[i]
+        missed = [k for k in keys if k not in resident]
+        states = [frozenset(resident)]
+        for k in missed:  # each miss evicts some unpinned resident when the arena is full
+            nxt = []
+            for s in states:
+                if len(s) < slots:
+                    nxt.append(s | {k})
+                else:
+                    nxt += [(s - {v}) | {k} for v in s if v not in keys]
+            states = nxt
+        return len(missed) + min(best(i + 1, s) for s in states)
+
+    return best(0, frozenset())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_belady_is_the_optimum_and_no_policy_beats_it(seed):
+    rng = np.random.default_rng(seed)
+    calls = 9
+    ids = {l: [rng.integers(0, 5, (1, 2)) for _ in range(calls)] for l in (0, 1)}
+    t = trace.Trace([0, 1], 5, 4096, ids, decode_from=0)
+    seq = [tuple((l, int(e)) for e in es) for _, l, es in t.lookups()]
+    best = cache_sim.replay(t, 4, "belady")
+    assert best.decode_misses == brute_force_min_misses(seq, 4)
+    for name in ("lru", "lfu", "layer", "lru2", "lrfu", "arc", "protected"):
+        assert cache_sim.replay(t, 4, name).decode_misses >= best.decode_misses, name
+
+
+def test_lru_replay_known_answer():
+    # one layer, 2 slots, one expert a call: 0 1 2 0 1 2 misses all six under LRU,
+    # while Belady keeps 0 (or 1) and misses four
+    ids = {0: [np.array([[e]]) for e in (0, 1, 2, 0, 1, 2)]}
+    t = trace.Trace([0], 3, 1 << 20, ids, decode_from=0)
+    assert cache_sim.replay(t, 2, "lru").decode_misses == 6
+    b = cache_sim.replay(t, 2, "belady")
+    assert b.decode_misses == 4
+    assert b.mb_per_token == pytest.approx(4 * (1 << 20) / 6 / 1e6)
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "strata_mlx", "cache-sim", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cache_sim_prints_a_line_per_policy(tmp_path):
+    rng = np.random.default_rng(0)
+    ids = {l: [rng.integers(0, 16, (8, 2))] + [rng.integers(0, 16, (1, 2)) for _ in range(30)]
+           for l in (0, 1)}  # fmt: skip
+    f = tmp_path / "t.npz"
+    trace.write(f, trace.Trace([0, 1], 16, 8192, ids))
+    r = run_cli(f, "--slots", 12, "--policy", "lru,lfu,arc,belady")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert "29 decode" in lines[0] and len(lines) == 5
+    for line, name in zip(lines[1:], ("lru", "lfu", "arc", "belady")):
+        assert line.split(":")[0].strip() == name
+        assert "% miss" in line and "MB/token" in line and "prefill" in line
+    assert "gap closed 100.0 %" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--slots", 3], "--slots 3: a layer needs"),
+        (["--slots", 12, "--policy", "nope"], "--policy 'nope': unknown eviction policy"),
+        (["--slots", 12, "--policy", "no_such_module:P"], "cannot import no_such_module"),
+        (["--slots", 12, "--policy", ","], "--policy: name at least one"),
+    ],
+)
+def test_cache_sim_bad_input_is_one_line(tmp_path, args, says):
+    f = tmp_path / "t.npz"
+    trace.write(f, trace.Trace([0], 16, 8192, {0: [np.arange(8).reshape(4, 2)]}))
+    r = run_cli(f, *args)
+    assert r.returncode != 0 and says in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    r = run_cli(tmp_path / "missing.npz", "--slots", 4)
+    assert r.returncode != 0 and "no such trace file" in r.stderr
+
+
+def test_cache_sim_sweeps_arena_sizes_and_plots_them(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    rng = np.random.default_rng(1)
+    ids = {l: [rng.integers(0, 16, (1, 2)) for _ in range(20)] for l in (0, 1)}
+    f = tmp_path / "t.npz"
+    trace.write(f, trace.Trace([0, 1], 16, 8192, ids))
+    png = tmp_path / "sweep.png"
+    r = run_cli(f, "--slots", "4,8,16", "--policy", "lru,belady", "--plot", png)
+    assert r.returncode == 0, r.stderr
+    heads = [line for line in r.stdout.splitlines() if line.startswith(str(f))]
+    assert [h.split(", ")[-1] for h in heads] == ["4 slots (12.5 %)", "8 slots (25.0 %)",
+                                                  "16 slots (50.0 %)"]  # fmt: skip
+    assert matplotlib.image.imread(png).ndim == 3
+    r = run_cli(f, "--slots", "4,x")
+    assert r.returncode != 0 and "--slots '4,x': expected slot counts" in r.stderr
+
+
+def predicted_trace(perfect: bool) -> trace.Trace:
+    """4 layers of 16 experts, one token a call; predictions the true next layer's ids, or
+    ids never used."""
+    rng = np.random.default_rng(3)
+    ids = {l: [np.arange(8).reshape(4, 2)] + [rng.integers(0, 8, (1, 2)) for _ in range(300)]
+           for l in range(4)}  # fmt: skip
+    pred = {l: [c if perfect else c + 8 for c in ids[l]] for l in range(1, 4)}
+    return trace.Trace(list(range(4)), 16, 4096, ids, predicted=pred, decode_from=1)
+
+
+def test_read_ahead_is_modelled_from_the_trace_s_predictions():
+    t = predicted_trace(perfect=True)
+    plain = cache_sim.replay(t, 12, "lru")
+    ahead = cache_sim.replay(t, 12, "lru", "lookahead")
+    assert ahead.policy == "lru+lookahead"
+    # layers 1-3 are read ahead before they run: only layer 0 can miss
+    assert ahead.decode_misses < plain.decode_misses
+    assert ahead.decode_ahead_used == ahead.decode_ahead_reads > 0
+    reads = ahead.decode_misses + ahead.decode_ahead_reads
+    assert ahead.mb_per_token == pytest.approx(reads * 4096 / t.decode_tokens / 1e6)
+    # predictions never used: lookahead reads them all for nothing and evicts what was needed;
+    # the scored read-ahead learns that they are not used and stops
+    t = predicted_trace(perfect=False)
+    wasted = cache_sim.replay(t, 12, "lru", "lookahead")
+    scored = cache_sim.replay(t, 12, "lru", "scored")
+    assert wasted.decode_ahead_used == 0 and wasted.decode_misses >= plain.decode_misses
+    assert scored.decode_ahead_reads < wasted.decode_ahead_reads / 2
+
+
+def test_read_ahead_needs_predictions_and_an_online_policy():
+    t = predicted_trace(perfect=True)
+    with pytest.raises(OptionError, match="Belady's optimum reads nothing ahead"):
+        cache_sim.replay(t, 12, "belady", "lookahead")
+    t.predicted = {}
+    with pytest.raises(OptionError, match="--read-ahead: the trace has no prediction"):
+        cache_sim.replay(t, 12, "lru", "lookahead")
+    with pytest.raises(OptionError, match="--read-ahead 'always': one of none"):
+        cache_sim.replay(t, 12, "lru", "always")

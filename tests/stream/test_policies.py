@@ -1,0 +1,233 @@
+"""Eviction plug-ins and candidates (strata_mlx.stream.policies): a research script's own policy runs
+in load() and in cache-sim alike, every policy leaves the outputs bit-identical, and each
+candidate evicts what its rule says."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import prompt_ids
+
+import strata_mlx
+from strata_mlx.apps import cache_sim
+from strata_mlx.config import OptionError
+from strata_mlx.format.store import load_manifest
+from strata_mlx.generation.generate import stream_generate, teacher_forced_logits
+from strata_mlx.stream import policies, trace
+from strata_mlx.stream.stats import RoutingTrace
+
+FAMILY = "qwen3_moe"
+SLOTS = 9
+
+PLUGIN = textwrap.dedent(
+    '''
+    """A research script's policy: evict the most recently used expert."""
+
+
+    class MRU:
+        def __init__(self, layers):
+            self.layers = layers
+            self.order = {}
+            self.n = 0
+
+        def touch(self, key):
+            self.n += 1
+            self.order[key] = self.n
+
+        def remove(self, key):
+            self.order.pop(key, None)
+
+        def victim(self, evictable):
+            keys = [k for k in self.order if evictable(k)]
+            return max(keys, key=self.order.get) if keys else None
+    '''
+)
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    (tmp_path / "research_mru.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import research_mru
+
+    return research_mru.MRU
+
+
+def load_small(path, eviction, **kw):
+    rb = load_manifest(path).layout.record_bytes
+    kw.setdefault("read_ahead", "demand")
+    return strata_mlx.load(path, arena_gb=SLOTS * rb / 1024**3, eviction=eviction, **kw)[0]
+
+
+def generate(model, n=10):
+    ids = prompt_ids(24, seed=11)
+    return [r.token for r in stream_generate(model, None, ids, max_tokens=n, prefill_step_size=8)]
+
+
+def test_a_plug_in_runs_in_load_and_in_cache_sim_alike(store, plugin, tmp_path):
+    path = store(FAMILY)
+    model = load_small(path, plugin, decode="sync", trace=RoutingTrace())
+    assert isinstance(model.expert_cache.arena.policy, plugin)
+    assert model.expert_cache.arena.policy.layers == load_manifest(path).moe_layers
+    generate(model)
+    live = model.expert_cache.stats.misses
+    f = tmp_path / "t.npz"
+    trace.write(f, trace.of_model(model))
+    model.expert_cache.close()
+    # the same class, given to the replay as a class and on the command line as module:Class
+    r = cache_sim.replay(trace.read(f), SLOTS, plugin)
+    assert r.prefill_misses + r.decode_misses == live
+    lru = cache_sim.replay(trace.read(f), SLOTS, "lru")
+    assert lru.prefill_misses + lru.decode_misses != live  # the plug-in did evict otherwise
+    paths = [str(tmp_path), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    cmd = [sys.executable, "-m", "strata_mlx", "cache-sim", str(f), "--slots", str(SLOTS)]
+    out = subprocess.run(
+        [*cmd, "--policy", "research_mru:MRU,lru"], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.splitlines()[1]
+    assert line.split(": ")[0].strip() == "research_mru:MRU"
+    assert f"({r.decode_misses} of {r.decode_lookups})" in line
+
+
+def test_outputs_are_bit_identical_whatever_the_policy(store, plugin):
+    path = store(FAMILY)
+    ref_model, _ = strata_mlx.load(path, read_ahead="demand")
+    ref_model.expert_cache.warm()
+    ids = prompt_ids(24, seed=12)
+    ref_logits = teacher_forced_logits(ref_model, ids, 8)
+    ref_tokens = generate(ref_model)
+    assert ref_model.expert_cache.stats.misses == 0
+    runs = [(e, "pipelined") for e in policies.names()]
+    runs += [(plugin, "pipelined"), ("research_mru:MRU", "sync"), ("adaptive", "sync")]
+    for eviction, decode in runs:
+        model = load_small(path, eviction, decode=decode, read_ahead="lookahead")
+        assert np.array_equal(teacher_forced_logits(model, ids, 8), ref_logits), eviction
+        assert generate(model) == ref_tokens, (eviction, decode)
+        assert model.expert_cache.stats.misses > 0
+        model.expert_cache.close()
+
+
+class NoVictim:
+    def touch(self, key): ...
+
+    def remove(self, key): ...
+
+
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("fifo", "unknown eviction policy"),
+        ("no_such_module:P", "cannot import no_such_module"),
+        ("strata_mlx.stream.policies:Nope", "has no Nope"),
+        ("strata_mlx.stream.policies:CANDIDATES", "is not a class"),
+        (NoVictim, "a policy needs victim"),
+        (3, "a policy name, 'module:Class' or a class"),
+    ],
+)
+def test_a_bad_policy_is_refused_before_the_store_is_read(tmp_path, spec, says):
+    with pytest.raises(OptionError, match=says):
+        strata_mlx.load(tmp_path / "no-store", eviction=spec)
+
+
+def drive(policy, uses, evict_among):
+    """Touch `uses` in order, then the victim among `evict_among`."""
+    for key in uses:
+        policy.touch(key)
+    return policy.victim(lambda k: k in evict_among)
+
+
+def test_lru2_evicts_an_expert_used_once_before_one_used_twice():
+    a, b, c = (0, 1), (0, 2), (0, 3)
+    # a used twice long ago, b and c once each since: LRU would evict a, LRU-2 evicts b
+    assert drive(policies.LRU2(), [a, a, b, c], {a, b, c}) == b
+    assert drive(policies.build("lru"), [a, a, b, c], {a, b, c}) == a
+
+
+def test_lrfu_spans_lru_to_lfu():
+    a, b = (0, 1), (0, 2)
+    uses = [a, a, a, b]  # a more often, b more recently
+    assert drive(policies.LRFU(half_life=0.01), uses, {a, b}) == a  # recency: LRU
+    assert drive(policies.LRFU(half_life=1e9), uses, {a, b}) == b  # frequency: LFU
+
+
+def test_arc_keeps_experts_used_twice_through_a_scan():
+    arc = policies.ARC()
+    hot = [(0, e) for e in range(3)]
+    resident = set(hot)
+    for key in hot + hot:  # used twice: T2
+        arc.touch(key)
+    for e in range(10, 30):  # a scan of experts used once, 4 slots in all
+        key = (1, e)
+        if len(resident) >= 4:
+            v = arc.victim(lambda k: True)
+            arc.remove(v)
+            resident.discard(v)
+        resident.add(key)
+        arc.touch(key)
+    assert set(hot) <= resident  # LRU would have evicted all three
+
+
+def test_protected_lru_keeps_a_prediction_until_its_layer_runs():
+    p = policies.ProtectedLRU()
+    a, b = (1, 5), (0, 7)
+    p.current = 0
+    p.touch(a)
+    p.touch(b)
+    p.predicted(1, [5])
+    assert p.victim(lambda k: True) == b  # a is older, but predicted for layer 1
+    assert p.victim(lambda k: k == a) == a  # protected, not pinned: the last resort
+    p.current = 1  # layer 1 runs: the prediction is spent
+    assert p.victim(lambda k: True) == a
+
+
+def test_profile_lru_gives_popular_experts_a_head_start():
+    profile = np.array([[100.0, 1.0, 1.0, 1.0]])
+    p = policies.ProfileLRU(profile, [0])
+    uses = [(0, 0), (0, 1), (0, 2)]
+    assert drive(p, uses, set(uses)) == (0, 1)  # (0, 0) is older but popular
+
+
+def test_a_plug_in_gets_the_keywords_it_names():
+    class Both:
+        def __init__(self, **kw):
+            self.kw = kw
+
+        touch = remove = victim = lambda *a: None
+
+    class Neither:
+        touch = remove = victim = lambda *a: None
+
+    p = policies.build(Both, profile=np.ones((2, 4)), layers=[0, 3])
+    assert p.kw["layers"] == [0, 3] and p.kw["profile"].shape == (2, 4)
+    assert isinstance(policies.build(Neither, layers=[0]), Neither)
+
+
+def test_adaptive_follows_the_component_that_would_have_missed_less():
+    """Two experts of each layer are popular in the profile; a loop over six experts a layer
+    in an eight-slot arena thrashes LRU, while the profile keeps the popular ones: the
+    shadows count that, and the adaptive policy follows the profile."""
+    profile = np.array([[50.0, 50.0, 1.0, 1.0, 1.0, 1.0]] * 2)
+    p = policies.Adaptive(layers=[0, 1], profile=profile, components=("lru", "profile"))
+    resident: set = set()
+    for _ in range(30):
+        for e in range(6):
+            for layer in (0, 1):
+                p.current = layer
+                key = (layer, e)
+                if key not in resident:
+                    if len(resident) >= 8:
+                        v = p.victim(lambda k, layer=layer: k[0] != layer)
+                        p.remove(v)
+                        resident.discard(v)
+                    resident.add(key)
+                p.touch(key)
+    assert p.capacity == 8
+    assert p.components[p.leader] == "profile"
+    assert {(0, 0), (0, 1), (1, 0), (1, 1)} <= resident

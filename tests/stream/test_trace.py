@@ -1,0 +1,131 @@
+"""Routing trace files (strata_mlx.stream.trace): what a live run records is what the file holds,
+written by load(trace=...), generate --trace and bench --trace, and read back whole."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import prompt_ids
+
+import strata_mlx
+from strata_mlx.config import OptionError
+from strata_mlx.format.store import load_manifest
+from strata_mlx.generation.generate import stream_generate
+from strata_mlx.stream import trace
+from strata_mlx.stream.stats import RoutingTrace
+
+FAMILY = "qwen3_moe"
+
+
+def small_arena_gb(path, slots: int) -> float:
+    return slots * load_manifest(path).layout.record_bytes / 1024**3
+
+
+def test_a_live_run_s_trace_round_trips_with_the_store_s_fields(store, tmp_path):
+    path = store(FAMILY)
+    m = load_manifest(path)
+    model, _ = strata_mlx.load(path, trace=RoutingTrace(), read_ahead="lookahead")
+    ids = prompt_ids(20, seed=2)
+    list(stream_generate(model, None, ids, max_tokens=5, prefill_step_size=8))
+    t = trace.of_model(model)
+    out = tmp_path / "run.npz"
+    trace.write(out, t)
+    back = trace.read(out)
+    assert back.layers == list(m.moe_layers) and back.num_experts == m.num_experts
+    assert back.record_bytes == m.layout.record_bytes
+    # chunks of 8, 8, 3 (the prompt but its last token), the last token, 4 decode steps
+    assert [len(c) for c in back.ids[back.layers[0]]] == [8, 8, 3, 1, 1, 1, 1, 1]
+    assert back.decode_from == 4 and back.decode_tokens == 4
+    for layer in back.layers:
+        for a, b in zip(t.ids[layer], back.ids[layer]):
+            np.testing.assert_array_equal(a, b)
+    assert back.predicted and set(back.predicted) <= set(back.layers)
+    np.testing.assert_array_equal(back.profile, model.expert_cache.predictor.profile)
+    model.expert_cache.close()
+
+
+def test_lookups_are_each_call_s_distinct_experts_layer_by_layer():
+    ids = {
+        3: [np.array([[1, 2], [2, 5]]), np.array([[4, 1]]), np.array([[3, 1]])],
+        7: [np.array([[0, 0], [1, 1]]), np.array([[6, 6]]), np.array([[2, 0]])],
+    }
+    t = trace.Trace([3, 7], 8, 4096, ids)
+    assert t.decode_from == 2  # the one-token call after the prompt's last token
+    got = [(d, l, e.tolist()) for d, l, e in t.lookups()]
+    assert got == [
+        (False, 3, [1, 2, 5]),
+        (False, 7, [0, 1]),
+        (False, 3, [1, 4]),
+        (False, 7, [6]),
+        (True, 3, [1, 3]),
+        (True, 7, [0, 2]),
+    ]
+
+
+def test_files_of_the_decode_benchmark_are_read(tmp_path):
+    """benchmarks/decode.py writes the L/P arrays alone: the store fields are guessed."""
+    f = tmp_path / "old.npz"
+    np.savez_compressed(
+        f,
+        L2=np.array([[0, 1], [1, 3], [2, 2]], np.int16),
+        L2_T=np.array([2, 1], np.int32),
+    )
+    t = trace.read(f)
+    assert t.layers == [2] and t.num_experts == 4 and t.record_bytes == 0 and t.calls == 2
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        (None, "no such trace file"),
+        (b"not a zip", "not a trace file"),
+        ({"L0": np.zeros((3, 2), np.int16), "L0_T": np.array([2], np.int32)}, "does not add up"),
+        ({"format": np.array("other")}, "format 'other'"),
+        ({"x": np.zeros(2)}, "no routing ids"),
+    ],
+)
+def test_a_file_that_is_not_a_trace_is_a_one_line_error(tmp_path, content, says):
+    f = tmp_path / "t.npz"
+    if isinstance(content, bytes):
+        f.write_bytes(content)
+    elif content is not None:
+        np.savez(f, **content)
+    with pytest.raises(OptionError, match=says) as e:
+        trace.read(f)
+    assert str(f) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_generate_and_bench_write_traces(store, tmp_path):
+    path = store(FAMILY)
+    out = tmp_path / "gen.npz"
+    tokens = ",".join(map(str, prompt_ids(12, seed=1)))
+    cmd = [sys.executable, "-m", "strata_mlx", "generate", "--model", str(path)]
+    r = subprocess.run(
+        [*cmd, "--prompt-tokens", tokens, "-m", "4", "--trace", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    t = trace.read(out)
+    assert t.decode_tokens == 3 and t.num_experts == load_manifest(path).num_experts
+
+    r = subprocess.run(
+        [
+            *cmd[:3], "bench", "--model", str(path), "-p", "16", "-g", "3",
+            "--prefill-step-size", "8", "--arena-gb", str(small_arena_gb(path, 12)),
+            "--policies", "demand,lookahead", "--trace", str(tmp_path / "b.npz"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert f"trace: {tmp_path / 'b-demand-r0.npz'}" in r.stdout
+    for policy in ("demand", "lookahead"):
+        t = trace.read(tmp_path / f"b-{policy}-r0.npz")
+        # the cold run alone: 2 chunks, the last prompt token, 3 decode calls
+        assert t.calls == 6 and t.decode_tokens == 3
