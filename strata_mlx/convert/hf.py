@@ -259,11 +259,14 @@ def convert_hf(
     if any(k.endswith("weight_scale_inv") for k in weights):
         weights = dequantize_fp8(weights, config, src)
         config.pop("quantization_config", None)  # the source's; the store holds floats
-    model = fam.Model(args)
+    try:
+        model = fam.Model(args)
+    except (ValueError, OverflowError) as e:  # a family's refusal, as load() reports it
+        raise StoreError(f"{src / 'config.json'}: {str(e).splitlines()[0]}") from None
     moe_layers = sorted(model.moe_blocks())
     num_experts = 0
     if moe_layers:  # DeepSeek-V3 and GLM-4.5 say n_routed_experts: their ModelArgs map it
-        num_experts = config.get("num_experts") or getattr(args, "num_experts", 0)
+        num_experts = getattr(args, "num_experts", None) or args.num_local_experts
     prefixes = [fam.EXPERT_PREFIX.format(layer=l) for l in moe_layers]
 
     mlx_ckpt = is_mlx_checkpoint(weights, config)
