@@ -23,7 +23,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-
 KINDS = ("default", "linear", "llama3", "yarn", "deepseek_yarn")
 # Bounds of the numbers a scaling dict gives. Checkpoints use factors up to 64 and mscales
 # near 1; past these bounds the YaRN frequencies or attention factor overflow float32
