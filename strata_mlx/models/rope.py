@@ -60,7 +60,10 @@ def check_scaling(scaling: Any, base: Any, fail: Callable[[str, str], None]) -> 
             fail(f"rope_scaling.{key}", f"expected a string, got {_short(v)}")
     kind = rope_kind(scaling)
     if kind not in KINDS:
-        fail("rope_scaling.rope_type", f"{kind!r} is not one of {', '.join(KINDS)}")
+        fail(
+            "rope_scaling.rope_type",
+            f"unsupported rope scaling {kind!r}; supported: {', '.join(KINDS)}",
+        )
     for key, (lo, closed, hi) in NUMBERS.items():
         if key not in scaling or (scaling[key] is None and key in OPTIONAL):
             continue
