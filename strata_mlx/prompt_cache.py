@@ -89,6 +89,13 @@ def make_prompt_cache(model, kv: KVOptions | None = None, cli: bool = False) -> 
     kv.check(cli)
     cache = model.make_cache()
     family = model.args.model_type
+    plain = getattr(model, "plain_kv_only", None)  # why the family takes no other cache
+    if plain and (kv.max_kv_size is not None or kv.kv_bits is not None):
+        name = "max_kv_size" if kv.max_kv_size is not None else "kv_bits"
+        flag = "--" + name.replace("_", "-") if cli else name
+        raise OptionError(
+            f"{flag}: {family} keeps a plain KV cache, neither rotating nor quantized ({plain})"
+        )
     if kv.kv_bits is not None and not getattr(model, "quantized_kv", True):
         flag = "--kv-bits" if cli else "kv_bits"
         raise OptionError(f"{flag}: {family}'s latent attention cache cannot be quantized")

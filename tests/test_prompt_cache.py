@@ -18,6 +18,7 @@ from test_server import tiny  # noqa: F401 (a fixture: the tiny store with a tok
 
 import strata_mlx
 from strata_mlx.generate import cache_prompt, stream_generate
+from strata_mlx.options import OptionError
 from strata_mlx.prompt_cache import (
     KVOptions,
     PromptCacheError,
@@ -505,3 +506,19 @@ def test_crafted_files_of_the_wrong_shape_or_types_are_one_line(saved, tmp_path,
     with pytest.raises(PromptCacheError, match=words) as e:
         load_prompt_cache(bad, model)
     assert "\n" not in str(e.value) and str(bad) in str(e.value)
+
+
+def test_gpt_oss_takes_neither_a_rotating_nor_a_quantized_cache(store):
+    """--max-kv-size on gpt_oss was a ValueError from inside its attention; --kv-bits spoke of
+    a latent cache, which gpt_oss does not have."""
+    model, _ = strata_mlx.load(store("gpt_oss"), read_ahead="demand")
+    for kv, flag in (
+        (KVOptions(max_kv_size=16), "--max-kv-size"),
+        (KVOptions(kv_bits=4), "--kv-bits"),
+    ):
+        with pytest.raises(OptionError,
+                           match=f"{flag}: gpt_oss keeps a plain KV cache, neither rotating nor "
+                           "quantized") as e:  # fmt: skip
+            make_prompt_cache(model, kv, cli=True)
+        assert "latent" not in str(e.value)
+    model.expert_cache.close()
