@@ -105,15 +105,19 @@ def test_bad_rope_scaling_fields_refused_in_one_line(key, value, hf_checkpoint):
     assert "\n" not in str(e.value) and str(path) in str(e.value)
 
 
-def test_yarn_needs_a_base_above_one(hf_checkpoint):
-    """YaRN divides by log(rope_theta): 1 was a ZeroDivisionError."""
+@pytest.mark.parametrize("theta", [1.0, 1.6e-58])
+def test_rope_theta_must_be_above_one(hf_checkpoint, theta):
+    """YaRN divides by log(rope_theta): 1 was a ZeroDivisionError; a base of 1.6e-58 (no
+    scaling) gave NaN log-probabilities."""
     from strata_mlx.loader import family
     from strata_mlx.models.base import normalize_config
     from strata_mlx.store import StoreError
 
     config, path = _deepseek_config(hf_checkpoint)
-    config["rope_theta"] = 1.0
-    with pytest.raises(StoreError, match="rope_theta: 1.0: yarn scaling needs a base > 1"):
+    config["rope_theta"] = theta
+    if theta < 1:
+        config.pop("rope_scaling")
+    with pytest.raises(StoreError, match=f"rope_theta: {theta}: expected a base > 1"):
         family("deepseek_v3").ModelArgs.from_dict(normalize_config(config), path)
 
 

@@ -47,9 +47,13 @@ OPTIONAL = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_fac
 
 
 def check_scaling(scaling: Any, base: Any, fail: Callable[[str, str], None]) -> None:
-    """A config's `rope_scaling` (and the `rope_theta` YaRN divides by the log of): every
+    """A config's `rope_scaling` and `rope_theta` (the base of the periods): every
     field initialize_rope and yarn_attention_scale read, of its type and in its range.
     `fail(field, message)` raises (a StoreError naming the config) on the first bad one."""
+    if isinstance(base, (int, float)) and not isinstance(base, bool) and not base > 1:
+        # the periods are base ** (2i / dims): a base of 1 or less (1e-58 was one) rotates
+        # nothing or overflows the frequencies to inf, and YaRN divides by log(base)
+        fail("rope_theta", f"{base}: expected a base > 1")
     if scaling is None:
         return
     if not isinstance(scaling, dict):
@@ -85,8 +89,6 @@ def check_scaling(scaling: Any, base: Any, fail: Callable[[str, str], None]) -> 
         for key in ("factor", "original_max_position_embeddings"):
             if key not in scaling:
                 fail(f"rope_scaling.{key}", f"missing ({kind} needs it)")
-        if isinstance(base, (int, float)) and not isinstance(base, bool) and not base > 1:
-            fail("rope_theta", f"{base}: {kind} scaling needs a base > 1")
 
 
 def _short(v: Any) -> str:
