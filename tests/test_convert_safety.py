@@ -434,3 +434,19 @@ def test_weights_that_overflow_the_store_dtype_are_refused(hf_checkpoint, tmp_pa
     _save(src, w)
     _refused(src, tmp_path / "s", "experts.2.down_proj: 1 non-finite .* cast to float16",
              dtype="float16")  # fmt: skip
+
+
+def test_cli_refuses_nan_weights_in_one_line(hf_checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
+    src = shutil.copytree(hf_checkpoint("qwen3_moe"), tmp_path / "src")
+    (f,) = src.glob("*.safetensors")
+    w = load_file(f)
+    w["model.layers.1.mlp.experts.4.up_proj.weight"][2, 2] = float("nan")
+    _save(src, w)
+    out = tmp_path / "s"
+    quiet = {**os.environ, "PYTHONWARNINGS": "ignore"}  # the checkpoint has no tokenizer
+    r = run("convert", "--hf-path", src, "--mlx-path", out, "--calibration-tokens", 0, env=quiet)
+    line = _error_line(r)
+    assert "experts.4.up_proj: 1 non-finite values" in line and str(src) in line
+    assert not out.exists() and not _temps(out)
