@@ -236,7 +236,12 @@ def test_cli_prompt_cache_errors_are_one_line(store, tmp_path):
     mx.save_safetensors(str(junk), {"a": mx.zeros(2)})
     text = tmp_path / "text.safetensors"
     text.write_text("not safetensors")
+    damaged = tmp_path / "damaged.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0xFF  # a payload byte
+    damaged.write_bytes(bytes(raw))
     cases = [
+        (qwen, ["--prompt-cache-file", damaged], "checksum mismatch"),
         (olmoe, ["--prompt-cache-file", f], "made by another model"),
         (qwen, ["--prompt-cache-file", tmp_path / "none.safetensors"], "no such prompt cache"),
         (qwen, ["--prompt-cache-file", junk], "not a strata-mlx prompt cache"),
