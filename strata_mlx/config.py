@@ -17,6 +17,12 @@ MAX_IO_WORKERS = 256
 MAX_PREFILL_STEP = 1 << 20
 MAX_SEED = (1 << 64) - 1  # mx.random.seed takes an unsigned 64-bit integer
 MAX_INDEX = (1 << 31) - 1  # MLX slices and partitions with 32-bit integers
+# The largest magnitude a number option takes where it has no bound of its own: MLX refuses
+# an integer past int64 (`--temp 9223372036854775808` was a RuntimeError "std::bad_cast")
+# and `--arena-gb 1e308` overflowed converting to bytes.
+MAX_NUMBER = 1e9
+MAX_TARGET_MEMORY_GB = 1 << 20  # plan --target-memory: a petabyte
+MAX_PLAN_TOKENS = 1 << 24
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: -100 bans a token, 100 forces it
 XTC_MAX_THRESHOLD = 0.5  # above it more than one token could exceed it: mlx-lm's bound
 DEFAULT_MAX_TOKENS = 512  # serve: a request's max_tokens when it gives none
@@ -65,12 +71,14 @@ def check_number(
     lo_open: bool = False,
     cli: bool = False,
 ) -> float:
-    ok = _is_number(v) and math.isfinite(v) and (v > lo if lo_open else v >= lo)
-    if ok and hi is not None:
-        ok = v <= hi
+    """A finite number in [lo, hi] ((lo, hi] with `lo_open`); no `hi` is MAX_NUMBER and a lo
+    of -inf is -MAX_NUMBER."""
+    hi = MAX_NUMBER if hi is None else hi
+    lo = max(lo, -MAX_NUMBER)
+    ok = _is_number(v) and math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
     if not ok:
-        low = f"({lo}" if lo_open else f"[{lo}"
-        high = f", {hi}]" if hi is not None else ", inf)"
+        low = f"({lo:g}" if lo_open else f"[{lo:g}"
+        high = f", {hi:g}]"
         raise OptionError(
             f"{_name(name, cli)} {v!r}: expected a finite number in {low}{high}", param=name
         )
@@ -132,6 +140,38 @@ def check_runtime(cfg, cli: bool = False) -> None:
     ):
         if not isinstance(getattr(cfg, name), bool):
             raise OptionError(f"{_name(name, cli)} {getattr(cfg, name)!r}: expected true or false")
+
+
+def check_plan(
+    target_memory_gb: Any = None,
+    target_ssd_gbps: Any = None,
+    target_tflops: Any = None,
+    io_workers: Any = 8,
+    prompt_tokens: Any = 2048,
+    gen_tokens: Any = 128,
+    probe_seconds: Any = 1.0,
+    arena_gb: Any = None,
+    prefill_step_size: Any = None,
+    cli: bool = False,
+) -> None:
+    """strata_mlx.plan's arguments: a target machine's memory, drive and compute are finite
+    and > 0 (a target memory of nan or inf was a ValueError converting it to bytes, a drive of
+    0 GB/s a ZeroDivisionError), worker and token counts in range (--io-workers 0 reached the
+    native reader's own ValueError)."""
+    if target_memory_gb is not None:
+        check_number("target_memory", target_memory_gb, 0, MAX_TARGET_MEMORY_GB, True, cli)
+    if target_ssd_gbps is not None:
+        check_number("target_ssd_gbps", target_ssd_gbps, 0, lo_open=True, cli=cli)
+    if target_tflops is not None:
+        check_number("target_tflops", target_tflops, 0, lo_open=True, cli=cli)
+    check_int("io_workers", io_workers, 1, MAX_IO_WORKERS, cli=cli)
+    check_int("prompt_tokens", prompt_tokens, 1, MAX_PLAN_TOKENS, cli=cli)
+    check_int("generation_tokens", gen_tokens, 0, MAX_PLAN_TOKENS, cli=cli)
+    check_number("probe_seconds", probe_seconds, 0, 3600, lo_open=True, cli=cli)
+    if arena_gb is not None:
+        check_number("arena_gb", arena_gb, 0, lo_open=True, cli=cli)
+    if prefill_step_size is not None:
+        check_int("prefill_step_size", prefill_step_size, 1, MAX_PREFILL_STEP, cli=cli)
 
 
 def check_sampling(

@@ -1,7 +1,7 @@
 """Fuzzing and fault injection (issue 16 item 8), property-based with hypothesis, bounded in
 time (well under a minute each on two cores): every input ends in success or in one of our
-one-line error types (StoreError, OptionError), never another exception, a native crash or
-a hang.
+one-line error types (StoreError, OptionError, PromptCacheError), never another exception, a
+native crash or a hang.
 
 - mutated manifests of tiny stores (an HF store with affine experts and quantized dense
   layers; a GGUF store with per-layer layouts and a tokenizer) through load() and two
@@ -10,7 +10,13 @@ a hang.
   load() and generation of whatever converted;
 - a conversion killed with SIGKILL at a random point, then run again: the output is at every
   moment absent or a whole store (never a partial one), and the rerun leaves no temporary
-  directory behind.
+  directory behind;
+- the rope and routing fields of store configs (a manifest's config, through load() and three
+  tokens whose log-probabilities must be numbers) and of Hugging Face config.json files
+  (through convert, which leaves no store behind when it refuses);
+- prompt-cache files: random bytes (refused, or the answer of a cold run), and crafted files
+  whose checksum matches: arrays of the wrong shape or dtype, missing, renamed or extra ones,
+  metadata of the wrong type.
 
 Inputs that crashed before the fixes are kept as regression tests in test_validation.py.
 In CI (CI=true) the examples are derandomized, so a run is reproducible; locally each run
@@ -393,3 +399,265 @@ def test_convert_killed_at_a_random_point_then_rerun(
     load_manifest(out)
     if before is not None:
         assert (out / "manifest.json").read_bytes() == before  # the same source, the same store
+
+
+# ---- store configs: rope and routing fields ------------------------------------------------
+
+# The config fields the rotary embeddings and the routers read, per kind of model.
+ROPE_KEYS = ["rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
+             "low_freq_factor", "high_freq_factor"]  # fmt: skip
+CONFIG_KEYS = ["rope_scaling", "rope_parameters", "rope_theta", "partial_rotary_factor",
+               "rope_interleave", "rope_traditional", "num_experts_per_tok", "n_group",
+               "topk_group", "routed_scaling_factor", "norm_topk_prob", "scoring_func",
+               "topk_method", "first_k_dense_replace", "moe_layer_freq", "n_routed_experts",
+               "n_shared_experts", "num_experts", "num_local_experts", "decoder_sparse_step",
+               "mlp_only_layers", "swiglu_limit", "swiglu_alpha", "sliding_window",
+               "layer_types", "qk_rope_head_dim", "max_position_embeddings"]  # fmt: skip
+config_values = st.one_of(
+    json_values,
+    st.floats(min_value=0, max_value=1e6),
+    st.sampled_from(
+        [
+            "yarn",
+            "llama3",
+            "linear",
+            "deepseek_yarn",
+            "default",
+            "dynamic",
+            "sigmoid",
+            "softmax",
+            "noaux_tc",
+            "greedy",
+        ]
+    ),  # fmt: skip
+)
+
+
+def _mutate_config(config: dict, data) -> None:
+    """Set or delete one rope_scaling key (a scaling dict made if there is none) or one
+    rope / routing field of the config."""
+    if data.draw(st.booleans()):
+        scaling = config.get("rope_scaling")
+        if not isinstance(scaling, dict):
+            scaling = config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0,
+                                                "original_max_position_embeddings": 128}  # fmt: skip
+        key = data.draw(st.sampled_from(ROPE_KEYS))
+        where = scaling
+    else:
+        key = data.draw(st.sampled_from(CONFIG_KEYS))
+        where = config
+    if data.draw(st.integers(0, 4)) == 0:
+        where.pop(key, None)
+    else:
+        where[key] = data.draw(config_values)
+
+
+def _generate_finite(path: Path) -> None:
+    """load() and three tokens: only our error types, and log-probabilities that are numbers
+    (a NaN answer is a silent wrong one)."""
+    import numpy as np
+
+    try:
+        model, _ = strata_mlx.load(path, arena_gb=3 * 4096 / 1024**3)
+    except OURS as e:
+        _one_line(e)
+        event("refused at load")
+        return
+    try:
+        for r in strata_mlx.stream_generate(model, None, [1, 2, 3, 4, 5], max_tokens=3):
+            assert np.isfinite(np.array(r.logprobs)).all(), "non-finite log-probabilities"
+        event("generated")
+    except OURS as e:
+        _one_line(e)
+        event("refused in generation")
+    finally:
+        model.expert_cache.close()
+
+
+@pytest.fixture(scope="module")
+def config_bases(store, tmp_path_factory):
+    """family -> (working copy of its tiny store, its original manifest): YaRN and group
+    routing (deepseek_v3), YaRN and sliding windows (gpt_oss), top-k routing (qwen3_moe)."""
+    root = tmp_path_factory.mktemp("fuzz-configs")
+    bases = {}
+    for family in ("deepseek_v3", "gpt_oss", "qwen3_moe"):
+        work = shutil.copytree(store(family), root / family)
+        bases[family] = (work, json.loads((work / "manifest.json").read_text()))
+    return bases
+
+
+@settings(max_examples=300, **FUZZ)
+@given(data=st.data())
+def test_store_configs_rope_and_routing_fields_load_or_fail_in_one_line(
+    config_bases, bounded_memory, data
+):
+    family = data.draw(st.sampled_from(sorted(config_bases)))
+    path, original = config_bases[family]
+    m = copy.deepcopy(original)
+    for _ in range(data.draw(st.integers(1, 3))):
+        _mutate_config(m["config"], data)
+    (path / "manifest.json").write_text(json.dumps(m))
+    _generate_finite(path)
+
+
+@settings(max_examples=60, **FUZZ)
+@given(data=st.data())
+def test_checkpoint_configs_rope_and_routing_fields_convert_or_fail_in_one_line(
+    hf_checkpoint, tmp_path_factory, bounded_memory, data
+):
+    """The same fields in a Hugging Face config.json, through convert: one line and no
+    store (nor a temporary directory) left, or a store that loads and generates."""
+    from strata_mlx.convert.hf import convert_hf
+
+    family = data.draw(st.sampled_from(["deepseek_v3", "gpt_oss"]))
+    d = tmp_path_factory.mktemp("fuzz-hf")
+    src = shutil.copytree(hf_checkpoint(family), d / "src")
+    config = json.loads((src / "config.json").read_text())
+    for _ in range(data.draw(st.integers(1, 2))):
+        _mutate_config(config, data)
+    (src / "config.json").write_text(json.dumps(config))
+    out = d / "out"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no tokenizer files
+            made = convert_hf(src, out, progress=False, calibration_tokens=0)
+    except OURS as e:
+        _one_line(e)
+        event("refused at convert")
+        assert not out.exists()
+    else:
+        _generate_finite(made)
+    assert not list(out.parent.glob(f".{out.name}.*")), "a temporary directory was left"
+
+
+# ---- prompt-cache files --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prompt_caches(store, tmp_path_factory):
+    """family -> (a resident model, a saved cache of 12 tokens: its bytes, arrays and
+    metadata, the prompt's remaining tokens, the tokens a cold run of the whole prompt
+    generates). KV layers (qwen3_moe) and recurrent ones (qwen3_next)."""
+    import mlx.core as mx
+
+    from strata_mlx.generation.generate import cache_prompt
+    from strata_mlx.generation.prompt_cache import save_prompt_cache
+
+    d = tmp_path_factory.mktemp("fuzz-caches")
+    made = {}
+    for family in ("qwen3_moe", "qwen3_next"):
+        path = store(family)
+        size = load_manifest(path).expert_bytes
+        model, _ = strata_mlx.load(path, arena_gb=size / 1024**3, read_ahead="demand")
+        model.expert_cache.warm()
+        ids = list(range(3, 23))
+        cold = [r.token for r in strata_mlx.stream_generate(model, None, ids, 3)]
+        f = d / f"{family}.safetensors"
+        save_prompt_cache(f, cache_prompt(model, ids[:12]), model, ids[:12])
+        arrays, meta = mx.load(str(f), return_metadata=True)
+        made[family] = (model, f.read_bytes(), dict(arrays), dict(meta), ids[12:], cold)
+    yield made
+    for model, *_ in made.values():
+        model.expert_cache.close()
+
+
+def _mutated_arrays(arrays: dict, data) -> dict:
+    """One array of the wrong shape or dtype, or one missing, renamed or added."""
+    import mlx.core as mx
+
+    arrays = dict(arrays)
+    name = data.draw(st.sampled_from(sorted(arrays)))
+    a = arrays[name]
+    kind = data.draw(st.sampled_from(["slice", "grow", "transpose", "flat", "dtype", "drop",
+                                      "rename", "add"]))  # fmt: skip
+    axis = data.draw(st.integers(0, a.ndim - 1)) if a.ndim else 0
+    if kind == "slice" and a.ndim and a.shape[axis] > 1:
+        arrays[name] = mx.split(a, [a.shape[axis] - 1], axis=axis)[0]
+    elif kind == "grow" and a.ndim:
+        arrays[name] = mx.concatenate([a, a], axis=axis)
+    elif kind == "transpose" and a.ndim > 1:
+        arrays[name] = mx.swapaxes(a, 0, a.ndim - 1)
+    elif kind == "flat":
+        arrays[name] = a.reshape(-1)
+    elif kind == "dtype":
+        dtype = data.draw(st.sampled_from([mx.float16, mx.bfloat16, mx.int32, mx.uint32,
+                                           mx.uint8, mx.bool_]))  # fmt: skip
+        arrays[name] = a.astype(dtype)
+    elif kind == "drop":
+        del arrays[name]
+    elif kind == "rename":
+        new = data.draw(
+            st.sampled_from(["0.keys", "9.keys", "x", "1.", "0.0", "01.keys", "٣.keys"])
+        )
+        arrays[new] = arrays.pop(name)
+    else:
+        arrays[data.draw(st.sampled_from(["0.extra", "5.keys", "0.7"]))] = a
+    return arrays
+
+
+def _mutated_metadata(meta: dict, data) -> dict:
+    """One metadata entry replaced by other text, or one field of a layer's entry by a JSON
+    value of another type or range."""
+    meta = dict(meta)
+    key = data.draw(st.sampled_from(sorted(meta)))
+    if key == "layers" and data.draw(st.booleans()):
+        layers = json.loads(meta["layers"])
+        i = data.draw(st.integers(0, len(layers) - 1))
+        field = data.draw(st.sampled_from(sorted(layers[i]) + ["type", "bits", "size"]))
+        layers[i][field] = data.draw(json_values)
+        meta["layers"] = json.dumps(layers)
+    elif data.draw(st.booleans()):
+        meta[key] = json.dumps(data.draw(json_values))
+    else:
+        meta[key] = data.draw(st.text(max_size=12))
+    return meta
+
+
+def _resume(model, f: Path, rest: list[int]) -> list[int] | None:
+    """The tokens generated from the cache in `f`, or None where it is refused in one line."""
+    from strata_mlx.generation.prompt_cache import PromptCacheError, load_prompt_cache
+
+    try:
+        cache, tokens, _ = load_prompt_cache(f, model)
+        out = strata_mlx.stream_generate(model, None, rest, 3, prompt_cache=cache,
+                                         cached_tokens=tokens)  # fmt: skip
+        return [r.token for r in out]
+    except (*OURS, PromptCacheError) as e:
+        _one_line(e)
+        event(f"refused: {type(e).__name__}")
+        return None
+
+
+@settings(max_examples=300, **FUZZ)
+@given(data=st.data())
+def test_prompt_cache_files_load_or_fail_in_one_line(prompt_caches, tmp_path_factory, data):
+    """Random bytes anywhere in the file (the checksum must catch every change that matters:
+    the tokens are then those of a cold run), and crafted files whose checksum matches:
+    arrays of the wrong shape or dtype, missing or extra ones, metadata of the wrong type."""
+    import mlx.core as mx
+
+    from strata_mlx.generation.prompt_cache import payload_checksum
+
+    family = data.draw(st.sampled_from(sorted(prompt_caches)))
+    model, raw, arrays, meta, rest, cold = prompt_caches[family]
+    f = tmp_path_factory.mktemp("fuzz-cache") / "c.safetensors"
+    kind = data.draw(st.sampled_from(["bytes", "arrays", "metadata"]))
+    if kind == "bytes":
+        b = bytearray(raw)
+        for _ in range(data.draw(st.integers(1, 40))):
+            b[data.draw(st.integers(0, len(b) - 1))] = data.draw(st.integers(0, 255))
+        if data.draw(st.integers(0, 9)) == 0:
+            b = b[: data.draw(st.integers(0, len(b) - 1))]  # truncated
+        f.write_bytes(bytes(b))
+        got = _resume(model, f, rest)
+        assert got is None or got == cold, "a damaged file changed the answer"
+        return
+    if kind == "arrays":
+        arrays = _mutated_arrays(arrays, data)
+    else:
+        meta = _mutated_metadata(meta, data)
+    if data.draw(st.integers(0, 4)):  # most crafted files carry a matching checksum
+        meta["checksum"] = payload_checksum(arrays, meta)
+    mx.save_safetensors(str(f), arrays, meta)
+    _resume(model, f, rest)

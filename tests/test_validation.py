@@ -294,6 +294,51 @@ def test_api_refuses_the_same_values(store):
     check_sampling(1, 0.0, 1.0, 2**64 - 1)  # the largest seed MLX takes
 
 
+def test_numbers_too_large_for_mlx_are_refused(store):
+    """Integers past int64 reached MLX as "std::bad_cast" RuntimeErrors (temp, moce_bonus,
+    the penalties) and an arena of 1e308 GB overflowed converting to bytes."""
+    from strata_mlx.generation.sampling import make_logits_processors, make_sampler
+
+    path = store(FAMILY)
+    for bad in ({"arena_gb": 1e308}, {"moce_bonus": 2**63}):
+        with pytest.raises(OptionError, match=next(iter(bad))) as e:
+            strata_mlx.load(path, **bad)
+        _one_line(e.value)
+    with pytest.raises(OptionError, match="temp 9223372036854775808: expected a finite number"):
+        make_sampler(temp=2**63)
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        with pytest.raises(OptionError, match=name):
+            make_logits_processors(**{name: 2**63})
+    r = _cli("generate", "--model", path, "--prompt-tokens", "1,2", "--arena-gb", "1e308")
+    assert r.exit_code == 2 and "--arena-gb 1e+308: expected a finite number" in r.output
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"target_memory_gb": math.nan}, "--target-memory nan"),
+        ({"target_memory_gb": math.inf}, "--target-memory inf"),
+        ({"target_memory_gb": 0}, "--target-memory 0"),
+        ({"target_memory_gb": -1}, "--target-memory -1"),
+        ({"target_ssd_gbps": 0}, "--target-ssd-gbps 0"),
+        ({"target_tflops": math.nan}, "--target-tflops nan"),
+        ({"io_workers": 0}, "--io-workers 0"),
+        ({"arena_gb": math.nan}, "--arena-gb nan"),
+        ({"prompt_tokens": 0}, "--prompt-tokens 0"),
+        ({"gen_tokens": -1}, "--generation-tokens -1"),
+    ],
+)
+def test_plan_arguments_out_of_range(kw, words):
+    """plan's targets: nan and inf memory were a ValueError converting to bytes, a drive of 0
+    GB/s a ZeroDivisionError, --io-workers 0 the native reader's ValueError."""
+    from strata_mlx.config import check_plan
+
+    with pytest.raises(OptionError, match=words) as e:
+        check_plan(**kw, cli=True)
+    _one_line(e.value)
+    check_plan(target_memory_gb=24, target_ssd_gbps=8, target_tflops=3, cli=True)
+
+
 def test_options_end_to_end_exit_code(store):
     """As a user runs it: one line on stderr, exit code 2, no model loaded."""
     r = subprocess.run(
@@ -304,7 +349,7 @@ def test_options_end_to_end_exit_code(store):
         timeout=120,
     )
     assert r.returncode == 2 and r.stderr.strip() == (
-        "error: --arena-gb inf: expected a finite number in (0, inf)"
+        "error: --arena-gb inf: expected a finite number in (0, 1e+09]"
     ), r.stderr
 
 

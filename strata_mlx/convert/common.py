@@ -169,6 +169,36 @@ def calibrate(
         model.expert_cache.close()
 
 
+FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def check_finite(
+    tensors: dict[str, mx.array], where: str, allow: bool = False, cast: mx.Dtype | None = None
+) -> None:
+    """Refuse float tensors holding NaN or inf (the store would compute NaN: a checkpoint with
+    NaN weights converted and generated "0 0 0"), after a cast to `cast` where the store keeps
+    them in another dtype (1e38 in float16 is inf). Checked on the source floats: MLX's affine
+    and MXFP4 quantizers drop a NaN from their scales, so the quantized record can look fine.
+    One StoreError `{where}{name}: ...`; `allow` (--allow-non-finite) skips the check."""
+    if allow:
+        return
+    floats = {k: v for k, v in tensors.items() if v.dtype in FLOAT_DTYPES}
+    if not floats:
+        return
+    names = list(floats)
+    counts = [
+        mx.sum(~mx.isfinite(floats[k] if cast is None else floats[k].astype(cast))) for k in names
+    ]
+    mx.eval(counts)
+    for k, n in zip(names, counts):
+        if n.item():
+            after = f" after the cast to {str(cast).split('.')[-1]}" if cast is not None else ""
+            raise StoreError(
+                f"{where}{k}: {n.item()} non-finite values (NaN or inf){after}; the model would "
+                "compute NaN (pass --allow-non-finite to convert it anyway)"
+            )
+
+
 def to_float_dtype(name: str):
     try:
         return {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}[name]

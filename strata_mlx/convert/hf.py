@@ -26,7 +26,14 @@ from ..format.quant import expert_tensors, layout_for
 from ..format.store import PROJECTIONS, StoreError, StoreWriter
 from ..models.base import normalize_config
 from ..runtime.loader import family
-from .common import calibrate, check_output, copy_tokenizer, to_float_dtype
+from .common import (
+    FLOAT_DTYPES,
+    calibrate,
+    check_finite,
+    check_output,
+    copy_tokenizer,
+    to_float_dtype,
+)
 
 
 def read_config(src: Path) -> dict[str, Any]:
@@ -95,6 +102,11 @@ def dequantize_fp8(weights: dict[str, mx.array], config: dict, src: Path) -> dic
         if w is None or w.ndim != 2 or w.dtype != mx.uint8:
             what = "missing" if w is None else f"{w.dtype} {tuple(w.shape)}"
             raise StoreError(f"{src}: {k}: its weight {name} is {what}, not 2-D FP8 (e4m3)")
+        if scale.dtype not in FLOAT_DTYPES:
+            raise StoreError(
+                f"{src}: {k}: dtype {_dtype(scale)}, expected a float scale (float32, bfloat16 "
+                "or float16)"
+            )
         m, n = w.shape
         blocks = (-(-m // bm), -(-n // bn))
         if tuple(scale.shape) != blocks:
@@ -105,6 +117,65 @@ def dequantize_fp8(weights: dict[str, mx.array], config: dict, src: Path) -> dic
         full = mx.repeat(mx.repeat(scale.astype(mx.float32), bm, axis=0), bn, axis=1)
         out[name] = mx.from_fp8(w, dtype=mx.float32) * full[:m, :n]
     return out
+
+
+def check_unscaled(weights: dict[str, mx.array], config: dict, src: Path) -> None:
+    """A Hugging Face checkpoint (not mlx-lm's), its FP8 weights dequantized: every tensor
+    left is float, but for GPT-OSS's MXFP4 expert blocks and their scales. An FP8 weight
+    whose `weight_scale_inv` is missing is still e4m3 bytes here; cast to floats it would
+    convert with exit 0 and compute wrong (top-1 agreement fell to 50 %)."""
+    fp8 = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
+    for k, v in weights.items():
+        if v.dtype in FLOAT_DTYPES or k.endswith(("_blocks", "_scales")):
+            continue
+        scale = "its weight_scale_inv" if fp8 or v.dtype == mx.uint8 else "a scale"
+        raise StoreError(
+            f"{src}: {k}: dtype {_dtype(v)} without {scale}; a quantized weight cannot be "
+            "read as floats (is a shard of the checkpoint missing?)"
+        )
+
+
+def check_mlx_quantized(weights: dict[str, mx.array], quant: dict, src: Path) -> None:
+    """An mlx-lm checkpoint's quantized tensors, before any is used: each uint32 `.weight`
+    has float `.scales` and `.biases` (MLX affine) of the shape its bits and group size give
+    ([..., in * bits / 32] codes -> [..., in / group_size] scales). Integer scales were
+    accepted and read as numbers; a weight without scales was read as floats."""
+    from ..runtime.loader import check_quantization
+
+    config = src / "config.json"
+    check_quantization(quant or None, config)
+    for k, w in weights.items():
+        if not k.endswith(".weight") or w.dtype in FLOAT_DTYPES:
+            continue
+        base = k[: -len(".weight")]
+        scales, biases = weights.get(f"{base}.scales"), weights.get(f"{base}.biases")
+        if w.dtype != mx.uint32 or scales is None or biases is None:
+            what = "scales" if scales is None else "biases"
+            if w.dtype != mx.uint32:
+                raise StoreError(f"{src}: {k}: dtype {_dtype(w)}, expected float or uint32 codes")
+            raise StoreError(f"{src}: {k}: quantized (uint32) without its {base}.{what}")
+        spec = quant.get(base) if isinstance(quant.get(base), dict) else quant
+        if not spec:
+            raise StoreError(f"{config}: quantization: missing, but {k} is quantized")
+        for name, t in (("scales", scales), ("biases", biases)):
+            if t.dtype not in FLOAT_DTYPES:
+                raise StoreError(
+                    f"{src}: {base}.{name}: dtype {_dtype(t)}, expected float32, bfloat16 or "
+                    "float16"
+                )
+        inputs = w.shape[-1] * 32 // spec["bits"]
+        want = (*w.shape[:-1], inputs // spec["group_size"])
+        for name, t in (("scales", scales), ("biases", biases)):
+            if tuple(t.shape) != want or inputs % spec["group_size"]:
+                raise StoreError(
+                    f"{src}: {base}.{name}: shape {tuple(t.shape)}, expected {want} for "
+                    f"{k} {tuple(w.shape)} at {spec['bits']} bits in groups of "
+                    f"{spec['group_size']}"
+                )
+
+
+def _dtype(a: mx.array) -> str:
+    return str(a.dtype).split(".")[-1]
 
 
 def _pos_int(v) -> bool:
@@ -235,11 +306,14 @@ def convert_hf(
     progress: bool = True,
     overwrite: bool | None = None,
     q_mode: str = "affine",
+    allow_non_finite: bool = False,
 ) -> Path:
     """A Hugging Face (or mlx-lm) checkpoint directory -> a store at mlx_path; an existing
     store there is replaced only with `overwrite` (common.check_output). `q_mode` (with
     `quantize`): "affine" (q_bits, q_group_size; experts and dense layers) or "mxfp4" (experts
-    only: OCP MXFP4, 4-bit E2M1 in blocks of 32; the dense layers stay float)."""
+    only: OCP MXFP4, 4-bit E2M1 in blocks of 32; the dense layers stay float). Refused before
+    the store is committed: a quantized weight without its scale or with scales of the wrong
+    dtype or shape, and NaN or inf weights unless `allow_non_finite` (--allow-non-finite)."""
     src = Path(hf_path)
     if q_mode not in ("affine", "mxfp4"):
         raise StoreError(f"--q-mode {q_mode}: expected affine or mxfp4")
@@ -259,15 +333,22 @@ def convert_hf(
     if any(k.endswith("weight_scale_inv") for k in weights):
         weights = dequantize_fp8(weights, config, src)
         config.pop("quantization_config", None)  # the source's; the store holds floats
-    model = fam.Model(args)
+    try:
+        model = fam.Model(args)
+    except (ValueError, OverflowError) as e:  # a family's refusal, as load() reports it
+        raise StoreError(f"{src / 'config.json'}: {str(e).splitlines()[0]}") from None
     moe_layers = sorted(model.moe_blocks())
     num_experts = 0
     if moe_layers:  # DeepSeek-V3 and GLM-4.5 say n_routed_experts: their ModelArgs map it
-        num_experts = config.get("num_experts") or getattr(args, "num_experts", 0)
+        num_experts = getattr(args, "num_experts", None) or args.num_local_experts
     prefixes = [fam.EXPERT_PREFIX.format(layer=l) for l in moe_layers]
 
     mlx_ckpt = is_mlx_checkpoint(weights, config)
     mlx_quant = (config.get("quantization") or {}) if mlx_ckpt else None
+    if mlx_ckpt:
+        check_mlx_quantized(weights, mlx_quant, src)
+    else:
+        check_unscaled(weights, config, src)
     if mlx_ckpt:
         if quantize and mlx_quant:
             raise StoreError(f"{src}: already quantized (an mlx-lm checkpoint); drop -q")
@@ -318,6 +399,7 @@ def convert_hf(
             else v
             for k, v in dense.items()
         }
+    check_finite(dense, f"{src}: ", allow_non_finite)
     store_config = dict(config)
     store_config["torch_dtype"] = dtype
     try:
@@ -366,6 +448,7 @@ def convert_hf(
             progress,
             src,
             mlx_quant,
+            allow_non_finite,
         )
         calibrate(writer, calibration_tokens)
         return writer.commit()
@@ -383,6 +466,7 @@ def _write_experts(
     progress,
     src,
     mlx_quant,
+    allow_non_finite=False,
 ) -> None:
     from tqdm import tqdm
 
@@ -394,9 +478,30 @@ def _write_experts(
                     tensors, _ = expert_record(weights, prefix, names, e, equant, fdtype, mlx_quant)
                 except KeyError as k:
                     raise StoreError(f"{src}: expert tensor {k} not found") from None
+                except ValueError as v:  # an MXFP4 checkpoint's blocks of the wrong type or shape
+                    raise StoreError(f"{src}: {v}") from None
                 mx.eval(tensors)
+                if not allow_non_finite:
+                    _check_expert_finite(weights, prefix, names, e, tensors, fdtype, src, mlx_quant)
                 writer.add_expert(layer, e, {k: _np(v) for k, v in tensors.items()})
                 bar.update(1)
+
+
+def _check_expert_finite(weights, prefix, names, e, tensors, fdtype, src, mlx_quant) -> None:
+    """Expert e's source floats (cast to the store's dtype where the converter casts or
+    quantizes them), or the tensors kept as the checkpoint holds them (mlx-lm's, MXFP4's,
+    whose E8M0 scale byte 0xFF is NaN)."""
+    where = f"{src}: {prefix}.{e}."
+    if mlx_quant is None and f"{prefix}.gate_up_proj_blocks" not in weights:
+        check_finite(expert_weights(weights, prefix, names, e), where, cast=fdtype)
+        return
+    check_finite(tensors, where)
+    for k, v in tensors.items():
+        if k.endswith(".scales") and v.dtype == mx.uint8 and mx.any(v == 255).item():
+            raise StoreError(
+                f"{where}{k}: E8M0 scale 0xFF (NaN); the model would compute NaN (pass "
+                "--allow-non-finite to convert it anyway)"
+            )
 
 
 def _np(a: mx.array):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config import OptionError
 from ..format.store import StoreError, read_json
 
 TOKENIZER_FILES = (
@@ -97,6 +98,9 @@ class Tokenizer:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; text that is not Unicode (a lone surrogate: a non-UTF-8 byte
+        of a command-line argument, a JSON escape) is an OptionError naming the prompt."""
+        check_text(text, "prompt")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -151,6 +155,42 @@ class StreamingDetokenizer:
     @property
     def text(self) -> str:
         return self._t.decode(self.tokens)
+
+
+def check_text(text: str, what: str) -> str:
+    """`text` if it can be written as UTF-8. Python keeps a command line's non-UTF-8 bytes as
+    lone surrogates (0xE9 as U+DCE9) and JSON can spell one out ("\\ud800"); the tokenizer
+    library refuses both with a TypeError that names neither the input nor the byte."""
+    if not isinstance(text, str):
+        raise OptionError(f"{what}: expected text, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        what_char = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"U+{c:04X}"
+        raise OptionError(
+            f"{what}: not UTF-8 text ({what_char} at character {e.start}); give it in UTF-8"
+        ) from None
+    return text
+
+
+def text_from_bytes(data: bytes, what: str) -> str:
+    """Bytes a user gave as text (stdin, a prompt file) decoded as UTF-8, or an OptionError
+    naming `what` and the first bad byte's offset."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise OptionError(
+            f"{what}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            "give it in UTF-8"
+        ) from None
+
+
+def read_stdin(what: str = "stdin") -> str:
+    """Standard input as UTF-8 text, whatever the locale says (text_from_bytes)."""
+    import sys
+
+    return text_from_bytes(sys.stdin.buffer.read(), what)
 
 
 def _token_str(t, path: Path, field: str) -> str | None:

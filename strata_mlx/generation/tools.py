@@ -24,7 +24,8 @@ from ..config import OptionError
 
 
 def load_logits(path: str | Path) -> np.ndarray:
-    """A .npy of float logits [T, vocab]; a one-line ValueError naming the file otherwise."""
+    """A .npy of finite float logits [T, vocab]; a one-line OptionError naming the file
+    otherwise."""
     path = Path(path)
     if not path.is_file():
         raise OptionError(f"{path}: no such file")
@@ -39,9 +40,20 @@ def load_logits(path: str | Path) -> np.ndarray:
         raise OptionError(f"{path}: expected logits of shape [T, vocab], got {list(a.shape)}")
     if not np.issubdtype(a.dtype, np.floating):
         raise OptionError(f"{path}: expected float logits, got dtype {a.dtype}")
-    if np.isnan(a).any():
-        raise OptionError(f"{path}: logits contain NaN")
+    check_finite_logits(a, str(path))
     return a
+
+
+def check_finite_logits(a: np.ndarray, what: str) -> None:
+    """NaN or inf logits make every KLD term NaN ("mean nan", exit 0): refused, naming the
+    first position and token that holds one."""
+    bad = ~np.isfinite(a)
+    if bad.any():
+        t, v = np.argwhere(bad)[0]
+        raise OptionError(
+            f"{what}: logits hold {int(bad.sum())} non-finite values (first {a[t, v]} at "
+            f"position {t}, token {v})"
+        )
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -93,6 +105,8 @@ def kld_report(ref, test) -> KLDReport:
             f"logits shapes differ: ref {list(ref.shape)} vs test {list(test.shape)} "
             "(both must be [T, vocab])"
         )
+    check_finite_logits(ref, "ref")
+    check_finite_logits(test, "test")
     lr, lt = log_softmax(ref), log_softmax(test)
     p = np.exp(lr)
     with np.errstate(invalid="ignore"):

@@ -17,6 +17,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .rope import check_scaling
+
 # Config values are checked for type and range before a model is built from them: a string
 # `hidden_size` or a `decoder_sparse_step` of 0 otherwise fails deep inside MLX (or divides by
 # zero), and a size of 2^40 would be allocated.
@@ -149,24 +151,7 @@ def _check_together(kw: dict[str, Any], fail, layer_types=LAYER_TYPES) -> None:
     for v in kw.get("rope_freq_factors") or []:
         if not v > 0:
             fail("rope_freq_factors", f"{v} must be > 0")
-    scaling = kw.get("rope_scaling")
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind is not None and not isinstance(kind, str):
-            fail("rope_scaling.rope_type", f"expected a string, got {_short(kind)}")
-        for key in (
-            "factor",
-            "low_freq_factor",
-            "high_freq_factor",
-            "original_max_position_embeddings",
-        ):
-            v = scaling.get(key)
-            if key in scaling and not (_conforms(v, float) and v > 0):
-                fail(f"rope_scaling.{key}", f"expected a number > 0, got {_short(v)}")
-        if kind in ("linear", "llama3") and "factor" not in scaling:
-            fail("rope_scaling.factor", "missing")
-        if scaling.get("low_freq_factor", 1.0) == scaling.get("high_freq_factor", 4.0):
-            fail("rope_scaling.high_freq_factor", "equals low_freq_factor")
+    check_scaling(kw.get("rope_scaling"), kw.get("rope_theta"), fail)
 
 
 def normalize_config(config: dict[str, Any]) -> dict[str, Any]:

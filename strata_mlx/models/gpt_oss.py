@@ -221,8 +221,11 @@ class Model(nn.Module):
     def make_cache(self) -> list[Any]:
         return [KVCache() for _ in self.model.layers]
 
-    # Attention sinks have no quantized-cache path (mlx-lm refuses them there too).
+    # Attention sinks have no quantized-cache path (mlx-lm refuses them there too), and the
+    # sliding window counts positions in a cache that holds them all, in order: no rotating
+    # or quantized cache (prompt_cache.make_prompt_cache says so in one line).
     quantized_kv = False
+    plain_kv_only = "its attention sinks and sliding windows count on every position"
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}

@@ -7,16 +7,93 @@ low_freq_factor and high_freq_factor wavelengths), "yarn" / "deepseek_yarn" (per
 blend of interpolated and original frequencies, transformers' rules), and llama.cpp's
 explicit per-frequency divisors (`freq_factors`, GGUF's rope_freqs tensor).
 
+`check_scaling` types and bounds every field of a scaling dict these read, so that a config
+(a checkpoint's, a store's manifest) with a bad one is refused in one line naming the field
+before a module is built, not as a TypeError or a NaN deep inside the arithmetic.
+
 Never: reads weights or configs beyond the scaling dict it is given.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
+KINDS = ("default", "linear", "llama3", "yarn", "deepseek_yarn")
+# Bounds of the numbers a scaling dict gives. Checkpoints use factors up to 64 and mscales
+# near 1; past these bounds the YaRN frequencies or attention factor overflow float32
+# (a factor of 1e308 gave inf logits).
+MAX_FACTOR = float(1 << 16)
+MAX_MSCALE = 100.0
+MAX_POSITIONS = (1 << 31) - 1
+# key -> (lowest, whether the lowest itself is allowed, highest); None stands for the key's
+# default wherever the rotary code reads it with `.get(key) or default`.
+NUMBERS: dict[str, tuple[float, bool, float]] = {
+    "factor": (0.0, False, MAX_FACTOR),
+    "original_max_position_embeddings": (0.0, False, MAX_POSITIONS),
+    "low_freq_factor": (0.0, False, MAX_FACTOR),
+    "high_freq_factor": (0.0, False, MAX_FACTOR),
+    "beta_fast": (0.0, False, MAX_FACTOR),
+    "beta_slow": (0.0, False, MAX_FACTOR),
+    "mscale": (0.0, True, MAX_MSCALE),
+    "mscale_all_dim": (0.0, True, MAX_MSCALE),
+    "attention_factor": (0.0, False, MAX_MSCALE),
+}
+OPTIONAL = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+
+
+def check_scaling(scaling: Any, base: Any, fail: Callable[[str, str], None]) -> None:
+    """A config's `rope_scaling` and `rope_theta` (the base of the periods): every
+    field initialize_rope and yarn_attention_scale read, of its type and in its range.
+    `fail(field, message)` raises (a StoreError naming the config) on the first bad one."""
+    if isinstance(base, (int, float)) and not isinstance(base, bool) and not base > 1:
+        # the periods are base ** (2i / dims): a base of 1 or less (1e-58 was one) rotates
+        # nothing or overflows the frequencies to inf, and YaRN divides by log(base)
+        fail("rope_theta", f"{base}: expected a base > 1")
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        fail("rope_scaling", f"expected an object, got {_short(scaling)}")
+    for key in ("rope_type", "type"):
+        v = scaling.get(key)
+        if v is not None and not isinstance(v, str):
+            fail(f"rope_scaling.{key}", f"expected a string, got {_short(v)}")
+    kind = rope_kind(scaling)
+    if kind not in KINDS:
+        fail(
+            "rope_scaling.rope_type",
+            f"unsupported rope scaling {kind!r}; supported: {', '.join(KINDS)}",
+        )
+    for key, (lo, closed, hi) in NUMBERS.items():
+        if key not in scaling or (scaling[key] is None and key in OPTIONAL):
+            continue
+        v = scaling[key]
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not (number and (v >= lo if closed else v > lo) and v <= hi):
+            low = f"[{lo:g}" if closed else f"({lo:g}"
+            fail(f"rope_scaling.{key}", f"expected a number in {low}, {hi:g}], got {_short(v)}")
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        fail("rope_scaling.truncate", f"expected true or false, got {_short(truncate)}")
+    if kind in ("linear", "llama3") and "factor" not in scaling:
+        fail("rope_scaling.factor", "missing")
+    if kind == "llama3" and scaling.get("low_freq_factor", 1.0) == scaling.get(
+        "high_freq_factor", 4.0
+    ):
+        fail("rope_scaling.high_freq_factor", "equals low_freq_factor")
+    if kind in ("yarn", "deepseek_yarn"):
+        for key in ("factor", "original_max_position_embeddings"):
+            if key not in scaling:
+                fail(f"rope_scaling.{key}", f"missing ({kind} needs it)")
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return f"{type(v).__name__} {r if len(r) <= 40 else r[:37] + '...'}"
 
 
 def rope_kind(scaling: dict[str, Any] | None) -> str:

@@ -165,11 +165,18 @@ def _mismatch(y: mx.array, ref: mx.array, dtype: mx.Dtype) -> str | None:
     return None
 
 
+MAX_WIDTH = 1 << 20  # example_layout's widths, kernel_source_text's top-k and tile
+
+
 def example_layout(fmt: str, hidden: int, inter: int, down: str | None = None) -> RecordLayout:
     """The record layout of one expert (gate/up [inter, hidden], down [hidden, inter]) whose
     gate/up take format `fmt` and down `down` (default `fmt`): a GGUF type ("Q4_K", "Q2_K",
     "IQ2_XS", "IQ3_S"), "affine{bits}-g{group_size}" (fp16 scales, as mx.quantize gives
-    an fp16 model) or "mxfp4"."""
+    an fp16 model) or "mxfp4". Widths are whole positive numbers (`--hidden 0` printed
+    kernels for an expert of no inputs)."""
+    for name, v in (("--hidden", hidden), ("--inter", inter)):
+        if not (isinstance(v, int) and 0 < v <= MAX_WIDTH):
+            raise ValueError(f"{name} {v}: expected an integer in [1, {MAX_WIDTH}]")
     shapes = {
         "gate_proj": (inter, hidden),
         "up_proj": (inter, hidden),
@@ -207,6 +214,9 @@ def kernel_source_text(layout: RecordLayout, dialect: str, top_k: int, tile: int
     tile: pairs per warp of the fused kernels (1 in decode; dispatch.PREFILL_TILE in prefill)."""
     from custom_kernels import dispatch
 
+    for name, v in (("--top-k", top_k), ("--tile", tile)):
+        if not (isinstance(v, int) and 0 < v <= MAX_WIDTH):
+            raise ValueError(f"{name} {v}: expected an integer in [1, {MAX_WIDTH}]")
     kern = dispatch.kernel_for(dialect, layout)
     if kern is None:
         raise ValueError(f"{format_name(layout)} has no kernel (the reference path runs it)")

@@ -99,7 +99,9 @@ class RuntimeConfig:
     # between handshakes; sync: reads are scheduled only inside the handshake (the first wave)
     scheduler: str = "loop"
     scheduler_low_water: int | None = None  # loop: top up below this many queued (None: 2 x io)
-    eviction: str | Callable = "lru"  # a name, "module:Class" or a class: strata_mlx.stream.policies
+    eviction: str | Callable = (
+        "lru"  # a name, "module:Class" or a class: strata_mlx.stream.policies
+    )
     # Checksums: dense weights once at load (again only when the file changed), every expert
     # record as the reader's threads read it. Off only to measure what it costs.
     verify: bool = True

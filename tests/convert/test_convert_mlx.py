@@ -105,3 +105,46 @@ def test_mlx_lm_checkpoint_of_more_families(family, tmp_path):
     ref = np.array(ref_model(mx.array([ids]))[0].astype(mx.float32))
     ours, _ = strata_mlx.load(store)
     np.testing.assert_array_equal(teacher_forced_logits(ours, ids, step=32), ref)
+
+
+def _edited(ckpt, dst, edit) -> None:
+    import shutil
+
+    shutil.copytree(ckpt, dst)
+    (f,) = dst.glob("*.safetensors")
+    w = mx.load(str(f))
+    edit(w)
+    mx.save_safetensors(str(f), w, metadata={"format": "mlx"})
+
+
+SWITCH = "model.layers.1.mlp.switch_mlp.up_proj"
+DENSE = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda w: w.update({f"{SWITCH}.scales": w[f"{SWITCH}.scales"].astype(mx.int32)}),
+         f"{SWITCH}.scales: dtype int32, expected float32"),
+        (lambda w: w.update({f"{DENSE}.biases": w[f"{DENSE}.biases"].astype(mx.int32)}),
+         f"{DENSE}.biases: dtype int32"),
+        (lambda w: w.update({f"{DENSE}.scales": w[f"{DENSE}.scales"][:, :1]}),
+         rf"{DENSE}.scales: shape \(64, 1\), expected \(64, 2\) for .* at 4 bits in groups of 32"),
+        (lambda w: w.pop(f"{SWITCH}.biases"), f"{SWITCH}.weight: quantized .* without its .*biases"),
+        (lambda w: [w.pop(f"{SWITCH}.scales"), w.pop(f"{SWITCH}.biases")],
+         f"{SWITCH}.weight: quantized .* without its .*scales"),
+    ],
+    ids=["int32-expert-scales", "int32-dense-biases", "scales-shape", "no-biases", "no-scales"],
+)  # fmt: skip
+def test_quantized_tensors_without_scales_or_of_the_wrong_dtype_or_shape_are_refused(
+    mlx_lm_checkpoint, tmp_path, edit, message
+):
+    """Integer scales were read as numbers and an unscaled uint32 expert as floats: exit 0 and
+    a wrong answer. Each is one line naming the tensor; nothing is written."""
+    from strata_mlx.format.store import StoreError
+
+    _edited(mlx_lm_checkpoint, tmp_path / "ck", edit)
+    with pytest.raises(StoreError, match=message) as e:
+        convert_hf(tmp_path / "ck", tmp_path / "s", progress=False, calibration_tokens=0)
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "s").exists()

@@ -317,3 +317,136 @@ def test_loadable_after_overwrite(gguf, tmp_path):
         assert len(list(strata_mlx.stream_generate(model, tok, "hi", max_tokens=2))) == 2
     finally:
         model.expert_cache.close()
+
+
+# ---- checkpoints that would compute wrong: refused, nothing written -------------------------
+
+
+def _refused(src: Path, out: Path, match: str, **kw) -> str:
+    from strata_mlx.convert.hf import convert_hf
+
+    with pytest.raises(StoreError, match=match) as e:
+        convert_hf(src, out, progress=False, calibration_tokens=0, **kw)
+    assert "\n" not in str(e.value)
+    assert not out.exists() and not _temps(out)
+    return str(e.value)
+
+
+def _fp8_checkpoint(hf_checkpoint, dst: Path, block: int = 16) -> dict:
+    """The tiny DeepSeek-V3 checkpoint with its linear weights in FP8 (e4m3) and a float32
+    `weight_scale_inv` per block, as DeepSeek ships it: the tensors, as saved."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf_checkpoint("deepseek_v3"), dst)
+    (f,) = dst.glob("*.safetensors")
+    out = {}
+    for k, v in load_file(f).items():
+        if not (v.dim() == 2 and k.endswith("proj.weight")):
+            out[k] = v
+            continue
+        m, n = v.shape
+        blocks = torch.nn.functional.pad(v, (0, -n % block, 0, -m % block))
+        blocks = blocks.reshape(-(-m // block), block, -(-n // block), block)
+        scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-12)
+        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:m, :n]
+        out[k], out[k + "_scale_inv"] = (v / full).to(torch.float8_e4m3fn), scale.float()
+    save_file(out, f, metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _save(src: Path, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    (f,) = src.glob("*.safetensors")
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
+def test_fp8_weight_without_its_scale_is_refused(hf_checkpoint, tmp_path):
+    """A checkpoint missing one `weight_scale_inv` converted with exit 0 (the e4m3 bytes read
+    as numbers: top-1 agreement 50 %); all of them missing, the same."""
+    src = tmp_path / "fp8"
+    fp8 = _fp8_checkpoint(hf_checkpoint, src)
+    gone = "model.layers.1.mlp.experts.3.up_proj.weight"
+    _save(src, {k: v for k, v in fp8.items() if k != gone + "_scale_inv"})
+    msg = _refused(src, tmp_path / "s", f"{gone}: dtype uint8 without its weight_scale_inv")
+    assert str(src) in msg
+    attn = "model.layers.0.self_attn.o_proj.weight"
+    _save(src, {k: v for k, v in fp8.items() if k != attn + "_scale_inv"})
+    _refused(src, tmp_path / "s", f"{attn}: dtype uint8 without its weight_scale_inv")
+    _save(src, {k: v for k, v in fp8.items() if not k.endswith("_scale_inv")})
+    _refused(src, tmp_path / "s", "dtype uint8 without its weight_scale_inv")
+
+
+def test_fp8_scales_of_an_integer_dtype_are_refused(hf_checkpoint, tmp_path):
+    import torch
+
+    src = tmp_path / "fp8"
+    fp8 = _fp8_checkpoint(hf_checkpoint, src)
+    bad = "model.layers.2.mlp.experts.0.down_proj.weight_scale_inv"
+    _save(src, {**fp8, bad: fp8[bad].to(torch.int32)})
+    _refused(src, tmp_path / "s", f"{bad}: dtype int32, expected a float scale")
+
+
+@pytest.mark.parametrize(
+    "where, dtype",
+    [
+        ("model.layers.0.self_attn.q_a_proj.weight", "float32"),  # dense, float32
+        ("model.layers.1.mlp.experts.5.gate_proj.weight", "float32"),  # an expert
+        ("model.layers.1.mlp.experts.5.gate_proj.weight", "affine"),  # quantizing drops a NaN
+        ("model.layers.1.mlp.experts.5.gate_proj.weight", "mxfp4"),
+    ],
+)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_unless_allowed(
+    hf_checkpoint, tmp_path, where, dtype, value
+):
+    """A checkpoint with NaN weights converted and generated "0 0 0"."""
+    from safetensors.torch import load_file
+
+    from strata_mlx.convert.hf import convert_hf
+
+    src = shutil.copytree(hf_checkpoint("deepseek_v3"), tmp_path / "src")
+    (f,) = src.glob("*.safetensors")
+    w = load_file(f)
+    w[where][3, 5] = value
+    _save(src, w)
+    kw = {"quantize": True, "q_mode": dtype, "q_group_size": 32} if dtype != "float32" else {}
+    name = where.rsplit(".", 1)[0] if "experts" in where else where
+    _refused(src, tmp_path / "s", f"{name}: 1 non-finite values .*--allow-non-finite", **kw)
+    out = convert_hf(
+        src, tmp_path / "s", progress=False, calibration_tokens=0, allow_non_finite=True, **kw
+    )
+    load_manifest(out)
+
+
+def test_weights_that_overflow_the_store_dtype_are_refused(hf_checkpoint, tmp_path):
+    """1e38 is a float32 but inf in float16: refused after the cast the store asks for."""
+    from safetensors.torch import load_file
+
+    src = shutil.copytree(hf_checkpoint("qwen3_moe"), tmp_path / "src")
+    (f,) = src.glob("*.safetensors")
+    w = load_file(f)
+    w["model.layers.0.mlp.experts.2.down_proj.weight"][0, 0] = 1e38
+    _save(src, w)
+    _refused(src, tmp_path / "s", "experts.2.down_proj: 1 non-finite .* cast to float16",
+             dtype="float16")  # fmt: skip
+
+
+def test_cli_refuses_nan_weights_in_one_line(hf_checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
+    src = shutil.copytree(hf_checkpoint("qwen3_moe"), tmp_path / "src")
+    (f,) = src.glob("*.safetensors")
+    w = load_file(f)
+    w["model.layers.1.mlp.experts.4.up_proj.weight"][2, 2] = float("nan")
+    _save(src, w)
+    out = tmp_path / "s"
+    quiet = {**os.environ, "PYTHONWARNINGS": "ignore"}  # the checkpoint has no tokenizer
+    r = run("convert", "--hf-path", src, "--mlx-path", out, "--calibration-tokens", 0, env=quiet)
+    line = _error_line(r)
+    assert "experts.4.up_proj: 1 non-finite values" in line and str(src) in line
+    assert not out.exists() and not _temps(out)

@@ -17,6 +17,7 @@ from test_decode import VARIANTS, arena_for, decode
 from test_server import tiny  # noqa: F401 (a fixture: the tiny store with a tokenizer)
 
 import strata_mlx
+from strata_mlx.config import OptionError
 from strata_mlx.format.store import load_manifest
 from strata_mlx.generation.generate import cache_prompt, stream_generate
 from strata_mlx.generation.prompt_cache import (
@@ -235,7 +236,12 @@ def test_cli_prompt_cache_errors_are_one_line(store, tmp_path):
     mx.save_safetensors(str(junk), {"a": mx.zeros(2)})
     text = tmp_path / "text.safetensors"
     text.write_text("not safetensors")
+    damaged = tmp_path / "damaged.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0xFF  # a payload byte
+    damaged.write_bytes(bytes(raw))
     cases = [
+        (qwen, ["--prompt-cache-file", damaged], "checksum mismatch"),
         (olmoe, ["--prompt-cache-file", f], "made by another model"),
         (qwen, ["--prompt-cache-file", tmp_path / "none.safetensors"], "no such prompt cache"),
         (qwen, ["--prompt-cache-file", junk], "not a strata-mlx prompt cache"),
@@ -368,3 +374,156 @@ def test_cli_cached_system_prompt_then_chat(tiny, tmp_path):  # noqa: F811 (the 
     other = run("generate", "--model", tiny, "--system-prompt", "else", "-p", "x",
                 "--prompt-cache-file", f)  # fmt: skip
     assert other.returncode == 2 and "not the beginning of this prompt" in other.stderr
+
+
+# ---- damaged and hostile files: one line naming the file, before any state is used ------------
+
+
+@pytest.fixture(scope="module")
+def saved(store, tmp_path_factory):
+    """family -> (a loaded resident model, a prompt cache file of 12 tokens, its arrays and
+    metadata as saved, the tokens a cold run of 20 tokens generates)."""
+    made = {}
+    d = tmp_path_factory.mktemp("saved-caches")
+
+    def get(family: str, kv: KVOptions | None = None):
+        key = (family, None if kv is None else tuple(vars(kv).values()))
+        if key not in made:
+            model = resident(store(family))
+            ids = prompt_ids(20, seed=31)
+            kw = vars(kv) if kv is not None else {}
+            cold = [
+                r.token for r in stream_generate(model, None, ids, 4, prefill_step_size=8, **kw)
+            ]
+            f = d / f"{family}-{len(made)}.safetensors"
+            save_prompt_cache(f, cache_prompt(model, ids[:12], kv, 8), model, ids[:12])
+            arrays, meta = mx.load(str(f), return_metadata=True)
+            made[key] = (model, f, arrays, meta, ids, cold)
+        return made[key]
+
+    yield get
+    for model, *_ in made.values():
+        model.expert_cache.close()
+
+
+def _write(f, arrays, meta, checksum: bool = True) -> None:
+    """The file with `arrays` and `meta`, its checksum recomputed (a crafted file) or not."""
+    from strata_mlx.generation.prompt_cache import payload_checksum
+
+    meta = dict(meta)
+    if checksum:
+        meta["checksum"] = payload_checksum(arrays, meta)
+    mx.save_safetensors(str(f), arrays, meta)
+
+
+def _resume(model, f, ids):
+    cache, tokens, _ = load_prompt_cache(f, model)
+    out = stream_generate(model, None, ids[12:], 4, prefill_step_size=8, prompt_cache=cache,
+                          cached_tokens=tokens)  # fmt: skip
+    return [r.token for r in out]
+
+
+def test_damaged_payload_is_refused_by_its_checksum(saved, tmp_path):
+    """1000 payload bytes randomized gave exit 0 and an empty answer: now a checksum
+    mismatch naming the file. A token id changed in the metadata, the same."""
+    model, f, arrays, meta, ids, cold = saved("qwen3_moe")
+    assert meta["checksum"].startswith("crc32c:") and _resume(model, f, ids) == cold
+    raw = np.frombuffer(f.read_bytes(), np.uint8).copy()
+    header = 8 + int.from_bytes(raw[:8].tobytes(), "little")
+    rng = np.random.default_rng(0)
+    at = rng.choice(np.arange(header, len(raw)), 1000, replace=False)
+    raw[at] = rng.integers(0, 256, 1000, dtype=np.uint8)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(raw.tobytes())
+    with pytest.raises(PromptCacheError, match=f"{bad}: checksum mismatch") as e:
+        load_prompt_cache(bad, model)
+    assert "\n" not in str(e.value)
+    tokens = meta["tokens"].replace("[", "[1", 1)
+    _write(bad, arrays, {**meta, "tokens": tokens}, checksum=False)
+    with pytest.raises(PromptCacheError, match="checksum mismatch"):
+        load_prompt_cache(bad, model)
+
+
+def test_files_without_a_checksum_are_refused_with_how_to_remake_them(saved, tmp_path):
+    model, f, arrays, meta, *_ = saved("qwen3_moe")
+    old = tmp_path / "old.safetensors"
+    mx.save_safetensors(str(old), arrays, {k: v for k, v in meta.items() if k != "checksum"}
+                        | {"version": "1"})  # fmt: skip
+    with pytest.raises(PromptCacheError, match="before prompt caches carried a checksum; "
+                       "re-create it with strata-mlx cache-prompt"):  # fmt: skip
+        load_prompt_cache(old, model)
+    unsummed = tmp_path / "unsummed.safetensors"
+    _write(unsummed, arrays, {k: v for k, v in meta.items() if k != "checksum"}, checksum=False)
+    with pytest.raises(PromptCacheError, match="no crc32c checksum"):
+        load_prompt_cache(unsummed, model)
+
+
+def _layers(meta, **change) -> str:
+    import json
+
+    layers = json.loads(meta["layers"])
+    layers[0].update(change)
+    return json.dumps(layers)
+
+
+# (family, KV options, edit of (arrays, meta), words): each crashed with a raw error in
+# from_saved or in the first attention, ran on with a state that does not fit the model (a
+# different answer, or "0 0 0 0" from NaN values), or was refused with a misleading line.
+CRAFTED = [
+    ("qwen3_moe", None, lambda a, m: m.update(layers='{"a": 1}'), "layers is not a list"),
+    ("qwen3_moe", None, lambda a, m: m.update(layers=_layers(m, offset="12")), "offset '12'"),
+    ("qwen3_moe", None, lambda a, m: m.update(experts_per_token="[2"), "experts_per_token"),
+    ("qwen3_moe", None, lambda a, m: a.update({"0.keys": a["0.keys"].astype(mx.int32)}),
+     "0.keys is int32|keys is int32"),
+    ("qwen3_moe", None, lambda a, m: a.pop("1.values"), "missing array 'values'"),
+    ("qwen3_moe", None, lambda a, m: a.update({"0.junk": a["0.keys"]}), "unexpected array 'junk'"),
+    ("qwen3_moe", None, lambda a, m: a.update({"0.keys": a["0.keys"][:, :, :5],
+                                               "0.values": a["0.values"][:, :, :5]}),
+     "5 positions saved, offset says 12"),
+    ("qwen3_moe", None, lambda a, m: a.update({"1.keys": mx.concatenate([a["1.keys"]] * 2, 1),
+                                               "1.values": mx.concatenate([a["1.values"]] * 2, 1)}),
+     "layer 1 .*does not fit the model"),
+    ("qwen3_moe", None, lambda a, m: a.update({"0.keys": a["0.keys"][..., :4]}),
+     "does not fit the model"),
+    ("qwen3_moe", None, lambda a, m: a.update({"0.values": a["0.values"] * float("nan")}),
+     "does not fit the model \\(non-finite\\)"),
+    ("qwen3_moe", KVOptions(max_kv_size=8), lambda a, m: m.update(layers=_layers(m, idx=50)),
+     "idx 50 past"),
+    ("qwen3_moe", KVOptions(max_kv_size=8), lambda a, m: m.update(layers=_layers(m, keep=9)),
+     "keep 9 is not below max_size 8"),
+    ("qwen3_next", None, lambda a, m: a.pop("0.1"), "1 of 2 slots saved"),
+    ("qwen3_next", None, lambda a, m: a.update({"0.1": a["0.1"][..., :3]}),
+     "does not fit the model"),
+    ("qwen3_next", None, lambda a, m: m.update(layers=_layers(m, size=3)),
+     "the model keeps a ArraysCache|3 slots|slots saved"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("family, kv, edit, words", CRAFTED, ids=[c[3][:30] for c in CRAFTED])
+def test_crafted_files_of_the_wrong_shape_or_types_are_one_line(saved, tmp_path, family, kv,
+                                                                edit, words):  # fmt: skip
+    """Files whose checksum matches (made to): every field and array is still checked."""
+    model, f, arrays, meta, ids, cold = saved(family, kv)
+    arrays, meta = dict(arrays), dict(meta)
+    edit(arrays, meta)
+    bad = tmp_path / "crafted.safetensors"
+    _write(bad, arrays, meta)
+    with pytest.raises(PromptCacheError, match=words) as e:
+        load_prompt_cache(bad, model)
+    assert "\n" not in str(e.value) and str(bad) in str(e.value)
+
+
+def test_gpt_oss_takes_neither_a_rotating_nor_a_quantized_cache(store):
+    """--max-kv-size on gpt_oss was a ValueError from inside its attention; --kv-bits spoke of
+    a latent cache, which gpt_oss does not have."""
+    model, _ = strata_mlx.load(store("gpt_oss"), read_ahead="demand")
+    for kv, flag in (
+        (KVOptions(max_kv_size=16), "--max-kv-size"),
+        (KVOptions(kv_bits=4), "--kv-bits"),
+    ):
+        with pytest.raises(OptionError,
+                           match=f"{flag}: gpt_oss keeps a plain KV cache, neither rotating nor "
+                           "quantized") as e:  # fmt: skip
+            make_prompt_cache(model, kv, cli=True)
+        assert "latent" not in str(e.value)
+    model.expert_cache.close()

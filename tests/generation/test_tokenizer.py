@@ -11,6 +11,7 @@ both must be transformers' (the date, and json.dumps without jinja's HTML escape
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -184,3 +185,56 @@ def test_a_gguf_of_it_renders_the_same(harmony, tmp_path):
     assert load_tokenizer(store).chat_template == HARMONY.read_text()
     for messages, kw in ((TWO_TURNS, {}), (WITH_TOOLS, {"tools": TOOLS})):
         assert _ours(store, messages, **kw) == _transformers_ids(ck, messages, **kw)
+
+
+# ---- text that is not UTF-8 -----------------------------------------------------------------
+
+
+def test_non_utf8_text_is_one_line_naming_the_byte(tmp_path, monkeypatch):
+    """A non-UTF-8 byte on the command line reaches Python as a lone surrogate (0xE9 as
+    U+DCE9), one in a JSON request as "\\ud800": the tokenizer library raised a TypeError."""
+    import io
+
+    from strata_mlx.config import OptionError
+    from strata_mlx.generation.tokenizer import read_stdin, text_from_bytes
+
+    d = tmp_path / "s"
+    d.mkdir()
+    from test_server import write_tokenizer
+
+    write_tokenizer(d)
+    tok = load_tokenizer(d)
+    for text, what in (("caf\udce9", "byte 0xe9 at character 3"), ("a\ud800", "U\\+D800")):
+        with pytest.raises(OptionError, match=f"prompt: not UTF-8 text \\({what}") as e:
+            tok.encode(text)
+        assert "\n" not in str(e.value)
+        rendered = tok.apply_chat_template([{"role": "user", "content": text}])
+        with pytest.raises(OptionError, match="prompt: not UTF-8 text"):
+            tok.encode(rendered)
+    assert text_from_bytes("café".encode(), "stdin") == "café"
+    with pytest.raises(OptionError, match="stdin: not UTF-8 text \\(byte 0xe9 at offset 3\\)"):
+        text_from_bytes(b"caf\xe9", "stdin")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ok \xff")))
+    with pytest.raises(OptionError, match="--prompt -: not UTF-8 text \\(byte 0xff at offset 3"):
+        read_stdin("--prompt -")
+
+
+def test_cli_non_utf8_prompt_and_system_prompt_are_one_line(store, tmp_path):
+    """`-p $'caf\\xe9'`, `--system-prompt` and cache-prompt ended in a traceback."""
+    import shutil
+
+    from test_server import FAMILY, write_tokenizer
+
+    d = shutil.copytree(store(FAMILY), tmp_path / "s")
+    write_tokenizer(d)
+    cli = [sys.executable, "-m", "strata_mlx"]
+    for args in (
+        ["generate", "--model", d, "-m", "2", "-p", b"caf\xe9"],
+        ["generate", "--model", d, "-m", "2", "-p", "hi", "--system-prompt", b"\xff"],
+        ["cache-prompt", "--model", d, "-p", b"caf\xe9", "--prompt-cache-file",
+         tmp_path / "c.safetensors"],
+    ):  # fmt: skip
+        r = subprocess.run([*cli, *map(os.fsencode, args)], capture_output=True, text=True)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (args, r.stderr)
+        assert "not UTF-8 text" in r.stderr
+    assert not (tmp_path / "c.safetensors").exists()

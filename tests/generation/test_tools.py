@@ -3,6 +3,9 @@ and their one-line errors."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import typer
@@ -10,6 +13,7 @@ from conftest import prompt_ids
 from typer.testing import CliRunner
 
 import strata_mlx
+from strata_mlx.config import OptionError
 from strata_mlx.format.store import load_manifest
 from strata_mlx.generation.generate import teacher_forced_logits
 from strata_mlx.generation.tools import (
@@ -220,3 +224,24 @@ def test_commands(store, tmp_path):
     )
     assert r.exit_code == 0, r.output
     assert "0/16 tokens differ" in r.output and "logits: bit-identical" in r.output
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+def test_kld_of_non_finite_logits_is_refused(tmp_path, value):
+    """+inf logits printed "mean nan" with exit 0: now one line through the CLI, exit 2."""
+    rng = np.random.default_rng(2)
+    ref, test = tmp_path / "ref.npy", tmp_path / "test.npy"
+    good = rng.normal(size=(4, 16)).astype(np.float32)
+    bad = good.copy()
+    bad[2, 7] = value
+    np.save(ref, good)
+    np.save(test, bad)
+    with pytest.raises(OptionError, match=f"{test}: logits hold 1 non-finite values .* position 2, "
+                       "token 7"):  # fmt: skip
+        load_logits(test)
+    with pytest.raises(OptionError, match="test: logits hold 1 non-finite"):
+        kld_report(good, bad)  # arrays, as generate --logits-ref passes its own
+    r = subprocess.run([sys.executable, "-m", "strata_mlx", "kld", "--ref", str(ref), "--test",
+                        str(test)], capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "non-finite" in r.stderr and "nan" not in r.stdout

@@ -54,3 +54,95 @@ def test_kinds_a_family_does_not_take_are_refused():
         initialize_rope(64, 1e4, False, {"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="unsupported rope scaling 'dynamic'"):
         initialize_rope(64, 1e4, False, {"rope_type": "dynamic", "factor": 2.0})
+
+
+# ---- a config's rope fields of the wrong type or range: one line naming the field ------------
+
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
+# Each of these raised a TypeError or ValueError inside rope.py, or gave inf logits (factor,
+# mscale_all_dim, attention_factor of 1e308), before the scaling dict was checked.
+BAD_ROPE = [
+    ("beta_fast", "x"),
+    ("beta_fast", -1),
+    ("beta_slow", float("nan")),
+    ("mscale_all_dim", "x"),
+    ("mscale_all_dim", 1e308),
+    ("attention_factor", "x"),
+    ("attention_factor", 1e308),
+    ("factor", 1e308),
+    ("truncate", "no"),
+    ("rope_type", "x"),
+]
+
+
+def _deepseek_config(hf_checkpoint, **scaling) -> tuple[dict, object]:
+    import json
+
+    path = hf_checkpoint("deepseek_v3") / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("rope_parameters", None)
+    config["rope_scaling"] = {**YARN, **scaling}
+    return config, path
+
+
+@pytest.mark.parametrize("key, value", BAD_ROPE, ids=[f"{k}={v!r}" for k, v in BAD_ROPE])
+def test_bad_rope_scaling_fields_refused_in_one_line(key, value, hf_checkpoint):
+    from strata_mlx.format.store import StoreError
+    from strata_mlx.models.base import normalize_config
+    from strata_mlx.runtime.loader import family
+
+    config, path = _deepseek_config(hf_checkpoint, **{key: value})
+    with pytest.raises(StoreError, match=f"rope_scaling.{key}") as e:
+        family("deepseek_v3").ModelArgs.from_dict(normalize_config(config), path)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("theta", [1.0, 1.6e-58])
+def test_rope_theta_must_be_above_one(hf_checkpoint, theta):
+    """YaRN divides by log(rope_theta): 1 was a ZeroDivisionError; a base of 1.6e-58 (no
+    scaling) gave NaN log-probabilities."""
+    from strata_mlx.format.store import StoreError
+    from strata_mlx.models.base import normalize_config
+    from strata_mlx.runtime.loader import family
+
+    config, path = _deepseek_config(hf_checkpoint)
+    config["rope_theta"] = theta
+    if theta < 1:
+        config.pop("rope_scaling")
+    with pytest.raises(StoreError, match=f"rope_theta: {theta}: expected a base > 1"):
+        family("deepseek_v3").ModelArgs.from_dict(normalize_config(config), path)
+
+
+@pytest.mark.parametrize("key, value", [("beta_fast", "x"), ("rope_type", "x")])
+def test_bad_rope_scaling_at_convert_and_at_load(key, value, hf_checkpoint, store, tmp_path):
+    """The same field through convert (the checkpoint's config.json) and through load() (a
+    store's manifest that says so): one StoreError line, no store written."""
+    import json
+    import shutil
+
+    import strata_mlx
+    from strata_mlx.convert.hf import convert_hf
+    from strata_mlx.format.store import StoreError
+
+    config, _ = _deepseek_config(hf_checkpoint, **{key: value})
+    src = shutil.copytree(hf_checkpoint("deepseek_v3"), tmp_path / "src")
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(StoreError, match=f"config.json: rope_scaling.{key}"):
+        convert_hf(src, tmp_path / "out", progress=False, calibration_tokens=0)
+    assert not (tmp_path / "out").exists()
+
+    work = shutil.copytree(store("deepseek_v3"), tmp_path / "store")
+    manifest = json.loads((work / "manifest.json").read_text())
+    manifest["config"]["rope_scaling"] = {**manifest["config"]["rope_scaling"], key: value}
+    (work / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match=f"manifest.json: config.rope_scaling.{key}") as e:
+        strata_mlx.load(work)
+    assert "\n" not in str(e.value)

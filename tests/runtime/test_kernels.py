@@ -853,3 +853,17 @@ def test_cuda_switch_glu_reads_arena_slots_in_place(gpu):
     y = kernels.switch_glu(x, arena.rows, slots, idx, layout)
     ref = switch_glu_reference(x, dense[slots], layout, idx)
     _compare(y, ref, "switch_glu on Arena.rows", 16 * EPS[mx.float16], 2 * EPS[mx.float16])
+
+
+@pytest.mark.parametrize("flag", ["--hidden", "--inter", "--top-k", "--tile"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_kernels_show_refuses_widths_and_counts_below_one(flag, value):
+    """`kernels show Q4_K --hidden 0` printed kernels for an expert of no inputs, exit 0."""
+    from typer.testing import CliRunner
+
+    from strata_mlx.cli import app
+
+    r = CliRunner().invoke(app, ["kernels", "show", "affine4-g64", flag, value])
+    assert r.exit_code == 2 and r.output.strip() == (
+        f"error: {flag} {value}: expected an integer in [1, 1048576]"
+    ), r.output
