@@ -40,7 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..config import OptionError
+from ..config import OptionError, check_number
 
 FORWARD, RESET, STATS, STOP = 1, 2, 3, 4
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
@@ -90,6 +90,21 @@ def split_layers(costs: list[int], ranks: int, first_extra: int = 0) -> list[ran
         half = counts[j] // 2
         counts[j : j + 1] = [counts[j] - half, half]
     return _ranges(counts)
+
+
+def split_counts(text: str, ranks: int) -> list[int]:
+    """--pipeline-split's layer counts, one positive integer per rank."""
+    try:
+        counts = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise OptionError(
+            f"--pipeline-split: expected layer counts like 10,14, got {text!r}"
+        ) from None
+    if len(counts) != ranks:
+        raise OptionError(f"--pipeline-split: {len(counts)} entries for {ranks} ranks")
+    if any(c < 1 for c in counts):
+        raise OptionError(f"--pipeline-split: {text} must be positive layer counts")
+    return counts
 
 
 def parse_split(text: str, n_layers: int, ranks: int) -> list[range]:
@@ -199,9 +214,15 @@ class Pipeline:
         timeout_s: float = 300.0,
         load_timeout_s: float = 1800.0,
     ):
+        # Checked where the flags are given, on one process too (where neither is used):
+        # `--pipeline-split a,b` and `--pipeline-timeout nan` ran without a word.
+        check_number("pipeline_timeout", timeout_s, 0, lo_open=True, cli=True)
+        check_number("pipeline_load_timeout", load_timeout_s, 0, lo_open=True, cli=True)
         self.group = group if group is not None else init()
         self.rank = self.group.rank()
         self.size = self.group.size()
+        if split is not None:
+            split_counts(split, self.size)
         self.split_text = split
         self.timeout_s = timeout_s
         self.load_timeout_s = load_timeout_s

@@ -113,6 +113,28 @@ def test_split_given():
         parse_split("a,b", 8, 2)
 
 
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--pipeline-split", "a,b"], "--pipeline-split: expected layer counts like 10,14"),
+        (["--pipeline-split", "0"], "--pipeline-split: 0 must be positive"),
+        (["--pipeline-split", "3,5"], "--pipeline-split: 2 entries for 1 ranks"),
+        (["--pipeline-timeout", "nan"], "--pipeline-timeout nan: expected a finite number"),
+        (["--pipeline-timeout", "0"], "--pipeline-timeout 0.0: expected a finite number"),
+    ],
+)
+def test_pipeline_flags_are_checked_on_one_process_too(store, flags, words):
+    """On one process neither flag is used, and `--pipeline-split a,b` or
+    `--pipeline-timeout nan` ran without a word: one line, exit 2, before any load."""
+    r = subprocess.run(
+        [sys.executable, "-m", "strata_mlx", "generate", "--model", str(store("qwen3_moe")),
+         "--prompt-tokens", "1,2", "-m", "1", "--pipeline", *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: {words}"), r.stderr
+
+
 def test_layer_costs_put_experts_and_dense_weights_on_their_layer(store):
     import mlx.core as mx
 
