@@ -1,4 +1,4 @@
-"""Conversion that cannot destroy (issue 16 item 4): never over its source or the directory it
+"""Conversion that cannot destroy: never over its source or the directory it
 runs from; an existing store replaced only with --overwrite, and kept until the new one is
 complete; temporary directories of dead conversions removed by the next run; a read-only or
 full filesystem a one-line error that leaves nothing behind."""

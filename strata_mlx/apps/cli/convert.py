@@ -47,9 +47,9 @@ def convert(
     recipe: str = typer.Option(
         "default",
         "--recipe",
-        help="Synthetic weights: default (outputs depend on the experts) | before-issue-17 "
+        help="Synthetic weights: default (outputs depend on the experts) | weak-experts "
         "(every residual update x0.02: experts hardly matter, routing drifts little between "
-        "tokens; the store the first wave's decode figures were measured on).",
+        "tokens).",
     ),
     set_: list[str] | None = typer.Option(
         None, "--set", help="Synthetic shape override, e.g. --set num_hidden_layers=8."

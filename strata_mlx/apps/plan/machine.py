@@ -17,8 +17,8 @@ from .shapes import ModelShape
 GB = 1024**3
 
 
-# The reference system's GPU work: 2.0-2.4 s for a 1024-token chunk of an 80B-A3B model on a
-# 24 GB M5 MacBook Air (SPEC), ~2.8 TFLOP/s effective: the default rate for a target machine.
+# A 24 GB M5 MacBook Air computes a 1024-token chunk of an 80B-A3B model in 2.0-2.4 s of GPU
+# work, ~2.8 TFLOP/s effective: the default rate for a target machine.
 REFERENCE_LAPTOP_TFLOPS = 2.8
 
 
@@ -51,8 +51,8 @@ class Compute:
     recall: dict[int, float] = field(default_factory=dict)  # distance -> lookahead's recall
     # a -> the share of a layer's picks that the predictions from the a layers before it
     # find together (the sync handshake's, a = min(depth, layers before)); measured, as
-    # guesses from neighbouring layers miss alike (H200 run 9: 68 % streamed ahead of the
-    # absent lookups, where independent guesses at the same recall said 81 %)
+    # guesses from neighbouring layers miss alike (measured on an H200: 68 % streamed ahead
+    # of the absent lookups, where independent guesses at the same recall said 81 %)
     recall_union: dict[int, float] = field(default_factory=dict)
     # per decode lookup that was not resident (not per token): what it adds to its token, its
     # read at the queue depth decode keeps, the predictions read in vain around it, the
@@ -109,8 +109,8 @@ def this_machine(
 
 
 def target_machine(memory_gb: float, ssd_gbps: float, io_workers: int = 8) -> Machine:
-    """Another machine: `memory_gb` of which the wired limit of a Mac (~19 of 24 GB, SPEC)
-    can go to MLX, less the dense weights; a drive of `ssd_gbps` at any queue depth."""
+    """Another machine: `memory_gb` of which the wired limit of a Mac (~19 GB of 24 GB) can
+    go to MLX, less the dense weights; a drive of `ssd_gbps` at any queue depth."""
     mem = int(memory_gb * GB)
     return Machine(mem, None, ssd_gbps, ssd_gbps, io_workers, f"a {memory_gb:g} GB machine")
 
@@ -280,7 +280,7 @@ def measure_real(path: Path, ids: list[int], step: int, tokens: int, arena_gb: f
     lookahead's recall at each distance it predicts from and of the sync handshake's
     predictions together (lookahead_recall). Not from
     the fake-stream run, whose expert outputs are whatever the slots hold: the hidden states
-    there lack the updates that move routing from one layer to the next (H200 run 8: the
+    there lack the updates that move routing from one layer to the next (on an H200: the
     forecast streamed ahead 87 % of the absent lookups on that recall, bench 70 %)."""
     from ...runtime.loader import RuntimeConfig, load
     from ..bench import _run
@@ -307,7 +307,7 @@ def measure_real(path: Path, ids: list[int], step: int, tokens: int, arena_gb: f
     )
 
 
-# A host sync of a layer's routing ids: ~125 us on the H200 under MLX CUDA (SPEC); the
+# A host sync of a layer's routing ids: ~125 us on an H200 under MLX CUDA; the
 # handshake's Python, 16-27 ms a 48-layer token there: ~0.45 ms a layer. For target machines.
 SYNC_S = 125e-6
 HANDSHAKE_S = 0.45e-3

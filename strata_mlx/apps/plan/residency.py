@@ -27,7 +27,7 @@ def smoothed_shares(counts: np.ndarray) -> np.ndarray:
     (n1 / n), split evenly but none above what an expert seen once gets, and scales the seen
     ones' shares down by as much; a layer calibration never reached is uniform. Without it a
     chunk longer than the calibration run was forecast to need only the experts calibration
-    saw (H200 run 8: 365 of 512 a layer from 256 tokens, against 453 read). Spreading that
+    saw (on an H200: 365 of 512 a layer from 256 tokens, against 453 read). Spreading that
     share evenly over every unseen expert overshoots where popularity has a long tail: on the
     qwen3-next synthetic shape's own routing (benchmarks/synthetic_routing.py, 4 layers), a
     1024-token chunk needs 419 a layer; from a 256-token profile this gives 470 (+12 %), what
