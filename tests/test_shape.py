@@ -78,9 +78,6 @@ SHARED = ("strata_mlx.config", "strata_mlx.configs", "strata_mlx._reader")
 
 # (importing module, imported module) pairs against the order that remain, and why.
 LAYER_EXCEPTIONS = {
-    # The store's checksums are computed by the native reader's functions; they move into
-    # format/ once reader.py is free to change.
-    ("strata_mlx.format.store", "strata_mlx.stream.reader"): "checksums live in the reader",
     # The SwitchGLU seam still lives beside the expert cache; it moves to models/ with the
     # expert-source protocol.
     **{
@@ -205,7 +202,6 @@ SIZE_EXCEPTIONS = {
     "strata_mlx/apps/plan/forecasting.py::forecast": "gathers every figure of the forecast",
     "strata_mlx/apps/plots.py::plot_bench": "one figure, panel by panel",
     "strata_mlx/convert/hf.py::convert_hf": "one pass over a checkpoint",
-    "strata_mlx/format/store.py": "manifest, writer and checksums (checksums are the reader's)",
     "strata_mlx/generation/generate.py::stream_generate": "prefill, decode and stop strings",
 }
 

@@ -53,7 +53,8 @@ from mlx.utils import tree_flatten
 from .. import configs
 from ..config import OptionError
 from ..format.quant import layout_for
-from ..format.store import PROJECTIONS, RecordLayout, StoreWriter
+from ..format.store import PROJECTIONS, RecordLayout
+from ..format.writer import StoreWriter
 from ..models.base import normalize_config
 from ..runtime.loader import family
 from .common import calibrate, check_output

@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ...format.store import StoreError, StoreWriter, save_profile
+from ...format.store import StoreError
+from ...format.writer import StoreWriter, save_profile
 from ..common import CALIBRATION_TEXT
 from .blocks import (
     build_layout,

@@ -12,7 +12,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ...format.store import PROJECTIONS, StoreWriter
+from ...format.store import PROJECTIONS
+from ...format.writer import StoreWriter
 from .blocks import (
     AFFINE_TYPES,
     GROUP,
