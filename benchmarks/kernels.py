@@ -2,7 +2,7 @@
 
     python3 benchmarks/kernels.py            # from the repository root; prints a markdown table
 
-Shapes (issue 5): D=2048, inter=512, 512 experts, top-10; decode = 1 token, prefill = 1024.
+Shapes (qwen3-next-80b-a3b's experts): D=2048, inter=512, 512 experts, top-10; decode = 1 token, prefill = 1024.
 "expert kernel" is custom_kernels reading records in place from an arena of 512 slots with
 its automatic strategy (decode: fused kernels; prefill: dequantize kernel + mx.gather_mm),
 "fused tiles" the fused kernels with prefill tiles (Python glue included); "gather_qmm" is mlx-lm's SwitchGLU arithmetic on stacked

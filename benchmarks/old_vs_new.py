@@ -4,7 +4,7 @@ Each file is named CODE-NAME-ROUND.json (CODE "old" or "new"; NAME the store or 
 anything without a dash): prints, per (NAME, policy, phase), each code's median ms/chunk with
 its range and new / old; a variant only the new code has ("lookahead:ov0", "demand:loop:nv")
 stands against the old code's policy without it ("lookahead", "demand:loop"). Used by
-benchmarks/prefill_vs_commit.sh and gpu_session.sh's r13 and r14b:
+benchmarks/prefill_vs_commit.sh and gpu_session.sh:
     python benchmarks/old_vs_new.py OUT/old-*.json OUT/new-*.json
 """
 

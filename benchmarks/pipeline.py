@@ -1,4 +1,4 @@
-"""What the layer pipeline over mx.distributed costs (issue 12), on one machine.
+"""What the layer pipeline over mx.distributed costs, on one machine.
 
   mlx.launch -n 2 -- python benchmarks/pipeline.py hop
       the hop: a hidden state sent rank 0 -> 1 -> 0 over the ring backend, per shape

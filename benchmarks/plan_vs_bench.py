@@ -1,4 +1,4 @@
-"""`strata-mlx plan` against `strata-mlx bench` on the tests' tiny stores (issue 14 item 1).
+"""`strata-mlx plan` against `strata-mlx bench` on the tests' tiny stores.
 
     python benchmarks/plan_vs_bench.py [--families qwen3_moe,qwen3_next] [-p 64] [-g 32]
         [--prefill-step-size 16] [--slots-share 0.3] [--out DIR] [--json FILE]

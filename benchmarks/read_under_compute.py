@@ -5,8 +5,8 @@
 Reads: random record-sized direct reads into arena slots (an MLX buffer), `workers` in flight,
 driven by a Python thread that only submits and waits (the wait releases the GIL), as the
 engine does. Compute: a chain of MLX matmuls evaluated on the main thread on the default
-device. Also measured for contrast: Python threads issuing os.preadv themselves (the design
-the native reader replaces). Prints GB/s alone and under compute, and the ratios.
+device. Also measured for contrast: Python threads issuing os.preadv themselves (what the
+native reader replaces). Prints GB/s alone and under compute, and the ratios.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ and how much the experts matter: the last positions' logits with one layer's exp
 zeroed (and with every layer's), against the intact model.
 
     python benchmarks/synthetic_routing.py --shape bench-small --tokens 1024
-    python benchmarks/synthetic_routing.py --recipe before-issue-17
+    python benchmarks/synthetic_routing.py --recipe weak-experts
     python benchmarks/synthetic_routing.py --set down_scale=8 --set growth=0.3
 """
 

@@ -9,7 +9,7 @@ bounce buffer where the machine needs one, the overlap on), once with each recor
 checksum from the manifest verified in the reader's threads and once without; the two
 alternate for `rounds` rounds so that drift in the drive hits both alike. Also probe-ssd at
 the same worker count and record size: the figure docs/benchmarks.md reports ratios to.
-Prints GB/s of each, verified / unverified (issue 16 asks >= 95 %), verified / probe, and the
+Prints GB/s of each, verified / unverified (the target: >= 95 %), verified / probe, and the
 share of the workers' time spent checksumming.
 
 --checksum-only: crc32c and crc32 GB/s on one core, on a record in cache and streaming over

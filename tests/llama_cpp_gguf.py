@@ -120,7 +120,7 @@ def write_sentencepiece(d: Path, vocab_size: int = 400) -> None:
     import sentencepiece as spm
 
     from strata_mlx.convert.common import CALIBRATION_TEXT
-    from strata_mlx.convert.gguf import ROUTER_TEXT
+    from strata_mlx.convert.gguf.llama import ROUTER_TEXT
 
     lines = [x for x in (CALIBRATION_TEXT + "\n" + ROUTER_TEXT).splitlines() if x.strip()]
     buf = io.BytesIO()

@@ -1,4 +1,4 @@
-"""Fuzzing and fault injection (issue 16 item 8), property-based with hypothesis, bounded in
+"""Fuzzing and fault injection, property-based with hypothesis, bounded in
 time (well under a minute each on two cores): every input ends in success or in one of our
 one-line error types (StoreError, OptionError, PromptCacheError), never another exception, a
 native crash or a hang.

@@ -1,4 +1,4 @@
-"""Validation at the door (issue 16 item 1): the manifest, profile, tokenizer files, chat
+"""Validation at the door: the manifest, profile, tokenizer files, chat
 template, GGUF headers and every generate/serve option checked before anything is allocated
 or computed; each failure one line naming the file and the field (or the option).
 

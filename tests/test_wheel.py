@@ -1,4 +1,4 @@
-"""The wheel (issue 14 item 3): a plain, non-editable install has what the README promises.
+"""The wheel: a plain, non-editable install has what the README promises.
 
 The package is built into a wheel, installed without its dependencies into a fresh venv
 (they are reused from the running interpreter's site-packages through a .pth line), and the

@@ -33,14 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..generation.chat_output import ToolCall
 from . import chat_turn
-from .server import (
-    APIError,
-    ChatCompletionRequest,
-    Result,
-    _state,
-    _validation_error,
-    chat_job,
-)
+from .server.engine import Result
+from .server.routes import chat_job, serve_state
+from .server.schemas import APIError, ChatCompletionRequest, validation_error
 
 # ---- request models ------------------------------------------------------------------------
 
@@ -297,7 +292,7 @@ def _event(name: str, data: dict) -> bytes:
 
 
 async def messages(req: MessagesRequest, request: Request):
-    state = _state(request)
+    state = serve_state(request)
     chat = to_chat(req)
     if not req.stream:
         ops, calls, r = await chat_turn.complete(state, request, chat)
@@ -378,7 +373,7 @@ async def messages(req: MessagesRequest, request: Request):
 
 async def count_tokens(req: CountTokensRequest, request: Request):
     """The prompt's length in tokens, as /v1/messages would template it."""
-    return {"input_tokens": len(chat_job(_state(request), to_chat(req)).job.ids)}
+    return {"input_tokens": len(chat_job(serve_state(request), to_chat(req)).job.ids)}
 
 
 # ---- routes --------------------------------------------------------------------------------
@@ -394,7 +389,7 @@ class _AnthropicRoute(APIRoute):
             try:
                 return await handler(request)
             except RequestValidationError as e:
-                err = _validation_error(e)
+                err = validation_error(e)
             except APIError as e:
                 err = e
             return JSONResponse(error_body(err), status_code=err.status, headers=err.headers)

@@ -104,7 +104,9 @@ def policy_options(policy: str) -> dict:
     return out
 
 
-def _run(model, ids: list[int], gen: int, step: int, policy: str, phase: str, layers=None) -> Run:
+def run_policy(
+    model, ids: list[int], gen: int, step: int, policy: str, phase: str, layers=None
+) -> Run:
     """Prefill `ids` in chunks of `step`, then decode `gen` tokens greedily as generate does
     (the decode time runs from the first generated token, the prefill's, to the last).
     `layers` (plots.LayerCounts) is cut where the chunks' and decode's stats are taken."""
@@ -199,7 +201,7 @@ def bench(
         ranked = hasattr(model, "rank_stats")
         before = model.rank_stats() if ranked else None
         t = time.perf_counter()
-        run = _run(model, ids, gen_tokens, prefill_step_size, policy, phase, layers)
+        run = run_policy(model, ids, gen_tokens, prefill_step_size, policy, phase, layers)
         if ranked:
             from ..runtime.distributed import rank_figures
 
@@ -242,7 +244,9 @@ def bench(
 
     model = load_model(fake_cfg)
     # Warm-up: the first pass compiles kernels (MLX CUDA JITs them), which no run should pay.
-    _run(model, ids[: min(len(ids), prefill_step_size + 1)], 2, prefill_step_size, "warmup", "-")
+    run_policy(
+        model, ids[: min(len(ids), prefill_step_size + 1)], 2, prefill_step_size, "warmup", "-"
+    )
     fake = run_ranked(model, ids, "fake-stream", "compute")
     close(model)
     del model

@@ -19,14 +19,9 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from ..generation.chat_output import ChatStream, ToolCall
-from .server import (
-    APIError,
-    ChatCompletionRequest,
-    Result,
-    ServeState,
-    _generation_error,
-    chat_job,
-)
+from .server.engine import Result, ServeState
+from .server.routes import chat_job
+from .server.schemas import APIError, ChatCompletionRequest, generation_error
 
 # ("start" | "delta" | "stop", block kind, value): a block opens, grows, closes. Kinds:
 # "reasoning" and "text" (deltas carry text) and "tool_call" (start and stop carry the
@@ -115,7 +110,7 @@ async def complete(
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001 - answered as an error body, connection kept
-        raise _generation_error(e) from None
+        raise generation_error(e) from None
     if r is None:  # nobody is listening; 499 as nginx logs a client that left
         raise APIError("the client disconnected", 499, code="cancelled")
     parser, blocks = _parser(chat), Blocks()
@@ -149,6 +144,6 @@ def stream(state: ServeState, request: Request, req: ChatCompletionRequest) -> S
                     yield op
                 yield ("done", "", value)
             else:
-                yield ("error", "", _generation_error(value))
+                yield ("error", "", generation_error(value))
 
     return Streamed(len(chat.job.ids), blocks, ops())

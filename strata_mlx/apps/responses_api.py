@@ -37,7 +37,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..config import MAX_SEED
 from ..generation.chat_output import ToolCall
 from . import chat_turn
-from .server import APIError, ChatCompletionRequest, Result, ServeState, _state
+from .server.engine import Result, ServeState
+from .server.routes import serve_state
+from .server.schemas import APIError, ChatCompletionRequest
 
 # ---- request model -------------------------------------------------------------------------
 
@@ -356,7 +358,7 @@ def _sse(event: dict) -> bytes:
 
 
 async def responses(req: ResponsesRequest, request: Request):
-    state = _state(request)
+    state = serve_state(request)
     chat = to_chat(req)
     response = _response(state, req, _id("resp_"), int(time.time()))
     output = _Output()

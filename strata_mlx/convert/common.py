@@ -16,16 +16,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..format.store import (
-    DENSE,
-    EXPERTS,
-    MANIFEST,
-    PROFILE,
-    StoreError,
-    StoreWriter,
-    remove_dead_temps,
-    save_profile,
-)
+from ..format.store import DENSE, EXPERTS, MANIFEST, PROFILE, VERIFIED, StoreError
+from ..format.writer import OWNER, StoreWriter, remove_dead_temps, save_profile
 from ..generation.tokenizer import TOKENIZER_FILES
 
 # Plain English prose for the routing profile when the store has a tokenizer.
@@ -62,10 +54,7 @@ def overwriting(allowed: bool = True):
 
 def store_files() -> set[str]:
     """Names a store directory may hold; anything else is a user's and blocks replacing it."""
-    import strata_mlx.format.store as store
-
-    names = {MANIFEST, DENSE, EXPERTS, PROFILE, *TOKENIZER_FILES, store.OWNER}
-    return names | {getattr(store, "VERIFIED", ".verified.json")}
+    return {MANIFEST, DENSE, EXPERTS, PROFILE, VERIFIED, OWNER, *TOKENIZER_FILES}
 
 
 def check_output(out: str | Path, *sources: str | Path, overwrite: bool | None = None) -> Path:

@@ -23,7 +23,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..format.quant import expert_tensors, layout_for
-from ..format.store import PROJECTIONS, StoreError, StoreWriter
+from ..format.store import PROJECTIONS, StoreError
+from ..format.writer import StoreWriter
 from ..models.base import normalize_config
 from ..runtime.loader import family
 from .common import (

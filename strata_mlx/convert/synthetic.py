@@ -23,8 +23,8 @@ real traffic, and makes the outputs depend on the experts, so that a wrong exper
 
 Measured (benchmarks/synthetic_routing.py: the store's own weights, one chunk of 1024 random
 tokens, experts dequantized to float32 on the CPU), bench-small (hidden 2048, 512 experts,
-top-10, 8 layers): 416 distinct experts per layer per chunk (407-423 across layers; the
-reference system saw ~410 on a real model), a per-token lookahead recall of 0.72 (0.71-0.74)
+top-10, 8 layers): 416 distinct experts per layer per chunk (407-423 across layers; a
+real 80B-A3B model routes ~410), a per-token lookahead recall of 0.72 (0.71-0.74)
 of the true top-10 (chunk level: 0.94 of a layer's distinct experts predicted by some token),
 consecutive layers sharing 0.60 of a token's experts, the MoE update 0.30 of the residual in
 every layer. Zeroing one layer's experts (layer 4) moves the last 64 positions' logits by
@@ -33,11 +33,10 @@ qwen3-next-80b-a3b (48 layers, same expert shape): the MoE update 0.30 of the re
 every layer, recall 0.74 (0.71-0.75), 452 distinct experts per layer (414 at layer 0, rising
 slowly to ~475 by layer 47: the popularity skew fades a little although the mean cosine with
 mu is compensated; top-64 experts take 0.62 of the picks at layer 0, 0.52 at layer 47).
-The recipe before (every residual update x0.02, uncentered codes; Recipe.before_issue_17)
-measured 362 distinct experts (398 falling to 327 by layer 7), recall 0.85, shared 0.67, and
-zeroing every layer's experts moved the logits by at most 0.009 and no top-1: greedy tokens
-were the same with wrong expert bytes. (Its docstring claimed ~430 and ~0.7; the whole model,
-attention included, gave the figures above.)
+The weak-experts recipe (`--recipe weak-experts`: every residual update x0.02, uncentered
+codes; Recipe.weak_experts) measured 362 distinct experts (398 falling to 327 by layer 7),
+recall 0.85, shared 0.67, and zeroing every layer's experts moved the logits by at most 0.009
+and no top-1: greedy tokens were the same with wrong expert bytes.
 """
 
 from __future__ import annotations
@@ -54,7 +53,8 @@ from mlx.utils import tree_flatten
 from .. import configs
 from ..config import OptionError
 from ..format.quant import layout_for
-from ..format.store import PROJECTIONS, RecordLayout, StoreWriter
+from ..format.store import PROJECTIONS, RecordLayout
+from ..format.writer import StoreWriter
 from ..models.base import normalize_config
 from ..runtime.loader import family
 from .common import calibrate, check_output
@@ -63,8 +63,7 @@ from .common import calibrate, check_output
 @dataclass
 class Recipe:
     """The structured router's knobs (module docstring; benchmarks/synthetic_routing.py
-    measures a recipe). `Recipe.before_issue_17()` is the earlier one, whose experts hardly
-    mattered."""
+    measures a recipe). `Recipe.weak_experts()` is one whose experts hardly matter."""
 
     mean_direction: float = 0.7  # embedding rows (unit norm) + this times mu
     embed_rms: bool = True  # then scaled to rms 1 per element (relative sizes independent of D)
@@ -84,12 +83,15 @@ class Recipe:
         return (1 + self.growth**2) ** (i / 2)
 
     @classmethod
-    def before_issue_17(cls) -> Recipe:
+    def weak_experts(cls) -> Recipe:
+        """Every residual update x0.02, uncentered codes: the experts hardly move the logits
+        and routing drifts little from token to token."""
         return cls(embed_rms=False, gate_up_scale=0.02, down_scale=0.02, growth=0.0, centered=False)
 
     @classmethod
     def named(cls, name: str) -> Recipe:
         """`convert --recipe NAME`."""
+        name = RECIPE_ALIASES.get(name, name)
         if name not in RECIPES:
             raise OptionError(f"--recipe {name}: one of {', '.join(RECIPES)}")
         return RECIPES[name]()
@@ -102,7 +104,9 @@ class Recipe:
         return dataclasses.asdict(self)
 
 
-RECIPES = {"default": Recipe, "before-issue-17": Recipe.before_issue_17}
+RECIPES = {"default": Recipe, "weak-experts": Recipe.weak_experts}
+# Names a recipe had before, still accepted by --recipe.
+RECIPE_ALIASES = {"before-issue-17": "weak-experts"}
 
 
 def synthetic_config(name: str) -> dict:
@@ -138,7 +142,7 @@ def _random_expert(
     `scale_mul[proj]` multiplies the fan-in-normalized scale of each projection.
 
     Centered, code q maps to s * (q - (2^b - 1) / 2): zero-mean weights. Uncentered (the
-    recipe before issue 17), s * (q - 2^(b-1)) has mean -s/2: every expert then shares a
+    weak-experts recipe), s * (q - 2^(b-1)) has mean -s/2: every expert then shares a
     component along the all-ones vector, which feeds itself through the layers and blew the
     residual up ~60x per layer once the experts' outputs were no longer scaled down."""
     zero = (2**bits - 1) / 2 if centered else 2 ** (bits - 1)

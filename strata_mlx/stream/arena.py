@@ -51,7 +51,7 @@ class LRU:
         return None
 
 
-class _Scored:
+class ScoredPolicy:
     """Evict the lowest score, the least recently used among equal scores: a heap of
     (score, use number, key) entries, lazily invalidated (a key's live entry is the one with
     its latest use number), so a victim costs O(log n) instead of a scan of every resident
@@ -94,7 +94,7 @@ class _Scored:
         return found
 
 
-class LFUAging(_Scored):
+class LFUAging(ScoredPolicy):
     """Evict the least used expert; counts halve every `period` uses so old fame fades
     (kept as later uses weighing double instead: the same order, no pass over every count)."""
 
@@ -121,7 +121,7 @@ class LFUAging(_Scored):
         self._heap = [(c * f, n, k) for c, n, k in self._heap]  # order kept: heap stays one
 
 
-class ProfileAware(_Scored):
+class ProfileAware(ScoredPolicy):
     """Evict the expert the routing profile ranks least popular in its layer (LRU tie-break)."""
 
     name = "profile"
@@ -180,7 +180,7 @@ POLICIES = {p.name: p for p in (LRU, LFUAging, ProfileAware, LayerDistance)}
 
 def make_policy(
     eviction: str, profile: np.ndarray | None = None, layers: list[int] | None = None
-) -> LRU | _Scored | LayerDistance:
+) -> LRU | ScoredPolicy | LayerDistance:
     """The policy named `eviction`, given only what it reads: the routing profile (rows in
     the order of `layers`) for "profile", the layer cycle for "layer". Any other name, a
     "module:Class" or a class is a plug-in (strata_mlx.stream.policies)."""

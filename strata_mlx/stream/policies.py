@@ -39,10 +39,10 @@ from collections.abc import Callable
 import numpy as np
 
 from ..config import OptionError
-from .arena import LRU, POLICIES, Key, _Scored, make_policy
+from .arena import LRU, POLICIES, Key, ScoredPolicy, make_policy
 
 
-class LRU2(_Scored):
+class LRU2(ScoredPolicy):
     """LRU-K with K = 2: evict the expert whose second most recent use is oldest; experts used
     once go first, least recently used among them (an expert must prove itself twice)."""
 
@@ -58,7 +58,7 @@ class LRU2(_Scored):
         return float(before)
 
 
-class LRFU(_Scored):
+class LRFU(ScoredPolicy):
     """Frequency with aging by reuse distance (LRFU, Lee et al. 2001): every use adds 1 to an
     expert's score and the score halves every `half_life` uses of the arena, so an expert is
     ranked by how often and how recently it was used at once; half_life -> 0 is LRU, -> inf is
@@ -166,7 +166,7 @@ class ProtectedLRU(LRU):
         return key if key is not None else super().victim(evictable)
 
 
-class ProfileLRU(_Scored):
+class ProfileLRU(ScoredPolicy):
     """Recency with the profile's popularity as a head start: an expert's score is its last
     use number plus `weight` uses per unit of its share of its layer's routing (times the
     number of experts, so a uniform layer's experts get `weight`)."""

@@ -1,4 +1,4 @@
-"""bench and the page cache (issue 16 item 7): before a cold run only the store's own files are
+"""bench and the page cache: before a cold run only the store's own files are
 evicted (posix_fadvise DONTNEED on each); /proc/sys/vm/drop_caches is never written."""
 
 from __future__ import annotations

@@ -501,7 +501,7 @@ def test_scheduler_and_lookahead_depth_flags(store):
 
 def test_runtime_config_from_arguments_and_preset():
     """Flags given win over the preset, the preset over RuntimeConfig's defaults."""
-    from strata_mlx.apps.cli import runtime_config
+    from strata_mlx.apps.cli.common import runtime_config
     from strata_mlx.runtime.loader import RuntimeConfig
 
     cfg = runtime_config({"io_workers": 3, "arena_gb": None, "prompt": "x"}, "laptop-24gb")
@@ -513,7 +513,7 @@ def test_user_errors_keep_a_bug_s_traceback():
     """Our own error types are one line; another exception (a bug) is not hidden as one."""
     import typer
 
-    from strata_mlx.apps.cli import user_errors
+    from strata_mlx.apps.cli.common import user_errors
     from strata_mlx.config import OptionError, check_int
 
     @user_errors

@@ -1,4 +1,4 @@
-"""`strata-mlx plan` (issue 14 item 1): the forecast from a store, a Hugging Face checkpoint or
+"""`strata-mlx plan`: the forecast from a store, a Hugging Face checkpoint or
 a GGUF; the arena it names is the one load() allocates; the residency model against exact
 counts; the comparison with a bench run on figures recorded on this machine."""
 

@@ -1,4 +1,4 @@
-"""`bench --plot` (issue 14 item 2): per-layer counters that add up to the cache's own, and a
+"""`bench --plot`: per-layer counters that add up to the cache's own, and a
 PNG that opens."""
 
 from __future__ import annotations

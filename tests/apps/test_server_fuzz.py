@@ -2,7 +2,7 @@
 bytes, random JSON, fields of the wrong type, huge numbers, unicode and missing fields, posted
 to /v1/completions and /v1/chat/completions. Every answer is a 200 for a valid request or a 4xx
 whose body is an OpenAI-style error with a one-line message; never a 500, never a traceback;
-the server keeps serving afterwards. Bounded to a few seconds per test (issue 16 item 8)."""
+the server keeps serving afterwards. Bounded to a few seconds per test."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Conversion that cannot destroy (issue 16 item 4): never over its source or the directory it
+"""Conversion that cannot destroy: never over its source or the directory it
 runs from; an existing store replaced only with --overwrite, and kept until the new one is
 complete; temporary directories of dead conversions removed by the next run; a read-only or
 full filesystem a one-line error that leaves nothing behind."""
@@ -21,7 +21,8 @@ import tiny_gguf
 
 import strata_mlx
 from strata_mlx.convert.gguf import convert_gguf
-from strata_mlx.format.store import OWNER, REPLACED, StoreError, load_manifest, remove_dead_temps
+from strata_mlx.format.store import StoreError, load_manifest
+from strata_mlx.format.writer import OWNER, REPLACED, remove_dead_temps
 
 CLI = [sys.executable, "-m", "strata_mlx"]
 
@@ -121,7 +122,7 @@ def _dead_pid() -> int:
 def _temp(out: Path, pid: int, start: str = "0", tag: str = "") -> Path:
     """A temporary directory of a conversion into `out` by process `pid`, as StoreWriter
     names them (the owner is in the name from the moment it exists)."""
-    from strata_mlx.format.store import _host_tag
+    from strata_mlx.format.writer import _host_tag
 
     d = out.parent / f".{out.name}.{pid}-{start}-{_host_tag()}.{tag or 'abcd1234'}"
     d.mkdir(parents=True)
@@ -129,7 +130,7 @@ def _temp(out: Path, pid: int, start: str = "0", tag: str = "") -> Path:
 
 
 def _stamp(d: Path, pid: int) -> None:
-    from strata_mlx.format.store import _host_tag
+    from strata_mlx.format.writer import _host_tag
 
     (d / OWNER).write_text(json.dumps({"pid": pid, "host": _host_tag(), "start": None}))
 
@@ -168,7 +169,7 @@ def test_a_replacement_killed_between_its_renames_is_undone(gguf, tmp_path):
 def test_a_failed_commit_puts_the_old_store_back(gguf, tmp_path, monkeypatch):
     out = _convert(gguf, tmp_path / "s")
     before = _fingerprint(out)
-    import strata_mlx.format.store as store
+    import strata_mlx.format.writer as writer
 
     real = os.replace
     calls = []
@@ -179,10 +180,10 @@ def test_a_failed_commit_puts_the_old_store_back(gguf, tmp_path, monkeypatch):
             raise OSError(errno.EIO, "Input/output error", str(b))
         return real(a, b)
 
-    monkeypatch.setattr(store.os, "replace", second_fails)
+    monkeypatch.setattr(writer.os, "replace", second_fails)
     with pytest.raises(StoreError, match="cannot write the store"):
         _convert(gguf, out, overwrite=True)
-    monkeypatch.setattr(store.os, "replace", real)
+    monkeypatch.setattr(writer.os, "replace", real)
     assert _fingerprint(out) == before and not _temps(out)
 
 
@@ -192,7 +193,7 @@ def test_the_new_store_is_on_the_drive_before_the_old_one_is_moved_aside(
     """A crash after the renames must not find a store whose bytes were in the page cache
     only: every file of the new store is fsynced before the first rename, the rename after."""
     out = _convert(gguf, tmp_path / "s")
-    import strata_mlx.format.store as store
+    import strata_mlx.format.writer as writer
 
     events, path_of = [], {}
     real_open, real_fsync, real_replace = os.open, os.fsync, os.replace
@@ -210,9 +211,9 @@ def test_the_new_store_is_on_the_drive_before_the_old_one_is_moved_aside(
         events.append(("replace", str(b)))
         return real_replace(a, b)
 
-    monkeypatch.setattr(store.os, "open", open_)
-    monkeypatch.setattr(store.os, "fsync", fsync)
-    monkeypatch.setattr(store.os, "replace", replace)
+    monkeypatch.setattr(writer.os, "open", open_)
+    monkeypatch.setattr(writer.os, "fsync", fsync)
+    monkeypatch.setattr(writer.os, "replace", replace)
     _convert(gguf, out, overwrite=True)
     first = next(
         i
@@ -228,11 +229,11 @@ def test_the_new_store_is_on_the_drive_before_the_old_one_is_moved_aside(
 @pytest.mark.parametrize("where", ["experts", "dense", "manifest", "mkdtemp"])
 def test_disk_errors_are_one_line_and_leave_nothing(gguf, tmp_path, monkeypatch, where):
     """ENOSPC / EROFS at each write, injected (tests below use real filesystems)."""
-    import strata_mlx.format.store as store
+    import strata_mlx.format.writer as writer
 
     err = OSError(errno.ENOSPC, "No space left on device", "x")
     if where == "experts":
-        monkeypatch.setattr(store.StoreWriter, "add_expert", _raise(err))
+        monkeypatch.setattr(writer.StoreWriter, "add_expert", _raise(err))
     elif where == "dense":
 
         def short(path, weights, metadata=None):
@@ -242,9 +243,9 @@ def test_disk_errors_are_one_line_and_leave_nothing(gguf, tmp_path, monkeypatch,
 
         monkeypatch.setattr(mx, "save_safetensors", short)
     elif where == "manifest":
-        monkeypatch.setattr(store, "write_text_atomic", _raise(err))
+        monkeypatch.setattr(writer, "write_text_atomic", _raise(err))
     else:
-        monkeypatch.setattr(store.tempfile, "mkdtemp", _raise(OSError(errno.EROFS, "Read-only")))
+        monkeypatch.setattr(writer.tempfile, "mkdtemp", _raise(OSError(errno.EROFS, "Read-only")))
     with pytest.raises(StoreError) as e:
         _convert(gguf, tmp_path / "s")
     msg = str(e.value)

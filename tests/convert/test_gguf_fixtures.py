@@ -290,8 +290,8 @@ STREAMED = ["qwen3_moe-Q4_K_M.gguf", "qwen3_next-IQ3_S.gguf", "mixtral-Q2_K.gguf
 def test_fixture_streams_bit_identically_through_small_arenas(name, tmp_path):
     """A llama.cpp file's store gives the same logits and greedy tokens whatever share of its
     experts the arena holds (all, a quarter, 5 %: expert-major groups) and whichever policy
-    reads them, as the converted stores of tests/runtime/test_streaming.py do: the reference system
-    is exact here, so this asserts equality."""
+    reads them, as the converted stores of tests/runtime/test_streaming.py do: streaming is
+    exact, so this asserts equality."""
     from strata_mlx.generation.generate import stream_generate
 
     store = convert_gguf(DATA / name, tmp_path / "s", progress=False, calibration_tokens=16)

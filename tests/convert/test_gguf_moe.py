@@ -546,7 +546,7 @@ def test_mxfp4_repack_is_gguf_py_on_every_scale_and_code():
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from strata_mlx.convert.gguf import repack_mxfp4
+    from strata_mlx.convert.gguf.blocks import repack_mxfp4
     from strata_mlx.format.quant import dequantize_mxfp4
 
     rng = np.random.default_rng(3)

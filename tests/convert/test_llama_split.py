@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import strata_mlx
-from strata_mlx.convert.gguf import repack_affine, unpermute_rows
+from strata_mlx.convert.gguf.blocks import repack_affine, unpermute_rows
 from strata_mlx.format.store import StoreError
 from strata_mlx.generation.generate import teacher_forced_logits
 

@@ -1,4 +1,4 @@
-"""Synthetic stores: their outputs depend on their experts (issue 17 item 6), so a wrong expert
+"""Synthetic stores: their outputs depend on their experts, so a wrong expert
 byte shows in logits and tokens, as it would on a real model."""
 
 from __future__ import annotations
@@ -84,12 +84,12 @@ def test_corrupt_experts_change_logits_and_tokens(tmp_path):
     assert bad_tokens != ref_tokens
 
 
-def test_recipe_before_issue_17_is_the_store_whose_experts_hardly_matter(tmp_path):
-    """`--recipe before-issue-17` rebuilds the store the first wave's decode figures came from
-    (issue 17's "today"): zeroing a layer's experts leaves its greedy tokens as they were."""
-    path = tiny_synthetic(tmp_path / "old", "--recipe", "before-issue-17")
+def test_recipe_weak_experts_is_the_store_whose_experts_hardly_matter(tmp_path):
+    """`--recipe weak-experts`: zeroing a layer's experts leaves its greedy tokens as they
+    were."""
+    path = tiny_synthetic(tmp_path / "old", "--recipe", "weak-experts")
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["config"]["synthetic"]["recipe"] == "before-issue-17"
+    assert manifest["config"]["synthetic"]["recipe"] == "weak-experts"
     (ref, ref_tokens), (bad, bad_tokens) = intact_and_broken(path, tmp_path)
     # Every residual update is x0.02 of the default recipe's: zeroing layer 1 moved the logits
     # by at most 4e-5 here (spread 0.55), the default recipe's by 1.29; 0.02 of the spread
@@ -97,3 +97,12 @@ def test_recipe_before_issue_17_is_the_store_whose_experts_hardly_matter(tmp_pat
     diff = np.abs(bad - ref)
     assert diff.max() < 0.02 * ref.std(), (diff.max(), ref.std())
     assert bad_tokens == ref_tokens
+
+
+def test_recipe_before_issue_17_is_the_old_name_of_weak_experts():
+    """The recipe's earlier name stays accepted; the store records the current one."""
+    from strata_mlx.convert.synthetic import Recipe
+
+    old = Recipe.named("before-issue-17")
+    assert old == Recipe.named("weak-experts") == Recipe.weak_experts() != Recipe()
+    assert old.manifest_entry() == "weak-experts"

@@ -10,12 +10,12 @@ import pytest
 
 import strata_mlx
 import strata_mlx.format.store as store_module
+from strata_mlx.format.checksums import file_checksum
 from strata_mlx.format.store import (
     DENSE,
     EXPERTS,
     VERIFIED,
     StoreError,
-    file_checksum,
     load_manifest,
     read_record,
     verify_dense,

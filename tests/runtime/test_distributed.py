@@ -276,7 +276,7 @@ def test_bench_under_mlx_launch_reports_per_rank_figures(store, ring, tmp_path):
     import shutil
 
     import strata_mlx
-    from strata_mlx.apps.bench import _run
+    from strata_mlx.apps.bench import run_policy
 
     launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
     if not Path(launcher).exists():
@@ -298,7 +298,7 @@ def test_bench_under_mlx_launch_reports_per_rank_figures(store, ring, tmp_path):
     ids = np.random.default_rng(0).integers(0, vocab, size=PROMPT).tolist()
     model, _ = strata_mlx.load(path, prefill_step_size=STEP, read_ahead="demand")
     before = model.expert_cache.stats.copy()
-    _run(model, ids, 4, STEP, "demand", "cold")
+    run_policy(model, ids, 4, STEP, "demand", "cold")
     one = model.expert_cache.stats.minus(before)
     model.expert_cache.close()
 

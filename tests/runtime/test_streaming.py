@@ -59,8 +59,8 @@ def test_bit_identical_across_arenas_and_policies(store, step, family):
 
 
 def test_prefill_step_sizes_agree(store):
-    """Chunking changes only the batch shape; as in the reference system, prefill state is
-    bit-identical across chunk sizes (measured here on MLX's CPU backend)."""
+    """Chunking changes only the batch shape; prefill state is bit-identical across chunk
+    sizes (measured here on MLX's CPU backend)."""
     path = store(FAMILY)
     ids = prompt_ids(40, seed=4)
     model = resident(path, 64)
@@ -229,7 +229,7 @@ def test_fake_stream_computes_the_same_groups(store):
 @pytest.mark.parametrize("policy", ["demand", "lookahead"])
 def test_reader_overlap_on_and_off_stream_the_same_logits(store, policy):
     """read_overlap (the default) runs twice the reader threads, io_workers preads in flight;
-    off, a worker's copy and checksum hold its read slot, the first wave's way. Same bytes."""
+    off, a worker's copy and checksum hold its read slot. Same bytes."""
     path = store(FAMILY)
     ids = prompt_ids(40, seed=5)
     out = {}

@@ -1,0 +1,112 @@
+"""`strata-mlx cache-prompt`: run a prompt once and save its KV / recurrent state."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from ...config import (
+    OptionError,
+    parse_tokens,
+)
+from .common import (
+    KV_FLAGS,
+    ArenaGB,
+    IOWorkers,
+    Model,
+    PrefillStepSize,
+    Preset,
+    ReadAhead,
+    Verify,
+    builtin_model,
+    chat_flag,
+    check_output_file,
+    kv_options,
+    runtime_config,
+    template_config,
+)
+
+
+def cache_prompt(
+    prompt_cache_file: Path = typer.Option(
+        ..., "--prompt-cache-file", help="The .safetensors file to write."
+    ),
+    model: Model = None,
+    prompt: str | None = typer.Option(
+        None, "--prompt", "-p", help="Prompt text ('-' reads stdin)."
+    ),
+    prompt_tokens: str | None = typer.Option(
+        None, "--prompt-tokens", help="Prompt as token ids: 1,2,3."
+    ),
+    system_prompt: str | None = typer.Option(
+        None, "--system-prompt", help="A system message (rendered by the chat template)."
+    ),
+    chat: bool | None = typer.Option(
+        None,
+        "--chat/--no-chat",
+        help="Render through the chat template (default: with "
+        "--system-prompt or --chat-template-config), without the generation prompt.",
+    ),
+    chat_template_config: str | None = typer.Option(
+        None, "--chat-template-config", help="More chat template variables (JSON object)."
+    ),
+    max_kv_size: int | None = KV_FLAGS["max_kv_size"],
+    kv_bits: int | None = KV_FLAGS["kv_bits"],
+    kv_group_size: int = KV_FLAGS["kv_group_size"],
+    quantized_kv_start: int = KV_FLAGS["quantized_kv_start"],
+    arena_gb: ArenaGB = None,
+    io_workers: IOWorkers = None,
+    read_ahead: ReadAhead = None,
+    prefill_step_size: PrefillStepSize = None,
+    verify: Verify = None,
+    preset: Preset = None,
+):
+    """Run a prompt once and save its KV / recurrent state (mlx-lm's cache_prompt); generate
+    and serve start from it with --prompt-cache-file."""
+    runtime = dict(locals())
+    import json
+    import time
+
+    from ...generation.generate import cache_prompt as run_prompt
+    from ...generation.prompt_cache import save_prompt_cache
+    from ...runtime.loader import load
+
+    kv = kv_options(runtime)
+    check_output_file(prompt_cache_file, "--prompt-cache-file")
+    template_kwargs = template_config(chat_template_config)
+    chat = chat_flag(chat, system_prompt, chat_template_config)
+    if prompt is None and prompt_tokens is None and system_prompt is None:
+        raise OptionError("give --prompt/-p, --prompt-tokens or --system-prompt")
+    model, runtime["arena_gb"] = builtin_model(model, arena_gb)
+    cfg = runtime_config(runtime, preset)
+    m, tok = load(model, config=cfg)
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if prompt_tokens is not None:
+        ids = parse_tokens(prompt_tokens, "--prompt-tokens")
+    elif tok is None:
+        raise OptionError(f"{model}: the store has no tokenizer; use --prompt-tokens")
+    elif chat:
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        if prompt is not None:
+            messages.append({"role": "user", "content": prompt})
+        text = tok.apply_chat_template(messages, add_generation_prompt=False, **template_kwargs)
+        ids = tok.encode(text, add_special_tokens=False)
+    else:
+        ids = tok.encode(prompt)
+    vocab = m.args.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        raise OptionError(f"prompt token ids must lie in [0, {vocab})")
+    t = time.perf_counter()
+    cache = run_prompt(m, ids, kv, cfg.prefill_step_size)
+    dt = time.perf_counter() - t
+    save_prompt_cache(prompt_cache_file, cache, m, ids,
+                      {"chat_template_config": json.dumps(template_kwargs)})  # fmt: skip
+    import mlx.core as mx
+
+    typer.echo(f"Prompt: {len(ids)} tokens, {len(ids) / max(dt, 1e-9):.3f} tokens-per-sec")
+    typer.echo(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+    typer.echo(f"Saved {prompt_cache_file}")
+    m.expert_cache.close()

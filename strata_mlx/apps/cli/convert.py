@@ -1,0 +1,152 @@
+"""`strata-mlx convert`: one source (--hf-path, --gguf-path, --synthetic) into a store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ...config import (
+    OptionError,
+)
+
+Q_MODES = ("affine", "mxfp4")  # convert_hf's q_mode
+
+
+def convert(
+    hf_path: Path | None = typer.Option(
+        None, "--hf-path", help="Hugging Face checkpoint directory."
+    ),
+    gguf_path: Path | None = typer.Option(None, "--gguf-path", help="A GGUF file."),
+    synthetic: str | None = typer.Option(
+        None, "--synthetic", help="A named shape from configs/ (random weights)."
+    ),
+    mlx_path: Path = typer.Option(..., "--mlx-path", help="Output store directory."),
+    quantize: bool = typer.Option(False, "--quantize", "-q"),
+    q_bits: int = typer.Option(4, "--q-bits"),
+    q_group_size: int = typer.Option(64, "--q-group-size"),
+    q_mode: str | None = typer.Option(
+        None,
+        "--q-mode",
+        help="With -q (--hf-path): affine (MLX affine, --q-bits/--q-group-size; the default) "
+        "| mxfp4 (experts in OCP MXFP4, 4 bits in blocks of 32, as GPT-OSS ships; dense "
+        "layers stay float).",
+    ),
+    dtype: str | None = typer.Option(None, "--dtype", help="float16 | bfloat16 | float32"),
+    calibration_tokens: int = typer.Option(
+        256, "--calibration-tokens", help="Tokens for the routing profile (0: none)."
+    ),
+    split_experts: int | None = typer.Option(
+        None, "--split-experts", help="Dense GGUF: split each MLP into E experts."
+    ),
+    router: str = typer.Option(
+        "structured",
+        "--router",
+        help="Synthetic routing: structured (skewed, correlated) | uniform.",
+    ),
+    recipe: str = typer.Option(
+        "default",
+        "--recipe",
+        help="Synthetic weights: default (outputs depend on the experts) | weak-experts "
+        "(every residual update x0.02: experts hardly matter, routing drifts little between "
+        "tokens).",
+    ),
+    set_: list[str] | None = typer.Option(
+        None, "--set", help="Synthetic shape override, e.g. --set num_hidden_layers=8."
+    ),
+    seed: int = typer.Option(0, "--seed"),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Replace an existing store at --mlx-path (kept until the new one is complete).",
+    ),
+):
+    """Convert a checkpoint into a strata-mlx store."""
+    flags = dict(locals())  # the arguments; _convert passes each converter the ones it takes
+    sources = [s for s in (hf_path, gguf_path, synthetic) if s is not None]
+    if len(sources) != 1:
+        raise OptionError("give exactly one of --hf-path, --gguf-path, --synthetic")
+    if synthetic is not None:
+        from ...convert.synthetic import Recipe
+
+        flags["recipe"] = Recipe.named(recipe)  # a bad name: refused before any output
+    from ...convert.common import check_output, overwriting
+
+    check_output(mlx_path, *(s for s in (hf_path, gguf_path) if s), overwrite=overwrite)
+    _exit_on_sigterm()  # SIGTERM unwinds: the temporary directory is removed on the way out
+    if q_mode is not None and q_mode not in Q_MODES:
+        raise OptionError(f"--q-mode {q_mode}: one of {', '.join(Q_MODES)}")
+    if q_mode is not None and not quantize:
+        raise OptionError(f"--q-mode {q_mode}: the mode of -q; add -q (--quantize)")
+    if q_bits not in (2, 3, 4, 8):
+        raise OptionError(f"--q-bits {q_bits}: one of 2, 3, 4, 8")
+    if q_group_size not in (32, 64, 128):
+        raise OptionError(f"--q-group-size {q_group_size}: one of 32, 64, 128")
+    from ...config import MAX_SEED, check_int
+
+    check_int("calibration_tokens", calibration_tokens, 0, 1 << 20, cli=True)
+    check_int("seed", seed, 0, MAX_SEED, cli=True)
+    with overwriting(overwrite):
+        out = _convert(hf_path, gguf_path, synthetic, mlx_path, flags)
+    typer.echo(f"wrote {out}")
+
+
+def _exit_on_sigterm() -> None:
+    import signal
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _convert(hf_path, gguf_path, synthetic, mlx_path, flags: dict) -> Path:
+    """The converter of the one source given, with the `convert` command's `flags` it takes."""
+    if hf_path is not None:
+        from ...convert.hf import convert_hf
+
+        out = convert_hf(
+            hf_path,
+            mlx_path,
+            flags["quantize"],
+            q_bits=flags["q_bits"],
+            q_group_size=flags["q_group_size"],
+            q_mode=flags["q_mode"] or "affine",
+            dtype=flags["dtype"],
+            calibration_tokens=flags["calibration_tokens"],
+        )
+    elif gguf_path is not None:
+        from ...convert.gguf import convert_gguf
+
+        out = convert_gguf(
+            gguf_path,
+            mlx_path,
+            split_experts=flags["split_experts"],
+            calibration_tokens=flags["calibration_tokens"],
+        )
+    else:
+        from ...convert.synthetic import convert_synthetic, synthetic_config
+
+        config = synthetic_config(synthetic)
+        for item in flags["set_"] or []:
+            key, sep, value = item.partition("=")
+            if not sep or key not in config:
+                raise OptionError(
+                    f"--set {item}: expected KEY=VALUE with KEY one of {sorted(config)}"
+                )
+            try:
+                config[key] = type(config[key])(value)
+            except ValueError:
+                kind = type(config[key]).__name__
+                raise OptionError(f"--set {item}: {value!r} is not a valid {kind}") from None
+        out = convert_synthetic(
+            synthetic,
+            mlx_path,
+            config=config,
+            router=flags["router"],
+            seed=flags["seed"],
+            calibration_tokens=flags["calibration_tokens"],
+            dtype=flags["dtype"] or "float16",
+            recipe=flags["recipe"],
+        )
+    return out

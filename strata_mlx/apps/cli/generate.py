@@ -1,0 +1,332 @@
+"""`strata-mlx generate`: a prompt, streamed through the arena, printed as it decodes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from ...config import (
+    OptionError,
+    parse_tokens,
+)
+from .common import (
+    KV_FLAGS,
+    ArenaGB,
+    Decode,
+    DecodeLag,
+    Eviction,
+    FakeStream,
+    IOWorkers,
+    LookaheadDecodeMinMiss,
+    LookaheadDepth,
+    LookaheadMinTokens,
+    Model,
+    Pipeline,
+    PipelineSplit,
+    PipelineTimeout,
+    PrefillStepSize,
+    Preset,
+    ReadAhead,
+    Scheduler,
+    StaticCap,
+    TraceFile,
+    Verify,
+    builtin_model,
+    chat_flag,
+    check_output_file,
+    kv_options,
+    runtime_config,
+    save_npy,
+    template_config,
+)
+
+
+def generate(
+    model: Model = None,
+    prompt: str | None = typer.Option(
+        None, "--prompt", "-p", help="Prompt text ('-' reads stdin)."
+    ),
+    prompt_tokens: str | None = typer.Option(
+        None, "--prompt-tokens", help="Prompt as token ids: 1,2,3."
+    ),
+    max_tokens: int = typer.Option(100, "--max-tokens", "-m"),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0: greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sampling top-p (1: off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Sampling min-p (0: off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sampling top-k (0: off)."),
+    min_tokens_to_keep: int = typer.Option(
+        1, "--min-tokens-to-keep", help="Minimum tokens to keep for min-p sampling."
+    ),
+    xtc_probability: float = typer.Option(
+        0.0, "--xtc-probability", help="Probability of XTC sampling at each token."
+    ),
+    xtc_threshold: float = typer.Option(
+        0.1, "--xtc-threshold", help="XTC drops the tokens above this probability but one."
+    ),
+    repetition_penalty: float | None = typer.Option(
+        None, "--repetition-penalty", help="Penalty on the logits of recent tokens (1: none)."
+    ),
+    repetition_context_size: int = typer.Option(
+        20, "--repetition-context-size", help="Tokens the repetition penalty looks back."
+    ),
+    seed: int | None = typer.Option(None, "--seed", help="PRNG seed."),
+    chat: bool | None = typer.Option(
+        None,
+        "--chat/--no-chat",
+        help="Wrap the prompt in the chat template (default: with --system-prompt or "
+        "--chat-template-config).",
+    ),
+    system_prompt: str | None = typer.Option(
+        None, "--system-prompt", help="A system message before the prompt (implies --chat)."
+    ),
+    chat_template_config: str | None = typer.Option(
+        None,
+        "--chat-template-config",
+        help="More variables for the chat template, as a JSON object (implies --chat).",
+    ),
+    logits_out: Path | None = typer.Option(
+        None, "--logits-out", help="Write teacher-forced prompt logits [T, vocab] float32 .npy."
+    ),
+    logits_ref: Path | None = typer.Option(
+        None, "--logits-ref", help="Compare prompt logits with a .npy (KLD, top-1)."
+    ),
+    experts_per_token: int | None = typer.Option(
+        None, "--experts-per-token", help="Override the store's experts per token."
+    ),
+    dump_moe: Path | None = typer.Option(
+        None, "--dump-moe", help="Write per-layer MoE state (.npy) here."
+    ),
+    moce_bonus: float = typer.Option(
+        0.0,
+        "--moce-bonus",
+        help="Cache-aware routing: bonus on resident experts' logits in decode.",
+    ),
+    verbose: bool = typer.Option(False, "--verbose", help="One trace line per prefill chunk."),
+    trace_file: TraceFile = None,
+    arena_gb: ArenaGB = None,
+    io_workers: IOWorkers = None,
+    read_ahead: ReadAhead = None,
+    lookahead_min_tokens: LookaheadMinTokens = None,
+    lookahead_decode_min_miss: LookaheadDecodeMinMiss = None,
+    lookahead_depth: LookaheadDepth = None,
+    scheduler: Scheduler = None,
+    static_cap: StaticCap = None,
+    eviction: Eviction = None,
+    verify: Verify = None,
+    prefill_step_size: PrefillStepSize = None,
+    fake_stream: FakeStream = None,
+    decode: Decode = None,
+    decode_lag: DecodeLag = None,
+    preset: Preset = None,
+    pipeline: Pipeline = False,
+    pipeline_split: PipelineSplit = None,
+    pipeline_timeout: PipelineTimeout = 300.0,
+    prompt_cache_file: Path | None = typer.Option(
+        None,
+        "--prompt-cache-file",
+        help="Start from a prompt cache written by cache-prompt (the prompt continues it).",
+    ),
+    max_kv_size: int | None = KV_FLAGS["max_kv_size"],
+    kv_bits: int | None = KV_FLAGS["kv_bits"],
+    kv_group_size: int = KV_FLAGS["kv_group_size"],
+    quantized_kv_start: int = KV_FLAGS["quantized_kv_start"],
+):
+    """Generate text from a store, streaming experts through the arena."""
+    runtime = dict(locals())  # the arguments; runtime_config() takes RuntimeConfig's fields
+    if prompt is None and prompt_tokens is None:
+        if model is not None:
+            raise OptionError("give --prompt/-p or --prompt-tokens")
+        prompt = "The capital of France is"
+    sampling = _sampling(runtime)  # every flag is checked before a model is loaded
+    check_output_file(logits_out, "--logits-out")
+    check_output_file(trace_file, "--trace")
+    kv = kv_options(runtime)
+    template_kwargs = template_config(chat_template_config)
+    chat = chat_flag(chat, system_prompt, chat_template_config)
+    model, runtime["arena_gb"] = builtin_model(model, arena_gb)
+    cfg = runtime_config(runtime, preset)
+    if experts_per_token is not None:  # the store's count bounds it, in every family
+        from ...config import check_int
+        from ...format.store import load_manifest
+
+        n = load_manifest(model).num_experts
+        check_int("experts_per_token", experts_per_token, 1, n, cli=True)
+    pipe = _pipeline(runtime, kv)
+    if dump_moe is not None:
+        from ...generation.tools import MoeDumper
+
+        cfg = cfg.replace(dump=MoeDumper(dump_moe))
+    if trace_file is not None:
+        if pipe is not None:
+            raise OptionError("--trace: a pipelined run's routing is not traced yet")
+        from ...stream.stats import RoutingTrace
+
+        cfg = cfg.replace(trace=RoutingTrace())
+    from ...runtime.loader import load
+
+    m, tok = load(model, config=cfg, pipeline=pipe)
+    cache = m.expert_cache
+    if pipe is not None and pipe.size > 1:
+        if pipe.rank != 0:  # rank 0 prompts, samples and prints; the others compute
+            from ...runtime.distributed import serve_stage
+
+            serve_stage(m)
+            return
+        m.wait_ready()
+    else:
+        pipe = None
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    ids = _prompt_ids(tok, model, prompt, prompt_tokens, system_prompt, chat, template_kwargs)
+    _prompt_logits(m, ids, cfg.prefill_step_size, logits_out, logits_ref)
+    prompt_cache, cached = _resume(m, tok, prompt_cache_file, kv, ids, prompt, prompt_tokens, chat)
+    if prompt_cache is not None and ids[: len(cached)] == cached:
+        ids = ids[len(cached) :]
+    last = _print_stream(m, tok, ids, runtime, cfg, sampling, kv, prompt_cache, cached)
+    _print_summary(m, last, verbose, pipe)
+    if cfg.dump is not None:
+        cfg.dump.close()
+    if trace_file is not None:
+        from ...stream import trace
+
+        trace.write(trace_file, trace.of_model(m))
+    cache.close()
+
+
+# SamplingOptions' fields, as generate's flags of the same names
+SAMPLING_FLAGS = ("temp", "top_p", "min_p", "min_tokens_to_keep", "top_k", "xtc_probability",
+                  "xtc_threshold", "repetition_penalty", "repetition_context_size")  # fmt: skip
+
+
+def _sampling(args: dict):
+    """generate's sampling flags (`args`, by name) as checked SamplingOptions."""
+    from ...config import check_sampling
+    from ...generation.sampling import SamplingOptions
+
+    sampling = SamplingOptions(**{name: args[name] for name in SAMPLING_FLAGS})
+    check_sampling(args["max_tokens"], args["temp"], args["top_p"], args["seed"], cli=True)
+    sampling.check(cli=True)
+    return sampling
+
+
+def _pipeline(args: dict, kv):
+    """--pipeline (under mlx.launch): this rank's Pipeline, or None without the flag."""
+    if not args["pipeline"]:
+        return None
+    from ...runtime.distributed import Pipeline
+
+    if kv.max_kv_size or kv.kv_bits or args["prompt_cache_file"]:  # each rank has its own cache
+        raise OptionError(
+            "--pipeline: --max-kv-size, --kv-bits and --prompt-cache-file are not pipelined yet"
+        )
+    return Pipeline(split=args["pipeline_split"], timeout_s=args["pipeline_timeout"])
+
+
+def _prompt_ids(tok, model, prompt, prompt_tokens, system_prompt, chat, template_kwargs):
+    """The prompt's token ids: --prompt-tokens as given, else the text (through the chat
+    template with --chat) encoded by the store's tokenizer."""
+    if prompt_tokens is not None:
+        return parse_tokens(prompt_tokens, "--prompt-tokens")
+    if tok is None:
+        raise OptionError(f"{model}: the store has no tokenizer; use --prompt-tokens")
+    messages = [{"role": "user", "content": prompt}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tok.apply_chat_template(messages, **template_kwargs) if chat else prompt
+    return tok.encode(text, add_special_tokens=not chat)  # a template carries its own BOS
+
+
+def _prompt_logits(model, ids, step: int, logits_out, logits_ref) -> None:
+    """--logits-out / --logits-ref: the prompt's teacher-forced logits, saved or compared."""
+    if logits_out is None and logits_ref is None:
+        return
+    from ...generation.generate import teacher_forced_logits
+
+    logits = teacher_forced_logits(model, ids, step)
+    if logits_out is not None:
+        save_npy(logits_out, logits)
+    if logits_ref is not None:
+        from ...generation.tools import kld_report, load_logits
+
+        typer.echo(kld_report(load_logits(logits_ref), logits).line())
+
+
+def _print_stream(model, tok, ids, args: dict, cfg, sampling, kv, prompt_cache, cached):
+    """Generate and print each piece as it comes (text, or token ids without a tokenizer);
+    the last response, or None when nothing was generated."""
+    from ...generation.generate import stream_generate
+
+    last = None
+    for last in stream_generate(
+        model,
+        tok,
+        ids,
+        max_tokens=args["max_tokens"],
+        seed=args["seed"],
+        prefill_step_size=cfg.prefill_step_size,
+        sampler=sampling.sampler(tok),
+        logits_processors=sampling.logits_processors(model.args.vocab_size),
+        prompt_cache=prompt_cache,
+        cached_tokens=cached,
+        max_kv_size=kv.max_kv_size,
+        kv_bits=kv.kv_bits,
+        kv_group_size=kv.kv_group_size,
+        quantized_kv_start=kv.quantized_kv_start,
+    ):
+        if tok is not None:
+            typer.echo(last.text, nl=False)
+        else:
+            typer.echo(f"{last.token} ", nl=False)
+    typer.echo("")
+    return last
+
+
+def _print_summary(model, last, verbose: bool, pipe) -> None:
+    """The run's summary line (and with --verbose a line per prefill chunk); with a pipeline,
+    each rank's line, then the pipeline closed."""
+    if last is not None:
+        from ...generation.generate import summary
+
+        if verbose:
+            for i, c in enumerate(last.chunks):
+                typer.echo(chunk_line(i, c), err=True)
+        typer.echo(summary(last))
+    if pipe is not None:
+        from ...runtime.distributed import rank_lines
+
+        for line in rank_lines(model.rank_stats()):
+            typer.echo(line)
+        model.close()
+
+
+def _resume(model, tok, path, kv, ids, prompt, prompt_tokens, chat):
+    """--prompt-cache-file: (cache, the tokens it covers), or (None, None). A prompt whose
+    tokens begin with the cached ones skips them; any other prompt continues the cache (raw
+    text encoded without a BOS, as mlx-lm's generate continues one)."""
+    if path is None:
+        return None, None
+    from ...generation.prompt_cache import check_kv_matches, load_prompt_cache
+
+    cache, cached, _ = load_prompt_cache(path, model)
+    check_kv_matches(path, cache, kv, cli=True)
+    if ids[: len(cached)] == cached and len(ids) > len(cached):
+        return cache, cached
+    if chat:
+        raise OptionError(
+            f"{path}: the cached tokens are not the beginning of this prompt as the chat "
+            "template renders it (cache-prompt it with the same --system-prompt)"
+        )
+    if prompt_tokens is None and tok is not None:
+        ids[:] = tok.encode(prompt, add_special_tokens=False)
+    return cache, cached
+
+
+def chunk_line(i: int, c) -> str:
+    return (
+        f"[chunk {i}] {c.tokens} tok {c.wall_s * 1e3:.1f} ms ({c.tokens / max(c.wall_s, 1e-9):.1f} tok/s) "
+        f"ahead {c.streamed_ahead_pct:.1f}% miss {c.miss_pct:.1f}% wait {c.exposed_wait_s * 1e3:.1f} ms "
+        f"read {c.experts_read} ({c.gb_read:.3f} GB, {c.gb_per_s:.2f} GB/s) wasted {c.wasted_readahead} "
+        f"dropped {c.readahead_dropped} sync {c.route_sync_s * 1e3:.1f} ms host {c.host_s * 1e3:.1f} ms"
+    )

@@ -1,0 +1,47 @@
+"""`strata-mlx plan`: will a model fit, with what arena and chunk, and how fast."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .common import (
+    check_output_file,
+)
+
+
+def plan(
+    model: Path = typer.Argument(..., help="A store, a Hugging Face checkpoint or a GGUF file."),
+    arena_gb: float | None = typer.Option(None, "--arena-gb", help="Default: automatic."),
+    prefill_step_size: int | None = typer.Option(None, "--prefill-step-size"),
+    prompt_tokens: int = typer.Option(2048, "-p", "--prompt-tokens"),
+    generation_tokens: int = typer.Option(
+        128,
+        "-g",
+        "--generation-tokens",
+        help="Decode tokens after the cold prompt (the first ones find the arena as the "
+        "prefill left it): as bench's -g.",
+    ),
+    io_workers: int = typer.Option(8, "--io-workers"),
+    target_memory: float | None = typer.Option(
+        None, "--target-memory", help="GB, another machine."
+    ),
+    target_ssd_gbps: float | None = typer.Option(None, "--target-ssd-gbps"),
+    target_tflops: float | None = typer.Option(None, "--target-tflops"),
+    measure: bool = typer.Option(True, "--measure/--no-measure", help="Fake-stream compute run."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the forecast as JSON."),
+):
+    """Will MODEL fit, with what arena and chunk, and how fast: prefill and decode tok/s."""
+    from ...config import check_int
+    from ..plan import plan as run_plan
+    from ..plan import save
+
+    check_int("prompt_tokens", prompt_tokens, 1, 1 << 24, cli=True)
+    check_int("generation_tokens", generation_tokens, 1, 1 << 24, cli=True)
+    check_output_file(json_out, "--json")
+    f = run_plan(model, arena_gb, prefill_step_size, prompt_tokens, generation_tokens, io_workers,
+                 target_memory, target_ssd_gbps, target_tflops, measure)  # fmt: skip
+    typer.echo("\n".join(f.lines()))
+    if json_out is not None:
+        save(f, json_out)

@@ -1,0 +1,175 @@
+"""`strata-mlx serve`: a store behind the OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ...config import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    OptionError,
+)
+from .common import (
+    KV_FLAGS,
+    ArenaGB,
+    Decode,
+    DecodeLag,
+    Eviction,
+    IOWorkers,
+    LookaheadDecodeMinMiss,
+    LookaheadDepth,
+    LookaheadMinTokens,
+    Model,
+    Pipeline,
+    PipelineSplit,
+    PipelineTimeout,
+    PrefillStepSize,
+    Preset,
+    ReadAhead,
+    Scheduler,
+    StaticCap,
+    Verify,
+    builtin_model,
+    kv_options,
+    runtime_config,
+)
+
+
+def serve(
+    model: Model = None,
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8080, "--port"),
+    model_name: str | None = typer.Option(
+        None, "--model-name", help="The name clients ask for (default: the store's folder name)."
+    ),
+    arena_gb: ArenaGB = None,
+    io_workers: IOWorkers = None,
+    read_ahead: ReadAhead = None,
+    lookahead_min_tokens: LookaheadMinTokens = None,
+    lookahead_decode_min_miss: LookaheadDecodeMinMiss = None,
+    lookahead_depth: LookaheadDepth = None,
+    scheduler: Scheduler = None,
+    static_cap: StaticCap = None,
+    eviction: Eviction = None,
+    verify: Verify = None,
+    prefill_step_size: PrefillStepSize = None,
+    decode: Decode = None,
+    decode_lag: DecodeLag = None,
+    preset: Preset = None,
+    max_tokens: int = typer.Option(
+        DEFAULT_MAX_TOKENS, "--max-tokens", "-m", help="max_tokens of a request that gives none."
+    ),
+    max_tokens_limit: int | None = typer.Option(
+        None,
+        "--max-tokens-limit",
+        help="The largest max_tokens a request may ask (default: the model's context).",
+    ),
+    max_prompt_tokens: int | None = typer.Option(
+        None,
+        "--max-prompt-tokens",
+        help="The longest prompt accepted, in tokens (default: the model's context).",
+    ),
+    max_queue: int = typer.Option(
+        DEFAULT_MAX_QUEUE,
+        "--max-queue",
+        help="Requests that may wait behind the running one; more are answered 429.",
+    ),
+    shutdown_timeout: float = typer.Option(
+        DEFAULT_SHUTDOWN_TIMEOUT,
+        "--shutdown-timeout",
+        help="Seconds requests in flight get to finish after SIGTERM before they are cancelled.",
+    ),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        envvar="STRATA_MLX_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on every request (or set STRATA_MLX_API_KEY).",
+    ),
+    allowed_origins: str | None = typer.Option(
+        None,
+        "--allowed-origins",
+        help="Comma-separated origins browsers may call from (CORS), or '*'.",
+    ),
+    log_level: str = typer.Option("info", "--log-level"),
+    prompt_cache_size: int = typer.Option(
+        10, "--prompt-cache-size", help="Conversations whose KV cache is kept for reuse (0: off)."
+    ),
+    prompt_cache_bytes: int = typer.Option(
+        1 << 30, "--prompt-cache-bytes", help="Bytes those kept caches may hold together."
+    ),
+    prompt_cache_dir: Path | None = typer.Option(
+        None,
+        "--prompt-cache-dir",
+        help="Also keep conversations' KV caches in this directory: what memory evicts, and "
+        "all at shutdown; a restarted server resumes them from there.",
+    ),
+    prompt_cache_dir_bytes: int = typer.Option(
+        16 << 30, "--prompt-cache-dir-bytes", help="Bytes the directory's caches may hold."
+    ),
+    max_kv_size: int | None = KV_FLAGS["max_kv_size"],
+    kv_bits: int | None = KV_FLAGS["kv_bits"],
+    kv_group_size: int = KV_FLAGS["kv_group_size"],
+    quantized_kv_start: int = KV_FLAGS["quantized_kv_start"],
+    pipeline: Pipeline = False,
+    pipeline_split: PipelineSplit = None,
+    pipeline_timeout: PipelineTimeout = 300.0,
+):
+    """Serve a store over HTTP: OpenAI's chat and text completions and Responses API, and
+    Anthropic's Messages API."""
+    runtime = dict(locals())
+    from ...config import check_int, check_number
+
+    try:
+        from ..server import serve as run_server
+    except ImportError as e:  # a machine without the server stack still runs everything else
+        raise OptionError(f"serve needs {e.name}: pip install -e . installs it") from None
+    check_int("port", port, 1, 65535, cli=True)
+    check_int("max_tokens", max_tokens, 1, cli=True)
+    for name in ("max_tokens_limit", "max_prompt_tokens"):
+        if runtime[name] is not None:
+            check_int(name, runtime[name], 1, cli=True)
+    check_int("max_queue", max_queue, 0, cli=True)
+    check_int("prompt_cache_size", prompt_cache_size, 0, cli=True)
+    check_int("prompt_cache_bytes", prompt_cache_bytes, 0, cli=True)
+    check_int("prompt_cache_dir_bytes", prompt_cache_dir_bytes, 1, cli=True)
+    if pipeline and prompt_cache_dir is not None:  # the other ranks hold the state
+        raise OptionError("--pipeline: --prompt-cache-dir is not pipelined yet")
+    if prompt_cache_dir is not None and prompt_cache_dir.exists() and not prompt_cache_dir.is_dir():
+        raise OptionError(f"--prompt-cache-dir {prompt_cache_dir}: not a directory")
+    check_number("shutdown_timeout", shutdown_timeout, 0, cli=True)
+    kv = kv_options(runtime)
+    if pipeline and (kv.max_kv_size or kv.kv_bits):  # each rank has its own cache
+        raise OptionError("--pipeline: --max-kv-size and --kv-bits are not pipelined yet")
+    if api_key is not None and not api_key.strip():
+        raise OptionError("--api-key: empty", "api_key")
+    origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()] or None
+    if model is None:
+        model_name = model_name or "smollm2-135m-instruct-split"
+    model, runtime["arena_gb"] = builtin_model(model, arena_gb)
+    cfg = runtime_config(runtime, preset)
+    run_server(
+        model,
+        host=host,
+        port=port,
+        model_name=model_name,
+        log_level=log_level,
+        max_tokens=max_tokens,
+        max_tokens_limit=max_tokens_limit,
+        max_prompt_tokens=max_prompt_tokens,
+        max_queue=max_queue,
+        api_key=api_key,
+        allowed_origins=origins,
+        shutdown_timeout=shutdown_timeout,
+        prompt_cache_size=prompt_cache_size,
+        prompt_cache_bytes=prompt_cache_bytes,
+        prompt_cache_dir=prompt_cache_dir,
+        prompt_cache_dir_bytes=prompt_cache_dir_bytes,
+        pipeline=pipeline,
+        pipeline_split=pipeline_split,
+        pipeline_timeout=pipeline_timeout,
+        kv=kv,
+        config=cfg,
+    )

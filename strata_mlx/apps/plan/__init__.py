@@ -1,0 +1,143 @@
+"""`strata-mlx plan MODEL`: will this model run here (or on another machine), and how fast?
+
+The package: shapes (a model's shape), machine (what this or another machine does),
+residency (the arena's hit rates), forecasting (the forecast itself). Owns the forecast: from a store, a Hugging Face checkpoint directory (config.json and the
+safetensors headers only) or a GGUF file (its header only), plus a machine (this one: its
+memory and a short probe of the drive; or `--target-memory` / `--target-ssd-gbps`), it says
+whether the model fits, the arena and prefill chunk load() would pick (loader.choose_arena,
+the same code), the share of experts resident, and the expected prefill and decode tok/s.
+Never converts anything and never allocates an arena beyond the short fake-stream run that
+measures the compute floor of a store on this machine.
+
+The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts"):
+  - Popularity: the routing profile's per-layer counts give p_i, the chance that a token
+    picks expert i (uniform k/E without a profile), with Good-Turing's share for the experts
+    calibration never saw (smoothed_shares). A chunk of T tokens needs expert i with
+    q_i = 1 - (1 - p_i)^T; its distinct experts are the sum of the q_i.
+  - Residency: the arena is LRU over a layer-major sweep, so an expert needed again after g
+    chunks (tokens, in decode) is still resident iff fewer than `slots` distinct experts were
+    needed in between: U(g) = sum_i 1 - (1 - q_i)^g <= slots. g* is the largest such g, and
+    an expert is a hit with probability 1 - (1 - q_i)^min(g*, history) (Che's approximation,
+    with the deterministic gaps of a sweep). When one chunk needs more than the arena holds,
+    g* = 0: every chunk reads all it needs (LRU on a cyclic sweep).
+  - Prefill: each chunk takes max(SSD floor, compute floor): bytes it reads over the probe's
+    GB/s at the I/O worker count, and the fake-stream chunk time (or FLOPs over a rate).
+  - Decode: of a token's k lookups a layer, 1 - hit are not resident, hit taken token by
+    token from what the cold prefill's sweep left in the arena as decode's own working set
+    replaces it (decode_hits: the first tokens after a long prompt miss far more than the
+    steady state); lookahead predicts a share `recall` of them from an earlier layer's
+    input (measured with the experts' real outputs: each layer's input through the next
+    layers' routers; the sync handshake's predictions of a layer from the `depth` layers
+    before it, together, by their measured union: they miss alike; independent guesses for a
+    target machine), which are streamed ahead, and the rest are misses. The decoder's mode
+    follows its own rule (decode.choose_mode), simulated token by token: the running share
+    of layers with a miss (0.02 a layer toward each observation, from 0) puts it in "sync"
+    above decode_sync_above, else "layers" while lookahead predicts (unless
+    decode_token_while_predicting), else "token". A token costs that mode's fake-stream
+    decode time (its per-layer routing syncs included), plus in "sync" mode the
+    handshake's Python per layer (measured in a short real decode), plus what its absent
+    lookups cost, plus in "layers" mode one synced layer recomputed for each layer that
+    missed. An absent lookup costs what one cost in that short real decode (the token's
+    time beyond compute and handshake over its absent lookups: the drive at the queue depth
+    decode keeps, the predictions read in vain, the device's work on fresh slots); for a
+    target machine, or when that decode read too little, the misses' reads at the probe's
+    bandwidth for that many in flight, and streamed-ahead reads only what the layers
+    between prediction and use do not hide.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...format.store import StoreError
+from .forecasting import Forecast, compare, decode_forecast, forecast, save
+from .machine import (
+    GB,
+    MIN_ABSENT,
+    REFERENCE_LAPTOP_MEMORY_GBPS,
+    REFERENCE_LAPTOP_TFLOPS,
+    Compute,
+    Machine,
+    RealDecode,
+    estimate_compute,
+    lookahead_recall,
+    measure_compute,
+    measure_real,
+    measured_memory_gbps,
+    measured_tflops,
+    target_machine,
+    this_machine,
+)
+from .residency import decode_hits, hit_probability, pick_probabilities, reuse_gap, smoothed_shares
+from .shapes import ModelShape, from_store, model_shape
+
+
+def plan(
+    model: str | Path,
+    arena_gb: float | None = None,
+    prefill_step_size: int | None = None,
+    prompt_tokens: int = 2048,
+    gen_tokens: int = 128,
+    io_workers: int = 8,
+    target_memory_gb: float | None = None,
+    target_ssd_gbps: float | None = None,
+    target_tflops: float | None = None,
+    measure: bool = True,
+    measure_tokens: int | None = None,
+    probe_seconds: float = 1.0,
+    q_bits: int | None = None,
+    split_experts: int | None = None,
+) -> Forecast:
+    """The forecast for `model` on this machine, or on a target machine where
+    `target_memory_gb` / `target_ssd_gbps` are given (the other taken from this one)."""
+    from ...runtime.loader import default_prefill_step, physical_memory
+
+    shape = model_shape(model, q_bits, split_experts)
+    if shape.n_records == 0:
+        raise StoreError(f"{model}: no experts (a dense model): nothing streams")
+    targeted = target_memory_gb is not None or target_ssd_gbps is not None
+    if targeted:
+        here = None
+        if target_memory_gb is None or target_ssd_gbps is None:
+            here = this_machine(shape, io_workers, probe_seconds)
+        machine = target_machine(
+            target_memory_gb if target_memory_gb is not None else here.memory_bytes / GB,
+            target_ssd_gbps if target_ssd_gbps is not None else here.ssd_gbps,
+            io_workers,
+        )
+    else:
+        machine = this_machine(shape, io_workers, probe_seconds)
+    step = prefill_step_size or default_prefill_step(
+        machine.memory_bytes if targeted else physical_memory()
+    )
+    notes = []
+    if targeted:
+        tflops = target_tflops or REFERENCE_LAPTOP_TFLOPS
+        compute = estimate_compute(shape, tflops, REFERENCE_LAPTOP_MEMORY_GBPS)
+        source = f"estimate: {tflops:g} TFLOP/s"
+        if target_tflops is None:
+            notes.append(
+                f"target compute taken as the reference 24 GB laptop's ({tflops:g} TFLOP/s "
+                "effective; --target-tflops to change)"
+            )
+    elif measure and shape.source == "store":
+        tokens = measure_tokens or min(step, prompt_tokens)
+        fake_arena = min(arena_gb or 1.0, 1.0, shape.expert_bytes / GB)
+        compute = measure_compute(Path(shape.path), step, tokens, 8, fake_arena)
+        source = f"fake-stream, {tokens} tokens"
+    else:
+        tflops = target_tflops or measured_tflops()
+        compute = estimate_compute(shape, tflops, measured_memory_gbps())
+        source = f"estimate: {tflops:.3g} TFLOP/s"
+        notes.append("compute estimated from FLOPs (no store to time in fake-stream mode)")
+    f = forecast(shape, machine, compute, source, arena_gb, step, prompt_tokens, gen_tokens)
+    f.notes = notes + f.notes
+    return f
+
+
+__all__ = [
+    "GB", "MIN_ABSENT", "Compute", "Forecast", "Machine", "ModelShape", "RealDecode",
+    "compare", "decode_forecast", "decode_hits", "forecast", "from_store", "hit_probability",
+    "lookahead_recall", "measure_real", "model_shape", "pick_probabilities", "plan",
+    "reuse_gap", "save", "smoothed_shares",
+]  # fmt: skip

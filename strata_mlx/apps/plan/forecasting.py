@@ -1,0 +1,344 @@
+"""The forecast (Forecast) from a shape, a machine and the residency model: prefill and decode
+tok/s, decode simulated token by token; its comparison with a bench run, and its JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ...config import OptionError
+from ...format.store import (
+    write_text_atomic,
+)
+from .machine import GB, Compute, Machine, read_gbps
+from .residency import decode_hits, pick_probabilities, prefill_reads
+from .shapes import ModelShape
+
+TOLERANCE = 0.25  # the issue's +-25 %
+
+
+@dataclass
+class Forecast:
+    model: str
+    source: str
+    machine: str
+    fits: bool
+    verdict: str
+    arena_bytes: int = 0
+    prefill_step_size: int = 0
+    slots: int = 0
+    resident_share: float = 0.0
+    expert_gb: float = 0.0
+    dense_gb: float = 0.0
+    ssd_gbps: float = 0.0
+    prompt_tokens: int = 0
+    gen_tokens: int = 0  # decode tokens forecast after the cold prompt
+    distinct_per_chunk: float = 0.0  # experts a full chunk needs, all layers
+    gb_read_per_chunk: float = 0.0  # mean over the cold prompt's chunks
+    ssd_floor_s: float = 0.0  # mean per chunk
+    compute_floor_s: float = 0.0  # per full chunk
+    compute_source: str = ""  # fake-stream | estimate
+    prefill_tps: float = 0.0
+    decode_hit_rate: float = 0.0  # resident when asked (LRU)
+    decode_streamed_ahead: float = 0.0  # share of lookups lookahead brought in
+    decode_miss_rate: float = 0.0  # share of lookups the computation waited for
+    decode_modes: dict = field(default_factory=dict)  # tokens per decoder mode
+    decode_misses_per_token: float = 0.0
+    decode_compute_ms: float = 0.0
+    # what an absent lookup cost plan's short real decode (None: reads costed from the probe)
+    decode_absent_ms: float | None = None
+    decode_ms_per_token: float = 0.0
+    decode_tps: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out = [
+            f"{self.model} ({self.source}) on {self.machine}",
+            f"  {self.verdict}",
+        ]
+        if not self.fits:
+            return out + [f"  note: {n}" for n in self.notes]
+        out += [
+            f"  experts {self.expert_gb:.2f} GB, dense {self.dense_gb:.2f} GB; "
+            f"arena {self.arena_bytes / GB:.2f} GB = {self.slots} slots "
+            f"({100 * self.resident_share:.1f} % of the experts resident), "
+            f"prefill chunk {self.prefill_step_size}",
+            f"  prefill ({self.prompt_tokens} tokens, cold): {self.prefill_tps:.1f} tok/s; "
+            f"per chunk {self.distinct_per_chunk:.0f} distinct experts, "
+            f"{self.gb_read_per_chunk:.3f} GB read, SSD floor {self.ssd_floor_s * 1e3:.0f} ms "
+            f"at {self.ssd_gbps:.2f} GB/s, compute floor {self.compute_floor_s * 1e3:.0f} ms "
+            f"({self.compute_source})",
+            f"  decode ({self.gen_tokens} tokens): {self.decode_tps:.2f} tok/s "
+            f"({self.decode_ms_per_token:.1f} ms/token: "
+            f"compute {self.decode_compute_ms:.1f}, {self.decode_misses_per_token:.1f} misses "
+            f"a token: {100 * self.decode_hit_rate:.1f} % resident, "
+            f"{100 * self.decode_streamed_ahead:.1f} % streamed ahead, "
+            f"{100 * self.decode_miss_rate:.1f} % missed; modes "
+            + ", ".join(f"{m} {n}" for m, n in self.decode_modes.items())
+            + (
+                ""
+                if self.decode_absent_ms is None
+                else f"; an absent lookup {self.decode_absent_ms:.3g} ms, measured"
+            )
+            + ")",
+        ]
+        return out + [f"  note: {n}" for n in self.notes]
+
+
+def decode_forecast(
+    shape: ModelShape,
+    machine: Machine,
+    compute: Compute,
+    p: np.ndarray,
+    slots: int,
+    prompt_tokens: int,
+    gen_tokens: int,
+    step: int,
+) -> dict:
+    """Decode of `gen_tokens` after a cold prompt in chunks of `step`, token by token through
+    the decoder's own rules (strata_mlx.runtime.decode; thresholds from RuntimeConfig's defaults)."""
+    from ...runtime.decode import choose_mode
+    from ...runtime.loader import RuntimeConfig
+
+    cfg = RuntimeConfig()
+    k, L, rb = shape.top_k, max(shape.moe_layers, 1), shape.record_bytes
+    hits = decode_hits(p, L, slots, prompt_tokens, step, gen_tokens)
+    distance = {"sync": 1, "layers": cfg.decode_lag + 1, "token": 1}  # prediction to use
+    r = compute.recall
+    depth = cfg.read_ahead.depth
+
+    # Share of a layer's absent lookups some prediction read ahead. The sync handshake predicts
+    # layers l+1 .. l+depth from layer l's input, so layer i is predicted from up to `depth`
+    # layers before it (their union measured); "layers" mode predicts from lag + 1
+    # layers before, and a layer that missed is recomputed through the sync handshake, which
+    # predicts as sync does. The first layers of a token have nothing that far before them.
+    def union_at(a: int) -> float:  # measured, or (estimates) independent guesses
+        if a in compute.recall_union:
+            return compute.recall_union[a]
+        return 1 - float(np.prod([1 - r.get(d, 0.0) for d in range(1, a + 1)]))
+
+    union = np.array([union_at(min(depth, i)) if i else 0.0 for i in range(L)])
+    lag1 = distance["layers"]
+    lagged = np.where(np.arange(L) >= lag1, r.get(lag1, 0.0), 0.0)
+
+    def shares(mode: str, absent: float) -> tuple[float, float]:
+        """(streamed ahead, missed) of a lookup in `mode`. In "layers" mode the share of
+        layers recomputed through the sync handshake depends on the misses it leaves: a few
+        rounds of fixed point."""
+        if mode == "token":
+            return 0.0, absent
+        if mode == "sync":
+            ahead = absent * float(union.mean())
+            return ahead, absent - ahead
+        missed = absent
+        for _ in range(4):
+            recomputed = 1 - (1 - missed) ** k  # the layer before missed
+            ahead = absent * float((recomputed * union + (1 - recomputed) * lagged).mean())
+            missed = absent - ahead
+        return ahead, missed
+
+    def read_s(n: float) -> float:  # n reads of one layer, issued together
+        return n * rb / (read_gbps(machine, n) * 1e9) if n > 0 else 0.0
+
+    layer_rate, miss_rate = 0.0, 1.0  # the decoder's running averages, as a fresh load has them
+    modes: dict[str, int] = {}
+    total_s = compute_s = misses = ahead_sum = miss_sum = 0.0
+    for t in range(gen_tokens):
+        absent = 1 - hits[t]
+        predicting = miss_rate >= cfg.read_ahead.decode_min_miss
+        mode = choose_mode(
+            layer_rate,
+            predicting,
+            cfg.decode_sync_above,
+            cfg.decode_token_below,
+            cfg.decode_token_while_predicting,
+        )
+        modes[mode] = modes.get(mode, 0) + 1
+        ahead, missed = shares(mode, absent) if predicting else (0.0, absent)
+        layer_missed = 1 - (1 - missed) ** k  # a layer with at least one miss
+        base = compute.mode_s(mode)
+        # the sync handshake's Python; the deferred path's is in fake-stream's own time
+        cost = base + (L * compute.handshake_s if mode == "sync" else 0.0)
+        if compute.absent_s is not None:  # measured: every absent lookup, missed or not
+            cost += L * k * (missed + ahead) * compute.absent_s
+        else:
+            # streamed-ahead reads are hidden behind the layers between prediction and use
+            cost += L * read_s(k * missed)
+            cost += L * max(read_s(k * ahead) - distance[mode] * base / L, 0.0)
+        if mode == "layers":  # a layer that missed is drained and recomputed synced
+            cost += L * layer_missed * (compute.mode_s("sync") / L + compute.handshake_s)
+        total_s += cost
+        compute_s += base
+        misses += L * k * missed
+        ahead_sum += ahead
+        miss_sum += missed
+        for _ in range(L):
+            layer_rate += 0.02 * (layer_missed - layer_rate)
+            miss_rate += 0.01 * (missed - miss_rate)
+    n = max(gen_tokens, 1)
+    return {
+        "shares": (float(hits.mean()) if gen_tokens else 0.0, ahead_sum / n, miss_sum / n),
+        "modes": modes,
+        "misses_per_token": misses / n,
+        "compute_s": compute_s / n,
+        "s_per_token": total_s / n,
+    }
+
+
+# ---- the forecast ---------------------------------------------------------------------
+
+
+def forecast(
+    shape: ModelShape,
+    machine: Machine,
+    compute: Compute | tuple[float, float],
+    compute_source: str,
+    arena_gb: float | None = None,
+    prefill_step_size: int | None = None,
+    prompt_tokens: int = 2048,
+    gen_tokens: int = 128,
+) -> Forecast:
+    from ...runtime.loader import choose_arena
+    from ...stream.memory import MemoryGuardError
+
+    if prompt_tokens < 1 or gen_tokens < 1:
+        raise OptionError(
+            f"a forecast needs >= 1 prompt and decode token, got {prompt_tokens} and {gen_tokens}"
+        )
+    f = Forecast(
+        Path(shape.path).name,
+        shape.source + (f", {shape.note}" if shape.note else ""),
+        machine.name,
+        True,
+        "",
+        expert_gb=shape.expert_bytes / 1e9,
+        dense_gb=shape.dense_bytes / 1e9,
+        ssd_gbps=machine.ssd_gbps,
+        prompt_tokens=prompt_tokens,
+        gen_tokens=gen_tokens,
+        compute_source=compute_source,
+    )
+    available = machine.available_bytes
+    if available is None:
+        available = max(machine.memory_bytes - shape.dense_bytes, 0)
+    try:
+        arena, step = choose_arena(
+            shape.args,
+            shape.record_bytes,
+            shape.n_records,
+            shape.dense_bytes,
+            arena_gb,
+            prefill_step_size,
+            machine.memory_bytes,
+            available,
+            kv_itemsize=shape.kv_itemsize,
+        )
+    except MemoryGuardError as e:
+        f.fits = False
+        f.verdict = f"does not fit: {e}"
+        return f
+    slots = max(1, min(arena // shape.record_bytes, shape.n_records))
+    f.arena_bytes, f.prefill_step_size, f.slots = arena, step, slots
+    f.resident_share = slots / max(shape.n_records, 1)
+    f.verdict = (
+        "fits: every expert resident"
+        if slots >= shape.n_records
+        else f"fits, streaming: the arena holds {100 * f.resident_share:.1f} % of the experts"
+    )
+    p = pick_probabilities(shape)
+    rb = shape.record_bytes
+    chunks = prefill_reads(p, slots, prompt_tokens, step)
+    per_token = Compute.of(compute).prefill_s
+    total_s, bytes_read, ssd_s = 0.0, 0.0, 0.0
+    for tokens, reads in chunks:
+        ssd = reads * rb / (machine.ssd_gbps * 1e9)
+        total_s += max(ssd, per_token * tokens)
+        bytes_read += reads * rb
+        ssd_s += ssd
+    n = len(chunks)
+    f.distinct_per_chunk = float(np.sum(-np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * step)))
+    f.gb_read_per_chunk = bytes_read / n / 1e9
+    f.ssd_floor_s = ssd_s / n
+    f.compute_floor_s = per_token * min(step, prompt_tokens)
+    f.prefill_tps = prompt_tokens / total_s if total_s else 0.0
+    layer_width = max(f.distinct_per_chunk / max(shape.moe_layers, 1), 1)
+    if layer_width > slots:
+        f.notes.append(
+            f"a chunk needs ~{layer_width:.0f} experts a layer, more than the arena's {slots} "
+            "slots: layers run in expert-major groups"
+        )
+
+    d = decode_forecast(
+        shape, machine, Compute.of(compute), p, slots, prompt_tokens, gen_tokens, step
+    )
+    f.decode_hit_rate, f.decode_streamed_ahead, f.decode_miss_rate = d["shares"]
+    f.decode_modes = d["modes"]
+    f.decode_misses_per_token = d["misses_per_token"]
+    f.decode_compute_ms = d["compute_s"] * 1e3
+    absent_s = Compute.of(compute).absent_s
+    f.decode_absent_ms = None if absent_s is None else absent_s * 1e3
+    f.decode_ms_per_token = d["s_per_token"] * 1e3
+    f.decode_tps = 1e3 / f.decode_ms_per_token if f.decode_ms_per_token else 0.0
+    if shape.profile is None:
+        f.notes.append("no routing profile: expert popularity taken as uniform")
+    return f
+
+
+# ---- against bench --------------------------------------------------------------------
+
+
+def compare(f: dict | Forecast, bench_result: dict, policy: str = "lookahead") -> list[dict]:
+    """Forecast against a `bench --json` result (its cold run of `policy`): one row per
+    figure with the ratio measured / forecast and whether it is within TOLERANCE."""
+    f = asdict(f) if isinstance(f, Forecast) else f
+    for key, bench_key, flag in (
+        ("prompt_tokens", "prompt_tokens", "-p"),
+        ("prefill_step_size", "prefill_step_size", "--prefill-step-size"),
+        ("gen_tokens", "gen_tokens", "-g"),
+    ):
+        # (forecasts recorded before gen_tokens was kept have none: not checked)
+        if f.get(key) and bench_result.get(bench_key) and f[key] != bench_result[bench_key]:
+            raise OptionError(
+                f"the forecast is for {flag} {f[key]}, the bench run used {bench_result[bench_key]}"
+            )
+    runs = [r for r in bench_result["runs"] if r["policy"] == policy and r["phase"] == "cold"]
+    if not runs:
+        raise OptionError(f"bench result has no cold {policy} run")
+    r = runs[0]
+    rows = []
+    for name, measured, predicted in (
+        ("prefill tok/s", r["prefill_tps"], f["prefill_tps"]),
+        ("decode tok/s", r["decode_tps"], f["decode_tps"]),
+        ("GB read per chunk", r["gb_read"] / max(_chunks(bench_result), 1), f["gb_read_per_chunk"]),
+        ("decode miss %", r["decode_miss_pct"], 100 * _decode_miss_rate(f)),
+    ):
+        ratio = measured / predicted if predicted else math.inf
+        rows.append(
+            {
+                "figure": name,
+                "forecast": predicted,
+                "measured": measured,
+                "ratio": ratio,
+                "within": abs(ratio - 1) <= TOLERANCE,
+            }
+        )
+    return rows
+
+
+def _decode_miss_rate(f: dict) -> float:
+    # forecasts recorded before streamed-ahead was told from misses have no decode_miss_rate
+    if "decode_miss_rate" in f:
+        return f["decode_miss_rate"]
+    return 1 - f["decode_hit_rate"]
+
+
+def _chunks(bench_result: dict) -> int:
+    return -(-bench_result["prompt_tokens"] // bench_result["prefill_step_size"])
+
+
+def save(f: Forecast, path: str | Path) -> None:
+    write_text_atomic(path, json.dumps(asdict(f), indent=1))

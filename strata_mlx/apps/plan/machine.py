@@ -1,0 +1,347 @@
+"""The machine a forecast is for (this one: memory, a short probe of the drive, a fake-stream
+run and a short real decode that measure compute and what a miss costs; or a target's
+figures), and the compute floor estimated where nothing can be measured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ...format.store import (
+    EXPERTS,
+)
+from .shapes import ModelShape
+
+GB = 1024**3
+
+
+# A 24 GB M5 MacBook Air computes a 1024-token chunk of an 80B-A3B model in 2.0-2.4 s of GPU
+# work, ~2.8 TFLOP/s effective: the default rate for a target machine.
+REFERENCE_LAPTOP_TFLOPS = 2.8
+
+
+# Bytes a token's dense and expert weights take to stream through the laptop's memory
+# (M4/M5 Air: 120-153 GB/s): the decode compute floor of a target machine.
+REFERENCE_LAPTOP_MEMORY_GBPS = 120.0
+
+
+@dataclass
+class Machine:
+    memory_bytes: int
+    available_bytes: int | None  # for a new allocation, dense weights already held
+    ssd_gbps: float  # random record reads at the I/O worker count (1e9 B/s)
+    ssd_gbps_one: float  # one read in flight
+    io_workers: int
+    name: str = "this machine"
+
+
+@dataclass
+class Compute:
+    """What this machine (or a target) spends: with every expert resident (fake-stream runs
+    of a store, or estimates), per token unless named otherwise; and what lookahead predicts
+    and an absent lookup costs."""
+
+    prefill_s: float
+    decode_s: float  # decode "token" mode: whole tokens, no per-layer sync
+    decode_layers_s: float | None = None  # "layers" mode: routing read a layer late
+    decode_sync_s: float | None = None  # the per-layer handshake's sync
+    handshake_s: float = 0.0  # per decode layer: the handshake's Python, which fake-stream skips
+    recall: dict[int, float] = field(default_factory=dict)  # distance -> lookahead's recall
+    # a -> the share of a layer's picks that the predictions from the a layers before it
+    # find together (the sync handshake's, a = min(depth, layers before)); measured, as
+    # guesses from neighbouring layers miss alike (measured on an H200: 68 % streamed ahead
+    # of the absent lookups, where independent guesses at the same recall said 81 %)
+    recall_union: dict[int, float] = field(default_factory=dict)
+    # per decode lookup that was not resident (not per token): what it adds to its token, its
+    # read at the queue depth decode keeps, the predictions read in vain around it, the
+    # device's work on a fresh slot, the Python for it beyond the handshake's per layer; from
+    # a short real decode that reads (measure_real, with lookahead predicting, in sync mode:
+    # applied alike to every mode's absent lookups). None: the reads are costed from the
+    # probe's bandwidth (estimates for a target, or that decode read too little)
+    absent_s: float | None = None
+
+    @classmethod
+    def of(cls, c: Compute | tuple[float, float]) -> Compute:
+        """A Compute, or (s per prefill token, s per decode token) for every mode alike."""
+        return c if isinstance(c, Compute) else cls(float(c[0]), float(c[1]))
+
+    def mode_s(self, mode: str) -> float:
+        v = {"layers": self.decode_layers_s, "sync": self.decode_sync_s}.get(mode)
+        return self.decode_s if v is None else v
+
+
+# ---- the machine ----------------------------------------------------------------------
+
+
+def probe_file(shape: ModelShape) -> Path:
+    """A large file on the drive the model lives on."""
+    p = Path(shape.path)
+    if shape.source == "store":
+        return p / EXPERTS
+    if shape.source == "hf":
+        return max(p.glob("*.safetensors"), key=lambda f: f.stat().st_size)
+    return p
+
+
+def this_machine(
+    shape: ModelShape, io_workers: int = 8, probe_seconds: float = 1.0, ssd_gbps=None
+) -> Machine:
+    from ...runtime.loader import physical_memory
+    from ...stream import memory
+    from ...stream.probe import probe_ssd
+
+    if ssd_gbps is None:
+        rows = probe_ssd(
+            probe_file(shape),
+            record_bytes=shape.record_bytes,
+            workers_list=(1, io_workers),
+            seconds=probe_seconds / 2,
+        )
+        one, many = rows[0]["gb_per_s"], rows[1]["gb_per_s"]
+    else:
+        one = many = ssd_gbps
+    avail = memory.available_bytes()
+    if avail is not None:
+        avail = max(avail - shape.dense_bytes, 0)  # load() sizes the arena with dense loaded
+    return Machine(physical_memory(), avail, many, one, io_workers)
+
+
+def target_machine(memory_gb: float, ssd_gbps: float, io_workers: int = 8) -> Machine:
+    """Another machine: `memory_gb` of which the wired limit of a Mac (~19 GB of 24 GB) can
+    go to MLX, less the dense weights; a drive of `ssd_gbps` at any queue depth."""
+    mem = int(memory_gb * GB)
+    return Machine(mem, None, ssd_gbps, ssd_gbps, io_workers, f"a {memory_gb:g} GB machine")
+
+
+def read_gbps(machine: Machine, in_flight: float) -> float:
+    """Bandwidth at `in_flight` reads: between the one-read and the full-queue probes."""
+    n = max(1.0, min(in_flight, machine.io_workers))
+    if machine.io_workers <= 1:
+        return machine.ssd_gbps
+    f = (n - 1) / (machine.io_workers - 1)
+    return machine.ssd_gbps_one + f * (machine.ssd_gbps - machine.ssd_gbps_one)
+
+
+# ---- compute --------------------------------------------------------------------------
+
+
+def measure_compute(
+    path: Path, step: int, tokens: int, decode_tokens: int, arena_gb: float
+) -> Compute:
+    """Fake-stream runs (every expert counts as resident: compute alone, as bench's compute
+    floor): prefill, and decode in each of the decoder's modes; then a short real run for the
+    handshake's Python per layer, lookahead's recall and union, and what an absent lookup
+    costs decode (measure_real)."""
+    from ...format.store import load_manifest
+    from ...runtime.loader import RuntimeConfig, load
+    from ..bench import run_policy
+
+    vocab = load_manifest(path).config["vocab_size"]
+    ids = np.random.default_rng(0).integers(0, vocab, size=tokens).tolist()
+    cfg = RuntimeConfig(
+        arena_gb=arena_gb, read_ahead="demand", fake_stream=True, prefill_step_size=step
+    )
+    model, _ = load(path, config=cfg)
+    try:
+        run_policy(model, ids[: min(tokens, 8)], 1, step, "warmup", "-")  # kernels compile once
+        run = run_policy(model, ids, decode_tokens, step, "fake-stream", "compute")
+        per_mode = {}
+        dec = model.decoder
+        if dec is not None:
+            keep = dec.sync_above, dec.token_below
+            for mode, (sync_above, token_below) in (("layers", (1.0, 0.0)), ("sync", (-1.0, 0))):
+                dec.sync_above, dec.token_below = sync_above, token_below
+                r = run_policy(model, ids[: min(tokens, step) + 1], decode_tokens, step, mode, "-")
+                per_mode[mode] = r.decode_s / max(decode_tokens, 1)
+            dec.sync_above, dec.token_below = keep
+    finally:
+        model.expert_cache.close()
+    del model
+    prefill_s = sum(c.wall_s for c in run.chunks)
+    real = measure_real(path, ids, step, decode_tokens, arena_gb)
+    sync_s = per_mode.get("sync", run.decode_s / max(decode_tokens, 1))
+    return Compute(
+        prefill_s / max(tokens, 1),
+        run.decode_s / max(decode_tokens, 1),
+        per_mode.get("layers"),
+        per_mode.get("sync"),
+        handshake_s=real.handshake_s,
+        recall=real.recall,
+        recall_union=real.union,
+        absent_s=real.absent_s(sync_s),
+    )
+
+
+def lookahead_recall(
+    model, ids: list[int], step: int, distances, depth: int = 0
+) -> tuple[dict[int, float], dict[int, float]]:
+    """(recall, union). recall: distance d -> the share of a token's top-k at layer l + d that
+    layer l + d's router, applied to layer l's MoE input, picks: what one-token lookahead gets
+    right (decode predicts from the layer before in the per-layer handshake, from `lag + 1`
+    layers before in pipelined "layers" mode). union: a in 1..depth -> the share that the
+    predictions from the a layers before a layer pick together (the sync handshake predicts
+    each layer from up to `depth` before it). From the prefill of `ids` (one prompt chunk)."""
+    import mlx.core as mx
+
+    cache = model.expert_cache
+    seen: dict[int, tuple] = {}
+
+    def record(layer, x, inds, scores, y):
+        seen[layer] = (x, inds)
+
+    cache.dump = record
+    try:
+        model(mx.array([ids[:step]]), cache=model.make_cache())
+    finally:
+        cache.dump = None
+    layers = [l for l in cache.layers if l in seen]
+    reach = max([*distances, depth, 0])
+    picks: dict[tuple[int, int], list[set]] = {}  # (target index, d) -> each token's picks
+    for j, target in enumerate(layers):
+        if target not in cache.routers:
+            continue
+        k = seen[target][1].shape[-1]
+        for d in range(1, min(reach, j) + 1):
+            pred = np.array(cache.routers[target](seen[layers[j - d]][0])).reshape(-1, k)
+            picks[j, d] = [set(p) for p in pred.tolist()]
+    truth = {
+        j: np.array(seen[l][1]).reshape(-1, seen[l][1].shape[-1]).tolist()
+        for j, l in enumerate(layers)
+    }
+
+    def share(j: int, ds: range) -> tuple[int, int]:
+        found = [set().union(*g) for g in zip(*(picks[j, d] for d in ds))]
+        return sum(len(f & set(t)) for f, t in zip(found, truth[j])), sum(map(len, truth[j]))
+
+    def mean(pairs) -> float | None:
+        hit, total = map(sum, zip(*pairs)) if pairs else (0, 0)
+        return hit / total if total else None
+
+    recall = {
+        d: mean([share(j, range(d, d + 1)) for j in range(len(layers)) if (j, d) in picks])
+        for d in distances
+        if d > 0
+    }
+    union = {
+        a: mean(
+            [
+                share(j, range(1, a + 1))
+                for j in range(len(layers))
+                if all((j, d) in picks for d in range(1, a + 1))
+            ]
+        )
+        for a in range(1, depth + 1)
+    }
+    return (
+        {d: r for d, r in recall.items() if r is not None},
+        {a: u for a, u in union.items() if u is not None},
+    )
+
+
+RECALL_TOKENS = 64  # tokens whose routing gives lookahead's recall (each picks k a layer)
+
+
+# Fewer absent lookups than this in measure_real's decode: too few to say what one costs
+MIN_ABSENT = 32
+
+
+@dataclass
+class RealDecode:
+    """measure_real's findings: per decode layer, the handshake's Python; lookahead's recall
+    (by distance, and the sync handshake's predictions together); and the short decode's
+    seconds a token and lookups a token that were not resident."""
+
+    handshake_s: float
+    recall: dict[int, float]
+    union: dict[int, float]
+    s_per_token: float
+    absent_per_token: float
+    layers: int
+    tokens: int
+
+    def absent_s(self, sync_s: float) -> float | None:
+        """What one absent lookup added to its token beyond `sync_s` (the sync handshake's
+        compute, fake-stream) and the handshake's Python, or None if too few were seen.
+        Fake-stream's time holds part of that Python too (ids to numpy, the kernel's call), so
+        it is taken off twice here and added back once a token by the forecast: exact at this
+        decode's share of absent lookups, a little low where fewer are absent."""
+        if self.absent_per_token * self.tokens < MIN_ABSENT:
+            return None
+        extra = self.s_per_token - sync_s - self.layers * self.handshake_s
+        return max(extra, 0.0) / self.absent_per_token
+
+
+def measure_real(path: Path, ids: list[int], step: int, tokens: int, arena_gb: float) -> RealDecode:
+    """With the experts' real outputs: seconds of Python per decode layer in the handshake
+    (classify, read-ahead, completions; outside its syncs and waits) and what its absent
+    lookups cost, from a short decode with per-layer sync after a prompt of one chunk, and
+    lookahead's recall at each distance it predicts from and of the sync handshake's
+    predictions together (lookahead_recall). Not from
+    the fake-stream run, whose expert outputs are whatever the slots hold: the hidden states
+    there lack the updates that move routing from one layer to the next (on an H200: the
+    forecast streamed ahead 87 % of the absent lookups on that recall, bench 70 %)."""
+    from ...runtime.loader import RuntimeConfig, load
+    from ..bench import run_policy
+
+    cfg = RuntimeConfig(arena_gb=arena_gb, decode="sync", prefill_step_size=step)
+    model, _ = load(path, config=cfg)
+    try:
+        n_layers = len(model.expert_cache.layers)
+        run = run_policy(model, ids[: min(len(ids), step) + 1], tokens, step, "handshake", "-")
+        depth = model.runtime.read_ahead.depth
+        distances = sorted({*range(1, depth + 1), model.runtime.decode_lag + 1})
+        recall, union = lookahead_recall(model, ids, min(step, RECALL_TOKENS), distances, depth)
+    finally:
+        model.expert_cache.close()
+    d, n = run.decode, max(tokens, 1)
+    return RealDecode(
+        d.host_s / max(tokens * n_layers, 1),
+        recall,
+        union,
+        run.decode_s / n,
+        (d.lookups - d.hits) / n,
+        n_layers,
+        n,
+    )
+
+
+# A host sync of a layer's routing ids: ~125 us on an H200 under MLX CUDA; the
+# handshake's Python, 16-27 ms a 48-layer token there: ~0.45 ms a layer. For target machines.
+SYNC_S = 125e-6
+HANDSHAKE_S = 0.45e-3
+
+
+def estimate_compute(shape: ModelShape, tflops: float, memory_gbps: float) -> Compute:
+    """FLOPs over a rate; weight bytes a token reads over memory bandwidth; the per-layer
+    sync and the handshake's Python as measured on the H200."""
+    prefill = 2 * shape.active_params / (tflops * 1e12)
+    touched = shape.dense_bytes + shape.top_k * shape.moe_layers * shape.record_bytes
+    decode = max(touched / (memory_gbps * 1e9), prefill)
+    synced = decode + shape.moe_layers * SYNC_S
+    return Compute(prefill, decode, synced, synced, HANDSHAKE_S)
+
+
+def measured_tflops() -> float:
+    """This machine's float32 matmul rate (a short MLX run)."""
+    import time
+
+    import mlx.core as mx
+
+    a = mx.random.normal((512, 1024))
+    b = mx.random.normal((1024, 1024))
+    mx.eval(a @ b)
+    t = time.perf_counter()
+    for _ in range(4):
+        mx.eval(a @ b)
+    return 4 * 2 * 512 * 1024 * 1024 / (time.perf_counter() - t) / 1e12
+
+
+def measured_memory_gbps() -> float:
+    import time
+
+    a = np.ones(1 << 25, dtype=np.float32)
+    t = time.perf_counter()
+    float(a.sum())
+    return a.nbytes / (time.perf_counter() - t) / 1e9

@@ -1,0 +1,279 @@
+"""The FastAPI app (create_app: middleware, handlers, the dashboard) and `serve`, which runs
+it under uvicorn for one loaded model. Never: handles a request itself (routes does)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hmac
+import time
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ...config import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+)
+from ..dashboard import add_routes
+from .engine import Engine, ServeState
+from .routes import (
+    api_error,
+    chat_completions,
+    completions,
+    http_error,
+    internal_error,
+    invalid_request,
+    model_info,
+    models,
+    stats,
+    stats_body,
+)
+from .schemas import APIError
+
+FALLBACK_CONTEXT = 8192  # the limits' default for a model whose config names no context
+
+
+class _BearerAuth:
+    """ASGI middleware: every HTTP request must carry `Authorization: Bearer <key>` (or, as
+    Anthropic's clients send it, `x-api-key: <key>`); the key is compared in constant time.
+    Runs before the body is read, so an unauthenticated client learns nothing from
+    validation errors. /dashboard (a page a person opens in a browser,
+    which cannot send a bearer token) also takes HTTP Basic with the key as the password: a
+    401 there asks the browser for it, which then sends it with the page's own polls."""
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self.key = key.encode()
+
+    def _ok(self, auth: bytes, page: bool) -> bool:
+        scheme, _, token = auth.partition(b" ")
+        scheme, token = scheme.lower(), token.strip()
+        if page and scheme == b"basic":
+            try:
+                token = base64.b64decode(token, validate=True).partition(b":")[2]
+            except ValueError:
+                token = b""
+            return hmac.compare_digest(token, self.key)
+        # compare_digest on the token even when the scheme is wrong: no early exit
+        return hmac.compare_digest(token, self.key) and scheme == b"bearer"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            auth = headers.get(b"authorization", b"")
+            if b"x-api-key" in headers and not auth:
+                auth = b"Bearer " + headers[b"x-api-key"]
+            page = scope.get("path", "").startswith("/dashboard")
+            if not self._ok(auth, page):
+                challenge = 'Basic realm="strata-mlx dashboard"' if page else "Bearer"
+                err = APIError(
+                    "missing or incorrect API key: send Authorization: Bearer <key>",
+                    401,
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": challenge},
+                )
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def model_context(model) -> int:
+    """The model's context length (max_position_embeddings), FALLBACK_CONTEXT if unnamed."""
+    n = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else FALLBACK_CONTEXT
+
+
+def create_app(
+    model,
+    tokenizer,
+    model_name: str,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    *,
+    max_tokens_limit: int | None = None,
+    max_prompt_tokens: int | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    api_key: str | None = None,
+    allowed_origins: list[str] | None = None,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+    kv=None,
+):
+    """The FastAPI app serving `model` under the name `model_name`.
+
+    `max_tokens_limit` and `max_prompt_tokens` default to the model's context; at most
+    `max_queue` requests wait behind the running one. With `api_key`, requests need it as a
+    bearer token; `allowed_origins` (e.g. ["https://app.example"], or ["*"]) are answered
+    CORS headers. At shutdown, generation still running is cancelled and waited for up to
+    `shutdown_timeout` seconds. `kv` (prompt_cache.KVOptions: mlx-lm's --max-kv-size,
+    --kv-bits, ...) shapes every generation's KV cache; a family that cannot take it is
+    refused here, before anything is served."""
+    from ...generation.prompt_cache import make_prompt_cache
+    from .. import anthropic_api, responses_api  # they build on this package's request models
+
+    engine = Engine(model, tokenizer, max_queue, kv)
+    make_prompt_cache(model, engine.kv)  # (DeepSeek-V3's latent cache is not quantized)
+    context = model_context(model)
+    max_tokens_limit = context if max_tokens_limit is None else max_tokens_limit
+    state = ServeState(
+        engine=engine,
+        model_name=model_name,
+        created=int(time.time()),
+        vocab=model.args.vocab_size,
+        default_max_tokens=min(default_max_tokens, max_tokens_limit),
+        max_tokens_limit=max_tokens_limit,
+        max_prompt_tokens=context if max_prompt_tokens is None else max_prompt_tokens,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, engine.close, shutdown_timeout)
+
+    app = FastAPI(title="strata-mlx", lifespan=lifespan)
+    app.state.serve = state
+    app.state.engine = engine
+    # Starlette runs the last middleware added first: CORS answers preflights (which carry
+    # no credentials) before the key is checked, and adds its headers to 401s too.
+    if api_key:
+        app.add_middleware(_BearerAuth, key=api_key)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            max_age=600,
+        )
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)
+    app.post("/v1/chat/completions")(chat_completions)
+    app.post("/v1/completions")(completions)
+    anthropic_api.add_routes(app)  # POST /v1/messages
+    responses_api.add_routes(app)  # POST /v1/responses
+    app.get("/v1/models")(models)
+    app.get("/v1/models/{name:path}")(model_info)
+    app.get("/v1/stats")(stats)
+    app.get("/stats")(stats)
+    # GET /dashboard
+    app.state.dashboard = add_routes(app, model, engine, lambda: stats_body(state))
+    return app
+
+
+# ---- running it ----------------------------------------------------------------------------
+
+
+def serve(
+    model_path: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    model_name: str | None = None,
+    log_level: str = "info",
+    *,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_tokens_limit: int | None = None,
+    max_prompt_tokens: int | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    api_key: str | None = None,
+    allowed_origins: list[str] | None = None,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+    prompt_cache_size: int = 10,
+    prompt_cache_bytes: int = 1 << 30,
+    prompt_cache_dir: str | Path | None = None,
+    prompt_cache_dir_bytes: int | None = None,
+    pipeline: bool = False,
+    pipeline_split: str | None = None,
+    pipeline_timeout: float = 300.0,
+    kv=None,
+    config=None,
+    **runtime,
+) -> None:
+    """Load the store at `model_path` with `config` (a RuntimeConfig) and the `runtime`
+    options given by name (`read_ahead="demand"`, as load() takes them) and serve it until
+    stopped (SIGTERM or Ctrl-C: requests in flight get `shutdown_timeout` seconds).
+    `pipeline`: this process is a rank of mlx.launch; rank 0 serves HTTP, the others compute
+    their layers (strata_mlx.runtime.distributed). `prompt_cache_dir`: the prompt caches also
+    spill to that directory, up to `prompt_cache_dir_bytes` (strata_mlx.apps.prompt_cache_dir)."""
+    import uvicorn
+
+    from ...runtime.loader import RuntimeConfig, load
+
+    cfg = (config or RuntimeConfig()).replace(**runtime)
+    path = Path(model_path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such store")
+    pipe = None
+    if pipeline:
+        from ...runtime.distributed import Pipeline, serve_stage
+
+        pipe = Pipeline(split=pipeline_split, timeout_s=pipeline_timeout)
+    # the prompt caches it keeps (up to prompt_cache_bytes) are memory the arena leaves free
+    # (none with several ranks: those keep no prompt caches, below)
+    kept = prompt_cache_bytes if prompt_cache_size > 0 and (pipe is None or pipe.size == 1) else 0
+    model, tokenizer = load(path, config=cfg, pipeline=pipe, reserve_bytes=kept)
+    if pipe is not None and pipe.size > 1:
+        if pipe.rank != 0:
+            serve_stage(model)
+            return
+        model.wait_ready()
+        prompt_cache_size = 0  # the other ranks hold one sequence's state, not rank 0's picks
+    else:
+        pipe = None
+    app = create_app(
+        model,
+        tokenizer,
+        model_name or path.resolve().name,
+        max_tokens,
+        max_tokens_limit=max_tokens_limit,
+        max_prompt_tokens=max_prompt_tokens,
+        max_queue=max_queue,
+        api_key=api_key,
+        allowed_origins=allowed_origins,
+        # after the graceful period uvicorn cancels the requests; their jobs stop at the
+        # next token, which this bounds
+        shutdown_timeout=min(shutdown_timeout, 2.0),
+        kv=kv,
+    )
+    from ...generation.prompt_cache import PromptCacheLRU
+
+    app.state.engine.prompt_caches = PromptCacheLRU(prompt_cache_size, prompt_cache_bytes)
+    if prompt_cache_dir is not None and pipe is None:
+        from ..prompt_cache_dir import DEFAULT_MAX_BYTES, attach
+
+        attach(app, prompt_cache_dir, prompt_cache_dir_bytes or DEFAULT_MAX_BYTES)
+    if pipe is not None:
+        _stop_ranks_at_shutdown(app, model)
+    try:
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=shutdown_timeout,
+        )
+    finally:
+        if pipe is not None:
+            model.close()
+        model.expert_cache.close()
+
+
+def _stop_ranks_at_shutdown(app, model) -> None:
+    """Tell the pipeline's other ranks to exit once the app has shut down and its worker is
+    idle (uvicorn re-raises SIGTERM after the lifespan, before serve()'s `finally`)."""
+    engine = app.state.engine
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a):
+        async with inner(a) as state:
+            yield state
+        if engine._idle.is_set():  # a generation still running owns the ring
+            model.close()
+
+    app.router.lifespan_context = lifespan

@@ -1,0 +1,313 @@
+"""The engine: one worker thread that runs generation for queued jobs, one at a time, so
+requests never share state and the event loop stays free; the queue bound, cancellation of
+jobs whose client left, and the shutdown drain. ServeState: what the handlers read.
+Never: parses HTTP requests (routes does)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from ...config import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+)
+from ...generation.sampling import SamplingOptions
+from .schemas import APIError
+
+# ---- generation ----------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    ids: list[int]
+    max_tokens: int
+    sampling: SamplingOptions
+    seed: int | None
+    stop: list[str]
+
+
+@dataclass
+class Result:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stop_sequence: str | None = None  # the request's stop string that ended the text
+
+
+class _Stopped(Exception):
+    """Raised from the prompt progress callback: the job's client left, or shutdown."""
+
+
+class Engine:
+    """Runs generation jobs one at a time on a single worker thread, behind a bounded queue.
+
+    Every job carries a cancel event, set when its client disconnects or its request task is
+    cancelled (shutdown); the worker checks it before starting the job, between prefill
+    chunks (a long prompt stops mid-prefill) and after every token.
+    Counters are changed by the event loop and the worker, under `_counts`.
+    """
+
+    def __init__(self, model, tokenizer, max_queue: int = DEFAULT_MAX_QUEUE, kv=None):
+        from ...generation.prompt_cache import KVOptions
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_queue = max_queue
+        self.kv = kv or KVOptions()  # every generation's KV cache: rotating, quantized
+        # one worker thread: one generation at a time, no lock needed around it
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-generate")
+        self._counts = threading.Lock()
+        self._closing = threading.Event()  # shutdown: every job stops at its next token
+        self._idle = threading.Event()  # no job running
+        self._idle.set()
+        self.requests = 0
+        self.queued = 0  # admitted, not started
+        self.active = 0
+        self.cancelled = 0  # stopped early or never started: the client left, or shutdown
+        self.rejected = 0  # answered 429
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.mean_request_s: float | None = None  # running mean, for Retry-After
+        self.served = None  # ExpertStats summed over requests, with their wall time and tokens
+        self.last = None  # the running (or last) request's latest GenerationResponse
+        from ...generation.prompt_cache import PromptCacheLRU
+
+        # The last conversations' KV / recurrent state: a request that extends one prefills
+        # only what is new (mlx-lm server's prompt cache). Touched by the worker thread only.
+        self.prompt_caches = PromptCacheLRU()
+        self.prefilled_tokens = 0  # prompt tokens run through the model (reused ones are not)
+
+    def close(self, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> bool:
+        """Cancel every job, queued or running, and wait up to `timeout` seconds for the
+        worker to stop; returns whether it did."""
+        self._closing.set()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        return self._idle.wait(timeout)
+
+    def retry_after(self) -> int:
+        """Seconds until a place in the queue frees up: when the running request ends, at
+        most a mean request's duration from now (at least 1)."""
+        return max(1, min(3600, math.ceil(self.mean_request_s or 1.0)))
+
+    def _submit(
+        self, job: Job, on_text: Callable[[str], None] | None, cancelled: threading.Event
+    ) -> asyncio.Future:
+        """Admit `job` (429 when the queue is full) and hand it to the worker."""
+        with self._counts:
+            if self._closing.is_set():
+                raise APIError("the server is shutting down", 503, type="server_error")
+            if self.queued + self.active > self.max_queue:  # it would wait behind them
+                self.rejected += 1
+                wait = self.retry_after()
+                raise APIError(
+                    f"too many requests: {self.queued} already waiting (--max-queue "
+                    f"{self.max_queue}); retry after {wait} s",
+                    429,
+                    code="queue_full",
+                    type="rate_limit_error",
+                    headers={"Retry-After": str(wait)},
+                )
+            self.queued += 1
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(self._executor, self._work, job, on_text, cancelled)
+
+    def _work(self, job, on_text, cancelled) -> Result | None:
+        with self._counts:
+            self.queued -= 1
+            if cancelled.is_set() or self._closing.is_set():  # the client left while queued
+                self.cancelled += 1
+                return None
+            self.active += 1
+            self._idle.clear()
+        try:
+            return self.run(job, on_text, cancelled)
+        finally:
+            with self._counts:
+                self.active -= 1
+                if not self.active:
+                    self._idle.set()
+
+    def run(
+        self,
+        job: Job,
+        on_text: Callable[[str], None] | None = None,
+        cancelled: threading.Event | None = None,
+    ) -> Result:
+        """Generate on the calling thread (the worker), passing each piece of text to
+        `on_text`. Stop strings are stream_generate's: it holds back text that may begin one."""
+        from ...generation.generate import stream_generate
+
+        t0 = time.perf_counter()
+        self.requests += 1
+        self.prompt_tokens += len(job.ids)
+        if job.max_tokens == 0:
+            return Result("", "length", len(job.ids), 0)
+        text, n, finish, r, matched = "", 0, None, None, None
+        stopped = False
+        from ...generation.prompt_cache import make_prompt_cache
+
+        cache, reused = self.prompt_caches.take(job.ids)
+        if cache is None:
+            cache = make_prompt_cache(self.model, self.kv)
+        self.prefilled_tokens += len(job.ids) - reused
+        tokens: list[int] = []
+
+        def progress(done: int, total: int) -> None:  # between prefill chunks, and at the end
+            if self._closing.is_set() or (cancelled is not None and cancelled.is_set()):
+                raise _Stopped
+
+        gen = stream_generate(
+            self.model,
+            self.tokenizer,
+            job.ids[reused:],
+            max_tokens=job.max_tokens,
+            seed=job.seed,
+            sampler=job.sampling.sampler(self.tokenizer),
+            logits_processors=job.sampling.logits_processors(self.model.args.vocab_size),
+            prompt_cache=cache,
+            cached_tokens=job.ids[:reused],
+            stop=[s for s in job.stop if s],
+            prompt_progress_callback=progress,
+            max_kv_size=self.kv.max_kv_size,
+            kv_bits=self.kv.kv_bits,
+            kv_group_size=self.kv.kv_group_size,
+            quantized_kv_start=self.kv.quantized_kv_start,
+        )
+        with contextlib.closing(gen):
+            try:
+                for r in gen:
+                    n += 1
+                    tokens.append(getattr(r, "token", None))
+                    self.last = r
+                    with self._counts:  # per token: /v1/stats and the dashboard see it move
+                        self.completion_tokens += 1
+                    text += r.text
+                    finish = r.finish_reason
+                    matched = getattr(r, "stop_sequence", None)
+                    if on_text is not None and r.text:
+                        on_text(r.text)
+                    if finish is not None:
+                        break
+                    if self._closing.is_set() or (cancelled is not None and cancelled.is_set()):
+                        stopped = True
+                        break
+            except _Stopped:  # between two prefill chunks: a long prompt stops there
+                stopped = True
+        # Closed or finished, the cache covers the prompt and every token but the last; kept
+        # only where each layer's own count agrees.
+        covered = job.ids + tokens[:-1]
+        if tokens and None not in tokens and all(c.offset == len(covered) for c in cache):
+            self.prompt_caches.put(covered, cache)
+        with self._counts:
+            self.cancelled += stopped
+        elapsed = time.perf_counter() - t0
+        m = self.mean_request_s
+        self.mean_request_s = elapsed if m is None else m + 0.2 * (elapsed - m)
+        if r is not None and r.expert_stats is not None:
+            if self.served is None:
+                self.served = r.expert_stats.copy()
+            else:
+                self.served.add(r.expert_stats)
+        return Result(text, finish or "length", len(job.ids), n, matched)
+
+    async def complete(self, job: Job, request: Request | None = None) -> Result | None:
+        """Run `job` to the end; None if it was cancelled because `request`'s client left."""
+        cancelled = threading.Event()
+        future = self._submit(job, None, cancelled)
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({future, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not future.done() or future.cancelled():  # the client left, or shutdown
+                return None
+            return future.result()
+        finally:  # the client left, or this task was cancelled (shutdown): stop the job
+            cancelled.set()
+            gone.cancel()
+
+    def stream(self, job: Job, request: Request | None = None) -> AsyncIterator[tuple[str, object]]:
+        """Admit `job` now (so that a full queue is a 429, not an event) and return its events:
+        ("text", str) as they come, then ("done", Result) or ("error", exc); nothing more once
+        the client has left."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is gone (server shutting down)
+                cancelled.set()
+
+        future = self._submit(job, lambda s: put(("text", s)), cancelled)
+
+        def finished(f: asyncio.Future) -> None:
+            if f.cancelled():
+                queue.put_nowait(("gone", None))
+            elif f.exception() is not None:
+                queue.put_nowait(("error", f.exception()))
+            elif f.result() is None:
+                queue.put_nowait(("gone", None))
+            else:
+                queue.put_nowait(("done", f.result()))
+
+        future.add_done_callback(finished)
+
+        async def events():
+            # Starlette notices a client gone only when it next writes; text held back (a
+            # stop string) or a long prefill writes nothing, so watch the connection too.
+            gone = asyncio.ensure_future(_client_gone(request))
+            gone.add_done_callback(lambda _: cancelled.set() or queue.put_nowait(("gone", None)))
+            try:
+                while True:
+                    kind, value = await queue.get()
+                    if kind == "gone":
+                        return
+                    yield kind, value
+                    if kind != "text":
+                        return
+            finally:
+                cancelled.set()
+                gone.cancel()
+
+        return events()
+
+
+async def _client_gone(request: Request | None) -> None:
+    """Return once the client of `request` has disconnected (never, without a request)."""
+    if request is None:
+        await asyncio.Event().wait()
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+@dataclass
+class ServeState:
+    """What the handlers read, as `app.state.serve`: the engine and the server's limits."""
+
+    engine: Engine
+    model_name: str
+    created: int
+    vocab: int
+    default_max_tokens: int
+    max_tokens_limit: int
+    max_prompt_tokens: int
+
+    @property
+    def model(self):
+        return self.engine.model
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer

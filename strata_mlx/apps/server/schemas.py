@@ -1,0 +1,161 @@
+"""The server's request bodies (pydantic models: unknown fields refused, types strict) and
+its errors: APIError, the OpenAI-style error body every 4xx and 500 answers with.
+Never: touches the model or the engine."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ...config import (
+    MAX_SEED,
+)
+
+# ---- request models ------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    # strict: no "5" -> 5 or true -> 1 coercion; unknown fields are ignored, as OpenAI's
+    # clients send some (user, metadata, ...) that do not change the output.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ContentPart(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls, for the template
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+
+class SamplingFields(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    # mlx-lm's server's fields beyond OpenAI's; ranges are checked by strata_mlx.config
+    top_k: int = 0
+    min_p: float = 0.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    presence_penalty: float | None = None
+    presence_context_size: int = 20
+    frequency_penalty: float | None = None
+    frequency_context_size: int = 20
+
+    def unsupported(self) -> list[tuple[str, bool]]:
+        """(parameter, set to something this server does not do)."""
+        return [("n", self.n != 1)]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    tools: list[dict] | None = None
+    tool_choice: Literal["auto", "none"] | None = None  # "required" / a named one: not done
+
+    def unsupported(self):
+        return super().unsupported() + [("logprobs", self.logprobs)]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] = Field(min_length=1)
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self):
+        return super().unsupported() + [
+            ("echo", self.echo),
+            ("logprobs", bool(self.logprobs)),
+            ("suffix", bool(self.suffix)),
+        ]
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
+        message = " ".join(message.splitlines())  # one line, whatever a request echoes in it
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = (
+            message,
+            status,
+            param,
+            code,
+            type,
+        )
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def one_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def generation_error(e: Exception) -> APIError:
+    """A failure inside generation: a ValueError is the request's (an option out of range),
+    anything else the server's."""
+    if isinstance(e, ValueError):
+        return APIError(one_line(e))
+    return APIError(one_line(e), 500, type="server_error")
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return APIError("invalid request body")
+    e = errors[0]
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    if e.get("type") == "json_invalid":
+        return APIError(f"request body is not valid JSON: {e.get('msg')}", code="invalid_json")
+    param = ".".join(loc) or None
+    msg = e.get("msg", "invalid value")
+    if e.get("type") == "missing":
+        if param is None:
+            return APIError("the request has no body: expected a JSON object", code="missing")
+        return APIError(f"missing required parameter: {param}", param=param, code="missing")
+    return APIError(f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
