@@ -302,8 +302,13 @@ def device_copy_error() -> str | None:
 def uses_device_copy() -> bool:
     """Whether reads on this machine should reach the arena by the CUDA copy engine: MLX's
     default device is a CUDA GPU (managed memory) and a CUDA driver is present.
-    STRATA_MLX_DEVICE_COPY=0/1 forces it (1 fails at load where CUDA is absent)."""
+    STRATA_MLX_DEVICE_COPY=0/1 forces it (1 where CUDA cannot copy: an OptionError saying
+    why)."""
     forced = os.environ.get("STRATA_MLX_DEVICE_COPY")
+    if forced == "1" and device_copy_error() is not None:
+        from ..config import OptionError
+
+        raise OptionError(f"STRATA_MLX_DEVICE_COPY=1: {device_copy_error()}")
     if forced in ("0", "1"):
         return forced == "1"
     return needs_bounce() and device_copy_error() is None

@@ -653,3 +653,16 @@ def test_device_copy_lands_verified_records_in_device_memory(store):
 def test_split_reads_and_device_copy_are_refused_together():
     with pytest.raises(ValueError, match="split reads verify a record where its parts land"):
         Reader(2, split=ALIGNMENT, device_copy=True)
+
+
+def test_forcing_the_device_copy_without_cuda_is_one_line(monkeypatch):
+    from strata_mlx.config import OptionError
+    from strata_mlx.stream import reader as rd
+
+    if rd.device_copy_error() is None:
+        pytest.skip("this machine can copy by CUDA")
+    monkeypatch.setenv("STRATA_MLX_DEVICE_COPY", "1")
+    with pytest.raises(OptionError, match="^STRATA_MLX_DEVICE_COPY=1: no CUDA driver"):
+        rd.uses_device_copy()
+    monkeypatch.setenv("STRATA_MLX_DEVICE_COPY", "0")
+    assert rd.uses_device_copy() is False
