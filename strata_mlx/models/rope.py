@@ -28,17 +28,19 @@ KINDS = ("default", "linear", "llama3", "yarn", "deepseek_yarn")
 # near 1; past these bounds the YaRN frequencies or attention factor overflow float32
 # (a factor of 1e308 gave inf logits).
 MAX_FACTOR = float(1 << 16)
+# ... and below: a factor of 2.2e-308 divided positions into inf (NaN log-probabilities)
+MIN_FACTOR = 1.0 / MAX_FACTOR
 MAX_MSCALE = 100.0
 MAX_POSITIONS = (1 << 31) - 1
 # key -> (lowest, whether the lowest itself is allowed, highest); None stands for the key's
 # default wherever the rotary code reads it with `.get(key) or default`.
 NUMBERS: dict[str, tuple[float, bool, float]] = {
-    "factor": (0.0, False, MAX_FACTOR),
+    "factor": (MIN_FACTOR, True, MAX_FACTOR),
     "original_max_position_embeddings": (0.0, False, MAX_POSITIONS),
-    "low_freq_factor": (0.0, False, MAX_FACTOR),
-    "high_freq_factor": (0.0, False, MAX_FACTOR),
-    "beta_fast": (0.0, False, MAX_FACTOR),
-    "beta_slow": (0.0, False, MAX_FACTOR),
+    "low_freq_factor": (MIN_FACTOR, True, MAX_FACTOR),
+    "high_freq_factor": (MIN_FACTOR, True, MAX_FACTOR),
+    "beta_fast": (MIN_FACTOR, True, MAX_FACTOR),
+    "beta_slow": (MIN_FACTOR, True, MAX_FACTOR),
     "mscale": (0.0, True, MAX_MSCALE),
     "mscale_all_dim": (0.0, True, MAX_MSCALE),
     "attention_factor": (0.0, False, MAX_MSCALE),

@@ -68,7 +68,8 @@ YARN = {
     "mscale_all_dim": 0.8,
 }
 # Each of these raised a TypeError or ValueError inside rope.py, or gave inf logits (factor,
-# mscale_all_dim, attention_factor of 1e308), before the scaling dict was checked.
+# mscale_all_dim, attention_factor of 1e308; NaN for a factor of 2.2e-308), before the scaling
+# dict was checked.
 BAD_ROPE = [
     ("beta_fast", "x"),
     ("beta_fast", -1),
@@ -78,6 +79,7 @@ BAD_ROPE = [
     ("attention_factor", "x"),
     ("attention_factor", 1e308),
     ("factor", 1e308),
+    ("factor", 2.2250738585072014e-308),  # positions / factor overflowed: NaN log-probabilities
     ("truncate", "no"),
     ("rope_type", "x"),
 ]
