@@ -201,7 +201,6 @@ SIZE_EXCEPTIONS = {
     "strata_mlx/apps/plan/forecasting.py::decode_forecast": "the decode model, step by step",
     "strata_mlx/apps/plan/forecasting.py::forecast": "gathers every figure of the forecast",
     "strata_mlx/apps/plots.py::plot_bench": "one figure, panel by panel",
-    "strata_mlx/convert/hf.py::convert_hf": "one pass over a checkpoint",
     "strata_mlx/generation/generate.py::stream_generate": "prefill, decode and stop strings",
 }
 
