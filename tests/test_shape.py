@@ -200,7 +200,6 @@ SIZE_EXCEPTIONS = {
     # still to split by concern
     "strata_mlx/apps/plan/forecasting.py::decode_forecast": "the decode model, step by step",
     "strata_mlx/apps/plan/forecasting.py::forecast": "gathers every figure of the forecast",
-    "strata_mlx/apps/plots.py::plot_bench": "one figure, panel by panel",
     "strata_mlx/generation/generate.py::stream_generate": "prefill, decode and stop strings",
 }
 
