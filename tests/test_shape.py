@@ -197,8 +197,6 @@ SIZE_EXCEPTIONS = {
     "strata_mlx/apps/bench.py::bench": "runs every policy, cold and warm, and the baseline",
     "strata_mlx/runtime/experts.py::ExpertCache": "the handshake, residency and read-ahead",
     "strata_mlx/runtime/loader.py::load": "builds the runtime onto the model: the model object",
-    # still to split
-    "strata_mlx/generation/generate.py::stream_generate": "prefill, decode and stop strings",
 }
 
 
