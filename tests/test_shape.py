@@ -194,12 +194,6 @@ SIZE_EXCEPTIONS = {
     "strata_mlx/apps/bench.py::bench": "runs every policy, cold and warm, and the baseline",
     "strata_mlx/runtime/experts.py::ExpertCache": "the handshake, residency and read-ahead",
     "strata_mlx/runtime/loader.py::load": "builds the runtime onto the model: the model object",
-    # still to split by concern
-    "strata_mlx/apps/plan/forecasting.py::decode_forecast": "the decode model, step by step",
-    "strata_mlx/apps/plan/forecasting.py::forecast": "gathers every figure of the forecast",
-    "strata_mlx/apps/plots.py::plot_bench": "one figure, panel by panel",
-    "strata_mlx/convert/hf.py::convert_hf": "one pass over a checkpoint",
-    "strata_mlx/generation/generate.py::stream_generate": "prefill, decode and stop strings",
     "strata_mlx/apps/cache_sim.py::replay": "the handshake's steps, layer by layer, with read-ahead",
 }
 

@@ -137,36 +137,57 @@ def plot_bench(result: dict, path: str | Path) -> Path:
         f"{result['expert_gb']:.2f} GB of experts"
     )
 
-    # per layer, the cold prefill of the last policy that recorded layers
-    shown = next((r for r in reversed(cold) if (r["layers"] or {}).get("prefill")), None)
-    a = ax[0][0]
-    if shown is not None:
-        rows = shown["layers"]["prefill"]
-        layers = sorted(rows, key=int)
-        bottom = [0] * len(layers)
-        for i, (name, color) in enumerate(
-            zip(("hits", "streamed ahead", "misses"), ("tab:green", "tab:blue", "tab:red"))
-        ):
-            vals = [rows[l][i] for l in layers]
-            a.bar([str(l) for l in layers], vals, bottom=bottom, label=name, color=color)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        a.set_title(f"per layer, cold prefill ({shown['policy']})")
-        a.set_xlabel("layer")
-        a.set_ylabel("expert lookups")
-        a.legend()
-    else:
-        a.set_title("per layer: not recorded")
+    _layers_panel(ax[0][0], cold)
+    _bandwidth_panel(ax[0][1], cold, result["ssd_gbps"])
+    _chunk_time_panel(ax[1][0], cold)
+    _decode_panel(ax[1][1], runs)
 
-    a = ax[0][1]
+    fig.tight_layout()
+    path = Path(path)
+    from ..format.store import write_atomic
+
+    try:
+        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _layers_panel(a, cold: list[dict]) -> None:
+    """Per layer, the cold prefill of the last policy that recorded layers: hits, streamed
+    ahead and misses stacked."""
+    shown = next((r for r in reversed(cold) if (r["layers"] or {}).get("prefill")), None)
+    if shown is None:
+        a.set_title("per layer: not recorded")
+        return
+    rows = shown["layers"]["prefill"]
+    layers = sorted(rows, key=int)
+    bottom = [0] * len(layers)
+    for i, (name, color) in enumerate(
+        zip(("hits", "streamed ahead", "misses"), ("tab:green", "tab:blue", "tab:red"))
+    ):
+        vals = [rows[l][i] for l in layers]
+        a.bar([str(l) for l in layers], vals, bottom=bottom, label=name, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    a.set_title(f"per layer, cold prefill ({shown['policy']})")
+    a.set_xlabel("layer")
+    a.set_ylabel("expert lookups")
+    a.legend()
+
+
+def _bandwidth_panel(a, cold: list[dict], ssd_gbps: float) -> None:
+    """The drive's GB/s per cold chunk of each policy, against probe-ssd's."""
     for r in cold:
         a.plot([c["gb_per_s"] for c in r["chunks"]], marker="o", label=r["policy"])
-    a.axhline(result["ssd_gbps"], color="k", linestyle="--", label="probe-ssd")
+    a.axhline(ssd_gbps, color="k", linestyle="--", label="probe-ssd")
     a.set_title("drive GB/s per chunk (cold)")
     a.set_xlabel("chunk")
     a.set_ylabel("GB/s")
     a.legend()
 
-    a = ax[1][0]
+
+def _chunk_time_panel(a, cold: list[dict]) -> None:
+    """Each cold chunk's time against its SSD floor and the compute floor."""
     for r in cold:
         a.plot([c["ms"] for c in r["chunks"]], marker="o", label=f"{r['policy']} chunk")
         a.plot(
@@ -186,7 +207,9 @@ def plot_bench(result: dict, path: str | Path) -> Path:
     a.set_ylabel("ms")
     a.legend(fontsize="small")
 
-    a = ax[1][1]
+
+def _decode_panel(a, runs: list[dict]) -> None:
+    """Decode ms/token of every run, split into wait, sync, host and the rest."""
     names = [f"{r['policy']}\n{r['phase']}" for r in runs]
     bottom = [0.0] * len(runs)
     for part, color in zip(
@@ -204,13 +227,3 @@ def plot_bench(result: dict, path: str | Path) -> Path:
     a.set_title("decode ms/token")
     a.set_ylabel("ms/token")
     a.legend(fontsize="small")
-
-    fig.tight_layout()
-    path = Path(path)
-    from ..format.store import write_atomic
-
-    try:
-        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
-    finally:
-        plt.close(fig)
-    return path

@@ -319,15 +319,7 @@ def convert_hf(
     if q_mode not in ("affine", "mxfp4"):
         raise StoreError(f"--q-mode {q_mode}: expected affine or mxfp4")
     out = check_output(mlx_path, src, overwrite=overwrite)
-    config = read_config(src)
-    if not isinstance(config, dict):
-        raise StoreError(f"{src / 'config.json'}: expected a JSON object")
-    config = normalize_config(config)
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str):
-        raise StoreError(f"{src / 'config.json'}: model_type: missing or not a string")
-    fam = family(model_type, src / "config.json")
-    args = fam.ModelArgs.from_dict(config, src / "config.json")
+    config, model_type, fam, args = _read_config(src)
     dtype = dtype or config.get("torch_dtype") or config.get("dtype") or "float16"
     fdtype = to_float_dtype(dtype)
     weights = load_weights(src)
@@ -363,43 +355,10 @@ def convert_hf(
     equant = {"bits": q_bits, "group_size": q_group_size} if quantize else None
     if quantize and q_mode == "mxfp4":
         equant, quantize = {"mode": "mxfp4"}, False  # the dense layers stay float
-    if moe_layers:
-        try:
-            tensors, table = expert_record(
-                weights, prefixes[0], fam.EXPERT_NAMES, 0, equant, fdtype, mlx_quant
-            )
-        except KeyError as e:
-            raise StoreError(f"{src}: expert tensor {e} not found in the checkpoint") from None
-        except ValueError as e:  # an MXFP4 checkpoint's blocks of the wrong type or shape
-            raise StoreError(f"{src}: {e}") from None
-        # A family whose experts are not SwiGLU names its activation (GPT-OSS).
-        layout = layout_for(tensors, table, getattr(model, "expert_activation", None))
-    else:
-        from ..format.store import RecordLayout
-
-        layout = RecordLayout([], {}, 4096)
+    layout = _expert_layout(src, model, fam, weights, prefixes, equant, fdtype, mlx_quant)
 
     dense = {k: v for k, v in weights.items() if not is_expert_key(k, prefixes_all)}
-    # A family whose sanitize does what mlx-lm's did at conversion names how to take an
-    # mlx-lm checkpoint's weights instead (Qwen3-Next's norm shift is not idempotent).
-    again = getattr(model, "sanitize_mlx_lm", None) if mlx_ckpt else None
-    dense = again(dense) if again else model.sanitize(dense)
-    if mlx_quant:
-        # Quantized dense layers stay as they are: rebuild the same modules first (as load()).
-        def quantized(path, m):
-            if path in mlx_quant and isinstance(mlx_quant[path], dict):
-                return mlx_quant[path]
-            return hasattr(m, "to_quantized") and f"{path}.scales" in dense
-
-        nn.quantize(model, mlx_quant["group_size"], mlx_quant["bits"], class_predicate=quantized)
-    else:
-        keep = getattr(model, "cast_predicate", None)  # e.g. routers' correction biases
-        dense = {
-            k: v.astype(fdtype)
-            if mx.issubdtype(v.dtype, mx.floating) and (keep is None or keep(k))
-            else v
-            for k, v in dense.items()
-        }
+    dense = _dense_weights(model, dense, mlx_ckpt, mlx_quant, fdtype)
     check_finite(dense, f"{src}: ", allow_non_finite)
     store_config = dict(config)
     store_config["torch_dtype"] = dtype
@@ -410,24 +369,7 @@ def convert_hf(
             f"{src}: checkpoint does not match {model_type}: {str(e).splitlines()[0]}"
         ) from None
     if quantize:
-        store_config["quantization"] = {
-            "group_size": q_group_size,
-            "bits": q_bits,
-            "mode": "affine",
-        }
-        qpred = getattr(model, "quant_predicate", None)
-
-        def predicate(path, m):
-            if not hasattr(m, "to_quantized") or m.weight.shape[-1] % q_group_size:
-                return False
-            p = qpred(path, m) if qpred else True
-            if isinstance(p, dict) and m.weight.shape[-1] % p.get("group_size", q_group_size):
-                return False  # where mlx-lm's convert would fail, leave the layer float
-            if isinstance(p, dict):
-                store_config["quantization"][path] = p
-            return p
-
-        nn.quantize(model, q_group_size, q_bits, class_predicate=predicate)
+        store_config["quantization"] = _quantize_dense(model, q_bits, q_group_size)
         dense = dict(tree_flatten(model.parameters()))
 
     writer = StoreWriter(out, model_type, store_config, layout, moe_layers, num_experts)
@@ -453,6 +395,85 @@ def convert_hf(
         )
         calibrate(writer, calibration_tokens)
         return writer.commit()
+
+
+def _expert_layout(src: Path, model, fam, weights, prefixes, equant, fdtype, mlx_quant):
+    """The record layout of the first MoE layer's first expert as the store will hold it
+    (an empty layout for a model without experts)."""
+    if not prefixes:
+        from ..format.store import RecordLayout
+
+        return RecordLayout([], {}, 4096)
+    try:
+        tensors, table = expert_record(
+            weights, prefixes[0], fam.EXPERT_NAMES, 0, equant, fdtype, mlx_quant
+        )
+    except KeyError as e:
+        raise StoreError(f"{src}: expert tensor {e} not found in the checkpoint") from None
+    except ValueError as e:  # an MXFP4 checkpoint's blocks of the wrong type or shape
+        raise StoreError(f"{src}: {e}") from None
+    # A family whose experts are not SwiGLU names its activation (GPT-OSS).
+    return layout_for(tensors, table, getattr(model, "expert_activation", None))
+
+
+def _read_config(src: Path):
+    """(config, model_type, family module, ModelArgs) of the checkpoint's config.json."""
+    config = read_config(src)
+    if not isinstance(config, dict):
+        raise StoreError(f"{src / 'config.json'}: expected a JSON object")
+    config = normalize_config(config)
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise StoreError(f"{src / 'config.json'}: model_type: missing or not a string")
+    fam = family(model_type, src / "config.json")
+    return config, model_type, fam, fam.ModelArgs.from_dict(config, src / "config.json")
+
+
+def _dense_weights(model, dense: dict, mlx_ckpt: bool, mlx_quant: dict | None, fdtype) -> dict:
+    """The non-expert weights as the family's modules take them: sanitized (an mlx-lm
+    checkpoint's the family's way for it), then cast to `fdtype`; an mlx-lm checkpoint's
+    quantized layers stay as they are, `model` rebuilt with the same quantized modules."""
+    # A family whose sanitize does what mlx-lm's did at conversion names how to take an
+    # mlx-lm checkpoint's weights instead (Qwen3-Next's norm shift is not idempotent).
+    again = getattr(model, "sanitize_mlx_lm", None) if mlx_ckpt else None
+    dense = again(dense) if again else model.sanitize(dense)
+    if mlx_quant:
+        # Quantized dense layers stay as they are: rebuild the same modules first (as load()).
+        def quantized(path, m):
+            if path in mlx_quant and isinstance(mlx_quant[path], dict):
+                return mlx_quant[path]
+            return hasattr(m, "to_quantized") and f"{path}.scales" in dense
+
+        nn.quantize(model, mlx_quant["group_size"], mlx_quant["bits"], class_predicate=quantized)
+        return dense
+    keep = getattr(model, "cast_predicate", None)  # e.g. routers' correction biases
+    return {
+        k: v.astype(fdtype)
+        if mx.issubdtype(v.dtype, mx.floating) and (keep is None or keep(k))
+        else v
+        for k, v in dense.items()
+    }
+
+
+def _quantize_dense(model, q_bits: int, q_group_size: int) -> dict:
+    """Quantize the model's dense layers in place as mlx-lm's convert does (the family's
+    quant_predicate may give a layer its own bits; a layer whose width the group size does
+    not divide stays float); the store's config.quantization for them."""
+    quantization: dict = {"group_size": q_group_size, "bits": q_bits, "mode": "affine"}
+    qpred = getattr(model, "quant_predicate", None)
+
+    def predicate(path, m):
+        if not hasattr(m, "to_quantized") or m.weight.shape[-1] % q_group_size:
+            return False
+        p = qpred(path, m) if qpred else True
+        if isinstance(p, dict) and m.weight.shape[-1] % p.get("group_size", q_group_size):
+            return False  # where mlx-lm's convert would fail, leave the layer float
+        if isinstance(p, dict):
+            quantization[path] = p
+        return p
+
+    nn.quantize(model, q_group_size, q_bits, class_predicate=predicate)
+    return quantization
 
 
 def _write_experts(

@@ -269,20 +269,7 @@ def stream_generate(
     kv.check()
     if seed is not None:
         mx.random.seed(seed)
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise OptionError("this store has no tokenizer: pass token ids")
-        ids = tokenizer.encode(prompt)
-    else:
-        ids = list(prompt)
-    if not ids:
-        raise OptionError("empty prompt")
-    vocab = model.args.vocab_size
-    if any(not 0 <= i < vocab for i in ids):
-        raise OptionError(f"prompt token ids must lie in [0, {vocab})")
-    check_prompt_length(
-        len(ids) + len(cached_tokens or ()), getattr(model.args, "max_position_embeddings", None)
-    )
+    ids = _prompt_ids(model, tokenizer, prompt, cached_tokens)
     eos = tokenizer.eos_token_ids if tokenizer is not None else set()
     detok = tokenizer.detokenizer() if tokenizer is not None else None
     expert_cache = getattr(model, "expert_cache", None)
@@ -319,23 +306,8 @@ def stream_generate(
                 prefill_stats = expert_cache.stats.minus(start_stats)
                 prefill_stats.wall_s = prompt_time
                 prefill_stats.tokens = len(ids)
-        finish = None
-        if token in eos:
-            finish = "stop"
-        elif detok is not None:
-            text += detok.add(token)
-        end = len(text)
-        if stop and finish != "stop":
-            found = _find_stop(text, stop)
-            if found is not None:
-                hit, matched = found
-                text, end, finish = text[:hit], hit, "stop"
-            else:
-                end = len(text) - stop_holdback(text, stop)  # might still become a stop string
-        if finish is None and n + 1 == max_tokens:
-            finish = "length"
-        if finish is not None:
-            end = len(text)
+        text, end, finish, found = _add_token(text, token, eos, detok, stop, n + 1 == max_tokens)
+        matched = found or matched
         segment, emitted = text[emitted:end], end
         stats = None
         if expert_cache:
@@ -366,6 +338,53 @@ def stream_generate(
     if expert_cache is not None:  # the session's running totals get time and tokens too
         expert_cache.stats.wall_s += time.perf_counter() - start
         expert_cache.stats.tokens += len(ids) + n + 1
+
+
+def _prompt_ids(model, tokenizer, prompt: str | list[int], cached_tokens) -> list[int]:
+    """The prompt's token ids (text encoded by `tokenizer`), checked against the vocabulary
+    and, with the cached tokens before them, the model's context."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise OptionError("this store has no tokenizer: pass token ids")
+        ids = tokenizer.encode(prompt)
+    else:
+        ids = list(prompt)
+    if not ids:
+        raise OptionError("empty prompt")
+    vocab = model.args.vocab_size
+    if any(not 0 <= i < vocab for i in ids):
+        raise OptionError(f"prompt token ids must lie in [0, {vocab})")
+    check_prompt_length(
+        len(ids) + len(cached_tokens or ()), getattr(model.args, "max_position_embeddings", None)
+    )
+    return ids
+
+
+def _add_token(
+    text: str, token: int, eos, detok, stop, last: bool
+) -> tuple[str, int, str | None, str | None]:
+    """(the text with `token` added, how much of it may be yielded, the finish reason or None,
+    the stop string that ended the text or None): an EOS token stops; a stop string ends the
+    text before it; text that might still become a stop string is held back; `last`
+    (max_tokens reached) finishes with "length"."""
+    finish = matched = None
+    if token in eos:
+        finish = "stop"
+    elif detok is not None:
+        text += detok.add(token)
+    end = len(text)
+    if stop and finish != "stop":
+        found = _find_stop(text, stop)
+        if found is not None:
+            hit, matched = found
+            text, end, finish = text[:hit], hit, "stop"
+        else:
+            end = len(text) - stop_holdback(text, stop)  # might still become a stop string
+    if finish is None and last:
+        finish = "length"
+    if finish is not None:
+        end = len(text)
+    return text, end, finish, matched
 
 
 def stop_holdback(text: str, stop: list[str]) -> int:

@@ -89,6 +89,43 @@ class Forecast:
         return out + [f"  note: {n}" for n in self.notes]
 
 
+def _prediction_shares(compute: Compute, L: int, k: int, depth: int, lag1: int):
+    """shares(mode, absent) -> (streamed ahead, missed) of a decode lookup absent from the
+    arena with probability `absent`, in decoder mode `mode`.
+
+    Share of a layer's absent lookups some prediction read ahead. The sync handshake predicts
+    layers l+1 .. l+depth from layer l's input, so layer i is predicted from up to `depth`
+    layers before it (their union measured); "layers" mode predicts from lag + 1 (`lag1`)
+    layers before, and a layer that missed is recomputed through the sync handshake, which
+    predicts as sync does. The first layers of a token have nothing that far before them."""
+    r = compute.recall
+
+    def union_at(a: int) -> float:  # measured, or (estimates) independent guesses
+        if a in compute.recall_union:
+            return compute.recall_union[a]
+        return 1 - float(np.prod([1 - r.get(d, 0.0) for d in range(1, a + 1)]))
+
+    union = np.array([union_at(min(depth, i)) if i else 0.0 for i in range(L)])
+    lagged = np.where(np.arange(L) >= lag1, r.get(lag1, 0.0), 0.0)
+
+    def shares(mode: str, absent: float) -> tuple[float, float]:
+        """In "layers" mode the share of layers recomputed through the sync handshake depends
+        on the misses it leaves: a few rounds of fixed point."""
+        if mode == "token":
+            return 0.0, absent
+        if mode == "sync":
+            ahead = absent * float(union.mean())
+            return ahead, absent - ahead
+        missed = absent
+        for _ in range(4):
+            recomputed = 1 - (1 - missed) ** k  # the layer before missed
+            ahead = absent * float((recomputed * union + (1 - recomputed) * lagged).mean())
+            missed = absent - ahead
+        return ahead, missed
+
+    return shares
+
+
 def decode_forecast(
     shape: ModelShape,
     machine: Machine,
@@ -108,38 +145,7 @@ def decode_forecast(
     k, L, rb = shape.top_k, max(shape.moe_layers, 1), shape.record_bytes
     hits = decode_hits(p, L, slots, prompt_tokens, step, gen_tokens)
     distance = {"sync": 1, "layers": cfg.decode_lag + 1, "token": 1}  # prediction to use
-    r = compute.recall
-    depth = cfg.read_ahead.depth
-
-    # Share of a layer's absent lookups some prediction read ahead. The sync handshake predicts
-    # layers l+1 .. l+depth from layer l's input, so layer i is predicted from up to `depth`
-    # layers before it (their union measured); "layers" mode predicts from lag + 1
-    # layers before, and a layer that missed is recomputed through the sync handshake, which
-    # predicts as sync does. The first layers of a token have nothing that far before them.
-    def union_at(a: int) -> float:  # measured, or (estimates) independent guesses
-        if a in compute.recall_union:
-            return compute.recall_union[a]
-        return 1 - float(np.prod([1 - r.get(d, 0.0) for d in range(1, a + 1)]))
-
-    union = np.array([union_at(min(depth, i)) if i else 0.0 for i in range(L)])
-    lag1 = distance["layers"]
-    lagged = np.where(np.arange(L) >= lag1, r.get(lag1, 0.0), 0.0)
-
-    def shares(mode: str, absent: float) -> tuple[float, float]:
-        """(streamed ahead, missed) of a lookup in `mode`. In "layers" mode the share of
-        layers recomputed through the sync handshake depends on the misses it leaves: a few
-        rounds of fixed point."""
-        if mode == "token":
-            return 0.0, absent
-        if mode == "sync":
-            ahead = absent * float(union.mean())
-            return ahead, absent - ahead
-        missed = absent
-        for _ in range(4):
-            recomputed = 1 - (1 - missed) ** k  # the layer before missed
-            ahead = absent * float((recomputed * union + (1 - recomputed) * lagged).mean())
-            missed = absent - ahead
-        return ahead, missed
+    shares = _prediction_shares(compute, L, k, cfg.read_ahead.depth, distance["layers"])
 
     def read_s(n: float) -> float:  # n reads of one layer, issued together
         return n * rb / (read_gbps(machine, n) * 1e9) if n > 0 else 0.0
@@ -190,6 +196,41 @@ def decode_forecast(
 
 
 # ---- the forecast ---------------------------------------------------------------------
+
+
+def _prefill_forecast(
+    f: Forecast,
+    shape: ModelShape,
+    machine: Machine,
+    compute: Compute,
+    p: np.ndarray,
+    slots: int,
+    step: int,
+) -> None:
+    """The cold prompt's figures into `f`: each chunk takes the longer of its reads at the
+    drive's GB/s and its compute."""
+    prompt_tokens = f.prompt_tokens
+    rb = shape.record_bytes
+    chunks = prefill_reads(p, slots, prompt_tokens, step)
+    per_token = compute.prefill_s
+    total_s, bytes_read, ssd_s = 0.0, 0.0, 0.0
+    for tokens, reads in chunks:
+        ssd = reads * rb / (machine.ssd_gbps * 1e9)
+        total_s += max(ssd, per_token * tokens)
+        bytes_read += reads * rb
+        ssd_s += ssd
+    n = len(chunks)
+    f.distinct_per_chunk = float(np.sum(-np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * step)))
+    f.gb_read_per_chunk = bytes_read / n / 1e9
+    f.ssd_floor_s = ssd_s / n
+    f.compute_floor_s = per_token * min(step, prompt_tokens)
+    f.prefill_tps = prompt_tokens / total_s if total_s else 0.0
+    layer_width = max(f.distinct_per_chunk / max(shape.moe_layers, 1), 1)
+    if layer_width > slots:
+        f.notes.append(
+            f"a chunk needs ~{layer_width:.0f} experts a layer, more than the arena's {slots} "
+            "slots: layers run in expert-major groups"
+        )
 
 
 def forecast(
@@ -250,27 +291,7 @@ def forecast(
         else f"fits, streaming: the arena holds {100 * f.resident_share:.1f} % of the experts"
     )
     p = pick_probabilities(shape)
-    rb = shape.record_bytes
-    chunks = prefill_reads(p, slots, prompt_tokens, step)
-    per_token = Compute.of(compute).prefill_s
-    total_s, bytes_read, ssd_s = 0.0, 0.0, 0.0
-    for tokens, reads in chunks:
-        ssd = reads * rb / (machine.ssd_gbps * 1e9)
-        total_s += max(ssd, per_token * tokens)
-        bytes_read += reads * rb
-        ssd_s += ssd
-    n = len(chunks)
-    f.distinct_per_chunk = float(np.sum(-np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * step)))
-    f.gb_read_per_chunk = bytes_read / n / 1e9
-    f.ssd_floor_s = ssd_s / n
-    f.compute_floor_s = per_token * min(step, prompt_tokens)
-    f.prefill_tps = prompt_tokens / total_s if total_s else 0.0
-    layer_width = max(f.distinct_per_chunk / max(shape.moe_layers, 1), 1)
-    if layer_width > slots:
-        f.notes.append(
-            f"a chunk needs ~{layer_width:.0f} experts a layer, more than the arena's {slots} "
-            "slots: layers run in expert-major groups"
-        )
+    _prefill_forecast(f, shape, machine, Compute.of(compute), p, slots, step)
 
     d = decode_forecast(
         shape, machine, Compute.of(compute), p, slots, prompt_tokens, gen_tokens, step
