@@ -504,7 +504,7 @@ def test_runtime_config_from_arguments_and_preset():
     from strata_mlx.apps.cli.common import runtime_config
     from strata_mlx.runtime.loader import RuntimeConfig
 
-    cfg = runtime_config({"io_workers": 3, "arena_gb": None, "prompt": "x"}, "laptop-24gb")
+    cfg = runtime_config({"io_workers": 3}, "laptop-24gb")
     assert cfg.io_workers == 3 and cfg.arena_gb == 6.5 and cfg.prefill_step_size == 2048
     assert runtime_config({}) == RuntimeConfig()
 
