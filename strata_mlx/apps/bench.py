@@ -119,7 +119,10 @@ def policy_options(policy: str) -> dict:
     for v in variants:
         options = _variant(v)
         if options is None:
-            raise OptionError(f"policy {policy!r}: unknown variant {v!r} ({variant_grammar()})")
+            raise OptionError(
+                f"--policies {policy!r}: unknown variant {v!r} ({variant_grammar()})",
+                "policies",
+            )
         out.update(options)
     return out
 

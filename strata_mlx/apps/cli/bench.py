@@ -70,6 +70,8 @@ def bench(
         try:
             check_runtime(runtime.replace(**policy_options(name)), cli=True)
         except OptionError as e:
+            if e.param == "policies":  # an unknown variant names the flag already
+                raise
             raise OptionError(f"--policies {name!r}: {e}", "policies") from None
     if plot is not None:
         from ..plots import require

@@ -114,7 +114,7 @@ def generate(
     if prompt is None and prompt_tokens is None:
         if model is not None:
             raise OptionError("give --prompt/-p or --prompt-tokens")
-        prompt = "The capital of France is"
+        prompt = "What is the capital of France?"
     sampling = _sampling(args)  # every flag is checked before a model is loaded
     check_output_file(logits_out, "--logits-out")
     check_output_file(trace_file, "--trace")
