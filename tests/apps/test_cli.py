@@ -574,9 +574,9 @@ def test_generate_help_fits_a_screen_in_its_first_panel():
     assert "<bool>" not in flat
     assert not re.search(r"\(default[^)]*\)\.? \[default", flat)
     commands = typer.main.get_command(app).commands
-    for name in commands:
-        if name != "kernels":
-            assert _invoke(name, "-h").exit_code == 0, name
+    for args in [[], *([name] for name in commands), ["kernels", "show"]]:
+        r = _invoke(*args, "-h")
+        assert r.exit_code == 0 and "Usage:" in r.stdout and "<bool>" not in r.stdout, args
     verbose = next(p for p in commands["generate"].params if p.name == "verbose")
     assert verbose.is_flag
     r = _invoke("--version")

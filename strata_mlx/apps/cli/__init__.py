@@ -8,30 +8,10 @@ builds the typer app from the commands.
 from __future__ import annotations
 
 import typer
-from typer.core import TyperCommand, TyperGroup
 
 from ... import __version__
 from . import bench, cache_prompt, cache_sim, convert, generate, kernels, plan, probe_ssd, serve
-from .common import user_errors
-
-
-class _HelpFlag:
-    """-h / --help shown as the switch it is (typer labels every flag `<bool>`)."""
-
-    def get_help_option(self, ctx):
-        option = super().get_help_option(ctx)
-        if option is not None:
-            option.metavar = ""
-        return option
-
-
-class Command(_HelpFlag, TyperCommand):
-    pass
-
-
-class Group(_HelpFlag, TyperGroup):
-    pass
-
+from .common import Command, Group, user_errors
 
 app = typer.Typer(
     cls=Group,

@@ -41,6 +41,7 @@ def cache_prompt(
     chat: bool | None = typer.Option(
         None,
         "--chat/--no-chat",
+        metavar="",
         help="Render through the chat template (default: with "
         "--system-prompt or --chat-template-config), without the generation prompt.",
     ),

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
 
 from ...config import (
     PANEL_MEMORY,
@@ -37,6 +38,24 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     # StoreError covers ExpertReadError and MemoryGuardError; the OS errors name a user's path
     return (StoreError, OptionError, PromptCacheError, ChatTemplateError, PipelineError,
             FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)  # fmt: skip
+
+
+class _HelpFlag:
+    """-h / --help shown as the switch it is (typer labels every flag `<bool>`)."""
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+class Command(_HelpFlag, TyperCommand):
+    pass
+
+
+class Group(_HelpFlag, TyperGroup):
+    pass
 
 
 def user_errors(fn):
