@@ -1,11 +1,13 @@
 """The range of every option a user sets: one definition for the CLI, the server and the API.
 
-`load()` checks its RuntimeConfig here and `stream_generate()` its sampling arguments and
-prompt length, so `generate`, `serve`, `bench` and a research script refuse the same values
-the same way (`--arena-gb 0` used to run with one slot in `generate` while `serve` refused
-it). The CLI also calls these before loading a model, so a bad flag fails at once. Each
-failure is an OptionError: a ValueError whose message is one line naming the option (as a
-flag with `cli=True`, else by its Python / JSON name). Nothing here touches the disk.
+Runtime options are declared once, as dataclass fields with `opt(...)` metadata
+(loader.RuntimeConfig and its groups); check_runtime() holds each to its declaration, and
+the CLI, presets and bench's policy variants are derived from the same fields. Sampling,
+plan and prompt options have their check functions here. `generate`, `serve`, `bench` and a
+research script therefore refuse the same values the same way, before a model is loaded.
+Each failure is an OptionError: a ValueError whose message is one line naming the option (as
+a flag with `cli=True`, else by its Python / JSON name). Nothing here touches the disk or
+imports a layer above format/.
 """
 
 from __future__ import annotations

@@ -125,9 +125,9 @@ PipelineTimeout = Annotated[
 ]
 
 
-def _flag(o: RuntimeOption) -> inspect.Parameter:
+def _flag(o: RuntimeOption, defaults: dict) -> inspect.Parameter:
     """The typer parameter of runtime option `o`: None when not given, its default shown
-    from the declaration."""
+    from the declaration (or the command's `defaults`)."""
     spec = o.option
     if o.is_switch:  # off by default: the flag alone turns it on
         names = f"{o.flag}/--no-{o.flag[2:]}" if o.default else o.flag
@@ -136,6 +136,7 @@ def _flag(o: RuntimeOption) -> inspect.Parameter:
         lo = spec.range[0] if spec.range else None
         kind = float if isinstance(lo, float) else int if isinstance(lo, int) else str
         names, default = o.flag, spec.shown if spec.shown is not None else o.default
+        default = defaults.get(o.name, default)
     info = typer.Option(
         None,
         names,
@@ -173,7 +174,7 @@ def runtime_command(fn=None, *, preset: bool = True, defaults: dict | None = Non
         for p in inspect.signature(fn).parameters.values()
         if p.name != "runtime"
     ]
-    params += [_flag(o) for o in options]
+    params += [_flag(o, defaults or {}) for o in options]
     if preset:
         params.append(inspect.Parameter("preset", KEYWORD, default=None, annotation=Preset))
     params = sorted((p.replace(kind=KEYWORD) for p in params), key=_panel_rank)
