@@ -180,8 +180,9 @@ def bench(
     trace: str | Path | None = None,
     config: RuntimeConfig | None = None,
 ) -> dict:
-    """Every policy cold then warm (`config`: the runtime every policy starts from); `trace`: each cold run's routing trace written there
-    (strata_mlx.stream.trace; one file per run when there are several: trace.run_path); with `baseline="mlx-lm"`, then mlx-lm's own model and
+    """Every policy cold then warm, each from `config` (the runtime options the policy's
+    variants do not set; the keywords above override it); `trace`: each cold run's routing
+    trace written there (strata_mlx.stream.trace; one file per run when there are several: trace.run_path); with `baseline="mlx-lm"`, then mlx-lm's own model and
     strata-mlx's on the same prompt, side by side (strata_mlx.baseline). `pipeline` (a
     function that returns a fresh strata_mlx.distributed.Pipeline): every load is pipelined,
     each run adds its ranks' figures; ranks other than 0 serve and return {}."""
