@@ -1,16 +1,20 @@
 """The range of every option a user sets: one definition for the CLI, the server and the API.
 
-`load()` checks its RuntimeConfig here and `stream_generate()` its sampling arguments and
-prompt length, so `generate`, `serve`, `bench` and a research script refuse the same values
-the same way (`--arena-gb 0` used to run with one slot in `generate` while `serve` refused
-it). The CLI also calls these before loading a model, so a bad flag fails at once. Each
-failure is an OptionError: a ValueError whose message is one line naming the option (as a
-flag with `cli=True`, else by its Python / JSON name). Nothing here touches the disk.
+Runtime options are declared once, as dataclass fields with `opt(...)` metadata
+(loader.RuntimeConfig and its groups); check_runtime() holds each to its declaration, and
+the CLI, presets and bench's policy variants are derived from the same fields. Sampling,
+plan and prompt options have their check functions here. `generate`, `serve`, `bench` and a
+research script therefore refuse the same values the same way, before a model is loaded.
+Each failure is an OptionError: a ValueError whose message is one line naming the option (as
+a flag with `cli=True`, else by its Python / JSON name). Nothing here touches the disk or
+imports a layer above format/.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 MAX_IO_WORKERS = 256
@@ -93,53 +97,133 @@ def check_choice(name: str, v: Any, choices, cli: bool = False) -> str:
     return v
 
 
-def check_runtime(cfg, cli: bool = False) -> None:
-    """Every field of a loader.RuntimeConfig."""
-    from .runtime.decode import MODES
-    from .stream.policies import check as check_policy
-    from .stream.prediction import READ_AHEAD_POLICIES
-    from .stream.scheduler import SCHEDULERS
+# ---- runtime options declared once -----------------------------------------------------------
+# A runtime option is one dataclass field (loader.RuntimeConfig's, or a group of them such as
+# prediction.ReadAhead) whose metadata is `opt(...)`: its help, range or choices, help panel,
+# and bench's policy variant. The CLI flag (--name-with-dashes), the preset key and load()'s
+# keyword are its name; check_runtime() holds every field to its range.
 
-    if cfg.arena_gb is not None:
-        check_number("arena_gb", cfg.arena_gb, 0, lo_open=True, cli=cli)
-    check_int("io_workers", cfg.io_workers, 1, MAX_IO_WORKERS, cli=cli)
-    check_int("read_split_kb", cfg.read_split_kb, 0, 1 << 20, cli=cli)
-    if cfg.read_split_kb % 4:
+PANEL_MEMORY = "Memory and streaming"
+PANEL_RESEARCH = "Research"
+_OPTION = "strata_option"
+_GROUP = "strata_group"
+
+
+@dataclass(frozen=True)
+class Option:
+    """What a runtime option's field declares besides its default (see opt())."""
+
+    help: str
+    range: tuple | None = None
+    lo_open: bool = False
+    choices: tuple | None = None
+    check: Callable[[Any, str], None] | None = None
+    panel: str = PANEL_RESEARCH
+    name: str | None = None
+    variant: str | None = None
+    shown: str | None = None
+
+
+def opt(
+    help: str,
+    range: tuple | None = None,
+    *,
+    lo_open: bool = False,
+    choices: tuple | None = None,
+    check: Callable[[Any, str], None] | None = None,
+    panel: str = PANEL_RESEARCH,
+    name: str | None = None,
+    variant: str | None = None,
+    shown: str | None = None,
+) -> dict:
+    """A runtime option's field metadata: `field(default=2, metadata=opt(...))`.
+
+    `range` (lo, hi): an integer option when lo is an int, a finite number when a float
+    (hi None: no bound of its own; `lo_open`: lo itself refused). `choices`: the values a
+    text option takes. `check(value, flag)`: a further check that raises OptionError. A field
+    whose default is None also takes None ("automatic"; `shown` says so in the help). `name`:
+    the option's name where it differs from the field's (a group's field). `variant`: bench's
+    policy-name variant, `:<variant>N` (a number) or `:<variant>0` / `:<variant>1` (a switch);
+    an option with choices takes each choice as a variant when `variant` is "choices"."""
+    return {_OPTION: Option(help, range, lo_open, choices, check, panel, name, variant, shown)}
+
+
+def group() -> dict:
+    """Metadata of a field that holds a dataclass of options (its own fields are options)."""
+    return {_GROUP: True}
+
+
+@dataclass(frozen=True)
+class RuntimeOption:
+    """One declared option as the CLI, presets and bench see it: `path` the attribute names
+    from the config down to the field."""
+
+    name: str
+    path: tuple[str, ...]
+    default: Any
+    option: Option
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def is_switch(self) -> bool:
+        return isinstance(self.default, bool)
+
+
+def _default(f) -> Any:
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def runtime_options(cls: type, path: tuple[str, ...] = ()) -> list[RuntimeOption]:
+    """Every option `cls` (a dataclass) declares, its groups' included, in field order."""
+    out = []
+    for f in fields(cls):
+        if f.metadata.get(_GROUP):
+            out += runtime_options(type(_default(f)), (*path, f.name))
+        elif _OPTION in f.metadata:
+            o = f.metadata[_OPTION]
+            out.append(RuntimeOption(o.name or f.name, (*path, f.name), _default(f), o))
+    return out
+
+
+def check_option(o: RuntimeOption, v: Any, cli: bool = False) -> None:
+    """`v` for option `o`, or an OptionError naming it (as a flag with `cli`)."""
+    if v is None and o.default is None:
+        return
+    flag = _name(o.name, cli)
+    spec = o.option
+    if o.is_switch:
+        if not isinstance(v, bool):
+            raise OptionError(f"{flag} {v!r}: expected true or false", param=o.name)
+    elif spec.choices is not None:
+        check_choice(o.name, v, spec.choices, cli=cli)
+    elif spec.range is not None:
+        lo, hi = spec.range
+        if isinstance(lo, float):
+            check_number(o.name, v, lo, hi, lo_open=spec.lo_open, cli=cli)
+        else:
+            check_int(o.name, v, lo, hi, cli=cli)
+    if spec.check is not None:
+        spec.check(v, flag)
+
+
+def check_runtime(cfg, cli: bool = False) -> None:
+    """Every option of a loader.RuntimeConfig, by its declaration."""
+    for o in runtime_options(type(cfg)):
+        value = cfg
+        for attr in o.path:
+            value = getattr(value, attr)
+        check_option(o, value, cli)
+
+
+def multiple_of_4kb(v: int, flag: str) -> None:
+    if v % 4:
         raise OptionError(
-            f"{_name('read_split_kb', cli)} {cfg.read_split_kb!r}: expected a multiple of 4 "
-            "(direct I/O's 4 KB blocks)",
-            param="read_split_kb",
+            f"{flag} {v!r}: expected a multiple of 4 (direct I/O's 4 KB blocks)",
+            param=flag.lstrip("-").replace("-", "_"),
         )
-    ra = cfg.read_ahead  # a ReadAhead; its fields by their option names (loader.READ_AHEAD_OPTIONS)
-    check_choice("read_ahead", ra.policy, READ_AHEAD_POLICIES, cli=cli)
-    check_int("static_cap", ra.static_cap, 0, cli=cli)
-    check_int("lookahead_min_tokens", ra.min_tokens, 1, cli=cli)
-    check_number("lookahead_decode_min_miss", ra.decode_min_miss, 0, 1, cli=cli)
-    check_int("lookahead_depth", ra.depth, 1, 1 << 10, cli=cli)
-    check_policy(cfg.eviction, _name("eviction", cli))
-    check_choice("scheduler", cfg.scheduler, SCHEDULERS, cli=cli)
-    if cfg.scheduler_low_water is not None:
-        check_int("scheduler_low_water", cfg.scheduler_low_water, 0, 1 << 20, cli=cli)
-    if cfg.prefill_step_size is not None:
-        check_int("prefill_step_size", cfg.prefill_step_size, 1, MAX_PREFILL_STEP, cli=cli)
-    check_choice("decode", cfg.decode, MODES, cli=cli)
-    check_int("decode_lag", cfg.decode_lag, 0, 1 << 10, cli=cli)
-    check_number("decode_sync_above", cfg.decode_sync_above, 0, 1, cli=cli)
-    check_number("decode_token_below", cfg.decode_token_below, 0, 1, cli=cli)
-    check_int("decode_chunk", cfg.decode_chunk, 1, 1 << 10, cli=cli)
-    check_int("decode_layers_chunk", cfg.decode_layers_chunk, 1, 1 << 10, cli=cli)
-    if cfg.experts_per_token is not None:
-        check_int("experts_per_token", cfg.experts_per_token, 1, 1 << 20, cli=cli)
-    check_number("moce_bonus", cfg.moce_bonus, 0, cli=cli)
-    for name in (
-        "verify",
-        "fake_stream",
-        "decode_token_while_predicting",
-        "read_overlap",
-        "device_copy",
-    ):
-        if not isinstance(getattr(cfg, name), bool):
-            raise OptionError(f"{_name(name, cli)} {getattr(cfg, name)!r}: expected true or false")
 
 
 def check_plan(

@@ -96,14 +96,9 @@ LAYER_EXCEPTIONS = {
     # load() returns (model, tokenizer) as mlx-lm's load() does.
     ("strata_mlx.runtime.loader", "strata_mlx.generation.tokenizer"): "load() loads it",
 }
-# config.py is below every layer, but checks options against choice lists that live in the
-# layers (eviction policies, read-ahead policies, schedulers, decode modes), imported lazily.
-SHARED_EXCEPTIONS = {
-    ("strata_mlx.config", "strata_mlx.stream.prediction"),
-    ("strata_mlx.config", "strata_mlx.stream.scheduler"),
-    ("strata_mlx.config", "strata_mlx.runtime.decode"),
-    ("strata_mlx.config", "strata_mlx.stream.policies"),
-}
+# config.py is below every layer: the choice lists it checks against travel in the options'
+# declarations, so it imports none of them.
+SHARED_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def _layer(module: str) -> str | None:

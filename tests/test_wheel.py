@@ -114,7 +114,7 @@ def test_wheel_runs_the_readme_run_command(installed):
     bin_, work, env = installed
     env = {**env, "STRATA_MLX_HOME": str(work / "home")}
     r = _run(
-        [bin_ / "strata-mlx", "generate", "-p", "The capital of France is", "-m", "12"]
+        [bin_ / "strata-mlx", "generate", "-p", "What is the capital of France?", "-m", "12"]
         + ["--temp", "0"],
         work,
         env,

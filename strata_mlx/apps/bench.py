@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..config import OptionError
+from ..config import OptionError, runtime_options
 from ..format.store import EXPERTS, load_manifest, write_text_atomic
 from ..generation.generate import generate_step, make_sampler
 from ..runtime.loader import RuntimeConfig, load
@@ -65,42 +65,65 @@ def _drop_page_cache(store: Path) -> bool:
     return ok
 
 
-def policy_options(policy: str) -> dict:
-    """RuntimeConfig fields of a bench policy name: a read-ahead policy, optionally with
-    ":always" (lookahead predicts in decode too), ":dN" (N layers predicted ahead), ":sync"
-    or ":loop" (the scheduler), ":lwN" (the loop's low-water mark), ":sN" (split reads, parts
-    of N KB; s0 whole), ":ioN" (N reader workers), ":nv" (records not verified), ":ov0" / ":ov1" (the reader's overlap off / on), ":dc0" / ":dc1" (CUDA: the CPU
-    or the copy engine moves reads into the arena) and an eviction policy (":lru", ":lfu"...)."""
+# Variants that set an option to one value, by name (the rest come from the declarations)
+NAMED_VARIANTS = {
+    "always": {"lookahead_decode_min_miss": 0.0},  # lookahead predicts in decode too
+    "nv": {"verify": False},  # records not verified
+}
+
+
+def _variant(v: str) -> dict | None:
+    """The runtime option a policy variant sets: a named one, an eviction policy, or one a
+    runtime option declares (config.opt's `variant`): a choice, `<v>0` / `<v>1` for a switch,
+    `<v>N` for a number."""
     from ..stream.arena import POLICIES
 
+    if v in NAMED_VARIANTS:
+        return NAMED_VARIANTS[v]
+    if v in POLICIES:
+        return {"eviction": v}
+    for o in runtime_options(RuntimeConfig):
+        prefix = o.option.variant
+        if prefix == "choices" and v in o.option.choices:
+            return {o.name: v}
+        if prefix is None or prefix == "choices" or not v.startswith(prefix):
+            continue
+        rest = v[len(prefix) :]
+        if o.is_switch and rest in ("0", "1"):
+            return {o.name: rest == "1"}
+        if not o.is_switch and rest.isdigit():
+            return {o.name: int(rest)}
+    return None
+
+
+def variant_grammar() -> str:
+    """Every variant a policy name takes, for help and errors."""
+    from ..stream.arena import POLICIES
+
+    out = list(NAMED_VARIANTS)
+    for o in runtime_options(RuntimeConfig):
+        prefix = o.option.variant
+        if prefix == "choices":
+            out += list(o.option.choices)
+        elif prefix is not None:
+            out.append(f"{prefix}0 | {prefix}1" if o.is_switch else f"{prefix}N")
+    return " | ".join(out + sorted(POLICIES))
+
+
+def policy_options(policy: str) -> dict:
+    """Runtime options of a bench policy name: a read-ahead policy, then `:variant`s, each
+    setting one option (`lookahead:sync:d3`: the loop-less scheduler, 3 layers predicted
+    ahead). The values are checked with the rest of the config (check_runtime)."""
     name, *variants = policy.split(":")
-    out: dict = {"read_ahead": name}  # the name is checked with the rest (check_runtime)
+    out: dict = {"read_ahead": name}
     for v in variants:
-        if v == "always":
-            out["lookahead_decode_min_miss"] = 0.0
-        elif v[:1] == "d" and v[1:].isdigit():
-            out["lookahead_depth"] = int(v[1:])
-        elif v in ("sync", "loop"):
-            out["scheduler"] = v
-        elif v[:2] == "lw" and v[2:].isdigit():
-            out["scheduler_low_water"] = int(v[2:])
-        elif v[:1] == "s" and v[1:].isdigit():
-            out["read_split_kb"] = int(v[1:])
-        elif v[:2] == "io" and v[2:].isdigit():
-            out["io_workers"] = int(v[2:])
-        elif v == "nv":
-            out["verify"] = False
-        elif v in ("ov0", "ov1"):
-            out["read_overlap"] = v == "ov1"
-        elif v in ("dc0", "dc1"):
-            out["device_copy"] = v == "dc1"
-        elif v in POLICIES:
-            out["eviction"] = v
-        else:
+        options = _variant(v)
+        if options is None:
             raise OptionError(
-                f"policy {policy!r}: unknown variant {v!r} (always | dN | sync | loop | lwN | "
-                f"sN | ioN | nv | ov0 | ov1 | dc0 | dc1 | {' | '.join(sorted(POLICIES))})"
+                f"--policies {policy!r}: unknown variant {v!r} ({variant_grammar()})",
+                "policies",
             )
+        out.update(options)
     return out
 
 
@@ -155,9 +178,11 @@ def bench(
     plot: str | Path | None = None,
     pipeline=None,
     trace: str | Path | None = None,
+    config: RuntimeConfig | None = None,
 ) -> dict:
-    """Every policy cold then warm; `trace`: each cold run's routing trace written there
-    (strata_mlx.stream.trace; one file per run when there are several: trace.run_path); with `baseline="mlx-lm"`, then mlx-lm's own model and
+    """Every policy cold then warm, each from `config` (the runtime options the policy's
+    variants do not set; the keywords above override it); `trace`: each cold run's routing
+    trace written there (strata_mlx.stream.trace; one file per run when there are several: trace.run_path); with `baseline="mlx-lm"`, then mlx-lm's own model and
     strata-mlx's on the same prompt, side by side (strata_mlx.baseline). `pipeline` (a
     function that returns a fresh strata_mlx.distributed.Pipeline): every load is pipelined,
     each run adds its ranks' figures; ranks other than 0 serve and return {}."""
@@ -173,7 +198,7 @@ def bench(
     m = load_manifest(path)
     vocab = m.config["vocab_size"]
     ids = np.random.default_rng(seed).integers(0, vocab, size=prompt_tokens).tolist()
-    base = RuntimeConfig().replace(
+    base = (config or RuntimeConfig()).replace(
         arena_gb=arena_gb,
         io_workers=io_workers,
         prefill_step_size=prefill_step_size,

@@ -10,13 +10,24 @@ import dataclasses
 import importlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import OptionError, check_int, check_runtime
+from ..config import (
+    MAX_IO_WORKERS,
+    MAX_PREFILL_STEP,
+    PANEL_MEMORY,
+    OptionError,
+    check_int,
+    check_runtime,
+    group,
+    multiple_of_4kb,
+    opt,
+    runtime_options,
+)
 from ..format.quant import check_layout
 from ..format.store import (
     AFFINE_BITS,
@@ -32,9 +43,11 @@ from ..generation.tokenizer import load_tokenizer
 from ..models.base import normalize_config
 from ..stream import memory
 from ..stream.arena import Arena
+from ..stream.policies import check as check_policy
 from ..stream.prediction import ReadAhead
+from ..stream.scheduler import SCHEDULERS
 from ..stream.stats import RoutingTrace
-from .decode import PipelinedDecoder
+from .decode import MODES, PipelinedDecoder
 from .experts import ExpertCache, SwitchGLU
 
 # The supported model types, each run by models/<model_type>.py; ALIASES are run by
@@ -63,66 +76,125 @@ def family(model_type: str, source: str | Path = "config.json"):
     return importlib.import_module(f"..models.{name}", __package__)
 
 
-# The read-ahead settings by the names a user gives them (flags, preset keys, load()'s
-# keywords): RuntimeConfig holds them as one ReadAhead, these name its fields.
-READ_AHEAD_OPTIONS = {
-    "read_ahead": "policy",  # demand | static | lookahead
-    "static_cap": "static_cap",
-    "lookahead_min_tokens": "min_tokens",
-    "lookahead_decode_min_miss": "decode_min_miss",
-    "lookahead_depth": "depth",  # layers predicted ahead from each layer's input
-}
-
-
 @dataclass
 class RuntimeConfig:
-    """How the expert cache runs. Set by option name (`options()`, `replace()`): every field
-    but `read_ahead` is one, with a CLI flag of the same name; `read_ahead` (a ReadAhead, or
-    a policy name) is the READ_AHEAD_OPTIONS."""
+    """How the expert cache runs. Each field with `opt(...)` metadata is a runtime option,
+    declared here once: load()'s keyword, the CLI flag (--name-with-dashes), the preset key
+    and, where it has one, bench's policy variant all come from the field
+    (strata_mlx.config.runtime_options), and check_runtime() holds it to its range.
+    `read_ahead` is a group: prediction.ReadAhead's fields are options too (`read_ahead`
+    itself sets its policy, or takes a ReadAhead whole)."""
 
-    arena_gb: float | None = None  # None: automatic
-    io_workers: int = 8
+    arena_gb: float | None = field(
+        default=None,
+        metadata=opt("Arena size in GB.", (0.0, None), lo_open=True, panel=PANEL_MEMORY,
+                     shown="from memory"),
+    )  # fmt: skip
+    io_workers: int = field(
+        default=8,
+        metadata=opt("Reader threads.", (1, MAX_IO_WORKERS), panel=PANEL_MEMORY, variant="io"),
+    )
     # Split reads: while workers would idle (decode's few misses a layer), a record is read as
     # parts of at least this many KB by several workers side by side (reader.Reader's split).
-    # 0: whole records always.
-    read_split_kb: int = 0
+    read_split_kb: int = field(
+        default=0,
+        metadata=opt("Split reads into parts of at least this many KB (0: whole records).",
+                     (0, 1 << 20), check=multiple_of_4kb, variant="s"),
+    )  # fmt: skip
     # The reader's threads let go of their slot on the drive once a pread returns, before the
     # bounce copy and the checksum (reader.Reader's overlap): io_workers preads in flight.
-    read_overlap: bool = True
+    read_overlap: bool = field(
+        default=True,
+        metadata=opt("Reader threads free the drive before copying and checksumming.",
+                     variant="ov"),
+    )  # fmt: skip
     # CUDA: each read reaches its slot by the GPU's copy engine from pinned host memory, the
     # arena kept on the device; off, the CPU copies it into managed memory, which the driver
     # then migrates back to the device when a kernel first touches the slot (reader.Reader's
     # device_copy). Ignored where there is no CUDA device.
-    device_copy: bool = True
-    read_ahead: ReadAhead = field(default_factory=ReadAhead)
-    # loop: an asyncio event loop on its own thread schedules reads and keeps the drive busy
-    # between handshakes; sync: reads are scheduled only inside the handshake (the first wave)
-    scheduler: str = "loop"
-    scheduler_low_water: int | None = None  # loop: top up below this many queued (None: 2 x io)
-    eviction: str | Callable = (
-        "lru"  # a name, "module:Class" or a class: strata_mlx.stream.policies
+    device_copy: bool = field(
+        default=True,
+        metadata=opt("CUDA: reads reach the arena by the GPU's copy engine.", variant="dc"),
     )
+    read_ahead: ReadAhead = field(default_factory=ReadAhead, metadata=group())
+    scheduler: str = field(
+        default="loop",
+        metadata=opt("loop (an asyncio loop keeps the drive busy between handshakes) | sync "
+                     "(reads scheduled inside the handshake only).", choices=SCHEDULERS,
+                     panel=PANEL_MEMORY, variant="choices"),
+    )  # fmt: skip
+    scheduler_low_water: int | None = field(
+        default=None,
+        metadata=opt("loop: top up the queue below this many reads.", (0, 1 << 20),
+                     variant="lw", shown="2 x io-workers"),
+    )  # fmt: skip
+    eviction: str | Callable = field(
+        default="lru",
+        metadata=opt("lru | lfu | profile | layer, a candidate of strata_mlx.stream.policies, "
+                     "or module:Class (a plug-in).", check=check_policy, panel=PANEL_MEMORY),
+    )  # fmt: skip
     # Checksums: dense weights once at load (again only when the file changed), every expert
     # record as the reader's threads read it. Off only to measure what it costs.
-    verify: bool = True
-    prefill_step_size: int | None = None  # None: chosen from memory
-    fake_stream: bool = False
-    decode: str = "pipelined"  # pipelined | sync (per-layer host sync; strata_mlx.decode)
-    decode_lag: int = 1  # pipelined: layers the host reads routing behind the device
-    decode_sync_above: float = 0.3  # pipelined: tokens run synced while more layers miss
-    # pipelined: whole tokens, overlapped with the next one's build, while fewer layers miss
-    decode_token_below: float = 0.02
-    decode_chunk: int = 4  # pipelined "token" mode: layers submitted to the device at once
-    decode_layers_chunk: int = 1  # pipelined "layers" mode: the same
-    # pipelined: "token" mode while decode lookahead predicts too (which it cannot do in that
-    # mode), when few layers miss; off: a predicting decoder runs "layers" mode (H200 run 9:
-    # that cost lookahead 41.6 against demand's 32.0 ms/token where 0.9 % of lookups missed)
-    decode_token_while_predicting: bool = False
-    experts_per_token: int | None = None  # None: the store's; else every MoE block's top-k
-    moce_bonus: float = 0.0  # cache-aware routing: bonus on resident experts' logits (decode)
-    # Research hooks on the expert cache: dump(layer, x, ids, scores, y) gets every MoE
-    # layer's state (--dump-moe: tools.MoeDumper; decode then runs the per-layer handshake),
-    # trace (a stats.RoutingTrace) records routing and lookahead's predictions.
+    verify: bool = field(
+        default=True,
+        metadata=opt("Checksums of the dense weights (once) and of every expert record as it "
+                     "is read.", panel=PANEL_MEMORY),
+    )  # fmt: skip
+    prefill_step_size: int | None = field(
+        default=None,
+        metadata=opt("Prompt tokens per chunk.", (1, MAX_PREFILL_STEP), panel=PANEL_MEMORY,
+                     shown="from memory"),
+    )  # fmt: skip
+    fake_stream: bool = field(
+        default=False, metadata=opt("Every expert counts as resident: times compute alone.")
+    )
+    decode: str = field(
+        default="pipelined",
+        metadata=opt("pipelined (routing checked a layer late, no per-layer sync) | sync.",
+                     choices=MODES),
+    )  # fmt: skip
+    decode_lag: int = field(
+        default=1, metadata=opt("pipelined: layers the host reads routing behind.", (0, 1 << 10))
+    )
+    decode_sync_above: float = field(
+        default=0.3,
+        metadata=opt("pipelined: tokens run synced while more layers than this miss.",
+                     (0.0, 1.0)),
+    )  # fmt: skip
+    decode_token_below: float = field(
+        default=0.02,
+        metadata=opt("pipelined: whole tokens, overlapped with the next one's build, while "
+                     "fewer layers than this miss.", (0.0, 1.0)),
+    )  # fmt: skip
+    decode_chunk: int = field(
+        default=4,
+        metadata=opt("pipelined token mode: layers submitted to the device at once.",
+                     (1, 1 << 10)),
+    )  # fmt: skip
+    decode_layers_chunk: int = field(
+        default=1,
+        metadata=opt("pipelined layers mode: layers submitted to the device at once.",
+                     (1, 1 << 10)),
+    )  # fmt: skip
+    # Off, a predicting decoder runs "layers" mode: measured on the H200, token mode cost
+    # lookahead 41.6 against demand's 32.0 ms/token where 0.9 % of lookups missed.
+    decode_token_while_predicting: bool = field(
+        default=False,
+        metadata=opt("pipelined: token mode while decode lookahead predicts, when few layers "
+                     "miss."),
+    )  # fmt: skip
+    experts_per_token: int | None = field(
+        default=None,
+        metadata=opt("Every MoE block's top-k.", (1, 1 << 20), shown="the store's"),
+    )
+    moce_bonus: float = field(
+        default=0.0,
+        metadata=opt("Cache-aware routing: bonus on resident experts' logits in decode.",
+                     (0.0, None)),
+    )  # fmt: skip
+    # Research hooks on the expert cache, set in code: dump(layer, x, ids, scores, y) gets
+    # every MoE layer's state (--dump-moe: tools.MoeDumper; decode then runs the per-layer
+    # handshake), trace (a stats.RoutingTrace) records routing and lookahead's predictions.
     dump: Callable | None = None
     trace: RoutingTrace | None = None
 
@@ -131,25 +203,28 @@ class RuntimeConfig:
             self.read_ahead = ReadAhead(self.read_ahead)
 
     def options(self) -> dict:
-        """Every setting by its option name."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "read_ahead"}
-        for name, attr in READ_AHEAD_OPTIONS.items():
-            out[name] = getattr(self.read_ahead, attr)
+        """Every runtime option by its name."""
+        out = {}
+        for o in runtime_options(type(self)):
+            value = self
+            for attr in o.path:
+                value = getattr(value, attr)
+            out[o.name] = value
         return out
 
     def replace(self, **options) -> RuntimeConfig:
-        """A copy with `options` (by option name) set; `read_ahead` may also be a ReadAhead.
-        An unknown name is a TypeError, as a call's unknown keyword is."""
-        unknown = sorted(set(options) - set(self.options()))
+        """A copy with `options` (by option name, or `dump` / `trace`) set; `read_ahead` may
+        also be a ReadAhead. An unknown name is a TypeError, as a call's unknown keyword is."""
+        paths = {o.name: o.path for o in runtime_options(type(self))}
+        unknown = sorted(set(options) - set(paths) - {"dump", "trace"})
         if unknown:
             raise TypeError(f"unknown runtime option {unknown[0]!r}")
-        ahead = {a: options.pop(n) for n, a in READ_AHEAD_OPTIONS.items() if n in options}
         read_ahead = self.read_ahead
-        if isinstance(ahead.get("policy"), ReadAhead):
-            read_ahead = ahead.pop("policy")
-        return dataclasses.replace(
-            self, **options, read_ahead=dataclasses.replace(read_ahead, **ahead)
-        )
+        if isinstance(options.get("read_ahead"), ReadAhead):
+            read_ahead = options.pop("read_ahead")
+        top = {n: v for n, v in options.items() if len(paths.get(n, ())) < 2}
+        ahead = {paths[n][1]: v for n, v in options.items() if len(paths.get(n, ())) == 2}
+        return dataclasses.replace(self, **top, read_ahead=dataclasses.replace(read_ahead, **ahead))
 
 
 def apply_preset(cfg: RuntimeConfig, name: str) -> RuntimeConfig:

@@ -21,29 +21,64 @@ never reads files or touches the arena.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from ..config import PANEL_MEMORY, opt
 
 READ_AHEAD_POLICIES = ("demand", "static", "lookahead")
 
 
 @dataclass
 class ReadAhead:
-    """The read-ahead settings (a field of loader.RuntimeConfig, which names them for the
-    CLI and presets; options.check_runtime holds their ranges)."""
+    """The read-ahead settings: a group of runtime options inside loader.RuntimeConfig, each
+    declared here once (strata_mlx.config.opt: its flag, preset key, range and bench variant)."""
 
-    policy: str = "lookahead"
-    static_cap: int = 256
-    min_tokens: int = 1  # lookahead: a predicted expert needs at least this many tokens
+    policy: str = field(
+        default="lookahead",
+        metadata=opt(
+            "demand (no read-ahead) | static (the profile's popular experts) | lookahead "
+            "(the next layers' routers on this layer's input).",
+            choices=READ_AHEAD_POLICIES,
+            panel=PANEL_MEMORY,
+            name="read_ahead",
+        ),
+    )
+    static_cap: int = field(
+        default=256, metadata=opt("static: experts read ahead per layer.", (0, None))
+    )
+    min_tokens: int = field(
+        default=1,
+        metadata=opt(
+            "lookahead: a predicted expert needs at least this many tokens.",
+            (1, None),
+            name="lookahead_min_tokens",
+        ),
+    )
     # Decode predicts only while the recent decode miss rate exceeds this: with a warm arena
     # (measured on the H200: ~1 % decode misses) the prediction's router work and its extra
     # kernels on each layer's critical path cost more than the reads it could hide
     # (lookahead decode 14.4 tok/s against demand 19.2). 0 predicts always.
-    decode_min_miss: float = 0.02
+    decode_min_miss: float = field(
+        default=0.02,
+        metadata=opt(
+            "Decode predicts while its miss rate is above this (0: always).",
+            (0.0, 1.0),
+            name="lookahead_decode_min_miss",
+        ),
+    )
     # lookahead: layers predicted from each layer's input (l+1 .. l+depth, each through its
     # own router), read in that order; those after l+1 once l+1's reads are done
-    depth: int = 2
+    depth: int = field(
+        default=2,
+        metadata=opt(
+            "lookahead: layers predicted ahead from each layer's input.",
+            (1, 1 << 10),
+            name="lookahead_depth",
+            variant="d",
+        ),
+    )
 
     @property
     def predicts(self) -> bool:

@@ -448,6 +448,9 @@ def test_system_prompt_and_chat_template_config(store, tmp_path):
     user = {"role": "user", "content": "the cat sat"}
     system = {"role": "system", "content": "paris is a city"}
     for flags, text in [
+        ([], tok.apply_chat_template([user])),  # the template by default, as mlx-lm
+        (["--ignore-chat-template"], user["content"]),
+        (["--no-chat"], user["content"]),
         (["--chat"], tok.apply_chat_template([user])),
         (["--system-prompt", system["content"]], tok.apply_chat_template([system, user])),
         (
@@ -455,7 +458,7 @@ def test_system_prompt_and_chat_template_config(store, tmp_path):
             tok.apply_chat_template([user], topic="fox"),
         ),
     ]:
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = tok.encode(text, add_special_tokens=text == user["content"])
         r = run("generate", "--model", path, "-p", "the cat sat", "-m", "4", *flags)
         assert r.returncode == 0, r.stderr
         assert f"Prompt: {len(ids)} tokens" in r.stdout, (flags, r.stdout)
@@ -504,7 +507,7 @@ def test_runtime_config_from_arguments_and_preset():
     from strata_mlx.apps.cli.common import runtime_config
     from strata_mlx.runtime.loader import RuntimeConfig
 
-    cfg = runtime_config({"io_workers": 3, "arena_gb": None, "prompt": "x"}, "laptop-24gb")
+    cfg = runtime_config({"io_workers": 3}, "laptop-24gb")
     assert cfg.io_workers == 3 and cfg.arena_gb == 6.5 and cfg.prefill_step_size == 2048
     assert runtime_config({}) == RuntimeConfig()
 
@@ -537,3 +540,88 @@ def test_a_bad_kernels_variable_is_one_line_and_exit_2(store):
     r = run("generate", "--model", store("qwen3_moe"), "-p", "hi", "-m", "1", env=env)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == "error: STRATA_MLX_KERNELS='bogus': one of reference, cuda, metal"
+
+
+# ---- help and the runtime options' one declaration ---------------------------------------
+
+
+def _invoke(*args: str):
+    from typer.testing import CliRunner
+
+    from strata_mlx.apps.cli import app
+
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "100"})
+
+
+def test_generate_help_fits_a_screen_in_its_first_panel():
+    """Basics first (model, prompt, tokens, chat), each flag with one default; the first
+    panel fits 40 lines at 100 columns; -h is --help on every command; --version prints the
+    package's version; switches take no value."""
+    import re
+
+    import typer
+
+    from strata_mlx.apps.cli import app
+
+    text = _invoke("generate", "--help").stdout
+    first = text.splitlines()
+    first = first[: next(i for i, line in enumerate(first) if line.startswith("╰")) + 1]
+    assert len(first) <= 40, "\n".join(first)
+    assert all(f in "\n".join(first) for f in ("--model", "--prompt", "--max-tokens", "--chat"))
+    panels = [line.split("─")[1].strip() for line in text.splitlines() if line.startswith("╭")]
+    assert panels == ["Options", "Sampling", "Memory and streaming", "Research"]
+    flat = " ".join(text.replace("│", " ").split())
+    assert "<bool>" not in flat
+    assert not re.search(r"\(default[^)]*\)\.? \[default", flat)
+    commands = typer.main.get_command(app).commands
+    for args in [[], *([name] for name in commands), ["kernels", "show"]]:
+        r = _invoke(*args, "-h")
+        assert r.exit_code == 0 and "Usage:" in r.stdout and "<bool>" not in r.stdout, args
+    verbose = next(p for p in commands["generate"].params if p.name == "verbose")
+    assert verbose.is_flag
+    r = _invoke("--version")
+    assert r.exit_code == 0 and r.stdout.strip() == f"strata-mlx {strata_mlx.__version__}"
+    bench = " ".join(_invoke("bench", "-h").stdout.replace("│", " ").split())
+    assert 'pip install "strata-mlx[plot]"' in bench
+
+
+def test_a_runtime_option_declared_once_is_a_flag_a_preset_key_and_a_bench_variant(monkeypatch):
+    """lookahead_depth, declared once on ReadAhead: the flag of every runtime command with the
+    declaration's help and default, a preset key, bench's `:dN`, its range held everywhere
+    with a one-line error naming the flag."""
+    import typer
+
+    from strata_mlx import configs
+    from strata_mlx.apps.bench import policy_options
+    from strata_mlx.apps.cli import app
+    from strata_mlx.config import OptionError, check_runtime, runtime_options
+    from strata_mlx.runtime.loader import RuntimeConfig, apply_preset
+
+    option = next(o for o in runtime_options(RuntimeConfig) if o.name == "lookahead_depth")
+    assert option.path == ("read_ahead", "depth") and option.default == 2
+    commands = typer.main.get_command(app).commands
+    for name in ("generate", "serve", "bench", "cache-prompt"):
+        params = {p.name: p for p in commands[name].params}
+        assert params["lookahead_depth"].opts == ["--lookahead-depth"], name
+        assert params["lookahead_depth"].help.startswith(option.option.help), name
+        assert params["lookahead_depth"].help.endswith("[default: 2]"), name
+    monkeypatch.setattr(configs, "read", lambda kind, name: {"lookahead_depth": 3})
+    assert apply_preset(RuntimeConfig(), "any").read_ahead.depth == 3
+    assert policy_options("lookahead:d5:sync")["lookahead_depth"] == 5
+    with pytest.raises(OptionError, match="^--lookahead-depth 0: expected an integer in"):
+        check_runtime(RuntimeConfig().replace(**policy_options("lookahead:d0")), cli=True)
+    for args in (["generate", "--lookahead-depth", "0"],
+                 ["bench", "--model", ".", "--policies", "lookahead:d0"]):  # fmt: skip
+        r = _invoke(*args)
+        assert r.exit_code == 2, (args, r.output)
+        lines = r.output.strip().splitlines()
+        assert len(lines) == 1 and "--lookahead-depth 0" in lines[0], r.output
+    # every option: a flag, a preset key, and its bench variant where it declares one
+    for o in runtime_options(RuntimeConfig):
+        assert o.name in {p.name for p in commands["generate"].params}
+        monkeypatch.setattr(configs, "read", lambda kind, name, o=o: {o.name: o.default})
+        apply_preset(RuntimeConfig(), "any")
+        if o.option.variant not in (None, "choices"):
+            value = "1" if o.is_switch else "7"
+            got = policy_options(f"demand:{o.option.variant}{value}")[o.name]
+            assert got == (True if o.is_switch else 7), o.name

@@ -25,6 +25,7 @@ from strata_mlx.format.store import StoreError
 from strata_mlx.generation.generate import teacher_forced_logits
 
 PROMPT = "The capital of France is"
+QUESTION = "What is the capital of France?"  # through the chat template, generate's default
 # Prose no calibration text contains (routers were fitted on other text).
 TEXT = (
     "The old railway line runs along the valley floor, past orchards and a ruined mill, to a "
@@ -68,7 +69,7 @@ def _cli() -> list[str]:
 
 def _generate(home: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "STRATA_MLX_HOME": str(home)}
-    cmd = [*_cli(), "generate", "-p", PROMPT, "-m", "12", "--temp", "0", *extra]
+    cmd = [*_cli(), "generate", "-p", QUESTION, "-m", "12", "--temp", "0", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -168,7 +169,10 @@ def test_default_generation_names_paris_and_streams(first_run):
     assert "converting the built-in model" in r.stderr
     text, _, stats = r.stdout.partition("==========")
     assert "Paris" in text, r.stdout
-    assert re.search(r"Generation: 12 tokens, [0-9.]+ tokens-per-sec", stats), stats
+    # the chat answer may end (EOS) before -m 12
+    generated = re.search(r"Generation: (\d+) tokens, [0-9.]+ tokens-per-sec", stats)
+    assert generated and 1 <= int(generated.group(1)) <= 12, stats
+    n = int(generated.group(1))
     m = re.search(r"Experts: hit rate ([0-9.]+)%.*?(\d+) read, ([0-9.]+) GB", stats)
     assert m, stats
     # Every token runs all 480 experts and the arena holds a quarter: they really stream.
@@ -176,8 +180,8 @@ def test_default_generation_names_paris_and_streams(first_run):
 
     manifest = strata_mlx.format.store.load_manifest(first_run["store"])
     assert default_arena_gb(first_run["store"]) * 1024**3 < manifest.expert_bytes / 3
-    assert int(m.group(2)) > 12 * len(manifest.moe_layers) * manifest.num_experts
-    assert float(m.group(3)) > 12 * manifest.expert_bytes / 1e9 * 0.9
+    assert int(m.group(2)) > n * len(manifest.moe_layers) * manifest.num_experts
+    assert float(m.group(3)) > n * manifest.expert_bytes / 1e9 * 0.9
 
 
 def test_second_run_reuses_the_cache(first_run):

@@ -9,34 +9,55 @@ from __future__ import annotations
 
 import typer
 
+from ... import __version__
 from . import bench, cache_prompt, cache_sim, convert, generate, kernels, plan, probe_ssd, serve
-from .common import user_errors
+from .common import Command, Group, user_errors
 
 app = typer.Typer(
+    cls=Group,
     add_completion=False,
     no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="Run Mixture-of-Experts models larger than memory, experts streamed from SSD.",
 )
-app.command()(user_errors(generate.generate))
-app.command("cache-prompt")(user_errors(cache_prompt.cache_prompt))
-app.command()(user_errors(convert.convert))
-app.command()(user_errors(bench.bench))
-app.command("cache-sim")(user_errors(cache_sim.cache_sim))
-app.command()(user_errors(plan.plan))
-app.command("probe-ssd")(user_errors(probe_ssd.probe_ssd))
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"strata-mlx {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", metavar="",
+        callback=_version, is_eager=True,
+    ),
+) -> None:  # fmt: skip
+    """Run Mixture-of-Experts models larger than memory, experts streamed from SSD."""
+
+
+app.command(cls=Command)(user_errors(generate.generate))
+app.command("cache-prompt", cls=Command)(user_errors(cache_prompt.cache_prompt))
+app.command(cls=Command)(user_errors(convert.convert))
+app.command(cls=Command)(user_errors(bench.bench))
+app.command("cache-sim", cls=Command)(user_errors(cache_sim.cache_sim))
+app.command(cls=Command)(user_errors(plan.plan))
+app.command("probe-ssd", cls=Command)(user_errors(probe_ssd.probe_ssd))
 app.add_typer(kernels.kernels_app, name="kernels")
-app.command()(user_errors(serve.serve))
+app.command(cls=Command)(user_errors(serve.serve))
 
 
 def _register_tools() -> None:
     from ...generation.tools import kld_command, route_parity_command
 
-    app.command("kld", help="KLD and top-1 agreement between two logits files.")(
+    app.command("kld", cls=Command, help="KLD and top-1 agreement between two logits files.")(
         user_errors(kld_command)
     )
-    app.command("route-parity", help="Routing of two configurations, per layer and token.")(
-        user_errors(route_parity_command)
-    )
+    app.command(
+        "route-parity", cls=Command, help="Routing of two configurations, per layer and token."
+    )(user_errors(route_parity_command))
 
 
 _register_tools()

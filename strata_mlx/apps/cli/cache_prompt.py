@@ -13,22 +13,17 @@ from ...config import (
 )
 from .common import (
     KV_FLAGS,
-    ArenaGB,
-    IOWorkers,
     Model,
-    PrefillStepSize,
-    Preset,
-    ReadAhead,
-    Verify,
     builtin_model,
     chat_flag,
     check_output_file,
     kv_options,
-    runtime_config,
+    runtime_command,
     template_config,
 )
 
 
+@runtime_command
 def cache_prompt(
     prompt_cache_file: Path = typer.Option(
         ..., "--prompt-cache-file", help="The .safetensors file to write."
@@ -46,6 +41,7 @@ def cache_prompt(
     chat: bool | None = typer.Option(
         None,
         "--chat/--no-chat",
+        metavar="",
         help="Render through the chat template (default: with "
         "--system-prompt or --chat-template-config), without the generation prompt.",
     ),
@@ -56,16 +52,11 @@ def cache_prompt(
     kv_bits: int | None = KV_FLAGS["kv_bits"],
     kv_group_size: int = KV_FLAGS["kv_group_size"],
     quantized_kv_start: int = KV_FLAGS["quantized_kv_start"],
-    arena_gb: ArenaGB = None,
-    io_workers: IOWorkers = None,
-    read_ahead: ReadAhead = None,
-    prefill_step_size: PrefillStepSize = None,
-    verify: Verify = None,
-    preset: Preset = None,
+    runtime=None,
 ):
     """Run a prompt once and save its KV / recurrent state (mlx-lm's cache_prompt); generate
     and serve start from it with --prompt-cache-file."""
-    runtime = dict(locals())
+    args = dict(locals())
     import json
     import time
 
@@ -73,14 +64,14 @@ def cache_prompt(
     from ...generation.prompt_cache import save_prompt_cache
     from ...runtime.loader import load
 
-    kv = kv_options(runtime)
+    kv = kv_options(args)
     check_output_file(prompt_cache_file, "--prompt-cache-file")
     template_kwargs = template_config(chat_template_config)
     chat = chat_flag(chat, system_prompt, chat_template_config)
     if prompt is None and prompt_tokens is None and system_prompt is None:
         raise OptionError("give --prompt/-p, --prompt-tokens or --system-prompt")
-    model, runtime["arena_gb"] = builtin_model(model, arena_gb)
-    cfg = runtime_config(runtime, preset)
+    model, arena_gb = builtin_model(model, runtime.arena_gb)
+    cfg = runtime.replace(arena_gb=arena_gb)
     m, tok = load(model, config=cfg)
     if prompt == "-":
         prompt = sys.stdin.read()

@@ -1,16 +1,27 @@
 """What the commands of `strata-mlx` share: one-line user errors, the runtime flags declared
-once (RuntimeConfig's fields, same names), the runtime config built from them, the built-in
+from RuntimeConfig's declarations (runtime_command), the runtime config built from them, the built-in
 model, and checks of output files and chat template variables. Never runs a model."""
 
 from __future__ import annotations
 
 import functools
+import inspect
+import typing
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
 
-from ...config import OptionError
+from ...config import (
+    PANEL_MEMORY,
+    PANEL_RESEARCH,
+    OptionError,
+    RuntimeOption,
+    check_runtime,
+    runtime_options,
+)
 from ...format.store import StoreError
 
 
@@ -27,6 +38,24 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     # StoreError covers ExpertReadError and MemoryGuardError; the OS errors name a user's path
     return (StoreError, OptionError, PromptCacheError, ChatTemplateError, PipelineError,
             FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)  # fmt: skip
+
+
+class _HelpFlag:
+    """-h / --help shown as the switch it is (typer labels every flag `<bool>`)."""
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+class Command(_HelpFlag, TyperCommand):
+    pass
+
+
+class Group(_HelpFlag, TyperGroup):
+    pass
 
 
 def user_errors(fn):
@@ -47,81 +76,18 @@ def user_errors(fn):
 
 
 # ---- options declared once -----------------------------------------------------------------
-# The runtime flags (RuntimeConfig's fields, same names) default to None, "not given": the
-# config is RuntimeConfig's defaults, then --preset's values, then the flags given.
+# Help panels, in the order `--help` shows them: the basics (typer's first panel) and sampling,
+# then the runtime options' panels (strata_mlx.config: memory and streaming, research).
+PANEL_SAMPLING = "Sampling"
+
+
+def switch(names: str, help: str, panel: str | None = None, default: bool | None = False):
+    """A typer flag that takes no value (`--verbose`, `--x/--no-x`)."""
+    return typer.Option(default, names, help=help, metavar="", rich_help_panel=panel)
+
 
 Model = Annotated[
     Path | None, typer.Option("--model", help="A strata-mlx store (default: the built-in model).")
-]
-ArenaGB = Annotated[
-    float | None, typer.Option("--arena-gb", help="Arena size in GB (default: from memory).")
-]
-IOWorkers = Annotated[int | None, typer.Option("--io-workers", help="Reader threads (default 8).")]
-ReadAhead = Annotated[
-    str | None,
-    typer.Option("--read-ahead", help="demand | static | lookahead (default lookahead)."),
-]
-StaticCap = Annotated[
-    int | None, typer.Option("--static-cap", help="static: experts read ahead per layer (256).")
-]
-LookaheadMinTokens = Annotated[
-    int | None,
-    typer.Option("--lookahead-min-tokens", help="lookahead: predict in chunks of at least this."),
-]
-LookaheadDecodeMinMiss = Annotated[
-    float | None,
-    typer.Option(
-        "--lookahead-decode-min-miss",
-        help="Decode predicts while its miss rate is above this (default 0.02).",
-    ),
-]
-LookaheadDepth = Annotated[
-    int | None,
-    typer.Option(
-        "--lookahead-depth", help="Layers predicted ahead from each layer's input (default 2)."
-    ),
-]
-Scheduler = Annotated[
-    str | None,
-    typer.Option(
-        "--scheduler",
-        help="loop (an asyncio loop keeps the drive busy between handshakes, the default) | "
-        "sync (reads scheduled inside the handshake only).",
-    ),
-]
-Eviction = Annotated[
-    str | None,
-    typer.Option(
-        "--eviction",
-        help="lru | lfu | profile | layer (default lru), a candidate of strata_mlx.stream.policies, "
-        "or module:Class (a plug-in).",
-    ),
-]
-Verify = Annotated[
-    bool | None,
-    typer.Option(
-        "--verify/--no-verify",
-        help="Checksums of the dense weights (once) and of every expert record as it is read "
-        "(default on).",
-    ),
-]
-PrefillStepSize = Annotated[
-    int | None,
-    typer.Option("--prefill-step-size", help="Prompt tokens per chunk (default: from memory)."),
-]
-FakeStream = Annotated[
-    bool | None,
-    typer.Option("--fake-stream", help="Every expert counts as resident: times compute alone."),
-]
-Decode = Annotated[
-    str | None,
-    typer.Option(
-        "--decode",
-        help="pipelined (routing checked a layer late, no per-layer sync; the default) | sync",
-    ),
-]
-DecodeLag = Annotated[
-    int | None, typer.Option("--decode-lag", help="Pipelined: layers of lag (default 1).")
 ]
 TraceFile = Annotated[
     Path | None,
@@ -129,39 +95,122 @@ TraceFile = Annotated[
         "--trace",
         help="Write the routing trace (.npz, strata_mlx.stream.trace) for strata-mlx cache-sim; "
         "bench: each cold run's.",
+        rich_help_panel=PANEL_RESEARCH,
     ),
-]
-Preset = Annotated[
-    str | None,
-    typer.Option("--preset", help="A runtime preset from configs/runtime/ (e.g. laptop-24gb)."),
 ]
 Pipeline = Annotated[
     bool,
     typer.Option(
-        "--pipeline", help="Layers pipelined over the ranks of mlx.launch (mx.distributed)."
+        "--pipeline",
+        help="Layers pipelined over the ranks of mlx.launch (mx.distributed).",
+        metavar="",
+        rich_help_panel=PANEL_RESEARCH,
     ),
 ]
 PipelineSplit = Annotated[
     str | None,
-    typer.Option("--pipeline-split", help="Layers per rank, e.g. 20,28 (default: by memory)."),
+    typer.Option(
+        "--pipeline-split",
+        help="Layers per rank, e.g. 20,28 (default: by memory).",
+        rich_help_panel=PANEL_RESEARCH,
+    ),
 ]
 PipelineTimeout = Annotated[
     float,
-    typer.Option("--pipeline-timeout", help="Seconds a pipeline step may wait on another rank."),
+    typer.Option(
+        "--pipeline-timeout",
+        help="Seconds a pipeline step may wait on another rank.",
+        rich_help_panel=PANEL_RESEARCH,
+    ),
 ]
 
 
-def runtime_config(options: dict, preset: str | None = None):
-    """A checked RuntimeConfig: its defaults, then `preset`'s values, then the entries of
-    `options` (a command's arguments, by RuntimeConfig's field names) that were given."""
-    from ...config import check_runtime
+def _flag(o: RuntimeOption, defaults: dict) -> inspect.Parameter:
+    """The typer parameter of runtime option `o`: None when not given, its default shown
+    from the declaration (or the command's `defaults`)."""
+    spec = o.option
+    if o.is_switch:  # off by default: the flag alone turns it on
+        names = f"{o.flag}/--no-{o.flag[2:]}" if o.default else o.flag
+        kind, default = bool, "on" if o.default else "off"
+    else:
+        lo = spec.range[0] if spec.range else None
+        kind = float if isinstance(lo, float) else int if isinstance(lo, int) else str
+        names, default = o.flag, spec.shown if spec.shown is not None else o.default
+        default = defaults.get(o.name, default)
+    info = typer.Option(
+        None,
+        names,
+        help=escape(f"{spec.help} [default: {default}]"),
+        metavar="" if o.is_switch else None,
+        show_default=False,
+        rich_help_panel=spec.panel,
+    )
+    return inspect.Parameter(o.name, KEYWORD, default=info, annotation=kind | None)
+
+
+KEYWORD = inspect.Parameter.KEYWORD_ONLY
+PANELS = (None, PANEL_SAMPLING, PANEL_MEMORY, PANEL_RESEARCH)  # --help shows them in this order
+
+
+def _panel_rank(p: inspect.Parameter) -> int:
+    infos = [p.default, *getattr(p.annotation, "__metadata__", ())]
+    panels = [i.rich_help_panel for i in infos if hasattr(i, "rich_help_panel")]
+    return PANELS.index(panels[0]) if panels and panels[0] in PANELS else 0
+
+
+def runtime_command(fn=None, *, preset: bool = True, defaults: dict | None = None):
+    """`fn`, a command taking `runtime` (a checked RuntimeConfig), as a typer command with a
+    flag per runtime option (RuntimeConfig's declarations) and `--preset`. The config is
+    RuntimeConfig's defaults (then the command's `defaults`), then the preset's values, then
+    the flags given; it is checked here, once, before the command runs."""
+    if fn is None:
+        return functools.partial(runtime_command, preset=preset, defaults=defaults)
+    from ...runtime.loader import RuntimeConfig
+
+    options = runtime_options(RuntimeConfig)
+    hints = typing.get_type_hints(fn, include_extras=True)
+    params = [
+        p.replace(annotation=hints.get(p.name, p.annotation))
+        for p in inspect.signature(fn).parameters.values()
+        if p.name != "runtime"
+    ]
+    params += [_flag(o, defaults or {}) for o in options]
+    if preset:
+        params.append(inspect.Parameter("preset", KEYWORD, default=None, annotation=Preset))
+    params = sorted((p.replace(kind=KEYWORD) for p in params), key=_panel_rank)
+
+    @functools.wraps(fn)
+    def command(**kw):
+        given = {o.name: kw.pop(o.name) for o in options}
+        name = kw.pop("preset", None)
+        given = {k: v for k, v in given.items() if v is not None}
+        return fn(**kw, runtime=runtime_config(given, name, defaults))
+
+    command.__signature__ = inspect.Signature(params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    del command.__wrapped__  # typer reads the signature above, not fn's
+    return command
+
+
+Preset = Annotated[
+    str | None,
+    typer.Option(
+        "--preset",
+        help="A runtime preset from configs/runtime/ (e.g. laptop-24gb).",
+        rich_help_panel=PANEL_MEMORY,
+    ),
+]
+
+
+def runtime_config(options: dict, preset: str | None = None, defaults: dict | None = None):
+    """A checked RuntimeConfig: its defaults (then `defaults`), then `preset`'s values, then
+    `options` (runtime options by name)."""
     from ...runtime.loader import RuntimeConfig, apply_preset
 
-    cfg = RuntimeConfig()
+    cfg = RuntimeConfig().replace(**(defaults or {}))
     if preset is not None:
         cfg = apply_preset(cfg, preset)
-    names = cfg.options()
-    cfg = cfg.replace(**{k: v for k, v in options.items() if k in names and v is not None})
+    cfg = cfg.replace(**options)
     check_runtime(cfg, cli=True)
     return cfg
 
@@ -178,18 +227,28 @@ def builtin_model(model: Path | None, arena_gb: float | None) -> tuple[Path, flo
 
 KV_FLAGS = {  # mlx-lm's KV cache flags, shared by generate and cache-prompt
     "max_kv_size": typer.Option(
-        None, "--max-kv-size", help="Keep at most this many positions (a rotating KV cache)."
+        None,
+        "--max-kv-size",
+        help="Keep at most this many positions (a rotating KV cache).",
+        rich_help_panel=PANEL_MEMORY,
     ),
     "kv_bits": typer.Option(
-        None, "--kv-bits", help="Bits of the quantized KV cache (default: not quantized)."
+        None,
+        "--kv-bits",
+        help="Bits of the quantized KV cache (default: not quantized).",
+        rich_help_panel=PANEL_MEMORY,
     ),
     "kv_group_size": typer.Option(
-        64, "--kv-group-size", help="Group size of the KV cache's quantization."
+        64,
+        "--kv-group-size",
+        help="Group size of the KV cache's quantization.",
+        rich_help_panel=PANEL_MEMORY,
     ),
     "quantized_kv_start": typer.Option(
         5000,
         "--quantized-kv-start",
         help="With --kv-bits: quantize a layer's cache once it holds this many positions.",
+        rich_help_panel=PANEL_MEMORY,
     ),
 }
 

@@ -22,7 +22,9 @@ def convert(
         None, "--synthetic", help="A named shape from configs/ (random weights)."
     ),
     mlx_path: Path = typer.Option(..., "--mlx-path", help="Output store directory."),
-    quantize: bool = typer.Option(False, "--quantize", "-q"),
+    quantize: bool = typer.Option(
+        False, "--quantize", "-q", help="Quantize the experts.", metavar=""
+    ),
     q_bits: int = typer.Option(4, "--q-bits"),
     q_group_size: int = typer.Option(64, "--q-group-size"),
     q_mode: str | None = typer.Option(
@@ -58,6 +60,7 @@ def convert(
     overwrite: bool = typer.Option(
         False,
         "--overwrite",
+        metavar="",
         help="Replace an existing store at --mlx-path (kept until the new one is complete).",
     ),
 ):

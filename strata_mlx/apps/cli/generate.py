@@ -13,36 +13,33 @@ from ...config import (
 )
 from .common import (
     KV_FLAGS,
-    ArenaGB,
-    Decode,
-    DecodeLag,
-    Eviction,
-    FakeStream,
-    IOWorkers,
-    LookaheadDecodeMinMiss,
-    LookaheadDepth,
-    LookaheadMinTokens,
+    PANEL_RESEARCH,
+    PANEL_SAMPLING,
     Model,
     Pipeline,
     PipelineSplit,
     PipelineTimeout,
-    PrefillStepSize,
-    Preset,
-    ReadAhead,
-    Scheduler,
-    StaticCap,
     TraceFile,
-    Verify,
     builtin_model,
     chat_flag,
     check_output_file,
     kv_options,
-    runtime_config,
+    runtime_command,
     save_npy,
+    switch,
     template_config,
 )
 
 
+def _sampling_flag(default, names: str, help: str):
+    return typer.Option(default, names, help=help, rich_help_panel=PANEL_SAMPLING)
+
+
+def _research_flag(names: str, help: str):
+    return typer.Option(None, names, help=help, rich_help_panel=PANEL_RESEARCH)
+
+
+@runtime_command
 def generate(
     model: Model = None,
     prompt: str | None = typer.Option(
@@ -51,109 +48,91 @@ def generate(
     prompt_tokens: str | None = typer.Option(
         None, "--prompt-tokens", help="Prompt as token ids: 1,2,3."
     ),
-    max_tokens: int = typer.Option(100, "--max-tokens", "-m"),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0: greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Sampling top-p (1: off)."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Sampling min-p (0: off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Sampling top-k (0: off)."),
-    min_tokens_to_keep: int = typer.Option(
-        1, "--min-tokens-to-keep", help="Minimum tokens to keep for min-p sampling."
+    max_tokens: int = typer.Option(100, "--max-tokens", "-m", help="Tokens to generate."),
+    ignore_chat_template: bool = switch(
+        "--ignore-chat-template", "Use the prompt as given, not through the chat template."
     ),
-    xtc_probability: float = typer.Option(
-        0.0, "--xtc-probability", help="Probability of XTC sampling at each token."
-    ),
-    xtc_threshold: float = typer.Option(
-        0.1, "--xtc-threshold", help="XTC drops the tokens above this probability but one."
-    ),
-    repetition_penalty: float | None = typer.Option(
-        None, "--repetition-penalty", help="Penalty on the logits of recent tokens (1: none)."
-    ),
-    repetition_context_size: int = typer.Option(
-        20, "--repetition-context-size", help="Tokens the repetition penalty looks back."
-    ),
-    seed: int | None = typer.Option(None, "--seed", help="PRNG seed."),
-    chat: bool | None = typer.Option(
-        None,
+    chat: bool | None = switch(
         "--chat/--no-chat",
-        help="Wrap the prompt in the chat template (default: with --system-prompt or "
-        "--chat-template-config).",
+        "--chat: the chat template (the default where the tokenizer has one); "
+        "--no-chat: as --ignore-chat-template.",
+        default=None,
     ),
     system_prompt: str | None = typer.Option(
-        None, "--system-prompt", help="A system message before the prompt (implies --chat)."
+        None, "--system-prompt", help="A system message before the prompt."
     ),
     chat_template_config: str | None = typer.Option(
         None,
         "--chat-template-config",
-        help="More variables for the chat template, as a JSON object (implies --chat).",
+        help="More variables for the chat template, as a JSON object.",
     ),
-    logits_out: Path | None = typer.Option(
-        None, "--logits-out", help="Write teacher-forced prompt logits [T, vocab] float32 .npy."
-    ),
-    logits_ref: Path | None = typer.Option(
-        None, "--logits-ref", help="Compare prompt logits with a .npy (KLD, top-1)."
-    ),
-    experts_per_token: int | None = typer.Option(
-        None, "--experts-per-token", help="Override the store's experts per token."
-    ),
-    dump_moe: Path | None = typer.Option(
-        None, "--dump-moe", help="Write per-layer MoE state (.npy) here."
-    ),
-    moce_bonus: float = typer.Option(
-        0.0,
-        "--moce-bonus",
-        help="Cache-aware routing: bonus on resident experts' logits in decode.",
-    ),
-    verbose: bool = typer.Option(False, "--verbose", help="One trace line per prefill chunk."),
-    trace_file: TraceFile = None,
-    arena_gb: ArenaGB = None,
-    io_workers: IOWorkers = None,
-    read_ahead: ReadAhead = None,
-    lookahead_min_tokens: LookaheadMinTokens = None,
-    lookahead_decode_min_miss: LookaheadDecodeMinMiss = None,
-    lookahead_depth: LookaheadDepth = None,
-    scheduler: Scheduler = None,
-    static_cap: StaticCap = None,
-    eviction: Eviction = None,
-    verify: Verify = None,
-    prefill_step_size: PrefillStepSize = None,
-    fake_stream: FakeStream = None,
-    decode: Decode = None,
-    decode_lag: DecodeLag = None,
-    preset: Preset = None,
-    pipeline: Pipeline = False,
-    pipeline_split: PipelineSplit = None,
-    pipeline_timeout: PipelineTimeout = 300.0,
+    verbose: bool = switch("--verbose", "One trace line per prefill chunk."),
     prompt_cache_file: Path | None = typer.Option(
         None,
         "--prompt-cache-file",
         help="Start from a prompt cache written by cache-prompt (the prompt continues it).",
     ),
+    temp: float = _sampling_flag(0.0, "--temp", "Sampling temperature (0: greedy)."),
+    top_p: float = _sampling_flag(1.0, "--top-p", "Sampling top-p (1: off)."),
+    min_p: float = _sampling_flag(0.0, "--min-p", "Sampling min-p (0: off)."),
+    top_k: int = _sampling_flag(0, "--top-k", "Sampling top-k (0: off)."),
+    min_tokens_to_keep: int = _sampling_flag(
+        1, "--min-tokens-to-keep", "Minimum tokens to keep for min-p sampling."
+    ),
+    xtc_probability: float = _sampling_flag(
+        0.0, "--xtc-probability", "Probability of XTC sampling at each token."
+    ),
+    xtc_threshold: float = _sampling_flag(
+        0.1, "--xtc-threshold", "XTC drops the tokens above this probability but one."
+    ),
+    repetition_penalty: float | None = _sampling_flag(
+        None, "--repetition-penalty", "Penalty on the logits of recent tokens (1: none)."
+    ),
+    repetition_context_size: int = _sampling_flag(
+        20, "--repetition-context-size", "Tokens the repetition penalty looks back."
+    ),
+    seed: int | None = _sampling_flag(None, "--seed", "PRNG seed."),
+    logits_out: Path | None = _research_flag(
+        "--logits-out", "Write teacher-forced prompt logits [T, vocab] float32 .npy."
+    ),
+    logits_ref: Path | None = _research_flag(
+        "--logits-ref", "Compare prompt logits with a .npy (KLD, top-1)."
+    ),
+    dump_moe: Path | None = _research_flag("--dump-moe", "Write per-layer MoE state (.npy) here."),
+    trace_file: TraceFile = None,
+    pipeline: Pipeline = False,
+    pipeline_split: PipelineSplit = None,
+    pipeline_timeout: PipelineTimeout = 300.0,
     max_kv_size: int | None = KV_FLAGS["max_kv_size"],
     kv_bits: int | None = KV_FLAGS["kv_bits"],
     kv_group_size: int = KV_FLAGS["kv_group_size"],
     quantized_kv_start: int = KV_FLAGS["quantized_kv_start"],
+    runtime=None,
 ):
     """Generate text from a store, streaming experts through the arena."""
-    runtime = dict(locals())  # the arguments; runtime_config() takes RuntimeConfig's fields
+    args = dict(locals())
     if prompt is None and prompt_tokens is None:
         if model is not None:
             raise OptionError("give --prompt/-p or --prompt-tokens")
-        prompt = "The capital of France is"
-    sampling = _sampling(runtime)  # every flag is checked before a model is loaded
+        prompt = "What is the capital of France?"
+    sampling = _sampling(args)  # every flag is checked before a model is loaded
     check_output_file(logits_out, "--logits-out")
     check_output_file(trace_file, "--trace")
-    kv = kv_options(runtime)
+    kv = kv_options(args)
     template_kwargs = template_config(chat_template_config)
-    chat = chat_flag(chat, system_prompt, chat_template_config)
-    model, runtime["arena_gb"] = builtin_model(model, arena_gb)
-    cfg = runtime_config(runtime, preset)
-    if experts_per_token is not None:  # the store's count bounds it, in every family
+    # mlx-lm's default: the chat template where the tokenizer has one; a prompt cache is
+    # continued as plain text unless the template is asked for
+    auto_chat = chat is None and not ignore_chat_template and prompt_cache_file is None
+    chat = chat_flag(False if ignore_chat_template else chat, system_prompt, chat_template_config)
+    model, arena_gb = builtin_model(model, runtime.arena_gb)
+    cfg = runtime.replace(arena_gb=arena_gb)
+    if cfg.experts_per_token is not None:  # the store's count bounds it, in every family
         from ...config import check_int
         from ...format.store import load_manifest
 
         n = load_manifest(model).num_experts
-        check_int("experts_per_token", experts_per_token, 1, n, cli=True)
-    pipe = _pipeline(runtime, kv)
+        check_int("experts_per_token", cfg.experts_per_token, 1, n, cli=True)
+    pipe = _pipeline(args, kv)
     if dump_moe is not None:
         from ...generation.tools import MoeDumper
 
@@ -179,12 +158,13 @@ def generate(
         pipe = None
     if prompt == "-":
         prompt = sys.stdin.read()
+    chat = chat or (auto_chat and tok is not None and bool(tok.chat_template))
     ids = _prompt_ids(tok, model, prompt, prompt_tokens, system_prompt, chat, template_kwargs)
     _prompt_logits(m, ids, cfg.prefill_step_size, logits_out, logits_ref)
     prompt_cache, cached = _resume(m, tok, prompt_cache_file, kv, ids, prompt, prompt_tokens, chat)
     if prompt_cache is not None and ids[: len(cached)] == cached:
         ids = ids[len(cached) :]
-    last = _print_stream(m, tok, ids, runtime, cfg, sampling, kv, prompt_cache, cached)
+    last = _print_stream(m, tok, ids, args, cfg, sampling, kv, prompt_cache, cached)
     _print_summary(m, last, verbose, pipe)
     if cfg.dump is not None:
         cfg.dump.close()
@@ -226,7 +206,7 @@ def _pipeline(args: dict, kv):
 
 def _prompt_ids(tok, model, prompt, prompt_tokens, system_prompt, chat, template_kwargs):
     """The prompt's token ids: --prompt-tokens as given, else the text (through the chat
-    template with --chat) encoded by the store's tokenizer."""
+    template with `chat`) encoded by the store's tokenizer."""
     if prompt_tokens is not None:
         return parse_tokens(prompt_tokens, "--prompt-tokens")
     if tok is None:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import typer
 
-from .common import (
-    fail,
-)
+from .common import Command, Group, fail
 
-kernels_app = typer.Typer(no_args_is_help=True, help="The expert kernels' source.")
+kernels_app = typer.Typer(cls=Group, no_args_is_help=True, help="The expert kernels' source.")
 
 
-@kernels_app.command("show")
+@kernels_app.command("show", cls=Command)
 def kernels_show(
     fmt: str = typer.Argument(
         ..., metavar="FORMAT", help="Q4_K, Q2_K, IQ2_XS, IQ3_S or affine{bits}-g{group}."

@@ -29,7 +29,9 @@ def plan(
     ),
     target_ssd_gbps: float | None = typer.Option(None, "--target-ssd-gbps"),
     target_tflops: float | None = typer.Option(None, "--target-tflops"),
-    measure: bool = typer.Option(True, "--measure/--no-measure", help="Fake-stream compute run."),
+    measure: bool = typer.Option(
+        True, "--measure/--no-measure", help="Fake-stream compute run.", metavar=""
+    ),
     json_out: Path | None = typer.Option(None, "--json", help="Write the forecast as JSON."),
 ):
     """Will MODEL fit, with what arena and chunk, and how fast: prefill and decode tok/s."""

@@ -14,30 +14,17 @@ from ...config import (
 )
 from .common import (
     KV_FLAGS,
-    ArenaGB,
-    Decode,
-    DecodeLag,
-    Eviction,
-    IOWorkers,
-    LookaheadDecodeMinMiss,
-    LookaheadDepth,
-    LookaheadMinTokens,
     Model,
     Pipeline,
     PipelineSplit,
     PipelineTimeout,
-    PrefillStepSize,
-    Preset,
-    ReadAhead,
-    Scheduler,
-    StaticCap,
-    Verify,
     builtin_model,
     kv_options,
-    runtime_config,
+    runtime_command,
 )
 
 
+@runtime_command
 def serve(
     model: Model = None,
     host: str = typer.Option("127.0.0.1", "--host"),
@@ -45,20 +32,6 @@ def serve(
     model_name: str | None = typer.Option(
         None, "--model-name", help="The name clients ask for (default: the store's folder name)."
     ),
-    arena_gb: ArenaGB = None,
-    io_workers: IOWorkers = None,
-    read_ahead: ReadAhead = None,
-    lookahead_min_tokens: LookaheadMinTokens = None,
-    lookahead_decode_min_miss: LookaheadDecodeMinMiss = None,
-    lookahead_depth: LookaheadDepth = None,
-    scheduler: Scheduler = None,
-    static_cap: StaticCap = None,
-    eviction: Eviction = None,
-    verify: Verify = None,
-    prefill_step_size: PrefillStepSize = None,
-    decode: Decode = None,
-    decode_lag: DecodeLag = None,
-    preset: Preset = None,
     max_tokens: int = typer.Option(
         DEFAULT_MAX_TOKENS, "--max-tokens", "-m", help="max_tokens of a request that gives none."
     ),
@@ -116,10 +89,11 @@ def serve(
     pipeline: Pipeline = False,
     pipeline_split: PipelineSplit = None,
     pipeline_timeout: PipelineTimeout = 300.0,
+    runtime=None,
 ):
     """Serve a store over HTTP: OpenAI's chat and text completions and Responses API, and
     Anthropic's Messages API."""
-    runtime = dict(locals())
+    args = dict(locals())
     from ...config import check_int, check_number
 
     try:
@@ -129,8 +103,8 @@ def serve(
     check_int("port", port, 1, 65535, cli=True)
     check_int("max_tokens", max_tokens, 1, cli=True)
     for name in ("max_tokens_limit", "max_prompt_tokens"):
-        if runtime[name] is not None:
-            check_int(name, runtime[name], 1, cli=True)
+        if args[name] is not None:
+            check_int(name, args[name], 1, cli=True)
     check_int("max_queue", max_queue, 0, cli=True)
     check_int("prompt_cache_size", prompt_cache_size, 0, cli=True)
     check_int("prompt_cache_bytes", prompt_cache_bytes, 0, cli=True)
@@ -140,7 +114,7 @@ def serve(
     if prompt_cache_dir is not None and prompt_cache_dir.exists() and not prompt_cache_dir.is_dir():
         raise OptionError(f"--prompt-cache-dir {prompt_cache_dir}: not a directory")
     check_number("shutdown_timeout", shutdown_timeout, 0, cli=True)
-    kv = kv_options(runtime)
+    kv = kv_options(args)
     if pipeline and (kv.max_kv_size or kv.kv_bits):  # each rank has its own cache
         raise OptionError("--pipeline: --max-kv-size and --kv-bits are not pipelined yet")
     if api_key is not None and not api_key.strip():
@@ -148,8 +122,8 @@ def serve(
     origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()] or None
     if model is None:
         model_name = model_name or "smollm2-135m-instruct-split"
-    model, runtime["arena_gb"] = builtin_model(model, arena_gb)
-    cfg = runtime_config(runtime, preset)
+    model, arena_gb = builtin_model(model, runtime.arena_gb)
+    cfg = runtime.replace(arena_gb=arena_gb)
     run_server(
         model,
         host=host,
