@@ -34,8 +34,8 @@ from ..stream import memory
 from ..stream.arena import Arena
 from ..stream.prediction import ReadAhead
 from ..stream.stats import RoutingTrace
-from .decode import PipelinedDecoder
-from .experts import ExpertCache, SwitchGLU
+from .experts import ExpertCache
+from .model import StrataModel
 
 # The supported model types, each run by models/<model_type>.py; ALIASES are run by
 # another type's module.
@@ -244,7 +244,8 @@ def load(
     reserve_bytes: int = 0,
     **overrides,
 ):
-    """Load a strata-mlx store: returns (model, tokenizer or None), as mlx-lm's load().
+    """Load a strata-mlx store: returns (model, tokenizer or None), as mlx-lm's load(); the
+    model is a StrataModel (runtime/model.py), a context manager that closes its cache.
     `pipeline` (a strata_mlx.distributed.Pipeline): load only this rank's layers.
     `reserve_bytes`: memory the caller will hold beside the model (serve's kept prompt
     caches): the automatic arena leaves it free, the memory guard counts it."""
@@ -266,11 +267,21 @@ def load(
     source = path / "manifest.json"
     fam = family(manifest.model_type, source)
     args = fam.ModelArgs.from_dict(normalize_config(manifest.config), source, "config.")
+    if cfg.experts_per_token is not None:
+        if cfg.experts_per_token > manifest.num_experts:
+            raise OptionError(
+                f"{path}: experts_per_token {cfg.experts_per_token}: the store has "
+                f"{manifest.num_experts} experts a layer"
+            )
+        # Every MoE block routes to this many experts: the family builds its blocks so.
+        args = dataclasses.replace(args, num_experts_per_tok=cfg.experts_per_token)
     try:
-        model = fam.Model(args)
+        module = fam.Model(args)
     except (ValueError, OverflowError) as e:  # a family's refusal, or a width MLX cannot index
+        if cfg.experts_per_token is not None:
+            raise OptionError(f"experts_per_token: {str(e).splitlines()[0]}") from None
         raise StoreError(f"{source}: config: {str(e).splitlines()[0]}") from None
-    check_experts(manifest, model, args, source)
+    check_experts(manifest, module, args, source)
     tokenizer = load_tokenizer(path)  # its files are checked before anything is allocated
 
     dense_path = path / DENSE
@@ -283,7 +294,7 @@ def load(
     stage = None
     if pipeline is not None:  # this rank's layers, records and weights only
         step = cfg.prefill_step_size or default_prefill_step()
-        stage = pipeline.take(model, manifest, weights, args, step)
+        stage = pipeline.take(module, manifest, weights, args, step)
         manifest, weights = stage.manifest, stage.weights
     quant = check_quantization(manifest.config.get("quantization"), source)
     if quant:
@@ -295,18 +306,21 @@ def load(
 
         try:
             nn.quantize(
-                model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=predicate
+                module,
+                group_size=quant["group_size"],
+                bits=quant["bits"],
+                class_predicate=predicate,
             )
         except ValueError as e:  # a layer whose width the group size does not divide
             raise StoreError(f"{source}: config.quantization: {str(e).splitlines()[0]}") from None
     try:
-        model.load_weights(list(weights.items()), strict=True)
+        module.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise StoreError(f"{dense_path}: {str(e).splitlines()[0]}") from None
     bad = [k for k, v in weights.items() if v.dtype not in DENSE_DTYPES]
     if bad:
         raise StoreError(f"{dense_path}: {bad[0]} is {weights[bad[0]].dtype}, not a weight dtype")
-    mx.eval(model.parameters())
+    mx.eval(module.parameters())
 
     rb = manifest.layout.record_bytes
     n_records = manifest.num_experts * len(manifest.moe_layers)
@@ -316,11 +330,6 @@ def load(
         args, rb, n_records, dense_bytes, cfg.arena_gb, cfg.prefill_step_size,
         reserve_bytes=reserve_bytes, kv_itemsize=itemsize,
     )  # fmt: skip
-    if cfg.experts_per_token is not None and cfg.experts_per_token > manifest.num_experts:
-        raise OptionError(
-            f"{path}: experts_per_token {cfg.experts_per_token}: the store has "
-            f"{manifest.num_experts} experts a layer"
-        )
     n_slots = max(1, min(arena_bytes // rb, n_records))
     profile = load_profile(path, manifest if stage is None else stage.full_manifest)
     if stage is not None:
@@ -353,31 +362,12 @@ def load(
         fake_stream=cfg.fake_stream,
         scheduler=cfg.scheduler,
         low_water=cfg.scheduler_low_water,
+        route_bonus=cfg.moce_bonus,
+        dump=cfg.dump,
+        trace=cfg.trace,
     )
-    attach(model, cache)
-    model.expert_cache = cache
-    # What the cache and the blocks take from the runtime beyond their constructors' arguments
-    cache.route_bonus = cfg.moce_bonus
-    cache.dump = cfg.dump
-    cache.trace = cfg.trace
-    if cfg.experts_per_token is not None:
-        for block in model.moe_blocks().values():
-            block.top_k = cfg.experts_per_token
-    model.decoder = (
-        PipelinedDecoder(
-            model,
-            cfg.decode_lag,
-            cfg.decode_sync_above,
-            cfg.decode_token_below,
-            cfg.decode_chunk,
-            cfg.decode_layers_chunk,
-            token_while_predicting=cfg.decode_token_while_predicting,
-        )
-        if cfg.decode == "pipelined"
-        else None
-    )
-    model.runtime = cfg
-    model.store_path = path
+    blocks = None if stage is None else stage.blocks
+    model = StrataModel(module, cache, cfg, path, blocks, pipeline)
     if pipeline is not None:
         model = pipeline.wrap(model)
     return model, tokenizer
@@ -434,13 +424,3 @@ def check_quantization(quant, source: Path) -> dict | None:
 
 def _brief(xs: list[int]) -> str:
     return str(xs) if len(xs) <= 8 else f"[{xs[0]}, {xs[1]}, ..., {xs[-1]}] ({len(xs)})"
-
-
-def attach(model, cache: ExpertCache) -> None:
-    """Point every MoE layer's seam at the cache and register its router for lookahead."""
-    for layer, block in model.moe_blocks().items():
-        block.switch_mlp.expert_cache = cache
-        cache.register_router(layer, lambda x, b=block: b.route(x)[0])
-    for _, m in model.named_modules():
-        if isinstance(m, SwitchGLU) and m.expert_cache is None:
-            raise RuntimeError(f"layer {m.layer}: MoE block not listed by moe_blocks()")
