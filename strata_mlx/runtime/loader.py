@@ -264,24 +264,7 @@ def load(
         pipeline = None
     path = Path(path)
     manifest = load_manifest(path)
-    source = path / "manifest.json"
-    fam = family(manifest.model_type, source)
-    args = fam.ModelArgs.from_dict(normalize_config(manifest.config), source, "config.")
-    if cfg.experts_per_token is not None:
-        if cfg.experts_per_token > manifest.num_experts:
-            raise OptionError(
-                f"{path}: experts_per_token {cfg.experts_per_token}: the store has "
-                f"{manifest.num_experts} experts a layer"
-            )
-        # Every MoE block routes to this many experts: the family builds its blocks so.
-        args = dataclasses.replace(args, num_experts_per_tok=cfg.experts_per_token)
-    try:
-        module = fam.Model(args)
-    except (ValueError, OverflowError) as e:  # a family's refusal, or a width MLX cannot index
-        if cfg.experts_per_token is not None:
-            raise OptionError(f"experts_per_token: {str(e).splitlines()[0]}") from None
-        raise StoreError(f"{source}: config: {str(e).splitlines()[0]}") from None
-    check_experts(manifest, module, args, source)
+    module, args = build_module(manifest, cfg, path)
     tokenizer = load_tokenizer(path)  # its files are checked before anything is allocated
 
     dense_path = path / DENSE
@@ -292,10 +275,50 @@ def load(
     except Exception as e:  # mlx raises RuntimeError/ValueError with its own wording
         raise StoreError(f"{dense_path}: unreadable safetensors ({e})") from None
     stage = None
+    full_manifest = manifest
     if pipeline is not None:  # this rank's layers, records and weights only
         step = cfg.prefill_step_size or default_prefill_step()
         stage = pipeline.take(module, manifest, weights, args, step)
         manifest, weights = stage.manifest, stage.weights
+    load_dense(module, weights, manifest, path)
+    cache = build_expert_cache(
+        path, manifest, full_manifest, stage, cfg, args, weights, reserve_bytes
+    )
+    blocks = None if stage is None else stage.blocks
+    model = StrataModel(module, cache, cfg, path, blocks, pipeline)
+    if pipeline is not None:
+        model = pipeline.wrap(model)
+    return model, tokenizer
+
+
+def build_module(manifest, cfg: RuntimeConfig, path: Path) -> tuple[nn.Module, object]:
+    """(the family's model, unevaluated, its ModelArgs) from the store's config, every MoE
+    block routing to `cfg.experts_per_token` experts when that is set."""
+    source = path / "manifest.json"
+    fam = family(manifest.model_type, source)
+    args = fam.ModelArgs.from_dict(normalize_config(manifest.config), source, "config.")
+    if cfg.experts_per_token is not None:
+        if cfg.experts_per_token > manifest.num_experts:
+            raise OptionError(
+                f"{path}: experts_per_token {cfg.experts_per_token}: the store has "
+                f"{manifest.num_experts} experts a layer"
+            )
+        # The family builds its blocks with this top-k: nothing is changed on them later.
+        args = dataclasses.replace(args, num_experts_per_tok=cfg.experts_per_token)
+    try:
+        module = fam.Model(args)
+    except (ValueError, OverflowError) as e:  # a family's refusal, or a width MLX cannot index
+        if cfg.experts_per_token is not None:
+            raise OptionError(f"experts_per_token: {str(e).splitlines()[0]}") from None
+        raise StoreError(f"{source}: config: {str(e).splitlines()[0]}") from None
+    check_experts(manifest, module, args, source)
+    return module, args
+
+
+def load_dense(module: nn.Module, weights: dict, manifest, path: Path) -> None:
+    """Quantize `module`'s layers as config.quantization says, load `weights` (strict) and
+    evaluate them."""
+    source, dense_path = path / "manifest.json", path / DENSE
     quant = check_quantization(manifest.config.get("quantization"), source)
     if quant:
 
@@ -322,6 +345,19 @@ def load(
         raise StoreError(f"{dense_path}: {bad[0]} is {weights[bad[0]].dtype}, not a weight dtype")
     mx.eval(module.parameters())
 
+
+def build_expert_cache(
+    path: Path,
+    manifest,
+    full_manifest,
+    stage,
+    cfg: RuntimeConfig,
+    args,
+    weights: dict,
+    reserve_bytes: int,
+) -> ExpertCache:
+    """The arena (sized now: `cfg.prefill_step_size` is set here when it was automatic), the
+    reader and the expert cache over `manifest`'s records (a pipeline `stage`'s own)."""
     rb = manifest.layout.record_bytes
     n_records = manifest.num_experts * len(manifest.moe_layers)
     dense_bytes = sum(v.nbytes for v in weights.values())
@@ -331,7 +367,7 @@ def load(
         reserve_bytes=reserve_bytes, kv_itemsize=itemsize,
     )  # fmt: skip
     n_slots = max(1, min(arena_bytes // rb, n_records))
-    profile = load_profile(path, manifest if stage is None else stage.full_manifest)
+    profile = load_profile(path, full_manifest)
     if stage is not None:
         profile = stage.profile(profile)
     from ..stream.reader import Reader, needs_bounce, uses_device_copy
@@ -351,7 +387,7 @@ def load(
         overlap=cfg.read_overlap,
         device_copy=device_copy,
     )
-    cache = ExpertCache(
+    return ExpertCache(
         path,
         manifest,
         arena,
@@ -366,11 +402,6 @@ def load(
         dump=cfg.dump,
         trace=cfg.trace,
     )
-    blocks = None if stage is None else stage.blocks
-    model = StrataModel(module, cache, cfg, path, blocks, pipeline)
-    if pipeline is not None:
-        model = pipeline.wrap(model)
-    return model, tokenizer
 
 
 # What dense.safetensors may hold: float weights, and uint32 codes of quantized layers.
