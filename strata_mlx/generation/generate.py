@@ -211,7 +211,7 @@ def stream_generate(
     eos = tokenizer.eos_token_ids if tokenizer is not None else set()
     detok = tokenizer.detokenizer() if tokenizer is not None else None
     expert_cache = model.expert_cache
-    start_stats = expert_cache.stats.copy() if expert_cache else ExpertStats()
+    start_stats = expert_cache.stats.copy()
     chunks: list[ExpertStats] = []
     mx.reset_peak_memory()
     tic = start = time.perf_counter()
@@ -240,10 +240,9 @@ def stream_generate(
             prompt_time = time.perf_counter() - tic
             prompt_tps = len(ids) / prompt_time
             tic = time.perf_counter()
-            if expert_cache:
-                prefill_stats = expert_cache.stats.minus(start_stats)
-                prefill_stats.wall_s = prompt_time
-                prefill_stats.tokens = len(ids)
+            prefill_stats = expert_cache.stats.minus(start_stats)
+            prefill_stats.wall_s = prompt_time
+            prefill_stats.tokens = len(ids)
         finish = None
         if token in eos:
             finish = "stop"
@@ -262,13 +261,9 @@ def stream_generate(
         if finish is not None:
             end = len(text)
         segment, emitted = text[emitted:end], end
-        stats = None
-        if expert_cache:
-            stats = expert_cache.stats.minus(start_stats)
-            stats.wall_s = (
-                time.perf_counter() - tic + (prefill_stats.wall_s if prefill_stats else 0)
-            )
-            stats.tokens = len(ids) + n + 1
+        stats = expert_cache.stats.minus(start_stats)
+        stats.wall_s = time.perf_counter() - tic + prefill_stats.wall_s
+        stats.tokens = len(ids) + n + 1
         elapsed = time.perf_counter() - tic
         yield GenerationResponse(
             text=segment,
@@ -288,9 +283,9 @@ def stream_generate(
         )
         if finish is not None:
             break
-    if expert_cache is not None:  # the session's running totals get time and tokens too
-        expert_cache.stats.wall_s += time.perf_counter() - start
-        expert_cache.stats.tokens += len(ids) + n + 1
+    # the session's running totals get time and tokens too
+    expert_cache.stats.wall_s += time.perf_counter() - start
+    expert_cache.stats.tokens += len(ids) + n + 1
 
 
 def stop_holdback(text: str, stop: list[str]) -> int:

@@ -11,12 +11,17 @@ and never sets attributes on the family's modules: they are built whole before i
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .decode import Decoder, PipelinedDecoder, SyncDecoder
 from .experts import ExpertCache, SwitchGLU
+
+if TYPE_CHECKING:  # loader.py builds the model object: a runtime import would be circular
+    from .distributed import Pipeline
+    from .loader import RuntimeConfig
 
 
 class StrataModel:
@@ -30,14 +35,14 @@ class StrataModel:
         self,
         module: nn.Module,
         expert_cache: ExpertCache,
-        config,
+        config: RuntimeConfig,
         store_path: str | Path,
         blocks: dict[int, nn.Module] | None = None,
-        pipeline=None,
+        pipeline: Pipeline | None = None,
     ):
         self.module = module
         self.expert_cache = expert_cache
-        self.runtime = config  # a RuntimeConfig (runtime/loader.py)
+        self.runtime = config
         self.store_path = Path(store_path)
         self.pipeline = pipeline
         self.blocks = dict(module.moe_blocks() if blocks is None else blocks)
