@@ -90,7 +90,7 @@ def set_mode(model, mode: str) -> None:
     same, "token" mode allowed while decode lookahead predicts)."""
     name, _, n = mode.partition(":")
     if name == "sync":
-        model.decoder = None
+        model.decoder = model.sync_decoder
     elif name == "layers":
         lag, _, chunk = (n or "1").partition(":")  # layers:LAG[:CHUNK]
         model.decoder = PipelinedDecoder(

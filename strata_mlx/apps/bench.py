@@ -301,7 +301,7 @@ def bench(
                 if trace is not None and phase == "cold":
                     out = traces.run_path(trace, policy, r, len(policies) * repeats > 1)
                     traces.write(out, traces.of_model(model))
-                    model.expert_cache.trace = None  # the warm run is not in the file
+                    model.expert_cache.stop_trace()  # the warm run is not in the file
                     log(f"trace: {out}")
                 if plot is not None:
                     run.layers = layers.take()

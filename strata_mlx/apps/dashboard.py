@@ -33,11 +33,12 @@ WINDOW_S = 3.0  # rates are averaged over the polls of the last few seconds
 
 
 class Dashboard:
-    """Per-layer counters attached to `model`'s expert cache when the server starts, and the
-    recent samples of the cache's byte and token counters that rates are taken from."""
+    """Per-layer counters attached to the model's `expert_cache` (None: a model without one)
+    when the server starts, and the recent samples of the cache's byte and token counters
+    that rates are taken from."""
 
-    def __init__(self, model, engine, stats: Callable[[], Awaitable[dict] | dict]):
-        self.cache = getattr(model, "expert_cache", None)
+    def __init__(self, expert_cache, engine, stats: Callable[[], Awaitable[dict] | dict]):
+        self.cache = expert_cache
         self.engine = engine
         self.stats = stats
         # attached before any request: its per-layer sums equal the session counters
@@ -116,7 +117,7 @@ def add_routes(app, model, engine, stats: Callable[[], Awaitable[dict] | dict]) 
     """GET /dashboard (the page) and GET /dashboard/data (what it shows) on `app`."""
     from fastapi.responses import HTMLResponse
 
-    board = Dashboard(model, engine, stats)
+    board = Dashboard(model.expert_cache, engine, stats)
     html = page()
 
     @app.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from contextlib import nullcontext
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
 from ..config import OptionError, check_prompt_length, check_sampling
-from ..runtime import decode
 from ..stream.stats import ExpertStats
 from .prompt_cache import KVOptions, make_prompt_cache, maybe_quantize, quantize_due
 from .sampling import LogitsProcessor, Sampler, make_sampler  # make_sampler lived here
@@ -58,7 +57,7 @@ def forward_chunks(
     release the expert slots they were computed from); `on_chunk` gets the chunk's expert
     statistics; `on_progress` the positions done so far (it may raise to stop between
     chunks: nothing is in flight then). Logits no hook takes are never computed."""
-    expert_cache = getattr(model, "expert_cache", None) if on_chunk is not None else None
+    expert_cache = model.expert_cache if on_chunk is not None else None  # (mlx-lm models too)
     for i in range(0, tokens.shape[0], step):
         n = min(step, tokens.shape[0] - i)
         before = expert_cache.stats.copy() if expert_cache is not None else None
@@ -125,19 +124,15 @@ def generate_step(
     total = prompt.shape[0]
     progress = prompt_progress_callback or (lambda *_: None)
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, kv)
-    chunk = (
-        prefill_step_size
-        or getattr(getattr(model, "runtime", None), "prefill_step_size", None)
-        or 512
-    )
-    expert_cache = getattr(model, "expert_cache", None)
+    chunk = prefill_step_size or model.runtime.prefill_step_size or 512
+    expert_cache = model.expert_cache
     # Nothing of an earlier generation is in flight (it ended, or was closed and its token
     # built ahead rolled back), nor of the prefill once its chunks are evaluated: what they
     # left in the expert cache (busy layers, the last handshake's pins) is released.
-    _idle(expert_cache)
+    expert_cache.idle()
     progress(0, total)
     y = prefill(model, prompt, cache, chunk, on_chunk, kv, lambda done: progress(done, total))
-    _idle(expert_cache)
+    expert_cache.idle()
 
     context = prompt  # the tokens so far, for logits_processors
     if cached_tokens:
@@ -150,91 +145,21 @@ def generate_step(
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return sampler(logprobs), logprobs.squeeze(0)
 
-    dec = decode.decoder_of(model)
-    with _phase(expert_cache, decoding=False):
-        step = _start(model, dec, y[None], cache)
-    later = None
-    with _phase(expert_cache, decoding=True):
-        try:
-            for n in range(max_tokens):
-                rng = mx.random.state[0]  # the key this token's sample draws from
-                token, logprobs = sample(step.logits)
-                # The next token is built on this one before this one is verified, while the
-                # device computes it (decode "token" mode; mlx-lm's generate_step overlaps alike).
-                # Not when the KV cache is to be quantized after this token: a miss recomputes
-                # this token, which must find the cache it was first built on.
-                later = None
-                ahead = n + 1 < max_tokens and not quantize_due(cache, kv)
-                if dec is not None and ahead and dec.mode() == "token":
-                    later = dec.start(token[None], cache)
-                if dec is not None and not dec.finish(step, later):
-                    # A layer missed: the logits were recomputed and `later` discarded. Sample
-                    # again from the same key, so the tokens equal the per-layer-sync path's.
-                    mx.random.seed(_seed_of(rng))
-                    token, logprobs = sample(step.logits)
-                    later = None
-                mx.eval(token)
-                _count_mode(expert_cache, step)
-                t = token.item()
-                if logits_processors:
-                    context = mx.concatenate([context, token.astype(context.dtype)])
-                if n == 0:
-                    progress(total, total)
-                yield t, logprobs
-                if n + 1 == max_tokens:
-                    break
-                if later is None:
-                    maybe_quantize(cache, kv)  # after a model call, before the next (mlx-lm's)
-                step, later = later or _start(model, dec, mx.array([[t]]), cache), None
-        finally:
-            if later is not None:  # closed at a yield: the token built ahead was never checked
-                dec.discard(later)
-
-
-def _phase(expert_cache, decoding: bool):
-    """The expert cache's prefill or decode phase; nothing for a model without one."""
-    return nullcontext() if expert_cache is None else expert_cache.phase(decoding)
-
-
-def _idle(expert_cache) -> None:
-    if expert_cache is not None:
-        expert_cache.idle()
-
-
-class _Done:
-    """A forward without a pipelined decoder: nothing left to verify (the per-layer
-    handshake ran it, predicting as decode lookahead did then)."""
-
-    begun = "sync"
-
-    def __init__(self, logits, predicting: bool):
-        self.logits = logits
-        self.predicting = predicting
-
-
-def _count_mode(expert_cache, step) -> None:
-    """One token's logits are final: count the decoder mode it was begun in (a token built
-    ahead and discarded counts once, as the token it was rebuilt as)."""
-    if expert_cache is None:
-        return
-    st = expert_cache.stats
-    name = f"{step.begun}_mode_tokens"
-    setattr(st, name, getattr(st, name) + 1)
-    st.predicting_tokens += step.predicting
-
-
-def _start(model, dec, tokens, cache):
-    if dec is None:
-        ec = getattr(model, "expert_cache", None)
-        predicting = ec is not None and ec._predicts_in_decode()
-        return _Done(model(tokens, cache=cache), predicting)
-    return dec.start(tokens, cache)
-
-
-def _seed_of(key: mx.array) -> int:
-    """The seed that makes `key` ([2] uint32) the global random key again."""
-    hi, lo = (int(v) for v in key.tolist())
-    return (hi << 32) | lo
+    steps = model.decoding().decode(
+        y,
+        cache,
+        sample,
+        max_tokens,
+        may_build_ahead=lambda: not quantize_due(cache, kv),
+        between=lambda: maybe_quantize(cache, kv),  # after a model call, before the next
+    )
+    with closing(steps):  # closed early: the token built ahead is rolled back
+        for n, (t, logprobs) in enumerate(steps):
+            if logits_processors:
+                context = mx.concatenate([context, mx.array([t], dtype=context.dtype)])
+            if n == 0:
+                progress(total, total)
+            yield t, logprobs
 
 
 def stream_generate(
@@ -272,8 +197,8 @@ def stream_generate(
     ids = _prompt_ids(model, tokenizer, prompt, cached_tokens)
     eos = tokenizer.eos_token_ids if tokenizer is not None else set()
     detok = tokenizer.detokenizer() if tokenizer is not None else None
-    expert_cache = getattr(model, "expert_cache", None)
-    start_stats = expert_cache.stats.copy() if expert_cache else ExpertStats()
+    expert_cache = model.expert_cache
+    start_stats = expert_cache.stats.copy()
     chunks: list[ExpertStats] = []
     mx.reset_peak_memory()
     tic = start = time.perf_counter()
@@ -302,20 +227,15 @@ def stream_generate(
             prompt_time = time.perf_counter() - tic
             prompt_tps = len(ids) / prompt_time
             tic = time.perf_counter()
-            if expert_cache:
-                prefill_stats = expert_cache.stats.minus(start_stats)
-                prefill_stats.wall_s = prompt_time
-                prefill_stats.tokens = len(ids)
+            prefill_stats = expert_cache.stats.minus(start_stats)
+            prefill_stats.wall_s = prompt_time
+            prefill_stats.tokens = len(ids)
         text, end, finish, found = _add_token(text, token, eos, detok, stop, n + 1 == max_tokens)
         matched = found or matched
         segment, emitted = text[emitted:end], end
-        stats = None
-        if expert_cache:
-            stats = expert_cache.stats.minus(start_stats)
-            stats.wall_s = (
-                time.perf_counter() - tic + (prefill_stats.wall_s if prefill_stats else 0)
-            )
-            stats.tokens = len(ids) + n + 1
+        stats = expert_cache.stats.minus(start_stats)
+        stats.wall_s = time.perf_counter() - tic + prefill_stats.wall_s
+        stats.tokens = len(ids) + n + 1
         elapsed = time.perf_counter() - tic
         yield GenerationResponse(
             text=segment,
@@ -335,9 +255,9 @@ def stream_generate(
         )
         if finish is not None:
             break
-    if expert_cache is not None:  # the session's running totals get time and tokens too
-        expert_cache.stats.wall_s += time.perf_counter() - start
-        expert_cache.stats.tokens += len(ids) + n + 1
+    # the session's running totals get time and tokens too
+    expert_cache.stats.wall_s += time.perf_counter() - start
+    expert_cache.stats.tokens += len(ids) + n + 1
 
 
 def _prompt_ids(model, tokenizer, prompt: str | list[int], cached_tokens) -> list[int]:
@@ -454,9 +374,8 @@ def cache_prompt(
     if not ids:
         raise OptionError("empty prompt")
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, kv)
-    step = prefill_step_size or getattr(model.runtime, "prefill_step_size", None) or 512
-    expert_cache = getattr(model, "expert_cache", None)
-    with _phase(expert_cache, decoding=False):
+    step = prefill_step_size or model.runtime.prefill_step_size or 512
+    with model.expert_cache.phase(decoding=False):
         y = prefill(model, mx.array(ids), cache, step, on_chunk, kv)
         model(y[None], cache=cache)
     maybe_quantize(cache, kv)
@@ -466,7 +385,7 @@ def cache_prompt(
 
 def teacher_forced_logits(model, ids: list[int], step: int | None = None) -> np.ndarray:
     """float32 [T, vocab] logits of every prompt position (prefilled in chunks of `step`)."""
-    step = step or getattr(getattr(model, "runtime", None), "prefill_step_size", None) or 512
+    step = step or model.runtime.prefill_step_size or 512
     out = []
     forward_chunks(
         model,

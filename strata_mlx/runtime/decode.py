@@ -38,16 +38,27 @@ Slots are safe to refill only while nothing in flight reads them: the arena is w
 after a drain, or ("layers" mode) into slots of layers not in flight (their rows are rebuilt
 before those layers are built again).
 
+Both strategies sit behind one interface, `Decoder.decode(...)`: an iterator of (token,
+logprobs) that generation's `generate_step` runs after the prefill. `SyncDecoder` runs every
+token through the model's forward (the per-layer handshake); `PipelinedDecoder` the modes
+above. The loop itself (sampling, building the next token ahead, resampling after a miss from
+the same random key) is written once, in `Decoder.decode`.
+
 This module never reads files; the expert cache does.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
 
 from ..models.base import ArraysCache
+
+# sample(logits [1, n, vocab]) -> (token [1], logprobs [vocab]) from the last position
+Sample = Callable[[mx.array], tuple[mx.array, mx.array]]
 
 MODES = ("pipelined", "sync")
 
@@ -86,7 +97,117 @@ class Step:
         self.predicting = predicting  # decode lookahead predicted when it was begun
 
 
-class PipelinedDecoder:
+class Done:
+    """A token the model's forward computed whole: nothing left to verify (the per-layer
+    handshake ran it, predicting as decode lookahead did then)."""
+
+    begun = "sync"
+
+    def __init__(self, logits: mx.array, predicting: bool):
+        self.logits = logits
+        self.predicting = predicting
+
+
+class Decoder:
+    """The decode loop over one strategy's steps: `start` builds a token, `finish` verifies
+    it (False: its logits were recomputed), `discard` rolls back one never used, `mode` says
+    how the next token runs. Subclasses set `expert_cache`."""
+
+    expert_cache = None
+
+    def mode(self) -> str:
+        return "sync"
+
+    def start(self, tokens: mx.array, cache: list):
+        raise NotImplementedError
+
+    def finish(self, step, later=None) -> bool:
+        return True
+
+    def discard(self, step) -> None:
+        pass
+
+    def decode(
+        self,
+        y: mx.array,
+        cache: list,
+        sample: Sample,
+        max_tokens: int,
+        may_build_ahead: Callable[[], bool] = lambda: True,
+        between: Callable[[], None] = lambda: None,
+    ) -> Iterator[tuple[int, mx.array]]:
+        """(token, logprobs) pairs after the prompt's last token `y` [1], which `cache`
+        does not hold yet. `may_build_ahead()`: whether the next token may be built on this
+        one before it is verified (not when the KV cache is about to be quantized: a miss
+        recomputes this token, which must find the cache it was first built on); `between()`
+        runs between two tokens when none was built ahead. Close the iterator to stop: a
+        token built ahead and never verified is rolled back, so `cache` then covers every
+        yielded token but the last."""
+        ec = self.expert_cache
+        with ec.phase(decoding=False):
+            step = self.start(y[None], cache)
+        later = None
+        with ec.phase(decoding=True):
+            try:
+                for n in range(max_tokens):
+                    rng = mx.random.state[0]  # the key this token's sample draws from
+                    token, logprobs = sample(step.logits)
+                    # The next token is built on this one before this one is verified, while
+                    # the device computes it ("token" mode; mlx-lm's generate_step overlaps
+                    # alike).
+                    later = None
+                    ahead = n + 1 < max_tokens and may_build_ahead()
+                    if ahead and self.mode() == "token":
+                        later = self.start(token[None], cache)
+                    if not self.finish(step, later):
+                        # A layer missed: the logits were recomputed and `later` discarded.
+                        # Sample again from the same key: the tokens equal the sync path's.
+                        mx.random.seed(_seed_of(rng))
+                        token, logprobs = sample(step.logits)
+                        later = None
+                    mx.eval(token)
+                    _count_mode(ec, step)
+                    t = token.item()
+                    yield t, logprobs
+                    if n + 1 == max_tokens:
+                        break
+                    if later is None:
+                        between()
+                    step, later = later or self.start(mx.array([[t]]), cache), None
+            finally:
+                if later is not None:  # closed at a yield: the token built ahead is unchecked
+                    self.discard(later)
+
+
+class SyncDecoder(Decoder):
+    """Every token through `forward` (the model, or the pipeline's rank 0), each MoE layer
+    by the per-layer handshake."""
+
+    def __init__(self, forward: Callable, expert_cache):
+        self.forward = forward
+        self.expert_cache = expert_cache
+
+    def start(self, tokens: mx.array, cache: list) -> Done:
+        predicting = self.expert_cache.predicts_in_decode()
+        return Done(self.forward(tokens, cache=cache), predicting)
+
+
+def _count_mode(expert_cache, step) -> None:
+    """One token's logits are final: count the decoder mode it was begun in (a token built
+    ahead and discarded counts once, as the token it was rebuilt as)."""
+    st = expert_cache.stats
+    name = f"{step.begun}_mode_tokens"
+    setattr(st, name, getattr(st, name) + 1)
+    st.predicting_tokens += step.predicting
+
+
+def _seed_of(key: mx.array) -> int:
+    """The seed that makes `key` ([2] uint32) the global random key again."""
+    hi, lo = (int(v) for v in key.tolist())
+    return (hi << 32) | lo
+
+
+class PipelinedDecoder(Decoder):
     """Decode steps (one token each) of `model` with deferred routing checks."""
 
     def __init__(
@@ -129,12 +250,23 @@ class PipelinedDecoder:
         self.finish(step)
         return step.logits
 
+    @contextmanager
+    def thresholds(self, sync_above: float, token_below: float) -> Iterator[None]:
+        """Run with these mode thresholds inside the block (a forecast times each mode
+        alone: sync_above -1 forces "sync", 1 with token_below 0 forces "layers")."""
+        kept = self.sync_above, self.token_below
+        self.sync_above, self.token_below = sync_above, token_below
+        try:
+            yield
+        finally:
+            self.sync_above, self.token_below = kept
+
     def mode(self) -> str:
         """How the next token runs: "token", "layers" or "sync" (see the module docstring)."""
         ec = self.expert_cache
         return choose_mode(
             ec.decode_layer_miss_rate,
-            ec._predicts_in_decode(),
+            ec.predicts_in_decode(),
             self.sync_above,
             self.token_below,
             self.token_while_predicting,
@@ -144,7 +276,7 @@ class PipelinedDecoder:
         """Build one token (tokens [1, 1], possibly not yet evaluated) and submit it; in
         "token" mode nothing is verified until `finish`."""
         ec = self.expert_cache
-        step = Step(cache, self.mode(), ec._predicts_in_decode())
+        step = Step(cache, self.mode(), ec.predicts_in_decode())
         if step.mode == "sync":
             # Most layers miss: each would be built, found wrong and recomputed. The sync
             # handshake is cheaper here (H200: 178 against 228 ms/token at 35 % misses).
@@ -266,12 +398,3 @@ def _restore(c, state) -> None:
     c.offset, arrays = state
     if arrays is not None:
         c.cache[:] = arrays
-
-
-def decoder_of(model) -> PipelinedDecoder | None:
-    """The model's pipelined decoder, if its runtime asks for one and no --dump-moe hook
-    needs every layer's tensors as the per-layer handshake hands them over."""
-    dec = getattr(model, "decoder", None)
-    if dec is None or model.expert_cache.dump is not None:
-        return None
-    return dec

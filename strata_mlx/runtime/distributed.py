@@ -41,6 +41,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import OptionError, check_number
+from .decode import SyncDecoder
 
 FORWARD, RESET, STATS, STOP = 1, 2, 3, 4
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
@@ -195,6 +196,7 @@ class Stage:
     manifest: object  # this rank's: only its MoE layers' records
     full_manifest: object
     weights: dict
+    blocks: dict  # layer -> MoE block, the ones this rank computes
 
     def profile(self, counts: np.ndarray | None) -> np.ndarray | None:
         """The routing profile's rows of this rank's MoE layers."""
@@ -264,19 +266,18 @@ class Pipeline:
             inner.norm = Passthrough()
             if "lm_head" in model:
                 del model["lm_head"]
+        # The model object runs these (the family's moe_blocks() would list the stand-ins).
         owned = {i: b for i, b in blocks.items() if i in own and b is not None}
-        model.moe_blocks = lambda: owned  # the families' own would list the stand-ins
         kept = {}
         for name, w in weights.items():
             m = LAYER_KEY.match(name)
             if (int(m.group(1)) in own) if m else self.first:
                 kept[name] = w
-        return Stage(own, restrict_manifest(manifest, sorted(owned)), manifest, kept)
+        return Stage(own, restrict_manifest(manifest, sorted(owned)), manifest, kept, owned)
 
     def wrap(self, model):
         """The loaded model as this rank uses it: rank 0 gets a PipelineModel (the whole
         model to its callers); the other ranks their stage, to `serve_stage`."""
-        model.pipeline = self
         if self.first:
             return PipelineModel(model, self)
         return model
@@ -381,7 +382,8 @@ class PipelineModel:
         inner.norm = Passthrough()
         tied = getattr(model.args, "tie_word_embeddings", False)
         self.__dict__["head"] = inner.embed_tokens.as_linear if tied else model.lm_head
-        self.__dict__["decoder"] = None  # each rank runs the per-layer handshake
+        # each rank runs the per-layer handshake; rank 0's tokens go round the ring
+        self.__dict__["decoder"] = SyncDecoder(self, model.expert_cache)
         self.__dict__["closed"] = False
 
     def __getattr__(self, name):
@@ -389,6 +391,10 @@ class PipelineModel:
 
     def __setattr__(self, name, value):
         setattr(self.__dict__["model"], name, value)
+
+    def decoding(self) -> SyncDecoder:
+        """The decoder for the next generation (strata_mlx.runtime.model)."""
+        return self.decoder
 
     def make_cache(self) -> list:
         pipe = self.pipe

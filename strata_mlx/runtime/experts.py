@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +79,13 @@ class ExpertCache:
         fake_stream: bool = False,
         scheduler: str = "loop",
         low_water: int | None = None,
+        route_bonus: float = 0.0,
+        dump: Callable | None = None,
+        trace: RoutingTrace | None = None,
     ):
+        """`route_bonus`: cache-aware routing, a bonus on resident experts' router logits in
+        decode (0: exact). `dump(layer, x, ids, scores, y)` gets every MoE layer's state
+        (--dump-moe); `trace` records routing and lookahead's predictions."""
         self.store = Path(store)
         self.manifest = manifest
         self.layout = manifest.layout
@@ -95,10 +101,10 @@ class ExpertCache:
         self.sched = make_scheduler(
             scheduler, store, manifest, arena, reader, verify, low_water=low_water
         )
-        self.trace: RoutingTrace | None = None
-        self.route_bonus = 0.0  # cache-aware routing (decode); 0 = exact
+        self.trace = trace
+        self.route_bonus = route_bonus
         self.decoding = False  # inside `phase(decoding=True)`: generation's decode steps
-        self.dump = None  # callable(layer, x, ids, scores, y) for --dump-moe
+        self.dump = dump
         # Kernels resolved once per layer: nothing on the hot path inspects a layout.
         self._kernel = {l: kernels.expert_kernel(manifest.layout_of(l)) for l in self.layers}
         # Every expert fits at once: eviction never happens, so uses need not be recorded.
@@ -176,6 +182,20 @@ class ExpertCache:
         research scripts: `await cache.prefetch(3, [0, 5])`)."""
         tags = self.sched.read_ahead(layer, [int(e) for e in experts])
         await asyncio.to_thread(self.sched.wait, tags)
+
+    @contextmanager
+    def dumping(self, dump: Callable) -> Iterator[None]:
+        """Hand every MoE layer's state to `dump` inside the block (research scripts that
+        look at one forward), then to the hook the cache was built with again."""
+        kept, self.dump = self.dump, dump
+        try:
+            yield
+        finally:
+            self.dump = kept
+
+    def stop_trace(self) -> None:
+        """Record no more routing (a bench keeps the cold run's trace only)."""
+        self.trace = None
 
     def close(self) -> None:
         """Stop the scheduler and its reader. Idempotent; a layer run after it (a generation
@@ -319,13 +339,14 @@ class ExpertCache:
         y = self._kernel[layer](x, self.arena.rows, slots, idx)
         d = Deferred(layer, inds, row)
         target = self._ahead.get(layer)
-        if target is not None and self.pipeline_lookahead and self._predicts_in_decode():
+        if target is not None and self.pipeline_lookahead and self.predicts_in_decode():
             d.target, d.pred = target, self.routers[target](x)
         self.pipeline.append(d)
         self.stats.host_s += time.perf_counter() - t
         return y
 
-    def _predicts_in_decode(self) -> bool:
+    def predicts_in_decode(self) -> bool:
+        """Whether decode lookahead predicts for the next token."""
         return not self.fake_stream and self.predictor.predicts_in_decode()
 
     def settle(self, keep: int | None = None) -> None:
@@ -438,6 +459,10 @@ class SwitchGLU(nn.Module):
         super().__init__()
         self.layer = layer
         self.expert_cache: ExpertCache | None = None
+
+    def attach(self, expert_cache: ExpertCache) -> None:
+        """Run this layer's experts through `expert_cache` (the model object does, once)."""
+        self.expert_cache = expert_cache
 
     def __call__(self, x: mx.array, indices: mx.array, scores: mx.array | None = None):
         """x [..., D] routed to indices [..., k]: with `scores` [..., k], the MoE output

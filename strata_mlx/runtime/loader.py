@@ -47,8 +47,9 @@ from ..stream.policies import check as check_policy
 from ..stream.prediction import ReadAhead
 from ..stream.scheduler import SCHEDULERS
 from ..stream.stats import RoutingTrace
-from .decode import MODES, PipelinedDecoder
-from .experts import ExpertCache, SwitchGLU
+from .decode import MODES
+from .experts import ExpertCache
+from .model import StrataModel
 
 # The supported model types, each run by models/<model_type>.py; ALIASES are run by
 # another type's module.
@@ -319,7 +320,8 @@ def load(
     reserve_bytes: int = 0,
     **overrides,
 ):
-    """Load a strata-mlx store: returns (model, tokenizer or None), as mlx-lm's load().
+    """Load a strata-mlx store: returns (model, tokenizer or None), as mlx-lm's load(); the
+    model is a StrataModel (runtime/model.py), a context manager that closes its cache.
     `pipeline` (a strata_mlx.distributed.Pipeline): load only this rank's layers.
     `reserve_bytes`: memory the caller will hold beside the model (serve's kept prompt
     caches): the automatic arena leaves it free, the memory guard counts it."""
@@ -338,14 +340,7 @@ def load(
         pipeline = None
     path = Path(path)
     manifest = load_manifest(path)
-    source = path / "manifest.json"
-    fam = family(manifest.model_type, source)
-    args = fam.ModelArgs.from_dict(normalize_config(manifest.config), source, "config.")
-    try:
-        model = fam.Model(args)
-    except (ValueError, OverflowError) as e:  # a family's refusal, or a width MLX cannot index
-        raise StoreError(f"{source}: config: {str(e).splitlines()[0]}") from None
-    check_experts(manifest, model, args, source)
+    module, args = build_module(manifest, cfg, path)
     tokenizer = load_tokenizer(path)  # its files are checked before anything is allocated
 
     dense_path = path / DENSE
@@ -356,10 +351,50 @@ def load(
     except Exception as e:  # mlx raises RuntimeError/ValueError with its own wording
         raise StoreError(f"{dense_path}: unreadable safetensors ({e})") from None
     stage = None
+    full_manifest = manifest
     if pipeline is not None:  # this rank's layers, records and weights only
         step = cfg.prefill_step_size or default_prefill_step()
-        stage = pipeline.take(model, manifest, weights, args, step)
+        stage = pipeline.take(module, manifest, weights, args, step)
         manifest, weights = stage.manifest, stage.weights
+    load_dense(module, weights, manifest, path)
+    cache = build_expert_cache(
+        path, manifest, full_manifest, stage, cfg, args, weights, reserve_bytes
+    )
+    blocks = None if stage is None else stage.blocks
+    model = StrataModel(module, cache, cfg, path, blocks, pipeline)
+    if pipeline is not None:
+        model = pipeline.wrap(model)
+    return model, tokenizer
+
+
+def build_module(manifest, cfg: RuntimeConfig, path: Path) -> tuple[nn.Module, object]:
+    """(the family's model, unevaluated, its ModelArgs) from the store's config, every MoE
+    block routing to `cfg.experts_per_token` experts when that is set."""
+    source = path / "manifest.json"
+    fam = family(manifest.model_type, source)
+    args = fam.ModelArgs.from_dict(normalize_config(manifest.config), source, "config.")
+    if cfg.experts_per_token is not None:
+        if cfg.experts_per_token > manifest.num_experts:
+            raise OptionError(
+                f"{path}: experts_per_token {cfg.experts_per_token}: the store has "
+                f"{manifest.num_experts} experts a layer"
+            )
+        # The family builds its blocks with this top-k: nothing is changed on them later.
+        args = dataclasses.replace(args, num_experts_per_tok=cfg.experts_per_token)
+    try:
+        module = fam.Model(args)
+    except (ValueError, OverflowError) as e:  # a family's refusal, or a width MLX cannot index
+        if cfg.experts_per_token is not None:
+            raise OptionError(f"experts_per_token: {str(e).splitlines()[0]}") from None
+        raise StoreError(f"{source}: config: {str(e).splitlines()[0]}") from None
+    check_experts(manifest, module, args, source)
+    return module, args
+
+
+def load_dense(module: nn.Module, weights: dict, manifest, path: Path) -> None:
+    """Quantize `module`'s layers as config.quantization says, load `weights` (strict) and
+    evaluate them."""
+    source, dense_path = path / "manifest.json", path / DENSE
     quant = check_quantization(manifest.config.get("quantization"), source)
     if quant:
 
@@ -370,19 +405,35 @@ def load(
 
         try:
             nn.quantize(
-                model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=predicate
+                module,
+                group_size=quant["group_size"],
+                bits=quant["bits"],
+                class_predicate=predicate,
             )
         except ValueError as e:  # a layer whose width the group size does not divide
             raise StoreError(f"{source}: config.quantization: {str(e).splitlines()[0]}") from None
     try:
-        model.load_weights(list(weights.items()), strict=True)
+        module.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise StoreError(f"{dense_path}: {str(e).splitlines()[0]}") from None
     bad = [k for k, v in weights.items() if v.dtype not in DENSE_DTYPES]
     if bad:
         raise StoreError(f"{dense_path}: {bad[0]} is {weights[bad[0]].dtype}, not a weight dtype")
-    mx.eval(model.parameters())
+    mx.eval(module.parameters())
 
+
+def build_expert_cache(
+    path: Path,
+    manifest,
+    full_manifest,
+    stage,
+    cfg: RuntimeConfig,
+    args,
+    weights: dict,
+    reserve_bytes: int,
+) -> ExpertCache:
+    """The arena (sized now: `cfg.prefill_step_size` is set here when it was automatic), the
+    reader and the expert cache over `manifest`'s records (a pipeline `stage`'s own)."""
     rb = manifest.layout.record_bytes
     n_records = manifest.num_experts * len(manifest.moe_layers)
     dense_bytes = sum(v.nbytes for v in weights.values())
@@ -391,13 +442,8 @@ def load(
         args, rb, n_records, dense_bytes, cfg.arena_gb, cfg.prefill_step_size,
         reserve_bytes=reserve_bytes, kv_itemsize=itemsize,
     )  # fmt: skip
-    if cfg.experts_per_token is not None and cfg.experts_per_token > manifest.num_experts:
-        raise OptionError(
-            f"{path}: experts_per_token {cfg.experts_per_token}: the store has "
-            f"{manifest.num_experts} experts a layer"
-        )
     n_slots = max(1, min(arena_bytes // rb, n_records))
-    profile = load_profile(path, manifest if stage is None else stage.full_manifest)
+    profile = load_profile(path, full_manifest)
     if stage is not None:
         profile = stage.profile(profile)
     from ..stream.reader import Reader, needs_bounce, uses_device_copy
@@ -417,7 +463,7 @@ def load(
         overlap=cfg.read_overlap,
         device_copy=device_copy,
     )
-    cache = ExpertCache(
+    return ExpertCache(
         path,
         manifest,
         arena,
@@ -428,34 +474,10 @@ def load(
         fake_stream=cfg.fake_stream,
         scheduler=cfg.scheduler,
         low_water=cfg.scheduler_low_water,
+        route_bonus=cfg.moce_bonus,
+        dump=cfg.dump,
+        trace=cfg.trace,
     )
-    attach(model, cache)
-    model.expert_cache = cache
-    # What the cache and the blocks take from the runtime beyond their constructors' arguments
-    cache.route_bonus = cfg.moce_bonus
-    cache.dump = cfg.dump
-    cache.trace = cfg.trace
-    if cfg.experts_per_token is not None:
-        for block in model.moe_blocks().values():
-            block.top_k = cfg.experts_per_token
-    model.decoder = (
-        PipelinedDecoder(
-            model,
-            cfg.decode_lag,
-            cfg.decode_sync_above,
-            cfg.decode_token_below,
-            cfg.decode_chunk,
-            cfg.decode_layers_chunk,
-            token_while_predicting=cfg.decode_token_while_predicting,
-        )
-        if cfg.decode == "pipelined"
-        else None
-    )
-    model.runtime = cfg
-    model.store_path = path
-    if pipeline is not None:
-        model = pipeline.wrap(model)
-    return model, tokenizer
 
 
 # What dense.safetensors may hold: float weights, and uint32 codes of quantized layers.
@@ -509,13 +531,3 @@ def check_quantization(quant, source: Path) -> dict | None:
 
 def _brief(xs: list[int]) -> str:
     return str(xs) if len(xs) <= 8 else f"[{xs[0]}, {xs[1]}, ..., {xs[-1]}] ({len(xs)})"
-
-
-def attach(model, cache: ExpertCache) -> None:
-    """Point every MoE layer's seam at the cache and register its router for lookahead."""
-    for layer, block in model.moe_blocks().items():
-        block.switch_mlp.expert_cache = cache
-        cache.register_router(layer, lambda x, b=block: b.route(x)[0])
-    for _, m in model.named_modules():
-        if isinstance(m, SwitchGLU) and m.expert_cache is None:
-            raise RuntimeError(f"layer {m.layer}: MoE block not listed by moe_blocks()")

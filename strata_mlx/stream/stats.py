@@ -86,7 +86,7 @@ class ExpertStats:
 
 @dataclass
 class RoutingTrace:
-    """Routing decisions recorded for research: set `model.expert_cache.trace = RoutingTrace()`."""
+    """Routing decisions recorded for research: load(path, trace=RoutingTrace())."""
 
     ids: dict[int, list[np.ndarray]] = field(default_factory=dict)  # layer -> per call [T, k]
     # lookahead: layer -> per call, the ids predicted for it from the previous layer's input

@@ -227,7 +227,7 @@ def test_dashboard_data_without_an_expert_cache():
     async def stats():
         return {"model": "m", "server": {"completion_tokens": 0}, "expert_cache": None}
 
-    board = Dashboard(object(), Engine(), stats)
+    board = Dashboard(None, Engine(), stats)
     # on a thread of its own: Playwright's sync API may hold an event loop on this one
     with ThreadPoolExecutor(1) as pool:
         data = pool.submit(asyncio.run, board.data()).result()

@@ -4,6 +4,7 @@ counts; the comparison with a bench run on figures recorded on this machine."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -460,6 +461,14 @@ def test_lookahead_recall_measures_the_union_not_independent_guesses():
 
         def __init__(self):
             self.routers = {t: (lambda x, t=t: mx.array(picks[t, int(x.item())])) for t in (1, 2)}
+
+        @contextlib.contextmanager
+        def dumping(self, dump):  # ExpertCache.dumping
+            self.dump = dump
+            try:
+                yield
+            finally:
+                self.dump = None
 
     class Model:
         expert_cache = Cache()

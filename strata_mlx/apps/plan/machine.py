@@ -135,6 +135,7 @@ def measure_compute(
     handshake's Python per layer, lookahead's recall and union, and what an absent lookup
     costs decode (measure_real)."""
     from ...format.store import load_manifest
+    from ...runtime.decode import PipelinedDecoder
     from ...runtime.loader import RuntimeConfig, load
     from ..bench import run_policy
 
@@ -149,13 +150,13 @@ def measure_compute(
         run = run_policy(model, ids, decode_tokens, step, "fake-stream", "compute")
         per_mode = {}
         dec = model.decoder
-        if dec is not None:
-            keep = dec.sync_above, dec.token_below
+        if isinstance(dec, PipelinedDecoder):
             for mode, (sync_above, token_below) in (("layers", (1.0, 0.0)), ("sync", (-1.0, 0))):
-                dec.sync_above, dec.token_below = sync_above, token_below
-                r = run_policy(model, ids[: min(tokens, step) + 1], decode_tokens, step, mode, "-")
+                with dec.thresholds(sync_above, token_below):
+                    r = run_policy(
+                        model, ids[: min(tokens, step) + 1], decode_tokens, step, mode, "-"
+                    )
                 per_mode[mode] = r.decode_s / max(decode_tokens, 1)
-            dec.sync_above, dec.token_below = keep
     finally:
         model.expert_cache.close()
     del model
@@ -191,11 +192,8 @@ def lookahead_recall(
     def record(layer, x, inds, scores, y):
         seen[layer] = (x, inds)
 
-    cache.dump = record
-    try:
+    with cache.dumping(record):
         model(mx.array([ids[:step]]), cache=model.make_cache())
-    finally:
-        cache.dump = None
     layers = [l for l in cache.layers if l in seen]
     reach = max([*distances, depth, 0])
     picks: dict[tuple[int, int], list[set]] = {}  # (target index, d) -> each token's picks

@@ -430,7 +430,7 @@ async def stats(request: Request):
 def stats_body(state: ServeState) -> dict:
     """GET /v1/stats: the server's counters and the expert cache's."""
     engine, model = state.engine, state.model
-    cache = getattr(model, "expert_cache", None)
+    cache = model.expert_cache
     disk = getattr(engine.prompt_caches, "disk", None)  # strata_mlx.apps.prompt_cache_dir
     body = {
         "model": state.model_name,

@@ -1,0 +1,110 @@
+"""StrataModel: a family's modules, the expert cache behind their seams, the decoder, the
+runtime config and the store path, put together once, in the constructor.
+
+Owns wiring each MoE layer's seam to the cache, registering the routers for lookahead and
+choosing the decode strategy. Called and inspected like the family's model (mlx-lm's shape:
+`model(x, cache=...)`, `make_cache()`, `layers`, `args`, parameters...), and a context manager
+that closes the cache. Never loads weights or reads expert records (load() and the cache do),
+and never sets attributes on the family's modules: they are built whole before it sees them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .decode import Decoder, PipelinedDecoder, SyncDecoder
+from .experts import ExpertCache, SwitchGLU
+
+if TYPE_CHECKING:  # loader.py builds the model object: a runtime import would be circular
+    from .distributed import Pipeline
+    from .loader import RuntimeConfig
+
+
+class StrataModel:
+    """One loaded store. `blocks`: the MoE blocks this process computes (a pipeline stage
+    owns some of the family's; default, every one); `pipeline` (runtime/distributed.py) this
+    process's place in a pipeline, or None. The decoder is pipelined when `config`
+    asks for it, else the per-layer handshake; a dump hook on the cache always gets the
+    handshake, which hands every layer's tensors over as they are final."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        expert_cache: ExpertCache,
+        config: RuntimeConfig,
+        store_path: str | Path,
+        blocks: dict[int, nn.Module] | None = None,
+        pipeline: Pipeline | None = None,
+    ):
+        self.module = module
+        self.expert_cache = expert_cache
+        self.runtime = config
+        self.store_path = Path(store_path)
+        self.pipeline = pipeline
+        self.blocks = dict(module.moe_blocks() if blocks is None else blocks)
+        for layer, block in self.blocks.items():
+            block.switch_mlp.attach(expert_cache)
+            expert_cache.register_router(layer, lambda x, b=block: b.route(x)[0])
+        for _, m in module.named_modules():
+            if isinstance(m, SwitchGLU) and m.expert_cache is None:
+                raise RuntimeError(f"layer {m.layer}: MoE block not listed by moe_blocks()")
+        self.sync_decoder = SyncDecoder(self, expert_cache)
+        # Public, so that a benchmark may run another strategy on the same loaded model.
+        self.decoder: Decoder = self.sync_decoder
+        if config.decode == "pipelined":
+            self.decoder = PipelinedDecoder(
+                self,
+                config.decode_lag,
+                config.decode_sync_above,
+                config.decode_token_below,
+                config.decode_chunk,
+                config.decode_layers_chunk,
+                token_while_predicting=config.decode_token_while_predicting,
+            )
+
+    # ---- the family model's surface ----------------------------------------------------------
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        return self.module(inputs, cache=cache)
+
+    def make_cache(self) -> list:
+        return self.module.make_cache()
+
+    @property
+    def layers(self) -> list:
+        return self.module.layers
+
+    @property
+    def args(self):
+        return self.module.args
+
+    def moe_blocks(self) -> dict[int, nn.Module]:
+        """The MoE blocks this process computes, by layer."""
+        return dict(self.blocks)
+
+    def __getattr__(self, name: str):
+        # Everything else a family model offers (model.model, lm_head, parameters(),
+        # named_modules(), sanitize...) is the family module's own.
+        if name == "module":  # not set yet: a failed constructor, or unpickling
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+    # ---- the runtime -------------------------------------------------------------------------
+
+    def decoding(self) -> Decoder:
+        """The decoder for the next generation: the handshake while a dump hook is set."""
+        return self.sync_decoder if self.expert_cache.dump is not None else self.decoder
+
+    def close(self) -> None:
+        """Stop the expert cache's reads and threads. Idempotent."""
+        self.expert_cache.close()
+
+    def __enter__(self) -> StrataModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,46 @@
+"""The model object load() returns: built whole (cache, hooks, decoder, config in its
+constructor), called like the family model, and closing its cache as a context manager."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import strata_mlx
+from strata_mlx.runtime.decode import PipelinedDecoder, SyncDecoder
+from strata_mlx.runtime.model import StrataModel
+from strata_mlx.stream.stats import RoutingTrace
+
+
+def test_load_returns_the_model_object_whole_and_it_closes_its_cache(store):
+    path = store("qwen3_moe")
+    seen = []
+    trace = RoutingTrace()
+
+    def dump(layer, x, ids, scores, y):
+        seen.append(layer)
+
+    with strata_mlx.load(path, dump=dump, trace=trace, moce_bonus=0.25)[0] as model:
+        assert isinstance(model, StrataModel)
+        ec = model.expert_cache
+        assert (ec.dump, ec.trace, ec.route_bonus) == (dump, trace, 0.25)
+        assert model.store_path == path and model.runtime.moce_bonus == 0.25
+        assert all(b.switch_mlp.expert_cache is ec for b in model.moe_blocks().values())
+        # the family model's surface: called, cached, its modules and parameters
+        logits = model(mx.array([[1, 2, 3]]), cache=model.make_cache())
+        assert logits.shape == (1, 3, model.args.vocab_size)
+        assert len(model.layers) == len(model.model.layers) and model.parameters()
+        assert sorted(set(seen)) == sorted(model.moe_blocks())
+        # a dump hook needs the per-layer handshake's tensors: decode runs it
+        assert isinstance(model.decoder, PipelinedDecoder)
+        assert isinstance(model.decoding(), SyncDecoder)
+    with pytest.raises(RuntimeError, match="expert cache is closed"):
+        model(mx.array([[1]]), cache=model.make_cache())
+
+
+def test_the_decoder_follows_the_runtime_config(store):
+    path = store("qwen3_moe")
+    with strata_mlx.load(path, decode="sync")[0] as model:
+        assert model.decoding() is model.sync_decoder
+    with strata_mlx.load(path)[0] as model:
+        assert isinstance(model.decoding(), PipelinedDecoder)
