@@ -1,4 +1,4 @@
-"""Decode without a host round trip per layer (SPEC mechanism 4, in its decode form).
+"""Decode without a host round trip per layer (the layer handshake, in its decode form).
 
 The per-layer handshake (strata_mlx.experts, "sync") stops the device at every MoE layer to
 read its routing ids: 48 syncs a token cost 21-26 ms/token on the H200 where the whole token
@@ -10,7 +10,7 @@ later against the row it was built with:
     (token, expert) pair from its slot, the same arithmetic as the sync path);
   - one was not: the device is drained (what was computed after it is discarded), the KV /
     recurrent state of those layers is rolled back, and the layer is computed again with the
-    sync handshake (its misses are urgent reads that it waits for, as SPEC asks; they were
+    sync handshake (its misses are urgent reads that it waits for, as every miss is; they were
     submitted when the check found them, so they land while the device drains); decoding
     goes on pipelined from the next layer.
 

@@ -4,7 +4,7 @@ Model files hold a `SwitchGLU(layer)` where mlx-lm holds a stacked all-experts S
 asks the ExpertCache "make these experts resident, give me their slots" and computes from
 the slots; nothing indexes a stacked tensor of every expert.
 
-The handshake, per MoE layer (SPEC mechanisms 4 and 5):
+The handshake, per MoE layer:
   1. one host sync reads the routing ids (and, with lookahead, layer l+1's predicted ids,
      computed inside the same graph);
   2. queued read-ahead of this layer that it turns out not to need is dropped;

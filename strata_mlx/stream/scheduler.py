@@ -9,7 +9,7 @@ Two schedulers share that contract:
 
 - `Scheduler` ("sync"): completions are collected inside the handshake's own calls, and
   everything reserved is submitted at once. Between two handshakes nothing decides anything.
-  This is the scheduling of the first wave, kept to measure the loop against.
+  The simpler scheduling, from before the loop, kept to measure the loop against.
 - `LoopScheduler` ("loop", the default): an asyncio event loop on a thread of its own. The
   reader's completion pipe wakes it (`loop.add_reader`, no polling); it collects completions,
   makes landed records visible to the next layer built, and keeps the drive busy: whenever
