@@ -217,7 +217,7 @@ def convert_llama(
             from ...generation.tokenizer import load_tokenizer
 
             ids = calibration_ids(load_tokenizer(writer.path), calibration_tokens, g.path)
-            fit_routers(dense, g, cfg, ids, n)
+            fit_routers(dense, g, cfg, ids, n, progress=progress)
         writer.write_dense(dense.weights)
         write_experts(writer, range(L), E, expert_parts, progress)
         if calibration_tokens > 0:
@@ -378,11 +378,27 @@ def calibration_ids(tok, tokens: int, source: str | Path = "tokenizer") -> list[
 
 
 def fit_routers(
-    dense: DenseWriter, g: Gguf, cfg: dict[str, Any], ids: list[int], n: int, ridge: float = 1e-2
+    dense: DenseWriter,
+    g: Gguf,
+    cfg: dict[str, Any],
+    ids: list[int],
+    n: int,
+    ridge: float = 1e-2,
+    progress: bool = False,
 ) -> None:
-    """Least-squares routers: logits_e = w_e . x + b_e fitted to ||expert e's output||."""
+    """Least-squares routers: logits_e = w_e . x + b_e fitted to ||expert e's output||.
+    `progress`: a bar over the layers (the dense forward that feeds it takes seconds each)."""
+    from tqdm import tqdm
+
     E = cfg["num_experts"]
-    for layer, x, hid, down in mlp_inputs(g, cfg, ids):
+    layers = tqdm(
+        mlp_inputs(g, cfg, ids),
+        total=cfg["num_hidden_layers"],
+        desc="routers",
+        unit="layer",
+        disable=not progress,
+    )
+    for layer, x, hid, down in layers:
         X = x.astype(np.float64)
         norms = np.stack(
             [
