@@ -127,10 +127,13 @@ def plot_bench(result: dict, path: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     runs = result["plot"]
     cold = [r for r in runs if r["phase"] == "cold"] or runs
-    fig, ax = plt.subplots(2, 2, figsize=(13, 8.5))
+    colour = policy_colours([r["policy"] for r in runs])
+    n_chunks = max((len(r["chunks"]) for r in cold), default=1)
+    fig, ax = plt.subplots(2, 2, figsize=(15, 8.5))
     fig.suptitle(
         f"{Path(result['store']).name}: {result['prompt_tokens']} tokens in chunks of "
         f"{result['prefill_step_size']}, arena {result['arena_gb']:.2f} of "
@@ -145,7 +148,7 @@ def plot_bench(result: dict, path: str | Path) -> Path:
         layers = sorted(rows, key=int)
         bottom = [0] * len(layers)
         for i, (name, color) in enumerate(
-            zip(("hits", "streamed ahead", "misses"), ("tab:green", "tab:blue", "tab:red"))
+            zip(("resident", "streamed ahead", "misses"), ("tab:green", "tab:cyan", "tab:red"))
         ):
             vals = [rows[l][i] for l in layers]
             a.bar([str(l) for l in layers], vals, bottom=bottom, label=name, color=color)
@@ -153,26 +156,43 @@ def plot_bench(result: dict, path: str | Path) -> Path:
         a.set_title(f"per layer, cold prefill ({shown['policy']})")
         a.set_xlabel("layer")
         a.set_ylabel("expert lookups")
-        a.legend()
+        _legend_beside(a)
     else:
         a.set_title("per layer: not recorded")
 
     a = ax[0][1]
     for r in cold:
-        a.plot([c["gb_per_s"] for c in r["chunks"]], marker="o", label=r["policy"])
+        a.plot(
+            [c["gb_per_s"] for c in r["chunks"]],
+            marker="o",
+            markersize=8,
+            label=r["policy"],
+            color=colour[r["policy"]],
+        )
     a.axhline(result["ssd_gbps"], color="k", linestyle="--", label="probe-ssd")
     a.set_title("drive GB/s per chunk (cold)")
     a.set_xlabel("chunk")
     a.set_ylabel("GB/s")
-    a.legend()
+    _chunk_axis(a, n_chunks, MaxNLocator)
+    _legend_beside(a)
 
     a = ax[1][0]
     for r in cold:
-        a.plot([c["ms"] for c in r["chunks"]], marker="o", label=f"{r['policy']} chunk")
+        c_ = colour[r["policy"]]
+        a.plot(
+            [c["ms"] for c in r["chunks"]],
+            marker="o",
+            markersize=8,
+            label=f"{r['policy']} chunk",
+            color=c_,
+        )
         a.plot(
             [c["ssd_floor_ms"] for c in r["chunks"]],
             linestyle=":",
+            marker="_",
+            markersize=14,
             label=f"{r['policy']} SSD floor",
+            color=c_,
         )
     if cold and cold[0]["chunks"]:
         a.axhline(
@@ -184,7 +204,8 @@ def plot_bench(result: dict, path: str | Path) -> Path:
     a.set_title("chunk time against the floors (cold)")
     a.set_xlabel("chunk")
     a.set_ylabel("ms")
-    a.legend(fontsize="small")
+    _chunk_axis(a, n_chunks, MaxNLocator)
+    _legend_beside(a)
 
     a = ax[1][1]
     names = [f"{r['policy']}\n{r['phase']}" for r in runs]
@@ -203,7 +224,7 @@ def plot_bench(result: dict, path: str | Path) -> Path:
         bottom = [b + v for b, v in zip(bottom, vals)]
     a.set_title("decode ms/token")
     a.set_ylabel("ms/token")
-    a.legend(fontsize="small")
+    _legend_beside(a)
 
     fig.tight_layout()
     path = Path(path)
@@ -214,3 +235,29 @@ def plot_bench(result: dict, path: str | Path) -> Path:
     finally:
         plt.close(fig)
     return path
+
+
+POLICY_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink")
+
+
+def policy_colours(policies: list[str]) -> dict[str, str]:
+    """One colour per policy, the same in every panel (in the order the policies first run)."""
+    order = list(dict.fromkeys(policies))
+    return {p: POLICY_COLOURS[i % len(POLICY_COLOURS)] for i, p in enumerate(order)}
+
+
+def _chunk_axis(a, n_chunks: int, locator) -> None:
+    """Chunks are whole numbers; the y axis starts at 0, so one chunk is a point on a scale
+    of its own size, not a dot in the middle of a +-4 % band."""
+    if n_chunks <= 20:
+        a.set_xticks(range(max(n_chunks, 1)))
+    else:
+        a.xaxis.set_major_locator(locator(integer=True))
+    a.set_xlim(-0.5, max(n_chunks, 1) - 0.5)
+    top = a.get_ylim()[1]
+    a.set_ylim(0, top * 1.1 if top > 0 else 1)
+
+
+def _legend_beside(a) -> None:
+    """The legend right of its panel, off the data."""
+    a.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0)
