@@ -346,11 +346,8 @@ def _print_summary(model, last, verbose: bool, pipe) -> None:
         if verbose:
             for i, c in enumerate(last.chunks):
                 typer.echo(chunk_line(i, c), err=True)
-        cache = getattr(model, "expert_cache", None)
-        arena = None
-        if cache is not None:
-            slots = cache.arena.n_slots
-            arena = (slots * cache.manifest.layout.record_bytes, slots)
+        slots = model.expert_cache.arena.n_slots
+        arena = (slots * model.expert_cache.manifest.layout.record_bytes, slots)
         typer.echo(summary(last, arena))
     if pipe is not None:
         from ...runtime.distributed import rank_lines
