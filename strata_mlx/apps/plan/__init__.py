@@ -1,13 +1,17 @@
 """`strata-mlx plan MODEL`: will this model run here (or on another machine), and how fast?
 
 The package: shapes (a model's shape), machine (what this or another machine does),
-residency (the arena's hit rates), forecasting (the forecast itself). Owns the forecast: from a store, a Hugging Face checkpoint directory (config.json and the
+calibration (the compute model measured once per machine and model shape, cached: what a
+default forecast of a store uses, so that it answers in seconds), residency (the arena's hit
+rates), forecasting (the forecast itself and the arena and chunk it recommends).
+
+Owns the forecast: from a store, a Hugging Face checkpoint directory (config.json and the
 safetensors headers only) or a GGUF file (its header only), plus a machine (this one: its
 memory and a short probe of the drive; or `--target-memory` / `--target-ssd-gbps`), it says
 whether the model fits, the arena and prefill chunk load() would pick (loader.choose_arena,
 the same code), the share of experts resident, and the expected prefill and decode tok/s.
-Never converts anything and never allocates an arena beyond the short fake-stream run that
-measures the compute floor of a store on this machine.
+Never converts anything and never allocates an arena beyond the short runs that measure the
+compute of a store on this machine (calibration's, once per shape, or --measure's).
 
 The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts"):
   - Popularity: the routing profile's per-layer counts give p_i, the chance that a token
