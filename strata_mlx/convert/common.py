@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -169,6 +170,31 @@ def calibrate(
     finally:
         bar.close()
         model.expert_cache.close()
+
+
+@contextmanager
+def ticking(desc: str, enabled: bool = True):
+    """A bar with no total for one long step that reports nothing as it goes (gguf-py's header
+    parse: seconds for a tokenizer of 49 K entries): its elapsed time, redrawn each second."""
+    import threading
+
+    from tqdm import tqdm
+
+    bar = tqdm(desc=desc, total=None, bar_format="{desc}: {elapsed}", disable=not enabled)
+    done = threading.Event()
+
+    def redraw() -> None:
+        while not done.wait(1.0):
+            bar.refresh()
+
+    thread = threading.Thread(target=redraw, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        bar.close()
 
 
 class _TracedProgress:

@@ -44,3 +44,16 @@ def test_prefill_bar_speaks_only_past_its_delay(monkeypatch, capsys):
     bar.update(50, 100)
     bar.close()
     assert "50/100" in capsys.readouterr().err
+
+
+def test_a_long_step_without_progress_of_its_own_ticks(capsys):
+    """gguf-py's header parse reports nothing for seconds: its bar shows the time elapsed."""
+    from strata_mlx.convert.common import ticking
+
+    with ticking("reading model.gguf"):
+        time.sleep(1.3)
+    err = capsys.readouterr().err
+    assert "reading model.gguf: 00:01" in err, err
+    with ticking("reading model.gguf", enabled=False):
+        pass
+    assert capsys.readouterr().err == ""
