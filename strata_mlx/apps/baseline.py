@@ -96,6 +96,25 @@ def _check_runnable(path: Path, m: Manifest) -> None:
                 )
     if m.model_type == "gpt_oss":
         _check_gpt_oss(path, m)
+    _check_cpu_gather_mm(path, m)
+
+
+def _check_cpu_gather_mm(path: Path, m: Manifest) -> None:
+    """mlx-lm's SwitchGLU multiplies float experts with gather_mm, which MLX's CPU backend
+    runs in float32 only ("[GatherMM::eval] Currently only supports float32")."""
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return
+    for lay in m.layouts:
+        for c in lay.components:
+            proj = c.name.split(".")[0]
+            if lay.quant.get(proj, {}).get("format") == "float" and c.dtype != "float32":
+                raise StoreError(
+                    f"{path}: mlx-lm runs {c.dtype} float experts through gather_mm, which MLX's "
+                    "CPU backend computes in float32 only: run the baseline on a GPU, or on a "
+                    "float32 or quantized (-q) store"
+                )
 
 
 def _check_gpt_oss(path: Path, m: Manifest) -> None:

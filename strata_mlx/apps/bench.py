@@ -412,7 +412,7 @@ def _line(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> str:
     return (
         f"{s['policy']:>9} {s['phase']}: prefill {s['chunk_ms']:.0f} ms/chunk ({s['prefill_tps']:.1f} tok/s), "
         f"ahead {s['streamed_ahead_pct']:.1f}% miss {s['miss_pct']:.1f}% wait {s['exposed_wait_ms_per_chunk']:.0f} ms, "
-        f"read {s['experts_read_per_chunk']:.0f}/chunk wasted {s['wasted_readahead']} {s['gb_per_s']:.2f} GB/s, "
+        f"read {_reads(s)} wasted {s['wasted_readahead']}, "
         f"loop {s['loop_ms_per_chunk']:.1f} ms topped up {s['topped_up_per_chunk']:.0f}/chunk, "
         f"x{s['floor_ratio']:.2f} of floor (ssd {s['ssd_floor_ms']:.0f} ms, compute {s['compute_floor_ms']:.0f} ms), "
         f"x{s['path_floor_ratio']:.2f} of the data path's (read {s['read_floor_ms']:.0f} ms) | "
@@ -420,6 +420,14 @@ def _line(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> str:
         f"host {s['decode_host_ms_per_token']:.1f} ms/tok; miss {s['decode_miss_pct']:.1f}%), "
         f"x{s['decode_floor_ratio']:.2f} of its floor ({s['decode_floor_ms']:.1f} ms)"
     )
+
+
+def _reads(s: dict) -> str:
+    """Reads a chunk and their rate: three figures, so a slow CPU run's 0.0016 GB/s is not
+    printed as 0.00; nothing read says so."""
+    if not s["experts_read_per_chunk"]:
+        return "0/chunk"
+    return f"{s['experts_read_per_chunk']:.0f}/chunk at {s['gb_per_s']:.3g} GB/s,"
 
 
 def markdown_table(result: dict) -> str:

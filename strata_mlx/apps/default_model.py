@@ -105,7 +105,7 @@ def default_store() -> Path:
             shutil.rmtree(out)  # left by an interrupted run of an older build
         # convert_gguf writes a temporary directory beside `out` and renames it into place,
         # replacing a store from an interrupted or older run only once the new one is whole.
-        convert_gguf(src, out, split_experts=DEFAULT_SPLIT, progress=False, overwrite=True)
+        convert_gguf(src, out, split_experts=DEFAULT_SPLIT, progress=True, overwrite=True)
     return out
 
 

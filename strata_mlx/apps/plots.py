@@ -130,18 +130,18 @@ def plot_bench(result: dict, path: str | Path) -> Path:
 
     runs = result["plot"]
     cold = [r for r in runs if r["phase"] == "cold"] or runs
-    fig, ax = plt.subplots(2, 2, figsize=(13, 8.5))
+    colour = policy_colours([r["policy"] for r in runs])
+    n_chunks = max((len(r["chunks"]) for r in cold), default=1)
+    fig, ax = plt.subplots(2, 2, figsize=(15, 8.5))
     fig.suptitle(
         f"{Path(result['store']).name}: {result['prompt_tokens']} tokens in chunks of "
         f"{result['prefill_step_size']}, arena {result['arena_gb']:.2f} of "
         f"{result['expert_gb']:.2f} GB of experts"
     )
-
     _layers_panel(ax[0][0], cold)
-    _bandwidth_panel(ax[0][1], cold, result["ssd_gbps"])
-    _chunk_time_panel(ax[1][0], cold)
+    _bandwidth_panel(ax[0][1], cold, result["ssd_gbps"], colour, n_chunks)
+    _chunk_time_panel(ax[1][0], cold, colour, n_chunks)
     _decode_panel(ax[1][1], runs)
-
     fig.tight_layout()
     path = Path(path)
     from ..format.store import write_atomic
@@ -154,8 +154,7 @@ def plot_bench(result: dict, path: str | Path) -> Path:
 
 
 def _layers_panel(a, cold: list[dict]) -> None:
-    """Per layer, the cold prefill of the last policy that recorded layers: hits, streamed
-    ahead and misses stacked."""
+    """Per layer, the cold prefill of the last policy that recorded layers."""
     shown = next((r for r in reversed(cold) if (r["layers"] or {}).get("prefill")), None)
     if shown is None:
         a.set_title("per layer: not recorded")
@@ -164,7 +163,7 @@ def _layers_panel(a, cold: list[dict]) -> None:
     layers = sorted(rows, key=int)
     bottom = [0] * len(layers)
     for i, (name, color) in enumerate(
-        zip(("hits", "streamed ahead", "misses"), ("tab:green", "tab:blue", "tab:red"))
+        zip(("resident", "streamed ahead", "misses"), ("tab:green", "tab:cyan", "tab:red"))
     ):
         vals = [rows[l][i] for l in layers]
         a.bar([str(l) for l in layers], vals, bottom=bottom, label=name, color=color)
@@ -172,58 +171,86 @@ def _layers_panel(a, cold: list[dict]) -> None:
     a.set_title(f"per layer, cold prefill ({shown['policy']})")
     a.set_xlabel("layer")
     a.set_ylabel("expert lookups")
-    a.legend()
+    _legend_beside(a)
 
 
-def _bandwidth_panel(a, cold: list[dict], ssd_gbps: float) -> None:
-    """The drive's GB/s per cold chunk of each policy, against probe-ssd's."""
+def _bandwidth_panel(a, cold: list[dict], ssd_gbps: float, colour: dict, n_chunks: int) -> None:
+    """Each cold chunk's read GB/s against the drive's probe."""
+    from matplotlib.ticker import MaxNLocator
+
     for r in cold:
-        a.plot([c["gb_per_s"] for c in r["chunks"]], marker="o", label=r["policy"])
+        a.plot(
+            [c["gb_per_s"] for c in r["chunks"]],
+            marker="o",
+            markersize=8,
+            label=r["policy"],
+            color=colour[r["policy"]],
+        )
     a.axhline(ssd_gbps, color="k", linestyle="--", label="probe-ssd")
     a.set_title("drive GB/s per chunk (cold)")
     a.set_xlabel("chunk")
     a.set_ylabel("GB/s")
-    a.legend()
+    _chunk_axis(a, n_chunks, MaxNLocator)
+    _legend_beside(a)
 
 
-def _chunk_time_panel(a, cold: list[dict]) -> None:
+def _chunk_time_panel(a, cold: list[dict], colour: dict, n_chunks: int) -> None:
     """Each cold chunk's time against its SSD floor and the compute floor."""
+    from matplotlib.ticker import MaxNLocator
+
     for r in cold:
-        a.plot([c["ms"] for c in r["chunks"]], marker="o", label=f"{r['policy']} chunk")
-        a.plot(
-            [c["ssd_floor_ms"] for c in r["chunks"]],
-            linestyle=":",
-            label=f"{r['policy']} SSD floor",
-        )
+        c_ = colour[r["policy"]]
+        a.plot([c["ms"] for c in r["chunks"]], marker="o", markersize=8,
+               label=f"{r['policy']} chunk", color=c_)  # fmt: skip
+        a.plot([c["ssd_floor_ms"] for c in r["chunks"]], linestyle=":", marker="_",
+               markersize=14, label=f"{r['policy']} SSD floor", color=c_)  # fmt: skip
     if cold and cold[0]["chunks"]:
-        a.axhline(
-            cold[0]["chunks"][0]["compute_floor_ms"],
-            color="k",
-            linestyle="--",
-            label="compute floor",
-        )
+        floor = cold[0]["chunks"][0]["compute_floor_ms"]
+        a.axhline(floor, color="k", linestyle="--", label="compute floor")
     a.set_title("chunk time against the floors (cold)")
     a.set_xlabel("chunk")
     a.set_ylabel("ms")
-    a.legend(fontsize="small")
+    _chunk_axis(a, n_chunks, MaxNLocator)
+    _legend_beside(a)
 
 
 def _decode_panel(a, runs: list[dict]) -> None:
-    """Decode ms/token of every run, split into wait, sync, host and the rest."""
+    """Each run's decode ms/token split into wait, sync, host and the rest."""
     names = [f"{r['policy']}\n{r['phase']}" for r in runs]
     bottom = [0.0] * len(runs)
     for part, color in zip(
         ("wait", "sync", "host", "rest"), ("tab:red", "tab:orange", "tab:purple", "tab:gray")
     ):
         vals = [r["decode_ms"][part] for r in runs]
-        a.bar(
-            names,
-            vals,
-            bottom=bottom,
-            label="compute and the rest" if part == "rest" else part,
-            color=color,
-        )
+        label = "compute and the rest" if part == "rest" else part
+        a.bar(names, vals, bottom=bottom, label=label, color=color)
         bottom = [b + v for b, v in zip(bottom, vals)]
     a.set_title("decode ms/token")
     a.set_ylabel("ms/token")
-    a.legend(fontsize="small")
+    _legend_beside(a)
+
+
+POLICY_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink")
+
+
+def policy_colours(policies: list[str]) -> dict[str, str]:
+    """One colour per policy, the same in every panel (in the order the policies first run)."""
+    order = list(dict.fromkeys(policies))
+    return {p: POLICY_COLOURS[i % len(POLICY_COLOURS)] for i, p in enumerate(order)}
+
+
+def _chunk_axis(a, n_chunks: int, locator) -> None:
+    """Chunks are whole numbers; the y axis starts at 0, so one chunk is a point on a scale
+    of its own size, not a dot in the middle of a +-4 % band."""
+    if n_chunks <= 20:
+        a.set_xticks(range(max(n_chunks, 1)))
+    else:
+        a.xaxis.set_major_locator(locator(integer=True))
+    a.set_xlim(-0.5, max(n_chunks, 1) - 0.5)
+    top = a.get_ylim()[1]
+    a.set_ylim(0, top * 1.1 if top > 0 else 1)
+
+
+def _legend_beside(a) -> None:
+    """The legend right of its panel, off the data."""
+    a.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0)

@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -116,18 +117,30 @@ def copy_tokenizer(src: Path, dst: Path) -> bool:
 
 
 def calibrate(
-    writer: StoreWriter, tokens: int, seed: int = 0, arena_gb: float | None = None
+    writer: StoreWriter,
+    tokens: int,
+    seed: int = 0,
+    arena_gb: float | None = None,
+    progress: bool = True,
 ) -> None:
-    """Run the finished temporary store over `tokens` calibration tokens; save per-layer counts."""
+    """Run the finished temporary store over `tokens` calibration tokens; save per-layer counts.
+    `progress`: a bar over the layers' routing decisions (seconds to minutes on a CPU)."""
     if tokens <= 0 or not writer.manifest.moe_layers:
         return
+    from tqdm import tqdm
+
     from ..generation.generate import forward_chunks
     from ..runtime.loader import load
-    from ..stream.stats import RoutingTrace
 
     path = writer.finalize()
-    trace = RoutingTrace()
-    model, tok = load(path, arena_gb=arena_gb, read_ahead="demand", trace=trace)
+    total = -(-tokens // CALIBRATION_STEP) * len(writer.manifest.moe_layers)
+    bar = tqdm(total=total, desc="calibration", unit="layer", disable=not progress)
+    trace = _TracedProgress(bar)
+    try:
+        model, tok = load(path, arena_gb=arena_gb, read_ahead="demand", trace=trace)
+    except BaseException:
+        bar.close()
+        raise
     try:
         if tok is not None:
             ids = tok.encode(CALIBRATION_TEXT)
@@ -155,7 +168,52 @@ def calibrate(
                 counts[pos] += np.bincount(ids_np.reshape(-1), minlength=m.num_experts)
         save_profile(path, counts, len(ids), source)
     finally:
+        bar.close()
         model.expert_cache.close()
+
+
+@contextmanager
+def ticking(desc: str, enabled: bool = True):
+    """A bar with no total for one long step that reports nothing as it goes (gguf-py's header
+    parse: seconds for a tokenizer of 49 K entries): its elapsed time, redrawn each second."""
+    import threading
+
+    from tqdm import tqdm
+
+    bar = tqdm(desc=desc, total=None, bar_format="{desc}: {elapsed}", disable=not enabled)
+    done = threading.Event()
+
+    def redraw() -> None:
+        while not done.wait(1.0):
+            bar.refresh()
+
+    thread = threading.Thread(target=redraw, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        bar.close()
+
+
+class _TracedProgress:
+    """A RoutingTrace that moves a progress bar at each layer's routing decision."""
+
+    def __init__(self, bar):
+        from ..stream.stats import RoutingTrace
+
+        self.inner = RoutingTrace()
+        self.ids = self.inner.ids
+        self.predicted = self.inner.predicted
+        self.bar = bar
+
+    def record(self, layer: int, ids: np.ndarray) -> None:
+        self.inner.record(layer, ids)
+        self.bar.update(1)
+
+    def record_prediction(self, layer: int, ids: np.ndarray) -> None:
+        self.inner.record_prediction(layer, ids)
 
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)

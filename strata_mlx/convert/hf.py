@@ -393,7 +393,7 @@ def convert_hf(
             mlx_quant,
             allow_non_finite,
         )
-        calibrate(writer, calibration_tokens)
+        calibrate(writer, calibration_tokens, progress=progress)
         return writer.commit()
 
 

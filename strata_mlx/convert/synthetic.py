@@ -297,5 +297,5 @@ def convert_synthetic(
                 writer.add_expert(layer, e, syn.next_expert(i))
                 bar.update(1)
         bar.close()
-        calibrate(writer, calibration_tokens, seed=seed)
+        calibrate(writer, calibration_tokens, seed=seed, progress=progress)
         return writer.commit()

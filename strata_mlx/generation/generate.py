@@ -343,8 +343,8 @@ def generate(model, tokenizer, prompt: str | list[int], verbose: bool = False, *
     return text
 
 
-def summary(r: GenerationResponse) -> str:
-    """mlx-lm's closing lines, then the expert cache's."""
+def summary(r: GenerationResponse, arena: tuple[int, int] | None = None) -> str:
+    """mlx-lm's closing lines, then the expert cache's (`arena`: its (bytes, slots))."""
     lines = [
         "=" * 10,
         f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec",
@@ -353,12 +353,31 @@ def summary(r: GenerationResponse) -> str:
     ]
     s = r.expert_stats
     if s is not None:
-        lines.append(
-            f"Experts: hit rate {100 * s.hit_rate:.1f}% (streamed ahead {s.streamed_ahead_pct:.1f}%, "
-            f"misses {s.miss_pct:.1f}%), {s.experts_read} read, {s.gb_read:.3f} GB at "
-            f"{s.gb_per_s:.2f} GB/s, exposed wait {s.exposed_wait_s * 1e3:.0f} ms"
-        )
+        lines.append("Experts: " + expert_line(s, arena))
     return "\n".join(lines)
+
+
+def expert_line(s, arena: tuple[int, int] | None = None) -> str:
+    """The expert cache's figures, shares that add up: hit rate = resident + streamed ahead,
+    hit rate + misses = 100 % of the lookups (README, "What the numbers mean")."""
+    n = max(s.lookups, 1)
+    hit = round(100 * (s.hits + s.streamed_ahead) / n, 1)
+    resident = round(100 * s.hits / n, 1)
+    ahead = round(hit - resident, 1)
+    exact = s.hits + s.streamed_ahead + s.misses == s.lookups
+    missed = round(100 - hit, 1) if exact else round(s.miss_pct, 1)
+    out = (
+        f"hit rate {hit:.1f}% ({resident:.1f}% resident + {ahead:.1f}% streamed ahead), "
+        f"misses {missed:.1f}%, "
+    )
+    if s.experts_read:
+        out += f"{s.experts_read} read, {s.gb_read:.3f} GB at {s.gb_per_s:.2f} GB/s, "
+    else:
+        out += "0 read, "
+    out += f"exposed wait {s.exposed_wait_s * 1e3:.0f} ms"
+    if arena is not None:
+        out += f"; arena {arena[0] / 2**30:.3f} GiB ({arena[1]} slots)"
+    return out
 
 
 def cache_prompt(

@@ -46,6 +46,9 @@ from ..stream.scheduler import CLOSED, ExpertReadError, make_scheduler
 from ..stream.stats import ExpertStats, RoutingTrace
 from . import kernels
 
+WARM_BATCH = 256  # warm()'s reads between progress updates
+WARM_BAR_DELAY_S = 2.0  # warm() shows its bar only past this
+
 __all__ = ["ExpertCache", "ExpertReadError", "ExpertStats", "RoutingTrace", "SwitchGLU"]
 
 
@@ -159,10 +162,21 @@ class ExpertCache:
             for e in range(self.manifest.num_experts)
             if (layer, e) not in self.arena.slot_of
         ][: max(free, 0)]
-        self.sched.ensure(keys)
-        # Completions are collected as they come (a wait on all 24 K tags at once rescans
-        # every tag at each completion: minutes for a whole 24 GB store on the H200).
-        self.sched.drain()
+        from tqdm import tqdm
+
+        # A bar on stderr, shown only when the reads outlast WARM_BAR_DELAY_S (a whole store
+        # on a slow drive takes minutes). Batches keep the queue full between updates.
+        with tqdm(
+            total=len(keys), desc="warm", unit="expert", delay=WARM_BAR_DELAY_S, leave=False
+        ) as bar:
+            for i in range(0, len(keys), WARM_BATCH):
+                batch = keys[i : i + WARM_BATCH]
+                self.sched.ensure(batch)
+                # Completions are collected as they come (a wait on all 24 K tags at once
+                # rescans every tag at each completion: minutes for a whole 24 GB store on
+                # the H200).
+                self.sched.drain()
+                bar.update(len(batch))
         with self.sched.lock:
             self.stats = ExpertStats()
             self.sched.prefetched.clear()

@@ -178,6 +178,24 @@ def test_stores_mlx_lm_cannot_run_fail_in_one_line(store):
         _check_runnable(path, m)
 
 
+def test_half_precision_float_experts_on_the_cpu_fail_in_one_line(store):
+    """mlx-lm's gather_mm on MLX's CPU backend computes float32 only: a bfloat16 float store
+    is refused in one line before mlx-lm is loaded (it raised inside GatherMM::eval)."""
+    import mlx.core as mx
+
+    from strata_mlx.apps.baseline import _check_runnable
+
+    path = store("qwen3_moe")
+    m = load_manifest(path)
+    _check_runnable(path, m)  # float32 experts run
+    for c in m.layout.components:  # edited in memory: what a bfloat16 conversion's says
+        c.dtype = "bfloat16"
+    if mx.default_device() == mx.cpu:
+        with pytest.raises(StoreError, match="CPU backend computes in float32 only") as e:
+            _check_runnable(path, m)
+        assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
 def test_missing_mlx_lm_is_one_clear_line(store, monkeypatch):
     from strata_mlx.apps.baseline import check_runnable
 

@@ -58,3 +58,12 @@ def test_bench_policy_variants_name_the_runtime_options():
     assert policy_options("demand:ov1") == {"read_ahead": "demand", "read_overlap": True}
     with pytest.raises(OptionError, match="unknown variant 'ov2'"):
         policy_options("demand:ov2")
+
+
+def test_bench_line_reads_keep_three_figures_and_nothing_read_says_so():
+    from strata_mlx.apps.bench import _reads
+
+    assert _reads({"experts_read_per_chunk": 496, "gb_per_s": 0.0016}) == (
+        "496/chunk at 0.0016 GB/s,"
+    )
+    assert _reads({"experts_read_per_chunk": 0, "gb_per_s": 0.0}) == "0/chunk"

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -174,21 +175,26 @@ def test_compare_on_figures_recorded_on_this_machine():
 def test_cli_plan_prints_the_forecast_and_a_target_machine(store, tmp_path):
     path = store("qwen3_moe")
     out = tmp_path / "f.json"
+    env = {**os.environ, "STRATA_MLX_HOME": str(tmp_path / "home")}
+    run = dict(capture_output=True, text=True, timeout=300, env=env)
     r = subprocess.run(
         [*CLI, "plan", str(path), "-p", "64", "--prefill-step-size", "32", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        **run,
     )
     assert r.returncode == 0, r.stderr
     assert "fits" in r.stdout and "prefill" in r.stdout and "decode" in r.stdout
     f = json.loads(out.read_text())
-    assert f["prefill_tps"] > 0 and f["decode_tps"] > 0 and f["compute_source"].startswith("fake")
+    assert f["prefill_tps"] > 0 and f["decode_tps"] > 0
+    assert f["compute_source"] == "calibrated now, cached"
+    assert "--arena-gb" in f["recommendation"] and "--prefill-step-size 32" in f["recommendation"]
     r = subprocess.run(
-        [*CLI, "plan", str(path), "--target-memory", "24", "--target-ssd-gbps", "8"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [*CLI, "plan", str(path), "-p", "64", "--prefill-step-size", "32", "--measure"],
+        **run,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "fake-stream" in r.stdout and "plan --measure" in r.stderr  # its progress bar
+    r = subprocess.run(
+        [*CLI, "plan", str(path), "--target-memory", "24", "--target-ssd-gbps", "8"], **run
     )
     assert r.returncode == 0, r.stderr
     assert "a 24 GB machine" in r.stdout and "8.00 GB/s" in r.stdout
@@ -533,3 +539,43 @@ def test_plans_real_decode_sees_the_lookups_it_reads(store):
     assert small.absent_s(0.0) > 0 and 0 < small.union[1] <= 1
     whole = plan.measure_real(path, ids, 16, 8, m.expert_bytes * 1.5 / plan.GB)
     assert whole.absent_per_token < small.absent_per_token
+
+
+def test_plan_calibrates_once_then_answers_from_the_cache(store, tmp_path, monkeypatch):
+    """The default forecast measures nothing of the store's own chunk (no measure_compute):
+    the first plan of a shape calibrates and caches it, the next answers from the cache, for
+    any store of that shape, with an arena and chunk recommended."""
+    from strata_mlx.apps.plan import calibration
+
+    monkeypatch.setenv("STRATA_MLX_HOME", str(tmp_path))
+    path = store("qwen3_moe")
+
+    def no_measure(*a, **k):
+        raise AssertionError("the default plan ran the long measurement")
+
+    monkeypatch.setattr(plan, "measure_compute", no_measure)
+    first = plan.plan(path, prompt_tokens=64, prefill_step_size=32, gen_tokens=8)
+    assert first.compute_source == "calibrated now, cached"
+    assert calibration.cache_file().is_file()
+    assert str(tmp_path) in str(calibration.cache_file())
+    monkeypatch.setattr(calibration, "calibrate", no_measure)
+    again = plan.plan(path, prompt_tokens=64, prefill_step_size=32, gen_tokens=8)
+    assert again.compute_source == "calibrated, cached"
+    assert again.compute_floor_s == pytest.approx(first.compute_floor_s)
+    assert "--arena-gb" in again.recommendation and "recommended:" in "\n".join(again.lines())
+
+
+def test_plan_without_a_model_plans_the_builtin_one(store, tmp_path, monkeypatch):
+    """`strata-mlx plan` with no argument: the built-in model and its arena, as generate."""
+    from typer.testing import CliRunner
+
+    from strata_mlx.apps import default_model
+    from strata_mlx.apps.cli import app
+
+    monkeypatch.setenv("STRATA_MLX_HOME", str(tmp_path))
+    path = store("qwen3_moe")
+    monkeypatch.setattr(default_model, "default_store", lambda: path)
+    monkeypatch.setattr(default_model, "default_arena_gb", lambda _s: 0.0001)
+    r = CliRunner().invoke(app, ["plan", "-p", "16", "--prefill-step-size", "16", "-g", "4"])
+    assert r.exit_code == 0, r.output
+    assert path.name in r.output and "calibrated now" in r.output

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx2 as httpx  # the HTTP client the openai package is built on
 import openai
@@ -936,3 +938,39 @@ def test_tool_call_round_trip_through_the_openai_client(tool_served, says):
         c.chat.completions.create(model=NAME, messages=[user], tools=TOOLS, tool_choice="required")
     assert e.value.body["param"] == "tool_choice"
     c.close()
+
+
+def test_serve_says_what_it_serves_and_names_the_model_as_given(tiny, tmp_path):
+    """On start: the model, its arena and the URLs; / sends a browser to the dashboard; the
+    model id is the name the user gave (a link named q3 serves "q3", not its target's name)."""
+    link = tmp_path / "q3"
+    link.symlink_to(Path(tiny).resolve(), target_is_directory=True)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "strata_mlx", "serve", "--model", "q3", "--port", str(port)]
+    cmd += ["--log-level", "warning", "--arena-gb", "0.001"]
+    env = {k: v for k, v in os.environ.items() if k != "STRATA_MLX_API_KEY"}
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        lines: queue.Queue = queue.Queue()  # read on a thread: a server that says nothing
+        threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
+        out = ""
+        while "dashboard:" not in out:
+            out += lines.get(timeout=120)
+        assert "serving 'q3'" in out and "arena" in out and "slots" in out, out
+        assert f"{base}/v1" in out and f"{base}/dashboard" in out, out
+        t0 = time.monotonic()
+        while True:
+            assert time.monotonic() - t0 < 60, "server did not start"
+            with contextlib.suppress(httpx.TransportError):
+                r = httpx.get(base + "/", follow_redirects=False)
+                break
+            time.sleep(0.1)
+        assert r.status_code in (302, 307) and r.headers["location"] == "/dashboard"
+        ids = [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]]
+        assert ids == ["q3"], ids
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -148,3 +148,28 @@ def test_prompt_progress_callback_is_called_as_mlx_lm_calls_it(store):
     list(gen)
     assert ours == theirs
     assert ours[0] == (0, 29) and ours[-1] == (29, 29) and (8, 29) in ours
+
+
+def test_closing_expert_line_adds_up_and_names_the_arena():
+    """hit rate = resident + streamed ahead, hit rate + misses = 100 (README, "What the
+    numbers mean"); nothing read says so, not "0.00 GB/s"; the arena in use is printed."""
+    import re
+
+    from strata_mlx.generation.generate import expert_line
+    from strata_mlx.stream.stats import ExpertStats
+
+    s = ExpertStats(lookups=1000, hits=860, streamed_ahead=100, misses=40, experts_read=140)
+    s.bytes_read, s.wall_s = 140 * 4096, 2.0
+    line = expert_line(s, (120 * 4096, 120))
+    hit, resident, ahead, missed = map(
+        float,
+        re.search(
+            r"hit rate ([\d.]+)% \(([\d.]+)% resident \+ ([\d.]+)% streamed "
+            r"ahead\), misses ([\d.]+)%",
+            line,
+        ).groups(),  # fmt: skip
+    )
+    assert hit == pytest.approx(resident + ahead) and hit + missed == pytest.approx(100)
+    assert (hit, missed) == (96.0, 4.0) and "arena 0.000 GiB (120 slots)" in line
+    quiet = expert_line(ExpertStats(lookups=10, hits=10))
+    assert "0 read" in quiet and "GB/s" not in quiet and "misses 0.0%" in quiet

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -239,6 +240,7 @@ def _print_stream(model, tok, ids, args: dict, cfg, sampling, kv, prompt_cache, 
     from ...generation.generate import stream_generate
 
     last = None
+    bar = PrefillBar()
     for last in stream_generate(
         model,
         tok,
@@ -254,13 +256,66 @@ def _print_stream(model, tok, ids, args: dict, cfg, sampling, kv, prompt_cache, 
         kv_bits=kv.kv_bits,
         kv_group_size=kv.kv_group_size,
         quantized_kv_start=kv.quantized_kv_start,
+        prompt_progress_callback=bar.update,
     ):
+        bar.close()
         if tok is not None:
             typer.echo(last.text, nl=False)
         else:
             typer.echo(f"{last.token} ", nl=False)
+    bar.close()
     typer.echo("")
     return last
+
+
+class PrefillBar:
+    """The prompt's progress on stderr, shown once a prefill outlasts DELAY_S: positions done
+    (a chunk at a time) and the time elapsed, redrawn each second by a timer thread, since
+    one chunk can take tens of seconds on a CPU."""
+
+    DELAY_S = 2.0
+
+    def __init__(self):
+        import threading
+
+        self.bar = None
+        self.done = threading.Event()
+        self.thread = None
+
+    def update(self, done: int, total: int) -> None:
+        import threading
+
+        from tqdm import tqdm
+
+        if self.bar is None and not self.done.is_set():
+            self.bar = tqdm(
+                total=total, desc="prefill", unit="tok", delay=self.DELAY_S, leave=False
+            )
+            self.thread = threading.Thread(target=self._redraw, daemon=True)
+            self.thread.start()
+        if self.bar is not None:
+            self.bar.n = done
+            if time_since(self.bar) >= self.DELAY_S:
+                self.bar.refresh()
+
+    def _redraw(self) -> None:
+        while not self.done.wait(1.0):
+            bar = self.bar
+            if bar is not None and time_since(bar) >= self.DELAY_S:
+                bar.refresh()
+
+    def close(self) -> None:
+        if not self.done.is_set():
+            self.done.set()
+            if self.thread is not None:
+                self.thread.join()
+            if self.bar is not None:
+                self.bar.close()
+
+
+def time_since(bar) -> float:
+    """Seconds since `bar` (a tqdm, whose clock is time.time) started."""
+    return time.time() - bar.start_t
 
 
 def _print_summary(model, last, verbose: bool, pipe) -> None:
@@ -272,7 +327,9 @@ def _print_summary(model, last, verbose: bool, pipe) -> None:
         if verbose:
             for i, c in enumerate(last.chunks):
                 typer.echo(chunk_line(i, c), err=True)
-        typer.echo(summary(last))
+        slots = model.expert_cache.arena.n_slots
+        arena = (slots * model.expert_cache.manifest.layout.record_bytes, slots)
+        typer.echo(summary(last, arena))
     if pipe is not None:
         from ...runtime.distributed import rank_lines
 

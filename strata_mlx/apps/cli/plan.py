@@ -7,12 +7,16 @@ from pathlib import Path
 import typer
 
 from .common import (
+    builtin_model,
     check_output_file,
 )
 
 
 def plan(
-    model: Path = typer.Argument(..., help="A store, a Hugging Face checkpoint or a GGUF file."),
+    model: Path | None = typer.Argument(
+        None,
+        help="A store, a Hugging Face checkpoint or a GGUF file (default: the built-in model).",
+    ),
     arena_gb: float | None = typer.Option(None, "--arena-gb", help="Default: automatic."),
     prefill_step_size: int | None = typer.Option(None, "--prefill-step-size"),
     prompt_tokens: int = typer.Option(2048, "-p", "--prompt-tokens"),
@@ -30,7 +34,11 @@ def plan(
     target_ssd_gbps: float | None = typer.Option(None, "--target-ssd-gbps"),
     target_tflops: float | None = typer.Option(None, "--target-tflops"),
     measure: bool = typer.Option(
-        True, "--measure/--no-measure", help="Fake-stream compute run.", metavar=""
+        False,
+        "--measure/--no-measure",
+        help="Time this store's own chunk and decode (minutes on a CPU) instead of the cached "
+        "calibration of its shape.",
+        metavar="",
     ),
     json_out: Path | None = typer.Option(None, "--json", help="Write the forecast as JSON."),
 ):
@@ -42,6 +50,7 @@ def plan(
     check_int("prompt_tokens", prompt_tokens, 1, 1 << 24, cli=True)
     check_int("generation_tokens", generation_tokens, 1, 1 << 24, cli=True)
     check_output_file(json_out, "--json")
+    model, arena_gb = builtin_model(model, arena_gb)
     f = run_plan(model, arena_gb, prefill_step_size, prompt_tokens, generation_tokens, io_workers,
                  target_memory, target_ssd_gbps, target_tflops, measure)  # fmt: skip
     typer.echo("\n".join(f.lines()))

@@ -1,13 +1,17 @@
 """`strata-mlx plan MODEL`: will this model run here (or on another machine), and how fast?
 
 The package: shapes (a model's shape), machine (what this or another machine does),
-residency (the arena's hit rates), forecasting (the forecast itself). Owns the forecast: from a store, a Hugging Face checkpoint directory (config.json and the
+calibration (the compute model measured once per machine and model shape, cached: what a
+default forecast of a store uses, so that it answers in seconds), residency (the arena's hit
+rates), forecasting (the forecast itself and the arena and chunk it recommends).
+
+Owns the forecast: from a store, a Hugging Face checkpoint directory (config.json and the
 safetensors headers only) or a GGUF file (its header only), plus a machine (this one: its
 memory and a short probe of the drive; or `--target-memory` / `--target-ssd-gbps`), it says
 whether the model fits, the arena and prefill chunk load() would pick (loader.choose_arena,
 the same code), the share of experts resident, and the expected prefill and decode tok/s.
-Never converts anything and never allocates an arena beyond the short fake-stream run that
-measures the compute floor of a store on this machine.
+Never converts anything and never allocates an arena beyond the short runs that measure the
+compute of a store on this machine (calibration's, once per shape, or --measure's).
 
 The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts"):
   - Popularity: the routing profile's per-layer counts give p_i, the chance that a token
@@ -47,12 +51,17 @@ The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts")
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ...format.store import StoreError
+from . import calibration
 from .forecasting import Forecast, compare, decode_forecast, forecast, save
 from .machine import (
     GB,
+    MEASURE_MODES,
     MIN_ABSENT,
     REFERENCE_LAPTOP_MEMORY_GBPS,
     REFERENCE_LAPTOP_TFLOPS,
@@ -82,7 +91,7 @@ def plan(
     target_memory_gb: float | None = None,
     target_ssd_gbps: float | None = None,
     target_tflops: float | None = None,
-    measure: bool = True,
+    measure: bool = False,
     measure_tokens: int | None = None,
     probe_seconds: float = 1.0,
     q_bits: int | None = None,
@@ -123,8 +132,24 @@ def plan(
     elif measure and shape.source == "store":
         tokens = measure_tokens or min(step, prompt_tokens)
         fake_arena = min(arena_gb or 1.0, 1.0, shape.expert_bytes / GB)
-        compute = measure_compute(Path(shape.path), step, tokens, 8, fake_arena)
+        with _steps("plan --measure", 4 + len(MEASURE_MODES)) as say:
+            compute = measure_compute(Path(shape.path), step, tokens, 8, fake_arena, say)
         source = f"fake-stream, {tokens} tokens"
+    elif shape.source == "store":
+        cal = calibration.cached(shape)
+        if cal is None:
+            fake_arena = min(arena_gb or shape.expert_bytes / 4 / GB, 1.0)
+            with _steps("calibrating this machine (once per model shape)", 7) as say:
+                cal = calibration.calibrate(Path(shape.path), fake_arena, say)
+            calibration.store(shape, cal)
+            source = "calibrated now, cached"
+        else:
+            source = "calibrated, cached"
+        compute = cal.compute(step)
+        notes.append(
+            f"compute from this machine's calibration ({calibration.cache_file()}); "
+            "--measure times this store's own chunk"
+        )
     else:
         tflops = target_tflops or measured_tflops()
         compute = estimate_compute(shape, tflops, measured_memory_gbps())
@@ -133,6 +158,26 @@ def plan(
     f = forecast(shape, machine, compute, source, arena_gb, step, prompt_tokens, gen_tokens)
     f.notes = notes + f.notes
     return f
+
+
+@contextmanager
+def _steps(title: str, total: int) -> Iterator[Callable[[str], None]]:
+    """A progress bar over named steps (on stderr): yields `say(name)`, called before each."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=title, unit="step", file=sys.stderr, leave=False)
+    started = [False]
+
+    def say(name: str) -> None:
+        if started[0]:
+            bar.update(1)
+        started[0] = True
+        bar.set_postfix_str(name)
+
+    try:
+        yield say
+    finally:
+        bar.close()
 
 
 __all__ = [

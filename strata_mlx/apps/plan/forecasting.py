@@ -53,6 +53,8 @@ class Forecast:
     decode_absent_ms: float | None = None
     decode_ms_per_token: float = 0.0
     decode_tps: float = 0.0
+    recommended_arena_gb: float = 0.0  # the automatic arena on this machine (GiB)
+    recommendation: str = ""  # the arena and chunk to pass, and why
     notes: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
@@ -86,6 +88,8 @@ class Forecast:
             )
             + ")",
         ]
+        if self.recommendation:
+            out.append(f"  recommended: {self.recommendation}")
         return out + [f"  note: {n}" for n in self.notes]
 
 
@@ -306,7 +310,46 @@ def forecast(
     f.decode_tps = 1e3 / f.decode_ms_per_token if f.decode_ms_per_token else 0.0
     if shape.profile is None:
         f.notes.append("no routing profile: expert popularity taken as uniform")
+    auto, _ = choose_arena(
+        shape.args,
+        shape.record_bytes,
+        shape.n_records,
+        shape.dense_bytes,
+        None,
+        step,
+        machine.memory_bytes,
+        available,
+        kv_itemsize=shape.kv_itemsize,
+    )
+    f.recommended_arena_gb = auto / GB
+    f.recommendation = recommend(f, shape, machine, auto)
     return f
+
+
+def recommend(f: Forecast, shape: ModelShape, machine: Machine, auto_bytes: int) -> str:
+    """`--arena-gb A --prefill-step-size S`, and why: the arena is what memory leaves once the
+    dense weights, a chunk's scratch and KV cache are held (load()'s automatic arena); the
+    chunk, because each chunk reads every expert it needs once, so a longer chunk reads fewer
+    bytes a token, bounded by the scratch a chunk's activations take."""
+    share = min(auto_bytes // shape.record_bytes, shape.n_records) / max(shape.n_records, 1)
+    held = (
+        "every expert: nothing streams after the first read"
+        if share >= 1
+        else f"{100 * share:.0f} % of the experts"
+    )
+    arena = (
+        f"--arena-gb {auto_bytes / GB:.3g} (the automatic arena: "
+        f"{machine.memory_bytes / GB:.0f} GB of memory less {shape.dense_bytes / GB:.2f} GB of "
+        f"dense weights and a chunk's scratch and KV cache; it holds {held})"
+    )
+    per_token = f.gb_read_per_chunk / max(min(f.prefill_step_size, f.prompt_tokens), 1)
+    chunk = (
+        f"--prefill-step-size {f.prefill_step_size} (a chunk reads each expert it needs once: "
+        f"{f.distinct_per_chunk:.0f} experts, {1e3 * per_token:.2f} MB a prompt token; longer "
+        f"chunks read less a token but need more scratch: "
+        f"{'2048 from 16 GB of memory' if f.prefill_step_size >= 2048 else '512 below 16 GB'})"
+    )
+    return f"{arena}; {chunk}"
 
 
 # ---- against bench --------------------------------------------------------------------

@@ -4,6 +4,7 @@ figures), and the compute floor estimated where nothing can be measured."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,17 +128,28 @@ def read_gbps(machine: Machine, in_flight: float) -> float:
 # ---- compute --------------------------------------------------------------------------
 
 
+MEASURE_MODES = ("layers", "sync")  # the decoder modes measure_compute times beside "token"
+
+
 def measure_compute(
-    path: Path, step: int, tokens: int, decode_tokens: int, arena_gb: float
+    path: Path,
+    step: int,
+    tokens: int,
+    decode_tokens: int,
+    arena_gb: float,
+    progress: Callable[[str], None] | None = None,
 ) -> Compute:
     """Fake-stream runs (every expert counts as resident: compute alone, as bench's compute
     floor): prefill, and decode in each of the decoder's modes; then a short real run for the
     handshake's Python per layer, lookahead's recall and union, and what an absent lookup
-    costs decode (measure_real)."""
+    costs decode (measure_real). `progress(step name)` is called before each step."""
     from ...format.store import load_manifest
     from ...runtime.decode import PipelinedDecoder
     from ...runtime.loader import RuntimeConfig, load
     from ..bench import run_policy
+
+    say = progress or (lambda _name: None)
+    say("load (fake-stream)")
 
     vocab = load_manifest(path).config["vocab_size"]
     ids = np.random.default_rng(0).integers(0, vocab, size=tokens).tolist()
@@ -146,12 +158,15 @@ def measure_compute(
     )
     model, _ = load(path, config=cfg)
     try:
+        say("compile")
         run_policy(model, ids[: min(tokens, 8)], 1, step, "warmup", "-")  # kernels compile once
+        say(f"prefill {tokens} tokens, decode {decode_tokens}")
         run = run_policy(model, ids, decode_tokens, step, "fake-stream", "compute")
         per_mode = {}
         dec = model.decoder
         if isinstance(dec, PipelinedDecoder):
             for mode, (sync_above, token_below) in (("layers", (1.0, 0.0)), ("sync", (-1.0, 0))):
+                say(f"decode {decode_tokens} tokens, {mode} mode")
                 with dec.thresholds(sync_above, token_below):
                     r = run_policy(
                         model, ids[: min(tokens, step) + 1], decode_tokens, step, mode, "-"
@@ -161,6 +176,7 @@ def measure_compute(
         model.expert_cache.close()
     del model
     prefill_s = sum(c.wall_s for c in run.chunks)
+    say("real decode (handshake, recall, misses)")
     real = measure_real(path, ids, step, decode_tokens, arena_gb)
     sync_s = per_mode.get("sync", run.decode_s / max(decode_tokens, 1))
     return Compute(

@@ -69,7 +69,7 @@ class _BearerAuth:
             auth = headers.get(b"authorization", b"")
             if b"x-api-key" in headers and not auth:
                 auth = b"Bearer " + headers[b"x-api-key"]
-            page = scope.get("path", "").startswith("/dashboard")
+            page = scope.get("path", "") == "/" or scope.get("path", "").startswith("/dashboard")
             if not self._ok(auth, page):
                 challenge = 'Basic realm="strata-mlx dashboard"' if page else "Bearer"
                 err = APIError(
@@ -161,9 +161,39 @@ def create_app(
     app.get("/v1/models/{name:path}")(model_info)
     app.get("/v1/stats")(stats)
     app.get("/stats")(stats)
-    # GET /dashboard
+    # GET /dashboard, and / sends a browser there
     app.state.dashboard = add_routes(app, model, engine, lambda: stats_body(state))
+    app.get("/", include_in_schema=False)(_to_dashboard)
     return app
+
+
+async def _to_dashboard():
+    from fastapi.responses import RedirectResponse
+
+    return RedirectResponse("/dashboard")
+
+
+def model_id(path: Path) -> str:
+    """The id clients ask for: the store's name as the user gave it (`./q3` is "q3" even
+    where q3 is a link to another folder), its resolved name only for "." and the like."""
+    return path.name if path.name not in ("", ".", "..") else path.resolve().name
+
+
+def started_lines(name: str, path: Path, model, host: str, port: int) -> list[str]:
+    """What serve prints once the model is loaded: the model, its arena, where to reach it."""
+    cache = model.expert_cache
+    record = cache.manifest.layout.record_bytes
+    slots = cache.arena.n_slots
+    total = cache.manifest.num_experts * len(cache.layers)
+    share = 100 * min(slots, total) / max(total, 1)
+    shown = f"[{host}]" if ":" in host else host
+    base = f"http://{shown}:{port}"
+    return [
+        f"strata-mlx: serving {name!r} ({path})",
+        f"  arena {slots * record / 2**30:.3f} GiB: {slots} expert slots, {share:.0f} % of "
+        "the experts resident at once",
+        f"  OpenAI-compatible API at {base}/v1   dashboard: {base}/dashboard",
+    ]
 
 
 # ---- running it ----------------------------------------------------------------------------
@@ -225,10 +255,11 @@ def serve(
         prompt_cache_size = 0  # the other ranks hold one sequence's state, not rank 0's picks
     else:
         pipe = None
+    name = model_name or model_id(path)
     app = create_app(
         model,
         tokenizer,
-        model_name or path.resolve().name,
+        name,
         max_tokens,
         max_tokens_limit=max_tokens_limit,
         max_prompt_tokens=max_prompt_tokens,
@@ -249,6 +280,7 @@ def serve(
         attach(app, prompt_cache_dir, prompt_cache_dir_bytes or DEFAULT_MAX_BYTES)
     if pipe is not None:
         _stop_ranks_at_shutdown(app, model)
+    print("\n".join(started_lines(name, path, model, host, port)), flush=True)
     try:
         uvicorn.run(
             app,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ...format.store import StoreError
-from ..common import check_output
+from ..common import check_output, ticking
 from .config import GgufConfig, has_experts, moe_config
 from .gpt_oss import convert_gpt_oss, gpt_oss_config
 from .llama import convert_llama, llama_split_config
@@ -81,7 +81,8 @@ def convert_gguf(
     store there is replaced only with `overwrite` (common.check_output)."""
     src = Path(gguf_path)
     out = check_output(mlx_path, src, overwrite=overwrite)
-    g = Gguf(src)
+    with ticking(f"reading {src.name}", progress):
+        g = Gguf(src)
     c = gguf_config(g, split_experts)
     if c.split_experts is not None:
         return convert_llama(g, c, out, calibration_tokens, progress)

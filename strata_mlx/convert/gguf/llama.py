@@ -195,7 +195,7 @@ def convert_llama(
     n = cfg["intermediate_size"] // E
     expert_parts = _expert_parts(g, specs, D, n)
     layout = c.layouts[0]
-    dense = _dense_weights(g, cfg, c.dtype, E)
+    dense = _dense_weights(g, cfg, c.dtype, E, progress)
     qcfg = dense.quantization_config()
     if qcfg:
         cfg["quantization"] = qcfg
@@ -217,7 +217,7 @@ def convert_llama(
             from ...generation.tokenizer import load_tokenizer
 
             ids = calibration_ids(load_tokenizer(writer.path), calibration_tokens, g.path)
-            fit_routers(dense, g, cfg, ids, n)
+            fit_routers(dense, g, cfg, ids, n, progress=progress)
         writer.write_dense(dense.weights)
         write_experts(writer, range(L), E, expert_parts, progress)
         if calibration_tokens > 0:
@@ -259,12 +259,20 @@ def _expert_parts(g: Gguf, specs: dict[str, dict], D: int, n: int):
     return expert_parts
 
 
-def _dense_weights(g: Gguf, cfg: dict[str, Any], dtype: str, E: int) -> DenseWriter:
+def _dense_weights(
+    g: Gguf, cfg: dict[str, Any], dtype: str, E: int, progress: bool = False
+) -> DenseWriter:
     """Everything but the experts: embeddings, norms, attention (q/k rows un-permuted) and
-    the routers, which start at zero (unused while all experts run; fitted later)."""
+    the routers, which start at zero (unused while all experts run; fitted later).
+    `progress`: a bar over the layers (seconds on a CPU for the built-in model)."""
+    from tqdm import tqdm
+
     L, D = cfg["num_hidden_layers"], cfg["hidden_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     dense = DenseWriter(dtype)
+    # the embeddings first, in the bar too: the largest tensor, seconds to dequantize
+    bar = tqdm(total=L + 1, desc="dense weights", unit="tensor group", disable=not progress)
+    bar.refresh()
     dense.add("model.embed_tokens", g.tensor("token_embd.weight"))
     if not cfg["tie_word_embeddings"]:
         dense.add("lm_head", g.tensor("output.weight"))
@@ -272,7 +280,9 @@ def _dense_weights(g: Gguf, cfg: dict[str, Any], dtype: str, E: int) -> DenseWri
         "model.norm.weight",
         dequantize_rows(raw_rows(g.tensor("output_norm.weight")), g.tensor("output_norm.weight")),
     )
+    bar.update(1)
     for i in range(L):
+        bar.update(1)
         pre = f"model.layers.{i}"
         for gname, hname in (
             ("attn_norm", "input_layernorm"),
@@ -299,6 +309,7 @@ def _dense_weights(g: Gguf, cfg: dict[str, Any], dtype: str, E: int) -> DenseWri
                 dense.add_array(f"{pre}.self_attn.{hname}.bias", b)
         dense.add_array(f"{pre}.mlp.gate.weight", np.zeros((E, D), np.float32))
         dense.add_array(f"{pre}.mlp.gate.bias", np.zeros((E,), np.float32))
+    bar.close()
     return dense
 
 
@@ -378,11 +389,27 @@ def calibration_ids(tok, tokens: int, source: str | Path = "tokenizer") -> list[
 
 
 def fit_routers(
-    dense: DenseWriter, g: Gguf, cfg: dict[str, Any], ids: list[int], n: int, ridge: float = 1e-2
+    dense: DenseWriter,
+    g: Gguf,
+    cfg: dict[str, Any],
+    ids: list[int],
+    n: int,
+    ridge: float = 1e-2,
+    progress: bool = False,
 ) -> None:
-    """Least-squares routers: logits_e = w_e . x + b_e fitted to ||expert e's output||."""
+    """Least-squares routers: logits_e = w_e . x + b_e fitted to ||expert e's output||.
+    `progress`: a bar over the layers (the dense forward that feeds it takes seconds each)."""
+    from tqdm import tqdm
+
     E = cfg["num_experts"]
-    for layer, x, hid, down in mlp_inputs(g, cfg, ids):
+    layers = tqdm(
+        mlp_inputs(g, cfg, ids),
+        total=cfg["num_hidden_layers"],
+        desc="routers",
+        unit="layer",
+        disable=not progress,
+    )
+    for layer, x, hid, down in layers:
         X = x.astype(np.float64)
         norms = np.stack(
             [

@@ -119,7 +119,7 @@ def convert_moe(
         writer.write_dense(dense.weights)
         build_tokenizer(g, writer.path, cfg["vocab_size"])
         write_experts(writer, moe_layers, E, expert_parts, progress)
-        calibrate(writer, calibration_tokens)
+        calibrate(writer, calibration_tokens, progress=progress)
         return writer.commit()
 
 
