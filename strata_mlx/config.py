@@ -28,6 +28,9 @@ XTC_MAX_THRESHOLD = 0.5  # above it more than one token could exceed it: mlx-lm'
 DEFAULT_MAX_TOKENS = 512  # serve: a request's max_tokens when it gives none
 DEFAULT_MAX_QUEUE = 16  # serve: requests waiting behind the running one
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # serve: seconds in-flight requests get after SIGTERM
+# serve: the largest request body; a 262 K-token context's text is about 1 MB, JSON-escaped
+# at most a few times that, while a 4 MB prompt already takes seconds of a core to tokenize
+DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 class OptionError(ValueError):
