@@ -537,3 +537,31 @@ def test_a_bad_kernels_variable_is_one_line_and_exit_2(store):
     r = run("generate", "--model", store("qwen3_moe"), "-p", "hi", "-m", "1", env=env)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == "error: STRATA_MLX_KERNELS='bogus': one of reference, cuda, metal"
+
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["--allowed-origins", "not an origin,,"], "--allowed-origins"),
+        (["--allowed-origins", "ftp://x.example"], "--allowed-origins"),
+        (["--allowed-hosts", "http://myhost"], "--allowed-hosts"),
+        (["--allowed-hosts", ","], "--allowed-hosts"),
+        (["--max-body-bytes", "0"], "--max-body-bytes"),
+        (["--host", "no host here"], "--host"),
+    ],
+)
+def test_serve_guard_flags_and_a_bad_host_are_one_line(store, args, names):
+    """Before the model loads: the Host / Origin lists, the body limit, an unknown host."""
+    line = _error_line(run("serve", "--model", store("qwen3_moe"), *args))
+    assert names in line
+
+
+def test_serve_on_a_port_in_use_is_one_line(store):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        line = _error_line(run("serve", "--model", store("qwen3_moe"), "--port", port))
+    assert f"--port {port}" in line and "in use" in line
