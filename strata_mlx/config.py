@@ -145,6 +145,25 @@ def check_runtime(cfg, cli: bool = False) -> None:
             raise OptionError(f"{_name(name, cli)} {getattr(cfg, name)!r}: expected true or false")
 
 
+def check_context(
+    prompt_tokens: int, max_tokens: int, context: Any, rotating: bool, cli: bool = False
+) -> None:
+    """The prompt and the tokens to generate fit the model's context (max_position_embeddings),
+    unless a rotating KV cache (--max-kv-size) was chosen: past it the model reads positions it
+    was never trained on and answers wrong without a word."""
+    if not _is_int(context) or context <= 0:
+        return
+    check_prompt_length(prompt_tokens, context)  # the prompt alone, whatever the cache
+    if not rotating and prompt_tokens + max_tokens > context:
+        flag = _name("max_tokens", cli)
+        raise OptionError(
+            f"the prompt's {prompt_tokens} tokens + {flag} {max_tokens} are past the model's "
+            f"context of {context} tokens: shorten them, or choose a rotating cache "
+            f"({_name('max_kv_size', cli)})",
+            "max_tokens",
+        )
+
+
 def check_plan(
     target_memory_gb: Any = None,
     target_ssd_gbps: Any = None,
@@ -182,7 +201,7 @@ def check_sampling(
 ) -> None:
     """Sampling arguments. top_p 0 is the limit of a shrinking nucleus: the most likely token
     (greedy), as the server has always read it; 1 is no filter."""
-    check_int("max_tokens", max_tokens, 1, cli=cli)
+    check_int("max_tokens", max_tokens, 1, int(MAX_NUMBER), cli=cli)
     check_number("temp", temp, 0, cli=cli)
     check_number("top_p", top_p, 0, 1, cli=cli)
     if seed is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import typer
@@ -83,7 +82,9 @@ def cache_prompt(
     cfg = runtime_config(runtime, preset)
     m, tok = load(model, config=cfg)
     if prompt == "-":
-        prompt = sys.stdin.read()
+        from ...generation.tokenizer import read_stdin
+
+        prompt = read_stdin("--prompt - (stdin)")  # non-UTF-8 input is one line
     if prompt_tokens is not None:
         ids = parse_tokens(prompt_tokens, "--prompt-tokens")
     elif tok is None:
@@ -99,6 +100,10 @@ def cache_prompt(
     vocab = m.args.vocab_size
     if any(not 0 <= i < vocab for i in ids):
         raise OptionError(f"prompt token ids must lie in [0, {vocab})")
+    from ...config import check_context
+
+    context = getattr(m.args, "max_position_embeddings", None)
+    check_context(len(ids), 0, context, kv.max_kv_size is not None, cli=True)
     t = time.perf_counter()
     cache = run_prompt(m, ids, kv, cfg.prefill_step_size)
     dt = time.perf_counter() - t

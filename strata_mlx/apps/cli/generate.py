@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import typer
@@ -178,8 +177,14 @@ def generate(
     else:
         pipe = None
     if prompt == "-":
-        prompt = sys.stdin.read()
+        from ...generation.tokenizer import read_stdin
+
+        prompt = read_stdin("--prompt - (stdin)")  # non-UTF-8 input is one line
     ids = _prompt_ids(tok, model, prompt, prompt_tokens, system_prompt, chat, template_kwargs)
+    from ...config import check_context
+
+    context = getattr(m.args, "max_position_embeddings", None)
+    check_context(len(ids), max_tokens, context, kv.max_kv_size is not None, cli=True)
     _prompt_logits(m, ids, cfg.prefill_step_size, logits_out, logits_ref)
     prompt_cache, cached = _resume(m, tok, prompt_cache_file, kv, ids, prompt, prompt_tokens, chat)
     if prompt_cache is not None and ids[: len(cached)] == cached:
