@@ -599,3 +599,12 @@ def test_prompt_and_max_tokens_past_the_context_are_refused(store, tmp_path):
 def test_plan_targets_name_their_flag(store, flag):
     line = _error_line(run("plan", store("qwen3_moe"), flag, "nan", "--no-measure"))
     assert flag in line
+
+
+@pytest.mark.parametrize("command", ["generate", "cache-prompt"])
+@pytest.mark.parametrize("flag", ["--max-kv-size", "--kv-bits"])
+def test_gpt_oss_kv_refusals_name_the_flag(store, tmp_path, command, flag):
+    extra = ["--prompt-cache-file", tmp_path / "c.safetensors"] if command == "cache-prompt" else []
+    value = 64 if flag == "--max-kv-size" else 4
+    r = run(command, "--model", store("gpt_oss"), "--prompt-tokens", "1,2,3", flag, value, *extra)
+    assert f"error: {flag}: gpt_oss keeps a plain KV cache" in _error_line(r)

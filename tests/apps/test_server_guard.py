@@ -231,4 +231,5 @@ def test_the_server_answers_while_hostile_clients_hit_it(tiny):  # noqa: F811
 
 @pytest.mark.slow
 def test_the_server_answers_through_a_long_soak(tiny):  # noqa: F811
-    soak(tiny, seconds=60, huge_mb=50, slow=20, conns=500)
+    worst, idle, peak = soak(tiny, seconds=60, huge_mb=50, slow=20, conns=500)
+    print(f"soak: slowest answer {worst:.3f} s, RSS {idle:.0f} MB idle, {peak:.0f} MB peak")

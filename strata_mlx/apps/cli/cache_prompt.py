@@ -81,6 +81,9 @@ def cache_prompt(
     model, runtime["arena_gb"] = builtin_model(model, arena_gb)
     cfg = runtime_config(runtime, preset)
     m, tok = load(model, config=cfg)
+    from ...generation.prompt_cache import make_prompt_cache
+
+    make_prompt_cache(m, kv, cli=True)  # a family that cannot take the KV flags: named here
     if prompt == "-":
         from ...generation.tokenizer import read_stdin
 

@@ -166,6 +166,9 @@ def generate(
     from ...runtime.loader import load
 
     m, tok = load(model, config=cfg, pipeline=pipe)
+    from ...generation.prompt_cache import make_prompt_cache
+
+    make_prompt_cache(m, kv, cli=True)  # a family that cannot take the KV flags: named here
     cache = m.expert_cache
     if pipe is not None and pipe.size > 1:
         if pipe.rank != 0:  # rank 0 prompts, samples and prints; the others compute
