@@ -233,3 +233,32 @@ def test_the_server_answers_while_hostile_clients_hit_it(tiny):  # noqa: F811
 def test_the_server_answers_through_a_long_soak(tiny):  # noqa: F811
     worst, idle, peak = soak(tiny, seconds=60, huge_mb=50, slow=20, conns=500)
     print(f"soak: slowest answer {worst:.3f} s, RSS {idle:.0f} MB idle, {peak:.0f} MB peak")
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(model, tmp_path):
+    """A byte-level BPE token stands for at most its longest vocabulary entry's characters:
+    text past max_prompt_tokens times that is refused without tokenizing it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from strata_mlx.generation.tokenizer import Tokenizer as StrataTokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(["the cat sat on the mat"] * 10, trainer)
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    longest = max(len(t) for t in bpe.get_vocab())
+    tok = StrataTokenizer(tmp_path)
+    app = create_app(model[0], tok, NAME, max_prompt_tokens=100)
+    with running(app) as url, httpx.Client(base_url=url, trust_env=False, timeout=30) as http:
+        text = "the cat " * (100 * longest // 8 + 1)
+        r = http.post("/v1/completions", json={"prompt": text, "max_tokens": 1})
+        assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+        chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+        r = http.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+        r = http.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 1})
+        assert "characters" not in r.text

@@ -87,6 +87,23 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
+def chars_per_token(tokenizer) -> int | None:
+    """The most characters one token can stand for, where the tokenizer bounds it: byte-level
+    BPE without a normalizer puts every byte of the text in exactly one token, none longer than
+    its longest vocabulary entry. None otherwise (a word-level tokenizer's unknown token stands
+    for a word of any length)."""
+    import json
+
+    tok = getattr(tokenizer, "_tok", None)
+    if tok is None:
+        return None
+    spec = json.loads(tok.to_str())
+    byte_level = '"ByteLevel"' in json.dumps(spec.get("pre_tokenizer"))
+    if spec.get("model", {}).get("type") != "BPE" or spec.get("normalizer") or not byte_level:
+        return None
+    return max(len(t) for t in tok.get_vocab(with_added_tokens=True))
+
+
 def model_context(model) -> int:
     """The model's context length (max_position_embeddings), FALLBACK_CONTEXT if unnamed."""
     n = getattr(getattr(model, "args", None), "max_position_embeddings", None)
@@ -139,6 +156,8 @@ def create_app(
         max_tokens_limit=max_tokens_limit,
         max_prompt_tokens=context if max_prompt_tokens is None else max_prompt_tokens,
     )
+    most = chars_per_token(tokenizer)
+    state.max_prompt_chars = None if most is None else most * state.max_prompt_tokens
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

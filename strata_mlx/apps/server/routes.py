@@ -123,6 +123,18 @@ def _need_tokenizer(state: ServeState, what: str) -> None:
         raise APIError(f"{state.model_name}: the model has no tokenizer; {what}")
 
 
+def check_prompt_chars(state: ServeState, n_chars: int, param: str) -> None:
+    """Refuse a prompt whose text alone is too long for max_prompt_tokens, before the
+    tokenizer spends seconds on it (a bound only some tokenizers give: ServeState)."""
+    if state.max_prompt_chars is not None and n_chars > state.max_prompt_chars:
+        raise APIError(
+            f"{param}: {n_chars} characters, more than this server's limit of "
+            f"{state.max_prompt_tokens} tokens can hold (--max-prompt-tokens)",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
 def _encode(state: ServeState, text: str, param: str, **kw) -> list[int]:
     try:
         return state.tokenizer.encode(text, **kw)
@@ -368,6 +380,7 @@ def chat_job(state: ServeState, req: ChatCompletionRequest) -> ChatJob:
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
+    check_prompt_chars(state, sum(len(m["content"]) for m in messages), "messages")
     tools = bool(req.tools) and req.tool_choice != "none"
     extra = {"tools": req.tools} if tools else {}
     tokenizer = state.tokenizer
@@ -395,6 +408,7 @@ async def completions(req: CompletionRequest, request: Request):
         prompt = prompt[0]
     if isinstance(prompt, str):
         _need_tokenizer(state, "send the prompt as token ids")
+        check_prompt_chars(state, len(prompt), "prompt")
         ids = await asyncio.to_thread(_encode, state, prompt, "prompt")  # off the event loop
     else:
         ids = list(prompt)
