@@ -32,6 +32,9 @@ XTC_MAX_THRESHOLD = 0.5  # above it more than one token could exceed it: mlx-lm'
 DEFAULT_MAX_TOKENS = 512  # serve: a request's max_tokens when it gives none
 DEFAULT_MAX_QUEUE = 16  # serve: requests waiting behind the running one
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # serve: seconds in-flight requests get after SIGTERM
+# serve: the largest request body; a 262 K-token context's text is about 1 MB, JSON-escaped
+# at most a few times that, while a 4 MB prompt already takes seconds of a core to tokenize
+DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 class OptionError(ValueError):
@@ -226,6 +229,25 @@ def multiple_of_4kb(v: int, flag: str) -> None:
         )
 
 
+def check_context(
+    prompt_tokens: int, max_tokens: int, context: Any, rotating: bool, cli: bool = False
+) -> None:
+    """The prompt and the tokens to generate fit the model's context (max_position_embeddings),
+    unless a rotating KV cache (--max-kv-size) was chosen: past it the model reads positions it
+    was never trained on and answers wrong without a word."""
+    if not _is_int(context) or context <= 0:
+        return
+    check_prompt_length(prompt_tokens, context)  # the prompt alone, whatever the cache
+    if not rotating and prompt_tokens + max_tokens > context:
+        flag = _name("max_tokens", cli)
+        raise OptionError(
+            f"the prompt's {prompt_tokens} tokens + {flag} {max_tokens} are past the model's "
+            f"context of {context} tokens: shorten them, or choose a rotating cache "
+            f"({_name('max_kv_size', cli)})",
+            "max_tokens",
+        )
+
+
 def check_plan(
     target_memory_gb: Any = None,
     target_ssd_gbps: Any = None,
@@ -263,7 +285,7 @@ def check_sampling(
 ) -> None:
     """Sampling arguments. top_p 0 is the limit of a shrinking nucleus: the most likely token
     (greedy), as the server has always read it; 1 is no filter."""
-    check_int("max_tokens", max_tokens, 1, cli=cli)
+    check_int("max_tokens", max_tokens, 1, int(MAX_NUMBER), cli=cli)
     check_number("temp", temp, 0, cli=cli)
     check_number("top_p", top_p, 0, 1, cli=cli)
     if seed is not None:

@@ -20,6 +20,7 @@ runs generation itself nor keeps state between requests.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -34,7 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..generation.chat_output import ToolCall
 from . import chat_turn
 from .server.engine import Result
-from .server.routes import chat_job, serve_state
+from .server.guard import end_stream_with
+from .server.routes import chat_job, serve_state, shutdown_error
 from .server.schemas import APIError, ChatCompletionRequest, validation_error
 
 # ---- request models ------------------------------------------------------------------------
@@ -312,7 +314,8 @@ async def messages(req: MessagesRequest, request: Request):
             }
         )
 
-    turn = chat_turn.stream(state, request, chat)  # admitted here: a full queue is a 429
+    turn = await chat_turn.stream(state, request, chat)  # admitted here: a full queue is a 429
+    end_stream_with(request, lambda: _event("error", error_body(shutdown_error())))
 
     async def events() -> AsyncIterator[bytes]:
         start = _message(state, [])
@@ -373,7 +376,8 @@ async def messages(req: MessagesRequest, request: Request):
 
 async def count_tokens(req: CountTokensRequest, request: Request):
     """The prompt's length in tokens, as /v1/messages would template it."""
-    return {"input_tokens": len(chat_job(serve_state(request), to_chat(req)).job.ids)}
+    chat = await asyncio.to_thread(chat_job, serve_state(request), to_chat(req))
+    return {"input_tokens": len(chat.job.ids)}
 
 
 # ---- routes --------------------------------------------------------------------------------

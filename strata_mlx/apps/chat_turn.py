@@ -96,7 +96,7 @@ async def complete(
 ) -> tuple[list[Op], list[ToolCall], Result]:
     """Run `req` to its end: its blocks, its tool calls and the engine's result. APIError for
     a bad request, a full queue, a client that left or a failure in generation."""
-    chat = chat_job(state, req)
+    chat = await asyncio.to_thread(chat_job, state, req)  # tokenizing is off the event loop
     try:
         r = await state.engine.complete(chat.job, request)
     except asyncio.CancelledError:
@@ -128,9 +128,9 @@ class Streamed:
     ops: AsyncIterator[Op]
 
 
-def stream(state: ServeState, request: Request, req: ChatCompletionRequest) -> Streamed:
+async def stream(state: ServeState, request: Request, req: ChatCompletionRequest) -> Streamed:
     """Admit `req` now (a full queue is an APIError 429 here, before any event is sent)."""
-    chat = chat_job(state, req)
+    chat = await asyncio.to_thread(chat_job, state, req)  # tokenizing is off the event loop
     events = state.engine.stream(chat.job, request)
     parser, blocks = _parser(chat), Blocks()
 

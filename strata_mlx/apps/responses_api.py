@@ -38,7 +38,8 @@ from ..config import MAX_SEED
 from ..generation.chat_output import ToolCall
 from . import chat_turn
 from .server.engine import Result, ServeState
-from .server.routes import serve_state
+from .server.guard import end_stream_with
+from .server.routes import serve_state, shutdown_error
 from .server.schemas import APIError, ChatCompletionRequest
 
 # ---- request model -------------------------------------------------------------------------
@@ -368,7 +369,17 @@ async def responses(req: ResponsesRequest, request: Request):
             output.feed(*op)
         return JSONResponse(_finished(response, output, r, calls))
 
-    turn = chat_turn.stream(state, request, chat)  # admitted here: a full queue is a 429
+    turn = await chat_turn.stream(state, request, chat)  # admitted here: a full queue is a 429
+
+    def cut() -> bytes:  # shutdown cut the stream: an error event, then response.failed
+        e = shutdown_error()
+        error = {"code": e.code, "message": e.message}
+        failed = {**response, "status": "failed", "error": error, "output": output.items}
+        return _sse(output.event("error", code=e.code, message=e.message, param=None)) + _sse(
+            output.event("response.failed", response=failed)
+        )
+
+    end_stream_with(request, cut)
 
     async def events() -> AsyncIterator[bytes]:
         yield _sse(output.event("response.created", response=response))

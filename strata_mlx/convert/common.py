@@ -180,7 +180,10 @@ def ticking(desc: str, enabled: bool = True):
 
     from tqdm import tqdm
 
-    bar = tqdm(desc=desc, total=None, bar_format="{desc}: {elapsed}", disable=not enabled)
+    # shown from 1 s on: a quick step prints nothing (an error after it stays one line)
+    bar = tqdm(
+        desc=desc, total=None, bar_format="{desc}: {elapsed}", disable=not enabled, delay=1.0
+    )
     done = threading.Event()
 
     def redraw() -> None:

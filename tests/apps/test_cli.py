@@ -625,3 +625,74 @@ def test_a_runtime_option_declared_once_is_a_flag_a_preset_key_and_a_bench_varia
             value = "1" if o.is_switch else "7"
             got = policy_options(f"demand:{o.option.variant}{value}")[o.name]
             assert got == (True if o.is_switch else 7), o.name
+
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["--allowed-origins", "not an origin,,"], "--allowed-origins"),
+        (["--allowed-origins", "ftp://x.example"], "--allowed-origins"),
+        (["--allowed-hosts", "http://myhost"], "--allowed-hosts"),
+        (["--allowed-hosts", ","], "--allowed-hosts"),
+        (["--max-body-bytes", "0"], "--max-body-bytes"),
+        (["--host", "no host here"], "--host"),
+    ],
+)
+def test_serve_guard_flags_and_a_bad_host_are_one_line(store, args, names):
+    """Before the model loads: the Host / Origin lists, the body limit, an unknown host."""
+    line = _error_line(run("serve", "--model", store("qwen3_moe"), *args))
+    assert names in line
+
+
+def test_serve_on_a_port_in_use_is_one_line(store):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        line = _error_line(run("serve", "--model", store("qwen3_moe"), "--port", port))
+    assert f"--port {port}" in line and "in use" in line
+
+
+@pytest.mark.parametrize("command", ["generate", "cache-prompt"])
+def test_a_non_utf8_prompt_on_stdin_is_one_line(store, tmp_path, command):
+    extra = ["--prompt-cache-file", tmp_path / "c.safetensors"] if command == "cache-prompt" else []
+    r = subprocess.run([*CLI, command, "--model", str(store("qwen3_moe")), "-p", "-", *map(str, extra)],
+                       input=b"caf\xe9", capture_output=True, timeout=300)  # fmt: skip
+    r.stderr, r.stdout = r.stderr.decode(), r.stdout.decode()
+    line = _error_line(r)
+    assert "--prompt -" in line and "not UTF-8" in line
+    assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_prompt_and_max_tokens_past_the_context_are_refused(store, tmp_path):
+    """The tiny stores' context is 512 positions: past it, unless a rotating cache is chosen."""
+    path = store("qwen3_moe")
+    ids = ",".join(["5"] * 500)
+    line = _error_line(run("generate", "--model", path, "--prompt-tokens", ids, "-m", 20))
+    assert "context of 512" in line and "--max-tokens 20" in line and "--max-kv-size" in line
+    r = run("generate", "--model", path, "--prompt-tokens", ids, "-m", 20, "--max-kv-size", 256)
+    assert r.returncode == 0, r.stderr
+    line = _error_line(run("generate", "--model", path, "-p", "x", "-m", 2**40))
+    assert "--max-tokens" in line
+    out = tmp_path / "c.safetensors"
+    long = ",".join(["5"] * 600)
+    line = _error_line(run("cache-prompt", "--model", path, "--prompt-tokens", long,
+                           "--prompt-cache-file", out))  # fmt: skip
+    assert "context of 512" in line and not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--target-memory", "--target-ssd-gbps", "--arena-gb"])
+def test_plan_targets_name_their_flag(store, flag):
+    line = _error_line(run("plan", store("qwen3_moe"), flag, "nan", "--no-measure"))
+    assert flag in line
+
+
+@pytest.mark.parametrize("command", ["generate", "cache-prompt"])
+@pytest.mark.parametrize("flag", ["--max-kv-size", "--kv-bits"])
+def test_gpt_oss_kv_refusals_name_the_flag(store, tmp_path, command, flag):
+    extra = ["--prompt-cache-file", tmp_path / "c.safetensors"] if command == "cache-prompt" else []
+    value = 64 if flag == "--max-kv-size" else 4
+    r = run(command, "--model", store("gpt_oss"), "--prompt-tokens", "1,2,3", flag, value, *extra)
+    assert f"error: {flag}: gpt_oss keeps a plain KV cache" in _error_line(r)

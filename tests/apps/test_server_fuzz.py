@@ -1,6 +1,7 @@
 """The server's request parser, fuzzed (hypothesis) against a live tiny-store server: garbled
 bytes, random JSON, fields of the wrong type, huge numbers, unicode and missing fields, posted
-to /v1/completions and /v1/chat/completions. Every answer is a 200 for a valid request or a 4xx
+to /v1/completions and /v1/chat/completions; bodies over the size limit or trickled in slow
+pieces, to those and /v1/messages and /v1/responses. Every answer is a 200 for a valid request or a 4xx
 whose body is an OpenAI-style error with a one-line message; never a 500, never a traceback;
 the server keeps serving afterwards. Bounded to a few seconds per test."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import time
 
 import httpx2 as httpx
 import pytest
@@ -19,6 +21,7 @@ from test_server import NAME, load_tiny, running, tiny  # noqa: F401 (tiny: a fi
 from strata_mlx.apps.server import create_app
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+BODY_LIMIT = 64 << 10  # the fuzzed server's --max-body-bytes
 FUZZ = settings(
     max_examples=60,  # about 30 s in all on two shared cores; CI can raise it
     deadline=None,
@@ -31,7 +34,9 @@ FUZZ = settings(
 def fuzzed(tiny):  # noqa: F811 (the fixture imported above)
     """A server whose valid requests finish within 3 tokens."""
     model, tok = load_tiny(tiny)
-    app = create_app(model, tok, NAME, default_max_tokens=2, max_tokens_limit=3)
+    app = create_app(
+        model, tok, NAME, default_max_tokens=2, max_tokens_limit=3, max_body_bytes=BODY_LIMIT
+    )
     try:
         with running(app) as base:
             with httpx.Client(base_url=base, trust_env=False, timeout=60) as http:
@@ -241,6 +246,45 @@ def test_completion_fields(fuzzed, body):
 def test_chat_fields(fuzzed, body):
     r = post(fuzzed, "/v1/chat/completions", dumps(body))
     COUNTS[check_answer(r, stream=body.get("stream") is True)] += 1
+
+
+@settings(FUZZ, max_examples=40)
+@given(
+    path=st.sampled_from(ENDPOINTS + ("/v1/messages", "/v1/responses")),
+    size=st.one_of(
+        st.integers(0, 2 * BODY_LIMIT), st.sampled_from([BODY_LIMIT, BODY_LIMIT + 1, 50 << 20])
+    ),
+    piece=st.sampled_from([None, 1, 7, 4096, 1 << 20]),
+    pause=st.sampled_from([0.0, 0.001, 0.01]),
+)
+@example(path="/v1/completions", size=50 << 20, piece=None, pause=0.0)
+def test_oversized_and_slow_bodies(fuzzed, path, size, piece, pause):
+    """A body of `size` bytes (a prompt padded to it), sent whole with its length or in pieces
+    of `piece` bytes without one, `pause` s apart (a slow client; the first 20 pieces, then the
+    rest, to bound the time): past the limit a 413 with the error body, at once or as it arrives;
+    within it the answer any body gets."""
+    head = b'{"prompt": "the cat ' if "completions" in path else b'{"x": "'
+    body = head + b"a" * max(0, size - len(head) - 2) + b'"}'
+
+    def pieces():  # 20 slow pieces, then the rest at once (a byte a write takes minutes)
+        for i in range(0, min(len(body), 20 * piece), piece):
+            time.sleep(pause)
+            yield body[i : i + piece]
+        if len(body) > 20 * piece:
+            yield body[20 * piece :]
+
+    try:
+        r = post(fuzzed, path, body if piece is None else pieces())
+    except httpx.WriteError:  # refused by its length while still sending: the server closed
+        assert len(body) > BODY_LIMIT
+        return
+    if len(body) > BODY_LIMIT:
+        assert r.status_code == 413, r.text
+        assert "--max-body-bytes" in r.json()["error"]["message"]
+    elif path in ENDPOINTS:
+        check_answer(r)
+    else:
+        assert r.status_code < 500, r.text
 
 
 def test_still_serving_after_the_fuzz(fuzzed):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import typer
@@ -73,8 +72,13 @@ def cache_prompt(
     model, arena_gb = builtin_model(model, runtime.arena_gb)
     cfg = runtime.replace(arena_gb=arena_gb)
     m, tok = load(model, config=cfg)
+    from ...generation.prompt_cache import make_prompt_cache
+
+    make_prompt_cache(m, kv, cli=True)  # a family that cannot take the KV flags: named here
     if prompt == "-":
-        prompt = sys.stdin.read()
+        from ...generation.tokenizer import read_stdin
+
+        prompt = read_stdin("--prompt - (stdin)")  # non-UTF-8 input is one line
     if prompt_tokens is not None:
         ids = parse_tokens(prompt_tokens, "--prompt-tokens")
     elif tok is None:
@@ -90,6 +94,10 @@ def cache_prompt(
     vocab = m.args.vocab_size
     if any(not 0 <= i < vocab for i in ids):
         raise OptionError(f"prompt token ids must lie in [0, {vocab})")
+    from ...config import check_context
+
+    context = getattr(m.args, "max_position_embeddings", None)
+    check_context(len(ids), 0, context, kv.max_kv_size is not None, cli=True)
     t = time.perf_counter()
     cache = run_prompt(m, ids, kv, cfg.prefill_step_size)
     dt = time.perf_counter() - t

@@ -57,6 +57,11 @@ def convert(
         None, "--set", help="Synthetic shape override, e.g. --set num_hidden_layers=8."
     ),
     seed: int = typer.Option(0, "--seed"),
+    allow_non_finite: bool = typer.Option(
+        False,
+        "--allow-non-finite",
+        help="Convert weights holding NaN or inf (refused by default: they compute garbage).",
+    ),
     overwrite: bool = typer.Option(
         False,
         "--overwrite",
@@ -117,6 +122,7 @@ def _convert(hf_path, gguf_path, synthetic, mlx_path, flags: dict) -> Path:
             q_mode=flags["q_mode"] or "affine",
             dtype=flags["dtype"],
             calibration_tokens=flags["calibration_tokens"],
+            allow_non_finite=flags["allow_non_finite"],
         )
     elif gguf_path is not None:
         from ...convert.gguf import convert_gguf

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -147,6 +146,9 @@ def generate(
     from ...runtime.loader import load
 
     m, tok = load(model, config=cfg, pipeline=pipe)
+    from ...generation.prompt_cache import make_prompt_cache
+
+    make_prompt_cache(m, kv, cli=True)  # a family that cannot take the KV flags: named here
     cache = m.expert_cache
     if pipe is not None and pipe.size > 1:
         if pipe.rank != 0:  # rank 0 prompts, samples and prints; the others compute
@@ -158,9 +160,15 @@ def generate(
     else:
         pipe = None
     if prompt == "-":
-        prompt = sys.stdin.read()
+        from ...generation.tokenizer import read_stdin
+
+        prompt = read_stdin("--prompt - (stdin)")  # non-UTF-8 input is one line
     chat = chat or (auto_chat and tok is not None and bool(tok.chat_template))
     ids = _prompt_ids(tok, model, prompt, prompt_tokens, system_prompt, chat, template_kwargs)
+    from ...config import check_context
+
+    context = getattr(m.args, "max_position_embeddings", None)
+    check_context(len(ids), max_tokens, context, kv.max_kv_size is not None, cli=True)
     _prompt_logits(m, ids, cfg.prefill_step_size, logits_out, logits_ref)
     prompt_cache, cached = _resume(m, tok, prompt_cache_file, kv, ids, prompt, prompt_tokens, chat)
     if prompt_cache is not None and ids[: len(cached)] == cached:

@@ -43,12 +43,23 @@ def plan(
     json_out: Path | None = typer.Option(None, "--json", help="Write the forecast as JSON."),
 ):
     """Will MODEL fit, with what arena and chunk, and how fast: prefill and decode tok/s."""
-    from ...config import check_int
+    from ...config import check_int, check_plan
     from ..plan import plan as run_plan
     from ..plan import save
 
     check_int("prompt_tokens", prompt_tokens, 1, 1 << 24, cli=True)
     check_int("generation_tokens", generation_tokens, 1, 1 << 24, cli=True)
+    check_plan(
+        target_memory,
+        target_ssd_gbps,
+        target_tflops,
+        io_workers,
+        prompt_tokens,
+        generation_tokens,
+        arena_gb=arena_gb,
+        prefill_step_size=prefill_step_size,
+        cli=True,
+    )  # fmt: skip (the flags' names in the message)
     check_output_file(json_out, "--json")
     model, arena_gb = builtin_model(model, arena_gb)
     f = run_plan(model, arena_gb, prefill_step_size, prompt_tokens, generation_tokens, io_workers,

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from ...config import (
+    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_TOKENS,
     DEFAULT_SHUTDOWN_TIMEOUT,
@@ -66,6 +67,15 @@ def serve(
         "--allowed-origins",
         help="Comma-separated origins browsers may call from (CORS), or '*'.",
     ),
+    allowed_hosts: str | None = typer.Option(
+        None,
+        "--allowed-hosts",
+        help="Comma-separated host names requests may be addressed to besides localhost, "
+        "127.0.0.1, [::1] and --host (checked on a loopback --host, or whenever given).",
+    ),
+    max_body_bytes: int = typer.Option(
+        DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", help="The largest request body; more is a 413."
+    ),
     log_level: str = typer.Option("info", "--log-level"),
     prompt_cache_size: int = typer.Option(
         10, "--prompt-cache-size", help="Conversations whose KV cache is kept for reuse (0: off)."
@@ -119,7 +129,11 @@ def serve(
         raise OptionError("--pipeline: --max-kv-size and --kv-bits are not pipelined yet")
     if api_key is not None and not api_key.strip():
         raise OptionError("--api-key: empty", "api_key")
-    origins = [o.strip() for o in (allowed_origins or "").split(",") if o.strip()] or None
+    from ..server.guard import check_host_names, check_origins
+
+    origins = check_origins(allowed_origins) if allowed_origins is not None else None
+    hosts = check_host_names(allowed_hosts) if allowed_hosts is not None else None
+    check_int("max_body_bytes", max_body_bytes, 1, cli=True)
     if model is None:
         model_name = model_name or "smollm2-135m-instruct-split"
     model, arena_gb = builtin_model(model, runtime.arena_gb)
@@ -136,6 +150,8 @@ def serve(
         max_queue=max_queue,
         api_key=api_key,
         allowed_origins=origins,
+        allowed_hosts=hosts,
+        max_body_bytes=max_body_bytes,
         shutdown_timeout=shutdown_timeout,
         prompt_cache_size=prompt_cache_size,
         prompt_cache_bytes=prompt_cache_bytes,

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import contextlib
 import hmac
+import socket
 import time
 from pathlib import Path
 
@@ -16,12 +17,15 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...config import (
+    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_TOKENS,
     DEFAULT_SHUTDOWN_TIMEOUT,
+    OptionError,
 )
 from ..dashboard import add_routes
 from .engine import Engine, ServeState
+from .guard import LOOPBACK_NAMES, BodyLimit, HostGuard, StreamEnd, is_loopback
 from .routes import (
     api_error,
     chat_completions,
@@ -83,6 +87,23 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
+def chars_per_token(tokenizer) -> int | None:
+    """The most characters one token can stand for, where the tokenizer bounds it: byte-level
+    BPE without a normalizer puts every byte of the text in exactly one token, none longer than
+    its longest vocabulary entry. None otherwise (a word-level tokenizer's unknown token stands
+    for a word of any length)."""
+    import json
+
+    tok = getattr(tokenizer, "_tok", None)
+    if tok is None:
+        return None
+    spec = json.loads(tok.to_str())
+    byte_level = '"ByteLevel"' in json.dumps(spec.get("pre_tokenizer"))
+    if spec.get("model", {}).get("type") != "BPE" or spec.get("normalizer") or not byte_level:
+        return None
+    return max(len(t) for t in tok.get_vocab(with_added_tokens=True))
+
+
 def model_context(model) -> int:
     """The model's context length (max_position_embeddings), FALLBACK_CONTEXT if unnamed."""
     n = getattr(getattr(model, "args", None), "max_position_embeddings", None)
@@ -102,6 +123,9 @@ def create_app(
     allowed_origins: list[str] | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     kv=None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    bound_host: str = "127.0.0.1",
+    allowed_hosts: list[str] | None = None,
 ):
     """The FastAPI app serving `model` under the name `model_name`.
 
@@ -111,7 +135,11 @@ def create_app(
     CORS headers. At shutdown, generation still running is cancelled and waited for up to
     `shutdown_timeout` seconds. `kv` (prompt_cache.KVOptions: mlx-lm's --max-kv-size,
     --kv-bits, ...) shapes every generation's KV cache; a family that cannot take it is
-    refused here, before anything is served."""
+    refused here, before anything is served. A request body over `max_body_bytes` is a 413.
+    Served on a loopback address (`bound_host`), or with `allowed_hosts`, a request whose Host
+    is not this machine's loopback names, the bound host or one of `allowed_hosts` is a 403,
+    and so is one whose Origin is neither on such a host nor in `allowed_origins` (a web page
+    cannot reach the server through DNS rebinding)."""
     from ...generation.prompt_cache import make_prompt_cache
     from .. import anthropic_api, responses_api  # they build on this package's request models
 
@@ -128,6 +156,8 @@ def create_app(
         max_tokens_limit=max_tokens_limit,
         max_prompt_tokens=context if max_prompt_tokens is None else max_prompt_tokens,
     )
+    most = chars_per_token(tokenizer)
+    state.max_prompt_chars = None if most is None else most * state.max_prompt_tokens
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -136,9 +166,12 @@ def create_app(
 
     app = FastAPI(title="strata-mlx", lifespan=lifespan)
     app.state.serve = state
+    app.state.max_body_bytes = max_body_bytes
     app.state.engine = engine
-    # Starlette runs the last middleware added first: CORS answers preflights (which carry
-    # no credentials) before the key is checked, and adds its headers to 401s too.
+    # Starlette runs the last middleware added first: a stream cut at shutdown is ended
+    # cleanly, a foreign Host or Origin is refused before anything else, CORS answers
+    # preflights (which carry no credentials) before the key is checked, and adds its headers
+    # to 401s too.
     if api_key:
         app.add_middleware(_BearerAuth, key=api_key)
     if allowed_origins:
@@ -149,6 +182,11 @@ def create_app(
             allow_headers=["*"],
             max_age=600,
         )
+    if is_loopback(bound_host) or allowed_hosts:
+        hosts = [*LOOPBACK_NAMES, bound_host, *(allowed_hosts or ())]
+        app.add_middleware(HostGuard, hosts=hosts, allowed_origins=allowed_origins)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(StreamEnd)
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -212,6 +250,8 @@ def serve(
     max_queue: int = DEFAULT_MAX_QUEUE,
     api_key: str | None = None,
     allowed_origins: list[str] | None = None,
+    allowed_hosts: list[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     prompt_cache_size: int = 10,
     prompt_cache_bytes: int = 1 << 30,
@@ -243,6 +283,8 @@ def serve(
         from ...runtime.distributed import Pipeline, serve_stage
 
         pipe = Pipeline(split=pipeline_split, timeout_s=pipeline_timeout)
+    # before the model loads: a port in use is one line at once (rank 0 alone serves HTTP)
+    sock = _bind(host, port) if pipe is None or pipe.rank == 0 else None
     # the prompt caches it keeps (up to prompt_cache_bytes) are memory the arena leaves free
     # (none with several ranks: those keep no prompt caches, below)
     kept = prompt_cache_bytes if prompt_cache_size > 0 and (pipe is None or pipe.size == 1) else 0
@@ -270,6 +312,9 @@ def serve(
         # next token, which this bounds
         shutdown_timeout=min(shutdown_timeout, 2.0),
         kv=kv,
+        max_body_bytes=max_body_bytes,
+        bound_host=host,
+        allowed_hosts=allowed_hosts,
     )
     from ...generation.prompt_cache import PromptCacheLRU
 
@@ -282,17 +327,38 @@ def serve(
         _stop_ranks_at_shutdown(app, model)
     print("\n".join(started_lines(name, path, model, host, port)), flush=True)
     try:
-        uvicorn.run(
-            app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            timeout_graceful_shutdown=shutdown_timeout,
+        config = uvicorn.Config(
+            app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout
         )
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
+        sock.close()
         if pipe is not None:
             model.close()
         model.expert_cache.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on `host`:`port`, as uvicorn would make it; OptionError naming the
+    flags when the host is unknown or the port taken."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise OptionError(f"--host {host!r}: not an address of this machine ({e})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)  # uvicorn's default backlog
+    except OSError as e:
+        sock.close()
+        raise OptionError(
+            f"--host {host} --port {port}: cannot listen there ({e.strerror})"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _stop_ranks_at_shutdown(app, model) -> None:

@@ -303,6 +303,9 @@ class ServeState:
     default_max_tokens: int
     max_tokens_limit: int
     max_prompt_tokens: int
+    # the longest prompt text, in characters, that could fit max_prompt_tokens (None: the
+    # tokenizer gives no bound); longer text is refused before it is tokenized
+    max_prompt_chars: int | None = None
 
     @property
     def model(self):

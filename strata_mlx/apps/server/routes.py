@@ -22,6 +22,7 @@ from ...config import (
 from ...generation.chat_output import ChatStream, ToolFormat, opens_reasoning, parse, tool_format
 from ...generation.sampling import SamplingOptions
 from .engine import Job, Result, ServeState
+from .guard import end_stream_with
 from .schemas import (
     APIError,
     ChatCompletionRequest,
@@ -73,11 +74,28 @@ async def invalid_request(request: Request, exc: RequestValidationError):
 
 async def http_error(request: Request, exc: StarletteHTTPException):
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(str(exc.detail), exc.status_code, type=kind).response()
+    message = str(exc.detail)
+    if exc.status_code == 413:  # FastAPI's body limit (create_app's max_body_bytes)
+        limit = getattr(request.app.state, "max_body_bytes", None)
+        message = (
+            f"the request body is over this server's limit of {limit} bytes (--max-body-bytes)"
+        )
+        return APIError(message, 413, code="request_too_large").response()
+    return APIError(message, exc.status_code, type=kind).response()
 
 
 async def internal_error(request: Request, exc: Exception):
     return APIError(one_line(exc), 500, type="server_error").response()
+
+
+def shutdown_error() -> APIError:
+    """What a request cut by the server's shutdown is answered (or its stream ends with)."""
+    return APIError(
+        "the server shut down before the request finished",
+        503,
+        code="shutdown",
+        type="server_error",
+    )
 
 
 def serve_state(request: Request) -> ServeState:
@@ -103,6 +121,18 @@ def _check_request(state: ServeState, req: SamplingFields) -> None:
 def _need_tokenizer(state: ServeState, what: str) -> None:
     if state.tokenizer is None:
         raise APIError(f"{state.model_name}: the model has no tokenizer; {what}")
+
+
+def check_prompt_chars(state: ServeState, n_chars: int, param: str) -> None:
+    """Refuse a prompt whose text alone is too long for max_prompt_tokens, before the
+    tokenizer spends seconds on it (a bound only some tokenizers give: ServeState)."""
+    if state.max_prompt_chars is not None and n_chars > state.max_prompt_chars:
+        raise APIError(
+            f"{param}: {n_chars} characters, more than this server's limit of "
+            f"{state.max_prompt_tokens} tokens can hold (--max-prompt-tokens)",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def _encode(state: ServeState, text: str, param: str, **kw) -> list[int]:
@@ -211,12 +241,7 @@ async def _complete(engine, request: Request, job: Job, kind: str, head: dict, t
     except asyncio.CancelledError:
         # uvicorn cancels what still runs when the shutdown's grace period ends (the
         # job itself stops at its next token): say so rather than let it answer 500
-        return APIError(
-            "the server shut down before the request finished",
-            503,
-            code="shutdown",
-            type="server_error",
-        ).response()
+        return shutdown_error().response()
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001 - answered as an error body, connection kept
@@ -267,6 +292,7 @@ def _stream(engine, request: Request, req: SamplingFields, job: Job, kind: str, 
         return c
 
     stream = engine.stream(job, request)  # admitted here: a full queue is a 429
+    end_stream_with(request, lambda: _sse(shutdown_error().body()) + b"data: [DONE]\n\n")
 
     parser = ChatStream(tools, in_reasoning) if kind == "chat" else None
 
@@ -323,7 +349,7 @@ class ChatJob:
 
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = serve_state(request)
-    chat = chat_job(state, req)
+    chat = await asyncio.to_thread(chat_job, state, req)  # tokenizing is off the event loop
     return await _respond(state, request, req, chat.job, "chat", chat.tools, chat.in_reasoning)
 
 
@@ -354,6 +380,7 @@ def chat_job(state: ServeState, req: ChatCompletionRequest) -> ChatJob:
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
+    check_prompt_chars(state, sum(len(m["content"]) for m in messages), "messages")
     tools = bool(req.tools) and req.tool_choice != "none"
     extra = {"tools": req.tools} if tools else {}
     tokenizer = state.tokenizer
@@ -381,7 +408,8 @@ async def completions(req: CompletionRequest, request: Request):
         prompt = prompt[0]
     if isinstance(prompt, str):
         _need_tokenizer(state, "send the prompt as token ids")
-        ids = _encode(state, prompt, "prompt")
+        check_prompt_chars(state, len(prompt), "prompt")
+        ids = await asyncio.to_thread(_encode, state, prompt, "prompt")  # off the event loop
     else:
         ids = list(prompt)
     job = _make_job(state, req, ids, req.max_tokens)

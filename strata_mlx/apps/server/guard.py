@@ -1,0 +1,212 @@
+"""What stands in front of every request, as ASGI middleware: the Host / Origin check that keeps
+a loopback server out of reach of web pages (a page doing DNS rebinding sends its own name as
+Host; a cross-site form post sends its own Origin), and the clean end of an event stream that
+shutdown cuts (uvicorn cancels what still runs when the grace period ends: the stream gets its
+protocol's final error event rather than a bare close), and the request body's size limit.
+Never: parses a request body or knows an endpoint's schema (a stream registers its own final
+bytes with `end_stream_with`)."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from fastapi import Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ...config import OptionError
+from .schemas import APIError
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+_STREAM_END = "strata_mlx.stream_end"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether the bind address `host` is reachable from this machine only."""
+    name = host.strip("[]").lower().rstrip(".")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(value: str) -> str:
+    """The name in a Host header (or an address): port and IPv6 brackets dropped, lowercase."""
+    v = value.strip().lower()
+    if v.startswith("["):
+        return v[1 : v.find("]")] if "]" in v else v
+    if v.count(":") == 1:  # name:port (a bare IPv6 address has several colons)
+        v = v.split(":")[0]
+    return v.rstrip(".")
+
+
+def check_host_names(text: str, flag: str = "--allowed-hosts") -> list[str]:
+    """The comma-separated host names of `flag`: each a name or an address, without a scheme,
+    path or port; OptionError naming the flag otherwise."""
+    names = [n.strip() for n in text.split(",")]
+    if not any(names):
+        raise OptionError(f"{flag} {text!r}: expected host names, e.g. myhost.local,10.0.0.5")
+    for n in names:
+        if not n or any(c in n for c in "/ @?#") or host_name(n) != n.lower().strip("[]"):
+            raise OptionError(f"{flag}: {n!r} is not a host name (no scheme, port or path)")
+    return [host_name(n) for n in names]
+
+
+def check_origins(text: str, flag: str = "--allowed-origins") -> list[str]:
+    """The comma-separated origins of `flag` ('*', or scheme://host[:port] as browsers send
+    them in Origin); OptionError naming the flag otherwise."""
+    origins = [o.strip() for o in text.split(",")]
+    if not any(origins):
+        raise OptionError(f"{flag} {text!r}: expected origins, e.g. https://app.example")
+    for o in origins:
+        if o == "*":
+            continue
+        try:
+            parts = urlsplit(o)
+            parts.port  # noqa: B018 - raises ValueError on a port that is not a number
+        except ValueError:
+            parts = None
+        if (
+            parts is None
+            or parts.scheme not in ("http", "https")
+            or not parts.hostname
+            or parts.path
+            or parts.query
+            or parts.fragment
+            or "@" in parts.netloc
+        ):
+            raise OptionError(
+                f"{flag}: {o!r} is not an origin (expected scheme://host[:port], e.g. "
+                "https://app.example, or '*')"
+            )
+    return origins
+
+
+class HostGuard:
+    """Refuse (403) a request whose Host header names anything but this machine's loopback
+    names, the bound host and `allowed_hosts`, or whose Origin header (sent by browsers) is
+    neither one of `allowed_origins` nor on such a host. A request without either header (a
+    command-line client speaking HTTP/1.0) passes: a browser always sends Host."""
+
+    def __init__(self, app, hosts: list[str], allowed_origins: list[str] | None = None):
+        self.app = app
+        self.hosts = {host_name(h) for h in hosts}
+        self.origins = set(allowed_origins or ())
+
+    def _refusal(self, headers: dict) -> str | None:
+        host = headers.get(b"host")
+        if host is not None and host_name(host.decode("latin-1")) not in self.hosts:
+            return f"Host {host.decode('latin-1')[:100]!r} is not served here"
+        origin = headers.get(b"origin")
+        if origin is None or "*" in self.origins:
+            return None
+        origin = origin.decode("latin-1")
+        if origin in self.origins:
+            return None
+        try:
+            name = urlsplit(origin).hostname
+        except ValueError:
+            name = None
+        if name is None or host_name(name) not in self.hosts:
+            return f"Origin {origin[:100]!r} is not allowed"
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            refusal = self._refusal(dict(scope["headers"]))
+            if refusal is not None:
+                err = APIError(
+                    f"{refusal}: this server answers {', '.join(sorted(self.hosts))} "
+                    "(--allowed-hosts and --allowed-origins add more)",
+                    403,
+                    code="host_not_allowed",
+                )
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _TooLarge(StarletteHTTPException):
+    def __init__(self) -> None:
+        super().__init__(413, "request body too large")
+
+
+class BodyLimit:
+    """Answer a request whose body is over `limit` bytes 413 with the server's error body: at
+    once by its Content-Length, else as it arrives (the handler reading it gets an HTTP 413
+    exception, answered by the app's handler). Starlette's own limit answers in plain text."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.limit:
+            await body_too_large(self.limit).response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(
+        f"the request body is over this server's limit of {limit} bytes (--max-body-bytes)",
+        413,
+        code="request_too_large",
+    )
+
+
+def end_stream_with(request: Request, final: Callable[[], bytes]) -> None:
+    """`final()` makes what the response streaming to `request` sends last if shutdown cuts it
+    (its protocol's error event, and OpenAI's [DONE]), from what it has sent so far."""
+    request.scope[_STREAM_END] = final
+
+
+class StreamEnd:
+    """When the server's shutdown cancels a response that has begun streaming, send the final
+    bytes its handler registered (end_stream_with) and end the body, rather than let the
+    connection close mid-stream."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = {"started": False, "ended": False}
+
+        async def watched_send(message) -> None:
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                state["ended"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except asyncio.CancelledError:
+            end = scope.get(_STREAM_END)
+            if end is None or not state["started"] or state["ended"]:
+                raise
+            # outside the response's own cancelled task group, the connection still writes
+            await send({"type": "http.response.body", "body": end(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,264 @@
+"""The server against hostile clients (strata_mlx.apps.server.guard and the body limit): a
+foreign Host or Origin is a 403 (DNS rebinding), a body over the limit a 413 (by its
+Content-Length or as it streams), a stream cut by shutdown ends with its protocol's error event,
+and a soak: a 50 MiB body, slow clients trickling bodies and many idle connections while a
+normal client keeps getting answers within a second and the server's RSS stays bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx2 as httpx
+import pytest
+import uvicorn
+from test_server import LONG, NAME, load_tiny, running, tiny  # noqa: F401 (tiny: a fixture)
+
+from strata_mlx.apps.server import create_app
+
+LIMIT = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def model(tiny):  # noqa: F811 (the fixture imported above)
+    model, tok = load_tiny(tiny)
+    try:
+        yield model, tok
+    finally:
+        model.expert_cache.close()
+
+
+@pytest.fixture(scope="module")
+def base(model):
+    app = create_app(
+        *model, NAME, max_tokens_limit=LONG, max_body_bytes=LIMIT, allowed_hosts=["myhost.lan"]
+    )
+    with running(app) as url:
+        yield url
+
+
+BODY = {"model": NAME, "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 1}
+
+
+def test_a_foreign_host_or_origin_is_refused(base):
+    port = base.rsplit(":", 1)[1]
+    with httpx.Client(base_url=base, trust_env=False, timeout=30) as http:
+        for path in ("/v1/models", "/dashboard", "/dashboard/data", "/v1/stats"):
+            r = http.get(path, headers={"Host": "evil.example"})
+            assert r.status_code == 403, (path, r.text)
+            assert "evil.example" in r.json()["error"]["message"]
+        r = http.post("/v1/chat/completions", json=BODY, headers={"Host": f"evil.example:{port}"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
+        for host in ("localhost", f"127.0.0.1:{port}", f"[::1]:{port}", "myhost.lan", "LOCALHOST"):
+            assert http.get("/v1/models", headers={"Host": host}).status_code == 200, host
+        # a page elsewhere posting to the local server (its Origin), and one on this machine
+        evil = {"Origin": "http://evil.example"}
+        assert http.post("/v1/chat/completions", json=BODY, headers=evil).status_code == 403
+        assert http.get("/v1/models", headers={"Origin": "null"}).status_code == 403
+        local = {"Origin": f"http://localhost:{port}"}
+        assert http.post("/v1/chat/completions", json=BODY, headers=local).status_code == 200
+
+
+def test_a_body_over_the_limit_is_a_413(base):
+    with httpx.Client(base_url=base, trust_env=False, timeout=30) as http:
+        big = json.dumps({**BODY, "messages": [{"role": "user", "content": "a" * LIMIT}]})
+        r = http.post(
+            "/v1/chat/completions", content=big, headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 413, r.text
+        assert "--max-body-bytes" in r.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: counted as it arrives
+            yield b'{"prompt": "'
+            for _ in range(LIMIT // 1024 + 1):
+                yield b"a" * 1024
+            yield b'"}'
+
+        r = http.post(
+            "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 413, r.text
+        for path in ("/v1/messages", "/v1/responses"):
+            assert http.post(path, content=big).status_code == 413
+        assert http.post("/v1/chat/completions", json=BODY).status_code == 200
+
+
+@contextlib.contextmanager
+def cut_server(app):
+    """`app` under uvicorn with a short shutdown grace period; yields (url, server)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=0.5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+CUT = [
+    ("/v1/chat/completions", BODY, "data: [DONE]"),
+    ("/v1/messages", {**BODY, "max_tokens": LONG}, "event: error"),
+    ("/v1/responses", {"model": NAME, "input": "the cat"}, "event: response.failed"),
+]
+
+
+@pytest.mark.parametrize("path,body,last", CUT, ids=["openai", "anthropic", "responses"])
+def test_a_stream_cut_at_shutdown_ends_with_an_error_event(model, path, body, last):
+    endless = copy.copy(model[1])
+    endless.eos_token_ids = set()  # the text runs until shutdown cuts it
+    app = create_app(model[0], endless, NAME, max_tokens_limit=LONG, default_max_tokens=LONG)
+    body = {**body, "stream": True}
+    if path != "/v1/messages":
+        body["max_tokens" if path == "/v1/chat/completions" else "max_output_tokens"] = LONG
+    with cut_server(app) as (url, server):
+        with httpx.Client(trust_env=False, timeout=60) as http:
+            with http.stream("POST", url + path, json=body) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                seen = [next(lines) for _ in range(3)]  # generation is under way
+                server.should_exit = True  # SIGTERM; the stream runs past the grace period
+                seen += list(lines)
+    events = [line for line in seen if line]
+    assert any(e.startswith(last) for e in events[-2:]), events[-3:]
+    assert "shut down" in "".join(events[-3:])
+
+
+def rss_mb(pid: int) -> float:
+    return int(subprocess.check_output(["ps", "-o", "rss=", "-p", str(pid)])) / 1024
+
+
+def hostile_clients(port: int, slow: int, conns: int, huge_mb: int, stop: threading.Event):
+    """Start the attackers on threads: one body of `huge_mb` MiB, `slow` clients trickling a
+    body a byte at a time, `conns` idle connections."""
+
+    def huge():  # a valid request: a prompt of huge_mb MiB of words
+        body = b'{"prompt": "' + b"the cat " * (huge_mb << 17) + b'"}'
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            )
+            s.settimeout(0.5)
+            with contextlib.suppress(TimeoutError):  # refused at once by its length
+                answers.append(s.recv(100).split(b" ")[1])
+            s.settimeout(120)
+            s.sendall(body)  # or sent, as a server without a limit reads it
+            answers.append(s.recv(100).split(b" ")[1])
+
+    def trickle():
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                b"application/json\r\nContent-Length: 100000\r\n\r\n"
+            )
+            while not stop.wait(0.05):
+                s.sendall(b"a")
+
+    idle, answers = [], []
+    for _ in range(conns):
+        with contextlib.suppress(OSError):
+            idle.append(socket.create_connection(("127.0.0.1", port)))
+    threads = [threading.Thread(target=huge, daemon=True)]
+    threads += [threading.Thread(target=trickle, daemon=True) for _ in range(slow)]
+    for t in threads:
+        t.start()
+    return answers, idle
+
+
+def soak(tiny, seconds: float, huge_mb: int, slow: int, conns: int):  # noqa: F811
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "strata_mlx", "serve", "--model", str(tiny), "--port", str(port)]
+    cmd += ["--model-name", NAME, "--log-level", "critical", "--arena-gb", "0.001"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    stop = threading.Event()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    probe = {"model": NAME, "prompt": "the cat", "max_tokens": 1}
+    try:
+        t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() - t0 < 120, "server did not start"
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.post(url, json=probe, trust_env=False).status_code == 200:
+                    break
+            time.sleep(0.1)
+        idle = rss_mb(proc.pid)
+        huge, sockets = hostile_clients(port, slow, conns, huge_mb, stop)
+        worst, peak, answers = 0.0, idle, 0
+        end = time.monotonic() + seconds
+        with httpx.Client(trust_env=False, timeout=10) as http:
+            while time.monotonic() < end:
+                t = time.monotonic()
+                r = http.post(url, json=probe)
+                worst = max(worst, time.monotonic() - t)
+                assert r.status_code == 200, r.text
+                answers += 1
+                peak = max(peak, rss_mb(proc.pid))
+                time.sleep(0.1)
+        stop.set()
+        for s in sockets:
+            s.close()
+        assert answers >= seconds, answers
+        assert huge[:1] == [b"413"], huge
+        assert worst < 1.0, worst
+        assert peak - idle < 1024, (idle, peak)
+        return worst, idle, peak
+    finally:
+        stop.set()
+        proc.kill()
+        proc.wait()
+
+
+def test_the_server_answers_while_hostile_clients_hit_it(tiny):  # noqa: F811
+    soak(tiny, seconds=4, huge_mb=50, slow=20, conns=50)
+
+
+@pytest.mark.slow
+def test_the_server_answers_through_a_long_soak(tiny):  # noqa: F811
+    worst, idle, peak = soak(tiny, seconds=60, huge_mb=50, slow=20, conns=500)
+    print(f"soak: slowest answer {worst:.3f} s, RSS {idle:.0f} MB idle, {peak:.0f} MB peak")
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(model, tmp_path):
+    """A byte-level BPE token stands for at most its longest vocabulary entry's characters:
+    text past max_prompt_tokens times that is refused without tokenizing it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from strata_mlx.generation.tokenizer import Tokenizer as StrataTokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(["the cat sat on the mat"] * 10, trainer)
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    longest = max(len(t) for t in bpe.get_vocab())
+    tok = StrataTokenizer(tmp_path)
+    app = create_app(model[0], tok, NAME, max_prompt_tokens=100)
+    with running(app) as url, httpx.Client(base_url=url, trust_env=False, timeout=30) as http:
+        text = "the cat " * (100 * longest // 8 + 1)
+        r = http.post("/v1/completions", json={"prompt": text, "max_tokens": 1})
+        assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+        chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+        r = http.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+        r = http.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 1})
+        assert "characters" not in r.text
