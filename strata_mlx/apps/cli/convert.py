@@ -60,6 +60,7 @@ def convert(
     allow_non_finite: bool = typer.Option(
         False,
         "--allow-non-finite",
+        metavar="",
         help="Convert weights holding NaN or inf (refused by default: they compute garbage).",
     ),
     overwrite: bool = typer.Option(
