@@ -30,8 +30,8 @@ static struct {
     CUresult (*stream_create)(CUstream *, unsigned);
     CUresult (*stream_destroy)(CUstream);
     CUresult (*stream_synchronize)(CUstream);
-    CUresult (*alloc_host)(void **, size_t);
-    CUresult (*free_host)(void *);
+    CUresult (*host_register)(void *, size_t, unsigned);
+    CUresult (*host_unregister)(void *);
     CUresult (*memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream);
     CUresult (*advise_v2)(CUdeviceptr, size_t, int, CUmemLocation);
     CUresult (*advise)(CUdeviceptr, size_t, int, CUdevice);
@@ -77,8 +77,8 @@ int devcopy_init(int ordinal) {
     *(void **)&cu.stream_create = sym(lib, "cuStreamCreate");
     *(void **)&cu.stream_destroy = sym(lib, "cuStreamDestroy_v2");
     *(void **)&cu.stream_synchronize = sym(lib, "cuStreamSynchronize");
-    *(void **)&cu.alloc_host = sym(lib, "cuMemAllocHost_v2");
-    *(void **)&cu.free_host = sym(lib, "cuMemFreeHost");
+    *(void **)&cu.host_register = sym(lib, "cuMemHostRegister_v2");
+    *(void **)&cu.host_unregister = sym(lib, "cuMemHostUnregister");
     *(void **)&cu.memcpy_htod_async = sym(lib, "cuMemcpyHtoDAsync_v2");
     *(void **)&cu.advise_v2 = sym(lib, "cuMemAdvise_v2");
     *(void **)&cu.advise = sym(lib, "cuMemAdvise");
@@ -87,7 +87,7 @@ int devcopy_init(int ordinal) {
     *(void **)&cu.error_string = sym(lib, "cuGetErrorString");
     if (!cu.init || !cu.device_get || !cu.primary_ctx_retain || !cu.ctx_set_current ||
         !cu.stream_create || !cu.stream_destroy || !cu.stream_synchronize ||
-        !cu.alloc_host || !cu.free_host || !cu.memcpy_htod_async) {
+        !cu.host_register || !cu.host_unregister || !cu.memcpy_htod_async) {
         snprintf(message, sizeof message, "the CUDA driver lacks an entry point the reader needs");
         init_rc = -2;
         goto out;
@@ -123,14 +123,12 @@ void devcopy_thread_free(DevCopyThread *t) {
     free(t);
 }
 
-void *devcopy_alloc_host(size_t len) {
-    void *p = NULL;
-    if (init_rc != 0 || cu.ctx_set_current(ctx) || cu.alloc_host(&p, len)) return NULL;
-    return p;
+void devcopy_pin(DevCopyThread *t, void *buf, size_t len) {
+    if (t) cu.host_register(buf, len, 0);
 }
 
-void devcopy_free_host(void *buf) {
-    if (buf && init_rc == 0) cu.free_host(buf);
+void devcopy_unpin(DevCopyThread *t, void *buf) {
+    if (t) cu.host_unregister(buf);
 }
 
 int devcopy_copy(DevCopyThread *t, void *dst, const void *src, size_t len) {

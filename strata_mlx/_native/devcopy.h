@@ -19,10 +19,10 @@ const char *devcopy_error(void);
 typedef struct DevCopyThread DevCopyThread;
 DevCopyThread *devcopy_thread_new(void);
 void devcopy_thread_free(DevCopyThread *t);
-/* Page-locked host memory from the driver (asynchronous copies need it; pageable memory is
- * staged by the driver, one copy at a time), or NULL; freed by devcopy_free_host. */
-void *devcopy_alloc_host(size_t len);
-void devcopy_free_host(void *buf);
+/* Pin [buf, buf + len) for asynchronous copies (cuMemHostRegister; the buffer keeps its huge
+ * pages). A failure only makes copies slower: the driver stages pageable memory itself. */
+void devcopy_pin(DevCopyThread *t, void *buf, size_t len);
+void devcopy_unpin(DevCopyThread *t, void *buf);
 /* Copy len bytes from host `src` to device-visible `dst` and wait for it: 0 or a CUresult. */
 int devcopy_copy(DevCopyThread *t, void *dst, const void *src, size_t len);
 

@@ -258,7 +258,6 @@ static void *worker_main(void *p) {
     size_t bounce_cap = 0;
     /* device_copy: this thread's stream; NULL (the CPU copies) if it could not be made */
     DevCopyThread *dc = r->device_copy ? devcopy_thread_new() : NULL;
-    int pinned = 0; /* the bounce buffer is the driver's page-locked memory */
     pthread_mutex_lock(&r->mu);
     while (!r->stopping) {
         Queue *q = NULL;
@@ -286,20 +285,16 @@ static void *worker_main(void *p) {
         Request into = rq;
         if (r->bounce) {
             if ((size_t)rq.length > bounce_cap) {
-                if (pinned)
-                    devcopy_free_host(bounce);
-                else
-                    free(bounce);
+                if (bounce) devcopy_unpin(dc, bounce);
+                free(bounce);
                 bounce_cap = 0;
                 size_t cap = ((size_t)rq.length + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-                /* device copy: page-locked memory (the driver's, page aligned), else huge pages */
-                bounce = dc ? devcopy_alloc_host(cap) : NULL;
-                pinned = bounce != NULL;
-                if (!pinned && posix_memalign(&bounce, HUGE_PAGE, cap) == 0)
+                if (posix_memalign(&bounce, HUGE_PAGE, cap) == 0) {
+                    bounce_cap = cap;
                     advise_huge(bounce, cap, 0); /* before the first touch: huge at fault */
-                else if (!pinned)
+                    devcopy_pin(dc, bounce, cap); /* device copy: registered, still huge */
+                } else
                     bounce = NULL;
-                if (bounce) bounce_cap = cap;
             }
             if (bounce)
                 into.dest = (char *)bounce;
@@ -322,7 +317,7 @@ static void *worker_main(void *p) {
         }
         uint64_t copy_ns = 0;
         if (r->bounce && nread > 0 && err != CHECKSUM_MISMATCH) {
-            if (dc) { /* from pageable memory too, where pinning failed: staged */
+            if (dc) { /* from pageable memory too, where registering failed: staged */
                 uint64_t c0 = now_ns();
                 if (devcopy_copy(dc, rq.dest, into.dest, (size_t)nread)) err = DEVICE_COPY_FAILED;
                 copy_ns = now_ns() - c0;
@@ -370,10 +365,8 @@ static void *worker_main(void *p) {
         notify(r);
     }
     pthread_mutex_unlock(&r->mu);
-    if (pinned)
-        devcopy_free_host(bounce);
-    else
-        free(bounce);
+    if (bounce) devcopy_unpin(dc, bounce);
+    free(bounce);
     devcopy_thread_free(dc);
     return NULL;
 }
