@@ -244,7 +244,7 @@ def load_prompt_cache(path: str | Path, model=None) -> tuple[list, list[int], di
 def payload_checksum(arrays: dict[str, mx.array], metadata: dict[str, str]) -> str:
     """What a saved prompt cache's `checksum` says: crc32c of every array (its name, dtype,
     shape and bytes, in name order), then of the metadata but `checksum` as sorted JSON."""
-    from ..stream.reader import checksum
+    from ..format.checksums import checksum
 
     value = 0
     for name in sorted(arrays):
@@ -261,7 +261,7 @@ def _checksum_array(a: mx.array, value: int) -> int:
     """crc32c of the array's bytes in row-major order (as safetensors stores them), from its
     own buffer where it is contiguous (no copy: ~10 GB/s against ~2 with one), else from a
     copy (to_saved's keys[..., :offset, :] are slices)."""
-    from ..stream.reader import checksum
+    from ..format.checksums import checksum
 
     mx.eval(a)
     try:

@@ -43,6 +43,11 @@ from typing import TYPE_CHECKING
 
 from .. import _reader
 
+# the checksums the workers verify, and their Python form (re-exported: the reader is where
+# a caller of the native extension looks for them)
+from ..format.checksums import CHECKSUMS as CHECKSUMS
+from ..format.checksums import checksum as checksum
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
@@ -58,8 +63,6 @@ CHECKSUM_MISMATCH: int = _reader.CHECKSUM_MISMATCH
 DEVICE_COPY_FAILED: int = _reader.DEVICE_COPY_FAILED
 """Completion error code (-3): the copy engine could not move the record into place."""
 
-CHECKSUMS = ("crc32c", "crc32")
-"""Checksums the reader verifies: crc32c (new stores), crc32 (zlib's; older stores)."""
 
 Request = tuple[int, int, int, int, int] | tuple[int, int, int, int, int, int | None]
 """``(tag, file_index, offset, length, dest_address[, expected_checksum])``."""
@@ -79,13 +82,6 @@ def error_message(code: int) -> str:
     if code == DEVICE_COPY_FAILED:
         return "the CUDA copy into device memory failed"
     return os.strerror(code)
-
-
-def checksum(name: str, data, value: int = 0) -> int:
-    """``name`` ("crc32c" or "crc32") of a bytes-like object, continuing from ``value``:
-    ``checksum(n, a + b) == checksum(n, b, checksum(n, a))``; crc32 equals ``zlib.crc32``.
-    Releases the GIL for large buffers."""
-    return _reader.checksum(name, data, value)
 
 
 def checksum_implementation(name: str) -> str:
