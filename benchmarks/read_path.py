@@ -21,72 +21,34 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
-from strata_mlx.format.store import EXPERTS, load_manifest
+from strata_mlx.format.store import load_manifest
 from strata_mlx.stream.arena import Arena
-from strata_mlx.stream.reader import Reader
+from strata_mlx.stream.probe import probe_data_path
 
 PARTS = ("direct", "bounce", "verify", "overlap", "4k", "dc")
 
 
 def read_round(store: Path, m, arena: Arena, variant: set, workers: int, seconds: float,
                touch: bool, seed: int) -> dict:  # fmt: skip
-    rb = m.layout.record_bytes
-    keys = [(layer, e) for layer in m.moe_layers for e in range(m.num_experts)]
-    rng = np.random.default_rng(seed)
-    verify = "verify" in variant
-    slots = min(arena.n_slots, workers * 2)
-    r = Reader(workers, bounce="bounce" in variant, overlap="overlap" in variant,
-               device_copy="dc" in variant)  # fmt: skip
-    try:
-        f = r.open(store / EXPERTS, checksum=m.checksum if verify else None)
-        tag = 0
-
-        def request(slot: int) -> tuple:
-            nonlocal tag
-            tag += 1
-            off, expected = m.record(*keys[int(rng.integers(len(keys)))])
-            return (tag, f, off, rb, arena.address(slot), expected if verify else None)
-
-        first = [request(s) for s in range(slots)]
-        slot_of = {q[0]: s for s, q in enumerate(first)}
-        t0 = time.perf_counter()
-        r.submit(first)
-        nbytes = 0
-        while slot_of:
-            more, landed = [], []
-            for t, err, got in r.wait(None):
-                if err:
-                    raise OSError(err, f"{store / EXPERTS}: read failed (error {err})")
-                nbytes += got
-                slot = slot_of.pop(t)
-                landed.append(slot)
-                if time.perf_counter() - t0 < seconds:
-                    q = request(slot)
-                    slot_of[q[0]] = slot
-                    more.append(q)
-            if touch:  # the device reads what landed before those slots are read into again
-                mx.eval(arena.rows[mx.array(landed)].astype(mx.uint32).sum())
-            if more:
-                r.submit(more)
-        elapsed = time.perf_counter() - t0
-        st = r.stats()
-        direct = r.is_direct(f)
-    finally:
-        r.close()
+    """One round of the data path's probe (strata_mlx.stream.probe.probe_data_path) with the
+    variant's steps, into `arena`; per read: pread, checksum and device-copy times."""
+    res = probe_data_path(store, m, workers, seconds, verify="verify" in variant,
+                          overlap="overlap" in variant, device_copy="dc" in variant,
+                          touch=touch, seed=seed, bounce="bounce" in variant,
+                          arena=arena)  # fmt: skip
+    st = res["stats"]
     busy = sum(st["busy_ns"]) + sum(st["verify_ns"])
     per = max(st["requests_done"], 1) * 1e3  # ns -> us a read
-    return {"gb_per_s": nbytes / elapsed / 1e9, "reads": st["requests_done"],
+    return {"gb_per_s": res["gb_per_s"], "reads": st["requests_done"],
             "pread_us": sum(st["busy_ns"]) / per, "verify_us": sum(st["verify_ns"]) / per,
             "copy_us": st["device_copy_ns"] / max(st["device_copies"], 1) / 1e3,
             "verified": st["verified"], "preads_max": st["preads_max"],
             "verify_share": sum(st["verify_ns"]) / busy if busy else 0.0,
-            "direct": direct}  # fmt: skip
+            "direct": res["direct"]}  # fmt: skip
 
 
 def main() -> None:

@@ -133,6 +133,8 @@ def probe_data_path(
     device_copy: bool | None = None,
     touch: bool = True,
     seed: int | None = None,
+    bounce: bool | None = None,
+    arena=None,
 ) -> dict:
     """The bandwidth the expert cache gets into its arena: random records of the store read
     as the cache reads them (direct I/O; the bounce buffer where the machine needs one; the
@@ -140,9 +142,12 @@ def probe_data_path(
     into slots of an arena, `workers` in flight, each batch of landed slots then read by the
     device (`touch`: the sum of their rows, evaluated), as kernels read slots between reads.
     probe_ssd measures the drive alone; this measures the drive and every step after it.
+    `bounce` (None: where the cache would use it) and `arena` (None: a new one of 2 x workers
+    slots; else its first 2 x workers slots) let benchmarks/read_path.py take each step apart.
 
     Returns ``gb_per_s`` (1e9 bytes/s), ``reads``, ``seconds``, ``direct``, ``device_copy``,
-    ``bounce``. Raises OSError if a read fails or a record's checksum does not match."""
+    ``bounce`` and the reader's ``stats``. Raises OSError if a read fails or a record's checksum
+    does not match."""
     import mlx.core as mx
 
     from ..format.store import EXPERTS
@@ -154,8 +159,10 @@ def probe_data_path(
     rb = manifest.layout.record_bytes
     keys = [(layer, e) for layer in manifest.moe_layers for e in range(manifest.num_experts)]
     rng = np.random.default_rng(seed)
-    arena = Arena(2 * workers, rb, on_device=device_copy)
-    bounce = needs_bounce()
+    if arena is None:
+        arena = Arena(2 * workers, rb, on_device=device_copy)
+    if bounce is None:
+        bounce = needs_bounce()
     path = Path(store) / EXPERTS
     with Reader(workers, bounce=bounce, overlap=overlap, device_copy=device_copy) as r:
         f = r.open(path, checksum=manifest.checksum if verify else None)
@@ -167,7 +174,7 @@ def probe_data_path(
             offset, expected = manifest.record(*keys[int(rng.integers(len(keys)))])
             return (tag, f, offset, rb, arena.address(slot), expected if verify else None)
 
-        first = [request(s) for s in range(arena.n_slots)]
+        first = [request(s) for s in range(min(arena.n_slots, 2 * workers))]
         slot_of = {q[0]: s for s, q in enumerate(first)}
         start = time.perf_counter()
         r.submit(first)
@@ -191,6 +198,7 @@ def probe_data_path(
                 r.submit(more)
         elapsed = time.perf_counter() - start
         direct = r.is_direct(f)
+        stats = r.stats()
     return {
         "gb_per_s": nbytes / elapsed / 1e9,
         "reads": reads,
@@ -198,4 +206,5 @@ def probe_data_path(
         "direct": direct,
         "device_copy": device_copy,
         "bounce": bounce,
+        "stats": stats,
     }
