@@ -4,8 +4,8 @@ importance matrix from its llama-imatrix, IQ3_S and IQ2_XS): each converts, its 
 hold the file's blocks byte for byte, and its logits are transformers' on exactly the file's
 weights.
 
-The oracle: the transformers model rebuilt from the fixture's JSON (class, config, seed; the
-weights' digest proves it is the one the file was made from), with every tensor of the file
+The oracle: the transformers model rebuilt from the fixture's JSON (class, config, seed;
+test_the_model_is_the_fixtures shows it is the one the file was made from), with every tensor of the file
 put in its place: gguf-py's dequantization (gguf.quants.dequantize) mapped back to
 transformers' names, layout and form (`hf_weights`: llama's q/k row permutation, Qwen3-Next's
 regrouped qkvz, its (1 + w) norms and -exp(A_log), DeepSeek's split kv_b, gpt-oss's
@@ -26,7 +26,7 @@ import json
 import llama_cpp_gguf as lc
 import numpy as np
 import pytest
-from make_quantized_fixtures import DATA, build_model, weights_digest
+from make_quantized_fixtures import DATA, build_model
 
 import strata_mlx
 from strata_mlx.convert.gguf import convert_gguf
@@ -200,12 +200,17 @@ def _ids(n: int = 32, seed: int = 0) -> list[int]:
 
 @pytest.mark.parametrize("family", list(RECORDS))
 def test_the_model_is_the_fixtures(family):
-    """The rebuilt transformers model is the one the files were made from (same digest): the
-    files' F32 tensors (norms, routers, biases, ...) are its own values, and the files cover
-    every parameter. (The oracle below overwrites them all, so it would stand even if a
-    transformers release initialized differently; this test would then say so.)"""
+    """The rebuilt transformers model is the one the files were made from: the files' F32
+    tensors (norms, routers, biases, ...) are its own values, every quantized tensor is its
+    values up to the quantization error, and the files cover every parameter. (The oracle
+    below overwrites them all, so it would stand even if a transformers release initialized
+    differently; this test would then say so.)
+
+    Not the recorded weights_sha256: torch's CPU kernels (ATEN_CPU_CAPABILITY avx2, avx512,
+    default) give the same seed's weights different last bits, so a bit-exact digest depends
+    on the machine. Quantization error, |w - ref| / |ref| over a tensor: 0.005 (Q8_0) to 0.34
+    (IQ2_XS) measured; another seed's weights give sqrt(2) = 1.41, hence the bound 0.5."""
     m = model(family)
-    assert weights_digest(m) == RECORDS[family]["weights_sha256"]
     state = _state(m)
     for name in RECORDS[family]["files"]:
         g = tensors(name)
@@ -216,6 +221,11 @@ def test_the_model_is_the_fixtures(family):
         for hf, w in only_f32.items():
             ref = state[hf].detach().numpy()
             np.testing.assert_allclose(w, ref, rtol=1e-6, atol=1e-7, err_msg=f"{name}: {hf}")
+        quantized = hf_weights(family, {n: t for n, t in g.items() if n not in floats})
+        for hf, w in quantized.items():
+            ref = state[hf].detach().numpy()
+            err = np.linalg.norm(w - ref) / np.linalg.norm(ref)
+            assert err < 0.5, (name, hf, err)
 
 
 @pytest.mark.parametrize("family,name", CASES)
