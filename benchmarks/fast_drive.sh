@@ -31,28 +31,30 @@ store)  # the store on disk and on tmpfs; the reader's GPU tests; the drive and 
   [ -f "$SHM/manifest.json" ] || (/usr/bin/time -f "copy to tmpfs: %e s" cp -r "$DISK" "$SHM") 2>&1 \
      | tee -a "$OUT/synth.log"
   df -h / /dev/shm | tee "$OUT/df.log"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_reader.py \
-     tests/test_streaming.py 2>&1 | tail -4 | tee "$OUT/tests.log"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/stream/test_reader.py \
+     tests/stream/test_arena.py tests/runtime/test_streaming.py 2>&1 | tail -4 | tee "$OUT/tests.log"
   for s in "$DISK" "$SHM"; do
     python3 -m strata_mlx probe-ssd "$s/experts.bin" --record-bytes 983040 --seconds 2 2>&1 | tee -a "$OUT/probe.log"
   done
   timeout 120 python3 benchmarks/read_path.py "$SHM" --touch --seconds 2 --rounds 3 \
-     --variants bounce+verify+overlap,bounce+verify+overlap+dc,bounce+overlap+dc 2>&1 \
+     --variants bounce+verify+overlap,bounce+verify+overlap+dc,bounce+verify+overlap+dc+dm,bounce+overlap+dc+dm 2>&1 \
      | tee "$OUT/read-path-shm.log"
   ;;
-bench)  # tmpfs: each policy with the CPU copy (:dc0, the old data path) and the copy engine;
+bench)  # tmpfs: each policy with the arena in managed memory (:da0, the old data path) and in
+  # device memory;
   # then where decode's host time goes, and a decode routing trace (benchmarks/eviction_sim.py)
   build
-  bench "bench-shm" "$SHM" "${POL:-demand:dc0,demand,lookahead:dc0,lookahead}"
+  bench "bench-shm" "$SHM" "${POL:-demand:da0,demand,lookahead:da0,lookahead}"
   timeout 120 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 \
      --policy lookahead --top 45 2>&1 | tee "$OUT/profile-decode.log" | head -60
   mkdir -p "$OUT/trace"
   timeout 150 python3 benchmarks/decode.py "$SHM" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
      --policies demand --modes sync --rounds 1 --trace "$OUT/trace" 2>&1 | tail -3
   ;;
-disk)  # the machine's own disk: each policy with the CPU copy (:dc0) and the copy engine
+disk)  # the machine's own disk: each policy with the CPU copy (:dc0, the code before the copy
+  # engine), the arena in managed memory (:da0) and in device memory
   build
-  G=${G:-32} bench "bench-disk" "$DISK" "${POL:-demand:dc0,demand,lookahead:dc0,lookahead}"
+  G=${G:-32} bench "bench-disk" "$DISK" "${POL:-demand:dc0,demand:da0,demand,lookahead:dc0,lookahead:da0,lookahead}"
   ;;
 old-vs-new)  # `old-vs-new STORE ROUND`: the old tree's bench, then this code's, same store
   build; (cd "$OLD" && [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q | tail -1)

@@ -9,6 +9,8 @@ I/O, into the slots of an Arena (an MLX buffer: CUDA managed memory on the GPU m
 the bounce copy lands through the driver's page migration), as the expert cache issues them.
 "dc": (CUDA) the copy engine moves each record from pinned memory into an arena kept on the
 device (the expert cache's default there); without it the CPU copies into managed memory.
+"dm": (with dc) into an arena in plain device memory (the cache's device_arena, its default
+there) instead of managed memory.
 "4k": into an arena left in 4 KB pages (Arena(hugepages=False); by default the CPU backend's
 arena asks Linux for huge pages, which CUDA's managed memory does not take).
 --touch: each batch of landed slots is then read by the device (a sum over their rows,
@@ -29,7 +31,7 @@ from strata_mlx.format.store import load_manifest
 from strata_mlx.stream.arena import Arena
 from strata_mlx.stream.probe import probe_data_path
 
-PARTS = ("direct", "bounce", "verify", "overlap", "4k", "dc")
+PARTS = ("direct", "bounce", "verify", "overlap", "4k", "dc", "dm")
 
 
 def read_round(store: Path, m, arena: Arena, variant: set, workers: int, seconds: float,
@@ -68,10 +70,13 @@ def main() -> None:
     m = load_manifest(a.store)
     rb = m.layout.record_bytes
     dc = any("dc" in v.split("+") for v in variants)
+    dm = any("dm" in v.split("+") for v in variants)
     arenas = {
-        False: Arena(a.workers * 2, rb, on_device=dc),
-        True: Arena(a.workers * 2, rb, hugepages=False, on_device=dc),
+        ("4k", False): Arena(a.workers * 2, rb, hugepages=False, on_device=dc),
+        ("", False): Arena(a.workers * 2, rb, on_device=dc),
     }
+    if dm:
+        arenas["", True] = Arena(a.workers * 2, rb, on_device=True, device_memory=True)
     print(
         f"{a.store}: {m.checksum} records of {rb} bytes, {a.workers} workers, device "
         f"{mx.default_device()}, touch={a.touch}"
@@ -81,7 +86,7 @@ def main() -> None:
         order = variants[i % len(variants) :] + variants[: i % len(variants)]
         for v in order:
             parts = set(v.split("+"))
-            res = read_round(a.store, m, arenas["4k" in parts], parts, a.workers, a.seconds,
+            res = read_round(a.store, m, arenas["4k" if "4k" in parts else "", "dm" in parts], parts, a.workers, a.seconds,
                              a.touch, seed=i)  # fmt: skip
             runs[v].append(res["gb_per_s"])
             print(f"round {i} {v}: {res['gb_per_s']:.3f} GB/s ({res['reads']} reads, "

@@ -258,13 +258,14 @@ def bench(
 
     path_probe = probe_data_path(
         path, m, workers=io_workers, seconds=probe_seconds, overlap=base.read_overlap,
-        device_copy=None if base.device_copy else False,
+        device_copy=None if base.device_copy else False, device_memory=base.device_arena,
     )  # fmt: skip
     path_gbps = path_probe["gb_per_s"]
     log(
         f"data path into the arena: {path_gbps:.2f} GB/s, "
         f"{100 * path_gbps / ssd_gbps if ssd_gbps else 0:.0f}% of probe-ssd "
-        f"(verified, bounce={path_probe['bounce']}, device copy={path_probe['device_copy']})"
+        f"(verified, bounce={path_probe['bounce']}, device copy={path_probe['device_copy']}, "
+        f"device arena={path_probe['device_copy'] and base.device_arena})"
     )
 
     model = load_model(fake_cfg)

@@ -117,6 +117,15 @@ class RuntimeConfig:
         default=True,
         metadata=opt("CUDA: reads reach the arena by the GPU's copy engine.", variant="dc"),
     )
+    # CUDA with device_copy: the arena is plain device memory (allocated by a GPU op, its
+    # address read by a kernel), which the host never maps; off, CUDA managed memory kept on
+    # the device (advised and prefetched there), which the copy engine writes through the
+    # driver's unified-memory layer.
+    device_arena: bool = field(
+        default=True,
+        metadata=opt("CUDA: the arena in plain device memory (else managed memory).",
+                     variant="da"),
+    )  # fmt: skip
     read_ahead: ReadAhead = field(default_factory=ReadAhead, metadata=group())
     scheduler: str = field(
         default="loop",
@@ -455,7 +464,10 @@ def build_expert_cache(
             "with device_copy (the default on CUDA) records land on the device: set "
             "device_copy false to split"
         )
-    arena = Arena(n_slots, rb, cfg.eviction, profile, manifest.moe_layers, on_device=device_copy)
+    arena = Arena(
+        n_slots, rb, cfg.eviction, profile, manifest.moe_layers, on_device=device_copy,
+        device_memory=cfg.device_arena,
+    )  # fmt: skip
     reader = Reader(
         cfg.io_workers,
         bounce=needs_bounce(),

@@ -10,6 +10,12 @@ the buffer at that page offset, so it shares the buffer's memory. Writes through
 view are seen by later MLX computation on CPU and under MLX CUDA's unified memory. The arena
 array is kept alive for the life of the model and never donated.
 
+On CUDA with the reader's device copy the buffer can instead be plain device memory
+(`device_memory`): MLX allocates a GPU op's output there (cudaMallocAsync), a one-thread kernel
+hands back its address, and the copy engine writes records to it. The host must then never
+touch the buffer: MLX would move it to managed memory and the address would go stale, so the
+arena has no host view, and `check_device_address` re-reads the address.
+
 Residency (expert -> slot), pinning (slots the running layer reads) and eviction live here.
 This module never reads files and never computes with weights.
 """
@@ -229,11 +235,35 @@ def slot_rows(buffer: mx.array, n_slots: int, record_bytes: int, start: int) -> 
     return rows.view(mx.uint8)
 
 
+_ADDRESS_KERNEL = None
+
+
+def device_address(a: mx.array) -> int:
+    """The CUDA device address of `a`'s data, read by a kernel (MLX passes a kernel its
+    inputs' device pointers without moving them to managed memory, as host access would)."""
+    global _ADDRESS_KERNEL
+    if _ADDRESS_KERNEL is None:
+        _ADDRESS_KERNEL = mx.fast.cuda_kernel(
+            name="strata_arena_address",
+            input_names=["a"],
+            output_names=["out"],
+            source="if (threadIdx.x == 0) out[0] = (unsigned long long)(a);",
+            ensure_row_contiguous=False,
+        )
+    (out,) = _ADDRESS_KERNEL(
+        inputs=[a], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
+        output_dtypes=[mx.uint64],
+    )  # fmt: skip
+    return int(out.item())
+
+
 class Arena:
     """`n_slots` slots of `record_bytes` each, in one MLX buffer allocated once; `rows` is
     that buffer as [n_slots, record_bytes] uint8, row s = slot s, at address(s). `on_device`
     (CUDA, with the reader's device copy): the buffer's managed memory is kept on the device,
-    where the copy engine writes records and kernels read them without faulting pages in."""
+    where the copy engine writes records and kernels read them without faulting pages in.
+    `device_memory` (with `on_device`): the buffer is plain device memory instead, which the
+    host never maps (no view(), no page migration at all)."""
 
     def __init__(
         self,
@@ -244,6 +274,7 @@ class Arena:
         layers: list[int] | None = None,
         hugepages: bool = True,
         on_device: bool = False,
+        device_memory: bool = False,
     ):
         if n_slots < 1:
             raise ValueError("the arena needs at least one slot")
@@ -251,14 +282,20 @@ class Arena:
             raise ValueError(f"record_bytes {record_bytes} is not a multiple of {ALIGNMENT}")
         self.n_slots = n_slots
         self.record_bytes = record_bytes
+        self.device_memory = bool(on_device and device_memory)
         self.buffer = mx.zeros(buffer_shape(self.nbytes), dtype=mx.uint64)
         mx.eval(self.buffer)
-        self._host = np.array(self.buffer, copy=False).reshape(-1).view(np.uint8)  # writable
-        self._start = (-self._host.ctypes.data) % ALIGNMENT
-        self._base = self._host.ctypes.data + self._start  # slot 0's address
+        if self.device_memory:  # zeros computed on the GPU: an output in device memory
+            self._host = None
+            address = device_address(self.buffer)
+        else:
+            self._host = np.array(self.buffer, copy=False).reshape(-1).view(np.uint8)  # writable
+            address = self._host.ctypes.data
+        self._start = (-address) % ALIGNMENT
+        self._base = address + self._start  # slot 0's address
         if hugepages and mx.default_device() == mx.cpu:  # host memory where reads land: huge
             advise_hugepages(self._base, self.nbytes, zeroed=True)  # pages (CUDA's is managed)
-        if on_device:  # CUDA: reads arrive by the copy engine; the slots live on the device
+        if on_device and not self.device_memory:  # CUDA managed memory: keep it on the device
             prefer_device(self._base, self.nbytes)
         self.rows = slot_rows(self.buffer, n_slots, record_bytes, self._start)
         mx.eval(self.rows)
@@ -276,8 +313,16 @@ class Arena:
     def address(self, slot: int) -> int:
         return self._base + slot * self.record_bytes
 
+    def check_device_address(self) -> None:
+        """Raise if the device-memory buffer has moved (something read it from the host, and
+        MLX moved it to managed memory): reads would land in freed memory."""
+        if self.device_memory and device_address(self.buffer) + self._start != self._base:
+            raise RuntimeError("the arena's device buffer moved: the host must not read it")
+
     def view(self, slot: int) -> np.ndarray:
-        """Writable host view of one slot's memory."""
+        """Writable host view of one slot's memory (not of a device-memory arena)."""
+        if self._host is None:
+            raise RuntimeError("the arena is in device memory: the host has no view of it")
         o = self._start + slot * self.record_bytes
         return self._host[o : o + self.record_bytes]
 

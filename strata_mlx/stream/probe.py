@@ -135,6 +135,7 @@ def probe_data_path(
     seed: int | None = None,
     bounce: bool | None = None,
     arena=None,
+    device_memory: bool = True,
 ) -> dict:
     """The bandwidth the expert cache gets into its arena: random records of the store read
     as the cache reads them (direct I/O; the bounce buffer where the machine needs one; the
@@ -143,7 +144,9 @@ def probe_data_path(
     device (`touch`: the sum of their rows, evaluated), as kernels read slots between reads.
     probe_ssd measures the drive alone; this measures the drive and every step after it.
     `bounce` (None: where the cache would use it) and `arena` (None: a new one of 2 x workers
-    slots; else its first 2 x workers slots) let benchmarks/read_path.py take each step apart.
+    slots; else its first 2 x workers slots) let benchmarks/read_path.py take each step
+    apart; `device_memory`: with the device copy, a new arena is plain device memory (the
+    cache's device_arena), else managed memory.
 
     Returns ``gb_per_s`` (1e9 bytes/s), ``reads``, ``seconds``, ``direct``, ``device_copy``,
     ``bounce`` and the reader's ``stats``. Raises OSError if a read fails or a record's checksum
@@ -160,7 +163,7 @@ def probe_data_path(
     keys = [(layer, e) for layer in manifest.moe_layers for e in range(manifest.num_experts)]
     rng = np.random.default_rng(seed)
     if arena is None:
-        arena = Arena(2 * workers, rb, on_device=device_copy)
+        arena = Arena(2 * workers, rb, on_device=device_copy, device_memory=device_memory)
     if bounce is None:
         bounce = needs_bounce()
     path = Path(store) / EXPERTS

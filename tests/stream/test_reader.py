@@ -619,9 +619,11 @@ def test_data_path_probe_reads_verified_records_and_names_a_corrupt_one(store, t
 
 
 @pytest.mark.gpu
-def test_device_copy_lands_verified_records_in_device_memory(store):
+@pytest.mark.parametrize("device_memory", [False, True], ids=["managed", "device"])
+def test_device_copy_lands_verified_records_in_device_memory(store, device_memory):
     """CUDA: records read through pinned bounce buffers and the copy engine into an arena kept
-    on the device equal the file's bytes, as MLX reads them there."""
+    on the device (managed memory) or in plain device memory equal the file's bytes, as MLX
+    reads them there; the device buffer stayed where the reads went."""
     import mlx.core as mx
 
     from strata_mlx.format.store import EXPERTS, load_manifest
@@ -634,7 +636,8 @@ def test_device_copy_lands_verified_records_in_device_memory(store):
     m = load_manifest(path)
     rb = m.layout.record_bytes
     keys = [(layer, e) for layer in m.moe_layers for e in range(m.num_experts)][:12]
-    arena = Arena(len(keys), rb, on_device=True)
+    arena = Arena(len(keys), rb, on_device=True, device_memory=device_memory)
+    assert arena.device_memory == device_memory
     mx.eval(arena.rows.astype(mx.uint32).sum())  # the device has touched every slot first
     with Reader(4, bounce=True, overlap=True, device_copy=True) as r:
         f = r.open(path / EXPERTS, checksum=m.checksum)
@@ -646,8 +649,12 @@ def test_device_copy_lands_verified_records_in_device_memory(store):
         assert r.stats()["device_copies"] == len(keys)
     raw = (path / EXPERTS).read_bytes()
     want = np.stack([np.frombuffer(raw, np.uint8, rb, m.record(*k)[0]) for k in keys])
-    got = np.array(arena.rows)
+    got = np.array(arena.rows + 0)  # a copy made on the device: the host reads only that
     assert np.array_equal(got, want)
+    arena.check_device_address()
+    if device_memory:
+        with pytest.raises(RuntimeError, match="device memory"):
+            arena.view(0)
 
 
 def test_split_reads_and_device_copy_are_refused_together():
