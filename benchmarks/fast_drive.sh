@@ -40,11 +40,11 @@ store)  # the store on disk and on tmpfs; the reader's GPU tests; the drive and 
      --variants bounce+verify+overlap,bounce+verify+overlap+dc,bounce+verify+overlap+dc+dm,bounce+overlap+dc+dm 2>&1 \
      | tee "$OUT/read-path-shm.log"
   ;;
-bench)  # tmpfs: each policy with the arena in managed memory (:da0, the old data path) and in
-  # device memory;
+bench)  # tmpfs: each policy with the arena in managed memory (the default) and in device
+  # memory (:da1);
   # then where decode's host time goes, and a decode routing trace (benchmarks/eviction_sim.py)
   build
-  bench "bench-shm" "$SHM" "${POL:-demand:da0,demand,lookahead:da0,lookahead}"
+  bench "bench-shm" "$SHM" "${POL:-demand,demand:da1,lookahead,lookahead:da1}"
   timeout 120 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 \
      --policy lookahead --top 45 2>&1 | tee "$OUT/profile-decode.log" | head -60
   mkdir -p "$OUT/trace"
@@ -52,9 +52,9 @@ bench)  # tmpfs: each policy with the arena in managed memory (:da0, the old dat
      --policies demand --modes sync --rounds 1 --trace "$OUT/trace" 2>&1 | tail -3
   ;;
 disk)  # the machine's own disk: each policy with the CPU copy (:dc0, the code before the copy
-  # engine), the arena in managed memory (:da0) and in device memory
+  # engine), the arena in managed memory (the default) and in device memory (:da1)
   build
-  G=${G:-32} bench "bench-disk" "$DISK" "${POL:-demand:dc0,demand:da0,demand,lookahead:dc0,lookahead:da0,lookahead}"
+  G=${G:-32} bench "bench-disk" "$DISK" "${POL:-demand:dc0,demand,demand:da1,lookahead:dc0,lookahead,lookahead:da1}"
   ;;
 old-vs-new)  # `old-vs-new STORE ROUND`: the old tree's bench, then this code's, same store
   build; (cd "$OLD" && [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q | tail -1)

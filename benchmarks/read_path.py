@@ -9,8 +9,8 @@ I/O, into the slots of an Arena (an MLX buffer: CUDA managed memory on the GPU m
 the bounce copy lands through the driver's page migration), as the expert cache issues them.
 "dc": (CUDA) the copy engine moves each record from pinned memory into an arena kept on the
 device (the expert cache's default there); without it the CPU copies into managed memory.
-"dm": (with dc) into an arena in plain device memory (the cache's device_arena, its default
-there) instead of managed memory.
+"dm": (with dc) into an arena in plain device memory (the cache's device_arena option) instead
+of managed memory.
 "4k": into an arena left in 4 KB pages (Arena(hugepages=False); by default the CPU backend's
 arena asks Linux for huge pages, which CUDA's managed memory does not take).
 --touch: each batch of landed slots is then read by the device (a sum over their rows,

@@ -120,9 +120,10 @@ class RuntimeConfig:
     # CUDA with device_copy: the arena is plain device memory (allocated by a GPU op, its
     # address read by a kernel), which the host never maps; off, CUDA managed memory kept on
     # the device (advised and prefetched there), which the copy engine writes through the
-    # driver's unified-memory layer.
+    # driver's unified-memory layer (10.7 GB/s into it on an H200 from a 37 GB/s tmpfs).
+    # Off by default until measured on the GPU machine (benchmarks/fast_drive.sh).
     device_arena: bool = field(
-        default=True,
+        default=False,
         metadata=opt("CUDA: the arena in plain device memory (else managed memory).",
                      variant="da"),
     )  # fmt: skip

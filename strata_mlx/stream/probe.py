@@ -135,7 +135,7 @@ def probe_data_path(
     seed: int | None = None,
     bounce: bool | None = None,
     arena=None,
-    device_memory: bool = True,
+    device_memory: bool = False,
 ) -> dict:
     """The bandwidth the expert cache gets into its arena: random records of the store read
     as the cache reads them (direct I/O; the bounce buffer where the machine needs one; the
