@@ -579,3 +579,27 @@ def test_plan_without_a_model_plans_the_builtin_one(store, tmp_path, monkeypatch
     r = CliRunner().invoke(app, ["plan", "-p", "16", "--prefill-step-size", "16", "-g", "4"])
     assert r.exit_code == 0, r.output
     assert path.name in r.output and "calibrated now" in r.output
+
+
+def test_bench_without_a_model_benches_the_builtin_one(store, tmp_path, monkeypatch):
+    """`strata-mlx bench` with no --model: the built-in model and its arena, as plan and
+    generate (bench's own run is replaced: only which store and arena it gets is checked)."""
+    from typer.testing import CliRunner
+
+    from strata_mlx.apps import bench as bench_mod
+    from strata_mlx.apps import default_model
+    from strata_mlx.apps.cli import app
+
+    path = store("qwen3_moe")
+    monkeypatch.setattr(default_model, "default_store", lambda: path)
+    monkeypatch.setattr(default_model, "default_arena_gb", lambda _s: 0.0001)
+    seen = {}
+
+    def fake_bench(model, prompt_tokens, gen_tokens, arena_gb, *args, config=None, **kw):
+        seen.update(model=model, arena_gb=arena_gb, config_arena=config.arena_gb)
+        return None
+
+    monkeypatch.setattr(bench_mod, "bench", fake_bench)
+    r = CliRunner().invoke(app, ["bench", "-p", "16", "-g", "4", "--policies", "demand"])
+    assert r.exit_code == 0, r.output
+    assert seen == {"model": path, "arena_gb": 0.0001, "config_arena": 0.0001}

@@ -13,6 +13,7 @@ from .common import (
     PipelineSplit,
     PipelineTimeout,
     TraceFile,
+    builtin_model,
     check_output_file,
     runtime_command,
 )
@@ -20,7 +21,10 @@ from .common import (
 
 @runtime_command(preset=False, defaults={"prefill_step_size": 1024})
 def bench(
-    model: Annotated[Path, typer.Option("--model", help="A strata-mlx store.")],
+    model: Annotated[
+        Path | None,
+        typer.Option("--model", help="A strata-mlx store (default: the built-in model)."),
+    ] = None,
     prompt_tokens: int = typer.Option(2048, "-p", "--prompt-tokens", help="Prompt tokens."),
     generation_tokens: int = typer.Option(128, "-g", "--generation-tokens", help="Tokens decoded."),
     policies: str = typer.Option(
@@ -77,6 +81,8 @@ def bench(
         from ..plots import require
 
         require()
+    model, arena_gb = builtin_model(model, runtime.arena_gb)
+    runtime = runtime.replace(arena_gb=arena_gb)
     make_pipeline = None
     if pipeline:  # under mlx.launch: every rank loads each run; rank 0 drives and prints
         from ...runtime.distributed import Pipeline, init
@@ -87,7 +93,7 @@ def bench(
         model,
         prompt_tokens,
         generation_tokens,
-        runtime.arena_gb,
+        arena_gb,
         runtime.prefill_step_size,
         names,
         repeats,
