@@ -216,71 +216,22 @@ def bench(
         serve_loads(path, [fake_cfg] + configs, pipeline, lambda: _drop_page_cache(path))
         return {}
 
-    def load_model(cfg):
-        model, _ = load(path, config=cfg, pipeline=pipeline() if pipeline else None)
-        if hasattr(model, "rank_stats"):
-            model.wait_ready()
-        return model
+    runner = _Runner(path, gen_tokens, prefill_step_size, pipeline)
+    ssd_gbps, path_gbps = _probes(path, m, base, io_workers, probe_seconds, log)
 
-    def run_ranked(model, ids, policy, phase, layers=None) -> Run:
-        ranked = hasattr(model, "rank_stats")
-        before = model.rank_stats() if ranked else None
-        t = time.perf_counter()
-        run = run_policy(model, ids, gen_tokens, prefill_step_size, policy, phase, layers)
-        if ranked:
-            from ..runtime.distributed import rank_figures
-
-            run.ranks = rank_figures(before, model.rank_stats(), time.perf_counter() - t)
-        return run
-
-    def log_ranks(run: Run) -> None:
-        from ..runtime.distributed import rank_figure_line
-
-        for f in run.ranks or []:
-            log(rank_figure_line(f))
-
-    def close(model) -> None:
-        if hasattr(model, "rank_stats"):
-            model.close()  # the other ranks stop serving this load
-        model.expert_cache.close()
-
-    from ..stream.probe import probe_ssd
-
-    probe = probe_ssd(
-        path / EXPERTS,
-        record_bytes=m.layout.record_bytes,
-        workers_list=(io_workers,),
-        seconds=probe_seconds,
-    )[0]
-    ssd_gbps = probe["gb_per_s"]
-    log(f"probe-ssd: {ssd_gbps:.2f} GB/s at {io_workers} workers (direct={probe['direct']})")
-    from ..stream.probe import probe_data_path
-
-    path_probe = probe_data_path(
-        path, m, workers=io_workers, seconds=probe_seconds, overlap=base.read_overlap,
-        device_copy=None if base.device_copy else False, device_memory=base.device_arena,
-    )  # fmt: skip
-    path_gbps = path_probe["gb_per_s"]
-    log(
-        f"data path into the arena: {path_gbps:.2f} GB/s, "
-        f"{100 * path_gbps / ssd_gbps if ssd_gbps else 0:.0f}% of probe-ssd "
-        f"(verified, bounce={path_probe['bounce']}, device copy={path_probe['device_copy']}, "
-        f"device arena={path_probe['device_copy'] and base.device_arena})"
-    )
-
-    model = load_model(fake_cfg)
+    model = runner.load(fake_cfg)
     # Warm-up: the first pass compiles kernels (MLX CUDA JITs them), which no run should pay.
     run_policy(
         model, ids[: min(len(ids), prefill_step_size + 1)], 2, prefill_step_size, "warmup", "-"
     )
-    fake = run_ranked(model, ids, "fake-stream", "compute")
-    close(model)
+    fake = runner.run(model, ids, "fake-stream", "compute")
+    runner.close(model)
     del model
     log(
         f"compute floor (fake-stream): {_mean([c.wall_s for c in fake.chunks]) * 1e3:.0f} ms/chunk, "
         f"decode {fake.decode_tokens / fake.decode_s:.2f} tok/s"
     )
-    log_ranks(fake)
+    runner.log_ranks(fake, log)
 
     runs: list[Run] = []
     for r, order in enumerate(rounds):
@@ -289,7 +240,7 @@ def bench(
             cfg = base.replace(**policy_options(policy))
             if trace is not None:
                 cfg = cfg.replace(trace=RoutingTrace())
-            model = load_model(cfg)
+            model = runner.load(cfg)
             arena = model.expert_cache.arena
             layers = None
             if plot is not None:
@@ -297,7 +248,7 @@ def bench(
 
                 layers = LayerCounts(model.expert_cache)
             for phase in ("cold", "warm"):
-                run = run_ranked(model, ids, policy, phase, layers)
+                run = runner.run(model, ids, policy, phase, layers)
                 runs.append(run)
                 if trace is not None and phase == "cold":
                     out = traces.run_path(trace, policy, r, len(policies) * repeats > 1)
@@ -310,8 +261,8 @@ def bench(
                     _line(run, fake, ssd_gbps, path_gbps)
                     + ("" if dropped or phase == "warm" else " (store's pages not evicted)")
                 )
-                log_ranks(run)
-            close(model)
+                runner.log_ranks(run, log)
+            runner.close(model)
             del model
     result = {
         "store": str(path),
@@ -340,6 +291,70 @@ def bench(
 
         result["baseline"] = compare(path, ids, gen_tokens, prefill_step_size, base, log=log)
     return result
+
+
+class _Runner:
+    """Loads, runs and closes bench's models, pipelined or not (a pipelined run adds each
+    rank's figures)."""
+
+    def __init__(self, path: Path, gen_tokens: int, prefill_step_size: int, pipeline=None):
+        self.path, self.gen_tokens, self.step = path, gen_tokens, prefill_step_size
+        self.pipeline = pipeline
+
+    def load(self, cfg: RuntimeConfig):
+        model, _ = load(self.path, config=cfg, pipeline=self.pipeline() if self.pipeline else None)
+        if hasattr(model, "rank_stats"):
+            model.wait_ready()
+        return model
+
+    def run(self, model, ids, policy: str, phase: str, layers=None) -> Run:
+        ranked = hasattr(model, "rank_stats")
+        before = model.rank_stats() if ranked else None
+        t = time.perf_counter()
+        run = run_policy(model, ids, self.gen_tokens, self.step, policy, phase, layers)
+        if ranked:
+            from ..runtime.distributed import rank_figures
+
+            run.ranks = rank_figures(before, model.rank_stats(), time.perf_counter() - t)
+        return run
+
+    @staticmethod
+    def log_ranks(run: Run, log) -> None:
+        from ..runtime.distributed import rank_figure_line
+
+        for f in run.ranks or []:
+            log(rank_figure_line(f))
+
+    @staticmethod
+    def close(model) -> None:
+        if hasattr(model, "rank_stats"):
+            model.close()  # the other ranks stop serving this load
+        model.expert_cache.close()
+
+
+def _probes(path: Path, m, base: RuntimeConfig, io_workers: int, seconds: float, log):
+    """(probe-ssd GB/s, the data path's GB/s): the drive alone, then the drive and every step
+    after it into an arena, as the cache's options set them."""
+    from ..stream.probe import probe_data_path, probe_ssd
+
+    probe = probe_ssd(
+        path / EXPERTS, record_bytes=m.layout.record_bytes, workers_list=(io_workers,),
+        seconds=seconds,
+    )[0]  # fmt: skip
+    ssd_gbps = probe["gb_per_s"]
+    log(f"probe-ssd: {ssd_gbps:.2f} GB/s at {io_workers} workers (direct={probe['direct']})")
+    path_probe = probe_data_path(
+        path, m, workers=io_workers, seconds=seconds, overlap=base.read_overlap,
+        device_copy=None if base.device_copy else False, device_memory=base.device_arena,
+    )  # fmt: skip
+    path_gbps = path_probe["gb_per_s"]
+    log(
+        f"data path into the arena: {path_gbps:.2f} GB/s, "
+        f"{100 * path_gbps / ssd_gbps if ssd_gbps else 0:.0f}% of probe-ssd "
+        f"(verified, bounce={path_probe['bounce']}, device copy={path_probe['device_copy']}, "
+        f"device arena={path_probe['device_copy'] and base.device_arena})"
+    )
+    return ssd_gbps, path_gbps
 
 
 def _mean(xs) -> float:
