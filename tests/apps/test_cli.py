@@ -696,3 +696,16 @@ def test_gpt_oss_kv_refusals_name_the_flag(store, tmp_path, command, flag):
     value = 64 if flag == "--max-kv-size" else 4
     r = run(command, "--model", store("gpt_oss"), "--prompt-tokens", "1,2,3", flag, value, *extra)
     assert f"error: {flag}: gpt_oss keeps a plain KV cache" in _error_line(r)
+
+
+def test_the_docs_list_the_q_bits_convert_takes(hf_checkpoint, tmp_path):
+    """docs/usage.md's formats table gives -q's bit widths (affine stores of 5 and 6 bits come
+    from mlx-lm checkpoints only); convert refuses any other in one line listing the same."""
+    import re
+
+    table = (Path(__file__).parents[2] / "docs" / "usage.md").read_text()
+    listed = re.search(r"\(`--q-bits` ([0-9/]+)\)", table).group(1).split("/")
+    src = hf_checkpoint("qwen3_moe")
+    r = run("convert", "--hf-path", src, "--mlx-path", tmp_path / "s", "-q", "--q-bits", 5)
+    assert f"--q-bits 5: one of {', '.join(listed)}" in _error_line(r)
+    assert not (tmp_path / "s").exists()

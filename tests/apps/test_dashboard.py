@@ -21,7 +21,15 @@ from strata_mlx.apps.server import create_app
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
-from test_server import FAMILY, LONG, NAME, load_tiny, running, write_tokenizer  # noqa: E402
+from test_server import (  # noqa: E402
+    FAMILY,
+    LONG,
+    NAME,
+    load_tiny,
+    running,
+    set_context,
+    write_tokenizer,
+)
 
 BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
 
@@ -47,9 +55,11 @@ def browser():
 
 
 def tiny_model(store, d: Path):
-    """test_server's tiny model, with its tokenizer, from a copy of the store at `d`."""
+    """test_server's tiny model, with its tokenizer and its context past LONG, from a copy of
+    the store at `d`."""
     shutil.copytree(store(FAMILY), d)
     write_tokenizer(d)
+    set_context(d, 2 * LONG)
     return load_tiny(d)
 
 

@@ -67,12 +67,23 @@ def write_tokenizer(d, vocab_size: int = 128) -> None:
 LONG = 1_000_000  # max_tokens of a request that runs until it is cancelled
 
 
+def set_context(d, n: int) -> None:
+    """Give the store at `d` a context (max_position_embeddings) of n tokens."""
+    path = d / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["config"]["max_position_embeddings"] = n
+    path.write_text(json.dumps(manifest))
+
+
 @pytest.fixture(scope="module")
 def tiny(store, tmp_path_factory):
-    """The tiny store with a tokenizer and a chat template."""
+    """The tiny store with a tokenizer and a chat template, and a context past LONG: the
+    server ends generation at the context's end, and a request of max_tokens=LONG has to
+    run until it is cancelled (the tiny model writes 512 tokens in about two seconds)."""
     d = tmp_path_factory.mktemp("served") / "tiny"
     shutil.copytree(store(FAMILY), d)
     write_tokenizer(d)
+    set_context(d, 2 * LONG)
     return d
 
 
@@ -111,8 +122,8 @@ def running(app):
 @pytest.fixture(scope="module")
 def served(tiny):
     model, tok = load_tiny(tiny)
-    # room for the concurrency test's 20 requests; max_tokens up to LONG
-    app = create_app(model, tok, NAME, max_queue=32, max_tokens_limit=LONG)
+    # room for the concurrency test's 20 requests; max_tokens up to LONG; prompts up to 512
+    app = create_app(model, tok, NAME, max_queue=32, max_tokens_limit=LONG, max_prompt_tokens=512)
     try:
         with running(app) as base:
             yield base, model, tok
@@ -593,7 +604,7 @@ def test_non_streaming_client_that_leaves_frees_the_server_within_a_second(serve
 
 def test_limits_and_out_of_range_fields_are_400s(served, client):
     base, _, _ = served
-    too_long = client.completions  # the model's context is 512 tokens
+    too_long = client.completions  # the server's limit is 512 tokens
     with pytest.raises(openai.BadRequestError) as e:
         too_long.create(model=NAME, prompt=[1] * 513, max_tokens=1)
     assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
@@ -635,7 +646,7 @@ def guarded(tiny):
 
 def test_queue_bound_answers_429_with_retry_after(guarded):
     base = guarded
-    # limits from the model's context (512): the longest request allowed runs long enough
+    # 512 tokens: about two seconds of the tiny model, long enough to queue behind
     running_one = openai_client(base, timeout=3, api_key=KEY)
     queued_one = openai_client(base, timeout=3, api_key=KEY)
     with ThreadPoolExecutor(2) as pool:
@@ -728,6 +739,135 @@ def test_cors_preflight_from_an_allowed_origin(guarded):
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
         r = http.post(url, json=body, headers={"Origin": ORIGIN})  # the browser can read the 401
         assert r.status_code == 401 and r.headers["access-control-allow-origin"] == ORIGIN
+
+
+SHORT = 64  # the context of the `short` servers' model
+
+
+@pytest.fixture(scope="module")
+def short(store, tmp_path_factory):
+    """Servers on the tiny model with a context of SHORT tokens, a tokenizer that never ends
+    a turn (every answer runs to its limit) and a prompt limit above the context: one with
+    the KV cache that grows, one with a rotating cache of 32 tokens."""
+    import copy
+
+    from strata_mlx.generation.prompt_cache import KVOptions
+
+    d = tmp_path_factory.mktemp("short") / "tiny"
+    shutil.copytree(store(FAMILY), d)
+    write_tokenizer(d)
+    set_context(d, SHORT)
+    model, tok = load_tiny(d)
+    endless = copy.copy(tok)
+    endless.eos_token_ids = set()
+    kw = {"max_tokens_limit": LONG, "max_prompt_tokens": 4096}
+    growing = create_app(model, endless, NAME, **kw)
+    rotating = create_app(model, endless, NAME, kv=KVOptions(max_kv_size=32), **kw)
+    try:
+        with running(growing) as base, running(rotating) as rotating_base:
+            yield base, rotating_base, endless
+    finally:
+        model.expert_cache.close()
+
+
+def ask(base: str, path: str, content: str, max_tokens: int | None, stream: bool = False):
+    """POST `content` as the one user message of `path`'s API, asking max_tokens (None: the
+    request leaves it out); the response."""
+    if path == "/v1/responses":
+        body = {"model": NAME, "input": content, "max_output_tokens": max_tokens}
+    else:
+        body = {"model": NAME, "messages": [{"role": "user", "content": content}]}
+        body["max_tokens"] = max_tokens
+    body = {k: v for k, v in body.items() if v is not None}
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        return http.post(base + path, json={**body, "temperature": 0, "stream": stream})
+
+
+APIS = ["/v1/chat/completions", "/v1/messages", "/v1/responses"]
+
+
+@pytest.mark.parametrize("path", APIS)
+def test_a_prompt_past_the_context_is_a_400_before_any_prefill(short, path):
+    """Refused in the API's own error shape, with a prompt limit above the context and with
+    a rotating KV cache alike: the model reads no position past its context."""
+    for base in short[:2]:
+        before = stats(base)
+        r = ask(base, path, "the cat sat on the mat " * 12, 1)  # 72 words and the template
+        assert r.status_code == 400, r.text
+        body = r.json()
+        if path == "/v1/messages":
+            assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+            message = body["error"]["message"]
+        else:
+            assert body["error"]["code"] == "context_length_exceeded"
+            assert body["error"]["param"] == "messages"
+            message = body["error"]["message"]
+        assert f"more than the model's context of {SHORT} tokens" in message, message
+        after = stats(base)
+        assert after["prefilled_tokens"] == before["prefilled_tokens"]
+        assert after["requests"] == before["requests"]
+    with httpx.Client(trust_env=False, timeout=60) as http:  # token ids: /v1/completions
+        r = http.post(short[0] + "/v1/completions", json={"prompt": [1] * (SHORT + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def _ended(path: str, body: dict) -> tuple[str, int, int]:
+    """(how the answer ended, prompt tokens, answer tokens) of a non-streamed answer."""
+    if path == "/v1/messages":
+        usage = body["usage"]
+        return body["stop_reason"], usage["input_tokens"], usage["output_tokens"]
+    if path == "/v1/responses":
+        usage = body["usage"]
+        reason = body["incomplete_details"] and body["incomplete_details"]["reason"]
+        return f"{body['status']}: {reason}", usage["input_tokens"], usage["output_tokens"]
+    usage = body["usage"]
+    return body["choices"][0]["finish_reason"], usage["prompt_tokens"], usage["completion_tokens"]
+
+
+LENGTH = {
+    "/v1/chat/completions": "length",
+    "/v1/messages": "max_tokens",
+    "/v1/responses": "incomplete: max_output_tokens",
+}
+
+
+@pytest.mark.parametrize("path", APIS)
+def test_max_tokens_past_the_context_ends_at_the_context(short, path):
+    """As llama.cpp's server: generation stops at the context's end, as at max_tokens, with
+    prompt + answer = the context; a max_tokens that fits, or a rotating cache, is kept."""
+    base, rotating, tok = short
+    for max_tokens in (1000, None):  # None: the server's default (its --max-tokens)
+        if max_tokens is None and path == "/v1/messages":
+            continue  # Anthropic's max_tokens is required
+        r = ask(base, path, "the cat sat on the mat", max_tokens)
+        assert r.status_code == 200, r.text
+        reason, prompt, answer = _ended(path, r.json())
+        if max_tokens is None:  # the default, 256 (or less) with a prompt of 11: clamped too
+            assert prompt + answer == SHORT, (prompt, answer)
+            continue
+        assert (reason, prompt + answer) == (LENGTH[path], SHORT), (reason, prompt, answer)
+    r = ask(base, path, "the cat sat on the mat", 5)  # fits: as asked
+    assert _ended(path, r.json())[0::2] == (LENGTH[path], 5)
+    r = ask(rotating, path, "the cat sat on the mat", 80)  # past the context: rotating
+    reason, prompt, answer = _ended(path, r.json())
+    assert (reason, answer) == (LENGTH[path], 80) and prompt + answer > SHORT
+
+
+def test_a_stream_past_the_context_ends_at_the_context(short):
+    base, _, _ = short
+    body = {"messages": [{"role": "user", "content": "the cat sat on the mat"}], "stream": True}
+    body.update(max_tokens=1000, stream_options={"include_usage": True})
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        r = http.post(base + "/v1/chat/completions", json=body)
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finish[-1] == "length"
+    assert chunks[-1]["usage"]["total_tokens"] == SHORT
+    r = ask(base, "/v1/messages", "the cat sat on the mat", 1000, stream=True)
+    deltas = [json.loads(x[6:]) for x in r.text.splitlines() if '"message_delta"' in x]
+    (delta,) = [d for d in deltas if d.get("type") == "message_delta"]
+    assert delta["delta"]["stop_reason"] == "max_tokens"
+    assert delta["usage"]["input_tokens"] + delta["usage"]["output_tokens"] == SHORT
 
 
 def free_port() -> int:

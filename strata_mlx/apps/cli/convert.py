@@ -133,6 +133,7 @@ def _convert(hf_path, gguf_path, synthetic, mlx_path, flags: dict) -> Path:
             mlx_path,
             split_experts=flags["split_experts"],
             calibration_tokens=flags["calibration_tokens"],
+            allow_non_finite=flags["allow_non_finite"],
         )
     else:
         from ...convert.synthetic import convert_synthetic, synthetic_config

@@ -28,7 +28,9 @@ itself, e.g. a corrupt store):
 - at most `max_queue` requests wait behind the running one; more are answered 429 with a
   Retry-After estimated from recent requests' durations;
 - a prompt longer than `max_prompt_tokens` and a max_tokens above `max_tokens_limit` are 400s
-  (both default to the model's context);
+  (both default to the model's context), and so is a prompt longer than the model's context;
+  generation ends at the context's end (finish "length") when prompt + max_tokens is past it,
+  unless the KV cache rotates (`kv`'s max_kv_size);
 - with an API key every request must carry `Authorization: Bearer <key>` (compared in constant
   time) or gets 401 (/dashboard, a browser's page, also takes HTTP Basic with the key as the
   password); with allowed origins, browsers' CORS preflights from them succeed;

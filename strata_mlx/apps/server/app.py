@@ -104,10 +104,15 @@ def chars_per_token(tokenizer) -> int | None:
     return max(len(t) for t in tok.get_vocab(with_added_tokens=True))
 
 
+def named_context(model) -> int | None:
+    """The model's context length (max_position_embeddings), None if its config names none."""
+    n = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 def model_context(model) -> int:
     """The model's context length (max_position_embeddings), FALLBACK_CONTEXT if unnamed."""
-    n = getattr(getattr(model, "args", None), "max_position_embeddings", None)
-    return n if isinstance(n, int) and n > 0 else FALLBACK_CONTEXT
+    return named_context(model) or FALLBACK_CONTEXT
 
 
 def create_app(
@@ -155,6 +160,7 @@ def create_app(
         default_max_tokens=min(default_max_tokens, max_tokens_limit),
         max_tokens_limit=max_tokens_limit,
         max_prompt_tokens=context if max_prompt_tokens is None else max_prompt_tokens,
+        context=named_context(model),
     )
     most = chars_per_token(tokenizer)
     state.max_prompt_chars = None if most is None else most * state.max_prompt_tokens

@@ -306,6 +306,9 @@ class ServeState:
     # the longest prompt text, in characters, that could fit max_prompt_tokens (None: the
     # tokenizer gives no bound); longer text is refused before it is tokenized
     max_prompt_chars: int | None = None
+    # the model's context (max_position_embeddings; None: its config names none): a longer
+    # prompt is refused, and max_tokens ends at the context's end (a rotating KV cache aside)
+    context: int | None = None
 
     @property
     def model(self):

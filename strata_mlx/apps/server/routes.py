@@ -152,6 +152,13 @@ def _make_job(
 ) -> Job:
     if not ids:
         raise APIError("the prompt is empty", param=prompt_param)
+    if state.context is not None and len(ids) > state.context:  # whatever the KV cache
+        raise APIError(
+            f"{prompt_param}: {len(ids)} tokens, more than the model's context of "
+            f"{state.context} tokens",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     if len(ids) > state.max_prompt_tokens:
         raise APIError(
             f"{prompt_param}: {len(ids)} tokens, more than this server's limit of "
@@ -170,9 +177,14 @@ def _make_job(
     if bad:
         raise APIError(f"prompt token id {bad[0]} outside [0, {state.vocab})", param=prompt_param)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    max_tokens = state.default_max_tokens if max_tokens is None else max_tokens
+    if state.context is not None and state.engine.kv.max_kv_size is None:
+        # As llama.cpp's server: generation ends at the context's end ("length"), past
+        # which the model reads positions it was never trained on (docs/decisions.md).
+        max_tokens = min(max_tokens, state.context - len(ids))
     return Job(
         ids=ids,
-        max_tokens=state.default_max_tokens if max_tokens is None else max_tokens,
+        max_tokens=max_tokens,
         sampling=_sampling_options(req, state.vocab),
         seed=req.seed,
         stop=stop,

@@ -29,6 +29,7 @@ from typing import Any
 from ...format.store import StoreError
 from ..common import check_output, ticking
 from .config import GgufConfig, has_experts, moe_config
+from .finite import check_finite_tensors
 from .gpt_oss import convert_gpt_oss, gpt_oss_config
 from .llama import convert_llama, llama_split_config
 from .qwen3next import convert_qwen3next, qwen3next_config
@@ -76,14 +77,20 @@ def convert_gguf(
     calibration_tokens: int = 256,
     progress: bool = True,
     overwrite: bool | None = None,
+    allow_non_finite: bool = False,
 ) -> Path:
     """Convert a GGUF file into a store at mlx_path; returns the store's path. An existing
-    store there is replaced only with `overwrite` (common.check_output)."""
+    store there is replaced only with `overwrite` (common.check_output). A tensor it reads
+    holding NaN or inf (a float value or a block's scale) is refused before anything is
+    written, unless `allow_non_finite` (--allow-non-finite)."""
     src = Path(gguf_path)
     out = check_output(mlx_path, src, overwrite=overwrite)
     with ticking(f"reading {src.name}", progress):
         g = Gguf(src)
     c = gguf_config(g, split_experts)
+    if not allow_non_finite:
+        with ticking(f"checking {src.name} for NaN and inf", progress):
+            check_finite_tensors(g, c.expert_tensors | c.dense_tensors)
     if c.split_experts is not None:
         return convert_llama(g, c, out, calibration_tokens, progress)
     return ARCHITECTURES[g.arch].write(g, c, out, calibration_tokens, progress)
