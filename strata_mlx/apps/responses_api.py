@@ -358,18 +358,36 @@ def _sse(event: dict) -> bytes:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
 
 
+# The chat request's fields that a chat job's errors name, as this API names them.
+CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens"}
+
+
+def _renamed(e: APIError) -> APIError:
+    """A chat job's error with its parameter in this API's names (the whole field only: an
+    index into the chat messages need not be the input item's)."""
+    name = CHAT_NAMES.get(e.param or "")
+    if name is None:
+        return e
+    message = name + e.message[len(e.param) :] if e.message.startswith(e.param) else e.message
+    return APIError(message, e.status, name, e.code, e.type, e.headers)
+
+
 async def responses(req: ResponsesRequest, request: Request):
     state = serve_state(request)
     chat = to_chat(req)
     response = _response(state, req, _id("resp_"), int(time.time()))
     output = _Output()
+    try:
+        if not req.stream:
+            ops, calls, r = await chat_turn.complete(state, request, chat)
+        else:  # admitted here: a full queue is a 429
+            turn = await chat_turn.stream(state, request, chat)
+    except APIError as e:
+        raise _renamed(e) from None
     if not req.stream:
-        ops, calls, r = await chat_turn.complete(state, request, chat)
         for op in ops:
             output.feed(*op)
         return JSONResponse(_finished(response, output, r, calls))
-
-    turn = await chat_turn.stream(state, request, chat)  # admitted here: a full queue is a 429
 
     def cut() -> bytes:  # shutdown cut the stream: an error event, then response.failed
         e = shutdown_error()

@@ -800,8 +800,10 @@ def test_a_prompt_past_the_context_is_a_400_before_any_prefill(short, path):
             message = body["error"]["message"]
         else:
             assert body["error"]["code"] == "context_length_exceeded"
-            assert body["error"]["param"] == "messages"
+            field = "input" if path == "/v1/responses" else "messages"  # the API's own name
+            assert body["error"]["param"] == field
             message = body["error"]["message"]
+            assert message.startswith(f"{field}: "), message
         assert f"more than the model's context of {SHORT} tokens" in message, message
         after = stats(base)
         assert after["prefilled_tokens"] == before["prefilled_tokens"]
