@@ -135,6 +135,25 @@ def test_pipeline_flags_are_checked_on_one_process_too(store, flags, words):
     assert r.stderr.startswith(f"error: {words}"), r.stderr
 
 
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_pipeline_flags_without_pipeline_are_one_line_errors(store, command):
+    """Without --pipeline, --pipeline-split would do nothing: refused, as a nonsense
+    --pipeline-timeout is, in each command that has the flags."""
+    model = ["--model", str(store("qwen3_moe"))]
+    if command == "generate":
+        model += ["--prompt-tokens", "1,2", "-m", "1"]
+    for flags, words in [
+        (["--pipeline-split", "4,4"], "--pipeline-split 4,4: only with --pipeline"),
+        (["--pipeline-timeout", "nan"], "--pipeline-timeout nan: expected a finite number"),
+    ]:
+        r = subprocess.run(
+            [sys.executable, "-m", "strata_mlx", command, *model, *flags],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (flags, r.stderr)
+        assert r.stderr.startswith(f"error: {words}"), r.stderr
+
+
 def test_layer_costs_put_experts_and_dense_weights_on_their_layer(store):
     import mlx.core as mx
 

@@ -15,6 +15,7 @@ from .common import (
     TraceFile,
     builtin_model,
     check_output_file,
+    check_pipeline_flags,
     runtime_command,
 )
 
@@ -62,6 +63,7 @@ def bench(
     check_int("prompt_tokens", prompt_tokens, 2, 1 << 24, cli=True)  # one chunk and a rest
     check_int("generation_tokens", generation_tokens, 1, 1 << 20, cli=True)
     check_int("repeats", repeats, 1, 1000, cli=True)
+    check_pipeline_flags(pipeline, pipeline_split, pipeline_timeout)
     check_output_file(json_out, "--json")
     check_output_file(plot, "--plot", suffix=".png")
     check_output_file(trace_file, "--trace")

@@ -19,6 +19,7 @@ from ...config import (
     PANEL_RESEARCH,
     OptionError,
     RuntimeOption,
+    check_number,
     check_runtime,
     runtime_options,
 )
@@ -123,6 +124,14 @@ PipelineTimeout = Annotated[
         rich_help_panel=PANEL_RESEARCH,
     ),
 ]
+
+
+def check_pipeline_flags(pipeline: bool, split: str | None, timeout: float) -> None:
+    """--pipeline-timeout is a positive number; --pipeline-split only comes with --pipeline
+    (alone it would do nothing, without a word)."""
+    check_number("pipeline_timeout", timeout, 0, lo_open=True, cli=True)
+    if split is not None and not pipeline:
+        raise OptionError(f"--pipeline-split {split}: only with --pipeline (under mlx.launch)")
 
 
 def _flag(o: RuntimeOption, defaults: dict) -> inspect.Parameter:

@@ -20,6 +20,7 @@ from .common import (
     PipelineSplit,
     PipelineTimeout,
     builtin_model,
+    check_pipeline_flags,
     kv_options,
     runtime_command,
 )
@@ -124,6 +125,7 @@ def serve(
     if prompt_cache_dir is not None and prompt_cache_dir.exists() and not prompt_cache_dir.is_dir():
         raise OptionError(f"--prompt-cache-dir {prompt_cache_dir}: not a directory")
     check_number("shutdown_timeout", shutdown_timeout, 0, cli=True)
+    check_pipeline_flags(pipeline, pipeline_split, pipeline_timeout)
     kv = kv_options(args)
     if pipeline and (kv.max_kv_size or kv.kv_bits):  # each rank has its own cache
         raise OptionError("--pipeline: --max-kv-size and --kv-bits are not pipelined yet")
