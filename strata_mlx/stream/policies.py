@@ -30,6 +30,7 @@ and cannot change a model's outputs (the tests check them bit-identical under ev
 
 from __future__ import annotations
 
+import heapq
 import importlib
 import inspect
 import math
@@ -265,7 +266,204 @@ class Adaptive:
         return None
 
 
-CANDIDATES = {p.name: p for p in (LRU2, LRFU, ARC, ProtectedLRU, ProfileLRU, Adaptive)}
+class NextUse:
+    """Evict the resident expert whose next use is expected farthest away. Decode visits the
+    MoE layers in a cycle, so expert (l, e) is next wanted when layer l next runs, d(l)
+    handshakes from now (1 to L), if the router picks it then, else L handshakes later for
+    each token it is passed over: with p its chance of being picked by one call of layer l,
+    the expected distance is d(l) + L (1 / p - 1). LRU and LFU each see half of this: the
+    layer cycle (LayerDistance alone) wins where every layer reuses most of its experts, the
+    frequency where a few experts of each layer take most picks.
+
+    p is estimated per layer: each call of layer l adds a weight that grows by 2^(1 /
+    `half_life`) a call (old calls fade), an expert counts the weight of the calls that used it
+    (once a call), and the routing profile (where the store has one) is a prior worth `prior`
+    calls: the expert's share of its layer's picks against the layer's most picked expert.
+    Within a layer the victim is the expert of least count (a heap, lazily invalidated, as
+    ScoredPolicy's); across layers the largest expected distance of each layer's candidate,
+    one array operation over the layers (each layer's candidate cached until it changes)."""
+
+    name = "nextuse"
+
+    def __init__(
+        self,
+        layers: list[int] | None = None,
+        profile: np.ndarray | None = None,
+        half_life: float = 256.0,
+        prior: float = 64.0,
+    ):
+        self._index: dict[int, int] = {}  # layer -> its place in the cycle and the arrays
+        self._layers: list[int] = []
+        self._growth = 2.0 ** (1.0 / half_life)
+        self._prior = prior
+        self._p0: dict[int, np.ndarray] = {}
+        self._weight = np.zeros(0)  # per layer: what one call's use counts now
+        self._calls = np.zeros(0)  # per layer: the weights of its calls (and the prior's)
+        self._least_count = np.zeros(0)  # per layer: its candidate's count (inf: none)
+        for layer in layers or []:
+            self._add_layer(layer)
+        if profile is not None and layers:
+            for pos, layer in enumerate(layers):
+                row = np.asarray(profile[pos], dtype=np.float64)
+                if row.max() > 0:
+                    self._p0[layer] = row / row.max()
+        self._count: dict[Key, float] = {}  # every expert seen, resident or not
+        self._heap: dict[int, list[tuple[float, int, Key]]] = {}  # layer -> residents
+        self._live: dict[Key, int] = {}  # resident key -> its live entry's number
+        self._top: dict[int, tuple[float, int, Key] | None] = {}  # layer -> its candidate
+        self._uses = 0
+        self._current: int | None = None
+        self._this_call: set[Key] = set()
+
+    def _add_layer(self, layer: int) -> int:
+        i = self._index[layer] = len(self._layers)
+        self._layers.append(layer)
+        self._weight = np.append(self._weight, 0.0)
+        self._calls = np.append(self._calls, self._prior)
+        self._least_count = np.append(self._least_count, np.inf)
+        return i
+
+    @property
+    def current(self) -> int | None:
+        return self._current
+
+    @current.setter
+    def current(self, layer: int | None) -> None:
+        self._end_call()
+        self._current = layer
+        if layer is None:
+            return
+        i = self._index.get(layer)
+        if i is None:
+            i = self._add_layer(layer)
+        self._weight[i] = self._weight[i] * self._growth if self._weight[i] else 1.0
+        if self._weight[i] > 2.0**500:
+            self._rescale(layer, 2.0**-500)
+        self._calls[i] += self._weight[i]
+
+    def _rescale(self, layer: int, f: float) -> None:
+        i = self._index[layer]
+        self._weight[i] *= f
+        self._calls[i] *= f
+        for k in self._count:
+            if k[0] == layer:
+                self._count[k] *= f
+        self._heap[layer] = [(c * f, n, k) for c, n, k in self._heap.get(layer, [])]
+        self._top.pop(layer, None)
+
+    def touch(self, key: Key) -> None:
+        layer = key[0]
+        i = self._index.get(layer)
+        if i is None:
+            i = self._add_layer(layer)
+        if not self._weight[i]:  # used before any handshake of its layer (a read ahead)
+            self._weight[i] = 1.0
+            self._calls[i] += 1.0
+        if key in self._this_call:  # a call counts once, however many tokens pick it
+            return
+        count = self._count.get(key)
+        if count is None:
+            p0 = self._p0.get(layer)
+            count = self._prior * (float(p0[key[1]]) if p0 is not None else 0.5)
+        self._count[key] = count + float(self._weight[i])
+        self._uses += 1
+        self._live[key] = self._uses
+        if layer == self._current:
+            # In use by the running call (pinned): in its layer's heap only once the call
+            # ends, so that victim() does not step over it at every eviction of the call.
+            self._this_call.add(key)
+        else:
+            self._push(key)
+
+    def _push(self, key: Key) -> None:
+        layer = key[0]
+        heap = self._heap.setdefault(layer, [])
+        heapq.heappush(heap, (self._count[key], self._live[key], key))
+        if len(heap) > 4 * len(self._live) + 1024:  # drop dead entries now and then
+            self._heap[layer] = [e for e in heap if self._live.get(e[2]) == e[1]]
+            heapq.heapify(self._heap[layer])
+        self._top.pop(layer, None)
+
+    def _end_call(self) -> None:
+        for key in self._this_call:
+            if key in self._live:
+                self._push(key)
+        self._this_call = set()
+
+    def remove(self, key: Key) -> None:
+        if self._live.pop(key, None) is not None:
+            self._top.pop(key[0], None)
+        self._this_call.discard(key)
+
+    def _least(self, layer: int, evictable=None) -> tuple[float, int, Key] | None:
+        """The live entry of least count in `layer` (that is `evictable`, if given)."""
+        heap = self._heap.get(layer)
+        skipped, found = [], None
+        while heap:
+            entry = heapq.heappop(heap)
+            if self._live.get(entry[2]) != entry[1]:
+                continue
+            skipped.append(entry)
+            if evictable is None or evictable(entry[2]):
+                found = entry
+                break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
+
+    def victim(self, evictable) -> Key | None:
+        for layer in self._heap.keys() - self._top.keys():  # candidates that changed
+            entry = self._top[layer] = self._least(layer)
+            self._least_count[self._index[layer]] = entry[0] if entry else np.inf
+        n = len(self._layers)
+        at = self._index.get(self._current, 0)
+        cycle = (np.arange(n) - at - 1) % n + 1
+        # calls / count = 1 / p; no candidate: count inf, a distance <= 0, never the largest
+        far = cycle + n * (self._calls / self._least_count - 1.0)
+        instead: dict[int, tuple[float, int, Key]] = {}  # layer index -> its evictable one
+        for _ in range(2 * n):
+            i = int(np.argmax(far)) if n else 0
+            if not n or far[i] <= 0:
+                return None
+            layer = self._layers[i]
+            entry = instead.get(i) or self._top.get(layer)
+            if entry is not None and evictable(entry[2]):
+                return entry[2]
+            entry = self._least(layer, evictable)  # pinned or protected: its next one
+            if entry is None:
+                far[i] = -np.inf
+            else:
+                instead[i] = entry
+                far[i] = cycle[i] + n * (self._calls[i] / entry[0] - 1.0)
+        return None
+
+
+class NextUseRecent(NextUse):
+    """NextUse trusting the routing of the last few dozen calls over the profile: a prior of
+    4 calls, a half-life of 32 (where the profile misleads: routing with no static hot
+    set)."""
+
+    name = "nextuse-recent"
+
+    def __init__(self, layers: list[int] | None = None, profile: np.ndarray | None = None):
+        super().__init__(layers, profile, half_life=32.0, prior=4.0)
+
+
+class NextUseDuel(Adaptive):
+    """Adaptive over NextUse's two settings: the profile trusted (`nextuse`) or recent
+    routing (`nextuse-recent`), whichever would have missed least lately."""
+
+    name = "nextuse-duel"
+
+    def __init__(self, layers: list[int] | None = None, profile: np.ndarray | None = None):
+        super().__init__(layers, profile, components=("nextuse", "nextuse-recent"))
+
+
+CANDIDATES = {
+    p.name: p
+    for p in (LRU2, LRFU, ARC, ProtectedLRU, ProfileLRU, Adaptive, NextUse, NextUseRecent,
+              NextUseDuel)
+}  # fmt: skip
 
 
 def names() -> list[str]:

@@ -45,7 +45,7 @@ def live_run(path, eviction, scheduler="loop"):
     return model, tokens
 
 
-@pytest.mark.parametrize("eviction", ["lru", "lfu", "arc"])
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "arc", "nextuse", "nextuse-duel"])
 @pytest.mark.parametrize("scheduler", ["loop", "sync"])
 def test_a_replay_counts_the_misses_of_a_live_run(store, tmp_path, eviction, scheduler):
     path = store(FAMILY)
@@ -92,7 +92,7 @@ def test_belady_is_the_optimum_and_no_policy_beats_it(seed):
     seq = [tuple((l, int(e)) for e in es) for _, l, es in t.lookups()]
     best = cache_sim.replay(t, 4, "belady")
     assert best.decode_misses == brute_force_min_misses(seq, 4)
-    for name in ("lru", "lfu", "layer", "lru2", "lrfu", "arc", "protected"):
+    for name in ("lru", "lfu", "layer", "lru2", "lrfu", "arc", "protected", "nextuse"):
         assert cache_sim.replay(t, 4, name).decode_misses >= best.decode_misses, name
 
 

@@ -231,3 +231,64 @@ def test_adaptive_follows_the_component_that_would_have_missed_less():
     assert p.capacity == 8
     assert p.components[p.leader] == "profile"
     assert {(0, 0), (0, 1), (1, 0), (1, 1)} <= resident
+
+
+def cycle(p, calls: int, layers=(0, 1, 2), experts=(0, 1)) -> None:
+    """`calls` forward passes, each layer's call using `experts`."""
+    for _ in range(calls):
+        for layer in layers:
+            p.current = layer
+            for e in experts:
+                p.touch((layer, e))
+
+
+def test_nextuse_evicts_the_expert_whose_layer_comes_back_last():
+    """Every expert used every call, layer 0 running: layer 1's experts are wanted next,
+    layer 2's after them. LRU evicts layer 1's (used longest ago), NextUse layer 2's."""
+    for name, want in [("nextuse", (2, 0)), ("lru", (1, 0))]:
+        p = policies.build(name, layers=[0, 1, 2])
+        cycle(p, 5)
+        p.remove((0, 1))  # evicted since
+        p.current = 0
+        p.touch((0, 0))  # in use by this call: pinned
+        assert p.victim(lambda k: k != (0, 0)) == want, name
+
+
+def test_nextuse_evicts_the_rarely_picked_expert_of_a_layer():
+    """a picked by ten calls, b by the last one only: LRU takes a, the older; NextUse b,
+    the one whose next pick is far off."""
+    a, b, c = (0, 1), (0, 2), (0, 3)
+    for name, want in [("nextuse", b), ("lru", a)]:
+        p = policies.build(name, layers=[0])
+        for _ in range(10):
+            p.current = 0
+            p.touch(a)
+        p.current = 0
+        p.touch(b)
+        p.current = 0
+        p.touch(c)
+        assert p.victim(lambda k: k != c) == want, name
+
+
+def test_nextuse_takes_the_profile_as_a_prior_and_recent_routing_over_it():
+    """Before any history the profile's popular expert stays; nextuse-recent gives the
+    prior little weight, so routing that contradicts the profile soon wins there."""
+    profile = np.array([[100.0, 1.0, 1.0]])
+    hot, cold, new = (0, 0), (0, 1), (0, 2)
+    p = policies.build("nextuse", profile=profile, layers=[0])
+    p.current = 0
+    p.touch(hot)
+    p.touch(cold)
+    p.current = 0
+    p.touch(new)
+    assert p.victim(lambda k: k != new) == cold
+    for name, want in [("nextuse-recent", hot), ("nextuse", cold)]:
+        p = policies.build(name, profile=profile, layers=[0])
+        for _ in range(40):  # the profile's cold expert is the one routing picks
+            p.current = 0
+            p.touch(cold)
+        p.current = 0
+        p.touch(hot)
+        p.current = 0
+        p.touch(new)
+        assert p.victim(lambda k: k != new) == want, name
