@@ -194,7 +194,8 @@ class Adaptive:
     residents (its victim is the one taken when it leads) and once in a shadow arena of the
     same size fed the same uses, where its misses are counted with a half-life of
     `half_life` uses. The arena's size is learnt at the first eviction (the arena is full
-    then). Shadows treat the running layer's experts as pinned."""
+    then). A shadow takes each call's uses when the call ends, as the arena does: its hits
+    first, then its misses, each evicting among experts the call does not use."""
 
     name = "adaptive"
 
@@ -218,6 +219,12 @@ class Adaptive:
         self.capacity: int | None = None
         self.leader = 0  # the component followed now
         self._current: int | None = None
+        self._call: dict[Key, None] = {}  # the running call's uses, in order, for the shadows
+
+    @property
+    def shadow_misses(self) -> list[float]:
+        """Each component's misses in its shadow arena, weighted (later ones weigh more)."""
+        return list(self._misses)
 
     @property
     def current(self) -> int | None:
@@ -225,6 +232,7 @@ class Adaptive:
 
     @current.setter
     def current(self, layer: int | None) -> None:
+        self._shadow_call()
         self._current = layer
         for p in (*self._real, *self._shadow):
             p.current = layer
@@ -233,21 +241,33 @@ class Adaptive:
         self._resident.add(key)
         for p in self._real:
             p.touch(key)
-        self._weight *= self._growth
-        if self._weight > 2.0**500:  # rescale before floats overflow
-            self._misses = [m * 2.0**-500 for m in self._misses]
-            self._weight *= 2.0**-500
-        layer = self._current
+        self._call[key] = None
+
+    def _shadow_call(self) -> None:
+        """The ended call's uses through each shadow arena, counting its misses there."""
+        uses, self._call = sorted(self._call), {}  # as a layer's distinct experts come
+        if not uses:
+            return
+        self._weight *= self._growth ** len(uses)  # later misses weigh more: old ones fade
+        pinned = set(uses)
         for i, (p, held) in enumerate(zip(self._shadow, self._held)):
-            if key not in held:
+            for key in uses:
+                if key in held:
+                    p.touch(key)
+            for key in uses:
+                if key in held:
+                    continue
                 self._misses[i] += self._weight
                 if self.capacity is not None and len(held) >= self.capacity:
-                    victim = p.victim(lambda k: k[0] != layer)
+                    victim = p.victim(lambda k: k not in pinned)
                     if victim is not None:
                         p.remove(victim)
                         held.discard(victim)
                 held.add(key)
-            p.touch(key)
+                p.touch(key)
+        if self._weight > 2.0**500:  # rescale before floats overflow
+            self._misses = [m * 2.0**-500 for m in self._misses]
+            self._weight *= 2.0**-500
 
     def remove(self, key: Key) -> None:
         self._resident.discard(key)
@@ -450,13 +470,14 @@ class NextUseRecent(NextUse):
 
 
 class NextUseDuel(Adaptive):
-    """Adaptive over NextUse's two settings: the profile trusted (`nextuse`) or recent
-    routing (`nextuse-recent`), whichever would have missed least lately."""
+    """Adaptive over NextUse's two settings, the profile trusted (`nextuse`) or recent
+    routing (`nextuse-recent`), and LRU (where the arena holds a pass's working set, LRU's
+    recency guesses better than either), whichever would have missed least lately."""
 
     name = "nextuse-duel"
 
     def __init__(self, layers: list[int] | None = None, profile: np.ndarray | None = None):
-        super().__init__(layers, profile, components=("nextuse", "nextuse-recent"))
+        super().__init__(layers, profile, components=("nextuse", "nextuse-recent", "lru"))
 
 
 CANDIDATES = {

@@ -292,3 +292,28 @@ def test_nextuse_takes_the_profile_as_a_prior_and_recent_routing_over_it():
         p.current = 0
         p.touch(new)
         assert p.victim(lambda k: k != new) == want, name
+
+
+def test_adaptive_shadows_miss_as_their_components_do_alone():
+    """A shadow takes a call's hits, then its misses, evicting among experts the call does
+    not use, as the arena does, so each shadow misses exactly as its policy alone does
+    (shadows that pinned the whole running layer, LRU's usual victim there, and took uses
+    in the arena's order missed more than LRU alone, and adaptive left LRU for that)."""
+    from strata_mlx.apps import cache_sim
+    from strata_mlx.stream import trace
+
+    rng = np.random.default_rng(3)
+    ids = {l: [rng.integers(0, 8, (1, 3)) for _ in range(40)] for l in (0, 1, 2)}
+    t = trace.Trace([0, 1, 2], 8, 4096, ids, decode_from=0)
+    made = []
+
+    def adaptive(layers=None, profile=None):
+        made.append(policies.Adaptive(layers, profile, ("lru", "lfu"), half_life=1e15))
+        return made[-1]
+
+    cache_sim.replay(t, 10, adaptive)
+    made[0].current = None  # the last call ends: its uses reach the shadows
+    for i, name in enumerate(("lru", "lfu")):
+        alone = cache_sim.replay(t, 10, name)
+        want = alone.prefill_misses + alone.decode_misses
+        assert made[0].shadow_misses[i] == pytest.approx(want, rel=1e-9), name
