@@ -76,11 +76,11 @@ def _variant(v: str) -> dict | None:
     """The runtime option a policy variant sets: a named one, an eviction policy, or one a
     runtime option declares (config.opt's `variant`): a choice, `<v>0` / `<v>1` for a switch,
     `<v>N` for a number."""
-    from ..stream.arena import POLICIES
+    from ..stream.policies import names
 
     if v in NAMED_VARIANTS:
         return NAMED_VARIANTS[v]
-    if v in POLICIES:
+    if v in names():  # the arena's policies and the candidates alike
         return {"eviction": v}
     for o in runtime_options(RuntimeConfig):
         prefix = o.option.variant
@@ -98,7 +98,7 @@ def _variant(v: str) -> dict | None:
 
 def variant_grammar() -> str:
     """Every variant a policy name takes, for help and errors."""
-    from ..stream.arena import POLICIES
+    from ..stream.policies import names
 
     out = list(NAMED_VARIANTS)
     for o in runtime_options(RuntimeConfig):
@@ -107,7 +107,7 @@ def variant_grammar() -> str:
             out += list(o.option.choices)
         elif prefix is not None:
             out.append(f"{prefix}0 | {prefix}1" if o.is_switch else f"{prefix}N")
-    return " | ".join(out + sorted(POLICIES))
+    return " | ".join(out + names())
 
 
 def policy_options(policy: str) -> dict:

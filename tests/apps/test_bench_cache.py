@@ -58,6 +58,12 @@ def test_bench_policy_variants_name_the_runtime_options():
     assert policy_options("demand:ov1") == {"read_ahead": "demand", "read_overlap": True}
     with pytest.raises(OptionError, match="unknown variant 'ov2'"):
         policy_options("demand:ov2")
+    # every eviction policy by name, the candidates of stream/policies.py too
+    assert policy_options("demand:nextuse-duel:lru")["eviction"] == "lru"
+    assert policy_options("demand:nextuse-duel") == {
+        "read_ahead": "demand",
+        "eviction": "nextuse-duel",
+    }
 
 
 def test_bench_line_reads_keep_three_figures_and_nothing_read_says_so():
