@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|bench|disk|resident|old-vs-new
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|bench|disk|evict|resident|old-vs-new
 # Logs land in $OUT (the device tool brings them back).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -63,10 +63,16 @@ old-vs-new)  # `old-vs-new STORE ROUND`: the old tree's bench, then this code's,
      --json "$OUT/old-bench-$3.json" 2>&1 | tee "$OUT/old-bench-$3.log" | grep -v "^ *[0-9]")
   LIMIT=280 bench "new-bench-$3" "$2" demand,lookahead
   ;;
+evict)  # tmpfs: LRU beside the expected-next-use candidates, live, with the routing traces
+  # (strata-mlx cache-sim replays them: docs/research.md)
+  build
+  mkdir -p "$OUT/trace"
+  bench "bench-evict" "$SHM" "${POL:-demand,demand:nextuse,demand:nextuse-duel}" --trace "$OUT/trace/t.npz"
+  ;;
 resident)  # every expert resident, beside mlx-lm's own model, interleaved (benchmarks/decode.py)
   build
   timeout 560 python3 benchmarks/decode.py "$SHM" -p 2048 -g 128 --rounds "${ROUNDS:-3}" \
      --modes "${MODES:-token:4}" --json "$OUT/resident.json" 2>&1 | tee "$OUT/resident.log"
   ;;
-*) echo "usage: $0 store|bench|disk|old-vs-new STORE ROUND|resident"; exit 2;;
+*) echo "usage: $0 store|bench|disk|evict|old-vs-new STORE ROUND|resident"; exit 2;;
 esac
