@@ -1,0 +1,124 @@
+"""Continuous batching (strata_mlx.generation.batch): each sequence's tokens and log-probabilities
+are those it gets alone, bit for bit on the CPU, whatever joins or leaves the batch; the MoE
+layers run once per step for the batch, reading the union of its experts."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import prompt_ids
+
+import strata_mlx
+from strata_mlx.format.store import load_manifest
+from strata_mlx.generation.batch import BatchGenerator, batch_forward
+from strata_mlx.generation.sampling import make_sampler
+
+# (prompt length, max_tokens, temperature, seed): greedy and seeded sampling, prompts shorter
+# and longer than a prefill chunk
+REQUESTS = [(9, 7, 0.0, None), (3, 5, 0.0, None), (21, 6, 0.8, 11), (1, 4, 0.0, None), (14, 8, 1.0, 5)]
+
+
+def small_arena(path, slots: int = 5):
+    rb = load_manifest(path).layout.record_bytes
+    return strata_mlx.load(path, arena_gb=slots * rb / 1024**3, prefill_step_size=8)
+
+
+def alone(model, ids, max_tokens, temp, seed):
+    rs = list(
+        strata_mlx.stream_generate(model, None, ids, max_tokens=max_tokens, temp=temp, seed=seed)
+    )
+    return [r.token for r in rs], [np.array(r.logprobs) for r in rs]
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_each_sequence_gets_what_it_gets_alone(store, quantize):
+    path = store("qwen3_moe", quantize)
+    model, _ = small_arena(path)
+    prompts = [prompt_ids(n, seed=20 + i) for i, (n, *_) in enumerate(REQUESTS)]
+    expected = [alone(model, p, m, t, s) for p, (_, m, t, s) in zip(prompts, REQUESTS)]
+    model.expert_cache.close()
+
+    # a fresh model (another residency history), sequences joining one by one as others run
+    model, _ = small_arena(path)
+    gen = BatchGenerator(model, None, decode_concurrency=4, prefill_step_size=8)
+    got: dict[int, tuple[list, list]] = {i: ([], []) for i in range(len(REQUESTS))}
+    which, waiting, sizes = {}, list(range(len(REQUESTS))), set()
+    while waiting or gen.sequences:
+        if waiting and gen.has_room():  # one joins per step, while others decode
+            i = waiting.pop(0)
+            _, m, t, s = REQUESTS[i]
+            seq = gen.insert(prompts[i], m, make_sampler(t), seed=s)
+            which[id(seq)] = i
+        out = gen.step()
+        sizes.add(len(out))
+        for seq, r in out:
+            tokens, logprobs = got[which[id(seq)]]
+            tokens.append(r.token)
+            logprobs.append(np.array(r.logprobs))
+    assert {1, 2, 3, 4} <= sizes  # batches of every size up to 4 ran
+    for i, (tokens, logprobs) in got.items():
+        assert tokens == expected[i][0], i
+        for a, b in zip(logprobs, expected[i][1]):
+            assert np.array_equal(a, b), i  # bit for bit
+    s = model.expert_cache.stats
+    assert s.experts_read > 0  # the arena really streamed
+    model.expert_cache.close()
+
+
+def test_removed_sequence_leaves_the_others_exact(store):
+    path = store("qwen3_moe")
+    model, _ = small_arena(path)
+    a, b = prompt_ids(6, seed=1), prompt_ids(5, seed=2)
+    want = alone(model, b, 6, 0.0, None)[0]
+    gen = BatchGenerator(model, None, decode_concurrency=2)
+    sa = gen.insert(a, 100)
+    sb = gen.insert(b, 6)
+    tokens = []
+    for n in range(10):
+        for seq, r in gen.step():
+            if seq is sb:
+                tokens.append(r.token)
+        if n == 3:
+            gen.remove(sa)  # its client left
+    assert tokens == want and not gen.sequences
+    # the removed sequence's cache covers its prompt and every token but the last
+    assert all(c.offset == len(a) - 1 + len(sa.tokens) for c in sa.cache)
+    model.expert_cache.close()
+
+
+def test_one_moe_call_per_layer_reads_the_union(store):
+    """A batched step runs each MoE layer once for all rows: as many handshakes as one
+    sequence's token, and no expert read twice in a step."""
+    path = store("qwen3_moe")
+    model, _ = small_arena(path, slots=16)  # every expert fits: nothing read twice
+    ec = model.expert_cache
+    rows = []
+    for i in range(4):
+        cache = model.make_cache()
+        mx.eval(model(mx.array(prompt_ids(5, seed=i))[None], cache=cache))
+        rows.append((mx.array([[i + 3]]), cache))
+    calls = []
+    run = ec.run_layer
+
+    def counting(layer, x, inds):
+        if ec.gather is None:
+            calls.append((layer, x.shape))
+        return run(layer, x, inds)
+
+    ec.run_layer = counting
+    before = ec.stats.copy()
+    logits = batch_forward(model, rows)
+    mx.eval(logits)
+    n_layers = len(ec.layers)
+    assert [c[0] for c in calls] == ec.layers and all(c[1][1] == 4 for c in calls)
+    assert ec.stats.minus(before).experts_read <= n_layers * 8
+    ec.close()
+
+
+@pytest.mark.parametrize("bad", [{"decode_concurrency": 0}, {"prompt_concurrency": 0}])
+def test_bad_concurrency_is_one_line(store, bad):
+    model, _ = strata_mlx.load(store("qwen3_moe"))
+    with pytest.raises(strata_mlx.config.OptionError, match="concurrency"):
+        BatchGenerator(model, None, **bad)
+    model.expert_cache.close()
