@@ -33,7 +33,7 @@ import mlx.core as mx
 from greenlet import greenlet
 
 from ..config import OptionError
-from .generate import GenerationResponse, _add_token
+from .generate import GenerationResponse, add_token
 from .prompt_cache import KVOptions, make_prompt_cache, maybe_quantize
 from .sampling import LogitsProcessor, Sampler, make_sampler
 
@@ -183,7 +183,9 @@ class BatchGenerator:
             sampler=sampler or make_sampler(),
             logits_processors=list(logits_processors or ()),
             stop=[s for s in stop or () if s],
-            cache=prompt_cache if prompt_cache is not None else make_prompt_cache(self.model, self.kv),
+            cache=prompt_cache
+            if prompt_cache is not None
+            else make_prompt_cache(self.model, self.kv),
             cached_tokens=cached,
             key=key,
             detok=self.tokenizer.detokenizer() if self.tokenizer is not None else None,
@@ -275,7 +277,7 @@ class BatchGenerator:
         seq.tokens.append(token)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else set()
         last = n + 1 == seq.max_tokens
-        seq.text, end, finish, found = _add_token(seq.text, token, eos, seq.detok, seq.stop, last)
+        seq.text, end, finish, found = add_token(seq.text, token, eos, seq.detok, seq.stop, last)
         seq.stop_sequence = found or seq.stop_sequence
         segment, seq.emitted = seq.text[seq.emitted : end], end
         seq.finish_reason = finish

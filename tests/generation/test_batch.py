@@ -16,7 +16,13 @@ from strata_mlx.generation.sampling import make_sampler
 
 # (prompt length, max_tokens, temperature, seed): greedy and seeded sampling, prompts shorter
 # and longer than a prefill chunk
-REQUESTS = [(9, 7, 0.0, None), (3, 5, 0.0, None), (21, 6, 0.8, 11), (1, 4, 0.0, None), (14, 8, 1.0, 5)]
+REQUESTS = [
+    (9, 7, 0.0, None),
+    (3, 5, 0.0, None),
+    (21, 6, 0.8, 11),
+    (1, 4, 0.0, None),
+    (14, 8, 1.0, 5),
+]
 
 
 def small_arena(path, slots: int = 5):

@@ -17,6 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...config import (
+    DEFAULT_DECODE_CONCURRENCY,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_TOKENS,
@@ -126,6 +127,8 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     bound_host: str = "127.0.0.1",
     allowed_hosts: list[str] | None = None,
+    decode_concurrency: int = 1,
+    prompt_concurrency: int = 1,
 ):
     """The FastAPI app serving `model` under the name `model_name`.
 
@@ -139,11 +142,13 @@ def create_app(
     Served on a loopback address (`bound_host`), or with `allowed_hosts`, a request whose Host
     is not this machine's loopback names, the bound host or one of `allowed_hosts` is a 403,
     and so is one whose Origin is neither on such a host nor in `allowed_origins` (a web page
-    cannot reach the server through DNS rebinding)."""
+    cannot reach the server through DNS rebinding). `decode_concurrency` requests decode
+    together, stepped as one batch (strata_mlx.generation.batch; 1: one at a time), and
+    `prompt_concurrency` of them prefill a chunk between two steps."""
     from ...generation.prompt_cache import make_prompt_cache
     from .. import anthropic_api, responses_api  # they build on this package's request models
 
-    engine = Engine(model, tokenizer, max_queue, kv)
+    engine = Engine(model, tokenizer, max_queue, kv, decode_concurrency, prompt_concurrency)
     make_prompt_cache(model, engine.kv)  # (DeepSeek-V3's latent cache is not quantized)
     context = model_context(model)
     max_tokens_limit = context if max_tokens_limit is None else max_tokens_limit
@@ -262,6 +267,8 @@ def serve(
     pipeline_timeout: float = 300.0,
     kv=None,
     config=None,
+    decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY,
+    prompt_concurrency: int = 1,
     **runtime,
 ) -> None:
     """Load the store at `model_path` with `config` (a RuntimeConfig) and the `runtime`
@@ -315,6 +322,9 @@ def serve(
         max_body_bytes=max_body_bytes,
         bound_host=host,
         allowed_hosts=allowed_hosts,
+        # the other ranks of a pipeline hold one sequence's state
+        decode_concurrency=1 if pipe is not None else decode_concurrency,
+        prompt_concurrency=prompt_concurrency,
     )
     from ...generation.prompt_cache import PromptCacheLRU
 
