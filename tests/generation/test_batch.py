@@ -128,3 +128,28 @@ def test_bad_concurrency_is_one_line(store, bad):
     with pytest.raises(strata_mlx.config.OptionError, match="concurrency"):
         BatchGenerator(model, None, **bad)
     model.expert_cache.close()
+
+
+def test_a_batch_past_the_sorted_expert_path_is_exact(store):
+    """32 rows of top-2 are 64 (token, expert) pairs: the expert computation then sorts the
+    pairs by expert (mlx-lm's SwitchGLU above 63 pairs), which no sequence alone does in
+    decode. Each row still gets what it gets alone."""
+    path = store("qwen3_moe")
+    model, _ = small_arena(path, slots=16)
+    prompts = [prompt_ids(3, seed=100 + i) for i in range(32)]
+    expected = [alone(model, p, 3, 0.0, None) for p in prompts]
+    gen = BatchGenerator(model, None, decode_concurrency=32, prompt_concurrency=32)
+    seqs = [gen.insert(p, 3) for p in prompts]
+    got = {id(s): ([], []) for s in seqs}
+    sizes = set()
+    while gen.sequences:
+        out = gen.step()
+        sizes.add(len(out))
+        for seq, r in out:
+            got[id(seq)][0].append(r.token)
+            got[id(seq)][1].append(np.array(r.logprobs))
+    assert 32 in sizes
+    for seq, (tokens, logprobs) in zip(seqs, expected):
+        assert got[id(seq)][0] == tokens
+        assert all(np.array_equal(a, b) for a, b in zip(got[id(seq)][1], logprobs))
+    model.expert_cache.close()
