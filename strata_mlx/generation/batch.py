@@ -33,18 +33,44 @@ import mlx.core as mx
 from greenlet import greenlet
 
 from ..config import OptionError
+from ..models.base import RowCaches
 from .generate import GenerationResponse, add_token
 from .prompt_cache import KVOptions, make_prompt_cache, maybe_quantize
 from .sampling import LogitsProcessor, Sampler, make_sampler
 
+# Families whose attention reaches its cache only through `offset` (RoPE), `update_and_fetch`
+# and base.attention, with plain nn.RoPE or rope.py's: their rows run as one [B, 1] forward over
+# RowCaches (tests/generation/test_batch.py checks each, bit for bit).
+ROWS_IN_ONE_FORWARD = ("qwen3_moe", "mixtral", "olmoe")
 
-def batch_forward(model, rows: list[tuple[mx.array, list]]) -> list[mx.array]:
+
+def batch_forward(model, rows: list[tuple[mx.array, list]], one_forward: bool = True) -> list:
     """The logits [1, L, vocab] of each row (its tokens [1, L] and its cache, which is
     extended), as `model(tokens, cache=cache)` computes them alone, with every MoE layer run
-    once for all rows' tokens."""
+    once for all rows' tokens.
+
+    Rows of one token of a family in ROWS_IN_ONE_FORWARD (and `one_forward`) run as one
+    forward of [B, 1] tokens: the dense layers' matmuls take the B rows at once (on MLX's
+    CPU backend a matmul's row does not depend on the rows beside it), RoPE and attention
+    run per row over RowCaches. Other rows run their own forwards, one greenlet each, met at
+    every MoE layer."""
     if len(rows) == 1:
         tokens, cache = rows[0]
         return [model(tokens, cache=cache)]
+    if (
+        one_forward
+        and getattr(model.args, "model_type", None) in ROWS_IN_ONE_FORWARD
+        and all(t.shape == (1, 1) for t, _ in rows)
+    ):
+        tokens = mx.concatenate([t for t, _ in rows])
+        caches = [RowCaches([c[i] for _, c in rows]) for i in range(len(rows[0][1]))]
+        logits = model(tokens, cache=caches)
+        return [logits[i : i + 1] for i in range(len(rows))]
+    return _met_at_moe_layers(model, rows)
+
+
+def _met_at_moe_layers(model, rows: list[tuple[mx.array, list]]) -> list:
+    """Each row's own forward in a greenlet, every MoE layer run once for all of them."""
     ec = model.expert_cache
     parent = greenlet.getcurrent()
 
@@ -134,7 +160,10 @@ class BatchGenerator:
         prompt_concurrency: int = 1,
         prefill_step_size: int | None = None,
         kv: KVOptions | None = None,
+        one_forward: bool = True,
     ):
+        """`one_forward`: batch_forward's (False: every family's rows met at the MoE layers
+        only, as tests compare)."""
         if decode_concurrency < 1:
             raise OptionError(f"--decode-concurrency must be >= 1, got {decode_concurrency}")
         if prompt_concurrency < 1:
@@ -145,6 +174,7 @@ class BatchGenerator:
         self.prompt_concurrency = prompt_concurrency
         self.prefill_step_size = prefill_step_size or model.runtime.prefill_step_size or 512
         self.kv = kv or KVOptions()
+        self.one_forward = one_forward
         self.sequences: list[Sequence] = []  # in the order they joined
         self.steps = 0  # batched token steps run
         self.rows = 0  # sequences in them, summed
@@ -223,7 +253,8 @@ class BatchGenerator:
         ec.idle()
         with ec.phase(decoding=True):
             try:
-                logits = batch_forward(self.model, [(s.y[None], s.cache) for s in rows])
+                steps = [(s.y[None], s.cache) for s in rows]
+                logits = batch_forward(self.model, steps, self.one_forward)
                 sampled = [self._sample(s, lg) for s, lg in zip(rows, logits)]
                 mx.eval([t for t, _ in sampled])
             except Exception as e:

@@ -37,9 +37,19 @@ def alone(model, ids, max_tokens, temp, seed):
     return [r.token for r in rs], [np.array(r.logprobs) for r in rs]
 
 
-@pytest.mark.parametrize("quantize", [False, True])
-def test_each_sequence_gets_what_it_gets_alone(store, quantize):
-    path = store("qwen3_moe", quantize)
+@pytest.mark.parametrize(
+    "family, quantize, one_forward",
+    [
+        ("qwen3_moe", False, True),
+        ("qwen3_moe", True, True),
+        ("qwen3_moe", False, False),
+        ("mixtral", False, True),
+        ("olmoe", True, True),
+        ("qwen3_next", False, True),  # recurrent layers: its rows meet at the MoE layers
+    ],
+)
+def test_each_sequence_gets_what_it_gets_alone(store, family, quantize, one_forward):
+    path = store(family, quantize)
     model, _ = small_arena(path)
     prompts = [prompt_ids(n, seed=20 + i) for i, (n, *_) in enumerate(REQUESTS)]
     expected = [alone(model, p, m, t, s) for p, (_, m, t, s) in zip(prompts, REQUESTS)]
@@ -47,7 +57,9 @@ def test_each_sequence_gets_what_it_gets_alone(store, quantize):
 
     # a fresh model (another residency history), sequences joining one by one as others run
     model, _ = small_arena(path)
-    gen = BatchGenerator(model, None, decode_concurrency=4, prefill_step_size=8)
+    gen = BatchGenerator(
+        model, None, decode_concurrency=4, prefill_step_size=8, one_forward=one_forward
+    )
     got: dict[int, tuple[list, list]] = {i: ([], []) for i in range(len(REQUESTS))}
     which, waiting, sizes = {}, list(range(len(REQUESTS))), set()
     while waiting or gen.sequences:
@@ -93,7 +105,8 @@ def test_removed_sequence_leaves_the_others_exact(store):
     model.expert_cache.close()
 
 
-def test_one_moe_call_per_layer_reads_the_union(store):
+@pytest.mark.parametrize("one_forward", [True, False])
+def test_one_moe_call_per_layer_reads_the_union(store, one_forward):
     """A batched step runs each MoE layer once for all rows: as many handshakes as one
     sequence's token, and no expert read twice in a step."""
     path = store("qwen3_moe")
@@ -109,15 +122,15 @@ def test_one_moe_call_per_layer_reads_the_union(store):
 
     def counting(layer, x, inds):
         if ec.gather is None:
-            calls.append((layer, x.shape))
+            calls.append((layer, x.size // x.shape[-1]))
         return run(layer, x, inds)
 
     ec.run_layer = counting
     before = ec.stats.copy()
-    logits = batch_forward(model, rows)
+    logits = batch_forward(model, rows, one_forward)
     mx.eval(logits)
     n_layers = len(ec.layers)
-    assert [c[0] for c in calls] == ec.layers and all(c[1][1] == 4 for c in calls)
+    assert calls == [(layer, 4) for layer in ec.layers]  # one handshake a layer, 4 tokens
     assert ec.stats.minus(before).experts_read <= n_layers * 8
     ec.close()
 
