@@ -5,9 +5,11 @@ the flags' bad values are one line."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
@@ -118,3 +120,25 @@ def test_bad_concurrency_flag_is_one_line(flag):
     )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert flag in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_shutdown_stops_the_batch_and_waiting_requests(model):
+    model, tok = model
+    app = create_app(
+        model, tok, NAME, max_tokens_limit=LONG, decode_concurrency=2, shutdown_timeout=5
+    )
+    engine = app.state.engine
+    with running(app) as base:
+        c = client_of(base, timeout=60)
+        pool = ThreadPoolExecutor(3)
+        # two decode together, the third waits for a place
+        futures = [pool.submit(chat, c, p, max_tokens=LONG) for p in PROMPTS[:3]]
+        wait_for(base, lambda s: s["active"] == 2 and s["queued"] == 1)
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 30  # uvicorn's grace, then the engine's drain
+    assert engine._idle.is_set() and engine.active == 0 and engine.queued == 0
+    for f in futures:  # cut or answered, never left hanging
+        with contextlib.suppress(openai.APIError, httpx.HTTPError):
+            f.result(timeout=30)
+    pool.shutdown()
+    c.close()

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import prompt_ids
+from test_prompt_cache import wide_store  # noqa: F401  (the module's fixture)
 
 import strata_mlx
 from strata_mlx.format.store import load_manifest
@@ -165,4 +166,31 @@ def test_a_batch_past_the_sorted_expert_path_is_exact(store):
     for seq, (tokens, logprobs) in zip(seqs, expected):
         assert got[id(seq)][0] == tokens
         assert all(np.array_equal(a, b) for a, b in zip(got[id(seq)][1], logprobs))
+    model.expert_cache.close()
+
+
+@pytest.mark.parametrize(
+    "kv",
+    [{"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 6}, {"max_kv_size": 8}],
+    ids=["quantized", "rotating"],
+)
+def test_kv_cache_options_stay_exact(store, wide_store, kv):  # noqa: F811
+    """Caches quantized mid-way, or rotating past their window, row by row as alone."""
+    from strata_mlx.generation.prompt_cache import KVOptions
+
+    model, _ = small_arena(wide_store if "kv_bits" in kv else store("qwen3_moe"))
+    prompts = [prompt_ids(n, seed=40 + n) for n in (4, 7, 2)]
+    expected = [
+        [r.token for r in strata_mlx.stream_generate(model, None, p, max_tokens=10, **kv)]
+        for p in prompts
+    ]
+    gen = BatchGenerator(
+        model, None, decode_concurrency=3, prompt_concurrency=3, kv=KVOptions(**kv)
+    )
+    seqs = [gen.insert(p, 10) for p in prompts]
+    while gen.sequences:
+        gen.step()
+    assert [s.tokens for s in seqs] == expected
+    quantized = any(type(c).__name__ == "QuantizedKVCache" for c in seqs[1].cache)
+    assert quantized == ("kv_bits" in kv)
     model.expert_cache.close()
