@@ -112,13 +112,13 @@ def main() -> None:
     ap.add_argument("--server-arg", action="append", default=[], help="passed to serve")
     args = ap.parse_args()
     levels = [int(v) for v in args.levels.split(",")]
-    rng = np.random.default_rng(args.seed)
     rows = []
     for conc in (int(v) for v in args.decode_concurrency.split(",")):
         proc, base = start_server(args.store, args.arena_gb, conc, args.server_arg)
         http = httpx.Client(trust_env=False, timeout=3600)
         client = openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0, http_client=http)
         try:
+            rng = np.random.default_rng(args.seed)  # every server gets the same prompts
             warm = rng.integers(0, args.vocab, (1, args.prompt_tokens)).tolist()
             level(client, base, 1, warm, 4)  # first-request costs (kernel self-check, imports)
             for _ in range(args.rounds):

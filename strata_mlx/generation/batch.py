@@ -5,20 +5,21 @@ Owns the batched token step (`batch_forward`) and the scheduling of sequences th
 generate_step's prefill), then one token of every sequence that is decoding. Sequences join
 between steps and leave when they finish or are removed.
 
-In the token step each layer's dense part (norms, attention over the sequence's own KV
-cache) runs per sequence, and each MoE layer runs once on the sequences' tokens stacked: the
-expert cache's handshake sees the union of their experts and reads each missing record once.
-The family modules are not split for this: each sequence's forward runs in its own greenlet
-(a coroutine on this thread, so MLX sees one thread) and the expert cache's `gather` hook
-switches back here at every MoE layer; once every sequence waits at that layer, the layer
-runs once and each sequence resumes with its rows of the output.
+In the token step each MoE layer runs once on the sequences' tokens stacked: the expert
+cache's handshake sees the union of their experts and reads each missing record once. The
+dense part stays each sequence's own computation, in one of two shapes (`batch_forward`):
+families listed in ROWS_IN_ONE_FORWARD run the step as one [B, 1] forward, the matmuls over
+the B rows at once and RoPE and attention per row over RowCaches (models/base.py); the others
+run each sequence's forward in its own greenlet (a coroutine on this thread, so MLX sees one
+thread), and the expert cache's `gather` hook switches back here at every MoE layer; once
+every sequence waits at that layer, the layer runs once and each resumes with its rows.
 
 Each sequence's tokens and log-probabilities are those it gets alone (stream_generate): the
-prefill chunks are the same forwards; a decode row's dense part is the same computation; the
-expert kernels compute each (token, expert) pair from its record alone, so a row's MoE
-output does not depend on the other rows (tests/generation/test_batch.py checks it on the
-CPU, bit for bit). Sampling keeps a random key per sequence, so a seeded request draws what
-it draws alone.
+prefill chunks are the same forwards; on MLX's CPU backend a matmul's row and an expert
+pair's output do not depend on the rows beside them (tests/generation/test_batch.py checks
+every family, bit for bit). On CUDA this is not measured: MLX's CUDA matmuls choose their
+tiling by row count, which already makes prefill chunk sizes differ in the last bits there. Sampling keeps a random key per sequence, so a
+seeded request draws what it draws alone.
 
 Never reads files (the expert cache does) and never speaks HTTP (the server does).
 """
