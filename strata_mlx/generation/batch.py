@@ -57,6 +57,13 @@ def batch_forward(model, rows: list[tuple[mx.array, list]], one_forward: bool = 
     every MoE layer."""
     if len(rows) == 1:
         tokens, cache = rows[0]
+        if tokens.shape == (1, 1):
+            # alone in the step: the model's own decoder (pipelined, where the runtime asks
+            # for it: no host sync per layer), one token without building the next ahead
+            decoder = model.decoding()
+            step = decoder.start(tokens, cache)
+            decoder.finish(step)
+            return [step.logits]
         return [model(tokens, cache=cache)]
     if (
         one_forward
