@@ -42,7 +42,7 @@ from .sampling import LogitsProcessor, Sampler, make_sampler
 # Families whose attention reaches its cache only through `offset` (RoPE), `update_and_fetch`
 # and base.attention, with plain nn.RoPE or rope.py's: their rows run as one [B, 1] forward over
 # RowCaches (tests/generation/test_batch.py checks each, bit for bit).
-ROWS_IN_ONE_FORWARD = ("qwen3_moe", "mixtral", "olmoe")
+ROWS_IN_ONE_FORWARD = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe")
 
 
 def batch_forward(model, rows: list[tuple[mx.array, list]], one_forward: bool = True) -> list:

@@ -46,7 +46,11 @@ def alone(model, ids, max_tokens, temp, seed):
         ("qwen3_moe", False, False),
         ("mixtral", False, True),
         ("olmoe", True, True),
-        ("qwen3_next", False, True),  # recurrent layers: its rows meet at the MoE layers
+        ("glm4_moe", False, True),
+        # the families whose rows meet at the MoE layers only: recurrent layers, MLA, sinks
+        ("qwen3_next", False, True),
+        ("deepseek_v3", False, True),
+        ("gpt_oss", False, True),
     ],
 )
 def test_each_sequence_gets_what_it_gets_alone(store, family, quantize, one_forward):
