@@ -39,7 +39,9 @@ JOBS = [
 
 def client_of(base: str, timeout: float = 120) -> openai.OpenAI:
     http = httpx.Client(trust_env=False, timeout=timeout)
-    return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, http_client=http)
+    return openai.OpenAI(
+        base_url=base + "/v1", api_key="none", max_retries=0, timeout=timeout, http_client=http
+    )
 
 
 def one(c, job) -> str:
@@ -142,3 +144,27 @@ def test_shutdown_stops_the_batch_and_waiting_requests(model):
             f.result(timeout=30)
     pool.shutdown()
     c.close()
+
+
+def test_the_queue_bound_counts_the_batch(model):
+    """--decode-concurrency 2 and --max-queue 1: two decode, one waits, the next is a 429."""
+    model, tok = model
+    app = create_app(model, tok, NAME, max_queue=1, max_tokens_limit=LONG, decode_concurrency=2)
+    with running(app) as base:
+        slow = client_of(base, timeout=3)  # cut after 3 s: their jobs are cancelled then
+        with ThreadPoolExecutor(3) as pool:
+            futures = [
+                pool.submit(chat, slow, "tell me a story", max_tokens=LONG) for _ in range(3)
+            ]
+            wait_for(base, lambda s: s["active"] == 2 and s["queued"] == 1)
+            c = client_of(base)
+            with pytest.raises(openai.RateLimitError) as e:
+                chat(c, "a dog", max_tokens=2)
+            assert e.value.body["code"] == "queue_full"
+            for f in futures:
+                with contextlib.suppress(openai.APITimeoutError):
+                    f.result(timeout=60)
+        wait_for(base, lambda s: s["active"] == 0 and s["queued"] == 0)
+        assert chat(c, "a dog", max_tokens=2).usage.completion_tokens >= 1  # served again
+        slow.close()
+        c.close()
