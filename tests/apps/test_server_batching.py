@@ -168,3 +168,13 @@ def test_the_queue_bound_counts_the_batch(model):
         assert chat(c, "a dog", max_tokens=2).usage.completion_tokens >= 1  # served again
         slow.close()
         c.close()
+
+
+def test_serve_says_whether_a_step_fits_the_arena(model, tiny):  # noqa: F811
+    from strata_mlx.apps.server.app import started_lines
+
+    model, _ = model  # 5 slots; 2 MoE layers of 8 experts, top-2
+    lines = started_lines(NAME, tiny, model, "127.0.0.1", 8080, decode_concurrency=2)
+    assert "up to 2 requests decode together: a step uses up to 8 experts" in lines[2]
+    assert "lower --decode-concurrency" in lines[2]
+    assert len(started_lines(NAME, tiny, model, "127.0.0.1", 8080)) == 3  # one at a time

@@ -222,8 +222,11 @@ def model_id(path: Path) -> str:
     return path.name if path.name not in ("", ".", "..") else path.resolve().name
 
 
-def started_lines(name: str, path: Path, model, host: str, port: int) -> list[str]:
-    """What serve prints once the model is loaded: the model, its arena, where to reach it."""
+def started_lines(
+    name: str, path: Path, model, host: str, port: int, decode_concurrency: int = 1
+) -> list[str]:
+    """What serve prints once the model is loaded: the model, its arena, how many requests
+    decode together and whether their experts fit, where to reach it."""
     cache = model.expert_cache
     record = cache.manifest.layout.record_bytes
     slots = cache.arena.n_slots
@@ -231,12 +234,27 @@ def started_lines(name: str, path: Path, model, host: str, port: int) -> list[st
     share = 100 * min(slots, total) / max(total, 1)
     shown = f"[{host}]" if ":" in host else host
     base = f"http://{shown}:{port}"
-    return [
+    lines = [
         f"strata-mlx: serving {name!r} ({path})",
         f"  arena {slots * record / 2**30:.3f} GiB: {slots} expert slots, {share:.0f} % of "
         "the experts resident at once",
-        f"  OpenAI-compatible API at {base}/v1   dashboard: {base}/dashboard",
     ]
+    top_k = getattr(model.args, "num_experts_per_tok", None)
+    if decode_concurrency > 1 and top_k:
+        # a step's union of experts, every MoE layer's; past the arena each step evicts
+        # what the next needs (docs/benchmarks.md, "Does batching decodes share reads?")
+        need = min(decode_concurrency * top_k, cache.manifest.num_experts) * len(cache.layers)
+        lines.append(
+            f"  up to {decode_concurrency} requests decode together: a step uses up to "
+            f"{need} experts"
+            + (
+                " (more than the arena's slots: try a lower --decode-concurrency)"
+                if need > slots
+                else ""
+            )
+        )
+    lines.append(f"  OpenAI-compatible API at {base}/v1   dashboard: {base}/dashboard")
+    return lines
 
 
 # ---- running it ----------------------------------------------------------------------------
@@ -335,7 +353,9 @@ def serve(
         attach(app, prompt_cache_dir, prompt_cache_dir_bytes or DEFAULT_MAX_BYTES)
     if pipe is not None:
         _stop_ranks_at_shutdown(app, model)
-    print("\n".join(started_lines(name, path, model, host, port)), flush=True)
+    engine = app.state.engine
+    lines = started_lines(name, path, model, host, port, engine.decode_concurrency)
+    print("\n".join(lines), flush=True)
     try:
         config = uvicorn.Config(
             app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout
