@@ -30,7 +30,11 @@ MAX_PLAN_TOKENS = 1 << 24
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: -100 bans a token, 100 forces it
 XTC_MAX_THRESHOLD = 0.5  # above it more than one token could exceed it: mlx-lm's bound
 DEFAULT_MAX_TOKENS = 512  # serve: a request's max_tokens when it gives none
-DEFAULT_MAX_QUEUE = 16  # serve: requests waiting behind the running one
+DEFAULT_MAX_QUEUE = 16  # serve: requests waiting behind the running ones
+# serve: requests decoding together. Each step must hold the union of the batch's experts in
+# the arena at once (up to rows x top-k per layer): mlx-lm's 32 rows of top-8 would ask for
+# 256 experts a layer, every expert of most models, more than a laptop's arena holds.
+DEFAULT_DECODE_CONCURRENCY = 8
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # serve: seconds in-flight requests get after SIGTERM
 # serve: the largest request body; a 262 K-token context's text is about 1 MB, JSON-escaped
 # at most a few times that, while a 4 MB prompt already takes seconds of a core to tokenize

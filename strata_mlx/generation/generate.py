@@ -230,7 +230,7 @@ def stream_generate(
             prefill_stats = expert_cache.stats.minus(start_stats)
             prefill_stats.wall_s = prompt_time
             prefill_stats.tokens = len(ids)
-        text, end, finish, found = _add_token(text, token, eos, detok, stop, n + 1 == max_tokens)
+        text, end, finish, found = add_token(text, token, eos, detok, stop, n + 1 == max_tokens)
         matched = found or matched
         segment, emitted = text[emitted:end], end
         stats = expert_cache.stats.minus(start_stats)
@@ -280,7 +280,7 @@ def _prompt_ids(model, tokenizer, prompt: str | list[int], cached_tokens) -> lis
     return ids
 
 
-def _add_token(
+def add_token(
     text: str, token: int, eos, detok, stop, last: bool
 ) -> tuple[str, int, str | None, str | None]:
     """(the text with `token` added, how much of it may be yielded, the finish reason or None,

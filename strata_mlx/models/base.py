@@ -542,10 +542,46 @@ def create_attention_mask(h: mx.array, cache=None):
     return "causal" if h.shape[1] > 1 else None
 
 
+class RowCaches:
+    """One layer's caches of several sequences that decode one token each in one forward
+    (strata_mlx.generation.batch): row i of the step's [B, 1] tokens is sequence i, with its
+    own cache and position. `offset` is the rows' positions ([B], which RoPE takes per row);
+    `update_and_fetch` writes each row into its own cache and returns the rows' keys and
+    values as lists, which `attention` attends one row at a time: each row's attention is the
+    computation it is alone."""
+
+    def __init__(self, caches: list):
+        self.caches = caches
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array([c.offset for c in self.caches])
+
+    def make_mask(self, n: int):
+        if n != 1:
+            raise ValueError("a step of several sequences runs one token each")
+        return None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        rows = [
+            c.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+            for i, c in enumerate(self.caches)
+        ]
+        return [k for k, _ in rows], [v for _, v in rows]
+
+
 def attention(q: mx.array, k, v, cache, scale: float, mask) -> mx.array:
     """Scaled dot-product attention over the cache's keys and values: the fused kernel, or
     over a QuantizedKVCache's codes by quantized matmuls (as mlx-lm's
-    quantized_scaled_dot_product_attention: the same operations in the same order)."""
+    quantized_scaled_dot_product_attention: the same operations in the same order); over
+    RowCaches, each row over its own cache."""
+    if isinstance(cache, RowCaches):
+        return mx.concatenate(
+            [
+                attention(q[i : i + 1], k[i], v[i], c, scale, mask)
+                for i, c in enumerate(cache.caches)
+            ]
+        )
     if not isinstance(cache, QuantizedKVCache):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     B, n_heads, L, D = q.shape

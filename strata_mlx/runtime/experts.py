@@ -118,6 +118,9 @@ class ExpertCache:
         self._ahead_tags: dict[int, list[int]] = {}  # read-ahead submitted for a layer
         self._pair_index: dict[tuple, mx.array] = {}
         self._observed: int | None = None  # a failed check fed the miss rate for this layer
+        # A batched token step (strata_mlx.generation.batch) sets this: each sequence's MoE
+        # layer is handed to it, which runs the layer once for every sequence's tokens.
+        self.gather: Callable[[int, mx.array, mx.array], mx.array] | None = None
 
     # ---- public ----------------------------------------------------------------------
 
@@ -229,6 +232,8 @@ class ExpertCache:
 
     def run_layer(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         """Experts of `layer` for x [..., D] routed to inds [..., k] -> [..., k, D]."""
+        if self.gather is not None:
+            return self.gather(layer, x, inds)
         if self.sched.closed:
             raise RuntimeError(CLOSED)
         if self.pipeline is not None:

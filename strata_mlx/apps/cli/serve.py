@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from ...config import (
+    DEFAULT_DECODE_CONCURRENCY,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_TOKENS,
@@ -51,6 +52,17 @@ def serve(
         DEFAULT_MAX_QUEUE,
         "--max-queue",
         help="Requests that may wait behind the running one; more are answered 429.",
+    ),
+    decode_concurrency: int = typer.Option(
+        DEFAULT_DECODE_CONCURRENCY,
+        "--decode-concurrency",
+        help="Requests that decode together, one token each per step, their experts read "
+        "once for all (1: one request at a time; --pipeline runs one at a time).",
+    ),
+    prompt_concurrency: int = typer.Option(
+        1,
+        "--prompt-concurrency",
+        help="Requests that prefill a prompt chunk between two decode steps.",
     ),
     shutdown_timeout: float = typer.Option(
         DEFAULT_SHUTDOWN_TIMEOUT,
@@ -117,6 +129,8 @@ def serve(
         if args[name] is not None:
             check_int(name, args[name], 1, cli=True)
     check_int("max_queue", max_queue, 0, cli=True)
+    check_int("decode_concurrency", decode_concurrency, 1, cli=True)
+    check_int("prompt_concurrency", prompt_concurrency, 1, cli=True)
     check_int("prompt_cache_size", prompt_cache_size, 0, cli=True)
     check_int("prompt_cache_bytes", prompt_cache_bytes, 0, cli=True)
     check_int("prompt_cache_dir_bytes", prompt_cache_dir_bytes, 1, cli=True)
@@ -150,6 +164,8 @@ def serve(
         max_tokens_limit=max_tokens_limit,
         max_prompt_tokens=max_prompt_tokens,
         max_queue=max_queue,
+        decode_concurrency=decode_concurrency,
+        prompt_concurrency=prompt_concurrency,
         api_key=api_key,
         allowed_origins=origins,
         allowed_hosts=hosts,

@@ -17,6 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...config import (
+    DEFAULT_DECODE_CONCURRENCY,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_TOKENS,
@@ -131,6 +132,8 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     bound_host: str = "127.0.0.1",
     allowed_hosts: list[str] | None = None,
+    decode_concurrency: int = 1,
+    prompt_concurrency: int = 1,
 ):
     """The FastAPI app serving `model` under the name `model_name`.
 
@@ -144,11 +147,13 @@ def create_app(
     Served on a loopback address (`bound_host`), or with `allowed_hosts`, a request whose Host
     is not this machine's loopback names, the bound host or one of `allowed_hosts` is a 403,
     and so is one whose Origin is neither on such a host nor in `allowed_origins` (a web page
-    cannot reach the server through DNS rebinding)."""
+    cannot reach the server through DNS rebinding). `decode_concurrency` requests decode
+    together, stepped as one batch (strata_mlx.generation.batch; 1: one at a time), and
+    `prompt_concurrency` of them prefill a chunk between two steps."""
     from ...generation.prompt_cache import make_prompt_cache
     from .. import anthropic_api, responses_api  # they build on this package's request models
 
-    engine = Engine(model, tokenizer, max_queue, kv)
+    engine = Engine(model, tokenizer, max_queue, kv, decode_concurrency, prompt_concurrency)
     make_prompt_cache(model, engine.kv)  # (DeepSeek-V3's latent cache is not quantized)
     context = model_context(model)
     max_tokens_limit = context if max_tokens_limit is None else max_tokens_limit
@@ -223,8 +228,11 @@ def model_id(path: Path) -> str:
     return path.name if path.name not in ("", ".", "..") else path.resolve().name
 
 
-def started_lines(name: str, path: Path, model, host: str, port: int) -> list[str]:
-    """What serve prints once the model is loaded: the model, its arena, where to reach it."""
+def started_lines(
+    name: str, path: Path, model, host: str, port: int, decode_concurrency: int = 1
+) -> list[str]:
+    """What serve prints once the model is loaded: the model, its arena, how many requests
+    decode together and whether their experts fit, where to reach it."""
     cache = model.expert_cache
     record = cache.manifest.layout.record_bytes
     slots = cache.arena.n_slots
@@ -232,12 +240,27 @@ def started_lines(name: str, path: Path, model, host: str, port: int) -> list[st
     share = 100 * min(slots, total) / max(total, 1)
     shown = f"[{host}]" if ":" in host else host
     base = f"http://{shown}:{port}"
-    return [
+    lines = [
         f"strata-mlx: serving {name!r} ({path})",
         f"  arena {slots * record / 2**30:.3f} GiB: {slots} expert slots, {share:.0f} % of "
         "the experts resident at once",
-        f"  OpenAI-compatible API at {base}/v1   dashboard: {base}/dashboard",
     ]
+    top_k = getattr(model.args, "num_experts_per_tok", None)
+    if decode_concurrency > 1 and top_k:
+        # a step's union of experts, every MoE layer's; past the arena each step evicts
+        # what the next needs (docs/benchmarks.md, "Does batching decodes share reads?")
+        need = min(decode_concurrency * top_k, cache.manifest.num_experts) * len(cache.layers)
+        lines.append(
+            f"  up to {decode_concurrency} requests decode together: a step uses up to "
+            f"{need} experts"
+            + (
+                " (more than the arena's slots: try a lower --decode-concurrency)"
+                if need > slots
+                else ""
+            )
+        )
+    lines.append(f"  OpenAI-compatible API at {base}/v1   dashboard: {base}/dashboard")
+    return lines
 
 
 # ---- running it ----------------------------------------------------------------------------
@@ -268,6 +291,8 @@ def serve(
     pipeline_timeout: float = 300.0,
     kv=None,
     config=None,
+    decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY,
+    prompt_concurrency: int = 1,
     **runtime,
 ) -> None:
     """Load the store at `model_path` with `config` (a RuntimeConfig) and the `runtime`
@@ -321,6 +346,9 @@ def serve(
         max_body_bytes=max_body_bytes,
         bound_host=host,
         allowed_hosts=allowed_hosts,
+        # the other ranks of a pipeline hold one sequence's state
+        decode_concurrency=1 if pipe is not None else decode_concurrency,
+        prompt_concurrency=prompt_concurrency,
     )
     from ...generation.prompt_cache import PromptCacheLRU
 
@@ -331,7 +359,9 @@ def serve(
         attach(app, prompt_cache_dir, prompt_cache_dir_bytes or DEFAULT_MAX_BYTES)
     if pipe is not None:
         _stop_ranks_at_shutdown(app, model)
-    print("\n".join(started_lines(name, path, model, host, port)), flush=True)
+    engine = app.state.engine
+    lines = started_lines(name, path, model, host, port, engine.decode_concurrency)
+    print("\n".join(lines), flush=True)
     try:
         config = uvicorn.Config(
             app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout

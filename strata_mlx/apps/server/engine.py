@@ -1,18 +1,20 @@
-"""The engine: one worker thread that runs generation for queued jobs, one at a time, so
-requests never share state and the event loop stays free; the queue bound, cancellation of
-jobs whose client left, and the shutdown drain. ServeState: what the handlers read.
-Never: parses HTTP requests (routes does)."""
+"""The engine: one worker thread that runs generation for queued jobs, so the event loop stays
+free: one job at a time (`decode_concurrency` 1), or up to `decode_concurrency` decoding
+together in steps (strata_mlx.generation.batch), joining and leaving between steps; the queue
+bound, cancellation of jobs whose client left, and the shutdown drain. ServeState: what the
+handlers read. Never: parses HTTP requests (routes does)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import math
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -49,7 +51,8 @@ class _Stopped(Exception):
 
 
 class Engine:
-    """Runs generation jobs one at a time on a single worker thread, behind a bounded queue.
+    """Runs generation jobs on a single worker thread, behind a bounded queue: one at a time,
+    or with `decode_concurrency` > 1 that many at once, stepped together.
 
     Every job carries a cancel event, set when its client disconnects or its request task is
     cancelled (shutdown); the worker checks it before starting the job, between prefill
@@ -57,7 +60,15 @@ class Engine:
     Counters are changed by the event loop and the worker, under `_counts`.
     """
 
-    def __init__(self, model, tokenizer, max_queue: int = DEFAULT_MAX_QUEUE, kv=None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        kv=None,
+        decode_concurrency: int = 1,
+        prompt_concurrency: int = 1,
+    ):
         from ...generation.prompt_cache import KVOptions
 
         self.model = model
@@ -86,11 +97,23 @@ class Engine:
         # only what is new (mlx-lm server's prompt cache). Touched by the worker thread only.
         self.prompt_caches = PromptCacheLRU()
         self.prefilled_tokens = 0  # prompt tokens run through the model (reused ones are not)
+        self.decode_concurrency = decode_concurrency
+        self.batch = None  # the BatchGenerator, when jobs are stepped together
+        if decode_concurrency > 1:
+            from ...generation.batch import BatchGenerator
+
+            self.batch = BatchGenerator(
+                model, tokenizer, decode_concurrency, prompt_concurrency, kv=self.kv
+            )
+            self._steps = StepLoop(self, self.batch)
+            self._executor.submit(self._steps.run)
 
     def close(self, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> bool:
         """Cancel every job, queued or running, and wait up to `timeout` seconds for the
         worker to stop; returns whether it did."""
         self._closing.set()
+        if self.batch is not None:
+            self._steps.put(None)  # wakes the step loop, which then ends
         self._executor.shutdown(wait=False, cancel_futures=True)
         return self._idle.wait(timeout)
 
@@ -106,7 +129,8 @@ class Engine:
         with self._counts:
             if self._closing.is_set():
                 raise APIError("the server is shutting down", 503, type="server_error")
-            if self.queued + self.active > self.max_queue:  # it would wait behind them
+            # it would wait behind them (decode_concurrency run at once)
+            if self.queued + self.active >= self.max_queue + self.decode_concurrency:
                 self.rejected += 1
                 wait = self.retry_after()
                 raise APIError(
@@ -118,6 +142,10 @@ class Engine:
                     headers={"Retry-After": str(wait)},
                 )
             self.queued += 1
+        if self.batch is not None:
+            done: Future = Future()
+            self._steps.put((job, on_text, cancelled, done))
+            return asyncio.wrap_future(done)
         loop = asyncio.get_running_loop()
         return loop.run_in_executor(self._executor, self._work, job, on_text, cancelled)
 
@@ -280,6 +308,186 @@ class Engine:
                 gone.cancel()
 
         return events()
+
+
+class StepLoop:
+    """The worker's loop while jobs are stepped together (decode_concurrency > 1): jobs come
+    through `inbox`; up to `batch.decode_concurrency` of them are in `batch` at once. It
+    keeps `engine`'s counters and answers each job's future."""
+
+    def __init__(self, engine: Engine, batch):
+        self.engine = engine
+        self.batch = batch  # strata_mlx.generation.batch.BatchGenerator
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (job, on_text, cancelled, done)
+
+    def put(self, item) -> None:
+        """A job to run (or None: wake the loop, at shutdown)."""
+        self._inbox.put(item)
+
+    def run(self) -> None:
+        """The worker's loop while jobs are batched: admit waiting jobs while the batch has
+        room, drop those whose client left, run one step, hand each job its text. Ends at
+        shutdown, every job still admitted or waiting answered None (cancelled)."""
+        running: dict[int, _Running] = {}  # id(Sequence) -> its job
+        while not self.engine._closing.is_set() or running:
+            try:
+                self._step(running)
+            except Exception as e:  # a fault of the loop itself: fail what runs, go on
+                for r in running.values():
+                    self.batch.remove(r.seq)
+                    self._end(r)
+                    r.done.set_exception(e)
+                running.clear()
+        self._drain_inbox()
+        self.engine._idle.set()
+
+    def _step(self, running: dict) -> None:
+        """Admit, drop the jobs whose client left, one step (see `_step_loop`)."""
+        gen = self.batch
+        while gen.has_room() and not self.engine._closing.is_set():
+            try:  # wait for work only when there is nothing to step
+                item = self._inbox.get(block=not running)
+            except queue.Empty:
+                break
+            if item is None:
+                continue
+            with self.engine._counts:
+                self.engine.queued -= 1
+            job, on_text, cancelled, done = item
+            if cancelled.is_set():  # the client left while queued
+                with self.engine._counts:
+                    self.engine.cancelled += 1
+                done.set_result(None)
+                continue
+            r = self._admit(job, on_text, cancelled, done)
+            if r is not None:
+                running[id(r.seq)] = r
+        for key, r in list(running.items()):
+            if self.engine._closing.is_set() or r.cancelled.is_set():
+                gen.remove(r.seq)
+                del running[key]
+                self._finish(r, stopped=True)
+        if not running:
+            return
+
+        def failed(seq, e: BaseException) -> None:
+            r = running.pop(id(seq))
+            self._end(r)
+            r.done.set_exception(e)
+
+        before = self.engine.model.expert_cache.stats.copy()
+        t0 = time.perf_counter()
+        out = gen.step(on_error=failed)
+        self._count_step(before, time.perf_counter() - t0, len(out))
+        for seq, resp in out:
+            r = running[id(seq)]
+            r.tokens.append(resp.token)
+            r.text += resp.text
+            self.engine.last = resp
+            with self.engine._counts:
+                self.engine.completion_tokens += 1
+            if r.on_text is not None and resp.text:
+                r.on_text(resp.text)
+            if resp.finish_reason is not None:
+                del running[id(seq)]
+                r.finish, r.matched = resp.finish_reason, resp.stop_sequence
+                self._finish(r, stopped=False)
+
+    def _admit(self, job: Job, on_text, cancelled, done: Future) -> _Running | None:
+        """Start `job` in the batch (its prompt cache as `run` takes it); None when it is
+        answered at once (max_tokens 0, or bad input)."""
+        from ...generation.prompt_cache import make_prompt_cache
+
+        self.engine.requests += 1
+        self.engine.prompt_tokens += len(job.ids)
+        if job.max_tokens == 0:
+            done.set_result(Result("", "length", len(job.ids), 0))
+            return None
+        with self.engine._counts:
+            self.engine.active += 1
+            self.engine._idle.clear()
+        cache, reused = self.engine.prompt_caches.take(job.ids)
+        if cache is None:
+            cache = make_prompt_cache(self.engine.model, self.engine.kv)
+        self.engine.prefilled_tokens += len(job.ids) - reused
+        r = _Running(job, on_text, cancelled, done, time.perf_counter())
+        try:
+            r.seq = self.batch.insert(
+                job.ids[reused:],
+                job.max_tokens,
+                job.sampling.sampler(self.engine.tokenizer),
+                job.sampling.logits_processors(self.engine.model.args.vocab_size),
+                seed=job.seed,
+                stop=job.stop,
+                prompt_cache=cache,
+                cached_tokens=job.ids[:reused],
+            )
+        except Exception as e:
+            self._end(r)
+            done.set_exception(e)
+            return None
+        return r
+
+    def _finish(self, r: _Running, stopped: bool) -> None:
+        """`r` ended (finished, or `stopped`: its client left, or shutdown): keep its cache
+        for reuse, count it, answer it."""
+        covered = r.job.ids + r.tokens[:-1]
+        cache = r.seq.cache
+        if r.tokens and all(c.offset == len(covered) for c in cache):
+            self.engine.prompt_caches.put(covered, cache)
+        with self.engine._counts:
+            self.engine.cancelled += stopped
+        self._end(r)
+        m, elapsed = self.engine.mean_request_s, time.perf_counter() - r.started
+        self.engine.mean_request_s = elapsed if m is None else m + 0.2 * (elapsed - m)
+        result = Result(r.text, r.finish or "length", len(r.job.ids), len(r.tokens), r.matched)
+        r.done.set_result(result)
+
+    def _end(self, r: _Running) -> None:
+        with self.engine._counts:
+            self.engine.active -= 1
+            if not self.engine.active:
+                self.engine._idle.set()
+
+    def _count_step(self, before, wall_s: float, tokens: int) -> None:
+        """The expert cache's figures over one step go to `served` (requests share steps)."""
+        if not tokens:
+            return
+        step = self.engine.model.expert_cache.stats.minus(before)
+        step.wall_s, step.tokens = wall_s, tokens
+        if self.engine.served is None:
+            self.engine.served = step
+        else:
+            self.engine.served.add(step)
+
+    def _drain_inbox(self) -> None:
+        """Shutdown: every job still waiting is answered None (cancelled)."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                with self.engine._counts:
+                    self.engine.queued -= 1
+                    self.engine.cancelled += 1
+                item[3].set_result(None)
+
+
+@dataclass
+class _Running:
+    """A job in the batch: what it asked, and what it has produced so far."""
+
+    job: Job
+    on_text: Callable[[str], None] | None
+    cancelled: threading.Event
+    done: Future
+    started: float
+    seq: object = None  # its strata_mlx.generation.batch.Sequence
+    tokens: list = field(default_factory=list)
+    text: str = ""
+    finish: str | None = None
+    matched: str | None = None
 
 
 async def _client_gone(request: Request | None) -> None:
