@@ -305,7 +305,7 @@ class ExpertCache:
         else:
             local = np.searchsorted(np.asarray(needed), ids).astype(np.uint32).reshape(shape)
             local = mx.array(local)
-        slots = mx.array(np.asarray(slots, dtype=np.uint32))
+        slots = mx.array(np.asarray(slots).tolist(), dtype=mx.uint32)
         return self._kernel[layer](x, self.arena.rows, slots, local)
 
     # ---- the deferred handshake (pipelined decode) -------------------------------------
@@ -394,26 +394,24 @@ class ExpertCache:
                 busy = sched.busy_layers
                 busy.difference_update([l for l in busy if l < d.layer])
         absent_then = d.row[ids] < 0
+        needed = distinct(ids)
         if absent_then.any():
             # The mode rule sees the layer as it was built (what it recomputes for), not the
             # recomputing handshake's share, which a read landed meanwhile would make 0.
-            self.predictor.observe_decode_layer(
-                np.unique(ids[absent_then]).size / np.unique(ids).size
-            )
+            self.predictor.observe_decode_layer(len(set(ids[absent_then].tolist())) / len(needed))
             self._observed = d.layer
             if alone:
                 # The misses' reads go in now, into slots of no layer still computing, so
                 # they land while the device drains what was built after this layer.
-                absent = np.unique(ids[sched.row(d.layer)[ids] < 0]).tolist()
+                absent = sorted(set(ids[sched.row(d.layer)[ids] < 0].tolist()))
                 sched.start_misses(d.layer, absent, sched.busy_layers)
             st.host_s += time.perf_counter() - t1
             return False
-        needed = np.unique(ids)
-        st.lookups += needed.size
+        st.lookups += len(needed)
         if sched.prefetched or not self._all_fit:
-            sched.count_resident(d.layer, needed.tolist())
+            sched.count_resident(d.layer, needed)
         else:
-            st.hits += needed.size
+            st.hits += len(needed)
         self.predictor.observe_decode_layer(0.0)
         if self.trace is not None:
             self.trace.record(d.layer, ids)

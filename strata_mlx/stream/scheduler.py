@@ -53,7 +53,7 @@ class ExpertReadError(StoreError):
     """An expert record could not be read or failed its checksum."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Read:
     key: Key
     slot: int
@@ -333,11 +333,12 @@ class Scheduler:
     def _start_read(self, key: Key, slot: int, urgent: bool) -> tuple:
         """Record a read of `key` into `slot` as in flight; its request for the reader."""
         tag = self._tags = self._tags + 1
-        off, expected = self.manifest.record(*key)
+        pos, m = self._pos[key[0]], self.manifest  # (manifest.record, without its lookups)
+        expected = m.checksums[pos][key[1]] if self.verify else None
         self.reads[tag] = _Read(key, slot, urgent)
         self.tag_of[key] = tag
-        expected = expected if self.verify else None
-        return (tag, self._file, off, self.record_bytes, self.arena.address(slot), expected)
+        address = self.arena.address(slot)
+        return (tag, self._file, m.offsets[pos][key[1]], self.record_bytes, address, expected)
 
     def _evicted(self, key: Key | None) -> None:
         """`key` left the arena (None: nothing did); read-ahead evicted unused was wasted."""
