@@ -21,10 +21,15 @@ eviction and the kernel call's graph building are all real. `--full` times real 
 instead (`--decode sync|pipelined`).
 
 Per handshake (a decode layer through the cache: tokens x MoE layers, plus the layers pipelined
-decode recomputed), in microseconds, the median over rounds: host (the cache's `host_s`: the
-handshake's Python), route sync, exposed wait, and the scheduler loop thread's time holding the
-GIL. `--parts` splits host by the scheduler and kernel calls it makes (wrapped with
-perf_counter_ns; the rest is the handshake's own lines), from the last round.
+decode recomputed), in microseconds, the median over rounds: cpu (replay: the calling thread's
+CPU time in the handshake, `time.thread_time`: all it does for the layer, route sync and wait
+included, but not the time other threads and processes take its core: the figure to compare
+on a shared machine), host (the cache's `host_s`, wall time: the handshake's Python outside
+the route sync and the wait; the figure to compare on a GPU, where a spinning sync would count
+as CPU time), route sync, exposed wait, and the scheduler loop thread's time holding the GIL.
+`--parts` (replay) splits cpu by the scheduler and kernel calls the handshake makes (each
+wrapped with thread_time_ns; rest: the handshake's own lines, the sync and the wait), from the
+last round.
 """
 
 from __future__ import annotations
@@ -90,7 +95,7 @@ def build_tiny(path: Path) -> Path:
 
 
 class Parts:
-    """perf_counter_ns around the methods in PARTS (class attributes patched, then restored)."""
+    """thread_time_ns around the methods in PARTS (class attributes patched, then restored)."""
 
     def __init__(self):
         self.ns: dict[str, int] = defaultdict(int)
@@ -112,11 +117,11 @@ class Parts:
             if self.depth:  # nested inside another part: counted there
                 return fn(*args, **kw)
             self.depth += 1
-            t = time.perf_counter_ns()
+            t = time.thread_time_ns()
             try:
                 return fn(*args, **kw)
             finally:
-                self.ns[name] += time.perf_counter_ns() - t
+                self.ns[name] += time.thread_time_ns() - t
                 self.depth -= 1
 
         return timed
@@ -167,13 +172,15 @@ def run(store: str, a, policy: str, parts: Parts | None, layers=None) -> dict:
             steps.close()
         ec.stats = ExpertStats()
         with parts or contextlib.nullcontext():
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), 0
             if layers is None:
                 n = sum(1 for _ in steps)
             else:
                 with ec.phase(decoding=True):
                     for layer, x, inds in layers:
+                        c = time.thread_time_ns()
                         ec.run_layer(layer, x, inds)
+                        cpu += time.thread_time_ns() - c
                 n = a.gen_tokens
             wall = time.perf_counter() - t
         st = ec.stats
@@ -186,6 +193,7 @@ def run(store: str, a, policy: str, parts: Parts | None, layers=None) -> dict:
         layers=count,
         ms_token=wall / n * 1e3,
         host=st.host_s * us,
+        cpu=cpu / 1e3 / count,
         sync=st.route_sync_s * us,
         wait=st.exposed_wait_s * us,
         loop=st.loop_s * us,
@@ -225,17 +233,21 @@ def main() -> None:
         f"{what}, arena {a.arena_gb} GB, p {a.prompt_tokens}, g {a.gen_tokens}, "
         f"median of {a.rounds}; us a layer"
     )
-    print(f"{'policy':28} {'ms/token':>9} {'host':>7} {'sync':>8} {'wait':>7} {'loop':>6} miss %")
+    print(
+        f"{'policy':28} {'ms/token':>9} {'cpu':>6} {'host':>7} {'sync':>8} {'wait':>7} "
+        f"{'loop':>6} miss %"
+    )
     for policy, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(
-            f"{policy:28} {med['ms_token']:9.1f} {med['host']:7.0f} {med['sync']:8.0f} "
+            f"{policy:28} {med['ms_token']:9.1f} {med['cpu']:6.0f} {med['host']:7.0f} "
+            f"{med['sync']:8.0f} "
             f"{med['wait']:7.0f} {med['loop']:6.0f} {med['miss']:6.1f}"
         )
         if policy in parts:
             layers = runs[-1]["layers"]
             split = {k: v / 1e3 / layers for k, v in sorted(parts[policy].ns.items())}
-            own = runs[-1]["host"] - sum(split.values())
+            own = runs[-1]["cpu"] - sum(split.values())
             print(
                 "    " + ", ".join(f"{k} {v:.0f}" for k, v in split.items()) + f"; rest {own:.0f}"
             )

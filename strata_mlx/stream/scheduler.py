@@ -477,14 +477,18 @@ class LoopScheduler(Scheduler):
         misses land without a hop through the loop's thread, and what else lands meanwhile
         is made resident and tops the queue up as the loop would."""
         with self.lock:
+            # Only the completions collected here take reads out while the lock is held:
+            # what is left to wait for shrinks by them (no rescan of every tag per batch).
+            pending = {t for t in tags if t in self.reads}
             while True:
                 self._check_failed()
-                if not any(t in self.reads for t in tags):
+                if not pending:
                     return
                 done = self.reader.wait(None, None)  # GIL released until one lands
                 if not done:
                     raise RuntimeError("reads in flight that the reader does not know")
                 self._absorb(done)
+                pending.difference_update(c[0] for c in done)
 
     def _check_failed(self) -> None:
         if self._failed is not None:
