@@ -241,7 +241,7 @@ def main() -> None:
     store = str(build_tiny(Path(a.tiny)) if a.tiny else a.store)
     policies = a.policies.split(",")
     results = defaultdict(list)
-    parts = {p: Parts() for p in policies} if a.parts else {}
+    parts = {p: Parts() for p in policies} if a.parts and not a.full else {}
     if not a.full:
         a.decode = "sync"  # recorded by the per-layer handshake, which the replay runs
     recorded = None if a.full else {p: record(store, a, p) for p in policies}
@@ -262,7 +262,8 @@ def main() -> None:
     for policy, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(
-            f"{policy:28} {med['ms_token']:9.1f} {med['cpu']:6.0f} {med['host']:7.0f} "
+            f"{policy:28} {med['ms_token']:9.1f} {'-' if a.full else round(med['cpu']):>6} "
+            f"{med['host']:7.0f} "
             f"{med['sync']:8.0f} "
             f"{med['wait']:7.0f} {med['loop']:6.0f} {med['miss']:6.1f}"
         )
