@@ -254,7 +254,7 @@ class ExpertCache:
         ids = np.array(inds).reshape(-1, inds.shape[-1])
         if self.trace is not None:
             self.trace.record(layer, ids)
-        needed = np.unique(ids).tolist()
+        needed = distinct(ids)
         # The sync above evaluated everything up to this router, so the last layer's compute
         # (which read its pinned slots) is done: its slots may be reused from here on.
         with sched.lock:
@@ -266,7 +266,7 @@ class ExpertCache:
             return self._compute_fake(layer, x, inds, ids, needed)
 
         sched.collect(block=False)
-        sched.drop_unneeded(layer, set(needed))
+        sched.drop_unneeded(layer, needed)
         if len(needed) > self.arena.n_slots:
             st.host_s += time.perf_counter() - t1
             return self._run_groups(layer, x, inds, ids, needed)
@@ -299,15 +299,19 @@ class ExpertCache:
                 self.trace.record_prediction(nxt, pred_ids)
             ranked.append((target, self.predictor.rank(pred_ids)))
         (first, experts), later = ranked[0], ranked[1:]
-        self.sched.read_ahead(first, experts)
         keys = [(t, e) for t, es in later for e in es]
         predicted = {(t, e) for t, es in ranked for e in es}
-        self.sched.reserve(keys, predicted)
+        self.sched.predicted(first, experts, keys, predicted)
 
     def _compute(self, layer, x, ids, shape, needed, slots) -> mx.array:
-        local = np.searchsorted(np.asarray(needed), ids).astype(np.uint32).reshape(shape)
-        slots = mx.array(np.asarray(slots, dtype=np.uint32))
-        return self._kernel[layer](x, self.arena.rows, slots, mx.array(local))
+        if ids.shape[0] == 1:  # one token (decode): its k ids are distinct, `needed` sorted
+            pos = {e: i for i, e in enumerate(needed)}
+            local = mx.array([pos[e] for e in ids[0].tolist()], dtype=mx.uint32).reshape(shape)
+        else:
+            local = np.searchsorted(np.asarray(needed), ids).astype(np.uint32).reshape(shape)
+            local = mx.array(local)
+        slots = mx.array(np.asarray(slots).tolist(), dtype=mx.uint32)
+        return self._kernel[layer](x, self.arena.rows, slots, local)
 
     # ---- the deferred handshake (pipelined decode) -------------------------------------
 
@@ -395,26 +399,24 @@ class ExpertCache:
                 busy = sched.busy_layers
                 busy.difference_update([l for l in busy if l < d.layer])
         absent_then = d.row[ids] < 0
+        needed = distinct(ids)
         if absent_then.any():
             # The mode rule sees the layer as it was built (what it recomputes for), not the
             # recomputing handshake's share, which a read landed meanwhile would make 0.
-            self.predictor.observe_decode_layer(
-                np.unique(ids[absent_then]).size / np.unique(ids).size
-            )
+            self.predictor.observe_decode_layer(len(set(ids[absent_then].tolist())) / len(needed))
             self._observed = d.layer
             if alone:
                 # The misses' reads go in now, into slots of no layer still computing, so
                 # they land while the device drains what was built after this layer.
-                absent = np.unique(ids[sched.row(d.layer)[ids] < 0]).tolist()
+                absent = sorted(set(ids[sched.row(d.layer)[ids] < 0].tolist()))
                 sched.start_misses(d.layer, absent, sched.busy_layers)
             st.host_s += time.perf_counter() - t1
             return False
-        needed = np.unique(ids)
-        st.lookups += needed.size
+        st.lookups += len(needed)
         if sched.prefetched or not self._all_fit:
-            sched.count_resident(d.layer, needed.tolist())
+            sched.count_resident(d.layer, needed)
         else:
-            st.hits += needed.size
+            st.hits += len(needed)
         self.predictor.observe_decode_layer(0.0)
         if self.trace is not None:
             self.trace.record(d.layer, ids)
@@ -469,6 +471,14 @@ class ExpertCache:
             with self.sched.lock:
                 self.arena.unpin_all()
         return y
+
+
+def distinct(ids: np.ndarray) -> list[int]:
+    """The distinct expert ids of `ids` [T, k], ascending (np.unique's, which costs more than
+    the whole lookup for decode's single row)."""
+    if ids.shape[0] == 1:
+        return sorted(set(ids[0].tolist()))
+    return np.unique(ids).tolist()
 
 
 class SwitchGLU(nn.Module):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +53,7 @@ class ExpertReadError(StoreError):
     """An expert record could not be read or failed its checksum."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Read:
     key: Key
     slot: int
@@ -131,9 +132,23 @@ class Scheduler:
         misses urgently, pin them all; the tags the computation must wait for."""
         with self.lock:
             self._check_failed()
+            row = self.table[self._pos[layer]]
+            if self.early:  # misses read before their claim: each key looked at alone
+                resident, rest = [], needed
+            else:
+                # The host row says which experts are resident (landed, not evicted since):
+                # those are hits, counted and pinned together; the rest is looked at alone.
+                resident, rest = [], []
+                for e, s in zip(needed, row[needed].tolist()):
+                    (resident if s >= 0 else rest).append(e)
+                if resident:
+                    self._count_hits([(layer, e) for e in resident])
+                    self.arena.pin(row[resident].tolist())
+                if not rest:
+                    return []
             st = self.stats
             waits, urgent, missed = [], [], []
-            for e in needed:
+            for e in rest:
                 key = (layer, e)
                 tag = self.tag_of.get(key)
                 early = key in self.early  # a miss whose read started before this claim
@@ -150,7 +165,7 @@ class Scheduler:
                     if early:
                         self.arena.touch(key)
                     else:
-                        self.count_hit(key)
+                        self._count_hits([key])
                 else:  # (an early read evicted since is no longer in `early`)
                     missed.append(key)
                     continue
@@ -164,19 +179,22 @@ class Scheduler:
                 self.arena.pin([self.arena.slot_of[k] for k in missed])
             return waits
 
-    def count_hit(self, key: Key) -> None:
-        """A resident expert used: a hit, or read-ahead that paid off; recorded for eviction."""
-        if key in self.prefetched:
-            self.prefetched.discard(key)
-            self.stats.streamed_ahead += 1
-        else:
-            self.stats.hits += 1
-        self.arena.touch(key)
+    def _count_hits(self, keys: list[Key]) -> None:
+        """Resident experts used, in this order: hits, or read-ahead that paid off (landed
+        unused); each use recorded for eviction."""
+        st, prefetched = self.stats, self.prefetched
+        ahead = prefetched.intersection(keys) if prefetched else ()
+        if ahead:
+            prefetched.difference_update(ahead)
+            st.streamed_ahead += len(ahead)
+        st.hits += len(keys) - len(ahead)
+        touch = self.arena.touch
+        for key in keys:
+            touch(key)
 
     def count_resident(self, layer: int, needed: list[int]) -> None:
         with self.lock:
-            for e in needed:
-                self.count_hit((layer, e))
+            self._count_hits([(layer, e) for e in needed])
 
     def ensure(self, keys: list[Key]) -> list[int]:
         """Allocate slots and submit urgent reads for keys; returns their tags."""
@@ -220,18 +238,31 @@ class Scheduler:
     def reserve(self, keys: list[Key], predicted: set[Key]) -> None:
         """Reads worth making once the next layer's are done, most valuable first. This
         scheduler has no moment between handshakes, so it submits them now."""
-        if keys:
-            with self.lock:
-                self._submit(keys, None, None)
+        with self.lock:
+            self._send(self._reserved(keys, predicted, 0), False)
 
-    def drop_unneeded(self, layer: int, needed: set[int]) -> None:
+    def predicted(
+        self, layer: int, ranked: list[int], keys: list[Key], predicted: set[Key]
+    ) -> None:
+        """`read_ahead(layer, ranked)` then `reserve(keys, predicted)`, the reads of both
+        handed to the reader in one batch (each hand-over wakes its threads)."""
+        with self.lock:
+            reqs = self._requests([(layer, e) for e in ranked], None, None)
+            reqs += self._reserved(keys, predicted, len(reqs))
+            self._send(reqs, False)
+
+    def _reserved(self, keys: list[Key], predicted: set[Key], pending: int) -> list[tuple]:
+        """`reserve`'s reads to go out now, `pending` reads about to be queued before them."""
+        return self._requests(keys, None, None) if keys else []
+
+    def drop_unneeded(self, layer: int, needed: Collection[int]) -> None:
         """Cancel this layer's queued read-ahead that its routing did not ask for."""
         with self.lock:
-            stale = [
-                t
-                for t, r in self.reads.items()
-                if not r.urgent and r.key[0] == layer and r.key[1] not in needed
-            ]
+            mine = [(t, r) for t, r in self.reads.items() if r.key[0] == layer and not r.urgent]
+            if not mine:
+                return
+            needed = set(needed)
+            stale = [t for t, r in mine if r.key[1] not in needed]
             if not stale:
                 return
             for tag in self.reader.cancel(stale):
@@ -275,6 +306,10 @@ class Scheduler:
         """Reads (read-ahead unless `urgent`) of those of `keys` neither resident nor in
         flight, in order, into slots whose expert is of no layer in `protect` and not in
         `keep`, until no such slot is left; their tags."""
+        return self._send(self._requests(keys, protect, keep, urgent), urgent)
+
+    def _requests(self, keys: list[Key], protect, keep, urgent: bool = False) -> list[tuple]:
+        """`_submit`'s reads, recorded as in flight, not yet handed to the reader."""
         reqs = []
         for key in keys:
             if key in self.tag_of or key in self.arena.slot_of:
@@ -285,6 +320,10 @@ class Scheduler:
             slot, victim = got
             self._evicted(victim)
             reqs.append(self._start_read(key, slot, urgent))
+        return reqs
+
+    def _send(self, reqs: list[tuple], urgent: bool) -> list[int]:
+        """Hand `reqs` to the reader in one batch; their tags."""
         if reqs:
             if not urgent:
                 self.stats.readahead_submitted += len(reqs)
@@ -294,11 +333,12 @@ class Scheduler:
     def _start_read(self, key: Key, slot: int, urgent: bool) -> tuple:
         """Record a read of `key` into `slot` as in flight; its request for the reader."""
         tag = self._tags = self._tags + 1
-        off, expected = self.manifest.record(*key)
+        pos, m = self._pos[key[0]], self.manifest  # (manifest.record, without its lookups)
+        expected = m.checksums[pos][key[1]] if self.verify else None
         self.reads[tag] = _Read(key, slot, urgent)
         self.tag_of[key] = tag
-        expected = expected if self.verify else None
-        return (tag, self._file, off, self.record_bytes, self.arena.address(slot), expected)
+        address = self.arena.address(slot)
+        return (tag, self._file, m.offsets[pos][key[1]], self.record_bytes, address, expected)
 
     def _evicted(self, key: Key | None) -> None:
         """`key` left the arena (None: nothing did); read-ahead evicted unused was wasted."""
@@ -404,11 +444,15 @@ class LoopScheduler(Scheduler):
 
     def _top_up(self) -> None:
         """Reads from the reserve while the reader's queue is below the low-water mark."""
+        self._send(self._top_up_requests(0), False)
+
+    def _top_up_requests(self, pending: int) -> list[tuple]:
+        """`_top_up`'s reads, `pending` reads about to be queued before them."""
         if self._next >= len(self._reserve) or self._failed is not None:
-            return
-        room = self.low_water - self.reader.queued()
+            return []
+        room = self.low_water - self.reader.queued() - pending
         if room <= 0:
-            return
+            return []
         batch = []
         while room > 0 and self._next < len(self._reserve):
             key = self._reserve[self._next]
@@ -416,31 +460,35 @@ class LoopScheduler(Scheduler):
             if key not in self.tag_of and key not in self.arena.slot_of:
                 batch.append(key)
                 room -= 1
-        tags = self._submit(batch, self.busy_layers, self._predicted)
-        self.stats.topped_up += len(tags)
-        if len(tags) < len(batch):  # nothing left that may be evicted for them
+        reqs = self._requests(batch, self.busy_layers, self._predicted)
+        self.stats.topped_up += len(reqs)
+        if len(reqs) < len(batch):  # nothing left that may be evicted for them
             self._next = len(self._reserve)
+        return reqs
 
     # ---- the contract, for a caller on another thread -----------------------------------
 
-    def reserve(self, keys: list[Key], predicted: set[Key]) -> None:
-        with self.lock:
-            self._reserve, self._next, self._predicted = keys, 0, predicted
-            self._top_up()
+    def _reserved(self, keys: list[Key], predicted: set[Key], pending: int) -> list[tuple]:
+        self._reserve, self._next, self._predicted = keys, 0, predicted
+        return self._top_up_requests(pending)
 
     def wait(self, tags: list[int]) -> None:
         """The caller collects while it waits (holding the lock, so the loop cannot): its
         misses land without a hop through the loop's thread, and what else lands meanwhile
         is made resident and tops the queue up as the loop would."""
         with self.lock:
+            # Only the completions collected here take reads out while the lock is held:
+            # what is left to wait for shrinks by them (no rescan of every tag per batch).
+            pending = {t for t in tags if t in self.reads}
             while True:
                 self._check_failed()
-                if not any(t in self.reads for t in tags):
+                if not pending:
                     return
                 done = self.reader.wait(None, None)  # GIL released until one lands
                 if not done:
                     raise RuntimeError("reads in flight that the reader does not know")
                 self._absorb(done)
+                pending.difference_update(c[0] for c in done)
 
     def _check_failed(self) -> None:
         if self._failed is not None:

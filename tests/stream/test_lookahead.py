@@ -112,8 +112,14 @@ def test_lookahead_depth_reads_further_ahead_exactly(tmp_path, monkeypatch, tiny
             seen.extend(dict.fromkeys(layer for layer, _ in keys))  # distinct, in order
             return reserve(keys, predicted)
 
+        def record_both(layer, ranked, keys, predicted, seen=seen, both=ec.sched.predicted):
+            seen.append(layer)
+            seen.extend(dict.fromkeys(later for later, _ in keys))
+            return both(layer, ranked, keys, predicted)
+
         monkeypatch.setattr(ec.sched, "read_ahead", record)
         monkeypatch.setattr(ec.sched, "reserve", record_reserve)
+        monkeypatch.setattr(ec.sched, "predicted", record_both)  # the handshake's: both at once
         outs[depth] = teacher_forced_logits(model, ids, 24)  # one chunk
     assert np.array_equal(outs[1], outs[2])
     # The first layer is predicted from the profile once the chunk is done (the next forward's).

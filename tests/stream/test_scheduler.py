@@ -59,6 +59,41 @@ def until(cond, timeout=10.0):
         time.sleep(0.005)
 
 
+def test_a_handshake_hands_its_read_ahead_and_reserve_to_the_reader_at_once(store):
+    """The next layer's predicted experts and the first of the reserve go out as one batch
+    (each hand-over wakes the reader's threads), in the order two calls would queue them;
+    an all-resident layer is claimed from the residency row, no expert looked up alone."""
+    path = store("qwen3_next")  # four MoE layers
+    m = load_manifest(path)
+    l0, l1, l2 = m.moe_layers[:3]
+    arena = Arena(8, m.layout.record_bytes)
+    reader = ScriptedReader()
+    sched = LoopScheduler(path, m, arena, reader, verify=True, low_water=4)
+    try:
+        reader.resume()
+        sched.wait(sched.ensure([(l0, 0), (l0, 1)]))
+        reader.pause()
+        before = len(reader.submits)
+        resident = arena.resident
+        arena.resident = None  # claim must not look experts up one by one
+        try:
+            assert sched.claim(l0, [0, 1]) == []
+        finally:
+            arena.resident = resident
+        assert sched.stats.hits == 2 and arena.pinned == {arena.slot_of[(l0, e)] for e in (0, 1)}
+        predicted = {(l1, 2), (l1, 3), (l2, 4), (l2, 5), (l2, 6)}
+        sched.predicted(l1, [2, 3], [(l2, 4), (l2, 5), (l2, 6)], predicted)
+        (urgent, tags, _), *more = reader.submits[before:]
+        assert not urgent and not more
+        # l1's prediction first, then the reserve up to the low-water mark
+        assert [sched.reads[t].key for t in tags] == [(l1, 2), (l1, 3), (l2, 4), (l2, 5)]
+        assert sched.stats.topped_up == 2 and sched.stats.readahead_submitted == 4
+        reader.resume()
+        sched.drain()
+    finally:
+        sched.close()
+
+
 def test_scheduler_tops_up_from_the_reserve_without_evicting_pinned_or_predicted(store):
     path = store("qwen3_next")  # four MoE layers
     m = load_manifest(path)
