@@ -273,7 +273,9 @@ static void *worker_main(void *p) {
         r->current[w] = rq.tag;
         r->reading[w] = 1;
         if (++r->preading > r->preading_max) r->preading_max = r->preading;
+        int more = (q_size(&r->urgent) || q_size(&r->ahead)) && r->preading < r->nworkers;
         pthread_mutex_unlock(&r->mu);
+        if (more) pthread_cond_signal(&r->work); /* the next worker takes the next read */
 
         uint64_t t0 = now_ns();
         long long nread = 0;
@@ -740,9 +742,9 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
             if (what) {
                 PyErr_Format(PyExc_ValueError,
                              "request %zd (tag %lld): %s is not a multiple of %d, which direct "
-                             "I/O on file %d requires (offset %lld, length %zd, dest 0x%llx)",
+                             "I/O on file %d requires (offset %lld, length %zd, dest %p)",
                              i, q->tag, what, ALIGNMENT, q->file, q->offset, q->length,
-                             (unsigned long long)(uintptr_t)q->dest);
+                             (void *)q->dest);
                 goto fail;
             }
         }
@@ -809,11 +811,11 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
             q_push(q, &pr);
         }
     }
-    /* wake as many workers as there are new reads, not all of them */
-    if (parts_total >= r->nworkers) pthread_cond_broadcast(&r->work);
-    else
-        for (Py_ssize_t i = 0; i < parts_total; i++) pthread_cond_signal(&r->work);
     pthread_mutex_unlock(&r->mu);
+    /* One worker woken, after the lock is let go: each worker that takes a read wakes the
+     * next while reads are queued. Waking one per read here cost the submitting thread (which
+     * holds the GIL) ~4 us a worker: 33 us a submit with 8 workers against 5.6 with one. */
+    if (parts_total > 0) pthread_cond_signal(&r->work);
     PyMem_RawFree(reqs);
     Py_DECREF(seq);
     Py_RETURN_NONE;

@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -525,6 +526,26 @@ def test_split_reads_under_cancel_and_promote_races(data_file):
 
 
 # ---- overlap: a thread lets go of its slot on the drive before the copy and the checksum --
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_one_submit_sets_several_workers_reading(data_file, overlap):
+    """A submit wakes one worker and each worker that takes a read wakes the next while reads
+    are queued: a batch is read by several threads, not by the one first woken."""
+    path, payload = data_file
+    n = 100 * N_RECORDS
+    buf, base = aligned(n * RECORD)
+    with Reader(workers=4, overlap=overlap) as r:
+        f = r.open(path, direct=False)
+        r.submit([(t, f, (t % N_RECORDS) * RECORD, RECORD, base + t * RECORD, None)
+                  for t in range(n)])  # fmt: skip
+        deadline = time.monotonic() + 30
+        while r.stats()["requests_done"] < n and time.monotonic() < deadline:
+            time.sleep(0.001)  # not wait(): waiting on a tag wakes every worker
+        stats = r.stats()
+        done = drain(r, n)
+    assert sorted(t for t, _, _ in done) == list(range(n))
+    assert sum(ns > 0 for ns in stats["busy_ns"]) >= 2, stats["busy_ns"]
 
 
 @pytest.mark.parametrize("bounce", [False, True])
