@@ -233,9 +233,17 @@ def test_adaptive_follows_the_component_that_would_have_missed_less():
     assert {(0, 0), (0, 1), (1, 0), (1, 1)} <= resident
 
 
-def cycle(p, calls: int, layers=(0, 1, 2), experts=(0, 1)) -> None:
-    """`calls` forward passes, each layer's call using `experts`."""
-    for _ in range(calls):
+def calls(p, *each, layer: int = 0) -> None:
+    """One call of `layer` per argument, each using the keys it lists."""
+    for keys in each:
+        p.current = layer
+        for key in keys:
+            p.touch(key)
+
+
+def cycle(p, passes: int, layers=(0, 1, 2), experts=(0, 1)) -> None:
+    """`passes` forward passes, each layer's call using `experts`."""
+    for _ in range(passes):
         for layer in layers:
             p.current = layer
             for e in experts:
@@ -260,13 +268,7 @@ def test_nextuse_evicts_the_rarely_picked_expert_of_a_layer():
     a, b, c = (0, 1), (0, 2), (0, 3)
     for name, want in [("nextuse", b), ("lru", a)]:
         p = policies.build(name, layers=[0])
-        for _ in range(10):
-            p.current = 0
-            p.touch(a)
-        p.current = 0
-        p.touch(b)
-        p.current = 0
-        p.touch(c)
+        calls(p, *[[a]] * 10, [b], [c])
         assert p.victim(lambda k: k != c) == want, name
 
 
@@ -276,21 +278,11 @@ def test_nextuse_takes_the_profile_as_a_prior_and_recent_routing_over_it():
     profile = np.array([[100.0, 1.0, 1.0]])
     hot, cold, new = (0, 0), (0, 1), (0, 2)
     p = policies.build("nextuse", profile=profile, layers=[0])
-    p.current = 0
-    p.touch(hot)
-    p.touch(cold)
-    p.current = 0
-    p.touch(new)
+    calls(p, [hot, cold], [new])
     assert p.victim(lambda k: k != new) == cold
     for name, want in [("nextuse-recent", hot), ("nextuse", cold)]:
         p = policies.build(name, profile=profile, layers=[0])
-        for _ in range(40):  # the profile's cold expert is the one routing picks
-            p.current = 0
-            p.touch(cold)
-        p.current = 0
-        p.touch(hot)
-        p.current = 0
-        p.touch(new)
+        calls(p, *[[cold]] * 40, [hot], [new])  # routing picks the profile's cold expert
         assert p.victim(lambda k: k != new) == want, name
 
 
