@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|bench|disk|evict|resident|old-vs-new
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|bench|profile|disk|evict|extra|resident|old-vs-new
 # Logs land in $OUT (the device tool brings them back).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -41,15 +41,14 @@ store)  # the store on disk and on tmpfs; the reader's GPU tests; the drive and 
      | tee "$OUT/read-path-shm.log"
   ;;
 bench)  # tmpfs: each policy with the arena in managed memory (the default) and in device
-  # memory (:da1);
-  # then where decode's host time goes, and a decode routing trace (benchmarks/eviction_sim.py)
+  # memory (:da1, last: a failure there leaves the others' lines in the log)
   build
-  bench "bench-shm" "$SHM" "${POL:-demand,demand:da1,lookahead,lookahead:da1}"
+  bench "bench-shm" "$SHM" "${POL:-demand,lookahead,demand:da1,lookahead:da1}"
+  ;;
+profile)  # tmpfs: where decode's host time goes (cProfile of a decode)
+  build
   timeout 120 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 \
      --policy lookahead --top 45 2>&1 | tee "$OUT/profile-decode.log" | head -60
-  mkdir -p "$OUT/trace"
-  timeout 150 python3 benchmarks/decode.py "$SHM" -p 2048 -g 128 --arena-gb 6.5 --no-baseline \
-     --policies demand --modes sync --rounds 1 --trace "$OUT/trace" 2>&1 | tail -3
   ;;
 disk)  # the machine's own disk: each policy with the CPU copy (:dc0, the code before the copy
   # engine), the arena in managed memory (the default) and in device memory (:da1)
@@ -67,12 +66,21 @@ evict)  # tmpfs: LRU beside the expected-next-use candidates, live, with the rou
   # (strata-mlx cache-sim replays them: docs/research.md)
   build
   mkdir -p "$OUT/trace"
-  bench "bench-evict" "$SHM" "${POL:-demand,demand:nextuse,demand:nextuse-duel}" --trace "$OUT/trace/t.npz"
+  G=${G:-64} LIMIT=${LIMIT:-250} bench "bench-evict" "$SHM" "${POL:-demand,demand:nextuse,demand:nextuse-duel}" --trace "$OUT/trace/t.npz"
+  ;;
+extra)  # tmpfs: decode's host time per layer (replayed), plan's forecast of this store (its
+  # calibration included) and batched decode at 1-8 requests (benchmarks/batch_decode.py); one log
+  build
+  { timeout 90 python3 benchmarks/decode_host.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --parts
+    timeout 150 python3 -m strata_mlx plan "$SHM" --arena-gb 6.5 -p 2048 -g 128 \
+       --prefill-step-size 1024 --json "$OUT/plan.json"
+    timeout 150 python3 benchmarks/batch_decode.py "$SHM" --arena-gb 6.5 --levels 1,2,4,8 \
+       --prompt-tokens 64 --max-tokens 16 --rounds 1; } 2>&1 | tee "$OUT/extra.log"
   ;;
 resident)  # every expert resident, beside mlx-lm's own model, interleaved (benchmarks/decode.py)
   build
   timeout 560 python3 benchmarks/decode.py "$SHM" -p 2048 -g 128 --rounds "${ROUNDS:-3}" \
      --modes "${MODES:-token:4}" --json "$OUT/resident.json" 2>&1 | tee "$OUT/resident.log"
   ;;
-*) echo "usage: $0 store|bench|disk|evict|old-vs-new STORE ROUND|resident"; exit 2;;
+*) echo "usage: $0 store|bench|profile|disk|evict|extra|old-vs-new STORE ROUND|resident"; exit 2;;
 esac
