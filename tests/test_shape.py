@@ -78,21 +78,6 @@ SHARED = ("strata_mlx.config", "strata_mlx.configs", "strata_mlx._reader")
 
 # (importing module, imported module) pairs against the order that remain, and why.
 LAYER_EXCEPTIONS = {
-    # The SwitchGLU seam still lives beside the expert cache; it moves to models/ with the
-    # expert-source protocol.
-    **{
-        (f"strata_mlx.models.{family}", "strata_mlx.runtime.experts"): "SwitchGLU seam"
-        for family in (
-            "deepseek_v3",
-            "glm4_moe",
-            "gpt_oss",
-            "llama",
-            "mixtral",
-            "olmoe",
-            "qwen3_moe",
-            "qwen3_next",
-        )
-    },  # fmt: skip
     # load() returns (model, tokenizer) as mlx-lm's load() does.
     ("strata_mlx.runtime.loader", "strata_mlx.generation.tokenizer"): "load() loads it",
 }

@@ -1,8 +1,8 @@
-"""The seam between model modules and the expert cache, and the per-layer handshake.
+"""The expert cache: the per-layer handshake behind every MoE layer's seam.
 
-Model files hold a `SwitchGLU(layer)` where mlx-lm holds a stacked all-experts SwitchGLU. It
-asks the ExpertCache "make these experts resident, give me their slots" and computes from
-the slots; nothing indexes a stacked tensor of every expert.
+A family's `SwitchGLU(layer)` (strata_mlx.models.switch) asks the ExpertCache, its expert
+source, "make these experts resident, give me their slots"; the cache computes the layer's
+experts from the slots; nothing indexes a stacked tensor of every expert.
 
 The handshake, per MoE layer:
   1. one host sync reads the routing ids (and, with lookahead, layer l+1's predicted ids,
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from ..format.store import Manifest
+from ..models.switch import SwitchGLU
 from ..stream.arena import Arena
 from ..stream.prediction import Predictor, ReadAhead
 from ..stream.scheduler import CLOSED, ExpertReadError, make_scheduler
@@ -479,42 +479,3 @@ def distinct(ids: np.ndarray) -> list[int]:
     if ids.shape[0] == 1:
         return sorted(set(ids[0].tolist()))
     return np.unique(ids).tolist()
-
-
-class SwitchGLU(nn.Module):
-    """A layer's routed SwiGLU experts, held by the expert cache (the seam)."""
-
-    def __init__(self, layer: int):
-        super().__init__()
-        self.layer = layer
-        self.expert_cache: ExpertCache | None = None
-
-    def attach(self, expert_cache: ExpertCache) -> None:
-        """Run this layer's experts through `expert_cache` (the model object does, once)."""
-        self.expert_cache = expert_cache
-
-    def __call__(self, x: mx.array, indices: mx.array, scores: mx.array | None = None):
-        """x [..., D] routed to indices [..., k]: with `scores` [..., k], the MoE output
-        [..., D] (the experts' outputs weighted by the scores and summed, in their dtype, as
-        mlx-lm's blocks do; handed to the dump hook); without, each expert's [..., k, D]."""
-        if self.expert_cache is None:
-            raise RuntimeError("experts not attached: load the model with strata_mlx.load()")
-        y = self.expert_cache.run_layer(self.layer, x, indices)
-        if scores is None:
-            return y
-        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
-        self.observe(x, indices, scores, y)
-        return y
-
-    def route_bonus(self) -> mx.array | None:
-        """Cache-aware routing: a bonus on resident experts' router logits, decode only."""
-        c = self.expert_cache
-        if c is None or not c.route_bonus or not c.decoding:
-            return None
-        return c.route_bonus * c.resident_mask(self.layer)
-
-    def observe(self, x: mx.array, inds: mx.array, scores: mx.array, y: mx.array) -> None:
-        """Hand the layer's MoE state to a dump hook (--dump-moe), if one is set."""
-        c = self.expert_cache
-        if c is not None and c.dump is not None:
-            c.dump(self.layer, x, inds, scores, y)
