@@ -23,6 +23,7 @@ import httpx2 as httpx  # the HTTP client the openai package is built on
 import openai
 import pytest
 import uvicorn
+from conftest import wait_until_serving
 
 import strata_mlx
 from strata_mlx.apps.server import create_app
@@ -888,14 +889,8 @@ def test_sigterm_finishes_or_cancels_requests_within_the_deadline(tiny):
     env = {**os.environ, "STRATA_MLX_API_KEY": KEY}  # the key from the environment
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        t0 = time.monotonic()
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() - t0 < 120, "server did not start"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}):
-                    break
-            time.sleep(0.1)
+        auth = {"Authorization": f"Bearer {KEY}"}
+        wait_until_serving([proc], lambda: httpx.get(base + "/v1/models", headers=auth))
         short = openai_client(base, api_key=KEY)
         long = openai_client(base, api_key=KEY)
         stream = short.chat.completions.create(
@@ -1104,13 +1099,12 @@ def test_serve_says_what_it_serves_and_names_the_model_as_given(tiny, tmp_path):
             out += lines.get(timeout=120)
         assert "serving 'q3'" in out and "arena" in out and "slots" in out, out
         assert f"{base}/v1" in out and f"{base}/dashboard" in out, out
-        t0 = time.monotonic()
-        while True:
-            assert time.monotonic() - t0 < 60, "server did not start"
-            with contextlib.suppress(httpx.TransportError):
-                r = httpx.get(base + "/", follow_redirects=False)
-                break
-            time.sleep(0.1)
+        r = wait_until_serving(
+            [proc],
+            lambda: httpx.get(base + "/", follow_redirects=False),
+            timeout=60,
+            output=lambda: out,
+        )
         assert r.status_code in (302, 307) and r.headers["location"] == "/dashboard"
         ids = [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]]
         assert ids == ["q3"], ids
