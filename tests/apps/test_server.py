@@ -635,9 +635,11 @@ ORIGIN = "https://app.example"
 @pytest.fixture(scope="module")
 def guarded(tiny):
     """A second server (its own model: one generation at a time per model) with a queue of
-    one, an API key and one allowed origin; limits from the model's context."""
+    one behind one running request, an API key and one allowed origin; limits from the
+    model's context."""
     model, tok = load_tiny(tiny)
-    app = create_app(model, tok, NAME, max_queue=1, api_key=KEY, allowed_origins=[ORIGIN])
+    kw = dict(max_queue=1, api_key=KEY, allowed_origins=[ORIGIN], decode_concurrency=1)
+    app = create_app(model, tok, NAME, **kw)
     try:
         with running(app) as base:
             yield base
@@ -956,7 +958,8 @@ SAID = [
 
 @pytest.fixture(scope="module")
 def tool_served(tiny, tmp_path_factory):
-    """A server whose chat template renders tools and tool calls."""
+    """A server whose chat template renders tools and tool calls, one request at a time (the
+    `says` fixture scripts the model through stream_generate, which that engine calls)."""
     d = tmp_path_factory.mktemp("tools") / "tiny"
     shutil.copytree(tiny, d)
     config = json.loads((d / "tokenizer_config.json").read_text())
@@ -965,7 +968,7 @@ def tool_served(tiny, tmp_path_factory):
     )
     model, tok = load_tiny(d)
     try:
-        with running(create_app(model, tok, NAME)) as base:
+        with running(create_app(model, tok, NAME, decode_concurrency=1)) as base:
             yield base, tok
     finally:
         model.expert_cache.close()

@@ -11,6 +11,7 @@ from ...config import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_TOKENS,
+    DEFAULT_PROMPT_CONCURRENCY,
     DEFAULT_SHUTDOWN_TIMEOUT,
     OptionError,
 )
@@ -60,7 +61,7 @@ def serve(
         "once for all (1: one request at a time; --pipeline runs one at a time).",
     ),
     prompt_concurrency: int = typer.Option(
-        1,
+        DEFAULT_PROMPT_CONCURRENCY,
         "--prompt-concurrency",
         help="Requests that prefill a prompt chunk between two decode steps.",
     ),
