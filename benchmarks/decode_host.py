@@ -48,6 +48,7 @@ import strata_mlx
 from strata_mlx.apps.bench import policy_options
 from strata_mlx.format.store import load_manifest
 from strata_mlx.generation.generate import generate_step
+from strata_mlx.runtime.compute import LayerCompute
 from strata_mlx.runtime.experts import ExpertCache
 from strata_mlx.stream.scheduler import LoopScheduler, Scheduler
 from strata_mlx.stream.stats import ExpertStats
@@ -79,7 +80,8 @@ PARTS = {
         "count_resident",
         "start_misses",
     ),
-    ExpertCache: ("_predict", "_compute"),
+    ExpertCache: ("_predict",),
+    LayerCompute: ("by_expert",),
 }
 
 

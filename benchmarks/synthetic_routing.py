@@ -127,7 +127,7 @@ def measure(args) -> None:
     experts = FloatExperts(syn)
     blocks = model.moe_blocks()
     for b in blocks.values():
-        b.switch_mlp.expert_cache = experts
+        b.switch_mlp.attach(experts)
     vocab = syn.config["vocab_size"]
     ids = np.random.default_rng(args.seed + 1).integers(0, vocab, size=args.tokens).tolist()
     t = time.perf_counter()

@@ -35,6 +35,7 @@ DEFAULT_MAX_QUEUE = 16  # serve: requests waiting behind the running ones
 # the arena at once (up to rows x top-k per layer): mlx-lm's 32 rows of top-8 would ask for
 # 256 experts a layer, every expert of most models, more than a laptop's arena holds.
 DEFAULT_DECODE_CONCURRENCY = 8
+DEFAULT_PROMPT_CONCURRENCY = 1  # serve: requests that prefill a chunk between two steps
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # serve: seconds in-flight requests get after SIGTERM
 # serve: the largest request body; a 262 K-token context's text is about 1 MB, JSON-escaped
 # at most a few times that, while a 4 MB prompt already takes seconds of a core to tokenize

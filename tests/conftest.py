@@ -1,11 +1,17 @@
 """Tiny models built with transformers' own classes (random weights, CPU torch), saved once
-per session and converted by our converter: the oracles for every exactness test."""
+per session and converted by our converter: the oracles for every exactness test. And the
+wait for a `strata_mlx serve` a test starts as a user does."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -227,3 +233,33 @@ def hf_logits(checkpoint: Path, ids: list[int]) -> np.ndarray:
 
 def prompt_ids(n: int = 64, seed: int = 0, vocab: int = 128) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
+
+
+def wait_until_serving(
+    procs: list[subprocess.Popen],
+    request: Callable[[], Any],
+    ready: Callable[[Any], bool] = lambda answer: True,
+    timeout: float = 120.0,
+    output: Callable[[], str] | None = None,
+) -> Any:
+    """The answer to `request` (an HTTP call to a `strata_mlx serve` just started in `procs`),
+    tried every 0.1 s until the server accepts the connection and the answer is `ready`.
+    Fails with the server's output (`output()`, or what a process printed) as soon as one of
+    `procs` exits, and once `timeout` seconds have passed."""
+    import httpx2 as httpx  # the HTTP client the openai package is built on
+
+    t0 = time.monotonic()
+    while True:
+        for p in procs:
+            assert p.poll() is None, output() if output is not None else _printed(p)
+        assert time.monotonic() - t0 < timeout, "server did not start"
+        with contextlib.suppress(httpx.TransportError):
+            answer = request()
+            if ready(answer):
+                return answer
+        time.sleep(0.1)
+
+
+def _printed(p: subprocess.Popen) -> str:
+    out = p.stdout.read() if p.stdout is not None else ""
+    return out.decode() if isinstance(out, bytes) else out

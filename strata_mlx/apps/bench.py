@@ -187,14 +187,7 @@ def bench(
     function that returns a fresh strata_mlx.distributed.Pipeline): every load is pipelined,
     each run adds its ranks' figures; ranks other than 0 serve and return {}."""
     path = Path(path)
-    if pipeline is not None and (baseline is not None or plot is not None):
-        raise OptionError("--pipeline: --baseline and --plot are not pipelined")
-    if baseline not in (None, "mlx-lm"):
-        raise OptionError(f"--baseline {baseline}: the one baseline is mlx-lm")
-    if baseline is not None:
-        from .baseline import check_runnable
-
-        check_runnable(path)  # fail before the runs, not after them
+    _check_baseline_and_plot(path, baseline, plot, pipeline)
     m = load_manifest(path)
     vocab = m.config["vocab_size"]
     ids = np.random.default_rng(seed).integers(0, vocab, size=prompt_tokens).tolist()
@@ -216,58 +209,27 @@ def bench(
         serve_loads(path, [fake_cfg] + configs, pipeline, lambda: _drop_page_cache(path))
         return {}
 
-    runner = _Runner(path, gen_tokens, prefill_step_size, pipeline)
+    runner = _Runner(path, gen_tokens, prefill_step_size, pipeline, log)
     ssd_gbps, path_gbps = _probes(path, m, base, io_workers, probe_seconds, log)
+    fake = runner.compute_floor(fake_cfg, ids)
 
-    model = runner.load(fake_cfg)
-    # Warm-up: the first pass compiles kernels (MLX CUDA JITs them), which no run should pay.
-    run_policy(
-        model, ids[: min(len(ids), prefill_step_size + 1)], 2, prefill_step_size, "warmup", "-"
-    )
-    fake = runner.run(model, ids, "fake-stream", "compute")
-    runner.close(model)
-    del model
-    log(
-        f"compute floor (fake-stream): {_mean([c.wall_s for c in fake.chunks]) * 1e3:.0f} ms/chunk, "
-        f"decode {fake.decode_tokens / fake.decode_s:.2f} tok/s"
-    )
-    runner.log_ranks(fake, log)
+    def line(run: Run) -> str:
+        return _line(run, fake, ssd_gbps, path_gbps)
 
     runs: list[Run] = []
     for r, order in enumerate(rounds):
         for policy in order:
-            dropped = _drop_page_cache(path)
             cfg = base.replace(**policy_options(policy))
+            out = None
             if trace is not None:
                 cfg = cfg.replace(trace=RoutingTrace())
-            model = runner.load(cfg)
-            arena = model.expert_cache.arena
-            layers = None
-            if plot is not None:
-                from .plots import LayerCounts
-
-                layers = LayerCounts(model.expert_cache)
-            for phase in ("cold", "warm"):
-                run = runner.run(model, ids, policy, phase, layers)
-                runs.append(run)
-                if trace is not None and phase == "cold":
-                    out = traces.run_path(trace, policy, r, len(policies) * repeats > 1)
-                    traces.write(out, traces.of_model(model))
-                    model.expert_cache.stop_trace()  # the warm run is not in the file
-                    log(f"trace: {out}")
-                if plot is not None:
-                    run.layers = layers.take()
-                log(
-                    _line(run, fake, ssd_gbps, path_gbps)
-                    + ("" if dropped or phase == "warm" else " (store's pages not evicted)")
-                )
-                runner.log_ranks(run, log)
-            runner.close(model)
-            del model
+                out = traces.run_path(trace, policy, r, len(policies) * repeats > 1)
+            cold_warm, arena_size_gb = runner.cold_and_warm(cfg, ids, policy, out, plot, line)
+            runs += cold_warm
     result = {
         "store": str(path),
         "expert_gb": m.expert_bytes / 1e9,
-        "arena_gb": arena.nbytes / 1e9,
+        "arena_gb": arena_size_gb,
         "prompt_tokens": prompt_tokens,
         "gen_tokens": gen_tokens,
         "prefill_step_size": prefill_step_size,
@@ -293,13 +255,71 @@ def bench(
     return result
 
 
+def _check_baseline_and_plot(path: Path, baseline: str | None, plot, pipeline) -> None:
+    """--baseline and --plot against what else was asked, before any run."""
+    if pipeline is not None and (baseline is not None or plot is not None):
+        raise OptionError("--pipeline: --baseline and --plot are not pipelined")
+    if baseline not in (None, "mlx-lm"):
+        raise OptionError(f"--baseline {baseline}: the one baseline is mlx-lm")
+    if baseline is not None:
+        from .baseline import check_runnable
+
+        check_runnable(path)  # fail before the runs, not after them
+
+
 class _Runner:
     """Loads, runs and closes bench's models, pipelined or not (a pipelined run adds each
     rank's figures)."""
 
-    def __init__(self, path: Path, gen_tokens: int, prefill_step_size: int, pipeline=None):
+    def __init__(
+        self, path: Path, gen_tokens: int, prefill_step_size: int, pipeline=None, log=print
+    ):
         self.path, self.gen_tokens, self.step = path, gen_tokens, prefill_step_size
         self.pipeline = pipeline
+        self.log = log
+
+    def compute_floor(self, fake_cfg: RuntimeConfig, ids: list[int]) -> Run:
+        """The fake-stream run (every expert resident), after a warm-up pass."""
+        model = self.load(fake_cfg)
+        # The first pass compiles kernels (MLX CUDA JITs them), which no run should pay.
+        run_policy(model, ids[: min(len(ids), self.step + 1)], 2, self.step, "warmup", "-")
+        fake = self.run(model, ids, "fake-stream", "compute")
+        self.close(model)
+        self.log(
+            f"compute floor (fake-stream): {_mean([c.wall_s for c in fake.chunks]) * 1e3:.0f} "
+            f"ms/chunk, decode {fake.decode_tokens / fake.decode_s:.2f} tok/s"
+        )
+        self.log_ranks(fake)
+        return fake
+
+    def cold_and_warm(
+        self, cfg: RuntimeConfig, ids: list[int], policy: str, trace: Path | None, plot, line
+    ) -> tuple[list[Run], float]:
+        """One policy's cold run then its warm run on the same load, each logged by `line`;
+        `trace`: where the cold run's routing goes. The runs, and the arena's GB."""
+        dropped = _drop_page_cache(self.path)
+        model = self.load(cfg)
+        arena_gb = model.expert_cache.arena.nbytes / 1e9
+        layers = None
+        if plot is not None:
+            from .plots import LayerCounts
+
+            layers = LayerCounts(model.expert_cache)
+        runs = []
+        for phase in ("cold", "warm"):
+            run = self.run(model, ids, policy, phase, layers)
+            runs.append(run)
+            if trace is not None and phase == "cold":
+                traces.write(trace, traces.of_model(model))
+                model.expert_cache.stop_trace()  # the warm run is not in the file
+                self.log(f"trace: {trace}")
+            if plot is not None:
+                run.layers = layers.take()
+            pages = "" if dropped or phase == "warm" else " (store's pages not evicted)"
+            self.log(line(run) + pages)
+            self.log_ranks(run)
+        self.close(model)
+        return runs, arena_gb
 
     def load(self, cfg: RuntimeConfig):
         model, _ = load(self.path, config=cfg, pipeline=self.pipeline() if self.pipeline else None)
@@ -318,12 +338,11 @@ class _Runner:
             run.ranks = rank_figures(before, model.rank_stats(), time.perf_counter() - t)
         return run
 
-    @staticmethod
-    def log_ranks(run: Run, log) -> None:
+    def log_ranks(self, run: Run) -> None:
         from ..runtime.distributed import rank_figure_line
 
         for f in run.ranks or []:
-            log(rank_figure_line(f))
+            self.log(rank_figure_line(f))
 
     @staticmethod
     def close(model) -> None:

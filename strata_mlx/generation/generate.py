@@ -197,16 +197,11 @@ def stream_generate(
     ids = _prompt_ids(model, tokenizer, prompt, cached_tokens)
     eos = tokenizer.eos_token_ids if tokenizer is not None else set()
     detok = tokenizer.detokenizer() if tokenizer is not None else None
-    expert_cache = model.expert_cache
-    start_stats = expert_cache.stats.copy()
+    clock = _Clock(model.expert_cache, len(ids))
     chunks: list[ExpertStats] = []
-    mx.reset_peak_memory()
-    tic = start = time.perf_counter()
-    prefill_stats = None
     text = ""
     emitted = 0  # characters of `text` already yielded
     n = 0
-    prompt_tps = 0.0
     matched = None  # the stop string found, if one ends the text
     for n, (token, logprobs) in enumerate(
         generate_step(
@@ -224,40 +219,66 @@ def stream_generate(
         )
     ):
         if n == 0:
-            prompt_time = time.perf_counter() - tic
-            prompt_tps = len(ids) / prompt_time
-            tic = time.perf_counter()
-            prefill_stats = expert_cache.stats.minus(start_stats)
-            prefill_stats.wall_s = prompt_time
-            prefill_stats.tokens = len(ids)
+            clock.prefilled()
         text, end, finish, found = add_token(text, token, eos, detok, stop, n + 1 == max_tokens)
         matched = found or matched
         segment, emitted = text[emitted:end], end
-        stats = expert_cache.stats.minus(start_stats)
-        stats.wall_s = time.perf_counter() - tic + prefill_stats.wall_s
-        stats.tokens = len(ids) + n + 1
-        elapsed = time.perf_counter() - tic
+        stats, generation_tps = clock.generated(n + 1)
         yield GenerationResponse(
             text=segment,
             token=token,
             logprobs=logprobs,
             from_draft=False,
             prompt_tokens=len(ids),
-            prompt_tps=prompt_tps,
+            prompt_tps=clock.prompt_tps,
             generation_tokens=n + 1,
-            generation_tps=(n + 1) / elapsed if elapsed > 0 else 0.0,
+            generation_tps=generation_tps,
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish,
             stop_sequence=matched,
             expert_stats=stats,
-            prefill_stats=prefill_stats,
+            prefill_stats=clock.prefill,
             chunks=chunks,
         )
         if finish is not None:
             break
-    # the session's running totals get time and tokens too
-    expert_cache.stats.wall_s += time.perf_counter() - start
-    expert_cache.stats.tokens += len(ids) + n + 1
+    clock.done(n + 1)
+
+
+class _Clock:
+    """A generation's times and expert statistics: the prefill's once the first token is out,
+    the whole generation's at every token, and the session's running totals at the end."""
+
+    def __init__(self, expert_cache, prompt_tokens: int):
+        self.expert_cache = expert_cache
+        self.prompt_tokens = prompt_tokens
+        self.start_stats = expert_cache.stats.copy()
+        mx.reset_peak_memory()
+        self.tic = self.start = time.perf_counter()
+        self.prefill: ExpertStats | None = None
+        self.prompt_tps = 0.0
+
+    def prefilled(self) -> None:
+        """The prompt is processed and the first token sampled: decode's clock starts."""
+        prompt_time = time.perf_counter() - self.tic
+        self.prompt_tps = self.prompt_tokens / prompt_time
+        self.tic = time.perf_counter()
+        self.prefill = self.expert_cache.stats.minus(self.start_stats)
+        self.prefill.wall_s = prompt_time
+        self.prefill.tokens = self.prompt_tokens
+
+    def generated(self, n: int) -> tuple[ExpertStats, float]:
+        """The statistics of the generation so far, `n` tokens out, and its tokens/s."""
+        stats = self.expert_cache.stats.minus(self.start_stats)
+        stats.wall_s = time.perf_counter() - self.tic + self.prefill.wall_s
+        stats.tokens = self.prompt_tokens + n
+        elapsed = time.perf_counter() - self.tic
+        return stats, n / elapsed if elapsed > 0 else 0.0
+
+    def done(self, n: int) -> None:
+        """The session's running totals get the generation's time and tokens too."""
+        self.expert_cache.stats.wall_s += time.perf_counter() - self.start
+        self.expert_cache.stats.tokens += self.prompt_tokens + n
 
 
 def _prompt_ids(model, tokenizer, prompt: str | list[int], cached_tokens) -> list[int]:

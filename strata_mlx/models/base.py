@@ -1,7 +1,7 @@
 """Pieces every model family shares: config args, caches, masks, activations.
 
 Families live one per file beside this one (mlx-lm's shape). A family's MoE block routes,
-then hands its experts to `strata_mlx.runtime.experts.SwitchGLU`; it never holds expert weights.
+then hands its experts to `switch.SwitchGLU`, the seam; it never holds expert weights.
 """
 
 from __future__ import annotations

@@ -25,11 +25,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..runtime.experts import SwitchGLU
 from .base import BaseModelArgs, KVCache, RotatingKVCache, causal_mask, swiglu
 from .rope import YarnRoPE as YarnRoPE  # re-exported: gpt_oss imports it
 from .rope import initialize_rope, yarn_attention_scale
 from .rope import rope_kind as rope_kind  # re-exported: gpt_oss imports it
+from .switch import SwitchGLU
 
 # Where the checkpoint keeps layer l's experts, and each projection's name there.
 EXPERT_PREFIX = "model.layers.{layer}.mlp.experts"

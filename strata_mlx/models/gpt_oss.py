@@ -22,9 +22,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..runtime.experts import SwitchGLU
 from .base import BaseModelArgs, KVCache
 from .rope import initialize_rope, rope_kind
+from .switch import SwitchGLU
 
 ROPE_KINDS = ("default", "yarn")  # what GPT-OSS checkpoints use
 

@@ -20,9 +20,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..runtime.experts import SwitchGLU
 from .base import BaseModelArgs, KVCache, attention, create_attention_mask
 from .rope import initialize_rope
+from .switch import SwitchGLU
 
 # Where a store's experts came from, and each projection's name there (the split MLP).
 EXPERT_PREFIX = "model.layers.{layer}.mlp.experts"

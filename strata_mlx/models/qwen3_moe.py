@@ -8,8 +8,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..runtime.experts import SwitchGLU
 from .base import BaseModelArgs, KVCache, attention, create_attention_mask, swiglu, top_k_route
+from .switch import SwitchGLU
 
 # Where the checkpoint keeps layer l's experts, and each projection's name there.
 EXPERT_PREFIX = "model.layers.{layer}.mlp.experts"

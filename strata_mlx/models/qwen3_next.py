@@ -16,7 +16,6 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..runtime.experts import SwitchGLU
 from .base import (
     ArraysCache,
     BaseModelArgs,
@@ -27,6 +26,7 @@ from .base import (
     top_k_route,
 )
 from .rope import initialize_rope
+from .switch import SwitchGLU
 
 # Where the checkpoint keeps layer l's experts, and each projection's name there.
 EXPERT_PREFIX = "model.layers.{layer}.mlp.experts"

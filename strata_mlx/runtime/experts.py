@@ -1,8 +1,8 @@
-"""The seam between model modules and the expert cache, and the per-layer handshake.
+"""The expert cache: the per-layer handshake behind every MoE layer's seam.
 
-Model files hold a `SwitchGLU(layer)` where mlx-lm holds a stacked all-experts SwitchGLU. It
-asks the ExpertCache "make these experts resident, give me their slots" and computes from
-the slots; nothing indexes a stacked tensor of every expert.
+A family's `SwitchGLU(layer)` (strata_mlx.models.switch) asks the ExpertCache, its expert
+source, "make these experts resident, give me their slots"; the cache computes the layer's
+experts from the slots; nothing indexes a stacked tensor of every expert.
 
 The handshake, per MoE layer:
   1. one host sync reads the routing ids (and, with lookahead, layer l+1's predicted ids,
@@ -31,39 +31,25 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 from ..format.store import Manifest
+from ..models.switch import SwitchGLU
 from ..stream.arena import Arena
 from ..stream.prediction import Predictor, ReadAhead
 from ..stream.scheduler import CLOSED, ExpertReadError, make_scheduler
 from ..stream.stats import ExpertStats, RoutingTrace
-from . import kernels
+from .compute import LayerCompute
+from .deferred import Deferred, DeferredHandshake, distinct
 
 WARM_BATCH = 256  # warm()'s reads between progress updates
 WARM_BAR_DELAY_S = 2.0  # warm() shows its bar only past this
 
 __all__ = ["ExpertCache", "ExpertReadError", "ExpertStats", "RoutingTrace", "SwitchGLU"]
-
-
-@dataclass
-class Deferred:
-    """A layer computed without a host sync, awaiting verification (strata_mlx.runtime.decode)."""
-
-    layer: int
-    inds: mx.array  # the routing ids, evaluated with the layer
-    row: np.ndarray  # host copy of the residency row its slots were looked up in
-    target: int | None = None  # lookahead: the layer predicted from this one's input
-    pred: mx.array | None = None  # its predicted ids
-
-    def outputs(self) -> list[mx.array]:
-        return [self.inds] if self.pred is None else [self.inds, self.pred]
 
 
 class ExpertCache:
@@ -108,16 +94,12 @@ class ExpertCache:
         self.route_bonus = route_bonus
         self.decoding = False  # inside `phase(decoding=True)`: generation's decode steps
         self.dump = dump
-        # Kernels resolved once per layer: nothing on the hot path inspects a layout.
-        self._kernel = {l: kernels.expert_kernel(manifest.layout_of(l)) for l in self.layers}
+        self.compute = LayerCompute(manifest, arena, self.sched, fake_stream)
         # Every expert fits at once: eviction never happens, so uses need not be recorded.
-        self._all_fit = arena.n_slots >= manifest.num_experts * len(self.layers)
-        self.pipeline: list[Deferred] | None = None  # inside `deferred()`: where layers go
-        self.pipeline_lookahead = True  # whether those layers may predict
-        self._ahead: dict[int, int] = {}  # pipelined lookahead: layer -> layer it predicts
-        self._ahead_tags: dict[int, list[int]] = {}  # read-ahead submitted for a layer
-        self._pair_index: dict[tuple, mx.array] = {}
-        self._observed: int | None = None  # a failed check fed the miss rate for this layer
+        all_fit = arena.n_slots >= manifest.num_experts * len(self.layers)
+        self.pipelined = DeferredHandshake(
+            self.sched, self.predictor, self.compute, self.layers, all_fit
+        )
         # A batched token step (strata_mlx.generation.batch) sets this: each sequence's MoE
         # layer is handed to it, which runs the layer once for every sequence's tokens.
         self.gather: Callable[[int, mx.array, mx.array], mx.array] | None = None
@@ -226,7 +208,7 @@ class ExpertCache:
         slots would only narrow eviction and read-ahead; read-ahead tags kept for a layer not
         built yet would make it wait for another token's prediction."""
         self.settle()
-        self._ahead_tags.clear()
+        self.pipelined.ahead_tags.clear()
 
     # ---- the handshake -----------------------------------------------------------------
 
@@ -236,10 +218,10 @@ class ExpertCache:
             return self.gather(layer, x, inds)
         if self.sched.closed:
             raise RuntimeError(CLOSED)
-        if self.pipeline is not None:
-            return self._run_deferred(layer, x, inds)
+        if self.pipelined.records is not None:
+            return self.pipelined.run(layer, x, inds)
         st, sched, pr = self.stats, self.sched, self.predictor
-        observed, self._observed = self._observed, None
+        observed, self.pipelined.observed = self.pipelined.observed, None
         nxt = self._next.get(layer)
         # Lookahead predicts the next `depth` layers, each through its own router on this
         # layer's input; the nearest first.
@@ -263,13 +245,13 @@ class ExpertCache:
         st.lookups += len(needed)
 
         if self.fake_stream:
-            return self._compute_fake(layer, x, inds, ids, needed)
+            return self.compute.fake(layer, x, inds, ids, needed)
 
         sched.collect(block=False)
         sched.drop_unneeded(layer, needed)
         if len(needed) > self.arena.n_slots:
             st.host_s += time.perf_counter() - t1
-            return self._run_groups(layer, x, inds, ids, needed)
+            return self.compute.groups(layer, x, inds, ids, needed)
 
         misses_before = st.misses
         waits = sched.claim(layer, needed)
@@ -284,7 +266,7 @@ class ExpertCache:
         if after is not None:
             sched.read_ahead(*after)
         slots = sched.row(layer)[needed]
-        y = self._compute(layer, x, ids, inds.shape, needed, slots)
+        y = self.compute.by_expert(layer, x, ids, inds.shape, needed, slots)
         st.host_s += (t2 - t1) + (time.perf_counter() - t3)
         return y
 
@@ -303,74 +285,28 @@ class ExpertCache:
         predicted = {(t, e) for t, es in ranked for e in es}
         self.sched.predicted(first, experts, keys, predicted)
 
-    def _compute(self, layer, x, ids, shape, needed, slots) -> mx.array:
-        if ids.shape[0] == 1:  # one token (decode): its k ids are distinct, `needed` sorted
-            pos = {e: i for i, e in enumerate(needed)}
-            local = mx.array([pos[e] for e in ids[0].tolist()], dtype=mx.uint32).reshape(shape)
-        else:
-            local = np.searchsorted(np.asarray(needed), ids).astype(np.uint32).reshape(shape)
-            local = mx.array(local)
-        slots = mx.array(np.asarray(slots).tolist(), dtype=mx.uint32)
-        return self._kernel[layer](x, self.arena.rows, slots, local)
+    # ---- the deferred handshake (pipelined decode: strata_mlx.runtime.deferred) --------
 
-    # ---- the deferred handshake (pipelined decode) -------------------------------------
-
-    @contextmanager
-    def deferred(self, lookahead: bool):
+    def deferred(self, lookahead: bool) -> AbstractContextManager[list[Deferred]]:
         """Layers run inside are built without a host sync, each recorded as a `Deferred`
         in the list this yields for the pipelined decoder to check; with `lookahead` they may
         predict a later layer from their input."""
-        records: list[Deferred] = []
-        self.pipeline, self.pipeline_lookahead = records, lookahead
-        try:
-            yield records
-        finally:
-            self.pipeline = None
+        return self.pipelined.building(lookahead)
 
     def plan_pipelined_lookahead(self, distance: int) -> None:
         """Pipelined decode checks layer l while `distance - 1` later layers are already
         built: a prediction made from l's input can only help layer l + distance."""
-        self._ahead = {
-            l: self.layers[i + distance]
-            for i, l in enumerate(self.layers)
-            if i + distance < len(self.layers) and self.layers[i + distance] in self.routers
-        }
-
-    def _run_deferred(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
-        """Experts computed with slots looked up on the device from this layer's residency
-        row as it stands now; no host sync. The decoder verifies the layer later."""
-        t = time.perf_counter()
-        sched = self.sched
-        tags = self._ahead_tags.pop(layer, None)
-        if tags:
-            # Predicted reads for this layer still in flight: wait for them here, where the
-            # device still has the layers before it to compute, rather than miss.
-            t1 = time.perf_counter()
-            sched.wait(tags)
-            self.stats.exposed_wait_s += time.perf_counter() - t1
-        if sched.reads:
-            sched.collect(block=False)  # landed read-ahead becomes visible to this layer
-        with sched.lock:
-            # Slots of layers built on the device must not be refilled until they complete.
-            sched.busy_layers.add(layer)
-        row, row_mx = sched.device_row(layer, self.fake_stream)
-        slots = row_mx[inds.reshape(-1)]
-        idx = self._pair_index.get(inds.shape)
-        if idx is None:  # pair p reads slots[p]
-            idx = mx.arange(inds.size, dtype=mx.uint32).reshape(inds.shape)
-            self._pair_index[inds.shape] = idx
-        y = self._kernel[layer](x, self.arena.rows, slots, idx)
-        d = Deferred(layer, inds, row)
-        target = self._ahead.get(layer)
-        if target is not None and self.pipeline_lookahead and self.predicts_in_decode():
-            d.target, d.pred = target, self.routers[target](x)
-        self.pipeline.append(d)
-        self.stats.host_s += time.perf_counter() - t
-        return y
+        self.pipelined.plan_lookahead(distance)
 
     def predicts_in_decode(self) -> bool:
         """Whether decode lookahead predicts for the next token."""
-        return not self.fake_stream and self.predictor.predicts_in_decode()
+        return self.pipelined.predicts_in_decode()
+
+    def check_deferred(self, d: Deferred, alone: bool = True) -> bool:
+        """Wait for layer `d.layer`'s routing (only it: later layers keep computing) and say
+        whether every expert it chose was resident when its computation was built. `alone`:
+        nothing is in flight beyond this token's own later layers (no token built on top)."""
+        return self.pipelined.check(d, alone, self.trace)
 
     def settle(self, keep: int | None = None) -> None:
         """The device finished everything built so far (the decoder drained or the token
@@ -382,139 +318,3 @@ class ExpertCache:
             busy.clear()
             if keep is not None:
                 busy.add(keep)
-
-    def check_deferred(self, d: Deferred, alone: bool = True) -> bool:
-        """Wait for layer `d.layer`'s routing (only it: later layers keep computing) and say
-        whether every expert it chose was resident when its computation was built. `alone`:
-        nothing is in flight beyond this token's own later layers (no token built on top)."""
-        st, sched = self.stats, self.sched
-        t0 = time.perf_counter()
-        ids = np.array(d.inds).reshape(-1, d.inds.shape[-1])
-        t1 = time.perf_counter()
-        st.route_sync_s += t1 - t0
-        if alone:
-            # This layer's routing is known, so every layer before it has finished computing
-            # (a token built on top would still be reading those layers' slots).
-            with sched.lock:
-                busy = sched.busy_layers
-                busy.difference_update([l for l in busy if l < d.layer])
-        absent_then = d.row[ids] < 0
-        needed = distinct(ids)
-        if absent_then.any():
-            # The mode rule sees the layer as it was built (what it recomputes for), not the
-            # recomputing handshake's share, which a read landed meanwhile would make 0.
-            self.predictor.observe_decode_layer(len(set(ids[absent_then].tolist())) / len(needed))
-            self._observed = d.layer
-            if alone:
-                # The misses' reads go in now, into slots of no layer still computing, so
-                # they land while the device drains what was built after this layer.
-                absent = sorted(set(ids[sched.row(d.layer)[ids] < 0].tolist()))
-                sched.start_misses(d.layer, absent, sched.busy_layers)
-            st.host_s += time.perf_counter() - t1
-            return False
-        st.lookups += len(needed)
-        if sched.prefetched or not self._all_fit:
-            sched.count_resident(d.layer, needed)
-        else:
-            st.hits += len(needed)
-        self.predictor.observe_decode_layer(0.0)
-        if self.trace is not None:
-            self.trace.record(d.layer, ids)
-        if d.pred is not None:
-            pred = np.array(d.pred).reshape(-1, d.pred.shape[-1])
-            if self.trace is not None:
-                self.trace.record_prediction(d.target, pred)
-            ranked = self.predictor.rank(pred)
-            # Slots of layers still computing on the device must not be refilled.
-            tags = sched.read_ahead(d.target, ranked, protect=sched.busy_layers)
-            if tags:
-                self._ahead_tags[d.target] = tags
-        st.host_s += time.perf_counter() - t1
-        return True
-
-    def _compute_fake(self, layer, x, inds, ids, needed) -> mx.array:
-        # Compute alone: the experts' bytes are whatever the first slots hold (zeros or stale
-        # records), so outputs are meaningless but the work is the same, expert-major groups
-        # included when the layer needs more experts than the arena has slots.
-        self.stats.hits += len(needed)
-        if len(needed) > self.arena.n_slots:
-            return self._run_groups(layer, x, inds, ids, needed)
-        slots = [i % self.arena.n_slots for i in range(len(needed))]
-        return self._compute(layer, x, ids, inds.shape, needed, slots)
-
-    def _run_groups(self, layer, x, inds, ids, needed) -> mx.array:
-        """Expert-major groups: each group is made resident, computed with the full batch shape
-        (absent experts' rows borrow a group member's record and are discarded), then evaluated
-        so its slots can be reused. Each kept row is bit-identical to the one-pass result.
-        In fake-stream mode the same groups are computed from whatever the slots hold."""
-        n = self.arena.n_slots
-        y = None
-        for g in range(0, len(needed), n):
-            group = needed[g : g + n]
-            self.stats.groups += 1
-            if self.fake_stream:  # compute alone: any slots, nothing read or pinned
-                slots = [i % n for i in range(len(needed))]
-            else:
-                waits = self.sched.claim(layer, group)
-                t = time.perf_counter()
-                self.sched.wait(waits)
-                self.stats.exposed_wait_s += time.perf_counter() - t
-                with self.sched.lock:
-                    gslots = {e: self.arena.slot_of[(layer, e)] for e in group}
-                    self.arena.pin(gslots.values())
-                filler = gslots[group[0]]
-                slots = [gslots.get(e, filler) for e in needed]
-            yg = self._compute(layer, x, ids, inds.shape, needed, slots)
-            member = np.isin(ids, group).reshape(*inds.shape, 1)
-            y = yg if y is None else mx.where(mx.array(member), yg, y)
-            mx.eval(y)
-            with self.sched.lock:
-                self.arena.unpin_all()
-        return y
-
-
-def distinct(ids: np.ndarray) -> list[int]:
-    """The distinct expert ids of `ids` [T, k], ascending (np.unique's, which costs more than
-    the whole lookup for decode's single row)."""
-    if ids.shape[0] == 1:
-        return sorted(set(ids[0].tolist()))
-    return np.unique(ids).tolist()
-
-
-class SwitchGLU(nn.Module):
-    """A layer's routed SwiGLU experts, held by the expert cache (the seam)."""
-
-    def __init__(self, layer: int):
-        super().__init__()
-        self.layer = layer
-        self.expert_cache: ExpertCache | None = None
-
-    def attach(self, expert_cache: ExpertCache) -> None:
-        """Run this layer's experts through `expert_cache` (the model object does, once)."""
-        self.expert_cache = expert_cache
-
-    def __call__(self, x: mx.array, indices: mx.array, scores: mx.array | None = None):
-        """x [..., D] routed to indices [..., k]: with `scores` [..., k], the MoE output
-        [..., D] (the experts' outputs weighted by the scores and summed, in their dtype, as
-        mlx-lm's blocks do; handed to the dump hook); without, each expert's [..., k, D]."""
-        if self.expert_cache is None:
-            raise RuntimeError("experts not attached: load the model with strata_mlx.load()")
-        y = self.expert_cache.run_layer(self.layer, x, indices)
-        if scores is None:
-            return y
-        y = (y * scores[..., None]).sum(axis=-2).astype(y.dtype)
-        self.observe(x, indices, scores, y)
-        return y
-
-    def route_bonus(self) -> mx.array | None:
-        """Cache-aware routing: a bonus on resident experts' router logits, decode only."""
-        c = self.expert_cache
-        if c is None or not c.route_bonus or not c.decoding:
-            return None
-        return c.route_bonus * c.resident_mask(self.layer)
-
-    def observe(self, x: mx.array, inds: mx.array, scores: mx.array, y: mx.array) -> None:
-        """Hand the layer's MoE state to a dump hook (--dump-moe), if one is set."""
-        c = self.expert_cache
-        if c is not None and c.dump is not None:
-            c.dump(self.layer, x, inds, scores, y)

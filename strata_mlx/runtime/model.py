@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..models.switch import SwitchGLU
 from .decode import Decoder, PipelinedDecoder, SyncDecoder
-from .experts import ExpertCache, SwitchGLU
+from .experts import ExpertCache
 
 if TYPE_CHECKING:  # loader.py builds the model object: a runtime import would be circular
     from .distributed import Pipeline

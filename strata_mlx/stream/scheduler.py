@@ -1,13 +1,14 @@
 """The expert scheduler: which reads are in flight, where they land, and what to read next.
 
-The handshake (strata_mlx.experts) says what a layer needs (`claim`), what the next layer is
-predicted to need (`read_ahead`) and what would be worth reading after that (`reserve`); this
-module turns those into reads on the native reader, keeps the residency map (expert -> slot,
-on the host and as the device's per-layer rows) and counts what happened.
+The handshake (strata_mlx.runtime.experts) says what a layer needs (`claim`), what the next
+layer is predicted to need (`read_ahead`) and what would be worth reading after that
+(`reserve`); this module turns those into reads on the native reader, keeps the residency
+map (expert -> slot, on the host and as the device's per-layer rows: `ResidencyRows`) and
+counts what happened.
 
 Two schedulers share that contract:
 
-- `Scheduler` ("sync"): completions are collected inside the handshake's own calls, and
+- `SyncScheduler` ("sync"): completions are collected inside the handshake's own calls, and
   everything reserved is submitted at once. Between two handshakes nothing decides anything.
   The simpler scheduling, from before the loop, kept to measure the loop against.
 - `LoopScheduler` ("loop", the default): an asyncio event loop on a thread of its own. The
@@ -25,7 +26,7 @@ as the loop would. Reads themselves never take the GIL: the reader's threads pre
 and report completions in C.
 
 Results never depend on any of this: which slot holds an expert, and when it landed, never
-changes what a layer computes (strata_mlx.experts).
+changes what a layer computes (strata_mlx.runtime.experts).
 """
 
 from __future__ import annotations
@@ -61,10 +62,58 @@ class _Read:
     layer_wanted: bool = False  # a handshake asked for it while in flight
 
 
-class Scheduler:
-    """Reads, residency and statistics; completions collected by the caller's own calls."""
+class ResidencyRows:
+    """The residency map as the handshake and the device read it: per MoE layer, expert ->
+    slot, -1 where not resident. The host table is kept current; a layer's device row
+    (pipelined decode) is rebuilt only when its residency changed. The scheduler's lock
+    guards it."""
 
-    name = "sync"
+    def __init__(self, manifest: Manifest, n_slots: int):
+        self.num_experts, self.n_slots = manifest.num_experts, n_slots
+        self.pos = {l: manifest.layer_position(l) for l in manifest.moe_layers}
+        self.table = np.full((len(self.pos), manifest.num_experts), -1, dtype=np.int32)
+        self._rows: dict[int, tuple[np.ndarray, mx.array]] = {}
+        self._dirty: set[int] = set(self.pos)
+
+    def row(self, layer: int) -> np.ndarray:
+        """The host row of `layer`: expert -> slot, -1 where absent."""
+        return self.table[self.pos[layer]]
+
+    def set(self, key: Key, slot: int) -> None:
+        """`key` landed in `slot` (-1: it left the arena)."""
+        self.table[self.pos[key[0]], key[1]] = slot
+        self._dirty.add(key[0])
+
+    def device_row(self, layer: int, fake: bool) -> tuple[np.ndarray, mx.array]:
+        """(host copy, device row) of `layer`, rebuilt only when it changed; absent experts
+        read slot 0. `fake`: every expert counts as resident, its bytes whatever its slot
+        holds."""
+        if layer in self._dirty:
+            if fake:
+                row = np.arange(self.num_experts, dtype=np.int32) % self.n_slots
+            else:
+                row = self.row(layer).copy()
+            self._rows[layer] = (row, mx.array(np.maximum(row, 0).astype(np.uint32)))
+            self._dirty.discard(layer)
+        return self._rows[layer]
+
+
+def read_error(sched: Scheduler, key: Key, err: int, nbytes: int) -> ExpertReadError:
+    """The one-line error of a failed read of `key`: which record, and why."""
+    if err == CHECKSUM_MISMATCH:  # verified by the reader's thread that read it
+        why = f"checksum mismatch ({sched.manifest.checksum}; corrupt record)"
+    elif err == SHORT_READ or not err:
+        why = f"short read ({nbytes} of {sched.record_bytes} bytes; truncated store?)"
+    else:
+        why = f"read failed: {error_message(err)} (errno {err})"
+    layer, expert = key
+    return ExpertReadError(f"{sched.store / EXPERTS}: layer {layer} expert {expert}: {why}")
+
+
+class Scheduler:
+    """Reads, residency and statistics, shared by both schedulers. How completions are
+    collected is each one's own: `wait`, `_absorb` (completions into residency),
+    `_reserved` (the reserve's reads to send now) and `_check_failed`."""
 
     def __init__(self, store: str | Path, manifest: Manifest, arena: Arena, reader, verify: bool):
         self.store = Path(store)
@@ -84,13 +133,7 @@ class Scheduler:
         self.tag_of: dict[Key, int] = {}
         self._tags = 0
         self.prefetched: set[Key] = set()  # read-ahead landed, not used yet
-        # The residency map as the device sees it (pipelined decode): per layer,
-        # expert -> slot, -1 where not resident. The host copy is kept current; a layer's
-        # device row is rebuilt only when its residency changed.
-        self._pos = {l: manifest.layer_position(l) for l in manifest.moe_layers}
-        self.table = np.full((len(self._pos), manifest.num_experts), -1, dtype=np.int32)
-        self._rows: dict[int, tuple[np.ndarray, mx.array]] = {}
-        self._dirty: set[int] = set(self._pos)
+        self.residency = ResidencyRows(manifest, arena.n_slots)
         self.busy_layers: set[int] = set()  # layers computing on the device (pipelined decode)
         self.early: set[Key] = set()  # misses read before their claim (start_misses)
 
@@ -110,29 +153,20 @@ class Scheduler:
 
     def row(self, layer: int) -> np.ndarray:
         """The host residency row of `layer`: expert -> slot, -1 where absent."""
-        return self.table[self._pos[layer]]
+        return self.residency.row(layer)
 
     def device_row(self, layer: int, fake: bool = False) -> tuple[np.ndarray, mx.array]:
-        """(host copy, device row) of `layer`'s residency, rebuilt only when it changed.
-        Absent experts read slot 0: the result is discarded once the host sees the miss.
-        `fake`: every expert counts as resident, its bytes whatever its slot holds."""
+        """(host copy, device row) of `layer`'s residency (ResidencyRows.device_row): a
+        miss's result is discarded once the host sees it."""
         with self.lock:
-            if layer in self._dirty:
-                if fake:
-                    n = self.manifest.num_experts
-                    row = np.arange(n, dtype=np.int32) % self.arena.n_slots
-                else:
-                    row = self.row(layer).copy()
-                self._rows[layer] = (row, mx.array(np.maximum(row, 0).astype(np.uint32)))
-                self._dirty.discard(layer)
-            return self._rows[layer]
+            return self.residency.device_row(layer, fake)
 
     def claim(self, layer: int, needed: list[int]) -> list[int]:
         """Count hits / streamed-ahead / misses of `layer`'s `needed` experts, submit the
         misses urgently, pin them all; the tags the computation must wait for."""
         with self.lock:
             self._check_failed()
-            row = self.table[self._pos[layer]]
+            row = self.residency.row(layer)
             if self.early:  # misses read before their claim: each key looked at alone
                 resident, rest = [], needed
             else:
@@ -251,10 +285,6 @@ class Scheduler:
             reqs += self._reserved(keys, predicted, len(reqs))
             self._send(reqs, False)
 
-    def _reserved(self, keys: list[Key], predicted: set[Key], pending: int) -> list[tuple]:
-        """`reserve`'s reads to go out now, `pending` reads about to be queued before them."""
-        return self._requests(keys, None, None) if keys else []
-
     def drop_unneeded(self, layer: int, needed: Collection[int]) -> None:
         """Cancel this layer's queued read-ahead that its routing did not ask for."""
         with self.lock:
@@ -270,13 +300,6 @@ class Scheduler:
                 del self.tag_of[r.key]
                 self.arena.release(r.slot)
                 self.stats.readahead_dropped += 1
-
-    def wait(self, tags: list[int]) -> None:
-        """Until every read in `tags` has landed (raises ExpertReadError if one failed)."""
-        with self.lock:
-            pending = [t for t in tags if t in self.reads]
-            if pending:
-                self._absorb(self.reader.wait(pending, None))
 
     def collect(self, block: bool) -> None:
         """Make landed reads resident; with `block`, wait for at least one if any is out."""
@@ -333,7 +356,7 @@ class Scheduler:
     def _start_read(self, key: Key, slot: int, urgent: bool) -> tuple:
         """Record a read of `key` into `slot` as in flight; its request for the reader."""
         tag = self._tags = self._tags + 1
-        pos, m = self._pos[key[0]], self.manifest  # (manifest.record, without its lookups)
+        pos, m = self.residency.pos[key[0]], self.manifest  # (manifest.record, without its lookups)
         expected = m.checksums[pos][key[1]] if self.verify else None
         self.reads[tag] = _Read(key, slot, urgent)
         self.tag_of[key] = tag
@@ -344,8 +367,7 @@ class Scheduler:
         """`key` left the arena (None: nothing did); read-ahead evicted unused was wasted."""
         if key is None:
             return
-        self.table[self._pos[key[0]], key[1]] = -1
-        self._dirty.add(key[0])
+        self.residency.set(key, -1)
         self.early.discard(key)
         if key in self.prefetched:
             self.prefetched.discard(key)
@@ -364,22 +386,29 @@ class Scheduler:
                 errors.append((r.key, err, nbytes))
                 continue
             self.arena.loaded(r.slot)
-            self.table[self._pos[r.key[0]], r.key[1]] = r.slot
-            self._dirty.add(r.key[0])
+            self.residency.set(r.key, r.slot)
             self.stats.experts_read += 1
             self.stats.bytes_read += nbytes
             if not r.urgent and not r.layer_wanted:
                 self.prefetched.add(r.key)
-        if not errors:
-            return None
-        (layer, expert), err, nbytes = errors[0]
-        if err == CHECKSUM_MISMATCH:  # verified by the reader's thread that read it
-            why = f"checksum mismatch ({self.manifest.checksum}; corrupt record)"
-        elif err == SHORT_READ or not err:
-            why = f"short read ({nbytes} of {self.record_bytes} bytes; truncated store?)"
-        else:
-            why = f"read failed: {error_message(err)} (errno {err})"
-        return ExpertReadError(f"{self.store / EXPERTS}: layer {layer} expert {expert}: {why}")
+        return read_error(self, *errors[0]) if errors else None
+
+
+class SyncScheduler(Scheduler):
+    """Completions collected by the caller's own calls; the reserve submitted at once."""
+
+    name = "sync"
+
+    def wait(self, tags: list[int]) -> None:
+        """Until every read in `tags` has landed (raises ExpertReadError if one failed)."""
+        with self.lock:
+            pending = [t for t in tags if t in self.reads]
+            if pending:
+                self._absorb(self.reader.wait(pending, None))
+
+    def _reserved(self, keys: list[Key], predicted: set[Key], pending: int) -> list[tuple]:
+        """`reserve`'s reads to go out now, `pending` reads about to be queued before them."""
+        return self._requests(keys, None, None) if keys else []
 
     def _absorb(self, completions) -> None:
         """Completions collected by the caller: into residency, a failed read raised."""
@@ -507,7 +536,7 @@ class LoopScheduler(Scheduler):
 
 def make_scheduler(name: str, *args, low_water: int | None = None, **kw) -> Scheduler:
     if name == "sync":
-        return Scheduler(*args, **kw)
+        return SyncScheduler(*args, **kw)
     if name == "loop":
         return LoopScheduler(*args, low_water=low_water, **kw)
     raise ValueError(f"unknown scheduler {name!r}; one of {SCHEDULERS}")

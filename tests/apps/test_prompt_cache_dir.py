@@ -5,16 +5,15 @@ files it cannot use are dropped or left alone."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import subprocess
 import sys
-import time
 
 import httpx2 as httpx
 import mlx.core as mx
 import test_server
+from conftest import wait_until_serving
 from test_cli import _error_line, run
 from test_server import NAME, free_port, load_tiny, running
 
@@ -210,14 +209,8 @@ def _serve(tiny, d, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "strata_mlx", "serve", "--model", str(tiny), "--port", str(port)]
     cmd += ["--model-name", NAME, "--log-level", "warning", "--prompt-cache-dir", str(d)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    t0 = time.monotonic()
-    while True:
-        assert proc.poll() is None, proc.stdout.read().decode()
-        assert time.monotonic() - t0 < 120, "server did not start"
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models"):
-                return proc
-        time.sleep(0.1)
+    wait_until_serving([proc], lambda: httpx.get(f"http://127.0.0.1:{port}/v1/models"))
+    return proc
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -23,6 +23,7 @@ import httpx2 as httpx  # the HTTP client the openai package is built on
 import openai
 import pytest
 import uvicorn
+from conftest import wait_until_serving
 
 import strata_mlx
 from strata_mlx.apps.server import create_app
@@ -634,9 +635,11 @@ ORIGIN = "https://app.example"
 @pytest.fixture(scope="module")
 def guarded(tiny):
     """A second server (its own model: one generation at a time per model) with a queue of
-    one, an API key and one allowed origin; limits from the model's context."""
+    one behind one running request, an API key and one allowed origin; limits from the
+    model's context."""
     model, tok = load_tiny(tiny)
-    app = create_app(model, tok, NAME, max_queue=1, api_key=KEY, allowed_origins=[ORIGIN])
+    kw = dict(max_queue=1, api_key=KEY, allowed_origins=[ORIGIN], decode_concurrency=1)
+    app = create_app(model, tok, NAME, **kw)
     try:
         with running(app) as base:
             yield base
@@ -888,14 +891,8 @@ def test_sigterm_finishes_or_cancels_requests_within_the_deadline(tiny):
     env = {**os.environ, "STRATA_MLX_API_KEY": KEY}  # the key from the environment
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        t0 = time.monotonic()
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() - t0 < 120, "server did not start"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}):
-                    break
-            time.sleep(0.1)
+        auth = {"Authorization": f"Bearer {KEY}"}
+        wait_until_serving([proc], lambda: httpx.get(base + "/v1/models", headers=auth))
         short = openai_client(base, api_key=KEY)
         long = openai_client(base, api_key=KEY)
         stream = short.chat.completions.create(
@@ -961,7 +958,8 @@ SAID = [
 
 @pytest.fixture(scope="module")
 def tool_served(tiny, tmp_path_factory):
-    """A server whose chat template renders tools and tool calls."""
+    """A server whose chat template renders tools and tool calls, one request at a time (the
+    `says` fixture scripts the model through stream_generate, which that engine calls)."""
     d = tmp_path_factory.mktemp("tools") / "tiny"
     shutil.copytree(tiny, d)
     config = json.loads((d / "tokenizer_config.json").read_text())
@@ -970,7 +968,7 @@ def tool_served(tiny, tmp_path_factory):
     )
     model, tok = load_tiny(d)
     try:
-        with running(create_app(model, tok, NAME)) as base:
+        with running(create_app(model, tok, NAME, decode_concurrency=1)) as base:
             yield base, tok
     finally:
         model.expert_cache.close()
@@ -1104,13 +1102,12 @@ def test_serve_says_what_it_serves_and_names_the_model_as_given(tiny, tmp_path):
             out += lines.get(timeout=120)
         assert "serving 'q3'" in out and "arena" in out and "slots" in out, out
         assert f"{base}/v1" in out and f"{base}/dashboard" in out, out
-        t0 = time.monotonic()
-        while True:
-            assert time.monotonic() - t0 < 60, "server did not start"
-            with contextlib.suppress(httpx.TransportError):
-                r = httpx.get(base + "/", follow_redirects=False)
-                break
-            time.sleep(0.1)
+        r = wait_until_serving(
+            [proc],
+            lambda: httpx.get(base + "/", follow_redirects=False),
+            timeout=60,
+            output=lambda: out,
+        )
         assert r.status_code in (302, 307) and r.headers["location"] == "/dashboard"
         ids = [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]]
         assert ids == ["q3"], ids

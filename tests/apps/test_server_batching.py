@@ -178,3 +178,18 @@ def test_serve_says_whether_a_step_fits_the_arena(model, tiny):  # noqa: F811
     assert "up to 2 requests decode together: a step uses up to 8 experts" in lines[2]
     assert "lower --decode-concurrency" in lines[2]
     assert len(started_lines(NAME, tiny, model, "127.0.0.1", 8080)) == 3  # one at a time
+
+
+def test_the_api_and_the_cli_default_to_the_same_concurrency():
+    """create_app, serve() and `strata-mlx serve` decode (and prefill) as many requests
+    together by default: the defaults come from one place."""
+    import inspect
+
+    from strata_mlx.apps.cli import serve as cli
+    from strata_mlx.apps.server import app
+
+    for name in ("decode_concurrency", "prompt_concurrency"):
+        flag = inspect.signature(cli.serve).parameters[name].default.default
+        api = inspect.signature(app.create_app).parameters[name].default
+        served = inspect.signature(app.serve).parameters[name].default
+        assert api == served == flag, (name, api, served, flag)

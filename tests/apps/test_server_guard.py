@@ -18,6 +18,7 @@ import time
 import httpx2 as httpx
 import pytest
 import uvicorn
+from conftest import wait_until_serving
 from test_server import LONG, NAME, load_tiny, running, tiny  # noqa: F401 (tiny: a fixture)
 
 from strata_mlx.apps.server import create_app
@@ -190,14 +191,11 @@ def soak(tiny, seconds: float, huge_mb: int, slow: int, conns: int):  # noqa: F8
     url = f"http://127.0.0.1:{port}/v1/completions"
     probe = {"model": NAME, "prompt": "the cat", "max_tokens": 1}
     try:
-        t0 = time.monotonic()
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() - t0 < 120, "server did not start"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.post(url, json=probe, trust_env=False).status_code == 200:
-                    break
-            time.sleep(0.1)
+        wait_until_serving(
+            [proc],
+            lambda: httpx.post(url, json=probe, trust_env=False),
+            ready=lambda r: r.status_code == 200,
+        )
         idle = rss_mb(proc.pid)
         huge, sockets = hostile_clients(port, slow, conns, huge_mb, stop)
         worst, peak, answers = 0.0, idle, 0

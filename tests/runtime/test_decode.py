@@ -273,7 +273,7 @@ def test_a_generation_starts_with_no_slot_in_use(store):
     handshake, start = ec.run_layer, dec.start
 
     def run_layer(layer, x, inds):
-        if ec.pipeline is None:
+        if ec.pipelined.records is None:
             seen.append(("handshake", set(ec.sched.busy_layers), set(ec.arena.pinned)))
         return handshake(layer, x, inds)
 

@@ -338,9 +338,9 @@ def test_serve_pipelined(store, ring, tmp_path):
     equals one process's; SIGTERM on rank 0 stops both."""
     import shutil
     import signal
-    import time
 
     import httpx2 as httpx  # the HTTP client the openai package is built on
+    from conftest import wait_until_serving
     from test_server import write_tokenizer
 
     import strata_mlx
@@ -355,24 +355,17 @@ def test_serve_pipelined(store, ring, tmp_path):
     argv = ["-m", "strata_mlx", "serve", "--pipeline", "--model", str(d), "--port", str(port)]
     procs = start(2, argv + ["--log-level", "warning"])
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert all(p.poll() is None for p in procs), finish(procs, 10)
-            try:
-                r = httpx.post(
-                    f"http://127.0.0.1:{port}/v1/completions",
-                    json={
-                        "prompt": "paris is a city in",
-                        "max_tokens": NEW_TOKENS,
-                        "temperature": 0,
-                    },
-                    timeout=30,
-                    trust_env=False,
-                )
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.2)
+        r = wait_until_serving(
+            procs,
+            lambda: httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                json={"prompt": "paris is a city in", "max_tokens": NEW_TOKENS, "temperature": 0},
+                timeout=30,
+                trust_env=False,
+            ),
+            timeout=60,
+            output=lambda: str(finish(procs, 10)),
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want
     finally:

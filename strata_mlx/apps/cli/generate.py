@@ -128,30 +128,15 @@ def generate(
     chat = chat_flag(False if ignore_chat_template else chat, system_prompt, chat_template_config)
     model, arena_gb = builtin_model(model, runtime.arena_gb)
     cfg = runtime.replace(arena_gb=arena_gb)
-    if cfg.experts_per_token is not None:  # the store's count bounds it, in every family
-        from ...config import check_int
-        from ...format.store import load_manifest
-
-        n = load_manifest(model).num_experts
-        check_int("experts_per_token", cfg.experts_per_token, 1, n, cli=True)
+    _check_experts_per_token(model, cfg.experts_per_token)
     pipe = _pipeline(args, kv)
-    if dump_moe is not None:
-        from ...generation.tools import MoeDumper
-
-        cfg = cfg.replace(dump=MoeDumper(dump_moe))
-    if trace_file is not None:
-        if pipe is not None:
-            raise OptionError("--trace: a pipelined run's routing is not traced yet")
-        from ...stream.stats import RoutingTrace
-
-        cfg = cfg.replace(trace=RoutingTrace())
+    cfg = _with_hooks(cfg, dump_moe, trace_file, pipe)
     from ...runtime.loader import load
 
     m, tok = load(model, config=cfg, pipeline=pipe)
     from ...generation.prompt_cache import make_prompt_cache
 
     make_prompt_cache(m, kv, cli=True)  # a family that cannot take the KV flags: named here
-    cache = m.expert_cache
     if pipe is not None and pipe.size > 1:
         if pipe.rank != 0:  # rank 0 prompts, samples and prints; the others compute
             from ...runtime.distributed import serve_stage
@@ -177,13 +162,7 @@ def generate(
         ids = ids[len(cached) :]
     last = _print_stream(m, tok, ids, args, cfg, sampling, kv, prompt_cache, cached)
     _print_summary(m, last, verbose, pipe)
-    if cfg.dump is not None:
-        cfg.dump.close()
-    if trace_file is not None:
-        from ...stream import trace
-
-        trace.write(trace_file, trace.of_model(m))
-    cache.close()
+    _close(m, cfg, trace_file)
 
 
 # SamplingOptions' fields, as generate's flags of the same names
@@ -200,6 +179,43 @@ def _sampling(args: dict):
     check_sampling(args["max_tokens"], args["temp"], args["top_p"], args["seed"], cli=True)
     sampling.check(cli=True)
     return sampling
+
+
+def _check_experts_per_token(model: str | Path, experts_per_token: int | None) -> None:
+    """--experts-per-token: the store's count of experts bounds it, in every family."""
+    if experts_per_token is None:
+        return
+    from ...config import check_int
+    from ...format.store import load_manifest
+
+    n = load_manifest(model).num_experts
+    check_int("experts_per_token", experts_per_token, 1, n, cli=True)
+
+
+def _with_hooks(cfg, dump_moe: Path | None, trace_file: Path | None, pipe):
+    """`cfg` with the research hooks the flags ask for: --dump-moe's and --trace's."""
+    if dump_moe is not None:
+        from ...generation.tools import MoeDumper
+
+        cfg = cfg.replace(dump=MoeDumper(dump_moe))
+    if trace_file is not None:
+        if pipe is not None:
+            raise OptionError("--trace: a pipelined run's routing is not traced yet")
+        from ...stream.stats import RoutingTrace
+
+        cfg = cfg.replace(trace=RoutingTrace())
+    return cfg
+
+
+def _close(model, cfg, trace_file: Path | None) -> None:
+    """After the run: the MoE dump closed, the routing trace written, the cache stopped."""
+    if cfg.dump is not None:
+        cfg.dump.close()
+    if trace_file is not None:
+        from ...stream import trace
+
+        trace.write(trace_file, trace.of_model(model))
+    model.expert_cache.close()
 
 
 def _pipeline(args: dict, kv):

@@ -11,6 +11,7 @@ from ...config import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_TOKENS,
+    DEFAULT_PROMPT_CONCURRENCY,
     DEFAULT_SHUTDOWN_TIMEOUT,
     OptionError,
 )
@@ -60,7 +61,7 @@ def serve(
         "once for all (1: one request at a time; --pipeline runs one at a time).",
     ),
     prompt_concurrency: int = typer.Option(
-        1,
+        DEFAULT_PROMPT_CONCURRENCY,
         "--prompt-concurrency",
         help="Requests that prefill a prompt chunk between two decode steps.",
     ),
@@ -123,17 +124,7 @@ def serve(
         from ..server import serve as run_server
     except ImportError as e:  # a machine without the server stack still runs everything else
         raise OptionError(f"serve needs {e.name}: pip install -e . installs it") from None
-    check_int("port", port, 1, 65535, cli=True)
-    check_int("max_tokens", max_tokens, 1, cli=True)
-    for name in ("max_tokens_limit", "max_prompt_tokens"):
-        if args[name] is not None:
-            check_int(name, args[name], 1, cli=True)
-    check_int("max_queue", max_queue, 0, cli=True)
-    check_int("decode_concurrency", decode_concurrency, 1, cli=True)
-    check_int("prompt_concurrency", prompt_concurrency, 1, cli=True)
-    check_int("prompt_cache_size", prompt_cache_size, 0, cli=True)
-    check_int("prompt_cache_bytes", prompt_cache_bytes, 0, cli=True)
-    check_int("prompt_cache_dir_bytes", prompt_cache_dir_bytes, 1, cli=True)
+    _check_sizes(args)
     if pipeline and prompt_cache_dir is not None:  # the other ranks hold the state
         raise OptionError("--pipeline: --prompt-cache-dir is not pipelined yet")
     if prompt_cache_dir is not None and prompt_cache_dir.exists() and not prompt_cache_dir.is_dir():
@@ -181,3 +172,21 @@ def serve(
         kv=kv,
         config=cfg,
     )
+
+
+def _check_sizes(args: dict) -> None:
+    """serve's integer flags (`args`, by name) each in its range: the port, the token and
+    queue limits, the concurrencies, the prompt caches' sizes."""
+    from ...config import check_int
+
+    check_int("port", args["port"], 1, 65535, cli=True)
+    check_int("max_tokens", args["max_tokens"], 1, cli=True)
+    for name in ("max_tokens_limit", "max_prompt_tokens"):
+        if args[name] is not None:
+            check_int(name, args[name], 1, cli=True)
+    check_int("max_queue", args["max_queue"], 0, cli=True)
+    check_int("decode_concurrency", args["decode_concurrency"], 1, cli=True)
+    check_int("prompt_concurrency", args["prompt_concurrency"], 1, cli=True)
+    check_int("prompt_cache_size", args["prompt_cache_size"], 0, cli=True)
+    check_int("prompt_cache_bytes", args["prompt_cache_bytes"], 0, cli=True)
+    check_int("prompt_cache_dir_bytes", args["prompt_cache_dir_bytes"], 1, cli=True)

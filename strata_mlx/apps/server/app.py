@@ -21,6 +21,7 @@ from ...config import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_TOKENS,
+    DEFAULT_PROMPT_CONCURRENCY,
     DEFAULT_SHUTDOWN_TIMEOUT,
     OptionError,
 )
@@ -132,8 +133,8 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     bound_host: str = "127.0.0.1",
     allowed_hosts: list[str] | None = None,
-    decode_concurrency: int = 1,
-    prompt_concurrency: int = 1,
+    decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY,
+    prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY,
 ):
     """The FastAPI app serving `model` under the name `model_name`.
 
@@ -292,7 +293,7 @@ def serve(
     kv=None,
     config=None,
     decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY,
-    prompt_concurrency: int = 1,
+    prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY,
     **runtime,
 ) -> None:
     """Load the store at `model_path` with `config` (a RuntimeConfig) and the `runtime`

@@ -1,0 +1,170 @@
+"""The deferred handshake: MoE layers built without a host sync, their routing checked later.
+
+Pipelined decode (strata_mlx.runtime.decode) builds a token's layers with each layer's expert
+slots looked up on the device from its residency row as it stands, and checks each layer once
+its routing is known: every chosen expert resident when the layer was built, or a miss whose
+reads start at once. Owns the `Deferred` records, pipelined lookahead (a checked layer's
+prediction for a later one) and the layers a read may not refill while they compute. Never
+recomputes a layer (the decoder does, through ExpertCache.run_layer) and never waits for a
+miss.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..stream.prediction import Predictor
+from ..stream.scheduler import Scheduler
+from ..stream.stats import RoutingTrace
+from .compute import LayerCompute
+
+
+@dataclass
+class Deferred:
+    """A layer computed without a host sync, awaiting verification (strata_mlx.runtime.decode)."""
+
+    layer: int
+    inds: mx.array  # the routing ids, evaluated with the layer
+    row: np.ndarray  # host copy of the residency row its slots were looked up in
+    target: int | None = None  # lookahead: the layer predicted from this one's input
+    pred: mx.array | None = None  # its predicted ids
+
+    def outputs(self) -> list[mx.array]:
+        return [self.inds] if self.pred is None else [self.inds, self.pred]
+
+
+def distinct(ids: np.ndarray) -> list[int]:
+    """The distinct expert ids of `ids` [T, k], ascending (np.unique's, which costs more than
+    the whole lookup for decode's single row)."""
+    if ids.shape[0] == 1:
+        return sorted(set(ids[0].tolist()))
+    return np.unique(ids).tolist()
+
+
+class DeferredHandshake:
+    """The deferred handshake of every MoE layer of one model. `all_fit`: every expert fits
+    in the arena at once, so uses need not be recorded for eviction."""
+
+    def __init__(
+        self,
+        sched: Scheduler,
+        predictor: Predictor,
+        compute: LayerCompute,
+        layers: list[int],
+        all_fit: bool,
+    ):
+        self.sched = sched
+        self.predictor = predictor
+        self.compute = compute
+        self.layers = layers
+        self.all_fit = all_fit
+        self.records: list[Deferred] | None = None  # inside `building()`: where layers go
+        self.lookahead = True  # whether those layers may predict
+        self.ahead: dict[int, int] = {}  # pipelined lookahead: layer -> layer it predicts
+        self.ahead_tags: dict[int, list[int]] = {}  # read-ahead submitted for a layer
+        # A failed check fed the miss rate for this layer: its recomputing handshake must not.
+        self.observed: int | None = None
+
+    @contextmanager
+    def building(self, lookahead: bool):
+        """Layers run inside are built without a host sync, each recorded as a `Deferred`
+        in the list this yields; with `lookahead` they may predict a later layer."""
+        records: list[Deferred] = []
+        self.records, self.lookahead = records, lookahead
+        try:
+            yield records
+        finally:
+            self.records = None
+
+    def plan_lookahead(self, distance: int) -> None:
+        """A prediction made from layer l's input can only help layer l + `distance`."""
+        routers = self.predictor.routers
+        self.ahead = {
+            l: self.layers[i + distance]
+            for i, l in enumerate(self.layers)
+            if i + distance < len(self.layers) and self.layers[i + distance] in routers
+        }
+
+    def predicts_in_decode(self) -> bool:
+        """Whether decode lookahead predicts for the next token."""
+        return not self.compute.fake_stream and self.predictor.predicts_in_decode()
+
+    def run(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+        """Experts computed with slots looked up on the device from this layer's residency
+        row as it stands now; no host sync. The decoder verifies the layer later."""
+        t = time.perf_counter()
+        sched = self.sched
+        tags = self.ahead_tags.pop(layer, None)
+        if tags:
+            # Predicted reads for this layer still in flight: wait for them here, where the
+            # device still has the layers before it to compute, rather than miss.
+            t1 = time.perf_counter()
+            sched.wait(tags)
+            sched.stats.exposed_wait_s += time.perf_counter() - t1
+        if sched.reads:
+            sched.collect(block=False)  # landed read-ahead becomes visible to this layer
+        with sched.lock:
+            # Slots of layers built on the device must not be refilled until they complete.
+            sched.busy_layers.add(layer)
+        row, row_mx = sched.device_row(layer, self.compute.fake_stream)
+        y = self.compute.by_pair(layer, x, inds, row_mx[inds.reshape(-1)])
+        d = Deferred(layer, inds, row)
+        target = self.ahead.get(layer)
+        if target is not None and self.lookahead and self.predicts_in_decode():
+            d.target, d.pred = target, self.predictor.routers[target](x)
+        self.records.append(d)
+        sched.stats.host_s += time.perf_counter() - t
+        return y
+
+    def check(self, d: Deferred, alone: bool, trace: RoutingTrace | None) -> bool:
+        """ExpertCache.check_deferred: whether every expert layer `d.layer` chose was
+        resident when it was built; a miss's reads start here when `alone`."""
+        st, sched = self.sched.stats, self.sched
+        t0 = time.perf_counter()
+        ids = np.array(d.inds).reshape(-1, d.inds.shape[-1])
+        t1 = time.perf_counter()
+        st.route_sync_s += t1 - t0
+        if alone:
+            # This layer's routing is known, so every layer before it has finished computing
+            # (a token built on top would still be reading those layers' slots).
+            with sched.lock:
+                busy = sched.busy_layers
+                busy.difference_update([l for l in busy if l < d.layer])
+        absent_then = d.row[ids] < 0
+        needed = distinct(ids)
+        if absent_then.any():
+            # The mode rule sees the layer as it was built (what it recomputes for), not the
+            # recomputing handshake's share, which a read landed meanwhile would make 0.
+            self.predictor.observe_decode_layer(len(set(ids[absent_then].tolist())) / len(needed))
+            self.observed = d.layer
+            if alone:
+                # The misses' reads go in now, into slots of no layer still computing, so
+                # they land while the device drains what was built after this layer.
+                absent = sorted(set(ids[sched.row(d.layer)[ids] < 0].tolist()))
+                sched.start_misses(d.layer, absent, sched.busy_layers)
+            st.host_s += time.perf_counter() - t1
+            return False
+        st.lookups += len(needed)
+        if sched.prefetched or not self.all_fit:
+            sched.count_resident(d.layer, needed)
+        else:
+            st.hits += len(needed)
+        self.predictor.observe_decode_layer(0.0)
+        if trace is not None:
+            trace.record(d.layer, ids)
+        if d.pred is not None:
+            pred = np.array(d.pred).reshape(-1, d.pred.shape[-1])
+            if trace is not None:
+                trace.record_prediction(d.target, pred)
+            ranked = self.predictor.rank(pred)
+            # Slots of layers still computing on the device must not be refilled.
+            tags = sched.read_ahead(d.target, ranked, protect=sched.busy_layers)
+            if tags:
+                self.ahead_tags[d.target] = tags
+        st.host_s += time.perf_counter() - t1
+        return True
