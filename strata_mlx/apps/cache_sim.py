@@ -35,6 +35,7 @@ import numpy as np
 from ..config import OptionError
 from ..stream import policies
 from ..stream import trace as traces
+from ..stream.prediction import ExpectedUse
 
 
 @dataclass
@@ -123,8 +124,8 @@ def replay(trace: traces.Trace, slots: int, policy, read_ahead: str = "none") ->
     class: strata_mlx.stream.policies), or "belady". `read_ahead` models decode's lookahead from
     the trace's predictions: "lookahead" reads every predicted expert of the next layer that
     is not resident once a layer's misses have slots (as the handshake does), "scored" only
-    while a read-ahead expert has lately been more likely to be used than the expert it
-    would evict to be wanted again within one forward pass (both running rates)."""
+    while the victim's expected next use (the policy's `distance`) comes after the read-ahead's
+    (strata_mlx.stream.prediction.ExpectedUse; a policy without `distance` reads as lookahead)."""
     _check_slots(trace, slots)
     if read_ahead not in READ_AHEAD:
         raise OptionError(f"--read-ahead {read_ahead!r}: one of {', '.join(READ_AHEAD)}")
@@ -145,38 +146,25 @@ def replay(trace: traces.Trace, slots: int, policy, read_ahead: str = "none") ->
     out = Replay(name, slots, trace.record_bytes, trace.decode_tokens)
     if read_ahead != "none":
         out.policy = f"{name}+{read_ahead}"
+    expected = ExpectedUse(trace.layers) if read_ahead == "scored" else None
+    distance = getattr(pol, "distance", None)
     resident: set = set()
     ahead: set = set()  # read ahead for a layer that has not run yet
-    evicted: dict = {}  # key -> step it was evicted at, while a reuse would count
-    recent: list = []  # (step, key) of evictions, oldest first
-    window = len(trace.layers)  # "wanted again soon": within one forward pass
-    rate = {"use": 0.7, "reuse": 0.0}  # running: read-ahead used; evicted wanted again
 
-    def learn(what: str, sample: float) -> None:
-        rate[what] += 0.01 * (sample - rate[what])
-
-    def evict(step: int, pinned: set) -> None:
+    def evict(pinned: set, bar: float | None = None) -> bool:
         victim = pol.victim(lambda v, p=pinned: v not in p)
         if victim is None or victim not in resident:
             raise OptionError(f"policy {name}: victim {victim!r} is not resident")
+        if bar is not None and distance is not None and distance(victim) <= bar:
+            return False  # the arena gives no slot: wanted sooner than the read-ahead
         pol.remove(victim)
         resident.discard(victim)
-        if victim in ahead:  # read ahead and evicted unused
-            ahead.discard(victim)
-            learn("use", 0.0)
-        evicted[victim] = step
-        recent.append((step, victim))
+        ahead.discard(victim)
+        return True
 
-    step = 0
     for c in range(trace.calls):
         decode = c >= trace.decode_from
         for layer in trace.layers:
-            step += 1
-            while recent and recent[0][0] < step - window:
-                s, k = recent.pop(0)
-                if evicted.get(k) == s:  # not wanted again within the window
-                    del evicted[k]
-                    learn("reuse", 0.0)
             pol.current = layer
             target = nxt.get(layer)
             if told is not None and target in preds:
@@ -189,42 +177,38 @@ def replay(trace: traces.Trace, slots: int, policy, read_ahead: str = "none") ->
                 if k in resident:
                     pol.touch(k)
                     if k in ahead:
-                        ahead.discard(k)
-                        learn("use", 1.0)
                         out.decode_ahead_used += decode
-            for k in [k for k in ahead if k[0] == layer]:  # read ahead for this layer, unused
-                ahead.discard(k)
-                learn("use", 0.0)
+            ahead.difference_update(k for k in list(ahead) if k[0] == layer)
             for k in missed:
-                if k in evicted:
-                    del evicted[k]
-                    learn("reuse", 1.0)
                 if len(resident) >= slots:
-                    evict(step, pinned)
+                    evict(pinned)
                 resident.add(k)
                 pol.touch(k)
             if decode:
                 out.decode_lookups += len(keys)
                 out.decode_misses += len(missed)
+                if expected is not None:
+                    expected.observe(layer, [k[1] for k in keys])
             else:
                 out.prefill_lookups += len(keys)
                 out.prefill_misses += len(missed)
             if read_ahead == "none" or not decode or target not in preds:
                 continue
-            for e in np.unique(preds[target][c]).tolist():
+            experts = np.unique(preds[target][c]).tolist()
+            bar = None
+            if expected is not None:
+                expected.predicted(target, experts)
+                bar = expected.bar(target)
+            for e in experts:
                 k = (target, e)
                 if k in resident:
                     continue
-                if k in evicted:  # evicted and predicted again: wanted again soon
-                    del evicted[k]
-                    learn("reuse", 1.0)
-                if len(resident) >= slots:
-                    if read_ahead == "scored" and rate["use"] <= rate["reuse"]:
-                        continue
-                    evict(step, pinned)
+                if len(resident) >= slots and not evict(pinned, bar):
+                    break  # as the scheduler: the rest waits for demand
                 resident.add(k)
                 pol.touch(k)
                 ahead.add(k)
+                pinned.add(k)  # in flight: the arena does not evict a slot being read
                 out.decode_ahead_reads += 1
     return out
 
