@@ -258,7 +258,6 @@ SIZE_EXCEPTIONS = {
     # files being edited elsewhere while the layers moved; split once they are free
     "strata_mlx/apps/bench.py::bench": "runs every policy, cold and warm, and the baseline",
     "strata_mlx/runtime/experts.py::ExpertCache": "the handshake, residency and read-ahead",
-    "strata_mlx/apps/cache_sim.py::replay": "the handshake's steps, layer by layer, with read-ahead",
     "strata_mlx/stream/scheduler.py::Scheduler": "reads and residency, claims by row and by key",
 }
 

@@ -53,6 +53,16 @@ class Replay:
     decode_ahead_reads: int = 0  # read ahead in decode (modelled lookahead)
     decode_ahead_used: int = 0  # of those, used by the layer they were read for
 
+    def count(self, decode: bool, lookups: int, misses: int, ahead_used: int) -> None:
+        """One layer's lookups, misses and hits on read-ahead, in decode or in prefill."""
+        if decode:
+            self.decode_lookups += lookups
+            self.decode_misses += misses
+            self.decode_ahead_used += ahead_used
+        else:
+            self.prefill_lookups += lookups
+            self.prefill_misses += misses
+
     @property
     def miss_pct(self) -> float:
         """Decode lookups that missed, %."""
@@ -119,6 +129,80 @@ def _predictions(trace: traces.Trace) -> dict[int, list[np.ndarray]]:
 READ_AHEAD = ("none", "lookahead", "scored")
 
 
+class _Arena:
+    """The replay's arena: which experts are resident, which of them were read ahead for a
+    layer that has not run yet, and the policy that orders them (the handshake's steps on
+    the arena, without slots or reads)."""
+
+    def __init__(self, pol, name: str, slots: int):
+        self.pol, self.name, self.slots = pol, name, slots
+        self.distance = getattr(pol, "distance", None)
+        self.resident: set = set()
+        self.ahead: set = set()
+
+    def lookup(self, layer: int, keys: list, pinned: set) -> tuple[list, int]:
+        """A layer's distinct experts: its hits touched, then its misses given slots (each
+        evicting among the unpinned); (the misses, how many hits had been read ahead)."""
+        missed = [k for k in keys if k not in self.resident]
+        used = 0
+        for k in keys:
+            if k in self.resident:
+                self.pol.touch(k)
+                used += k in self.ahead
+        self.ahead.difference_update([k for k in self.ahead if k[0] == layer])
+        for k in missed:
+            if len(self.resident) >= self.slots:
+                self.evict(pinned)
+            self.resident.add(k)
+            self.pol.touch(k)
+        return missed, used
+
+    def read_ahead(self, keys: list, pinned: set, bar: float | None) -> int:
+        """Read `keys` that are not resident, in order, until no slot may be given up (a
+        victim expected used within `bar` handshakes, with a score); how many were read."""
+        reads = 0
+        for k in keys:
+            if k in self.resident:
+                continue
+            if len(self.resident) >= self.slots and not self.evict(pinned, bar):
+                break  # as the scheduler: the rest waits for demand
+            self.resident.add(k)
+            self.pol.touch(k)
+            self.ahead.add(k)
+            pinned.add(k)  # in flight: the arena does not evict a slot being read
+            reads += 1
+        return reads
+
+    def evict(self, pinned: set, bar: float | None = None) -> bool:
+        """Evict the policy's victim among the unpinned; False (nothing evicted) where the
+        victim is expected used within `bar` handshakes."""
+        victim = self.pol.victim(lambda v, p=pinned: v not in p)
+        if victim is None or victim not in self.resident:
+            raise OptionError(f"policy {self.name}: victim {victim!r} is not resident")
+        if bar is not None and self.distance is not None and self.distance(victim) <= bar:
+            return False  # the arena gives no slot: wanted sooner than the read-ahead
+        self.pol.remove(victim)
+        self.resident.discard(victim)
+        self.ahead.discard(victim)
+        return True
+
+
+def _online(trace: traces.Trace, policy, read_ahead: str):
+    """(display name, the policy built for `trace`, its predictions by layer), checked."""
+    if read_ahead not in READ_AHEAD:
+        raise OptionError(f"--read-ahead {read_ahead!r}: one of {', '.join(READ_AHEAD)}")
+    name, _ = policies.resolve(policy, "--policy")
+    pol = policies.build(policy, trace.profile, trace.layers)
+    needs = getattr(pol, "predicted", None) is not None or read_ahead != "none"
+    preds = _predictions(trace) if needs else {}
+    if read_ahead != "none" and not preds:
+        raise OptionError(
+            "--read-ahead: the trace has no prediction for every call (record it with "
+            "--read-ahead lookahead --decode sync --lookahead-decode-min-miss 0)"
+        )
+    return name, pol, preds
+
+
 def replay(trace: traces.Trace, slots: int, policy, read_ahead: str = "none") -> Replay:
     """Misses of `trace` in an arena of `slots` under `policy` (a name, "module:Class" or a
     class: strata_mlx.stream.policies), or "belady". `read_ahead` models decode's lookahead from
@@ -127,89 +211,42 @@ def replay(trace: traces.Trace, slots: int, policy, read_ahead: str = "none") ->
     while the victim's expected next use (the policy's `distance`) comes after the read-ahead's
     (strata_mlx.stream.prediction.ExpectedUse; a policy without `distance` reads as lookahead)."""
     _check_slots(trace, slots)
-    if read_ahead not in READ_AHEAD:
-        raise OptionError(f"--read-ahead {read_ahead!r}: one of {', '.join(READ_AHEAD)}")
     if policy == "belady":
         if read_ahead != "none":
             raise OptionError("--read-ahead: Belady's optimum reads nothing ahead")
         return _belady(trace, slots)
-    name, _ = policies.resolve(policy, "--policy")
-    pol = policies.build(policy, trace.profile, trace.layers)
+    name, pol, preds = _online(trace, policy, read_ahead)
     told = getattr(pol, "predicted", None)
-    preds = _predictions(trace) if told is not None or read_ahead != "none" else {}
-    if read_ahead != "none" and not preds:
-        raise OptionError(
-            "--read-ahead: the trace has no prediction for every call (record it with "
-            "--read-ahead lookahead --decode sync --lookahead-decode-min-miss 0)"
-        )
     nxt = dict(zip(trace.layers, trace.layers[1:]))
-    out = Replay(name, slots, trace.record_bytes, trace.decode_tokens)
-    if read_ahead != "none":
-        out.policy = f"{name}+{read_ahead}"
+    out = Replay(name if read_ahead == "none" else f"{name}+{read_ahead}", slots,
+                 trace.record_bytes, trace.decode_tokens)  # fmt: skip
     expected = ExpectedUse(trace.layers) if read_ahead == "scored" else None
-    distance = getattr(pol, "distance", None)
-    resident: set = set()
-    ahead: set = set()  # read ahead for a layer that has not run yet
-
-    def evict(pinned: set, bar: float | None = None) -> bool:
-        victim = pol.victim(lambda v, p=pinned: v not in p)
-        if victim is None or victim not in resident:
-            raise OptionError(f"policy {name}: victim {victim!r} is not resident")
-        if bar is not None and distance is not None and distance(victim) <= bar:
-            return False  # the arena gives no slot: wanted sooner than the read-ahead
-        pol.remove(victim)
-        resident.discard(victim)
-        ahead.discard(victim)
-        return True
-
+    arena = _Arena(pol, name, slots)
     for c in range(trace.calls):
         decode = c >= trace.decode_from
         for layer in trace.layers:
             pol.current = layer
             target = nxt.get(layer)
-            if told is not None and target in preds:
-                # the handshake has it before this layer's misses get slots
-                told(target, np.unique(preds[target][c]).tolist())
+            predicted = np.unique(preds[target][c]).tolist() if target in preds else None
+            if told is not None and predicted is not None:
+                told(target, predicted)  # the handshake has it before the misses get slots
             keys = [(layer, int(e)) for e in np.unique(trace.ids[layer][c])]
             pinned = set(keys)
-            missed = [k for k in keys if k not in resident]
-            for k in keys:
-                if k in resident:
-                    pol.touch(k)
-                    if k in ahead:
-                        out.decode_ahead_used += decode
-            ahead.difference_update(k for k in list(ahead) if k[0] == layer)
-            for k in missed:
-                if len(resident) >= slots:
-                    evict(pinned)
-                resident.add(k)
-                pol.touch(k)
-            if decode:
-                out.decode_lookups += len(keys)
-                out.decode_misses += len(missed)
-                if expected is not None:
-                    expected.observe(layer, [k[1] for k in keys])
-            else:
-                out.prefill_lookups += len(keys)
-                out.prefill_misses += len(missed)
-            if read_ahead == "none" or not decode or target not in preds:
+            missed, used = arena.lookup(layer, keys, pinned)
+            out.count(decode, len(keys), len(missed), used)
+            if not decode or read_ahead == "none":
                 continue
-            experts = np.unique(preds[target][c]).tolist()
+            if expected is not None:
+                expected.observe(layer, [k[1] for k in keys])
+            if predicted is None:
+                continue
             bar = None
             if expected is not None:
-                expected.predicted(target, experts)
+                expected.predicted(target, predicted)
                 bar = expected.bar(target)
-            for e in experts:
-                k = (target, e)
-                if k in resident:
-                    continue
-                if len(resident) >= slots and not evict(pinned, bar):
-                    break  # as the scheduler: the rest waits for demand
-                resident.add(k)
-                pol.touch(k)
-                ahead.add(k)
-                pinned.add(k)  # in flight: the arena does not evict a slot being read
-                out.decode_ahead_reads += 1
+            out.decode_ahead_reads += arena.read_ahead(
+                [(target, e) for e in predicted], pinned, bar
+            )
     return out
 
 
