@@ -362,3 +362,31 @@ def test_miniature_shadows_follow_a_sample_of_the_keys_and_choose_as_the_full_on
     rank = lambda p: sorted(range(3), key=p.shadow_misses.__getitem__)  # noqa: E731
     assert rank(mini)[0] == rank(ref)[0]
     assert small.decode_misses == pytest.approx(full.decode_misses, rel=0.02)
+
+
+def test_nextuse_victim_is_the_evictable_expert_expected_farthest():
+    """The victim, ranked from distances kept between calls, is one whose expected next use
+    is the farthest of all evictable residents, through calls, evictions and pinned keys."""
+    rng = np.random.default_rng(5)
+    layers = [0, 1, 2, 3]
+    p = policies.build("nextuse", profile=rng.random((4, 12)), layers=layers)
+    resident: set = set()
+
+    def fresh(key):  # d(l) + L (calls / count - 1), from the counts, nothing kept
+        cycle = (layers.index(key[0]) - layers.index(p.current) - 1) % 4 + 1
+        return cycle + 4 * (p._calls[layers.index(key[0])] / p._count[key] - 1.0)
+
+    for step in range(300):
+        layer = layers[step % 4]
+        p.current = layer
+        keys = {(layer, int(e)) for e in rng.choice(12, 3, replace=False)}
+        for key in sorted(keys):
+            if key not in resident and len(resident) >= 20:
+                pinned = keys if rng.random() < 0.7 else keys | set(list(resident)[:5])
+                v = p.victim(lambda k, pinned=pinned: k not in pinned)
+                far = {k: fresh(k) for k in resident if k not in pinned}
+                assert v not in pinned and far[v] == pytest.approx(max(far.values()))
+                p.remove(v)
+                resident.discard(v)
+            resident.add(key)
+            p.touch(key)
