@@ -240,8 +240,6 @@ MAX_FUNCTION, MAX_CLASS, MAX_MODULE = 80, 300, 700
 # Longer than that today, and why they stay for now. A function counts the lines of its body
 # after the docstring (a typer command's flag declarations are its signature).
 SIZE_EXCEPTIONS = {
-    # cache_sim.py is being edited with the candidate eviction policies; split once it is free
-    "strata_mlx/apps/cache_sim.py::replay": "the handshake's steps, layer by layer, with read-ahead",
 }
 
 

@@ -35,6 +35,7 @@ import numpy as np
 from ..config import OptionError
 from ..stream import policies
 from ..stream import trace as traces
+from ..stream.prediction import ExpectedUse
 
 
 @dataclass
@@ -51,6 +52,16 @@ class Replay:
     decode_misses: int = 0
     decode_ahead_reads: int = 0  # read ahead in decode (modelled lookahead)
     decode_ahead_used: int = 0  # of those, used by the layer they were read for
+
+    def count(self, decode: bool, lookups: int, misses: int, ahead_used: int) -> None:
+        """One layer's lookups, misses and hits on read-ahead, in decode or in prefill."""
+        if decode:
+            self.decode_lookups += lookups
+            self.decode_misses += misses
+            self.decode_ahead_used += ahead_used
+        else:
+            self.prefill_lookups += lookups
+            self.prefill_misses += misses
 
     @property
     def miss_pct(self) -> float:
@@ -118,114 +129,124 @@ def _predictions(trace: traces.Trace) -> dict[int, list[np.ndarray]]:
 READ_AHEAD = ("none", "lookahead", "scored")
 
 
-def replay(trace: traces.Trace, slots: int, policy, read_ahead: str = "none") -> Replay:
-    """Misses of `trace` in an arena of `slots` under `policy` (a name, "module:Class" or a
-    class: strata_mlx.stream.policies), or "belady". `read_ahead` models decode's lookahead from
-    the trace's predictions: "lookahead" reads every predicted expert of the next layer that
-    is not resident once a layer's misses have slots (as the handshake does), "scored" only
-    while a read-ahead expert has lately been more likely to be used than the expert it
-    would evict to be wanted again within one forward pass (both running rates)."""
-    _check_slots(trace, slots)
+class _Arena:
+    """The replay's arena: which experts are resident, which of them were read ahead for a
+    layer that has not run yet, and the policy that orders them (the handshake's steps on
+    the arena, without slots or reads)."""
+
+    def __init__(self, pol, name: str, slots: int):
+        self.pol, self.name, self.slots = pol, name, slots
+        self.distance = getattr(pol, "distance", None)
+        self.resident: set = set()
+        self.ahead: set = set()
+
+    def lookup(self, layer: int, keys: list, pinned: set) -> tuple[list, int]:
+        """A layer's distinct experts: its hits touched, then its misses given slots (each
+        evicting among the unpinned); (the misses, how many hits had been read ahead)."""
+        missed = [k for k in keys if k not in self.resident]
+        used = 0
+        for k in keys:
+            if k in self.resident:
+                self.pol.touch(k)
+                used += k in self.ahead
+        self.ahead.difference_update([k for k in self.ahead if k[0] == layer])
+        for k in missed:
+            if len(self.resident) >= self.slots:
+                self.evict(pinned)
+            self.resident.add(k)
+            self.pol.touch(k)
+        return missed, used
+
+    def read_ahead(self, keys: list, pinned: set, bar: float | None) -> int:
+        """Read `keys` that are not resident, in order, until no slot may be given up (a
+        victim expected used within `bar` handshakes, with a score); how many were read."""
+        reads = 0
+        for k in keys:
+            if k in self.resident:
+                continue
+            if len(self.resident) >= self.slots and not self.evict(pinned, bar):
+                break  # as the scheduler: the rest waits for demand
+            self.resident.add(k)
+            self.pol.touch(k)
+            self.ahead.add(k)
+            pinned.add(k)  # in flight: the arena does not evict a slot being read
+            reads += 1
+        return reads
+
+    def evict(self, pinned: set, bar: float | None = None) -> bool:
+        """Evict the policy's victim among the unpinned; False (nothing evicted) where the
+        victim is expected used within `bar` handshakes."""
+        victim = self.pol.victim(lambda v, p=pinned: v not in p)
+        if victim is None or victim not in self.resident:
+            raise OptionError(f"policy {self.name}: victim {victim!r} is not resident")
+        if bar is not None and self.distance is not None and self.distance(victim) <= bar:
+            return False  # the arena gives no slot: wanted sooner than the read-ahead
+        self.pol.remove(victim)
+        self.resident.discard(victim)
+        self.ahead.discard(victim)
+        return True
+
+
+def _online(trace: traces.Trace, policy, read_ahead: str):
+    """(display name, the policy built for `trace`, its predictions by layer), checked."""
     if read_ahead not in READ_AHEAD:
         raise OptionError(f"--read-ahead {read_ahead!r}: one of {', '.join(READ_AHEAD)}")
-    if policy == "belady":
-        if read_ahead != "none":
-            raise OptionError("--read-ahead: Belady's optimum reads nothing ahead")
-        return _belady(trace, slots)
     name, _ = policies.resolve(policy, "--policy")
     pol = policies.build(policy, trace.profile, trace.layers)
-    told = getattr(pol, "predicted", None)
-    preds = _predictions(trace) if told is not None or read_ahead != "none" else {}
+    needs = getattr(pol, "predicted", None) is not None or read_ahead != "none"
+    preds = _predictions(trace) if needs else {}
     if read_ahead != "none" and not preds:
         raise OptionError(
             "--read-ahead: the trace has no prediction for every call (record it with "
             "--read-ahead lookahead --decode sync --lookahead-decode-min-miss 0)"
         )
+    return name, pol, preds
+
+
+def replay(trace: traces.Trace, slots: int, policy, read_ahead: str = "none") -> Replay:
+    """Misses of `trace` in an arena of `slots` under `policy` (a name, "module:Class" or a
+    class: strata_mlx.stream.policies), or "belady". `read_ahead` models decode's lookahead from
+    the trace's predictions: "lookahead" reads every predicted expert of the next layer that
+    is not resident once a layer's misses have slots (as the handshake does), "scored" only
+    while the victim's expected next use (the policy's `distance`) comes after the read-ahead's
+    (strata_mlx.stream.prediction.ExpectedUse; a policy without `distance` reads as lookahead)."""
+    _check_slots(trace, slots)
+    if policy == "belady":
+        if read_ahead != "none":
+            raise OptionError("--read-ahead: Belady's optimum reads nothing ahead")
+        return _belady(trace, slots)
+    name, pol, preds = _online(trace, policy, read_ahead)
+    told = getattr(pol, "predicted", None)
     nxt = dict(zip(trace.layers, trace.layers[1:]))
-    out = Replay(name, slots, trace.record_bytes, trace.decode_tokens)
-    if read_ahead != "none":
-        out.policy = f"{name}+{read_ahead}"
-    resident: set = set()
-    ahead: set = set()  # read ahead for a layer that has not run yet
-    evicted: dict = {}  # key -> step it was evicted at, while a reuse would count
-    recent: list = []  # (step, key) of evictions, oldest first
-    window = len(trace.layers)  # "wanted again soon": within one forward pass
-    rate = {"use": 0.7, "reuse": 0.0}  # running: read-ahead used; evicted wanted again
-
-    def learn(what: str, sample: float) -> None:
-        rate[what] += 0.01 * (sample - rate[what])
-
-    def evict(step: int, pinned: set) -> None:
-        victim = pol.victim(lambda v, p=pinned: v not in p)
-        if victim is None or victim not in resident:
-            raise OptionError(f"policy {name}: victim {victim!r} is not resident")
-        pol.remove(victim)
-        resident.discard(victim)
-        if victim in ahead:  # read ahead and evicted unused
-            ahead.discard(victim)
-            learn("use", 0.0)
-        evicted[victim] = step
-        recent.append((step, victim))
-
-    step = 0
+    out = Replay(name if read_ahead == "none" else f"{name}+{read_ahead}", slots,
+                 trace.record_bytes, trace.decode_tokens)  # fmt: skip
+    expected = ExpectedUse(trace.layers) if read_ahead == "scored" else None
+    arena = _Arena(pol, name, slots)
     for c in range(trace.calls):
         decode = c >= trace.decode_from
         for layer in trace.layers:
-            step += 1
-            while recent and recent[0][0] < step - window:
-                s, k = recent.pop(0)
-                if evicted.get(k) == s:  # not wanted again within the window
-                    del evicted[k]
-                    learn("reuse", 0.0)
             pol.current = layer
             target = nxt.get(layer)
-            if told is not None and target in preds:
-                # the handshake has it before this layer's misses get slots
-                told(target, np.unique(preds[target][c]).tolist())
+            predicted = np.unique(preds[target][c]).tolist() if target in preds else None
+            if told is not None and predicted is not None:
+                told(target, predicted)  # the handshake has it before the misses get slots
             keys = [(layer, int(e)) for e in np.unique(trace.ids[layer][c])]
             pinned = set(keys)
-            missed = [k for k in keys if k not in resident]
-            for k in keys:
-                if k in resident:
-                    pol.touch(k)
-                    if k in ahead:
-                        ahead.discard(k)
-                        learn("use", 1.0)
-                        out.decode_ahead_used += decode
-            for k in [k for k in ahead if k[0] == layer]:  # read ahead for this layer, unused
-                ahead.discard(k)
-                learn("use", 0.0)
-            for k in missed:
-                if k in evicted:
-                    del evicted[k]
-                    learn("reuse", 1.0)
-                if len(resident) >= slots:
-                    evict(step, pinned)
-                resident.add(k)
-                pol.touch(k)
-            if decode:
-                out.decode_lookups += len(keys)
-                out.decode_misses += len(missed)
-            else:
-                out.prefill_lookups += len(keys)
-                out.prefill_misses += len(missed)
-            if read_ahead == "none" or not decode or target not in preds:
+            missed, used = arena.lookup(layer, keys, pinned)
+            out.count(decode, len(keys), len(missed), used)
+            if not decode or read_ahead == "none":
                 continue
-            for e in np.unique(preds[target][c]).tolist():
-                k = (target, e)
-                if k in resident:
-                    continue
-                if k in evicted:  # evicted and predicted again: wanted again soon
-                    del evicted[k]
-                    learn("reuse", 1.0)
-                if len(resident) >= slots:
-                    if read_ahead == "scored" and rate["use"] <= rate["reuse"]:
-                        continue
-                    evict(step, pinned)
-                resident.add(k)
-                pol.touch(k)
-                ahead.add(k)
-                out.decode_ahead_reads += 1
+            if expected is not None:
+                expected.observe(layer, [k[1] for k in keys])
+            if predicted is None:
+                continue
+            bar = None
+            if expected is not None:
+                expected.predicted(target, predicted)
+                bar = expected.bar(target)
+            out.decode_ahead_reads += arena.read_ahead(
+                [(target, e) for e in predicted], pinned, bar
+            )
     return out
 
 

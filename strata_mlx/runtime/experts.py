@@ -257,7 +257,7 @@ class ExpertCache:
         waits = sched.claim(layer, needed)
         if self.decoding and observed != layer:
             pr.observe_decode_layer((st.misses - misses_before) / len(needed))
-        self._predict(targets, preds, nxt)
+        self._predict(targets, preds, nxt, layer, needed)
         t2 = time.perf_counter()
         sched.wait(waits)
         t3 = time.perf_counter()
@@ -270,8 +270,11 @@ class ExpertCache:
         st.host_s += (t2 - t1) + (time.perf_counter() - t3)
         return y
 
-    def _predict(self, targets: list[int], preds: list[mx.array], nxt: int | None) -> None:
+    def _predict(
+        self, targets: list[int], preds: list[mx.array], nxt: int | None, layer, needed
+    ) -> None:
         """Submit the next layer's predicted experts; reserve those of the layers after it."""
+        self.predictor.observe_use(layer, needed, self.decoding)
         if not targets:
             return
         ranked = []
@@ -283,7 +286,8 @@ class ExpertCache:
         (first, experts), later = ranked[0], ranked[1:]
         keys = [(t, e) for t, es in later for e in es]
         predicted = {(t, e) for t, es in ranked for e in es}
-        self.sched.predicted(first, experts, keys, predicted)
+        with self.arena.scored(self.predictor.ahead_bar(first, experts, self.decoding)):
+            self.sched.predicted(first, experts, keys, predicted)
 
     # ---- the deferred handshake (pipelined decode: strata_mlx.runtime.deferred) --------
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -305,6 +307,9 @@ class Arena:
         self.pinned: set[int] = set()
         self.loading: set[int] = set()  # slots whose read is in flight
         self._free = list(range(n_slots - 1, -1, -1))
+        # Scored read-ahead (strata_mlx.stream.prediction.ExpectedUse): while set, a slot is
+        # given up only by a victim the policy expects used later than this many handshakes.
+        self.read_ahead_bar: float | None = None
 
     @property
     def nbytes(self) -> int:
@@ -354,7 +359,7 @@ class Arena:
                 )
             else:
                 victim = self.policy.victim(self._evictable)
-            if victim is None:
+            if victim is None or not self._beyond_bar(victim):
                 return None
             slot = self.slot_of.pop(victim)
             self.policy.remove(victim)
@@ -363,6 +368,22 @@ class Arena:
         self.loading.add(slot)
         self.policy.touch(key)
         return slot, victim
+
+    @contextmanager
+    def scored(self, bar: float | None) -> Iterator[None]:
+        """Inside, a slot is given up only by a victim that the policy expects used more
+        than `bar` handshakes from now (None: any victim)."""
+        self.read_ahead_bar = bar
+        try:
+            yield
+        finally:
+            self.read_ahead_bar = None
+
+    def _beyond_bar(self, victim: Key) -> bool:
+        if self.read_ahead_bar is None:
+            return True
+        distance = getattr(self.policy, "distance", None)
+        return distance is None or distance(victim) > self.read_ahead_bar
 
     def loaded(self, slot: int) -> None:
         self.loading.discard(slot)

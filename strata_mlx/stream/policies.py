@@ -17,6 +17,9 @@ and two optional ones the arena and the replay set or call:
                         the experts lookahead predicts `layer` will use, told before `layer`
                         runs (cache-sim replays the trace's predictions; the live runtime
                         does not call it yet)
+    distance(key)       -> handshakes until the resident `key` is expected to be used next;
+                        scored read-ahead (strata_mlx.stream.prediction.ExpectedUse) reads a
+                        predicted expert only into the slot of a victim expected later
 
 A policy is given as a built-in name (arena.POLICIES), a candidate's name here, a class or
 factory, or "module:Class" (a file module.py on the import path, or a dotted module). A
@@ -30,7 +33,6 @@ and cannot change a model's outputs (the tests check them bit-identical under ev
 
 from __future__ import annotations
 
-import heapq
 import importlib
 import inspect
 import math
@@ -41,6 +43,7 @@ import numpy as np
 
 from ..config import OptionError
 from .arena import LRU, POLICIES, Key, ScoredPolicy, make_policy
+from .nextuse import NextUse, NextUseRecent
 
 
 class LRU2(ScoredPolicy):
@@ -188,6 +191,18 @@ class ProfileLRU(ScoredPolicy):
         return self._uses + (self.weight * float(bonus[key[1]]) if bonus is not None else 0.0)
 
 
+def sample_hash(key: Key) -> float:
+    """A key's place in [0, 1): a fixed hash (MurmurHash3's 64-bit finaliser of layer and
+    expert), the same in every process, so a sample of keys is the same in every run."""
+    h = (key[0] << 32 | key[1]) & 0xFFFFFFFFFFFFFFFF
+    h ^= h >> 33
+    h = (h * 0xFF51AFD7ED558CCD) & 0xFFFFFFFFFFFFFFFF
+    h ^= h >> 33
+    h = (h * 0xC4CEB9FE1A85EC53) & 0xFFFFFFFFFFFFFFFF
+    h ^= h >> 33
+    return h / 2.0**64
+
+
 class Adaptive:
     """Follow whichever of several policies would have missed least lately (set dueling,
     as in adaptive cache insertion): each component runs twice, once ordering the real
@@ -195,7 +210,15 @@ class Adaptive:
     same size fed the same uses, where its misses are counted with a half-life of
     `half_life` uses. The arena's size is learnt at the first eviction (the arena is full
     then). A shadow takes each call's uses when the call ends, as the arena does: its hits
-    first, then its misses, each evicting among experts the call does not use."""
+    first, then its misses, each evicting among experts the call does not use.
+
+    With `sample` < 1 the shadows are miniature simulations (SHARDS, Waldspurger et al.,
+    FAST'15): they follow only the keys whose fixed hash falls below the rate, in an arena
+    of as many slots as the real arena holds sampled keys when it first fills, so a shadow
+    costs about that share of a full one while its miss ratio estimates the full arena's.
+    The rate is raised where that would leave a shadow fewer than `min_shadow_slots`
+    (a miniature of a few slots no longer behaves as the arena does). Until the arena
+    first fills every key is followed (no shadow evicts then); at 1 every key always is."""
 
     name = "adaptive"
 
@@ -207,6 +230,8 @@ class Adaptive:
         # uses, the synthetic store's trace lost 10-20 points of the gap closed.
         components: tuple[str, ...] = ("lru", "lfu", "profile"),
         half_life: float = 1024.0,
+        sample: float = 1.0,
+        min_shadow_slots: int = 0,
     ):
         self.components = components
         self._real = [build(c, profile, layers) for c in components]
@@ -214,9 +239,15 @@ class Adaptive:
         self._held: list[set[Key]] = [set() for _ in components]
         self._misses = [0.0] * len(components)
         self._weight = 1.0
+        self._half_life = half_life
         self._growth = 2.0 ** (1.0 / half_life)  # later misses weigh more: old ones fade
         self._resident: set[Key] = set()
         self.capacity: int | None = None
+        self.sample = sample
+        self.min_shadow_slots = min_shadow_slots
+        self.rate = 1.0  # the share of keys the shadows follow (set when the arena fills)
+        self.shadow_slots: int | None = None  # each shadow arena's slots
+        self._sampled: dict[Key, bool] = {}  # key -> whether the shadows follow it
         self.leader = 0  # the component followed now
         self._current: int | None = None
         self._call: dict[Key, None] = {}  # the running call's uses, in order, for the shadows
@@ -243,13 +274,38 @@ class Adaptive:
             p.touch(key)
         self._call[key] = None
 
+    def _follows(self, key: Key) -> bool:
+        s = self._sampled.get(key)
+        if s is None:
+            s = self._sampled[key] = sample_hash(key) < self.rate
+        return s
+
+    def _learn_capacity(self) -> None:
+        """The arena is full: its size, the sampling rate, and each shadow's share of it."""
+        self.capacity = len(self._resident)
+        if self.sample < 1.0 and self.capacity:
+            self.rate = min(1.0, max(self.sample, self.min_shadow_slots / self.capacity))
+        if self.rate >= 1.0:
+            self.shadow_slots = self.capacity
+            return
+        self.shadow_slots = max(1, sum(map(self._follows, self._resident)))
+        # a sampled use stands for 1 / rate uses: the half-life in uses is kept
+        self._growth = 2.0 ** (1.0 / (self._half_life * self.rate))
+        for p, held in zip(self._shadow, self._held):
+            for key in [k for k in held if not self._follows(k)]:
+                p.remove(key)
+                held.discard(key)
+
     def _shadow_call(self) -> None:
         """The ended call's uses through each shadow arena, counting its misses there."""
         uses, self._call = sorted(self._call), {}  # as a layer's distinct experts come
+        if self.rate < 1.0:
+            uses = [k for k in uses if self._follows(k)]
         if not uses:
             return
         self._weight *= self._growth ** len(uses)  # later misses weigh more: old ones fade
         pinned = set(uses)
+        slots = self.shadow_slots
         for i, (p, held) in enumerate(zip(self._shadow, self._held)):
             for key in uses:
                 if key in held:
@@ -258,7 +314,7 @@ class Adaptive:
                 if key in held:
                     continue
                 self._misses[i] += self._weight
-                if self.capacity is not None and len(held) >= self.capacity:
+                if slots is not None and len(held) >= slots:
                     victim = p.victim(lambda k: k not in pinned)
                     if victim is not None:
                         p.remove(victim)
@@ -274,9 +330,17 @@ class Adaptive:
         for p in self._real:
             p.remove(key)
 
+    def distance(self, key: Key) -> float:
+        """The first component's with an estimate of expected next use (NextUse.distance);
+        inf when none has one."""
+        for p in self._real:
+            if hasattr(p, "distance"):
+                return p.distance(key)
+        return math.inf
+
     def victim(self, evictable) -> Key | None:
         if self.capacity is None:
-            self.capacity = len(self._resident)
+            self._learn_capacity()
         self.leader = min(range(len(self._misses)), key=self._misses.__getitem__)
         order = [self.leader] + [i for i in range(len(self._real)) if i != self.leader]
         for i in order:
@@ -286,204 +350,48 @@ class Adaptive:
         return None
 
 
-class NextUse:
-    """Evict the resident expert whose next use is expected farthest away. Decode visits the
-    MoE layers in a cycle, so expert (l, e) is next wanted when layer l next runs, d(l)
-    handshakes from now (1 to L), if the router picks it then, else L handshakes later for
-    each token it is passed over: with p its chance of being picked by one call of layer l,
-    the expected distance is d(l) + L (1 / p - 1). LRU and LFU each see half of this: the
-    layer cycle (LayerDistance alone) wins where every layer reuses most of its experts, the
-    frequency where a few experts of each layer take most picks.
+class NextUseDuel(Adaptive):
+    """Adaptive over NextUse's two settings, the profile trusted (`nextuse`) or recent
+    routing (`nextuse-recent`), and LRU (where the arena holds a pass's working set, LRU's
+    recency guesses better than either), whichever would have missed least lately.
 
-    p is estimated per layer: each call of layer l adds a weight that grows by 2^(1 /
-    `half_life`) a call (old calls fade), an expert counts the weight of the calls that used it
-    (once a call), and the routing profile (where the store has one) is a prior worth `prior`
-    calls: the expert's share of its layer's picks against the layer's most picked expert.
-    Within a layer the victim is the expert of least count (a heap, lazily invalidated, as
-    ScoredPolicy's); across layers the largest expected distance of each layer's candidate,
-    one array operation over the layers (each layer's candidate cached until it changes)."""
+    Its shadows are miniatures: they follow 1/16 of the keys, and at least 512 slots'
+    worth (below 512 slots, every key). Replayed, that keeps the full shadows' choice
+    within a few points of the gap closed on every trace of docs/research.md while the
+    policy's Python a miss falls by two thirds; `nextuse-duel-full` keeps full shadows."""
 
-    name = "nextuse"
+    name = "nextuse-duel"
 
     def __init__(
         self,
         layers: list[int] | None = None,
         profile: np.ndarray | None = None,
-        half_life: float = 256.0,
-        prior: float = 64.0,
+        sample: float = 1 / 16,
+        min_shadow_slots: int = 512,
     ):
-        self._index: dict[int, int] = {}  # layer -> its place in the cycle and the arrays
-        self._layers: list[int] = []
-        self._growth = 2.0 ** (1.0 / half_life)
-        self._prior = prior
-        self._p0: dict[int, np.ndarray] = {}
-        self._weight = np.zeros(0)  # per layer: what one call's use counts now
-        self._calls = np.zeros(0)  # per layer: the weights of its calls (and the prior's)
-        self._least_count = np.zeros(0)  # per layer: its candidate's count (inf: none)
-        for layer in layers or []:
-            self._add_layer(layer)
-        if profile is not None and layers:
-            for pos, layer in enumerate(layers):
-                row = np.asarray(profile[pos], dtype=np.float64)
-                if row.max() > 0:
-                    self._p0[layer] = row / row.max()
-        self._count: dict[Key, float] = {}  # every expert seen, resident or not
-        self._heap: dict[int, list[tuple[float, int, Key]]] = {}  # layer -> residents
-        self._live: dict[Key, int] = {}  # resident key -> its live entry's number
-        self._top: dict[int, tuple[float, int, Key] | None] = {}  # layer -> its candidate
-        self._uses = 0
-        self._current: int | None = None
-        self._this_call: set[Key] = set()
-
-    def _add_layer(self, layer: int) -> int:
-        i = self._index[layer] = len(self._layers)
-        self._layers.append(layer)
-        self._weight = np.append(self._weight, 0.0)
-        self._calls = np.append(self._calls, self._prior)
-        self._least_count = np.append(self._least_count, np.inf)
-        return i
-
-    @property
-    def current(self) -> int | None:
-        return self._current
-
-    @current.setter
-    def current(self, layer: int | None) -> None:
-        self._end_call()
-        self._current = layer
-        if layer is None:
-            return
-        i = self._index.get(layer)
-        if i is None:
-            i = self._add_layer(layer)
-        self._weight[i] = self._weight[i] * self._growth if self._weight[i] else 1.0
-        if self._weight[i] > 2.0**500:
-            self._rescale(layer, 2.0**-500)
-        self._calls[i] += self._weight[i]
-
-    def _rescale(self, layer: int, f: float) -> None:
-        i = self._index[layer]
-        self._weight[i] *= f
-        self._calls[i] *= f
-        for k in self._count:
-            if k[0] == layer:
-                self._count[k] *= f
-        self._heap[layer] = [(c * f, n, k) for c, n, k in self._heap.get(layer, [])]
-        self._top.pop(layer, None)
-
-    def touch(self, key: Key) -> None:
-        layer = key[0]
-        i = self._index.get(layer)
-        if i is None:
-            i = self._add_layer(layer)
-        if not self._weight[i]:  # used before any handshake of its layer (a read ahead)
-            self._weight[i] = 1.0
-            self._calls[i] += 1.0
-        if key in self._this_call:  # a call counts once, however many tokens pick it
-            return
-        count = self._count.get(key)
-        if count is None:
-            p0 = self._p0.get(layer)
-            count = self._prior * (float(p0[key[1]]) if p0 is not None else 0.5)
-        self._count[key] = count + float(self._weight[i])
-        self._uses += 1
-        self._live[key] = self._uses
-        if layer == self._current:
-            # In use by the running call (pinned): in its layer's heap only once the call
-            # ends, so that victim() does not step over it at every eviction of the call.
-            self._this_call.add(key)
-        else:
-            self._push(key)
-
-    def _push(self, key: Key) -> None:
-        layer = key[0]
-        heap = self._heap.setdefault(layer, [])
-        heapq.heappush(heap, (self._count[key], self._live[key], key))
-        if len(heap) > 4 * len(self._live) + 1024:  # drop dead entries now and then
-            self._heap[layer] = [e for e in heap if self._live.get(e[2]) == e[1]]
-            heapq.heapify(self._heap[layer])
-        self._top.pop(layer, None)
-
-    def _end_call(self) -> None:
-        for key in self._this_call:
-            if key in self._live:
-                self._push(key)
-        self._this_call = set()
-
-    def remove(self, key: Key) -> None:
-        if self._live.pop(key, None) is not None:
-            self._top.pop(key[0], None)
-        self._this_call.discard(key)
-
-    def _least(self, layer: int, evictable=None) -> tuple[float, int, Key] | None:
-        """The live entry of least count in `layer` (that is `evictable`, if given)."""
-        heap = self._heap.get(layer)
-        skipped, found = [], None
-        while heap:
-            entry = heapq.heappop(heap)
-            if self._live.get(entry[2]) != entry[1]:
-                continue
-            skipped.append(entry)
-            if evictable is None or evictable(entry[2]):
-                found = entry
-                break
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-        return found
-
-    def victim(self, evictable) -> Key | None:
-        for layer in self._heap.keys() - self._top.keys():  # candidates that changed
-            entry = self._top[layer] = self._least(layer)
-            self._least_count[self._index[layer]] = entry[0] if entry else np.inf
-        n = len(self._layers)
-        at = self._index.get(self._current, 0)
-        cycle = (np.arange(n) - at - 1) % n + 1
-        # calls / count = 1 / p; no candidate: count inf, a distance <= 0, never the largest
-        far = cycle + n * (self._calls / self._least_count - 1.0)
-        instead: dict[int, tuple[float, int, Key]] = {}  # layer index -> its evictable one
-        for _ in range(2 * n):
-            i = int(np.argmax(far)) if n else 0
-            if not n or far[i] <= 0:
-                return None
-            layer = self._layers[i]
-            entry = instead.get(i) or self._top.get(layer)
-            if entry is not None and evictable(entry[2]):
-                return entry[2]
-            entry = self._least(layer, evictable)  # pinned or protected: its next one
-            if entry is None:
-                far[i] = -np.inf
-            else:
-                instead[i] = entry
-                far[i] = cycle[i] + n * (self._calls[i] / entry[0] - 1.0)
-        return None
+        super().__init__(
+            layers,
+            profile,
+            components=("nextuse", "nextuse-recent", "lru"),
+            sample=sample,
+            min_shadow_slots=min_shadow_slots,
+        )
 
 
-class NextUseRecent(NextUse):
-    """NextUse trusting the routing of the last few dozen calls over the profile: a prior of
-    4 calls, a half-life of 32 (where the profile misleads: routing with no static hot
-    set)."""
+class NextUseDuelFull(NextUseDuel):
+    """`nextuse-duel` with shadows that follow every key (the duel before its shadows were
+    sampled: the reference the miniature shadows are measured against)."""
 
-    name = "nextuse-recent"
+    name = "nextuse-duel-full"
 
     def __init__(self, layers: list[int] | None = None, profile: np.ndarray | None = None):
-        super().__init__(layers, profile, half_life=32.0, prior=4.0)
-
-
-class NextUseDuel(Adaptive):
-    """Adaptive over NextUse's two settings, the profile trusted (`nextuse`) or recent
-    routing (`nextuse-recent`), and LRU (where the arena holds a pass's working set, LRU's
-    recency guesses better than either), whichever would have missed least lately."""
-
-    name = "nextuse-duel"
-
-    def __init__(self, layers: list[int] | None = None, profile: np.ndarray | None = None):
-        super().__init__(layers, profile, components=("nextuse", "nextuse-recent", "lru"))
+        super().__init__(layers, profile, sample=1.0)
 
 
 CANDIDATES = {
     p.name: p
     for p in (LRU2, LRFU, ARC, ProtectedLRU, ProfileLRU, Adaptive, NextUse, NextUseRecent,
-              NextUseDuel)
+              NextUseDuel, NextUseDuelFull)
 }  # fmt: skip
 
 

@@ -13,14 +13,19 @@ measurement:
 With lookahead, the layers after the next one (depth > 1) are predicted from the same input
 through their own routers; the scheduler reads them once the next layer's reads are done.
 
+With `score`, decode's read-ahead is scored by expected use (`ExpectedUse`): a predicted
+expert is read only while its expected next use comes before that of the expert its read
+would evict (the eviction policy's estimate, e.g. NextUse.distance), not to a fixed depth.
+
 `Predictor` holds the policy's decisions for one model: which layers a handshake predicts,
-what it submits after its wait (static, layer 0), and the running decode miss rates that
-switch decode's prediction and the pipelined decoder's modes. It only ranks expert ids; it
-never reads files or touches the arena.
+what it submits after its wait (static, layer 0), the running decode miss rates that
+switch decode's prediction and the pipelined decoder's modes, and the read-ahead's score.
+It only ranks and scores expert ids; it never reads files or touches the arena.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,9 +85,57 @@ class ReadAhead:
         ),
     )
 
+    # Replayed on the traces of docs/research.md (section 6), the score reads fewer records
+    # than plain lookahead where the arena holds most of a pass's experts; off by default
+    # until a live run on the full-size store says what it does to ms/token.
+    score: bool = field(
+        default=False,
+        metadata=opt(
+            "lookahead in decode: read a predicted expert only while its expected next use "
+            "comes before that of the expert it evicts.",
+            name="lookahead_score",
+        ),
+    )
+
     @property
     def predicts(self) -> bool:
         return self.policy == "lookahead"
+
+
+class ExpectedUse:
+    """Decode read-ahead scored by expected use. Lookahead predicts the next layer's
+    experts; one is picked there with chance q, the running share of that layer's predicted
+    experts its routing then used (`observe`). Counted as NextUse counts the next use of a
+    resident expert (d(l) + L (1 / p - 1) handshakes, L the MoE layers), a read-ahead for
+    the next layer is next used 1 + L (1 / q - 1) handshakes from now: `bar(layer)`. Its
+    read is worth the slot it takes only from a victim expected later than that (the arena
+    gives no slot otherwise: Arena.read_ahead_bar), so read-ahead stops where the arena's
+    residents are wanted sooner than the guesses, instead of at a fixed depth."""
+
+    def __init__(self, layers: list[int], prior: float = 0.5, rate: float = 0.05):
+        self.layers = list(layers)
+        self.rate = rate  # weight of one call in the running share: ~20 calls
+        self.precision = {layer: prior for layer in self.layers}
+        self._predicted: dict[int, set[int]] = {}
+
+    def predicted(self, layer: int, experts) -> None:
+        """Lookahead predicted `experts` for `layer`'s next call."""
+        self._predicted[layer] = {int(e) for e in experts}
+
+    def observe(self, layer: int, needed) -> None:
+        """`layer`'s routing chose `needed`: the share of its prediction that was used."""
+        pred = self._predicted.pop(layer, None)
+        if pred:
+            used = len(pred.intersection(int(e) for e in needed)) / len(pred)
+            q = self.precision.get(layer, used)
+            self.precision[layer] = q + self.rate * (used - q)
+
+    def bar(self, layer: int) -> float:
+        """Handshakes until a read-ahead for `layer`, the next layer, is expected used."""
+        q = self.precision.get(layer, 0.0)
+        if q <= 0.0:
+            return math.inf
+        return 1.0 + len(self.layers) * (1.0 / q - 1.0)
 
 
 def rank_by_tokens(ids: np.ndarray, min_tokens: int = 1) -> list[int]:
@@ -120,6 +173,7 @@ class Predictor:
         # Running fraction of decode layers that missed (pipelined decode's fallback rule)
         self.decode_layer_miss_rate = 0.0
         self.layer0_width = 0  # experts the first layer needed last time
+        self.expected = ExpectedUse(self.layers) if read_ahead.score else None
 
     def register_router(self, layer: int, route) -> None:
         self.routers[layer] = route
@@ -136,6 +190,20 @@ class Predictor:
         if decoding and self.decode_miss_rate < self.read_ahead.decode_min_miss:
             return []
         return self._targets.get(layer, [])
+
+    def observe_use(self, layer: int, needed, decoding: bool) -> None:
+        """`layer` needs `needed` (each handshake, before it predicts)."""
+        if self.expected is not None and decoding:
+            self.expected.observe(layer, needed)
+
+    def ahead_bar(self, layer: int, experts: list[int], decoding: bool) -> float | None:
+        """With the score in decode: the expected next use (handshakes) a victim must be
+        beyond for `experts`, read ahead for `layer`, to get its slot; None reads as
+        lookahead does."""
+        if self.expected is None or not decoding:
+            return None
+        self.expected.predicted(layer, experts)
+        return self.expected.bar(layer)
 
     def predicts_in_decode(self) -> bool:
         return self.read_ahead.predicts and self.decode_miss_rate >= self.read_ahead.decode_min_miss

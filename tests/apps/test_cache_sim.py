@@ -191,12 +191,17 @@ def test_read_ahead_is_modelled_from_the_trace_s_predictions():
     reads = ahead.decode_misses + ahead.decode_ahead_reads
     assert ahead.mb_per_token == pytest.approx(reads * 4096 / t.decode_tokens / 1e6)
     # predictions never used: lookahead reads them all for nothing and evicts what was needed;
-    # the scored read-ahead learns that they are not used and stops
+    # the scored read-ahead learns that they are not used: once a guess is expected used
+    # later than the residents it would evict, it stops (LRU has no such estimate: it reads
+    # as lookahead does)
     t = predicted_trace(perfect=False)
-    wasted = cache_sim.replay(t, 12, "lru", "lookahead")
-    scored = cache_sim.replay(t, 12, "lru", "scored")
+    wasted = cache_sim.replay(t, 12, "nextuse", "lookahead")
+    scored = cache_sim.replay(t, 12, "nextuse", "scored")
     assert wasted.decode_ahead_used == 0 and wasted.decode_misses >= plain.decode_misses
     assert scored.decode_ahead_reads < wasted.decode_ahead_reads / 2
+    assert scored.decode_misses < wasted.decode_misses
+    lru = cache_sim.replay(t, 12, "lru", "scored")
+    assert lru.decode_ahead_reads == cache_sim.replay(t, 12, "lru", "lookahead").decode_ahead_reads
 
 
 def test_read_ahead_needs_predictions_and_an_online_policy():

@@ -141,3 +141,59 @@ def test_one_token_ranking_equals_the_general_rule():
             want = experts[keep][np.lexsort((experts[keep], -counts[keep]))].tolist()
             assert rank_by_tokens(row, min_tokens) == want
             assert rank_by_tokens(np.repeat(row, 2, axis=0), min_tokens) == sorted(row[0].tolist())
+
+
+def test_expected_use_scores_a_read_ahead_against_its_victim():
+    """A read-ahead for the next layer is next used 1 + L (1 / q - 1) handshakes away, q the
+    share of that layer's predictions its routing used; inside `Arena.scored` a slot is
+    given up only by a victim the policy expects used later than that."""
+    from strata_mlx.format.store import ALIGNMENT
+    from strata_mlx.stream.arena import Arena
+    from strata_mlx.stream.prediction import ExpectedUse
+
+    ex = ExpectedUse([0, 1, 2, 3], prior=0.5, rate=0.5)
+    assert ex.bar(1) == 1 + 4 * (1 / 0.5 - 1)
+    ex.predicted(1, [0, 1])
+    ex.observe(1, [0, 5])  # half of the prediction used: q stays 0.5
+    assert ex.precision[1] == 0.5
+    ex.predicted(1, [0, 1])
+    ex.observe(1, [6, 7])  # none used
+    assert ex.precision[1] == 0.25 and ex.bar(1) == 1 + 4 * 3
+
+    arena = Arena(4, ALIGNMENT, "nextuse", layers=[0, 1, 2, 3])
+    for layer in (0, 1, 2, 3):
+        arena.set_layer(layer)
+        got = arena.allocate((layer, 0))
+        arena.loaded(got[0])
+    victim = arena.policy.victim(lambda k: True)
+    far = arena.policy.distance(victim)
+    with arena.scored(far):  # the victim is expected used no later than the read-ahead
+        assert arena.allocate((0, 7)) is None
+    with arena.scored(far - 0.5):
+        assert arena.allocate((0, 7)) is not None
+    assert arena.read_ahead_bar is None
+
+
+def test_scored_read_ahead_keeps_the_outputs_and_reads_no_more(store):
+    """Decode with the score reads no more ahead than lookahead and computes the same
+    tokens."""
+    path = store("qwen3_moe")
+    rb = load_manifest(path).layout.record_bytes
+    ids = prompt_ids(16, seed=14)
+    tokens, stats = {}, {}
+    for score in (False, True):
+        model, _ = strata_mlx.load(
+            path,
+            arena_gb=9 * rb / 1024**3,
+            read_ahead="lookahead",
+            lookahead_score=score,
+            lookahead_decode_min_miss=0.0,
+            decode="sync",
+            eviction="nextuse",
+        )
+        out = strata_mlx.stream_generate(model, None, ids, max_tokens=24, prefill_step_size=8)
+        tokens[score] = [r.token for r in out]
+        stats[score] = model.expert_cache.stats
+        model.expert_cache.close()
+    assert tokens[True] == tokens[False]
+    assert stats[True].readahead_submitted < stats[False].readahead_submitted

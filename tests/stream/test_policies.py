@@ -309,3 +309,84 @@ def test_adaptive_shadows_miss_as_their_components_do_alone():
         alone = cache_sim.replay(t, 10, name)
         want = alone.prefill_misses + alone.decode_misses
         assert made[0].shadow_misses[i] == pytest.approx(want, rel=1e-9), name
+
+
+def small_store_trace(decode_tokens: int = 96):
+    """A store-like synthetic trace small enough to replay in a second: 8 layers x 128
+    experts, top-8, a skewed popularity the profile knows."""
+    from strata_mlx.stream import synthetic_trace as st
+
+    knobs = st.RoutingKnobs(num_experts=128, top_k=8, layers=8, skew=2.5, drift=0.3)
+    return st.make_trace(knobs, prompt_tokens=256, decode_tokens=decode_tokens, seed=1)
+
+
+def duel(sample: float, min_shadow_slots: int = 0, made: list | None = None):
+    def make(layers=None, profile=None):
+        p = policies.NextUseDuel(layers, profile, sample, min_shadow_slots)
+        if made is not None:
+            made.append(p)
+        return p
+
+    return make
+
+
+def test_a_duel_whose_sample_is_every_key_decides_as_the_full_one():
+    """Sample 1, or an arena below min_shadow_slots, follows every key: the same misses
+    in each shadow and the same victims as nextuse-duel-full."""
+    t = small_store_trace(48)
+    full = cache_sim.replay(t, 300, "nextuse-duel-full")
+    for make in (duel(1.0), duel(1 / 16, 512)):
+        r = cache_sim.replay(t, 300, make)
+        assert (r.prefill_misses, r.decode_misses) == (full.prefill_misses, full.decode_misses)
+    made: list = []
+    cache_sim.replay(t, 300, duel(1 / 16, 512, made))
+    assert made[0].rate == 1.0 and made[0].shadow_slots == 300
+
+
+def test_miniature_shadows_follow_a_sample_of_the_keys_and_choose_as_the_full_ones():
+    """At a quarter of the keys each shadow arena holds about a quarter of the slots, takes
+    about a quarter of the uses, and ranks the components as the full shadows do: the
+    duel's misses stay within 2 % of the full duel's."""
+    t = small_store_trace()
+    slots = 300
+    made_full: list = []
+    full = cache_sim.replay(t, slots, duel(1.0, made=made_full))
+    made: list = []
+    small = cache_sim.replay(t, slots, duel(0.25, made=made))
+    mini, ref = made[0], made_full[0]
+    mini.current = ref.current = None  # the last call's uses reach the shadows
+    assert mini.rate == 0.25
+    assert 0.15 * slots < mini.shadow_slots < 0.35 * slots
+    followed = sum(mini._sampled.values()) / len(mini._sampled)
+    assert 0.15 < followed < 0.35
+    rank = lambda p: sorted(range(3), key=p.shadow_misses.__getitem__)  # noqa: E731
+    assert rank(mini)[0] == rank(ref)[0]
+    assert small.decode_misses == pytest.approx(full.decode_misses, rel=0.02)
+
+
+def test_nextuse_victim_is_the_evictable_expert_expected_farthest():
+    """The victim, ranked from distances kept between calls, is one whose expected next use
+    is the farthest of all evictable residents, through calls, evictions and pinned keys."""
+    rng = np.random.default_rng(5)
+    layers = [0, 1, 2, 3]
+    p = policies.build("nextuse", profile=rng.random((4, 12)), layers=layers)
+    resident: set = set()
+
+    def fresh(key):  # d(l) + L (calls / count - 1), from the counts, nothing kept
+        cycle = (layers.index(key[0]) - layers.index(p.current) - 1) % 4 + 1
+        return cycle + 4 * (p._calls[layers.index(key[0])] / p._count[key] - 1.0)
+
+    for step in range(300):
+        layer = layers[step % 4]
+        p.current = layer
+        keys = {(layer, int(e)) for e in rng.choice(12, 3, replace=False)}
+        for key in sorted(keys):
+            if key not in resident and len(resident) >= 20:
+                pinned = keys if rng.random() < 0.7 else keys | set(list(resident)[:5])
+                v = p.victim(lambda k, pinned=pinned: k not in pinned)
+                far = {k: fresh(k) for k in resident if k not in pinned}
+                assert v not in pinned and far[v] == pytest.approx(max(far.values()))
+                p.remove(v)
+                resident.discard(v)
+            resident.add(key)
+            p.touch(key)

@@ -1,0 +1,267 @@
+"""Expected next use: the eviction policy that evicts the resident expert whose next use is
+expected farthest away, from the layer cycle and per-layer pick rates (NextUse), and its
+setting that trusts recent routing over the profile (NextUseRecent).
+
+A policy here only orders resident experts and estimates when one is next wanted; it never
+reads files, never sees weights, and never decides anything but which expert goes (the
+interface is strata_mlx.stream.policies's).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from .arena import Key
+
+
+class NextUse:
+    """Evict the resident expert whose next use is expected farthest away. Decode visits the
+    MoE layers in a cycle, so expert (l, e) is next wanted when layer l next runs, d(l)
+    handshakes from now (1 to L), if the router picks it then, else L handshakes later for
+    each token it is passed over: with p its chance of being picked by one call of layer l,
+    the expected distance is d(l) + L (1 / p - 1). LRU and LFU each see half of this: the
+    layer cycle (LayerDistance alone) wins where every layer reuses most of its experts, the
+    frequency where a few experts of each layer take most picks.
+
+    p is estimated per layer: each call of layer l adds a weight that grows by 2^(1 /
+    `half_life`) a call (old calls fade), an expert counts the weight of the calls that used it
+    (once a call), and the routing profile (where the store has one) is a prior worth `prior`
+    calls: the expert's share of its layer's picks against the layer's most picked expert.
+    Within a layer the victim is the expert of least count (a heap, lazily invalidated, as
+    ScoredPolicy's); across layers the largest expected distance of each layer's candidate:
+    each layer's L (1 / p - 1) is kept in an array and updated when its candidate or its
+    calls change, so a victim costs one array sum and argmax over the layers, not a pass
+    over every layer's arrays (that pass was most of the policy's time a miss)."""
+
+    name = "nextuse"
+
+    def __init__(
+        self,
+        layers: list[int] | None = None,
+        profile: np.ndarray | None = None,
+        half_life: float = 256.0,
+        prior: float = 64.0,
+    ):
+        self._index: dict[int, int] = {}  # layer -> its place in the cycle and the arrays
+        self._layers: list[int] = []
+        self._growth = 2.0 ** (1.0 / half_life)
+        self._prior = prior
+        self._p0: dict[int, np.ndarray] = {}
+        # Per layer, Python floats (a numpy scalar costs more than the arithmetic on it):
+        self._weight: list[float] = []  # what one call's use counts now
+        self._calls: list[float] = []  # the weights of its calls (and the prior's)
+        self._least_count: list[float] = []  # its candidate's count (inf: none)
+        self._far = np.zeros(0)  # per layer: L (calls / least count - 1), its candidate's
+        self._cycles: dict[int, np.ndarray] = {}  # running layer's index -> d(l) per layer
+        self._cycle = np.zeros(0)  # d(l) per layer, the running layer's
+        self._cycle_list: list[int] = []  # the same, as Python ints
+        self._dist = np.zeros(0)  # d(l) + L (1 / p - 1) per layer: what victim() ranks
+        self._changed: set[int] = set()  # layers whose candidate is to be found again
+        self._current: int | None = None
+        for layer in layers or []:
+            self._add_layer(layer)
+        if profile is not None and layers:
+            for pos, layer in enumerate(layers):
+                row = np.asarray(profile[pos], dtype=np.float64)
+                if row.max() > 0:
+                    self._p0[layer] = row / row.max()
+        self._count: dict[Key, float] = {}  # every expert seen, resident or not
+        self._heap: dict[int, list[tuple[float, int, Key]]] = {}  # layer -> residents
+        self._live: dict[Key, int] = {}  # resident key -> its live entry's number
+        self._top: dict[int, tuple[float, int, Key] | None] = {}  # layer -> its candidate
+        self._uses = 0
+        self._this_call: set[Key] = set()
+
+    def _add_layer(self, layer: int) -> int:
+        i = self._index[layer] = len(self._layers)
+        self._layers.append(layer)
+        self._weight.append(0.0)
+        self._calls.append(self._prior)
+        self._least_count.append(math.inf)
+        n = len(self._layers)  # L changed: every layer's distance with it
+        self._far = np.array([n * (c / lc - 1.0) for c, lc in zip(self._calls, self._least_count)])
+        self._cycles = {}
+        self._place()
+        return i
+
+    def _place(self) -> None:
+        """The running layer changed: every layer's distance in the cycle with it."""
+        at = self._index.get(self._current, 0)
+        cycle = self._cycles.get(at)
+        if cycle is None:
+            n = len(self._layers)
+            cycle = self._cycles[at] = (np.arange(n) - at - 1) % n + 1
+        self._cycle = cycle
+        self._cycle_list = cycle.tolist()
+        self._dist = cycle + self._far
+
+    def _refar(self, i: int) -> None:
+        """Layer i's calls or candidate changed: its L (1 / p - 1) with them."""
+        far = self._far[i] = len(self._layers) * (self._calls[i] / self._least_count[i] - 1.0)
+        self._dist[i] = self._cycle_list[i] + far
+
+    @property
+    def current(self) -> int | None:
+        return self._current
+
+    @current.setter
+    def current(self, layer: int | None) -> None:
+        self._end_call()
+        self._current = layer
+        if layer is None:
+            self._place()
+            return
+        i = self._index.get(layer)
+        if i is None:
+            i = self._add_layer(layer)
+        w = self._weight[i] = self._weight[i] * self._growth if self._weight[i] else 1.0
+        if w > 2.0**500:
+            self._rescale(layer, 2.0**-500)
+        self._calls[i] += self._weight[i]
+        self._place()
+        self._refar(i)
+
+    def _rescale(self, layer: int, f: float) -> None:
+        i = self._index[layer]
+        self._weight[i] *= f
+        self._calls[i] *= f
+        for k in self._count:
+            if k[0] == layer:
+                self._count[k] *= f
+        self._heap[layer] = [(c * f, n, k) for c, n, k in self._heap.get(layer, [])]
+        self._changed.add(layer)
+
+    def touch(self, key: Key) -> None:
+        layer = key[0]
+        i = self._index.get(layer)
+        if i is None:
+            i = self._add_layer(layer)
+        if not self._weight[i]:  # used before any handshake of its layer (a read ahead)
+            self._weight[i] = 1.0
+            self._calls[i] += 1.0
+            self._refar(i)
+        if key in self._this_call:  # a call counts once, however many tokens pick it
+            return
+        count = self._count.get(key)
+        if count is None:
+            p0 = self._p0.get(layer)
+            count = self._prior * (float(p0[key[1]]) if p0 is not None else 0.5)
+        self._count[key] = count + self._weight[i]
+        self._uses += 1
+        self._live[key] = self._uses
+        if layer == self._current:
+            # In use by the running call (pinned): in its layer's heap only once the call
+            # ends, so that victim() does not step over it at every eviction of the call.
+            self._this_call.add(key)
+        else:
+            self._push(key)
+
+    def _push(self, key: Key) -> None:
+        layer = key[0]
+        heap = self._heap.setdefault(layer, [])
+        heapq.heappush(heap, (self._count[key], self._live[key], key))
+        if len(heap) > 4 * len(self._live) + 1024:  # drop dead entries now and then
+            self._heap[layer] = [e for e in heap if self._live.get(e[2]) == e[1]]
+            heapq.heapify(self._heap[layer])
+        self._changed.add(layer)
+
+    def distance(self, key: Key) -> float:
+        """Handshakes until `key` is expected to be used next: d(l) + L (1 / p - 1), d(l)
+        counted from the running layer (inf for an expert never seen)."""
+        i = self._index.get(key[0])
+        count = self._count.get(key)
+        if i is None or not count:
+            return math.inf
+        return self._cycle_list[i] + len(self._layers) * (self._calls[i] / count - 1.0)
+
+    def _end_call(self) -> None:
+        if not self._this_call:
+            return
+        # the call's keys are all of its layer: one heap, one check for dead entries
+        heap = self._heap.setdefault(self._current, [])
+        live, count = self._live, self._count
+        for key in self._this_call:
+            n = live.get(key)
+            if n is not None:
+                heapq.heappush(heap, (count[key], n, key))
+        self._this_call = set()
+        if len(heap) > 4 * len(live) + 1024:  # drop dead entries now and then
+            self._heap[self._current] = [e for e in heap if live.get(e[2]) == e[1]]
+            heapq.heapify(self._heap[self._current])
+        self._changed.add(self._current)
+
+    def remove(self, key: Key) -> None:
+        if self._live.pop(key, None) is not None:
+            self._changed.add(key[0])
+        self._this_call.discard(key)
+
+    def _least(self, layer: int, evictable=None) -> tuple[float, int, Key] | None:
+        """The live entry of least count in `layer` (that is `evictable`, if given)."""
+        heap = self._heap.get(layer)
+        live = self._live
+        if evictable is None:
+            while heap and live.get(heap[0][2]) != heap[0][1]:
+                heapq.heappop(heap)  # a dead entry: used again since, or evicted
+            return heap[0] if heap else None
+        skipped, found = [], None
+        while heap:
+            entry = heapq.heappop(heap)
+            if live.get(entry[2]) != entry[1]:
+                continue
+            skipped.append(entry)
+            if evictable(entry[2]):
+                found = entry
+                break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
+
+    def victim(self, evictable) -> Key | None:
+        for layer in self._changed:  # candidates that changed
+            entry = self._top[layer] = self._least(layer)
+            i = self._index[layer]
+            self._least_count[i] = entry[0] if entry else math.inf
+            self._refar(i)
+        self._changed.clear()
+        n = len(self._layers)
+        if not n:
+            return None
+        # calls / count = 1 / p; no candidate: count inf, a distance <= 0, never the largest
+        i = int(self._dist.argmax())
+        if self._dist[i] <= 0:
+            return None
+        entry = self._top.get(self._layers[i])
+        if entry is not None and evictable(entry[2]):
+            return entry[2]
+        far = self._dist.copy()  # the candidate is pinned: rank the layers' next ones
+        cycle = self._cycle
+        instead: dict[int, tuple[float, int, Key]] = {}  # layer index -> its evictable one
+        for _ in range(2 * n):
+            i = int(far.argmax())
+            if far[i] <= 0:
+                return None
+            layer = self._layers[i]
+            entry = instead.get(i) or self._top.get(layer)
+            if entry is not None and evictable(entry[2]):
+                return entry[2]
+            entry = self._least(layer, evictable)  # pinned or protected: its next one
+            if entry is None:
+                far[i] = -np.inf
+            else:
+                instead[i] = entry
+                far[i] = cycle[i] + n * (self._calls[i] / entry[0] - 1.0)
+        return None
+
+
+class NextUseRecent(NextUse):
+    """NextUse trusting the routing of the last few dozen calls over the profile: a prior of
+    4 calls, a half-life of 32 (where the profile misleads: routing with no static hot
+    set)."""
+
+    name = "nextuse-recent"
+
+    def __init__(self, layers: list[int] | None = None, profile: np.ndarray | None = None):
+        super().__init__(layers, profile, half_life=32.0, prior=4.0)
