@@ -7,9 +7,10 @@
    is what MLX's CPU quantized matmul computes for these widths (its scalar path; the
    Python side checks the two agree bit for bit before it uses this). The sums of several
    outputs run side by side in vector lanes (each lane its own output, the order within a
-   lane unchanged), and a slot's codes are unpacked once for all the pairs routed to it:
-   that is where the speed comes from. Built with -ffp-contract=off: a fused multiply-add
-   would round once where MLX rounds twice.
+   lane unchanged): that is where the speed comes from. A pair reads its slot's codes
+   straight from the record; a slot with SHARED_PAIRS pairs or more has its weights formed
+   once (scale * q + bias, the same two roundings) for all of them. Built with
+   -ffp-contract=off: a fused multiply-add would round once where MLX rounds twice.
 
    Never: reads files, allocates Python objects per pair, or holds the GIL while it
    computes. */
@@ -63,13 +64,105 @@ static float load_scale(const uint8_t *p, int kind) {
     return f;
 }
 
-/* x86-64: an AVX2 build of the two loops beside the baseline one, picked at load time. Lanes
-   never mix: the vector width changes how many outputs run side by side, not any sum. */
+/* x86-64: an AVX2 build of the loop beside the baseline one, picked at load time. Lanes never
+   mix: the vector width changes how many outputs run side by side, not any sum. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define VECTOR_CLONES
 #endif
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+#define LANES 8
+#define BLOCK 4 /* vectors of outputs in flight: their sums' additions overlap */
+/* Pairs of one slot from which its weights are formed once (scale * q + bias, in float) and
+   shared; fewer read the codes straight from the record. */
+#define SHARED_PAIRS 3
+
+static uint32_t load_word(const uint8_t *p) {
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return w;
+}
+
+/* One output's sum, the scalar way (outputs past the last whole block). */
+static float one_output(const float *x, const uint8_t *row, const uint8_t *scales,
+                        const uint8_t *biases, int K, int bits, int group_size, int kind) {
+    const int per_word = 32 / bits;
+    const uint32_t mask = (1u << bits) - 1;
+    const int ssize = kind == SCALE_F32 ? 4 : 2;
+    float acc = 0.0f;
+    for (int w = 0; w < K / per_word; w++) {
+        uint32_t word = load_word(row + 4 * w);
+        for (int p = 0; p < per_word; p++) {
+            const int k = w * per_word + p;
+            const int g = k / group_size;
+            float t = load_scale(scales + g * ssize, kind) * (float)((word >> (bits * p)) & mask);
+            t = t + load_scale(biases + g * ssize, kind);
+            acc = acc + x[k] * t;
+        }
+    }
+    return acc;
+}
+
+/* out[n] = sum over k, in order, of x[k] * (scale * q + bias), every product and sum rounded
+   on its own: MLX's _qmm_t, whose codes come low bits first out of each little-endian word.
+   LANES x BLOCK outputs at a time, each lane one output's sum, straight from the record. */
+VECTOR_CLONES
+static void one_pair(const float *restrict x, const uint8_t *rec, Py_ssize_t w_off,
+                     Py_ssize_t s_off, Py_ssize_t b_off, int N, int K, int bits,
+                     int group_size, int kind, float *restrict out) {
+    const int per_word = 32 / bits;
+    const int row_bytes = K / 8 * bits;
+    const int G = K / group_size;
+    const int ssize = kind == SCALE_F32 ? 4 : 2;
+    const v8u mask = (v8u){0} + ((1u << bits) - 1);
+    int n0 = 0;
+    for (; n0 + LANES * BLOCK <= N; n0 += LANES * BLOCK) {
+        v8f acc[BLOCK], sc[BLOCK], bi[BLOCK];
+        for (int b = 0; b < BLOCK; b++) acc[b] = (v8f){0};
+        int g_loaded = -1;
+        for (int w = 0; w < K / per_word; w++) {
+            uint32_t loaded[BLOCK][LANES];
+            for (int b = 0; b < BLOCK; b++)
+                for (int i = 0; i < LANES; i++) {
+                    const int n = n0 + b * LANES + i;
+                    loaded[b][i] = load_word(rec + w_off + (Py_ssize_t)n * row_bytes + 4 * w);
+                }
+            v8u words[BLOCK];
+            memcpy(words, loaded, sizeof words);
+            for (int p = 0; p < per_word; p++) {
+                const int k = w * per_word + p;
+                const int g = k / group_size;
+                if (g != g_loaded) {
+                    for (int b = 0; b < BLOCK; b++)
+                        for (int i = 0; i < LANES; i++) {
+                            const Py_ssize_t at = ((Py_ssize_t)(n0 + b * LANES + i) * G + g) * ssize;
+                            sc[b][i] = load_scale(rec + s_off + at, kind);
+                            bi[b][i] = load_scale(rec + b_off + at, kind);
+                        }
+                    g_loaded = g;
+                }
+                const v8f xk = (v8f){0} + x[k];
+                for (int b = 0; b < BLOCK; b++) {
+                    v8f q = __builtin_convertvector((words[b] >> (uint32_t)(bits * p)) & mask, v8f);
+                    v8f t = sc[b] * q;
+                    t = t + bi[b];
+                    acc[b] = acc[b] + xk * t;
+                }
+            }
+        }
+        for (int b = 0; b < BLOCK; b++)
+            for (int i = 0; i < LANES; i++) out[n0 + b * LANES + i] = acc[b][i];
+    }
+    for (int n = n0; n < N; n++) {
+        const Py_ssize_t at = (Py_ssize_t)n * G * ssize;
+        out[n] = one_output(x, rec + w_off + (Py_ssize_t)n * row_bytes, rec + s_off + at,
+                            rec + b_off + at, K, bits, group_size, kind);
+    }
+}
 
 #define TILE 32 /* outputs whose sums stay in registers across k */
 
@@ -111,9 +204,10 @@ static void dequantize(const uint8_t *rec, Py_ssize_t w_off, Py_ssize_t s_off,
     }
 }
 
-/* out[n] = sum over k, in order, of x[k] * weights[k][n], each product and sum rounded. */
+/* out[n] = sum over k, in order, of x[k] * weights[k][n], each product and sum rounded: the
+   same sums, once a slot's weights are formed for several pairs. */
 VECTOR_CLONES
-static void one_pair(const float *restrict x, const float *restrict weights, int N, int K,
+static void shared_pair(const float *restrict x, const float *restrict weights, int N, int K,
                      float *restrict out) {
     int n0 = 0;
     for (; n0 + TILE <= N; n0 += TILE) {
@@ -148,7 +242,7 @@ static PyObject *qmm_pairs(PyObject *self, PyObject *args) {
     int G = group_size > 0 ? K / group_size : 0;
     int ssize = scale_kind == SCALE_F32 ? 4 : 2;
     if (!(bits == 2 || bits == 4 || bits == 8) || N <= 0 || K <= 0 || group_size <= 0 ||
-        K % group_size || K % (8 / bits) || scale_kind < 0 || scale_kind > 2)
+        K % group_size || K % (32 / bits) || scale_kind < 0 || scale_kind > 2)
         bad = "unsupported shape or format";
     else if (out.len != n_pairs * N * 4 || pair_x.len != pair_slot.len || order.len != pair_slot.len ||
              x.len != n_rows * K * 4 || arena.len != n_slots * record_bytes)
@@ -167,10 +261,12 @@ static PyObject *qmm_pairs(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, bad);
         goto done;
     }
-    uint8_t *codes = malloc((size_t)K * N / (8 / bits));
-    float *sc = malloc(sizeof(float) * (size_t)G * N);
-    float *bi = malloc(sizeof(float) * (size_t)G * N);
-    float *wt = malloc(sizeof(float) * (size_t)K * N);
+    uint8_t *codes = NULL;
+    float *sc = NULL, *bi = NULL, *wt = NULL;
+    codes = malloc((size_t)K * N / (8 / bits));
+    sc = malloc(sizeof(float) * (size_t)G * N);
+    bi = malloc(sizeof(float) * (size_t)G * N);
+    wt = malloc(sizeof(float) * (size_t)K * N);
     if (!codes || !sc || !bi || !wt) {
         free(codes);
         free(sc);
@@ -180,16 +276,24 @@ static PyObject *qmm_pairs(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS;
-    int32_t last = -1;
-    for (Py_ssize_t i = 0; i < n_pairs; i++) {
-        int32_t p = po[i];
-        if (ps[p] != last) {
-            last = ps[p];
-            dequantize((const uint8_t *)arena.buf + (Py_ssize_t)last * record_bytes, w_off,
-                       s_off, b_off, N, K, bits, group_size, scale_kind, codes, sc, bi, wt);
+    for (Py_ssize_t i = 0; i < n_pairs;) {
+        const int32_t slot = ps[po[i]];
+        Py_ssize_t run = 1;
+        while (i + run < n_pairs && ps[po[i + run]] == slot) run++;
+        const uint8_t *rec = (const uint8_t *)arena.buf + (Py_ssize_t)slot * record_bytes;
+        if (run >= SHARED_PAIRS)
+            dequantize(rec, w_off, s_off, b_off, N, K, bits, group_size, scale_kind, codes, sc, bi,
+                       wt);
+        for (Py_ssize_t j = i; j < i + run; j++) {
+            const int32_t p = po[j];
+            const float *xp = (const float *)x.buf + (Py_ssize_t)px[p] * K;
+            float *op = (float *)out.buf + (Py_ssize_t)p * N;
+            if (run >= SHARED_PAIRS)
+                shared_pair(xp, wt, N, K, op);
+            else
+                one_pair(xp, rec, w_off, s_off, b_off, N, K, bits, group_size, scale_kind, op);
         }
-        one_pair((const float *)x.buf + (Py_ssize_t)px[p] * K, wt, N, K,
-                 (float *)out.buf + (Py_ssize_t)p * N);
+        i += run;
     }
     Py_END_ALLOW_THREADS;
     free(codes);
@@ -212,7 +316,7 @@ static PyMethodDef methods[] = {
     {"qmm_pairs", qmm_pairs, METH_VARARGS,
      "qmm_pairs(out, x, arena, pair_x, pair_slot, order, record_bytes, w_off, s_off, b_off, "
      "N, K, bits, group_size, scale_kind) -> None: out[p] = x[pair_x[p]] @ W(slot "
-     "pair_slot[p])^T for p in `order` (equal slots adjacent: each unpacked once)"},
+     "pair_slot[p])^T for p in `order` (a slot's pairs adjacent in it)"},
     {NULL, NULL, 0, NULL},
 };
 
