@@ -1,4 +1,5 @@
-"""Builds the native reader extension; all package metadata lives in pyproject.toml."""
+"""Builds the native extensions (the reader; the CPU expert matmuls); all package metadata
+lives in pyproject.toml."""
 
 import sys
 
@@ -16,6 +17,13 @@ setup(
             depends=["strata_mlx/_native/checksum.h", "strata_mlx/_native/devcopy.h"],
             extra_compile_args=["-O2"],
             libraries=[] if sys.platform == "darwin" else ["pthread", "dl"],
-        )
+        ),
+        # -ffp-contract=off: no fused multiply-adds, so each product and sum rounds as MLX's
+        # CPU quantized matmul rounds them (the outputs must agree bit for bit)
+        Extension(
+            "strata_mlx._cpu_experts",
+            ["strata_mlx/_native/cpu_experts.c"],
+            extra_compile_args=["-O3", "-ffp-contract=off"],
+        ),
     ]
 )

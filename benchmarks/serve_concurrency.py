@@ -2,14 +2,17 @@
 requests, through the real server and the official `openai` client.
 
     python benchmarks/serve_concurrency.py STORE --arena-gb G [--levels 1,2,4,8]
-        [--decode-concurrency 8,1] [--max-tokens 32] [--prompt-tokens 16] [--rounds 1]
+        [--decode-concurrency 8,1[,8:reference,...]] [--max-tokens 32] [--prompt-tokens 16]
+        [--rounds 1]
 
-For each --decode-concurrency the server is started once (a subprocess on a free loopback
-port, prompt caches off), then each level sends that many requests at once, each with its own
-random prompt of token ids. Figures per level: aggregate tok/s (completion tokens of the level
+One server per --decode-concurrency is started (subprocesses on free loopback ports, prompt
+caches off), all of them before the first round; each round then runs every server in turn,
+so that a busy spell of a shared machine falls on all of them alike. In a round each level
+sends that many requests at once, each with its own random prompt of token ids (the same
+prompts to every server). Figures per level: aggregate tok/s (completion tokens of the level
 over its wall time), mean and worst request latency, and expert records read per generated
 token (the server's /v1/stats: experts_read over completion tokens, the prefill's reads
-included). Prints a markdown table of the medians over --rounds.
+included). Prints a markdown table of the medians over --rounds, tok/s with its spread.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(store: str, arena_gb: float, concurrency: int, extra: list[str]):
+def start_server(
+    store: str, arena_gb: float, concurrency: int, extra: list[str], kernels: str | None = None
+):
     port = free_port()
     cmd = [sys.executable, "-m", "strata_mlx", "serve", "--model", store, "--port", str(port)]
     cmd += ["--arena-gb", str(arena_gb), "--decode-concurrency", str(concurrency)]
@@ -48,7 +53,10 @@ def start_server(store: str, arena_gb: float, concurrency: int, extra: list[str]
         "warning",
         *extra,
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=os.environ.copy())
+    env = os.environ.copy()
+    if kernels:
+        env["STRATA_MLX_KERNELS"] = kernels
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:
@@ -103,7 +111,11 @@ def main() -> None:
     ap.add_argument("store")
     ap.add_argument("--arena-gb", type=float, required=True)
     ap.add_argument("--levels", default="1,2,4,8")
-    ap.add_argument("--decode-concurrency", default="8,1", help="servers to compare")
+    ap.add_argument(
+        "--decode-concurrency",
+        default="8,1",
+        help="servers to compare; N:KERNELS runs one with STRATA_MLX_KERNELS=KERNELS",
+    )
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=1024, help="prompt ids are drawn below this")
@@ -113,39 +125,54 @@ def main() -> None:
     args = ap.parse_args()
     levels = [int(v) for v in args.levels.split(",")]
     rows = []
-    for conc in (int(v) for v in args.decode_concurrency.split(",")):
-        proc, base = start_server(args.store, args.arena_gb, conc, args.server_arg)
-        http = httpx.Client(trust_env=False, timeout=3600)
-        client = openai.OpenAI(base_url=base + "/v1", api_key="-", max_retries=0, http_client=http)
-        try:
-            rng = np.random.default_rng(args.seed)  # every server gets the same prompts
-            warm = rng.integers(0, args.vocab, (1, args.prompt_tokens)).tolist()
+    servers = []
+    try:
+        for spec in args.decode_concurrency.split(","):
+            n, _, kernels = spec.partition(":")
+            proc, base = start_server(args.store, args.arena_gb, int(n), args.server_arg, kernels)
+            conc = spec
+            http = httpx.Client(trust_env=False, timeout=3600)
+            client = openai.OpenAI(
+                base_url=base + "/v1", api_key="-", max_retries=0, http_client=http
+            )
+            servers.append((conc, proc, base, http, client))
+        rng = np.random.default_rng(args.seed)
+        warm = rng.integers(0, args.vocab, (1, args.prompt_tokens)).tolist()
+        for _, _, base, _, client in servers:
             level(client, base, 1, warm, 4)  # first-request costs (kernel self-check, imports)
-            for _ in range(args.rounds):
+        for _ in range(args.rounds):
+            prompts = {
+                n: rng.integers(0, args.vocab, (n, args.prompt_tokens)).tolist() for n in levels
+            }
+            for conc, _, base, _, client in servers:  # every server gets the same prompts
                 for n in levels:
-                    prompts = rng.integers(0, args.vocab, (n, args.prompt_tokens)).tolist()
-                    r = level(client, base, n, prompts, args.max_tokens)
+                    r = level(client, base, n, prompts[n], args.max_tokens)
                     r["decode_concurrency"] = conc
                     rows.append(r)
                     print(r, flush=True)
-        finally:
+    finally:
+        for _, proc, _, http, _ in servers:
             http.close()
             proc.terminate()
             proc.wait(timeout=60)
     print()
     print(
-        "| --decode-concurrency | requests | tok/s (all) | latency mean / max (s) | "
-        "records read / token |"
+        "| --decode-concurrency | requests | tok/s (all), median (min-max) | "
+        "latency mean / max (s) | records read / token |"
     )
     print("|---|---|---|---|---|")
+    order = args.decode_concurrency.split(",")
     keys = sorted(
-        {(r["decode_concurrency"], r["requests"]) for r in rows}, key=lambda k: (-k[0], k[1])
+        {(r["decode_concurrency"], r["requests"]) for r in rows},
+        key=lambda k: (order.index(k[0]), k[1]),
     )
     for conc, n in keys:  # the median over rounds
         rs = [r for r in rows if (r["decode_concurrency"], r["requests"]) == (conc, n)]
-        med = {k: float(np.median([r[k] for r in rs])) for k in rs[0]}
+        med = {k: float(np.median([r[k] for r in rs])) for k in rs[0] if k != "decode_concurrency"}
+        lo, hi = min(r["tok_s"] for r in rs), max(r["tok_s"] for r in rs)
         print(
-            f"| {conc} | {n} | {med['tok_s']:.1f} | {med['latency_mean_s']:.2f} / "
+            f"| {conc} | {n} | {med['tok_s']:.1f} ({lo:.0f}-{hi:.0f}) | "
+            f"{med['latency_mean_s']:.2f} / "
             f"{med['latency_max_s']:.2f} | {med['read_per_token']:.2f} |"
         )
 

@@ -57,6 +57,7 @@ def installed(tmp_path_factory):
     assert "strata_mlx/configs/runtime/laptop-24gb.json" in names
     assert "strata_mlx/configs/models/bench-small.json" in names
     assert any(n.startswith("strata_mlx/_reader") for n in names)  # the native reader, built
+    assert any(n.startswith("strata_mlx/_cpu_experts") for n in names)  # the CPU expert loops
     assert "custom_kernels/formats.h" in names  # the kernels' shared header
 
     venv = tmp / "venv"

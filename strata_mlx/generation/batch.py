@@ -1,9 +1,11 @@
 """Continuous batching: several sequences decode together, one token each per step.
 
 Owns the batched token step (`batch_forward`) and the scheduling of sequences through it
-(`BatchGenerator`): a step runs at most `prompt_concurrency` prefill chunks, each alone (as
-generate_step's prefill), then one token of every sequence that is decoding. Sequences join
-between steps and leave when they finish or are removed.
+(`BatchGenerator`): a step runs the next prefill chunk of up to `prompt_concurrency`
+sequences (generate_step's chunks, run together as rows of one batch_forward: each chunk's
+dense computation its own, every MoE layer once for all of them), then one token of every
+sequence that is decoding. Sequences join between steps and leave when they finish or are
+removed.
 
 In the token step each MoE layer runs once on the sequences' tokens stacked: the expert
 cache's handshake sees the union of their experts and reads each missing record once. The
@@ -242,19 +244,14 @@ class BatchGenerator:
     def step(
         self, on_error: Callable[[Sequence, BaseException], None] | None = None
     ) -> list[tuple[Sequence, GenerationResponse]]:
-        """One step: prefill chunks, then one token of every decoding sequence. A sequence
-        whose prefill fails is removed and handed to `on_error` (without it, the error is
-        raised); a failed token step fails every sequence in it."""
+        """One step: prefill chunks, then one token of every decoding sequence. The sequences
+        of a failed prefill forward (their chunks run together) or token step are removed
+        and handed to `on_error` (without it, the error is raised)."""
         ec = self.model.expert_cache
         ec.idle()  # everything earlier steps built is evaluated
-        for seq in [s for s in self.sequences if not s.decoding][: self.prompt_concurrency]:
-            try:
-                self._prefill_chunk(seq)
-            except Exception as e:
-                if on_error is None:
-                    raise
-                self.remove(seq)
-                on_error(seq, e)
+        prefilling = [s for s in self.sequences if not s.decoding][: self.prompt_concurrency]
+        if prefilling:
+            self._prefill_chunks(prefilling, on_error)
         rows = [s for s in self.sequences if s.decoding]
         if not rows:
             return []
@@ -279,21 +276,44 @@ class BatchGenerator:
             out.append((seq, self._respond(seq, token.item(), logprobs)))
         return out
 
-    def _prefill_chunk(self, seq: Sequence) -> None:
-        """The next prefill chunk of `seq` (generate.forward_chunks' chunks: the same
-        forwards), or, once all but the last prompt token are in its cache, make it decode."""
-        n_prompt = len(seq.ids) - 1
-        i = seq.prefilled
-        n = min(self.prefill_step_size, n_prompt - i)
-        if n > 0:
-            with self.model.expert_cache.phase(decoding=False):
-                tokens = mx.array(seq.ids[:n_prompt])[None, i : i + n]
-                self.model(tokens, cache=seq.cache)
-                maybe_quantize(seq.cache, self.kv)
-                mx.eval([s for c in seq.cache for s in c.state])
-            seq.prefilled += n
-        if seq.prefilled == n_prompt:
-            seq.y = mx.array(seq.ids[n_prompt:])
+    def _prefill_chunks(
+        self, seqs: list[Sequence], on_error: Callable[[Sequence, BaseException], None] | None
+    ) -> None:
+        """The next prefill chunk of each of `seqs` (generate.forward_chunks' chunks: the same
+        forwards), run together: batch_forward's rows, each chunk's dense computation its own
+        and every MoE layer run once for all of them (the union of their experts read once).
+        A sequence whose cache then covers all but its last prompt token decodes."""
+        rows = []
+        for seq in seqs:
+            n_prompt = len(seq.ids) - 1
+            n = min(self.prefill_step_size, n_prompt - seq.prefilled)
+            if n > 0:
+                rows.append(
+                    (seq, mx.array(seq.ids[:n_prompt])[None, seq.prefilled : seq.prefilled + n])
+                )
+        if rows:
+            try:
+                with self.model.expert_cache.phase(decoding=False):
+                    if len(rows) == 1:
+                        seq, tokens = rows[0]
+                        self.model(tokens, cache=seq.cache)
+                    else:
+                        batch_forward(self.model, [(t, s.cache) for s, t in rows], self.one_forward)
+                    for seq, _ in rows:
+                        maybe_quantize(seq.cache, self.kv)
+                    mx.eval([a for seq, _ in rows for c in seq.cache for a in c.state])
+            except Exception as e:
+                if on_error is None:
+                    raise
+                for seq, _ in rows:
+                    self.remove(seq)
+                    on_error(seq, e)
+                return
+            for seq, tokens in rows:
+                seq.prefilled += tokens.shape[1]
+        for seq in seqs:
+            if seq.prefilled == len(seq.ids) - 1:
+                seq.y = mx.array(seq.ids[-1:])
 
     def _sample(self, seq: Sequence, logits: mx.array) -> tuple[mx.array, mx.array]:
         """generate_step's sample, drawing from the sequence's own random key."""

@@ -10,8 +10,11 @@ was done per call). Backends:
     from the slots (MLX's CUDA backend).
   - "metal": the same algorithm through mx.fast.metal_kernel (Apple silicon; not executed on
     Linux machines).
-A format without a kernel for the running backend falls back to the reference.
-STRATA_MLX_KERNELS=reference|cuda|metal forces one (read when a kernel is resolved).
+A format without a kernel for the running backend falls back to the reference. On MLX's CPU
+device the automatic choice runs affine experts through native loops that give the
+reference's outputs bit for bit, faster (runtime/cpu_experts.py), wherever they agree.
+STRATA_MLX_KERNELS=reference|cuda|metal forces one (read when a kernel is resolved; forced
+"reference" is the MLX-ops path alone).
 
 Self-check: the Metal kernels cannot run on this project's machines, so the first time a
 (backend, layout) variant is resolved in a process, `self_check` runs it once on a few random
@@ -61,7 +64,14 @@ def expert_kernel(layout: RecordLayout, name: str | None = None) -> ExpertFn:
 
     A kernel that fails its self-check (once per process and variant) is replaced by the
     reference path, with one warning."""
+    forced = name is not None or bool(os.environ.get("STRATA_MLX_KERNELS"))
     name = name or backend()
+    if name == "reference" and not forced:
+        from .cpu_experts import cpu_expert_kernel
+
+        native = cpu_expert_kernel(layout)
+        if native is not None:
+            return native
     if name != "reference":
         from custom_kernels import dispatch
 
@@ -121,14 +131,14 @@ def self_check(name: str, layout: RecordLayout, fn: Callable, seed: int = 0) -> 
     dtypes = SELF_CHECK_DTYPES.get(name, GPU_CHECK_DTYPES)
     rng = np.random.default_rng(seed)
     n_experts, n_slots, k = 3, 4, 2
-    arena = mx.array(_arena(layout, n_experts, n_slots, rng))
+    arena = mx.array(random_arena(layout, n_experts, n_slots, rng))
     # 2 tokens: the decode kernels; 6 tokens (12 pairs over <= 3 experts): the prefill path
     for n_tokens in (2, 6):
         ids = np.stack([rng.choice(n_experts, k, replace=False) for _ in range(n_tokens)])
         needed = np.unique(ids)
         slots = mx.array(needed.astype(np.uint32) + 1)  # slot 0 holds random bytes
         idx = mx.array(np.searchsorted(needed, ids).astype(np.uint32))
-        x32 = rng.standard_normal((n_tokens, _hidden(layout))).astype(np.float32)
+        x32 = rng.standard_normal((n_tokens, hidden_of(layout))).astype(np.float32)
         for dtype in dtypes:
             x = mx.array(x32).astype(dtype)
             what = f"{n_tokens} tokens, {dtype}"
@@ -261,7 +271,8 @@ def format_name(layout: RecordLayout) -> str:
     return "+".join(names)
 
 
-def _hidden(layout: RecordLayout) -> int:
+def hidden_of(layout: RecordLayout) -> int:
+    """The experts' input width (the hidden size) in records of `layout`."""
     spec = layout.quant["gate_proj"]
     wc = layout.component("gate_proj.weight")
     if spec["format"] == "affine":
@@ -271,7 +282,7 @@ def _hidden(layout: RecordLayout) -> int:
     return int(spec["in_features"])
 
 
-def _arena(layout: RecordLayout, n_experts: int, n_slots: int, rng) -> np.ndarray:
+def random_arena(layout: RecordLayout, n_experts: int, n_slots: int, rng) -> np.ndarray:
     """uint8 [n_slots, record_bytes]: slots 1..n_experts hold random records whose weights
     have RMS ~ 1/sqrt(in_features) (so activations stay O(1) in fp16); the rest random bytes."""
     arena = rng.integers(0, 256, (n_slots, layout.record_bytes), dtype=np.uint8)

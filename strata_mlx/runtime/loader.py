@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -379,6 +380,32 @@ def load(
     if pipeline is not None:
         model = pipeline.wrap(model)
     return model, tokenizer
+
+
+def store_args(path: str | Path):
+    """The family's ModelArgs of the store at `path` (its manifest's config); nothing built."""
+    path = Path(path)
+    manifest = load_manifest(path)
+    source = path / "manifest.json"
+    fam = family(manifest.model_type, source)
+    return fam.ModelArgs.from_dict(normalize_config(manifest.config), source, "config.")
+
+
+def sequence_kv_bytes(
+    path: str | Path, positions: int, kv_bits: int | None = None, kv_group_size: int = 64
+) -> int:
+    """The KV cache and recurrent state one sequence of `positions` positions holds in the
+    store at `path`, as the memory guard counts caches (memory.kv_cache_bytes, at the store's
+    activation itemsize); with `kv_bits`, the attention part as a quantized cache's codes
+    plus a scale and a bias per `kv_group_size` elements."""
+    args = store_args(path)
+    itemsize = memory.activation_itemsize(load_manifest(Path(path)).config.get("torch_dtype"))
+    total = memory.kv_cache_bytes(args, positions, itemsize)
+    if not kv_bits:
+        return total
+    fixed = memory.kv_cache_bytes(args, 0, itemsize)  # recurrent state: not quantized
+    per_element = kv_bits / 8 + 2 * itemsize / kv_group_size
+    return fixed + math.ceil((total - fixed) * per_element / itemsize)
 
 
 def build_module(manifest, cfg: RuntimeConfig, path: Path) -> tuple[nn.Module, object]:

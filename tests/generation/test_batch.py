@@ -140,6 +140,46 @@ def test_one_moe_call_per_layer_reads_the_union(store, one_forward):
     ec.close()
 
 
+@pytest.mark.parametrize("family, quantize", [("qwen3_moe", True), ("qwen3_next", False)])
+def test_prompts_prefill_together_and_stay_exact(store, family, quantize):
+    """prompt_concurrency 3: a step runs three prompts' chunks as one batch_forward, every
+    MoE layer once for their tokens; each sequence still gets what it gets alone."""
+    path = store(family, quantize)
+    model, _ = small_arena(path)
+    prompts = [prompt_ids(n, seed=40 + i) for i, n in enumerate((19, 9, 14))]
+    expected = [alone(model, p, 4, 0.0, None) for p in prompts]
+    model.expert_cache.close()
+
+    model, _ = small_arena(path)
+    ec = model.expert_cache
+    handshakes = []
+    run = ec.run_layer
+
+    def counting(layer, x, inds):
+        if ec.gather is None:
+            handshakes.append(x.size // x.shape[-1])
+        return run(layer, x, inds)
+
+    ec.run_layer = counting
+    gen = BatchGenerator(
+        model, None, decode_concurrency=3, prompt_concurrency=3, prefill_step_size=8
+    )
+    seqs = [gen.insert(p, 4) for p in prompts]
+    first = gen.step()  # the first chunks, 8 tokens of each prompt, together (then the
+    # 9-token prompt, all in its cache but its last token, decodes its first token)
+    assert handshakes[: len(ec.layers)] == [24] * len(ec.layers)
+    got = {id(s): ([], []) for s in seqs}
+    while first or gen.sequences:
+        for seq, r in first or gen.step():
+            got[id(seq)][0].append(r.token)
+            got[id(seq)][1].append(np.array(r.logprobs))
+        first = None
+    for seq, (tokens, logprobs) in zip(seqs, expected):
+        assert got[id(seq)][0] == tokens
+        assert all(np.array_equal(a, b) for a, b in zip(got[id(seq)][1], logprobs))
+    ec.close()
+
+
 @pytest.mark.parametrize("bad", [{"decode_concurrency": 0}, {"prompt_concurrency": 0}])
 def test_bad_concurrency_is_one_line(store, bad):
     model, _ = strata_mlx.load(store("qwen3_moe"))

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 import strata_mlx
-from strata_mlx.config import OptionError
+from strata_mlx.config import DEFAULT_DECODE_CONCURRENCY, OptionError
 from strata_mlx.format.store import StoreError, load_manifest
 from strata_mlx.stream import memory
 from strata_mlx.stream.memory import GB, RESERVE, MemoryGuardError
@@ -170,6 +170,7 @@ def test_memory_a_caller_keeps_beside_the_model_is_left_free(store, monkeypatch)
         strata_mlx.load(path, reserve_bytes=-1)
 
     from strata_mlx.apps import server
+    from strata_mlx.apps.server import app as server_app
     from strata_mlx.runtime import loader
 
     class Loaded(Exception):
@@ -179,10 +180,59 @@ def test_memory_a_caller_keeps_beside_the_model_is_left_free(store, monkeypatch)
         raise Loaded(kw["reserve_bytes"])
 
     monkeypatch.setattr(loader, "load", load)
+    kv = server_app.kv_reserve(path, DEFAULT_DECODE_CONCURRENCY).bytes  # (the test below)
     for size, expect in ((10, 123), (0, 0)):
         with pytest.raises(Loaded) as e:
             server.serve(path, prompt_cache_size=size, prompt_cache_bytes=123)
-        assert e.value.args == (expect,)
+        assert e.value.args == (expect + kv,)
+
+
+def test_serve_counts_the_kv_caches_of_its_decoding_requests(store, monkeypatch):
+    """--decode-concurrency N: the guard counts N KV caches, each as long as a request may
+    grow (prompt and answer within the context, or --max-kv-size), says so at start-up, and
+    a server whose caches do not fit is refused in one line naming --decode-concurrency."""
+    from strata_mlx.apps import server
+    from strata_mlx.apps.server import app as server_app
+    from strata_mlx.generation.prompt_cache import KVOptions
+    from strata_mlx.runtime.loader import sequence_kv_bytes, store_args
+
+    path = store("qwen3_moe")
+    context = store_args(path).max_position_embeddings
+    r = server_app.kv_reserve(path, 4)
+    assert (r.sequences, r.positions) == (4, context)
+    assert r.bytes == 4 * memory.kv_cache_bytes(store_args(path), context, itemsize=4)
+    assert server_app.kv_reserve(path, 4, None, 100, 50).positions == 150
+    assert server_app.kv_reserve(path, 4, KVOptions(max_kv_size=300)).positions == 300
+    quantized = server_app.kv_reserve(path, 4, KVOptions(kv_bits=4, kv_group_size=32)).bytes
+    assert quantized == 4 * sequence_kv_bytes(path, context, 4, 32) < r.bytes
+
+    class Started(Exception):  # stop once loaded, before the HTTP server runs
+        pass
+
+    def started(model, *a, **kw):
+        model.expert_cache.close()
+        raise Started(model)
+
+    monkeypatch.setattr(server_app, "create_app", started)
+    arena_gb = 4 * load_manifest(path).layout.record_bytes / GB
+    seen = []
+    real = memory.fit_arena
+    monkeypatch.setattr(memory, "fit_arena", lambda *a: seen.append(a[2]) or real(*a))
+    with pytest.raises(Started) as e:
+        server.serve(path, port=0, decode_concurrency=1, prompt_cache_size=0, arena_gb=arena_gb)
+    one = seen[-1]  # what the guard counts beside a one-request server's arena
+    assert one >= server_app.kv_reserve(path, 1).bytes
+    lines = server_app.started_lines("m", path, e.value.args[0], "127.0.0.1", 1, 4, r)
+    assert f"memory counted for 4 KV caches of {context} positions" in "\n".join(lines)
+
+    # room for that arena and one request's cache: eight are refused, naming the flag
+    monkeypatch.setattr(memory, "available_bytes", lambda: RESERVE + one + int(arena_gb * GB))
+    with pytest.raises(Started):
+        server.serve(path, port=0, decode_concurrency=1, prompt_cache_size=0, arena_gb=arena_gb)
+    with pytest.raises(MemoryGuardError) as refused:
+        server.serve(path, port=0, decode_concurrency=8, prompt_cache_size=0, arena_gb=arena_gb)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("--decode-concurrency 8: 8 KV caches of")
 
 
 def test_the_guard_counts_a_float32_store_s_cache_at_4_bytes(store, monkeypatch):

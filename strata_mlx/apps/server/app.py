@@ -9,6 +9,7 @@ import contextlib
 import hmac
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -25,6 +26,7 @@ from ...config import (
     DEFAULT_SHUTDOWN_TIMEOUT,
     OptionError,
 )
+from ...stream.memory import MemoryGuardError
 from ..dashboard import add_routes
 from .engine import Engine, ServeState
 from .guard import LOOPBACK_NAMES, BodyLimit, HostGuard, StreamEnd, is_loopback
@@ -229,11 +231,55 @@ def model_id(path: Path) -> str:
     return path.name if path.name not in ("", ".", "..") else path.resolve().name
 
 
+@dataclass
+class KVReserve:
+    """The KV caches serve's memory guard counts beside the model: `sequences` of
+    `positions` positions each, `bytes` in all."""
+
+    sequences: int
+    positions: int
+    bytes: int
+
+
+def kv_reserve(
+    path: str | Path,
+    decode_concurrency: int,
+    kv=None,
+    max_prompt_tokens: int | None = None,
+    max_tokens_limit: int | None = None,
+) -> KVReserve:
+    """What decoding requests may hold at once: `decode_concurrency` KV caches, each as long as
+    a request may grow (its prompt and answer within the model's context; a rotating cache's
+    --max-kv-size), at the store's dtype or --kv-bits."""
+    from ...runtime.loader import sequence_kv_bytes, store_args
+
+    context = getattr(store_args(path), "max_position_embeddings", None)
+    if not isinstance(context, int) or isinstance(context, bool) or context <= 0:
+        context = None
+    most = context or FALLBACK_CONTEXT
+    longest = (max_prompt_tokens or most) + (max_tokens_limit or most)
+    positions = min(longest, context) if context else longest
+    bits, group = None, 64
+    if kv is not None:
+        if kv.max_kv_size:
+            positions = min(positions, kv.max_kv_size)
+        bits, group = kv.kv_bits, kv.kv_group_size
+    per = sequence_kv_bytes(path, positions, bits, group)
+    return KVReserve(decode_concurrency, positions, decode_concurrency * per)
+
+
 def started_lines(
-    name: str, path: Path, model, host: str, port: int, decode_concurrency: int = 1
+    name: str,
+    path: Path,
+    model,
+    host: str,
+    port: int,
+    decode_concurrency: int = 1,
+    kv_reserved: KVReserve | None = None,
 ) -> list[str]:
-    """What serve prints once the model is loaded: the model, its arena, how many requests
-    decode together and whether their experts fit, where to reach it."""
+    """What serve prints once the model is loaded: the model, its arena, the KV caches its
+    memory guard counted, how many requests decode together and whether their experts fit,
+    where to reach it."""
     cache = model.expert_cache
     record = cache.manifest.layout.record_bytes
     slots = cache.arena.n_slots
@@ -246,6 +292,13 @@ def started_lines(
         f"  arena {slots * record / 2**30:.3f} GiB: {slots} expert slots, {share:.0f} % of "
         "the experts resident at once",
     ]
+    if kv_reserved is not None:
+        r = kv_reserved
+        lines.append(
+            f"  memory counted for {r.sequences} KV cache{'s' if r.sequences > 1 else ''} of "
+            f"{r.positions} positions ({r.bytes / 2**30:.3f} GiB: --decode-concurrency x "
+            "the longest request)"
+        )
     top_k = getattr(model.args, "num_experts_per_tok", None)
     if decode_concurrency > 1 and top_k:
         # a step's union of experts, every MoE layer's; past the arena each step evicts
@@ -304,7 +357,7 @@ def serve(
     spill to that directory, up to `prompt_cache_dir_bytes` (strata_mlx.apps.prompt_cache_dir)."""
     import uvicorn
 
-    from ...runtime.loader import RuntimeConfig, load
+    from ...runtime.loader import RuntimeConfig
 
     cfg = (config or RuntimeConfig()).replace(**runtime)
     path = Path(model_path)
@@ -320,7 +373,9 @@ def serve(
     # the prompt caches it keeps (up to prompt_cache_bytes) are memory the arena leaves free
     # (none with several ranks: those keep no prompt caches, below)
     kept = prompt_cache_bytes if prompt_cache_size > 0 and (pipe is None or pipe.size == 1) else 0
-    model, tokenizer = load(path, config=cfg, pipeline=pipe, reserve_bytes=kept)
+    model, tokenizer, reserved = _load_counting_kv(
+        path, cfg, pipe, kept, decode_concurrency, kv, max_prompt_tokens, max_tokens_limit
+    )
     if pipe is not None and pipe.size > 1:
         if pipe.rank != 0:
             serve_stage(model)
@@ -361,7 +416,7 @@ def serve(
     if pipe is not None:
         _stop_ranks_at_shutdown(app, model)
     engine = app.state.engine
-    lines = started_lines(name, path, model, host, port, engine.decode_concurrency)
+    lines = started_lines(name, path, model, host, port, engine.decode_concurrency, reserved)
     print("\n".join(lines), flush=True)
     try:
         config = uvicorn.Config(
@@ -373,6 +428,40 @@ def serve(
         if pipe is not None:
             model.close()
         model.expert_cache.close()
+
+
+def _load_counting_kv(
+    path: Path,
+    cfg,
+    pipe,
+    kept: int,
+    decode_concurrency: int,
+    kv,
+    max_prompt_tokens,
+    max_tokens_limit,
+):
+    """load() with the memory guard counting `kept` bytes of prompt caches and the KV caches
+    of the requests decoding at once (kv_reserve): (model, tokenizer, the KVReserve or None).
+    A refusal names --decode-concurrency."""
+    from ...runtime.loader import load
+
+    # a pipeline's ranks hold one sequence's caches, split by layers: not counted here
+    reserved = None
+    if pipe is None:
+        reserved = kv_reserve(path, decode_concurrency, kv, max_prompt_tokens, max_tokens_limit)
+    try:
+        extra = reserved.bytes if reserved else 0
+        model, tokenizer = load(path, config=cfg, pipeline=pipe, reserve_bytes=kept + extra)
+    except MemoryGuardError as e:
+        if reserved is None:
+            raise
+        raise MemoryGuardError(
+            f"--decode-concurrency {decode_concurrency}: {reserved.sequences} KV caches of "
+            f"{reserved.positions} positions ({reserved.bytes / 2**30:.2f} GiB) are counted; "
+            f"{e}; or lower --decode-concurrency, --max-prompt-tokens or --max-tokens-limit, "
+            "or use --max-kv-size or --kv-bits"
+        ) from None
+    return model, tokenizer, reserved
 
 
 def _bind(host: str, port: int) -> socket.socket:
