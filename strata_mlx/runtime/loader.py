@@ -140,14 +140,10 @@ class RuntimeConfig:
         metadata=opt("loop: top up the queue below this many reads.", (0, 1 << 20),
                      variant="lw", shown="2 x io-workers"),
     )  # fmt: skip
-    # nextuse-duel: the expected next use, dueled against LRU by miniature shadow arenas;
-    # replayed and live it reads fewer records than LRU on the synthetic store's routing and
-    # on the built-in model's (docs/decisions.md, "Eviction").
     eviction: str | Callable = field(
-        default="nextuse-duel",
-        metadata=opt("nextuse-duel | lru | lfu | profile | layer, a candidate of "
-                     "strata_mlx.stream.policies, or module:Class (a plug-in).",
-                     check=check_policy, panel=PANEL_MEMORY),
+        default="lru",
+        metadata=opt("lru | lfu | profile | layer, a candidate of strata_mlx.stream.policies, "
+                     "or module:Class (a plug-in).", check=check_policy, panel=PANEL_MEMORY),
     )  # fmt: skip
     # Checksums: dense weights once at load (again only when the file changed), every expert
     # record as the reader's threads read it. Off only to measure what it costs.
