@@ -122,9 +122,11 @@ class RuntimeConfig:
     # address read by a kernel), which the host never maps; off, CUDA managed memory kept on
     # the device (advised and prefetched there), which the copy engine writes through the
     # driver's unified-memory layer (10.7 GB/s into it on an H200 from a 37 GB/s tmpfs).
-    # Off by default until measured on the GPU machine (benchmarks/fast_drive.sh).
+    # On by default: on an H200 reading a 27-39 GB/s tmpfs, lookahead's cold prefill chunk
+    # takes 1.37 s against 2.27-2.33 s in managed memory and decode 12.3-12.7 tok/s against
+    # 9.4-9.8 (docs/benchmarks.md); demand reads lose 5-18 % of prefill there (decisions.md).
     device_arena: bool = field(
-        default=False,
+        default=True,
         metadata=opt("CUDA: the arena in plain device memory (else managed memory).",
                      variant="da"),
     )  # fmt: skip

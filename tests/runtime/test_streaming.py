@@ -8,6 +8,7 @@ import json
 import os
 import zlib
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import prompt_ids
@@ -60,13 +61,19 @@ def test_bit_identical_across_arenas_and_policies(store, step, family):
 
 def test_prefill_step_sizes_agree(store):
     """Chunking changes only the batch shape; prefill state is bit-identical across chunk
-    sizes (measured here on MLX's CPU backend)."""
+    sizes on MLX's CPU backend. On CUDA a matmul's tiling depends on its row count, so the
+    summation order and the last bits differ: there the logits agree to the rounding of the
+    half-precision activations (a few units of 2^-10 relative) and pick the same tokens."""
     path = store(FAMILY)
     ids = prompt_ids(40, seed=4)
     model = resident(path, 64)
     outs = [teacher_forced_logits(model, ids, s) for s in (1, 7, 64)]
-    assert np.array_equal(outs[0], outs[2])
-    assert np.array_equal(outs[1], outs[2])
+    for out in outs[:2]:
+        if mx.default_device() == mx.cpu:
+            assert np.array_equal(out, outs[2])
+        else:
+            np.testing.assert_allclose(out, outs[2], rtol=1e-2, atol=1e-3)
+            assert np.array_equal(out.argmax(-1), outs[2].argmax(-1))
 
 
 def test_small_arena_runs_expert_major_groups(store):
