@@ -184,7 +184,7 @@ def test_no_getattr_expert_cache():
 MODULE_NAMES = {"model", "module", "inner", "block", "blocks", "layer", "layers", "mlp", "m"}
 MODULE_NAMES |= {"switch_mlp", "attn", "embed_tokens", "norm", "lm_head"}
 HOOKS = {"expert_cache", "decoder", "runtime", "store_path", "pipeline", "moe_blocks", "top_k"}
-HOOKS |= {"dump", "trace", "route_bonus"}
+HOOKS |= {"dump", "trace", "route_bonus", "gather"}
 # (file, target) left, and why.
 SETATTR_EXCEPTIONS = {
     # A pipeline stage swaps the layers, embedding and norm another rank computes for

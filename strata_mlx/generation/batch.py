@@ -91,37 +91,38 @@ def _met_at_moe_layers(model, rows: list[tuple[mx.array, list]]) -> list:
         return parent.switch(("moe", layer, x, inds))
 
     lets = [greenlet(forward, parent) for _ in rows]
-    ec.gather = gather
     try:
-        msgs = [g.switch(*row) for g, row in zip(lets, rows)]
-        while msgs[0][0] == "moe":
-            layer = msgs[0][1]
-            if any(m[0] != "moe" or m[1] != layer for m in msgs):
-                raise RuntimeError("the rows of a batched step reached different layers")
-            xs = [m[2] for m in msgs]
-            inds = [m[3] for m in msgs]
-            d, k = xs[0].shape[-1], inds[0].shape[-1]
-            x = mx.concatenate([a.reshape(-1, d) for a in xs])
-            i = mx.concatenate([a.reshape(-1, k) for a in inds])
-            ec.gather = None  # this call is the layer's one handshake
-            try:
-                y = ec.run_layer(layer, x[None], i[None])[0]
-            finally:
-                ec.gather = gather
-            outs, at = [], 0
-            for a in xs:
-                n = a.size // d
-                outs.append(y[at : at + n].reshape(*a.shape[:-1], k, d))
-                at += n
-            msgs = [g.switch(o) for g, o in zip(lets, outs)]
-        if any(m[0] != "logits" for m in msgs):
-            raise RuntimeError("the rows of a batched step reached different layers")
-        return [m[1] for m in msgs]
+        with ec.gathering(gather):
+            return _meet(ec, lets, rows)
     finally:
-        ec.gather = None
         for g in lets:  # (a failed step: the others are abandoned mid-forward)
             if not g.dead:
                 g.throw()
+
+
+def _meet(ec, lets: list, rows: list[tuple[mx.array, list]]) -> list:
+    """Run the rows' greenlets to their logits, each MoE layer once for all of them."""
+    msgs = [g.switch(*row) for g, row in zip(lets, rows)]
+    while msgs[0][0] == "moe":
+        layer = msgs[0][1]
+        if any(m[0] != "moe" or m[1] != layer for m in msgs):
+            raise RuntimeError("the rows of a batched step reached different layers")
+        xs = [m[2] for m in msgs]
+        inds = [m[3] for m in msgs]
+        d, k = xs[0].shape[-1], inds[0].shape[-1]
+        x = mx.concatenate([a.reshape(-1, d) for a in xs])
+        i = mx.concatenate([a.reshape(-1, k) for a in inds])
+        with ec.gathering(None):  # this call is the layer's one handshake
+            y = ec.run_layer(layer, x[None], i[None])[0]
+        outs, at = [], 0
+        for a in xs:
+            n = a.size // d
+            outs.append(y[at : at + n].reshape(*a.shape[:-1], k, d))
+            at += n
+        msgs = [g.switch(o) for g, o in zip(lets, outs)]
+    if any(m[0] != "logits" for m in msgs):
+        raise RuntimeError("the rows of a batched step reached different layers")
+    return [m[1] for m in msgs]
 
 
 @dataclass

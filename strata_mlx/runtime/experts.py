@@ -100,11 +100,21 @@ class ExpertCache:
         self.pipelined = DeferredHandshake(
             self.sched, self.predictor, self.compute, self.layers, all_fit
         )
-        # A batched token step (strata_mlx.generation.batch) sets this: each sequence's MoE
-        # layer is handed to it, which runs the layer once for every sequence's tokens.
+        # A batched token step (strata_mlx.generation.batch) sets this (`gathering`): each
+        # sequence's MoE layer is handed to it, which runs the layer once for every sequence.
         self.gather: Callable[[int, mx.array, mx.array], mx.array] | None = None
 
     # ---- public ----------------------------------------------------------------------
+
+    @contextmanager
+    def gathering(self, gather: Callable[[int, mx.array, mx.array], mx.array] | None):
+        """Within: run_layer hands each MoE layer to `gather` (None: runs it here), and
+        restores the one before on the way out."""
+        before, self.gather = self.gather, gather
+        try:
+            yield
+        finally:
+            self.gather = before
 
     @property
     def stats(self) -> ExpertStats:
