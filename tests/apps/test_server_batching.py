@@ -187,9 +187,16 @@ def test_the_api_and_the_cli_default_to_the_same_concurrency():
 
     from strata_mlx.apps.cli import serve as cli
     from strata_mlx.apps.server import app
+    from strata_mlx.config import DEFAULT_DECODE_CONCURRENCY
 
-    for name in ("decode_concurrency", "prompt_concurrency"):
+    def defaults(name):
         flag = inspect.signature(cli.serve).parameters[name].default.default
         api = inspect.signature(app.create_app).parameters[name].default
         served = inspect.signature(app.serve).parameters[name].default
-        assert api == served == flag, (name, api, served, flag)
+        return flag, api, served
+
+    flag, api, served = defaults("prompt_concurrency")
+    assert api == served == flag, (api, served, flag)
+    # serve's default (None) is DEFAULT_DECODE_CONCURRENCY, lowered where it does not fit
+    flag, api, served = defaults("decode_concurrency")
+    assert flag is None and served is None and api == DEFAULT_DECODE_CONCURRENCY

@@ -234,6 +234,15 @@ def test_serve_counts_the_kv_caches_of_its_decoding_requests(store, monkeypatch)
     message = str(refused.value)
     assert "\n" not in message and message.startswith("--decode-concurrency 8: 8 KV caches of")
 
+    # not asked for: the default is halved until the caches fit, and serve says so
+    asked = []
+    monkeypatch.setattr(
+        server_app, "create_app", lambda m, *a, **kw: asked.append(kw) or started(m)
+    )
+    with pytest.raises(Started):
+        server.serve(path, port=0, prompt_cache_size=0, arena_gb=arena_gb)
+    assert asked[-1]["decode_concurrency"] == 1
+
 
 def test_the_guard_counts_a_float32_store_s_cache_at_4_bytes(store, monkeypatch):
     """A float32 store (GGUF files under 2 GB, these tests' stores) computes, and keeps its

@@ -54,11 +54,13 @@ def serve(
         "--max-queue",
         help="Requests that may wait behind the running one; more are answered 429.",
     ),
-    decode_concurrency: int = typer.Option(
-        DEFAULT_DECODE_CONCURRENCY,
+    decode_concurrency: int | None = typer.Option(
+        None,
         "--decode-concurrency",
         help="Requests that decode together, one token each per step, their experts read "
-        "once for all (1: one request at a time; --pipeline runs one at a time).",
+        f"once for all (1: one request at a time; --pipeline runs one at a time). Default "
+        f"{DEFAULT_DECODE_CONCURRENCY}, halved until their KV caches fit beside the model.",
+        show_default=False,
     ),
     prompt_concurrency: int = typer.Option(
         DEFAULT_PROMPT_CONCURRENCY,
@@ -185,7 +187,8 @@ def _check_sizes(args: dict) -> None:
         if args[name] is not None:
             check_int(name, args[name], 1, cli=True)
     check_int("max_queue", args["max_queue"], 0, cli=True)
-    check_int("decode_concurrency", args["decode_concurrency"], 1, cli=True)
+    if args["decode_concurrency"] is not None:
+        check_int("decode_concurrency", args["decode_concurrency"], 1, cli=True)
     check_int("prompt_concurrency", args["prompt_concurrency"], 1, cli=True)
     check_int("prompt_cache_size", args["prompt_cache_size"], 0, cli=True)
     check_int("prompt_cache_bytes", args["prompt_cache_bytes"], 0, cli=True)

@@ -345,7 +345,7 @@ def serve(
     pipeline_timeout: float = 300.0,
     kv=None,
     config=None,
-    decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY,
+    decode_concurrency: int | None = None,
     prompt_concurrency: int = DEFAULT_PROMPT_CONCURRENCY,
     **runtime,
 ) -> None:
@@ -354,7 +354,9 @@ def serve(
     stopped (SIGTERM or Ctrl-C: requests in flight get `shutdown_timeout` seconds).
     `pipeline`: this process is a rank of mlx.launch; rank 0 serves HTTP, the others compute
     their layers (strata_mlx.runtime.distributed). `prompt_cache_dir`: the prompt caches also
-    spill to that directory, up to `prompt_cache_dir_bytes` (strata_mlx.apps.prompt_cache_dir)."""
+    spill to that directory, up to `prompt_cache_dir_bytes` (strata_mlx.apps.prompt_cache_dir).
+    `decode_concurrency` None: DEFAULT_DECODE_CONCURRENCY, halved until the requests' KV caches
+    fit beside the model (a number given is kept, or refused)."""
     import uvicorn
 
     from ...runtime.loader import RuntimeConfig
@@ -403,7 +405,7 @@ def serve(
         bound_host=host,
         allowed_hosts=allowed_hosts,
         # the other ranks of a pipeline hold one sequence's state
-        decode_concurrency=1 if pipe is not None else decode_concurrency,
+        decode_concurrency=1 if pipe is not None or reserved is None else reserved.sequences,
         prompt_concurrency=prompt_concurrency,
     )
     from ...generation.prompt_cache import PromptCacheLRU
@@ -417,6 +419,13 @@ def serve(
         _stop_ranks_at_shutdown(app, model)
     engine = app.state.engine
     lines = started_lines(name, path, model, host, port, engine.decode_concurrency, reserved)
+    if decode_concurrency is None and reserved is not None:
+        if reserved.sequences < DEFAULT_DECODE_CONCURRENCY:
+            lines.append(
+                f"  --decode-concurrency {reserved.sequences}: the KV caches of "
+                f"{DEFAULT_DECODE_CONCURRENCY} requests do not fit beside the model "
+                "(--decode-concurrency, --max-kv-size or --kv-bits to choose)"
+            )
     print("\n".join(lines), flush=True)
     try:
         config = uvicorn.Config(
@@ -435,7 +444,7 @@ def _load_counting_kv(
     cfg,
     pipe,
     kept: int,
-    decode_concurrency: int,
+    decode_concurrency: int | None,
     kv,
     max_prompt_tokens,
     max_tokens_limit,
@@ -446,22 +455,24 @@ def _load_counting_kv(
     from ...runtime.loader import load
 
     # a pipeline's ranks hold one sequence's caches, split by layers: not counted here
-    reserved = None
-    if pipe is None:
-        reserved = kv_reserve(path, decode_concurrency, kv, max_prompt_tokens, max_tokens_limit)
-    try:
-        extra = reserved.bytes if reserved else 0
-        model, tokenizer = load(path, config=cfg, pipeline=pipe, reserve_bytes=kept + extra)
-    except MemoryGuardError as e:
-        if reserved is None:
-            raise
-        raise MemoryGuardError(
-            f"--decode-concurrency {decode_concurrency}: {reserved.sequences} KV caches of "
-            f"{reserved.positions} positions ({reserved.bytes / 2**30:.2f} GiB) are counted; "
-            f"{e}; or lower --decode-concurrency, --max-prompt-tokens or --max-tokens-limit, "
-            "or use --max-kv-size or --kv-bits"
-        ) from None
-    return model, tokenizer, reserved
+    if pipe is not None:
+        return (*load(path, config=cfg, pipeline=pipe, reserve_bytes=kept), None)
+    n = decode_concurrency or DEFAULT_DECODE_CONCURRENCY
+    while True:
+        reserved = kv_reserve(path, n, kv, max_prompt_tokens, max_tokens_limit)
+        try:
+            model, tokenizer = load(path, config=cfg, reserve_bytes=kept + reserved.bytes)
+            return model, tokenizer, reserved
+        except MemoryGuardError as e:
+            if decode_concurrency is None and n > 1:
+                n //= 2  # not asked for: fewer requests decode together
+                continue
+            raise MemoryGuardError(
+                f"--decode-concurrency {n}: {reserved.sequences} KV caches of "
+                f"{reserved.positions} positions ({reserved.bytes / 2**30:.2f} GiB) are "
+                f"counted; {e}; or lower --decode-concurrency, --max-prompt-tokens or "
+                "--max-tokens-limit, or use --max-kv-size or --kv-bits"
+            ) from None
 
 
 def _bind(host: str, port: int) -> socket.socket:
