@@ -40,10 +40,10 @@ store)  # the store on disk and on tmpfs; the reader's GPU tests; the drive and 
      --variants bounce+verify+overlap,bounce+verify+overlap+dc,bounce+verify+overlap+dc+dm,bounce+overlap+dc+dm 2>&1 \
      | tee "$OUT/read-path-shm.log"
   ;;
-bench)  # tmpfs: each policy with the arena in managed memory (the default) and in device
-  # memory (:da1, last: a failure there leaves the others' lines in the log)
+bench)  # tmpfs: each policy with the arena in device memory (the default on CUDA) and in
+  # managed memory (:da0)
   build
-  bench "bench-shm" "$SHM" "${POL:-demand,lookahead,demand:da1,lookahead:da1}"
+  bench "bench-shm" "$SHM" "${POL:-demand:da0,demand,lookahead:da0,lookahead}"
   ;;
 profile)  # tmpfs: where decode's host time goes (cProfile of a decode)
   build
@@ -51,9 +51,9 @@ profile)  # tmpfs: where decode's host time goes (cProfile of a decode)
      --policy lookahead --top 45 2>&1 | tee "$OUT/profile-decode.log" | head -60
   ;;
 disk)  # the machine's own disk: each policy with the CPU copy (:dc0, the code before the copy
-  # engine), the arena in managed memory (the default) and in device memory (:da1)
+  # engine), the arena in managed memory (:da0) and in device memory (the default)
   build
-  G=${G:-32} bench "bench-disk" "$DISK" "${POL:-demand:dc0,demand,demand:da1,lookahead:dc0,lookahead,lookahead:da1}"
+  G=${G:-32} bench "bench-disk" "$DISK" "${POL:-demand:dc0,demand:da0,demand,lookahead:dc0,lookahead:da0,lookahead}"
   ;;
 old-vs-new)  # `old-vs-new STORE ROUND`: the old tree's bench, then this code's, same store
   build; (cd "$OLD" && [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q | tail -1)
