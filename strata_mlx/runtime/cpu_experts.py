@@ -111,6 +111,9 @@ def _kernel(layout: RecordLayout) -> ExpertFn:
         pair_slot = np.ascontiguousarray(slot_of[np.asarray(ids).reshape(-1)])
         # pairs of one slot side by side: its codes are decoded once for all of them
         order = np.argsort(pair_slot, kind="stable").astype(np.int32)
+        # each pair's input row: its token's (up, gate) or its own (down)
+        token_of_pair = np.repeat(np.arange(n_tokens, dtype=np.int32), k)
+        each_pair = np.arange(n_tokens * k, dtype=np.int32)
         views = None
         shape = (n_tokens, k, 1, -1)  # the reference's: [tokens, k, 1, outputs]
 
@@ -124,10 +127,7 @@ def _kernel(layout: RecordLayout) -> ExpertFn:
                 return mx.gather_mm(inputs, w, rhs_indices=ids, sorted_indices=False)
             w_off, s_off, b_off, n_out, bits, group_size, kind = projs[p]
             flat = np.asarray(inputs).reshape(-1, inputs.shape[-1])
-            if per_pair:
-                pair_x = np.arange(n_tokens * k, dtype=np.int32)
-            else:
-                pair_x = np.repeat(np.arange(n_tokens, dtype=np.int32), k)
+            pair_x = each_pair if per_pair else token_of_pair
             out = np.empty((pair_slot.size, n_out), np.float32)
             native.qmm_pairs(
                 out,

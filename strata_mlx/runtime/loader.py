@@ -383,7 +383,11 @@ def load(
 def store_args(path: str | Path):
     """The family's ModelArgs of the store at `path` (its manifest's config); nothing built."""
     path = Path(path)
-    manifest = load_manifest(path)
+    return model_args(load_manifest(path), path)
+
+
+def model_args(manifest, path: Path):
+    """The family's ModelArgs from `manifest`'s config (the store at `path`)."""
     source = path / "manifest.json"
     fam = family(manifest.model_type, source)
     return fam.ModelArgs.from_dict(normalize_config(manifest.config), source, "config.")
@@ -396,8 +400,10 @@ def sequence_kv_bytes(
     store at `path`, as the memory guard counts caches (memory.kv_cache_bytes, at the store's
     activation itemsize); with `kv_bits`, the attention part as a quantized cache's codes
     plus a scale and a bias per `kv_group_size` elements."""
-    args = store_args(path)
-    itemsize = memory.activation_itemsize(load_manifest(Path(path)).config.get("torch_dtype"))
+    path = Path(path)
+    manifest = load_manifest(path)
+    args = model_args(manifest, path)
+    itemsize = memory.activation_itemsize(manifest.config.get("torch_dtype"))
     total = memory.kv_cache_bytes(args, positions, itemsize)
     if not kv_bits:
         return total
@@ -411,7 +417,7 @@ def build_module(manifest, cfg: RuntimeConfig, path: Path) -> tuple[nn.Module, o
     block routing to `cfg.experts_per_token` experts when that is set."""
     source = path / "manifest.json"
     fam = family(manifest.model_type, source)
-    args = fam.ModelArgs.from_dict(normalize_config(manifest.config), source, "config.")
+    args = model_args(manifest, path)
     if cfg.experts_per_token is not None:
         if cfg.experts_per_token > manifest.num_experts:
             raise OptionError(

@@ -110,7 +110,12 @@ def chars_per_token(tokenizer) -> int | None:
 
 def named_context(model) -> int | None:
     """The model's context length (max_position_embeddings), None if its config names none."""
-    n = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    return context_of(getattr(model, "args", None))
+
+
+def context_of(args) -> int | None:
+    """The context length ModelArgs `args` name (max_position_embeddings), or None."""
+    n = getattr(args, "max_position_embeddings", None)
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
@@ -253,9 +258,7 @@ def kv_reserve(
     --max-kv-size), at the store's dtype or --kv-bits."""
     from ...runtime.loader import sequence_kv_bytes, store_args
 
-    context = getattr(store_args(path), "max_position_embeddings", None)
-    if not isinstance(context, int) or isinstance(context, bool) or context <= 0:
-        context = None
+    context = context_of(store_args(path))
     most = context or FALLBACK_CONTEXT
     longest = (max_prompt_tokens or most) + (max_tokens_limit or most)
     positions = min(longest, context) if context else longest
@@ -458,8 +461,9 @@ def _load_counting_kv(
     if pipe is not None:
         return (*load(path, config=cfg, pipeline=pipe, reserve_bytes=kept), None)
     n = decode_concurrency or DEFAULT_DECODE_CONCURRENCY
+    one = kv_reserve(path, 1, kv, max_prompt_tokens, max_tokens_limit)
     while True:
-        reserved = kv_reserve(path, n, kv, max_prompt_tokens, max_tokens_limit)
+        reserved = KVReserve(n, one.positions, n * one.bytes)
         try:
             model, tokenizer = load(path, config=cfg, reserve_bytes=kept + reserved.bytes)
             return model, tokenizer, reserved
