@@ -37,7 +37,11 @@ def run_level(model, tokenizer, n: int, args, rng) -> dict:
         ids = rng.integers(0, vocab, args.prompt_tokens).tolist()
         seqs.append(gen.insert(ids, max_tokens=args.max_tokens))
     done, tokens, full_tokens, full_s = {}, 0, 0, 0.0
+    shown = time.perf_counter()
     while gen.sequences:
+        if time.perf_counter() - shown > 2.0:  # progress on a slow machine
+            print(f"  x{n}: {tokens}/{n * args.max_tokens} tokens", file=sys.stderr, flush=True)
+            shown = time.perf_counter()
         full = all(s.decoding for s in gen.sequences) and len(gen.sequences) == n
         ts = time.perf_counter()
         out = gen.step()
