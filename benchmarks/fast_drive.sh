@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|bench|profile|disk|evict|extra|resident|old-vs-new
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|resident|old-vs-new
 # Logs land in $OUT (the device tool brings them back).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -45,10 +45,19 @@ bench)  # tmpfs: each policy with the arena in device memory (the default on CUD
   build
   bench "bench-shm" "$SHM" "${POL:-demand:da0,demand,lookahead:da0,lookahead}"
   ;;
-profile)  # tmpfs: where decode's host time goes (cProfile of a decode)
+profile)  # tmpfs: where decode's and prefill's host time goes (cProfile)
   build
   timeout 120 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 \
      --policy lookahead --top 45 2>&1 | tee "$OUT/profile-decode.log" | head -60
+  timeout 150 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 4096 --prefill \
+     --policy "${PPOL:-lookahead}" --top 45 2>&1 | tee "$OUT/profile-prefill.log" | head -70
+  ;;
+path)  # tmpfs: the data path's steps (benchmarks/read_path.py), 8 and 12 reader workers
+  build
+  for w in ${WORKERS:-8 12}; do
+    timeout 150 python3 benchmarks/read_path.py "$SHM" --touch --seconds 2 --rounds 3 --workers $w \
+      --variants "${VARIANTS:-bounce+verify+overlap+dc+dm,bounce+verify+overlap+dc+dm+cb,bounce+overlap+dc+dm,bounce+overlap+dc+dm+cb}"
+  done 2>&1 | tee "$OUT/read-path.log"
   ;;
 disk)  # the machine's own disk: each policy with the CPU copy (:dc0, the code before the copy
   # engine), the arena in managed memory (:da0) and in device memory (the default)
@@ -82,5 +91,5 @@ resident)  # every expert resident, beside mlx-lm's own model, interleaved (benc
   timeout 560 python3 benchmarks/decode.py "$SHM" -p 2048 -g 128 --rounds "${ROUNDS:-3}" \
      --modes "${MODES:-token:4}" --json "$OUT/resident.json" 2>&1 | tee "$OUT/resident.log"
   ;;
-*) echo "usage: $0 store|bench|profile|disk|evict|extra|old-vs-new STORE ROUND|resident"; exit 2;;
+*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|old-vs-new STORE ROUND|resident"; exit 2;;
 esac

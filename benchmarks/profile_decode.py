@@ -1,11 +1,12 @@
-"""Where decode's host time goes: cProfile over the decode steps of one generation.
+"""Where decode's (or prefill's) host time goes: cProfile over one generation's decode steps.
 
     python benchmarks/profile_decode.py STORE [--arena-gb 6.5] [-p 1024] [-g 48]
-        [--policy lookahead] [--top 40]
+        [--policy lookahead] [--top 40] [--prefill]
 
 Prefills a random prompt of `p` tokens (not profiled), then profiles `g` greedy decode steps
 and prints the functions by their own time and by cumulative time, with the cache's
-per-token wait / sync / host split beside them.
+per-token wait / sync / host split beside them. `--prefill`: profiles the prompt's chunks
+after the first instead (chunks of `--prefill-step-size`), with the split a chunk.
 """
 
 from __future__ import annotations
@@ -33,13 +34,17 @@ def main() -> None:
     ap.add_argument("-g", "--gen-tokens", type=int, default=48)
     ap.add_argument("--policy", default="lookahead")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--prefill", action="store_true", help="profile prefill's chunks instead")
+    ap.add_argument("--prefill-step-size", type=int, default=1024)
     a = ap.parse_args()
     m = load_manifest(a.store)
     model, _ = strata_mlx.load(a.store, arena_gb=a.arena_gb, **policy_options(a.policy))
     ids = np.random.default_rng(0).integers(0, m.config["vocab_size"], a.prompt_tokens).tolist()
+    ec = model.expert_cache
+    if a.prefill:
+        return profile_prefill(model, ec, ids, a)
     steps = generate_step(model, mx.array(ids), max_tokens=a.gen_tokens + 1, prefill_step_size=1024)
     next(steps)  # the prompt and its first token: not profiled
-    ec = model.expert_cache
     ec.stats = ExpertStats()
     prof = cProfile.Profile()
     t = time.perf_counter()
@@ -53,6 +58,32 @@ def main() -> None:
         f"{st.exposed_wait_s / n * 1e3:.1f}, sync {st.route_sync_s / n * 1e3:.1f}, host "
         f"{st.host_s / n * 1e3:.1f} ms/token; miss {st.miss_pct:.1f}%"
     )
+    for key in ("tottime", "cumtime"):
+        pstats.Stats(prof).sort_stats(key).print_stats(a.top)
+    ec.close()
+
+
+def profile_prefill(model, ec, ids: list[int], a) -> None:
+    """The first chunk unprofiled (kernels built), the rest profiled one by one."""
+    step = a.prefill_step_size
+    chunks = [ids[i : i + step] for i in range(0, len(ids), step)]
+    cache = model.make_cache()
+    mx.eval(model(mx.array([chunks[0]]), cache=cache))
+    prof = cProfile.Profile()
+    for chunk in chunks[1:]:
+        ec.stats = ExpertStats()
+        t = time.perf_counter()
+        prof.enable()
+        mx.eval(model(mx.array([chunk]), cache=cache))
+        prof.disable()
+        wall = time.perf_counter() - t
+        st = ec.stats
+        print(
+            f"{a.policy} prefill chunk of {len(chunk)}: {wall * 1e3:.0f} ms; wait "
+            f"{st.exposed_wait_s * 1e3:.0f}, sync {st.route_sync_s * 1e3:.0f}, host "
+            f"{st.host_s * 1e3:.0f} ms, loop thread {st.loop_s * 1e3:.0f} ms; read "
+            f"{st.experts_read}, miss {st.miss_pct:.1f}%"
+        )
     for key in ("tottime", "cumtime"):
         pstats.Stats(prof).sort_stats(key).print_stats(a.top)
     ec.close()

@@ -10,7 +10,8 @@ the bounce copy lands through the driver's page migration), as the expert cache 
 "dc": (CUDA) the copy engine moves each record from pinned memory into an arena kept on the
 device (the expert cache's default there); without it the CPU copies into managed memory.
 "dm": (with dc) into an arena in plain device memory (the cache's device_arena option) instead
-of managed memory.
+of managed memory. "cb": (with dc) the reader's copy_behind (the next record read while the
+last one's copy runs).
 "4k": into an arena left in 4 KB pages (Arena(hugepages=False); by default the CPU backend's
 arena asks Linux for huge pages, which CUDA's managed memory does not take).
 --touch: each batch of landed slots is then read by the device (a sum over their rows,
@@ -29,9 +30,9 @@ import mlx.core as mx
 
 from strata_mlx.format.store import load_manifest
 from strata_mlx.stream.arena import Arena
-from strata_mlx.stream.probe import probe_data_path
+from strata_mlx.stream.probe import IN_FLIGHT, probe_data_path
 
-PARTS = ("direct", "bounce", "verify", "overlap", "4k", "dc", "dm")
+PARTS = ("direct", "bounce", "verify", "overlap", "4k", "dc", "dm", "cb")
 
 
 def read_round(store: Path, m, arena: Arena, variant: set, workers: int, seconds: float,
@@ -41,7 +42,7 @@ def read_round(store: Path, m, arena: Arena, variant: set, workers: int, seconds
     res = probe_data_path(store, m, workers, seconds, verify="verify" in variant,
                           overlap="overlap" in variant, device_copy="dc" in variant,
                           touch=touch, seed=seed, bounce="bounce" in variant,
-                          arena=arena)  # fmt: skip
+                          arena=arena, copy_behind="cb" in variant)  # fmt: skip
     st = res["stats"]
     busy = sum(st["busy_ns"]) + sum(st["verify_ns"])
     per = max(st["requests_done"], 1) * 1e3  # ns -> us a read
@@ -72,11 +73,11 @@ def main() -> None:
     dc = any("dc" in v.split("+") for v in variants)
     dm = any("dm" in v.split("+") for v in variants)
     arenas = {
-        ("4k", False): Arena(a.workers * 2, rb, hugepages=False, on_device=dc),
-        ("", False): Arena(a.workers * 2, rb, on_device=dc),
+        ("4k", False): Arena(a.workers * IN_FLIGHT, rb, hugepages=False, on_device=dc),
+        ("", False): Arena(a.workers * IN_FLIGHT, rb, on_device=dc),
     }
     if dm:
-        arenas["", True] = Arena(a.workers * 2, rb, on_device=True, device_memory=True)
+        arenas["", True] = Arena(a.workers * IN_FLIGHT, rb, on_device=True, device_memory=True)
     print(
         f"{a.store}: {m.checksum} records of {rb} bytes, {a.workers} workers, device "
         f"{mx.default_device()}, touch={a.touch}"

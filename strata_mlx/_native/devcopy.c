@@ -131,9 +131,15 @@ void devcopy_unpin(DevCopyThread *t, void *buf) {
     if (t) cu.host_unregister(buf);
 }
 
+int devcopy_start(DevCopyThread *t, void *dst, const void *src, size_t len) {
+    return cu.memcpy_htod_async((CUdeviceptr)(uintptr_t)dst, src, len, t->stream);
+}
+
+int devcopy_wait(DevCopyThread *t) { return cu.stream_synchronize(t->stream); }
+
 int devcopy_copy(DevCopyThread *t, void *dst, const void *src, size_t len) {
-    CUresult e = cu.memcpy_htod_async((CUdeviceptr)(uintptr_t)dst, src, len, t->stream);
-    if (!e) e = cu.stream_synchronize(t->stream);
+    CUresult e = devcopy_start(t, dst, src, len);
+    if (!e) e = devcopy_wait(t);
     return e;
 }
 

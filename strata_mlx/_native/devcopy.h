@@ -25,6 +25,10 @@ void devcopy_pin(DevCopyThread *t, void *buf, size_t len);
 void devcopy_unpin(DevCopyThread *t, void *buf);
 /* Copy len bytes from host `src` to device-visible `dst` and wait for it: 0 or a CUresult. */
 int devcopy_copy(DevCopyThread *t, void *dst, const void *src, size_t len);
+/* The same copy queued on the thread's stream (`src` must stay untouched until it is done),
+ * and the wait for every copy the thread queued: 0 or a CUresult. */
+int devcopy_start(DevCopyThread *t, void *dst, const void *src, size_t len);
+int devcopy_wait(DevCopyThread *t);
 
 /* Ask the driver to keep [addr, addr + len) (managed memory) on the device and move it there
  * now: 0 or a CUresult. */

@@ -96,6 +96,7 @@ struct ReaderObject {
     int preading, preading_max; /* threads inside a pread now; the most at once (mu) */
     int bounce; /* read into a per-worker buffer, then copy into dest (see worker_main) */
     int device_copy; /* that copy by the GPU's copy engine from pinned memory (devcopy.h) */
+    int copy_behind; /* read-ahead's copy waited for after the worker's next read (worker_main) */
     Py_ssize_t split; /* smallest part of a split request in bytes; 0: never split */
     pthread_t *threads;
     WorkerArg *args;
@@ -109,6 +110,8 @@ struct ReaderObject {
     Py_ssize_t n_done, cap_done;
     long long *current; /* per worker: tag being read, valid while reading[w] */
     char *reading;
+    long long *behind; /* copy_behind, per worker: the tag whose copy runs, valid while behind_on[w] */
+    char *behind_on;
     int *fds, nfiles, cap_files;
     char *direct, *checksum; /* per file: opened O_DIRECT; CHECKSUM_* of its records */
     unsigned long long bytes_read, requests_done, errors, verified, *busy_ns, *verify_ns;
@@ -250,23 +253,73 @@ static int read_fully(int fd, int direct, const Request *rq, long long *nread) {
     return err;
 }
 
+/* A read that has landed where it goes (and been verified): its completion (mu held). */
+static void complete(ReaderObject *r, int w, long long tag, int err, long long nread, int checked,
+                     uint64_t verify_ns) {
+    if (r->behind_on[w] && r->behind[w] == tag)
+        r->behind_on[w] = 0;
+    else
+        r->reading[w] = 0;
+    /* capacity was reserved by submit(): workers never allocate */
+    r->done_items[r->n_done++] = (Completion){tag, err, nread};
+    r->requests_done++;
+    r->errors += err != 0;
+    r->verified += checked;
+    r->verify_ns[w] += verify_ns;
+    pthread_cond_broadcast(&r->done);
+    notify(r);
+}
+
+/* copy_behind: a read whose device copy was queued and not waited for yet. */
+typedef struct {
+    int active, err, checked;
+    long long tag, nread;
+    uint64_t verify_ns;
+} Behind;
+
+/* Wait for the thread's queued copy and complete its read (mu not held; taken here). */
+static void finish_behind(ReaderObject *r, int w, DevCopyThread *dc, Behind *b) {
+    if (!b->active) return;
+    uint64_t c0 = now_ns();
+    int e = devcopy_wait(dc);
+    uint64_t c1 = now_ns();
+    pthread_mutex_lock(&r->mu);
+    r->device_copy_ns += c1 - c0;
+    complete(r, w, b->tag, e && !b->err ? DEVICE_COPY_FAILED : b->err, b->nread, b->checked,
+             b->verify_ns);
+    pthread_mutex_unlock(&r->mu);
+    b->active = 0;
+}
+
 static void *worker_main(void *p) {
     WorkerArg *arg = p;
     ReaderObject *r = arg->reader;
     int w = arg->index;
-    void *bounce = NULL; /* this worker's buffer in bounce mode, grown to the longest read */
-    size_t bounce_cap = 0;
+    /* this worker's buffers in bounce mode, grown to the longest read; copy_behind uses both
+     * in turn (one is read into while the other's copy runs), else only the first */
+    void *bounces[2] = {NULL, NULL};
+    size_t caps[2] = {0, 0};
+    int cur = 0;
+    Behind behind = {0};
     /* device_copy: this thread's stream; NULL (the CPU copies) if it could not be made */
     DevCopyThread *dc = r->device_copy ? devcopy_thread_new() : NULL;
+    int copy_behind = r->copy_behind && dc;
     pthread_mutex_lock(&r->mu);
     while (!r->stopping) {
         Queue *q = NULL;
         if (!r->paused && r->preading < r->nworkers)
             q = q_size(&r->urgent) ? &r->urgent : q_size(&r->ahead) ? &r->ahead : NULL;
         if (!q) {
+            if (behind.active) { /* nothing to read meanwhile: the copy's read completes now */
+                pthread_mutex_unlock(&r->mu);
+                finish_behind(r, w, dc, &behind);
+                pthread_mutex_lock(&r->mu);
+                continue;
+            }
             pthread_cond_wait(&r->work, &r->mu);
             continue;
         }
+        int urgent = q == &r->urgent;
         Request rq = q_pop(q);
         int fd = r->fds[rq.file], direct = r->direct[rq.file], kind = r->checksum[rq.file];
         if (rq.group) rq.group->started++;
@@ -286,26 +339,27 @@ static void *worker_main(void *p) {
          * the CPU copies it into dest, which the driver keeps coherent. */
         Request into = rq;
         if (r->bounce) {
-            if ((size_t)rq.length > bounce_cap) {
-                if (bounce) devcopy_unpin(dc, bounce);
-                free(bounce);
-                bounce_cap = 0;
+            if ((size_t)rq.length > caps[cur]) {
+                if (bounces[cur]) devcopy_unpin(dc, bounces[cur]);
+                free(bounces[cur]);
+                bounces[cur] = NULL;
+                caps[cur] = 0;
                 size_t cap = ((size_t)rq.length + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-                if (posix_memalign(&bounce, HUGE_PAGE, cap) == 0) {
-                    bounce_cap = cap;
-                    advise_huge(bounce, cap, 0); /* before the first touch: huge at fault */
-                    devcopy_pin(dc, bounce, cap); /* device copy: registered, still huge */
+                if (posix_memalign(&bounces[cur], HUGE_PAGE, cap) == 0) {
+                    caps[cur] = cap;
+                    advise_huge(bounces[cur], cap, 0); /* before the first touch: huge at fault */
+                    devcopy_pin(dc, bounces[cur], cap); /* device copy: registered, still huge */
                 } else
-                    bounce = NULL;
+                    bounces[cur] = NULL;
             }
-            if (bounce)
-                into.dest = (char *)bounce;
+            if (bounces[cur])
+                into.dest = (char *)bounces[cur];
             else
                 err = ENOMEM;
         }
         if (!err) err = read_fully(fd, direct, &into, &nread);
         uint64_t t1 = now_ns(), t2 = t1;
-        if (r->overlap) { /* the drive's slot is free: the next queued read starts now */
+        if (r->overlap || copy_behind) { /* the drive's slot is free: the next read starts now */
             pthread_mutex_lock(&r->mu);
             r->preading--;
             if (q_size(&r->urgent) || q_size(&r->ahead)) pthread_cond_signal(&r->work);
@@ -317,23 +371,43 @@ static void *worker_main(void *p) {
                 err = CHECKSUM_MISMATCH;
             t2 = now_ns();
         }
+        /* The previous read's copy ran while this one was read: it completes first, and
+         * its buffer is the one the next read goes into. */
+        finish_behind(r, w, dc, &behind);
         uint64_t copy_ns = 0;
+        int queued = 0;
         if (r->bounce && nread > 0 && err != CHECKSUM_MISMATCH) {
             if (dc) { /* from pageable memory too, where registering failed: staged */
                 uint64_t c0 = now_ns();
-                if (devcopy_copy(dc, rq.dest, into.dest, (size_t)nread)) err = DEVICE_COPY_FAILED;
+                if (copy_behind && !urgent && !rq.group) {
+                    /* read-ahead: queued, waited for after the next read (or before this
+                     * thread sleeps); an urgent read is waited for at once */
+                    if (devcopy_start(dc, rq.dest, into.dest, (size_t)nread))
+                        err = DEVICE_COPY_FAILED;
+                    else
+                        queued = 1;
+                } else if (devcopy_copy(dc, rq.dest, into.dest, (size_t)nread))
+                    err = DEVICE_COPY_FAILED;
                 copy_ns = now_ns() - c0;
             } else
                 memcpy(rq.dest, into.dest, (size_t)nread);
         }
 
         pthread_mutex_lock(&r->mu);
-        if (!r->overlap) r->preading--;
+        if (!r->overlap && !copy_behind) r->preading--;
         r->bytes_read += (unsigned long long)nread;
         r->busy_ns[w] += t1 - t0;
         if (copy_ns) {
             r->device_copies++;
             r->device_copy_ns += copy_ns;
+        }
+        if (queued) { /* outstanding as behind[w] until its copy is waited for */
+            behind = (Behind){1, err, checked, rq.tag, nread, t2 - t1};
+            r->behind[w] = rq.tag;
+            r->behind_on[w] = 1;
+            r->reading[w] = 0;
+            cur = !cur;
+            continue;
         }
         Group *g = rq.group;
         if (g) { /* a part: the last one to finish completes the request */
@@ -356,19 +430,14 @@ static void *worker_main(void *p) {
             }
             free(g);
         }
-        r->reading[w] = 0;
-        /* capacity was reserved by submit(): workers never allocate */
-        r->done_items[r->n_done++] = (Completion){rq.tag, err, nread};
-        r->requests_done++;
-        r->errors += err != 0;
-        r->verified += checked;
-        r->verify_ns[w] += t2 - t1;
-        pthread_cond_broadcast(&r->done);
-        notify(r);
+        complete(r, w, rq.tag, err, nread, checked, t2 - t1);
     }
     pthread_mutex_unlock(&r->mu);
-    if (bounce) devcopy_unpin(dc, bounce);
-    free(bounce);
+    finish_behind(r, w, dc, &behind);
+    for (int i = 0; i < 2; i++) {
+        if (bounces[i]) devcopy_unpin(dc, bounces[i]);
+        free(bounces[i]);
+    }
     devcopy_thread_free(dc);
     return NULL;
 }
@@ -446,7 +515,8 @@ static Py_ssize_t find_done(ReaderObject *r, long long tag) {
 static int is_outstanding(ReaderObject *r, long long tag) {
     if (q_find(&r->urgent, tag) >= 0 || q_find(&r->ahead, tag) >= 0) return 1;
     for (int w = 0; w < r->nthreads; w++)
-        if (r->reading[w] && r->current[w] == tag) return 1;
+        if ((r->reading[w] && r->current[w] == tag) || (r->behind_on[w] && r->behind[w] == tag))
+            return 1;
     return 0;
 }
 
@@ -524,6 +594,8 @@ static void Reader_dealloc(ReaderObject *r) {
     free(r->done_items);
     free(r->current);
     free(r->reading);
+    free(r->behind);
+    free(r->behind_on);
     free(r->fds);
     free(r->direct);
     free(r->checksum);
@@ -534,11 +606,11 @@ static void Reader_dealloc(ReaderObject *r) {
 
 static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"workers", "start_paused", "bounce", "split", "overlap",
-                             "device_copy", NULL};
-    int nworkers = 8, paused = 0, bounce = 0, overlap = 0, device_copy = 0;
+                             "device_copy", "copy_behind", NULL};
+    int nworkers = 8, paused = 0, bounce = 0, overlap = 0, device_copy = 0, copy_behind = 0;
     Py_ssize_t split = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ippnpp:Reader", kwlist, &nworkers, &paused,
-                                     &bounce, &split, &overlap, &device_copy))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ippnppp:Reader", kwlist, &nworkers, &paused,
+                                     &bounce, &split, &overlap, &device_copy, &copy_behind))
         return NULL;
     if (device_copy && split) { /* a split record is verified whole where its parts landed */
         PyErr_SetString(PyExc_ValueError,
@@ -566,6 +638,7 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     int nthreads = r->nthreads = overlap ? 2 * nworkers : nworkers;
     r->bounce = bounce || device_copy;
     r->device_copy = device_copy;
+    r->copy_behind = copy_behind && device_copy;
     r->split = split;
     r->notify_r = r->notify_w = -1;
     r->paused = paused;
@@ -573,9 +646,12 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     r->args = calloc((size_t)nthreads, sizeof(WorkerArg));
     r->current = calloc((size_t)nthreads, sizeof(long long));
     r->reading = calloc((size_t)nthreads, 1);
+    r->behind = calloc((size_t)nthreads, sizeof(long long));
+    r->behind_on = calloc((size_t)nthreads, 1);
     r->busy_ns = calloc((size_t)nthreads, sizeof(unsigned long long));
     r->verify_ns = calloc((size_t)nthreads, sizeof(unsigned long long));
-    if (!r->threads || !r->args || !r->current || !r->reading || !r->busy_ns || !r->verify_ns) {
+    if (!r->threads || !r->args || !r->current || !r->reading || !r->behind || !r->behind_on ||
+        !r->busy_ns || !r->verify_ns) {
         Py_DECREF(r);
         return PyErr_NoMemory();
     }
@@ -908,7 +984,8 @@ static PyObject *Reader_wait(ReaderObject *r, PyObject *args, PyObject *kw) {
                 }
             } else { /* at least one completion; nothing outstanding at all returns [] */
                 int outstanding = q_size(&r->urgent) || q_size(&r->ahead);
-                for (int w = 0; w < r->nthreads; w++) outstanding |= r->reading[w];
+                for (int w = 0; w < r->nthreads; w++)
+                    outstanding |= r->reading[w] | r->behind_on[w];
                 status = r->n_done || !outstanding ? W_READY : W_PENDING;
             }
             if (status != W_READY && r->stopping) status = W_CLOSED;
@@ -976,7 +1053,7 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
                        copies = r->device_copies, copy_ns = r->device_copy_ns;
     Py_ssize_t nu = q_size(&r->urgent), na = q_size(&r->ahead), nd = r->n_done;
     int inflight = 0, preading_max = r->preading_max;
-    for (int w = 0; w < r->nthreads; w++) inflight += r->reading[w];
+    for (int w = 0; w < r->nthreads; w++) inflight += r->reading[w] + r->behind_on[w];
     memcpy(busy_ns, r->busy_ns, per_worker);
     memcpy(verify_ns, r->verify_ns, per_worker);
     pthread_mutex_unlock(&r->mu);

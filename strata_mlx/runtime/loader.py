@@ -130,6 +130,13 @@ class RuntimeConfig:
         metadata=opt("CUDA: the arena in plain device memory (else managed memory).",
                      variant="da"),
     )  # fmt: skip
+    # CUDA with device_copy: a reader thread queues a read-ahead record's copy and reads the
+    # next record while it runs, waiting for the copy only then (two pinned buffers a thread);
+    # urgent reads are still waited for at once (reader.Reader's copy_behind).
+    copy_behind: bool = field(
+        default=False,
+        metadata=opt("CUDA: read the next record while the last one's copy runs.", variant="cb"),
+    )
     read_ahead: ReadAhead = field(default_factory=ReadAhead, metadata=group())
     scheduler: str = field(
         default="loop",
@@ -510,6 +517,7 @@ def build_expert_cache(
         split=cfg.read_split_kb * 1024,
         overlap=cfg.read_overlap,
         device_copy=device_copy,
+        copy_behind=cfg.copy_behind,
     )
     return ExpertCache(
         path,

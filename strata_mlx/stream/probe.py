@@ -123,6 +123,9 @@ def _probe_one(
     return result
 
 
+IN_FLIGHT = 8  # probe_data_path's reads queued a worker (prefill queues hundreds a layer)
+
+
 def probe_data_path(
     store: str | os.PathLike,
     manifest,
@@ -136,6 +139,7 @@ def probe_data_path(
     bounce: bool | None = None,
     arena=None,
     device_memory: bool = False,
+    copy_behind: bool = False,
 ) -> dict:
     """The bandwidth the expert cache gets into its arena: random records of the store read
     as the cache reads them (direct I/O; the bounce buffer where the machine needs one; the
@@ -143,10 +147,15 @@ def probe_data_path(
     into slots of an arena, `workers` in flight, each batch of landed slots then read by the
     device (`touch`: the sum of their rows, evaluated), as kernels read slots between reads.
     probe_ssd measures the drive alone; this measures the drive and every step after it.
-    `bounce` (None: where the cache would use it) and `arena` (None: a new one of 2 x workers
-    slots; else its first 2 x workers slots) let benchmarks/read_path.py take each step
-    apart; `device_memory`: with the device copy, a new arena is plain device memory (the
-    cache's device_arena), else managed memory.
+    `bounce` (None: where the cache would use it) and `arena` (None: a new one of
+    IN_FLIGHT x workers slots; else its first slots) let benchmarks/read_path.py take each
+    step apart; `device_memory`: with the device copy, a new arena is plain device memory (the
+    cache's device_arena), else managed memory; `copy_behind`: the reader's option of that name.
+
+    Reads stay queued as the cache's prefill keeps them (hundreds a layer): IN_FLIGHT x workers
+    slots, each read again once its touch has run. The touch is queued, not waited for: a slot
+    is resubmitted at the next batch of completions, by when its touch has finished, so the
+    device's reading never holds up the reads of other slots.
 
     Returns ``gb_per_s`` (1e9 bytes/s), ``reads``, ``seconds``, ``direct``, ``device_copy``,
     ``bounce`` and the reader's ``stats``. Raises OSError if a read fails or a record's checksum
@@ -163,11 +172,14 @@ def probe_data_path(
     keys = [(layer, e) for layer in manifest.moe_layers for e in range(manifest.num_experts)]
     rng = np.random.default_rng(seed)
     if arena is None:
-        arena = Arena(2 * workers, rb, on_device=device_copy, device_memory=device_memory)
+        arena = Arena(IN_FLIGHT * workers, rb, on_device=device_copy, device_memory=device_memory)
     if bounce is None:
         bounce = needs_bounce()
     path = Path(store) / EXPERTS
-    with Reader(workers, bounce=bounce, overlap=overlap, device_copy=device_copy) as r:
+    reader = Reader(
+        workers, bounce=bounce, overlap=overlap, device_copy=device_copy, copy_behind=copy_behind
+    )
+    with reader as r:
         f = r.open(path, checksum=manifest.checksum if verify else None)
         tag = 0
 
@@ -177,7 +189,7 @@ def probe_data_path(
             offset, expected = manifest.record(*keys[int(rng.integers(len(keys)))])
             return (tag, f, offset, rb, arena.address(slot), expected if verify else None)
 
-        first = [request(s) for s in range(min(arena.n_slots, 2 * workers))]
+        first = [request(s) for s in range(min(arena.n_slots, IN_FLIGHT * workers))]
         slot_of = {q[0]: s for s, q in enumerate(first)}
         if touch:  # build the touch's kernels outside the timing: on a CUDA machine with no
             # kernel cache their first build takes seconds, longer than the probe's window
@@ -185,23 +197,31 @@ def probe_data_path(
         start = time.perf_counter()
         r.submit(first)
         nbytes = reads = 0
-        while slot_of:
-            more, landed = [], []
-            for t, err, got in r.wait(None):
+        touched, waiting = None, []  # the last touch queued; the slots it reads
+        while slot_of or waiting:
+            landed = []
+            for t, err, got in r.wait(None) if slot_of else ():
                 if err:
                     raise OSError(err, f"{path}: read failed: {error_message(err)}")
                 nbytes += got
                 reads += 1
-                slot = slot_of.pop(t)
-                landed.append(slot)
-                if time.perf_counter() - start < seconds:
-                    q = request(slot)
-                    slot_of[q[0]] = slot
-                    more.append(q)
-            if touch:
-                mx.eval(arena.rows[mx.array(landed)].astype(mx.uint32).sum())
-            if more:
-                r.submit(more)
+                landed.append(slot_of.pop(t))
+            if touched is not None:
+                mx.eval(touched)  # queued one batch ago: done by now, its slots free
+            touched = None
+            if touch and landed:
+                touched = arena.rows[mx.array(landed)].astype(mx.uint32).sum()
+                mx.async_eval(touched)
+            free, waiting = (waiting, landed) if touch else (landed, [])
+            if time.perf_counter() - start < seconds:
+                more = [request(slot) for slot in free]
+                slot_of.update((q[0], slot) for q, slot in zip(more, free))
+                if more:
+                    r.submit(more)
+            else:
+                waiting = []
+        if touched is not None:
+            mx.eval(touched)
         elapsed = time.perf_counter() - start
         direct = r.is_direct(f)
         stats = r.stats()

@@ -119,6 +119,10 @@ class Reader:
             ``bounce``; not with ``split`` (a split record is verified where its parts
             land). RuntimeError where no CUDA driver is present (see
             :func:`device_copy_error`).
+        copy_behind: (with ``device_copy``) a worker queues a read-ahead record's copy and
+            reads its next record while the copy runs, in a second pinned buffer; the record
+            completes once that next read has landed (or the worker finds nothing to read).
+            Urgent records are copied and completed at once, as without it.
     """
 
     def __init__(
@@ -129,8 +133,11 @@ class Reader:
         split: int = 0,
         overlap: bool = False,
         device_copy: bool = False,
+        copy_behind: bool = False,
     ) -> None:
-        self._r = _reader.Reader(workers, start_paused, bounce, split, overlap, device_copy)
+        self._r = _reader.Reader(
+            workers, start_paused, bounce, split, overlap, device_copy, copy_behind
+        )
 
     @property
     def workers(self) -> int:

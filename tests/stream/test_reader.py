@@ -640,11 +640,14 @@ def test_data_path_probe_reads_verified_records_and_names_a_corrupt_one(store, t
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("copy_behind", [False, True], ids=["wait", "behind"])
 @pytest.mark.parametrize("device_memory", [False, True], ids=["managed", "device"])
-def test_device_copy_lands_verified_records_in_device_memory(store, device_memory):
+def test_device_copy_lands_verified_records_in_device_memory(store, device_memory, copy_behind):
     """CUDA: records read through pinned bounce buffers and the copy engine into an arena kept
     on the device (managed memory) or in plain device memory equal the file's bytes, as MLX
-    reads them there; the device buffer stayed where the reads went."""
+    reads them there; the device buffer stayed where the reads went. With copy_behind, the
+    read-ahead half's copies are waited for after each worker's next read, the urgent half's
+    at once: every record lands and completes all the same."""
     import mlx.core as mx
 
     from strata_mlx.format.store import EXPERTS, load_manifest
@@ -656,15 +659,18 @@ def test_device_copy_lands_verified_records_in_device_memory(store, device_memor
     path = Path(store("qwen3_moe"))
     m = load_manifest(path)
     rb = m.layout.record_bytes
-    keys = [(layer, e) for layer in m.moe_layers for e in range(m.num_experts)][:12]
+    keys = [(layer, e) for layer in m.moe_layers for e in range(m.num_experts)][:24]
     arena = Arena(len(keys), rb, on_device=True, device_memory=device_memory)
     assert arena.device_memory == device_memory
     mx.eval(arena.rows.astype(mx.uint32).sum())  # the device has touched every slot first
-    with Reader(4, bounce=True, overlap=True, device_copy=True) as r:
+    reader = Reader(4, bounce=True, overlap=True, device_copy=True, copy_behind=copy_behind)
+    with reader as r:
         f = r.open(path / EXPERTS, checksum=m.checksum)
         reqs = [(i, f, m.record(*k)[0], rb, arena.address(i), m.record(*k)[1])
                 for i, k in enumerate(keys)]  # fmt: skip
-        r.submit(reqs)
+        half = len(reqs) // 2
+        r.submit(reqs[:half])
+        r.submit(reqs[half:], True)
         done = r.wait(list(range(len(keys))))
         assert [err for _, err, _ in done] == [0] * len(keys)
         assert r.stats()["device_copies"] == len(keys)
