@@ -6,7 +6,9 @@
  * without ever touching the GIL. Python collects (tag, error, bytes_read) completions through
  * wait(), which releases the GIL while it blocks, or poll(). An event loop can instead watch
  * notify_fd(): the read end of a pipe that gets a byte when a completion arrives after the
- * last ack() (one byte per ack, however many completions), so it wakes without polling.
+ * last ack() (one byte per ack, however many completions), so it wakes without polling; with
+ * notify_below(n), when fewer than n requests are queued instead (a loop that keeps the queue
+ * topped up wakes only when there is room, not at each of thousands of completions).
  *
  * Locking: one mutex guards everything below it in ReaderObject. Worker threads never call the
  * Python API. Python-side methods take the mutex while holding the GIL, but never wait for the
@@ -119,7 +121,10 @@ struct ReaderObject {
     unsigned long long device_copies, device_copy_ns; /* copies by the copy engine, their time */
     int notify_r, notify_w; /* the completion pipe (-1 until notify_fd()), its ends */
     int notified;           /* a byte was written since the last ack() */
+    Py_ssize_t notify_below; /* announce only while fewer requests are queued (-1: always) */
 };
+
+static Py_ssize_t q_size(const Queue *q);
 
 /* A completion arrived (mu held): wake an event loop watching notify_fd(), once per ack. */
 static void notify(ReaderObject *r) {
@@ -128,6 +133,15 @@ static void notify(ReaderObject *r) {
         ssize_t rc = write(r->notify_w, "c", 1); /* non-blocking; a full pipe is awake anyway */
         (void)rc;
     }
+}
+
+/* A completion arrived or a request was started (mu held): notify() where the queue is below
+ * notify_below (an event loop that tops the queue up wakes only when it has room to fill),
+ * or at every completion where notify_below < 0. */
+static void announce(ReaderObject *r, int completion) {
+    if (r->notify_below < 0 ? completion
+                            : q_size(&r->urgent) + q_size(&r->ahead) < r->notify_below)
+        notify(r);
 }
 
 static uint64_t now_ns(void) {
@@ -267,7 +281,7 @@ static void complete(ReaderObject *r, int w, long long tag, int err, long long n
     r->verified += checked;
     r->verify_ns[w] += verify_ns;
     pthread_cond_broadcast(&r->done);
-    notify(r);
+    announce(r, 1);
 }
 
 /* copy_behind: a read whose device copy was queued and not waited for yet. */
@@ -327,6 +341,7 @@ static void *worker_main(void *p) {
         r->reading[w] = 1;
         if (++r->preading > r->preading_max) r->preading_max = r->preading;
         int more = (q_size(&r->urgent) || q_size(&r->ahead)) && r->preading < r->nworkers;
+        if (r->notify_below >= 0) announce(r, 0);
         pthread_mutex_unlock(&r->mu);
         if (more) pthread_cond_signal(&r->work); /* the next worker takes the next read */
 
@@ -641,6 +656,7 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     r->copy_behind = copy_behind && device_copy;
     r->split = split;
     r->notify_r = r->notify_w = -1;
+    r->notify_below = -1;
     r->paused = paused;
     r->threads = calloc((size_t)nthreads, sizeof(pthread_t));
     r->args = calloc((size_t)nthreads, sizeof(WorkerArg));
@@ -1138,9 +1154,24 @@ static PyObject *Reader_ack(ReaderObject *r, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Reader_notify_below(ReaderObject *r, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    pthread_mutex_lock(&r->mu);
+    r->notify_below = n < 0 ? -1 : n;
+    if (n >= 0) announce(r, 0);
+    pthread_mutex_unlock(&r->mu);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Reader_queued(ReaderObject *r, PyObject *unused) {
     pthread_mutex_lock(&r->mu);
     Py_ssize_t n = 0;
+    if (!r->split) { /* no split request: every queued item is one request */
+        n = q_size(&r->urgent) + q_size(&r->ahead);
+        pthread_mutex_unlock(&r->mu);
+        return PyLong_FromSsize_t(n);
+    }
     for (int u = 0; u < 2; u++) { /* requests, not parts: a split one counts by its lead */
         const Queue *q = u ? &r->ahead : &r->urgent;
         for (Py_ssize_t i = q->head; i < q->len; i++)
@@ -1173,6 +1204,9 @@ static PyMethodDef Reader_methods[] = {
     {"notify_fd", (PyCFunction)Reader_notify_fd, METH_NOARGS,
      "notify_fd() -> read end of the completion pipe"},
     {"ack", (PyCFunction)Reader_ack, METH_NOARGS, "re-arm notify_fd and drain it"},
+    {"notify_below", (PyCFunction)Reader_notify_below, METH_O,
+     "notify_below(n): notify_fd announces only while fewer than n requests are queued "
+     "(n < 0: at every completion)"},
     {"queued", (PyCFunction)Reader_queued, METH_NOARGS, "requests queued, not yet started"},
     {NULL},
 };

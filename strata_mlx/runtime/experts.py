@@ -68,6 +68,7 @@ class ExpertCache:
         fake_stream: bool = False,
         scheduler: str = "loop",
         low_water: int | None = None,
+        wake_every: bool = False,
         route_bonus: float = 0.0,
         dump: Callable | None = None,
         trace: RoutingTrace | None = None,
@@ -88,7 +89,14 @@ class ExpertCache:
         if reader is None:
             scheduler = "sync"  # nothing to read: no loop to run
         self.sched = make_scheduler(
-            scheduler, store, manifest, arena, reader, verify, low_water=low_water
+            scheduler,
+            store,
+            manifest,
+            arena,
+            reader,
+            verify,
+            low_water=low_water,
+            wake_every=wake_every,
         )
         self.trace = trace
         self.route_bonus = route_bonus

@@ -149,6 +149,13 @@ class RuntimeConfig:
         metadata=opt("loop: top up the queue below this many reads.", (0, 1 << 20),
                      variant="lw", shown="2 x io-workers"),
     )  # fmt: skip
+    # loop: the reader's pipe wakes the loop at every completion (the scheduling before the
+    # wake-ups were cut to when the queue has room and the reserve has reads left).
+    scheduler_wake_every: bool = field(
+        default=False,
+        metadata=opt("loop: wake at every completion, not only when the queue has room.",
+                     variant="we"),
+    )  # fmt: skip
     eviction: str | Callable = field(
         default="lru",
         metadata=opt("lru | lfu | profile | layer, a candidate of strata_mlx.stream.policies, "
@@ -530,6 +537,7 @@ def build_expert_cache(
         fake_stream=cfg.fake_stream,
         scheduler=cfg.scheduler,
         low_water=cfg.scheduler_low_water,
+        wake_every=cfg.scheduler_wake_every,
         route_bonus=cfg.moce_bonus,
         dump=cfg.dump,
         trace=cfg.trace,

@@ -225,6 +225,12 @@ class Reader:
         """Re-arm :meth:`notify_fd` and drain it. Must not race :meth:`close`."""
         self._r.ack()
 
+    def notify_below(self, n: int) -> None:
+        """Make :meth:`notify_fd` announce only while fewer than ``n`` requests are queued
+        (checked as requests start and complete) instead of at every completion (``n`` < 0,
+        the default). Completions are collected by :meth:`poll` / :meth:`wait` either way."""
+        self._r.notify_below(n)
+
     def queued(self) -> int:
         """Requests queued (urgent and read-ahead) that no worker has started (a split
         request counts once, until its first part starts)."""

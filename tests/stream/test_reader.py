@@ -700,3 +700,36 @@ def test_forcing_the_device_copy_without_cuda_is_one_line(monkeypatch):
         rd.uses_device_copy()
     monkeypatch.setenv("STRATA_MLX_DEVICE_COPY", "0")
     assert rd.uses_device_copy() is False
+
+
+def test_notify_below_announces_only_while_the_queue_has_room(data_file):
+    """notify_fd announces at every completion by default; with notify_below(n) only once
+    fewer than n requests are queued, and with notify_below(0) never (completions are still
+    collected by poll and wait)."""
+    import select
+
+    path, _ = data_file
+
+    def readable(fd, timeout=0.0):
+        return bool(select.select([fd], [], [], timeout)[0])
+
+    buf, base = aligned(8 * RECORD)
+    with Reader(workers=1, start_paused=True) as r:
+        f = r.open(path, direct=False)
+        fd = r.notify_fd()
+        r.notify_below(0)
+        r.submit([(t, f, (t % N_RECORDS) * RECORD, RECORD, base + t * RECORD) for t in range(6)])
+        r.notify_below(3)
+        assert not readable(fd)  # six queued: no room below three
+        r.resume()
+        assert readable(fd, 10.0)  # the queue ran below three as the worker took reads
+        assert sorted(t for t, _, _ in drain(r, 6)) == list(range(6))
+        r.ack()
+        r.notify_below(0)
+        r.submit([(t, f, (t % N_RECORDS) * RECORD, RECORD, base + t * RECORD) for t in (6, 7)])
+        assert sorted(t for t, _, _ in drain(r, 2)) == [6, 7]
+        assert not readable(fd)  # never, with 0
+        r.notify_below(-1)
+        r.submit([(8, f, 0, RECORD, base)])
+        assert readable(fd, 10.0)  # every completion again
+        drain(r, 1)
