@@ -245,3 +245,25 @@ def test_serve_prompt_cache_dir_across_a_sigterm_restart(tiny, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_resume_benchmark_prefills_only_the_new_turn(tiny, tmp_path, monkeypatch):
+    """benchmarks/resume_ttft.py --in-process: the conversation's state goes to disk through
+    the server's PromptCacheDir, the resumed turn prefills only its new tokens, the cold one
+    all of them, and the rows say so."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "resume_ttft.py"
+    spec = importlib.util.spec_from_file_location("resume_ttft", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    argv = [str(path), str(tiny), "--in-process", "--prompt-tokens", "24", "--turn-tokens", "4"]
+    argv += ["--rounds", "1", "--vocab", "50", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert (rows["resumed"]["prefilled"], rows["resumed"]["reused"]) == (4, 24)
+    assert rows["resumed"]["disk_hits"] == 1
+    assert (rows["cold"]["prefilled"], rows["cold"]["reused"]) == (28, 0)
