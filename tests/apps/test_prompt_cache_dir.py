@@ -12,6 +12,7 @@ import sys
 
 import httpx2 as httpx
 import mlx.core as mx
+import pytest
 import test_server
 from conftest import wait_until_serving
 from test_cli import _error_line, run
@@ -267,3 +268,32 @@ def test_the_resume_benchmark_prefills_only_the_new_turn(tiny, tmp_path, monkeyp
     assert (rows["resumed"]["prefilled"], rows["resumed"]["reused"]) == (4, 24)
     assert rows["resumed"]["disk_hits"] == 1
     assert (rows["cold"]["prefilled"], rows["cold"]["reused"]) == (28, 0)
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_a_hybrid_model_s_state_reaches_the_disk_at_shutdown_and_resumes(
+    store, tmp_path, concurrency
+):
+    """A gated-delta-net model's recurrent state is computed on the engine's worker thread
+    and written to disk at shutdown from another one (MLX streams are per thread): the
+    restarted server resumes the conversation from it, prefilling only the new turn; one
+    request at a time and batched."""
+    path = store("qwen3_next")
+    d = tmp_path / "sessions"
+    first = list(range(1, 41))
+    body = {"model": NAME, "prompt": first, "max_tokens": 1, "temperature": 0}
+    for _ in ("first turn", "next turn"):
+        model, tok = strata_mlx.load(path)  # no tokenizer: prompts as token ids
+        try:
+            app = create_app(model, tok, NAME, decode_concurrency=concurrency)
+            attach(app, d)
+            with running(app) as base, httpx.Client(trust_env=False, timeout=60) as http:
+                r = http.post(base + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                s = server_stats(base)
+        finally:
+            model.expert_cache.close()
+        assert len(list(d.glob("*.safetensors"))) == 1
+        body["prompt"] = first + [5, 6, 7, 8]
+    assert s["prompt_cache"]["disk"]["hits"] == 1
+    assert s["prefilled_tokens"] == 4
