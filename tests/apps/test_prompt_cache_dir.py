@@ -206,6 +206,26 @@ def test_a_failed_write_keeps_nothing_and_fails_nothing(tiny, tmp_path, monkeypa
         model.expert_cache.close()
 
 
+def test_a_write_that_fails_at_shutdown_is_said_once(tiny, tmp_path, monkeypatch, capsys):
+    import strata_mlx.apps.prompt_cache_dir as pcd
+
+    def read_only(*a, **kw):
+        raise OSError(30, "Read-only file system")
+
+    model, tok = load_tiny(tiny)
+    try:
+        app = create_app(model, tok, NAME)
+        attach(app, tmp_path / "sessions")
+        monkeypatch.setattr(pcd, "save_prompt_cache", read_only)
+        with running(app) as base:
+            post_chat(base, FIRST)
+    finally:
+        model.expert_cache.close()
+    err = capsys.readouterr().err
+    assert "1 conversation(s) not written to --prompt-cache-dir" in err
+    assert "Read-only file system" in err
+
+
 def _serve(tiny, d, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "strata_mlx", "serve", "--model", str(tiny), "--port", str(port)]
     cmd += ["--model-name", NAME, "--log-level", "warning", "--prompt-cache-dir", str(d)]
