@@ -90,9 +90,8 @@ class Server:
     """`strata-mlx serve` on a free loopback port, its output in `log`."""
 
     def __init__(self, args, log: Path, cache_dir: Path | None):
-        import httpx2 as httpx
+        import httpx2 as httpx  # the HTTP client the openai package is built on
 
-        self.httpx = httpx
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -106,7 +105,6 @@ class Server:
         if cache_dir is not None:
             cmd += ["--prompt-cache-dir", str(cache_dir)]
         cmd += args.server_arg
-        self.log = log
         self.out = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT)
         self.base = f"http://127.0.0.1:{port}"
