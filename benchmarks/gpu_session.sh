@@ -418,5 +418,22 @@ r12d)  # last: the old store removed; plan against bench on today's 12-layer sto
   rm -rf /root/strata-old-code
   bash "$0" r10a
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d|r12a|r12b|r12c|r12d|r12e|r12f|r13|r13c|r14|r14b"; exit 2;;
+serve|resume)  # issue 34 (carry .whl/serve: bash benchmarks/serve_wheels.sh here first): the
+  # server's stack unzipped into /tmp/site; `serve`: the batching table through HTTP (about 4
+  # minutes once the store exists); `resume`: a 16K-token conversation's first token resumed
+  # from --prompt-cache-dir after a restart, against a cold prefill (about 5 minutes)
+  python3 -c "import zipfile,glob; [zipfile.ZipFile(w).extractall('/tmp/site') for w in glob.glob('.whl/serve/*.whl')]"
+  python3 -c "import fastapi, uvicorn, openai; print('fastapi', fastapi.__version__, 'openai', openai.__version__)" || exit 1
+  python3 -c "import strata_mlx._reader" 2>/dev/null || python3 setup.py build_ext --inplace -q 2>&1 | tail -1
+  [ -f "$SYNTH/manifest.json" ] || /usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx convert \
+     --synthetic qwen3-next-80b-a3b --mlx-path "$SYNTH" --calibration-tokens 256 2>&1 | grep -v "experts:" | tail -3
+  if [ "$1" = serve ]; then
+    timeout 480 python3 benchmarks/serve_concurrency.py "$SYNTH" --arena-gb 6.5 --levels 1,2,4,8 \
+       --max-tokens 32 --prompt-tokens 64 --deadline-s 400 2>&1 | tee "$OUT/serve-concurrency.log"
+  else
+    timeout 540 python3 benchmarks/resume_ttft.py "$SYNTH" --arena-gb 6.5 --prompt-tokens 16384 \
+       --rounds 2 --json "$OUT/resume-ttft.json" 2>&1 | tee "$OUT/resume-ttft.log"
+  fi
+  ;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d|r12a|r12b|r12c|r12d|r12e|r12f|r13|r13c|r14|r14b|serve|resume"; exit 2;;
 esac

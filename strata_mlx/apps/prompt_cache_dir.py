@@ -90,6 +90,7 @@ class PromptCacheDir:
         self.written = 0  # files written
         self.dropped = 0  # files deleted: the size bound, or unreadable ones of this model
         self.failed_writes = 0  # states not kept: the write failed (a full disk)
+        self.last_failure = ""  # why the latest of those failed
         self._scan()
 
     # ---- the index ------------------------------------------------------------------------
@@ -183,9 +184,10 @@ class PromptCacheDir:
             return
         try:
             save_prompt_cache(path, cache, self.model, tokens)
-        except (OSError, RuntimeError, ValueError):
+        except (OSError, RuntimeError, ValueError) as e:
             # a full or read-only disk: the state is not kept, the request it ends is not failed
             self.failed_writes += 1
+            self.last_failure = str(e).splitlines()[0] if str(e) else type(e).__name__
             return
         self.written += 1
         for e in [
@@ -269,6 +271,7 @@ def attach(app, path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Spillin
     cache)."""
     import asyncio
     import contextlib
+    import sys
 
     engine = app.state.engine
     old = engine.prompt_caches
@@ -282,7 +285,15 @@ def attach(app, path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Spillin
         async with inner(a) as state:
             yield state
         if not engine.active:
+            failed = disk.failed_writes
             await asyncio.get_running_loop().run_in_executor(None, caches.flush)
+            if disk.failed_writes > failed:  # said once, as the server stops
+                print(
+                    f"strata-mlx: {disk.failed_writes - failed} conversation(s) not written to "
+                    f"--prompt-cache-dir {disk.path}: {disk.last_failure}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     app.router.lifespan_context = lifespan
     return caches

@@ -12,6 +12,7 @@ import sys
 
 import httpx2 as httpx
 import mlx.core as mx
+import pytest
 import test_server
 from conftest import wait_until_serving
 from test_cli import _error_line, run
@@ -205,6 +206,26 @@ def test_a_failed_write_keeps_nothing_and_fails_nothing(tiny, tmp_path, monkeypa
         model.expert_cache.close()
 
 
+def test_a_write_that_fails_at_shutdown_is_said_once(tiny, tmp_path, monkeypatch, capsys):
+    import strata_mlx.apps.prompt_cache_dir as pcd
+
+    def read_only(*a, **kw):
+        raise OSError(30, "Read-only file system")
+
+    model, tok = load_tiny(tiny)
+    try:
+        app = create_app(model, tok, NAME)
+        attach(app, tmp_path / "sessions")
+        monkeypatch.setattr(pcd, "save_prompt_cache", read_only)
+        with running(app) as base:
+            post_chat(base, FIRST)
+    finally:
+        model.expert_cache.close()
+    err = capsys.readouterr().err
+    assert "1 conversation(s) not written to --prompt-cache-dir" in err
+    assert "Read-only file system" in err
+
+
 def _serve(tiny, d, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "strata_mlx", "serve", "--model", str(tiny), "--port", str(port)]
     cmd += ["--model-name", NAME, "--log-level", "warning", "--prompt-cache-dir", str(d)]
@@ -245,3 +266,54 @@ def test_serve_prompt_cache_dir_across_a_sigterm_restart(tiny, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_resume_benchmark_prefills_only_the_new_turn(tiny, tmp_path, monkeypatch):
+    """benchmarks/resume_ttft.py --in-process: the conversation's state goes to disk through
+    the server's PromptCacheDir, the resumed turn prefills only its new tokens, the cold one
+    all of them, and the rows say so."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "resume_ttft.py"
+    spec = importlib.util.spec_from_file_location("resume_ttft", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    argv = [str(path), str(tiny), "--in-process", "--prompt-tokens", "24", "--turn-tokens", "4"]
+    argv += ["--rounds", "1", "--vocab", "50", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert (rows["resumed"]["prefilled"], rows["resumed"]["reused"]) == (4, 24)
+    assert rows["resumed"]["disk_hits"] == 1
+    assert (rows["cold"]["prefilled"], rows["cold"]["reused"]) == (28, 0)
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_a_hybrid_model_s_state_reaches_the_disk_at_shutdown_and_resumes(
+    store, tmp_path, concurrency
+):
+    """A gated-delta-net model's recurrent state is computed on the engine's worker thread
+    and written to disk at shutdown from another one (MLX streams are per thread): the
+    restarted server resumes the conversation from it, prefilling only the new turn; one
+    request at a time and batched."""
+    path = store("qwen3_next")
+    d = tmp_path / "sessions"
+    first = list(range(1, 41))
+    body = {"model": NAME, "prompt": first, "max_tokens": 1, "temperature": 0}
+    for _ in ("first turn", "next turn"):
+        model, tok = strata_mlx.load(path)  # no tokenizer: prompts as token ids
+        try:
+            app = create_app(model, tok, NAME, decode_concurrency=concurrency)
+            attach(app, d)
+            with running(app) as base, httpx.Client(trust_env=False, timeout=60) as http:
+                r = http.post(base + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                s = server_stats(base)
+        finally:
+            model.expert_cache.close()
+        assert len(list(d.glob("*.safetensors"))) == 1
+        body["prompt"] = first + [5, 6, 7, 8]
+    assert s["prompt_cache"]["disk"]["hits"] == 1
+    assert s["prefilled_tokens"] == 4

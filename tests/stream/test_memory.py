@@ -244,6 +244,62 @@ def test_serve_counts_the_kv_caches_of_its_decoding_requests(store, monkeypatch)
     assert asked[-1]["decode_concurrency"] == 1
 
 
+def test_serve_s_automatic_arena_gives_the_kv_caches_their_share(store, monkeypatch, capsys):
+    """No --arena-gb: the KV caches of the default 8 decoding requests come out of the
+    arena's share (the arena shrinks, the 8 stay) and serve says so at start-up; --arena-gb
+    given in the same memory: the arena stays and the default concurrency is halved."""
+    import uvicorn
+
+    from strata_mlx.apps import server
+    from strata_mlx.apps.server import app as server_app
+
+    path = store("qwen3_moe")
+    m = load_manifest(path)
+    record, total = m.layout.record_bytes, m.num_experts * len(m.moe_layers)
+    limits = {"max_prompt_tokens": 200, "max_tokens_limit": 16, "prompt_cache_size": 0}
+    one = server_app.kv_reserve(path, 1, None, 200, 16).bytes
+
+    class Started(Exception):  # stop where uvicorn would start serving
+        pass
+
+    asked = []
+
+    def app(model, *a, **kw):  # what serve needs of the app, nothing that starts threads
+        asked.append((model.expert_cache.arena.n_slots, kw["decode_concurrency"]))
+        engine = SimpleNamespace(decode_concurrency=kw["decode_concurrency"])
+        return SimpleNamespace(state=SimpleNamespace(engine=engine))
+
+    def run(self, sockets=None):
+        raise Started
+
+    monkeypatch.setattr(server_app, "create_app", app)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    seen = []
+    real = memory.fit_arena
+    monkeypatch.setattr(memory, "fit_arena", lambda *a: seen.append(a[2]) or real(*a))
+    with pytest.raises(Started):
+        server.serve(path, port=0, decode_concurrency=1, arena_gb=record / GB, **limits)
+    # room for half the experts beside eight requests' caches
+    room = RESERVE + seen[-1] + 7 * one + total // 2 * record
+    monkeypatch.setattr(memory, "available_bytes", lambda: room)
+    capsys.readouterr()
+    for concurrency in (1, None):
+        with pytest.raises(Started):
+            server.serve(path, port=0, decode_concurrency=concurrency, **limits)
+    (alone, _), (shared, n) = asked[-2:]
+    assert n == DEFAULT_DECODE_CONCURRENCY and shared < alone <= total
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines()[::-1] if "automatic arena" in x)
+    assert f"{DEFAULT_DECODE_CONCURRENCY} KV caches" in line
+    assert f"up to {min(8 * one // record, total - shared)} more expert slots" in line
+
+    # the same memory, the arena given as large as the automatic one of one request
+    with pytest.raises(Started):
+        server.serve(path, port=0, arena_gb=alone * record / GB, **limits)
+    assert asked[-1][0] == alone and asked[-1][1] < DEFAULT_DECODE_CONCURRENCY
+    assert "automatic arena" not in capsys.readouterr().out
+
+
 def test_the_guard_counts_a_float32_store_s_cache_at_4_bytes(store, monkeypatch):
     """A float32 store (GGUF files under 2 GB, these tests' stores) computes, and keeps its
     KV cache, in float32: load() and plan count 4 bytes an element, not fp16's 2."""

@@ -279,10 +279,15 @@ def started_lines(
     port: int,
     decode_concurrency: int = 1,
     kv_reserved: KVReserve | None = None,
+    automatic_arena: bool = False,
+    kept_bytes: int = 0,
+    concurrency_chosen: bool = False,
 ) -> list[str]:
-    """What serve prints once the model is loaded: the model, its arena, the KV caches its
-    memory guard counted, how many requests decode together and whether their experts fit,
-    where to reach it."""
+    """What serve prints once the model is loaded: the model, its arena (`automatic_arena`:
+    sized by load() from memory, after the KV caches and the `kept_bytes` of prompt caches
+    serve holds beside it), the KV caches its memory guard counted, how many requests decode
+    together (`concurrency_chosen`: serve halved the default until the caches fit) and whether
+    their experts fit, where to reach it."""
     cache = model.expert_cache
     record = cache.manifest.layout.record_bytes
     slots = cache.arena.n_slots
@@ -295,6 +300,8 @@ def started_lines(
         f"  arena {slots * record / 2**30:.3f} GiB: {slots} expert slots, {share:.0f} % of "
         "the experts resident at once",
     ]
+    if automatic_arena:
+        lines.append(_automatic_arena_line(slots, total, record, kv_reserved, kept_bytes))
     if kv_reserved is not None:
         r = kv_reserved
         lines.append(
@@ -317,7 +324,42 @@ def started_lines(
             )
         )
     lines.append(f"  OpenAI-compatible API at {base}/v1   dashboard: {base}/dashboard")
+    r = kv_reserved
+    if concurrency_chosen and r is not None and r.sequences < DEFAULT_DECODE_CONCURRENCY:
+        lines.append(
+            f"  --decode-concurrency {r.sequences}: the KV caches of "
+            f"{DEFAULT_DECODE_CONCURRENCY} requests do not fit beside the model "
+            "(--decode-concurrency, --max-kv-size or --kv-bits to choose)"
+        )
     return lines
+
+
+def _automatic_arena_line(
+    slots: int, total: int, record: int, kv_reserved: KVReserve | None, kept_bytes: int
+) -> str:
+    """Why the automatic arena has its size: load() gives it what memory leaves after the
+    dense weights, a prefill chunk's scratch and what serve holds beside the model (the
+    decoding requests' KV caches, the kept prompt caches): how many slots those took."""
+    beside = []
+    if kv_reserved is not None and kv_reserved.bytes:
+        n = kv_reserved.sequences
+        beside.append(f"{n} KV cache{'s' if n > 1 else ''} ({kv_reserved.bytes / 2**30:.3f} GiB)")
+    if kept_bytes:
+        beside.append(f"kept prompt caches ({kept_bytes / 2**30:.3f} GiB)")
+    if slots >= total:
+        return "  automatic arena: every expert fits" + (
+            f", with {' and '.join(beside)} beside the model" if beside else ""
+        )
+    held = " and ".join(beside) or "nothing else"
+    taken = (kv_reserved.bytes if kv_reserved is not None else 0) + kept_bytes
+    # they come out of the arena's share (loader.auto_arena_bytes, memory.fit_arena)
+    more = min(taken // record, total - slots)
+    return (
+        f"  automatic arena: memory less the dense weights, a prefill chunk's scratch and "
+        f"{held}; without those it could hold up to {more} more expert slots (lower "
+        "--decode-concurrency, --max-prompt-tokens or --prompt-cache-bytes, use --max-kv-size "
+        "or --kv-bits, or choose --arena-gb)"
+    )
 
 
 # ---- running it ----------------------------------------------------------------------------
@@ -421,14 +463,11 @@ def serve(
     if pipe is not None:
         _stop_ranks_at_shutdown(app, model)
     engine = app.state.engine
-    lines = started_lines(name, path, model, host, port, engine.decode_concurrency, reserved)
-    if decode_concurrency is None and reserved is not None:
-        if reserved.sequences < DEFAULT_DECODE_CONCURRENCY:
-            lines.append(
-                f"  --decode-concurrency {reserved.sequences}: the KV caches of "
-                f"{DEFAULT_DECODE_CONCURRENCY} requests do not fit beside the model "
-                "(--decode-concurrency, --max-kv-size or --kv-bits to choose)"
-            )
+    lines = started_lines(
+        name, path, model, host, port, engine.decode_concurrency, reserved,
+        automatic_arena=cfg.arena_gb is None, kept_bytes=kept,
+        concurrency_chosen=decode_concurrency is None,
+    )  # fmt: skip
     print("\n".join(lines), flush=True)
     try:
         config = uvicorn.Config(

@@ -235,7 +235,7 @@ class Engine:
         # only where each layer's own count agrees.
         covered = job.ids + tokens[:-1]
         if tokens and None not in tokens and all(c.offset == len(covered) for c in cache):
-            self.prompt_caches.put(covered, cache)
+            self.keep(covered, cache)
         with self._counts:
             self.cancelled += stopped
         elapsed = time.perf_counter() - t0
@@ -247,6 +247,16 @@ class Engine:
             else:
                 self.served.add(r.expert_stats)
         return Result(text, finish or "length", len(job.ids), n, matched)
+
+    def keep(self, covered: list[int], cache: list) -> None:
+        """Keep `cache` (covering `covered`) for reuse, its arrays computed first, here on the
+        thread that built them: a recurrent layer's last state is still unevaluated after the
+        last token, and MLX cannot evaluate it on another thread (streams are per thread), as
+        the prompt cache directory's write at shutdown would."""
+        import mlx.core as mx
+
+        mx.eval([c.state for c in cache])
+        self.prompt_caches.put(covered, cache)
 
     async def complete(self, job: Job, request: Request | None = None) -> Result | None:
         """Run `job` to the end; None if it was cancelled because `request`'s client left."""
@@ -434,7 +444,7 @@ class StepLoop:
         covered = r.job.ids + r.tokens[:-1]
         cache = r.seq.cache
         if r.tokens and all(c.offset == len(covered) for c in cache):
-            self.engine.prompt_caches.put(covered, cache)
+            self.engine.keep(covered, cache)
         with self.engine._counts:
             self.engine.cancelled += stopped
         self._end(r)
