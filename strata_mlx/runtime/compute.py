@@ -32,6 +32,7 @@ class LayerCompute:
         # Kernels resolved once per layer: nothing on the hot path inspects a layout.
         self.kernel = {l: kernels.expert_kernel(manifest.layout_of(l)) for l in manifest.moe_layers}
         self._pair_index: dict[tuple, mx.array] = {}
+        self._local = np.zeros(manifest.num_experts, dtype=np.uint32)  # expert -> local index
 
     def by_expert(self, layer, x, ids, shape, needed, slots) -> mx.array:
         """x [..., D] routed to `ids` [T, k] (`shape` the routing's shape), the distinct
@@ -39,10 +40,11 @@ class LayerCompute:
         if ids.shape[0] == 1:  # one token (decode): its k ids are distinct, `needed` sorted
             pos = {e: i for i, e in enumerate(needed)}
             local = mx.array([pos[e] for e in ids[0].tolist()], dtype=mx.uint32).reshape(shape)
-        else:
-            local = np.searchsorted(np.asarray(needed), ids).astype(np.uint32).reshape(shape)
-            local = mx.array(local)
-        slots = mx.array(np.asarray(slots).tolist(), dtype=mx.uint32)
+        else:  # a table lookup: np.searchsorted took 0.44 ms for a 1024-token chunk
+            table = self._local
+            table[needed] = np.arange(len(needed), dtype=np.uint32)
+            local = mx.array(table[ids].reshape(shape))
+        slots = mx.array(np.asarray(slots, dtype=np.uint32))
         return self.kernel[layer](x, self.arena.rows, slots, local)
 
     def by_pair(self, layer: int, x: mx.array, inds: mx.array, slots: mx.array) -> mx.array:

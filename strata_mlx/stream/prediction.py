@@ -143,11 +143,9 @@ def rank_by_tokens(ids: np.ndarray, min_tokens: int = 1) -> list[int]:
     ids = np.asarray(ids)
     if ids.ndim == 2 and ids.shape[0] == 1:  # one token (decode): each expert once, by id
         return sorted(set(ids[0].tolist())) if min_tokens <= 1 else []
-    experts, counts = np.unique(ids.reshape(-1), return_counts=True)
-    keep = counts >= min_tokens
-    experts, counts = experts[keep], counts[keep]
-    order = np.lexsort((experts, -counts))
-    return experts[order].tolist()
+    counts = np.bincount(ids.reshape(-1))
+    order = np.argsort(-counts, kind="stable")  # most tokens first, ties by id
+    return order[counts[order] >= max(min_tokens, 1)].tolist()
 
 
 def profile_rank(counts: np.ndarray | None, num_experts: int) -> list[int]:
