@@ -8,7 +8,8 @@ told the running layer (`current`), the layer's distinct experts are looked up t
 a policy with `predicted` is told the trace's lookahead prediction for the next layer (the
 handshake computes it in the same sync as the layer's routing), the layer's hits are touched
 and pinned, then its misses get slots one by one (each evicts the policy's victim among the
-unpinned residents, or takes a free slot) and are touched. The
+unpinned residents, or takes a free slot) and are touched. A policy with `phase` is told
+when the prompt's calls end and decode starts, as generation tells the arena. The
 online policies are the arena's own classes and the plug-ins of strata_mlx.stream.policies, so a
 replay's LRU misses equal a live run's with demand reads and the per-layer handshake
 (tests/test_cache_sim.py checks it). These are demand misses unless `--read-ahead` models
@@ -137,8 +138,17 @@ class _Arena:
     def __init__(self, pol, name: str, slots: int):
         self.pol, self.name, self.slots = pol, name, slots
         self.distance = getattr(pol, "distance", None)
+        self.phase = getattr(pol, "phase", None)
+        self.decoding: bool | None = None
         self.resident: set = set()
         self.ahead: set = set()
+
+    def set_phase(self, decoding: bool) -> None:
+        """The policy's optional `phase` hook, at each change (as Arena.set_phase)."""
+        if decoding != self.decoding:
+            self.decoding = decoding
+            if self.phase is not None:
+                self.phase(decoding)
 
     def lookup(self, layer: int, keys: list, pinned: set) -> tuple[list, int]:
         """A layer's distinct experts: its hits touched, then its misses given slots (each
@@ -224,6 +234,7 @@ def replay(trace: traces.Trace, slots: int, policy, read_ahead: str = "none") ->
     arena = _Arena(pol, name, slots)
     for c in range(trace.calls):
         decode = c >= trace.decode_from
+        arena.set_phase(decode)
         for layer in trace.layers:
             pol.current = layer
             target = nxt.get(layer)

@@ -302,6 +302,7 @@ class Arena:
         self.rows = slot_rows(self.buffer, n_slots, record_bytes, self._start)
         mx.eval(self.rows)
         self.policy = make_policy(eviction, profile, layers)
+        self.decoding: bool | None = None  # the phase generation last told (None: none yet)
         self.slot_of: dict[Key, int] = {}
         self.owner: list[Key | None] = [None] * n_slots
         self.pinned: set[int] = set()
@@ -337,6 +338,15 @@ class Arena:
     def set_layer(self, layer: int) -> None:
         """Tell the eviction policy which layer runs now (the layer-aware one uses it)."""
         self.policy.current = layer
+
+    def set_phase(self, decoding: bool) -> None:
+        """Generation moves into decode steps or out of them (prefill): the policy's
+        optional `phase(decoding)` hook, told at each change."""
+        if decoding != self.decoding:
+            self.decoding = decoding
+            hook = getattr(self.policy, "phase", None)
+            if hook is not None:
+                hook(decoding)
 
     def _evictable(self, key: Key) -> bool:
         s = self.slot_of[key]

@@ -9,10 +9,13 @@ A policy is any object with three methods; keys are (layer, expert) pairs:
     victim(evictable)   -> the resident key to evict, one for which evictable(key) is true
                         (pinned and in-flight slots are not), or None if there is none
 
-and two optional ones the arena and the replay set or call:
+and optional ones the arena and the replay set or call:
 
     current             an attribute: the layer whose handshake runs now (set before its
                         lookups; a forward pass visits the MoE layers in order)
+    phase(decoding)     generation moved into its decode steps (True) or out of them
+                        (False: a prompt's chunks and its last token), told at each change;
+                        until the first, no phase was told (a script's own model calls)
     predicted(layer, experts)
                         the experts lookahead predicts `layer` will use, told before `layer`
                         runs (cache-sim replays the trace's predictions; the live runtime
