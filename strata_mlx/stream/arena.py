@@ -26,12 +26,16 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
 from ..format.store import ALIGNMENT
 from .reader import advise_hugepages, prefer_device
+
+if TYPE_CHECKING:
+    from .prediction import Ahead
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -348,6 +352,13 @@ class Arena:
             if hook is not None:
                 hook(decoding)
 
+    def predicted(self, layer: int, experts: list[int]) -> None:
+        """Lookahead predicts `experts` for `layer` (decode's read-ahead): the policy's
+        optional `predicted` hook."""
+        hook = getattr(self.policy, "predicted", None)
+        if hook is not None:
+            hook(layer, experts)
+
     def _evictable(self, key: Key) -> bool:
         s = self.slot_of[key]
         return s not in self.pinned and s not in self.loading
@@ -380,10 +391,14 @@ class Arena:
         return slot, victim
 
     @contextmanager
-    def scored(self, bar: float | None) -> Iterator[None]:
-        """Inside, a slot is given up only by a victim that the policy expects used more
-        than `bar` handshakes from now (None: any victim)."""
-        self.read_ahead_bar = bar
+    def scored(self, ahead: Ahead | None) -> Iterator[None]:
+        """Inside, read-ahead for `ahead.layer` (Predictor.ahead_bar; None: in prefill):
+        the policy is told the prediction (its optional `predicted` hook), and a slot is
+        given up only by a victim that the policy expects used more than `ahead.bar`
+        handshakes from now (None: any victim)."""
+        if ahead is not None:
+            self.predicted(ahead.layer, ahead.experts)
+        self.read_ahead_bar = ahead.bar if ahead is not None else None
         try:
             yield
         finally:

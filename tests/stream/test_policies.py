@@ -179,6 +179,37 @@ def test_a_policy_is_told_the_phase_and_the_replay_tells_it_at_the_same_call(
         assert made[0].touches == {**live.touches}
 
 
+def test_pipelined_decode_names_the_running_layer_and_tells_its_predictions(store):
+    """The pipelined decoder's check is its layer's handshake: the policy's `current` names
+    that layer when its hits are touched, and lookahead's predictions reach the policy (in
+    decode only) as the per-layer handshake's do."""
+    path = store(FAMILY)
+    rb = load_manifest(path).layout.record_bytes
+    for arena_gb, read_ahead in ((SLOTS * rb / 1024**3, "demand"), (None, "lookahead")):
+        model, _ = strata_mlx.load(
+            path,
+            arena_gb=arena_gb,
+            eviction=Recorder,
+            decode="pipelined",
+            read_ahead=read_ahead,
+            lookahead_decode_min_miss=0.0,
+            decode_lag=0,
+        )  # fmt: skip (lag 0: layer 0's check predicts layer 1 of the 2-layer model)
+        if arena_gb is None:  # every expert resident: no check fails, none is recomputed
+            model.expert_cache.warm()
+        generate(model, 16)
+        rec = model.expert_cache.arena.policy
+        model.expert_cache.close()
+        assert rec.stale_hits == 0, read_ahead
+        if read_ahead == "demand":
+            assert rec.touches[True] > 0
+        else:
+            assert model.expert_cache.stats.misses == 0
+            assert rec.predictions and all(phase for phase, _, _ in rec.predictions)
+            layers = load_manifest(path).moe_layers
+            assert {layer for _, layer, _ in rec.predictions} <= set(layers[1:])
+
+
 class NoVictim:
     def touch(self, key): ...
 
