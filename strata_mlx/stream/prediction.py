@@ -97,6 +97,7 @@ class ReadAhead:
             "lookahead in decode: read a predicted expert only while its expected next use "
             "comes before that of the expert it evicts.",
             name="lookahead_score",
+            variant="sc",
         ),
     )
 
