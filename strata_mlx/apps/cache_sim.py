@@ -5,10 +5,11 @@ under Belady's optimum, for a recorded routing trace (strata_mlx.stream.trace).
 
 The replay does what the handshake does, call by call and MoE layer by layer: the policy is
 told the running layer (`current`), the layer's distinct experts are looked up together,
-a policy with `predicted` is told the trace's lookahead prediction for the next layer (the
-handshake computes it in the same sync as the layer's routing), the layer's hits are touched
-and pinned, then its misses get slots one by one (each evicts the policy's victim among the
-unpinned residents, or takes a free slot) and are touched. The
+the layer's hits are touched and pinned, then its misses get slots one by one (each evicts
+the policy's victim among the unpinned residents, or takes a free slot) and are touched; in
+decode a policy with `predicted` is then told the trace's lookahead prediction for the next
+layer. A policy with `phase` is told when the prompt's calls end and decode starts, as
+generation tells the arena. The
 online policies are the arena's own classes and the plug-ins of strata_mlx.stream.policies, so a
 replay's LRU misses equal a live run's with demand reads and the per-layer handshake
 (tests/test_cache_sim.py checks it). These are demand misses unless `--read-ahead` models
@@ -137,8 +138,17 @@ class _Arena:
     def __init__(self, pol, name: str, slots: int):
         self.pol, self.name, self.slots = pol, name, slots
         self.distance = getattr(pol, "distance", None)
+        self.phase = getattr(pol, "phase", None)
+        self.decoding: bool | None = None
         self.resident: set = set()
         self.ahead: set = set()
+
+    def set_phase(self, decoding: bool) -> None:
+        """The policy's optional `phase` hook, at each change (as Arena.set_phase)."""
+        if decoding != self.decoding:
+            self.decoding = decoding
+            if self.phase is not None:
+                self.phase(decoding)
 
     def lookup(self, layer: int, keys: list, pinned: set) -> tuple[list, int]:
         """A layer's distinct experts: its hits touched, then its misses given slots (each
@@ -216,29 +226,32 @@ def replay(trace: traces.Trace, slots: int, policy, read_ahead: str = "none") ->
             raise OptionError("--read-ahead: Belady's optimum reads nothing ahead")
         return _belady(trace, slots)
     name, pol, preds = _online(trace, policy, read_ahead)
-    told = getattr(pol, "predicted", None)
     nxt = dict(zip(trace.layers, trace.layers[1:]))
     out = Replay(name if read_ahead == "none" else f"{name}+{read_ahead}", slots,
                  trace.record_bytes, trace.decode_tokens)  # fmt: skip
     expected = ExpectedUse(trace.layers) if read_ahead == "scored" else None
+    told = getattr(pol, "predicted", None)
     arena = _Arena(pol, name, slots)
     for c in range(trace.calls):
         decode = c >= trace.decode_from
+        arena.set_phase(decode)
         for layer in trace.layers:
             pol.current = layer
             target = nxt.get(layer)
             predicted = np.unique(preds[target][c]).tolist() if target in preds else None
-            if told is not None and predicted is not None:
-                told(target, predicted)  # the handshake has it before the misses get slots
             keys = [(layer, int(e)) for e in np.unique(trace.ids[layer][c])]
             pinned = set(keys)
             missed, used = arena.lookup(layer, keys, pinned)
             out.count(decode, len(keys), len(missed), used)
-            if not decode or read_ahead == "none":
+            if not decode:
                 continue
             if expected is not None:
                 expected.observe(layer, [k[1] for k in keys])
             if predicted is None:
+                continue
+            if told is not None:
+                told(target, predicted)  # as the handshake: once the misses have slots
+            if read_ahead == "none":
                 continue
             bar = None
             if expected is not None:

@@ -131,7 +131,8 @@ def generate_step(
     # left in the expert cache (busy layers, the last handshake's pins) is released.
     expert_cache.idle()
     progress(0, total)
-    y = prefill(model, prompt, cache, chunk, on_chunk, kv, lambda done: progress(done, total))
+    with expert_cache.phase(decoding=False):  # the eviction policy is told, as decode's is
+        y = prefill(model, prompt, cache, chunk, on_chunk, kv, lambda d: progress(d, total))
     expert_cache.idle()
 
     context = prompt  # the tokens so far, for logits_processors

@@ -4,8 +4,10 @@ Pipelined decode (strata_mlx.runtime.decode) builds a token's layers with each l
 slots looked up on the device from its residency row as it stands, and checks each layer once
 its routing is known: every chosen expert resident when the layer was built, or a miss whose
 reads start at once. Owns the `Deferred` records, pipelined lookahead (a checked layer's
-prediction for a later one) and the layers a read may not refill while they compute. Never
-recomputes a layer (the decoder does, through ExpertCache.run_layer) and never waits for a
+prediction for a later one) and the layers a read may not refill while they compute. A check
+that passes is its layer's handshake: the eviction policy is told the layer runs, and the
+read-ahead it predicts goes through the per-layer handshake's rule (Predictor.ahead_bar: the
+policy told, the score's bar with --lookahead-score). Never recomputes a layer (the decoder does, through ExpertCache.run_layer) and never waits for a
 miss.
 """
 
@@ -67,6 +69,7 @@ class DeferredHandshake:
         self.lookahead = True  # whether those layers may predict
         self.ahead: dict[int, int] = {}  # pipelined lookahead: layer -> layer it predicts
         self.ahead_tags: dict[int, list[int]] = {}  # read-ahead submitted for a layer
+        self.ahead_distance = 1  # layers from a checked layer to the one it predicts
         # A failed check fed the miss rate for this layer: its recomputing handshake must not.
         self.observed: int | None = None
 
@@ -84,6 +87,7 @@ class DeferredHandshake:
     def plan_lookahead(self, distance: int) -> None:
         """A prediction made from layer l's input can only help layer l + `distance`."""
         routers = self.predictor.routers
+        self.ahead_distance = distance
         self.ahead = {
             l: self.layers[i + distance]
             for i, l in enumerate(self.layers)
@@ -151,10 +155,14 @@ class DeferredHandshake:
             return False
         st.lookups += len(needed)
         if sched.prefetched or not self.all_fit:
-            sched.count_resident(d.layer, needed)
+            with sched.lock:  # this check is the layer's handshake: its uses are this call's
+                sched.arena.set_layer(d.layer)
+                sched.count_resident(d.layer, needed)
         else:
             st.hits += len(needed)
         self.predictor.observe_decode_layer(0.0)
+        decoding = bool(sched.arena.decoding)  # not the prompt's last token, which is prefill's
+        self.predictor.observe_use(d.layer, needed, decoding)
         if trace is not None:
             trace.record(d.layer, ids)
         if d.pred is not None:
@@ -162,8 +170,11 @@ class DeferredHandshake:
             if trace is not None:
                 trace.record_prediction(d.target, pred)
             ranked = self.predictor.rank(pred)
-            # Slots of layers still computing on the device must not be refilled.
-            tags = sched.read_ahead(d.target, ranked, protect=sched.busy_layers)
+            # As the per-layer handshake's read-ahead: told to the policy, scored with
+            # --lookahead-score. Slots of layers still computing must not be refilled.
+            ahead = self.predictor.ahead_bar(d.target, ranked, decoding, self.ahead_distance)
+            with sched.lock, sched.arena.scored(ahead):
+                tags = sched.read_ahead(d.target, ranked, protect=sched.busy_layers)
             if tags:
                 self.ahead_tags[d.target] = tags
         st.host_s += time.perf_counter() - t1

@@ -189,10 +189,14 @@ class ExpertCache:
         """Run the block as decode steps (decode's prediction rule, miss rates, cache-aware
         routing) or as prefill; the previous phase is restored after it."""
         before, self.decoding = self.decoding, decoding
+        with self.sched.lock:  # the eviction policy is told (its optional `phase` hook)
+            self.arena.set_phase(decoding)
         try:
             yield
         finally:
             self.decoding = before
+            with self.sched.lock:
+                self.arena.set_phase(before)
 
     async def prefetch(self, layer: int, experts) -> None:
         """Read `experts` of `layer` as read-ahead and return once they are resident (for

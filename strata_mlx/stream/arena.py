@@ -26,12 +26,16 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
 from ..format.store import ALIGNMENT
 from .reader import advise_hugepages, prefer_device
+
+if TYPE_CHECKING:
+    from .prediction import Ahead
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -302,6 +306,7 @@ class Arena:
         self.rows = slot_rows(self.buffer, n_slots, record_bytes, self._start)
         mx.eval(self.rows)
         self.policy = make_policy(eviction, profile, layers)
+        self.decoding: bool | None = None  # the phase generation last told (None: none yet)
         self.slot_of: dict[Key, int] = {}
         self.owner: list[Key | None] = [None] * n_slots
         self.pinned: set[int] = set()
@@ -338,6 +343,22 @@ class Arena:
         """Tell the eviction policy which layer runs now (the layer-aware one uses it)."""
         self.policy.current = layer
 
+    def set_phase(self, decoding: bool) -> None:
+        """Generation moves into decode steps or out of them (prefill): the policy's
+        optional `phase(decoding)` hook, told at each change."""
+        if decoding != self.decoding:
+            self.decoding = decoding
+            hook = getattr(self.policy, "phase", None)
+            if hook is not None:
+                hook(decoding)
+
+    def predicted(self, layer: int, experts: list[int]) -> None:
+        """Lookahead predicts `experts` for `layer` (decode's read-ahead): the policy's
+        optional `predicted` hook."""
+        hook = getattr(self.policy, "predicted", None)
+        if hook is not None:
+            hook(layer, experts)
+
     def _evictable(self, key: Key) -> bool:
         s = self.slot_of[key]
         return s not in self.pinned and s not in self.loading
@@ -370,10 +391,14 @@ class Arena:
         return slot, victim
 
     @contextmanager
-    def scored(self, bar: float | None) -> Iterator[None]:
-        """Inside, a slot is given up only by a victim that the policy expects used more
-        than `bar` handshakes from now (None: any victim)."""
-        self.read_ahead_bar = bar
+    def scored(self, ahead: Ahead | None) -> Iterator[None]:
+        """Inside, read-ahead for `ahead.layer` (Predictor.ahead_bar; None: in prefill):
+        the policy is told the prediction (its optional `predicted` hook), and a slot is
+        given up only by a victim that the policy expects used more than `ahead.bar`
+        handshakes from now (None: any victim)."""
+        if ahead is not None:
+            self.predicted(ahead.layer, ahead.experts)
+        self.read_ahead_bar = ahead.bar if ahead is not None else None
         try:
             yield
         finally:

@@ -9,14 +9,18 @@ A policy is any object with three methods; keys are (layer, expert) pairs:
     victim(evictable)   -> the resident key to evict, one for which evictable(key) is true
                         (pinned and in-flight slots are not), or None if there is none
 
-and two optional ones the arena and the replay set or call:
+and optional ones the arena and the replay set or call:
 
     current             an attribute: the layer whose handshake runs now (set before its
-                        lookups; a forward pass visits the MoE layers in order)
+                        lookups; a forward pass visits the MoE layers in order; in
+                        pipelined decode a layer's check is its handshake)
+    phase(decoding)     generation moved into its decode steps (True) or out of them
+                        (False: a prompt's chunks and its last token), told at each change;
+                        until the first, no phase was told (a script's own model calls)
     predicted(layer, experts)
-                        the experts lookahead predicts `layer` will use, told before `layer`
-                        runs (cache-sim replays the trace's predictions; the live runtime
-                        does not call it yet)
+                        the experts lookahead predicts `layer` will use, told in decode
+                        once the running layer's misses have slots, before their read-ahead
+                        (by both decoders, and by cache-sim from the trace's predictions)
     distance(key)       -> handshakes until the resident `key` is expected to be used next;
                         scored read-ahead (strata_mlx.stream.prediction.ExpectedUse) reads a
                         predicted expert only into the slot of a victim expected later

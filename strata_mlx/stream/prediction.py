@@ -16,6 +16,9 @@ through their own routers; the scheduler reads them once the next layer's reads 
 With `score`, decode's read-ahead is scored by expected use (`ExpectedUse`): a predicted
 expert is read only while its expected next use comes before that of the expert its read
 would evict (the eviction policy's estimate, e.g. NextUse.distance), not to a fixed depth.
+Both decoders' read-ahead goes through `Predictor.ahead_bar` (the per-layer handshake's and
+the pipelined decoder's checks), which is also where the eviction policy is told the
+prediction (Arena.scored: its optional `predicted` hook).
 
 `Predictor` holds the policy's decisions for one model: which layers a handshake predicts,
 what it submits after its wait (static, layer 0), the running decode miss rates that
@@ -94,6 +97,7 @@ class ReadAhead:
             "lookahead in decode: read a predicted expert only while its expected next use "
             "comes before that of the expert it evicts.",
             name="lookahead_score",
+            variant="sc",
         ),
     )
 
@@ -102,12 +106,23 @@ class ReadAhead:
         return self.policy == "lookahead"
 
 
+@dataclass(frozen=True)
+class Ahead:
+    """A decode read-ahead: lookahead's `experts` for `layer`, and the expected next use
+    (handshakes) a victim must be beyond for one of them to take its slot (None: any)."""
+
+    layer: int
+    experts: list[int]
+    bar: float | None = None
+
+
 class ExpectedUse:
     """Decode read-ahead scored by expected use. Lookahead predicts the next layer's
     experts; one is picked there with chance q, the running share of that layer's predicted
     experts its routing then used (`observe`). Counted as NextUse counts the next use of a
-    resident expert (d(l) + L (1 / p - 1) handshakes, L the MoE layers), a read-ahead for
-    the next layer is next used 1 + L (1 / q - 1) handshakes from now: `bar(layer)`. Its
+    resident expert (d(l) + L (1 / p - 1) handshakes, L the MoE layers), a read-ahead for a
+    layer d layers ahead is next used d + L (1 / q - 1) handshakes from now: `bar(layer, d)`
+    (d is 1 for the per-layer handshake, the lag plus one for the pipelined decoder). Its
     read is worth the slot it takes only from a victim expected later than that (the arena
     gives no slot otherwise: Arena.read_ahead_bar), so read-ahead stops where the arena's
     residents are wanted sooner than the guesses, instead of at a fixed depth."""
@@ -130,12 +145,13 @@ class ExpectedUse:
             q = self.precision.get(layer, used)
             self.precision[layer] = q + self.rate * (used - q)
 
-    def bar(self, layer: int) -> float:
-        """Handshakes until a read-ahead for `layer`, the next layer, is expected used."""
+    def bar(self, layer: int, distance: int = 1) -> float:
+        """Handshakes until a read-ahead for `layer`, `distance` layers ahead of the running
+        one, is expected used."""
         q = self.precision.get(layer, 0.0)
         if q <= 0.0:
             return math.inf
-        return 1.0 + len(self.layers) * (1.0 / q - 1.0)
+        return distance + len(self.layers) * (1.0 / q - 1.0)
 
 
 def rank_by_tokens(ids: np.ndarray, min_tokens: int = 1) -> list[int]:
@@ -194,14 +210,18 @@ class Predictor:
         if self.expected is not None and decoding:
             self.expected.observe(layer, needed)
 
-    def ahead_bar(self, layer: int, experts: list[int], decoding: bool) -> float | None:
-        """With the score in decode: the expected next use (handshakes) a victim must be
-        beyond for `experts`, read ahead for `layer`, to get its slot; None reads as
-        lookahead does."""
-        if self.expected is None or not decoding:
+    def ahead_bar(
+        self, layer: int, experts: list[int], decoding: bool, distance: int = 1
+    ) -> Ahead | None:
+        """Decode's read-ahead of `experts` for `layer`, `distance` layers ahead of the
+        running one (Arena.scored: the policy is told it, and with the score, a victim must
+        be expected used beyond its bar for one of them to get its slot); None in prefill."""
+        if not decoding:
             return None
+        if self.expected is None:
+            return Ahead(layer, experts)
         self.expected.predicted(layer, experts)
-        return self.expected.bar(layer)
+        return Ahead(layer, experts, self.expected.bar(layer, distance))
 
     def predicts_in_decode(self) -> bool:
         return self.read_ahead.predicts and self.decode_miss_rate >= self.read_ahead.decode_min_miss

@@ -60,6 +60,8 @@ def test_bench_policy_variants_name_the_runtime_options():
         policy_options("demand:ov2")
     # every eviction policy by name, the candidates of stream/policies.py too
     assert policy_options("demand:nextuse-duel:lru")["eviction"] == "lru"
+    # the scored read-ahead beside plain lookahead in one bench
+    assert policy_options("lookahead:nextuse-duel:sc1")["lookahead_score"] is True
     assert policy_options("demand:nextuse-duel") == {
         "read_ahead": "demand",
         "eviction": "nextuse-duel",

@@ -149,7 +149,7 @@ def test_expected_use_scores_a_read_ahead_against_its_victim():
     given up only by a victim the policy expects used later than that."""
     from strata_mlx.format.store import ALIGNMENT
     from strata_mlx.stream.arena import Arena
-    from strata_mlx.stream.prediction import ExpectedUse
+    from strata_mlx.stream.prediction import Ahead, ExpectedUse
 
     ex = ExpectedUse([0, 1, 2, 3], prior=0.5, rate=0.5)
     assert ex.bar(1) == 1 + 4 * (1 / 0.5 - 1)
@@ -167,11 +167,13 @@ def test_expected_use_scores_a_read_ahead_against_its_victim():
         arena.loaded(got[0])
     victim = arena.policy.victim(lambda k: True)
     far = arena.policy.distance(victim)
-    with arena.scored(far):  # the victim is expected used no later than the read-ahead
+    with arena.scored(Ahead(0, [7], far)):  # the victim is expected used no later
         assert arena.allocate((0, 7)) is None
-    with arena.scored(far - 0.5):
+    with arena.scored(Ahead(0, [7], far - 0.5)):
         assert arena.allocate((0, 7)) is not None
     assert arena.read_ahead_bar is None
+    ex.predicted(2, [0, 1])
+    assert ex.bar(2, distance=2) == ex.bar(2) + 1  # a layer further ahead: one more handshake
 
 
 def test_scored_read_ahead_keeps_the_outputs_and_reads_no_more(store):
@@ -197,3 +199,34 @@ def test_scored_read_ahead_keeps_the_outputs_and_reads_no_more(store):
         model.expert_cache.close()
     assert tokens[True] == tokens[False]
     assert stats[True].readahead_submitted < stats[False].readahead_submitted
+
+
+def test_pipelined_decode_reads_ahead_through_the_score(store):
+    """The pipelined decoder's read-ahead goes through the expected-use rule the per-layer
+    handshake's does: each checked layer's routing updates the share of its prediction used,
+    and the read-ahead it predicts carries the bar (Predictor.ahead_bar)."""
+    path = store("qwen3_moe")
+    model, _ = strata_mlx.load(
+        path,
+        read_ahead="lookahead",
+        lookahead_score=True,
+        lookahead_decode_min_miss=0.0,
+        decode="pipelined",
+        decode_lag=0,
+    )  # fmt: skip (lag 0: layer 0's check predicts layer 1 of the 2-layer model)
+    ec = model.expert_cache
+    ec.warm()  # every expert resident: no check fails, so no layer goes through run_layer
+    bars = []
+    scored = ec.arena.scored
+
+    def spy(ahead):
+        bars.append(ahead)
+        return scored(ahead)
+
+    ec.arena.scored = spy
+    list(strata_mlx.stream_generate(model, None, prompt_ids(12, seed=3), max_tokens=12))
+    ec.close()
+    assert ec.stats.misses == 0
+    decode = [a for a in bars if a is not None]  # None: the prompt's, never scored
+    assert decode and all(a.layer == 1 and a.bar is not None for a in decode)
+    assert ec.predictor.expected.precision[1] != 0.5  # the prior moved: routing was observed

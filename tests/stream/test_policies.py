@@ -19,6 +19,7 @@ from strata_mlx.config import OptionError
 from strata_mlx.format.store import load_manifest
 from strata_mlx.generation.generate import stream_generate, teacher_forced_logits
 from strata_mlx.stream import policies, trace
+from strata_mlx.stream.arena import LRU
 from strata_mlx.stream.stats import RoutingTrace
 
 FAMILY = "qwen3_moe"
@@ -56,6 +57,40 @@ def plugin(tmp_path, monkeypatch):
     import research_mru
 
     return research_mru.MRU
+
+
+class Recorder(LRU):
+    """LRU that records what the runtime tells a plug-in: the phases, the touches of each
+    phase, decode's hits touched while `current` named another layer, lookahead's
+    predictions and the phase each came in."""
+
+    def __init__(self):
+        super().__init__()
+        self.told: list[bool] = []  # phase(decoding) calls, in order
+        self.touches = {None: 0, False: 0, True: 0}  # by phase (None: before any)
+        self.stale_hits = 0  # decode hits touched while `current` was another layer
+        self.predictions: list[tuple[bool | None, int, list[int]]] = []
+        self._resident: set = set()
+
+    def phase(self, decoding: bool) -> None:
+        self.told.append(decoding)
+
+    def _phase(self) -> bool | None:
+        return self.told[-1] if self.told else None
+
+    def touch(self, key) -> None:
+        if key in self._resident and self._phase() and key[0] != self.current:
+            self.stale_hits += 1
+        self.touches[self._phase()] += 1
+        self._resident.add(key)
+        super().touch(key)
+
+    def remove(self, key) -> None:
+        self._resident.discard(key)
+        super().remove(key)
+
+    def predicted(self, layer: int, experts) -> None:
+        self.predictions.append((self._phase(), layer, list(experts)))
 
 
 def load_small(path, eviction, **kw):
@@ -106,12 +141,73 @@ def test_outputs_are_bit_identical_whatever_the_policy(store, plugin):
     assert ref_model.expert_cache.stats.misses == 0
     runs = [(e, "pipelined") for e in policies.names()]
     runs += [(plugin, "pipelined"), ("research_mru:MRU", "sync"), ("adaptive", "sync")]
+    runs += [(Recorder, "pipelined"), (Recorder, "sync")]
     for eviction, decode in runs:
         model = load_small(path, eviction, decode=decode, read_ahead="lookahead")
         assert np.array_equal(teacher_forced_logits(model, ids, 8), ref_logits), eviction
         assert generate(model) == ref_tokens, (eviction, decode)
         assert model.expert_cache.stats.misses > 0
+        # the generation went from prefill to decode and back: a policy was told the phase
+        assert model.expert_cache.arena.decoding is False
+        if eviction is Recorder:
+            assert model.expert_cache.arena.policy.told == [False, True, False]
         model.expert_cache.close()
+
+
+@pytest.mark.parametrize("decode", ["sync", "pipelined"])
+def test_a_policy_is_told_the_phase_and_the_replay_tells_it_at_the_same_call(
+    store, tmp_path, decode
+):
+    path = store(FAMILY)
+    model = load_small(path, Recorder, decode=decode, trace=RoutingTrace())
+    generate(model)
+    live = model.expert_cache.arena.policy
+    f = tmp_path / "t.npz"
+    trace.write(f, trace.of_model(model))
+    model.expert_cache.close()
+    assert live.told == [False, True, False]  # prefill, decode, and prefill again after
+    assert live.touches[None] == 0 and live.touches[False] > 0 and live.touches[True] > 0
+    made = []
+
+    def factory():
+        made.append(Recorder())
+        return made[-1]
+
+    cache_sim.replay(trace.read(f), SLOTS, factory)
+    assert made[0].told == [False, True]
+    if decode == "sync":  # the per-layer handshake: the replay's uses are the live run's
+        assert made[0].touches == {**live.touches}
+
+
+def test_pipelined_decode_names_the_running_layer_and_tells_its_predictions(store):
+    """The pipelined decoder's check is its layer's handshake: the policy's `current` names
+    that layer when its hits are touched, and lookahead's predictions reach the policy (in
+    decode only) as the per-layer handshake's do."""
+    path = store(FAMILY)
+    rb = load_manifest(path).layout.record_bytes
+    for arena_gb, read_ahead in ((SLOTS * rb / 1024**3, "demand"), (None, "lookahead")):
+        model, _ = strata_mlx.load(
+            path,
+            arena_gb=arena_gb,
+            eviction=Recorder,
+            decode="pipelined",
+            read_ahead=read_ahead,
+            lookahead_decode_min_miss=0.0,
+            decode_lag=0,
+        )  # fmt: skip (lag 0: layer 0's check predicts layer 1 of the 2-layer model)
+        if arena_gb is None:  # every expert resident: no check fails, none is recomputed
+            model.expert_cache.warm()
+        generate(model, 16)
+        rec = model.expert_cache.arena.policy
+        model.expert_cache.close()
+        assert rec.stale_hits == 0, read_ahead
+        if read_ahead == "demand":
+            assert rec.touches[True] > 0
+        else:
+            assert model.expert_cache.stats.misses == 0
+            assert rec.predictions and all(phase for phase, _, _ in rec.predictions)
+            layers = load_manifest(path).moe_layers
+            assert {layer for _, layer, _ in rec.predictions} <= set(layers[1:])
 
 
 class NoVictim:
