@@ -603,3 +603,65 @@ def test_bench_without_a_model_benches_the_builtin_one(store, tmp_path, monkeypa
     r = CliRunner().invoke(app, ["bench", "-p", "16", "-g", "4", "--policies", "demand"])
     assert r.exit_code == 0, r.output
     assert seen == {"model": path, "arena_gb": 0.0001, "config_arena": 0.0001}
+
+
+def test_a_gpu_calibrates_on_a_chunk_of_the_forecasts_size_the_cpu_on_a_line():
+    """On a GPU a small chunk's time is the weight traffic of the experts it touches, which
+    saturates: one chunk of the forecast's own size (capped by the prompt) is timed there; on
+    the CPU a line through two short chunks. Each is cached under what it timed."""
+    from strata_mlx.apps.plan import calibration as cal
+
+    gpu = cal.calibration_plan("gpu", 1024, 2048)
+    assert gpu.kind == "chunk" and gpu.chunk_tokens == (1024,)
+    assert cal.calibration_plan("gpu", 1024, 300).chunk_tokens == (300,)
+    cpu = cal.calibration_plan("cpu", 1024, 2048)
+    assert cpu.kind == "slope" and cpu.chunk_tokens == (cal.SHORT_TOKENS, cal.LONG_TOKENS)
+    assert cal.calibration_plan("cpu", 64, 16) == cpu  # the line serves any chunk
+    keys = {p.key for p in (gpu, cpu, cal.calibration_plan("gpu", 512, 2048))}
+    assert len(keys) == 3
+
+
+def test_a_cached_calibration_answers_only_for_what_it_timed(tmp_path, monkeypatch):
+    """A CPU-style entry is never the answer for a GPU-style forecast, nor one chunk size's
+    for another's."""
+    from strata_mlx.apps.plan import calibration as cal
+
+    monkeypatch.setenv("STRATA_MLX_HOME", str(tmp_path))
+    shape = _shape()
+    entry = cal.Calibration(1e-3, 1e-4, 0.01, 0.02, 0.03, 1e-4, calibrated="slope-8-32")
+    cpu, gpu = cal.calibration_plan("cpu", 64, 64), cal.calibration_plan("gpu", 64, 64)
+    cal.store(shape, cpu, entry)
+    assert cal.cached(shape, cpu) == entry
+    assert cal.cached(shape, gpu) is None
+    cal.store(shape, gpu, cal.Calibration(0.0, 2e-4, 0.01, 0.02, 0.03, 1e-4))
+    assert cal.cached(shape, gpu).prefill_token_s == 2e-4
+    assert cal.cached(shape, cpu) == entry  # both kept, each under its own key
+    assert cal.cached(shape, cal.calibration_plan("gpu", 32, 64)) is None
+
+
+def test_plan_on_a_gpu_times_one_chunk_of_its_size(store, tmp_path, monkeypatch):
+    """plan's default forecast with the backend reported as a GPU: the calibration times one
+    fake-stream chunk of the forecast's size (its per-token time, no fixed part) and says so;
+    back on the CPU that entry is not reused: the line is calibrated."""
+    from strata_mlx.apps.plan import calibration as cal
+
+    monkeypatch.setenv("STRATA_MLX_HOME", str(tmp_path))
+    path = store("qwen3_moe")
+    seen = []
+    calibrate = cal.calibrate
+
+    def spy(p, arena_gb, progress=None, plan_=None):
+        seen.append(plan_)
+        return calibrate(p, arena_gb, progress, plan_)
+
+    monkeypatch.setattr(cal, "calibrate", spy)
+    monkeypatch.setattr(cal, "backend", lambda: "gpu")
+    f = plan.plan(path, prompt_tokens=64, prefill_step_size=16, gen_tokens=4)
+    assert seen == [cal.CalibrationPlan("chunk", (16,))]
+    assert "one chunk of 16 tokens timed" in "\n".join(f.notes)
+    entry = cal.cached(plan.model_shape(path), seen[0])
+    assert entry.chunk_fixed_s == 0.0 and entry.prefill_token_s > 0
+    assert entry.calibrated == "chunk-16"
+    monkeypatch.setattr(cal, "backend", lambda: "cpu")
+    f = plan.plan(path, prompt_tokens=64, prefill_step_size=16, gen_tokens=4)
+    assert seen[1].kind == "slope" and f.compute_source == "calibrated now, cached"

@@ -136,20 +136,8 @@ def plan(
             compute = measure_compute(Path(shape.path), step, tokens, 8, fake_arena, say)
         source = f"fake-stream, {tokens} tokens"
     elif shape.source == "store":
-        cal = calibration.cached(shape)
-        if cal is None:
-            fake_arena = min(arena_gb or shape.expert_bytes / 4 / GB, 1.0)
-            with _steps("calibrating this machine (once per model shape)", 7) as say:
-                cal = calibration.calibrate(Path(shape.path), fake_arena, say)
-            calibration.store(shape, cal)
-            source = "calibrated now, cached"
-        else:
-            source = "calibrated, cached"
-        compute = cal.compute(step)
-        notes.append(
-            f"compute from this machine's calibration ({calibration.cache_file()}); "
-            "--measure times this store's own chunk"
-        )
+        compute, source, note = _calibrated(shape, arena_gb, step, prompt_tokens)
+        notes.append(note)
     else:
         tflops = target_tflops or measured_tflops()
         compute = estimate_compute(shape, tflops, measured_memory_gbps())
@@ -158,6 +146,34 @@ def plan(
     f = forecast(shape, machine, compute, source, arena_gb, step, prompt_tokens, gen_tokens)
     f.notes = notes + f.notes
     return f
+
+
+def _calibrated(
+    shape: ModelShape, arena_gb: float | None, step: int, prompt_tokens: int
+) -> tuple[Compute, str, str]:
+    """(compute, its source, a note) from this machine's cached calibration of `shape`, made
+    now if there is none for what this backend times (calibration.calibration_plan)."""
+    plan_ = calibration.calibration_plan(calibration.backend(), step, prompt_tokens)
+    cal = calibration.cached(shape, plan_)
+    if cal is None:
+        fake_arena = min(arena_gb or shape.expert_bytes / 4 / GB, 1.0)
+        steps = 3 + len(plan_.chunk_tokens) + len(MEASURE_MODES)  # load, compile, real decode
+        with _steps("calibrating this machine (once per model shape)", steps) as say:
+            cal = calibration.calibrate(Path(shape.path), fake_arena, say, plan_)
+        calibration.store(shape, plan_, cal)
+        source = "calibrated now, cached"
+    else:
+        source = "calibrated, cached"
+    timed = (
+        f"one chunk of {plan_.chunk_tokens[0]} tokens timed"
+        if plan_.kind == "chunk"
+        else "a line through chunks of " + " and ".join(map(str, plan_.chunk_tokens)) + " tokens"
+    )
+    note = (
+        f"compute from this machine's calibration ({timed}; {calibration.cache_file()}); "
+        "--measure times this store's own chunk"
+    )
+    return cal.compute(step), source, note
 
 
 @contextmanager
