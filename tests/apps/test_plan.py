@@ -665,3 +665,63 @@ def test_plan_on_a_gpu_times_one_chunk_of_its_size(store, tmp_path, monkeypatch)
     monkeypatch.setattr(cal, "backend", lambda: "cpu")
     f = plan.plan(path, prompt_tokens=64, prefill_step_size=16, gen_tokens=4)
     assert seen[1].kind == "slope" and f.compute_source == "calibrated now, cached"
+
+
+def test_the_read_floor_is_the_data_paths_where_reads_bounce():
+    """Where the cache reads through a bounce buffer or the CUDA device copy, the drive's own
+    figure overstates what lands in the arena: the data path's probe sets the floor there, and
+    probe-ssd's elsewhere (or where there is no store to read as the cache does)."""
+    from strata_mlx.apps.plan.machine import read_floor_source
+
+    assert read_floor_source(False, False, True) == "probe-ssd"
+    assert read_floor_source(True, False, True) == "data path"
+    assert read_floor_source(True, True, True) == "data path"
+    assert read_floor_source(False, True, True) == "data path"
+    assert read_floor_source(True, True, False).startswith("probe-ssd (no store")
+
+
+def test_this_machine_probes_what_the_backend_reads_through(store, monkeypatch):
+    """The backend query mocked: with a bounce buffer the data path is probed at one and at
+    the I/O worker count (and probe-ssd not at all); without, probe-ssd alone."""
+    from strata_mlx.apps.plan.machine import this_machine
+    from strata_mlx.stream import probe, reader
+
+    path = store("qwen3_moe")
+    shape = plan.model_shape(path)
+    calls = []
+
+    def data_path(store_, m, workers, seconds, **kw):
+        calls.append(("data path", workers))
+        return {"gb_per_s": 0.5 * workers}
+
+    def ssd(file, record_bytes, workers_list, seconds):
+        calls.append(("probe-ssd", tuple(workers_list)))
+        return [{"gb_per_s": 10.0 * w} for w in workers_list]
+
+    monkeypatch.setattr(probe, "probe_data_path", data_path)
+    monkeypatch.setattr(probe, "probe_ssd", ssd)
+    monkeypatch.setattr(reader, "uses_device_copy", lambda: False)
+    monkeypatch.setattr(reader, "needs_bounce", lambda: True)
+    m = this_machine(shape, io_workers=4, probe_seconds=0.2)
+    assert calls == [("data path", 1), ("data path", 4)]
+    assert (m.ssd_gbps_one, m.ssd_gbps, m.read_source) == (0.5, 2.0, "data path")
+    calls.clear()
+    monkeypatch.setattr(reader, "needs_bounce", lambda: False)
+    m = this_machine(shape, io_workers=4, probe_seconds=0.2)
+    assert calls == [("probe-ssd", (1, 4))]
+    assert (m.ssd_gbps_one, m.ssd_gbps, m.read_source) == (10.0, 40.0, "probe-ssd")
+
+
+def test_plan_says_which_probe_set_its_read_floor(store, tmp_path, monkeypatch):
+    """A real bounce-buffer data path (STRATA_MLX_BOUNCE=1 on the CPU): plan probes it and
+    says so beside the floor and in a note."""
+    monkeypatch.setenv("STRATA_MLX_HOME", str(tmp_path))
+    monkeypatch.setenv("STRATA_MLX_BOUNCE", "1")
+    path = store("qwen3_moe")
+    f = plan.plan(path, prompt_tokens=32, prefill_step_size=16, gen_tokens=4, probe_seconds=0.4)
+    assert f.read_source == "data path" and f.ssd_gbps > 0
+    text = "\n".join(f.lines())
+    assert "GB/s (data path)" in text and "not probe-ssd's" in text
+    monkeypatch.setenv("STRATA_MLX_BOUNCE", "0")
+    f = plan.plan(path, prompt_tokens=32, prefill_step_size=16, gen_tokens=4, probe_seconds=0.4)
+    assert f.read_source == "probe-ssd" and "GB/s (probe-ssd)" in "\n".join(f.lines())

@@ -24,8 +24,11 @@ The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts")
     an expert is a hit with probability 1 - (1 - q_i)^min(g*, history) (Che's approximation,
     with the deterministic gaps of a sweep). When one chunk needs more than the arena holds,
     g* = 0: every chunk reads all it needs (LRU on a cyclic sweep).
-  - Prefill: each chunk takes max(SSD floor, compute floor): bytes it reads over the probe's
-    GB/s at the I/O worker count, and the fake-stream chunk time (or FLOPs over a rate).
+  - Prefill: each chunk takes max(read floor, compute floor): bytes it reads over the probe's
+    GB/s at the I/O worker count, and the fake-stream chunk time (or FLOPs over a rate). The
+    probe is the data path's (probe_data_path: the drive and every step into the arena) where
+    the cache reads through a bounce buffer or the CUDA device copy, else probe-ssd's
+    (machine.read_floor_source).
   - Decode: of a token's k lookups a layer, 1 - hit are not resident, hit taken token by
     token from what the cold prefill's sweep left in the arena as decode's own working set
     replaces it (decode_hits: the first tokens after a long prompt miss far more than the
@@ -113,6 +116,7 @@ def plan(
             target_memory_gb if target_memory_gb is not None else here.memory_bytes / GB,
             target_ssd_gbps if target_ssd_gbps is not None else here.ssd_gbps,
             io_workers,
+            "given" if target_ssd_gbps is not None else here.read_source,
         )
     else:
         machine = this_machine(shape, io_workers, probe_seconds)
@@ -143,6 +147,11 @@ def plan(
         compute = estimate_compute(shape, tflops, measured_memory_gbps())
         source = f"estimate: {tflops:.3g} TFLOP/s"
         notes.append("compute estimated from FLOPs (no store to time in fake-stream mode)")
+    if machine.read_source == "data path":
+        notes.append(
+            "reads here land through a bounce buffer or the device copy: the read floor is the "
+            "data path's GB/s (the drive and every step into the arena), not probe-ssd's"
+        )
     f = forecast(shape, machine, compute, source, arena_gb, step, prompt_tokens, gen_tokens)
     f.notes = notes + f.notes
     return f

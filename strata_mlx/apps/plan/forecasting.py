@@ -35,11 +35,12 @@ class Forecast:
     expert_gb: float = 0.0
     dense_gb: float = 0.0
     ssd_gbps: float = 0.0
+    read_source: str = ""  # the probe ssd_gbps came from (machine.read_floor_source) or "given"
     prompt_tokens: int = 0
     gen_tokens: int = 0  # decode tokens forecast after the cold prompt
     distinct_per_chunk: float = 0.0  # experts a full chunk needs, all layers
     gb_read_per_chunk: float = 0.0  # mean over the cold prompt's chunks
-    ssd_floor_s: float = 0.0  # mean per chunk
+    ssd_floor_s: float = 0.0  # mean per chunk: the read floor, at ssd_gbps
     compute_floor_s: float = 0.0  # per full chunk
     compute_source: str = ""  # fake-stream | estimate
     prefill_tps: float = 0.0
@@ -71,9 +72,9 @@ class Forecast:
             f"prefill chunk {self.prefill_step_size}",
             f"  prefill ({self.prompt_tokens} tokens, cold): {self.prefill_tps:.1f} tok/s; "
             f"per chunk {self.distinct_per_chunk:.0f} distinct experts, "
-            f"{self.gb_read_per_chunk:.3f} GB read, SSD floor {self.ssd_floor_s * 1e3:.0f} ms "
-            f"at {self.ssd_gbps:.2f} GB/s, compute floor {self.compute_floor_s * 1e3:.0f} ms "
-            f"({self.compute_source})",
+            f"{self.gb_read_per_chunk:.3f} GB read, read floor {self.ssd_floor_s * 1e3:.0f} ms "
+            f"at {self.ssd_gbps:.2f} GB/s ({self.read_source or 'probe-ssd'}), "
+            f"compute floor {self.compute_floor_s * 1e3:.0f} ms ({self.compute_source})",
             f"  decode ({self.gen_tokens} tokens): {self.decode_tps:.2f} tok/s "
             f"({self.decode_ms_per_token:.1f} ms/token: "
             f"compute {self.decode_compute_ms:.1f}, {self.decode_misses_per_token:.1f} misses "
@@ -263,6 +264,7 @@ def forecast(
         expert_gb=shape.expert_bytes / 1e9,
         dense_gb=shape.dense_bytes / 1e9,
         ssd_gbps=machine.ssd_gbps,
+        read_source=machine.read_source,
         prompt_tokens=prompt_tokens,
         gen_tokens=gen_tokens,
         compute_source=compute_source,

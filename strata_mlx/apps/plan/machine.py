@@ -36,6 +36,7 @@ class Machine:
     ssd_gbps_one: float  # one read in flight
     io_workers: int
     name: str = "this machine"
+    read_source: str = "given"  # which probe gave ssd_gbps (read_floor_source), or "given"
 
 
 @dataclass
@@ -86,34 +87,79 @@ def probe_file(shape: ModelShape) -> Path:
     return p
 
 
+def read_floor_source(bounce: bool, device_copy: bool, store: bool) -> str:
+    """Which probe gives a forecast on this machine its read bandwidth: "data path"
+    (probe_data_path) where the expert cache reads through a bounce buffer or the CUDA device
+    copy, whose steps after the drive cap what lands in the arena below the drive's own figure,
+    and there is a store to read as the cache does; else "probe-ssd" (the drive alone: all the
+    cache's reads cost where they land directly, as on the CPU or Apple silicon)."""
+    if not (bounce or device_copy):
+        return "probe-ssd"
+    return "data path" if store else "probe-ssd (no store to probe the data path of)"
+
+
 def this_machine(
     shape: ModelShape, io_workers: int = 8, probe_seconds: float = 1.0, ssd_gbps=None
 ) -> Machine:
+    """Memory, and the reads' bandwidth at one and `io_workers` reads in flight from the probe
+    read_floor_source names, `probe_seconds` in all (or `ssd_gbps` at any depth)."""
     from ...runtime.loader import physical_memory
     from ...stream import memory
     from ...stream.probe import probe_ssd
+    from ...stream.reader import needs_bounce, uses_device_copy
 
-    if ssd_gbps is None:
-        rows = probe_ssd(
-            probe_file(shape),
-            record_bytes=shape.record_bytes,
-            workers_list=(1, io_workers),
-            seconds=probe_seconds / 2,
-        )
-        one, many = rows[0]["gb_per_s"], rows[1]["gb_per_s"]
-    else:
+    source = "given"
+    if ssd_gbps is not None:
         one = many = ssd_gbps
+    else:
+        source = read_floor_source(needs_bounce(), uses_device_copy(), shape.source == "store")
+        if source == "data path":
+            one, many = data_path_gbps(Path(shape.path), (1, io_workers), probe_seconds / 2)
+        else:
+            rows = probe_ssd(
+                probe_file(shape),
+                record_bytes=shape.record_bytes,
+                workers_list=(1, io_workers),
+                seconds=probe_seconds / 2,
+            )
+            one, many = rows[0]["gb_per_s"], rows[1]["gb_per_s"]
     avail = memory.available_bytes()
     if avail is not None:
         avail = max(avail - shape.dense_bytes, 0)  # load() sizes the arena with dense loaded
-    return Machine(physical_memory(), avail, many, one, io_workers)
+    return Machine(physical_memory(), avail, many, one, io_workers, read_source=source)
 
 
-def target_machine(memory_gb: float, ssd_gbps: float, io_workers: int = 8) -> Machine:
+def data_path_gbps(store: Path, workers_list: tuple[int, ...], seconds: float) -> list[float]:
+    """GB/s into an arena for each worker count, `seconds` each (probe_data_path), with the
+    runtime's defaults for what a read goes through (overlap, device copy, device arena)."""
+    from ...format.store import load_manifest
+    from ...runtime.loader import RuntimeConfig
+    from ...stream.probe import probe_data_path
+
+    m, cfg = load_manifest(store), RuntimeConfig()
+    return [
+        probe_data_path(
+            store,
+            m,
+            workers=w,
+            seconds=seconds,
+            overlap=cfg.read_overlap,
+            device_copy=None if cfg.device_copy else False,
+            device_memory=cfg.device_arena,
+        )["gb_per_s"]
+        for w in workers_list
+    ]
+
+
+def target_machine(
+    memory_gb: float, ssd_gbps: float, io_workers: int = 8, read_source: str = "given"
+) -> Machine:
     """Another machine: `memory_gb` of which the wired limit of a Mac (~19 GB of 24 GB) can
-    go to MLX, less the dense weights; a drive of `ssd_gbps` at any queue depth."""
+    go to MLX, less the dense weights; a drive of `ssd_gbps` at any queue depth (`read_source`:
+    where that figure came from)."""
     mem = int(memory_gb * GB)
-    return Machine(mem, None, ssd_gbps, ssd_gbps, io_workers, f"a {memory_gb:g} GB machine")
+    name = f"a {memory_gb:g} GB machine"
+    return Machine(mem, None, ssd_gbps, ssd_gbps, io_workers, name, read_source)
 
 
 def read_gbps(machine: Machine, in_flight: float) -> float:
