@@ -725,3 +725,35 @@ def test_plan_says_which_probe_set_its_read_floor(store, tmp_path, monkeypatch):
     monkeypatch.setenv("STRATA_MLX_BOUNCE", "0")
     f = plan.plan(path, prompt_tokens=32, prefill_step_size=16, gen_tokens=4, probe_seconds=0.4)
     assert f.read_source == "probe-ssd" and "GB/s (probe-ssd)" in "\n".join(f.lines())
+
+
+def test_the_handshakes_sync_beyond_fake_streams_is_a_cost_of_every_synced_layer():
+    """The real decode's route sync a layer beyond fake-stream's (lookahead's routers, the
+    device's work around landing reads) is charged to each synced layer, not spread over the
+    absent lookups: at the calibration's own share of absent lookups the token is the same,
+    at a smaller share the forecast keeps that per-layer cost."""
+    real = plan.RealDecode(1e-4, {}, {}, 0.050, 10.0, 4, 8, sync_s=6e-4)
+    extra = real.sync_extra_s(2e-4)
+    assert extra == pytest.approx(4e-4)
+    assert real.sync_extra_s(None) == 0.0 and real.sync_extra_s(1e-3) == 0.0
+    with_extra = real.absent_s(0.030, extra)
+    assert with_extra == pytest.approx((0.050 - 0.030 - 4 * (1e-4 + 4e-4)) / 10)
+    # the calibration's own token, both ways: compute + layers x (handshake + extra) + absent
+    assert 0.030 + 4 * (1e-4 + extra) + 10 * with_extra == pytest.approx(0.050)
+    assert 0.030 + 4 * 1e-4 + 10 * real.absent_s(0.030) == pytest.approx(0.050)
+
+    shape = _shape()
+    p = plan.pick_probabilities(shape)
+    kw = dict(handshake_s=1e-4, recall={1: 0.5, 2: 0.5}, recall_union={1: 0.5, 2: 0.6})
+    c = plan.Compute(1e-3, 0.010, 0.020, 0.030, absent_s=with_extra, sync_extra_s=extra, **kw)
+    d = plan.decode_forecast(shape, _machine(ssd=1e9), c, p, 1, 64, 400, 64)
+    hit = d["shares"][0]
+    assert d["modes"]["sync"] > 0.95 * 400
+    per_token = 0.030 + 4 * (1e-4 + extra) + 4 * 2 * (1 - hit) * with_extra
+    assert d["s_per_token"] == pytest.approx(per_token, rel=0.02)
+    assert d["handshake_s"] == pytest.approx(4 * (1e-4 + extra), rel=0.02)
+    # fewer absent lookups (an arena of half the experts): the per-layer part stays whole
+    old = plan.Compute(1e-3, 0.010, 0.020, 0.030, absent_s=real.absent_s(0.030), **kw)
+    half = [plan.decode_forecast(shape, _machine(ssd=1e9), x, p, 32, 64, 400, 64) for x in (c, old)]
+    assert half[0]["shares"] == half[1]["shares"] and half[0]["shares"][0] > 0.3
+    assert half[0]["s_per_token"] > half[1]["s_per_token"]

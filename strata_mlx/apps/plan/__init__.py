@@ -41,8 +41,10 @@ The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts")
     of layers with a miss (0.02 a layer toward each observation, from 0) puts it in "sync"
     above decode_sync_above, else "layers" while lookahead predicts (unless
     decode_token_while_predicting), else "token". A token costs that mode's fake-stream
-    decode time (its per-layer routing syncs included), plus in "sync" mode the
-    handshake's Python per layer (measured in a short real decode), plus what its absent
+    decode time (its per-layer routing syncs included), plus in "sync" mode, on every
+    layer, the handshake's Python and its route sync beyond fake-stream's (both measured in
+    a short real decode: on a GPU the sync waits on the lookahead routers and the device's
+    work around landing reads, whether or not the layer missed), plus what its absent
     lookups cost, plus in "layers" mode one synced layer recomputed for each layer that
     missed. An absent lookup costs what one cost in that short real decode (the token's
     time beyond compute and handshake over its absent lookups: the drive at the queue depth

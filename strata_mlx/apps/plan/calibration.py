@@ -72,7 +72,8 @@ def calibration_plan(backend: str, step: int, prompt_tokens: int) -> Calibration
 @dataclass
 class Calibration:
     """What a model shape costs on this machine with every expert resident, and what its short
-    real decode measured (the handshake's Python, lookahead's recall, an absent lookup)."""
+    real decode measured (the handshake's Python and its route sync beyond fake-stream's, per
+    layer; lookahead's recall; an absent lookup)."""
 
     chunk_fixed_s: float  # a prefill chunk's cost beyond its tokens' (per-layer dispatch)
     prefill_token_s: float  # each token of a chunk
@@ -85,6 +86,7 @@ class Calibration:
     absent_s: float | None = None
     measured_at: float = 0.0
     calibrated: str = ""  # CalibrationPlan.key: what prefill was timed on
+    sync_extra_s: float = 0.0  # per decode layer: the real handshake's sync beyond fake-stream's
 
     def compute(self, step: int) -> Compute:
         """The forecast's Compute for prefill chunks of `step` tokens."""
@@ -98,6 +100,7 @@ class Calibration:
             recall=dict(self.recall),
             recall_union=dict(self.recall_union),
             absent_s=self.absent_s,
+            sync_extra_s=self.sync_extra_s,
         )
 
     @classmethod
@@ -198,13 +201,14 @@ def calibrate(
     model, _ = load(path, config=cfg)
     try:
         fixed, per_token, token_s = _time_prefill(model, ids, plan, say)
-        per_mode = _time_decode_modes(model, ids, longest, say)
+        per_mode, fake_sync_s = _time_decode_modes(model, ids, longest, say)
     finally:
         model.expert_cache.close()
     del model
     say("real decode (handshake, recall, misses)")
     real = measure_real(path, ids, RECALL_TOKENS, DECODE_TOKENS, arena_gb)
     sync_s = per_mode.get("sync", token_s)
+    extra = real.sync_extra_s(fake_sync_s)
     return Calibration(
         fixed,
         per_token,
@@ -214,9 +218,10 @@ def calibrate(
         real.handshake_s,
         real.recall,
         real.union,
-        real.absent_s(sync_s),
+        real.absent_s(sync_s, extra),
         time.time(),
         calibrated=plan.key,
+        sync_extra_s=extra,
     )
 
 
@@ -255,13 +260,14 @@ def _time_prefill(
 
 def _time_decode_modes(
     model, ids: list[int], step: int, say: Callable[[str], None]
-) -> dict[str, float]:
-    """{mode: s per decode token} for "layers" and "sync", fake-stream (none without a
-    pipelined decoder)."""
+) -> tuple[dict[str, float], float | None]:
+    """({mode: s per decode token} for "layers" and "sync", fake-stream; the sync mode's route
+    sync a layer), none without a pipelined decoder."""
     from ...runtime.decode import PipelinedDecoder
     from ..bench import run_policy
+    from .machine import sync_per_layer
 
-    per_mode = {}
+    per_mode, fake_sync_s = {}, None
     dec = model.decoder
     if isinstance(dec, PipelinedDecoder):
         for mode, (sync_above, token_below) in (("layers", (1.0, 0.0)), ("sync", (-1.0, 0))):
@@ -269,4 +275,6 @@ def _time_decode_modes(
             with dec.thresholds(sync_above, token_below):
                 r = run_policy(model, ids[:2], DECODE_TOKENS, step, mode, "-")
             per_mode[mode] = r.decode_s / DECODE_TOKENS
-    return per_mode
+            if mode == "sync":
+                fake_sync_s = sync_per_layer(r, model, DECODE_TOKENS)
+    return per_mode, fake_sync_s

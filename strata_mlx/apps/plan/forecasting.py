@@ -50,6 +50,8 @@ class Forecast:
     decode_modes: dict = field(default_factory=dict)  # tokens per decoder mode
     decode_misses_per_token: float = 0.0
     decode_compute_ms: float = 0.0
+    # a token's synced layers' handshake Python and route sync beyond fake-stream's
+    decode_handshake_ms: float = 0.0
     # what an absent lookup cost plan's short real decode (None: reads costed from the probe)
     decode_absent_ms: float | None = None
     decode_ms_per_token: float = 0.0
@@ -77,7 +79,8 @@ class Forecast:
             f"compute floor {self.compute_floor_s * 1e3:.0f} ms ({self.compute_source})",
             f"  decode ({self.gen_tokens} tokens): {self.decode_tps:.2f} tok/s "
             f"({self.decode_ms_per_token:.1f} ms/token: "
-            f"compute {self.decode_compute_ms:.1f}, {self.decode_misses_per_token:.1f} misses "
+            f"compute {self.decode_compute_ms:.1f}, handshake {self.decode_handshake_ms:.1f}, "
+            f"{self.decode_misses_per_token:.1f} misses "
             f"a token: {100 * self.decode_hit_rate:.1f} % resident, "
             f"{100 * self.decode_streamed_ahead:.1f} % streamed ahead, "
             f"{100 * self.decode_miss_rate:.1f} % missed; modes "
@@ -157,7 +160,7 @@ def decode_forecast(
 
     layer_rate, miss_rate = 0.0, 1.0  # the decoder's running averages, as a fresh load has them
     modes: dict[str, int] = {}
-    total_s = compute_s = misses = ahead_sum = miss_sum = 0.0
+    total_s = compute_s = handshake_s = misses = ahead_sum = miss_sum = 0.0
     for t in range(gen_tokens):
         absent = 1 - hits[t]
         predicting = miss_rate >= cfg.read_ahead.decode_min_miss
@@ -172,8 +175,11 @@ def decode_forecast(
         ahead, missed = shares(mode, absent) if predicting else (0.0, absent)
         layer_missed = 1 - (1 - missed) ** k  # a layer with at least one miss
         base = compute.mode_s(mode)
-        # the sync handshake's Python; the deferred path's is in fake-stream's own time
-        cost = base + (L * compute.handshake_s if mode == "sync" else 0.0)
+        # the sync handshake's Python and its route sync beyond fake-stream's, on every synced
+        # layer whether it missed or not; the deferred path's are in fake-stream's own time
+        synced_layer_s = compute.handshake_s + compute.sync_extra_s
+        synced = L * synced_layer_s if mode == "sync" else 0.0
+        cost = base + synced
         if compute.absent_s is not None:  # measured: every absent lookup, missed or not
             cost += L * k * (missed + ahead) * compute.absent_s
         else:
@@ -181,9 +187,11 @@ def decode_forecast(
             cost += L * read_s(k * missed)
             cost += L * max(read_s(k * ahead) - distance[mode] * base / L, 0.0)
         if mode == "layers":  # a layer that missed is drained and recomputed synced
-            cost += L * layer_missed * (compute.mode_s("sync") / L + compute.handshake_s)
+            cost += L * layer_missed * (compute.mode_s("sync") / L + synced_layer_s)
+            synced += L * layer_missed * synced_layer_s
         total_s += cost
         compute_s += base
+        handshake_s += synced
         misses += L * k * missed
         ahead_sum += ahead
         miss_sum += missed
@@ -196,6 +204,7 @@ def decode_forecast(
         "modes": modes,
         "misses_per_token": misses / n,
         "compute_s": compute_s / n,
+        "handshake_s": handshake_s / n,
         "s_per_token": total_s / n,
     }
 
@@ -306,6 +315,7 @@ def forecast(
     f.decode_modes = d["modes"]
     f.decode_misses_per_token = d["misses_per_token"]
     f.decode_compute_ms = d["compute_s"] * 1e3
+    f.decode_handshake_ms = d["handshake_s"] * 1e3
     absent_s = Compute.of(compute).absent_s
     f.decode_absent_ms = None if absent_s is None else absent_s * 1e3
     f.decode_ms_per_token = d["s_per_token"] * 1e3
