@@ -612,10 +612,11 @@ def test_a_gpu_calibrates_on_a_chunk_of_the_forecasts_size_the_cpu_on_a_line():
     from strata_mlx.apps.plan import calibration as cal
 
     gpu = cal.calibration_plan("gpu", 1024, 2048)
-    assert gpu.kind == "chunk" and gpu.chunk_tokens == (1024,)
+    assert gpu.kind == "chunk" and gpu.chunk_tokens == (1024,) and gpu.sync_per_layer
     assert cal.calibration_plan("gpu", 1024, 300).chunk_tokens == (300,)
     cpu = cal.calibration_plan("cpu", 1024, 2048)
     assert cpu.kind == "slope" and cpu.chunk_tokens == (cal.SHORT_TOKENS, cal.LONG_TOKENS)
+    assert not cpu.sync_per_layer  # the CPU keeps its decode model
     assert cal.calibration_plan("cpu", 64, 16) == cpu  # the line serves any chunk
     keys = {p.key for p in (gpu, cpu, cal.calibration_plan("gpu", 512, 2048))}
     assert len(keys) == 3
@@ -657,14 +658,15 @@ def test_plan_on_a_gpu_times_one_chunk_of_its_size(store, tmp_path, monkeypatch)
     monkeypatch.setattr(cal, "calibrate", spy)
     monkeypatch.setattr(cal, "backend", lambda: "gpu")
     f = plan.plan(path, prompt_tokens=64, prefill_step_size=16, gen_tokens=4)
-    assert seen == [cal.CalibrationPlan("chunk", (16,))]
+    assert seen == [cal.CalibrationPlan("chunk", (16,), sync_per_layer=True)]
     assert "one chunk of 16 tokens timed" in "\n".join(f.notes)
     entry = cal.cached(plan.model_shape(path), seen[0])
     assert entry.chunk_fixed_s == 0.0 and entry.prefill_token_s > 0
-    assert entry.calibrated == "chunk-16"
+    assert entry.calibrated == "chunk-16-sync"
     monkeypatch.setattr(cal, "backend", lambda: "cpu")
     f = plan.plan(path, prompt_tokens=64, prefill_step_size=16, gen_tokens=4)
     assert seen[1].kind == "slope" and f.compute_source == "calibrated now, cached"
+    assert cal.cached(plan.model_shape(path), seen[1]).sync_extra_s == 0.0
 
 
 def test_the_read_floor_is_the_data_paths_where_reads_bounce():

@@ -139,7 +139,8 @@ def plan(
         tokens = measure_tokens or min(step, prompt_tokens)
         fake_arena = min(arena_gb or 1.0, 1.0, shape.expert_bytes / GB)
         with _steps("plan --measure", 4 + len(MEASURE_MODES)) as say:
-            compute = measure_compute(Path(shape.path), step, tokens, 8, fake_arena, say)
+            on_gpu = calibration.backend() == "gpu"
+            compute = measure_compute(Path(shape.path), step, tokens, 8, fake_arena, say, on_gpu)
         source = f"fake-stream, {tokens} tokens"
     elif shape.source == "store":
         compute, source, note = _calibrated(shape, arena_gb, step, prompt_tokens)

@@ -189,11 +189,13 @@ def measure_compute(
     decode_tokens: int,
     arena_gb: float,
     progress: Callable[[str], None] | None = None,
+    sync_per_layer: bool = False,
 ) -> Compute:
     """Fake-stream runs (every expert counts as resident: compute alone, as bench's compute
     floor): prefill, and decode in each of the decoder's modes; then a short real run for the
     handshake's Python per layer, lookahead's recall and union, and what an absent lookup
-    costs decode (measure_real). `progress(step name)` is called before each step."""
+    costs decode (measure_real); `sync_per_layer`: its route sync beyond fake-stream's a layer
+    too (calibration.CalibrationPlan). `progress(step name)` is called before each step."""
     from ...format.store import load_manifest
     from ...runtime.decode import PipelinedDecoder
     from ...runtime.loader import RuntimeConfig, load
@@ -224,7 +226,7 @@ def measure_compute(
                     )
                 per_mode[mode] = r.decode_s / max(decode_tokens, 1)
                 if mode == "sync":
-                    fake_sync_s = sync_per_layer(r, model, decode_tokens)
+                    fake_sync_s = route_sync_per_layer(r, model, decode_tokens)
     finally:
         model.expert_cache.close()
     del model
@@ -232,7 +234,7 @@ def measure_compute(
     say("real decode (handshake, recall, misses)")
     real = measure_real(path, ids, step, decode_tokens, arena_gb)
     sync_s = per_mode.get("sync", run.decode_s / max(decode_tokens, 1))
-    extra = real.sync_extra_s(fake_sync_s)
+    extra = real.sync_extra_s(fake_sync_s) if sync_per_layer else 0.0
     return Compute(
         prefill_s / max(tokens, 1),
         run.decode_s / max(decode_tokens, 1),
@@ -349,7 +351,7 @@ class RealDecode:
         return 0.0 if fake_sync_s is None else max(self.sync_s - fake_sync_s, 0.0)
 
 
-def sync_per_layer(run, model, tokens: int) -> float:
+def route_sync_per_layer(run, model, tokens: int) -> float:
     """A bench Run's decode route sync per token and MoE layer."""
     layers = max(len(model.expert_cache.layers), 1)
     return run.decode.route_sync_s / max(tokens * layers, 1)
