@@ -603,3 +603,159 @@ def test_bench_without_a_model_benches_the_builtin_one(store, tmp_path, monkeypa
     r = CliRunner().invoke(app, ["bench", "-p", "16", "-g", "4", "--policies", "demand"])
     assert r.exit_code == 0, r.output
     assert seen == {"model": path, "arena_gb": 0.0001, "config_arena": 0.0001}
+
+
+def test_a_gpu_calibrates_on_a_chunk_of_the_forecasts_size_the_cpu_on_a_line():
+    """On a GPU a small chunk's time is the weight traffic of the experts it touches, which
+    saturates: one chunk of the forecast's own size (capped by the prompt) is timed there; on
+    the CPU a line through two short chunks. Each is cached under what it timed."""
+    from strata_mlx.apps.plan import calibration as cal
+
+    gpu = cal.calibration_plan("gpu", 1024, 2048)
+    assert gpu.kind == "chunk" and gpu.chunk_tokens == (1024,) and gpu.sync_per_layer
+    assert cal.calibration_plan("gpu", 1024, 300).chunk_tokens == (300,)
+    cpu = cal.calibration_plan("cpu", 1024, 2048)
+    assert cpu.kind == "slope" and cpu.chunk_tokens == (cal.SHORT_TOKENS, cal.LONG_TOKENS)
+    assert not cpu.sync_per_layer  # the CPU keeps its decode model
+    assert cal.calibration_plan("cpu", 64, 16) == cpu  # the line serves any chunk
+    keys = {p.key for p in (gpu, cpu, cal.calibration_plan("gpu", 512, 2048))}
+    assert len(keys) == 3
+
+
+def test_a_cached_calibration_answers_only_for_what_it_timed(tmp_path, monkeypatch):
+    """A CPU-style entry is never the answer for a GPU-style forecast, nor one chunk size's
+    for another's."""
+    from strata_mlx.apps.plan import calibration as cal
+
+    monkeypatch.setenv("STRATA_MLX_HOME", str(tmp_path))
+    shape = _shape()
+    entry = cal.Calibration(1e-3, 1e-4, 0.01, 0.02, 0.03, 1e-4, calibrated="slope-8-32")
+    cpu, gpu = cal.calibration_plan("cpu", 64, 64), cal.calibration_plan("gpu", 64, 64)
+    cal.store(shape, cpu, entry)
+    assert cal.cached(shape, cpu) == entry
+    assert cal.cached(shape, gpu) is None
+    cal.store(shape, gpu, cal.Calibration(0.0, 2e-4, 0.01, 0.02, 0.03, 1e-4))
+    assert cal.cached(shape, gpu).prefill_token_s == 2e-4
+    assert cal.cached(shape, cpu) == entry  # both kept, each under its own key
+    assert cal.cached(shape, cal.calibration_plan("gpu", 32, 64)) is None
+
+
+def test_plan_on_a_gpu_times_one_chunk_of_its_size(store, tmp_path, monkeypatch):
+    """plan's default forecast with the backend reported as a GPU: the calibration times one
+    fake-stream chunk of the forecast's size (its per-token time, no fixed part) and says so;
+    back on the CPU that entry is not reused: the line is calibrated."""
+    from strata_mlx.apps.plan import calibration as cal
+
+    monkeypatch.setenv("STRATA_MLX_HOME", str(tmp_path))
+    path = store("qwen3_moe")
+    seen = []
+    calibrate = cal.calibrate
+
+    def spy(p, arena_gb, progress=None, plan_=None):
+        seen.append(plan_)
+        return calibrate(p, arena_gb, progress, plan_)
+
+    monkeypatch.setattr(cal, "calibrate", spy)
+    monkeypatch.setattr(cal, "backend", lambda: "gpu")
+    f = plan.plan(path, prompt_tokens=64, prefill_step_size=16, gen_tokens=4)
+    assert seen == [cal.CalibrationPlan("chunk", (16,), sync_per_layer=True)]
+    assert "one chunk of 16 tokens timed" in "\n".join(f.notes)
+    entry = cal.cached(plan.model_shape(path), seen[0])
+    assert entry.chunk_fixed_s == 0.0 and entry.prefill_token_s > 0
+    assert entry.calibrated == "chunk-16-sync"
+    monkeypatch.setattr(cal, "backend", lambda: "cpu")
+    f = plan.plan(path, prompt_tokens=64, prefill_step_size=16, gen_tokens=4)
+    assert seen[1].kind == "slope" and f.compute_source == "calibrated now, cached"
+    assert cal.cached(plan.model_shape(path), seen[1]).sync_extra_s == 0.0
+
+
+def test_the_read_floor_is_the_data_paths_where_reads_bounce():
+    """Where the cache reads through a bounce buffer or the CUDA device copy, the drive's own
+    figure overstates what lands in the arena: the data path's probe sets the floor there, and
+    probe-ssd's elsewhere (or where there is no store to read as the cache does)."""
+    from strata_mlx.apps.plan.machine import read_floor_source
+
+    assert read_floor_source(False, False, True) == "probe-ssd"
+    assert read_floor_source(True, False, True) == "data path"
+    assert read_floor_source(True, True, True) == "data path"
+    assert read_floor_source(False, True, True) == "data path"
+    assert read_floor_source(True, True, False).startswith("probe-ssd (no store")
+
+
+def test_this_machine_probes_what_the_backend_reads_through(store, monkeypatch):
+    """The backend query mocked: with a bounce buffer the data path is probed at one and at
+    the I/O worker count (and probe-ssd not at all); without, probe-ssd alone."""
+    from strata_mlx.apps.plan.machine import this_machine
+    from strata_mlx.stream import probe, reader
+
+    path = store("qwen3_moe")
+    shape = plan.model_shape(path)
+    calls = []
+
+    def data_path(store_, m, workers, seconds, **kw):
+        calls.append(("data path", workers))
+        return {"gb_per_s": 0.5 * workers}
+
+    def ssd(file, record_bytes, workers_list, seconds):
+        calls.append(("probe-ssd", tuple(workers_list)))
+        return [{"gb_per_s": 10.0 * w} for w in workers_list]
+
+    monkeypatch.setattr(probe, "probe_data_path", data_path)
+    monkeypatch.setattr(probe, "probe_ssd", ssd)
+    monkeypatch.setattr(reader, "uses_device_copy", lambda: False)
+    monkeypatch.setattr(reader, "needs_bounce", lambda: True)
+    m = this_machine(shape, io_workers=4, probe_seconds=0.2)
+    assert calls == [("data path", 1), ("data path", 4)]
+    assert (m.ssd_gbps_one, m.ssd_gbps, m.read_source) == (0.5, 2.0, "data path")
+    calls.clear()
+    monkeypatch.setattr(reader, "needs_bounce", lambda: False)
+    m = this_machine(shape, io_workers=4, probe_seconds=0.2)
+    assert calls == [("probe-ssd", (1, 4))]
+    assert (m.ssd_gbps_one, m.ssd_gbps, m.read_source) == (10.0, 40.0, "probe-ssd")
+
+
+def test_plan_says_which_probe_set_its_read_floor(store, tmp_path, monkeypatch):
+    """A real bounce-buffer data path (STRATA_MLX_BOUNCE=1 on the CPU): plan probes it and
+    says so beside the floor and in a note."""
+    monkeypatch.setenv("STRATA_MLX_HOME", str(tmp_path))
+    monkeypatch.setenv("STRATA_MLX_BOUNCE", "1")
+    path = store("qwen3_moe")
+    f = plan.plan(path, prompt_tokens=32, prefill_step_size=16, gen_tokens=4, probe_seconds=0.4)
+    assert f.read_source == "data path" and f.ssd_gbps > 0
+    text = "\n".join(f.lines())
+    assert "GB/s (data path)" in text and "not probe-ssd's" in text
+    monkeypatch.setenv("STRATA_MLX_BOUNCE", "0")
+    f = plan.plan(path, prompt_tokens=32, prefill_step_size=16, gen_tokens=4, probe_seconds=0.4)
+    assert f.read_source == "probe-ssd" and "GB/s (probe-ssd)" in "\n".join(f.lines())
+
+
+def test_the_handshakes_sync_beyond_fake_streams_is_a_cost_of_every_synced_layer():
+    """The real decode's route sync a layer beyond fake-stream's (lookahead's routers, the
+    device's work around landing reads) is charged to each synced layer, not spread over the
+    absent lookups: at the calibration's own share of absent lookups the token is the same,
+    at a smaller share the forecast keeps that per-layer cost."""
+    real = plan.RealDecode(1e-4, {}, {}, 0.050, 10.0, 4, 8, sync_s=6e-4)
+    extra = real.sync_extra_s(2e-4)
+    assert extra == pytest.approx(4e-4)
+    assert real.sync_extra_s(None) == 0.0 and real.sync_extra_s(1e-3) == 0.0
+    with_extra = real.absent_s(0.030, extra)
+    assert with_extra == pytest.approx((0.050 - 0.030 - 4 * (1e-4 + 4e-4)) / 10)
+    # the calibration's own token, both ways: compute + layers x (handshake + extra) + absent
+    assert 0.030 + 4 * (1e-4 + extra) + 10 * with_extra == pytest.approx(0.050)
+    assert 0.030 + 4 * 1e-4 + 10 * real.absent_s(0.030) == pytest.approx(0.050)
+
+    shape = _shape()
+    p = plan.pick_probabilities(shape)
+    kw = dict(handshake_s=1e-4, recall={1: 0.5, 2: 0.5}, recall_union={1: 0.5, 2: 0.6})
+    c = plan.Compute(1e-3, 0.010, 0.020, 0.030, absent_s=with_extra, sync_extra_s=extra, **kw)
+    d = plan.decode_forecast(shape, _machine(ssd=1e9), c, p, 1, 64, 400, 64)
+    hit = d["shares"][0]
+    assert d["modes"]["sync"] > 0.95 * 400
+    per_token = 0.030 + 4 * (1e-4 + extra) + 4 * 2 * (1 - hit) * with_extra
+    assert d["s_per_token"] == pytest.approx(per_token, rel=0.02)
+    assert d["handshake_s"] == pytest.approx(4 * (1e-4 + extra), rel=0.02)
+    # fewer absent lookups (an arena of half the experts): the per-layer part stays whole
+    old = plan.Compute(1e-3, 0.010, 0.020, 0.030, absent_s=real.absent_s(0.030), **kw)
+    half = [plan.decode_forecast(shape, _machine(ssd=1e9), x, p, 32, 64, 400, 64) for x in (c, old)]
+    assert half[0]["shares"] == half[1]["shares"] and half[0]["shares"][0] > 0.3
+    assert half[0]["s_per_token"] > half[1]["s_per_token"]

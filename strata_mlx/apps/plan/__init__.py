@@ -24,8 +24,11 @@ The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts")
     an expert is a hit with probability 1 - (1 - q_i)^min(g*, history) (Che's approximation,
     with the deterministic gaps of a sweep). When one chunk needs more than the arena holds,
     g* = 0: every chunk reads all it needs (LRU on a cyclic sweep).
-  - Prefill: each chunk takes max(SSD floor, compute floor): bytes it reads over the probe's
-    GB/s at the I/O worker count, and the fake-stream chunk time (or FLOPs over a rate).
+  - Prefill: each chunk takes max(read floor, compute floor): bytes it reads over the probe's
+    GB/s at the I/O worker count, and the fake-stream chunk time (or FLOPs over a rate). The
+    probe is the data path's (probe_data_path: the drive and every step into the arena) where
+    the cache reads through a bounce buffer or the CUDA device copy, else probe-ssd's
+    (machine.read_floor_source).
   - Decode: of a token's k lookups a layer, 1 - hit are not resident, hit taken token by
     token from what the cold prefill's sweep left in the arena as decode's own working set
     replaces it (decode_hits: the first tokens after a long prompt miss far more than the
@@ -38,8 +41,10 @@ The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts")
     of layers with a miss (0.02 a layer toward each observation, from 0) puts it in "sync"
     above decode_sync_above, else "layers" while lookahead predicts (unless
     decode_token_while_predicting), else "token". A token costs that mode's fake-stream
-    decode time (its per-layer routing syncs included), plus in "sync" mode the
-    handshake's Python per layer (measured in a short real decode), plus what its absent
+    decode time (its per-layer routing syncs included), plus in "sync" mode, on every
+    layer, the handshake's Python and on a GPU its route sync beyond fake-stream's (both
+    measured in a short real decode: the sync waits on the lookahead routers and the device's
+    work around landing reads, whether or not the layer missed), plus what its absent
     lookups cost, plus in "layers" mode one synced layer recomputed for each layer that
     missed. An absent lookup costs what one cost in that short real decode (the token's
     time beyond compute and handshake over its absent lookups: the drive at the queue depth
@@ -113,6 +118,7 @@ def plan(
             target_memory_gb if target_memory_gb is not None else here.memory_bytes / GB,
             target_ssd_gbps if target_ssd_gbps is not None else here.ssd_gbps,
             io_workers,
+            "given" if target_ssd_gbps is not None else here.read_source,
         )
     else:
         machine = this_machine(shape, io_workers, probe_seconds)
@@ -133,31 +139,53 @@ def plan(
         tokens = measure_tokens or min(step, prompt_tokens)
         fake_arena = min(arena_gb or 1.0, 1.0, shape.expert_bytes / GB)
         with _steps("plan --measure", 4 + len(MEASURE_MODES)) as say:
-            compute = measure_compute(Path(shape.path), step, tokens, 8, fake_arena, say)
+            on_gpu = calibration.backend() == "gpu"
+            compute = measure_compute(Path(shape.path), step, tokens, 8, fake_arena, say, on_gpu)
         source = f"fake-stream, {tokens} tokens"
     elif shape.source == "store":
-        cal = calibration.cached(shape)
-        if cal is None:
-            fake_arena = min(arena_gb or shape.expert_bytes / 4 / GB, 1.0)
-            with _steps("calibrating this machine (once per model shape)", 7) as say:
-                cal = calibration.calibrate(Path(shape.path), fake_arena, say)
-            calibration.store(shape, cal)
-            source = "calibrated now, cached"
-        else:
-            source = "calibrated, cached"
-        compute = cal.compute(step)
-        notes.append(
-            f"compute from this machine's calibration ({calibration.cache_file()}); "
-            "--measure times this store's own chunk"
-        )
+        compute, source, note = _calibrated(shape, arena_gb, step, prompt_tokens)
+        notes.append(note)
     else:
         tflops = target_tflops or measured_tflops()
         compute = estimate_compute(shape, tflops, measured_memory_gbps())
         source = f"estimate: {tflops:.3g} TFLOP/s"
         notes.append("compute estimated from FLOPs (no store to time in fake-stream mode)")
+    if machine.read_source == "data path":
+        notes.append(
+            "reads here land through a bounce buffer or the device copy: the read floor is the "
+            "data path's GB/s (the drive and every step into the arena), not probe-ssd's"
+        )
     f = forecast(shape, machine, compute, source, arena_gb, step, prompt_tokens, gen_tokens)
     f.notes = notes + f.notes
     return f
+
+
+def _calibrated(
+    shape: ModelShape, arena_gb: float | None, step: int, prompt_tokens: int
+) -> tuple[Compute, str, str]:
+    """(compute, its source, a note) from this machine's cached calibration of `shape`, made
+    now if there is none for what this backend times (calibration.calibration_plan)."""
+    plan_ = calibration.calibration_plan(calibration.backend(), step, prompt_tokens)
+    cal = calibration.cached(shape, plan_)
+    if cal is None:
+        fake_arena = min(arena_gb or shape.expert_bytes / 4 / GB, 1.0)
+        steps = 3 + len(plan_.chunk_tokens) + len(MEASURE_MODES)  # load, compile, real decode
+        with _steps("calibrating this machine (once per model shape)", steps) as say:
+            cal = calibration.calibrate(Path(shape.path), fake_arena, say, plan_)
+        calibration.store(shape, plan_, cal)
+        source = "calibrated now, cached"
+    else:
+        source = "calibrated, cached"
+    timed = (
+        f"one chunk of {plan_.chunk_tokens[0]} tokens timed"
+        if plan_.kind == "chunk"
+        else "a line through chunks of " + " and ".join(map(str, plan_.chunk_tokens)) + " tokens"
+    )
+    note = (
+        f"compute from this machine's calibration ({timed}; {calibration.cache_file()}); "
+        "--measure times this store's own chunk"
+    )
+    return cal.compute(step), source, note
 
 
 @contextmanager

@@ -7,9 +7,15 @@ plan --measure's) and its cache file under the per-user cache directory
 model shape (the same shape computes alike whatever its weights). Never measures when a
 cached entry matches, and never writes the cache file except whole (temp path then rename).
 
-Prefill time per chunk is fitted as a + b * tokens from two short chunks: a chunk of a few
-tokens pays the per-layer dispatch that a long one spreads over its tokens, so a per-token rate
-from a short chunk alone overstates a 1024-token chunk's cost.
+What prefill is timed on depends on the backend (calibration_plan). On the CPU a chunk's time
+is fitted as a + b * tokens from two short chunks: a chunk of a few tokens pays the per-layer
+dispatch that a long one spreads over its tokens, so a per-token rate from a short chunk alone
+overstates a 1024-token chunk's cost; the CPU computes each (token, expert) pair, so the time
+grows in line with the tokens. On a GPU a chunk's time is the weight traffic of the distinct
+experts it touches, which stops growing once a chunk touches most of them: a line through two
+short chunks overstated a 1024-token chunk several fold on an H200. There one chunk of the
+forecast's own size is timed (a warm-up and one timed run: under a second). An entry is cached
+under what it timed, so a calibration of one kind never answers for the other.
 """
 
 from __future__ import annotations
@@ -27,16 +33,53 @@ import numpy as np
 from .machine import Compute, measure_real
 from .shapes import ModelShape
 
-CALIBRATION_VERSION = 1  # bump when the measurement changes: older entries are measured again
-SHORT_TOKENS, LONG_TOKENS = 8, 32  # the two prefill chunks the per-chunk time is fitted on
+CALIBRATION_VERSION = 2  # bump when the measurement changes: older entries are measured again
+SHORT_TOKENS, LONG_TOKENS = 8, 32  # the two prefill chunks the CPU's per-chunk time is fitted on
 DECODE_TOKENS = 4
 RECALL_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """What a calibration times for prefill: "slope" fits a + b * tokens on two short chunks
+    (the CPU); "chunk" times one chunk of the forecast's own size (a GPU). `sync_per_layer`:
+    the real handshake's route sync beyond fake-stream's is measured and charged to every
+    synced decode layer (a GPU, where the host waits on the device at each sync; on the CPU
+    the two syncs differ by less than the noise of a four-token decode, and a difference kept
+    only when positive would add that noise as a cost)."""
+
+    kind: str
+    chunk_tokens: tuple[int, ...]
+    sync_per_layer: bool = False
+
+    @property
+    def key(self) -> str:
+        """What was calibrated, as the cache keys it."""
+        sync = "-sync" if self.sync_per_layer else ""
+        return f"{self.kind}-{'-'.join(map(str, self.chunk_tokens))}{sync}"
+
+
+def backend() -> str:
+    """The backend calibration runs on: "gpu" where MLX's default device is a GPU (Metal or
+    CUDA), else "cpu"."""
+    import mlx.core as mx
+
+    return "gpu" if mx.default_device() == mx.gpu else "cpu"
+
+
+def calibration_plan(backend: str, step: int, prompt_tokens: int) -> CalibrationPlan:
+    """The prefill chunks a calibration times on `backend` ("cpu" or "gpu") for a forecast in
+    chunks of `step` tokens of a `prompt_tokens` prompt (module docstring: why they differ)."""
+    if backend == "gpu":
+        return CalibrationPlan("chunk", (max(1, min(step, prompt_tokens)),), True)
+    return CalibrationPlan("slope", (SHORT_TOKENS, LONG_TOKENS))
 
 
 @dataclass
 class Calibration:
     """What a model shape costs on this machine with every expert resident, and what its short
-    real decode measured (the handshake's Python, lookahead's recall, an absent lookup)."""
+    real decode measured (the handshake's Python and its route sync beyond fake-stream's, per
+    layer; lookahead's recall; an absent lookup)."""
 
     chunk_fixed_s: float  # a prefill chunk's cost beyond its tokens' (per-layer dispatch)
     prefill_token_s: float  # each token of a chunk
@@ -48,6 +91,8 @@ class Calibration:
     recall_union: dict[int, float] = field(default_factory=dict)
     absent_s: float | None = None
     measured_at: float = 0.0
+    calibrated: str = ""  # CalibrationPlan.key: what prefill was timed on
+    sync_extra_s: float = 0.0  # per decode layer: the real handshake's sync beyond fake-stream's
 
     def compute(self, step: int) -> Compute:
         """The forecast's Compute for prefill chunks of `step` tokens."""
@@ -61,6 +106,7 @@ class Calibration:
             recall=dict(self.recall),
             recall_union=dict(self.recall_union),
             absent_s=self.absent_s,
+            sync_extra_s=self.sync_extra_s,
         )
 
     @classmethod
@@ -103,16 +149,21 @@ def cache_file() -> Path:
     return cache_dir() / "plan" / f"calibration-{machine_key()}.json"
 
 
-def cached(shape: ModelShape) -> Calibration | None:
-    """The cached calibration of `shape` on this machine, or None."""
+def entry_key(shape: ModelShape, plan: CalibrationPlan) -> str:
+    """A cache entry's key: the shape, and what its prefill was timed on."""
+    return f"{shape_key(shape)}-{plan.key}"
+
+
+def cached(shape: ModelShape, plan: CalibrationPlan) -> Calibration | None:
+    """The cached calibration of `shape` by `plan` on this machine, or None."""
     try:
         entries = json.loads(cache_file().read_text())
-        return Calibration.from_json(entries[shape_key(shape)])
+        return Calibration.from_json(entries[entry_key(shape, plan)])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def store(shape: ModelShape, cal: Calibration) -> None:
+def store(shape: ModelShape, plan: CalibrationPlan, cal: Calibration) -> None:
     """Add `cal` to this machine's cache file (whole: temp path then rename). A cache that
     cannot be written costs the next plan a calibration, nothing else."""
     from ...format.store import write_text_atomic
@@ -124,7 +175,7 @@ def store(shape: ModelShape, cal: Calibration) -> None:
             entries = {}
     except (OSError, ValueError):
         entries = {}
-    entries[shape_key(shape)] = asdict(cal)
+    entries[entry_key(shape, plan)] = asdict(cal)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, json.dumps(entries, indent=1))
@@ -133,44 +184,74 @@ def store(shape: ModelShape, cal: Calibration) -> None:
 
 
 def calibrate(
-    path: Path, arena_gb: float, progress: Callable[[str], None] | None = None
+    path: Path,
+    arena_gb: float,
+    progress: Callable[[str], None] | None = None,
+    plan: CalibrationPlan = CalibrationPlan("slope", (SHORT_TOKENS, LONG_TOKENS)),
 ) -> Calibration:
-    """Measure a store's shape on this machine: fake-stream prefill chunks of SHORT_TOKENS and
-    LONG_TOKENS tokens, DECODE_TOKENS decode tokens in each of the decoder's modes, then a short
-    real decode (measure_real) for the handshake, recall and an absent lookup's cost.
+    """Measure a store's shape on this machine: fake-stream prefill chunks as `plan` says,
+    DECODE_TOKENS decode tokens in each of the decoder's modes, then a short real decode
+    (measure_real) for the handshake, recall and an absent lookup's cost.
     `progress(step name)` is called before each step."""
     from ...format.store import load_manifest
     from ...runtime.loader import RuntimeConfig, load
-    from ..bench import run_policy
 
     say = progress or (lambda _name: None)
     vocab = load_manifest(path).config["vocab_size"]
-    ids = np.random.default_rng(0).integers(0, vocab, size=LONG_TOKENS + 1).tolist()
+    longest = max(plan.chunk_tokens)
+    ids = np.random.default_rng(0).integers(0, vocab, size=max(longest, LONG_TOKENS) + 1).tolist()
     say("load (fake-stream)")
     cfg = RuntimeConfig(
-        arena_gb=arena_gb, read_ahead="demand", fake_stream=True, prefill_step_size=LONG_TOKENS
+        arena_gb=arena_gb, read_ahead="demand", fake_stream=True, prefill_step_size=longest
     )
     model, _ = load(path, config=cfg)
     try:
-        say("compile")
-        run_policy(model, ids[:4], 1, LONG_TOKENS, "warmup", "-")
-        say(f"prefill {SHORT_TOKENS} tokens")
-        short = run_policy(model, ids[:SHORT_TOKENS], 1, LONG_TOKENS, "short", "-")
-        say(f"prefill {LONG_TOKENS} tokens, decode {DECODE_TOKENS}")
-        long = run_policy(model, ids[:LONG_TOKENS], DECODE_TOKENS, LONG_TOKENS, "long", "-")
-        per_mode = {}
-        dec = model.decoder
-        if dec is not None:
-            keep = dec.sync_above, dec.token_below
-            for mode, (sync_above, token_below) in (("layers", (1.0, 0.0)), ("sync", (-1.0, 0))):
-                say(f"decode {DECODE_TOKENS} tokens, {mode} mode")
-                dec.sync_above, dec.token_below = sync_above, token_below
-                r = run_policy(model, ids[:2], DECODE_TOKENS, LONG_TOKENS, mode, "-")
-                per_mode[mode] = r.decode_s / DECODE_TOKENS
-            dec.sync_above, dec.token_below = keep
+        fixed, per_token, token_s = _time_prefill(model, ids, plan, say)
+        per_mode, fake_sync_s = _time_decode_modes(model, ids, longest, say)
     finally:
         model.expert_cache.close()
     del model
+    say("real decode (handshake, recall, misses)")
+    real = measure_real(path, ids, RECALL_TOKENS, DECODE_TOKENS, arena_gb)
+    sync_s = per_mode.get("sync", token_s)
+    extra = real.sync_extra_s(fake_sync_s) if plan.sync_per_layer else 0.0
+    return Calibration(
+        fixed,
+        per_token,
+        token_s,
+        per_mode.get("layers", token_s),
+        sync_s,
+        real.handshake_s,
+        real.recall,
+        real.union,
+        real.absent_s(sync_s, extra),
+        time.time(),
+        calibrated=plan.key,
+        sync_extra_s=extra,
+    )
+
+
+def _time_prefill(
+    model, ids: list[int], plan: CalibrationPlan, say: Callable[[str], None]
+) -> tuple[float, float, float]:
+    """(a chunk's fixed s, s per token, s per decode token in "token" mode) from fake-stream
+    prefill as `plan` says: a line through two short chunks, or one chunk of the forecast's
+    size after a warm-up of the same size (its kernels built for that shape)."""
+    from ..bench import run_policy
+
+    step = max(plan.chunk_tokens)
+    say("compile")
+    warm = ids[: step + 1] if plan.kind == "chunk" else ids[:4]
+    run_policy(model, warm, 1, step, "warmup", "-")
+    if plan.kind == "chunk":
+        say(f"prefill {step} tokens, decode {DECODE_TOKENS}")
+        run = run_policy(model, ids[: step + 1], DECODE_TOKENS, step, "chunk", "-")
+        tokens = sum(c.tokens for c in run.chunks)
+        return 0.0, sum(c.wall_s for c in run.chunks) / max(tokens, 1), run.decode_s / DECODE_TOKENS
+    say(f"prefill {SHORT_TOKENS} tokens")
+    short = run_policy(model, ids[:SHORT_TOKENS], 1, step, "short", "-")
+    say(f"prefill {LONG_TOKENS} tokens, decode {DECODE_TOKENS}")
+    long = run_policy(model, ids[:LONG_TOKENS], DECODE_TOKENS, step, "long", "-")
     # chunk wall times: the last prompt token runs outside the chunks, as in bench
     t_short = sum(c.wall_s for c in short.chunks)
     t_long = sum(c.wall_s for c in long.chunks)
@@ -180,19 +261,26 @@ def calibrate(
     if slope == 0.0:
         slope = t_long / n_long
     fixed = max(t_long - slope * n_long, 0.0)
-    say("real decode (handshake, recall, misses)")
-    real = measure_real(path, ids, RECALL_TOKENS, DECODE_TOKENS, arena_gb)
-    token_s = long.decode_s / DECODE_TOKENS
-    sync_s = per_mode.get("sync", token_s)
-    return Calibration(
-        fixed,
-        slope,
-        token_s,
-        per_mode.get("layers", token_s),
-        sync_s,
-        real.handshake_s,
-        real.recall,
-        real.union,
-        real.absent_s(sync_s),
-        time.time(),
-    )
+    return fixed, slope, long.decode_s / DECODE_TOKENS
+
+
+def _time_decode_modes(
+    model, ids: list[int], step: int, say: Callable[[str], None]
+) -> tuple[dict[str, float], float | None]:
+    """({mode: s per decode token} for "layers" and "sync", fake-stream; the sync mode's route
+    sync a layer), none without a pipelined decoder."""
+    from ...runtime.decode import PipelinedDecoder
+    from ..bench import run_policy
+    from .machine import route_sync_per_layer
+
+    per_mode, fake_sync_s = {}, None
+    dec = model.decoder
+    if isinstance(dec, PipelinedDecoder):
+        for mode, (sync_above, token_below) in (("layers", (1.0, 0.0)), ("sync", (-1.0, 0))):
+            say(f"decode {DECODE_TOKENS} tokens, {mode} mode")
+            with dec.thresholds(sync_above, token_below):
+                r = run_policy(model, ids[:2], DECODE_TOKENS, step, mode, "-")
+            per_mode[mode] = r.decode_s / DECODE_TOKENS
+            if mode == "sync":
+                fake_sync_s = route_sync_per_layer(r, model, DECODE_TOKENS)
+    return per_mode, fake_sync_s

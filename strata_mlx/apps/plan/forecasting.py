@@ -35,11 +35,12 @@ class Forecast:
     expert_gb: float = 0.0
     dense_gb: float = 0.0
     ssd_gbps: float = 0.0
+    read_source: str = ""  # the probe ssd_gbps came from (machine.read_floor_source) or "given"
     prompt_tokens: int = 0
     gen_tokens: int = 0  # decode tokens forecast after the cold prompt
     distinct_per_chunk: float = 0.0  # experts a full chunk needs, all layers
     gb_read_per_chunk: float = 0.0  # mean over the cold prompt's chunks
-    ssd_floor_s: float = 0.0  # mean per chunk
+    ssd_floor_s: float = 0.0  # mean per chunk: the read floor, at ssd_gbps
     compute_floor_s: float = 0.0  # per full chunk
     compute_source: str = ""  # fake-stream | estimate
     prefill_tps: float = 0.0
@@ -49,6 +50,8 @@ class Forecast:
     decode_modes: dict = field(default_factory=dict)  # tokens per decoder mode
     decode_misses_per_token: float = 0.0
     decode_compute_ms: float = 0.0
+    # a token's synced layers' handshake Python and route sync beyond fake-stream's
+    decode_handshake_ms: float = 0.0
     # what an absent lookup cost plan's short real decode (None: reads costed from the probe)
     decode_absent_ms: float | None = None
     decode_ms_per_token: float = 0.0
@@ -71,12 +74,13 @@ class Forecast:
             f"prefill chunk {self.prefill_step_size}",
             f"  prefill ({self.prompt_tokens} tokens, cold): {self.prefill_tps:.1f} tok/s; "
             f"per chunk {self.distinct_per_chunk:.0f} distinct experts, "
-            f"{self.gb_read_per_chunk:.3f} GB read, SSD floor {self.ssd_floor_s * 1e3:.0f} ms "
-            f"at {self.ssd_gbps:.2f} GB/s, compute floor {self.compute_floor_s * 1e3:.0f} ms "
-            f"({self.compute_source})",
+            f"{self.gb_read_per_chunk:.3f} GB read, read floor {self.ssd_floor_s * 1e3:.0f} ms "
+            f"at {self.ssd_gbps:.2f} GB/s ({self.read_source or 'probe-ssd'}), "
+            f"compute floor {self.compute_floor_s * 1e3:.0f} ms ({self.compute_source})",
             f"  decode ({self.gen_tokens} tokens): {self.decode_tps:.2f} tok/s "
             f"({self.decode_ms_per_token:.1f} ms/token: "
-            f"compute {self.decode_compute_ms:.1f}, {self.decode_misses_per_token:.1f} misses "
+            f"compute {self.decode_compute_ms:.1f}, handshake {self.decode_handshake_ms:.1f}, "
+            f"{self.decode_misses_per_token:.1f} misses "
             f"a token: {100 * self.decode_hit_rate:.1f} % resident, "
             f"{100 * self.decode_streamed_ahead:.1f} % streamed ahead, "
             f"{100 * self.decode_miss_rate:.1f} % missed; modes "
@@ -156,7 +160,7 @@ def decode_forecast(
 
     layer_rate, miss_rate = 0.0, 1.0  # the decoder's running averages, as a fresh load has them
     modes: dict[str, int] = {}
-    total_s = compute_s = misses = ahead_sum = miss_sum = 0.0
+    total_s = compute_s = handshake_s = misses = ahead_sum = miss_sum = 0.0
     for t in range(gen_tokens):
         absent = 1 - hits[t]
         predicting = miss_rate >= cfg.read_ahead.decode_min_miss
@@ -171,8 +175,11 @@ def decode_forecast(
         ahead, missed = shares(mode, absent) if predicting else (0.0, absent)
         layer_missed = 1 - (1 - missed) ** k  # a layer with at least one miss
         base = compute.mode_s(mode)
-        # the sync handshake's Python; the deferred path's is in fake-stream's own time
-        cost = base + (L * compute.handshake_s if mode == "sync" else 0.0)
+        # the sync handshake's Python and its route sync beyond fake-stream's, on every synced
+        # layer whether it missed or not; the deferred path's are in fake-stream's own time
+        synced_layer_s = compute.handshake_s + compute.sync_extra_s
+        synced = L * synced_layer_s if mode == "sync" else 0.0
+        cost = base + synced
         if compute.absent_s is not None:  # measured: every absent lookup, missed or not
             cost += L * k * (missed + ahead) * compute.absent_s
         else:
@@ -180,9 +187,11 @@ def decode_forecast(
             cost += L * read_s(k * missed)
             cost += L * max(read_s(k * ahead) - distance[mode] * base / L, 0.0)
         if mode == "layers":  # a layer that missed is drained and recomputed synced
-            cost += L * layer_missed * (compute.mode_s("sync") / L + compute.handshake_s)
+            cost += L * layer_missed * (compute.mode_s("sync") / L + synced_layer_s)
+            synced += L * layer_missed * synced_layer_s
         total_s += cost
         compute_s += base
+        handshake_s += synced
         misses += L * k * missed
         ahead_sum += ahead
         miss_sum += missed
@@ -195,6 +204,7 @@ def decode_forecast(
         "modes": modes,
         "misses_per_token": misses / n,
         "compute_s": compute_s / n,
+        "handshake_s": handshake_s / n,
         "s_per_token": total_s / n,
     }
 
@@ -263,6 +273,7 @@ def forecast(
         expert_gb=shape.expert_bytes / 1e9,
         dense_gb=shape.dense_bytes / 1e9,
         ssd_gbps=machine.ssd_gbps,
+        read_source=machine.read_source,
         prompt_tokens=prompt_tokens,
         gen_tokens=gen_tokens,
         compute_source=compute_source,
@@ -304,6 +315,7 @@ def forecast(
     f.decode_modes = d["modes"]
     f.decode_misses_per_token = d["misses_per_token"]
     f.decode_compute_ms = d["compute_s"] * 1e3
+    f.decode_handshake_ms = d["handshake_s"] * 1e3
     absent_s = Compute.of(compute).absent_s
     f.decode_absent_ms = None if absent_s is None else absent_s * 1e3
     f.decode_ms_per_token = d["s_per_token"] * 1e3

@@ -36,6 +36,7 @@ class Machine:
     ssd_gbps_one: float  # one read in flight
     io_workers: int
     name: str = "this machine"
+    read_source: str = "given"  # which probe gave ssd_gbps (read_floor_source), or "given"
 
 
 @dataclass
@@ -62,6 +63,11 @@ class Compute:
     # applied alike to every mode's absent lookups). None: the reads are costed from the
     # probe's bandwidth (estimates for a target, or that decode read too little)
     absent_s: float | None = None
+    # per decode layer in "sync" mode: what the real handshake's route sync waits beyond
+    # fake-stream's (the lookahead routers evaluated with the ids, the device's work around
+    # reads landing): a cost of every synced layer, whether or not it missed, so it does not
+    # shrink with the share of lookups absent as absent_s does (measure_real against fake-stream)
+    sync_extra_s: float = 0.0
 
     @classmethod
     def of(cls, c: Compute | tuple[float, float]) -> Compute:
@@ -86,34 +92,79 @@ def probe_file(shape: ModelShape) -> Path:
     return p
 
 
+def read_floor_source(bounce: bool, device_copy: bool, store: bool) -> str:
+    """Which probe gives a forecast on this machine its read bandwidth: "data path"
+    (probe_data_path) where the expert cache reads through a bounce buffer or the CUDA device
+    copy, whose steps after the drive cap what lands in the arena below the drive's own figure,
+    and there is a store to read as the cache does; else "probe-ssd" (the drive alone: all the
+    cache's reads cost where they land directly, as on the CPU or Apple silicon)."""
+    if not (bounce or device_copy):
+        return "probe-ssd"
+    return "data path" if store else "probe-ssd (no store to probe the data path of)"
+
+
 def this_machine(
     shape: ModelShape, io_workers: int = 8, probe_seconds: float = 1.0, ssd_gbps=None
 ) -> Machine:
+    """Memory, and the reads' bandwidth at one and `io_workers` reads in flight from the probe
+    read_floor_source names, `probe_seconds` in all (or `ssd_gbps` at any depth)."""
     from ...runtime.loader import physical_memory
     from ...stream import memory
     from ...stream.probe import probe_ssd
+    from ...stream.reader import needs_bounce, uses_device_copy
 
-    if ssd_gbps is None:
-        rows = probe_ssd(
-            probe_file(shape),
-            record_bytes=shape.record_bytes,
-            workers_list=(1, io_workers),
-            seconds=probe_seconds / 2,
-        )
-        one, many = rows[0]["gb_per_s"], rows[1]["gb_per_s"]
-    else:
+    source = "given"
+    if ssd_gbps is not None:
         one = many = ssd_gbps
+    else:
+        source = read_floor_source(needs_bounce(), uses_device_copy(), shape.source == "store")
+        if source == "data path":
+            one, many = data_path_gbps(Path(shape.path), (1, io_workers), probe_seconds / 2)
+        else:
+            rows = probe_ssd(
+                probe_file(shape),
+                record_bytes=shape.record_bytes,
+                workers_list=(1, io_workers),
+                seconds=probe_seconds / 2,
+            )
+            one, many = rows[0]["gb_per_s"], rows[1]["gb_per_s"]
     avail = memory.available_bytes()
     if avail is not None:
         avail = max(avail - shape.dense_bytes, 0)  # load() sizes the arena with dense loaded
-    return Machine(physical_memory(), avail, many, one, io_workers)
+    return Machine(physical_memory(), avail, many, one, io_workers, read_source=source)
 
 
-def target_machine(memory_gb: float, ssd_gbps: float, io_workers: int = 8) -> Machine:
+def data_path_gbps(store: Path, workers_list: tuple[int, ...], seconds: float) -> list[float]:
+    """GB/s into an arena for each worker count, `seconds` each (probe_data_path), with the
+    runtime's defaults for what a read goes through (overlap, device copy, device arena)."""
+    from ...format.store import load_manifest
+    from ...runtime.loader import RuntimeConfig
+    from ...stream.probe import probe_data_path
+
+    m, cfg = load_manifest(store), RuntimeConfig()
+    return [
+        probe_data_path(
+            store,
+            m,
+            workers=w,
+            seconds=seconds,
+            overlap=cfg.read_overlap,
+            device_copy=None if cfg.device_copy else False,
+            device_memory=cfg.device_arena,
+        )["gb_per_s"]
+        for w in workers_list
+    ]
+
+
+def target_machine(
+    memory_gb: float, ssd_gbps: float, io_workers: int = 8, read_source: str = "given"
+) -> Machine:
     """Another machine: `memory_gb` of which the wired limit of a Mac (~19 GB of 24 GB) can
-    go to MLX, less the dense weights; a drive of `ssd_gbps` at any queue depth."""
+    go to MLX, less the dense weights; a drive of `ssd_gbps` at any queue depth (`read_source`:
+    where that figure came from)."""
     mem = int(memory_gb * GB)
-    return Machine(mem, None, ssd_gbps, ssd_gbps, io_workers, f"a {memory_gb:g} GB machine")
+    name = f"a {memory_gb:g} GB machine"
+    return Machine(mem, None, ssd_gbps, ssd_gbps, io_workers, name, read_source)
 
 
 def read_gbps(machine: Machine, in_flight: float) -> float:
@@ -138,11 +189,13 @@ def measure_compute(
     decode_tokens: int,
     arena_gb: float,
     progress: Callable[[str], None] | None = None,
+    sync_per_layer: bool = False,
 ) -> Compute:
     """Fake-stream runs (every expert counts as resident: compute alone, as bench's compute
     floor): prefill, and decode in each of the decoder's modes; then a short real run for the
     handshake's Python per layer, lookahead's recall and union, and what an absent lookup
-    costs decode (measure_real). `progress(step name)` is called before each step."""
+    costs decode (measure_real); `sync_per_layer`: its route sync beyond fake-stream's a layer
+    too (calibration.CalibrationPlan). `progress(step name)` is called before each step."""
     from ...format.store import load_manifest
     from ...runtime.decode import PipelinedDecoder
     from ...runtime.loader import RuntimeConfig, load
@@ -162,7 +215,7 @@ def measure_compute(
         run_policy(model, ids[: min(tokens, 8)], 1, step, "warmup", "-")  # kernels compile once
         say(f"prefill {tokens} tokens, decode {decode_tokens}")
         run = run_policy(model, ids, decode_tokens, step, "fake-stream", "compute")
-        per_mode = {}
+        per_mode, fake_sync_s = {}, None
         dec = model.decoder
         if isinstance(dec, PipelinedDecoder):
             for mode, (sync_above, token_below) in (("layers", (1.0, 0.0)), ("sync", (-1.0, 0))):
@@ -172,6 +225,8 @@ def measure_compute(
                         model, ids[: min(tokens, step) + 1], decode_tokens, step, mode, "-"
                     )
                 per_mode[mode] = r.decode_s / max(decode_tokens, 1)
+                if mode == "sync":
+                    fake_sync_s = route_sync_per_layer(r, model, decode_tokens)
     finally:
         model.expert_cache.close()
     del model
@@ -179,6 +234,7 @@ def measure_compute(
     say("real decode (handshake, recall, misses)")
     real = measure_real(path, ids, step, decode_tokens, arena_gb)
     sync_s = per_mode.get("sync", run.decode_s / max(decode_tokens, 1))
+    extra = real.sync_extra_s(fake_sync_s) if sync_per_layer else 0.0
     return Compute(
         prefill_s / max(tokens, 1),
         run.decode_s / max(decode_tokens, 1),
@@ -187,7 +243,8 @@ def measure_compute(
         handshake_s=real.handshake_s,
         recall=real.recall,
         recall_union=real.union,
-        absent_s=real.absent_s(sync_s),
+        absent_s=real.absent_s(sync_s, extra),
+        sync_extra_s=extra,
     )
 
 
@@ -274,17 +331,30 @@ class RealDecode:
     absent_per_token: float
     layers: int
     tokens: int
+    sync_s: float = 0.0  # per decode layer: the handshake's route sync (compute included)
 
-    def absent_s(self, sync_s: float) -> float | None:
+    def absent_s(self, sync_s: float, sync_extra_s: float = 0.0) -> float | None:
         """What one absent lookup added to its token beyond `sync_s` (the sync handshake's
-        compute, fake-stream) and the handshake's Python, or None if too few were seen.
+        compute, fake-stream), the handshake's Python and `sync_extra_s` a layer (its route
+        sync beyond fake-stream's), or None if too few were seen.
         Fake-stream's time holds part of that Python too (ids to numpy, the kernel's call), so
         it is taken off twice here and added back once a token by the forecast: exact at this
         decode's share of absent lookups, a little low where fewer are absent."""
         if self.absent_per_token * self.tokens < MIN_ABSENT:
             return None
-        extra = self.s_per_token - sync_s - self.layers * self.handshake_s
+        extra = self.s_per_token - sync_s - self.layers * (self.handshake_s + sync_extra_s)
         return max(extra, 0.0) / self.absent_per_token
+
+    def sync_extra_s(self, fake_sync_s: float | None) -> float:
+        """This decode's route sync a layer beyond `fake_sync_s` (fake-stream's, sync mode:
+        the same layers with every expert resident and no lookahead routers); 0 unknown."""
+        return 0.0 if fake_sync_s is None else max(self.sync_s - fake_sync_s, 0.0)
+
+
+def route_sync_per_layer(run, model, tokens: int) -> float:
+    """A bench Run's decode route sync per token and MoE layer."""
+    layers = max(len(model.expert_cache.layers), 1)
+    return run.decode.route_sync_s / max(tokens * layers, 1)
 
 
 def measure_real(path: Path, ids: list[int], step: int, tokens: int, arena_gb: float) -> RealDecode:
@@ -318,6 +388,7 @@ def measure_real(path: Path, ids: list[int], step: int, tokens: int, arena_gb: f
         (d.lookups - d.hits) / n,
         n_layers,
         n,
+        d.route_sync_s / max(tokens * n_layers, 1),
     )
 
 
