@@ -61,9 +61,11 @@ def test_bit_identical_across_arenas_and_policies(store, step, family):
 
 def test_prefill_step_sizes_agree(store):
     """Chunking changes only the batch shape; prefill state is bit-identical across chunk
-    sizes on MLX's CPU backend. On CUDA a matmul's tiling depends on its row count, so the
-    summation order and the last bits differ: there the logits agree to the rounding of the
-    half-precision activations (a few units of 2^-10 relative) and pick the same tokens."""
+    sizes on MLX's CPU backend. On CUDA a float32 matmul runs on TF32 tensor cores (10-bit
+    mantissa: 2^-11 relative a rounding) and its tiling depends on the row count, so the
+    summation order and the low bits differ and compound over the layers (up to 0.5 % of the
+    largest logit seen on an H200): there the logits agree within 2^-6 of the largest and
+    pick the same tokens."""
     path = store(FAMILY)
     ids = prompt_ids(40, seed=4)
     model = resident(path, 64)
@@ -72,7 +74,8 @@ def test_prefill_step_sizes_agree(store):
         if mx.default_device() == mx.cpu:
             assert np.array_equal(out, outs[2])
         else:
-            np.testing.assert_allclose(out, outs[2], rtol=1e-2, atol=1e-3)
+            scale = float(np.abs(outs[2]).max())
+            np.testing.assert_allclose(out, outs[2], rtol=0, atol=2**-6 * scale)
             assert np.array_equal(out.argmax(-1), outs[2].argmax(-1))
 
 
