@@ -68,7 +68,7 @@ class ExpertCache:
         fake_stream: bool = False,
         scheduler: str = "loop",
         low_water: int | None = None,
-        wake_every: bool = False,
+        wake_every: bool = True,
         route_bonus: float = 0.0,
         dump: Callable | None = None,
         trace: RoutingTrace | None = None,

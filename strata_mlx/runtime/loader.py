@@ -132,9 +132,12 @@ class RuntimeConfig:
     )  # fmt: skip
     # CUDA with device_copy: a reader thread queues a read-ahead record's copy and reads the
     # next record while it runs, waiting for the copy only then (two pinned buffers a thread);
-    # urgent reads are still waited for at once (reader.Reader's copy_behind).
+    # urgent reads are still waited for at once (reader.Reader's copy_behind). On an H200
+    # reading a 33-37 GB/s tmpfs: the data path 16.1 -> 16.8 and 17.7 -> 18.9 GB/s, lookahead's
+    # prefill chunk 1540 / 1443 -> 1359 / 1384 ms (cold / warm), decode 11.8 -> 13.2 / 12.4
+    # tok/s, one run each (docs/benchmarks.md).
     copy_behind: bool = field(
-        default=False,
+        default=True,
         metadata=opt("CUDA: read the next record while the last one's copy runs.", variant="cb"),
     )
     read_ahead: ReadAhead = field(default_factory=ReadAhead, metadata=group())
@@ -149,10 +152,13 @@ class RuntimeConfig:
         metadata=opt("loop: top up the queue below this many reads.", (0, 1 << 20),
                      variant="lw", shown="2 x io-workers"),
     )  # fmt: skip
-    # loop: the reader's pipe wakes the loop at every completion (the scheduling before the
-    # wake-ups were cut to when the queue has room and the reserve has reads left).
+    # loop: the reader's pipe wakes the loop at every completion; off, only while the queue
+    # has room and the reserve has reads left (Reader.notify_below). On an H200 the fewer
+    # wake-ups cut the loop's GIL time in prefill by a fifth (486 -> 358-403 ms a chunk) but
+    # no chunk got faster, and decode ran 4-8 % slower (the handshake then collects the
+    # completions the loop took while the main thread waited on the device): kept as option.
     scheduler_wake_every: bool = field(
-        default=False,
+        default=True,
         metadata=opt("loop: wake at every completion, not only when the queue has room.",
                      variant="we"),
     )  # fmt: skip

@@ -94,13 +94,16 @@ def test_a_handshake_hands_its_read_ahead_and_reserve_to_the_reader_at_once(stor
         sched.close()
 
 
-def test_scheduler_tops_up_from_the_reserve_without_evicting_pinned_or_predicted(store):
+@pytest.mark.parametrize("wake_every", [True, False], ids=["every", "room"])
+def test_scheduler_tops_up_from_the_reserve_without_evicting_pinned_or_predicted(store, wake_every):
+    """The loop tops the queue up as reads land, whether the reader wakes it at every
+    completion or only while the queue has room."""
     path = store("qwen3_next")  # four MoE layers
     m = load_manifest(path)
     l0, l1, l2, l3 = m.moe_layers[:4]
     arena = Arena(6, m.layout.record_bytes)
     reader = ScriptedReader()
-    sched = LoopScheduler(path, m, arena, reader, verify=True, low_water=2)
+    sched = LoopScheduler(path, m, arena, reader, verify=True, low_water=2, wake_every=wake_every)
     try:
         # Layer l3's expert 0 resident, used long ago: the only expert that may be evicted.
         reader.resume()
