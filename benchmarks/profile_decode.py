@@ -52,14 +52,22 @@ def main() -> None:
     n = sum(1 for _ in steps)
     prof.disable()
     wall = time.perf_counter() - t
-    st = ec.stats
-    print(
-        f"{a.policy}: {n} tokens, {wall / n * 1e3:.1f} ms/token; wait "
-        f"{st.exposed_wait_s / n * 1e3:.1f}, sync {st.route_sync_s / n * 1e3:.1f}, host "
-        f"{st.host_s / n * 1e3:.1f} ms/token; miss {st.miss_pct:.1f}%"
+    print(f"{a.policy}: {n} tokens, {wall / n * 1e3:.1f} ms/token; a token: {split(ec.stats, n)}")
+    finish(prof, ec, a.top)
+
+
+def split(st: ExpertStats, n: int) -> str:
+    """The cache's wait / sync / host / loop split (ms) and reads, per `n` (tokens, or 1 chunk)."""
+    return (
+        f"wait {st.exposed_wait_s / n * 1e3:.1f}, sync {st.route_sync_s / n * 1e3:.1f}, host "
+        f"{st.host_s / n * 1e3:.1f}, loop thread {st.loop_s / n * 1e3:.1f}; read "
+        f"{st.experts_read / n:.0f}, miss {st.miss_pct:.1f}%"
     )
+
+
+def finish(prof: cProfile.Profile, ec, top: int) -> None:
     for key in ("tottime", "cumtime"):
-        pstats.Stats(prof).sort_stats(key).print_stats(a.top)
+        pstats.Stats(prof).sort_stats(key).print_stats(top)
     ec.close()
 
 
@@ -77,16 +85,10 @@ def profile_prefill(model, ec, ids: list[int], a) -> None:
         mx.eval(model(mx.array([chunk]), cache=cache))
         prof.disable()
         wall = time.perf_counter() - t
-        st = ec.stats
         print(
-            f"{a.policy} prefill chunk of {len(chunk)}: {wall * 1e3:.0f} ms; wait "
-            f"{st.exposed_wait_s * 1e3:.0f}, sync {st.route_sync_s * 1e3:.0f}, host "
-            f"{st.host_s * 1e3:.0f} ms, loop thread {st.loop_s * 1e3:.0f} ms; read "
-            f"{st.experts_read}, miss {st.miss_pct:.1f}%"
+            f"{a.policy} prefill chunk of {len(chunk)}: {wall * 1e3:.0f} ms; {split(ec.stats, 1)}"
         )
-    for key in ("tottime", "cumtime"):
-        pstats.Stats(prof).sort_stats(key).print_stats(a.top)
-    ec.close()
+    finish(prof, ec, a.top)
 
 
 if __name__ == "__main__":
