@@ -26,6 +26,9 @@ FUZZ = settings(
     max_examples=60,  # about 30 s in all on two shared cores; CI can raise it
     deadline=None,
     database=None,
+    # The same examples each run: the check that the field strategies also generate answers
+    # (test_still_serving_after_the_fuzz) counted 9 answers of 97 in one random draw.
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
