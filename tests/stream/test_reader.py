@@ -710,8 +710,10 @@ def test_notify_below_announces_only_while_the_queue_has_room(data_file):
 
     path, _ = data_file
 
-    def readable(fd, timeout=0.0):
-        return bool(select.select([fd], [], [], timeout)[0])
+    def readable(fd, timeout=0.0):  # poll, not select: the whole suite opens fds past 1024
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        return bool(p.poll(timeout * 1000))
 
     buf, base = aligned(8 * RECORD)
     with Reader(workers=1, start_paused=True) as r:
