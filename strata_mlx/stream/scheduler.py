@@ -222,9 +222,7 @@ class Scheduler:
             prefetched.difference_update(ahead)
             st.streamed_ahead += len(ahead)
         st.hits += len(keys) - len(ahead)
-        touch = self.arena.touch
-        for key in keys:
-            touch(key)
+        self.arena.touch_all(keys)
 
     def count_resident(self, layer: int, needed: list[int]) -> None:
         with self.lock:
