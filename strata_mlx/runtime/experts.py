@@ -307,7 +307,8 @@ class ExpertCache:
             ranked.append((target, self.predictor.rank(pred_ids)))
         (first, experts), later = ranked[0], ranked[1:]
         keys = [(t, e) for t, es in later for e in es]
-        predicted = {(t, e) for t, es in ranked for e in es}
+        predicted = set(keys)  # the same tuples, not built again (~1000 a prefill layer)
+        predicted.update([(first, e) for e in experts])
         with self.arena.scored(self.predictor.ahead_bar(first, experts, self.decoding)):
             self.sched.predicted(first, experts, keys, predicted)
 

@@ -172,12 +172,22 @@ class Scheduler:
             else:
                 # The host row says which experts are resident (landed, not evicted since):
                 # those are hits, counted and pinned together; the rest is looked at alone.
-                resident, rest = [], []
-                for e, s in zip(needed, row[needed].tolist()):
-                    (resident if s >= 0 else rest).append(e)
+                slots = row[needed]
+                if len(needed) < 64:  # decode's few experts: numpy's calls cost more
+                    resident, rest, pins = [], [], []
+                    for e, s in zip(needed, slots.tolist()):
+                        if s >= 0:
+                            resident.append(e)
+                            pins.append(s)
+                        else:
+                            rest.append(e)
+                else:  # a prefill layer's ~500: one mask, not a Python test per expert
+                    hit, ids = slots >= 0, np.asarray(needed)
+                    resident, rest = ids[hit].tolist(), ids[~hit].tolist()
+                    pins = slots[hit].tolist()
                 if resident:
                     self._count_hits([(layer, e) for e in resident])
-                    self.arena.pin(row[resident].tolist())
+                    self.arena.pin(pins)
                 if not rest:
                     return []
             st = self.stats
@@ -222,9 +232,7 @@ class Scheduler:
             prefetched.difference_update(ahead)
             st.streamed_ahead += len(ahead)
         st.hits += len(keys) - len(ahead)
-        touch = self.arena.touch
-        for key in keys:
-            touch(key)
+        self.arena.touch_all(keys)
 
     def count_resident(self, layer: int, needed: list[int]) -> None:
         with self.lock:

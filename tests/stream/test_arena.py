@@ -233,6 +233,38 @@ def test_lru_evicts_least_recently_used():
     assert evict(arena, (0, 5)) == (0, 0)
 
 
+@pytest.mark.parametrize("eviction", sorted(POLICIES))
+def test_touch_all_leaves_the_eviction_order_of_one_touch_at_a_time(eviction):
+    keys = [(0, e) for e in range(6)]
+    uses = [(0, 4), (0, 1), (0, 4), (0, 0), (0, 5)]
+    orders = []
+    for batch in (False, True):
+        arena = full_arena(6, keys, eviction)
+        if batch:
+            arena.touch_all(uses)
+        else:
+            for key in uses:
+                arena.touch(key)
+        orders.append([evict(arena, (1, e)) for e in range(6)])
+    assert orders[0] == orders[1]
+
+
+class _CountingLRU(LRU):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def touch(self, key):
+        self.seen.append(key)
+        super().touch(key)
+
+
+def test_touch_all_calls_an_overridden_touch_for_each_key():
+    policy = _CountingLRU()
+    policy.touch_all([(0, 2), (0, 1)])
+    assert policy.seen == [(0, 2), (0, 1)]
+
+
 def test_lfu_evicts_least_used_and_old_fame_fades():
     arena = full_arena(3, [(0, 0), (0, 1), (0, 2)], "lfu")
     for _ in range(3):
