@@ -267,10 +267,11 @@ static int read_fully(int fd, int direct, const Request *rq, long long *nread) {
     return err;
 }
 
-/* A read that has landed where it goes (and been verified): its completion (mu held). */
+/* A read that has landed where it goes (and been verified): its completion (mu held).
+ * `behind`: the worker's copy_behind read (its current read, if any, goes on). */
 static void complete(ReaderObject *r, int w, long long tag, int err, long long nread, int checked,
-                     uint64_t verify_ns) {
-    if (r->behind_on[w] && r->behind[w] == tag)
+                     uint64_t verify_ns, int behind) {
+    if (behind)
         r->behind_on[w] = 0;
     else
         r->reading[w] = 0;
@@ -300,7 +301,7 @@ static void finish_behind(ReaderObject *r, int w, DevCopyThread *dc, Behind *b) 
     pthread_mutex_lock(&r->mu);
     r->device_copy_ns += c1 - c0;
     complete(r, w, b->tag, e && !b->err ? DEVICE_COPY_FAILED : b->err, b->nread, b->checked,
-             b->verify_ns);
+             b->verify_ns, 1);
     pthread_mutex_unlock(&r->mu);
     b->active = 0;
 }
@@ -341,7 +342,7 @@ static void *worker_main(void *p) {
         r->reading[w] = 1;
         if (++r->preading > r->preading_max) r->preading_max = r->preading;
         int more = (q_size(&r->urgent) || q_size(&r->ahead)) && r->preading < r->nworkers;
-        if (r->notify_below >= 0) announce(r, 0);
+        announce(r, 0);
         pthread_mutex_unlock(&r->mu);
         if (more) pthread_cond_signal(&r->work); /* the next worker takes the next read */
 
@@ -445,7 +446,7 @@ static void *worker_main(void *p) {
             }
             free(g);
         }
-        complete(r, w, rq.tag, err, nread, checked, t2 - t1);
+        complete(r, w, rq.tag, err, nread, checked, t2 - t1, 0);
     }
     pthread_mutex_unlock(&r->mu);
     finish_behind(r, w, dc, &behind);

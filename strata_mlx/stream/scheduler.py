@@ -478,7 +478,7 @@ class LoopScheduler(Scheduler):
             try:
                 self.reader.ack()  # before polling: a completion after the poll wakes us again
                 self._absorb(self.reader.poll())
-                self._arm(self._next < len(self._reserve) and self._failed is None)
+                self._arm(self._reserve_left() and self._failed is None)
             except Exception as e:  # a bug here must reach the caller, not hang it
                 self._failed = self._failed or e
             self.stats.loop_s += time.perf_counter() - t0
@@ -501,15 +501,18 @@ class LoopScheduler(Scheduler):
         """Reads from the reserve while the reader's queue is below the low-water mark."""
         self._send(self._top_up_requests(0), False)
 
+    def _reserve_left(self) -> bool:
+        return self._next < len(self._reserve)
+
     def _top_up_requests(self, pending: int) -> list[tuple]:
         """`_top_up`'s reads, `pending` reads about to be queued before them."""
-        if self._next >= len(self._reserve) or self._failed is not None:
+        if not self._reserve_left() or self._failed is not None:
             return []
         room = self.low_water - self.reader.queued() - pending
         if room <= 0:
             return []
         batch = []
-        while room > 0 and self._next < len(self._reserve):
+        while room > 0 and self._reserve_left():
             key = self._reserve[self._next]
             self._next += 1
             if key not in self.tag_of and key not in self.arena.slot_of:
@@ -526,7 +529,7 @@ class LoopScheduler(Scheduler):
     def _reserved(self, keys: list[Key], predicted: set[Key], pending: int) -> list[tuple]:
         self._reserve, self._next, self._predicted = keys, 0, predicted
         reqs = self._top_up_requests(pending)
-        self._arm(self._next < len(self._reserve))
+        self._arm(self._reserve_left())
         return reqs
 
     def wait(self, tags: list[int]) -> None:
