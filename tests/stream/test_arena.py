@@ -7,8 +7,11 @@ the victim it documents, never a pinned or loading slot."""
 from __future__ import annotations
 
 import gc
+import inspect
 import random
 import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -497,12 +500,25 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 def test_cpu_arena_slots_fault_in_as_huge_pages():
     """Reads land in huge pages (1.3-1.7x direct-read bandwidth on the dev machine): the
     arena's memory shows AnonHugePages once written; left in small pages, none (where THP is
-    "madvise": with "always" every large mapping gets them)."""
+    "madvise": with "always" every large mapping gets them). Each case runs in a fresh process:
+    glibc raises its mmap threshold after a large free, so a later arena can land in heap
+    memory an earlier advised arena left flagged for huge pages."""
+    script = (
+        "import sys\nfrom pathlib import Path\n"
+        + inspect.getsource(_anon_huge_kb)
+        + "from strata_mlx.stream.arena import Arena\n"
+        "arena = Arena(16, 983040, hugepages=sys.argv[1] == '1')  # 15 MB: several 2 MB extents\n"
+        "for s in range(arena.n_slots):\n"
+        "    arena.view(s)[:] = 1\n"
+        "print(_anon_huge_kb(arena.address(8)))\n"
+    )
     for hugepages in (True, False):
-        mx.clear_cache()  # MLX would hand a freed advised buffer of this size back as it is
-        arena = Arena(16, 983040, hugepages=hugepages)  # 15 MB: several 2 MB extents
-        for s in range(arena.n_slots):
-            arena.view(s)[:] = 1
-        kb = _anon_huge_kb(arena.address(8))
+        out = subprocess.run(
+            [sys.executable, "-c", script, str(int(hugepages))],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        kb = int(out.stdout.split()[-1])
         if hugepages or "[madvise]" in THP.read_text():
             assert (kb > 0) == hugepages, (hugepages, kb)
