@@ -279,16 +279,22 @@ class ExpertCache:
         waits = sched.claim(layer, needed)
         if self.decoding and observed != layer:
             pr.observe_decode_layer((st.misses - misses_before) / len(needed))
-        self._predict(targets, preds, nxt, layer, needed)
+        late = bool(targets) and self.read_ahead.after_experts
+        if not late:
+            self._predict(targets, preds, nxt, layer, needed)
         t2 = time.perf_counter()
         sched.wait(waits)
         t3 = time.perf_counter()
         st.exposed_wait_s += t3 - t2
-        after = pr.after_wait(layer, nxt, len(needed))
-        if after is not None:
+        if not late and (after := pr.after_wait(layer, nxt, len(needed))) is not None:
             sched.read_ahead(*after)
         slots = sched.row(layer)[needed]
         y = self.compute.by_expert(layer, x, ids, inds.shape, needed, slots)
+        if late:  # the device computes them while the host predicts (their slots are pinned)
+            mx.async_eval(y)
+            self._predict(targets, preds, nxt, layer, needed)
+            if (after := pr.after_wait(layer, nxt, len(needed))) is not None:
+                sched.read_ahead(*after)
         st.host_s += (t2 - t1) + (time.perf_counter() - t3)
         return y
 

@@ -101,6 +101,21 @@ class ReadAhead:
         ),
     )
 
+    # The sync handshake submits a layer's predictions before waiting for its misses, so the
+    # device is idle while the host ranks them (on an H200: ~170 us of a decode layer's ~500,
+    # 1-2 ms of a prefill layer's handshake). After: this layer's expert kernels are queued
+    # first and computed while the host predicts; the predicted reads start after the wait for
+    # this layer's misses instead of beside it. Off until a GPU run says which is faster.
+    after_experts: bool = field(
+        default=False,
+        metadata=opt(
+            "lookahead: predict once this layer's expert kernels are queued (the device "
+            "computes them meanwhile), not before waiting for its misses.",
+            name="lookahead_after_experts",
+            variant="ae",
+        ),
+    )
+
     @property
     def predicts(self) -> bool:
         return self.policy == "lookahead"

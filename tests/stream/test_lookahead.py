@@ -230,3 +230,44 @@ def test_pipelined_decode_reads_ahead_through_the_score(store):
     decode = [a for a in bars if a is not None]  # None: the prompt's, never scored
     assert decode and all(a.layer == 1 and a.bar is not None for a in decode)
     assert ec.predictor.expected.precision[1] != 0.5  # the prior moved: routing was observed
+
+
+def test_predicting_after_the_experts_changes_no_output(store, monkeypatch):
+    """lookahead_after_experts queues a layer's expert kernels before its predictions are
+    made (the device computes while the host ranks): same logits and tokens as predicting
+    first, in prefill and in sync decode, with a small arena that evicts."""
+    path = store("qwen3_moe")
+    arena = 10 * load_manifest(path).layout.record_bytes / 1024**3
+    ids = prompt_ids(24, seed=17)
+    outs, order = {}, {}
+    for after in (False, True):
+        model, _ = strata_mlx.load(
+            path,
+            arena_gb=arena,
+            read_ahead="lookahead",
+            lookahead_after_experts=after,
+            lookahead_decode_min_miss=0.0,
+            decode="sync",
+        )
+        ec = model.expert_cache
+        order[after] = seen = []
+
+        def by_expert(*a, seen=seen, call=ec.compute.by_expert, **k):
+            seen.append("experts")
+            return call(*a, **k)
+
+        def predicted(*a, seen=seen, call=ec.sched.predicted, **k):
+            seen.append("predicted")
+            return call(*a, **k)
+
+        monkeypatch.setattr(ec.compute, "by_expert", by_expert)
+        monkeypatch.setattr(ec.sched, "predicted", predicted)
+        logits = teacher_forced_logits(model, ids, 8)
+        tokens = [r.token for r in strata_mlx.stream_generate(model, None, ids[:6], max_tokens=8)]
+        outs[after] = (logits, tokens)
+    assert np.array_equal(outs[False][0], outs[True][0])
+    assert outs[False][1] == outs[True][1]
+    # Each handshake with a prediction: before the kernel call by default, after it when asked.
+    assert order[False][:2] == ["predicted", "experts"]
+    assert order[True][:2] == ["experts", "predicted"]
+    assert order[True].count("predicted") == order[False].count("predicted") > 0
