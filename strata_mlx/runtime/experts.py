@@ -29,7 +29,9 @@ The cache is the only thing that talks to the disk during generation.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -50,6 +52,14 @@ WARM_BATCH = 256  # warm()'s reads between progress updates
 WARM_BAR_DELAY_S = 2.0  # warm() shows its bar only past this
 
 __all__ = ["ExpertCache", "ExpertReadError", "ExpertStats", "RoutingTrace", "SwitchGLU"]
+
+
+def _close_dropped(sched) -> None:
+    """Close the scheduler of a cache collected without close() (a script loading models in a
+    loop), which would otherwise keep the loop's thread, the reader's threads and files and,
+    through them, the arena. On a thread of its own: the collection may run on the loop's
+    thread, which cannot join itself, or inside the scheduler's lock."""
+    threading.Thread(target=sched.close, name="strata-mlx-close", daemon=True).start()
 
 
 class ExpertCache:
@@ -98,6 +108,7 @@ class ExpertCache:
             low_water=low_water,
             wake_every=wake_every,
         )
+        weakref.finalize(self, _close_dropped, self.sched).atexit = False
         self.trace = trace
         self.route_bonus = route_bonus
         self.decoding = False  # inside `phase(decoding=True)`: generation's decode steps

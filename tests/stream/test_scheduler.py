@@ -6,9 +6,11 @@ scheduler's bit for bit."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -156,6 +158,28 @@ def test_close_leaves_no_thread_or_descriptor(store):
     teacher_forced_logits(model, prompt_ids(16, seed=1), 8)
     assert any(t.name == "strata-mlx-scheduler" for t in threading.enumerate())
     model.expert_cache.close()
+    assert {t.ident for t in threading.enumerate()} <= before_threads
+    assert _fds() <= before_fds
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_a_model_dropped_without_close_leaves_nothing_behind(store):
+    """A script that loads models in a loop and never closes them gets its threads, files
+    and arena memory back once a model is collected."""
+    path = store(FAMILY)
+    before_fds = _fds()
+    before_threads = {t.ident for t in threading.enumerate()}
+    model, _ = strata_mlx.load(path, arena_gb=0.01, scheduler="loop")
+    teacher_forced_logits(model, prompt_ids(16, seed=1), 8)
+    cache = weakref.ref(model.expert_cache)
+    del model
+    gc.collect()
+    assert cache() is None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (
+        {t.ident for t in threading.enumerate()} - before_threads or _fds() - before_fds
+    ):
+        time.sleep(0.05)
     assert {t.ident for t in threading.enumerate()} <= before_threads
     assert _fds() <= before_fds
 
