@@ -5,7 +5,8 @@
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
 #   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|resident|old-vs-new
-# Logs land in $OUT (the device tool brings them back).
+# Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
+# variants, BATCH=0 extra's batched decode.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -36,9 +37,9 @@ store)  # the store on disk and on tmpfs; the reader's GPU tests; the drive and 
   for s in "$DISK" "$SHM"; do
     python3 -m strata_mlx probe-ssd "$s/experts.bin" --record-bytes 983040 --seconds 2 2>&1 | tee -a "$OUT/probe.log"
   done
-  timeout 120 python3 benchmarks/read_path.py "$SHM" --touch --seconds 2 --rounds 3 \
-     --variants bounce+verify+overlap,bounce+verify+overlap+dc,bounce+verify+overlap+dc+dm,bounce+overlap+dc+dm 2>&1 \
-     | tee "$OUT/read-path-shm.log"
+  [ "${READPATH:-1}" = 0 ] || timeout 120 python3 benchmarks/read_path.py "$SHM" --touch --seconds 2 \
+     --rounds 3 --variants bounce+verify+overlap,bounce+verify+overlap+dc,bounce+verify+overlap+dc+dm,bounce+overlap+dc+dm \
+     2>&1 | tee "$OUT/read-path-shm.log"
   ;;
 bench)  # tmpfs: each policy with the arena in device memory (the default on CUDA) and in
   # managed memory (:da0)
@@ -86,8 +87,8 @@ extra)  # tmpfs: decode's host time per layer (replayed), plan's forecast of thi
   { timeout 90 python3 benchmarks/decode_host.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --parts
     timeout 150 python3 -m strata_mlx plan "$SHM" --arena-gb 6.5 -p 2048 -g 128 \
        --prefill-step-size 1024 --json "$OUT/plan.json"
-    timeout 150 python3 benchmarks/batch_decode.py "$SHM" --arena-gb 6.5 --levels 1,2,4,8 \
-       --prompt-tokens 64 --max-tokens 16 --rounds 1; } 2>&1 | tee "$OUT/extra.log"
+    [ "${BATCH:-1}" = 0 ] || timeout 150 python3 benchmarks/batch_decode.py "$SHM" --arena-gb 6.5 \
+       --levels 1,2,4,8 --prompt-tokens 64 --max-tokens 16 --rounds 1; } 2>&1 | tee "$OUT/extra.log"
   ;;
 resident)  # every expert resident, beside mlx-lm's own model, interleaved (benchmarks/decode.py)
   build
