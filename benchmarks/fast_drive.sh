@@ -32,8 +32,9 @@ store)  # the store on disk and on tmpfs; the reader's GPU tests; the drive and 
   [ -f "$SHM/manifest.json" ] || (/usr/bin/time -f "copy to tmpfs: %e s" cp -r "$DISK" "$SHM") 2>&1 \
      | tee -a "$OUT/synth.log"
   df -h / /dev/shm | tee "$OUT/df.log"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/stream/test_reader.py \
-     tests/stream/test_arena.py tests/runtime/test_streaming.py 2>&1 | tail -4 | tee "$OUT/tests.log"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/stream/test_reader.py \
+     tests/stream/test_arena.py tests/stream/test_lookahead.py tests/runtime/test_streaming.py \
+     tests/runtime/test_kernels.py 2>&1 | tail -8 | tee "$OUT/tests.log"
   for s in "$DISK" "$SHM"; do
     python3 -m strata_mlx probe-ssd "$s/experts.bin" --record-bytes 983040 --seconds 2 2>&1 | tee -a "$OUT/probe.log"
   done
