@@ -591,12 +591,15 @@ def test_host_prefill_dequant_strategy(case):
     layout, recs = CASES[case](4, 256, 256, 6)
     x, arena, slots, idx = make_problem(layout, recs, n_tokens=9, k=2, dtype=mx.float32, seed=8)
     fn = dispatch.kernel_for("host", layout)
-    y = fn(x, arena, slots, idx, layout, strategy="dequant")
+    # The host dialect's matmuls on the CPU stream, as the reference's: on a GPU's default
+    # stream they would run as TF32 (2^-10), which these bounds do not allow for.
+    with mx.stream(mx.cpu):
+        y = fn(x, arena, slots, idx, layout, strategy="dequant")
+        # 18 pairs over <= 4 experts is prefill: the automatic strategy is PREFILL_STRATEGY's
+        auto = fn(x, arena, slots, idx, layout)
+        explicit = fn(x, arena, slots, idx, layout, strategy=dispatch.PREFILL_STRATEGY)
     ref = cpu_reference(x, arena[slots], layout, idx)
     _compare(y, ref, f"host dequant {case}", max_tol=1e-5, frob_tol=1e-6)
-    # 18 pairs over <= 4 experts is prefill: the automatic strategy is PREFILL_STRATEGY's
-    auto = fn(x, arena, slots, idx, layout)
-    explicit = fn(x, arena, slots, idx, layout, strategy=dispatch.PREFILL_STRATEGY)
     np.testing.assert_array_equal(np.array(auto), np.array(explicit))
     decode = fn(x, arena, slots, idx, layout, strategy="fused", tile=1)
     assert not np.array_equal(np.array(y), np.array(decode))  # the strategies are told apart
