@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|resident|old-vs-new
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|resident|old-vs-new|alternate
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode.
 set -uo pipefail
@@ -96,5 +96,21 @@ resident)  # every expert resident, beside mlx-lm's own model, interleaved (benc
   timeout 560 python3 benchmarks/decode.py "$SHM" -p 2048 -g 128 --rounds "${ROUNDS:-3}" \
      --modes "${MODES:-token:4}" --json "$OUT/resident.json" 2>&1 | tee "$OUT/resident.log"
   ;;
-*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|old-vs-new STORE ROUND|resident"; exit 2;;
+alternate)  # tmpfs: the old tree's bench and this code's, alternating ROUNDS times (POL for
+  # both, NEWPOL this code's extra variants, once), then decode's host time a layer of each
+  build; (cd "$OLD" && [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q | tail -1)
+  for r in $(seq "${ROUNDS:-2}"); do
+    (cd "$OLD" && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" timeout 200 python3 -m strata_mlx bench --model "$SHM" \
+       -p 2048 -g "${G:-32}" --arena-gb 6.5 --prefill-step-size 1024 --policies "${POL:-lookahead,demand}" \
+       --json "$OUT/old-bench-$r.json" 2>&1 | tee "$OUT/old-bench-$r.log" | grep -v "^ *[0-9]")
+    LIMIT=200 bench "new-bench-$r" "$SHM" "${POL:-lookahead,demand}"
+  done
+  [ -z "${NEWPOL:-}" ] || LIMIT=200 bench "new-bench-extra" "$SHM" "$NEWPOL"
+  { for code in old new; do
+      tree=$PWD; [ $code = old ] && tree=$OLD
+      echo "== $code"; PYTHONPATH="${PYTHONPATH%%:*}:$tree" timeout 90 python3 "$tree/benchmarks/decode_host.py" \
+        "$SHM" --arena-gb 6.5 -p 1024 -g 48 --parts
+    done; } 2>&1 | tee "$OUT/decode-host.log"
+  ;;
+*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|old-vs-new STORE ROUND|alternate|resident"; exit 2;;
 esac
