@@ -52,15 +52,15 @@ class Batched:
         next call, found in one pass: the layers ranked in a heap by their candidate's
         distance (largest first, the lowest layer index among equals, as victim's argmax),
         each layer's heap walked once past its pinned entries (victim walks them again at
-        every eviction, and ranks all layers again). Stops after a key whose touch changes
-        its layer's rate (its layer's first use, or a layer not seen yet): later victims
-        depend on it; the caller asks again for the rest, as it does after the one victim
-        of a batch of fewer than 4. Empty where none is evictable. The caller removes every
-        victim returned."""
-        want = len(keys)
+        every eviction, and ranks all layers again). Stops after a key of a layer not seen
+        yet: its touch adds a layer to the cycle, which moves every distance; the caller
+        asks again for the rest, as it does after the one victim of a batch of fewer than 4.
+        (A key's touch changes only its own layer's rate, and a layer whose rate moves at
+        its first use has no resident but the batch's own, none evictable.) Empty where none
+        is evictable. The caller removes every victim returned."""
+        index, want = self._index, len(keys)
         for j, key in enumerate(keys):
-            i = self._index.get(key[0])
-            if i is None or not self._weight[i]:
+            if key[0] not in index:
                 want = j + 1
                 break
         if want < 4:  # decode's few misses: victim's one argmax costs less than ranking
@@ -71,7 +71,7 @@ class Batched:
         if not n:
             return []
         # (-distance, layer index, entry): entry None stands for the layer's candidate as
-        # victim() first tries it (its kept top, unchecked for liveness as victim's is)
+        # victim() first tries it (its kept top, if still live)
         ranked = [(-d, i, None) for i, d in enumerate(self._dist.tolist()) if d > 0]
         heapq.heapify(ranked)
         out: list[Key] = []
@@ -83,7 +83,12 @@ class Batched:
             layer = layers[i]
             if entry is None:
                 top = self._top.get(layer)
-                if top is not None and top[2] not in taken and evictable(top[2]):
+                if (
+                    top is not None
+                    and live.get(top[2]) == top[1]
+                    and top[2] not in taken
+                    and evictable(top[2])
+                ):
                     out.append(top[2])
                     taken.add(top[2])
                     entry = top
@@ -336,8 +341,11 @@ class NextUse(Batched):
         i = int(self._dist.argmax())
         if self._dist[i] <= 0:
             return None
+        # A kept candidate may have been used by the running call since (it left the heap
+        # for the call's end): not a victim, whenever its layer's candidate was found.
+        live = self._live
         entry = self._top.get(self._layers[i])
-        if entry is not None and evictable(entry[2]):
+        if entry is not None and live.get(entry[2]) == entry[1] and evictable(entry[2]):
             return entry[2]
         far = self._dist.copy()  # the candidate is pinned: rank the layers' next ones
         cycle = self._cycle
@@ -348,7 +356,7 @@ class NextUse(Batched):
                 return None
             layer = self._layers[i]
             entry = instead.get(i) or self._top.get(layer)
-            if entry is not None and evictable(entry[2]):
+            if entry is not None and live.get(entry[2]) == entry[1] and evictable(entry[2]):
                 return entry[2]
             entry = self._least(layer, evictable)  # pinned or protected: its next one
             if entry is None:
