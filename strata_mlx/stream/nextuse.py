@@ -16,6 +16,10 @@ import numpy as np
 
 from .arena import Key
 
+# Below this many keys `victims` gives victim()'s one victim (replayed on the `store` preset,
+# decode's ~2-10 misses a layer cost 1.4x more per miss ranked in one pass than one at a time).
+SMALL_BATCH = 16
+
 
 class Batched:
     """NextUse's calls for many keys at once (a prefill layer's ~500 uses and misses): the
@@ -54,7 +58,8 @@ class Batched:
         each layer's heap walked once past its pinned entries (victim walks them again at
         every eviction, and ranks all layers again). Stops after a key of a layer not seen
         yet: its touch adds a layer to the cycle, which moves every distance; the caller
-        asks again for the rest, as it does after the one victim of a batch of fewer than 4.
+        asks again for the rest, as it does after the one victim of a batch of fewer than
+        SMALL_BATCH.
         (A key's touch changes only its own layer's rate, and a layer whose rate moves at
         its first use has no resident but the batch's own, none evictable.) Empty where none
         is evictable. The caller removes every victim returned."""
@@ -63,8 +68,8 @@ class Batched:
             if key[0] not in index:
                 want = j + 1
                 break
-        if want < 4:  # decode's few misses: victim's one argmax costs less than ranking
-            key = self.victim(evictable)  # every layer (the caller asks again for the rest)
+        if want < SMALL_BATCH:  # victim's one argmax a key costs less than ranking every
+            key = self.victim(evictable)  # layer (the caller asks again for the rest)
             return [] if key is None else [key]
         self._refresh()
         n = len(self._layers)
@@ -286,8 +291,9 @@ class NextUse(Batched):
         live, count = self._live, self._count
         new = [(count[k], n, k) for k in self._this_call if (n := live.get(k)) is not None]
         self._this_call = set()
-        if len(new) > len(heap) // 8 or len(heap) > 4 * len(live) + 1024:
-            # many (a prefill call's ~500): one heapify of the live entries, dead dropped
+        if len(new) > len(heap) // 2 or len(heap) > 4 * len(live) + 1024:
+            # more than half the heap (a prefill call's ~500; not decode's ~10, where the
+            # pushes cost less than a pass over the heap): one heapify of the live entries
             # (the heap's layout is all that differs: its order is total, live numbers unique)
             heap = [e for e in heap if live.get(e[2]) == e[1]] + new
             heapq.heapify(heap)

@@ -9,13 +9,19 @@ import pytest
 
 from strata_mlx.apps import cache_sim
 from strata_mlx.format.store import ALIGNMENT
-from strata_mlx.stream import policies
+from strata_mlx.stream import nextuse, policies
 from strata_mlx.stream.arena import Arena
 from strata_mlx.stream.nextuse import NextUse
 from strata_mlx.stream.synthetic_trace import RoutingKnobs, make_trace
 
 LAYERS, EXPERTS, SLOTS = list(range(8)), 24, 40
 POLICIES = ["lru", "lfu", "protected", "nextuse", "nextuse-recent", "nextuse-duel", "adaptive"]
+
+
+@pytest.fixture(autouse=True)
+def one_pass_from_two(monkeypatch):
+    """NextUse ranks every batch of 2 keys or more in one pass (not only the large ones)."""
+    monkeypatch.setattr(nextuse, "SMALL_BATCH", 2)
 
 
 class OneAtATime:
