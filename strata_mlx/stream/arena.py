@@ -291,6 +291,11 @@ def device_address(a: mx.array) -> int:
     return int(out.item())
 
 
+# allocate_many asks the policy for a batch's victims from this many keys: decode's few
+# misses and the loop's top-ups (~4 reads) cost less one `allocate` a key.
+BATCH_FROM = 16
+
+
 class Arena:
     """`n_slots` slots of `record_bytes` each, in one MLX buffer allocated once; `rows` is
     that buffer as [n_slots, record_bytes] uint8, row s = slot s, at address(s). `on_device`
@@ -406,7 +411,7 @@ class Arena:
         one `allocate` a key; a policy with `victims` (the victims of successive `victim`
         calls) is asked once for a batch instead of once a key."""
         batch = getattr(self.policy, "victims", None)
-        if batch is None or self.read_ahead_bar is not None:
+        if batch is None or self.read_ahead_bar is not None or len(keys) < BATCH_FROM:
             out = []
             for key in keys:
                 got = self.allocate(key, protect, keep)

@@ -9,6 +9,7 @@ import pytest
 
 from strata_mlx.apps import cache_sim
 from strata_mlx.format.store import ALIGNMENT
+from strata_mlx.stream import arena as arena_module
 from strata_mlx.stream import nextuse, policies
 from strata_mlx.stream.arena import Arena
 from strata_mlx.stream.nextuse import NextUse
@@ -20,8 +21,10 @@ POLICIES = ["lru", "lfu", "protected", "nextuse", "nextuse-recent", "nextuse-due
 
 @pytest.fixture(autouse=True)
 def one_pass_from_two(monkeypatch):
-    """NextUse ranks every batch of 2 keys or more in one pass (not only the large ones)."""
+    """Batches of 2 keys or more are asked of the policy and ranked by NextUse in one pass
+    (not only the large ones)."""
     monkeypatch.setattr(nextuse, "SMALL_BATCH", 2)
+    monkeypatch.setattr(arena_module, "BATCH_FROM", 2)
 
 
 class OneAtATime:
