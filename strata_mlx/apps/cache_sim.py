@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import OptionError
+from ..stream import arena as arena_module
 from ..stream import policies
 from ..stream import trace as traces
 from ..stream.prediction import ExpectedUse
@@ -162,14 +163,18 @@ class _Arena:
         self.ahead.difference_update([k for k in self.ahead if k[0] == layer])
         i, batch = 0, getattr(self.pol, "victims", None)
         while i < len(missed):
-            if batch is None or len(self.resident) < self.slots:
+            if (
+                batch is None
+                or len(self.resident) < self.slots
+                or len(missed) - i < arena_module.BATCH_FROM
+            ):
                 if len(self.resident) >= self.slots:
                     self.evict(pinned)
                 self.resident.add(missed[i])
                 self.pol.touch(missed[i])
                 i += 1
                 continue
-            # the victims of one evict a miss, asked for together (Arena.allocate_many)
+            # the victims of one evict a miss, asked for together (as Arena.allocate_many)
             given = missed[i : i + len(self._victims(batch, pinned, missed[i:]))]
             for k in given:
                 self.resident.add(k)
