@@ -28,7 +28,7 @@ class Timed:
         self.inner = inner
         self.spent = {False: 0.0, True: 0.0}  # decoding -> seconds
         self.decoding = False
-        for name in ("phase", "predicted", "distance"):
+        for name in ("phase", "predicted", "distance", "victims"):
             if hasattr(inner, name):
                 setattr(self, name, self._timed(getattr(inner, name), name == "phase"))
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import OptionError
+from ..stream import arena as arena_module
 from ..stream import policies
 from ..stream import trace as traces
 from ..stream.prediction import ExpectedUse
@@ -160,12 +161,37 @@ class _Arena:
                 self.pol.touch(k)
                 used += k in self.ahead
         self.ahead.difference_update([k for k in self.ahead if k[0] == layer])
-        for k in missed:
-            if len(self.resident) >= self.slots:
-                self.evict(pinned)
-            self.resident.add(k)
-            self.pol.touch(k)
+        i, batch = 0, getattr(self.pol, "victims", None)
+        while i < len(missed):
+            if (
+                batch is None
+                or len(self.resident) < self.slots
+                or len(missed) - i < arena_module.BATCH_FROM
+            ):
+                if len(self.resident) >= self.slots:
+                    self.evict(pinned)
+                self.resident.add(missed[i])
+                self.pol.touch(missed[i])
+                i += 1
+                continue
+            # the victims of one evict a miss, asked for together (as Arena.allocate_many)
+            given = missed[i : i + len(self._victims(batch, pinned, missed[i:]))]
+            for k in given:
+                self.resident.add(k)
+                self.pol.touch(k)
+            i += len(given)
         return missed, used
+
+    def _victims(self, batch, pinned: set, keys: list) -> list:
+        """The policy's `victims` for `keys`, evicted (as evict's, one after another)."""
+        victims = batch(lambda v, p=pinned: v not in p, keys)
+        for victim in victims or [None]:
+            if victim is None or victim not in self.resident:
+                raise OptionError(f"policy {self.name}: victim {victim!r} is not resident")
+            self.pol.remove(victim)
+            self.resident.discard(victim)
+            self.ahead.discard(victim)
+        return victims
 
     def read_ahead(self, keys: list, pinned: set, bar: float | None) -> int:
         """Read `keys` that are not resident, in order, until no slot may be given up (a

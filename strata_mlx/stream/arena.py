@@ -75,6 +75,21 @@ class LRU:
                 return key
         return None
 
+    def victims(self, evictable, keys: list[Key]) -> list[Key]:
+        """The victims of successive `victim` calls for `keys` (each removed, its slot given
+        to the next of `keys`, touched and not evictable): the first evictable ones in one
+        walk of the order. A subclass that overrides `victim` gets its one victim."""
+        if type(self).victim is not LRU.victim:
+            key = self.victim(evictable)
+            return [] if key is None else [key]
+        out, n = [], len(keys)
+        for key in self._order:
+            if evictable(key):
+                out.append(key)
+                if len(out) == n:
+                    break
+        return out
+
 
 class ScoredPolicy:
     """Evict the lowest score, the least recently used among equal scores: a heap of
@@ -276,6 +291,11 @@ def device_address(a: mx.array) -> int:
     return int(out.item())
 
 
+# allocate_many asks the policy for a batch's victims from this many keys: decode's few
+# misses and the loop's top-ups (~4 reads) cost less one `allocate` a key.
+BATCH_FROM = 16
+
+
 class Arena:
     """`n_slots` slots of `record_bytes` each, in one MLX buffer allocated once; `rows` is
     that buffer as [n_slots, record_bytes] uint8, row s = slot s, at address(s). `on_device`
@@ -382,6 +402,58 @@ class Arena:
         hook = getattr(self.policy, "predicted", None)
         if hook is not None:
             hook(layer, experts)
+
+    def allocate_many(
+        self, keys: list[Key], protect: set[int] | None = None, keep: set[Key] | None = None
+    ) -> list[tuple[int, Key | None]]:
+        """`allocate` for each of `keys` (distinct, none resident), in order, until one
+        gets no slot: their (slot, evicted expert or None). The same slots and victims as
+        one `allocate` a key; a policy with `victims` (the victims of successive `victim`
+        calls) is asked once for a batch instead of once a key."""
+        batch = getattr(self.policy, "victims", None)
+        if batch is None or self.read_ahead_bar is not None or len(keys) < BATCH_FROM:
+            out = []
+            for key in keys:
+                got = self.allocate(key, protect, keep)
+                if got is None:
+                    break
+                out.append(got)
+            return out
+        out, i, n = [], 0, len(keys)
+        while i < n and self._free:  # free slots first, as allocate takes them
+            slot = self._free.pop()
+            self._assign(slot, keys[i])
+            self.policy.touch(keys[i])
+            out.append((slot, None))
+            i += 1
+        if i == n:
+            return out
+        if protect or keep:
+            protect, keep = protect or (), keep or ()
+            ev = self._evictable
+
+            def evictable(k: Key) -> bool:
+                return k[0] not in protect and k not in keep and ev(k)
+        else:
+            evictable = self._evictable
+        while i < n:
+            victims = batch(evictable, keys[i:])
+            if not victims:
+                break
+            given = keys[i : i + len(victims)]
+            for victim, key in zip(victims, given):
+                slot = self.slot_of.pop(victim)
+                self.policy.remove(victim)
+                self._assign(slot, key)
+                out.append((slot, victim))
+            self.touch_all(given)  # after the removes: no policy orders them apart
+            i += len(victims)
+        return out
+
+    def _assign(self, slot: int, key: Key) -> None:
+        self.owner[slot] = key
+        self.slot_of[key] = slot
+        self.loading.add(slot)
 
     def _evictable(self, key: Key) -> bool:
         s = self.slot_of[key]

@@ -16,8 +16,114 @@ import numpy as np
 
 from .arena import Key
 
+# Below this many keys `victims` gives victim()'s one victim (replayed on the `store` preset,
+# decode's ~2-10 misses a layer cost 1.4x more per miss ranked in one pass than one at a time).
+SMALL_BATCH = 16
 
-class NextUse:
+
+class Batched:
+    """NextUse's calls for many keys at once (a prefill layer's ~500 uses and misses): the
+    same state and victims as one call a key, without a call's overhead a key."""
+
+    def touch_all(self, keys: list[Key]) -> None:
+        """`touch` each of `keys`, in order, the lookups made once (a prefill layer's hits:
+        ~500 touches); a key of a layer not used yet takes `touch` itself."""
+        count, live, this_call, p0s = self._count, self._live, self._this_call, self._p0
+        index, weight, current, prior = self._index, self._weight, self._current, self._prior
+        for key in keys:
+            layer = key[0]
+            i = index.get(layer)
+            if i is None or not weight[i]:
+                self.touch(key)
+                continue
+            if key in this_call:
+                continue
+            c = count.get(key)
+            if c is None:
+                p0 = p0s.get(layer)
+                c = prior * (float(p0[key[1]]) if p0 is not None else 0.5)
+            count[key] = c + weight[i]
+            self._uses += 1
+            live[key] = self._uses
+            if layer == current:
+                this_call.add(key)
+            else:
+                self._push(key)
+
+    def victims(self, evictable, keys: list[Key]) -> list[Key]:
+        """The victims that successive `victim` calls would give for `keys`, each victim
+        removed and its slot given to the next of `keys` (touched, not evictable) before the
+        next call, found in one pass: the layers ranked in a heap by their candidate's
+        distance (largest first, the lowest layer index among equals, as victim's argmax),
+        each layer's heap walked once past its pinned entries (victim walks them again at
+        every eviction, and ranks all layers again). Stops after a key of a layer not seen
+        yet: its touch adds a layer to the cycle, which moves every distance; the caller
+        asks again for the rest, as it does after the one victim of a batch of fewer than
+        SMALL_BATCH.
+        (A key's touch changes only its own layer's rate, and a layer whose rate moves at
+        its first use has no resident but the batch's own, none evictable.) Empty where none
+        is evictable. The caller removes every victim returned."""
+        index, want = self._index, len(keys)
+        for j, key in enumerate(keys):
+            if key[0] not in index:
+                want = j + 1
+                break
+        if want < SMALL_BATCH:  # victim's one argmax a key costs less than ranking every
+            key = self.victim(evictable)  # layer (the caller asks again for the rest)
+            return [] if key is None else [key]
+        self._refresh()
+        n = len(self._layers)
+        if not n:
+            return []
+        # (-distance, layer index, entry): entry None stands for the layer's candidate as
+        # victim() first tries it (its kept top, if still live)
+        ranked = [(-d, i, None) for i, d in enumerate(self._dist.tolist()) if d > 0]
+        heapq.heapify(ranked)
+        out: list[Key] = []
+        taken: set[Key] = set()
+        popped: dict[int, list] = {}  # layer -> entries taken out of its heap
+        live, calls, cycle, layers = self._live, self._calls, self._cycle_list, self._layers
+        while ranked and len(out) < want:
+            _, i, entry = heapq.heappop(ranked)
+            layer = layers[i]
+            if entry is None:
+                top = self._top.get(layer)
+                if (
+                    top is not None
+                    and live.get(top[2]) == top[1]
+                    and top[2] not in taken
+                    and evictable(top[2])
+                ):
+                    out.append(top[2])
+                    taken.add(top[2])
+                    entry = top
+            else:
+                out.append(entry[2])
+                taken.add(entry[2])
+            # the layer's next: its least live entry that is evictable and not taken
+            heap, back = self._heap.get(layer, []), popped.setdefault(layer, [])
+            nxt = None
+            while heap:
+                e = heapq.heappop(heap)
+                if live.get(e[2]) != e[1]:
+                    continue  # dead
+                back.append(e)
+                if e[2] not in taken and evictable(e[2]):
+                    nxt = e
+                    break
+            if nxt is not None:
+                d = cycle[i] + n * (calls[i] / nxt[0] - 1.0)
+                if d > 0:
+                    heapq.heappush(ranked, (-d, i, nxt))
+        for layer, back in popped.items():  # the live entries passed over, back
+            heap = self._heap.setdefault(layer, [])
+            for e in back:
+                if e[2] not in taken:  # (a victim's dies: the caller removes it)
+                    heapq.heappush(heap, e)
+        return out
+
+
+class NextUse(Batched):
     """Evict the resident expert whose next use is expected farthest away. Decode visits the
     MoE layers in a cycle, so expert (l, e) is next wanted when layer l next runs, d(l)
     handshakes from now (1 to L), if the router picks it then, else L handshakes later for
@@ -183,14 +289,18 @@ class NextUse:
         # the call's keys are all of its layer: one heap, one check for dead entries
         heap = self._heap.setdefault(self._current, [])
         live, count = self._live, self._count
-        for key in self._this_call:
-            n = live.get(key)
-            if n is not None:
-                heapq.heappush(heap, (count[key], n, key))
+        new = [(count[k], n, k) for k in self._this_call if (n := live.get(k)) is not None]
         self._this_call = set()
-        if len(heap) > 4 * len(live) + 1024:  # drop dead entries now and then
-            self._heap[self._current] = [e for e in heap if live.get(e[2]) == e[1]]
-            heapq.heapify(self._heap[self._current])
+        if len(new) > len(heap) // 2 or len(heap) > 4 * len(live) + 1024:
+            # more than half the heap (a prefill call's ~500; not decode's ~10, where the
+            # pushes cost less than a pass over the heap): one heapify of the live entries
+            # (the heap's layout is all that differs: its order is total, live numbers unique)
+            heap = [e for e in heap if live.get(e[2]) == e[1]] + new
+            heapq.heapify(heap)
+            self._heap[self._current] = heap
+        else:
+            for e in new:
+                heapq.heappush(heap, e)
         self._changed.add(self._current)
 
     def remove(self, key: Key) -> None:
@@ -219,13 +329,17 @@ class NextUse:
             heapq.heappush(heap, entry)
         return found
 
-    def victim(self, evictable) -> Key | None:
-        for layer in self._changed:  # candidates that changed
+    def _refresh(self) -> None:
+        """The candidates of the layers that changed, found again."""
+        for layer in self._changed:
             entry = self._top[layer] = self._least(layer)
             i = self._index[layer]
             self._least_count[i] = entry[0] if entry else math.inf
             self._refar(i)
         self._changed.clear()
+
+    def victim(self, evictable) -> Key | None:
+        self._refresh()
         n = len(self._layers)
         if not n:
             return None
@@ -233,8 +347,11 @@ class NextUse:
         i = int(self._dist.argmax())
         if self._dist[i] <= 0:
             return None
+        # A kept candidate may have been used by the running call since (it left the heap
+        # for the call's end): not a victim, whenever its layer's candidate was found.
+        live = self._live
         entry = self._top.get(self._layers[i])
-        if entry is not None and evictable(entry[2]):
+        if entry is not None and live.get(entry[2]) == entry[1] and evictable(entry[2]):
             return entry[2]
         far = self._dist.copy()  # the candidate is pinned: rank the layers' next ones
         cycle = self._cycle
@@ -245,7 +362,7 @@ class NextUse:
                 return None
             layer = self._layers[i]
             entry = instead.get(i) or self._top.get(layer)
-            if entry is not None and evictable(entry[2]):
+            if entry is not None and live.get(entry[2]) == entry[1] and evictable(entry[2]):
                 return entry[2]
             entry = self._least(layer, evictable)  # pinned or protected: its next one
             if entry is None:

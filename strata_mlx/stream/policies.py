@@ -207,6 +207,16 @@ def sample_hash(key: Key) -> float:
     return h / 2.0**64
 
 
+def touch_all(policy, keys: list[Key]) -> None:
+    """`policy.touch` each of `keys`, in order (its `touch_all` where it has one)."""
+    batch = getattr(policy, "touch_all", None)
+    if batch is not None:
+        batch(keys)
+        return
+    for key in keys:
+        policy.touch(key)
+
+
 class Adaptive:
     """Follow whichever of several policies would have missed least lately (set dueling,
     as in adaptive cache insertion): each component runs twice, once ordering the real
@@ -278,6 +288,14 @@ class Adaptive:
             p.touch(key)
         self._call[key] = None
 
+    def touch_all(self, keys: list[Key]) -> None:
+        """`touch` each of `keys`, in order: each component's `touch_all` where it has one
+        (the components are independent: one after another is the order of each)."""
+        self._resident.update(keys)
+        for p in self._real:
+            touch_all(p, keys)
+        self._call.update(dict.fromkeys(keys))
+
     def _follows(self, key: Key) -> bool:
         s = self._sampled.get(key)
         if s is None:
@@ -309,25 +327,41 @@ class Adaptive:
             return
         self._weight *= self._growth ** len(uses)  # later misses weigh more: old ones fade
         pinned = set(uses)
-        slots = self.shadow_slots
         for i, (p, held) in enumerate(zip(self._shadow, self._held)):
-            for key in uses:
-                if key in held:
-                    p.touch(key)
-            for key in uses:
-                if key in held:
-                    continue
+            hits = [k for k in uses if k in held]
+            touch_all(p, hits)
+            misses = [k for k in uses if k not in held]
+            for _ in misses:  # one addition a miss, as the sums were made
                 self._misses[i] += self._weight
-                if slots is not None and len(held) >= slots:
-                    victim = p.victim(lambda k: k not in pinned)
-                    if victim is not None:
-                        p.remove(victim)
-                        held.discard(victim)
-                held.add(key)
-                p.touch(key)
+            self._shadow_misses(p, held, misses, lambda k: k not in pinned)
         if self._weight > 2.0**500:  # rescale before floats overflow
             self._misses = [m * 2.0**-500 for m in self._misses]
             self._weight *= 2.0**-500
+
+    def _shadow_misses(self, p, held: set[Key], misses: list[Key], evictable) -> None:
+        """A shadow's misses given slots, each evicting its policy's victim where the shadow
+        is full; one `victims` call for all the misses that evict, where it has one."""
+        slots, batch, j = self.shadow_slots, getattr(p, "victims", None), 0
+        while j < len(misses):
+            if slots is None or len(held) < slots or batch is None:
+                if slots is not None and len(held) >= slots:
+                    victim = p.victim(evictable)
+                    if victim is not None:
+                        p.remove(victim)
+                        held.discard(victim)
+                held.add(misses[j])
+                p.touch(misses[j])
+                j += 1
+                continue
+            victims = batch(evictable, misses[j:]) or [None]  # none: the miss takes a slot
+            given = misses[j : j + len(victims)]
+            for victim in victims:
+                if victim is not None:
+                    p.remove(victim)
+                    held.discard(victim)
+            held.update(given)
+            touch_all(p, given)
+            j += len(given)
 
     def remove(self, key: Key) -> None:
         self._resident.discard(key)
@@ -352,6 +386,20 @@ class Adaptive:
             if key is not None:
                 return key
         return None
+
+    def victims(self, evictable, keys: list[Key]) -> list[Key]:
+        """The victims of successive `victim` calls for `keys` (each removed, its slot given
+        to the next of `keys`): the leader's `victims` (the leader does not change before
+        the call ends), or one victim where the leader has none or no `victims`."""
+        if self.capacity is None:
+            self._learn_capacity()
+        self.leader = min(range(len(self._misses)), key=self._misses.__getitem__)
+        batch = getattr(self._real[self.leader], "victims", None)
+        got = batch(evictable, keys) if batch is not None else []
+        if got:
+            return got
+        key = self.victim(evictable)
+        return [] if key is None else [key]
 
 
 class NextUseDuel(Adaptive):

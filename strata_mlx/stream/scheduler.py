@@ -241,18 +241,18 @@ class Scheduler:
     def ensure(self, keys: list[Key]) -> list[int]:
         """Allocate slots and submit urgent reads for keys; returns their tags."""
         with self.lock:
-            reqs = []
-            for key in keys:
-                got = self.arena.allocate(key)
-                while got is None:
-                    # Every slot is pinned or mid-read: wait for a read to land, then retry.
-                    if not self.reads:
-                        raise RuntimeError("arena exhausted: every slot is pinned")
-                    self.collect(block=True)
-                    got = self.arena.allocate(key)
-                slot, victim = got
-                self._evicted(victim)
-                reqs.append(self._start_read(key, slot, urgent=True))
+            reqs, i = [], 0
+            while True:
+                for slot, victim in self.arena.allocate_many(keys[i:]):
+                    self._evicted(victim)
+                    reqs.append(self._start_read(keys[i], slot, urgent=True))
+                    i += 1
+                if i == len(keys):
+                    break
+                # Every slot is pinned or mid-read: wait for a read to land, then retry.
+                if not self.reads:
+                    raise RuntimeError("arena exhausted: every slot is pinned")
+                self.collect(block=True)
             if reqs:
                 self.reader.submit(reqs, True)
             return [r[0] for r in reqs]
@@ -341,14 +341,11 @@ class Scheduler:
 
     def _requests(self, keys: list[Key], protect, keep, urgent: bool = False) -> list[tuple]:
         """`_submit`'s reads, recorded as in flight, not yet handed to the reader."""
+        tag_of, slot_of = self.tag_of, self.arena.slot_of
+        todo = [k for k in dict.fromkeys(keys) if k not in tag_of and k not in slot_of]
         reqs = []
-        for key in keys:
-            if key in self.tag_of or key in self.arena.slot_of:
-                continue
-            got = self.arena.allocate(key, protect, keep)
-            if got is None:
-                break  # no slot that may be given up: the rest waits for demand
-            slot, victim = got
+        # up to the first key with no slot that may be given up: the rest waits for demand
+        for key, (slot, victim) in zip(todo, self.arena.allocate_many(todo, protect, keep)):
             self._evicted(victim)
             reqs.append(self._start_read(key, slot, urgent))
         return reqs
