@@ -12,11 +12,15 @@ is fitted as a + b * tokens from two chunks: one of 8 tokens, which pays the per
 that a long one spreads over its tokens (a per-token rate from a short chunk alone overstates a
 long chunk's cost), and one of the forecast's own size up to LONG_CAP tokens. The CPU's cost a
 token grows with the chunk: the built-in model's fake-stream chunk took 37, 26, 41, 53 and 63 ms
-a token at 8, 32, 64, 128 and 256 tokens, so a line through 8 and 32 tokens put a 255-token
-chunk at 0.63 of bench's own fake-stream chunk; through 8 and 128 tokens, 0.85 of it (both
-under the same load). LONG_CAP holds the calibration to seconds on that model. On a GPU a chunk's time is the weight traffic of the distinct
-experts it touches, which stops growing once a chunk touches most of them: a line through two
-short chunks overstated a 1024-token chunk several fold on an H200. There one chunk of the
+a token at 8, 32, 64, 128 and 256 tokens (one run, load 3-4). Against bench at `-p 256
+--prefill-step-size 256`, three rounds each calibrating afresh, bench's prefill over the forecast
+was 0.69-1.61 with a line through 8 and 32 tokens (the two short chunks' noise sets the slope)
+and 0.70-0.91 through 8 and 128. LONG_CAP keeps a calibrating plan near 8 s on that model
+(a cap of 256 took it to 14-30 s under load 4-6).
+
+On a GPU a chunk's time is the weight traffic of the distinct experts it touches, which stops
+growing once a chunk touches most of them: a line through two short chunks overstated a
+1024-token chunk several fold on an H200. There one chunk of the
 forecast's own size is timed (a warm-up and one timed run: under a second). An entry is cached
 under what it timed, so a calibration of one kind never answers for the other.
 """
