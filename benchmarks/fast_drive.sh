@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|resident|old-vs-new|alternate
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode.
 set -uo pipefail
@@ -91,6 +91,13 @@ extra)  # tmpfs: decode's host time per layer (replayed), plan's forecast of thi
     [ "${BATCH:-1}" = 0 ] || timeout 150 python3 benchmarks/batch_decode.py "$SHM" --arena-gb 6.5 \
        --levels 1,2,4,8 --prompt-tokens 64 --max-tokens 16 --rounds 1; } 2>&1 | tee "$OUT/extra.log"
   ;;
+plan)  # tmpfs: plan against bench's cold lookahead, ROUNDS rounds (benchmarks/plan_vs_bench.py;
+  # the first round's plan calibrates where the cache has no entry for this code's calibration)
+  build
+  timeout 560 python3 benchmarks/plan_vs_bench.py --store "$SHM" --arena-gb 6.5 -p 2048 \
+     -g "${G:-32}" --prefill-step-size 1024 --rounds "${ROUNDS:-3}" \
+     --json "$OUT/plan-vs-bench.json" 2>"$OUT/plan-vs-bench.err" | tee "$OUT/plan-vs-bench.log"
+  ;;
 resident)  # every expert resident, beside mlx-lm's own model, interleaved (benchmarks/decode.py)
   build
   timeout 560 python3 benchmarks/decode.py "$SHM" -p 2048 -g 128 --rounds "${ROUNDS:-3}" \
@@ -112,5 +119,5 @@ alternate)  # tmpfs: the old tree's bench and this code's, alternating ROUNDS ti
         "$SHM" --arena-gb 6.5 -p 1024 -g 48 --parts
     done; } 2>&1 | tee "$OUT/decode-host.log"
   ;;
-*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|old-vs-new STORE ROUND|alternate|resident"; exit 2;;
+*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident"; exit 2;;
 esac

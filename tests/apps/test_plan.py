@@ -615,9 +615,12 @@ def test_a_gpu_calibrates_on_a_chunk_of_the_forecasts_size_the_cpu_on_a_line():
     assert gpu.kind == "chunk" and gpu.chunk_tokens == (1024,) and gpu.sync_per_layer
     assert cal.calibration_plan("gpu", 1024, 300).chunk_tokens == (300,)
     cpu = cal.calibration_plan("cpu", 1024, 2048)
-    assert cpu.kind == "slope" and cpu.chunk_tokens == (cal.SHORT_TOKENS, cal.LONG_TOKENS)
+    assert cpu.kind == "slope" and cpu.chunk_tokens == (cal.SHORT_TOKENS, cal.LONG_CAP)
     assert not cpu.sync_per_layer  # the CPU keeps its decode model
-    assert cal.calibration_plan("cpu", 64, 16) == cpu  # the line serves any chunk
+    # the line's long chunk is the forecast's own, within LONG_TOKENS..LONG_CAP
+    assert cal.calibration_plan("cpu", 64, 2048).chunk_tokens == (cal.SHORT_TOKENS, 64)
+    assert cal.calibration_plan("cpu", 256, 100).chunk_tokens == (cal.SHORT_TOKENS, 100)
+    assert cal.calibration_plan("cpu", 16, 64).chunk_tokens == (cal.SHORT_TOKENS, cal.LONG_TOKENS)
     keys = {p.key for p in (gpu, cpu, cal.calibration_plan("gpu", 512, 2048))}
     assert len(keys) == 3
 
@@ -666,7 +669,34 @@ def test_plan_on_a_gpu_times_one_chunk_of_its_size(store, tmp_path, monkeypatch)
     monkeypatch.setattr(cal, "backend", lambda: "cpu")
     f = plan.plan(path, prompt_tokens=64, prefill_step_size=16, gen_tokens=4)
     assert seen[1].kind == "slope" and f.compute_source == "calibrated now, cached"
-    assert cal.cached(plan.model_shape(path), seen[1]).sync_extra_s == 0.0
+    assert cal.cached(plan.model_shape(path), seen[1]).sync_beyond_s == 0.0
+
+
+def test_the_cpu_line_times_a_chunk_of_the_forecasts_size(store, tmp_path, monkeypatch):
+    """On the CPU the line's long chunk is the forecast's own (a chunk's cost a token grows with
+    its tokens there): its chunks hold 8 and 48 tokens for a 48-token chunk, and the entry is
+    keyed on them, so a forecast with another chunk calibrates again."""
+    from strata_mlx.apps import bench as bench_mod
+    from strata_mlx.apps.plan import calibration as cal
+
+    monkeypatch.setenv("STRATA_MLX_HOME", str(tmp_path))
+    monkeypatch.setattr(cal, "backend", lambda: "cpu")
+    path = store("qwen3_moe")
+    timed = []
+    run_policy = bench_mod.run_policy
+
+    def spy(model, ids, gen, step, policy, phase, layers=None):
+        run = run_policy(model, ids, gen, step, policy, phase, layers)
+        if policy in ("short", "long"):
+            timed.append(sum(c.tokens for c in run.chunks))
+        return run
+
+    monkeypatch.setattr(bench_mod, "run_policy", spy)
+    f = plan.plan(path, prompt_tokens=96, prefill_step_size=48, gen_tokens=4)
+    assert timed == [8, 48]
+    assert "chunks of 8 and 48 tokens" in "\n".join(f.notes)
+    assert cal.cached(plan.model_shape(path), cal.calibration_plan("cpu", 48, 96)) is not None
+    assert cal.cached(plan.model_shape(path), cal.calibration_plan("cpu", 64, 96)) is None
 
 
 def test_the_read_floor_is_the_data_paths_where_reads_bounce():
@@ -729,33 +759,62 @@ def test_plan_says_which_probe_set_its_read_floor(store, tmp_path, monkeypatch):
     assert f.read_source == "probe-ssd" and "GB/s (probe-ssd)" in "\n".join(f.lines())
 
 
-def test_the_handshakes_sync_beyond_fake_streams_is_a_cost_of_every_synced_layer():
-    """The real decode's route sync a layer beyond fake-stream's (lookahead's routers, the
-    device's work around landing reads) is charged to each synced layer, not spread over the
-    absent lookups: at the calibration's own share of absent lookups the token is the same,
-    at a smaller share the forecast keeps that per-layer cost."""
+def test_the_handshakes_sync_beyond_the_compute_is_a_cost_of_every_synced_layer():
+    """The real decode's route sync a layer beyond the device's compute of a layer
+    (fake-stream's sync-mode token over the layers, which the forecast charges already) is
+    charged to each synced layer, not spread over the absent lookups: at the calibration's own
+    share of absent lookups the token is the same, at a smaller share the forecast keeps that
+    per-layer cost."""
     real = plan.RealDecode(1e-4, {}, {}, 0.050, 10.0, 4, 8, sync_s=6e-4)
-    extra = real.sync_extra_s(2e-4)
-    assert extra == pytest.approx(4e-4)
-    assert real.sync_extra_s(None) == 0.0 and real.sync_extra_s(1e-3) == 0.0
-    with_extra = real.absent_s(0.030, extra)
-    assert with_extra == pytest.approx((0.050 - 0.030 - 4 * (1e-4 + 4e-4)) / 10)
-    # the calibration's own token, both ways: compute + layers x (handshake + extra) + absent
-    assert 0.030 + 4 * (1e-4 + extra) + 10 * with_extra == pytest.approx(0.050)
+    beyond = real.sync_beyond_s(8e-4)  # 2e-4 of compute a layer
+    assert beyond == pytest.approx(4e-4)
+    assert real.sync_beyond_s(None) == 0.0 and real.sync_beyond_s(4e-3) == 0.0
+    with_beyond = real.absent_s(0.030, beyond)
+    assert with_beyond == pytest.approx((0.050 - 0.030 - 4 * (1e-4 + 4e-4)) / 10)
+    # the calibration's own token, both ways: compute + layers x (handshake + beyond) + absent
+    assert 0.030 + 4 * (1e-4 + beyond) + 10 * with_beyond == pytest.approx(0.050)
     assert 0.030 + 4 * 1e-4 + 10 * real.absent_s(0.030) == pytest.approx(0.050)
 
     shape = _shape()
     p = plan.pick_probabilities(shape)
     kw = dict(handshake_s=1e-4, recall={1: 0.5, 2: 0.5}, recall_union={1: 0.5, 2: 0.6})
-    c = plan.Compute(1e-3, 0.010, 0.020, 0.030, absent_s=with_extra, sync_extra_s=extra, **kw)
+    c = plan.Compute(1e-3, 0.010, 0.020, 0.030, absent_s=with_beyond, sync_beyond_s=beyond, **kw)
     d = plan.decode_forecast(shape, _machine(ssd=1e9), c, p, 1, 64, 400, 64)
     hit = d["shares"][0]
     assert d["modes"]["sync"] > 0.95 * 400
-    per_token = 0.030 + 4 * (1e-4 + extra) + 4 * 2 * (1 - hit) * with_extra
+    per_token = 0.030 + 4 * (1e-4 + beyond) + 4 * 2 * (1 - hit) * with_beyond
     assert d["s_per_token"] == pytest.approx(per_token, rel=0.02)
-    assert d["handshake_s"] == pytest.approx(4 * (1e-4 + extra), rel=0.02)
+    assert d["handshake_s"] == pytest.approx(4 * (1e-4 + beyond), rel=0.02)
     # fewer absent lookups (an arena of half the experts): the per-layer part stays whole
     old = plan.Compute(1e-3, 0.010, 0.020, 0.030, absent_s=real.absent_s(0.030), **kw)
     half = [plan.decode_forecast(shape, _machine(ssd=1e9), x, p, 32, 64, 400, 64) for x in (c, old)]
     assert half[0]["shares"] == half[1]["shares"] and half[0]["shares"][0] > 0.3
     assert half[0]["s_per_token"] > half[1]["s_per_token"]
+
+
+def test_decode_runs_the_prompts_last_token_first_untimed(monkeypatch):
+    """The prompt's last token goes through the decoder outside any chunk and before bench's
+    decode time starts: the simulation runs it first (the arena and the decoder's averages move)
+    and charges nothing for it. Here that token finds nothing resident and every later one finds
+    everything: no miss and no absent lookup's cost is charged, but the decoder, which saw the
+    misses, is in "sync" mode at the first timed token (62 % of its 48 layers' running share
+    missed, above decode_sync_above)."""
+    from strata_mlx.apps.plan import forecasting
+
+    asked = []
+
+    def hits(p, layers, slots, prompt, step, n):
+        asked.append(n)
+        return np.array([0.0] + [1.0] * (n - 1))
+
+    monkeypatch.setattr(forecasting, "decode_hits", hits)
+    shape = _shape(layers=48)
+    p = plan.pick_probabilities(shape)
+    c = plan.Compute(1e-3, 0.010, 0.020, 0.030, handshake_s=1e-4, absent_s=0.5)
+    d = plan.decode_forecast(shape, _machine(ssd=1e9), c, p, 4, 64, 1, 64)
+    assert asked == [2]
+    assert d["misses_per_token"] == 0.0 and d["shares"] == (1.0, 0.0, 0.0)
+    assert d["modes"] == {"sync": 1}  # the untimed token's misses set the decoder's mode
+    assert d["s_per_token"] == pytest.approx(0.030 + 48 * 1e-4)
+    d = plan.decode_forecast(shape, _machine(ssd=1e9), c, p, 4, 64, 6, 64)
+    assert asked[-1] == 7 and sum(d["modes"].values()) == 6 and d["misses_per_token"] == 0.0

@@ -42,7 +42,7 @@ The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts")
     above decode_sync_above, else "layers" while lookahead predicts (unless
     decode_token_while_predicting), else "token". A token costs that mode's fake-stream
     decode time (its per-layer routing syncs included), plus in "sync" mode, on every
-    layer, the handshake's Python and on a GPU its route sync beyond fake-stream's (both
+    layer, the handshake's Python and on a GPU its route sync beyond the device's compute (both
     measured in a short real decode: the sync waits on the lookahead routers and the device's
     work around landing reads, whether or not the layer missed), plus what its absent
     lookups cost, plus in "layers" mode one synced layer recomputed for each layer that

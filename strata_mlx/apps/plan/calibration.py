@@ -8,12 +8,19 @@ model shape (the same shape computes alike whatever its weights). Never measures
 cached entry matches, and never writes the cache file except whole (temp path then rename).
 
 What prefill is timed on depends on the backend (calibration_plan). On the CPU a chunk's time
-is fitted as a + b * tokens from two short chunks: a chunk of a few tokens pays the per-layer
-dispatch that a long one spreads over its tokens, so a per-token rate from a short chunk alone
-overstates a 1024-token chunk's cost; the CPU computes each (token, expert) pair, so the time
-grows in line with the tokens. On a GPU a chunk's time is the weight traffic of the distinct
-experts it touches, which stops growing once a chunk touches most of them: a line through two
-short chunks overstated a 1024-token chunk several fold on an H200. There one chunk of the
+is fitted as a + b * tokens from two chunks: one of 8 tokens, which pays the per-layer dispatch
+that a long one spreads over its tokens (a per-token rate from a short chunk alone overstates a
+long chunk's cost), and one of the forecast's own size up to LONG_CAP tokens. The CPU's cost a
+token grows with the chunk: the built-in model's fake-stream chunk took 37, 26, 41, 53 and 63 ms
+a token at 8, 32, 64, 128 and 256 tokens (one run, load 3-4). Against bench at `-p 256
+--prefill-step-size 256`, three rounds each calibrating afresh, bench's prefill over the forecast
+was 0.69-1.61 with a line through 8 and 32 tokens (the two short chunks' noise sets the slope)
+and 0.70-0.91 through 8 and 128. LONG_CAP keeps a calibrating plan near 8 s on that model
+(a cap of 256 took it to 14-30 s under load 4-6).
+
+On a GPU a chunk's time is the weight traffic of the distinct experts it touches, which stops
+growing once a chunk touches most of them: a line through two short chunks overstated a
+1024-token chunk several fold on an H200. There one chunk of the
 forecast's own size is timed (a warm-up and one timed run: under a second). An entry is cached
 under what it timed, so a calibration of one kind never answers for the other.
 """
@@ -33,18 +40,20 @@ import numpy as np
 from .machine import Compute, measure_real
 from .shapes import ModelShape
 
-CALIBRATION_VERSION = 2  # bump when the measurement changes: older entries are measured again
-SHORT_TOKENS, LONG_TOKENS = 8, 32  # the two prefill chunks the CPU's per-chunk time is fitted on
+CALIBRATION_VERSION = 3  # bump when the measurement changes: older entries are measured again
+# the CPU's per-chunk time is fitted on a chunk of SHORT_TOKENS and one of the forecast's chunk
+# (at least LONG_TOKENS, at most LONG_CAP)
+SHORT_TOKENS, LONG_TOKENS, LONG_CAP = 8, 32, 128
 DECODE_TOKENS = 4
 RECALL_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class CalibrationPlan:
-    """What a calibration times for prefill: "slope" fits a + b * tokens on two short chunks
+    """What a calibration times for prefill: "slope" fits a + b * tokens on two chunks
     (the CPU); "chunk" times one chunk of the forecast's own size (a GPU). `sync_per_layer`:
-    the real handshake's route sync beyond fake-stream's is measured and charged to every
-    synced decode layer (a GPU, where the host waits on the device at each sync; on the CPU
+    the real handshake's route sync beyond the device's compute is measured and charged to
+    every synced decode layer (a GPU, where the host waits on the device at each sync; on the CPU
     the two syncs differ by less than the noise of a four-token decode, and a difference kept
     only when positive would add that noise as a cost)."""
 
@@ -72,13 +81,19 @@ def calibration_plan(backend: str, step: int, prompt_tokens: int) -> Calibration
     chunks of `step` tokens of a `prompt_tokens` prompt (module docstring: why they differ)."""
     if backend == "gpu":
         return CalibrationPlan("chunk", (max(1, min(step, prompt_tokens)),), True)
-    return CalibrationPlan("slope", (SHORT_TOKENS, LONG_TOKENS))
+    return CalibrationPlan("slope", (SHORT_TOKENS, long_chunk(step, prompt_tokens)))
+
+
+def long_chunk(step: int, prompt_tokens: int) -> int:
+    """The CPU line's long chunk: the forecast's own chunk (a prompt shorter than `step` is
+    one chunk of the prompt), within LONG_TOKENS..LONG_CAP."""
+    return max(LONG_TOKENS, min(step, prompt_tokens, LONG_CAP))
 
 
 @dataclass
 class Calibration:
     """What a model shape costs on this machine with every expert resident, and what its short
-    real decode measured (the handshake's Python and its route sync beyond fake-stream's, per
+    real decode measured (the handshake's Python and its route sync beyond the compute, per
     layer; lookahead's recall; an absent lookup)."""
 
     chunk_fixed_s: float  # a prefill chunk's cost beyond its tokens' (per-layer dispatch)
@@ -92,7 +107,7 @@ class Calibration:
     absent_s: float | None = None
     measured_at: float = 0.0
     calibrated: str = ""  # CalibrationPlan.key: what prefill was timed on
-    sync_extra_s: float = 0.0  # per decode layer: the real handshake's sync beyond fake-stream's
+    sync_beyond_s: float = 0.0  # per decode layer: the real route sync beyond the compute
 
     def compute(self, step: int) -> Compute:
         """The forecast's Compute for prefill chunks of `step` tokens."""
@@ -106,7 +121,7 @@ class Calibration:
             recall=dict(self.recall),
             recall_union=dict(self.recall_union),
             absent_s=self.absent_s,
-            sync_extra_s=self.sync_extra_s,
+            sync_beyond_s=self.sync_beyond_s,
         )
 
     @classmethod
@@ -199,7 +214,7 @@ def calibrate(
     say = progress or (lambda _name: None)
     vocab = load_manifest(path).config["vocab_size"]
     longest = max(plan.chunk_tokens)
-    ids = np.random.default_rng(0).integers(0, vocab, size=max(longest, LONG_TOKENS) + 1).tolist()
+    ids = np.random.default_rng(0).integers(0, vocab, size=longest + 1).tolist()
     say("load (fake-stream)")
     cfg = RuntimeConfig(
         arena_gb=arena_gb, read_ahead="demand", fake_stream=True, prefill_step_size=longest
@@ -207,14 +222,14 @@ def calibrate(
     model, _ = load(path, config=cfg)
     try:
         fixed, per_token, token_s = _time_prefill(model, ids, plan, say)
-        per_mode, fake_sync_s = _time_decode_modes(model, ids, longest, say)
+        per_mode = _time_decode_modes(model, ids, longest, say)
     finally:
         model.expert_cache.close()
     del model
     say("real decode (handshake, recall, misses)")
     real = measure_real(path, ids, RECALL_TOKENS, DECODE_TOKENS, arena_gb)
     sync_s = per_mode.get("sync", token_s)
-    extra = real.sync_extra_s(fake_sync_s) if plan.sync_per_layer else 0.0
+    beyond = real.sync_beyond_s(per_mode.get("sync")) if plan.sync_per_layer else 0.0
     return Calibration(
         fixed,
         per_token,
@@ -224,10 +239,10 @@ def calibrate(
         real.handshake_s,
         real.recall,
         real.union,
-        real.absent_s(sync_s, extra),
+        real.absent_s(sync_s, beyond),
         time.time(),
         calibrated=plan.key,
-        sync_extra_s=extra,
+        sync_beyond_s=beyond,
     )
 
 
@@ -235,7 +250,7 @@ def _time_prefill(
     model, ids: list[int], plan: CalibrationPlan, say: Callable[[str], None]
 ) -> tuple[float, float, float]:
     """(a chunk's fixed s, s per token, s per decode token in "token" mode) from fake-stream
-    prefill as `plan` says: a line through two short chunks, or one chunk of the forecast's
+    prefill as `plan` says: a line through two chunks, or one chunk of the forecast's
     size after a warm-up of the same size (its kernels built for that shape)."""
     from ..bench import run_policy
 
@@ -248,15 +263,15 @@ def _time_prefill(
         run = run_policy(model, ids[: step + 1], DECODE_TOKENS, step, "chunk", "-")
         tokens = sum(c.tokens for c in run.chunks)
         return 0.0, sum(c.wall_s for c in run.chunks) / max(tokens, 1), run.decode_s / DECODE_TOKENS
-    say(f"prefill {SHORT_TOKENS} tokens")
-    short = run_policy(model, ids[:SHORT_TOKENS], 1, step, "short", "-")
-    say(f"prefill {LONG_TOKENS} tokens, decode {DECODE_TOKENS}")
-    long = run_policy(model, ids[:LONG_TOKENS], DECODE_TOKENS, step, "long", "-")
+    n_short, n_long = min(plan.chunk_tokens), max(plan.chunk_tokens)
+    say(f"prefill {n_short} tokens")
+    short = run_policy(model, ids[: n_short + 1], 1, step, "short", "-")
+    say(f"prefill {n_long} tokens, decode {DECODE_TOKENS}")
+    long = run_policy(model, ids[: n_long + 1], DECODE_TOKENS, step, "long", "-")
     # chunk wall times: the last prompt token runs outside the chunks, as in bench
     t_short = sum(c.wall_s for c in short.chunks)
     t_long = sum(c.wall_s for c in long.chunks)
-    n_short = max(SHORT_TOKENS - 1, 1)
-    n_long = max(LONG_TOKENS - 1, n_short + 1)
+    n_long = max(n_long, n_short + 1)
     slope = max((t_long - t_short) / (n_long - n_short), 0.0)
     if slope == 0.0:
         slope = t_long / n_long
@@ -266,14 +281,13 @@ def _time_prefill(
 
 def _time_decode_modes(
     model, ids: list[int], step: int, say: Callable[[str], None]
-) -> tuple[dict[str, float], float | None]:
-    """({mode: s per decode token} for "layers" and "sync", fake-stream; the sync mode's route
-    sync a layer), none without a pipelined decoder."""
+) -> dict[str, float]:
+    """{mode: s per decode token} for "layers" and "sync", fake-stream; none without a
+    pipelined decoder."""
     from ...runtime.decode import PipelinedDecoder
     from ..bench import run_policy
-    from .machine import route_sync_per_layer
 
-    per_mode, fake_sync_s = {}, None
+    per_mode = {}
     dec = model.decoder
     if isinstance(dec, PipelinedDecoder):
         for mode, (sync_above, token_below) in (("layers", (1.0, 0.0)), ("sync", (-1.0, 0))):
@@ -281,6 +295,4 @@ def _time_decode_modes(
             with dec.thresholds(sync_above, token_below):
                 r = run_policy(model, ids[:2], DECODE_TOKENS, step, mode, "-")
             per_mode[mode] = r.decode_s / DECODE_TOKENS
-            if mode == "sync":
-                fake_sync_s = route_sync_per_layer(r, model, DECODE_TOKENS)
-    return per_mode, fake_sync_s
+    return per_mode

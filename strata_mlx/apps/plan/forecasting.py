@@ -50,7 +50,7 @@ class Forecast:
     decode_modes: dict = field(default_factory=dict)  # tokens per decoder mode
     decode_misses_per_token: float = 0.0
     decode_compute_ms: float = 0.0
-    # a token's synced layers' handshake Python and route sync beyond fake-stream's
+    # a token's synced layers' handshake Python and route sync beyond the compute
     decode_handshake_ms: float = 0.0
     # what an absent lookup cost plan's short real decode (None: reads costed from the probe)
     decode_absent_ms: float | None = None
@@ -145,13 +145,17 @@ def decode_forecast(
     step: int,
 ) -> dict:
     """Decode of `gen_tokens` after a cold prompt in chunks of `step`, token by token through
-    the decoder's own rules (strata_mlx.runtime.decode; thresholds from RuntimeConfig's defaults)."""
+    the decoder's own rules (strata_mlx.runtime.decode; thresholds from RuntimeConfig's defaults).
+    The prompt's last token runs first, untimed: it goes through the decoder outside any chunk
+    (the arena's and the decoder's state move with it), and bench's decode time starts after it;
+    counted, the coldest token of all (the decoder's averages at their start) was charged to
+    decode."""
     from ...runtime.decode import choose_mode
     from ...runtime.loader import RuntimeConfig
 
     cfg = RuntimeConfig()
     k, L, rb = shape.top_k, max(shape.moe_layers, 1), shape.record_bytes
-    hits = decode_hits(p, L, slots, prompt_tokens, step, gen_tokens)
+    hits = decode_hits(p, L, slots, prompt_tokens, step, gen_tokens + 1)
     distance = {"sync": 1, "layers": cfg.decode_lag + 1, "token": 1}  # prediction to use
     shares = _prediction_shares(compute, L, k, cfg.read_ahead.depth, distance["layers"])
 
@@ -161,7 +165,7 @@ def decode_forecast(
     layer_rate, miss_rate = 0.0, 1.0  # the decoder's running averages, as a fresh load has them
     modes: dict[str, int] = {}
     total_s = compute_s = handshake_s = misses = ahead_sum = miss_sum = 0.0
-    for t in range(gen_tokens):
+    for t in range(gen_tokens + 1):
         absent = 1 - hits[t]
         predicting = miss_rate >= cfg.read_ahead.decode_min_miss
         mode = choose_mode(
@@ -171,13 +175,12 @@ def decode_forecast(
             cfg.decode_token_below,
             cfg.decode_token_while_predicting,
         )
-        modes[mode] = modes.get(mode, 0) + 1
         ahead, missed = shares(mode, absent) if predicting else (0.0, absent)
         layer_missed = 1 - (1 - missed) ** k  # a layer with at least one miss
         base = compute.mode_s(mode)
-        # the sync handshake's Python and its route sync beyond fake-stream's, on every synced
+        # the sync handshake's Python and its route sync beyond the compute, on every synced
         # layer whether it missed or not; the deferred path's are in fake-stream's own time
-        synced_layer_s = compute.handshake_s + compute.sync_extra_s
+        synced_layer_s = compute.handshake_s + compute.sync_beyond_s
         synced = L * synced_layer_s if mode == "sync" else 0.0
         cost = base + synced
         if compute.absent_s is not None:  # measured: every absent lookup, missed or not
@@ -189,18 +192,21 @@ def decode_forecast(
         if mode == "layers":  # a layer that missed is drained and recomputed synced
             cost += L * layer_missed * (compute.mode_s("sync") / L + synced_layer_s)
             synced += L * layer_missed * synced_layer_s
+        for _ in range(L):
+            layer_rate += 0.02 * (layer_missed - layer_rate)
+            miss_rate += 0.01 * (missed - miss_rate)
+        if t == 0:  # the prompt's last token: state only
+            continue
+        modes[mode] = modes.get(mode, 0) + 1
         total_s += cost
         compute_s += base
         handshake_s += synced
         misses += L * k * missed
         ahead_sum += ahead
         miss_sum += missed
-        for _ in range(L):
-            layer_rate += 0.02 * (layer_missed - layer_rate)
-            miss_rate += 0.01 * (missed - miss_rate)
     n = max(gen_tokens, 1)
     return {
-        "shares": (float(hits.mean()) if gen_tokens else 0.0, ahead_sum / n, miss_sum / n),
+        "shares": (float(hits[1:].mean()) if gen_tokens else 0.0, ahead_sum / n, miss_sum / n),
         "modes": modes,
         "misses_per_token": misses / n,
         "compute_s": compute_s / n,

@@ -63,11 +63,12 @@ class Compute:
     # applied alike to every mode's absent lookups). None: the reads are costed from the
     # probe's bandwidth (estimates for a target, or that decode read too little)
     absent_s: float | None = None
-    # per decode layer in "sync" mode: what the real handshake's route sync waits beyond
-    # fake-stream's (the lookahead routers evaluated with the ids, the device's work around
-    # reads landing): a cost of every synced layer, whether or not it missed, so it does not
-    # shrink with the share of lookups absent as absent_s does (measure_real against fake-stream)
-    sync_extra_s: float = 0.0
+    # per decode layer in "sync" mode: what the real handshake's route sync waits beyond the
+    # device's compute of a layer (the lookahead routers evaluated with the ids, the device's
+    # work around reads landing, the sync's own latency): a cost of every synced layer, whether
+    # or not it missed, so it does not shrink with the share of lookups absent as absent_s
+    # does (measure_real against fake-stream's sync-mode token); a GPU's only
+    sync_beyond_s: float = 0.0
 
     @classmethod
     def of(cls, c: Compute | tuple[float, float]) -> Compute:
@@ -194,8 +195,8 @@ def measure_compute(
     """Fake-stream runs (every expert counts as resident: compute alone, as bench's compute
     floor): prefill, and decode in each of the decoder's modes; then a short real run for the
     handshake's Python per layer, lookahead's recall and union, and what an absent lookup
-    costs decode (measure_real); `sync_per_layer`: its route sync beyond fake-stream's a layer
-    too (calibration.CalibrationPlan). `progress(step name)` is called before each step."""
+    costs decode (measure_real); `sync_per_layer`: its route sync beyond the device's compute
+    a layer too (calibration.CalibrationPlan). `progress(step name)` is called before each step."""
     from ...format.store import load_manifest
     from ...runtime.decode import PipelinedDecoder
     from ...runtime.loader import RuntimeConfig, load
@@ -215,7 +216,7 @@ def measure_compute(
         run_policy(model, ids[: min(tokens, 8)], 1, step, "warmup", "-")  # kernels compile once
         say(f"prefill {tokens} tokens, decode {decode_tokens}")
         run = run_policy(model, ids, decode_tokens, step, "fake-stream", "compute")
-        per_mode, fake_sync_s = {}, None
+        per_mode = {}
         dec = model.decoder
         if isinstance(dec, PipelinedDecoder):
             for mode, (sync_above, token_below) in (("layers", (1.0, 0.0)), ("sync", (-1.0, 0))):
@@ -225,8 +226,6 @@ def measure_compute(
                         model, ids[: min(tokens, step) + 1], decode_tokens, step, mode, "-"
                     )
                 per_mode[mode] = r.decode_s / max(decode_tokens, 1)
-                if mode == "sync":
-                    fake_sync_s = route_sync_per_layer(r, model, decode_tokens)
     finally:
         model.expert_cache.close()
     del model
@@ -234,7 +233,7 @@ def measure_compute(
     say("real decode (handshake, recall, misses)")
     real = measure_real(path, ids, step, decode_tokens, arena_gb)
     sync_s = per_mode.get("sync", run.decode_s / max(decode_tokens, 1))
-    extra = real.sync_extra_s(fake_sync_s) if sync_per_layer else 0.0
+    beyond = real.sync_beyond_s(per_mode.get("sync")) if sync_per_layer else 0.0
     return Compute(
         prefill_s / max(tokens, 1),
         run.decode_s / max(decode_tokens, 1),
@@ -243,8 +242,8 @@ def measure_compute(
         handshake_s=real.handshake_s,
         recall=real.recall,
         recall_union=real.union,
-        absent_s=real.absent_s(sync_s, extra),
-        sync_extra_s=extra,
+        absent_s=real.absent_s(sync_s, beyond),
+        sync_beyond_s=beyond,
     )
 
 
@@ -333,28 +332,29 @@ class RealDecode:
     tokens: int
     sync_s: float = 0.0  # per decode layer: the handshake's route sync (compute included)
 
-    def absent_s(self, sync_s: float, sync_extra_s: float = 0.0) -> float | None:
+    def absent_s(self, sync_s: float, sync_beyond_s: float = 0.0) -> float | None:
         """What one absent lookup added to its token beyond `sync_s` (the sync handshake's
-        compute, fake-stream), the handshake's Python and `sync_extra_s` a layer (its route
-        sync beyond fake-stream's), or None if too few were seen.
+        compute, fake-stream), the handshake's Python and `sync_beyond_s` a layer (its route
+        sync beyond the device's compute), or None if too few were seen.
         Fake-stream's time holds part of that Python too (ids to numpy, the kernel's call), so
         it is taken off twice here and added back once a token by the forecast: exact at this
         decode's share of absent lookups, a little low where fewer are absent."""
         if self.absent_per_token * self.tokens < MIN_ABSENT:
             return None
-        extra = self.s_per_token - sync_s - self.layers * (self.handshake_s + sync_extra_s)
+        extra = self.s_per_token - sync_s - self.layers * (self.handshake_s + sync_beyond_s)
         return max(extra, 0.0) / self.absent_per_token
 
-    def sync_extra_s(self, fake_sync_s: float | None) -> float:
-        """This decode's route sync a layer beyond `fake_sync_s` (fake-stream's, sync mode:
-        the same layers with every expert resident and no lookahead routers); 0 unknown."""
-        return 0.0 if fake_sync_s is None else max(self.sync_s - fake_sync_s, 0.0)
-
-
-def route_sync_per_layer(run, model, tokens: int) -> float:
-    """A bench Run's decode route sync per token and MoE layer."""
-    layers = max(len(model.expert_cache.layers), 1)
-    return run.decode.route_sync_s / max(tokens * layers, 1)
+    def sync_beyond_s(self, compute_s: float | None) -> float:
+        """This decode's route sync a layer beyond the device's compute of a layer: `compute_s`
+        (fake-stream's sync-mode seconds a token, which the forecast charges already) over the
+        layers. The host waits in that sync for the layer's queued kernels, so the sync less
+        fake-stream's own sync would leave the compute inside the sync counted twice wherever
+        fake-stream's sync returns before the device is done (an H200: the handshake term came
+        to 58 ms a token where bench's host Python took 28-32 and its whole route sync, compute
+        included, 30-34). 0 where unknown."""
+        if compute_s is None:
+            return 0.0
+        return max(self.sync_s - compute_s / max(self.layers, 1), 0.0)
 
 
 def measure_real(path: Path, ids: list[int], step: int, tokens: int, arena_gb: float) -> RealDecode:
