@@ -47,6 +47,12 @@ class LayerCompute:
         slots = mx.array(np.asarray(slots, dtype=np.uint32))
         return self.kernel[layer](x, self.arena.rows, slots, local)
 
+    def one_token(self, layer: int, x: mx.array, inds: mx.array, slots: list[int]) -> mx.array:
+        """x [..., D] of one token routed to inds [..., k], pair p's expert in `slots[p]`
+        (decode's handshake: pair by pair, no local index; by_expert's outputs bit for bit)
+        -> [..., k, D]."""
+        return self.by_pair(layer, x, inds, mx.array(slots, dtype=mx.uint32))
+
     def by_pair(self, layer: int, x: mx.array, inds: mx.array, slots: mx.array) -> mx.array:
         """x [..., D] routed to inds [..., k], pair p read from `slots[p]` (slots looked up
         on the device: pipelined decode) -> [..., k, D]."""

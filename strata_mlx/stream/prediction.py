@@ -170,7 +170,10 @@ class ExpectedUse:
 
 
 def rank_by_tokens(ids: np.ndarray, min_tokens: int = 1) -> list[int]:
-    """Distinct experts in `ids` ([T, k] top-k ids), most tokens first, ties by id."""
+    """Distinct experts in `ids` ([T, k] top-k ids, or one token's as a list), most tokens
+    first, ties by id."""
+    if isinstance(ids, list):  # one token's (decode): each expert once, by id
+        return sorted(set(ids)) if min_tokens <= 1 else []
     ids = np.asarray(ids)
     if ids.ndim == 2 and ids.shape[0] == 1:  # one token (decode): each expert once, by id
         return sorted(set(ids[0].tolist())) if min_tokens <= 1 else []
@@ -241,7 +244,7 @@ class Predictor:
     def predicts_in_decode(self) -> bool:
         return self.read_ahead.predicts and self.decode_miss_rate >= self.read_ahead.decode_min_miss
 
-    def rank(self, ids: np.ndarray) -> list[int]:
+    def rank(self, ids: np.ndarray | list[int]) -> list[int]:
         return rank_by_tokens(ids, self.read_ahead.min_tokens)
 
     def after_wait(self, layer: int, nxt: int | None, needed: int) -> tuple[int, list[int]] | None:
