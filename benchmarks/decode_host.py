@@ -81,7 +81,7 @@ PARTS = {
         "start_misses",
     ),
     ExpertCache: ("_predict",),
-    LayerCompute: ("by_expert",),
+    LayerCompute: ("by_expert", "one_token"),
 }
 
 
