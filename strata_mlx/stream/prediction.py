@@ -198,6 +198,7 @@ class Predictor:
         self.manifest = manifest
         self.layers = list(manifest.moe_layers)
         self.profile = profile
+        self._profile_ranks: dict[int, list[int]] = {}
         self.num_experts = manifest.num_experts
         self.routers: dict = {}  # layer -> route(x) -> top-k ids
         self._targets: dict[int, list[int]] = {}
@@ -273,6 +274,12 @@ class Predictor:
         self.decode_layer_miss_rate += 0.02 * (missed - self.decode_layer_miss_rate)
 
     def profile_rank(self, layer: int) -> list[int]:
-        if self.profile is None:
-            return profile_rank(None, self.num_experts)
-        return profile_rank(self.profile[self.manifest.layer_position(layer)], self.num_experts)
+        """The profile's rank of `layer`'s experts, sorted once (a lexsort of every expert
+        per handshake otherwise: static's each layer, lookahead's last); callers slice it."""
+        ranked = self._profile_ranks.get(layer)
+        if ranked is None:
+            counts = (
+                None if self.profile is None else self.profile[self.manifest.layer_position(layer)]
+            )
+            ranked = self._profile_ranks[layer] = profile_rank(counts, self.num_experts)
+        return ranked
