@@ -1,7 +1,7 @@
 """Decode's host time per MoE layer: the handshake's Python, outside the route sync and the wait.
 
     python benchmarks/decode_host.py STORE [--arena-gb 0.1] [-p 64] [-g 32]
-        [--policies lookahead,demand] [--rounds 3] [--parts] [--full]
+        [--policies lookahead,demand] [--rounds 3] [--parts] [--full] [--general]
     python benchmarks/decode_host.py --tiny /tmp/strata-tiny48 ...
 
 `--tiny DIR` builds (once) and uses a store of the full-size model's routing shape
@@ -48,6 +48,7 @@ import strata_mlx
 from strata_mlx.apps.bench import policy_options
 from strata_mlx.format.store import load_manifest
 from strata_mlx.generation.generate import generate_step
+from strata_mlx.runtime import experts
 from strata_mlx.runtime.compute import LayerCompute
 from strata_mlx.runtime.experts import ExpertCache
 from strata_mlx.stream.scheduler import LoopScheduler, Scheduler
@@ -81,7 +82,7 @@ PARTS = {
         "start_misses",
     ),
     ExpertCache: ("_predict",),
-    LayerCompute: ("by_expert",),
+    LayerCompute: ("by_expert", "one_token"),
 }
 
 
@@ -153,6 +154,18 @@ class SyncTime:
 
     def __exit__(self, *exc):
         mx.eval = self._eval
+
+
+@contextlib.contextmanager
+def general_path():
+    """Within: every handshake takes the general path (a single token's ids are not told
+    apart), as before the one-token path existed."""
+    kept = experts.token_ids
+    experts.token_ids = lambda ids: None
+    try:
+        yield
+    finally:
+        experts.token_ids = kept
 
 
 def load(store: str, a, policy: str):
@@ -237,6 +250,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--parts", action="store_true")
     ap.add_argument("--full", action="store_true", help="time real decode, not a replay")
+    ap.add_argument(
+        "--general",
+        action="store_true",
+        help="replay: also run each policy through the general handshake path (numpy ids, "
+        "by_expert), alternating: the one-token path's gain in one process",
+    )
     a = ap.parse_args()
     if (a.store is None) == (a.tiny is None):
         ap.error("give a STORE or --tiny DIR")
@@ -247,11 +266,14 @@ def main() -> None:
     if not a.full:
         a.decode = "sync"  # recorded by the per-layer handshake, which the replay runs
     recorded = None if a.full else {p: record(store, a, p) for p in policies}
+    variants = [(p, g) for p in policies for g in ((False, True) if a.general else (False,))]
     for r in range(a.rounds):
-        for policy in policies:  # interleaved: drift on a shared machine hits all alike
+        for policy, general in variants:  # interleaved: drift on a shared machine hits all alike
             last = r == a.rounds - 1
-            part = parts.get(policy) if last else None
-            results[policy].append(run(store, a, policy, part, recorded and recorded[policy]))
+            part = parts.get(policy) if last and not general else None
+            with general_path() if general else contextlib.nullcontext():
+                out = run(store, a, policy, part, recorded and recorded[policy])
+            results[policy + ":general" * general].append(out)
     what = "decode " + a.decode if a.full else "replayed decode"
     print(
         f"{what}, arena {a.arena_gb} GB, p {a.prompt_tokens}, g {a.gen_tokens}, "

@@ -67,6 +67,7 @@ class ExpertKernels:
         self._built: dict[tuple[int, int], tuple[Any, Any, Any, Any]] = {}
         self._dequant_built: dict[str, tuple[Any, Any]] = {}
         self._tables: dict[str, mx.array] = {}
+        self._pair_tiles: dict[int, mx.array] = {}
 
     def sources(self, k: int, tm: int) -> tuple[algorithm.KernelSource, algorithm.KernelSource]:
         return (
@@ -196,8 +197,25 @@ class ExpertKernels:
             )
         pair_slot = slots[idx2.reshape(-1)]
         tiles, n_tiles = tile_pairs(pair_slot, tile, slots.size)
+        y = self._launch(x2, arena, pair_slot, tiles, n_tiles, k, tile)
+        return y.reshape(n_tokens, k, self.hidden)
+
+    def pairs(self, x, arena, pair_slot: mx.array) -> mx.array:
+        """One token's experts pair by pair (decode's handshake): x [..., D] of one token,
+        pair_slot uint32 [k] each pair's slot -> [..., k, D]. The same kernels on the same
+        inputs as `self(x, arena, slots, idx)` where slots[idx] is pair_slot, with fewer graph
+        ops: no gather of the pairs' slots, no tile plan."""
+        k = pair_slot.size
+        tiles = self._pair_tiles.get(k)
+        if tiles is None:  # tile_pairs' plan at tile 1: pair p in tile p
+            tiles = self._pair_tiles[k] = mx.arange(k, dtype=mx.int32)
+        y = self._launch(x.reshape(1, self.hidden), arena, pair_slot, tiles, k, k, 1)
+        return y.reshape(*x.shape[:-1], k, self.hidden)
+
+    def _launch(self, x2, arena, pair_slot, tiles, n_tiles: int, k: int, tile: int) -> mx.array:
+        """The two fused kernels over pairs `pair_slot` in `tiles` -> [n_pairs, hidden]."""
         s1, k1, s2, k2 = self._kernels(k, tile)
-        n_pairs = n_tokens * k
+        n_pairs = pair_slot.size
         template = [("T", x2.dtype)]
         tg = (algorithm.THREADGROUP, 1, 1)
         (h,) = k1(
@@ -216,7 +234,7 @@ class ExpertKernels:
             [x2.dtype],
             template,
         )
-        return y.reshape(n_tokens, k, self.hidden)
+        return y
 
 
 def tile_pairs(pair_slot: mx.array, tile: int, n_slots: int) -> tuple[mx.array, int]:

@@ -616,15 +616,22 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return nn.silu(gate) * x
 
 
-def top_k_route(gates: mx.array, k: int, norm_topk_prob: bool, softmax_first: bool = True):
-    """Softmax router: (ids [..., k], scores [..., k]) as mlx-lm's Qwen/OLMoE/Mixtral blocks."""
+def top_k_route(
+    gates: mx.array, k: int, norm_topk_prob: bool, softmax_first: bool = True, ids: bool = False
+):
+    """Softmax router: (ids [..., k], scores [..., k]) as mlx-lm's Qwen/OLMoE/Mixtral blocks;
+    `ids`: the ids alone, the same ones (lookahead's routers: no graph built for scores)."""
     if softmax_first:
         probs = mx.softmax(gates, axis=-1, precise=True)
         inds = mx.stop_gradient(mx.argpartition(probs, kth=-k, axis=-1)[..., -k:])
+        if ids:
+            return inds
         scores = mx.take_along_axis(probs, inds, axis=-1)
         if norm_topk_prob:
             scores = scores / mx.sum(scores, axis=-1, keepdims=True)
         return inds, scores
     inds = mx.stop_gradient(mx.argpartition(-gates, kth=k - 1, axis=-1)[..., :k])
+    if ids:
+        return inds
     scores = mx.softmax(mx.take_along_axis(gates, inds, axis=-1), axis=-1, precise=True)
     return inds, scores

@@ -31,6 +31,8 @@ class LayerCompute:
         self.fake_stream = fake_stream
         # Kernels resolved once per layer: nothing on the hot path inspects a layout.
         self.kernel = {l: kernels.expert_kernel(manifest.layout_of(l)) for l in manifest.moe_layers}
+        # Kernels that take one token's pairs by their slots as they are (the GPU dialects').
+        self.pairs = {l: getattr(fn, "pairs", None) for l, fn in self.kernel.items()}
         self._pair_index: dict[tuple, mx.array] = {}
         self._local = np.zeros(manifest.num_experts, dtype=np.uint32)  # expert -> local index
 
@@ -46,6 +48,16 @@ class LayerCompute:
             local = mx.array(table[ids].reshape(shape))
         slots = mx.array(np.asarray(slots, dtype=np.uint32))
         return self.kernel[layer](x, self.arena.rows, slots, local)
+
+    def one_token(self, layer: int, x: mx.array, inds: mx.array, slots: list[int]) -> mx.array:
+        """x [..., D] of one token routed to inds [..., k], pair p's expert in `slots[p]`
+        (decode's handshake: pair by pair, no local index; by_expert's outputs bit for bit)
+        -> [..., k, D]."""
+        pair_slot = mx.array(slots, dtype=mx.uint32)
+        direct = self.pairs[layer]
+        if direct is not None:
+            return direct(x, self.arena.rows, pair_slot)
+        return self.by_pair(layer, x, inds, pair_slot)
 
     def by_pair(self, layer: int, x: mx.array, inds: mx.array, slots: mx.array) -> mx.array:
         """x [..., D] routed to inds [..., k], pair p read from `slots[p]` (slots looked up

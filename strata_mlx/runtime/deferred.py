@@ -40,6 +40,22 @@ class Deferred:
         return [self.inds] if self.pred is None else [self.inds, self.pred]
 
 
+def token_ids(a: mx.array) -> list[int] | None:
+    """The ids of `a` [..., k] as ints where it holds a single token's (decode's), None for
+    more: one `tolist`, a few times cheaper than numpy's conversions and their reshape."""
+    if a.size != a.shape[-1]:
+        return None
+    ids = a.tolist()
+    for _ in range(a.ndim - 1):
+        ids = ids[0]
+    return ids
+
+
+def host_ids(a: mx.array) -> np.ndarray:
+    """The ids of `a` [..., k] on the host, [T, k]."""
+    return np.array(a).reshape(-1, a.shape[-1])
+
+
 def distinct(ids: np.ndarray) -> list[int]:
     """The distinct expert ids of `ids` [T, k], ascending (np.unique's, which costs more than
     the whole lookup for decode's single row)."""

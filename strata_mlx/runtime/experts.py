@@ -46,7 +46,7 @@ from ..stream.prediction import Predictor, ReadAhead
 from ..stream.scheduler import CLOSED, ExpertReadError, make_scheduler
 from ..stream.stats import ExpertStats, RoutingTrace
 from .compute import LayerCompute
-from .deferred import Deferred, DeferredHandshake, distinct
+from .deferred import Deferred, DeferredHandshake, distinct, host_ids, token_ids
 
 WARM_BATCH = 256  # warm()'s reads between progress updates
 WARM_BAR_DELAY_S = 2.0  # warm() shows its bar only past this
@@ -60,6 +60,18 @@ def _close_dropped(sched) -> None:
     through them, the arena. On a thread of its own: the collection may run on the loop's
     thread, which cannot join itself, or inside the scheduler's lock."""
     threading.Thread(target=sched.close, name="strata-mlx-close", daemon=True).start()
+
+
+def _ranked(predictor: Predictor, targets, preds, nxt, trace) -> list[tuple[int, list[int]]]:
+    """(target, its predicted experts ranked) of each lookahead router's ids in `preds`;
+    decode's single token ranked from ints. `trace` records the prediction for `nxt`."""
+    ranked = []
+    for target, pred in zip(targets, preds):
+        if trace is not None and target == nxt:
+            trace.record_prediction(nxt, host_ids(pred))
+        one = token_ids(pred)
+        ranked.append((target, predictor.rank(host_ids(pred) if one is None else one)))
+    return ranked
 
 
 class ExpertCache:
@@ -266,10 +278,12 @@ class ExpertCache:
         mx.eval(inds, x, *preds)
         t1 = time.perf_counter()
         st.route_sync_s += t1 - t0
-        ids = np.array(inds).reshape(-1, inds.shape[-1])
+        one = token_ids(inds)  # decode's one token: its ids as ints, pair by pair below
+        slow = one is None or self.trace is not None or self.fake_stream
+        ids = host_ids(inds) if slow else None
         if self.trace is not None:
             self.trace.record(layer, ids)
-        needed = distinct(ids)
+        needed = distinct(ids) if one is None else sorted(set(one))
         # The sync above evaluated everything up to this router, so the last layer's compute
         # (which read its pinned slots) is done: its slots may be reused from here on.
         with sched.lock:
@@ -284,7 +298,7 @@ class ExpertCache:
         sched.drop_unneeded(layer, needed)
         if len(needed) > self.arena.n_slots:
             st.host_s += time.perf_counter() - t1
-            return self.compute.groups(layer, x, inds, ids, needed)
+            return self.compute.groups(layer, x, inds, host_ids(inds), needed)
 
         misses_before = st.misses
         waits = sched.claim(layer, needed)
@@ -299,8 +313,11 @@ class ExpertCache:
         st.exposed_wait_s += t3 - t2
         if not late and (after := pr.after_wait(layer, nxt, len(needed))) is not None:
             sched.read_ahead(*after)
-        slots = sched.row(layer)[needed]
-        y = self.compute.by_expert(layer, x, ids, inds.shape, needed, slots)
+        row = sched.row(layer)
+        if one is not None:
+            y = self.compute.one_token(layer, x, inds, [row.item(e) for e in one])
+        else:
+            y = self.compute.by_expert(layer, x, ids, inds.shape, needed, row[needed])
         if late:  # the device computes them while the host predicts (their slots are pinned)
             mx.async_eval(y)
             self._predict(targets, preds, nxt, layer, needed)
@@ -316,12 +333,7 @@ class ExpertCache:
         self.predictor.observe_use(layer, needed, self.decoding)
         if not targets:
             return
-        ranked = []
-        for target, pred in zip(targets, preds):
-            pred_ids = np.array(pred).reshape(-1, pred.shape[-1])
-            if self.trace is not None and target == nxt:
-                self.trace.record_prediction(nxt, pred_ids)
-            ranked.append((target, self.predictor.rank(pred_ids)))
+        ranked = _ranked(self.predictor, targets, preds, nxt, self.trace)
         (first, experts), later = ranked[0], ranked[1:]
         keys = [(t, e) for t, es in later for e in es]
         predicted = set(keys)  # the same tuples, not built again (~1000 a prefill layer)

@@ -77,7 +77,12 @@ def expert_kernel(layout: RecordLayout, name: str | None = None) -> ExpertFn:
 
         fn = dispatch.kernel_for(name, layout)
         if fn is not None and _checked(name, layout, fn):
-            return lambda x, arena, slots, idx: fn(x, arena, slots, idx, layout)
+
+            def run(x, arena, slots, idx):
+                return fn(x, arena, slots, idx, layout)
+
+            run.pairs = fn.pairs  # one token's pairs by their slots (LayerCompute.one_token)
+            return run
 
     def reference(x, arena, slots, idx):
         return switch_glu_reference(x, arena[slots], layout, idx)

@@ -49,7 +49,9 @@ class StrataModel:
         self.blocks = dict(module.moe_blocks() if blocks is None else blocks)
         for layer, block in self.blocks.items():
             block.switch_mlp.attach(expert_cache)
-            expert_cache.register_router(layer, lambda x, b=block: b.route(x)[0])
+            # A family's `route_ids` gives the ids without building the scores' graph.
+            ids = getattr(block, "route_ids", None)
+            expert_cache.register_router(layer, ids or (lambda x, b=block: b.route(x)[0]))
         for _, m in module.named_modules():
             if isinstance(m, SwitchGLU) and m.expert_cache is None:
                 raise RuntimeError(f"layer {m.layer}: MoE block not listed by moe_blocks()")

@@ -170,7 +170,10 @@ class ExpectedUse:
 
 
 def rank_by_tokens(ids: np.ndarray, min_tokens: int = 1) -> list[int]:
-    """Distinct experts in `ids` ([T, k] top-k ids), most tokens first, ties by id."""
+    """Distinct experts in `ids` ([T, k] top-k ids, or one token's as a list), most tokens
+    first, ties by id."""
+    if isinstance(ids, list):  # one token's (decode): each expert once, by id
+        return sorted(set(ids)) if min_tokens <= 1 else []
     ids = np.asarray(ids)
     if ids.ndim == 2 and ids.shape[0] == 1:  # one token (decode): each expert once, by id
         return sorted(set(ids[0].tolist())) if min_tokens <= 1 else []
@@ -195,6 +198,7 @@ class Predictor:
         self.manifest = manifest
         self.layers = list(manifest.moe_layers)
         self.profile = profile
+        self._profile_ranks: dict[int, list[int]] = {}
         self.num_experts = manifest.num_experts
         self.routers: dict = {}  # layer -> route(x) -> top-k ids
         self._targets: dict[int, list[int]] = {}
@@ -241,7 +245,7 @@ class Predictor:
     def predicts_in_decode(self) -> bool:
         return self.read_ahead.predicts and self.decode_miss_rate >= self.read_ahead.decode_min_miss
 
-    def rank(self, ids: np.ndarray) -> list[int]:
+    def rank(self, ids: np.ndarray | list[int]) -> list[int]:
         return rank_by_tokens(ids, self.read_ahead.min_tokens)
 
     def after_wait(self, layer: int, nxt: int | None, needed: int) -> tuple[int, list[int]] | None:
@@ -270,6 +274,12 @@ class Predictor:
         self.decode_layer_miss_rate += 0.02 * (missed - self.decode_layer_miss_rate)
 
     def profile_rank(self, layer: int) -> list[int]:
-        if self.profile is None:
-            return profile_rank(None, self.num_experts)
-        return profile_rank(self.profile[self.manifest.layer_position(layer)], self.num_experts)
+        """The profile's rank of `layer`'s experts, sorted once (a lexsort of every expert
+        per handshake otherwise: static's each layer, lookahead's last); callers slice it."""
+        ranked = self._profile_ranks.get(layer)
+        if ranked is None:
+            counts = (
+                None if self.profile is None else self.profile[self.manifest.layer_position(layer)]
+            )
+            ranked = self._profile_ranks[layer] = profile_rank(counts, self.num_experts)
+        return ranked

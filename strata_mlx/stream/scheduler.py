@@ -172,16 +172,16 @@ class Scheduler:
             else:
                 # The host row says which experts are resident (landed, not evicted since):
                 # those are hits, counted and pinned together; the rest is looked at alone.
-                slots = row[needed]
                 if len(needed) < 64:  # decode's few experts: numpy's calls cost more
                     resident, rest, pins = [], [], []
-                    for e, s in zip(needed, slots.tolist()):
-                        if s >= 0:
+                    for e in needed:
+                        if (s := row.item(e)) >= 0:
                             resident.append(e)
                             pins.append(s)
                         else:
                             rest.append(e)
                 else:  # a prefill layer's ~500: one mask, not a Python test per expert
+                    slots = row[needed]
                     hit, ids = slots >= 0, np.asarray(needed)
                     resident, rest = ids[hit].tolist(), ids[~hit].tolist()
                     pins = slots[hit].tolist()

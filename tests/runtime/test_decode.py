@@ -351,3 +351,54 @@ def test_the_decode_benchmark_reports_variants_against_the_first_without_mlx_lm(
     assert (
         capsys.readouterr().out.splitlines()[1] == "lookahead: median 48.00 ms/token, x1.60 mlx-lm"
     )
+
+
+def test_token_ids_are_one_token_s_ids_as_ints():
+    from strata_mlx.runtime.deferred import host_ids, token_ids
+
+    ids = np.array([[7, 2, 511, 0]], dtype=np.uint32)
+    for shape in ((4,), (1, 4), (1, 1, 4)):
+        a = mx.array(ids.reshape(shape))
+        assert token_ids(a) == [7, 2, 511, 0] == host_ids(a)[0].tolist()
+    assert token_ids(mx.array(np.concatenate([ids, ids]))) is None  # two tokens
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_next"])
+@pytest.mark.parametrize("quantize", [False, True])
+def test_one_token_fast_path_equals_the_general_path(store, family, quantize, monkeypatch):
+    """Decode's one-token handshake (its ids turned into ints once, the kernel called pair by
+    pair, lookahead's routers giving ids alone) gives the general path's logits and tokens,
+    with lookahead predicting in a small arena that evicts."""
+    from strata_mlx.runtime import experts
+
+    path = store(family, quantize)
+    ids = prompt_ids(24, seed=5)
+    out = {}
+    for fast in (True, False):
+        if not fast:  # every handshake through the numpy ids, by_expert and its local index
+            monkeypatch.setattr(experts, "token_ids", lambda a: None)
+        model, _ = strata_mlx.load(
+            path,
+            arena_gb=arena_for(path, 0.25),
+            decode="sync",
+            read_ahead="lookahead",
+            lookahead_decode_min_miss=0.0,
+        )
+        ec, calls = model.expert_cache, []
+
+        def one_token(*a, calls=calls, call=ec.compute.one_token):
+            calls.append(a)
+            return call(*a)
+
+        monkeypatch.setattr(ec.compute, "one_token", one_token)
+        out[fast] = (*decode(model, ids), ec.stats.lookups, len(calls))
+        for block in model.blocks.values():  # the routers' ids alone are route()'s ids
+            for n in (1, 5):
+                x = mx.random.normal((1, n, model.args.hidden_size), key=mx.random.key(n))
+                assert np.array_equal(block.route_ids(x), block.route(x)[0])
+        ec.close()
+    (tokens, lp, lookups, calls), (ref_tokens, ref_lp, ref_lookups, ref_calls) = out[1], out[0]
+    assert tokens == ref_tokens
+    assert np.array_equal(lp, ref_lp)
+    assert lookups == ref_lookups
+    assert calls > 0 and ref_calls == 0

@@ -618,6 +618,26 @@ def test_host_leading_dims_and_auto_tile():
 
 
 @needs_cxx
+@pytest.mark.parametrize("case", ["affine4-g64", "IQ2_XS+Q2_K-down", "mxfp4"])
+def test_host_one_token_pairs_equal_the_general_call(case):
+    """`pairs` (decode's handshake: one token's pairs by their slots) runs the same kernels on
+    the same inputs as the general call: equal outputs, bit for bit, also through the kernel
+    the runtime resolves."""
+    from strata_mlx.runtime import kernels
+
+    layout, recs = CASES[case](6, 256, 256, 2)
+    x, arena, slots, idx = make_problem(layout, recs, n_tokens=1, k=4, dtype=mx.float32, seed=3)
+    fn = dispatch.kernel_for("host", layout)
+    want = np.array(fn(x.reshape(1, 1, -1), arena, slots, idx.reshape(1, 1, -1), layout))
+    pair_slot = mx.array(np.array(slots)[np.array(idx)[0]])
+    got = np.array(fn.pairs(x.reshape(1, 1, -1), arena, pair_slot))
+    assert got.shape == want.shape == (1, 1, 4, 256)
+    np.testing.assert_array_equal(got, want)
+    run = kernels.expert_kernel(layout, "host")
+    np.testing.assert_array_equal(np.array(run.pairs(x, arena, pair_slot)), want[0])
+
+
+@needs_cxx
 def test_host_f16_helper_all_bit_patterns():
     code = (
         host.PRELUDE

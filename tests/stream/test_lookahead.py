@@ -256,11 +256,16 @@ def test_predicting_after_the_experts_changes_no_output(store, monkeypatch):
             seen.append("experts")
             return call(*a, **k)
 
+        def one_token(*a, seen=seen, call=ec.compute.one_token, **k):  # decode's
+            seen.append("experts")
+            return call(*a, **k)
+
         def predicted(*a, seen=seen, call=ec.sched.predicted, **k):
             seen.append("predicted")
             return call(*a, **k)
 
         monkeypatch.setattr(ec.compute, "by_expert", by_expert)
+        monkeypatch.setattr(ec.compute, "one_token", one_token)
         monkeypatch.setattr(ec.sched, "predicted", predicted)
         logits = teacher_forced_logits(model, ids, 8)
         tokens = [r.token for r in strata_mlx.stream_generate(model, None, ids[:6], max_tokens=8)]
@@ -271,3 +276,7 @@ def test_predicting_after_the_experts_changes_no_output(store, monkeypatch):
     assert order[False][:2] == ["predicted", "experts"]
     assert order[True][:2] == ["experts", "predicted"]
     assert order[True].count("predicted") == order[False].count("predicted") > 0
+    # decode's handshakes too: each prediction right before (after) its layer's kernel call
+    for after, seen in order.items():
+        at = [i for i, s in enumerate(seen) if s == "predicted"]
+        assert all(seen[i + (-1 if after else 1)] == "experts" for i in at)
