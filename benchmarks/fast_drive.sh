@@ -15,7 +15,9 @@ SHM=${SHM:-/dev/shm/strata-synth}  # the same store on tmpfs
 OLD=${OLD:-$PWD/.old}              # a tree of the code to compare against (git archive)
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$PWD"
-build() { [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q 2>&1 | tail -2; }
+# (this Python's own extension suffix: a tree copied from another machine may hold another's)
+built() { [ -f "strata_mlx/_reader$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" ]; }
+build() { built || python3 setup.py build_ext --inplace -q 2>&1 | tail -2; }
 bench() {  # NAME STORE POLICIES [extra bench args]: this code's bench, logged as NAME
   local name=$1 store=$2 pol=$3; shift 3
   timeout "${LIMIT:-560}" python3 -m strata_mlx bench --model "$store" -p 2048 -g "${G:-128}" \
@@ -67,7 +69,7 @@ disk)  # the machine's own disk: each policy with the CPU copy (:dc0, the code b
   G=${G:-32} bench "bench-disk" "$DISK" "${POL:-demand:dc0,demand:da0,demand,lookahead:dc0,lookahead:da0,lookahead}"
   ;;
 old-vs-new)  # `old-vs-new STORE ROUND`: the old tree's bench, then this code's, same store
-  build; (cd "$OLD" && [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q | tail -1)
+  build; (cd "$OLD" && build)
   (cd "$OLD" && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" timeout 280 python3 -m strata_mlx bench --model "$2" \
      -p 2048 -g "${G:-32}" --arena-gb 6.5 --prefill-step-size 1024 --policies demand,lookahead \
      --json "$OUT/old-bench-$3.json" 2>&1 | tee "$OUT/old-bench-$3.log" | grep -v "^ *[0-9]")
@@ -105,7 +107,7 @@ resident)  # every expert resident, beside mlx-lm's own model, interleaved (benc
   ;;
 alternate)  # tmpfs: the old tree's bench and this code's, alternating ROUNDS times (POL for
   # both, NEWPOL this code's extra variants, once), then decode's host time a layer of each
-  build; (cd "$OLD" && [ -f strata_mlx/_reader*.so ] || python3 setup.py build_ext --inplace -q | tail -1)
+  build; (cd "$OLD" && build)
   for r in $(seq "${ROUNDS:-2}"); do
     (cd "$OLD" && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" timeout 200 python3 -m strata_mlx bench --model "$SHM" \
        -p 2048 -g "${G:-32}" --arena-gb 6.5 --prefill-step-size 1024 --policies "${POL:-lookahead,demand}" \
