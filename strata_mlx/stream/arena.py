@@ -291,6 +291,17 @@ def device_address(a: mx.array) -> int:
     return int(out.item())
 
 
+def touch_all(policy, keys: list[Key]) -> None:
+    """`policy.touch` each of `keys`, in order (its `touch_all` where it has one)."""
+    batch = getattr(policy, "touch_all", None)
+    if batch is not None:
+        batch(keys)
+        return
+    touch = policy.touch
+    for key in keys:
+        touch(key)
+
+
 # allocate_many asks the policy for a batch's victims from this many keys: decode's few
 # misses and the loop's top-ups (~4 reads) cost less one `allocate` a key.
 BATCH_FROM = 16
@@ -373,15 +384,9 @@ class Arena:
         self.policy.touch(key)
 
     def touch_all(self, keys: list[Key]) -> None:
-        """Each of `keys` used, in this order (the policy's `touch_all` where it has one:
-        a prefill layer's hits are ~1000 touches, two calls each through `touch`)."""
-        batch = getattr(self.policy, "touch_all", None)
-        if batch is not None:
-            batch(keys)
-            return
-        touch = self.policy.touch
-        for key in keys:
-            touch(key)
+        """Each of `keys` used, in this order (a prefill layer's hits are ~1000 touches,
+        two calls each through `touch`)."""
+        touch_all(self.policy, keys)
 
     def set_layer(self, layer: int) -> None:
         """Tell the eviction policy which layer runs now (the layer-aware one uses it)."""

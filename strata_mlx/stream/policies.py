@@ -46,7 +46,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..config import OptionError
-from .arena import LRU, POLICIES, Key, ScoredPolicy, make_policy
+from .arena import LRU, POLICIES, Key, ScoredPolicy, make_policy, touch_all
 from .nextuse import NextUse, NextUseRecent
 
 
@@ -205,16 +205,6 @@ def sample_hash(key: Key) -> float:
     h = (h * 0xC4CEB9FE1A85EC53) & 0xFFFFFFFFFFFFFFFF
     h ^= h >> 33
     return h / 2.0**64
-
-
-def touch_all(policy, keys: list[Key]) -> None:
-    """`policy.touch` each of `keys`, in order (its `touch_all` where it has one)."""
-    batch = getattr(policy, "touch_all", None)
-    if batch is not None:
-        batch(keys)
-        return
-    for key in keys:
-        policy.touch(key)
 
 
 class Adaptive:
