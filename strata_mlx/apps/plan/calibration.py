@@ -12,7 +12,9 @@ is fitted as a + b * tokens from two chunks: one of 8 tokens, which pays the per
 that a long one spreads over its tokens (a per-token rate from a short chunk alone overstates a
 long chunk's cost), and one of the forecast's own size up to LONG_CAP tokens. The CPU's cost a
 token grows with the chunk: the built-in model's fake-stream chunk took 37, 26, 41, 53 and 63 ms
-a token at 8, 32, 64, 128 and 256 tokens (one run, load 3-4). Against bench at `-p 256
+a token at 8, 32, 64, 128 and 256 tokens (one run, load 3-4; each chunk the whole prompt: most
+of that growth is the attention over earlier positions, which a line through chunks at the
+prompt's start cannot see past LONG_CAP: docs/benchmarks.md). Against bench at `-p 256
 --prefill-step-size 256`, three rounds each calibrating afresh, bench's prefill over the forecast
 was 0.69-1.61 with a line through 8 and 32 tokens (the two short chunks' noise sets the slope)
 and 0.70-0.91 through 8 and 128. LONG_CAP keeps a calibrating plan near 8 s on that model
