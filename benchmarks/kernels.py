@@ -119,6 +119,31 @@ def gather_qmm_swiglu(x, resident, ids, bits: int, group_size: int):
     return y.squeeze(-2)
 
 
+def gathered_prefill(x, arena, slots, idx, layout, base, iters, notes, label) -> None:
+    """The prefill through mx.gather_qmm on records gathered from the slots, as ms and x
+    gather_qmm on stacked weights, into `notes`: each component gathered on its own
+    (arena[slots, a:b]), the whole records taken then viewed (the reference path), and the
+    component gathers alone."""
+    from strata_mlx.format.quant import mx_dtype, switch_glu_reference
+
+    def components():
+        return {
+            c.name: arena[slots, c.offset : c.offset + c.nbytes].view(mx_dtype(c.dtype))
+            for c in layout.components
+        }
+
+    variants = {
+        "records taken (the reference path)": lambda: switch_glu_reference(
+            x, mx.take(arena, slots, axis=0), layout, idx
+        ),
+        "the component gathers alone": lambda: list(components().values()),
+    }
+    for name, fn in variants.items():
+        ms = _timeit(fn, iters)
+        vs = f", x{ms / base:.2f} gather_qmm" if base else ""
+        notes.append(f"{label} prefill, {name}: {ms:.3f} ms{vs}")
+
+
 def routing(n_tokens: int, rng):
     ids = np.stack([rng.choice(N_EXPERTS, TOP_K, replace=False) for _ in range(n_tokens)])
     needed = np.unique(ids)
@@ -196,6 +221,8 @@ def main() -> int:
                 if base_bits in affine:
                     res = affine[base_bits][2]
                     base = _timeit(lambda: gather_qmm_swiglu(x, res, ids, base_bits, gs), iters)  # noqa: B023
+                if shape == "prefill" and fmt != "IQ2_XS":
+                    gathered_prefill(x, arena, slots, idx, layout, base, iters, notes, label)
                 ratio = f"{ours / base:.2f}" if base else "-"
                 base_s = f"{base:.3f} ({base_bits}-bit)" if base else "-"
                 rows.append(
