@@ -818,3 +818,83 @@ def test_decode_runs_the_prompts_last_token_first_untimed(monkeypatch):
     assert d["s_per_token"] == pytest.approx(0.030 + 48 * 1e-4)
     d = plan.decode_forecast(shape, _machine(ssd=1e9), c, p, 4, 64, 6, 64)
     assert asked[-1] == 7 and sum(d["modes"].values()) == 6 and d["misses_per_token"] == 0.0
+
+
+def test_the_cpu_line_takes_the_attentions_growth_from_a_chunk_after_a_prefix(monkeypatch):
+    """A chunk's time a + b * n + c * n * (start + n): chunks of 8 and L tokens at the
+    prompt's start and one of POSITION_TOKENS after PREFIX_TOKENS give back a, b and c."""
+    from types import SimpleNamespace
+
+    from strata_mlx.apps import bench as bench_mod
+    from strata_mlx.apps.plan import calibration as cal
+
+    a, b, c = 0.05, 0.02, 1.8e-5
+
+    def t(n, start=0):
+        return a + b * n + c * n * (start + n)
+
+    def run_policy(model, ids, gen, step, policy, phase, layers=None):
+        n = len(ids) - 1  # the last prompt token runs outside the chunks
+        chunks = [SimpleNamespace(tokens=n, wall_s=t(n))]
+        return SimpleNamespace(chunks=chunks, decode_s=0.1 * gen)
+
+    monkeypatch.setattr(bench_mod, "run_policy", run_policy)
+    monkeypatch.setattr(cal, "_time_after_prefix", lambda m, ids, prefix, n: t(n, prefix))
+    p = cal.calibration_plan("cpu", 2048, 2048)
+    assert p.prefix == cal.PREFIX_TOKENS and p.key.endswith(f"-at{cal.PREFIX_TOKENS}")
+    fixed, slope, position, token_s = cal._time_prefill(None, list(range(200)), p, print)
+    assert (fixed, slope, position) == pytest.approx((a, b, c), rel=1e-6)
+    assert token_s == pytest.approx(0.1)
+    # without the third chunk the attention is left in the line, as before
+    two = cal.CalibrationPlan("slope", p.chunk_tokens)
+    assert cal._time_prefill(None, list(range(200)), two, print)[2] == 0.0
+
+
+def test_prefill_and_decode_forecasts_grow_with_the_position():
+    """With a per-position cost the forecast sums each chunk's a + b * n + c * n * (start + n)
+    (one chunk of 2048 costs more than sixteen of 128 over the same prompt, as measured on the
+    CPU), and a decode token pays c for each position past the one decode was timed at."""
+    shape = _shape()
+    b, c = 0.02, 1.8e-5
+    compute = plan.Compute(b, 0.1, position_s=c, decode_at=128)
+    fast = _machine(ssd=1e9)
+    f = {
+        s: plan.forecast(shape, fast, compute, "t", prefill_step_size=s, prompt_tokens=2048)
+        for s in (128, 2048)
+    }
+    one = 2048 * (b + c * 2048)
+    sixteen = sum(128 * (b + c * (128 * i + 128)) for i in range(16))
+    assert 2048 / f[2048].prefill_tps == pytest.approx(one)
+    assert 2048 / f[128].prefill_tps == pytest.approx(sixteen)
+    assert f[2048].compute_floor_s == pytest.approx(one)
+    assert compute.decode_position_s(100) == 0.0
+    assert compute.decode_position_s(2048) == pytest.approx(c * 1920)
+    p = plan.pick_probabilities(shape)
+    flat = plan.Compute(b, 0.1)
+    near, far = (
+        plan.decode_forecast(shape, fast, co, p, shape.n_records, 2048, 8, 2048)
+        for co in (flat, compute)
+    )
+    assert far["compute_s"] - near["compute_s"] == pytest.approx(c * (2048 + 4.5 - 128))
+
+
+def test_a_chunk_after_a_prefix_runs_at_that_position(store, monkeypatch):
+    """The third calibration chunk: the KV caches hold the prefix (one real position, the
+    rest filled without computing them) and the chunk lands after it."""
+    from strata_mlx.apps.plan import calibration as cal
+    from strata_mlx.generation import prompt_cache
+    from strata_mlx.runtime.loader import RuntimeConfig, load
+
+    made = []
+    make = prompt_cache.make_prompt_cache
+    monkeypatch.setattr(
+        prompt_cache, "make_prompt_cache", lambda m: made.append(make(m)) or made[-1]
+    )
+    cfg = RuntimeConfig(arena_gb=0.01, read_ahead="demand", fake_stream=True)
+    model, _ = load(store("qwen3_moe"), config=cfg)
+    try:
+        assert cal._time_after_prefix(model, list(range(1, 40)), 64, 8) > 0
+    finally:
+        model.expert_cache.close()
+    kv = [c for c in made[0] if getattr(c, "keys", None) is not None]
+    assert kv and all(c.offset == 64 + 8 + 1 for c in kv)  # the prefix, the chunk, its last token

@@ -169,7 +169,8 @@ def _calibrated(
     cal = calibration.cached(shape, plan_)
     if cal is None:
         fake_arena = min(arena_gb or shape.expert_bytes / 4 / GB, 1.0)
-        steps = 3 + len(plan_.chunk_tokens) + len(MEASURE_MODES)  # load, compile, real decode
+        # load, compile, each chunk, each decode mode, real decode
+        steps = 3 + len(plan_.chunk_tokens) + bool(plan_.prefix) + len(MEASURE_MODES)
         with _steps("calibrating this machine (once per model shape)", steps) as say:
             cal = calibration.calibrate(Path(shape.path), fake_arena, say, plan_)
         calibration.store(shape, plan_, cal)
@@ -179,7 +180,14 @@ def _calibrated(
     timed = (
         f"one chunk of {plan_.chunk_tokens[0]} tokens timed"
         if plan_.kind == "chunk"
-        else "a line through chunks of " + " and ".join(map(str, plan_.chunk_tokens)) + " tokens"
+        else "a line through chunks of "
+        + " and ".join(map(str, plan_.chunk_tokens))
+        + " tokens"
+        + (
+            f", and {calibration.POSITION_TOKENS} after {plan_.prefix} for the attention's growth"
+            if plan_.prefix
+            else ""
+        )
     )
     note = (
         f"compute from this machine's calibration ({timed}; {calibration.cache_file()}); "

@@ -7,18 +7,20 @@ plan --measure's) and its cache file under the per-user cache directory
 model shape (the same shape computes alike whatever its weights). Never measures when a
 cached entry matches, and never writes the cache file except whole (temp path then rename).
 
-What prefill is timed on depends on the backend (calibration_plan). On the CPU a chunk's time
-is fitted as a + b * tokens from two chunks: one of 8 tokens, which pays the per-layer dispatch
-that a long one spreads over its tokens (a per-token rate from a short chunk alone overstates a
-long chunk's cost), and one of the forecast's own size up to LONG_CAP tokens. The CPU's cost a
-token grows with the chunk: the built-in model's fake-stream chunk took 37, 26, 41, 53 and 63 ms
-a token at 8, 32, 64, 128 and 256 tokens (one run, load 3-4; each chunk the whole prompt: most
-of that growth is the attention over earlier positions, which a line through chunks at the
-prompt's start cannot see past LONG_CAP: docs/benchmarks.md). Against bench at `-p 256
---prefill-step-size 256`, three rounds each calibrating afresh, bench's prefill over the forecast
-was 0.69-1.61 with a line through 8 and 32 tokens (the two short chunks' noise sets the slope)
-and 0.70-0.91 through 8 and 128. LONG_CAP keeps a calibrating plan near 8 s on that model
-(a cap of 256 took it to 14-30 s under load 4-6).
+What prefill is timed on depends on the backend (calibration_plan). On the CPU a chunk of n
+tokens from position p is fitted as a + b * n + c * n * (p + n) through three chunks: one of 8
+tokens, which pays the per-layer dispatch that a long one spreads over its tokens; one of the
+forecast's own size up to LONG_CAP tokens; and one of POSITION_TOKENS after PREFIX_TOKENS
+positions whose KV cache is filled with random keys and values rather than computed (the
+attention costs the same whatever they hold), which gives c: the attention over every position
+before a token and over its whole chunk (the causal half would be n * (p + n / 2): the
+measured times follow n * (p + n), as an attention that computes the square and then masks
+it would). The built-in model's fake-stream prefill took 22 ms a token in a 128-token
+chunk at the prompt's start, 57 in one after 1920 positions, and 57 in a single chunk of 2048:
+a line through chunks at the start alone forecast that chunk at 0.35 of its speed
+(docs/benchmarks.md). Decode pays c for each position past the one its time was measured at.
+LONG_CAP keeps a calibrating plan near 8 s on that model (a cap of 256 took it to 14-30 s
+under load 4-6).
 
 On a GPU a chunk's time is the weight traffic of the distinct experts it touches, which stops
 growing once a chunk touches most of them: a line through two short chunks overstated a
@@ -42,10 +44,12 @@ import numpy as np
 from .machine import Compute, measure_real
 from .shapes import ModelShape
 
-CALIBRATION_VERSION = 3  # bump when the measurement changes: older entries are measured again
+CALIBRATION_VERSION = 4  # bump when the measurement changes: older entries are measured again
 # the CPU's per-chunk time is fitted on a chunk of SHORT_TOKENS and one of the forecast's chunk
-# (at least LONG_TOKENS, at most LONG_CAP)
+# (at least LONG_TOKENS, at most LONG_CAP) at the prompt's start, and one of POSITION_TOKENS
+# after a prefix of PREFIX_TOKENS whose KV cache is filled without computing it
 SHORT_TOKENS, LONG_TOKENS, LONG_CAP = 8, 32, 128
+POSITION_TOKENS, PREFIX_TOKENS = 32, 1024
 DECODE_TOKENS = 4
 RECALL_TOKENS = 16
 
@@ -62,12 +66,14 @@ class CalibrationPlan:
     kind: str
     chunk_tokens: tuple[int, ...]
     sync_per_layer: bool = False
+    prefix: int = 0  # "slope": a chunk of POSITION_TOKENS after this many positions (0: none)
 
     @property
     def key(self) -> str:
         """What was calibrated, as the cache keys it."""
         sync = "-sync" if self.sync_per_layer else ""
-        return f"{self.kind}-{'-'.join(map(str, self.chunk_tokens))}{sync}"
+        at = f"-at{self.prefix}" if self.prefix else ""
+        return f"{self.kind}-{'-'.join(map(str, self.chunk_tokens))}{at}{sync}"
 
 
 def backend() -> str:
@@ -83,7 +89,9 @@ def calibration_plan(backend: str, step: int, prompt_tokens: int) -> Calibration
     chunks of `step` tokens of a `prompt_tokens` prompt (module docstring: why they differ)."""
     if backend == "gpu":
         return CalibrationPlan("chunk", (max(1, min(step, prompt_tokens)),), True)
-    return CalibrationPlan("slope", (SHORT_TOKENS, long_chunk(step, prompt_tokens)))
+    return CalibrationPlan(
+        "slope", (SHORT_TOKENS, long_chunk(step, prompt_tokens)), prefix=PREFIX_TOKENS
+    )
 
 
 def long_chunk(step: int, prompt_tokens: int) -> int:
@@ -110,6 +118,8 @@ class Calibration:
     measured_at: float = 0.0
     calibrated: str = ""  # CalibrationPlan.key: what prefill was timed on
     sync_beyond_s: float = 0.0  # per decode layer: the real route sync beyond the compute
+    position_s: float = 0.0  # per chunk token per position it attends over (Compute's)
+    decode_at: int = 0  # the position decode_s was timed at
 
     def compute(self, step: int) -> Compute:
         """The forecast's Compute for prefill chunks of `step` tokens."""
@@ -124,6 +134,8 @@ class Calibration:
             recall_union=dict(self.recall_union),
             absent_s=self.absent_s,
             sync_beyond_s=self.sync_beyond_s,
+            position_s=self.position_s,
+            decode_at=self.decode_at,
         )
 
     @classmethod
@@ -223,7 +235,7 @@ def calibrate(
     )
     model, _ = load(path, config=cfg)
     try:
-        fixed, per_token, token_s = _time_prefill(model, ids, plan, say)
+        fixed, per_token, position, token_s = _time_prefill(model, ids, plan, say)
         per_mode = _time_decode_modes(model, ids, longest, say)
     finally:
         model.expert_cache.close()
@@ -245,15 +257,19 @@ def calibrate(
         time.time(),
         calibrated=plan.key,
         sync_beyond_s=beyond,
+        position_s=position,
+        decode_at=longest if position else 0,
     )
 
 
 def _time_prefill(
     model, ids: list[int], plan: CalibrationPlan, say: Callable[[str], None]
-) -> tuple[float, float, float]:
-    """(a chunk's fixed s, s per token, s per decode token in "token" mode) from fake-stream
-    prefill as `plan` says: a line through two chunks, or one chunk of the forecast's
-    size after a warm-up of the same size (its kernels built for that shape)."""
+) -> tuple[float, float, float, float]:
+    """(a chunk's fixed s, s per token, s per token and position, s per decode token in
+    "token" mode) from fake-stream prefill as `plan` says: a chunk's time a + b * tokens +
+    c * tokens * (start + tokens) through two chunks at the prompt's start and one after
+    `plan.prefix` positions (c 0 without one), or one chunk of the forecast's size after a
+    warm-up of the same size (its kernels built for that shape)."""
     from ..bench import run_policy
 
     step = max(plan.chunk_tokens)
@@ -264,7 +280,8 @@ def _time_prefill(
         say(f"prefill {step} tokens, decode {DECODE_TOKENS}")
         run = run_policy(model, ids[: step + 1], DECODE_TOKENS, step, "chunk", "-")
         tokens = sum(c.tokens for c in run.chunks)
-        return 0.0, sum(c.wall_s for c in run.chunks) / max(tokens, 1), run.decode_s / DECODE_TOKENS
+        per_token = sum(c.wall_s for c in run.chunks) / max(tokens, 1)
+        return 0.0, per_token, 0.0, run.decode_s / DECODE_TOKENS
     n_short, n_long = min(plan.chunk_tokens), max(plan.chunk_tokens)
     say(f"prefill {n_short} tokens")
     short = run_policy(model, ids[: n_short + 1], 1, step, "short", "-")
@@ -274,11 +291,65 @@ def _time_prefill(
     t_short = sum(c.wall_s for c in short.chunks)
     t_long = sum(c.wall_s for c in long.chunks)
     n_long = max(n_long, n_short + 1)
+    position = 0.0
+    if plan.prefix:
+        say(f"prefill {POSITION_TOKENS} tokens after {plan.prefix}")
+        t_at = _time_after_prefix(model, ids, plan.prefix, POSITION_TOKENS)
+        # a + b * n + c * n * (start + n) through the three chunks (exact: three unknowns)
+        rows = ((n_short, 0), (n_long, 0), (POSITION_TOKENS, plan.prefix))
+        terms = np.array([[1.0, n, n * (start + n)] for n, start in rows])
+        fit = np.linalg.solve(terms, np.array([t_short, t_long, t_at]))
+        position = max(float(fit[2]), 0.0)
+    # the line through the chunks at the start, once their attention is taken out
+    t_short -= position * n_short * n_short
+    t_long -= position * n_long * n_long
     slope = max((t_long - t_short) / (n_long - n_short), 0.0)
     if slope == 0.0:
         slope = t_long / n_long
     fixed = max(t_long - slope * n_long, 0.0)
-    return fixed, slope, long.decode_s / DECODE_TOKENS
+    return fixed, slope, position, long.decode_s / DECODE_TOKENS
+
+
+def _time_after_prefix(model, ids: list[int], prefix: int, tokens: int) -> float:
+    """Wall s of a fake-stream prefill chunk of `tokens` tokens at position `prefix`: the
+    cache holds one real position and `prefix` - 1 random keys and values (attention costs
+    the same whatever they hold; recurrent state does not grow), so the prefix costs no
+    compute."""
+    import mlx.core as mx
+
+    from ...generation.generate import generate_step
+    from ...generation.prompt_cache import make_prompt_cache
+    from ...generation.sampling import make_sampler
+
+    cache = make_prompt_cache(model)
+    first = generate_step(model, mx.array(ids[:1]), 1, make_sampler(0.0), 1, prompt_cache=cache)
+    for _ in first:
+        pass
+    for c in cache:
+        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+        if keys is None or values is None or not hasattr(c, "update_and_fetch"):
+            continue
+        rng = np.random.default_rng(1)
+        fill = [
+            mx.array(rng.standard_normal((*a.shape[:-2], prefix - 1, a.shape[-1]))).astype(a.dtype)
+            for a in (keys, values)
+        ]
+        c.update_and_fetch(*fill)
+    chunks = []
+    prompt = [ids[i % len(ids)] for i in range(1, tokens + 2)]
+    steps = generate_step(
+        model,
+        mx.array(prompt),
+        1,
+        make_sampler(0.0),
+        tokens,
+        on_chunk=chunks.append,
+        prompt_cache=cache,
+        cached_tokens=[ids[0]] * prefix,
+    )
+    next(steps)
+    steps.close()
+    return sum(c.wall_s for c in chunks)
 
 
 def _time_decode_modes(

@@ -41,7 +41,7 @@ class Forecast:
     distinct_per_chunk: float = 0.0  # experts a full chunk needs, all layers
     gb_read_per_chunk: float = 0.0  # mean over the cold prompt's chunks
     ssd_floor_s: float = 0.0  # mean per chunk: the read floor, at ssd_gbps
-    compute_floor_s: float = 0.0  # per full chunk
+    compute_floor_s: float = 0.0  # a chunk's compute, the mean over the prompt's chunks
     compute_source: str = ""  # fake-stream | estimate
     prefill_tps: float = 0.0
     decode_hit_rate: float = 0.0  # resident when asked (LRU)
@@ -177,7 +177,8 @@ def decode_forecast(
         )
         ahead, missed = shares(mode, absent) if predicting else (0.0, absent)
         layer_missed = 1 - (1 - missed) ** k  # a layer with at least one miss
-        base = compute.mode_s(mode)
+        at = compute.decode_position_s(prompt_tokens + t)  # its attention over the context
+        base = compute.mode_s(mode) + at
         # the sync handshake's Python and its route sync beyond the compute, on every synced
         # layer whether it missed or not; the deferred path's are in fake-stream's own time
         synced_layer_s = compute.handshake_s + compute.sync_beyond_s
@@ -190,7 +191,7 @@ def decode_forecast(
             cost += L * read_s(k * missed)
             cost += L * max(read_s(k * ahead) - distance[mode] * base / L, 0.0)
         if mode == "layers":  # a layer that missed is drained and recomputed synced
-            cost += L * layer_missed * (compute.mode_s("sync") / L + synced_layer_s)
+            cost += L * layer_missed * ((compute.mode_s("sync") + at) / L + synced_layer_s)
             synced += L * layer_missed * synced_layer_s
         for _ in range(L):
             layer_rate += 0.02 * (layer_missed - layer_rate)
@@ -232,18 +233,20 @@ def _prefill_forecast(
     prompt_tokens = f.prompt_tokens
     rb = shape.record_bytes
     chunks = prefill_reads(p, slots, prompt_tokens, step)
-    per_token = compute.prefill_s
-    total_s, bytes_read, ssd_s = 0.0, 0.0, 0.0
+    total_s, bytes_read, ssd_s, compute_s, start = 0.0, 0.0, 0.0, 0.0, 0
     for tokens, reads in chunks:
         ssd = reads * rb / (machine.ssd_gbps * 1e9)
-        total_s += max(ssd, per_token * tokens)
+        chunk_s = compute.chunk_s(tokens, start)
+        total_s += max(ssd, chunk_s)
         bytes_read += reads * rb
         ssd_s += ssd
+        compute_s += chunk_s
+        start += tokens
     n = len(chunks)
     f.distinct_per_chunk = float(np.sum(-np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * step)))
     f.gb_read_per_chunk = bytes_read / n / 1e9
     f.ssd_floor_s = ssd_s / n
-    f.compute_floor_s = per_token * min(step, prompt_tokens)
+    f.compute_floor_s = compute_s / n
     f.prefill_tps = prompt_tokens / total_s if total_s else 0.0
     layer_width = max(f.distinct_per_chunk / max(shape.moe_layers, 1), 1)
     if layer_width > slots:

@@ -69,6 +69,20 @@ class Compute:
     # or not it missed, so it does not shrink with the share of lookups absent as absent_s
     # does (measure_real against fake-stream's sync-mode token); a GPU's only
     sync_beyond_s: float = 0.0
+    # per token per position its attention covers (a chunk's tokens each cover the chunk's
+    # start plus its length: the CPU's attention computes the whole square, then masks it), and
+    # the position decode_s was timed at: both 0 where the calibration timed none (a GPU's
+    # chunk, whose time the expert weights set, and estimates)
+    position_s: float = 0.0
+    decode_at: int = 0
+
+    def chunk_s(self, tokens: int, start: int) -> float:
+        """A prefill chunk's compute: `tokens` tokens from position `start`."""
+        return tokens * (self.prefill_s + self.position_s * (start + tokens))
+
+    def decode_position_s(self, position: int) -> float:
+        """What a decode token at `position` adds to decode_s (its attention past decode_at)."""
+        return self.position_s * max(position - self.decode_at, 0)
 
     @classmethod
     def of(cls, c: Compute | tuple[float, float]) -> Compute:
