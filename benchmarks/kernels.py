@@ -223,6 +223,8 @@ def main() -> int:
                     base = _timeit(lambda: gather_qmm_swiglu(x, res, ids, base_bits, gs), iters)  # noqa: B023
                 if shape == "prefill" and fmt != "IQ2_XS":
                     gathered_prefill(x, arena, slots, idx, layout, base, iters, notes, label)
+                    deq = lambda: list(fn.dequantize(arena, slots, x.dtype).values())  # noqa: B023, E731
+                    notes.append(f"{label} prefill, the kernel's dequantize alone: {_timeit(deq, iters):.3f} ms")  # fmt: skip
                 ratio = f"{ours / base:.2f}" if base else "-"
                 base_s = f"{base:.3f} ({base_bits}-bit)" if base else "-"
                 rows.append(
