@@ -898,3 +898,27 @@ def test_a_chunk_after_a_prefix_runs_at_that_position(store, monkeypatch):
         model.expert_cache.close()
     kv = [c for c in made[0] if getattr(c, "keys", None) is not None]
     assert kv and all(c.offset == 64 + 8 + 1 for c in kv)  # the prefix, the chunk, its last token
+
+
+def test_a_layer_that_missed_costs_lag_plus_one_layers_again(monkeypatch):
+    """ "layers" mode: a layer that missed is recomputed synced and the `lag` layers built on
+    its wrong output are discarded (ExpertCache's recomputed_layers counts both): a forecast's
+    extra compute over the whole-token time scales with lag + 1."""
+    from dataclasses import replace
+
+    from strata_mlx.runtime import loader
+
+    shape = _shape()
+    p = plan.pick_probabilities(shape)
+    x = 0.01  # every mode's compute a token; reads, handshake and syncs cost nothing
+    c = plan.Compute(x, x, x, x, recall={d: 0.0 for d in range(1, 6)}, absent_s=0.0)
+    base = loader.RuntimeConfig
+    extra = {}
+    for lag in (1, 3):
+        monkeypatch.setattr(
+            loader, "RuntimeConfig", lambda lag=lag: replace(base(), decode_lag=lag)
+        )
+        d = plan.decode_forecast(shape, _machine(ssd=1e9), c, p, 16, 64, 64, 64)
+        assert d["modes"].get("layers", 0) > 0
+        extra[lag] = d["s_per_token"] - x
+    assert extra[1] > 0 and extra[3] == pytest.approx(2 * extra[1])

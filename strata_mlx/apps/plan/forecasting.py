@@ -190,8 +190,11 @@ def decode_forecast(
             # streamed-ahead reads are hidden behind the layers between prediction and use
             cost += L * read_s(k * missed)
             cost += L * max(read_s(k * ahead) - distance[mode] * base / L, 0.0)
-        if mode == "layers":  # a layer that missed is drained and recomputed synced
-            cost += L * layer_missed * ((compute.mode_s("sync") + at) / L + synced_layer_s)
+        if mode == "layers":
+            # a layer that missed is drained and recomputed synced, and the `lag` layers built
+            # after it on its wrong output are discarded and built again
+            redo = (cfg.decode_lag + 1) * (compute.mode_s("sync") + at) / L
+            cost += L * layer_missed * (redo + synced_layer_s)
             synced += L * layer_missed * synced_layer_s
         for _ in range(L):
             layer_rate += 0.02 * (layer_missed - layer_rate)
