@@ -51,6 +51,33 @@ def token_ids(a: mx.array) -> list[int] | None:
     return ids
 
 
+def joint_ids(inds: mx.array, preds: list[mx.array]) -> mx.array | None:
+    """Decode's one token: its routing ids and each lookahead router's predicted ids as one
+    flat array, evaluated in their place and brought to the host with one `tolist`
+    (`split_ids`): on CUDA each read of an evaluated array costs a few tens of us, three a
+    layer at lookahead depth 2. None where there is nothing to join (no prediction), for
+    more than one token, or for ids of another dtype."""
+    if not preds or inds.size != inds.shape[-1]:
+        return None
+    if any(p.size != p.shape[-1] or p.dtype != inds.dtype for p in preds):
+        return None
+    return mx.concatenate([inds.reshape(-1), *(p.reshape(-1) for p in preds)])
+
+
+def split_ids(
+    joint: mx.array, inds: mx.array, preds: list[mx.array]
+) -> tuple[list[int], list[list[int]]]:
+    """`joint_ids`' array, evaluated, back as (the token's ids, each router's ids) in ints."""
+    flat = joint.tolist()
+    k = inds.shape[-1]
+    out = []
+    for p in preds:
+        n = p.shape[-1]
+        out.append(flat[k : k + n])
+        k += n
+    return flat[: inds.shape[-1]], out
+
+
 def host_ids(a: mx.array) -> np.ndarray:
     """The ids of `a` [..., k] on the host, [T, k]."""
     return np.array(a).reshape(-1, a.shape[-1])
