@@ -5,10 +5,11 @@
 One token's top-10 ids of `depth + 1` routers (512 experts, hidden 128, as lookahead's at
 depth 2: the layer's ids and each predicted layer's), evaluated, then brought to the host a
 `tolist` per array (`deferred.token_ids`) or joined on the device and read once
-(`deferred.joint_ids` / `split_ids`). Prints the calling thread's CPU time outside the eval
-(the join's graph building counted), in microseconds a layer: the median over `rounds` of each
-round's median over `calls`, the two ways alternating. On a GPU a read of an evaluated array
-waits for its transfer: there the thread time is near the wall time, and `--wall` says.
+(`deferred.joint_ids` / `split_ids`, which the runtime uses on CUDA alone). Prints the calling
+thread's CPU time outside the eval (the join's graph building counted), in microseconds a
+layer: the median over `rounds` of each round's median over `calls`, the two ways alternating.
+On a GPU a read of an evaluated array waits for its transfer, which thread time may not count:
+`--wall` times the wall clock instead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 
 import mlx.core as mx
 
+from strata_mlx.runtime import deferred
 from strata_mlx.runtime.deferred import joint_ids, split_ids, token_ids
 
 HIDDEN, EXPERTS, K = 128, 512, 10
@@ -37,6 +39,7 @@ def main() -> None:
     ap.add_argument("--wall", action="store_true", help="wall time instead of thread time")
     a = ap.parse_args()
     clock = time.perf_counter_ns if a.wall else time.thread_time_ns
+    deferred.JOIN_IDS = True  # the join measured wherever this runs (its default: CUDA only)
     ws = [mx.random.normal((EXPERTS, HIDDEN)) for _ in range(a.depth + 1)]
     mx.eval(ws)
 

@@ -406,8 +406,10 @@ def test_one_token_fast_path_equals_the_general_path(store, family, quantize, mo
     assert calls > 0 and ref_calls == 0
 
 
-def test_joint_ids_are_each_array_s_ids():
+def test_joint_ids_are_each_array_s_ids(monkeypatch):
     from strata_mlx.runtime.deferred import joint_ids, split_ids, token_ids
+
+    monkeypatch.setattr(deferred, "JOIN_IDS", True)  # (on where reads are transfers: CUDA)
 
     inds = mx.array(np.array([[[7, 2, 511, 0]]], dtype=np.uint32))
     preds = [mx.array(np.array([[[3, 9, 1, 4]]], dtype=np.uint32)), mx.array([[5, 6, 8, 2]])]
@@ -417,6 +419,8 @@ def test_joint_ids_are_each_array_s_ids():
     assert joint_ids(inds, []) is None  # nothing to join
     assert joint_ids(mx.concatenate([inds, inds], axis=1), preds) is None  # two tokens
     assert joint_ids(inds, [preds[0].astype(mx.int32)]) is None  # another dtype
+    monkeypatch.setattr(deferred, "JOIN_IDS", False)  # the CPU's and Metal's default
+    assert joint_ids(inds, preds) is None
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
@@ -430,6 +434,7 @@ def test_one_read_of_the_ids_equals_a_read_per_array(store, family, monkeypatch)
 
     path = store(family, True)
     ids = prompt_ids(24, seed=7)
+    monkeypatch.setattr(deferred, "JOIN_IDS", True)  # (on where reads are transfers: CUDA)
     out, submit = {}, Scheduler.predicted
     for joint in (True, False):
         joined, predicted = [], []
