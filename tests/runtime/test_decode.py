@@ -423,8 +423,9 @@ def test_joint_ids_are_each_array_s_ids(monkeypatch):
     assert joint_ids(inds, preds) is None
 
 
+@pytest.mark.parametrize("after_experts", [False, True])
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
-def test_one_read_of_the_ids_equals_a_read_per_array(store, family, monkeypatch):
+def test_one_read_of_the_ids_equals_a_read_per_array(store, family, after_experts, monkeypatch):
     """Decode's ids and lookahead's predicted ids read back in one transfer give what a read
     per array gives: logits, tokens, lookups, misses and every read-ahead submitted (the
     loop-less scheduler with completions seen only where waited for, so that what is read
@@ -460,6 +461,7 @@ def test_one_read_of_the_ids_equals_a_read_per_array(store, family, monkeypatch)
             scheduler="sync",
             read_ahead="lookahead",
             lookahead_decode_min_miss=0.0,
+            lookahead_after_experts=after_experts,
         )
         ec = model.expert_cache
         ec.reader = HoldingReader(ec.reader)  # completions seen only where waited for
