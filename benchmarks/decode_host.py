@@ -160,12 +160,13 @@ class SyncTime:
 def general_path():
     """Within: every handshake takes the general path (a single token's ids are not told
     apart), as before the one-token path existed."""
-    kept = experts.token_ids
+    kept = experts.token_ids, experts.joint_ids
     experts.token_ids = lambda ids: None
+    experts.joint_ids = lambda inds, preds: None
     try:
         yield
     finally:
-        experts.token_ids = kept
+        experts.token_ids, experts.joint_ids = kept
 
 
 def load(store: str, a, policy: str):

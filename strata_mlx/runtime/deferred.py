@@ -51,6 +51,40 @@ def token_ids(a: mx.array) -> list[int] | None:
     return ids
 
 
+# Where reading an evaluated array back is a transfer of its own (CUDA's managed memory: a
+# few tens of us a read), decode's ids are joined on the device and read once; MLX's CPU (and
+# Metal's unified memory) read them in place, ~1 us, less than the join's graph costs
+# (benchmarks/joint_ids.py).
+JOIN_IDS = mx.cuda.is_available()
+
+
+def joint_ids(inds: mx.array, preds: list[mx.array]) -> mx.array | None:
+    """Decode's one token: its routing ids and each lookahead router's predicted ids as one
+    flat array, evaluated in their place and brought to the host with one `tolist`
+    (`split_ids`): three reads a layer at lookahead depth 2 become one. None without
+    JOIN_IDS, where there is nothing to join (no prediction), for more than one token, or
+    for ids of another dtype."""
+    if not JOIN_IDS or not preds or inds.size != inds.shape[-1]:
+        return None
+    if any(p.size != p.shape[-1] or p.dtype != inds.dtype for p in preds):
+        return None
+    return mx.concatenate([inds.reshape(-1), *(p.reshape(-1) for p in preds)])
+
+
+def split_ids(
+    joint: mx.array, inds: mx.array, preds: list[mx.array]
+) -> tuple[list[int], list[list[int]]]:
+    """`joint_ids`' array, evaluated, back as (the token's ids, each router's ids) in ints."""
+    flat = joint.tolist()
+    k = inds.shape[-1]
+    out = []
+    for p in preds:
+        n = p.shape[-1]
+        out.append(flat[k : k + n])
+        k += n
+    return flat[: inds.shape[-1]], out
+
+
 def host_ids(a: mx.array) -> np.ndarray:
     """The ids of `a` [..., k] on the host, [T, k]."""
     return np.array(a).reshape(-1, a.shape[-1])

@@ -46,7 +46,15 @@ from ..stream.prediction import Predictor, ReadAhead
 from ..stream.scheduler import CLOSED, ExpertReadError, make_scheduler
 from ..stream.stats import ExpertStats, RoutingTrace
 from .compute import LayerCompute
-from .deferred import Deferred, DeferredHandshake, distinct, host_ids, token_ids
+from .deferred import (
+    Deferred,
+    DeferredHandshake,
+    distinct,
+    host_ids,
+    joint_ids,
+    split_ids,
+    token_ids,
+)
 
 WARM_BATCH = 256  # warm()'s reads between progress updates
 WARM_BAR_DELAY_S = 2.0  # warm() shows its bar only past this
@@ -62,9 +70,14 @@ def _close_dropped(sched) -> None:
     threading.Thread(target=sched.close, name="strata-mlx-close", daemon=True).start()
 
 
-def _ranked(predictor: Predictor, targets, preds, nxt, trace) -> list[tuple[int, list[int]]]:
+def _ranked(
+    predictor: Predictor, targets, preds, nxt, trace, pred_ids=None
+) -> list[tuple[int, list[int]]]:
     """(target, its predicted experts ranked) of each lookahead router's ids in `preds`;
-    decode's single token ranked from ints. `trace` records the prediction for `nxt`."""
+    decode's single token ranked from ints (`pred_ids`: those ints, read with the layer's
+    own). `trace` records the prediction for `nxt`."""
+    if pred_ids is not None:
+        return [(t, predictor.rank(ids)) for t, ids in zip(targets, pred_ids)]
     ranked = []
     for target, pred in zip(targets, preds):
         if trace is not None and target == nxt:
@@ -72,6 +85,25 @@ def _ranked(predictor: Predictor, targets, preds, nxt, trace) -> list[tuple[int,
         one = token_ids(pred)
         ranked.append((target, predictor.rank(host_ids(pred) if one is None else one)))
     return ranked
+
+
+def _route_sync(inds: mx.array, x: mx.array, preds: list[mx.array], join: bool):
+    """Evaluate a layer's ids, its input and lookahead's predicted ids (the route sync).
+    With `join`, decode's one token's ids and predicted ids are evaluated as one array
+    (`joint_ids`), returned for `_as_ints`; else None. x is evaluated with the ids: the ids
+    alone need not depend on the previous layer's expert output (a router can ignore x),
+    and only x proves that computation done."""
+    joint = joint_ids(inds, preds) if join else None
+    mx.eval(*((inds, x, *preds) if joint is None else (joint, x)))
+    return joint
+
+
+def _as_ints(joint, inds: mx.array, preds: list[mx.array]):
+    """(decode's one token's ids as ints or None, the predicted ids as ints where they were
+    joined to them or None), after `_route_sync`."""
+    if joint is None:
+        return token_ids(inds), None
+    return split_ids(joint, inds, preds)
 
 
 class ExpertCache:
@@ -272,13 +304,11 @@ class ExpertCache:
         # layer's input; the nearest first.
         targets = [] if self.fake_stream else pr.targets(layer, self.decoding)
         t0 = time.perf_counter()
-        # x is evaluated with the ids: the ids alone need not depend on the previous layer's
-        # expert output (a router can ignore x), and only x proves that computation done.
         preds = [pr.routers[t](x) for t in targets]
-        mx.eval(inds, x, *preds)
+        joint = _route_sync(inds, x, preds, self.trace is None)
         t1 = time.perf_counter()
         st.route_sync_s += t1 - t0
-        one = token_ids(inds)  # decode's one token: its ids as ints, pair by pair below
+        one, pred_ids = _as_ints(joint, inds, preds)  # decode's one token: pair by pair below
         slow = one is None or self.trace is not None or self.fake_stream
         ids = host_ids(inds) if slow else None
         if self.trace is not None:
@@ -306,7 +336,7 @@ class ExpertCache:
             pr.observe_decode_layer((st.misses - misses_before) / len(needed))
         late = bool(targets) and self.read_ahead.after_experts
         if not late:
-            self._predict(targets, preds, nxt, layer, needed)
+            self._predict(targets, preds, nxt, layer, needed, pred_ids)
         t2 = time.perf_counter()
         sched.wait(waits)
         t3 = time.perf_counter()
@@ -320,20 +350,21 @@ class ExpertCache:
             y = self.compute.by_expert(layer, x, ids, inds.shape, needed, row[needed])
         if late:  # the device computes them while the host predicts (their slots are pinned)
             mx.async_eval(y)
-            self._predict(targets, preds, nxt, layer, needed)
+            self._predict(targets, preds, nxt, layer, needed, pred_ids)
             if (after := pr.after_wait(layer, nxt, len(needed))) is not None:
                 sched.read_ahead(*after)
         st.host_s += (t2 - t1) + (time.perf_counter() - t3)
         return y
 
     def _predict(
-        self, targets: list[int], preds: list[mx.array], nxt: int | None, layer, needed
+        self, targets: list[int], preds: list[mx.array], nxt: int | None, layer, needed, pred_ids
     ) -> None:
-        """Submit the next layer's predicted experts; reserve those of the layers after it."""
+        """Submit the next layer's predicted experts (`preds`, or as ints `pred_ids`);
+        reserve those of the layers after it."""
         self.predictor.observe_use(layer, needed, self.decoding)
         if not targets:
             return
-        ranked = _ranked(self.predictor, targets, preds, nxt, self.trace)
+        ranked = _ranked(self.predictor, targets, preds, nxt, self.trace, pred_ids)
         (first, experts), later = ranked[0], ranked[1:]
         keys = [(t, e) for t, es in later for e in es]
         predicted = set(keys)  # the same tuples, not built again (~1000 a prefill layer)

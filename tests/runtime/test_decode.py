@@ -12,6 +12,7 @@ from conftest import prompt_ids
 import strata_mlx
 from strata_mlx.format.store import load_manifest
 from strata_mlx.generation.generate import stream_generate
+from strata_mlx.runtime import deferred
 
 FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3", "gpt_oss"]
 
@@ -377,6 +378,7 @@ def test_one_token_fast_path_equals_the_general_path(store, family, quantize, mo
     for fast in (True, False):
         if not fast:  # every handshake through the numpy ids, by_expert and its local index
             monkeypatch.setattr(experts, "token_ids", lambda a: None)
+            monkeypatch.setattr(experts, "joint_ids", lambda inds, preds: None)
         model, _ = strata_mlx.load(
             path,
             arena_gb=arena_for(path, 0.25),
@@ -402,3 +404,78 @@ def test_one_token_fast_path_equals_the_general_path(store, family, quantize, mo
     assert np.array_equal(lp, ref_lp)
     assert lookups == ref_lookups
     assert calls > 0 and ref_calls == 0
+
+
+def test_joint_ids_are_each_array_s_ids(monkeypatch):
+    from strata_mlx.runtime.deferred import joint_ids, split_ids, token_ids
+
+    monkeypatch.setattr(deferred, "JOIN_IDS", True)  # (on where reads are transfers: CUDA)
+
+    inds = mx.array(np.array([[[7, 2, 511, 0]]], dtype=np.uint32))
+    preds = [mx.array(np.array([[[3, 9, 1, 4]]], dtype=np.uint32)), mx.array([[5, 6, 8, 2]])]
+    preds[1] = preds[1].astype(mx.uint32)
+    joint = joint_ids(inds, preds)
+    assert split_ids(joint, inds, preds) == (token_ids(inds), [token_ids(p) for p in preds])
+    assert joint_ids(inds, []) is None  # nothing to join
+    assert joint_ids(mx.concatenate([inds, inds], axis=1), preds) is None  # two tokens
+    assert joint_ids(inds, [preds[0].astype(mx.int32)]) is None  # another dtype
+    monkeypatch.setattr(deferred, "JOIN_IDS", False)  # the CPU's and Metal's default
+    assert joint_ids(inds, preds) is None
+
+
+@pytest.mark.parametrize("after_experts", [False, True])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_one_read_of_the_ids_equals_a_read_per_array(store, family, after_experts, monkeypatch):
+    """Decode's ids and lookahead's predicted ids read back in one transfer give what a read
+    per array gives: logits, tokens, lookups, misses and every read-ahead submitted (the
+    loop-less scheduler with completions seen only where waited for, so that what is read
+    does not depend on when reads land)."""
+    from strata_mlx.runtime import experts
+    from strata_mlx.stream.scheduler import Scheduler
+
+    path = store(family, True)
+    ids = prompt_ids(24, seed=7)
+    monkeypatch.setattr(deferred, "JOIN_IDS", True)  # (on where reads are transfers: CUDA)
+    out, submit = {}, Scheduler.predicted
+    for joint in (True, False):
+        joined, predicted = [], []
+        if joint:
+
+            def join(inds, preds, joined=joined):
+                joined.append(1)
+                return deferred.joint_ids(inds, preds)
+
+            monkeypatch.setattr(experts, "joint_ids", join)
+        else:
+            monkeypatch.setattr(experts, "joint_ids", lambda i, p: None)
+
+        def record(self, layer, ranked, keys, pred, seen=predicted):
+            seen.append((layer, list(ranked), list(keys), sorted(pred)))
+            return submit(self, layer, ranked, keys, pred)
+
+        monkeypatch.setattr(Scheduler, "predicted", record)
+        model, _ = strata_mlx.load(
+            path,
+            arena_gb=arena_for(path, 0.25),
+            decode="sync",
+            scheduler="sync",
+            read_ahead="lookahead",
+            lookahead_decode_min_miss=0.0,
+            lookahead_after_experts=after_experts,
+        )
+        ec = model.expert_cache
+        ec.reader = HoldingReader(ec.reader)  # completions seen only where waited for
+        tokens, lp = decode(model, ids)
+        st = ec.stats
+        counts = (st.lookups, st.misses, st.hits, st.readahead_submitted, st.experts_read)
+        out[joint] = (tokens, lp, counts, predicted, len(joined))
+        ec.close()
+    (tokens, lp, counts, predicted, joined), (ref_tokens, ref_lp, ref_counts, ref_pred, _) = (
+        out[True],
+        out[False],
+    )
+    assert joined > 0
+    assert tokens == ref_tokens
+    assert np.array_equal(lp, ref_lp)
+    assert counts == ref_counts
+    assert predicted == ref_pred and len(predicted) > 0
