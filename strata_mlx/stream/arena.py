@@ -303,7 +303,7 @@ def touch_all(policy, keys: list[Key]) -> None:
 
 
 # allocate_many asks the policy for a batch's victims from this many keys: decode's few
-# misses and the loop's top-ups (~4 reads) cost less one `allocate` a key.
+# misses cost less one `allocate` a key (the loop's top-ups ask from TOP_UP_BATCH_FROM).
 BATCH_FROM = 16
 
 
@@ -409,14 +409,19 @@ class Arena:
             hook(layer, experts)
 
     def allocate_many(
-        self, keys: list[Key], protect: set[int] | None = None, keep: set[Key] | None = None
+        self,
+        keys: list[Key],
+        protect: set[int] | None = None,
+        keep: set[Key] | None = None,
+        batch_from: int = BATCH_FROM,
     ) -> list[tuple[int, Key | None]]:
         """`allocate` for each of `keys` (distinct, none resident), in order, until one
         gets no slot: their (slot, evicted expert or None). The same slots and victims as
         one `allocate` a key; a policy with `victims` (the victims of successive `victim`
-        calls) is asked once for a batch instead of once a key."""
+        calls) is asked once for a batch of `batch_from` keys or more instead of once a
+        key."""
         batch = getattr(self.policy, "victims", None)
-        if batch is None or self.read_ahead_bar is not None or len(keys) < BATCH_FROM:
+        if batch is None or self.read_ahead_bar is not None or len(keys) < batch_from:
             out = []
             for key in keys:
                 got = self.allocate(key, protect, keep)
