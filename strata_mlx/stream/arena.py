@@ -69,6 +69,17 @@ class LRU:
     def remove(self, key: Key) -> None:
         self._order.pop(key, None)
 
+    def remove_all(self, keys: list[Key]) -> None:
+        """`remove` each of `keys`, without a call per key (a subclass that overrides
+        `remove` is called for each)."""
+        if type(self).remove is not LRU.remove:
+            for key in keys:
+                self.remove(key)
+            return
+        pop = self._order.pop
+        for key in keys:
+            pop(key, None)
+
     def victim(self, evictable) -> Key | None:
         for key in self._order:
             if evictable(key):
@@ -302,6 +313,17 @@ def touch_all(policy, keys: list[Key]) -> None:
         touch(key)
 
 
+def remove_all(policy, keys: list[Key]) -> None:
+    """`policy.remove` each of `keys`, in order (its `remove_all` where it has one)."""
+    batch = getattr(policy, "remove_all", None)
+    if batch is not None:
+        batch(keys)
+        return
+    remove = policy.remove
+    for key in keys:
+        remove(key)
+
+
 # allocate_many asks the policy for a batch's victims from this many keys: decode's few
 # misses cost less one `allocate` a key (the loop's top-ups ask from TOP_UP_BATCH_FROM).
 BATCH_FROM = 16
@@ -453,9 +475,9 @@ class Arena:
             given = keys[i : i + len(victims)]
             for victim, key in zip(victims, given):
                 slot = self.slot_of.pop(victim)
-                self.policy.remove(victim)
                 self._assign(slot, key)
                 out.append((slot, victim))
+            remove_all(self.policy, victims)
             self.touch_all(given)  # after the removes: no policy orders them apart
             i += len(victims)
         return out

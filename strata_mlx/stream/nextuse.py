@@ -30,11 +30,14 @@ class Batched:
         ~500 touches); a key of a layer not used yet takes `touch` itself."""
         count, live, this_call, p0s = self._count, self._live, self._this_call, self._p0
         index, weight, current, prior = self._index, self._weight, self._current, self._prior
+        heaps, changed, uses = self._heap, self._changed, self._uses
         for key in keys:
             layer = key[0]
             i = index.get(layer)
             if i is None or not weight[i]:
+                self._uses = uses
                 self.touch(key)
+                uses = self._uses
                 continue
             if key in this_call:
                 continue
@@ -42,13 +45,28 @@ class Batched:
             if c is None:
                 p0 = p0s.get(layer)
                 c = prior * (float(p0[key[1]]) if p0 is not None else 0.5)
-            count[key] = c + weight[i]
-            self._uses += 1
-            live[key] = self._uses
+            c = count[key] = c + weight[i]
+            uses += 1
+            live[key] = uses
             if layer == current:
                 this_call.add(key)
-            else:
+                continue
+            heap = heaps.get(layer)  # _push's, inline (a top-up's reads are of later layers)
+            if heap is None or len(heap) >= 4 * len(live) + 1024:
+                self._uses = uses
                 self._push(key)
+                continue
+            heapq.heappush(heap, (c, uses, key))
+            changed.add(layer)
+        self._uses = uses
+
+    def remove_all(self, keys: list[Key]) -> None:
+        """`remove` each of `keys`, without a call per key (a batch's victims)."""
+        pop, changed, this_call = self._live.pop, self._changed, self._this_call
+        for key in keys:
+            if pop(key, None) is not None:
+                changed.add(key[0])
+            this_call.discard(key)
 
     def victims(self, evictable, keys: list[Key]) -> list[Key]:
         """The victims that successive `victim` calls would give for `keys`, each victim

@@ -46,7 +46,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..config import OptionError
-from .arena import LRU, POLICIES, Key, ScoredPolicy, make_policy, touch_all
+from .arena import LRU, POLICIES, Key, ScoredPolicy, make_policy, remove_all, touch_all
 from .nextuse import NextUse, NextUseRecent
 
 
@@ -357,6 +357,12 @@ class Adaptive:
         self._resident.discard(key)
         for p in self._real:
             p.remove(key)
+
+    def remove_all(self, keys: list[Key]) -> None:
+        """`remove` each of `keys`: each component's `remove_all` where it has one."""
+        self._resident.difference_update(keys)
+        for p in self._real:
+            remove_all(p, keys)
 
     def distance(self, key: Key) -> float:
         """The first component's with an estimate of expected next use (NextUse.distance);
