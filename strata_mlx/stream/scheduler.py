@@ -478,7 +478,7 @@ class LoopScheduler(Scheduler):
     def _on_completions(self) -> None:
         """The reader's pipe is readable (the queue ran low): collect and top the queue up."""
         with self.lock:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             if self.closed:
                 return
             try:
@@ -488,6 +488,7 @@ class LoopScheduler(Scheduler):
             except Exception as e:  # a bug here must reach the caller, not hang it
                 self._failed = self._failed or e
             self.stats.loop_s += time.perf_counter() - t0
+            self.stats.loop_cpu_s += time.thread_time() - c0
 
     def _arm(self, on: bool) -> None:
         """Whether the pipe wakes the loop when the queue runs low (only while the reserve
