@@ -310,9 +310,11 @@ class Adaptive:
 
     def _shadow_call(self) -> None:
         """The ended call's uses through each shadow arena, counting its misses there."""
-        uses, self._call = sorted(self._call), {}  # as a layer's distinct experts come
-        if self.rate < 1.0:
-            uses = [k for k in uses if self._follows(k)]
+        uses, self._call = self._call, {}
+        if self.rate < 1.0:  # (the sample sorted, not every use: the same order)
+            follows = self._follows
+            uses = [k for k in uses if follows(k)]
+        uses = sorted(uses)  # as a layer's distinct experts come
         if not uses:
             return
         self._weight *= self._growth ** len(uses)  # later misses weigh more: old ones fade
