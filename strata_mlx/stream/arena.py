@@ -435,14 +435,16 @@ class Arena:
         keys: list[Key],
         protect: set[int] | None = None,
         keep: set[Key] | None = None,
-        batch_from: int = BATCH_FROM,
+        batch_from: int | None = None,
     ) -> list[tuple[int, Key | None]]:
         """`allocate` for each of `keys` (distinct, none resident), in order, until one
         gets no slot: their (slot, evicted expert or None). The same slots and victims as
         one `allocate` a key; a policy with `victims` (the victims of successive `victim`
-        calls) is asked once for a batch of `batch_from` keys or more instead of once a
-        key."""
+        calls) is asked once for a batch of `batch_from` keys or more (None: BATCH_FROM)
+        instead of once a key."""
         batch = getattr(self.policy, "victims", None)
+        if batch_from is None:
+            batch_from = BATCH_FROM
         if batch is None or self.read_ahead_bar is not None or len(keys) < batch_from:
             out = []
             for key in keys:

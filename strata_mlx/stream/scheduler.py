@@ -42,7 +42,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..format.store import EXPERTS, Manifest, StoreError
-from .arena import BATCH_FROM, Arena, Key
+from .arena import Arena, Key
 from .reader import CHECKSUM_MISMATCH, SHORT_READ, error_message
 from .stats import ExpertStats
 
@@ -344,10 +344,11 @@ class Scheduler:
         return self._send(self._requests(keys, protect, keep, urgent), urgent)
 
     def _requests(
-        self, keys: list[Key], protect, keep, urgent: bool = False, batch_from: int = BATCH_FROM
+        self, keys: list[Key], protect, keep, urgent: bool = False, batch_from: int | None = None
     ) -> list[tuple]:
         """`_submit`'s reads, recorded as in flight, not yet handed to the reader (their
-        victims asked of the policy as one batch from `batch_from` keys)."""
+        victims asked of the policy as one batch from `batch_from` keys; None: the arena's
+        BATCH_FROM)."""
         tag_of, slot_of = self.tag_of, self.arena.slot_of
         todo = [k for k in dict.fromkeys(keys) if k not in tag_of and k not in slot_of]
         reqs = []
