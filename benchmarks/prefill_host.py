@@ -14,7 +14,8 @@ reserve, eviction, the scheduler's loop thread and the kernel call's graph build
 
 Per chunk, in milliseconds, the median over rounds: cpu (the calling thread's CPU time in the
 handshakes outside the route sync's mx.eval), host (the cache's `host_s`, wall time), route
-sync, exposed wait, the loop thread's time holding the GIL, and reads a chunk. `--parts` splits
+sync, exposed wait, the loop thread's time holding the GIL (wall) and its CPU time meanwhile
+(thread_time: the figure to compare on a shared machine), and reads a chunk. `--parts` splits
 cpu by the scheduler and kernel calls the handshake makes (decode_host.Parts), last round.
 """
 
@@ -71,6 +72,7 @@ def run(store: str, a, policy: str, parts: Parts | None) -> dict:
                         sync=st.route_sync_s * 1e3,
                         wait=st.exposed_wait_s * 1e3,
                         loop=st.loop_s * 1e3,
+                        loopcpu=st.loop_cpu_s * 1e3,
                         read=st.experts_read,
                     )
                 )
@@ -103,11 +105,11 @@ def main() -> None:
             print(f"round {r} {policy}: " + ", ".join(f"{k} {v:.0f}" for k, v in results[policy][-1].items()), flush=True)
     layers = len(load_manifest(store).moe_layers)
     print(f"replayed prefill, arena {a.arena_gb} GB, chunks of {a.chunk}, median of {a.rounds}; ms a chunk")
-    print(f"{'policy':28} {'wall':>7} {'cpu':>6} {'host':>6} {'sync':>6} {'wait':>6} {'loop':>6} {'read':>6}")
+    print(f"{'policy':28} {'wall':>7} {'cpu':>6} {'host':>6} {'sync':>6} {'wait':>6} {'loop':>6} {'loopcpu':>7} {'read':>6}")
     for policy, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(f"{policy:28} {med['wall']:7.0f} {med['cpu']:6.0f} {med['host']:6.0f} {med['sync']:6.0f} "
-              f"{med['wait']:6.0f} {med['loop']:6.0f} {med['read']:6.0f}")  # fmt: skip
+              f"{med['wait']:6.0f} {med['loop']:6.0f} {med['loopcpu']:7.0f} {med['read']:6.0f}")  # fmt: skip
         if policy in parts:
             n = a.chunks * layers
             split = {k: v / 1e3 / n for k, v in sorted(parts[policy].ns.items())}

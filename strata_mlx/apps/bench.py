@@ -438,8 +438,10 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
         "decode_gb_read": d.gb_read,
         # the scheduler's loop thread: GIL time, and reads it added when the queue ran low
         "loop_ms_per_chunk": p.loop_s / n * 1e3,
+        "loop_cpu_ms_per_chunk": p.loop_cpu_s / n * 1e3,
         "topped_up_per_chunk": p.topped_up / n,
         "decode_loop_ms_per_token": d.loop_s / per_tok * 1e3,
+        "decode_loop_cpu_ms_per_token": d.loop_cpu_s / per_tok * 1e3,
     }
 
 
@@ -449,7 +451,7 @@ def _line(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> str:
         f"{s['policy']:>9} {s['phase']}: prefill {s['chunk_ms']:.0f} ms/chunk ({s['prefill_tps']:.1f} tok/s), "
         f"ahead {s['streamed_ahead_pct']:.1f}% miss {s['miss_pct']:.1f}% wait {s['exposed_wait_ms_per_chunk']:.0f} ms, "
         f"read {_reads(s)} wasted {s['wasted_readahead']}, "
-        f"loop {s['loop_ms_per_chunk']:.1f} ms topped up {s['topped_up_per_chunk']:.0f}/chunk, "
+        f"loop {s['loop_ms_per_chunk']:.1f} ms (cpu {s['loop_cpu_ms_per_chunk']:.1f}) topped up {s['topped_up_per_chunk']:.0f}/chunk, "
         f"x{s['floor_ratio']:.2f} of floor (ssd {s['ssd_floor_ms']:.0f} ms, compute {s['compute_floor_ms']:.0f} ms), "
         f"x{s['path_floor_ratio']:.2f} of the data path's (read {s['read_floor_ms']:.0f} ms) | "
         f"decode {s['decode_tps']:.2f} tok/s (wait {s['decode_wait_ms_per_token']:.1f}, sync {s['decode_sync_ms_per_token']:.1f}, "

@@ -69,6 +69,17 @@ class LRU:
     def remove(self, key: Key) -> None:
         self._order.pop(key, None)
 
+    def remove_all(self, keys: list[Key]) -> None:
+        """`remove` each of `keys`, without a call per key (a subclass that overrides
+        `remove` is called for each)."""
+        if type(self).remove is not LRU.remove:
+            for key in keys:
+                self.remove(key)
+            return
+        pop = self._order.pop
+        for key in keys:
+            pop(key, None)
+
     def victim(self, evictable) -> Key | None:
         for key in self._order:
             if evictable(key):
@@ -302,8 +313,19 @@ def touch_all(policy, keys: list[Key]) -> None:
         touch(key)
 
 
+def remove_all(policy, keys: list[Key]) -> None:
+    """`policy.remove` each of `keys`, in order (its `remove_all` where it has one)."""
+    batch = getattr(policy, "remove_all", None)
+    if batch is not None:
+        batch(keys)
+        return
+    remove = policy.remove
+    for key in keys:
+        remove(key)
+
+
 # allocate_many asks the policy for a batch's victims from this many keys: decode's few
-# misses and the loop's top-ups (~4 reads) cost less one `allocate` a key.
+# misses cost less one `allocate` a key (the loop's top-ups ask from TOP_UP_BATCH_FROM).
 BATCH_FROM = 16
 
 
@@ -409,14 +431,21 @@ class Arena:
             hook(layer, experts)
 
     def allocate_many(
-        self, keys: list[Key], protect: set[int] | None = None, keep: set[Key] | None = None
+        self,
+        keys: list[Key],
+        protect: set[int] | None = None,
+        keep: set[Key] | None = None,
+        batch_from: int | None = None,
     ) -> list[tuple[int, Key | None]]:
         """`allocate` for each of `keys` (distinct, none resident), in order, until one
         gets no slot: their (slot, evicted expert or None). The same slots and victims as
         one `allocate` a key; a policy with `victims` (the victims of successive `victim`
-        calls) is asked once for a batch instead of once a key."""
+        calls) is asked once for a batch of `batch_from` keys or more (None: BATCH_FROM)
+        instead of once a key."""
         batch = getattr(self.policy, "victims", None)
-        if batch is None or self.read_ahead_bar is not None or len(keys) < BATCH_FROM:
+        if batch_from is None:
+            batch_from = BATCH_FROM
+        if batch is None or self.read_ahead_bar is not None or len(keys) < batch_from:
             out = []
             for key in keys:
                 got = self.allocate(key, protect, keep)
@@ -448,9 +477,9 @@ class Arena:
             given = keys[i : i + len(victims)]
             for victim, key in zip(victims, given):
                 slot = self.slot_of.pop(victim)
-                self.policy.remove(victim)
                 self._assign(slot, key)
                 out.append((slot, victim))
+            remove_all(self.policy, victims)
             self.touch_all(given)  # after the removes: no policy orders them apart
             i += len(victims)
         return out

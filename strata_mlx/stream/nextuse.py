@@ -30,11 +30,14 @@ class Batched:
         ~500 touches); a key of a layer not used yet takes `touch` itself."""
         count, live, this_call, p0s = self._count, self._live, self._this_call, self._p0
         index, weight, current, prior = self._index, self._weight, self._current, self._prior
+        heaps, changed, uses = self._heap, self._changed, self._uses
         for key in keys:
             layer = key[0]
             i = index.get(layer)
             if i is None or not weight[i]:
+                self._uses = uses
                 self.touch(key)
+                uses = self._uses
                 continue
             if key in this_call:
                 continue
@@ -42,13 +45,28 @@ class Batched:
             if c is None:
                 p0 = p0s.get(layer)
                 c = prior * (float(p0[key[1]]) if p0 is not None else 0.5)
-            count[key] = c + weight[i]
-            self._uses += 1
-            live[key] = self._uses
+            c = count[key] = c + weight[i]
+            uses += 1
+            live[key] = uses
             if layer == current:
                 this_call.add(key)
-            else:
+                continue
+            heap = heaps.get(layer)  # _push's, inline (a top-up's reads are of later layers)
+            if heap is None or len(heap) >= 4 * len(live) + 1024:
+                self._uses = uses
                 self._push(key)
+                continue
+            heapq.heappush(heap, (c, uses, key))
+            changed.add(layer)
+        self._uses = uses
+
+    def remove_all(self, keys: list[Key]) -> None:
+        """`remove` each of `keys`, without a call per key (a batch's victims)."""
+        pop, changed, this_call = self._live.pop, self._changed, self._this_call
+        for key in keys:
+            if pop(key, None) is not None:
+                changed.add(key[0])
+            this_call.discard(key)
 
     def victims(self, evictable, keys: list[Key]) -> list[Key]:
         """The victims that successive `victim` calls would give for `keys`, each victim
@@ -68,13 +86,15 @@ class Batched:
             if key[0] not in index:
                 want = j + 1
                 break
-        if want < SMALL_BATCH:  # victim's one argmax a key costs less than ranking every
-            key = self.victim(evictable)  # layer (the caller asks again for the rest)
-            return [] if key is None else [key]
         self._refresh()
         n = len(self._layers)
         if not n:
             return []
+        if want < SMALL_BATCH:  # victim's one argmax a key costs less than ranking every
+            key = self._kept_candidate(evictable)  # layer (the caller asks again for the
+            if key is not None:  # rest), where the largest distance's candidate may go;
+                return [key]  # else one pass for all (victim's would walk the heaps past
+            # the pinned and kept entries again at every key: the loop's top-ups)
         # (-distance, layer index, entry): entry None stands for the layer's candidate as
         # victim() first tries it (its kept top, if still live)
         ranked = [(-d, i, None) for i, d in enumerate(self._dist.tolist()) if d > 0]
@@ -338,21 +358,31 @@ class NextUse(Batched):
             self._refar(i)
         self._changed.clear()
 
-    def victim(self, evictable) -> Key | None:
-        self._refresh()
-        n = len(self._layers)
-        if not n:
-            return None
+    def _kept_candidate(self, evictable) -> Key | None:
+        """The candidate of the layer of largest distance, where it is still live and
+        evictable (victim's answer then); None otherwise (refreshed candidates assumed)."""
         # calls / count = 1 / p; no candidate: count inf, a distance <= 0, never the largest
         i = int(self._dist.argmax())
         if self._dist[i] <= 0:
             return None
         # A kept candidate may have been used by the running call since (it left the heap
         # for the call's end): not a victim, whenever its layer's candidate was found.
-        live = self._live
         entry = self._top.get(self._layers[i])
-        if entry is not None and live.get(entry[2]) == entry[1] and evictable(entry[2]):
+        if entry is not None and self._live.get(entry[2]) == entry[1] and evictable(entry[2]):
             return entry[2]
+        return None
+
+    def victim(self, evictable) -> Key | None:
+        self._refresh()
+        n = len(self._layers)
+        if not n:
+            return None
+        key = self._kept_candidate(evictable)
+        if key is not None:
+            return key
+        if self._dist.max() <= 0:
+            return None
+        live = self._live
         far = self._dist.copy()  # the candidate is pinned: rank the layers' next ones
         cycle = self._cycle
         instead: dict[int, tuple[float, int, Key]] = {}  # layer index -> its evictable one

@@ -46,7 +46,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..config import OptionError
-from .arena import LRU, POLICIES, Key, ScoredPolicy, make_policy, touch_all
+from .arena import LRU, POLICIES, Key, ScoredPolicy, make_policy, remove_all, touch_all
 from .nextuse import NextUse, NextUseRecent
 
 
@@ -310,9 +310,11 @@ class Adaptive:
 
     def _shadow_call(self) -> None:
         """The ended call's uses through each shadow arena, counting its misses there."""
-        uses, self._call = sorted(self._call), {}  # as a layer's distinct experts come
-        if self.rate < 1.0:
-            uses = [k for k in uses if self._follows(k)]
+        uses, self._call = self._call, {}
+        if self.rate < 1.0:  # (the sample sorted, not every use: the same order)
+            follows = self._follows
+            uses = [k for k in uses if follows(k)]
+        uses = sorted(uses)  # as a layer's distinct experts come
         if not uses:
             return
         self._weight *= self._growth ** len(uses)  # later misses weigh more: old ones fade
@@ -357,6 +359,12 @@ class Adaptive:
         self._resident.discard(key)
         for p in self._real:
             p.remove(key)
+
+    def remove_all(self, keys: list[Key]) -> None:
+        """`remove` each of `keys`: each component's `remove_all` where it has one."""
+        self._resident.difference_update(keys)
+        for p in self._real:
+            remove_all(p, keys)
 
     def distance(self, key: Key) -> float:
         """The first component's with an estimate of expected next use (NextUse.distance);

@@ -47,6 +47,10 @@ from .reader import CHECKSUM_MISMATCH, SHORT_READ, error_message
 from .stats import ExpertStats
 
 SCHEDULERS = ("loop", "sync")
+# The loop's top-ups (~4 reads a call, ~12 000 calls a prefill chunk, each read's victim kept
+# off the reserve's experts) ask the policy for their victims as one batch from this many
+# keys: a policy's victim search walks past the kept experts once a batch, not once a key.
+TOP_UP_BATCH_FROM = 2
 CLOSED = "expert cache is closed"
 
 
@@ -339,13 +343,19 @@ class Scheduler:
         `keep`, until no such slot is left; their tags."""
         return self._send(self._requests(keys, protect, keep, urgent), urgent)
 
-    def _requests(self, keys: list[Key], protect, keep, urgent: bool = False) -> list[tuple]:
-        """`_submit`'s reads, recorded as in flight, not yet handed to the reader."""
+    def _requests(
+        self, keys: list[Key], protect, keep, urgent: bool = False, batch_from: int | None = None
+    ) -> list[tuple]:
+        """`_submit`'s reads, recorded as in flight, not yet handed to the reader (their
+        victims asked of the policy as one batch from `batch_from` keys; None: the arena's
+        BATCH_FROM)."""
         tag_of, slot_of = self.tag_of, self.arena.slot_of
         todo = [k for k in dict.fromkeys(keys) if k not in tag_of and k not in slot_of]
         reqs = []
         # up to the first key with no slot that may be given up: the rest waits for demand
-        for key, (slot, victim) in zip(todo, self.arena.allocate_many(todo, protect, keep)):
+        for key, (slot, victim) in zip(
+            todo, self.arena.allocate_many(todo, protect, keep, batch_from)
+        ):
             self._evicted(victim)
             reqs.append(self._start_read(key, slot, urgent))
         return reqs
@@ -469,7 +479,7 @@ class LoopScheduler(Scheduler):
     def _on_completions(self) -> None:
         """The reader's pipe is readable (the queue ran low): collect and top the queue up."""
         with self.lock:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             if self.closed:
                 return
             try:
@@ -479,6 +489,7 @@ class LoopScheduler(Scheduler):
             except Exception as e:  # a bug here must reach the caller, not hang it
                 self._failed = self._failed or e
             self.stats.loop_s += time.perf_counter() - t0
+            self.stats.loop_cpu_s += time.thread_time() - c0
 
     def _arm(self, on: bool) -> None:
         """Whether the pipe wakes the loop when the queue runs low (only while the reserve
@@ -515,7 +526,9 @@ class LoopScheduler(Scheduler):
             if key not in self.tag_of and key not in self.arena.slot_of:
                 batch.append(key)
                 room -= 1
-        reqs = self._requests(batch, self.busy_layers, self._predicted)
+        reqs = self._requests(
+            batch, self.busy_layers, self._predicted, batch_from=TOP_UP_BATCH_FROM
+        )
         self.stats.topped_up += len(reqs)
         if len(reqs) < len(batch):  # nothing left that may be evicted for them
             self._next = len(self._reserve)

@@ -36,6 +36,9 @@ class ExpertStats:
     predicting_tokens: int = 0
     topped_up: int = 0  # read-ahead the scheduler's loop added when the drive ran low
     loop_s: float = 0.0  # time the scheduler's loop thread held the GIL
+    # its CPU time meanwhile (thread_time: what others' threads and processes take of its
+    # core, and its waits for the GIL, not counted)
+    loop_cpu_s: float = 0.0
     compute_s: float = 0.0  # wall time of chunks minus exposed wait (filled by generate)
     wall_s: float = 0.0
     tokens: int = 0

@@ -64,10 +64,16 @@ def one_at_a_time(policy):
 
 @pytest.mark.parametrize("eviction", POLICIES + ["nextuse:unlisted"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_allocate_many_gives_the_slots_and_victims_of_one_allocate_a_key(eviction, seed):
+@pytest.mark.parametrize("small_batch", [2, 16])
+def test_allocate_many_gives_the_slots_and_victims_of_one_allocate_a_key(
+    eviction, seed, small_batch, monkeypatch
+):
     """Hits, misses and read-ahead of later layers (some not run yet) through two arenas, one
     allocating a key at a time: the same slots and victims at every step. "unlisted": the
-    policy learns the layers as they come (each new one moves every distance)."""
+    policy learns the layers as they come (each new one moves every distance). At a
+    SMALL_BATCH of 16, NextUse gives a batch below it the kept candidate of victim's argmax
+    where it may go, else ranks the batch in one pass (the loop's top-ups)."""
+    monkeypatch.setattr(nextuse, "SMALL_BATCH", small_batch)
     rng = np.random.default_rng(seed)
     profile = rng.random((len(LAYERS), EXPERTS))
     eviction, _, unlisted = eviction.partition(":")
