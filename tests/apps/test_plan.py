@@ -716,14 +716,16 @@ def test_this_machine_probes_what_the_backend_reads_through(store, monkeypatch):
     """The backend query mocked: with a bounce buffer the data path is probed at one and at
     the I/O worker count (and probe-ssd not at all); without, probe-ssd alone."""
     from strata_mlx.apps.plan.machine import this_machine
+    from strata_mlx.runtime.loader import RuntimeConfig
     from strata_mlx.stream import probe, reader
 
     path = store("qwen3_moe")
     shape = plan.model_shape(path)
-    calls = []
+    calls, options = [], []
 
     def data_path(store_, m, workers, seconds, **kw):
         calls.append(("data path", workers))
+        options.append(kw)
         return {"gb_per_s": 0.5 * workers}
 
     def ssd(file, record_bytes, workers_list, seconds):
@@ -737,6 +739,12 @@ def test_this_machine_probes_what_the_backend_reads_through(store, monkeypatch):
     m = this_machine(shape, io_workers=4, probe_seconds=0.2)
     assert calls == [("data path", 1), ("data path", 4)]
     assert (m.ssd_gbps_one, m.ssd_gbps, m.read_source) == (0.5, 2.0, "data path")
+    # through what the cache's reads go through, as bench's probe: its copy-behind included
+    cfg = RuntimeConfig()
+    want = dict(
+        overlap=cfg.read_overlap, device_memory=cfg.device_arena, copy_behind=cfg.copy_behind
+    )
+    assert all(kw.items() >= want.items() for kw in options)
     calls.clear()
     monkeypatch.setattr(reader, "needs_bounce", lambda: False)
     m = this_machine(shape, io_workers=4, probe_seconds=0.2)

@@ -151,7 +151,8 @@ def this_machine(
 
 def data_path_gbps(store: Path, workers_list: tuple[int, ...], seconds: float) -> list[float]:
     """GB/s into an arena for each worker count, `seconds` each (probe_data_path), with the
-    runtime's defaults for what a read goes through (overlap, device copy, device arena)."""
+    runtime's defaults for what a read goes through (overlap, device copy, device arena, the
+    copy waited for behind the next read), as bench's probe has them."""
     from ...format.store import load_manifest
     from ...runtime.loader import RuntimeConfig
     from ...stream.probe import probe_data_path
@@ -166,6 +167,7 @@ def data_path_gbps(store: Path, workers_list: tuple[int, ...], seconds: float) -
             overlap=cfg.read_overlap,
             device_copy=None if cfg.device_copy else False,
             device_memory=cfg.device_arena,
+            copy_behind=cfg.copy_behind,
         )["gb_per_s"]
         for w in workers_list
     ]
