@@ -29,6 +29,11 @@ SK_FN float sk_tof(__nv_bfloat16 v) { return __bfloat162float(v); }
 SK_FN void sk_store(float* p, SK_U64 i, float v) { p[i] = v; }
 SK_FN void sk_store(__half* p, SK_U64 i, float v) { p[i] = __float2half(v); }
 SK_FN void sk_store(__nv_bfloat16* p, SK_U64 i, float v) { p[i] = __float2bfloat16(v); }
+template <typename U> SK_FN void sk_store16(U* p, SK_U64 i, const float* v) {  // i % 16 == 0
+  uint4 q[sizeof(U)];  // the 16 values rounded as sk_store's, then 16-byte stores
+  for (int k = 0; k < 16; ++k) sk_store(reinterpret_cast<U*>(q), k, v[k]);
+  for (int k = 0; k < (int)sizeof(U); ++k) reinterpret_cast<uint4*>(p + i)[k] = q[k];
+}
 SK_FN float sk_exp(float v) { return expf(v); }
 SK_FN float sk_warp_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 16);

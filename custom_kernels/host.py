@@ -38,6 +38,7 @@ PRELUDE = """\
 SK_FN float sk_as_float(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
 SK_FN float sk_tof(float v) { return v; }
 SK_FN void sk_store(float* p, SK_U64 i, float v) { p[i] = v; }
+SK_FN void sk_store16(float* p, SK_U64 i, const float* v) { std::memcpy(p + i, v, 64); }
 SK_FN float sk_exp(float v) { return std::exp(v); }
 static float sk_warp_sum(float v);
 """

@@ -31,6 +31,9 @@ template <typename U> SK_FN float sk_tof(U v) { return static_cast<float>(v); }
 template <typename U> SK_FN void sk_store(device U* p, ulong i, float v) {
   p[i] = static_cast<U>(v);
 }
+template <typename U> SK_FN void sk_store16(device U* p, ulong i, thread const float* v) {
+  for (int k = 0; k < 16; ++k) p[i + k] = static_cast<U>(v[k]);
+}
 SK_FN float sk_exp(float v) { return metal::exp(v); }
 SK_FN float sk_warp_sum(float v) { return metal::simd_sum(v); }
 """

@@ -440,6 +440,7 @@ inline float __half2float(__half v) { return v.f; }
 inline float __bfloat162float(__nv_bfloat16 v) { return v.f; }
 inline __half __float2half(float v) { return {v}; }
 inline __nv_bfloat16 __float2bfloat16(float v) { return {v}; }
+struct uint4 { uint32_t x, y, z, w; };
 inline float __uint_as_float(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
 inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
 struct sk_dim3 { uint32_t x, y, z; };
