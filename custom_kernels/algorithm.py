@@ -413,10 +413,15 @@ def down_source(down: Projection, record_bytes: int, tm: int):
     return _finish(name, used, "down", SHARED_HEADER, "\n".join(lines) + "\n", rows)
 
 
-def dequant_source(proj: Projection, record_bytes: int, label: str) -> KernelSource:
+def dequant_source(
+    proj: Projection, record_bytes: int, label: str, wide: bool = False
+) -> KernelSource:
     """Dequantize rows from arena slots: w[i, r, :] = row r of the record in slots[i], in T.
     One thread per (row, chunk); grid (rows * in / 16, n_slots). For prefill, where many pairs
-    share each expert, this plus a grouped matmul (mx.gather_mm) decodes each weight once."""
+    share each expert, this plus a grouped matmul (mx.gather_mm) decodes each weight once.
+    `wide`: a thread's 16 weights leave in 16-byte stores (sk_store16, the same rounding),
+    not one store a weight (with those, the H200's dequantize wrote ~0.2 TB/s: 16.5 of the
+    prefill kernel's 21.9 ms a 1024-token layer); off until measured on a GPU."""
     rows, n_in = proj.out_features, proj.in_features
     n_chunks = n_in // CHUNK
     dec = proj.decoder
@@ -430,16 +435,24 @@ def dequant_source(proj: Projection, record_bytes: int, label: str) -> KernelSou
         *_bases("w", proj, "  "),
         _decode_chunk("w", dec, "  "),
         f"  const SK_U64 l_o = ((SK_U64)sk_gy * {rows}u + l_row) * {n_in}u + l_c * {CHUNK}u;",
-        f"  float l_v[{CHUNK}];",
-        "  SK_UNROLL",
-        f"  for (uint32_t l_j = 0u; l_j < {CHUNK}u; ++l_j) {{",
-        "    l_v[l_j] = l_wchunk.scale * l_wchunk.q[l_j]"
-        + (" + l_wchunk.offset;" if dec.offset else ";"),
-        "  }",
-        # the chunk's 16 weights in wide stores (a thread's chunk is contiguous; scalar stores
-        # left the H200's dequantize at ~0.2 TB/s)
-        "  sk_store16(w, l_o, l_v);",
     ]
+    value = "l_wchunk.scale * l_wchunk.q[l_j]" + (" + l_wchunk.offset" if dec.offset else "")
+    if wide:
+        lines += [
+            f"  float l_v[{CHUNK}];",
+            "  SK_UNROLL",
+            f"  for (uint32_t l_j = 0u; l_j < {CHUNK}u; ++l_j) {{",
+            f"    l_v[l_j] = {value};",
+            "  }",
+            "  sk_store16(w, l_o, l_v);",
+        ]
+    else:
+        lines += [
+            "  SK_UNROLL",
+            f"  for (uint32_t l_j = 0u; l_j < {CHUNK}u; ++l_j) {{",
+            f"    sk_store(w, l_o + l_j, {value});",
+            "  }",
+        ]
     body = "\n".join(lines) + "\n"
     digest = hashlib.sha1((SHARED_HEADER + body).encode()).hexdigest()[:12]
     return KernelSource(

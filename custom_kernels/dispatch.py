@@ -25,6 +25,7 @@ reference.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import asdict
 from importlib import import_module
@@ -40,6 +41,16 @@ PREFILL_TILE = 8
 PREFILL_STRATEGY = "dequant"
 # Pairs per needed expert at which prefill tiles start to pay off (sorting costs a few ops).
 PREFILL_MIN_PAIRS_PER_EXPERT = 4
+
+
+def dequant_stores() -> str:
+    """How the dequantize kernel stores a thread's 16 weights, STRATA_MLX_DEQUANT_STORES:
+    "scalar" (one store a weight, the default) or "wide" (16-byte stores, the same values;
+    algorithm.dequant_source). Read when a layout's dequantize kernels are first built."""
+    env = os.environ.get("STRATA_MLX_DEQUANT_STORES", "scalar")
+    if env not in ("scalar", "wide"):
+        raise ValueError(f"STRATA_MLX_DEQUANT_STORES={env!r}: one of scalar, wide")
+    return env
 
 
 def layout_signature(layout) -> str:
@@ -84,7 +95,10 @@ class ExpertKernels:
 
     def dequant_sources(self) -> dict[str, algorithm.KernelSource]:
         projs = dict(zip(PROJECTIONS, (self.gate, self.up, self.down)))
-        return {p: algorithm.dequant_source(pr, self.record_bytes, p) for p, pr in projs.items()}
+        wide = dequant_stores() == "wide"
+        return {
+            p: algorithm.dequant_source(pr, self.record_bytes, p, wide) for p, pr in projs.items()
+        }
 
     def _dequant_kernels(self):
         if not self._dequant_built:

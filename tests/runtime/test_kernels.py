@@ -474,10 +474,12 @@ def test_gpu_dialect_sources_type_check_as_cxx(dialect, tmp_path):
     for case in sorted(CASES):
         layout, _ = CASES[case](1, 256, 256, 0)
         kern = dispatch.ExpertKernels(mod, layout, dispatch.plan(layout))
+        projs = (kern.gate, kern.up, kern.down)
         srcs = [
             *kern.sources(k=3, tm=1),
             *kern.sources(k=3, tm=4),
             *kern.dequant_sources().values(),
+            *(algorithm.dequant_source(p, layout.record_bytes, "w", True) for p in projs),
         ]
         kernels.update((src.name, src) for src in srcs)
     header = mod.sources(next(iter(kernels.values())))[0]
@@ -556,10 +558,16 @@ def test_host_kernel_matches_reference(case, tile):
 
 @needs_cxx
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_host_dequant_kernel_bit_exact(case):
+@pytest.mark.parametrize("stores", ["scalar", "wide"])
+def test_host_dequant_kernel_bit_exact(case, stores, monkeypatch):
+    """Either store of the dequantize kernel (STRATA_MLX_DEQUANT_STORES) writes the decoder's
+    values bit for bit."""
+    monkeypatch.setenv("STRATA_MLX_DEQUANT_STORES", stores)
+    monkeypatch.setattr(dispatch, "_CACHE", {})  # kernels built afresh with this store
     layout, recs = CASES[case](3, 256, 256, 5)
     x, arena, slots, idx = make_problem(layout, recs, n_tokens=2, k=2, dtype=mx.float32)
     fn = dispatch.kernel_for("host", layout)
+    assert ("sk_store16" in fn.dequant_sources()["up_proj"].body) == (stores == "wide")
     got = fn.dequantize(arena, slots)
     records = np.array(arena)[np.array(slots)]
     for p, pr in dispatch.plan(layout).items():
