@@ -304,24 +304,22 @@ def device_address(a: mx.array) -> int:
 
 def touch_all(policy, keys: list[Key]) -> None:
     """`policy.touch` each of `keys`, in order (its `touch_all` where it has one)."""
-    batch = getattr(policy, "touch_all", None)
-    if batch is not None:
-        batch(keys)
-        return
-    touch = policy.touch
-    for key in keys:
-        touch(key)
+    _each(policy, "touch", keys)
 
 
 def remove_all(policy, keys: list[Key]) -> None:
     """`policy.remove` each of `keys`, in order (its `remove_all` where it has one)."""
-    batch = getattr(policy, "remove_all", None)
+    _each(policy, "remove", keys)
+
+
+def _each(policy, name: str, keys: list[Key]) -> None:
+    batch = getattr(policy, f"{name}_all", None)
     if batch is not None:
         batch(keys)
         return
-    remove = policy.remove
+    one = getattr(policy, name)
     for key in keys:
-        remove(key)
+        one(key)
 
 
 # allocate_many asks the policy for a batch's victims from this many keys: decode's few
