@@ -55,7 +55,7 @@ def token_ids(a: mx.array) -> list[int] | None:
 # few tens of us a read), decode's ids are joined on the device and read once; MLX's CPU (and
 # Metal's unified memory) read them in place, ~1 us, less than the join's graph costs
 # (benchmarks/joint_ids.py).
-JOIN_IDS = mx.cuda.is_available()
+JOIN_IDS = hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
 def joint_ids(inds: mx.array, preds: list[mx.array]) -> mx.array | None:
