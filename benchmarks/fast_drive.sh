@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode.
 set -uo pipefail
@@ -121,5 +121,14 @@ alternate)  # tmpfs: the old tree's bench and this code's, alternating ROUNDS ti
         "$SHM" --arena-gb 6.5 -p 1024 -g 48 --parts
     done; } 2>&1 | tee "$OUT/decode-host.log"
   ;;
-*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident"; exit 2;;
+wide)  # the dequantize kernel's 16-byte stores against its scalar ones (the default): the
+  # kernel alone (outputs equal, times), then bench's lookahead with each, alternating
+  build
+  timeout 120 python3 benchmarks/dequant_stores.py 2>&1 | tee "$OUT/dequant-stores.log"
+  for r in 1 2; do
+    G=${G:-32} LIMIT=200 bench "bench-scalar-$r" "$SHM" lookahead
+    STRATA_MLX_DEQUANT_STORES=wide G=${G:-32} LIMIT=200 bench "bench-wide-$r" "$SHM" lookahead
+  done
+  ;;
+*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide"; exit 2;;
 esac
