@@ -240,6 +240,7 @@ class Adaptive:
         self.components = components
         self._real = [build(c, profile, layers) for c in components]
         self._shadow = [build(c, profile, layers) for c in components]
+        self._every = [*self._real, *self._shadow]  # told the running layer
         self._held: list[set[Key]] = [set() for _ in components]
         self._misses = [0.0] * len(components)
         self._weight = 1.0
@@ -270,7 +271,7 @@ class Adaptive:
     def current(self, layer: int | None) -> None:
         self._shadow_call()
         self._current = layer
-        for p in (*self._real, *self._shadow):
+        for p in self._every:
             p.current = layer
 
     def touch(self, key: Key) -> None:
@@ -313,8 +314,8 @@ class Adaptive:
         """The ended call's uses through each shadow arena, counting its misses there."""
         uses, self._call = self._call, {}
         if self.rate < 1.0:  # (the sample sorted, not every use: the same order)
-            follows = self._follows
-            uses = [k for k in uses if follows(k)]
+            follows, sampled = self._follows, self._sampled  # (a call only for a new key)
+            uses = [k for k in uses if (s := sampled.get(k)) or (s is None and follows(k))]
         uses = sorted(uses)  # as a layer's distinct experts come
         if not uses:
             return
