@@ -1,7 +1,7 @@
 """Python time inside an eviction policy, prefill and decode apart, replaying a routing trace.
 
     python benchmarks/policy_cost.py TRACE --slots 7099 --policy lru,nextuse,nextuse-duel
-        [--rounds 3]
+        [--rounds 3] [--read-ahead none|lookahead|scored]
 
 The trace is replayed as `strata-mlx cache-sim` replays it (strata_mlx.apps.cache_sim: the
 arena's own policy classes, told the phase when decode starts), with every call into the
@@ -72,8 +72,11 @@ class Timed:
         self.spent[self.decoding] += time.perf_counter() - t
 
 
-def measure(trace: traces.Trace, slots: int, spec: str, decode_from: int) -> tuple:
-    """(replay, prefill seconds, decode seconds) of one timed replay."""
+def measure(
+    trace: traces.Trace, slots: int, spec: str, decode_from: int, read_ahead: str = "none"
+) -> tuple:
+    """(replay, prefill seconds, decode seconds) of one timed replay (`read_ahead`:
+    cache_sim.replay's, decode's lookahead modelled from the trace's predictions)."""
     made = []
 
     def factory(layers=None, profile=None):
@@ -92,7 +95,7 @@ def measure(trace: traces.Trace, slots: int, spec: str, decode_from: int) -> tup
 
     Timed.current = Timed.current.setter(counting)
     try:
-        r = cache_sim.replay(trace, slots, factory)
+        r = cache_sim.replay(trace, slots, factory, read_ahead)
     finally:
         Timed.current = Timed.current.setter(inner_set)
     return r, made[0].spent[False], made[0].spent[True]
@@ -104,11 +107,12 @@ def main() -> None:
     ap.add_argument("--slots", type=int, required=True)
     ap.add_argument("--policy", default="lru,nextuse,nextuse-duel")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--read-ahead", default="none", choices=cache_sim.READ_AHEAD)
     a = ap.parse_args()
     t = traces.read(a.trace)
     print(f"{a.trace}: {a.slots} slots, best of {a.rounds}; policy time")
     for spec in a.policy.split(","):
-        runs = [measure(t, a.slots, spec, t.decode_from) for _ in range(a.rounds)]
+        runs = [measure(t, a.slots, spec, t.decode_from, a.read_ahead) for _ in range(a.rounds)]
         r, pre, dec = min(runs, key=lambda x: x[1] + x[2])
         print(
             f"{spec:>18}: prefill {1e6 * pre / max(r.prefill_misses, 1):6.1f} us a miss "

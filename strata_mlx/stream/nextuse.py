@@ -181,10 +181,12 @@ class NextUse(Batched):
         self._calls: list[float] = []  # the weights of its calls (and the prior's)
         self._least_count: list[float] = []  # its candidate's count (inf: none)
         self._far = np.zeros(0)  # per layer: L (calls / least count - 1), its candidate's
-        self._cycles: dict[int, np.ndarray] = {}  # running layer's index -> d(l) per layer
+        # running layer's index -> d(l) per layer, as an array and as Python ints
+        self._cycles: dict[int, tuple[np.ndarray, list[int]]] = {}
         self._cycle = np.zeros(0)  # d(l) per layer, the running layer's
         self._cycle_list: list[int] = []  # the same, as Python ints
-        self._dist = np.zeros(0)  # d(l) + L (1 / p - 1) per layer: what victim() ranks
+        # d(l) + L (1 / p - 1) per layer: what victim() ranks (None: to be made again)
+        self._dist: np.ndarray | None = np.zeros(0)
         self._changed: set[int] = set()  # layers whose candidate is to be found again
         self._current: int | None = None
         for layer in layers or []:
@@ -214,20 +216,23 @@ class NextUse(Batched):
         return i
 
     def _place(self) -> None:
-        """The running layer changed: every layer's distance in the cycle with it."""
+        """The running layer changed: every layer's distance in the cycle with it (the
+        distances' array is made again by the next `_refresh`: a layer's handshake moves the
+        cycle once, and its victims, if any, come after)."""
         at = self._index.get(self._current, 0)
-        cycle = self._cycles.get(at)
-        if cycle is None:
+        got = self._cycles.get(at)
+        if got is None:
             n = len(self._layers)
-            cycle = self._cycles[at] = (np.arange(n) - at - 1) % n + 1
-        self._cycle = cycle
-        self._cycle_list = cycle.tolist()
-        self._dist = cycle + self._far
+            cycle = (np.arange(n) - at - 1) % n + 1
+            got = self._cycles[at] = (cycle, cycle.tolist())
+        self._cycle, self._cycle_list = got
+        self._dist = None
 
     def _refar(self, i: int) -> None:
         """Layer i's calls or candidate changed: its L (1 / p - 1) with them."""
         far = self._far[i] = len(self._layers) * (self._calls[i] / self._least_count[i] - 1.0)
-        self._dist[i] = self._cycle_list[i] + far
+        if self._dist is not None:  # (else made whole by the next _refresh)
+            self._dist[i] = self._cycle_list[i] + far
 
     @property
     def current(self) -> int | None:
@@ -265,25 +270,33 @@ class NextUse(Batched):
         i = self._index.get(layer)
         if i is None:
             i = self._add_layer(layer)
-        if not self._weight[i]:  # used before any handshake of its layer (a read ahead)
-            self._weight[i] = 1.0
+        w = self._weight[i]
+        if not w:  # used before any handshake of its layer (a read ahead)
+            w = self._weight[i] = 1.0
             self._calls[i] += 1.0
             self._refar(i)
-        if key in self._this_call:  # a call counts once, however many tokens pick it
+        this_call = self._this_call
+        if key in this_call:  # a call counts once, however many tokens pick it
             return
-        count = self._count.get(key)
-        if count is None:
+        count = self._count
+        c = count.get(key)
+        if c is None:
             p0 = self._p0.get(layer)
-            count = self._prior * (float(p0[key[1]]) if p0 is not None else 0.5)
-        self._count[key] = count + self._weight[i]
-        self._uses += 1
-        self._live[key] = self._uses
+            c = self._prior * (float(p0[key[1]]) if p0 is not None else 0.5)
+        c = count[key] = c + w
+        uses = self._uses = self._uses + 1
+        self._live[key] = uses
         if layer == self._current:
             # In use by the running call (pinned): in its layer's heap only once the call
             # ends, so that victim() does not step over it at every eviction of the call.
-            self._this_call.add(key)
-        else:
+            this_call.add(key)
+            return
+        heap = self._heap.get(layer)  # _push's, inline (decode's read-ahead: a touch a miss)
+        if heap is None or len(heap) >= 4 * len(self._live) + 1024:
             self._push(key)
+            return
+        heapq.heappush(heap, (c, uses, key))
+        self._changed.add(layer)
 
     def _push(self, key: Key) -> None:
         layer = key[0]
@@ -351,12 +364,17 @@ class NextUse(Batched):
 
     def _refresh(self) -> None:
         """The candidates of the layers that changed, found again."""
+        least_count = self._least_count
         for layer in self._changed:
             entry = self._top[layer] = self._least(layer)
             i = self._index[layer]
-            self._least_count[i] = entry[0] if entry else math.inf
-            self._refar(i)
+            c = entry[0] if entry else math.inf
+            if c != least_count[i]:  # (its calls' changes made its distance as they came)
+                least_count[i] = c
+                self._refar(i)
         self._changed.clear()
+        if self._dist is None:  # the cycle moved since: int + float, as _refar adds them
+            self._dist = self._cycle + self._far
 
     def _kept_candidate(self, evictable) -> Key | None:
         """The candidate of the layer of largest distance, where it is still live and

@@ -240,6 +240,7 @@ class Adaptive:
         self.components = components
         self._real = [build(c, profile, layers) for c in components]
         self._shadow = [build(c, profile, layers) for c in components]
+        self._every = [*self._real, *self._shadow]  # told the running layer
         self._held: list[set[Key]] = [set() for _ in components]
         self._misses = [0.0] * len(components)
         self._weight = 1.0
@@ -253,6 +254,7 @@ class Adaptive:
         self.shadow_slots: int | None = None  # each shadow arena's slots
         self._sampled: dict[Key, bool] = {}  # key -> whether the shadows follow it
         self.leader = 0  # the component followed now
+        self._order = list(self._real)  # the leader's real policy first, then the others
         self._current: int | None = None
         self._call: dict[Key, None] = {}  # the running call's uses, in order, for the shadows
 
@@ -269,7 +271,7 @@ class Adaptive:
     def current(self, layer: int | None) -> None:
         self._shadow_call()
         self._current = layer
-        for p in (*self._real, *self._shadow):
+        for p in self._every:
             p.current = layer
 
     def touch(self, key: Key) -> None:
@@ -312,8 +314,8 @@ class Adaptive:
         """The ended call's uses through each shadow arena, counting its misses there."""
         uses, self._call = self._call, {}
         if self.rate < 1.0:  # (the sample sorted, not every use: the same order)
-            follows = self._follows
-            uses = [k for k in uses if follows(k)]
+            follows, sampled = self._follows, self._sampled  # (a call only for a new key)
+            uses = [k for k in uses if (s := sampled.get(k)) or (s is None and follows(k))]
         uses = sorted(uses)  # as a layer's distinct experts come
         if not uses:
             return
@@ -329,6 +331,15 @@ class Adaptive:
         if self._weight > 2.0**500:  # rescale before floats overflow
             self._misses = [m * 2.0**-500 for m in self._misses]
             self._weight *= 2.0**-500
+        self._lead()
+
+    def _lead(self) -> None:
+        """The leader from the shadows' misses (which change only as a call ends), and
+        the order in which victim() asks the real policies."""
+        self.leader = min(range(len(self._misses)), key=self._misses.__getitem__)
+        self._order = [self._real[self.leader]] + [
+            p for i, p in enumerate(self._real) if i != self.leader
+        ]
 
     def _shadow_misses(self, p, held: set[Key], misses: list[Key], evictable) -> None:
         """A shadow's misses given slots, each evicting its policy's victim where the shadow
@@ -377,10 +388,8 @@ class Adaptive:
     def victim(self, evictable) -> Key | None:
         if self.capacity is None:
             self._learn_capacity()
-        self.leader = min(range(len(self._misses)), key=self._misses.__getitem__)
-        order = [self.leader] + [i for i in range(len(self._real)) if i != self.leader]
-        for i in order:
-            key = self._real[i].victim(evictable)
+        for p in self._order:
+            key = p.victim(evictable)
             if key is not None:
                 return key
         return None
@@ -391,8 +400,7 @@ class Adaptive:
         the call ends), or one victim where the leader has none or no `victims`."""
         if self.capacity is None:
             self._learn_capacity()
-        self.leader = min(range(len(self._misses)), key=self._misses.__getitem__)
-        batch = getattr(self._real[self.leader], "victims", None)
+        batch = getattr(self._order[0], "victims", None)
         got = batch(evictable, keys) if batch is not None else []
         if got:
             return got
