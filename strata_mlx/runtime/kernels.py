@@ -15,6 +15,8 @@ device the automatic choice runs affine experts through native loops that give t
 reference's outputs bit for bit, faster (runtime/cpu_experts.py), wherever they agree.
 STRATA_MLX_KERNELS=reference|cuda|metal forces one (read when a kernel is resolved; forced
 "reference" is the MLX-ops path alone).
+STRATA_MLX_DEQUANT_STORES=scalar|wide picks the prefill dequantize kernel's stores
+(custom_kernels.dispatch.dequant_stores).
 
 Self-check: the Metal kernels cannot run on this project's machines, so the first time a
 (backend, layout) variant is resolved in a process, `self_check` runs it once on a few random
@@ -75,6 +77,10 @@ def expert_kernel(layout: RecordLayout, name: str | None = None) -> ExpertFn:
     if name != "reference":
         from custom_kernels import dispatch
 
+        try:  # the user's setting: refused here, not taken by the self-check for a failure
+            dispatch.dequant_stores()
+        except ValueError as e:
+            raise OptionError(str(e)) from None
         fn = dispatch.kernel_for(name, layout)
         if fn is not None and _checked(name, layout, fn):
 

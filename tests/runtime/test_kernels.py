@@ -615,6 +615,18 @@ def test_host_prefill_dequant_strategy(case):
 
 
 @needs_cxx
+def test_a_bad_dequant_store_setting_is_refused_not_taken_for_a_kernel_failure(monkeypatch):
+    from strata_mlx.config import OptionError
+    from strata_mlx.runtime import kernels
+
+    monkeypatch.setenv("STRATA_MLX_DEQUANT_STORES", "vector")
+    monkeypatch.setattr(kernels, "_CHECKED", {})
+    layout, _ = CASES["affine4-g64"](2, 256, 256, 0)
+    with pytest.raises(OptionError, match="STRATA_MLX_DEQUANT_STORES='vector': one of scalar"):
+        kernels.expert_kernel(layout, "host")
+
+
+@needs_cxx
 def test_host_leading_dims_and_auto_tile():
     layout, recs = CASES["affine4-g64"](4, 256, 256, 0)
     x, arena, slots, idx = make_problem(layout, recs, n_tokens=6, k=2, dtype=mx.float32)
