@@ -19,6 +19,9 @@ from .arena import Key
 # Below this many keys `victims` gives victim()'s one victim (replayed on the `store` preset,
 # decode's ~2-10 misses a layer cost 1.4x more per miss ranked in one pass than one at a time).
 SMALL_BATCH = 16
+# A layer's heap drops its dead entries (experts evicted or used again since their push) once
+# it holds more than DEAD_PER_LIVE entries a live key plus DEAD_SLACK.
+DEAD_PER_LIVE, DEAD_SLACK = 4, 1024
 
 
 class Batched:
@@ -52,7 +55,7 @@ class Batched:
                 this_call.add(key)
                 continue
             heap = heaps.get(layer)  # _push's, inline (a top-up's reads are of later layers)
-            if heap is None or len(heap) >= 4 * len(live) + 1024:
+            if heap is None or len(heap) >= DEAD_PER_LIVE * len(live) + DEAD_SLACK:
                 self._uses = uses
                 self._push(key)
                 continue
@@ -292,7 +295,7 @@ class NextUse(Batched):
             this_call.add(key)
             return
         heap = self._heap.get(layer)  # _push's, inline (decode's read-ahead: a touch a miss)
-        if heap is None or len(heap) >= 4 * len(self._live) + 1024:
+        if heap is None or len(heap) >= DEAD_PER_LIVE * len(self._live) + DEAD_SLACK:
             self._push(key)
             return
         heapq.heappush(heap, (c, uses, key))
@@ -302,7 +305,7 @@ class NextUse(Batched):
         layer = key[0]
         heap = self._heap.setdefault(layer, [])
         heapq.heappush(heap, (self._count[key], self._live[key], key))
-        if len(heap) > 4 * len(self._live) + 1024:  # drop dead entries now and then
+        if len(heap) > DEAD_PER_LIVE * len(self._live) + DEAD_SLACK:  # drop dead entries
             self._heap[layer] = [e for e in heap if self._live.get(e[2]) == e[1]]
             heapq.heapify(self._heap[layer])
         self._changed.add(layer)
@@ -324,7 +327,7 @@ class NextUse(Batched):
         live, count = self._live, self._count
         new = [(count[k], n, k) for k in self._this_call if (n := live.get(k)) is not None]
         self._this_call = set()
-        if len(new) > len(heap) // 2 or len(heap) > 4 * len(live) + 1024:
+        if len(new) > len(heap) // 2 or len(heap) > DEAD_PER_LIVE * len(live) + DEAD_SLACK:
             # more than half the heap (a prefill call's ~500; not decode's ~10, where the
             # pushes cost less than a pass over the heap): one heapify of the live entries
             # (the heap's layout is all that differs: its order is total, live numbers unique)
