@@ -121,12 +121,12 @@ alternate)  # tmpfs: the old tree's bench and this code's, alternating ROUNDS ti
         "$SHM" --arena-gb 6.5 -p 1024 -g 48 --parts
     done; } 2>&1 | tee "$OUT/decode-host.log"
   ;;
-wide)  # the dequantize kernel's 16-byte stores against its scalar ones (the default): the
+wide)  # the dequantize kernel's 16-byte stores (the default) against its scalar ones: the
   # kernel alone (outputs equal, times), then bench's lookahead with each, alternating
   build
   timeout 120 python3 benchmarks/dequant_stores.py 2>&1 | tee "$OUT/dequant-stores.log"
   for r in 1 2; do
-    G=${G:-32} LIMIT=200 bench "bench-scalar-$r" "$SHM" lookahead
+    STRATA_MLX_DEQUANT_STORES=scalar G=${G:-32} LIMIT=200 bench "bench-scalar-$r" "$SHM" lookahead
     STRATA_MLX_DEQUANT_STORES=wide G=${G:-32} LIMIT=200 bench "bench-wide-$r" "$SHM" lookahead
   done
   ;;

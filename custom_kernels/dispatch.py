@@ -45,9 +45,9 @@ PREFILL_MIN_PAIRS_PER_EXPERT = 4
 
 def dequant_stores() -> str:
     """How the dequantize kernel stores a thread's 16 weights, STRATA_MLX_DEQUANT_STORES:
-    "scalar" (one store a weight, the default) or "wide" (16-byte stores, the same values;
+    "wide" (16-byte stores, the default) or "scalar" (one store a weight, the same values;
     algorithm.dequant_source). Read when a layout's dequantize kernels are first built."""
-    env = os.environ.get("STRATA_MLX_DEQUANT_STORES", "scalar")
+    env = os.environ.get("STRATA_MLX_DEQUANT_STORES", "wide")
     if env not in ("scalar", "wide"):
         raise ValueError(f"STRATA_MLX_DEQUANT_STORES={env!r}: one of scalar, wide")
     return env

@@ -15,8 +15,9 @@ device the automatic choice runs affine experts through native loops that give t
 reference's outputs bit for bit, faster (runtime/cpu_experts.py), wherever they agree.
 STRATA_MLX_KERNELS=reference|cuda|metal forces one (read when a kernel is resolved; forced
 "reference" is the MLX-ops path alone).
-STRATA_MLX_DEQUANT_STORES=scalar|wide picks the prefill dequantize kernel's stores
-(custom_kernels.dispatch.dequant_stores).
+STRATA_MLX_DEQUANT_STORES=wide|scalar picks the prefill dequantize kernel's stores (wide,
+the default: 16-byte stores; scalar: one store a weight, the same values;
+custom_kernels.dispatch.dequant_stores).
 
 Self-check: the Metal kernels cannot run on this project's machines, so the first time a
 (backend, layout) variant is resolved in a process, `self_check` runs it once on a few random

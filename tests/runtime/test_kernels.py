@@ -614,6 +614,13 @@ def test_host_prefill_dequant_strategy(case):
     assert not np.array_equal(np.array(y), np.array(decode))  # the strategies are told apart
 
 
+def test_the_dequantize_writes_wide_stores_unless_asked_for_scalar(monkeypatch):
+    monkeypatch.delenv("STRATA_MLX_DEQUANT_STORES", raising=False)
+    assert dispatch.dequant_stores() == "wide"
+    monkeypatch.setenv("STRATA_MLX_DEQUANT_STORES", "scalar")
+    assert dispatch.dequant_stores() == "scalar"
+
+
 @needs_cxx
 def test_a_bad_dequant_store_setting_is_refused_not_taken_for_a_kernel_failure(monkeypatch):
     from strata_mlx.config import OptionError
