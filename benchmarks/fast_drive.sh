@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode.
 set -uo pipefail
@@ -130,5 +130,12 @@ wide)  # the dequantize kernel's 16-byte stores (the default) against its scalar
     STRATA_MLX_DEQUANT_STORES=wide G=${G:-32} LIMIT=200 bench "bench-wide-$r" "$SHM" lookahead
   done
   ;;
-*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide"; exit 2;;
+laptop)  # tmpfs behind an emulated laptop drive (STRATA_MLX_DRIVE_GBPS; DRIVES, GB/s): bench's
+  # policies against that drive's floors (its probes read through the same drive)
+  build
+  for d in ${DRIVES:-12 6}; do
+    STRATA_MLX_DRIVE_GBPS=$d G=${G:-32} LIMIT=${LIMIT:-280} bench "bench-drive$d" "$SHM" "${POL:-lookahead,demand}"
+  done
+  ;;
+*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop"; exit 2;;
 esac

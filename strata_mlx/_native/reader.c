@@ -27,6 +27,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -148,6 +149,34 @@ static uint64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* An emulated drive (stream/reader.py's limit_drive): every reader of the process shares one
+ * drive of a set bandwidth. A read of n bytes occupies it for n / bandwidth from when the read
+ * started or the drive came free, whichever is later, and its worker returns no sooner (the
+ * real pread may land earlier: a tmpfs copy is faster than the drive it stands in for). Reads
+ * queue on it first come, first served, so the bytes read a second never exceed the
+ * bandwidth; a read's latency is its transfer and its queueing, with no seek time. */
+static pthread_mutex_t drive_mu = PTHREAD_MUTEX_INITIALIZER;
+static double drive_ns_per_byte = 0.0; /* 0: no limit (drive_mu) */
+static uint64_t drive_free_ns = 0;     /* when the emulated drive is free (drive_mu) */
+
+static void drive_hold(uint64_t start_ns, long long nbytes) {
+    if (nbytes <= 0) return;
+    pthread_mutex_lock(&drive_mu);
+    double per_byte = drive_ns_per_byte;
+    uint64_t end = 0;
+    if (per_byte > 0) {
+        uint64_t begin = drive_free_ns > start_ns ? drive_free_ns : start_ns;
+        end = begin + (uint64_t)((double)nbytes * per_byte);
+        drive_free_ns = end;
+    }
+    pthread_mutex_unlock(&drive_mu);
+    for (uint64_t now = now_ns(); now < end; now = now_ns()) {
+        struct timespec ts = {(time_t)((end - now) / 1000000000ULL),
+                              (long)((end - now) % 1000000000ULL)};
+        nanosleep(&ts, NULL);
+    }
 }
 
 /* Wait on `cond` until `target` on the monotonic clock (the cond's clock on Linux). */
@@ -374,6 +403,7 @@ static void *worker_main(void *p) {
                 err = ENOMEM;
         }
         if (!err) err = read_fully(fd, direct, &into, &nread);
+        if (!err) drive_hold(t0, nread);
         uint64_t t1 = now_ns(), t2 = t1;
         if (r->overlap || copy_behind) { /* the drive's slot is free: the next read starts now */
             pthread_mutex_lock(&r->mu);
@@ -1316,6 +1346,27 @@ static PyObject *mod_prefer_device(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_limit_drive(PyObject *m, PyObject *arg) {
+    double bps = PyFloat_AsDouble(arg);
+    if (bps == -1.0 && PyErr_Occurred()) return NULL;
+    if (!(bps >= 0) || bps == HUGE_VAL) {
+        PyErr_SetString(PyExc_ValueError, "limit_drive: bytes a second must be >= 0 and finite");
+        return NULL;
+    }
+    pthread_mutex_lock(&drive_mu);
+    drive_ns_per_byte = bps > 0 ? 1e9 / bps : 0.0;
+    drive_free_ns = 0;
+    pthread_mutex_unlock(&drive_mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_drive_limit(PyObject *m, PyObject *unused) {
+    pthread_mutex_lock(&drive_mu);
+    double per_byte = drive_ns_per_byte;
+    pthread_mutex_unlock(&drive_mu);
+    return PyFloat_FromDouble(per_byte > 0 ? 1e9 / per_byte : 0.0);
+}
+
 static PyMethodDef module_methods[] = {
     {"device_copy_error", mod_device_copy_error, METH_NOARGS,
      "device_copy_error() -> None where CUDA copies can run, else why not"},
@@ -1327,6 +1378,9 @@ static PyMethodDef module_methods[] = {
      "checksum(name, data, value=0) -> int: 'crc32' (zlib's) or 'crc32c' of a buffer"},
     {"checksum_table", mod_checksum_table, METH_VARARGS,
      "checksum_table(name, data, value=0): the same by the portable tables (tests)"},
+    {"limit_drive", mod_limit_drive, METH_O,
+     "limit_drive(bytes_per_second): every reader's reads share a drive of that bandwidth (0: none)"},
+    {"drive_limit", mod_drive_limit, METH_NOARGS, "drive_limit() -> bytes a second (0: none)"},
     {"checksum_impl", mod_checksum_impl, METH_O,
      "checksum_impl(name) -> 'sse4.2' | 'pclmul' | 'armv8-crc' | 'table'"},
     {NULL},

@@ -355,13 +355,19 @@ def _probes(path: Path, m, base: RuntimeConfig, io_workers: int, seconds: float,
     """(probe-ssd GB/s, the data path's GB/s): the drive alone, then the drive and every step
     after it into an arena, as the cache's options set them."""
     from ..stream.probe import probe_data_path, probe_ssd
+    from ..stream.reader import DRIVE_ENV, drive_limit_gbps
 
     probe = probe_ssd(
         path / EXPERTS, record_bytes=m.layout.record_bytes, workers_list=(io_workers,),
         seconds=seconds,
     )[0]  # fmt: skip
     ssd_gbps = probe["gb_per_s"]
-    log(f"probe-ssd: {ssd_gbps:.2f} GB/s at {io_workers} workers (direct={probe['direct']})")
+    drive = drive_limit_gbps()
+    emulated = f"; an emulated drive of {drive:g} GB/s, {DRIVE_ENV}" if drive else ""
+    log(
+        f"probe-ssd: {ssd_gbps:.2f} GB/s at {io_workers} workers (direct={probe['direct']}"
+        f"{emulated})"
+    )
     path_probe = probe_data_path(
         path, m, workers=io_workers, seconds=seconds, overlap=base.read_overlap,
         device_copy=None if base.device_copy else False, device_memory=base.device_arena,

@@ -32,6 +32,12 @@ store), with ``bytes_read`` saying how far it got, or :data:`CHECKSUM_MISMATCH` 
 bytes were read but their checksum is not the one expected (the bytes are left in place).
 
 Tags are the caller's ints and must be unique among requests not yet collected (unchecked).
+
+An emulated drive: ``STRATA_MLX_DRIVE_GBPS=12`` (or :func:`limit_drive`) makes every reader of
+the process share one drive of that bandwidth (the probes' readers too, so the floors bench
+prints are the emulated drive's). A store on a tmpfs then stands in for a laptop's SSD of
+that speed: the real read lands in memory as fast as the machine copies it, and its worker
+waits until the emulated drive would have delivered it (see reader.c, ``drive_hold``).
 """
 
 from __future__ import annotations
@@ -50,6 +56,40 @@ from ..format.checksums import checksum as checksum
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+DRIVE_ENV = "STRATA_MLX_DRIVE_GBPS"
+
+
+def limit_drive(gb_per_s: float | None) -> None:
+    """Every reader of this process reads from one emulated drive of `gb_per_s` (1e9 bytes a
+    second); None or 0 lifts the limit. Applies to reads that start from now on."""
+    if gb_per_s is not None and not (0 <= gb_per_s < float("inf")):
+        raise ValueError(f"limit_drive: {gb_per_s!r} GB/s must be >= 0 and finite")
+    _reader.limit_drive(float(gb_per_s or 0) * 1e9)
+
+
+def drive_limit_gbps() -> float:
+    """The emulated drive's GB/s (limit_drive, STRATA_MLX_DRIVE_GBPS); 0.0 without one."""
+    return _reader.drive_limit() / 1e9
+
+
+def _drive_from_env() -> None:
+    """STRATA_MLX_DRIVE_GBPS, applied where it differs from the limit in force (a reader made
+    with it set shares the drive's queue with the readers before it)."""
+    text = os.environ.get(DRIVE_ENV, "").strip()
+    if not text:
+        return
+    try:
+        gbps = float(text)
+    except ValueError:
+        gbps = -1.0
+    if not (0 < gbps < float("inf")):
+        from ..config import OptionError
+
+        raise OptionError(f"{DRIVE_ENV}={text!r}: expected a drive's bandwidth in GB/s, > 0")
+    if abs(drive_limit_gbps() - gbps) > 1e-9 * gbps:
+        limit_drive(gbps)
+
 
 ALIGNMENT: int = _reader.ALIGNMENT
 """Direct I/O granularity in bytes (4096)."""
@@ -135,6 +175,7 @@ class Reader:
         device_copy: bool = False,
         copy_behind: bool = False,
     ) -> None:
+        _drive_from_env()
         self._r = _reader.Reader(
             workers, start_paused, bounce, split, overlap, device_copy, copy_behind
         )

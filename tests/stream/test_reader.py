@@ -735,3 +735,59 @@ def test_notify_below_announces_only_while_the_queue_has_room(data_file):
         r.submit([(8, f, 0, RECORD, base)])
         assert readable(fd, 10.0)  # every completion again
         drain(r, 1)
+
+
+@pytest.fixture
+def no_drive_limit(monkeypatch):
+    """Tests that emulate a drive leave none behind for the rest of the process."""
+    from strata_mlx.stream import reader as reader_mod
+
+    monkeypatch.delenv(reader_mod.DRIVE_ENV, raising=False)
+    yield reader_mod
+    reader_mod.limit_drive(None)
+
+
+def test_an_emulated_drive_delivers_no_faster_than_its_bandwidth(data_file, no_drive_limit):
+    """Reads from the page cache land far faster than 10 MB/s; with the emulated drive's limit
+    every byte waits its turn on the one drive, so the reads take at least bytes / bandwidth
+    (a lower bound: the workers may wake late, never early), and land intact."""
+    path, payload = data_file
+    n, gbps = 96, 0.01
+    buf, addr = aligned(n * RECORD)
+    reads = [(i, i % N_RECORDS) for i in range(n)]
+
+    def run() -> float:
+        with Reader(workers=8) as r:
+            f = r.open(path, direct=False)
+            t = time.perf_counter()
+            r.submit([(i, f, rec * RECORD, RECORD, addr + i * RECORD) for i, rec in reads])
+            done = drain(r, n)
+            elapsed = time.perf_counter() - t
+        assert all(c[1:] == (0, RECORD) for c in done)
+        for i, rec in reads:
+            assert (
+                buf[i * RECORD : (i + 1) * RECORD].tobytes()
+                == payload[rec * RECORD : (rec + 1) * RECORD]
+            )
+        return elapsed
+
+    no_drive_limit.limit_drive(gbps)
+    assert no_drive_limit.drive_limit_gbps() == pytest.approx(gbps)
+    assert run() >= n * RECORD / (gbps * 1e9) * (1 - 1e-3)  # 0.157 s of transfers
+    no_drive_limit.limit_drive(0)
+    assert no_drive_limit.drive_limit_gbps() == 0.0
+    with pytest.raises(ValueError, match="limit_drive"):
+        no_drive_limit.limit_drive(-1)
+
+
+def test_the_drive_limit_comes_from_the_environment(data_file, no_drive_limit, monkeypatch):
+    from strata_mlx.config import OptionError
+
+    monkeypatch.setenv(no_drive_limit.DRIVE_ENV, "12.5")
+    with Reader(workers=1):
+        pass
+    assert no_drive_limit.drive_limit_gbps() == pytest.approx(12.5)
+    for bad in ("fast", "0", "-3", "inf"):
+        monkeypatch.setenv(no_drive_limit.DRIVE_ENV, bad)
+        with pytest.raises(OptionError, match=f"STRATA_MLX_DRIVE_GBPS='{bad}': expected"):
+            Reader(workers=1)

@@ -22,6 +22,7 @@ def probe_ssd(
     """Random record-sized direct reads at several worker counts: GB/s."""
     from ...config import MAX_IO_WORKERS, check_int, check_number
     from ...stream.probe import probe_ssd as probe
+    from ...stream.reader import DRIVE_ENV, drive_limit_gbps
 
     check_int("record_bytes", record_bytes, 1, 1 << 30, cli=True)
     check_number("seconds", seconds, 0, 3600, lo_open=True, cli=True)
@@ -30,7 +31,11 @@ def probe_ssd(
         check_int("workers", n, 1, MAX_IO_WORKERS, cli=True)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
-    for row in probe(path, record_bytes=record_bytes, seconds=seconds, workers_list=counts):
+    rows = probe(path, record_bytes=record_bytes, seconds=seconds, workers_list=counts)
+    drive = drive_limit_gbps()
+    if drive:
+        typer.echo(f"an emulated drive of {drive:g} GB/s ({DRIVE_ENV})")
+    for row in rows:
         typer.echo(
             f"workers {row['workers']:>3}: {row['gb_per_s']:.2f} GB/s ({row['reads']} reads, direct={row['direct']})"
         )
