@@ -27,6 +27,7 @@ from ..format.store import EXPERTS, load_manifest, write_text_atomic
 from ..generation.generate import generate_step, make_sampler
 from ..runtime.loader import RuntimeConfig, load
 from ..stream import trace as traces
+from ..stream.reader import DRIVE_ENV, drive_limit_gbps
 from ..stream.stats import ExpertStats, RoutingTrace
 
 
@@ -235,6 +236,7 @@ def bench(
         "prefill_step_size": prefill_step_size,
         "ssd_gbps": ssd_gbps,
         "data_path_gbps": path_gbps,
+        "emulated_drive_gbps": drive_limit_gbps(),  # STRATA_MLX_DRIVE_GBPS; 0: the real drive
         "compute_chunk_s": _mean([c.wall_s for c in fake.chunks]),
         "compute_decode_tps": fake.decode_tokens / fake.decode_s,
         "runs": [_summary(run, fake, ssd_gbps, path_gbps) for run in runs],
@@ -355,7 +357,6 @@ def _probes(path: Path, m, base: RuntimeConfig, io_workers: int, seconds: float,
     """(probe-ssd GB/s, the data path's GB/s): the drive alone, then the drive and every step
     after it into an arena, as the cache's options set them."""
     from ..stream.probe import probe_data_path, probe_ssd
-    from ..stream.reader import DRIVE_ENV, drive_limit_gbps
 
     probe = probe_ssd(
         path / EXPERTS, record_bytes=m.layout.record_bytes, workers_list=(io_workers,),

@@ -222,9 +222,14 @@ def test_synthetic_store_and_bench(tmp_path):
         arena,
         "--json",
         tmp_path / "b.json",
+        # through an emulated drive (a laptop's SSD standing in): the probes read through it
+        env={**os.environ, "STRATA_MLX_DRIVE_GBPS": "0.5"},
     )
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "b.json").read_text())
+    assert result["emulated_drive_gbps"] == 0.5
+    assert "an emulated drive of 0.5 GB/s" in r.stderr + r.stdout
+    assert 0 < result["ssd_gbps"] <= 0.5 * 1.01 and result["data_path_gbps"] <= 0.5 * 1.01
     rows = {(x["policy"], x["phase"]): x for x in result["runs"]}
     assert set(rows) == {
         (p, ph) for p in ("demand", "static", "lookahead") for ph in ("cold", "warm")
