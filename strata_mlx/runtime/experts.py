@@ -112,8 +112,8 @@ class ExpertCache:
 
     # Decode's synced handshake hands each layer's experts to the device at once
     # (mx.async_eval), so that they compute while the host builds the next layer's attention,
-    # instead of at the next route sync. Off: measured by benchmarks/decode.py's "+submit"
-    # modes before it becomes a default.
+    # instead of at the next route sync. Off: on the H200 the submit cost the host what it
+    # saved the route sync (x1.04 a token; benchmarks/decode.py's "+submit" modes measure it).
     submit_experts = False
 
     def __init__(
