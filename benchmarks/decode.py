@@ -87,12 +87,7 @@ def set_mode(model, mode: str) -> None:
     """sync | layers:LAG (each layer checked LAG layers late, never whole tokens) |
     token:CHUNK (whole tokens overlapped with the next one's build, CHUNK layers submitted at
     once, never the sync fallback) | adaptive (the runtime's defaults) | adaptive+token (the
-    same, "token" mode allowed while decode lookahead predicts). A "+submit" suffix: synced
-    layers hand their experts to the device at once (ExpertCache.submit_experts)."""
-    mode, submit = mode.removesuffix("+submit"), mode.endswith("+submit")
-    model.expert_cache.submit_experts = (
-        submit  # ExpertCache.submit_experts: synced layers' experts sent at once
-    )
+    same, "token" mode allowed while decode lookahead predicts)."""
     name, _, n = mode.partition(":")
     if name == "sync":
         model.decoder = model.sync_decoder

@@ -110,12 +110,6 @@ class ExpertCache:
     """The handshake of every MoE layer of one model, over its scheduler (reads, residency,
     statistics: strata_mlx.stream.scheduler) and its predictor (strata_mlx.stream.prediction)."""
 
-    # Decode's synced handshake hands each layer's experts to the device at once
-    # (mx.async_eval), so that they compute while the host builds the next layer's attention,
-    # instead of at the next route sync. Off: on the H200 the submit cost the host what it
-    # saved the route sync (x1.04 a token; benchmarks/decode.py's "+submit" modes measure it).
-    submit_experts = False
-
     def __init__(
         self,
         store: str | Path,
@@ -359,8 +353,6 @@ class ExpertCache:
             self._predict(targets, preds, nxt, layer, needed, pred_ids)
             if (after := pr.after_wait(layer, nxt, len(needed))) is not None:
                 sched.read_ahead(*after)
-        elif self.submit_experts and self.decoding:
-            mx.async_eval(y)
         st.host_s += (t2 - t1) + (time.perf_counter() - t3)
         return y
 

@@ -479,33 +479,3 @@ def test_one_read_of_the_ids_equals_a_read_per_array(store, family, after_expert
     assert np.array_equal(lp, ref_lp)
     assert counts == ref_counts
     assert predicted == ref_pred and len(predicted) > 0
-
-
-@pytest.mark.parametrize("read_ahead", ["demand", "lookahead"])
-def test_synced_layers_submitting_their_experts_at_once_decode_the_same(
-    store, read_ahead, monkeypatch
-):
-    """ExpertCache.submit_experts (each synced decode layer's experts handed to the device as
-    soon as they are built) changes when the device computes, not what: the same tokens,
-    logits and misses, with layers that miss (a quarter of the experts resident)."""
-    path = store("qwen3_next")
-    ids = prompt_ids(24, seed=5)
-    gb = arena_for(path, 0.25)
-    real, submitted = mx.async_eval, []
-
-    def counted(*arrays):
-        submitted.append(1)
-        return real(*arrays)
-
-    monkeypatch.setattr(mx, "async_eval", counted)
-    runs = []
-    for submit in (False, True):
-        model, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead=read_ahead)
-        model.expert_cache.submit_experts = submit
-        submitted.clear()
-        tokens, lp = decode(model, ids)
-        runs.append((tokens, lp, model.expert_cache.stats.misses, len(submitted)))
-        model.expert_cache.close()
-    (t0, lp0, m0, n0), (t1, lp1, m1, n1) = runs
-    assert t1 == t0 and np.array_equal(lp1, lp0) and m1 == m0 and m0 > 0
-    assert n1 > n0  # the switch is taken: a submit a synced decode layer
