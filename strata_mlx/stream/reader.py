@@ -73,12 +73,12 @@ def drive_limit_gbps() -> float:
     return _reader.drive_limit() / 1e9
 
 
-def _drive_from_env() -> None:
+def drive_from_env() -> float:
     """STRATA_MLX_DRIVE_GBPS, applied where it differs from the limit in force (a reader made
-    with it set shares the drive's queue with the readers before it)."""
+    with it set shares the drive's queue with the readers before it); the limit in force."""
     text = os.environ.get(DRIVE_ENV, "").strip()
     if not text:
-        return
+        return drive_limit_gbps()
     try:
         gbps = float(text)
     except ValueError:
@@ -89,6 +89,7 @@ def _drive_from_env() -> None:
         raise OptionError(f"{DRIVE_ENV}={text!r}: expected a drive's bandwidth in GB/s, > 0")
     if abs(drive_limit_gbps() - gbps) > 1e-9 * gbps:
         limit_drive(gbps)
+    return gbps
 
 
 ALIGNMENT: int = _reader.ALIGNMENT
@@ -175,7 +176,7 @@ class Reader:
         device_copy: bool = False,
         copy_behind: bool = False,
     ) -> None:
-        _drive_from_env()
+        drive_from_env()
         self._r = _reader.Reader(
             workers, start_paused, bounce, split, overlap, device_copy, copy_behind
         )

@@ -699,6 +699,30 @@ def test_the_cpu_line_times_a_chunk_of_the_forecasts_size(store, tmp_path, monke
     assert cal.cached(plan.model_shape(path), cal.calibration_plan("cpu", 64, 96)) is None
 
 
+def test_plan_through_an_emulated_drive_says_so_and_calibrates_apart(store, tmp_path, monkeypatch):
+    """STRATA_MLX_DRIVE_GBPS: plan's probes read through the emulated drive, its notes say so,
+    and its calibration (an absent lookup's cost is the drive's) is kept apart from the real
+    drive's."""
+    from strata_mlx.apps.plan import calibration as cal
+    from strata_mlx.stream.reader import limit_drive
+
+    monkeypatch.setenv("STRATA_MLX_HOME", str(tmp_path))
+    monkeypatch.setattr(cal, "backend", lambda: "cpu")
+    path = store("qwen3_moe")
+    key = plan.model_shape(path), cal.calibration_plan("cpu", 48, 96)
+    monkeypatch.setenv("STRATA_MLX_DRIVE_GBPS", "3")
+    try:
+        f = plan.plan(path, prompt_tokens=96, prefill_step_size=48, gen_tokens=4)
+        assert "reads through an emulated drive of 3 GB/s (STRATA_MLX_DRIVE_GBPS)" in f.notes
+        assert f.ssd_gbps <= 3 * 1.01  # the emulated drive's, not the machine's
+        assert cal.cached(*key) is not None
+        monkeypatch.delenv("STRATA_MLX_DRIVE_GBPS")
+        limit_drive(None)
+        assert cal.cached(*key) is None
+    finally:
+        limit_drive(None)
+
+
 def test_the_read_floor_is_the_data_paths_where_reads_bounce():
     """Where the cache reads through a bounce buffer or the CUDA device copy, the drive's own
     figure overstates what lands in the arena: the data path's probe sets the floor there, and

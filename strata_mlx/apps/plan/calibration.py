@@ -147,13 +147,18 @@ class Calibration:
 
 
 def machine_key() -> str:
-    """This machine and backend: host, CPU, core count, MLX version and default device."""
+    """This machine and backend: host, CPU, core count, MLX version and default device, and
+    the emulated drive where one is set (an absent lookup's cost is the drive's)."""
     import os
 
     import mlx.core as mx
 
+    from ...stream.reader import drive_from_env
+
     device = str(mx.default_device()).replace("Device(", "").rstrip(")").replace(", ", "")
     parts = [platform.node(), platform.machine(), str(os.cpu_count()), mx.__version__, device]
+    if drive := drive_from_env():
+        parts.append(f"drive{drive:g}")
     return "-".join(p.replace("/", "_").replace(" ", "_") for p in parts if p)
 
 
