@@ -27,7 +27,7 @@ from ..format.store import EXPERTS, load_manifest, write_text_atomic
 from ..generation.generate import generate_step, make_sampler
 from ..runtime.loader import RuntimeConfig, load
 from ..stream import trace as traces
-from ..stream.reader import DRIVE_ENV, drive_limit_gbps
+from ..stream.reader import drive_limit_gbps, drive_note
 from ..stream.stats import ExpertStats, RoutingTrace
 
 
@@ -363,8 +363,7 @@ def _probes(path: Path, m, base: RuntimeConfig, io_workers: int, seconds: float,
         seconds=seconds,
     )[0]  # fmt: skip
     ssd_gbps = probe["gb_per_s"]
-    drive = drive_limit_gbps()
-    emulated = f"; an emulated drive of {drive:g} GB/s, {DRIVE_ENV}" if drive else ""
+    emulated = f"; {note}" if (note := drive_note()) else ""
     log(
         f"probe-ssd: {ssd_gbps:.2f} GB/s at {io_workers} workers (direct={probe['direct']}"
         f"{emulated})"

@@ -73,6 +73,13 @@ def drive_limit_gbps() -> float:
     return _reader.drive_limit() / 1e9
 
 
+def drive_note() -> str:
+    """ "an emulated drive of B GB/s (STRATA_MLX_DRIVE_GBPS)" while one is in force, else "":
+    what bench, plan and probe-ssd say beside figures read through it."""
+    drive = drive_limit_gbps()
+    return f"an emulated drive of {drive:g} GB/s ({DRIVE_ENV})" if drive else ""
+
+
 def drive_from_env() -> float:
     """STRATA_MLX_DRIVE_GBPS, applied where it differs from the limit in force (a reader made
     with it set shares the drive's queue with the readers before it); the limit in force."""

@@ -22,7 +22,7 @@ def probe_ssd(
     """Random record-sized direct reads at several worker counts: GB/s."""
     from ...config import MAX_IO_WORKERS, check_int, check_number
     from ...stream.probe import probe_ssd as probe
-    from ...stream.reader import DRIVE_ENV, drive_limit_gbps
+    from ...stream.reader import drive_note
 
     check_int("record_bytes", record_bytes, 1, 1 << 30, cli=True)
     check_number("seconds", seconds, 0, 3600, lo_open=True, cli=True)
@@ -32,9 +32,8 @@ def probe_ssd(
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     rows = probe(path, record_bytes=record_bytes, seconds=seconds, workers_list=counts)
-    drive = drive_limit_gbps()
-    if drive:
-        typer.echo(f"an emulated drive of {drive:g} GB/s ({DRIVE_ENV})")
+    if note := drive_note():
+        typer.echo(note)
     for row in rows:
         typer.echo(
             f"workers {row['workers']:>3}: {row['gb_per_s']:.2f} GB/s ({row['reads']} reads, direct={row['direct']})"

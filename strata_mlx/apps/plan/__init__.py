@@ -62,7 +62,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ...format.store import StoreError
-from ...stream.reader import DRIVE_ENV, drive_from_env
+from ...stream.reader import drive_from_env, drive_note
 from . import calibration
 from .forecasting import Forecast, compare, decode_forecast, forecast, save
 from .machine import (
@@ -151,8 +151,8 @@ def plan(
         compute = estimate_compute(shape, tflops, measured_memory_gbps())
         source = f"estimate: {tflops:.3g} TFLOP/s"
         notes.append("compute estimated from FLOPs (no store to time in fake-stream mode)")
-    if drive := drive_from_env():
-        notes.append(f"reads through an emulated drive of {drive:g} GB/s ({DRIVE_ENV})")
+    if drive_from_env():
+        notes.append(f"reads through {drive_note()}")
     if machine.read_source == "data path":
         notes.append(
             "reads here land through a bounce buffer or the device copy: the read floor is the "
