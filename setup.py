@@ -1,5 +1,5 @@
-"""Builds the native extensions (the reader; the CPU expert matmuls); all package metadata
-lives in pyproject.toml."""
+"""Builds the native extensions (the reader; the CPU expert matmuls; NextUse's core); all
+package metadata lives in pyproject.toml."""
 
 import sys
 
@@ -18,12 +18,18 @@ setup(
             extra_compile_args=["-O2"],
             libraries=[] if sys.platform == "darwin" else ["pthread", "dl"],
         ),
-        # -ffp-contract=off: no fused multiply-adds, so each product and sum rounds as MLX's
+        # -ffp-contract=off (both): no fused multiply-adds. NextUse's distances round as the
+        # Python reference's do (equal victims); each product and sum rounds as MLX's
         # CPU quantized matmul rounds them (the outputs must agree bit for bit)
         Extension(
             "strata_mlx._cpu_experts",
             ["strata_mlx/_native/cpu_experts.c"],
             extra_compile_args=["-O3", "-ffp-contract=off"],
+        ),
+        Extension(
+            "strata_mlx._nextuse",
+            ["strata_mlx/_native/nextuse.c"],
+            extra_compile_args=["-O2", "-ffp-contract=off"],
         ),
     ]
 )

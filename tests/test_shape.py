@@ -131,14 +131,18 @@ def test_layers_import_one_way():
 
 def test_no_private_names_across_modules():
     """No module of strata_mlx imports another's `_name`: a name another module needs is
-    public (the native extensions `_reader` and `_cpu_experts` are modules, not private
-    names)."""
+    public (the native extensions `_reader`, `_cpu_experts` and `_nextuse` are modules, not
+    private names)."""
     found = []
     for p in _sources(PACKAGE):
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.ImportFrom):
                 names = [a.name for a in node.names if a.name.startswith("_")]
-                names = [n for n in names if n not in ("_reader", "_cpu_experts", "__version__")]
+                names = [
+                    n
+                    for n in names
+                    if n not in ("_reader", "_cpu_experts", "_nextuse", "__version__")
+                ]
                 if names:
                     found.append(f"{_module(p)}:{node.lineno}: {', '.join(names)}")
     assert not found, "\n".join(found)

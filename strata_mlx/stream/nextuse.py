@@ -2,6 +2,11 @@
 expected farthest away, from the layer cycle and per-layer pick rates (NextUse), and its
 setting that trusts recent routing over the profile (NextUseRecent).
 
+PyNextUse is the policy in Python: the model and the reference. NextUse runs the same state
+and victim search in C (strata_mlx._nextuse, line for line the Python, every float the same
+operation), with the same victims (tests/stream/test_nextuse_native.py replays traces through
+both); STRATA_MLX_NEXTUSE=python gives the reference instead, read when a policy is built.
+
 A policy here only orders resident experts and estimates when one is next wanted; it never
 reads files, never sees weights, and never decides anything but which expert goes (the
 interface is strata_mlx.stream.policies's).
@@ -11,9 +16,12 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
 
 import numpy as np
 
+from .._nextuse import Core
+from ..config import OptionError
 from .arena import Key
 
 # Below this many keys `victims` gives victim()'s one victim (replayed on the `store` preset,
@@ -146,7 +154,7 @@ class Batched:
         return out
 
 
-class NextUse(Batched):
+class PyNextUse(Batched):
     """Evict the resident expert whose next use is expected farthest away. Decode visits the
     MoE layers in a cycle, so expert (l, e) is next wanted when layer l next runs, d(l)
     handshakes from now (1 to L), if the router picks it then, else L handshakes later for
@@ -424,6 +432,77 @@ class NextUse(Batched):
         return None
 
 
+def _core_choice(core: str | None) -> str:
+    choice = core or os.environ.get("STRATA_MLX_NEXTUSE") or "native"
+    if choice not in ("native", "python"):
+        raise OptionError(f"STRATA_MLX_NEXTUSE={choice!r}: one of native, python")
+    return choice
+
+
+class NextUse:
+    """PyNextUse's policy, its state and victim search in C (`core="python"` or
+    STRATA_MLX_NEXTUSE=python: PyNextUse itself). Live decode calls the policy ~30 times a
+    layer and prefill ~1000; in Python the expected-use duel's calls cost ~0.3 ms a decode
+    layer on the H200 (docs/benchmarks.md, "NextUse in C")."""
+
+    name = "nextuse"
+
+    def __init__(
+        self,
+        layers: list[int] | None = None,
+        profile: np.ndarray | None = None,
+        half_life: float = 256.0,
+        prior: float = 64.0,
+        core: str | None = None,
+    ):
+        if _core_choice(core) == "python":
+            c = self._core = PyNextUse(layers, profile, half_life, prior)
+        else:
+            c = self._core = Core(2.0 ** (1.0 / half_life), prior)
+            for layer in layers or []:
+                c.add_layer(layer)
+            if profile is not None and layers:
+                for pos, layer in enumerate(layers):
+                    row = np.asarray(profile[pos], dtype=np.float64)
+                    if row.max() > 0:
+                        c.set_prior(layer, np.ascontiguousarray(row / row.max()))
+        # The core's methods bound on the instance (they shadow the class's below): a call
+        # goes straight to C, with no Python frame of this class in between.
+        self.touch, self.touch_all = c.touch, c.touch_all
+        self.remove, self.remove_all = c.remove, c.remove_all
+        self.victim, self.victims, self.distance = c.victim, c.victims, c.distance
+
+    @property
+    def current(self) -> int | None:
+        return self._core.current
+
+    @current.setter
+    def current(self, layer: int | None) -> None:
+        self._core.current = layer
+
+    # (the interface, for a check of the class; each instance binds its core's)
+    def touch(self, key: Key) -> None:
+        self._core.touch(key)
+
+    def touch_all(self, keys: list[Key]) -> None:
+        self._core.touch_all(keys)
+
+    def remove(self, key: Key) -> None:
+        self._core.remove(key)
+
+    def remove_all(self, keys: list[Key]) -> None:
+        self._core.remove_all(keys)
+
+    def victim(self, evictable) -> Key | None:
+        return self._core.victim(evictable)
+
+    def victims(self, evictable, keys: list[Key]) -> list[Key]:
+        return self._core.victims(evictable, keys)
+
+    def distance(self, key: Key) -> float:
+        return self._core.distance(key)
+
+
 class NextUseRecent(NextUse):
     """NextUse trusting the routing of the last few dozen calls over the profile: a prior of
     4 calls, a half-life of 32 (where the profile misleads: routing with no static hot
@@ -431,5 +510,10 @@ class NextUseRecent(NextUse):
 
     name = "nextuse-recent"
 
-    def __init__(self, layers: list[int] | None = None, profile: np.ndarray | None = None):
-        super().__init__(layers, profile, half_life=32.0, prior=4.0)
+    def __init__(
+        self,
+        layers: list[int] | None = None,
+        profile: np.ndarray | None = None,
+        core: str | None = None,
+    ):
+        super().__init__(layers, profile, half_life=32.0, prior=4.0, core=core)

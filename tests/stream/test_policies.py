@@ -18,7 +18,7 @@ from strata_mlx.apps import cache_sim
 from strata_mlx.config import OptionError
 from strata_mlx.format.store import load_manifest
 from strata_mlx.generation.generate import stream_generate, teacher_forced_logits
-from strata_mlx.stream import policies, trace
+from strata_mlx.stream import nextuse, policies, trace
 from strata_mlx.stream.arena import LRU
 from strata_mlx.stream.stats import RoutingTrace
 
@@ -462,10 +462,12 @@ def test_miniature_shadows_follow_a_sample_of_the_keys_and_choose_as_the_full_on
 
 def test_nextuse_victim_is_the_evictable_expert_expected_farthest():
     """The victim, ranked from distances kept between calls, is one whose expected next use
-    is the farthest of all evictable residents, through calls, evictions and pinned keys."""
+    is the farthest of all evictable residents, through calls, evictions and pinned keys (the
+    Python reference, whose counts this reads; the native core gives its victims:
+    test_nextuse_native.py)."""
     rng = np.random.default_rng(5)
     layers = [0, 1, 2, 3]
-    p = policies.build("nextuse", profile=rng.random((4, 12)), layers=layers)
+    p = nextuse.PyNextUse(layers, rng.random((4, 12)))
     resident: set = set()
 
     def fresh(key):  # d(l) + L (calls / count - 1), from the counts, nothing kept
