@@ -35,23 +35,42 @@ static inline int entry_lt(const Entry *a, const Entry *b) {
     return a->e < b->e;
 }
 
+/* buf (`old` items of `item` bytes) grown to `cap` items, the new ones zero; NULL (and
+ * MemoryError set, buf untouched) where there is no memory */
+static void *grown(void *buf, Py_ssize_t old, Py_ssize_t cap, size_t item) {
+    char *p = realloc(buf, (size_t)cap * item);
+    if (!p) return PyErr_NoMemory();
+    memset(p + (size_t)old * item, 0, (size_t)(cap - old) * item);
+    return p;
+}
+
+/* buf with room for `need` (>= 1) items, its capacity *cap doubled from 64 until they fit;
+ * NULL as grown() */
+static void *reserve(void *buf, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
+    if (need <= *cap) return buf;
+    Py_ssize_t c = *cap ? *cap : 64;
+    while (c < need) c *= 2;
+    void *p = grown(buf, *cap, c, item);
+    if (p) *cap = c;
+    return p;
+}
+
 typedef struct {
     Entry *h;
     Py_ssize_t len, cap;
-} Heap;
+} Heap; /* a binary heap, or (least's and victims' entries put aside) a plain list */
+
+static int append(Heap *hp, Entry x) {
+    Entry *h = reserve(hp->h, &hp->cap, hp->len + 1, sizeof(Entry));
+    if (!h) return -1;
+    hp->h = h;
+    h[hp->len++] = x;
+    return 0;
+}
 
 static int heap_push(Heap *hp, Entry x) {
-    if (hp->len == hp->cap) {
-        Py_ssize_t cap = hp->cap ? 2 * hp->cap : 64;
-        Entry *h = realloc(hp->h, (size_t)cap * sizeof(Entry));
-        if (!h) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        hp->h = h;
-        hp->cap = cap;
-    }
-    Py_ssize_t i = hp->len++;
+    if (append(hp, x) < 0) return -1;
+    Py_ssize_t i = hp->len - 1;
     Entry *h = hp->h;
     while (i > 0) {
         Py_ssize_t p = (i - 1) / 2;
@@ -162,28 +181,20 @@ static int find(Core *s, long layer) {
 
 static int grow_experts(Layer *l, long e) {
     if (e < l->cap) return 0;
-    Py_ssize_t cap = l->cap ? l->cap : 64;
+    Py_ssize_t k = l->cap, cap = k ? k : 64;
     while (cap <= e) cap *= 2;
-    double *count = realloc(l->count, (size_t)cap * sizeof(double));
-    if (count) l->count = count;
-    uint8_t *seen = realloc(l->seen, (size_t)cap);
-    if (seen) l->seen = seen;
-    int64_t *live = realloc(l->live, (size_t)cap * sizeof(int64_t));
-    if (live) l->live = live;
-    uint8_t *in_call = realloc(l->in_call, (size_t)cap);
-    if (in_call) l->in_call = in_call;
-    uint32_t *taken = realloc(l->taken, (size_t)cap * sizeof(uint32_t));
-    if (taken) l->taken = taken;
-    if (!count || !seen || !live || !in_call || !taken) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    Py_ssize_t k = l->cap;
-    memset(count + k, 0, (size_t)(cap - k) * sizeof(double));
-    memset(seen + k, 0, (size_t)(cap - k));
-    memset(live + k, 0, (size_t)(cap - k) * sizeof(int64_t));
-    memset(in_call + k, 0, (size_t)(cap - k));
-    memset(taken + k, 0, (size_t)(cap - k) * sizeof(uint32_t));
+    /* each array grown on its own: one that fails leaves the others larger, and cap as it was */
+    void *p;
+    if (!(p = grown(l->count, k, cap, sizeof(double)))) return -1;
+    l->count = p;
+    if (!(p = grown(l->seen, k, cap, 1))) return -1;
+    l->seen = p;
+    if (!(p = grown(l->live, k, cap, sizeof(int64_t)))) return -1;
+    l->live = p;
+    if (!(p = grown(l->in_call, k, cap, 1))) return -1;
+    l->in_call = p;
+    if (!(p = grown(l->taken, k, cap, sizeof(uint32_t)))) return -1;
+    l->taken = p;
     l->cap = cap;
     return 0;
 }
@@ -215,32 +226,20 @@ static int add_layer(Core *s, long layer) {
         PyErr_Format(PyExc_ValueError, "layer %ld out of range", layer);
         return -1;
     }
-    if (layer >= s->index_cap) {
-        Py_ssize_t cap = s->index_cap ? s->index_cap : 64;
-        while (cap <= layer) cap *= 2;
-        int32_t *index = realloc(s->index, (size_t)cap * sizeof(int32_t));
-        if (!index) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        memset(index + s->index_cap, 0, (size_t)(cap - s->index_cap) * sizeof(int32_t));
-        s->index = index;
-        s->index_cap = cap;
-    }
-    if (s->n == s->cap_layers) {
-        Py_ssize_t cap = s->cap_layers ? 2 * s->cap_layers : 64;
-        Layer *L = realloc(s->L, (size_t)cap * sizeof(Layer));
-        if (L) s->L = L;
-        int64_t *cycle = realloc(s->cycle, (size_t)cap * sizeof(int64_t));
-        if (cycle) s->cycle = cycle;
-        double *dist = realloc(s->dist, (size_t)cap * sizeof(double));
-        if (dist) s->dist = dist;
-        int32_t *changed = realloc(s->changed, (size_t)cap * sizeof(int32_t));
-        if (changed) s->changed = changed;
-        if (!L || !cycle || !dist || !changed) {
-            PyErr_NoMemory();
-            return -1;
-        }
+    int32_t *index = reserve(s->index, &s->index_cap, layer + 1, sizeof(int32_t));
+    if (!index) return -1;
+    s->index = index;
+    if (s->n == s->cap_layers) { /* (four arrays of one capacity, as grow_experts's) */
+        Py_ssize_t k = s->cap_layers, cap = k ? 2 * k : 64;
+        void *p;
+        if (!(p = grown(s->L, k, cap, sizeof(Layer)))) return -1;
+        s->L = p;
+        if (!(p = grown(s->cycle, k, cap, sizeof(int64_t)))) return -1;
+        s->cycle = p;
+        if (!(p = grown(s->dist, k, cap, sizeof(double)))) return -1;
+        s->dist = p;
+        if (!(p = grown(s->changed, k, cap, sizeof(int32_t)))) return -1;
+        s->changed = p;
         s->cap_layers = cap;
     }
     int i = (int)s->n++;
@@ -311,16 +310,9 @@ static int touch(Core *s, long layer, long expert) {
     l->live[expert] = ++s->uses;
     if (s->has_current && layer == s->current) {
         /* in use by the running call (pinned): in its heap only once the call ends */
-        if (s->call_len == s->call_cap) {
-            Py_ssize_t cap = s->call_cap ? 2 * s->call_cap : 64;
-            int32_t *call = realloc(s->call, (size_t)cap * sizeof(int32_t));
-            if (!call) {
-                PyErr_NoMemory();
-                return -1;
-            }
-            s->call = call;
-            s->call_cap = cap;
-        }
+        int32_t *call = reserve(s->call, &s->call_cap, s->call_len + 1, sizeof(int32_t));
+        if (!call) return -1;
+        s->call = call;
         l->in_call[expert] = 1;
         s->call[s->call_len++] = (int32_t)expert;
         return 0;
@@ -424,7 +416,7 @@ static int least(Core *s, int i, PyObject *evictable, Entry *out) {
     while (hp->len) {
         Entry x = heap_pop(hp);
         if (l->live[x.e] != x.n) continue;
-        if (heap_push(skipped, x) < 0) {
+        if (append(skipped, x) < 0) {
             found = -1;
             break;
         }
@@ -498,13 +490,10 @@ static PyObject *victim(Core *s, PyObject *evictable) {
     if (got) return make_key(s->L[li].layer, e);
     double most = s->dist[argmax(s->dist, n)];
     if (most <= 0) Py_RETURN_NONE;
-    if (s->scratch_cap < 2 * n) {
-        double *sc = realloc(s->scratch, (size_t)(2 * n) * sizeof(double));
-        if (!sc) return PyErr_NoMemory();
-        s->scratch = sc;
-        s->scratch_cap = 2 * n;
-    }
-    double *far = s->scratch; /* the candidate is pinned: rank the layers' next ones */
+    /* the candidate is pinned: rank the layers' next ones */
+    double *far = reserve(s->scratch, &s->scratch_cap, n, sizeof(double));
+    if (!far) return NULL;
+    s->scratch = far;
     memcpy(far, s->dist, (size_t)n * sizeof(double));
     Entry *instead = malloc((size_t)n * sizeof(Entry));
     uint8_t *has_instead = calloc((size_t)n, 1);
@@ -645,7 +634,7 @@ static PyObject *victims(Core *s, PyObject *evictable, PyObject *keys) {
         while (hp->len) {
             Entry x = heap_pop(hp);
             if (l->live[x.e] != x.n) continue; /* dead */
-            if (heap_push(bk, x) < 0) goto fail_back; /* (order kept: only the set matters) */
+            if (append(bk, x) < 0) goto fail_back;
             if (l->taken[x.e] != pass) {
                 int ok = is_evictable(evictable, l->layer, x.e);
                 if (ok < 0) goto fail_back;
@@ -831,13 +820,6 @@ static int Core_set_current(Core *s, PyObject *value, void *closure) {
     return set_current(s, value);
 }
 
-static PyObject *Core_layers(Core *s, void *closure) {
-    (void)closure;
-    PyObject *out = PyList_New(s->n);
-    for (Py_ssize_t i = 0; out && i < s->n; i++) PyList_SET_ITEM(out, i, PyLong_FromLong(s->L[i].layer));
-    return out;
-}
-
 static PyMethodDef Core_methods[] = {
     {"add_layer", (PyCFunction)Core_add_layer, METH_O, "add_layer(layer): a layer joins the cycle"},
     {"set_prior", (PyCFunction)Core_set_prior, METH_VARARGS,
@@ -855,7 +837,6 @@ static PyMethodDef Core_methods[] = {
 
 static PyGetSetDef Core_getset[] = {
     {"current", (getter)Core_get_current, (setter)Core_set_current, "the running layer", NULL},
-    {"layers", (getter)Core_layers, NULL, "the layers in the cycle, in order", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

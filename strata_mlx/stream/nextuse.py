@@ -32,6 +32,18 @@ SMALL_BATCH = 16
 DEAD_PER_LIVE, DEAD_SLACK = 4, 1024
 
 
+def priors(layers: list[int] | None, profile: np.ndarray | None) -> dict[int, np.ndarray]:
+    """Per layer, the profile's prior: each expert's share of its layer's picks against the
+    layer's most picked expert (float64; none for a layer whose profile row is all zero)."""
+    out: dict[int, np.ndarray] = {}
+    if profile is not None and layers:
+        for pos, layer in enumerate(layers):
+            row = np.asarray(profile[pos], dtype=np.float64)
+            if row.max() > 0:
+                out[layer] = row / row.max()
+    return out
+
+
 class Batched:
     """NextUse's calls for many keys at once (a prefill layer's ~500 uses and misses): the
     same state and victims as one call a key, without a call's overhead a key."""
@@ -186,7 +198,7 @@ class PyNextUse(Batched):
         self._layers: list[int] = []
         self._growth = 2.0 ** (1.0 / half_life)
         self._prior = prior
-        self._p0: dict[int, np.ndarray] = {}
+        self._p0 = priors(layers, profile)
         # Per layer, Python floats (a numpy scalar costs more than the arithmetic on it):
         self._weight: list[float] = []  # what one call's use counts now
         self._calls: list[float] = []  # the weights of its calls (and the prior's)
@@ -202,11 +214,6 @@ class PyNextUse(Batched):
         self._current: int | None = None
         for layer in layers or []:
             self._add_layer(layer)
-        if profile is not None and layers:
-            for pos, layer in enumerate(layers):
-                row = np.asarray(profile[pos], dtype=np.float64)
-                if row.max() > 0:
-                    self._p0[layer] = row / row.max()
         self._count: dict[Key, float] = {}  # every expert seen, resident or not
         self._heap: dict[int, list[tuple[float, int, Key]]] = {}  # layer -> residents
         self._live: dict[Key, int] = {}  # resident key -> its live entry's number
@@ -461,11 +468,8 @@ class NextUse:
             c = self._core = Core(2.0 ** (1.0 / half_life), prior)
             for layer in layers or []:
                 c.add_layer(layer)
-            if profile is not None and layers:
-                for pos, layer in enumerate(layers):
-                    row = np.asarray(profile[pos], dtype=np.float64)
-                    if row.max() > 0:
-                        c.set_prior(layer, np.ascontiguousarray(row / row.max()))
+            for layer, p0 in priors(layers, profile).items():
+                c.set_prior(layer, np.ascontiguousarray(p0))
         # The core's methods bound on the instance (they shadow the class's below): a call
         # goes straight to C, with no Python frame of this class in between.
         self.touch, self.touch_all = c.touch, c.touch_all

@@ -21,6 +21,16 @@ def pair(layers, profile, half_life=256.0, prior=64.0):
     return native, ref
 
 
+def each(policies, name: str, keys, batched: bool) -> None:
+    """`name`_all(keys) on each policy, or `name`(key) a key."""
+    for p in policies:
+        if batched:
+            getattr(p, f"{name}_all")(keys)
+        else:
+            for k in keys:
+                getattr(p, name)(k)
+
+
 def drive(seed, n_layers, n_experts, steps, half_life=256.0, profile=True, prior=64.0):
     """Random calls to both, every answer compared; returns how many victims were compared."""
     rng = random.Random(seed)
@@ -52,13 +62,7 @@ def drive(seed, n_layers, n_experts, steps, half_life=256.0, profile=True, prior
         if op < 0.35:  # a call's uses
             layer = native.current if native.current is not None else rng.choice(layers)
             keys = [(layer, rng.randrange(n_experts)) for _ in range(rng.randint(1, 12))]
-            if rng.random() < 0.5:
-                native.touch_all(keys)
-                ref.touch_all(keys)
-            else:
-                for k in keys:
-                    native.touch(k)
-                    ref.touch(k)
+            each((native, ref), "touch", keys, batched=rng.random() < 0.5)
             resident.update(keys)
             pinned.update(keys)
         elif op < 0.45:  # read-ahead of a later layer's experts
@@ -68,13 +72,7 @@ def drive(seed, n_layers, n_experts, steps, half_life=256.0, profile=True, prior
             resident.add(key)
         elif op < 0.55 and resident:  # evicted or dropped
             keys = rng.sample(sorted(resident), min(len(resident), rng.randint(1, 4)))
-            if rng.random() < 0.5:
-                native.remove_all(keys)
-                ref.remove_all(keys)
-            else:
-                for k in keys:
-                    native.remove(k)
-                    ref.remove(k)
+            each((native, ref), "remove", keys, batched=rng.random() < 0.5)
             resident.difference_update(keys)
         elif op < 0.75:
             got, want = native.victim(evictable), ref.victim(evictable)
