@@ -5,6 +5,7 @@ reads a store for the runtime (store.py validates what is read)."""
 
 from __future__ import annotations
 
+import atexit
 import glob
 import json
 import os
@@ -66,7 +67,7 @@ class StoreWriter:
         try:
             self._start(model_type, config, layout, moe_layers, num_experts, layer_layouts)
         except BaseException:  # SIGTERM (SystemExit) or a full disk before __enter__
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            _discard(self.tmp, self.out)
             raise
 
     def _start(self, model_type, config, layout, moe_layers, num_experts, layer_layouts):
@@ -153,6 +154,7 @@ class StoreWriter:
             if self.out.exists():
                 os.replace(self.out, self.tmp / REPLACED)
             os.replace(self.tmp, self.out)
+            _UNFINISHED.pop(self.tmp, None)
             _fsync_dir(self.out.parent)  # the rename itself
             _finish_replacement(self.out)
         return self.out
@@ -163,9 +165,7 @@ class StoreWriter:
         except OSError:
             pass  # flushing what a full disk refused fails again; the directory goes anyway
         finally:
-            if (self.tmp / REPLACED).is_dir() and not self.out.exists():
-                os.replace(self.tmp / REPLACED, self.out)  # commit() failed between renames
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            _discard(self.tmp, self.out)
 
     def __enter__(self) -> StoreWriter:
         return self
@@ -301,15 +301,45 @@ def _finish_replacement(out: Path) -> None:
     (out / OWNER).unlink(missing_ok=True)
 
 
+# This process's temporary directories not yet committed nor given up -> their output. At
+# exit, however the process unwinds (convert turns SIGTERM into SystemExit), what is left here
+# is given up: a SIGTERM between a directory's creation and the code that owns its cleanup
+# (StoreWriter's constructor, the `with` around it, commit()'s two renames) leaves nothing
+# behind, and an old store moved aside is put back.
+_UNFINISHED: dict[Path, Path] = {}
+
+
+def _discard(tmp: Path, out: Path) -> None:
+    """Give up temporary directory `tmp` of `out`: an old store that commit() had moved into
+    it goes back to `out` first."""
+    if (tmp / REPLACED).is_dir() and not out.exists():
+        os.replace(tmp / REPLACED, out)  # commit() failed between its renames
+    shutil.rmtree(tmp, ignore_errors=True)
+    _UNFINISHED.pop(tmp, None)
+
+
+@atexit.register
+def _discard_unfinished() -> None:
+    for tmp, out in list(_UNFINISHED.items()):
+        owner = _temp_owner(tmp, out)
+        if owner is None or owner[0] != os.getpid():
+            continue  # a forked child's exit: the directory is its parent's
+        try:
+            _discard(tmp, out)
+        except OSError:
+            pass  # left to the next conversion's remove_dead_temps (its name says whose)
+
+
 def _make_temp(out: Path) -> Path:
     with _writing(out):
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{_owner_tag()}.", dir=out.parent))
-        stamp = {"pid": os.getpid(), "host": _host_tag(), "start": _process_start(os.getpid())}
+        _UNFINISHED[tmp] = out
         try:
+            stamp = {"pid": os.getpid(), "host": _host_tag(), "start": _process_start(os.getpid())}
             (tmp / OWNER).write_text(json.dumps(stamp))
         except BaseException:  # SIGTERM or a full disk this early: nothing to keep
-            shutil.rmtree(tmp, ignore_errors=True)
+            _discard(tmp, out)
             raise
     return tmp
 

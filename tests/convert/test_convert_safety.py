@@ -254,6 +254,32 @@ def test_disk_errors_are_one_line_and_leave_nothing(gguf, tmp_path, monkeypatch,
     assert not (tmp_path / "s").exists() and not _temps(tmp_path / "s")
 
 
+def test_an_exit_before_the_writer_owns_its_directory_leaves_nothing(tmp_path):
+    """The temporary directory exists, then the process unwinds (as convert's SIGTERM does)
+    before any code that would remove it runs: it goes at exit, an old store moved aside into
+    it comes back; a forked child's exit leaves its parent's alone."""
+    out = tmp_path / "s"
+    code = f"""
+import os
+from pathlib import Path
+from strata_mlx.format import writer
+out = Path({str(out)!r})
+out.mkdir()
+(out / "old").write_text("the user's store")
+t = writer._make_temp(out)
+if os.fork() == 0:
+    raise SystemExit(0)
+os.wait()
+assert t.is_dir()
+os.replace(out, t / writer.REPLACED)  # commit() between its renames
+raise SystemExit(128 + 15)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 128 + 15, p.stderr
+    assert not _temps(out)
+    assert (out / "old").read_text() == "the user's store"
+
+
 def _raise(e):
     def f(*a, **kw):
         raise e
