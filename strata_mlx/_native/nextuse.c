@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "nextuse.h"
+
 #define SMALL_BATCH 16
 #define DEAD_PER_LIVE 4
 #define DEAD_SLACK 1024
@@ -127,7 +129,7 @@ typedef struct {
     uint32_t *taken;   /* victims(): taken in the pass numbered so */
 } Layer;
 
-typedef struct {
+struct Core {
     PyObject_HEAD
     double growth, prior;
     Layer *L;
@@ -149,7 +151,7 @@ typedef struct {
     double *scratch;
     Py_ssize_t scratch_cap;
     Heap skipped; /* least()'s entries passed over */
-} Core;
+};
 
 /* ---- keys ------------------------------------------------------------------------------ */
 
@@ -320,6 +322,8 @@ static int touch(Core *s, long layer, long expert) {
     return push(s, i, (int32_t)expert);
 }
 
+int nu_touch(Core *s, long layer, long expert) { return touch(s, layer, expert); }
+
 static void remove_key(Core *s, long layer, long expert) {
     int i = find(s, layer);
     if (i < 0) return;
@@ -332,6 +336,8 @@ static void remove_key(Core *s, long layer, long expert) {
     }
     l->in_call[expert] = 0;
 }
+
+void nu_remove(Core *s, long layer, long expert) { remove_key(s, layer, expert); }
 
 static int end_call(Core *s) {
     if (!s->call_len) return 0;
@@ -365,15 +371,13 @@ static void rescale(Core *s, int i, double f) {
     mark_changed(s, i);
 }
 
-static int set_current(Core *s, PyObject *value) {
+int nu_set_current(Core *s, int has, long layer) {
     if (end_call(s) < 0) return -1;
-    if (value == Py_None) {
+    if (!has) {
         s->has_current = 0;
         place(s);
         return 0;
     }
-    long layer = PyLong_AsLong(value);
-    if (layer == -1 && PyErr_Occurred()) return -1;
     s->current = layer;
     s->has_current = 1;
     int i = layer_of(s, layer);
@@ -389,17 +393,18 @@ static int set_current(Core *s, PyObject *value) {
 
 /* ---- victims --------------------------------------------------------------------------- */
 
-static int is_evictable(PyObject *evictable, long layer, int32_t e) {
+static int is_evictable(const Pred *p, long layer, int32_t e) {
+    if (p->check) return p->check(p->ctx, layer, e);
     PyObject *key = make_key(layer, e);
     if (!key) return -1;
-    PyObject *r = PyObject_CallOneArg(evictable, key);
+    PyObject *r = PyObject_CallOneArg(p->fn, key);
     Py_DECREF(key);
     int ok = r ? PyObject_IsTrue(r) : -1;
     Py_XDECREF(r);
     return ok;
 }
 
-static int least(Core *s, int i, PyObject *evictable, Entry *out) {
+static int least(Core *s, int i, const Pred *evictable, Entry *out) {
     /* the live entry of least count in layer i (that is evictable, if given): 1 found, 0 none,
      * -1 an error */
     Layer *l = &s->L[i];
@@ -464,7 +469,7 @@ static Py_ssize_t argmax(const double *a, Py_ssize_t n) {
     return best;
 }
 
-static int kept_candidate(Core *s, PyObject *evictable, int32_t *expert, int *layer_i) {
+static int kept_candidate(Core *s, const Pred *evictable, int32_t *expert, int *layer_i) {
     /* the candidate of the layer of largest distance, where still live and evictable: 1, else
      * 0 (-1 an error) */
     Py_ssize_t i = argmax(s->dist, s->n);
@@ -479,25 +484,45 @@ static int kept_candidate(Core *s, PyObject *evictable, int32_t *expert, int *la
     return ok;
 }
 
-static PyObject *victim(Core *s, PyObject *evictable) {
+int keys_append(Keys *k, long layer, int32_t e) {
+    if (k->len == k->cap) {
+        Py_ssize_t cap = k->cap ? 2 * k->cap : 16;
+        long *l = realloc(k->layer, (size_t)cap * sizeof(long));
+        if (!l) return PyErr_NoMemory(), -1;
+        k->layer = l;
+        int32_t *x = realloc(k->expert, (size_t)cap * sizeof(int32_t));
+        if (!x) return PyErr_NoMemory(), -1;
+        k->expert = x;
+        k->cap = cap;
+    }
+    k->layer[k->len] = layer;
+    k->expert[k->len++] = e;
+    return 0;
+}
+
+int nu_victim(Core *s, const Pred *evictable, long *layer, int32_t *expert) {
     refresh(s);
     Py_ssize_t n = s->n;
-    if (!n) Py_RETURN_NONE;
+    if (!n) return 0;
     int32_t e;
     int li;
     int got = kept_candidate(s, evictable, &e, &li);
-    if (got < 0) return NULL;
-    if (got) return make_key(s->L[li].layer, e);
+    if (got < 0) return -1;
+    if (got) {
+        *layer = s->L[li].layer;
+        *expert = e;
+        return 1;
+    }
     double most = s->dist[argmax(s->dist, n)];
-    if (most <= 0) Py_RETURN_NONE;
+    if (most <= 0) return 0;
     /* the candidate is pinned: rank the layers' next ones */
     double *far = reserve(s->scratch, &s->scratch_cap, n, sizeof(double));
-    if (!far) return NULL;
+    if (!far) return -1;
     s->scratch = far;
     memcpy(far, s->dist, (size_t)n * sizeof(double));
     Entry *instead = malloc((size_t)n * sizeof(Entry));
     uint8_t *has_instead = calloc((size_t)n, 1);
-    PyObject *out = NULL;
+    int out = -1;
     if (!instead || !has_instead) {
         PyErr_NoMemory();
         goto done;
@@ -511,7 +536,9 @@ static PyObject *victim(Core *s, PyObject *evictable) {
             int ok = is_evictable(evictable, l->layer, x->e);
             if (ok < 0) goto done;
             if (ok) {
-                out = make_key(l->layer, x->e);
+                *layer = l->layer;
+                *expert = x->e;
+                out = 1;
                 goto done;
             }
         }
@@ -526,8 +553,7 @@ static PyObject *victim(Core *s, PyObject *evictable) {
             far[i] = (double)s->cycle[i] + (double)n * (l->calls / y.c - 1.0);
         }
     }
-    out = Py_None;
-    Py_INCREF(out);
+    out = 0;
 done:
     free(instead);
     free(has_instead);
@@ -546,40 +572,21 @@ static int ranked_lt(const Ranked *a, const Ranked *b) {
     return a->i < b->i; /* (a layer has one item at a time: the entry never decides) */
 }
 
-static PyObject *victims(Core *s, PyObject *evictable, PyObject *keys) {
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
-    if (!seq) return NULL;
-    Py_ssize_t want = PySequence_Fast_GET_SIZE(seq);
-    for (Py_ssize_t j = 0; j < want; j++) {
-        long layer, expert;
-        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layer, &expert) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        if (find(s, layer) < 0) { /* a new layer moves every distance: ask again after */
+int nu_victims(Core *s, const Pred *evictable, const long *key_layers, Py_ssize_t want, Keys *out) {
+    for (Py_ssize_t j = 0; j < want; j++)
+        if (find(s, key_layers[j]) < 0) { /* a new layer moves every distance: ask again after */
             want = j + 1;
             break;
         }
-    }
-    Py_DECREF(seq);
     refresh(s);
     Py_ssize_t n = s->n;
-    PyObject *out = PyList_New(0);
-    if (!out || !n) return out;
+    if (!n) return 0;
     if (want < SMALL_BATCH) {
         int32_t e;
         int li;
         int got = kept_candidate(s, evictable, &e, &li);
-        if (got < 0) goto fail;
-        if (got) {
-            PyObject *key = make_key(s->L[li].layer, e);
-            if (!key || PyList_Append(out, key) < 0) {
-                Py_XDECREF(key);
-                goto fail;
-            }
-            Py_DECREF(key);
-            return out;
-        }
+        if (got < 0) return -1;
+        if (got) return keys_append(out, s->L[li].layer, e);
     }
     Ranked *ranked = malloc((size_t)n * sizeof(Ranked));
     Py_ssize_t nr = 0;
@@ -616,12 +623,7 @@ static PyObject *victims(Core *s, PyObject *evictable, PyObject *keys) {
         } else
             took = r.x.e;
         if (took >= 0) {
-            PyObject *key = make_key(l->layer, took);
-            if (!key || PyList_Append(out, key) < 0) {
-                Py_XDECREF(key);
-                goto fail_back;
-            }
-            Py_DECREF(key);
+            if (keys_append(out, l->layer, took) < 0) goto fail_back;
             l->taken[took] = pass;
             taken++;
         }
@@ -662,7 +664,7 @@ static PyObject *victims(Core *s, PyObject *evictable, PyObject *keys) {
     free(back);
     free(touched);
     free(ranked);
-    return out;
+    return 0;
 fail_back:
     for (Py_ssize_t i = 0; i < n; i++) { /* leave the heaps whole: every entry back */
         Layer *l = &s->L[i];
@@ -673,9 +675,21 @@ fail_free:
     free(back);
     free(touched);
     free(ranked);
-fail:
-    Py_DECREF(out);
-    return NULL;
+    return -1;
+}
+
+PyObject *keys_list(const Keys *k) {
+    PyObject *out = PyList_New(k->len);
+    if (!out) return NULL;
+    for (Py_ssize_t j = 0; j < k->len; j++) {
+        PyObject *key = make_key(k->layer[j], k->expert[j]);
+        if (!key) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, j, key);
+    }
+    return out;
 }
 
 /* ---- the type ---------------------------------------------------------------------------- */
@@ -783,14 +797,43 @@ static PyObject *Core_remove_all(Core *s, PyObject *keys) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Core_victim(Core *s, PyObject *evictable) { return victim(s, evictable); }
+static PyObject *Core_victim(Core *s, PyObject *evictable) {
+    Pred p = {evictable, NULL, NULL};
+    long layer;
+    int32_t e;
+    int got = nu_victim(s, &p, &layer, &e);
+    if (got < 0) return NULL;
+    if (!got) Py_RETURN_NONE;
+    return make_key(layer, e);
+}
 
 static PyObject *Core_victims(Core *s, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "victims(evictable, keys)");
         return NULL;
     }
-    return victims(s, args[0], args[1]);
+    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    long *layers = malloc((size_t)(n ? n : 1) * sizeof(long));
+    Keys out = {0};
+    PyObject *res = NULL;
+    if (!layers) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        long expert;
+        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layers[j], &expert) < 0) goto done;
+    }
+    Pred p = {args[0], NULL, NULL};
+    if (nu_victims(s, &p, layers, n, &out) == 0) res = keys_list(&out);
+done:
+    Py_DECREF(seq);
+    free(layers);
+    free(out.layer);
+    free(out.expert);
+    return res;
 }
 
 static PyObject *Core_distance(Core *s, PyObject *key) {
@@ -817,7 +860,10 @@ static int Core_set_current(Core *s, PyObject *value, void *closure) {
         PyErr_SetString(PyExc_AttributeError, "current cannot be deleted");
         return -1;
     }
-    return set_current(s, value);
+    if (value == Py_None) return nu_set_current(s, 0, 0);
+    long layer = PyLong_AsLong(value);
+    if (layer == -1 && PyErr_Occurred()) return -1;
+    return nu_set_current(s, 1, layer);
 }
 
 static PyMethodDef Core_methods[] = {
@@ -840,7 +886,7 @@ static PyGetSetDef Core_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject CoreType = {
+PyTypeObject NuCoreType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "strata_mlx._nextuse.Core",
     .tp_basicsize = sizeof(Core),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -858,12 +904,16 @@ static struct PyModuleDef nextuse_module = {
 };
 
 PyMODINIT_FUNC PyInit__nextuse(void) {
-    if (PyType_Ready(&CoreType) < 0) return NULL;
+    if (PyType_Ready(&NuCoreType) < 0) return NULL;
     PyObject *m = PyModule_Create(&nextuse_module);
     if (!m) return NULL;
-    Py_INCREF(&CoreType);
-    if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
-        Py_DECREF(&CoreType);
+    Py_INCREF(&NuCoreType);
+    if (PyModule_AddObject(m, "Core", (PyObject *)&NuCoreType) < 0) {
+        Py_DECREF(&NuCoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (duel_register(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -439,11 +439,24 @@ class PyNextUse(Batched):
         return None
 
 
-def _core_choice(core: str | None) -> str:
+def core_choice(core: str | None) -> str:
+    """ "native" or "python": `core` where given, else STRATA_MLX_NEXTUSE (native by default)."""
     choice = core or os.environ.get("STRATA_MLX_NEXTUSE") or "native"
     if choice not in ("native", "python"):
         raise OptionError(f"STRATA_MLX_NEXTUSE={choice!r}: one of native, python")
     return choice
+
+
+def native_core(
+    layers: list[int] | None, profile: np.ndarray | None, half_life: float, prior: float
+) -> Core:
+    """A C core of NextUse's state: the cycle's layers and the profile's priors given."""
+    c = Core(2.0 ** (1.0 / half_life), prior)
+    for layer in layers or []:
+        c.add_layer(layer)
+    for layer, p0 in priors(layers, profile).items():
+        c.set_prior(layer, np.ascontiguousarray(p0))
+    return c
 
 
 class NextUse:
@@ -462,14 +475,10 @@ class NextUse:
         prior: float = 64.0,
         core: str | None = None,
     ):
-        if _core_choice(core) == "python":
+        if core_choice(core) == "python":
             c = self._core = PyNextUse(layers, profile, half_life, prior)
         else:
-            c = self._core = Core(2.0 ** (1.0 / half_life), prior)
-            for layer in layers or []:
-                c.add_layer(layer)
-            for layer, p0 in priors(layers, profile).items():
-                c.set_prior(layer, np.ascontiguousarray(p0))
+            c = self._core = native_core(layers, profile, half_life, prior)
         # The core's methods bound on the instance (they shadow the class's below): a call
         # goes straight to C, with no Python frame of this class in between.
         self.touch, self.touch_all = c.touch, c.touch_all

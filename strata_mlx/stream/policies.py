@@ -45,9 +45,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .._nextuse import Duel
 from ..config import OptionError
 from .arena import LRU, POLICIES, Key, ScoredPolicy, make_policy, remove_all, touch_all
-from .nextuse import NextUse, NextUseRecent
+from .nextuse import NextUse, NextUseRecent, core_choice
 
 
 class LRU2(ScoredPolicy):
@@ -207,6 +208,10 @@ def sample_hash(key: Key) -> float:
     return h / 2.0**64
 
 
+# Adaptive's half-life of its shadows' misses, in uses.
+HALF_LIFE = 1024.0
+
+
 class Adaptive:
     """Follow whichever of several policies would have missed least lately (set dueling,
     as in adaptive cache insertion): each component runs twice, once ordering the real
@@ -233,7 +238,7 @@ class Adaptive:
         # Measured by replay (docs/research.md): with "layer" too, or a half-life of 16 K
         # uses, the synthetic store's trace lost 10-20 points of the gap closed.
         components: tuple[str, ...] = ("lru", "lfu", "profile"),
-        half_life: float = 1024.0,
+        half_life: float = HALF_LIFE,
         sample: float = 1.0,
         min_shadow_slots: int = 0,
     ):
@@ -262,6 +267,11 @@ class Adaptive:
     def shadow_misses(self) -> list[float]:
         """Each component's misses in its shadow arena, weighted (later ones weigh more)."""
         return list(self._misses)
+
+    @property
+    def followed(self) -> tuple[int, int]:
+        """(keys the shadows follow, keys whose sample was asked)."""
+        return sum(self._sampled.values()), len(self._sampled)
 
     @property
     def current(self) -> int | None:
@@ -408,15 +418,9 @@ class Adaptive:
         return [] if key is None else [key]
 
 
-class NextUseDuel(Adaptive):
-    """Adaptive over NextUse's two settings, the profile trusted (`nextuse`) or recent
-    routing (`nextuse-recent`), and LRU (where the arena holds a pass's working set, LRU's
-    recency guesses better than either), whichever would have missed least lately.
-
-    Its shadows are miniatures: they follow 1/16 of the keys, and at least 512 slots'
-    worth (below 512 slots, every key). Replayed, that keeps the full shadows' choice
-    within a few points of the gap closed on every trace of docs/research.md while the
-    policy's Python a miss falls by two thirds; `nextuse-duel-full` keeps full shadows."""
+class PyNextUseDuel(Adaptive):
+    """NextUseDuel's policy in Python (Adaptive over nextuse, nextuse-recent and lru): the
+    reference the C duel is tested against (STRATA_MLX_NEXTUSE=python runs it)."""
 
     name = "nextuse-duel"
 
@@ -426,14 +430,116 @@ class NextUseDuel(Adaptive):
         profile: np.ndarray | None = None,
         sample: float = 1 / 16,
         min_shadow_slots: int = 512,
+        half_life: float = HALF_LIFE,
     ):
         super().__init__(
             layers,
             profile,
-            components=("nextuse", "nextuse-recent", "lru"),
+            components=NextUseDuel.components,
+            half_life=half_life,
             sample=sample,
             min_shadow_slots=min_shadow_slots,
         )
+
+
+class NextUseDuel:
+    """Adaptive over NextUse's two settings, the profile trusted (`nextuse`) or recent
+    routing (`nextuse-recent`), and LRU (where the arena holds a pass's working set, LRU's
+    recency guesses better than either), whichever would have missed least lately.
+
+    Its shadows are miniatures: they follow 1/16 of the keys, and at least 512 slots'
+    worth (below 512 slots, every key). Replayed, that keeps the full shadows' choice
+    within a few points of the gap closed on every trace of docs/research.md while the
+    policy's Python a miss falls by two thirds; `nextuse-duel-full` keeps full shadows.
+
+    The policy runs in C (strata_mlx._nextuse.Duel, the six components' state and every
+    call: the same victims and shadow misses as PyNextUseDuel, tests/stream/
+    test_duel_native.py); `core="python"` or STRATA_MLX_NEXTUSE=python runs PyNextUseDuel."""
+
+    name = "nextuse-duel"
+    components = ("nextuse", "nextuse-recent", "lru")
+
+    def __init__(
+        self,
+        layers: list[int] | None = None,
+        profile: np.ndarray | None = None,
+        sample: float = 1 / 16,
+        min_shadow_slots: int = 512,
+        core: str | None = None,
+        half_life: float = HALF_LIFE,
+    ):
+        if core_choice(core) == "python":
+            d = PyNextUseDuel(layers, profile, sample, min_shadow_slots, half_life)
+        else:
+            cores = [
+                cls(layers, profile, core="native")._core
+                for _ in ("real", "shadow")
+                for cls in (NextUse, NextUseRecent)
+            ]
+            d = Duel(*cores, sample, min_shadow_slots, half_life)
+        self._duel = d
+        # bound on the instance: a call goes straight to the duel, no frame of this class
+        self.touch, self.touch_all = d.touch, d.touch_all
+        self.remove, self.remove_all = d.remove, d.remove_all
+        self.victim, self.victims, self.distance = d.victim, d.victims, d.distance
+
+    @property
+    def current(self) -> int | None:
+        return self._duel.current
+
+    @current.setter
+    def current(self, layer: int | None) -> None:
+        self._duel.current = layer
+
+    @property
+    def shadow_misses(self) -> list[float]:
+        """Each component's misses in its shadow arena, weighted (later ones weigh more)."""
+        return self._duel.shadow_misses
+
+    @property
+    def leader(self) -> int:
+        """The component followed now."""
+        return self._duel.leader
+
+    @property
+    def rate(self) -> float:
+        """The share of keys the shadows follow."""
+        return self._duel.rate
+
+    @property
+    def shadow_slots(self) -> int | None:
+        return self._duel.shadow_slots
+
+    @property
+    def capacity(self) -> int | None:
+        return self._duel.capacity
+
+    @property
+    def followed(self) -> tuple[int, int]:
+        """(keys the shadows follow, keys whose sample was asked)."""
+        return self._duel.followed
+
+    # (the interface, for a check of the class; each instance binds its duel's)
+    def touch(self, key: Key) -> None:
+        self._duel.touch(key)
+
+    def touch_all(self, keys: list[Key]) -> None:
+        self._duel.touch_all(keys)
+
+    def remove(self, key: Key) -> None:
+        self._duel.remove(key)
+
+    def remove_all(self, keys: list[Key]) -> None:
+        self._duel.remove_all(keys)
+
+    def victim(self, evictable) -> Key | None:
+        return self._duel.victim(evictable)
+
+    def victims(self, evictable, keys: list[Key]) -> list[Key]:
+        return self._duel.victims(evictable, keys)
+
+    def distance(self, key: Key) -> float:
+        return self._duel.distance(key)
 
 
 class NextUseDuelFull(NextUseDuel):
@@ -442,8 +548,13 @@ class NextUseDuelFull(NextUseDuel):
 
     name = "nextuse-duel-full"
 
-    def __init__(self, layers: list[int] | None = None, profile: np.ndarray | None = None):
-        super().__init__(layers, profile, sample=1.0)
+    def __init__(
+        self,
+        layers: list[int] | None = None,
+        profile: np.ndarray | None = None,
+        core: str | None = None,
+    ):
+        super().__init__(layers, profile, sample=1.0, core=core)
 
 
 CANDIDATES = {

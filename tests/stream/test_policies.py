@@ -453,8 +453,8 @@ def test_miniature_shadows_follow_a_sample_of_the_keys_and_choose_as_the_full_on
     mini.current = ref.current = None  # the last call's uses reach the shadows
     assert mini.rate == 0.25
     assert 0.15 * slots < mini.shadow_slots < 0.35 * slots
-    followed = sum(mini._sampled.values()) / len(mini._sampled)
-    assert 0.15 < followed < 0.35
+    yes, asked = mini.followed
+    assert 0.15 < yes / asked < 0.35
     rank = lambda p: sorted(range(3), key=p.shadow_misses.__getitem__)  # noqa: E731
     assert rank(mini)[0] == rank(ref)[0]
     assert small.decode_misses == pytest.approx(full.decode_misses, rel=0.02)

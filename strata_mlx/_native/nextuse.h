@@ -1,0 +1,40 @@
+/* What nextuse.c's NextUse core offers duel.c (one extension module, strata_mlx._nextuse). */
+#ifndef STRATA_NEXTUSE_H
+#define STRATA_NEXTUSE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+typedef struct Core Core;
+extern PyTypeObject NuCoreType;
+
+/* Which resident keys a victim search may take: a Python callable of a (layer, expert) tuple,
+ * or (check set) a C function of the same, which calls no Python. */
+typedef struct {
+    PyObject *fn;
+    int (*check)(void *ctx, long layer, int32_t expert); /* 1 yes, 0 no, -1 an error */
+    void *ctx;
+} Pred;
+
+/* A growable list of keys. */
+typedef struct {
+    long *layer;
+    int32_t *expert;
+    Py_ssize_t len, cap;
+} Keys;
+
+int keys_append(Keys *k, long layer, int32_t expert);
+PyObject *keys_list(const Keys *k);
+
+int nu_touch(Core *s, long layer, long expert);
+void nu_remove(Core *s, long layer, long expert);
+int nu_set_current(Core *s, int has, long layer); /* has 0: no running layer */
+/* 1 and the key in *layer, *expert; 0 none; -1 an error */
+int nu_victim(Core *s, const Pred *evictable, long *layer, int32_t *expert);
+/* the victims of successive victim calls for `n` keys of these layers, appended to out */
+int nu_victims(Core *s, const Pred *evictable, const long *key_layers, Py_ssize_t n, Keys *out);
+
+int duel_register(PyObject *module); /* duel.c: adds Duel to the module */
+
+#endif

@@ -1,0 +1,157 @@
+"""nextuse-duel in C against PyNextUseDuel, the Python reference: the same answers to every
+call (victims, batches of victims, distances) and the same shadow misses, leader, sampling
+rate and shadow arenas, through random sequences of calls with pinned keys, protected
+layers, removals, read-ahead of later layers, miniature and full shadows, arenas that fill
+at a few slots or hundreds, and rescaled weights; and the same misses replaying traces."""
+
+import random
+
+import numpy as np
+import pytest
+from strata_mlx._nextuse import Duel
+
+from strata_mlx.apps import cache_sim
+from strata_mlx.stream import policies
+from strata_mlx.stream.nextuse import NextUse
+
+
+def state(p):
+    return (p.shadow_misses, p.leader, p.rate, p.shadow_slots, p.capacity, p.followed)
+
+
+def drive(seed, n_layers, n_experts, steps, sample, min_slots, half_life=policies.HALF_LIFE):
+    """Random calls to both duels, every answer and the duel's state compared; returns how
+    many victims were compared."""
+    rng = random.Random(seed)
+    layers = list(range(0, 2 * n_layers, 2))
+    prof = np.random.default_rng(seed).random((n_layers, n_experts)) if seed % 2 else None
+    made = [
+        policies.NextUseDuel(layers, prof, sample, min_slots, core=core, half_life=half_life)
+        for core in ("native", "python")
+    ]
+    native, ref = made
+    assert isinstance(native._duel, Duel) and isinstance(ref._duel, policies.PyNextUseDuel)
+    # the arena's slots (victims once it holds that many): a few, or half the keys
+    cap = rng.choice([8, 40, n_layers * n_experts // 2])
+    resident: set = set()
+    pinned: set = set()
+    compared = 0
+    for step in range(steps):
+        if step % 5 == 0:  # the next layer's handshake (the cycle, sometimes broken or ended)
+            r = rng.random()
+            layer = None if r < 0.03 else rng.choice(layers) if r < 0.1 else layers[step % n_layers]
+            native.current = ref.current = layer
+            assert native.current == ref.current
+            assert state(native) == state(ref), step
+            pinned = set()
+        protect = set(rng.sample(layers, rng.randint(0, 1)))
+
+        def evictable(k, protect=protect, pinned=pinned):
+            return k[0] not in protect and k not in pinned
+
+        op = rng.random()
+        if op < 0.5:  # a call's uses: hits touched, misses given slots (victims where full)
+            layer = native.current if native.current is not None else rng.choice(layers)
+            keys = list(dict.fromkeys((layer, rng.randrange(n_experts)) for _ in range(8)))
+            if rng.random() < 0.15:  # read-ahead of a later layer
+                keys = [(rng.choice(layers), rng.randrange(n_experts))]
+            hits = [k for k in keys if k in resident]
+            misses = [k for k in keys if k not in resident]
+            for p in made:
+                p.touch_all(hits) if rng.random() < 0.5 else [p.touch(k) for k in hits]
+            pinned.update(hits)
+            while misses:
+                if len(resident) < cap:
+                    k = misses.pop(0)
+                else:
+                    if rng.random() < 0.5:
+                        got, want = (
+                            native.victims(evictable, misses),
+                            ref.victims(evictable, misses),
+                        )
+                    else:
+                        got, want = [native.victim(evictable)], [ref.victim(evictable)]
+                    assert got == want, step
+                    got = [k for k in got if k is not None]
+                    if not got:
+                        break  # everything pinned: the misses go without slots
+                    compared += len(got)
+                    native.remove_all(got)
+                    ref.remove_all(got)
+                    resident.difference_update(got)
+                    given, misses = misses[: len(got)], misses[len(got) :]
+                    for p in made:
+                        p.touch_all(given)
+                    resident.update(given)
+                    pinned.update(given)
+                    continue
+                native.touch(k)
+                ref.touch(k)
+                resident.add(k)
+                pinned.add(k)
+        elif op < 0.6 and resident:  # dropped (a failed read, an unneeded read-ahead)
+            keys = rng.sample(sorted(resident), min(len(resident), rng.randint(1, 3)))
+            for p in made:
+                p.remove_all(keys) if rng.random() < 0.5 else [p.remove(k) for k in keys]
+            resident.difference_update(keys)
+        elif op < 0.7:
+            for k in rng.sample(sorted(resident), min(len(resident), 4)) + [(1, 0)]:
+                assert native.distance(k) == ref.distance(k), (step, k)
+    native.current = ref.current = None
+    assert state(native) == state(ref)
+    return compared
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("sample, min_slots", [(1 / 16, 0), (0.25, 20), (1.0, 0), (1 / 16, 512)])
+def test_the_native_duel_answers_every_call_as_the_reference(seed, sample, min_slots):
+    compared = drive(seed, n_layers=4, n_experts=64, steps=1500, sample=sample, min_slots=min_slots)
+    assert compared > 100
+
+
+def test_the_native_duel_rescales_as_the_reference():
+    """A half-life of one use: the weight passes 2^500 within a few hundred calls."""
+    compared = drive(
+        5, n_layers=3, n_experts=32, steps=4000, sample=1.0, min_slots=0, half_life=1.0
+    )
+    assert compared > 500
+
+
+@pytest.mark.parametrize("spec", ["nextuse-duel", "nextuse-duel-full"])
+def test_replays_miss_alike_through_either_duel(spec, monkeypatch):
+    """A store-like trace through the arena's replay, each read-ahead: the same misses, and
+    the same shadow misses at the end."""
+    from strata_mlx.stream import synthetic_trace as st
+
+    knobs = st.RoutingKnobs(num_experts=128, top_k=8, layers=6, skew=2.0, drift=0.3)
+    t = st.make_trace(knobs, prompt_tokens=256, decode_tokens=48, seed=5)
+    made = []
+
+    def build(layers=None, profile=None):
+        made.append(policies.build(spec, profile, layers))
+        return made[-1]
+
+    for read_ahead in ("none", "lookahead", "scored"):
+        got = []
+        for core in ("native", "python"):
+            monkeypatch.setenv("STRATA_MLX_NEXTUSE", core)
+            r = cache_sim.replay(t, 200, build, read_ahead)
+            made[-1].current = None
+            got.append((r.prefill_misses, r.decode_misses, made[-1].shadow_misses))
+        assert got[0] == got[1], read_ahead
+
+
+def test_the_duel_takes_four_distinct_cores_and_good_keys():
+    cores = [NextUse([0, 1], core="native")._core for _ in range(4)]
+    with pytest.raises(TypeError):
+        Duel(cores[0], cores[1], cores[2], "not a core", 0.5, 0, 1024.0)
+    with pytest.raises(ValueError, match="distinct"):
+        Duel(cores[0], cores[0], cores[2], cores[3], 0.5, 0, 1024.0)
+    d = Duel(*cores, 0.5, 0, 1024.0)
+    with pytest.raises(TypeError):
+        d.touch([0, 1])
+    with pytest.raises(ValueError):
+        d.touch((0, -1))
+    d.touch((0, 1))
+    assert d.victim(lambda k: True) == (0, 1)
+    assert d.victims(lambda k: False, [(1, 2)]) == []
