@@ -3,9 +3,10 @@
 Owns: (1) per weight format, which decoder of formats.h its rows take (formats as data: the
 C function, its row bases and tables, the alignment its loads need); (2) the kernel bodies
 (gate/up -> SwiGLU, then down; and a dequantizer), generated per layout as C source in a subset
-that Metal, CUDA and host C++ all accept. The decoders themselves are C, in formats.h, the
-header every kernel starts with; `strata-mlx kernels show FORMAT --dialect D` prints a
-kernel's whole source as the dialect compiles it.
+that Metal, CUDA and host C++ all accept. The decoders themselves are C, in formats.h; a
+kernel's header is the part of it that its body calls (kernel_header: its own format's
+decoders and their helpers, each item's text as in the file); `strata-mlx kernels show FORMAT
+--dialect D` prints a kernel's whole source as the dialect compiles it.
 
 The header and body use only names that a dialect layer defines (metal.py, cuda.py, host.py):
 `sk_gx`, `sk_gy` (global thread ids), `SK_FN`, `SK_GLOBAL`, `SK_U64`, `SK_UNROLL`,
@@ -254,8 +255,9 @@ SHARED_HEADER = (Path(__file__).parent / "formats.h").read_text()
 # What a kernel's header holds (the `header` argument of the *_source functions): "own", the
 # pieces of formats.h its body calls (kernel_header); "full", the whole file. MLX's CUDA
 # kernel call concatenates the header and body on every call and hashes the result at eval
-# (mx.fast.cuda_kernel), so each byte costs on the host per call: ~0.2 us a KB measured on a
-# dev CPU (std::hash of the source plus its copy).
+# (mx.fast.cuda_kernel), so every byte costs host time on every call: ~0.2 us a KB on a dev
+# CPU for that copy and std::hash alone (a C++ loop doing just those); the call itself is
+# timed on a GPU by benchmarks/kernel_call.py.
 KERNEL_HEADERS = ("own", "full")
 
 _IDENT = re.compile(r"[A-Za-z_]\w*")
@@ -295,8 +297,7 @@ def _piece(lines: list[str]) -> _Piece:
 
 def _pieces(text: str) -> tuple[_Piece, ...]:
     """formats.h cut into pieces whose texts, joined, are the file: an item ends where its
-    braces close (formats.h has no blank line inside an item), a comment paragraph at a blank
-    line."""
+    braces close (a blank line inside one is refused), a comment paragraph at a blank line."""
     done: list[list[str]] = []
     buf: list[str] = []
     depth = 0
@@ -312,7 +313,10 @@ def _pieces(text: str) -> tuple[_Piece, ...]:
             buf = []
         elif not line.strip():
             if any(_code(b) for b in buf):
-                raise ValueError(f"formats.h: a blank line inside an item: {buf[0]!r}")
+                raise ValueError(
+                    f"formats.h: a blank line inside the item {buf[0]!r}: kernel_header cuts"
+                    " the file into items at blank lines outside braces"
+                )
             done.append(buf)  # a comment paragraph's end
             buf = []
     if buf:
@@ -414,9 +418,9 @@ def _tile_prologue(
 def _finish(name: str, tables_used: tuple[str, ...], role: str, header: str, body: str, rows: int):
     inputs = ("x" if role == "gate_up" else "h", "arena", "pair_slot", "tile_pairs", *tables_used)
     outputs = ("h" if role == "gate_up" else "y",)
-    header = kernel_header(body, header)
-    digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
-    return KernelSource(f"sk_{role}_{name}_{digest}", inputs, outputs, header, body, rows)
+    text = kernel_header(body, header)
+    digest = hashlib.sha1((text + body).encode()).hexdigest()[:12]
+    return KernelSource(f"sk_{role}_{name}_{digest}", inputs, outputs, text, body, rows)
 
 
 def _bias_term(proj: Projection) -> str:
@@ -548,13 +552,13 @@ def dequant_source(
             "  }",
         ]
     body = "\n".join(lines) + "\n"
-    header = kernel_header(body, header)
-    digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
+    text = kernel_header(body, header)
+    digest = hashlib.sha1((text + body).encode()).hexdigest()[:12]
     return KernelSource(
         f"sk_dequant_{label}_{dec.name}_{digest}",
         ("arena", "slots", *dec.tables),
         ("w",),
-        header,
+        text,
         body,
         rows,
     )
