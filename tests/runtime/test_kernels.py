@@ -744,6 +744,23 @@ def test_host_kernels_compute_the_same_bits_with_either_header(case):
         np.testing.assert_array_equal(own.view(np.uint32), full.view(np.uint32))
 
 
+def test_the_kernel_call_benchmark_says_what_it_cannot_time_here(tmp_path):
+    """benchmarks/kernel_call.py on a machine without a GPU device: the source sizes of a
+    synthetic store's kernels with either header, then "nothing timed", and exit status 0."""
+    from test_synthetic import tiny_synthetic
+
+    if (hasattr(mx, "cuda") and mx.cuda.is_available()) or mx.metal.is_available():
+        pytest.skip("a GPU device: the benchmark times its calls (a GPU tool)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = tiny_synthetic(tmp_path / "synth")
+    script = os.path.join(root, "benchmarks", "kernel_call.py")
+    r = subprocess.run([sys.executable, script, str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    sizes = dict(re.findall(r"(own|full) *: decode gate_up (\d+)", r.stdout))
+    assert int(sizes["own"]) < int(sizes["full"]), r.stdout
+    assert "nothing timed" in r.stdout
+
+
 @needs_cxx
 def test_host_f16_helper_all_bit_patterns():
     code = (
