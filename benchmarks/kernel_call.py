@@ -4,6 +4,12 @@ mx.fast.cuda_kernel call by source size.
 
     python3 benchmarks/kernel_call.py STORE      # STORE: e.g. convert --synthetic qwen3-next-80b-a3b
 
+Only the layout of the experts matters, so a one-layer store of that shape (36 MB, 2 s to
+make) stands in for the 24 GB one:
+
+    python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b --mlx-path /tmp/q3n-1 \\
+        --calibration-tokens 0 --set num_hidden_layers=1 --set num_experts=16 --set vocab_size=256
+
 For the record layout of STORE's first MoE layer (its top-k; activations in the store's dtype,
 or --dtype), N calls of `pairs` are timed three ways, STRATA_MLX_KERNEL_HEADER's two headers
 (custom_kernels/dispatch.py) in alternating rounds, medians of the rounds in us a call:
