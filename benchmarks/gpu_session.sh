@@ -418,6 +418,16 @@ r12d)  # last: the old store removed; plan against bench on today's 12-layer sto
   rm -rf /root/strata-old-code
   bash "$0" r10a
   ;;
+kcall)  # decode's expert-kernel call: each kernel's own header against all of formats.h (host
+  # time a call, benchmarks/kernel_call.py, on a one-layer store of the 80B's expert shape), then
+  # the CUDA kernels against the reference (under 5 minutes in all)
+  [ -f /tmp/q3n-1/manifest.json ] || python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --mlx-path /tmp/q3n-1 --calibration-tokens 0 --set num_hidden_layers=1 --set num_experts=16 \
+     --set vocab_size=256 2>&1 | tail -1
+  timeout 120 python3 benchmarks/kernel_call.py /tmp/q3n-1 2>&1 | tee "$OUT/kernel_call.log"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_kernels.py 2>&1 \
+     | tail -15 | tee "$OUT/kernel_tests.log"
+  ;;
 serve|resume)  # issue 34 (carry .whl/serve: bash benchmarks/serve_wheels.sh here first): the
   # server's stack unzipped into /tmp/site; `serve`: the batching table through HTTP (about 4
   # minutes once the store exists); `resume`: a 16K-token conversation's first token resumed
@@ -435,5 +445,5 @@ serve|resume)  # issue 34 (carry .whl/serve: bash benchmarks/serve_wheels.sh her
        --rounds 2 --json "$OUT/resume-ttft.json" 2>&1 | tee "$OUT/resume-ttft.log"
   fi
   ;;
-*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d|r12a|r12b|r12c|r12d|r12e|r12f|r13|r13c|r14|r14b|serve|resume"; exit 2;;
+*) echo "usage: $0 setup|synth|bench|kernels|full|decode|decode-arena|prefill-old|sched1|sched2|sched3|r7a|r7b|r7c|r7d|r8a|r8b|r9a|r9b|r9c|r9d|r9e|r10a|r10b|r10b2|r10c|r10d|r11a|r11b|r11c|r11d|r12a|r12b|r12c|r12d|r12e|r12f|r13|r13c|r14|r14b|kcall|serve|resume"; exit 2;;
 esac

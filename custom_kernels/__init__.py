@@ -1,6 +1,6 @@
 """Quantized expert kernels reading weights straight from arena slots.
 
-One decoder per weight format, in C (formats.h, the header every kernel starts with), kernel
+One decoder per weight format, in C (formats.h: each kernel's header is the part it calls), kernel
 bodies generated from the layout (algorithm.py), and thin dialect layers: Metal (metal.py,
 mx.fast.metal_kernel; not executed on this project's Linux machines), CUDA (cuda.py,
 mx.fast.cuda_kernel; verified on the GPU machine) and host C++ (host.py; tests only).

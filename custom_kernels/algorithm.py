@@ -3,9 +3,10 @@
 Owns: (1) per weight format, which decoder of formats.h its rows take (formats as data: the
 C function, its row bases and tables, the alignment its loads need); (2) the kernel bodies
 (gate/up -> SwiGLU, then down; and a dequantizer), generated per layout as C source in a subset
-that Metal, CUDA and host C++ all accept. The decoders themselves are C, in formats.h, the
-header every kernel starts with; `strata-mlx kernels show FORMAT --dialect D` prints a
-kernel's whole source as the dialect compiles it.
+that Metal, CUDA and host C++ all accept. The decoders themselves are C, in formats.h; a
+kernel's header is the part of it that its body calls (kernel_header: its own format's
+decoders and their helpers, each item's text as in the file); `strata-mlx kernels show FORMAT
+--dialect D` prints a kernel's whole source as the dialect compiles it.
 
 The header and body use only names that a dialect layer defines (metal.py, cuda.py, host.py):
 `sk_gx`, `sk_gy` (global thread ids), `SK_FN`, `SK_GLOBAL`, `SK_U64`, `SK_UNROLL`,
@@ -27,6 +28,7 @@ other than formats.h.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -233,9 +235,11 @@ class KernelSource:
 
 
 def wrap_mlx_kernel(factory: Callable, src: KernelSource, header: str, body: str) -> Callable:
-    """Compile through `factory` (mx.fast.cuda_kernel or mx.fast.metal_kernel: one signature)
-    as run(inputs, grid, threadgroup, output_shapes, output_dtypes, template)."""
-    kernel = factory(
+    """Compile through `factory` (mx.fast.cuda_kernel or mx.fast.metal_kernel: one signature):
+    the kernel MLX makes, called with keywords inputs, grid, threadgroup, output_shapes,
+    output_dtypes, template (as host.build's callable takes them), without a Python wrapper
+    between: dispatch calls it twice a layer on every decoded token."""
+    return factory(
         name=src.name,
         input_names=list(src.input_names),
         output_names=list(src.output_names),
@@ -244,21 +248,110 @@ def wrap_mlx_kernel(factory: Callable, src: KernelSource, header: str, body: str
         ensure_row_contiguous=True,
     )
 
-    def run(inputs, grid, threadgroup, output_shapes, output_dtypes, template):
-        return kernel(
-            inputs=inputs,
-            grid=grid,
-            threadgroup=threadgroup,
-            output_shapes=output_shapes,
-            output_dtypes=output_dtypes,
-            template=template,
-        )
-
-    return run
-
 
 # The shared header: loads, fp16/bf16 fields and one decoder per format (formats.h).
 SHARED_HEADER = (Path(__file__).parent / "formats.h").read_text()
+
+# What a kernel's header holds (the `header` argument of the *_source functions): "own", the
+# pieces of formats.h its body calls (kernel_header); "full", the whole file. MLX's CUDA
+# kernel call concatenates the header and body on every call and hashes the result at eval
+# (mx.fast.cuda_kernel), so every byte costs host time on every call: ~0.2 us a KB on a dev
+# CPU for that copy and std::hash alone (a C++ loop doing just those); the call itself is
+# timed on a GPU by benchmarks/kernel_call.py.
+KERNEL_HEADERS = ("own", "full")
+
+_IDENT = re.compile(r"[A-Za-z_]\w*")
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A top-level item of formats.h (a function, struct or enum with the comment lines just
+    above it), or a comment paragraph; with the blank lines after it."""
+
+    text: str
+    defines: frozenset[str]
+    uses: frozenset[str]
+    heading: bool  # a "// ----" paragraph: a section's heading, kept when an item under it is
+
+
+def _code(line: str) -> str:
+    return line.split("//", 1)[0].strip()
+
+
+def _piece(lines: list[str]) -> _Piece:
+    code = " ".join(c for c in map(_code, lines) if c)
+    defines = set()
+    if code:
+        decl = re.sub(r"^template\s*<[^>]*>\s*", "", code)
+        named = re.match(r"(struct|enum)\s+(\w+)", decl)
+        if named:
+            defines.add(named[2])
+            if named[1] == "enum":  # its enumerators too
+                defines.update(_IDENT.findall(decl[decl.index("{") : decl.index("}")]))
+        else:  # a function: the name before its parameter list
+            defines.add(_IDENT.findall(decl[: decl.index("(")])[-1])
+    heading = not code and lines[0].startswith("// ----")
+    uses = frozenset(_IDENT.findall(code)) - defines
+    return _Piece("".join(lines), frozenset(defines), uses, heading)
+
+
+def _pieces(text: str) -> tuple[_Piece, ...]:
+    """formats.h cut into pieces whose texts, joined, are the file: an item ends where its
+    braces close (a blank line inside one is refused), a comment paragraph at a blank line."""
+    done: list[list[str]] = []
+    buf: list[str] = []
+    depth = 0
+    for line in text.splitlines(keepends=True):
+        if not buf and not line.strip():
+            done[-1].append(line)  # blank lines end the piece before them
+            continue
+        buf.append(line)
+        code = _code(line)
+        depth += code.count("{") - code.count("}")
+        if depth == 0 and code.endswith(("}", ";")):  # an item's end
+            done.append(buf)
+            buf = []
+        elif not line.strip():
+            if any(_code(b) for b in buf):
+                raise ValueError(
+                    f"formats.h: a blank line inside the item {buf[0]!r}: kernel_header cuts"
+                    " the file into items at blank lines outside braces"
+                )
+            done.append(buf)  # a comment paragraph's end
+            buf = []
+    if buf:
+        raise ValueError(f"formats.h ends inside an item: {buf[0]!r}")
+    return tuple(_piece(lines) for lines in done)
+
+
+_PIECES = _pieces(SHARED_HEADER)
+
+
+def kernel_header(body: str, header: str = "own") -> str:
+    """The formats.h text a kernel of `body` is compiled with: "own", the items its body
+    names and those they name in turn (file order, each section's heading kept; the file's
+    opening comment left out) -- every item's text as in the file, so one kernel's
+    code is the same with either; "full", the whole file."""
+    if header == "full":
+        return SHARED_HEADER
+    if header != "own":
+        raise ValueError(f"kernel header {header!r}: one of {', '.join(KERNEL_HEADERS)}")
+    where = {name: i for i, p in enumerate(_PIECES) for name in p.defines}
+    todo = [name for name in _IDENT.findall(body) if name in where]
+    used: set[int] = set()
+    while todo:
+        i = where[todo.pop()]
+        if i not in used:
+            used.add(i)
+            todo += [name for name in _PIECES[i].uses if name in where]
+    out, heading = [], None
+    for i, p in enumerate(_PIECES):
+        if p.heading:
+            heading = p.text
+        elif i in used:
+            out += [heading or "", p.text]
+            heading = None
+    return "".join(out)
 
 
 def _record_base(record_bytes: int) -> str:
@@ -325,8 +418,9 @@ def _tile_prologue(
 def _finish(name: str, tables_used: tuple[str, ...], role: str, header: str, body: str, rows: int):
     inputs = ("x" if role == "gate_up" else "h", "arena", "pair_slot", "tile_pairs", *tables_used)
     outputs = ("h" if role == "gate_up" else "y",)
-    digest = hashlib.sha1((header + body).encode()).hexdigest()[:12]
-    return KernelSource(f"sk_{role}_{name}_{digest}", inputs, outputs, header, body, rows)
+    text = kernel_header(body, header)
+    digest = hashlib.sha1((text + body).encode()).hexdigest()[:12]
+    return KernelSource(f"sk_{role}_{name}_{digest}", inputs, outputs, text, body, rows)
 
 
 def _bias_term(proj: Projection) -> str:
@@ -370,10 +464,12 @@ def gate_up_source(
     record_bytes: int,
     tm: int,
     activation: dict | None = None,
+    header: str = "own",
 ):
     """Kernel 1: h[p, i] = silu(gate_i . x[p // k]) * (up_i . x[p // k]) for each pair p of a
     tile (with `activation` swiglu_oai: GPT-OSS's clamped form; biased projections add their
-    bias first); grid (32 * inter, n_tiles), pairs of tile t in tile_pairs[t*tm : t*tm + tm]."""
+    bias first); grid (32 * inter, n_tiles), pairs of tile t in tile_pairs[t*tm : t*tm + tm].
+    header: "own" or "full" (KERNEL_HEADERS), as each *_source takes it."""
     rows, d = gate.out_features, gate.in_features
     lines = _tile_prologue(rows, tm, record_bytes, "x", lambda pm: f"(SK_U64)({pm} / {k}u) * {d}u")
     lines += [f"  float l_gacc{m} = 0.0f;" for m in range(tm)]
@@ -392,10 +488,10 @@ def gate_up_source(
         ]
     used = tuple(sorted(set(gate.decoder.tables) | set(up.decoder.tables)))
     name = f"{gate.decoder.name}_{up.decoder.name}_tm{tm}"
-    return _finish(name, used, "gate_up", SHARED_HEADER, "\n".join(lines) + "\n", rows)
+    return _finish(name, used, "gate_up", header, "\n".join(lines) + "\n", rows)
 
 
-def down_source(down: Projection, record_bytes: int, tm: int):
+def down_source(down: Projection, record_bytes: int, tm: int, header: str = "own"):
     """Kernel 2: y[p, o] = down_o . h[p] for each pair p of a tile; grid (32 * D, n_tiles)."""
     rows, inter = down.out_features, down.in_features
     lines = _tile_prologue(rows, tm, record_bytes, "h", lambda pm: f"(SK_U64)({pm}) * {inter}u")
@@ -410,11 +506,11 @@ def down_source(down: Projection, record_bytes: int, tm: int):
         ]
     used = tuple(sorted(set(down.decoder.tables)))
     name = f"{down.decoder.name}_tm{tm}"
-    return _finish(name, used, "down", SHARED_HEADER, "\n".join(lines) + "\n", rows)
+    return _finish(name, used, "down", header, "\n".join(lines) + "\n", rows)
 
 
 def dequant_source(
-    proj: Projection, record_bytes: int, label: str, wide: bool = False
+    proj: Projection, record_bytes: int, label: str, wide: bool = False, header: str = "own"
 ) -> KernelSource:
     """Dequantize rows from arena slots: w[i, r, :] = row r of the record in slots[i], in T.
     One thread per (row, chunk); grid (rows * in / 16, n_slots). For prefill, where many pairs
@@ -456,12 +552,13 @@ def dequant_source(
             "  }",
         ]
     body = "\n".join(lines) + "\n"
-    digest = hashlib.sha1((SHARED_HEADER + body).encode()).hexdigest()[:12]
+    text = kernel_header(body, header)
+    digest = hashlib.sha1((text + body).encode()).hexdigest()[:12]
     return KernelSource(
         f"sk_dequant_{label}_{dec.name}_{digest}",
         ("arena", "slots", *dec.tables),
         ("w",),
-        SHARED_HEADER,
+        text,
         body,
         rows,
     )

@@ -18,6 +18,13 @@ Measured on the H200 (D=2048, inter=512, 512 experts, top-10, fp16, 1024 tokens)
 gather_qmm 0.165 ms. The fused prefill loses on activation reads (each lane reads 16 strided
 halves per chunk and pair); see benchmarks/kernels.py.
 
+Each kernel's header carries only the parts of formats.h its body calls (algorithm.
+kernel_header): MLX's CUDA kernel call copies the whole source on every call and hashes it at
+eval, and every format's decoders made each source ~13-14 KB, where one format's make 4-7 KB.
+STRATA_MLX_KERNEL_HEADER=own|full picks the header (own, the default; full: the whole of
+formats.h, the same code compiled; benchmarks/kernel_call.py times the two), read when a
+layout's kernels are first built.
+
 Never: reads the store or chooses slots (strata_mlx.runtime.experts does), computes the
 reference.
 """
@@ -25,9 +32,10 @@ reference.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from importlib import import_module
 from typing import Any
 
@@ -53,6 +61,15 @@ def dequant_stores() -> str:
     return env
 
 
+def kernel_header() -> str:
+    """What each kernel's header holds, STRATA_MLX_KERNEL_HEADER: "own" (the parts of
+    formats.h the kernel calls, the default) or "full" (all of formats.h)."""
+    env = os.environ.get("STRATA_MLX_KERNEL_HEADER", "own")
+    if env not in algorithm.KERNEL_HEADERS:
+        raise ValueError(f"STRATA_MLX_KERNEL_HEADER={env!r}: one of own, full")
+    return env
+
+
 def layout_signature(layout) -> str:
     return json.dumps(
         {
@@ -65,25 +82,55 @@ def layout_signature(layout) -> str:
     )
 
 
-class ExpertKernels:
-    """The two kernels of one layout on one dialect (built lazily per tile size)."""
+@dataclass(frozen=True)
+class _Launch:
+    """The two fused kernels' calls for one shape of work, all but what changes per call (x,
+    the arena, pair_slot): built once per shape for decode (`pairs`), where a layer's call is
+    host time on every token."""
 
-    def __init__(self, dialect: Any, layout, projections: dict[str, algorithm.Projection]):
+    gate_up: Callable
+    down: Callable
+    gate_up_inputs: tuple[mx.array, ...]  # after x, arena, pair_slot: tile_pairs, tables
+    down_inputs: tuple[mx.array, ...]
+    gate_up_args: dict[str, Any]  # grid, threadgroup, output shapes and dtypes, template
+    down_args: dict[str, Any]
+
+    def __call__(self, x: mx.array, arena: mx.array, pair_slot: mx.array) -> mx.array:
+        (h,) = self.gate_up(inputs=[x, arena, pair_slot, *self.gate_up_inputs], **self.gate_up_args)
+        (y,) = self.down(inputs=[h, arena, pair_slot, *self.down_inputs], **self.down_args)
+        return y
+
+
+class ExpertKernels:
+    """The two kernels of one layout on one dialect (built lazily per tile size). header:
+    "own" or "full" (kernel_header(); None reads it when the kernels are first built)."""
+
+    def __init__(
+        self,
+        dialect: Any,
+        layout,
+        projections: dict[str, algorithm.Projection],
+        header: str | None = None,
+    ):
         self.dialect = dialect
         self.record_bytes = layout.record_bytes
         self.activation = getattr(layout, "activation", None)
         self.gate, self.up, self.down = (projections[p] for p in PROJECTIONS)
         self.hidden = self.gate.in_features
         self.inter = self.gate.out_features
+        self.header = header
         self._built: dict[tuple[int, int], tuple[Any, Any, Any, Any]] = {}
         self._dequant_built: dict[str, tuple[Any, Any]] = {}
         self._tables: dict[str, mx.array] = {}
-        self._pair_tiles: dict[int, mx.array] = {}
+        self._pairs: dict[tuple, _Launch] = {}
 
     def sources(self, k: int, tm: int) -> tuple[algorithm.KernelSource, algorithm.KernelSource]:
+        header = self.header or kernel_header()
         return (
-            algorithm.gate_up_source(self.gate, self.up, k, self.record_bytes, tm, self.activation),
-            algorithm.down_source(self.down, self.record_bytes, tm),
+            algorithm.gate_up_source(
+                self.gate, self.up, k, self.record_bytes, tm, self.activation, header
+            ),
+            algorithm.down_source(self.down, self.record_bytes, tm, header),
         )
 
     def _kernels(self, k: int, tm: int):
@@ -96,8 +143,10 @@ class ExpertKernels:
     def dequant_sources(self) -> dict[str, algorithm.KernelSource]:
         projs = dict(zip(PROJECTIONS, (self.gate, self.up, self.down)))
         wide = dequant_stores() == "wide"
+        header = self.header or kernel_header()
         return {
-            p: algorithm.dequant_source(pr, self.record_bytes, p, wide) for p, pr in projs.items()
+            p: algorithm.dequant_source(pr, self.record_bytes, p, wide, header)
+            for p, pr in projs.items()
         }
 
     def _dequant_kernels(self):
@@ -155,12 +204,12 @@ class ExpertKernels:
         for p, (src, run) in self._dequant_kernels().items():
             pr = {"gate_proj": self.gate, "up_proj": self.up, "down_proj": self.down}[p]
             (w,) = run(
-                [arena, slots, *(self._table(t) for t in src.input_names[2:])],
-                (pr.out_features * pr.in_features // algorithm.CHUNK, slots.size, 1),
-                (algorithm.THREADGROUP, 1, 1),
-                [(slots.size, pr.out_features, pr.in_features)],
-                [dtype],
-                [("T", dtype)],
+                inputs=[arena, slots, *(self._table(t) for t in src.input_names[2:])],
+                grid=(pr.out_features * pr.in_features // algorithm.CHUNK, slots.size, 1),
+                threadgroup=(algorithm.THREADGROUP, 1, 1),
+                output_shapes=[(slots.size, pr.out_features, pr.in_features)],
+                output_dtypes=[dtype],
+                template=[("T", dtype)],
             )
             out[p] = w
         return out
@@ -211,44 +260,53 @@ class ExpertKernels:
             )
         pair_slot = slots[idx2.reshape(-1)]
         tiles, n_tiles = tile_pairs(pair_slot, tile, slots.size)
-        y = self._launch(x2, arena, pair_slot, tiles, n_tiles, k, tile)
-        return y.reshape(n_tokens, k, self.hidden)
+        run = self._launch(k, tile, tiles, n_tiles, n_tokens * k, x2.dtype, (n_tokens,))
+        return run(x2, arena, pair_slot)
 
     def pairs(self, x, arena, pair_slot: mx.array) -> mx.array:
         """One token's experts pair by pair (decode's handshake): x [..., D] of one token,
         pair_slot uint32 [k] each pair's slot -> [..., k, D]. The same kernels on the same
         inputs as `self(x, arena, slots, idx)` where slots[idx] is pair_slot, with fewer graph
-        ops: no gather of the pairs' slots, no tile plan."""
-        k = pair_slot.size
-        tiles = self._pair_tiles.get(k)
-        if tiles is None:  # tile_pairs' plan at tile 1: pair p in tile p
-            tiles = self._pair_tiles[k] = mx.arange(k, dtype=mx.int32)
-        y = self._launch(x.reshape(1, self.hidden), arena, pair_slot, tiles, k, k, 1)
-        return y.reshape(*x.shape[:-1], k, self.hidden)
+        ops: no gather of the pairs' slots, no tile plan, no reshapes (the kernels read x
+        flat and write y in its final shape); the calls' arguments are built once per x shape,
+        x dtype and k."""
+        key = (x.shape, x.dtype, pair_slot.size)
+        run = self._pairs.get(key)
+        if run is None:
+            shape, dtype, k = key
+            if shape[-1] != self.hidden or math.prod(shape[:-1]) != 1:
+                raise ValueError(f"x {shape}: one token of {self.hidden} features expected")
+            tiles = mx.arange(k, dtype=mx.int32)  # tile_pairs' plan at tile 1: pair p in tile p
+            run = self._pairs[key] = self._launch(k, 1, tiles, k, k, dtype, shape[:-1])
+        return run(x, arena, pair_slot)
 
-    def _launch(self, x2, arena, pair_slot, tiles, n_tiles: int, k: int, tile: int) -> mx.array:
-        """The two fused kernels over pairs `pair_slot` in `tiles` -> [n_pairs, hidden]."""
+    def _launch(
+        self, k: int, tile: int, tiles, n_tiles: int, n_pairs: int, dtype, lead: tuple
+    ) -> _Launch:
+        """The two fused kernels over `n_pairs` pairs in `tiles` (x [n_pairs / k, D] in
+        `dtype`) -> y [*lead, k, D], lead the pairs' tokens' shape."""
         s1, k1, s2, k2 = self._kernels(k, tile)
-        n_pairs = pair_slot.size
-        template = [("T", x2.dtype)]
-        tg = (algorithm.THREADGROUP, 1, 1)
-        (h,) = k1(
-            [x2, arena, pair_slot, tiles, *(self._table(t) for t in s1.input_names[4:])],
-            (algorithm.WARP * self.inter, n_tiles, 1),
-            tg,
-            [(n_pairs, self.inter)],
-            [x2.dtype],
-            template,
+        common = {
+            "threadgroup": (algorithm.THREADGROUP, 1, 1),
+            "output_dtypes": [dtype],
+            "template": [("T", dtype)],
+        }
+        return _Launch(
+            gate_up=k1,
+            down=k2,
+            gate_up_inputs=(tiles, *(self._table(t) for t in s1.input_names[4:])),
+            down_inputs=(tiles, *(self._table(t) for t in s2.input_names[4:])),
+            gate_up_args={
+                "grid": (algorithm.WARP * self.inter, n_tiles, 1),
+                "output_shapes": [(n_pairs, self.inter)],
+                **common,
+            },
+            down_args={
+                "grid": (algorithm.WARP * self.hidden, n_tiles, 1),
+                "output_shapes": [(*lead, k, self.hidden)],
+                **common,
+            },
         )
-        (y,) = k2(
-            [h, arena, pair_slot, tiles, *(self._table(t) for t in s2.input_names[4:])],
-            (algorithm.WARP * self.hidden, n_tiles, 1),
-            tg,
-            [(n_pairs, self.hidden)],
-            [x2.dtype],
-            template,
-        )
-        return y
 
 
 def tile_pairs(pair_slot: mx.array, tile: int, n_slots: int) -> tuple[mx.array, int]:

@@ -18,6 +18,9 @@ STRATA_MLX_KERNELS=reference|cuda|metal forces one (read when a kernel is resolv
 STRATA_MLX_DEQUANT_STORES=wide|scalar picks the prefill dequantize kernel's stores (wide,
 the default: 16-byte stores; scalar: one store a weight, the same values;
 custom_kernels.dispatch.dequant_stores).
+STRATA_MLX_KERNEL_HEADER=own|full picks what each kernel's header holds (own, the default: the
+parts of custom_kernels/formats.h it calls; full: the whole file, the same code compiled;
+custom_kernels.dispatch.kernel_header).
 
 Self-check: the Metal kernels cannot run on this project's machines, so the first time a
 (backend, layout) variant is resolved in a process, `self_check` runs it once on a few random
@@ -78,8 +81,9 @@ def expert_kernel(layout: RecordLayout, name: str | None = None) -> ExpertFn:
     if name != "reference":
         from custom_kernels import dispatch
 
-        try:  # the user's setting: refused here, not taken by the self-check for a failure
+        try:  # the user's settings: refused here, not taken by the self-check for a failure
             dispatch.dequant_stores()
+            dispatch.kernel_header()
         except ValueError as e:
             raise OptionError(str(e)) from None
         fn = dispatch.kernel_for(name, layout)
@@ -232,7 +236,7 @@ def example_layout(fmt: str, hidden: int, inter: int, down: str | None = None) -
 
 def kernel_source_text(layout: RecordLayout, dialect: str, top_k: int, tile: int = 1) -> str:
     """Every kernel of `layout` on `dialect` ("metal", "cuda", "host") as that dialect hands it
-    to its compiler: the header (the same for all of them) once, then each kernel's body.
+    to its compiler: each kernel's header (printed once where kernels share it) and body.
     tile: pairs per warp of the fused kernels (1 in decode; dispatch.PREFILL_TILE in prefill)."""
     from custom_kernels import dispatch
 
@@ -243,21 +247,28 @@ def kernel_source_text(layout: RecordLayout, dialect: str, top_k: int, tile: int
     if kern is None:
         raise ValueError(f"{format_name(layout)} has no kernel (the reference path runs it)")
     srcs = [*kern.sources(top_k, tile), *kern.dequant_sources().values()]
-    header = kern.dialect.sources(srcs[0])[0]
     via = {"metal": "mx.fast.metal_kernel", "cuda": "mx.fast.cuda_kernel"}.get(dialect)
     out = [
         f"// {format_name(layout)} expert kernels, {dialect} dialect"
-        f" (top-k {top_k}, {tile} pair(s) a warp)",
-        f"// ---- header of every kernel below: the {dialect} prelude + custom_kernels/formats.h",
-        header,
+        f" (top-k {top_k}, {tile} pair(s) a warp)"
     ]
     wrap = f"{via} writes the signature around it" if via else "host.py wraps it"
+    shown: dict[str, str] = {}  # header -> the first kernel printed with it
     for src in srcs:
-        assert kern.dialect.sources(src)[0] == header
+        header, body = kern.dialect.sources(src)
+        if header in shown:
+            out.append(f"// ---- kernel {src.name}: header as kernel {shown[header]}'s")
+        else:
+            shown[header] = src.name
+            out += [
+                f"// ---- kernel {src.name}: header (the {dialect} prelude + the parts of"
+                " custom_kernels/formats.h it calls)",
+                header,
+            ]
         out += [
             f"// ---- kernel {src.name}: body ({wrap})",
             f"// inputs {', '.join(src.input_names)}; outputs {', '.join(src.output_names)}",
-            kern.dialect.sources(src)[1],
+            body,
         ]
     return "\n".join(out)
 

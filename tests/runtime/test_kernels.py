@@ -387,6 +387,56 @@ def test_dialect_layers_define_the_same_names():
         assert len(mod.PRELUDE.splitlines()) + len(mod.PROLOGUE.splitlines()) < 30
 
 
+def _all_sources(kern) -> list[algorithm.KernelSource]:
+    return [*kern.sources(k=3, tm=1), *kern.sources(k=3, tm=4), *kern.dequant_sources().values()]
+
+
+DECODERS = {
+    d.function.split("<")[0] for d in (*algorithm.GGUF_DECODERS.values(), algorithm.MXFP4_DECODER)
+} | {"sk_decode_affine"}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_header_is_the_parts_of_formats_h_its_body_calls(case):
+    assert "".join(p.text for p in algorithm._PIECES) == algorithm.SHARED_HEADER
+    layout, _ = CASES[case](1, 256, 256, 0)
+    own = dispatch.ExpertKernels(host, layout, dispatch.plan(layout), header="own")
+    full = dispatch.ExpertKernels(host, layout, dispatch.plan(layout), header="full")
+    for src, whole in zip(_all_sources(own), _all_sources(full)):
+        assert whole.header == algorithm.SHARED_HEADER
+        assert src.body == whole.body and src.name != whole.name  # told apart by MLX's cache
+        assert len(src.header) < len(whole.header) / 2
+        # its own decoders, no other format's
+        called = {d for d in DECODERS if d + "<" in src.body or d + "(" in src.body}
+        defined = {d for d in DECODERS if f"sk_chunk {d}(" in src.header}
+        assert called and defined == called, (src.name, called, defined)
+        # formats.h's pieces as they are in the file, in its order
+        pos = 0
+        for piece in algorithm._PIECES:
+            if src.header.startswith(piece.text, pos):
+                pos += len(piece.text)
+        assert pos == len(src.header), src.header[pos : pos + 200]
+
+
+def test_kernel_headers_are_own_unless_asked_for_full(monkeypatch):
+    from strata_mlx.config import OptionError
+    from strata_mlx.runtime import kernels
+
+    layout, _ = CASES["IQ2_XS+Q2_K-down"](1, 256, 256, 0)
+    monkeypatch.delenv("STRATA_MLX_KERNEL_HEADER", raising=False)
+    assert dispatch.kernel_header() == "own"
+    kern = dispatch.ExpertKernels(host, layout, dispatch.plan(layout))  # reads it when built
+    assert kern.sources(3, 1)[0].header != algorithm.SHARED_HEADER
+    monkeypatch.setenv("STRATA_MLX_KERNEL_HEADER", "full")
+    assert kern.sources(3, 1)[0].header == algorithm.SHARED_HEADER
+    monkeypatch.setenv("STRATA_MLX_KERNEL_HEADER", "all")
+    with pytest.raises(ValueError, match="STRATA_MLX_KERNEL_HEADER='all': one of own, full"):
+        dispatch.kernel_header()
+    monkeypatch.setattr(kernels, "_CHECKED", {})
+    with pytest.raises(OptionError, match="STRATA_MLX_KERNEL_HEADER='all'"):
+        kernels.expert_kernel(layout, "host")
+
+
 def test_generated_sources_are_short_lines():
     # a person reads these (`strata-mlx kernels show`): no 400-character expression lines
     for case in sorted(CASES):
@@ -416,10 +466,14 @@ def test_kernels_show_prints_the_compiled_source(dialect):
     layout, _ = CASES["IQ3_S+Q4_K-down"](1, 256, 512, 0)
     kern = dispatch.ExpertKernels(mod, layout, dispatch.plan(layout))
     srcs = [*kern.sources(k=4, tm=1), *kern.dequant_sources().values()]
-    header = mod.sources(srcs[0])[0]
-    assert r.output.count(header) == 1  # once: every kernel has this header
     for src in srcs:
-        assert src.name in r.output and mod.sources(src)[1] in r.output, src.name
+        header, body = mod.sources(src)
+        assert src.name in r.output and header in r.output and body in r.output, src.name
+    # each header printed once: gate/up's (IQ3_S), down's (Q4_K), and the dequantize
+    # kernels' of each format (no dot product), the gate and up ones sharing theirs
+    headers = {mod.sources(src)[0] for src in srcs}
+    assert len(headers) == 4
+    assert r.output.count(f"header (the {dialect} prelude") == 4
     r = CliRunner().invoke(app, ["kernels", "show", "Q6_K", "--dialect", dialect])
     assert r.exit_code == 2 and "Q6_K has no kernel" in r.output
 
@@ -482,10 +536,10 @@ def test_gpu_dialect_sources_type_check_as_cxx(dialect, tmp_path):
             *(algorithm.dequant_source(p, layout.record_bytes, "w", True) for p in projs),
         ]
         kernels.update((src.name, src) for src in srcs)
-    header = mod.sources(next(iter(kernels.values())))[0]
-    lines = [GPU_STANDINS[dialect], header]
+    # each kernel with its own header (the parts of formats.h it calls), in a namespace of its
+    # own: the kernel type-checks with nothing more, and the headers cannot clash
+    lines = [GPU_STANDINS[dialect]]
     for i, src in enumerate(kernels.values()):
-        assert mod.sources(src)[0] == header  # one header for every kernel
         params = []
         for n in src.input_names:
             ctype = _INPUT_TYPES.get(n, "int32_t" if n == "tile_pairs" else "T")
@@ -496,6 +550,8 @@ def test_gpu_dialect_sources_type_check_as_cxx(dialect, tmp_path):
         if dialect == "metal":
             params = [f"device {p}" for p in params] + ["uint3 thread_position_in_grid"]
         lines += [
+            f"namespace n{i} {{",
+            mod.sources(src)[0],
             f"template <typename T>\nvoid k{i}({', '.join(params)}) {{",
             mod.sources(src)[1],
             "}",
@@ -504,6 +560,7 @@ def test_gpu_dialect_sources_type_check_as_cxx(dialect, tmp_path):
             f"template void k{i}<{t}>({', '.join(params).replace('T*', t + '*')});"
             for t in GPU_DTYPES[dialect]
         ]
+        lines.append(f"}}  // namespace n{i}")
     path = tmp_path / f"{dialect}.cpp"
     path.write_text("\n".join(lines) + "\n")
     cmd = [host.compiler(), "-std=c++17", "-fsyntax-only", "-Wno-unknown-pragmas", str(path)]
@@ -663,6 +720,45 @@ def test_host_one_token_pairs_equal_the_general_call(case):
     np.testing.assert_array_equal(got, want)
     run = kernels.expert_kernel(layout, "host")
     np.testing.assert_array_equal(np.array(run.pairs(x, arena, pair_slot)), want[0])
+    flat = np.array(fn.pairs(x.reshape(-1), arena, pair_slot))  # [D] -> [k, D]
+    np.testing.assert_array_equal(flat, want[0, 0])
+    with pytest.raises(ValueError, match="one token of 256 features"):
+        fn.pairs(mx.concatenate([x, x]), arena, pair_slot)
+
+
+@needs_cxx
+@pytest.mark.parametrize("case", ["affine4-g64", "IQ3_S+Q4_K-down", "mxfp4-gpt-oss"])
+def test_host_kernels_compute_the_same_bits_with_either_header(case):
+    """The kernels compiled with their own parts of formats.h and with all of it: the same
+    outputs bit for bit (decode's pairs; the dequantize kernels of a two-format layout)."""
+    layout, recs = CASES[case](6, 256, 256, 2)
+    x, arena, slots, idx = make_problem(layout, recs, n_tokens=1, k=4, dtype=mx.float32, seed=3)
+    pair_slot = mx.array(np.array(slots)[np.array(idx)[0]])
+    out = {}
+    for header in algorithm.KERNEL_HEADERS:
+        kern = dispatch.ExpertKernels(host, layout, dispatch.plan(layout), header=header)
+        out[header] = [np.array(kern.pairs(x, arena, pair_slot))]
+        if case == "IQ3_S+Q4_K-down":
+            out[header] += [np.array(w) for w in kern.dequantize(arena, slots).values()]
+    for own, full in zip(out["own"], out["full"]):
+        np.testing.assert_array_equal(own.view(np.uint32), full.view(np.uint32))
+
+
+def test_the_kernel_call_benchmark_says_what_it_cannot_time_here(tmp_path):
+    """benchmarks/kernel_call.py on a machine without a GPU device: the source sizes of a
+    synthetic store's kernels with either header, then "nothing timed", and exit status 0."""
+    from test_synthetic import tiny_synthetic
+
+    if (hasattr(mx, "cuda") and mx.cuda.is_available()) or mx.metal.is_available():
+        pytest.skip("a GPU device: the benchmark times its calls (a GPU tool)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = tiny_synthetic(tmp_path / "synth")
+    script = os.path.join(root, "benchmarks", "kernel_call.py")
+    r = subprocess.run([sys.executable, script, str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    sizes = dict(re.findall(r"(own|full) *: decode gate_up (\d+)", r.stdout))
+    assert int(sizes["own"]) < int(sizes["full"]), r.stdout
+    assert "nothing timed" in r.stdout
 
 
 @needs_cxx
