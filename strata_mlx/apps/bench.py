@@ -174,7 +174,7 @@ def bench(
     probe_seconds: float = 2.0,
     seed: int = 0,
     log=print,
-    eviction: str = "lru",
+    eviction: str = "nextuse-duel",
     baseline: str | None = None,
     plot: str | Path | None = None,
     pipeline=None,

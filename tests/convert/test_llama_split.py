@@ -175,13 +175,18 @@ def test_default_generation_names_paris_and_streams(first_run):
     n = int(generated.group(1))
     m = re.search(r"Experts: hit rate ([0-9.]+)%.*?(\d+) read, ([0-9.]+) GB", stats)
     assert m, stats
-    # Every token runs all 480 experts and the arena holds a quarter: they really stream.
+    # Every token runs all 480 experts and the arena holds a quarter: they really stream. Of
+    # a pass through all of them an arena of S slots keeps at most S for the next token, so
+    # even Belady's optimum reads 480 - S a token after the first.
     from strata_mlx.apps.default_model import default_arena_gb
 
     manifest = strata_mlx.format.store.load_manifest(first_run["store"])
-    assert default_arena_gb(first_run["store"]) * 1024**3 < manifest.expert_bytes / 3
-    assert int(m.group(2)) > n * len(manifest.moe_layers) * manifest.num_experts
-    assert float(m.group(3)) > n * manifest.expert_bytes / 1e9 * 0.9
+    arena = default_arena_gb(first_run["store"]) * 1024**3
+    assert arena < manifest.expert_bytes / 3
+    every = len(manifest.moe_layers) * manifest.num_experts
+    slots = arena / (manifest.expert_bytes / every)
+    assert int(m.group(2)) > n * (every - slots)
+    assert float(m.group(3)) > n * (manifest.expert_bytes - arena) / 1e9
 
 
 def test_second_run_reuses_the_cache(first_run):
