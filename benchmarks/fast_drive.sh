@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode.
 set -uo pipefail
@@ -137,5 +137,14 @@ laptop)  # tmpfs behind an emulated laptop drive (STRATA_MLX_DRIVE_GBPS; DRIVES,
     STRATA_MLX_DRIVE_GBPS=$d G=${G:-32} LIMIT=${LIMIT:-280} bench "bench-drive$d" "$SHM" "${POL:-lookahead,demand}"
   done
   ;;
-*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop"; exit 2;;
+orders)  # tmpfs behind an emulated drive (DRIVE, GB/s; empty: the tmpfs itself): ROUNDS benches
+  # of POL's two policies, their order swapped each round (the machine drifts within a call)
+  build
+  a=${POL%%,*}; b=${POL#*,}
+  for r in $(seq "${ROUNDS:-3}"); do
+    p="$a,$b"; [ $((r % 2)) = 0 ] && p="$b,$a"
+    STRATA_MLX_DRIVE_GBPS=${DRIVE:-} G=${G:-32} LIMIT=${LIMIT:-150} bench "bench-orders-$r" "$SHM" "$p"
+  done
+  ;;
+*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders"; exit 2;;
 esac
