@@ -598,33 +598,42 @@ static PyObject *Duel_get_followed(Duel *d, void *closure) {
 
 /* ---- the type ---------------------------------------------------------------------------- */
 
-static int Duel_init(Duel *d, PyObject *args, PyObject *kw) {
+static PyObject *Duel_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    /* made whole here, not in __init__: a duel without its cores (Duel.__new__) would
+     * dereference them at its first call, and a second __init__ would half-overwrite it */
     static char *names[] = {"real", "real_recent", "shadow", "shadow_recent", "sample",
                             "min_shadow_slots", "half_life", NULL};
     PyObject *c[4];
+    double sample, half_life;
+    Py_ssize_t min_shadow_slots;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O!O!O!dnd", names, &NuCoreType, &c[0],
                                      &NuCoreType, &c[1], &NuCoreType, &c[2], &NuCoreType, &c[3],
-                                     &d->sample, &d->min_shadow_slots, &d->half_life))
-        return -1;
-    if (d->keys_cap) {
-        PyErr_SetString(PyExc_RuntimeError, "a Duel is initialised once");
-        return -1;
-    }
+                                     &sample, &min_shadow_slots, &half_life))
+        return NULL;
     if (c[0] == c[1] || c[0] == c[2] || c[0] == c[3] || c[1] == c[2] || c[1] == c[3] ||
         c[2] == c[3]) {
         PyErr_SetString(PyExc_ValueError, "Duel: four distinct cores");
-        return -1;
+        return NULL;
     }
+    Duel *d = (Duel *)type->tp_alloc(type, 0);
+    if (!d) return NULL;
     for (int k = 0; k < 4; k++) {
         Py_INCREF(c[k]);
         d->core[k / 2][k % 2] = c[k];
     }
+    d->sample = sample;
+    d->min_shadow_slots = min_shadow_slots;
+    d->half_life = half_life;
     d->weight = 1.0;
-    d->growth = pow(2.0, 1.0 / d->half_life);
+    d->growth = pow(2.0, 1.0 / half_life);
     d->rate = 1.0;
     d->capacity = d->shadow_slots = -1;
     for (int k = 0; k < NCOMP; k++) d->order[k] = k;
-    return grow_keys(d);
+    if (grow_keys(d) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return (PyObject *)d;
 }
 
 static void Duel_dealloc(Duel *d) {
@@ -677,8 +686,7 @@ static PyTypeObject DuelType = {
     .tp_basicsize = sizeof(Duel),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "nextuse-duel's state and calls (strata_mlx.stream.policies.NextUseDuel).",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Duel_init,
+    .tp_new = Duel_new,
     .tp_dealloc = (destructor)Duel_dealloc,
     .tp_methods = Duel_methods,
     .tp_getset = Duel_getset,

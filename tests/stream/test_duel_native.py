@@ -155,3 +155,13 @@ def test_the_duel_takes_four_distinct_cores_and_good_keys():
     d.touch((0, 1))
     assert d.victim(lambda k: True) == (0, 1)
     assert d.victims(lambda k: False, [(1, 2)]) == []
+
+
+def test_a_duel_is_made_whole_or_not_at_all():
+    """Made without its cores (Duel.__new__), a duel's first touch dereferenced them."""
+    with pytest.raises(TypeError):
+        Duel.__new__(Duel)
+    cores = [NextUse([0, 1], core="native")._core for _ in range(4)]
+    d = Duel(*cores, 0.5, 0, 1024.0)
+    d.touch((0, 1))
+    assert d.victim(lambda k: True) == (0, 1)
