@@ -546,6 +546,12 @@ static int Duel_set_current(Duel *d, PyObject *value, void *closure) {
     int has = value != Py_None;
     long layer = has ? PyLong_AsLong(value) : 0;
     if (layer == -1 && PyErr_Occurred()) return -1;
+    /* refused before anything changes: a core's own refusal came after the shadows took the
+     * call and the cores before it were told, leaving the cores on different layers */
+    if (layer < 0 || layer >= MAX_LAYER) {
+        PyErr_Format(PyExc_ValueError, "layer %ld out of range", layer);
+        return -1;
+    }
     if (shadow_call(d) < 0) return -1;
     d->has_current = has;
     d->current = layer;

@@ -165,3 +165,30 @@ def test_a_duel_is_made_whole_or_not_at_all():
     d = Duel(*cores, 0.5, 0, 1024.0)
     d.touch((0, 1))
     assert d.victim(lambda k: True) == (0, 1)
+
+
+def test_a_refused_layer_leaves_the_duel_as_it_was():
+    """current = a layer out of range: refused before the ended call reached the shadows and
+    before any core was told it (one core told, three not, disagreed ever after)."""
+    duels = [policies.NextUseDuel([0, 2, 4], None, 1.0, 0, core="native") for _ in range(2)]
+    rng = random.Random(3)
+    for step in range(600):
+        if step % 6 == 0:
+            layer = [0, 2, 4][step // 6 % 3]
+            for p in duels:
+                p.current = layer
+        if step % 4 == 1:  # mid-call: the call's later touches are the running layer's
+            with pytest.raises((ValueError, OverflowError)):
+                duels[0].current = rng.choice([-1, 1 << 20, 1 << 70])
+            assert duels[0].current == duels[1].current
+        k = (layer, rng.randrange(24))
+        for p in duels:
+            p.touch(k)
+        if step > 60 and step % 3 == 0:
+            got = [p.victims(lambda x, k=k: x != k, [k]) for p in duels]
+            assert got[0] == got[1], step
+            for p in duels:
+                p.remove_all(got[0])
+    for p in duels:
+        p.current = None
+    assert state(duels[0]) == state(duels[1])
