@@ -621,6 +621,11 @@ static PyObject *Duel_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "Duel: four distinct cores");
         return NULL;
     }
+    if (!(sample > 0) || !(half_life > 0)) { /* the growth divides by both */
+        PyErr_Format(PyExc_ValueError, "Duel: sample %g and half_life %g must be above 0", sample,
+                     half_life);
+        return NULL;
+    }
     Duel *d = (Duel *)type->tp_alloc(type, 0);
     if (!d) return NULL;
     for (int k = 0; k < 4; k++) {

@@ -242,6 +242,8 @@ class Adaptive:
         sample: float = 1.0,
         min_shadow_slots: int = 0,
     ):
+        if not (half_life > 0 and sample > 0):  # the shadows' growth divides by both
+            raise ValueError(f"half_life {half_life} and sample {sample} must be above 0")
         self.components = components
         self._real = [build(c, profile, layers) for c in components]
         self._shadow = [build(c, profile, layers) for c in components]

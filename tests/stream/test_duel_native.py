@@ -192,3 +192,12 @@ def test_a_refused_layer_leaves_the_duel_as_it_was():
     for p in duels:
         p.current = None
     assert state(duels[0]) == state(duels[1])
+
+
+@pytest.mark.parametrize("core", ["native", "python"])
+@pytest.mark.parametrize("bad", [{"half_life": 0.0}, {"sample": 0.0}, {"sample": -1.0}])
+def test_either_duel_refuses_a_half_life_or_sample_not_above_zero(core, bad):
+    """The C duel took them (its weights inf, its shadows empty); the reference divided by
+    zero, at construction or at the first victim."""
+    with pytest.raises(ValueError):
+        policies.NextUseDuel([0, 1], None, core=core, min_shadow_slots=0, **bad)
