@@ -504,6 +504,10 @@ static PyObject *Duel_victims(Duel *d, PyObject *const *args, Py_ssize_t nargs) 
         long expert;
         if (parse(PySequence_Fast_GET_ITEM(seq, j), &layers[j], &expert) < 0) goto done;
     }
+    if (!n) { /* (LRU's walk, stopping at as many victims as keys, would take every key) */
+        res = PyList_New(0);
+        goto done;
+    }
     if (d->capacity < 0 && learn_capacity(d) < 0) goto done;
     Pred p = {args[0], NULL, NULL};
     if (comp_victims(d, 0, d->order[0], &p, layers, n, &out) < 0) goto done;
