@@ -129,6 +129,11 @@ static int32_t key_number(Duel *d, long layer, long expert) {
     }
     int32_t n = d->number[layer][expert];
     if (n) return n;
+    /* key numbers are int32: the next would wrap negative, an index before the arrays */
+    if (d->n_keys == INT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "Duel: more keys than int32 key numbers");
+        return -1;
+    }
     if (d->n_keys + 1 >= d->keys_cap && grow_keys(d) < 0) return -1;
     n = (int32_t)++d->n_keys;
     d->layer[n] = layer;
