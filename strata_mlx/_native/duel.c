@@ -18,8 +18,6 @@
 
 #define NCOMP 3 /* nextuse, nextuse-recent, lru: the components' order (ties go to the first) */
 #define LRU_COMP 2
-#define MAX_LAYER (1 << 20)
-#define MAX_EXPERT (1 << 24)
 
 typedef struct {
     int32_t head, tail; /* key numbers, oldest first; 0: none */
@@ -54,22 +52,6 @@ typedef struct {
 } Duel;
 
 /* ---- keys ------------------------------------------------------------------------------ */
-
-static int parse(PyObject *key, long *layer, long *expert) {
-    if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 2) {
-        PyErr_Format(PyExc_TypeError, "a key is a (layer, expert) tuple, not %R", key);
-        return -1;
-    }
-    *layer = PyLong_AsLong(PyTuple_GET_ITEM(key, 0));
-    if (*layer == -1 && PyErr_Occurred()) return -1;
-    *expert = PyLong_AsLong(PyTuple_GET_ITEM(key, 1));
-    if (*expert == -1 && PyErr_Occurred()) return -1;
-    if (*layer < 0 || *layer >= MAX_LAYER || *expert < 0 || *expert >= MAX_EXPERT) {
-        PyErr_Format(PyExc_ValueError, "key %R out of range", key);
-        return -1;
-    }
-    return 0;
-}
 
 static int32_t find_key(Duel *d, long layer, long expert) {
     if (layer >= d->layers_cap || expert >= d->number_cap[layer]) return 0;
@@ -177,21 +159,10 @@ static void lru_touch(Lru *q, int32_t n) {
     q->in[n] = 1;
 }
 
-static int ask(const Pred *p, Duel *d, int32_t n) {
-    if (p->check) return p->check(p->ctx, d->layer[n], d->expert[n]);
-    PyObject *key = Py_BuildValue("(li)", d->layer[n], (int)d->expert[n]);
-    if (!key) return -1;
-    PyObject *r = PyObject_CallOneArg(p->fn, key);
-    Py_DECREF(key);
-    int ok = r ? PyObject_IsTrue(r) : -1;
-    Py_XDECREF(r);
-    return ok;
-}
-
 static int lru_victims(Duel *d, Lru *q, const Pred *p, Py_ssize_t want, Keys *out) {
     /* arena.LRU.victims: the first evictable keys in one walk, oldest first */
     for (int32_t n = q->head; n; n = q->next[n]) {
-        int ok = ask(p, d, n);
+        int ok = is_evictable(p, d->layer[n], d->expert[n]);
         if (ok < 0) return -1;
         if (ok) {
             if (keys_append(out, d->layer[n], d->expert[n]) < 0) return -1;
@@ -425,7 +396,7 @@ static void remove_key(Duel *d, long layer, long expert) {
 
 static PyObject *Duel_touch(Duel *d, PyObject *key) {
     long layer, expert;
-    if (parse(key, &layer, &expert) < 0 || touch(d, layer, expert) < 0) return NULL;
+    if (parse_key(key, &layer, &expert) < 0 || touch(d, layer, expert) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -435,7 +406,7 @@ static PyObject *Duel_touch_all(Duel *d, PyObject *keys) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     for (Py_ssize_t j = 0; j < n; j++) {
         long layer, expert;
-        if (parse(PySequence_Fast_GET_ITEM(seq, j), &layer, &expert) < 0 ||
+        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layer, &expert) < 0 ||
             touch(d, layer, expert) < 0) {
             Py_DECREF(seq);
             return NULL;
@@ -447,7 +418,7 @@ static PyObject *Duel_touch_all(Duel *d, PyObject *keys) {
 
 static PyObject *Duel_remove(Duel *d, PyObject *key) {
     long layer, expert;
-    if (parse(key, &layer, &expert) < 0) return NULL;
+    if (parse_key(key, &layer, &expert) < 0) return NULL;
     remove_key(d, layer, expert);
     Py_RETURN_NONE;
 }
@@ -458,7 +429,7 @@ static PyObject *Duel_remove_all(Duel *d, PyObject *keys) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     for (Py_ssize_t j = 0; j < n; j++) {
         long layer, expert;
-        if (parse(PySequence_Fast_GET_ITEM(seq, j), &layer, &expert) < 0) {
+        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layer, &expert) < 0) {
             Py_DECREF(seq);
             return NULL;
         }
@@ -507,7 +478,7 @@ static PyObject *Duel_victims(Duel *d, PyObject *const *args, Py_ssize_t nargs) 
     }
     for (Py_ssize_t j = 0; j < n; j++) {
         long expert;
-        if (parse(PySequence_Fast_GET_ITEM(seq, j), &layers[j], &expert) < 0) goto done;
+        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layers[j], &expert) < 0) goto done;
     }
     if (!n) { /* (LRU's walk, stopping at as many victims as keys, would take every key) */
         res = PyList_New(0);

@@ -20,8 +20,6 @@
 #define SMALL_BATCH 16
 #define DEAD_PER_LIVE 4
 #define DEAD_SLACK 1024
-#define MAX_LAYER (1 << 20)
-#define MAX_EXPERT (1 << 24)
 
 typedef struct {
     double c;
@@ -155,7 +153,7 @@ struct Core {
 
 /* ---- keys ------------------------------------------------------------------------------ */
 
-static int parse_key(PyObject *key, long *layer, long *expert) {
+int parse_key(PyObject *key, long *layer, long *expert) {
     if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 2) {
         PyErr_Format(PyExc_TypeError, "a key is a (layer, expert) tuple, not %R", key);
         return -1;
@@ -393,7 +391,7 @@ int nu_set_current(Core *s, int has, long layer) {
 
 /* ---- victims --------------------------------------------------------------------------- */
 
-static int is_evictable(const Pred *p, long layer, int32_t e) {
+int is_evictable(const Pred *p, long layer, int32_t e) {
     if (p->check) return p->check(p->ctx, layer, e);
     PyObject *key = make_key(layer, e);
     if (!key) return -1;
