@@ -49,6 +49,7 @@ typedef struct {
     int order[NCOMP];
     int has_current;
     long current;
+    int searching; /* a victim search runs (search_idle) */
 } Duel;
 
 /* ---- keys ------------------------------------------------------------------------------ */
@@ -396,11 +397,13 @@ static void remove_key(Duel *d, long layer, long expert) {
 
 static PyObject *Duel_touch(Duel *d, PyObject *key) {
     long layer, expert;
+    if (search_idle(d->searching) < 0) return NULL;
     if (parse_key(key, &layer, &expert) < 0 || touch(d, layer, expert) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *Duel_touch_all(Duel *d, PyObject *keys) {
+    if (search_idle(d->searching) < 0) return NULL;
     PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -418,12 +421,14 @@ static PyObject *Duel_touch_all(Duel *d, PyObject *keys) {
 
 static PyObject *Duel_remove(Duel *d, PyObject *key) {
     long layer, expert;
+    if (search_idle(d->searching) < 0) return NULL;
     if (parse_key(key, &layer, &expert) < 0) return NULL;
     remove_key(d, layer, expert);
     Py_RETURN_NONE;
 }
 
 static PyObject *Duel_remove_all(Duel *d, PyObject *keys) {
+    if (search_idle(d->searching) < 0) return NULL;
     PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -453,7 +458,10 @@ static int victim(Duel *d, PyObject *evictable, long *layer, int32_t *expert) {
 static PyObject *Duel_victim(Duel *d, PyObject *evictable) {
     long layer;
     int32_t expert;
+    if (search_idle(d->searching) < 0) return NULL;
+    d->searching = 1;
     int got = victim(d, evictable, &layer, &expert);
+    d->searching = 0;
     if (got < 0) return NULL;
     if (!got) Py_RETURN_NONE;
     return Py_BuildValue("(li)", layer, (int)expert);
@@ -466,6 +474,7 @@ static PyObject *Duel_victims(Duel *d, PyObject *const *args, Py_ssize_t nargs) 
         PyErr_SetString(PyExc_TypeError, "victims(evictable, keys)");
         return NULL;
     }
+    if (search_idle(d->searching) < 0) return NULL;
     PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -486,14 +495,16 @@ static PyObject *Duel_victims(Duel *d, PyObject *const *args, Py_ssize_t nargs) 
     }
     if (d->capacity < 0 && learn_capacity(d) < 0) goto done;
     Pred p = {args[0], NULL, NULL};
-    if (comp_victims(d, 0, d->order[0], &p, layers, n, &out) < 0) goto done;
-    if (!out.len) {
+    d->searching = 1;
+    int rc = comp_victims(d, 0, d->order[0], &p, layers, n, &out);
+    if (rc == 0 && !out.len) {
         long layer;
         int32_t expert;
         int got = victim(d, args[0], &layer, &expert);
-        if (got < 0 || (got && keys_append(&out, layer, expert) < 0)) goto done;
+        if (got < 0 || (got && keys_append(&out, layer, expert) < 0)) rc = -1;
     }
-    res = keys_list(&out);
+    d->searching = 0;
+    if (rc == 0) res = keys_list(&out);
 done:
     Py_DECREF(seq);
     free(layers);
@@ -523,6 +534,7 @@ static int Duel_set_current(Duel *d, PyObject *value, void *closure) {
         PyErr_SetString(PyExc_AttributeError, "current cannot be deleted");
         return -1;
     }
+    if (search_idle(d->searching) < 0) return -1;
     int has = value != Py_None;
     long layer = has ? PyLong_AsLong(value) : 0;
     if (layer == -1 && PyErr_Occurred()) return -1;

@@ -27,6 +27,11 @@ int parse_key(PyObject *key, long *layer, long *expert);
 /* 1 evictable, 0 not, -1 an error */
 int is_evictable(const Pred *p, long layer, int32_t expert);
 
+/* 0 where no victim search runs, else -1 and a RuntimeError: a search holds pointers into its
+ * state across its evictable calls, and an evictable that changed that state (touched a new
+ * layer, pushed to a heap) would move them under it */
+int search_idle(int searching);
+
 /* A growable list of keys. */
 typedef struct {
     long *layer;

@@ -215,3 +215,24 @@ def test_no_keys_have_no_victims(core):
     p.current = None
     assert p.victims(lambda k: True, []) == []
     assert len(p.victims(lambda k: True, [(0, 9)])) == 1
+
+
+def test_an_evictable_that_calls_back_into_the_policy_is_refused():
+    """A victim search holds pointers into the cores' layers and heaps across its evictable
+    calls: touching a new layer from evictable moved them under it (a use after free)."""
+    duel = policies.NextUseDuel([0, 1, 2, 3], None, 1.0, 0, core="native")
+    core = NextUse([0, 1, 2, 3], core="native")._core
+    for p in (duel, core):
+        for layer in (0, 1, 2, 3, 0):
+            p.current = layer
+            for e in range(30):
+                p.touch((layer, e))
+
+        def evictable(k, p=p):
+            p.touch((100 + k[1], 0))
+            return True
+
+        for search in (lambda: p.victim(evictable), lambda: p.victims(evictable, [(1, 99)] * 20)):
+            with pytest.raises(RuntimeError, match="evictable"):
+                search()
+        assert p.victim(lambda k: k[0] != 0)[0] != 0  # the policy still answers
