@@ -35,7 +35,7 @@ typedef struct {
     long *layer;
     int32_t *expert;
     uint8_t *resident, *in_call, *held[NCOMP];
-    int8_t *follows; /* 0 not asked yet, 1 the shadows follow the key, -1 not */
+    int8_t *sampled; /* 0 not asked yet, 1 the shadows follow the key, -1 not */
     uint32_t *pinned; /* == pin: used by the call the shadows take now */
     Py_ssize_t n_keys, keys_cap;
     Py_ssize_t n_resident, n_held[NCOMP];
@@ -66,26 +66,30 @@ static void *zeroed(void *buf, Py_ssize_t old, Py_ssize_t cap, size_t item) {
     return p;
 }
 
-#define GROW(field, old, cap) \
-    if (!(p = zeroed((field), (old), (cap), sizeof(*(field))))) return -1; \
-    (field) = p;
+/* one array of the per-key arrays grown; a failure returns from grow_keys, the arrays grown
+ * so far larger and keys_cap as it was (each array's size is only ever read from keys_cap) */
+#define GROW(field, old, cap)                                                        \
+    do {                                                                             \
+        if (!(p = zeroed((field), (old), (cap), sizeof(*(field))))) return -1;       \
+        (field) = p;                                                                 \
+    } while (0)
 
 static int grow_keys(Duel *d) {
     Py_ssize_t k = d->keys_cap, cap = k ? 2 * k : 1024;
     void *p;
-    GROW(d->layer, k, cap)
-    GROW(d->expert, k, cap)
-    GROW(d->resident, k, cap)
-    GROW(d->in_call, k, cap)
-    GROW(d->follows, k, cap)
-    GROW(d->pinned, k, cap)
+    GROW(d->layer, k, cap);
+    GROW(d->expert, k, cap);
+    GROW(d->resident, k, cap);
+    GROW(d->in_call, k, cap);
+    GROW(d->sampled, k, cap);
+    GROW(d->pinned, k, cap);
     for (int c = 0; c < NCOMP; c++) {
-        GROW(d->held[c], k, cap)
+        GROW(d->held[c], k, cap);
     }
     for (int w = 0; w < 2; w++) {
-        GROW(d->lru[w].prev, k, cap)
-        GROW(d->lru[w].next, k, cap)
-        GROW(d->lru[w].in, k, cap)
+        GROW(d->lru[w].prev, k, cap);
+        GROW(d->lru[w].next, k, cap);
+        GROW(d->lru[w].in, k, cap);
     }
     d->keys_cap = cap;
     return 0;
@@ -137,8 +141,8 @@ static double sample_hash(long layer, int32_t expert) {
 }
 
 static int follows(Duel *d, int32_t n) {
-    if (!d->follows[n]) d->follows[n] = sample_hash(d->layer[n], d->expert[n]) < d->rate ? 1 : -1;
-    return d->follows[n] > 0;
+    if (!d->sampled[n]) d->sampled[n] = sample_hash(d->layer[n], d->expert[n]) < d->rate ? 1 : -1;
+    return d->sampled[n] > 0;
 }
 
 /* ---- LRU ------------------------------------------------------------------------------- */
@@ -588,8 +592,8 @@ static PyObject *Duel_get_followed(Duel *d, void *closure) {
     (void)closure;
     Py_ssize_t yes = 0, asked = 0;
     for (int32_t n = 1; n <= d->n_keys; n++) {
-        asked += d->follows[n] != 0;
-        yes += d->follows[n] > 0;
+        asked += d->sampled[n] != 0;
+        yes += d->sampled[n] > 0;
     }
     return Py_BuildValue("(nn)", yes, asked);
 }
@@ -648,7 +652,7 @@ static void Duel_dealloc(Duel *d) {
     free(d->expert);
     free(d->resident);
     free(d->in_call);
-    free(d->follows);
+    free(d->sampled);
     free(d->pinned);
     for (int c = 0; c < NCOMP; c++) free(d->held[c]);
     for (int w = 0; w < 2; w++) {
