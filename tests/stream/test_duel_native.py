@@ -237,3 +237,27 @@ def test_an_evictable_that_calls_back_into_the_policy_is_refused():
         with pytest.raises(RuntimeError, match="evictable"):
             p.victims(evictable, [(1, 99)] * 20)
         assert p.victim(lambda k: k[0] != 0)[0] != 0  # the policy still answers
+
+
+@pytest.mark.parametrize("sample", [1 / 16, 1.0])
+def test_an_arena_of_no_slots_duels_as_the_reference(sample):
+    """A victim asked before any touch: capacity 0, shadows of 0 slots (each miss takes one
+    and evicts the ones before it that the call does not use), the rate left at 1."""
+    made = [policies.NextUseDuel([0, 1], None, sample, 0, core=c) for c in ("native", "python")]
+    for p in made:
+        assert p.victim(lambda k: True) is None
+        assert (p.capacity, p.shadow_slots, p.rate) == (0, 0, 1.0)
+    rng = random.Random(1)
+    for step in range(400):
+        if step % 4 == 0:
+            for p in made:
+                p.current = None if step % 36 == 0 else step // 4 % 2
+        k = (step // 4 % 2, rng.randrange(16))
+        for p in made:
+            p.touch(k)
+        if step % 7 == 0:
+            got = [p.victims(lambda x, k=k: x != k, [k]) for p in made]
+            assert got[0] == got[1], step
+    for p in made:
+        p.current = None
+    assert state(made[0]) == state(made[1])
