@@ -18,8 +18,6 @@
 
 #define NCOMP 3 /* nextuse, nextuse-recent, lru: the components' order (ties go to the first) */
 #define LRU_COMP 2
-#define MAX_LAYER (1 << 20)
-#define MAX_EXPERT (1 << 24)
 
 typedef struct {
     int32_t head, tail; /* key numbers, oldest first; 0: none */
@@ -37,7 +35,7 @@ typedef struct {
     long *layer;
     int32_t *expert;
     uint8_t *resident, *in_call, *held[NCOMP];
-    int8_t *follows; /* 0 not asked yet, 1 the shadows follow the key, -1 not */
+    int8_t *sampled; /* 0 not asked yet, 1 the shadows follow the key, -1 not */
     uint32_t *pinned; /* == pin: used by the call the shadows take now */
     Py_ssize_t n_keys, keys_cap;
     Py_ssize_t n_resident, n_held[NCOMP];
@@ -51,25 +49,10 @@ typedef struct {
     int order[NCOMP];
     int has_current;
     long current;
+    int searching; /* a victim search runs (search_idle) */
 } Duel;
 
 /* ---- keys ------------------------------------------------------------------------------ */
-
-static int parse(PyObject *key, long *layer, long *expert) {
-    if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 2) {
-        PyErr_Format(PyExc_TypeError, "a key is a (layer, expert) tuple, not %R", key);
-        return -1;
-    }
-    *layer = PyLong_AsLong(PyTuple_GET_ITEM(key, 0));
-    if (*layer == -1 && PyErr_Occurred()) return -1;
-    *expert = PyLong_AsLong(PyTuple_GET_ITEM(key, 1));
-    if (*expert == -1 && PyErr_Occurred()) return -1;
-    if (*layer < 0 || *layer >= MAX_LAYER || *expert < 0 || *expert >= MAX_EXPERT) {
-        PyErr_Format(PyExc_ValueError, "key %R out of range", key);
-        return -1;
-    }
-    return 0;
-}
 
 static int32_t find_key(Duel *d, long layer, long expert) {
     if (layer >= d->layers_cap || expert >= d->number_cap[layer]) return 0;
@@ -83,26 +66,30 @@ static void *zeroed(void *buf, Py_ssize_t old, Py_ssize_t cap, size_t item) {
     return p;
 }
 
-#define GROW(field, old, cap) \
-    if (!(p = zeroed((field), (old), (cap), sizeof(*(field))))) return -1; \
-    (field) = p;
+/* one array of the per-key arrays grown; a failure returns from grow_keys, the arrays grown
+ * so far larger and keys_cap as it was (each array's size is only ever read from keys_cap) */
+#define GROW(field, old, cap)                                                        \
+    do {                                                                             \
+        if (!(p = zeroed((field), (old), (cap), sizeof(*(field))))) return -1;       \
+        (field) = p;                                                                 \
+    } while (0)
 
 static int grow_keys(Duel *d) {
     Py_ssize_t k = d->keys_cap, cap = k ? 2 * k : 1024;
     void *p;
-    GROW(d->layer, k, cap)
-    GROW(d->expert, k, cap)
-    GROW(d->resident, k, cap)
-    GROW(d->in_call, k, cap)
-    GROW(d->follows, k, cap)
-    GROW(d->pinned, k, cap)
+    GROW(d->layer, k, cap);
+    GROW(d->expert, k, cap);
+    GROW(d->resident, k, cap);
+    GROW(d->in_call, k, cap);
+    GROW(d->sampled, k, cap);
+    GROW(d->pinned, k, cap);
     for (int c = 0; c < NCOMP; c++) {
-        GROW(d->held[c], k, cap)
+        GROW(d->held[c], k, cap);
     }
     for (int w = 0; w < 2; w++) {
-        GROW(d->lru[w].prev, k, cap)
-        GROW(d->lru[w].next, k, cap)
-        GROW(d->lru[w].in, k, cap)
+        GROW(d->lru[w].prev, k, cap);
+        GROW(d->lru[w].next, k, cap);
+        GROW(d->lru[w].in, k, cap);
     }
     d->keys_cap = cap;
     return 0;
@@ -129,6 +116,11 @@ static int32_t key_number(Duel *d, long layer, long expert) {
     }
     int32_t n = d->number[layer][expert];
     if (n) return n;
+    /* key numbers are int32: the next would wrap negative, an index before the arrays */
+    if (d->n_keys == INT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "Duel: more keys than int32 key numbers");
+        return -1;
+    }
     if (d->n_keys + 1 >= d->keys_cap && grow_keys(d) < 0) return -1;
     n = (int32_t)++d->n_keys;
     d->layer[n] = layer;
@@ -149,8 +141,8 @@ static double sample_hash(long layer, int32_t expert) {
 }
 
 static int follows(Duel *d, int32_t n) {
-    if (!d->follows[n]) d->follows[n] = sample_hash(d->layer[n], d->expert[n]) < d->rate ? 1 : -1;
-    return d->follows[n] > 0;
+    if (!d->sampled[n]) d->sampled[n] = sample_hash(d->layer[n], d->expert[n]) < d->rate ? 1 : -1;
+    return d->sampled[n] > 0;
 }
 
 /* ---- LRU ------------------------------------------------------------------------------- */
@@ -172,21 +164,10 @@ static void lru_touch(Lru *q, int32_t n) {
     q->in[n] = 1;
 }
 
-static int ask(const Pred *p, Duel *d, int32_t n) {
-    if (p->check) return p->check(p->ctx, d->layer[n], d->expert[n]);
-    PyObject *key = Py_BuildValue("(li)", d->layer[n], (int)d->expert[n]);
-    if (!key) return -1;
-    PyObject *r = PyObject_CallOneArg(p->fn, key);
-    Py_DECREF(key);
-    int ok = r ? PyObject_IsTrue(r) : -1;
-    Py_XDECREF(r);
-    return ok;
-}
-
 static int lru_victims(Duel *d, Lru *q, const Pred *p, Py_ssize_t want, Keys *out) {
     /* arena.LRU.victims: the first evictable keys in one walk, oldest first */
     for (int32_t n = q->head; n; n = q->next[n]) {
-        int ok = ask(p, d, n);
+        int ok = is_evictable(p, d->layer[n], d->expert[n]);
         if (ok < 0) return -1;
         if (ok) {
             if (keys_append(out, d->layer[n], d->expert[n]) < 0) return -1;
@@ -420,17 +401,19 @@ static void remove_key(Duel *d, long layer, long expert) {
 
 static PyObject *Duel_touch(Duel *d, PyObject *key) {
     long layer, expert;
-    if (parse(key, &layer, &expert) < 0 || touch(d, layer, expert) < 0) return NULL;
+    if (search_idle(d->searching) < 0) return NULL;
+    if (parse_key(key, &layer, &expert) < 0 || touch(d, layer, expert) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *Duel_touch_all(Duel *d, PyObject *keys) {
+    if (search_idle(d->searching) < 0) return NULL;
     PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     for (Py_ssize_t j = 0; j < n; j++) {
         long layer, expert;
-        if (parse(PySequence_Fast_GET_ITEM(seq, j), &layer, &expert) < 0 ||
+        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layer, &expert) < 0 ||
             touch(d, layer, expert) < 0) {
             Py_DECREF(seq);
             return NULL;
@@ -442,18 +425,20 @@ static PyObject *Duel_touch_all(Duel *d, PyObject *keys) {
 
 static PyObject *Duel_remove(Duel *d, PyObject *key) {
     long layer, expert;
-    if (parse(key, &layer, &expert) < 0) return NULL;
+    if (search_idle(d->searching) < 0) return NULL;
+    if (parse_key(key, &layer, &expert) < 0) return NULL;
     remove_key(d, layer, expert);
     Py_RETURN_NONE;
 }
 
 static PyObject *Duel_remove_all(Duel *d, PyObject *keys) {
+    if (search_idle(d->searching) < 0) return NULL;
     PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     for (Py_ssize_t j = 0; j < n; j++) {
         long layer, expert;
-        if (parse(PySequence_Fast_GET_ITEM(seq, j), &layer, &expert) < 0) {
+        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layer, &expert) < 0) {
             Py_DECREF(seq);
             return NULL;
         }
@@ -477,7 +462,10 @@ static int victim(Duel *d, PyObject *evictable, long *layer, int32_t *expert) {
 static PyObject *Duel_victim(Duel *d, PyObject *evictable) {
     long layer;
     int32_t expert;
+    if (search_idle(d->searching) < 0) return NULL;
+    d->searching = 1;
     int got = victim(d, evictable, &layer, &expert);
+    d->searching = 0;
     if (got < 0) return NULL;
     if (!got) Py_RETURN_NONE;
     return Py_BuildValue("(li)", layer, (int)expert);
@@ -490,6 +478,7 @@ static PyObject *Duel_victims(Duel *d, PyObject *const *args, Py_ssize_t nargs) 
         PyErr_SetString(PyExc_TypeError, "victims(evictable, keys)");
         return NULL;
     }
+    if (search_idle(d->searching) < 0) return NULL;
     PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -502,18 +491,24 @@ static PyObject *Duel_victims(Duel *d, PyObject *const *args, Py_ssize_t nargs) 
     }
     for (Py_ssize_t j = 0; j < n; j++) {
         long expert;
-        if (parse(PySequence_Fast_GET_ITEM(seq, j), &layers[j], &expert) < 0) goto done;
+        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layers[j], &expert) < 0) goto done;
+    }
+    if (!n) { /* (LRU's walk, stopping at as many victims as keys, would take every key) */
+        res = PyList_New(0);
+        goto done;
     }
     if (d->capacity < 0 && learn_capacity(d) < 0) goto done;
     Pred p = {args[0], NULL, NULL};
-    if (comp_victims(d, 0, d->order[0], &p, layers, n, &out) < 0) goto done;
-    if (!out.len) {
+    d->searching = 1;
+    int rc = comp_victims(d, 0, d->order[0], &p, layers, n, &out);
+    if (rc == 0 && !out.len) {
         long layer;
         int32_t expert;
         int got = victim(d, args[0], &layer, &expert);
-        if (got < 0 || (got && keys_append(&out, layer, expert) < 0)) goto done;
+        if (got < 0 || (got && keys_append(&out, layer, expert) < 0)) rc = -1;
     }
-    res = keys_list(&out);
+    d->searching = 0;
+    if (rc == 0) res = keys_list(&out);
 done:
     Py_DECREF(seq);
     free(layers);
@@ -543,9 +538,16 @@ static int Duel_set_current(Duel *d, PyObject *value, void *closure) {
         PyErr_SetString(PyExc_AttributeError, "current cannot be deleted");
         return -1;
     }
+    if (search_idle(d->searching) < 0) return -1;
     int has = value != Py_None;
     long layer = has ? PyLong_AsLong(value) : 0;
     if (layer == -1 && PyErr_Occurred()) return -1;
+    /* refused before anything changes: a core's own refusal came after the shadows took the
+     * call and the cores before it were told, leaving the cores on different layers */
+    if (layer < 0 || layer >= MAX_LAYER) {
+        PyErr_Format(PyExc_ValueError, "layer %ld out of range", layer);
+        return -1;
+    }
     if (shadow_call(d) < 0) return -1;
     d->has_current = has;
     d->current = layer;
@@ -590,41 +592,55 @@ static PyObject *Duel_get_followed(Duel *d, void *closure) {
     (void)closure;
     Py_ssize_t yes = 0, asked = 0;
     for (int32_t n = 1; n <= d->n_keys; n++) {
-        asked += d->follows[n] != 0;
-        yes += d->follows[n] > 0;
+        asked += d->sampled[n] != 0;
+        yes += d->sampled[n] > 0;
     }
     return Py_BuildValue("(nn)", yes, asked);
 }
 
 /* ---- the type ---------------------------------------------------------------------------- */
 
-static int Duel_init(Duel *d, PyObject *args, PyObject *kw) {
+static PyObject *Duel_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    /* made whole here, not in __init__: a duel without its cores (Duel.__new__) would
+     * dereference them at its first call, and a second __init__ would half-overwrite it */
     static char *names[] = {"real", "real_recent", "shadow", "shadow_recent", "sample",
                             "min_shadow_slots", "half_life", NULL};
     PyObject *c[4];
+    double sample, half_life;
+    Py_ssize_t min_shadow_slots;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O!O!O!dnd", names, &NuCoreType, &c[0],
                                      &NuCoreType, &c[1], &NuCoreType, &c[2], &NuCoreType, &c[3],
-                                     &d->sample, &d->min_shadow_slots, &d->half_life))
-        return -1;
-    if (d->keys_cap) {
-        PyErr_SetString(PyExc_RuntimeError, "a Duel is initialised once");
-        return -1;
-    }
+                                     &sample, &min_shadow_slots, &half_life))
+        return NULL;
     if (c[0] == c[1] || c[0] == c[2] || c[0] == c[3] || c[1] == c[2] || c[1] == c[3] ||
         c[2] == c[3]) {
         PyErr_SetString(PyExc_ValueError, "Duel: four distinct cores");
-        return -1;
+        return NULL;
     }
+    if (!(sample > 0) || !(half_life > 0)) { /* the growth divides by both */
+        PyErr_Format(PyExc_ValueError, "Duel: sample %g and half_life %g must be above 0", sample,
+                     half_life);
+        return NULL;
+    }
+    Duel *d = (Duel *)type->tp_alloc(type, 0);
+    if (!d) return NULL;
     for (int k = 0; k < 4; k++) {
         Py_INCREF(c[k]);
         d->core[k / 2][k % 2] = c[k];
     }
+    d->sample = sample;
+    d->min_shadow_slots = min_shadow_slots;
+    d->half_life = half_life;
     d->weight = 1.0;
-    d->growth = pow(2.0, 1.0 / d->half_life);
+    d->growth = pow(2.0, 1.0 / half_life);
     d->rate = 1.0;
     d->capacity = d->shadow_slots = -1;
     for (int k = 0; k < NCOMP; k++) d->order[k] = k;
-    return grow_keys(d);
+    if (grow_keys(d) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return (PyObject *)d;
 }
 
 static void Duel_dealloc(Duel *d) {
@@ -636,7 +652,7 @@ static void Duel_dealloc(Duel *d) {
     free(d->expert);
     free(d->resident);
     free(d->in_call);
-    free(d->follows);
+    free(d->sampled);
     free(d->pinned);
     for (int c = 0; c < NCOMP; c++) free(d->held[c]);
     for (int w = 0; w < 2; w++) {
@@ -677,8 +693,7 @@ static PyTypeObject DuelType = {
     .tp_basicsize = sizeof(Duel),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "nextuse-duel's state and calls (strata_mlx.stream.policies.NextUseDuel).",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Duel_init,
+    .tp_new = Duel_new,
     .tp_dealloc = (destructor)Duel_dealloc,
     .tp_methods = Duel_methods,
     .tp_getset = Duel_getset,

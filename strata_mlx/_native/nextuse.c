@@ -20,8 +20,6 @@
 #define SMALL_BATCH 16
 #define DEAD_PER_LIVE 4
 #define DEAD_SLACK 1024
-#define MAX_LAYER (1 << 20)
-#define MAX_EXPERT (1 << 24)
 
 typedef struct {
     double c;
@@ -151,11 +149,12 @@ struct Core {
     double *scratch;
     Py_ssize_t scratch_cap;
     Heap skipped; /* least()'s entries passed over */
+    int searching; /* a victim search runs (search_idle) */
 };
 
 /* ---- keys ------------------------------------------------------------------------------ */
 
-static int parse_key(PyObject *key, long *layer, long *expert) {
+int parse_key(PyObject *key, long *layer, long *expert) {
     if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 2) {
         PyErr_Format(PyExc_TypeError, "a key is a (layer, expert) tuple, not %R", key);
         return -1;
@@ -393,7 +392,7 @@ int nu_set_current(Core *s, int has, long layer) {
 
 /* ---- victims --------------------------------------------------------------------------- */
 
-static int is_evictable(const Pred *p, long layer, int32_t e) {
+int is_evictable(const Pred *p, long layer, int32_t e) {
     if (p->check) return p->check(p->ctx, layer, e);
     PyObject *key = make_key(layer, e);
     if (!key) return -1;
@@ -500,7 +499,13 @@ int keys_append(Keys *k, long layer, int32_t e) {
     return 0;
 }
 
-int nu_victim(Core *s, const Pred *evictable, long *layer, int32_t *expert) {
+int search_idle(int searching) {
+    if (!searching) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "a policy called from its own evictable");
+    return -1;
+}
+
+static int victim(Core *s, const Pred *evictable, long *layer, int32_t *expert) {
     refresh(s);
     Py_ssize_t n = s->n;
     if (!n) return 0;
@@ -572,7 +577,15 @@ static int ranked_lt(const Ranked *a, const Ranked *b) {
     return a->i < b->i; /* (a layer has one item at a time: the entry never decides) */
 }
 
-int nu_victims(Core *s, const Pred *evictable, const long *key_layers, Py_ssize_t want, Keys *out) {
+int nu_victim(Core *s, const Pred *evictable, long *layer, int32_t *expert) {
+    s->searching = 1;
+    int got = victim(s, evictable, layer, expert);
+    s->searching = 0;
+    return got;
+}
+
+static int victims(Core *s, const Pred *evictable, const long *key_layers, Py_ssize_t want,
+                   Keys *out) {
     for (Py_ssize_t j = 0; j < want; j++)
         if (find(s, key_layers[j]) < 0) { /* a new layer moves every distance: ask again after */
             want = j + 1;
@@ -678,6 +691,13 @@ fail_free:
     return -1;
 }
 
+int nu_victims(Core *s, const Pred *evictable, const long *key_layers, Py_ssize_t want, Keys *out) {
+    s->searching = 1;
+    int rc = victims(s, evictable, key_layers, want, out);
+    s->searching = 0;
+    return rc;
+}
+
 PyObject *keys_list(const Keys *k) {
     PyObject *out = PyList_New(k->len);
     if (!out) return NULL;
@@ -723,6 +743,7 @@ static void Core_dealloc(Core *s) {
 }
 
 static PyObject *Core_add_layer(Core *s, PyObject *arg) {
+    if (search_idle(s->searching) < 0) return NULL;
     long layer = PyLong_AsLong(arg);
     if (layer == -1 && PyErr_Occurred()) return NULL;
     if (find(s, layer) < 0 && add_layer(s, layer) < 0) return NULL;
@@ -732,6 +753,7 @@ static PyObject *Core_add_layer(Core *s, PyObject *arg) {
 static PyObject *Core_set_prior(Core *s, PyObject *args) {
     long layer;
     Py_buffer row;
+    if (search_idle(s->searching) < 0) return NULL;
     if (!PyArg_ParseTuple(args, "ly*", &layer, &row)) return NULL;
     int i = find(s, layer);
     if (i < 0 || row.len % sizeof(double)) {
@@ -754,11 +776,13 @@ static PyObject *Core_set_prior(Core *s, PyObject *args) {
 
 static PyObject *Core_touch(Core *s, PyObject *key) {
     long layer, expert;
+    if (search_idle(s->searching) < 0) return NULL;
     if (parse_key(key, &layer, &expert) < 0 || touch(s, layer, expert) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *Core_touch_all(Core *s, PyObject *keys) {
+    if (search_idle(s->searching) < 0) return NULL;
     PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -776,12 +800,14 @@ static PyObject *Core_touch_all(Core *s, PyObject *keys) {
 
 static PyObject *Core_remove(Core *s, PyObject *key) {
     long layer, expert;
+    if (search_idle(s->searching) < 0) return NULL;
     if (parse_key(key, &layer, &expert) < 0) return NULL;
     remove_key(s, layer, expert);
     Py_RETURN_NONE;
 }
 
 static PyObject *Core_remove_all(Core *s, PyObject *keys) {
+    if (search_idle(s->searching) < 0) return NULL;
     PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -798,6 +824,7 @@ static PyObject *Core_remove_all(Core *s, PyObject *keys) {
 }
 
 static PyObject *Core_victim(Core *s, PyObject *evictable) {
+    if (search_idle(s->searching) < 0) return NULL;
     Pred p = {evictable, NULL, NULL};
     long layer;
     int32_t e;
@@ -812,6 +839,7 @@ static PyObject *Core_victims(Core *s, PyObject *const *args, Py_ssize_t nargs) 
         PyErr_SetString(PyExc_TypeError, "victims(evictable, keys)");
         return NULL;
     }
+    if (search_idle(s->searching) < 0) return NULL;
     PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -860,6 +888,7 @@ static int Core_set_current(Core *s, PyObject *value, void *closure) {
         PyErr_SetString(PyExc_AttributeError, "current cannot be deleted");
         return -1;
     }
+    if (search_idle(s->searching) < 0) return -1;
     if (value == Py_None) return nu_set_current(s, 0, 0);
     long layer = PyLong_AsLong(value);
     if (layer == -1 && PyErr_Occurred()) return -1;

@@ -6,6 +6,11 @@
 #include <Python.h>
 #include <stdint.h>
 
+/* a key's bounds: the cores' layer index is a table by layer, and duel.c sorts a call's keys
+ * as layer << 24 | expert */
+#define MAX_LAYER (1 << 20)
+#define MAX_EXPERT (1 << 24)
+
 typedef struct Core Core;
 extern PyTypeObject NuCoreType;
 
@@ -16,6 +21,16 @@ typedef struct {
     int (*check)(void *ctx, long layer, int32_t expert); /* 1 yes, 0 no, -1 an error */
     void *ctx;
 } Pred;
+
+/* (layer, expert) from a key tuple in range: 0, else -1 and an exception */
+int parse_key(PyObject *key, long *layer, long *expert);
+/* 1 evictable, 0 not, -1 an error */
+int is_evictable(const Pred *p, long layer, int32_t expert);
+
+/* 0 where no victim search runs, else -1 and a RuntimeError: a search holds pointers into its
+ * state across its evictable calls, and an evictable that changed that state (touched a new
+ * layer, pushed to a heap) would move them under it */
+int search_idle(int searching);
 
 /* A growable list of keys. */
 typedef struct {

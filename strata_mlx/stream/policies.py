@@ -242,6 +242,8 @@ class Adaptive:
         sample: float = 1.0,
         min_shadow_slots: int = 0,
     ):
+        if not (half_life > 0 and sample > 0):  # the shadows' growth divides by both
+            raise ValueError(f"half_life {half_life} and sample {sample} must be above 0")
         self.components = components
         self._real = [build(c, profile, layers) for c in components]
         self._shadow = [build(c, profile, layers) for c in components]
@@ -407,7 +409,10 @@ class Adaptive:
     def victims(self, evictable, keys: list[Key]) -> list[Key]:
         """The victims of successive `victim` calls for `keys` (each removed, its slot given
         to the next of `keys`): the leader's `victims` (the leader does not change before
-        the call ends), or one victim where the leader has none or no `victims`."""
+        the call ends), or one victim where the leader has none or no `victims`; none for no
+        keys (LRU's walk, stopping at as many victims as keys, would take every key)."""
+        if not keys:
+            return []
         if self.capacity is None:
             self._learn_capacity()
         batch = getattr(self._order[0], "victims", None)

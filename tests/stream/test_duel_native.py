@@ -155,3 +155,109 @@ def test_the_duel_takes_four_distinct_cores_and_good_keys():
     d.touch((0, 1))
     assert d.victim(lambda k: True) == (0, 1)
     assert d.victims(lambda k: False, [(1, 2)]) == []
+
+
+def test_a_duel_is_made_whole_or_not_at_all():
+    """Made without its cores (Duel.__new__), a duel's first touch dereferenced them."""
+    with pytest.raises(TypeError):
+        Duel.__new__(Duel)
+    cores = [NextUse([0, 1], core="native")._core for _ in range(4)]
+    d = Duel(*cores, 0.5, 0, 1024.0)
+    d.touch((0, 1))
+    assert d.victim(lambda k: True) == (0, 1)
+
+
+def test_a_refused_layer_leaves_the_duel_as_it_was():
+    """current = a layer out of range: refused before the ended call reached the shadows and
+    before any core was told it (one core told, three not, disagreed ever after)."""
+    duels = [policies.NextUseDuel([0, 2, 4], None, 1.0, 0, core="native") for _ in range(2)]
+    rng = random.Random(3)
+    for step in range(600):
+        if step % 6 == 0:
+            layer = [0, 2, 4][step // 6 % 3]
+            for p in duels:
+                p.current = layer
+        if step % 4 == 1:  # mid-call: the call's later touches are the running layer's
+            with pytest.raises((ValueError, OverflowError)):
+                duels[0].current = rng.choice([-1, 1 << 20, 1 << 70])
+            assert duels[0].current == duels[1].current
+        k = (layer, rng.randrange(24))
+        for p in duels:
+            p.touch(k)
+        if step > 60 and step % 3 == 0:
+            got = [p.victims(lambda x, k=k: x != k, [k]) for p in duels]
+            assert got[0] == got[1], step
+            for p in duels:
+                p.remove_all(got[0])
+    for p in duels:
+        p.current = None
+    assert state(duels[0]) == state(duels[1])
+
+
+@pytest.mark.parametrize("core", ["native", "python"])
+@pytest.mark.parametrize("bad", [{"half_life": 0.0}, {"sample": 0.0}, {"sample": -1.0}])
+def test_either_duel_refuses_a_half_life_or_sample_not_above_zero(core, bad):
+    """The C duel took them (its weights inf, its shadows empty); the reference divided by
+    zero, at construction or at the first victim."""
+    with pytest.raises(ValueError):
+        policies.NextUseDuel([0, 1], None, core=core, min_shadow_slots=0, **bad)
+
+
+@pytest.mark.parametrize("core", ["native", "python"])
+def test_no_keys_have_no_victims(core):
+    """LRU's walk stops when it has as many victims as keys: for none, it took every
+    evictable key; the NextUse cores gave one."""
+    p = policies.NextUseDuel([0, 1], None, core=core)
+    for step in range(3):
+        p.current = step % 2
+        for e in range(8):
+            p.touch((step % 2, e))
+    p.current = None
+    assert p.victims(lambda k: True, []) == []
+    assert len(p.victims(lambda k: True, [(0, 9)])) == 1
+
+
+def test_an_evictable_that_calls_back_into_the_policy_is_refused():
+    """A victim search holds pointers into the cores' layers and heaps across its evictable
+    calls: touching a new layer from evictable moved them under it (a use after free)."""
+    duel = policies.NextUseDuel([0, 1, 2, 3], None, 1.0, 0, core="native")
+    core = NextUse([0, 1, 2, 3], core="native")._core
+    for p in (duel, core):
+        for layer in (0, 1, 2, 3, 0):
+            p.current = layer
+            for e in range(30):
+                p.touch((layer, e))
+
+        def evictable(k, p=p):
+            p.touch((100 + k[1], 0))
+            return True
+
+        with pytest.raises(RuntimeError, match="evictable"):
+            p.victim(evictable)
+        with pytest.raises(RuntimeError, match="evictable"):
+            p.victims(evictable, [(1, 99)] * 20)
+        assert p.victim(lambda k: k[0] != 0)[0] != 0  # the policy still answers
+
+
+@pytest.mark.parametrize("sample", [1 / 16, 1.0])
+def test_an_arena_of_no_slots_duels_as_the_reference(sample):
+    """A victim asked before any touch: capacity 0, shadows of 0 slots (each miss takes one
+    and evicts the ones before it that the call does not use), the rate left at 1."""
+    made = [policies.NextUseDuel([0, 1], None, sample, 0, core=c) for c in ("native", "python")]
+    for p in made:
+        assert p.victim(lambda k: True) is None
+        assert (p.capacity, p.shadow_slots, p.rate) == (0, 0, 1.0)
+    rng = random.Random(1)
+    for step in range(400):
+        if step % 4 == 0:
+            for p in made:
+                p.current = None if step % 36 == 0 else step // 4 % 2
+        k = (step // 4 % 2, rng.randrange(16))
+        for p in made:
+            p.touch(k)
+        if step % 7 == 0:
+            got = [p.victims(lambda x, k=k: x != k, [k]) for p in made]
+            assert got[0] == got[1], step
+    for p in made:
+        p.current = None
+    assert state(made[0]) == state(made[1])
