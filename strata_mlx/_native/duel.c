@@ -406,20 +406,10 @@ static PyObject *Duel_touch(Duel *d, PyObject *key) {
     Py_RETURN_NONE;
 }
 
+static int touch_one(void *d, long layer, long expert) { return touch(d, layer, expert); }
+
 static PyObject *Duel_touch_all(Duel *d, PyObject *keys) {
-    if (search_idle(d->searching) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
-    if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    for (Py_ssize_t j = 0; j < n; j++) {
-        long layer, expert;
-        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layer, &expert) < 0 ||
-            touch(d, layer, expert) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-    }
-    Py_DECREF(seq);
+    if (search_idle(d->searching) < 0 || each_key(keys, d, touch_one) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -431,20 +421,13 @@ static PyObject *Duel_remove(Duel *d, PyObject *key) {
     Py_RETURN_NONE;
 }
 
+static int remove_one(void *d, long layer, long expert) {
+    remove_key(d, layer, expert);
+    return 0;
+}
+
 static PyObject *Duel_remove_all(Duel *d, PyObject *keys) {
-    if (search_idle(d->searching) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
-    if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    for (Py_ssize_t j = 0; j < n; j++) {
-        long layer, expert;
-        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layer, &expert) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        remove_key(d, layer, expert);
-    }
-    Py_DECREF(seq);
+    if (search_idle(d->searching) < 0 || each_key(keys, d, remove_one) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -479,20 +462,11 @@ static PyObject *Duel_victims(Duel *d, PyObject *const *args, Py_ssize_t nargs) 
         return NULL;
     }
     if (search_idle(d->searching) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
-    if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    long *layers = malloc((size_t)(n ? n : 1) * sizeof(long));
+    Py_ssize_t n;
+    long *layers = key_layers(args[1], &n);
+    if (!layers) return NULL;
     Keys out = {0};
     PyObject *res = NULL;
-    if (!layers) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t j = 0; j < n; j++) {
-        long expert;
-        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layers[j], &expert) < 0) goto done;
-    }
     if (!n) { /* (LRU's walk, stopping at as many victims as keys, would take every key) */
         res = PyList_New(0);
         goto done;
@@ -510,7 +484,6 @@ static PyObject *Duel_victims(Duel *d, PyObject *const *args, Py_ssize_t nargs) 
     d->searching = 0;
     if (rc == 0) res = keys_list(&out);
 done:
-    Py_DECREF(seq);
     free(layers);
     free(out.layer);
     free(out.expert);

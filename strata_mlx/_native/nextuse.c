@@ -774,6 +774,46 @@ static PyObject *Core_set_prior(Core *s, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+int each_key(PyObject *keys, void *self, int (*fn)(void *self, long layer, long expert)) {
+    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        long layer, expert;
+        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layer, &expert) < 0 ||
+            fn(self, layer, expert) < 0) {
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
+long *key_layers(PyObject *keys, Py_ssize_t *n) {
+    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    if (!seq) return NULL;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    long *layers = malloc((size_t)(*n ? *n : 1) * sizeof(long));
+    if (!layers) PyErr_NoMemory();
+    for (Py_ssize_t j = 0; layers && j < *n; j++) {
+        long expert;
+        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layers[j], &expert) < 0) {
+            free(layers);
+            layers = NULL;
+        }
+    }
+    Py_DECREF(seq);
+    return layers;
+}
+
+static int touch_one(void *s, long layer, long expert) { return touch(s, layer, expert); }
+
+static int remove_one(void *s, long layer, long expert) {
+    remove_key(s, layer, expert);
+    return 0;
+}
+
 static PyObject *Core_touch(Core *s, PyObject *key) {
     long layer, expert;
     if (search_idle(s->searching) < 0) return NULL;
@@ -782,19 +822,7 @@ static PyObject *Core_touch(Core *s, PyObject *key) {
 }
 
 static PyObject *Core_touch_all(Core *s, PyObject *keys) {
-    if (search_idle(s->searching) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
-    if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    for (Py_ssize_t j = 0; j < n; j++) {
-        long layer, expert;
-        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layer, &expert) < 0 ||
-            touch(s, layer, expert) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-    }
-    Py_DECREF(seq);
+    if (search_idle(s->searching) < 0 || each_key(keys, s, touch_one) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -807,19 +835,7 @@ static PyObject *Core_remove(Core *s, PyObject *key) {
 }
 
 static PyObject *Core_remove_all(Core *s, PyObject *keys) {
-    if (search_idle(s->searching) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
-    if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    for (Py_ssize_t j = 0; j < n; j++) {
-        long layer, expert;
-        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layer, &expert) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        remove_key(s, layer, expert);
-    }
-    Py_DECREF(seq);
+    if (search_idle(s->searching) < 0 || each_key(keys, s, remove_one) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -840,24 +856,12 @@ static PyObject *Core_victims(Core *s, PyObject *const *args, Py_ssize_t nargs) 
         return NULL;
     }
     if (search_idle(s->searching) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
-    if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    long *layers = malloc((size_t)(n ? n : 1) * sizeof(long));
+    Py_ssize_t n;
+    long *layers = key_layers(args[1], &n);
+    if (!layers) return NULL;
     Keys out = {0};
-    PyObject *res = NULL;
-    if (!layers) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t j = 0; j < n; j++) {
-        long expert;
-        if (parse_key(PySequence_Fast_GET_ITEM(seq, j), &layers[j], &expert) < 0) goto done;
-    }
     Pred p = {args[0], NULL, NULL};
-    if (nu_victims(s, &p, layers, n, &out) == 0) res = keys_list(&out);
-done:
-    Py_DECREF(seq);
+    PyObject *res = nu_victims(s, &p, layers, n, &out) == 0 ? keys_list(&out) : NULL;
     free(layers);
     free(out.layer);
     free(out.expert);

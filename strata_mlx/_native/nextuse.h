@@ -24,6 +24,12 @@ typedef struct {
 
 /* (layer, expert) from a key tuple in range: 0, else -1 and an exception */
 int parse_key(PyObject *key, long *layer, long *expert);
+/* fn(self, layer, expert) for each key of the sequence `keys`, in order: 0, or -1 (an error
+ * set, the keys before the bad one done) */
+int each_key(PyObject *keys, void *self, int (*fn)(void *self, long layer, long expert));
+/* the layers of the sequence `keys` (each key checked) in a malloc'd array, their number in
+ * *n; NULL with an error set */
+long *key_layers(PyObject *keys, Py_ssize_t *n);
 /* 1 evictable, 0 not, -1 an error */
 int is_evictable(const Pred *p, long layer, int32_t expert);
 
