@@ -529,12 +529,16 @@ def test_split_reads_under_cancel_and_promote_races(data_file):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_one_submit_sets_several_workers_reading(data_file, overlap):
+def test_one_submit_sets_several_workers_reading(data_file, overlap, no_drive_limit):
     """A submit wakes one worker and each worker that takes a read wakes the next while reads
-    are queued: a batch is read by several threads, not by the one first woken."""
+    are queued: a batch is read by several threads, not by the one first woken. The reads go
+    through an emulated drive (each holds its worker ~80 us, as a drive's would): from the
+    page cache alone the first worker could read the whole batch (~3 ms) before a loaded
+    2-core machine schedules the threads it woke."""
     path, payload = data_file
     n = 100 * N_RECORDS
     buf, base = aligned(n * RECORD)
+    no_drive_limit.limit_drive(0.2)
     with Reader(workers=4, overlap=overlap) as r:
         f = r.open(path, direct=False)
         r.submit([(t, f, (t % N_RECORDS) * RECORD, RECORD, base + t * RECORD, None)
