@@ -75,13 +75,13 @@ old-vs-new)  # `old-vs-new STORE ROUND`: the old tree's bench, then this code's,
      --json "$OUT/old-bench-$3.json" 2>&1 | tee "$OUT/old-bench-$3.log" | grep -v "^ *[0-9]")
   LIMIT=280 bench "new-bench-$3" "$2" demand,lookahead
   ;;
-evict)  # tmpfs: the default (lookahead, LRU) beside the expected-next-use candidates with the
-  # default read-ahead, scored or not, live, with the routing traces (strata-mlx cache-sim
-  # replays them: docs/research.md); POL=demand,demand:nextuse,demand:nextuse-duel for demand
+evict)  # tmpfs: LRU beside the default (lookahead, nextuse-duel) and the other expected-next-use
+  # candidates, the duel's read-ahead scored or not, live, with the routing traces (strata-mlx
+  # cache-sim replays them: docs/research.md); POL=demand:lru,demand,demand:nextuse for demand
   build
   mkdir -p "$OUT/trace"
   G=${G:-64} LIMIT=${LIMIT:-540} bench "bench-evict" "$SHM" \
-    "${POL:-lookahead,lookahead:nextuse-duel,lookahead:nextuse,lookahead:nextuse-duel:sc1}" \
+    "${POL:-lookahead:lru,lookahead,lookahead:nextuse,lookahead:sc1}" \
     --trace "$OUT/trace/t.npz"
   ;;
 extra)  # tmpfs: decode's host time per layer (replayed), plan's forecast of this store (its
