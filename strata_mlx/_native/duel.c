@@ -492,11 +492,9 @@ done:
 
 static PyObject *Duel_distance(Duel *d, PyObject *key) {
     /* the profile-trusting NextUse's (Adaptive.distance: the first component's) */
-    PyObject *fn = PyObject_GetAttrString(d->core[0][0], "distance");
-    if (!fn) return NULL;
-    PyObject *r = PyObject_CallOneArg(fn, key);
-    Py_DECREF(fn);
-    return r;
+    long layer, expert;
+    if (parse_key(key, &layer, &expert) < 0) return NULL;
+    return PyFloat_FromDouble(nu_distance((Core *)d->core[0][0], layer, expert));
 }
 
 static PyObject *Duel_get_current(Duel *d, void *closure) {

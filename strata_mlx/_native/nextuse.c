@@ -868,16 +868,18 @@ static PyObject *Core_victims(Core *s, PyObject *const *args, Py_ssize_t nargs) 
     return res;
 }
 
+double nu_distance(Core *s, long layer, long expert) {
+    int i = find(s, layer);
+    if (i < 0) return INFINITY;
+    Layer *l = &s->L[i];
+    if (expert >= l->cap || !l->seen[expert] || l->count[expert] == 0.0) return INFINITY;
+    return (double)s->cycle[i] + (double)s->n * (l->calls / l->count[expert] - 1.0);
+}
+
 static PyObject *Core_distance(Core *s, PyObject *key) {
     long layer, expert;
     if (parse_key(key, &layer, &expert) < 0) return NULL;
-    int i = find(s, layer);
-    if (i < 0) return PyFloat_FromDouble(INFINITY);
-    Layer *l = &s->L[i];
-    if (expert >= l->cap || !l->seen[expert] || l->count[expert] == 0.0)
-        return PyFloat_FromDouble(INFINITY);
-    return PyFloat_FromDouble((double)s->cycle[i] +
-                              (double)s->n * (l->calls / l->count[expert] - 1.0));
+    return PyFloat_FromDouble(nu_distance(s, layer, expert));
 }
 
 static PyObject *Core_get_current(Core *s, void *closure) {

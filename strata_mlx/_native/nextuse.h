@@ -50,6 +50,8 @@ PyObject *keys_list(const Keys *k);
 
 int nu_touch(Core *s, long layer, long expert);
 void nu_remove(Core *s, long layer, long expert);
+/* the expected handshakes to the key's next use (inf: never seen, or its layer not in the cycle) */
+double nu_distance(Core *s, long layer, long expert);
 int nu_set_current(Core *s, int has, long layer); /* has 0: no running layer */
 /* 1 and the key in *layer, *expert; 0 none; -1 an error */
 int nu_victim(Core *s, const Pred *evictable, long *layer, int32_t *expert);
