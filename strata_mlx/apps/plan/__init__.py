@@ -24,8 +24,9 @@ The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts")
     an expert is a hit with probability 1 - (1 - q_i)^min(g*, history) (Che's approximation,
     with the deterministic gaps of a sweep). When one chunk needs more than the arena holds,
     g* = 0: every chunk reads all it needs (LRU on a cyclic sweep). The default eviction
-    policy (nextuse-duel) keeps more of what decode reuses than LRU does (25-47 % fewer decode
-    bytes on the full-size store on an H200), so this hit rate is its lower bound.
+    policy (nextuse-duel) usually keeps more of what decode reuses than LRU does (25-47 %
+    fewer decode bytes on the full-size store on an H200; within 8 % of LRU's misses where the
+    arena holds a forward pass's experts), so its hit rate is mostly above this one.
   - Prefill: each chunk takes max(read floor, compute floor): bytes it reads over the probe's
     GB/s at the I/O worker count, and the fake-stream chunk time (or FLOPs over a rate). The
     probe is the data path's (probe_data_path: the drive and every step into the arena) where
