@@ -459,31 +459,18 @@ def native_core(
     return c
 
 
-class NextUse:
-    """PyNextUse's policy, its state and victim search in C (`core="python"` or
-    STRATA_MLX_NEXTUSE=python: PyNextUse itself). Live decode calls the policy ~30 times a
-    layer and prefill ~1000; in Python the expected-use duel's calls cost ~0.3 ms a decode
-    layer on the H200 (docs/benchmarks.md, "NextUse in C")."""
+class Delegated:
+    """A policy whose every call goes to `_core` (a C object, or its Python reference): the
+    core's methods are bound on the instance (they shadow the class's below), so a call goes
+    straight to C, with no Python frame of this class in between."""
 
-    name = "nextuse"
+    _core: object
+    CALLS = ("touch", "touch_all", "remove", "remove_all", "victim", "victims", "distance")
 
-    def __init__(
-        self,
-        layers: list[int] | None = None,
-        profile: np.ndarray | None = None,
-        half_life: float = 256.0,
-        prior: float = 64.0,
-        core: str | None = None,
-    ):
-        if core_choice(core) == "python":
-            c = self._core = PyNextUse(layers, profile, half_life, prior)
-        else:
-            c = self._core = native_core(layers, profile, half_life, prior)
-        # The core's methods bound on the instance (they shadow the class's below): a call
-        # goes straight to C, with no Python frame of this class in between.
-        self.touch, self.touch_all = c.touch, c.touch_all
-        self.remove, self.remove_all = c.remove, c.remove_all
-        self.victim, self.victims, self.distance = c.victim, c.victims, c.distance
+    def _bind(self, core) -> None:
+        self._core = core
+        for name in self.CALLS:
+            setattr(self, name, getattr(core, name))
 
     @property
     def current(self) -> int | None:
@@ -514,6 +501,28 @@ class NextUse:
 
     def distance(self, key: Key) -> float:
         return self._core.distance(key)
+
+
+class NextUse(Delegated):
+    """PyNextUse's policy, its state and victim search in C (`core="python"` or
+    STRATA_MLX_NEXTUSE=python: PyNextUse itself). Live decode calls the policy ~30 times a
+    layer and prefill ~1000; in Python the expected-use duel's calls cost ~0.3 ms a decode
+    layer on the H200 (docs/benchmarks.md, "NextUse in C")."""
+
+    name = "nextuse"
+
+    def __init__(
+        self,
+        layers: list[int] | None = None,
+        profile: np.ndarray | None = None,
+        half_life: float = 256.0,
+        prior: float = 64.0,
+        core: str | None = None,
+    ):
+        if core_choice(core) == "python":
+            self._bind(PyNextUse(layers, profile, half_life, prior))
+        else:
+            self._bind(native_core(layers, profile, half_life, prior))
 
 
 class NextUseRecent(NextUse):

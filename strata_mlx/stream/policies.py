@@ -48,7 +48,7 @@ import numpy as np
 from .._nextuse import Duel
 from ..config import OptionError
 from .arena import LRU, POLICIES, Key, ScoredPolicy, make_policy, remove_all, touch_all
-from .nextuse import NextUse, NextUseRecent, core_choice
+from .nextuse import Delegated, NextUse, NextUseRecent, core_choice
 
 
 class LRU2(ScoredPolicy):
@@ -447,7 +447,7 @@ class PyNextUseDuel(Adaptive):
         )
 
 
-class NextUseDuel:
+class NextUseDuel(Delegated):
     """Adaptive over NextUse's two settings, the profile trusted (`nextuse`) or recent
     routing (`nextuse-recent`), and LRU (where the arena holds a pass's working set, LRU's
     recency guesses better than either), whichever would have missed least lately.
@@ -482,69 +482,35 @@ class NextUseDuel:
                 for cls in (NextUse, NextUseRecent)
             ]
             d = Duel(*cores, sample, min_shadow_slots, half_life)
-        self._duel = d
-        # bound on the instance: a call goes straight to the duel, no frame of this class
-        self.touch, self.touch_all = d.touch, d.touch_all
-        self.remove, self.remove_all = d.remove, d.remove_all
-        self.victim, self.victims, self.distance = d.victim, d.victims, d.distance
-
-    @property
-    def current(self) -> int | None:
-        return self._duel.current
-
-    @current.setter
-    def current(self, layer: int | None) -> None:
-        self._duel.current = layer
+        self._bind(d)
 
     @property
     def shadow_misses(self) -> list[float]:
         """Each component's misses in its shadow arena, weighted (later ones weigh more)."""
-        return self._duel.shadow_misses
+        return self._core.shadow_misses
 
     @property
     def leader(self) -> int:
         """The component followed now."""
-        return self._duel.leader
+        return self._core.leader
 
     @property
     def rate(self) -> float:
         """The share of keys the shadows follow."""
-        return self._duel.rate
+        return self._core.rate
 
     @property
     def shadow_slots(self) -> int | None:
-        return self._duel.shadow_slots
+        return self._core.shadow_slots
 
     @property
     def capacity(self) -> int | None:
-        return self._duel.capacity
+        return self._core.capacity
 
     @property
     def followed(self) -> tuple[int, int]:
         """(keys the shadows follow, keys whose sample was asked)."""
-        return self._duel.followed
-
-    # (the interface, for a check of the class; each instance binds its duel's)
-    def touch(self, key: Key) -> None:
-        self._duel.touch(key)
-
-    def touch_all(self, keys: list[Key]) -> None:
-        self._duel.touch_all(keys)
-
-    def remove(self, key: Key) -> None:
-        self._duel.remove(key)
-
-    def remove_all(self, keys: list[Key]) -> None:
-        self._duel.remove_all(keys)
-
-    def victim(self, evictable) -> Key | None:
-        return self._duel.victim(evictable)
-
-    def victims(self, evictable, keys: list[Key]) -> list[Key]:
-        return self._duel.victims(evictable, keys)
-
-    def distance(self, key: Key) -> float:
-        return self._duel.distance(key)
+        return self._core.followed
 
 
 class NextUseDuelFull(NextUseDuel):

@@ -30,7 +30,7 @@ def drive(seed, n_layers, n_experts, steps, sample, min_slots, half_life=policie
         for core in ("native", "python")
     ]
     native, ref = made
-    assert isinstance(native._duel, Duel) and isinstance(ref._duel, policies.PyNextUseDuel)
+    assert isinstance(native._core, Duel) and isinstance(ref._core, policies.PyNextUseDuel)
     # the arena's slots (victims once it holds that many): a few, or half the keys
     cap = rng.choice([8, 40, n_layers * n_experts // 2])
     resident: set = set()
