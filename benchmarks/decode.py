@@ -206,7 +206,9 @@ def main() -> None:
                 "streamed_ahead": s.streamed_ahead,
                 "recomputed_layers": s.recomputed_layers,
                 # tokens begun in each decoder mode, and while decode lookahead predicted
-                "modes": {m: getattr(s, f"{m}_mode_tokens") for m in ("token", "layers", "sync")},
+                "modes": {
+                    m: getattr(s, f"{m}_mode_tokens") for m in ("token", "layers", "sync", "gated")
+                },
                 "predicting_tokens": s.predicting_tokens,
                 "wait_ms": s.exposed_wait_s * 1e3,
                 # per decode token: where the time went (the rest: the dense graph's Python,

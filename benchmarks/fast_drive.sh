@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|gate
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode.
 set -uo pipefail
@@ -146,5 +146,18 @@ orders)  # tmpfs behind an emulated drive (DRIVE, GB/s; empty: the tmpfs itself)
     STRATA_MLX_DRIVE_GBPS=${DRIVE:-} G=${G:-32} LIMIT=${LIMIT:-150} bench "bench-orders-$r" "$SHM" "$p"
   done
   ;;
-*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders"; exit 2;;
+gate)  # gated decode: the gate's GPU tests (the kernel waits for a host store, gives up past
+  # its timeout, a gated decode equals the per-layer handshake), then bench's POL (default:
+  # lookahead, its gated variant) on the tmpfs behind each of DRIVES (empty: the tmpfs itself),
+  # the two orders alternating
+  build
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_gate.py 2>&1 \
+     | tail -6 | tee "$OUT/gate-tests.log"
+  pol=${POL:-lookahead,lookahead:gt1}; a=${pol%%,*}; b=${pol#*,}; r=0
+  for d in ${DRIVES:-12 ""}; do
+    r=$((r + 1)); p="$a,$b"; [ $((r % 2)) = 0 ] && p="$b,$a"
+    STRATA_MLX_DRIVE_GBPS=$d G=${G:-32} LIMIT=${LIMIT:-200} bench "bench-gate-${d:-shm}" "$SHM" "$p"
+  done
+  ;;
+*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|gate"; exit 2;;
 esac

@@ -20,6 +20,8 @@ typedef struct {
 } CUmemLocation;
 
 #define CU_STREAM_NON_BLOCKING 1
+#define CU_MEMHOSTREGISTER_PORTABLE 1
+#define CU_MEMHOSTREGISTER_DEVICEMAP 2
 #define CU_MEM_ADVISE_SET_PREFERRED_LOCATION 3
 
 static struct {
@@ -38,6 +40,7 @@ static struct {
     CUresult (*prefetch_v2)(CUdeviceptr, size_t, CUmemLocation, unsigned, CUstream);
     CUresult (*prefetch)(CUdeviceptr, size_t, CUdevice, CUstream);
     CUresult (*error_string)(CUresult, const char **);
+    CUresult (*host_get_device_pointer)(CUdeviceptr *, void *, unsigned);
 } cu;
 
 static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -85,6 +88,7 @@ int devcopy_init(int ordinal) {
     *(void **)&cu.prefetch_v2 = sym(lib, "cuMemPrefetchAsync_v2");
     *(void **)&cu.prefetch = sym(lib, "cuMemPrefetchAsync");
     *(void **)&cu.error_string = sym(lib, "cuGetErrorString");
+    *(void **)&cu.host_get_device_pointer = sym(lib, "cuMemHostGetDevicePointer_v2");
     if (!cu.init || !cu.device_get || !cu.primary_ctx_retain || !cu.ctx_set_current ||
         !cu.stream_create || !cu.stream_destroy || !cu.stream_synchronize ||
         !cu.host_register || !cu.host_unregister || !cu.memcpy_htod_async) {
@@ -163,4 +167,27 @@ int devcopy_prefer_device(void *addr, size_t len, int ordinal) {
     if (!e) e = cu.stream_synchronize(s);
     cu.stream_destroy(s);
     return e;
+}
+
+int devcopy_map_host(void *addr, size_t len, unsigned long long *device_address) {
+    if (init_rc != 0) return -1;
+    if (!cu.host_get_device_pointer) return -2;
+    CUresult e = cu.ctx_set_current(ctx);
+    if (!e)
+        e = cu.host_register(addr, len,
+                             CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP);
+    if (e) return e;
+    CUdeviceptr p = 0;
+    if ((e = cu.host_get_device_pointer(&p, addr, 0))) {
+        cu.host_unregister(addr);
+        return e;
+    }
+    *device_address = p;
+    return 0;
+}
+
+int devcopy_unmap_host(void *addr) {
+    if (init_rc != 0) return -1;
+    CUresult e = cu.ctx_set_current(ctx);
+    return e ? e : cu.host_unregister(addr);
 }

@@ -34,4 +34,10 @@ int devcopy_wait(DevCopyThread *t);
  * now: 0 or a CUresult. */
 int devcopy_prefer_device(void *addr, size_t len, int ordinal);
 
+/* Page-locked host memory the device reads and writes in place ([addr, addr + len), page
+ * aligned): registered with the device mapping, its device address in *device_address. 0, a
+ * negative code (no driver) or a CUresult. Undone by devcopy_unmap_host. */
+int devcopy_map_host(void *addr, size_t len, unsigned long long *device_address);
+int devcopy_unmap_host(void *addr);
+
 #endif

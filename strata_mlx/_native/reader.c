@@ -58,6 +58,8 @@ typedef struct {
     Py_ssize_t length;
     uint32_t expected;
     char verify;
+    int32_t *ready; /* the request's ready word (see Request), or NULL */
+    int32_t ready_value;
 } Group;
 
 typedef struct {
@@ -70,6 +72,12 @@ typedef struct {
     char verify;
     Group *group; /* a part of a split request (its checksum is the group's), or NULL */
     char lead;    /* the group's first part: queued() counts requests, not parts */
+    /* Where the record's landing is announced to a device that waits for it (the decode
+     * gate, strata_mlx.stream.gate): `ready_value` is stored there, with release order, once
+     * the whole record sits verified in `dest` (a device copy completed), before the
+     * completion is reported; never on an error. NULL: no word. */
+    int32_t *ready;
+    int32_t ready_value;
 } Request;
 
 typedef struct {
@@ -314,11 +322,18 @@ static void complete(ReaderObject *r, int w, long long tag, int err, long long n
     announce(r, 1);
 }
 
+/* The record is in place: tell a device waiting on its ready word (Request.ready). */
+static void mark_ready(int32_t *ready, int32_t value, int err) {
+    if (ready && !err) __atomic_store_n(ready, value, __ATOMIC_RELEASE);
+}
+
 /* copy_behind: a read whose device copy was queued and not waited for yet. */
 typedef struct {
     int active, err, checked;
     long long tag, nread;
     uint64_t verify_ns;
+    int32_t *ready;
+    int32_t ready_value;
 } Behind;
 
 /* Wait for the thread's queued copy and complete its read (mu not held; taken here). */
@@ -327,10 +342,11 @@ static void finish_behind(ReaderObject *r, int w, DevCopyThread *dc, Behind *b) 
     uint64_t c0 = now_ns();
     int e = devcopy_wait(dc);
     uint64_t c1 = now_ns();
+    int err = e && !b->err ? DEVICE_COPY_FAILED : b->err;
+    mark_ready(b->ready, b->ready_value, err);
     pthread_mutex_lock(&r->mu);
     r->device_copy_ns += c1 - c0;
-    complete(r, w, b->tag, e && !b->err ? DEVICE_COPY_FAILED : b->err, b->nread, b->checked,
-             b->verify_ns, 1);
+    complete(r, w, b->tag, err, b->nread, b->checked, b->verify_ns, 1);
     pthread_mutex_unlock(&r->mu);
     b->active = 0;
 }
@@ -448,7 +464,7 @@ static void *worker_main(void *p) {
             r->device_copy_ns += copy_ns;
         }
         if (queued) { /* outstanding as behind[w] until its copy is waited for */
-            behind = (Behind){1, err, checked, rq.tag, nread, t2 - t1};
+            behind = (Behind){1, err, checked, rq.tag, nread, t2 - t1, rq.ready, rq.ready_value};
             r->behind[w] = rq.tag;
             r->behind_on[w] = 1;
             r->reading[w] = 0;
@@ -474,8 +490,10 @@ static void *worker_main(void *p) {
                 t2 = now_ns();
                 pthread_mutex_lock(&r->mu);
             }
+            mark_ready(g->ready, g->ready_value, err || nread != g->length);
             free(g);
-        }
+        } else
+            mark_ready(rq.ready, rq.ready_value, err || nread != rq.length);
         complete(r, w, rq.tag, err, nread, checked, t2 - t1, 0);
     }
     pthread_mutex_unlock(&r->mu);
@@ -828,14 +846,35 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
     for (Py_ssize_t i = 0; i < n; i++) {
         Request *q = &reqs[i];
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *dest, *expected = Py_None;
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 5 || PyTuple_GET_SIZE(item) > 6) {
+        PyObject *ready = Py_None;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) < 5 || PyTuple_GET_SIZE(item) > 7) {
             PyErr_Format(PyExc_TypeError, "request %zd must be a tuple (tag, file_index, offset, "
-                         "length, dest_address[, expected_checksum])", i);
+                         "length, dest_address[, expected_checksum[, (ready_address, "
+                         "ready_value)]])", i);
             goto fail;
         }
-        if (!PyArg_ParseTuple(item, "LiLnO|O", &q->tag, &q->file, &q->offset, &q->length, &dest,
-                              &expected))
+        if (!PyArg_ParseTuple(item, "LiLnO|OO", &q->tag, &q->file, &q->offset, &q->length, &dest,
+                              &expected, &ready))
             goto fail;
+        q->ready = NULL;
+        q->ready_value = 0;
+        if (ready != Py_None) {
+            unsigned long long at;
+            int value;
+            if (!PyTuple_Check(ready) || !PyArg_ParseTuple(ready, "Ki", &at, &value)) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_TypeError, "request %zd: ready must be None or a tuple "
+                             "(address, int32 value)", i);
+                goto fail;
+            }
+            if (!at || at % sizeof(int32_t)) {
+                PyErr_Format(PyExc_ValueError, "request %zd (tag %lld): ready address %#llx "
+                             "is NULL or not 4-byte aligned", i, q->tag, at);
+                goto fail;
+            }
+            q->ready = (int32_t *)(uintptr_t)at;
+            q->ready_value = value;
+        }
         unsigned long long address = PyLong_AsUnsignedLongLong(dest); /* rejects negatives */
         if (address == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
         q->dest = (char *)(uintptr_t)address;
@@ -915,7 +954,7 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
         if (parts > 1 && (g = malloc(sizeof(Group)))) {
             parts = (int)((reqs[i].length + part - 1) / part);
             *g = (Group){reqs[i].tag, parts, parts, 0, 0, 0, reqs[i].dest, reqs[i].length,
-                         reqs[i].expected, reqs[i].verify};
+                         reqs[i].expected, reqs[i].verify, reqs[i].ready, reqs[i].ready_value};
             r->split_requests++;
         }
         if (!g) { /* whole (or no memory for a group: whole, too) */
@@ -929,6 +968,7 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
             pr.dest += at;
             pr.length = reqs[i].length - at < part ? reqs[i].length - at : part;
             pr.verify = 0;
+            pr.ready = NULL; /* the group's, once every part is in */
             pr.group = g;
             pr.lead = k == 0;
             q_push(q, &pr);
@@ -1221,7 +1261,7 @@ static PyMethodDef Reader_methods[] = {
     {"is_direct", (PyCFunction)Reader_is_direct, METH_O, "is_direct(file_index) -> bool"},
     {"submit", (PyCFunction)(void (*)(void))Reader_submit, METH_VARARGS | METH_KEYWORDS,
      "submit(requests, urgent=False); requests: [(tag, file, offset, length, dest_address"
-     "[, expected_checksum])]"},
+     "[, expected_checksum[, (ready_address, ready_value)]])]"},
     {"cancel", (PyCFunction)Reader_cancel, METH_O, "cancel(tags) -> tags removed"},
     {"promote", (PyCFunction)Reader_promote, METH_O, "promote(tags) -> tags moved to urgent"},
     {"wait", (PyCFunction)(void (*)(void))Reader_wait, METH_VARARGS | METH_KEYWORDS,
@@ -1346,6 +1386,40 @@ static PyObject *mod_prefer_device(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_map_host(PyObject *m, PyObject *args) {
+    unsigned long long addr, device = 0;
+    Py_ssize_t len;
+    if (!PyArg_ParseTuple(args, "Kn:map_host", &addr, &len)) return NULL;
+    if (!addr || len <= 0 || addr % 4096) {
+        PyErr_SetString(PyExc_ValueError, "map_host: a NULL or unaligned address, or an empty range");
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = devcopy_init(0);
+    if (rc == 0) rc = devcopy_map_host((void *)(uintptr_t)addr, (size_t)len, &device);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_Format(PyExc_RuntimeError, "map_host: CUDA error %d %s", rc, devcopy_error());
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(device);
+}
+
+static PyObject *mod_unmap_host(PyObject *m, PyObject *args) {
+    unsigned long long addr;
+    if (!PyArg_ParseTuple(args, "K:unmap_host", &addr)) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = devcopy_unmap_host((void *)(uintptr_t)addr);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_Format(PyExc_RuntimeError, "unmap_host: CUDA error %d", rc);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_limit_drive(PyObject *m, PyObject *arg) {
     double bps = PyFloat_AsDouble(arg);
     if (bps == -1.0 && PyErr_Occurred()) return NULL;
@@ -1372,6 +1446,10 @@ static PyMethodDef module_methods[] = {
      "device_copy_error() -> None where CUDA copies can run, else why not"},
     {"prefer_device", mod_prefer_device, METH_VARARGS,
      "prefer_device(address, nbytes): keep managed memory on CUDA device 0 and move it there"},
+    {"map_host", mod_map_host, METH_VARARGS,
+     "map_host(address, nbytes) -> device address: page-locked host memory the CUDA device "
+     "reads in place"},
+    {"unmap_host", mod_unmap_host, METH_VARARGS, "unmap_host(address): undo map_host"},
     {"advise_hugepages", mod_advise_hugepages, METH_VARARGS,
      "advise_hugepages(address, nbytes, zeroed=False) -> bool: huge pages from the next fault"},
     {"checksum", mod_checksum, METH_VARARGS,

@@ -31,12 +31,26 @@ A token runs in one of three ways, chosen from the running share of decode layer
     already submitted (a smaller lag is exact too, its checks evaluate the layer themselves).
   - "sync" (above `sync_above`): the per-layer handshake (measured break-even,
     docs/decisions.md); its misses keep the running rate current, so pipelining resumes.
+  - "gated" (instead of "layers" and "sync" where the expert cache keeps a gate table,
+    RuntimeConfig.decode_gate): layers are submitted as in "layers" mode, but each layer's
+    routing ids go to the device ahead of its experts, and its experts wait on the device
+    (the gate kernel, custom_kernels/gate.py) until the gate table (strata_mlx.stream.gate)
+    shows their records landed. The check `lag` layers behind is the layer's handshake: it
+    submits the misses the device is waiting for and lookahead's read-ahead, and never
+    fails, so nothing is recomputed and the host is never between two layers of a token on
+    the device. A gate that gives up (a read stuck past its timeout) sets a flag the token's
+    end reads: that layer is recomputed by the per-layer handshake. Where the device cannot
+    wait (no CUDA), the host's gate runs each layer's check before its experts are queued
+    and waits for its reads, as "sync" does.
 
 Outputs are bit-identical to the sync path in every mode (tests/test_decode.py).
 
 Slots are safe to refill only while nothing in flight reads them: the arena is written only
-after a drain, or ("layers" mode) into slots of layers not in flight (their rows are rebuilt
-before those layers are built again).
+after a drain, or ("layers" and "gated" modes) into slots of layers not in flight (their rows
+are rebuilt before those layers are built again; a gated layer reads the gate table when the
+device reaches it). A gated layer's miss may also take a slot from a layer built after it:
+the device cannot pass the missing layer's gate before that read lands, so no later layer has
+read the table yet (DeferredHandshake.check_gated).
 
 Both strategies sit behind one interface, `Decoder.decode(...)`: an iterator of (token,
 logprobs) that generation's `generate_step` runs after the prefill. `SyncDecoder` runs every
@@ -69,14 +83,17 @@ def choose_mode(
     sync_above: float,
     token_below: float,
     token_while_predicting: bool = False,
+    gated: bool = False,
 ) -> str:
-    """ "sync", "token" or "layers" for the next token, from the running share of decode
-    layers that missed and whether decode lookahead predicts (see the module docstring)."""
+    """ "sync", "token", "layers" or ("gated": the expert cache keeps a gate table) "gated"
+    for the next token, from the running share of decode layers that missed and whether
+    decode lookahead predicts (see the module docstring)."""
+    token = layer_miss_rate < token_below and (token_while_predicting or not predicting)
+    if gated:
+        return "token" if token else "gated"
     if layer_miss_rate > sync_above:
         return "sync"
-    if layer_miss_rate < token_below and (token_while_predicting or not predicting):
-        return "token"
-    return "layers"
+    return "token" if token else "layers"
 
 
 class Step:
@@ -92,6 +109,7 @@ class Step:
         self.last: mx.array | None = None  # the last array submitted to the device
         self.tail: mx.array | None = None  # the last layer output built (submitted or not)
         self.built = 0  # layers built (their state written)
+        self.late: list[tuple[int, mx.array]] = []  # gated: (layer, its gate's give-up flag)
         self.discarded = False
         self.begun = mode  # the mode it was begun in (a miss turns `mode` to "layers")
         self.predicting = predicting  # decode lookahead predicted when it was begun
@@ -270,6 +288,7 @@ class PipelinedDecoder(Decoder):
             self.sync_above,
             self.token_below,
             self.token_while_predicting,
+            ec.gated,
         )
 
     def start(self, tokens: mx.array, cache: list) -> Step:
@@ -283,7 +302,7 @@ class PipelinedDecoder(Decoder):
             ec.settle()
             step.logits = self.model(tokens, cache=cache)
             return step
-        if step.mode == "layers":
+        if step.mode in ("layers", "gated"):
             ec.settle()  # the last token is verified and drained: no slot in use
         self._build(step, 0, self.embed(tokens))
         return step
@@ -293,18 +312,40 @@ class PipelinedDecoder(Decoder):
         one) is discarded, and `step`'s logits are recomputed exactly: returns False."""
         ec = self.expert_cache
         exact = True
-        while step.pending:
-            j, d = step.pending.pop(0)
-            if ec.check_deferred(d, alone=later is None):
-                continue
-            if later is not None:
-                self.discard(later)
-                later = None
+        while True:
+            while step.pending:
+                j, d = step.pending.pop(0)
+                if ec.check_deferred(d, alone=later is None):
+                    continue
+                if later is not None:
+                    self.discard(later)
+                    later = None
+                h = self._recover(step, j)
+                step.mode, step.pending = "layers", []  # the rest is checked as it is built
+                self._build(step, j + 1, h)
+                exact = False
+            j = self._late(step)
+            if j is None:
+                return exact
+            # A gate gave up waiting (a stuck read): the layer's output is wrong, and so is
+            # everything after it. Recomputed through the per-layer handshake.
             h = self._recover(step, j)
-            step.mode, step.pending = "layers", []  # the rest is checked as it is built
+            step.pending, step.late = [], []
             self._build(step, j + 1, h)
             exact = False
-        return exact
+
+    def _late(self, step: Step) -> int | None:
+        """The first layer of `step` whose device gate gave up, or None (one read a token)."""
+        if not step.late:
+            return None
+        layers = [j for j, _ in step.late]
+        flags = mx.concatenate([f for _, f in step.late]).tolist()
+        step.late = []
+        late = [j for j, f in zip(layers, flags) if f]
+        if not late:
+            return None
+        self.expert_cache.stats.gate_timeouts += 1
+        return late[0]
 
     def discard(self, step: Step) -> None:
         """Undo a token that was built but will not be used: wait for the device to finish
@@ -323,17 +364,24 @@ class PipelinedDecoder(Decoder):
         """Build layers i.. and the head of `step`; in "layers" mode check as we go."""
         ec = self.expert_cache
         n = len(self.layers)
-        lag = self.lag if step.mode == "layers" else n
-        chunk = self.layers_chunk if step.mode == "layers" else self.chunk
-        lookahead = step.mode == "layers"  # "token" mode checks too late for a prediction
+        checked = step.mode in ("layers", "gated")  # as built; "token" mode at its end
+        lag = self.lag if checked else n
+        chunk = self.layers_chunk if checked else self.chunk
+        lookahead = checked  # "token" mode checks too late for a prediction
+        gated = step.mode == "gated"
         outs: list[mx.array] = []
         while True:
             if i < n:
                 step.inputs[i] = h
-                with ec.deferred(lookahead) as deferred:
+                with ec.deferred(lookahead, gated) as deferred:
                     h = self.layers[i](h, None, step.cache[i])
                 step.tail = h
                 step.pending += [(i, d) for d in deferred]
+                step.late += [
+                    (i, d.gated.late)
+                    for d in deferred
+                    if d.gated is not None and d.gated.late is not None
+                ]
                 outs += [a for d in deferred for a in d.outputs()]
                 i += 1
                 step.built = max(step.built, i)
@@ -346,7 +394,7 @@ class PipelinedDecoder(Decoder):
                 step.logits = self.head(self.norm(h))
                 mx.async_eval(step.logits, *outs)
                 step.last = step.logits
-                check = len(step.pending) if step.mode == "layers" else 0
+                check = len(step.pending) if checked else 0
             missed = None
             for _ in range(check):
                 j, d = step.pending.pop(0)

@@ -7,13 +7,17 @@ reads start at once. Owns the `Deferred` records, pipelined lookahead (a checked
 prediction for a later one) and the layers a read may not refill while they compute. A check
 that passes is its layer's handshake: the eviction policy is told the layer runs, and the
 read-ahead it predicts goes through the per-layer handshake's rule (Predictor.ahead_bar: the
-policy told, the score's bar with --lookahead-score). Never recomputes a layer (the decoder does, through ExpertCache.run_layer) and never waits for a
-miss.
+policy told, the score's bar with --lookahead-score). Gated layers (`run_gated`,
+`check_gated`) take their slots from the gate table instead, on the device where their
+experts wait for their reads, and their check is the per-layer handshake without its wait.
+Never recomputes a layer (the decoder does, through ExpertCache.run_layer) and never waits
+for a miss (but the host's gate, where the device cannot).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -32,12 +36,28 @@ class Deferred:
 
     layer: int
     inds: mx.array  # the routing ids, evaluated with the layer
-    row: np.ndarray  # host copy of the residency row its slots were looked up in
+    row: np.ndarray | None  # host copy of the residency row its slots were looked up in
     target: int | None = None  # lookahead: the layer predicted from this one's input
     pred: mx.array | None = None  # its predicted ids
+    # gated (row None): its experts wait on the device for their reads (GATED below)
+    gated: Gated | None = None
 
     def outputs(self) -> list[mx.array]:
+        g = self.gated
+        if g is not None:
+            return [g.joint] if g.joint is not None else [self.inds, *g.preds]
         return [self.inds] if self.pred is None else [self.inds, self.pred]
+
+
+@dataclass
+class Gated:
+    """A gated layer's routing, evaluated ahead of its experts: what its check reads."""
+
+    targets: list[int]  # the layers its lookahead routers predict, nearest first
+    preds: list[mx.array]  # their predicted ids
+    joint: mx.array | None  # the ids and the predictions as one array (joint_ids), or None
+    late: mx.array | None = None  # the device gate's give-up flag (None: the host's gate)
+    checked: bool = False  # its check ran (the host's gate checks as the layer is built)
 
 
 def token_ids(a: mx.array) -> list[int] | None:
@@ -85,6 +105,15 @@ def split_ids(
     return flat[: inds.shape[-1]], out
 
 
+def as_ints(joint, inds: mx.array, preds: list[mx.array]):
+    """(decode's one token's ids as ints or None, the predicted ids as ints where they were
+    joined to them or None), once `joint` (joint_ids' array, or None) is evaluated or may
+    be: reading it waits for it."""
+    if joint is None:
+        return token_ids(inds), None
+    return split_ids(joint, inds, preds)
+
+
 def host_ids(a: mx.array) -> np.ndarray:
     """The ids of `a` [..., k] on the host, [T, k]."""
     return np.array(a).reshape(-1, a.shape[-1])
@@ -109,30 +138,49 @@ class DeferredHandshake:
         compute: LayerCompute,
         layers: list[int],
         all_fit: bool,
+        owner: Callable | None = None,
+        device_gate: bool = False,
     ):
+        """`owner()`: the ExpertCache (a weak reference), whose per-layer handshake's
+        prediction (`_predict`) gated layers make as it does, and whose `trace` they record
+        into. `device_gate`: gated layers wait on the device (custom_kernels/gate.py; the
+        scheduler's gate table mapped for it), else the host's gate."""
         self.sched = sched
         self.predictor = predictor
         self.compute = compute
         self.layers = layers
         self.all_fit = all_fit
+        self.owner = owner
+        self.device_gate = device_gate
+        self._next = dict(zip(layers, layers[1:]))
+        self._row_at: dict[int, mx.array] = {}  # layer -> its gate-table row's device address
         self.records: list[Deferred] | None = None  # inside `building()`: where layers go
         self.lookahead = True  # whether those layers may predict
+        self.gating = False  # inside `building(gated=True)`
         self.ahead: dict[int, int] = {}  # pipelined lookahead: layer -> layer it predicts
         self.ahead_tags: dict[int, list[int]] = {}  # read-ahead submitted for a layer
         self.ahead_distance = 1  # layers from a checked layer to the one it predicts
         # A failed check fed the miss rate for this layer: its recomputing handshake must not.
         self.observed: int | None = None
 
+    @property
+    def gated(self) -> bool:
+        """Whether gated decode can run (the scheduler keeps a gate table)."""
+        return self.sched.gate is not None and not self.compute.fake_stream
+
     @contextmanager
-    def building(self, lookahead: bool):
+    def building(self, lookahead: bool, gated: bool = False):
         """Layers run inside are built without a host sync, each recorded as a `Deferred`
-        in the list this yields; with `lookahead` they may predict a later layer."""
+        in the list this yields; with `lookahead` they may predict a later layer; `gated`:
+        their experts wait for their reads (`run_gated`) instead of being checked later."""
+        if gated and not self.gated:
+            raise RuntimeError("gated decode needs the expert cache's gate table")
         records: list[Deferred] = []
-        self.records, self.lookahead = records, lookahead
+        self.records, self.lookahead, self.gating = records, lookahead, gated
         try:
             yield records
         finally:
-            self.records = None
+            self.records, self.gating = None, False
 
     def plan_lookahead(self, distance: int) -> None:
         """A prediction made from layer l's input can only help layer l + `distance`."""
@@ -151,6 +199,8 @@ class DeferredHandshake:
     def run(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
         """Experts computed with slots looked up on the device from this layer's residency
         row as it stands now; no host sync. The decoder verifies the layer later."""
+        if self.gating:
+            return self.run_gated(layer, x, inds)
         t = time.perf_counter()
         sched = self.sched
         tags = self.ahead_tags.pop(layer, None)
@@ -175,9 +225,96 @@ class DeferredHandshake:
         sched.stats.host_s += time.perf_counter() - t
         return y
 
+    def run_gated(self, layer: int, x: mx.array, inds: mx.array) -> mx.array:
+        """Experts that wait for their own reads: the routing ids (and lookahead's
+        predictions) are submitted to the device first, so the check can read them while the
+        device waits in the gate kernel for the experts the check finds missing; with the
+        host's gate, the check runs now and its reads are waited for before the experts are
+        queued. Either way the slots come from the gate table: landed records only."""
+        t = time.perf_counter()
+        sched, pr = self.sched, self.predictor
+        if inds.size != inds.shape[-1]:
+            raise ValueError("gated decode runs one token at a time")
+        targets = pr.targets(layer, True) if self.lookahead and self.predicts_in_decode() else []
+        preds = [pr.routers[target](x) for target in targets]
+        g = Gated(targets, preds, joint_ids(inds, preds))
+        d = Deferred(layer, inds, None, gated=g)
+        with sched.lock:
+            sched.busy_layers.add(layer)
+        if self.device_gate:
+            from custom_kernels.gate import gate
+
+            mx.async_eval(*d.outputs())  # alone: the device reaches them before the gate
+            slots, g.late = gate(inds.reshape(-1), self._row_address(layer))
+        else:
+            sched.stats.host_s += time.perf_counter() - t
+            sched.wait(self.check_gated(d, self.owner().trace))
+            t = time.perf_counter()
+            slots = self._landed_slots(layer, inds)
+        y = self.compute.by_pair(layer, x, inds, slots)
+        self.records.append(d)
+        sched.stats.host_s += time.perf_counter() - t
+        return y
+
+    def _row_address(self, layer: int) -> mx.array:
+        at = self._row_at.get(layer)
+        if at is None:
+            address = self.sched.gate.row_address(layer)
+            at = self._row_at[layer] = mx.array([address], dtype=mx.uint64)
+        return at
+
+    def _landed_slots(self, layer: int, inds: mx.array) -> mx.array:
+        """The host's gate: the slots the gate table holds for the layer's ids, all landed."""
+        row = self.sched.gate.row(layer)
+        slots = [row.item(e) for e in token_ids(inds)]
+        if min(slots) < 0:
+            raise RuntimeError(f"layer {layer}: a waited-for read is not in the gate table")
+        return mx.array(slots, dtype=mx.uint32)
+
+    def check_gated(self, d: Deferred, trace: RoutingTrace | None) -> list[int]:
+        """A gated layer's handshake, as the per-layer one runs it without the wait: its
+        routing read (the device has computed every layer before it), its hits counted,
+        its misses' reads submitted urgently, lookahead's read-ahead; the tags its experts
+        wait for. A miss's victim may be of any layer but for this one's experts (pinned)
+        and reads in flight, as in the per-layer handshake: the layers before this one have
+        finished, and the device cannot pass this layer's gate before the miss lands, so the
+        gates of the layers built after it have not read the table yet and will see the
+        victim gone. Read-ahead keeps off every layer built and not finished (it does not
+        stop the device)."""
+        st, sched, pr, g = self.sched.stats, self.sched, self.predictor, d.gated
+        g.checked = True
+        t0 = time.perf_counter()
+        one, pred_ids = as_ints(g.joint, d.inds, g.preds)
+        ids = host_ids(d.inds) if one is None or trace is not None else None
+        t1 = time.perf_counter()
+        st.route_sync_s += t1 - t0
+        layer = d.layer
+        with sched.lock:
+            busy = sched.busy_layers
+            busy.difference_update([l for l in busy if l < layer])
+            sched.arena.unpin_all()  # the layer before has finished: its pins go
+            sched.arena.set_layer(layer)
+        if trace is not None:
+            trace.record(layer, ids)
+        needed = sorted(set(one)) if one is not None else distinct(ids)
+        st.lookups += len(needed)
+        sched.collect(block=False)
+        sched.drop_unneeded(layer, needed)
+        before = st.misses
+        tags = sched.claim(layer, needed)
+        pr.observe_decode_layer((st.misses - before) / len(needed))
+        self.owner()._predict(g.targets, g.preds, self._next.get(layer), layer, needed, pred_ids)
+        st.host_s += time.perf_counter() - t1
+        return tags
+
     def check(self, d: Deferred, alone: bool, trace: RoutingTrace | None) -> bool:
         """ExpertCache.check_deferred: whether every expert layer `d.layer` chose was
-        resident when it was built; a miss's reads start here when `alone`."""
+        resident when it was built; a miss's reads start here when `alone`. A gated layer
+        always passes (its experts wait for their reads): its check is its handshake."""
+        if d.gated is not None:
+            if not d.gated.checked:
+                self.check_gated(d, trace)
+            return True
         st, sched = self.sched.stats, self.sched
         t0 = time.perf_counter()
         ids = np.array(d.inds).reshape(-1, d.inds.shape[-1])

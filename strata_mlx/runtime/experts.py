@@ -29,6 +29,7 @@ The cache is the only thing that talks to the disk during generation.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 import weakref
@@ -39,9 +40,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ..config import OptionError
 from ..format.store import Manifest
 from ..models.switch import SwitchGLU
 from ..stream.arena import Arena
+from ..stream.gate import GateTable
 from ..stream.prediction import Predictor, ReadAhead
 from ..stream.scheduler import CLOSED, ExpertReadError, make_scheduler
 from ..stream.stats import ExpertStats, RoutingTrace
@@ -49,10 +52,10 @@ from .compute import LayerCompute
 from .deferred import (
     Deferred,
     DeferredHandshake,
+    as_ints,
     distinct,
     host_ids,
     joint_ids,
-    split_ids,
     token_ids,
 )
 
@@ -60,6 +63,22 @@ WARM_BATCH = 256  # warm()'s reads between progress updates
 WARM_BAR_DELAY_S = 2.0  # warm() shows its bar only past this
 
 __all__ = ["ExpertCache", "ExpertReadError", "ExpertStats", "RoutingTrace", "SwitchGLU"]
+
+
+def device_gate_available() -> bool:
+    """Whether gated decode's gate can wait on the device: MLX computes on a CUDA GPU
+    (custom_kernels/gate.py); STRATA_MLX_GATE=host keeps it on the host there too."""
+    if os.environ.get("STRATA_MLX_GATE", "device") == "host":
+        return False
+    if not (mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()):
+        return False
+    from custom_kernels.gate import timeout_ms
+
+    try:
+        timeout_ms()  # its environment variable checked before a decode needs it
+    except ValueError as e:
+        raise OptionError(str(e)) from None
+    return True
 
 
 def _close_dropped(sched) -> None:
@@ -98,14 +117,6 @@ def _route_sync(inds: mx.array, x: mx.array, preds: list[mx.array], join: bool):
     return joint
 
 
-def _as_ints(joint, inds: mx.array, preds: list[mx.array]):
-    """(decode's one token's ids as ints or None, the predicted ids as ints where they were
-    joined to them or None), after `_route_sync`."""
-    if joint is None:
-        return token_ids(inds), None
-    return split_ids(joint, inds, preds)
-
-
 class ExpertCache:
     """The handshake of every MoE layer of one model, over its scheduler (reads, residency,
     statistics: strata_mlx.stream.scheduler) and its predictor (strata_mlx.stream.prediction)."""
@@ -126,10 +137,13 @@ class ExpertCache:
         route_bonus: float = 0.0,
         dump: Callable | None = None,
         trace: RoutingTrace | None = None,
+        gate: bool = False,
     ):
         """`route_bonus`: cache-aware routing, a bonus on resident experts' router logits in
         decode (0: exact). `dump(layer, x, ids, scores, y)` gets every MoE layer's state
-        (--dump-moe); `trace` records routing and lookahead's predictions."""
+        (--dump-moe); `trace` records routing and lookahead's predictions. `gate`: keep a
+        gate table, so that pipelined decode runs gated (strata_mlx.stream.gate); its gate
+        waits on a CUDA device, elsewhere on the host."""
         self.store = Path(store)
         self.manifest = manifest
         self.layout = manifest.layout
@@ -142,6 +156,8 @@ class ExpertCache:
         self.predictor = Predictor(self.read_ahead, manifest, profile)
         if reader is None:
             scheduler = "sync"  # nothing to read: no loop to run
+        gate = gate and reader is not None and not fake_stream
+        device_gate = gate and device_gate_available()
         self.sched = make_scheduler(
             scheduler,
             store,
@@ -151,6 +167,7 @@ class ExpertCache:
             verify,
             low_water=low_water,
             wake_every=wake_every,
+            gate=GateTable(manifest, device=device_gate) if gate else None,
         )
         weakref.finalize(self, _close_dropped, self.sched).atexit = False
         self.trace = trace
@@ -161,7 +178,13 @@ class ExpertCache:
         # Every expert fits at once: eviction never happens, so uses need not be recorded.
         all_fit = arena.n_slots >= manifest.num_experts * len(self.layers)
         self.pipelined = DeferredHandshake(
-            self.sched, self.predictor, self.compute, self.layers, all_fit
+            self.sched,
+            self.predictor,
+            self.compute,
+            self.layers,
+            all_fit,
+            owner=weakref.ref(self),
+            device_gate=device_gate,
         )
         # A batched token step (strata_mlx.generation.batch) sets this (`gathering`): each
         # sequence's MoE layer is handed to it, which runs the layer once for every sequence.
@@ -308,7 +331,7 @@ class ExpertCache:
         joint = _route_sync(inds, x, preds, self.trace is None)
         t1 = time.perf_counter()
         st.route_sync_s += t1 - t0
-        one, pred_ids = _as_ints(joint, inds, preds)  # decode's one token: pair by pair below
+        one, pred_ids = as_ints(joint, inds, preds)  # decode's one token: pair by pair below
         slow = one is None or self.trace is not None or self.fake_stream
         ids = host_ids(inds) if slow else None
         if self.trace is not None:
@@ -374,11 +397,19 @@ class ExpertCache:
 
     # ---- the deferred handshake (pipelined decode: strata_mlx.runtime.deferred) --------
 
-    def deferred(self, lookahead: bool) -> AbstractContextManager[list[Deferred]]:
+    def deferred(
+        self, lookahead: bool, gated: bool = False
+    ) -> AbstractContextManager[list[Deferred]]:
         """Layers run inside are built without a host sync, each recorded as a `Deferred`
         in the list this yields for the pipelined decoder to check; with `lookahead` they may
-        predict a later layer from their input."""
-        return self.pipelined.building(lookahead)
+        predict a later layer from their input; `gated`: their experts wait for their reads
+        (gated decode: DeferredHandshake.run_gated)."""
+        return self.pipelined.building(lookahead, gated)
+
+    @property
+    def gated(self) -> bool:
+        """Whether gated decode can run (the cache keeps a gate table)."""
+        return self.pipelined.gated
 
     def plan_pipelined_lookahead(self, distance: int) -> None:
         """Pipelined decode checks layer l while `distance - 1` later layers are already

@@ -215,6 +215,15 @@ class RuntimeConfig:
         metadata=opt("pipelined layers mode: layers submitted to the device at once.",
                      (1, 1 << 10)),
     )  # fmt: skip
+    # Gated decode: with misses, a token's layers are queued ahead of their routing checks and
+    # each layer's experts wait on the device for their reads (strata_mlx.stream.gate), where
+    # the pipelined decoder otherwise stops at every layer ("sync") or recomputes after a miss
+    # ("layers"). The gate waits on a CUDA device; elsewhere the host waits as "sync" does.
+    decode_gate: bool = field(
+        default=False,
+        metadata=opt("pipelined: with misses, layers wait on the device for their reads "
+                     "instead of a per-layer sync.", variant="gt"),
+    )  # fmt: skip
     # Off, a predicting decoder runs "layers" mode: measured on the H200, token mode cost
     # lookahead 41.6 against demand's 32.0 ms/token where 0.9 % of lookups missed.
     decode_token_while_predicting: bool = field(
@@ -552,6 +561,10 @@ def build_expert_cache(
         route_bonus=cfg.moce_bonus,
         dump=cfg.dump,
         trace=cfg.trace,
+        # (an arena smaller than one token's experts runs a layer in groups: never gated)
+        gate=cfg.decode_gate
+        and cfg.decode == "pipelined"
+        and n_slots >= getattr(args, "num_experts_per_tok", 1),
     )
 
 

@@ -377,3 +377,15 @@ def prefer_device(address: int, nbytes: int) -> None:
     there now (cudaMemAdvise preferred location + prefetch), so kernels reading it do not
     fault pages in and copies into it land in device memory. RuntimeError without CUDA."""
     _reader.prefer_device(address, nbytes)
+
+
+def map_host(address: int, nbytes: int) -> int:
+    """Page-lock the page-aligned host memory ``[address, address + nbytes)`` and map it into
+    CUDA device 0's address space: the device address kernels read it at (the host keeps
+    writing it in place). RuntimeError without CUDA."""
+    return _reader.map_host(address, nbytes)
+
+
+def unmap_host(address: int) -> None:
+    """Undo `map_host` for the range starting at `address`."""
+    _reader.unmap_host(address)

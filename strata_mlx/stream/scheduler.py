@@ -43,6 +43,7 @@ import numpy as np
 
 from ..format.store import EXPERTS, Manifest, StoreError
 from .arena import Arena, Key
+from .gate import GateTable
 from .reader import CHECKSUM_MISMATCH, SHORT_READ, error_message
 from .stats import ExpertStats
 
@@ -119,7 +120,15 @@ class Scheduler:
     collected is each one's own: `wait`, `_absorb` (completions into residency),
     `_reserved` (the reserve's reads to send now) and `_check_failed`."""
 
-    def __init__(self, store: str | Path, manifest: Manifest, arena: Arena, reader, verify: bool):
+    def __init__(
+        self,
+        store: str | Path,
+        manifest: Manifest,
+        arena: Arena,
+        reader,
+        verify: bool,
+        gate: GateTable | None = None,
+    ):
         self.store = Path(store)
         self.manifest = manifest
         self.record_bytes = manifest.layout.record_bytes
@@ -140,6 +149,9 @@ class Scheduler:
         self.residency = ResidencyRows(manifest, arena.n_slots)
         self.busy_layers: set[int] = set()  # layers computing on the device (pipelined decode)
         self.early: set[Key] = set()  # misses read before their claim (start_misses)
+        # Gated decode's table (stream.gate): each read announces its landing there, each
+        # eviction is cleared there before its slot is refilled.
+        self.gate = gate
 
     @property
     def reader(self):
@@ -165,9 +177,10 @@ class Scheduler:
         with self.lock:
             return self.residency.device_row(layer, fake)
 
-    def claim(self, layer: int, needed: list[int]) -> list[int]:
+    def claim(self, layer: int, needed: list[int], protect: set[int] | None = None) -> list[int]:
         """Count hits / streamed-ahead / misses of `layer`'s `needed` experts, submit the
-        misses urgently, pin them all; the tags the computation must wait for."""
+        misses urgently (into slots of no layer in `protect`), pin them all; the tags the
+        computation must wait for."""
         with self.lock:
             self._check_failed()
             row = self.residency.row(layer)
@@ -223,7 +236,7 @@ class Scheduler:
                 self.reader.promote(urgent)
             if missed:  # one batch: the reader splits it over its idle workers
                 st.misses += len(missed)
-                waits += self.ensure(missed)
+                waits += self.ensure(missed, protect)
                 self.arena.pin([self.arena.slot_of[k] for k in missed])
             return waits
 
@@ -242,12 +255,13 @@ class Scheduler:
         with self.lock:
             self._count_hits([(layer, e) for e in needed])
 
-    def ensure(self, keys: list[Key]) -> list[int]:
-        """Allocate slots and submit urgent reads for keys; returns their tags."""
+    def ensure(self, keys: list[Key], protect: set[int] | None = None) -> list[int]:
+        """Allocate slots (none of a layer in `protect`) and submit urgent reads for keys;
+        returns their tags."""
         with self.lock:
             reqs, i = [], 0
             while True:
-                for slot, victim in self.arena.allocate_many(keys[i:]):
+                for slot, victim in self.arena.allocate_many(keys[i:], protect):
                     self._evicted(victim)
                     reqs.append(self._start_read(keys[i], slot, urgent=True))
                     i += 1
@@ -293,7 +307,8 @@ class Scheduler:
         """`read_ahead(layer, ranked)` then `reserve(keys, predicted)`, the reads of both
         handed to the reader in one batch (each hand-over wakes its threads)."""
         with self.lock:
-            reqs = self._requests([(layer, e) for e in ranked], None, None)
+            # (layers built on the device and not finished: gated and pipelined decode)
+            reqs = self._requests([(layer, e) for e in ranked], self.busy_layers or None, None)
             reqs += self._reserved(keys, predicted, len(reqs))
             self._send(reqs, False)
 
@@ -334,6 +349,8 @@ class Scheduler:
             self.closed = True
             if self._reader is not None:
                 self._reader.close()
+            if self.gate is not None:  # (the reader's threads, which write it, are gone)
+                self.gate.close()
 
     # ---- reads ------------------------------------------------------------------------
 
@@ -376,13 +393,26 @@ class Scheduler:
         self.reads[tag] = _Read(key, slot, urgent)
         self.tag_of[key] = tag
         address = self.arena.address(slot)
-        return (tag, self._file, m.offsets[pos][key[1]], self.record_bytes, address, expected)
+        if self.gate is None:
+            return (tag, self._file, m.offsets[pos][key[1]], self.record_bytes, address, expected)
+        ready = self.gate.ready(key, slot)
+        return (
+            tag,
+            self._file,
+            m.offsets[pos][key[1]],
+            self.record_bytes,
+            address,
+            expected,
+            ready,
+        )
 
     def _evicted(self, key: Key | None) -> None:
         """`key` left the arena (None: nothing did); read-ahead evicted unused was wasted."""
         if key is None:
             return
         self.residency.set(key, -1)
+        if self.gate is not None:
+            self.gate.clear(key)
         self.early.discard(key)
         if key in self.prefetched:
             self.prefetched.discard(key)
@@ -423,7 +453,7 @@ class SyncScheduler(Scheduler):
 
     def _reserved(self, keys: list[Key], predicted: set[Key], pending: int) -> list[tuple]:
         """`reserve`'s reads to go out now, `pending` reads about to be queued before them."""
-        return self._requests(keys, None, None) if keys else []
+        return self._requests(keys, self.busy_layers or None, None) if keys else []
 
     def _absorb(self, completions) -> None:
         """Completions collected by the caller: into residency, a failed read raised."""

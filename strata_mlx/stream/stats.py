@@ -33,7 +33,10 @@ class ExpertStats:
     token_mode_tokens: int = 0
     layers_mode_tokens: int = 0
     sync_mode_tokens: int = 0
+    gated_mode_tokens: int = 0
     predicting_tokens: int = 0
+    # gated decode: layers whose gate gave up waiting on the device (recomputed: a stuck read)
+    gate_timeouts: int = 0
     topped_up: int = 0  # read-ahead the scheduler's loop added when the drive ran low
     loop_s: float = 0.0  # time the scheduler's loop thread held the GIL
     # its CPU time meanwhile (thread_time: what others' threads and processes take of its

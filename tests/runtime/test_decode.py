@@ -45,6 +45,11 @@ VARIANTS = {
     "adaptive": dict(),
     # lookahead predicting, token mode allowed meanwhile (decode_token_while_predicting)
     "adaptive-lookahead-token": dict(read_ahead="lookahead", decode_token_while_predicting=True),
+    # gated (the host's gate on this CPU): every layer's reads waited for, slots from the gate
+    # table; with lookahead's read-ahead in flight when layers ask
+    "gated": dict(decode_gate=True, decode_token_below=0.0),
+    "gated-lookahead": dict(decode_gate=True, decode_token_below=0.0, read_ahead="lookahead"),
+    "gated-adaptive": dict(decode_gate=True, read_ahead="lookahead"),
 }
 
 
@@ -65,6 +70,9 @@ def test_pipelined_equals_sync(store, family):
             assert s.lookups == sync.expert_cache.stats.lookups  # each layer counted once
             if fraction == 1.0:
                 assert s.recomputed_layers == 0
+            if name.startswith("gated") and model.expert_cache.gated:
+                assert s.recomputed_layers == 0 and s.gate_timeouts == 0, (fraction, name)
+                assert fraction == 1.0 or s.gated_mode_tokens > 0, (fraction, name)
             model.expert_cache.close()
         sync.expert_cache.close()
 
@@ -378,6 +386,7 @@ def test_one_token_fast_path_equals_the_general_path(store, family, quantize, mo
     for fast in (True, False):
         if not fast:  # every handshake through the numpy ids, by_expert and its local index
             monkeypatch.setattr(experts, "token_ids", lambda a: None)
+            monkeypatch.setattr(deferred, "token_ids", lambda a: None)
             monkeypatch.setattr(experts, "joint_ids", lambda inds, preds: None)
         model, _ = strata_mlx.load(
             path,

@@ -1,0 +1,102 @@
+"""The decode gate's kernel: a layer's experts wait on the device until their records land.
+
+One thread per (token, expert) pair of a decode layer reads its expert's word in the gate
+table (strata_mlx.stream.gate: the slot once the record is in place, -1 until then), polling
+it while it is -1, and writes the slot for the expert kernels after it (dispatch.pairs). The
+table is host memory mapped into the device's address space, read with volatile loads (each
+poll reaches the host's memory, never a cached copy), so a store by a reader thread is seen
+within a poll. A pair still waiting after `timeout_us` gives up: it writes slot 0 and sets
+`late`, which the decoder reads once a token and answers by recomputing the layer through the
+per-layer handshake (its output is then never used): a bug or a stuck read costs time, never
+a wrong token.
+
+CUDA only (MLX's cuda_kernel; `%globaltimer` for the timeout, `__nanosleep` between polls:
+sm_70 and later). Metal has no such kernel yet: there the gate is the host's (the check runs
+before the layer's experts are queued, and waits for their reads).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import mlx.core as mx
+
+# A pair waits this long before it gives up (STRATA_MLX_GATE_TIMEOUT_MS): far above a miss's
+# read (~0.3-0.6 ms a 1 MB record on a laptop drive, tens of ms behind a queue of prefill
+# reads), low enough that a stuck layer costs seconds, not a hang.
+TIMEOUT_MS = 5000
+
+# The device's clock and pause (the body below calls only these beyond plain C++).
+HEADER = r"""
+__device__ __forceinline__ unsigned long long sk_now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void sk_pause() { __nanosleep(200); }
+"""
+
+BODY = r"""
+  const uint32_t j = threadIdx.x;
+  if (j < K) {
+    volatile const int* row = reinterpret_cast<volatile const int*>(row_at[0]);
+    const int e = (int)ids[j];
+    int s = row[e];
+    if (s < 0) {
+      const unsigned long long t0 = sk_now_ns();
+      while ((s = row[e]) < 0) {
+        sk_pause();
+        if (sk_now_ns() - t0 > (unsigned long long)TIMEOUT_US * 1000ull) {
+          late[0] = 1;
+          s = 0;
+          break;
+        }
+      }
+    }
+    slots[j] = (uint32_t)s;
+  }
+"""
+
+_KERNEL: Callable | None = None
+
+
+def timeout_ms() -> int:
+    """The gate's timeout (TIMEOUT_MS, or STRATA_MLX_GATE_TIMEOUT_MS where set)."""
+    env = os.environ.get("STRATA_MLX_GATE_TIMEOUT_MS")
+    if env is None:
+        return TIMEOUT_MS
+    if not env.isdigit() or not 0 < int(env) < 2**31 // 1000:
+        raise ValueError(f"STRATA_MLX_GATE_TIMEOUT_MS={env!r}: a whole number of ms, 1 to 2147482")
+    return int(env)
+
+
+def gate(ids: mx.array, row_at: mx.array, timeout: int | None = None) -> tuple[mx.array, mx.array]:
+    """ids [k] (one token's routed experts), row_at uint64 [1] (the device address of their
+    layer's gate-table row) -> (slots uint32 [k], late int32 [1]: 1 if a pair gave up)."""
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = mx.fast.cuda_kernel(
+            name="strata_gate",
+            input_names=["ids", "row_at"],
+            output_names=["slots", "late"],
+            source=BODY,
+            header=HEADER,
+            ensure_row_contiguous=True,
+        )
+    k = ids.size
+    width = -(-k // 32) * 32
+    if width > 1024:
+        raise ValueError(f"{k} pairs in one gate; at most 1024")
+    slots, late = _KERNEL(
+        inputs=[ids, row_at],
+        grid=(width, 1, 1),
+        threadgroup=(width, 1, 1),
+        output_shapes=[(k,), (1,)],
+        output_dtypes=[mx.uint32, mx.int32],
+        # (MLX's CUDA backend keys a compiled kernel by its name and template arguments
+        # only, not its inputs' dtypes: the ids' dtype goes in as one)
+        template=[("I", ids.dtype), ("K", k), ("TIMEOUT_US", (timeout or timeout_ms()) * 1000)],
+        init_value=0,
+    )
+    return slots, late

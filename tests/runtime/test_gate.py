@@ -1,0 +1,238 @@
+"""Gated decode (strata_mlx.stream.gate, custom_kernels/gate.py): the gate table each read
+announces its landing in, and the gate kernel that waits on it.
+
+Dev machine: the reader's ready words (stored after a record lands, never for a failed
+read), the table the scheduler keeps against the arena's residency after a decode, gated
+decode against the per-layer handshake on this CPU (the host's gate: tests/runtime/
+test_decode.py's VARIANTS run every family). GPU (`-m gpu`): the kernel waits for a word a
+host thread stores, gives up past its timeout, and a gated decode through the device gate
+equals the per-layer handshake bit for bit."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import prompt_ids
+
+import strata_mlx
+from strata_mlx.format.store import load_manifest
+from strata_mlx.generation.generate import stream_generate
+from strata_mlx.stream.gate import GateTable
+from strata_mlx.stream.reader import ALIGNMENT, Reader
+
+
+def decode(model, ids, n=10):
+    out = [(r.token, np.array(r.logprobs)) for r in stream_generate(model, None, ids, n)]
+    return [t for t, _ in out], np.stack([lp for _, lp in out])
+
+
+def arena_gb(path, fraction: float) -> float:
+    m = load_manifest(path)
+    slots = max(1, round(fraction * m.num_experts * len(m.moe_layers)))
+    return slots * m.layout.record_bytes / 1024**3
+
+
+def aligned(n: int) -> np.ndarray:
+    raw = np.zeros(n + ALIGNMENT, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGNMENT
+    return raw[start : start + n]
+
+
+@pytest.mark.parametrize("split", [0, 4096])
+def test_a_read_stores_its_ready_word_only_once_landed(tmp_path, split):
+    data = np.random.default_rng(0).integers(0, 256, 3 * 8192, dtype=np.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    words = np.full(4, -1, dtype=np.int32)
+    dest = aligned(3 * 8192)
+    with Reader(2, split=split) as r:
+        f = r.open(str(path), direct=False)
+        at = words.ctypes.data
+        reqs = [(i, f, i * 8192, 8192, dest.ctypes.data + i * 8192, None, (at + 4 * i, 10 + i))
+                for i in range(3)]  # fmt: skip
+        # the last one reads past the end of the file: a short read stores nothing
+        reqs.append((3, f, 3 * 8192, 8192, dest.ctypes.data, None, (at + 12, 13)))
+        r.submit(reqs, True)
+        done = {t: err for t, err, _ in r.wait([0, 1, 2, 3], None)}
+    assert done[3] != 0 and not any(done[t] for t in range(3))
+    assert words.tolist() == [10, 11, 12, -1]
+    assert np.array_equal(dest, data)
+
+
+def test_a_request_with_a_bad_ready_word_is_refused(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(4096))
+    dest = aligned(4096)
+    with Reader(1) as r:
+        f = r.open(str(path), direct=False)
+        for ready, what in (((0, 1), "NULL"), ((dest.ctypes.data + 2, 1), "aligned"), (5, "ready")):
+            with pytest.raises((ValueError, TypeError), match=what):
+                r.submit([(0, f, 0, 4096, dest.ctypes.data, None, ready)], True)
+
+
+def test_the_gate_table_matches_residency_after_a_decode(store):
+    """Every expert the arena holds landed is in the table at its slot; nothing else is."""
+    path = store("qwen3_moe")
+    model, _ = strata_mlx.load(
+        path, arena_gb=arena_gb(path, 0.25), read_ahead="lookahead", decode_gate=True,
+        decode_token_below=0.0,
+    )  # fmt: skip
+    ec = model.expert_cache
+    decode(model, prompt_ids(24, seed=3), 8)
+    ec.sched.drain()
+    table = ec.sched.gate.table
+    want = np.full_like(table, -1)
+    for key, slot in ec.arena.slot_of.items():
+        want[ec.sched.gate.pos[key[0]], key[1]] = slot
+    assert ec.stats.gated_mode_tokens > 0 and ec.stats.misses > 0
+    assert np.array_equal(table, want)
+    ec.close()
+
+
+def test_gated_decode_recomputes_nothing_and_counts_every_lookup(store):
+    path = store("qwen3_next")
+    ids = prompt_ids(24, seed=21)
+    gb = arena_gb(path, 0.25)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead="lookahead")
+    ref = decode(sync, ids, 10)
+    model, _ = strata_mlx.load(
+        path, arena_gb=gb, read_ahead="lookahead", decode_gate=True, decode_token_below=0.0
+    )
+    got = decode(model, ids, 10)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    s, r = model.expert_cache.stats, sync.expert_cache.stats
+    assert s.recomputed_layers == 0 and s.gate_timeouts == 0
+    assert s.gated_mode_tokens == 10 and s.lookups == r.lookups
+    assert s.misses > 0 and s.streamed_ahead > 0
+    for m in (model, sync):
+        m.expert_cache.close()
+
+
+def test_a_gate_table_without_a_device_has_no_device_address():
+    g = GateTable(TableShape(layers=[1, 3]))
+    assert g.table.shape == (2, 8) and (g.table == -1).all()
+    address, value = g.ready((3, 2), 7)
+    assert address == g.table.ctypes.data + 4 * (8 + 2) and value == 7
+    g.clear((3, 2))
+    with pytest.raises(RuntimeError, match="not mapped"):
+        g.row_address(1)
+
+
+def cuda_ready() -> bool:
+    return hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+@pytest.mark.gpu
+def test_the_gate_kernel_waits_for_a_word_a_host_thread_stores():
+    from custom_kernels.gate import gate
+
+    assert cuda_ready()
+    g = GateTable(TableShape(), device=True)
+    row_at = mx.array([g.row_address(0)], dtype=mx.uint64)
+    g.table[0, 1] = 4  # resident already
+    ids = mx.array([1, 6, 2], dtype=mx.uint32)
+
+    def land():
+        time.sleep(0.05)
+        g.table[0, 6] = 9
+        time.sleep(0.05)
+        g.table[0, 2] = 3
+
+    t = threading.Thread(target=land)
+    t0 = time.perf_counter()
+    t.start()
+    slots, late = gate(ids, row_at)
+    mx.eval(slots, late)
+    waited = time.perf_counter() - t0
+    t.join()
+    assert slots.tolist() == [4, 9, 3] and late.item() == 0
+    assert waited >= 0.09
+    g.close()
+
+
+@pytest.mark.gpu
+def test_the_gate_kernel_gives_up_past_its_timeout():
+    from custom_kernels.gate import gate
+
+    assert cuda_ready()
+    g = GateTable(TableShape(), device=True)
+    row_at = mx.array([g.row_address(0)], dtype=mx.uint64)
+    t0 = time.perf_counter()
+    slots, late = gate(mx.array([5], dtype=mx.uint32), row_at, timeout=50)
+    mx.eval(slots, late)
+    assert late.item() == 1 and time.perf_counter() - t0 >= 0.045
+    g.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_gated_decode_through_the_device_gate_equals_sync(store, family):
+    assert cuda_ready() and os.environ.get("STRATA_MLX_GATE", "device") == "device"
+    path = store(family)
+    ids = prompt_ids(24, seed=7)
+    gb = arena_gb(path, 0.1)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead="lookahead")
+    ref = decode(sync, ids, 12)
+    model, _ = strata_mlx.load(
+        path, arena_gb=gb, read_ahead="lookahead", decode_gate=True, decode_token_below=0.0
+    )
+    assert model.expert_cache.pipelined.device_gate
+    got = decode(model, ids, 12)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    s = model.expert_cache.stats
+    assert s.gate_timeouts == 0 and s.misses > 0 and s.gated_mode_tokens == 12
+    for m in (model, sync):
+        m.expert_cache.close()
+
+
+class TableShape:
+    """The part of a manifest a gate table reads."""
+
+    num_experts = 8
+
+    def __init__(self, layers=(0,)):
+        self.moe_layers = list(layers)
+
+    def layer_position(self, layer):
+        return self.moe_layers.index(layer)
+
+
+def test_the_gate_kernel_type_checks_as_cxx(tmp_path):
+    """The body MLX compiles, in the signature MLX writes for it, with the device's clock and
+    pause stood in for: the host compiler checks its types (no CUDA compiler here)."""
+    import shutil
+    import subprocess
+
+    from custom_kernels import gate
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = "\n".join(
+        [
+            "#include <cstdint>",
+            "struct sk_dim3 { uint32_t x, y, z; };",
+            "static sk_dim3 threadIdx;",
+            "static unsigned long long sk_now_ns() { return 0; }",
+            "static void sk_pause() {}",
+            "template <int K, int TIMEOUT_US>",
+            "void strata_gate(const uint32_t* ids, const uint64_t* row_at, uint32_t* slots,"
+            " int32_t* late) {",
+            gate.BODY,
+            "}",
+            "template void strata_gate<10, 5000000>(const uint32_t*, const uint64_t*, uint32_t*,"
+            " int32_t*);",
+        ]
+    )
+    (tmp_path / "gate.cpp").write_text(src)
+    r = subprocess.run(
+        [cxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror", str(tmp_path / "gate.cpp")],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
