@@ -27,6 +27,9 @@ the wait's collection of completions included, but not the time other threads an
 take its core: the figure to compare on a shared machine), host (the cache's `host_s`, wall time: the handshake's Python outside
 the route sync and the wait; the figure to compare on a GPU, where a spinning sync would count
 as CPU time), route sync, exposed wait, and the scheduler loop thread's time holding the GIL.
+A policy with `:gt1` (gated decode) replays each layer as gated decode builds and checks it (on
+this CPU the host's gate: the check before the experts, its reads waited for; on CUDA the
+device gate, whose outputs the replay never evaluates, so nothing waits on the device).
 `--parts` (replay) splits cpu by the scheduler and kernel calls the handshake makes (each
 wrapped with thread_time_ns; rest: the handshake's own lines and the wait), from the last
 round.
@@ -81,7 +84,7 @@ PARTS = {
         "count_resident",
         "start_misses",
     ),
-    ExpertCache: ("_predict",),
+    ExpertCache: ("predict",),
     LayerCompute: ("by_expert", "one_token"),
 }
 
@@ -213,10 +216,19 @@ def run(store: str, a, policy: str, parts: Parts | None, layers=None) -> dict:
             if layers is None:
                 n = sum(1 for _ in steps)
             else:
+                gated = ec.pipelined.gated
                 with ec.phase(decoding=True), SyncTime() as sync:
                     for layer, x, inds in layers:
                         c = time.thread_time_ns()
-                        ec.run_layer(layer, x, inds)
+                        if not gated:
+                            ec.run_layer(layer, x, inds)
+                        else:  # gated decode's build and check of the layer (bench's :gt1)
+                            if layer == ec.layers[0]:
+                                ec.settle()  # a token starts: as the decoder does
+                            with ec.pipelined.building(True, gated=True) as built:
+                                ec.run_layer(layer, x, inds)
+                            for d in built:
+                                ec.check_deferred(d)
                         cpu += time.thread_time_ns() - c
                 cpu -= sync.ns
                 n = a.gen_tokens

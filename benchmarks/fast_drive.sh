@@ -148,15 +148,16 @@ orders)  # tmpfs behind an emulated drive (DRIVE, GB/s; empty: the tmpfs itself)
   ;;
 gate)  # gated decode: the gate's GPU tests (the kernel waits for a host store, gives up past
   # its timeout, a gated decode equals the per-layer handshake), then bench's POL (default:
-  # lookahead, its gated variant) on the tmpfs behind each of DRIVES (empty: the tmpfs itself),
-  # the two orders alternating
+  # lookahead, gated at lag 1 and 2) on the tmpfs behind each of DRIVES (GB/s; shm: the tmpfs
+  # itself), the order reversed every other drive
   build
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_gate.py 2>&1 \
      | tail -6 | tee "$OUT/gate-tests.log"
-  pol=${POL:-lookahead,lookahead:gt1}; a=${pol%%,*}; b=${pol#*,}; r=0
-  for d in ${DRIVES:-12 ""}; do
-    r=$((r + 1)); p="$a,$b"; [ $((r % 2)) = 0 ] && p="$b,$a"
-    STRATA_MLX_DRIVE_GBPS=$d G=${G:-32} LIMIT=${LIMIT:-200} bench "bench-gate-${d:-shm}" "$SHM" "$p"
+  pol=${POL:-lookahead,lookahead:gt1,lookahead:gt1:lag2}; r=0
+  rev=$(echo "$pol" | tr , '\n' | tac | paste -sd,)
+  for d in ${DRIVES:-12 shm}; do  # shm: the tmpfs itself, no emulated drive
+    r=$((r + 1)); p=$pol; [ $((r % 2)) = 0 ] && p=$rev; g=$d; [ "$d" = shm ] && g=
+    STRATA_MLX_DRIVE_GBPS=$g G=${G:-32} LIMIT=${LIMIT:-200} bench "bench-gate-$d" "$SHM" "$p"
   done
   ;;
 *) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|gate"; exit 2;;

@@ -288,7 +288,7 @@ class PipelinedDecoder(Decoder):
             self.sync_above,
             self.token_below,
             self.token_while_predicting,
-            ec.gated,
+            ec.pipelined.gated,
         )
 
     def start(self, tokens: mx.array, cache: list) -> Step:
@@ -373,7 +373,7 @@ class PipelinedDecoder(Decoder):
         while True:
             if i < n:
                 step.inputs[i] = h
-                with ec.deferred(lookahead, gated) as deferred:
+                with ec.pipelined.building(lookahead, gated) as deferred:
                     h = self.layers[i](h, None, step.cache[i])
                 step.tail = h
                 step.pending += [(i, d) for d in deferred]

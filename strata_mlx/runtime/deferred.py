@@ -142,7 +142,7 @@ class DeferredHandshake:
         device_gate: bool = False,
     ):
         """`owner()`: the ExpertCache (a weak reference), whose per-layer handshake's
-        prediction (`_predict`) gated layers make as it does, and whose `trace` they record
+        prediction (`predict`) gated layers make as it does, and whose `trace` they record
         into. `device_gate`: gated layers wait on the device (custom_kernels/gate.py; the
         scheduler's gate table mapped for it), else the host's gate."""
         self.sched = sched
@@ -166,7 +166,7 @@ class DeferredHandshake:
     @property
     def gated(self) -> bool:
         """Whether gated decode can run (the scheduler keeps a gate table)."""
-        return self.sched.gate is not None and not self.compute.fake_stream
+        return self.sched.residency.gate is not None and not self.compute.fake_stream
 
     @contextmanager
     def building(self, lookahead: bool, gated: bool = False):
@@ -259,13 +259,13 @@ class DeferredHandshake:
     def _row_address(self, layer: int) -> mx.array:
         at = self._row_at.get(layer)
         if at is None:
-            address = self.sched.gate.row_address(layer)
+            address = self.sched.residency.gate.row_address(layer)
             at = self._row_at[layer] = mx.array([address], dtype=mx.uint64)
         return at
 
     def _landed_slots(self, layer: int, inds: mx.array) -> mx.array:
         """The host's gate: the slots the gate table holds for the layer's ids, all landed."""
-        row = self.sched.gate.row(layer)
+        row = self.sched.residency.gate.row(layer)
         slots = [row.item(e) for e in token_ids(inds)]
         if min(slots) < 0:
             raise RuntimeError(f"layer {layer}: a waited-for read is not in the gate table")
@@ -303,7 +303,7 @@ class DeferredHandshake:
         before = st.misses
         tags = sched.claim(layer, needed)
         pr.observe_decode_layer((st.misses - before) / len(needed))
-        self.owner()._predict(g.targets, g.preds, self._next.get(layer), layer, needed, pred_ids)
+        self.owner().predict(g.targets, g.preds, self._next.get(layer), layer, needed, pred_ids)
         st.host_s += time.perf_counter() - t1
         return tags
 

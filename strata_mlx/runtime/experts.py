@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -141,9 +141,8 @@ class ExpertCache:
     ):
         """`route_bonus`: cache-aware routing, a bonus on resident experts' router logits in
         decode (0: exact). `dump(layer, x, ids, scores, y)` gets every MoE layer's state
-        (--dump-moe); `trace` records routing and lookahead's predictions. `gate`: keep a
-        gate table, so that pipelined decode runs gated (strata_mlx.stream.gate); its gate
-        waits on a CUDA device, elsewhere on the host."""
+        (--dump-moe); `trace` records routing and lookahead's predictions. `gate`: a gate
+        table for gated decode (DeferredHandshake.run_gated; device_gate_available)."""
         self.store = Path(store)
         self.manifest = manifest
         self.layout = manifest.layout
@@ -167,8 +166,9 @@ class ExpertCache:
             verify,
             low_water=low_water,
             wake_every=wake_every,
-            gate=GateTable(manifest, device=device_gate) if gate else None,
         )
+        if gate:
+            self.sched.residency.gate = GateTable(manifest, device=device_gate)
         weakref.finalize(self, _close_dropped, self.sched).atexit = False
         self.trace = trace
         self.route_bonus = route_bonus
@@ -178,14 +178,9 @@ class ExpertCache:
         # Every expert fits at once: eviction never happens, so uses need not be recorded.
         all_fit = arena.n_slots >= manifest.num_experts * len(self.layers)
         self.pipelined = DeferredHandshake(
-            self.sched,
-            self.predictor,
-            self.compute,
-            self.layers,
-            all_fit,
-            owner=weakref.ref(self),
-            device_gate=device_gate,
-        )
+            self.sched, self.predictor, self.compute, self.layers, all_fit, weakref.ref(self),
+            device_gate,
+        )  # fmt: skip
         # A batched token step (strata_mlx.generation.batch) sets this (`gathering`): each
         # sequence's MoE layer is handed to it, which runs the layer once for every sequence.
         self.gather: Callable[[int, mx.array, mx.array], mx.array] | None = None
@@ -359,7 +354,7 @@ class ExpertCache:
             pr.observe_decode_layer((st.misses - misses_before) / len(needed))
         late = bool(targets) and self.read_ahead.after_experts
         if not late:
-            self._predict(targets, preds, nxt, layer, needed, pred_ids)
+            self.predict(targets, preds, nxt, layer, needed, pred_ids)
         t2 = time.perf_counter()
         sched.wait(waits)
         t3 = time.perf_counter()
@@ -373,13 +368,13 @@ class ExpertCache:
             y = self.compute.by_expert(layer, x, ids, inds.shape, needed, row[needed])
         if late:  # the device computes them while the host predicts (their slots are pinned)
             mx.async_eval(y)
-            self._predict(targets, preds, nxt, layer, needed, pred_ids)
+            self.predict(targets, preds, nxt, layer, needed, pred_ids)
             if (after := pr.after_wait(layer, nxt, len(needed))) is not None:
                 sched.read_ahead(*after)
         st.host_s += (t2 - t1) + (time.perf_counter() - t3)
         return y
 
-    def _predict(
+    def predict(
         self, targets: list[int], preds: list[mx.array], nxt: int | None, layer, needed, pred_ids
     ) -> None:
         """Submit the next layer's predicted experts (`preds`, or as ints `pred_ids`);
@@ -396,20 +391,6 @@ class ExpertCache:
             self.sched.predicted(first, experts, keys, predicted)
 
     # ---- the deferred handshake (pipelined decode: strata_mlx.runtime.deferred) --------
-
-    def deferred(
-        self, lookahead: bool, gated: bool = False
-    ) -> AbstractContextManager[list[Deferred]]:
-        """Layers run inside are built without a host sync, each recorded as a `Deferred`
-        in the list this yields for the pipelined decoder to check; with `lookahead` they may
-        predict a later layer from their input; `gated`: their experts wait for their reads
-        (gated decode: DeferredHandshake.run_gated)."""
-        return self.pipelined.building(lookahead, gated)
-
-    @property
-    def gated(self) -> bool:
-        """Whether gated decode can run (the cache keeps a gate table)."""
-        return self.pipelined.gated
 
     def plan_pipelined_lookahead(self, distance: int) -> None:
         """Pipelined decode checks layer l while `distance - 1` later layers are already

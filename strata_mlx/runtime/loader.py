@@ -193,8 +193,10 @@ class RuntimeConfig:
                      choices=MODES),
     )  # fmt: skip
     decode_lag: int = field(
-        default=1, metadata=opt("pipelined: layers the host reads routing behind.", (0, 1 << 10))
-    )
+        default=1,
+        metadata=opt("pipelined: layers the host reads routing behind.", (0, 1 << 10),
+                     variant="lag"),
+    )  # fmt: skip
     decode_sync_above: float = field(
         default=0.3,
         metadata=opt("pipelined: tokens run synced while more layers than this miss.",

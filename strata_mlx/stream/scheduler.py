@@ -79,15 +79,24 @@ class ResidencyRows:
         self.table = np.full((len(self.pos), manifest.num_experts), -1, dtype=np.int32)
         self._rows: dict[int, tuple[np.ndarray, mx.array]] = {}
         self._dirty: set[int] = set(self.pos)
+        # Gated decode's table (stream.gate), set by its expert cache: each read announces its
+        # landing there (`ready`), each eviction is cleared there before its slot is refilled.
+        self.gate: GateTable | None = None
+
+    def ready(self, key: Key, slot: int) -> tuple[int, int] | None:
+        """A read request's ready word for `key` into `slot` (None without a gate table)."""
+        return None if self.gate is None else self.gate.ready(key, slot)
 
     def row(self, layer: int) -> np.ndarray:
         """The host row of `layer`: expert -> slot, -1 where absent."""
         return self.table[self.pos[layer]]
 
     def set(self, key: Key, slot: int) -> None:
-        """`key` landed in `slot` (-1: it left the arena)."""
+        """`key` landed in `slot` (-1: it left the arena, and the gate table hears so now)."""
         self.table[self.pos[key[0]], key[1]] = slot
         self._dirty.add(key[0])
+        if slot < 0 and self.gate is not None:
+            self.gate.clear(key)
 
     def device_row(self, layer: int, fake: bool) -> tuple[np.ndarray, mx.array]:
         """(host copy, device row) of `layer`, rebuilt only when it changed; absent experts
@@ -120,15 +129,7 @@ class Scheduler:
     collected is each one's own: `wait`, `_absorb` (completions into residency),
     `_reserved` (the reserve's reads to send now) and `_check_failed`."""
 
-    def __init__(
-        self,
-        store: str | Path,
-        manifest: Manifest,
-        arena: Arena,
-        reader,
-        verify: bool,
-        gate: GateTable | None = None,
-    ):
+    def __init__(self, store: str | Path, manifest: Manifest, arena: Arena, reader, verify: bool):
         self.store = Path(store)
         self.manifest = manifest
         self.record_bytes = manifest.layout.record_bytes
@@ -149,9 +150,6 @@ class Scheduler:
         self.residency = ResidencyRows(manifest, arena.n_slots)
         self.busy_layers: set[int] = set()  # layers computing on the device (pipelined decode)
         self.early: set[Key] = set()  # misses read before their claim (start_misses)
-        # Gated decode's table (stream.gate): each read announces its landing there, each
-        # eviction is cleared there before its slot is refilled.
-        self.gate = gate
 
     @property
     def reader(self):
@@ -349,8 +347,8 @@ class Scheduler:
             self.closed = True
             if self._reader is not None:
                 self._reader.close()
-            if self.gate is not None:  # (the reader's threads, which write it, are gone)
-                self.gate.close()
+            if self.residency.gate is not None:  # (the reader's threads, its writers, are gone)
+                self.residency.gate.close()
 
     # ---- reads ------------------------------------------------------------------------
 
@@ -392,27 +390,15 @@ class Scheduler:
         expected = m.checksums[pos][key[1]] if self.verify else None
         self.reads[tag] = _Read(key, slot, urgent)
         self.tag_of[key] = tag
-        address = self.arena.address(slot)
-        if self.gate is None:
-            return (tag, self._file, m.offsets[pos][key[1]], self.record_bytes, address, expected)
-        ready = self.gate.ready(key, slot)
-        return (
-            tag,
-            self._file,
-            m.offsets[pos][key[1]],
-            self.record_bytes,
-            address,
-            expected,
-            ready,
-        )
+        address, ready = self.arena.address(slot), self.residency.ready(key, slot)
+        offset = m.offsets[pos][key[1]]
+        return (tag, self._file, offset, self.record_bytes, address, expected, ready)
 
     def _evicted(self, key: Key | None) -> None:
         """`key` left the arena (None: nothing did); read-ahead evicted unused was wasted."""
         if key is None:
             return
         self.residency.set(key, -1)
-        if self.gate is not None:
-            self.gate.clear(key)
         self.early.discard(key)
         if key in self.prefetched:
             self.prefetched.discard(key)

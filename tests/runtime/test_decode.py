@@ -70,7 +70,7 @@ def test_pipelined_equals_sync(store, family):
             assert s.lookups == sync.expert_cache.stats.lookups  # each layer counted once
             if fraction == 1.0:
                 assert s.recomputed_layers == 0
-            if name.startswith("gated") and model.expert_cache.gated:
+            if name.startswith("gated") and model.expert_cache.pipelined.gated:
                 assert s.recomputed_layers == 0 and s.gate_timeouts == 0, (fraction, name)
                 assert fraction == 1.0 or s.gated_mode_tokens > 0, (fraction, name)
             model.expert_cache.close()

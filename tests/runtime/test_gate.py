@@ -85,10 +85,10 @@ def test_the_gate_table_matches_residency_after_a_decode(store):
     ec = model.expert_cache
     decode(model, prompt_ids(24, seed=3), 8)
     ec.sched.drain()
-    table = ec.sched.gate.table
+    table = ec.sched.residency.gate.table
     want = np.full_like(table, -1)
     for key, slot in ec.arena.slot_of.items():
-        want[ec.sched.gate.pos[key[0]], key[1]] = slot
+        want[ec.sched.residency.gate.pos[key[0]], key[1]] = slot
     assert ec.stats.gated_mode_tokens > 0 and ec.stats.misses > 0
     assert np.array_equal(table, want)
     ec.close()
