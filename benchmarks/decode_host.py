@@ -83,9 +83,10 @@ PARTS = {
         "device_row",
         "count_resident",
         "start_misses",
+        "wait",
     ),
     ExpertCache: ("predict",),
-    LayerCompute: ("by_expert", "one_token"),
+    LayerCompute: ("by_expert", "one_token", "by_pair"),
 }
 
 
@@ -174,7 +175,8 @@ def general_path():
 
 def load(store: str, a, policy: str):
     opts = policy_options(policy)
-    opts.setdefault("decode", a.decode)
+    # (a gated policy's layers are replayed as gated decode builds them: a pipelined decoder's)
+    opts.setdefault("decode", "pipelined" if opts.get("decode_gate") else a.decode)
     model, _ = strata_mlx.load(store, arena_gb=a.arena_gb, **opts)
     return model
 

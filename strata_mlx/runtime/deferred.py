@@ -248,7 +248,10 @@ class DeferredHandshake:
             slots, g.late = gate(inds.reshape(-1), self._row_address(layer))
         else:
             sched.stats.host_s += time.perf_counter() - t
-            sched.wait(self.check_gated(d, self.owner().trace))
+            tags = self.check_gated(d, self.owner().trace)
+            t = time.perf_counter()
+            sched.wait(tags)
+            sched.stats.exposed_wait_s += time.perf_counter() - t
             t = time.perf_counter()
             slots = self._landed_slots(layer, inds)
         y = self.compute.by_pair(layer, x, inds, slots)
@@ -284,6 +287,7 @@ class DeferredHandshake:
         st, sched, pr, g = self.sched.stats, self.sched, self.predictor, d.gated
         g.checked = True
         t0 = time.perf_counter()
+        mx.eval(*d.outputs())  # the routing and the predictions (a wait, then reads in place)
         one, pred_ids = as_ints(g.joint, d.inds, g.preds)
         ids = host_ids(d.inds) if one is None or trace is not None else None
         t1 = time.perf_counter()
