@@ -39,6 +39,7 @@
 typedef uint32_t Shift[4][256]; /* multiply a CRC register by x^(8n) mod P, a byte at a time */
 
 static uint32_t slice[2][8][256]; /* [kind - 1]: slicing-by-8 tables */
+static uint32_t x2n[2][32];       /* [kind - 1]: x^(2^n) mod P, for checksum_combine */
 static Shift shift_long[2], shift_short[2];
 static uint32_t (*impl[3])(uint32_t, const unsigned char *, size_t);
 static const char *impl_name[3];
@@ -211,6 +212,9 @@ void checksum_init(void) {
             for (int i = 0; i < 256; i++) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xff];
         build_shift(shift_long[k], LONG_STREAM, t[0], polys[k]);
         build_shift(shift_short[k], SHORT_STREAM, t[0], polys[k]);
+        uint32_t p = (uint32_t)1 << 30; /* x^1 (bit 31 is x^0) */
+        x2n[k][0] = p;
+        for (int n = 1; n < 32; n++) x2n[k][n] = p = multmodp(p, p, polys[k]);
     }
     impl[CHECKSUM_CRC32] = crc32_table;
     impl_name[CHECKSUM_CRC32] = "table";
@@ -246,4 +250,15 @@ const char *checksum_impl(int kind) { return impl_name[kind]; }
 uint32_t checksum_update_table(int kind, uint32_t crc, const void *p, size_t n) {
     return (kind == CHECKSUM_CRC32 ? crc32_table : crc32c_table)(crc, (const unsigned char *)p,
                                                                    n);
+}
+
+uint32_t checksum_combine(int kind, uint32_t crc1, uint32_t crc2, uint64_t len2) {
+    /* crc(a + b) from crc(a), crc(b) and len(b): crc1 times x^(8 len2) mod P, plus crc2 (the
+     * register is linear; the pre- and post-inversions cancel as in zlib's crc32_combine). */
+    const uint32_t poly = kind == CHECKSUM_CRC32 ? POLY_CRC32 : POLY_CRC32C;
+    uint32_t p = (uint32_t)1 << 31; /* x^0 */
+    unsigned k = 3;                  /* 8 len2 = len2 * 2^3 */
+    for (; len2; len2 >>= 1, k++)
+        if (len2 & 1) p = multmodp(x2n[kind - 1][k & 31], p, poly);
+    return multmodp(p, crc1, poly) ^ crc2;
 }

@@ -14,6 +14,10 @@ void checksum_init(void);
  * checksum(a + b) == checksum_update(kind, checksum(a), b). Thread-safe after init. */
 uint32_t checksum_update(int kind, uint32_t crc, const void *p, size_t n);
 
+/* checksum(a + b) from checksum(a), checksum(b) and len(b), as zlib's crc32_combine: a record
+ * read in parts by several threads is verified from its parts' checksums. */
+uint32_t checksum_combine(int kind, uint32_t crc1, uint32_t crc2, uint64_t len2);
+
 /* The portable tables whatever the CPU has (tests compare the two). */
 uint32_t checksum_update_table(int kind, uint32_t crc, const void *p, size_t n);
 

@@ -48,7 +48,9 @@
 
 /* A request read as several parts by several workers (split reads, see Reader_submit): one
  * completion, reported by the worker that finishes the last part, after it has verified the
- * whole record where a checksum is expected. Guarded by mu; freed with its completion. */
+ * whole record where a checksum is expected: from the parts' checksums, each taken where its
+ * part was read (so a record whose parts land in device memory is verified too), combined in
+ * order (checksum_combine). Guarded by mu; freed with its completion. */
 typedef struct {
     long long tag;
     int parts, pending, started; /* parts in all; not finished; taken by a worker */
@@ -60,6 +62,8 @@ typedef struct {
     char verify;
     int32_t *ready; /* the request's ready word (see Request), or NULL */
     int32_t ready_value;
+    Py_ssize_t part;  /* bytes a part (the last may be shorter) */
+    uint32_t crcs[];  /* with verify: each part's checksum, taken by the thread that read it */
 } Group;
 
 typedef struct {
@@ -433,6 +437,11 @@ static void *worker_main(void *p) {
                 err = CHECKSUM_MISMATCH;
             t2 = now_ns();
         }
+        uint32_t part_crc = 0; /* a part of a verified split request: its own checksum */
+        if (!err && rq.group && rq.group->verify) {
+            part_crc = checksum_update(kind, 0, into.dest, (size_t)nread);
+            t2 = now_ns();
+        }
         /* The previous read's copy ran while this one was read: it completes first, and
          * its buffer is the one the next read goes into. */
         finish_behind(r, w, dc, &behind);
@@ -475,6 +484,8 @@ static void *worker_main(void *p) {
         if (g) { /* a part: the last one to finish completes the request */
             if (err && !g->err) g->err = err;
             g->nread += nread;
+            if (g->verify) g->crcs[(rq.dest - g->dest) / g->part] = part_crc;
+            r->verify_ns[w] += t2 - t1;
             if (--g->pending > 0) {
                 r->reading[w] = 0;
                 continue;
@@ -482,13 +493,15 @@ static void *worker_main(void *p) {
             err = g->err;
             nread = g->nread;
             checked = !err && g->verify;
-            if (checked) { /* the whole record, where its parts landed (reading[w] stays set) */
-                pthread_mutex_unlock(&r->mu);
-                t1 = now_ns();
-                if (checksum_update(kind, 0, g->dest, (size_t)g->length) != g->expected)
-                    err = CHECKSUM_MISMATCH;
-                t2 = now_ns();
-                pthread_mutex_lock(&r->mu);
+            t1 = t2 = 0;
+            if (checked) { /* the parts' checksums, in order (reading[w] stays set) */
+                uint32_t crc = g->crcs[0];
+                for (int k = 1; k < g->parts; k++) {
+                    Py_ssize_t at = (Py_ssize_t)k * g->part;
+                    Py_ssize_t len = g->length - at < g->part ? g->length - at : g->part;
+                    crc = checksum_combine(kind, crc, g->crcs[k], (uint64_t)len);
+                }
+                if (crc != g->expected) err = CHECKSUM_MISMATCH;
             }
             mark_ready(g->ready, g->ready_value, err || nread != g->length);
             free(g);
@@ -676,12 +689,6 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|ippnppp:Reader", kwlist, &nworkers, &paused,
                                      &bounce, &split, &overlap, &device_copy, &copy_behind))
         return NULL;
-    if (device_copy && split) { /* a split record is verified whole where its parts landed */
-        PyErr_SetString(PyExc_ValueError,
-                        "split reads verify a record where its parts land: in host memory, "
-                        "not with device_copy");
-        return NULL;
-    }
     if (device_copy && devcopy_init(0)) {
         PyErr_Format(PyExc_RuntimeError, "device_copy: %s", devcopy_error());
         return NULL;
@@ -951,10 +958,11 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
         Py_ssize_t part = parts > 1 ? ((reqs[i].length + parts - 1) / parts + ALIGNMENT - 1) /
                                           ALIGNMENT * ALIGNMENT
                                     : reqs[i].length;
-        if (parts > 1 && (g = malloc(sizeof(Group)))) {
+        if (parts > 1 && (g = malloc(sizeof(Group) + sizeof(uint32_t) * (size_t)parts))) {
             parts = (int)((reqs[i].length + part - 1) / part);
             *g = (Group){reqs[i].tag, parts, parts, 0, 0, 0, reqs[i].dest, reqs[i].length,
-                         reqs[i].expected, reqs[i].verify, reqs[i].ready, reqs[i].ready_value};
+                         reqs[i].expected, reqs[i].verify, reqs[i].ready, reqs[i].ready_value,
+                         part};
             r->split_requests++;
         }
         if (!g) { /* whole (or no memory for a group: whole, too) */
@@ -1332,6 +1340,20 @@ static PyObject *checksum_call(PyObject *args, int table) {
 static PyObject *mod_checksum(PyObject *m, PyObject *args) { return checksum_call(args, 0); }
 static PyObject *mod_checksum_table(PyObject *m, PyObject *args) { return checksum_call(args, 1); }
 
+static PyObject *mod_checksum_combine(PyObject *m, PyObject *args) {
+    PyObject *name;
+    unsigned int crc1, crc2;
+    unsigned long long len2;
+    if (!PyArg_ParseTuple(args, "OIIK:checksum_combine", &name, &crc1, &crc2, &len2)) return NULL;
+    int kind = checksum_kind(name);
+    if (kind < 0) return NULL;
+    if (kind == CHECKSUM_NONE) {
+        PyErr_SetString(PyExc_ValueError, "checksum_combine: 'crc32' or 'crc32c'");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLong(checksum_combine(kind, crc1, crc2, len2));
+}
+
 static PyObject *mod_checksum_impl(PyObject *m, PyObject *name) {
     int kind = checksum_kind(name);
     if (kind <= 0) {
@@ -1454,6 +1476,8 @@ static PyMethodDef module_methods[] = {
      "advise_hugepages(address, nbytes, zeroed=False) -> bool: huge pages from the next fault"},
     {"checksum", mod_checksum, METH_VARARGS,
      "checksum(name, data, value=0) -> int: 'crc32' (zlib's) or 'crc32c' of a buffer"},
+    {"checksum_combine", mod_checksum_combine, METH_VARARGS,
+     "checksum_combine(name, crc_a, crc_b, len_b) -> checksum(name, a + b)"},
     {"checksum_table", mod_checksum_table, METH_VARARGS,
      "checksum_table(name, data, value=0): the same by the portable tables (tests)"},
     {"limit_drive", mod_limit_drive, METH_O,

@@ -530,12 +530,6 @@ def build_expert_cache(
     from ..stream.reader import Reader, needs_bounce, uses_device_copy
 
     device_copy = cfg.device_copy and uses_device_copy()
-    if device_copy and cfg.read_split_kb:
-        raise OptionError(
-            f"read_split_kb {cfg.read_split_kb}: split reads are verified in host memory; "
-            "with device_copy (the default on CUDA) records land on the device: set "
-            "device_copy false to split"
-        )
     arena = Arena(
         n_slots, rb, cfg.eviction, profile, manifest.moe_layers, on_device=device_copy,
         device_memory=cfg.device_arena,

@@ -72,9 +72,14 @@ class GateTable:
         return self.device_address + 4 * self.pos[layer] * self.num_experts
 
     def close(self) -> None:
-        """Unmap from the device (once nothing on it can still read the table)."""
+        """Unmap from the device. A gate may still be polling (a decode stopped by an error
+        leaves its gates to time out): the device finishes first, since a kernel reading
+        memory no longer mapped is an illegal access that ends the process's CUDA context."""
         if self.device_address is not None:
+            import mlx.core as mx
+
             from .reader import unmap_host
 
+            mx.synchronize()
             unmap_host(self.address)
             self.device_address = None

@@ -153,9 +153,11 @@ class Reader:
             and in flight than workers, as in decode, where a layer misses a few records),
             each request of a batch is read as up to ``idle workers / batch size`` parts of
             at least ``split`` bytes (a multiple of :data:`ALIGNMENT`), side by side; it still
-            completes once, when its last part has landed, and a checksum is verified over
-            the whole request by the worker that read that part. A split request is
-            cancelled only while none of its parts has started.
+            completes once, when its last part has landed; each part's checksum is taken by
+            the worker that read it, where it read it, and the worker that finishes the last
+            part verifies the request from them (combined in order), so parts may land in
+            device memory. A split request is cancelled only while none of its parts has
+            started.
         overlap: run twice as many threads and let each go of its read slot as soon as its
             pread returns, before the bounce copy and the checksum: ``workers`` preads stay
             in flight while other threads finish theirs (without it, a worker's copy and
@@ -164,8 +166,7 @@ class Reader:
             destination, device-visible memory, by the GPU's copy engine on a stream of the
             worker's own, instead of a CPU memcpy into managed memory (which migrates the
             pages to the host, and the next kernel to touch them migrates them back). Implies
-            ``bounce``; not with ``split`` (a split record is verified where its parts
-            land). RuntimeError where no CUDA driver is present (see
+            ``bounce``. RuntimeError where no CUDA driver is present (see
             :func:`device_copy_error`).
         copy_behind: (with ``device_copy``) a worker queues a read-ahead record's copy and
             reads its next record while the copy runs, in a second pinned buffer; the record

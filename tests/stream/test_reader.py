@@ -688,9 +688,42 @@ def test_device_copy_lands_verified_records_in_device_memory(store, device_memor
             arena.view(0)
 
 
-def test_split_reads_and_device_copy_are_refused_together():
-    with pytest.raises(ValueError, match="split reads verify a record where its parts land"):
-        Reader(2, split=ALIGNMENT, device_copy=True)
+def test_split_reads_go_with_the_device_copy():
+    """A split record is verified from its parts' checksums, taken where each part was read,
+    so its parts may land in device memory: only a missing CUDA driver refuses the pair."""
+    from strata_mlx.stream.reader import device_copy_error
+
+    if device_copy_error() is None:
+        Reader(2, split=ALIGNMENT, device_copy=True).close()
+    else:
+        with pytest.raises(RuntimeError, match="device_copy: "):
+            Reader(2, split=ALIGNMENT, device_copy=True)
+
+
+@pytest.mark.parametrize("name", ["crc32", "crc32c"])
+def test_a_checksum_combines_from_its_parts(name):
+    rng = np.random.default_rng(4)
+    for la, lb in ((0, 9), (9, 0), (1, 1), (4096, 12345), (1 << 20, 4099)):
+        a = rng.integers(0, 256, la, dtype=np.uint8).tobytes()
+        b = rng.integers(0, 256, lb, dtype=np.uint8).tobytes()
+        got = _reader.checksum_combine(name, checksum(name, a), checksum(name, b), lb)
+        assert got == checksum(name, a + b), (la, lb)
+
+
+@pytest.mark.parametrize("bounce", [False, True])
+def test_a_split_record_of_uneven_parts_is_verified_from_them(data_file, bounce):
+    path, payload = data_file
+    n = 2 * RECORD + ALIGNMENT  # two parts of RECORD + ALIGNMENT and RECORD at split=RECORD
+    buf, addr = aligned(n)
+    for name in ("crc32c", "crc32"):
+        want = checksum(name, payload[:n])
+        with Reader(workers=4, bounce=bounce, split=RECORD) as r:
+            f = r.open(path, direct=False, checksum=name)
+            r.submit([(0, f, 0, n, addr, want), (1, f, 0, n, addr, want ^ 1)], urgent=True)
+            done = sorted(r.wait([0, 1], timeout=10))
+            assert done == [(0, 0, n), (1, CHECKSUM_MISMATCH, n)], name
+            assert r.stats()["split"] == 2 and r.stats()["verified"] == 2
+        assert buf.tobytes() == payload[:n]
 
 
 def test_forcing_the_device_copy_without_cuda_is_one_line(monkeypatch):

@@ -278,7 +278,6 @@ def test_split_reads_are_bit_identical_and_split(store, scheduler):
             scheduler=scheduler,
             read_split_kb=split_kb,
             io_workers=8,
-            device_copy=False,  # (CUDA) split records are verified where they land: host memory
         )
         outs[split_kb] = teacher_forced_logits(model, ids, 1)  # one token a step: few misses
         split = model.expert_cache.reader.stats()["split"]
