@@ -328,7 +328,11 @@ class PipelinedDecoder(Decoder):
             if j is None:
                 return exact
             # A gate gave up waiting (a stuck read): the layer's output is wrong, and so is
-            # everything after it. Recomputed through the per-layer handshake.
+            # everything after it, `later` included. Recomputed through the per-layer
+            # handshake.
+            if later is not None:
+                self.discard(later)
+                later = None
             h = self._recover(step, j)
             step.pending, step.late = [], []
             self._build(step, j + 1, h)

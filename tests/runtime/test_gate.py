@@ -236,3 +236,44 @@ def test_the_gate_kernel_type_checks_as_cxx(tmp_path):
         text=True,
     )
     assert r.returncode == 0, r.stderr
+
+
+def late_at(monkeypatch, layer: int, times: int = 1) -> list[int]:
+    """The host's gate, with the gate of `layer` reported as given up (its flag set) the
+    first `times` times it is built, as a device gate past its timeout reports it; the
+    layers it was set for."""
+    from strata_mlx.runtime.deferred import DeferredHandshake
+
+    run_gated, flagged = DeferredHandshake.run_gated, []
+
+    def flagging(self, l, x, inds):
+        y = run_gated(self, l, x, inds)
+        if l == layer and len(flagged) < times:
+            self.records[-1].gated.late = mx.array([1], dtype=mx.int32)
+            flagged.append(l)
+        return y
+
+    monkeypatch.setattr(DeferredHandshake, "run_gated", flagging)
+    return flagged
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_a_gate_given_up_under_a_token_built_ahead_recomputes_exactly(store, family, monkeypatch):
+    """A gated token whose gate gave up is recomputed from that layer; the token built on
+    it meanwhile ("token" mode, chosen as the gated one ended) is rolled back whole, the
+    layers before the late one too."""
+    path = store(family)
+    ids = prompt_ids(24, seed=5)
+    gb = arena_gb(path, 0.25)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
+    ref = decode(sync, ids, 6)
+    model, _ = strata_mlx.load(path, arena_gb=gb, decode_gate=True)
+    last = max(model.expert_cache.layers)
+    flagged = late_at(monkeypatch, last)
+    modes = iter(["gated"])  # the first token gated, every one after it "token" mode
+    monkeypatch.setattr(model.decoder, "mode", lambda: next(modes, "token"))
+    got = decode(model, ids, 6)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    assert flagged == [last] and model.expert_cache.stats.gate_timeouts == 1
+    for m in (model, sync):
+        m.expert_cache.close()
