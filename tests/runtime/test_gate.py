@@ -64,6 +64,33 @@ def test_a_read_stores_its_ready_word_only_once_landed(tmp_path, split):
     assert np.array_equal(dest, data)
 
 
+@pytest.mark.parametrize("split", [0, 4096])
+def test_a_corrupt_or_cancelled_read_stores_no_ready_word(tmp_path, split):
+    from strata_mlx.format.checksums import checksum
+
+    data = np.random.default_rng(1).integers(0, 256, 2 * 8192, dtype=np.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    words = np.full(3, -1, dtype=np.int32)
+    dest = aligned(3 * 8192)
+    at, good = words.ctypes.data, checksum("crc32c", data[:8192])
+    with Reader(2, split=split, start_paused=True) as r:
+        f = r.open(str(path), direct=False, checksum="crc32c")
+        r.submit(
+            [
+                (0, f, 0, 8192, dest.ctypes.data, good, (at, 5)),
+                (1, f, 8192, 8192, dest.ctypes.data + 8192, good ^ 1, (at + 4, 6)),
+            ],
+            True,
+        )
+        r.submit([(2, f, 0, 8192, dest.ctypes.data + 16384, good, (at + 8, 7))])
+        assert r.cancel([2]) == [2]
+        r.resume()
+        done = {t: err for t, err, _ in r.wait([0, 1], None)}
+    assert done[0] == 0 and done[1] != 0
+    assert words.tolist() == [5, -1, -1]
+
+
 def test_a_request_with_a_bad_ready_word_is_refused(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(4096))
@@ -123,6 +150,29 @@ def test_a_gate_table_without_a_device_has_no_device_address():
         g.row_address(1)
 
 
+def test_closing_a_mapped_table_opens_every_gate_and_waits_for_the_device(monkeypatch):
+    """A gate still polling as its table closes (a token abandoned mid-way: a read error,
+    or close() from another thread) gives up at once instead of reading an unmapped page,
+    which would fault the device's context for good: every word not landed reads CLOSED,
+    and the device is waited for before the mapping goes."""
+    from strata_mlx.stream import gate as gate_module
+    from strata_mlx.stream import reader
+
+    seen = []
+    monkeypatch.setattr(reader, "map_host", lambda address, nbytes: address)
+    monkeypatch.setattr(mx, "synchronize", lambda *a: seen.append(("synchronize", None)))
+    monkeypatch.setattr(reader, "unmap_host", lambda a: seen.append(("unmap", g.table.copy())))
+    g = GateTable(TableShape(layers=[1, 3]), device=True)
+    g.table[1, 2] = 7  # landed
+    g.close()
+    assert [what for what, _ in seen] == ["synchronize", "unmap"]
+    want = np.full((2, 8), gate_module.CLOSED, dtype=np.int32)
+    want[1, 2] = 7
+    assert np.array_equal(seen[1][1], want) and g.device_address is None
+    g.close()  # once only
+    assert len(seen) == 2
+
+
 def cuda_ready() -> bool:
     return hasattr(mx, "cuda") and mx.cuda.is_available()
 
@@ -166,6 +216,22 @@ def test_the_gate_kernel_gives_up_past_its_timeout():
     slots, late = gate(mx.array([5], dtype=mx.uint32), row_at, timeout=50)
     mx.eval(slots, late)
     assert late.item() == 1 and time.perf_counter() - t0 >= 0.045
+    g.close()
+
+
+@pytest.mark.gpu
+def test_the_gate_kernel_gives_up_at_once_on_a_closed_word():
+    from custom_kernels.gate import gate
+    from strata_mlx.stream.gate import CLOSED
+
+    assert cuda_ready()
+    g = GateTable(TableShape(), device=True)
+    row_at = mx.array([g.row_address(0)], dtype=mx.uint64)
+    g.table[0, 1], g.table[0, 5] = 4, CLOSED
+    t0 = time.perf_counter()
+    slots, late = gate(mx.array([1, 5], dtype=mx.uint32), row_at, timeout=5000)
+    mx.eval(slots, late)
+    assert late.item() == 1 and slots.tolist() == [4, 0] and time.perf_counter() - t0 < 1
     g.close()
 
 
