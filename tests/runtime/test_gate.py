@@ -343,3 +343,25 @@ def test_a_gate_given_up_under_a_token_built_ahead_recomputes_exactly(store, fam
     assert flagged == [last] and model.expert_cache.stats.gate_timeouts == 1
     for m in (model, sync):
         m.expert_cache.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("fraction", [0.25, 0.15])
+def test_gated_and_token_mode_tokens_in_turn_equal_sync(store, family, fraction, monkeypatch):
+    """Gated tokens with whole tokens ("token" mode: each built on the last before it is
+    verified, a miss recomputing it) between them: a token built ahead of a gated one, and
+    a gated one after a recomputed one, equal the per-layer handshake."""
+    path = store(family)
+    ids = prompt_ids(24, seed=9)
+    gb = arena_gb(path, fraction)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
+    ref = decode(sync, ids, 12)
+    model, _ = strata_mlx.load(path, arena_gb=gb, decode_gate=True)
+    calls = iter(range(1 << 20))
+    monkeypatch.setattr(model.decoder, "mode", lambda: ("gated", "token")[next(calls) // 2 % 2])
+    got = decode(model, ids, 12)
+    s = model.expert_cache.stats
+    assert s.gated_mode_tokens > 0 and s.token_mode_tokens > 0 and s.recomputed_layers > 0
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    for m in (model, sync):
+        m.expert_cache.close()
