@@ -348,7 +348,7 @@ class PipelinedDecoder(Decoder):
         late = [j for j, f in zip(layers, flags) if f]
         if not late:
             return None
-        self.expert_cache.stats.gate_timeouts += 1
+        self.expert_cache.stats.gate_timeouts += len(late)
         return late[0]
 
     def discard(self, step: Step) -> None:

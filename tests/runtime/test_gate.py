@@ -345,6 +345,24 @@ def test_a_gate_given_up_under_a_token_built_ahead_recomputes_exactly(store, fam
         m.expert_cache.close()
 
 
+def test_every_gate_given_up_is_counted_and_the_token_recomputed_from_the_first(store, monkeypatch):
+    path = store("qwen3_next")
+    ids = prompt_ids(24, seed=5)
+    gb = arena_gb(path, 0.25)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
+    ref = decode(sync, ids, 4)
+    model, _ = strata_mlx.load(path, arena_gb=gb, decode_gate=True, decode_token_below=0.0)
+    first, *_, last = model.expert_cache.layers
+    late_at(monkeypatch, first)
+    late_at(monkeypatch, last)
+    got = decode(model, ids, 4)
+    s = model.expert_cache.stats
+    assert s.gate_timeouts == 2 and s.recomputed_layers == last - first + 1
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    for m in (model, sync):
+        m.expert_cache.close()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
 @pytest.mark.parametrize("fraction", [0.25, 0.15])
 def test_gated_and_token_mode_tokens_in_turn_equal_sync(store, family, fraction, monkeypatch):
