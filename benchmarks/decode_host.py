@@ -81,7 +81,7 @@ PARTS = {
         "count_resident",
         "start_misses",
     ),
-    ExpertCache: ("_predict",),
+    ExpertCache: ("predict",),
     LayerCompute: ("by_expert", "one_token"),
 }
 

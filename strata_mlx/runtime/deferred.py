@@ -139,19 +139,18 @@ class DeferredHandshake:
         layers: list[int],
         all_fit: bool,
         owner: Callable | None = None,
-        device_gate: bool = False,
     ):
         """`owner()`: the ExpertCache (a weak reference), whose per-layer handshake's
-        prediction (`_predict`) gated layers make as it does, and whose `trace` they record
-        into. `device_gate`: gated layers wait on the device (custom_kernels/gate.py; the
-        scheduler's gate table mapped for it), else the host's gate."""
+        prediction (`predict`) gated layers make as it does, and whose `trace` they record
+        into. Gated layers wait on the device (custom_kernels/gate.py) where the scheduler's
+        gate table is mapped for it, else on the host (the host's gate)."""
         self.sched = sched
         self.predictor = predictor
         self.compute = compute
         self.layers = layers
         self.all_fit = all_fit
         self.owner = owner
-        self.device_gate = device_gate
+        self.device_gate = sched.gate is not None and sched.gate.device_address is not None
         self._next = dict(zip(layers, layers[1:]))
         self._row_at: dict[int, mx.array] = {}  # layer -> its gate-table row's device address
         self.records: list[Deferred] | None = None  # inside `building()`: where layers go
@@ -303,7 +302,7 @@ class DeferredHandshake:
         before = st.misses
         tags = sched.claim(layer, needed)
         pr.observe_decode_layer((st.misses - before) / len(needed))
-        self.owner()._predict(g.targets, g.preds, self._next.get(layer), layer, needed, pred_ids)
+        self.owner().predict(g.targets, g.preds, self._next.get(layer), layer, needed, pred_ids)
         st.host_s += time.perf_counter() - t1
         return tags
 

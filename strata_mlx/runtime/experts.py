@@ -106,6 +106,36 @@ def _ranked(
     return ranked
 
 
+def warm_arena(sched, layers: list[int], num_experts: int) -> None:
+    """ExpertCache.warm: `layers`' experts read into `sched`'s free arena slots, in order,
+    until none is left; the statistics start afresh after them."""
+    arena = sched.arena
+    free = arena.n_slots - len(arena.slot_of)
+    keys = [
+        (layer, e)
+        for layer in layers
+        for e in range(num_experts)
+        if (layer, e) not in arena.slot_of
+    ][: max(free, 0)]
+    from tqdm import tqdm
+
+    # A bar on stderr, shown only when the reads outlast WARM_BAR_DELAY_S (a whole store on a
+    # slow drive takes minutes). Batches keep the queue full between updates.
+    with tqdm(
+        total=len(keys), desc="warm", unit="expert", delay=WARM_BAR_DELAY_S, leave=False
+    ) as bar:
+        for i in range(0, len(keys), WARM_BATCH):
+            batch = keys[i : i + WARM_BATCH]
+            sched.ensure(batch)
+            # Completions are collected as they come (a wait on all 24 K tags at once rescans
+            # every tag at each completion: minutes for a whole 24 GB store on the H200).
+            sched.drain()
+            bar.update(len(batch))
+    with sched.lock:
+        sched.stats = ExpertStats()
+        sched.prefetched.clear()
+
+
 def _route_sync(inds: mx.array, x: mx.array, preds: list[mx.array], join: bool):
     """Evaluate a layer's ids, its input and lookahead's predicted ids (the route sync).
     With `join`, decode's one token's ids and predicted ids are evaluated as one array
@@ -141,9 +171,8 @@ class ExpertCache:
     ):
         """`route_bonus`: cache-aware routing, a bonus on resident experts' router logits in
         decode (0: exact). `dump(layer, x, ids, scores, y)` gets every MoE layer's state
-        (--dump-moe); `trace` records routing and lookahead's predictions. `gate`: keep a
-        gate table, so that pipelined decode runs gated (strata_mlx.stream.gate); its gate
-        waits on a CUDA device, elsewhere on the host."""
+        (--dump-moe); `trace` records routing and lookahead's predictions. `gate`: pipelined
+        decode runs gated (strata_mlx.stream.gate), waiting on a CUDA device, else the host."""
         self.store = Path(store)
         self.manifest = manifest
         self.layout = manifest.layout
@@ -157,7 +186,6 @@ class ExpertCache:
         if reader is None:
             scheduler = "sync"  # nothing to read: no loop to run
         gate = gate and reader is not None and not fake_stream
-        device_gate = gate and device_gate_available()
         self.sched = make_scheduler(
             scheduler,
             store,
@@ -167,7 +195,7 @@ class ExpertCache:
             verify,
             low_water=low_water,
             wake_every=wake_every,
-            gate=GateTable(manifest, device=device_gate) if gate else None,
+            gate=GateTable(manifest, device=device_gate_available()) if gate else None,
         )
         weakref.finalize(self, _close_dropped, self.sched).atexit = False
         self.trace = trace
@@ -178,13 +206,7 @@ class ExpertCache:
         # Every expert fits at once: eviction never happens, so uses need not be recorded.
         all_fit = arena.n_slots >= manifest.num_experts * len(self.layers)
         self.pipelined = DeferredHandshake(
-            self.sched,
-            self.predictor,
-            self.compute,
-            self.layers,
-            all_fit,
-            owner=weakref.ref(self),
-            device_gate=device_gate,
+            self.sched, self.predictor, self.compute, self.layers, all_fit, weakref.ref(self)
         )
         # A batched token step (strata_mlx.generation.batch) sets this (`gathering`): each
         # sequence's MoE layer is handed to it, which runs the layer once for every sequence.
@@ -236,31 +258,7 @@ class ExpertCache:
 
     def warm(self) -> None:
         """Read every expert that fits, layer by layer (a fully resident run when it all fits)."""
-        free = self.arena.n_slots - len(self.arena.slot_of)
-        keys = [
-            (layer, e)
-            for layer in self.layers
-            for e in range(self.manifest.num_experts)
-            if (layer, e) not in self.arena.slot_of
-        ][: max(free, 0)]
-        from tqdm import tqdm
-
-        # A bar on stderr, shown only when the reads outlast WARM_BAR_DELAY_S (a whole store
-        # on a slow drive takes minutes). Batches keep the queue full between updates.
-        with tqdm(
-            total=len(keys), desc="warm", unit="expert", delay=WARM_BAR_DELAY_S, leave=False
-        ) as bar:
-            for i in range(0, len(keys), WARM_BATCH):
-                batch = keys[i : i + WARM_BATCH]
-                self.sched.ensure(batch)
-                # Completions are collected as they come (a wait on all 24 K tags at once
-                # rescans every tag at each completion: minutes for a whole 24 GB store on
-                # the H200).
-                self.sched.drain()
-                bar.update(len(batch))
-        with self.sched.lock:
-            self.stats = ExpertStats()
-            self.sched.prefetched.clear()
+        warm_arena(self.sched, self.layers, self.manifest.num_experts)
 
     @contextmanager
     def phase(self, decoding: bool):
@@ -359,7 +357,7 @@ class ExpertCache:
             pr.observe_decode_layer((st.misses - misses_before) / len(needed))
         late = bool(targets) and self.read_ahead.after_experts
         if not late:
-            self._predict(targets, preds, nxt, layer, needed, pred_ids)
+            self.predict(targets, preds, nxt, layer, needed, pred_ids)
         t2 = time.perf_counter()
         sched.wait(waits)
         t3 = time.perf_counter()
@@ -373,13 +371,13 @@ class ExpertCache:
             y = self.compute.by_expert(layer, x, ids, inds.shape, needed, row[needed])
         if late:  # the device computes them while the host predicts (their slots are pinned)
             mx.async_eval(y)
-            self._predict(targets, preds, nxt, layer, needed, pred_ids)
+            self.predict(targets, preds, nxt, layer, needed, pred_ids)
             if (after := pr.after_wait(layer, nxt, len(needed))) is not None:
                 sched.read_ahead(*after)
         st.host_s += (t2 - t1) + (time.perf_counter() - t3)
         return y
 
-    def _predict(
+    def predict(
         self, targets: list[int], preds: list[mx.array], nxt: int | None, layer, needed, pred_ids
     ) -> None:
         """Submit the next layer's predicted experts (`preds`, or as ints `pred_ids`);

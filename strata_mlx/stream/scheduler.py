@@ -70,11 +70,12 @@ class _Read:
 class ResidencyRows:
     """The residency map as the handshake and the device read it: per MoE layer, expert ->
     slot, -1 where not resident. The host table is kept current; a layer's device row
-    (pipelined decode) is rebuilt only when its residency changed. The scheduler's lock
-    guards it."""
+    (pipelined decode) is rebuilt only when its residency changed; `gate` (gated decode's
+    table, stream.gate: the reader's threads store each landing there) loses an expert as
+    it leaves. The scheduler's lock guards it."""
 
-    def __init__(self, manifest: Manifest, n_slots: int):
-        self.num_experts, self.n_slots = manifest.num_experts, n_slots
+    def __init__(self, manifest: Manifest, n_slots: int, gate: GateTable | None = None):
+        self.num_experts, self.n_slots, self.gate = manifest.num_experts, n_slots, gate
         self.pos = {l: manifest.layer_position(l) for l in manifest.moe_layers}
         self.table = np.full((len(self.pos), manifest.num_experts), -1, dtype=np.int32)
         self._rows: dict[int, tuple[np.ndarray, mx.array]] = {}
@@ -85,9 +86,12 @@ class ResidencyRows:
         return self.table[self.pos[layer]]
 
     def set(self, key: Key, slot: int) -> None:
-        """`key` landed in `slot` (-1: it left the arena)."""
+        """`key` landed in `slot` (-1: it left the arena, and the gate table, before the read
+        that refills its slot is handed to the reader)."""
         self.table[self.pos[key[0]], key[1]] = slot
         self._dirty.add(key[0])
+        if slot < 0 and self.gate is not None:
+            self.gate.clear(key)
 
     def device_row(self, layer: int, fake: bool) -> tuple[np.ndarray, mx.array]:
         """(host copy, device row) of `layer`, rebuilt only when it changed; absent experts
@@ -121,13 +125,7 @@ class Scheduler:
     `_reserved` (the reserve's reads to send now) and `_check_failed`."""
 
     def __init__(
-        self,
-        store: str | Path,
-        manifest: Manifest,
-        arena: Arena,
-        reader,
-        verify: bool,
-        gate: GateTable | None = None,
+        self, store: str | Path, manifest: Manifest, arena: Arena, reader, verify: bool, gate=None
     ):
         self.store = Path(store)
         self.manifest = manifest
@@ -146,12 +144,10 @@ class Scheduler:
         self.tag_of: dict[Key, int] = {}
         self._tags = 0
         self.prefetched: set[Key] = set()  # read-ahead landed, not used yet
-        self.residency = ResidencyRows(manifest, arena.n_slots)
+        self.residency = ResidencyRows(manifest, arena.n_slots, gate)
         self.busy_layers: set[int] = set()  # layers computing on the device (pipelined decode)
         self.early: set[Key] = set()  # misses read before their claim (start_misses)
-        # Gated decode's table (stream.gate): each read announces its landing there, each
-        # eviction is cleared there before its slot is refilled.
-        self.gate = gate
+        self.gate: GateTable | None = gate  # gated decode's: each read's ready word is there
 
     @property
     def reader(self):
@@ -177,10 +173,9 @@ class Scheduler:
         with self.lock:
             return self.residency.device_row(layer, fake)
 
-    def claim(self, layer: int, needed: list[int], protect: set[int] | None = None) -> list[int]:
+    def claim(self, layer: int, needed: list[int]) -> list[int]:
         """Count hits / streamed-ahead / misses of `layer`'s `needed` experts, submit the
-        misses urgently (into slots of no layer in `protect`), pin them all; the tags the
-        computation must wait for."""
+        misses urgently, pin them all; the tags the computation must wait for."""
         with self.lock:
             self._check_failed()
             row = self.residency.row(layer)
@@ -236,7 +231,7 @@ class Scheduler:
                 self.reader.promote(urgent)
             if missed:  # one batch: the reader splits it over its idle workers
                 st.misses += len(missed)
-                waits += self.ensure(missed, protect)
+                waits += self.ensure(missed)
                 self.arena.pin([self.arena.slot_of[k] for k in missed])
             return waits
 
@@ -255,13 +250,12 @@ class Scheduler:
         with self.lock:
             self._count_hits([(layer, e) for e in needed])
 
-    def ensure(self, keys: list[Key], protect: set[int] | None = None) -> list[int]:
-        """Allocate slots (none of a layer in `protect`) and submit urgent reads for keys;
-        returns their tags."""
+    def ensure(self, keys: list[Key]) -> list[int]:
+        """Allocate slots and submit urgent reads for keys; returns their tags."""
         with self.lock:
             reqs, i = [], 0
             while True:
-                for slot, victim in self.arena.allocate_many(keys[i:], protect):
+                for slot, victim in self.arena.allocate_many(keys[i:]):
                     self._evicted(victim)
                     reqs.append(self._start_read(keys[i], slot, urgent=True))
                     i += 1
@@ -393,26 +387,14 @@ class Scheduler:
         self.reads[tag] = _Read(key, slot, urgent)
         self.tag_of[key] = tag
         address = self.arena.address(slot)
-        if self.gate is None:
-            return (tag, self._file, m.offsets[pos][key[1]], self.record_bytes, address, expected)
-        ready = self.gate.ready(key, slot)
-        return (
-            tag,
-            self._file,
-            m.offsets[pos][key[1]],
-            self.record_bytes,
-            address,
-            expected,
-            ready,
-        )
+        req = (tag, self._file, m.offsets[pos][key[1]], self.record_bytes, address, expected)
+        return req if self.gate is None else (*req, self.gate.ready(key, slot))
 
     def _evicted(self, key: Key | None) -> None:
         """`key` left the arena (None: nothing did); read-ahead evicted unused was wasted."""
         if key is None:
             return
         self.residency.set(key, -1)
-        if self.gate is not None:
-            self.gate.clear(key)
         self.early.discard(key)
         if key in self.prefetched:
             self.prefetched.discard(key)
