@@ -39,9 +39,10 @@ A token runs in one of three ways, chosen from the running share of decode layer
     submits the misses the device is waiting for and lookahead's read-ahead, and never
     fails, so nothing is recomputed and the host is never between two layers of a token on
     the device. A gate that gives up (a read stuck past its timeout) sets a flag the token's
-    end reads: that layer is recomputed by the per-layer handshake. Where the device cannot
-    wait (no CUDA), the host's gate runs each layer's check before its experts are queued
-    and waits for its reads, as "sync" does.
+    end reads: that layer is recomputed by the per-layer handshake (a token built on this
+    one meanwhile is discarded, as after a miss). Where the device cannot wait (no CUDA),
+    the host's gate runs each layer's check before its experts are queued and waits for its
+    reads, as "sync" does.
 
 Outputs are bit-identical to the sync path in every mode (tests/test_decode.py).
 
