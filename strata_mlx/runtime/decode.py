@@ -39,9 +39,10 @@ A token runs in one of three ways, chosen from the running share of decode layer
     submits the misses the device is waiting for and lookahead's read-ahead, and never
     fails, so nothing is recomputed and the host is never between two layers of a token on
     the device. A gate that gives up (a read stuck past its timeout) sets a flag the token's
-    end reads: that layer is recomputed by the per-layer handshake. Where the device cannot
-    wait (no CUDA), the host's gate runs each layer's check before its experts are queued
-    and waits for its reads, as "sync" does.
+    end reads: that layer is recomputed by the per-layer handshake (a token built on this
+    one meanwhile is discarded, as after a miss). Where the device cannot wait (no CUDA),
+    the host's gate runs each layer's check before its experts are queued and waits for its
+    reads, as "sync" does.
 
 Outputs are bit-identical to the sync path in every mode (tests/test_decode.py).
 
@@ -328,7 +329,11 @@ class PipelinedDecoder(Decoder):
             if j is None:
                 return exact
             # A gate gave up waiting (a stuck read): the layer's output is wrong, and so is
-            # everything after it. Recomputed through the per-layer handshake.
+            # everything after it, `later` included. Recomputed through the per-layer
+            # handshake.
+            if later is not None:
+                self.discard(later)
+                later = None
             h = self._recover(step, j)
             step.pending, step.late = [], []
             self._build(step, j + 1, h)
@@ -344,7 +349,7 @@ class PipelinedDecoder(Decoder):
         late = [j for j, f in zip(layers, flags) if f]
         if not late:
             return None
-        self.expert_cache.stats.gate_timeouts += 1
+        self.expert_cache.stats.gate_timeouts += len(late)
         return late[0]
 
     def discard(self, step: Step) -> None:

@@ -139,19 +139,19 @@ class DeferredHandshake:
         layers: list[int],
         all_fit: bool,
         owner: Callable | None = None,
-        device_gate: bool = False,
     ):
         """`owner()`: the ExpertCache (a weak reference), whose per-layer handshake's
         prediction (`predict`) gated layers make as it does, and whose `trace` they record
-        into. `device_gate`: gated layers wait on the device (custom_kernels/gate.py; the
-        scheduler's gate table mapped for it), else the host's gate."""
+        into. Gated layers wait on the device (custom_kernels/gate.py) where the scheduler's
+        gate table is mapped for it, else on the host (the host's gate)."""
         self.sched = sched
         self.predictor = predictor
         self.compute = compute
         self.layers = layers
         self.all_fit = all_fit
         self.owner = owner
-        self.device_gate = device_gate
+        table = sched.residency.gate
+        self.device_gate = table is not None and table.device_address is not None
         self._next = dict(zip(layers, layers[1:]))
         self._row_at: dict[int, mx.array] = {}  # layer -> its gate-table row's device address
         self.records: list[Deferred] | None = None  # inside `building()`: where layers go

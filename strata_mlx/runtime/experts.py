@@ -106,6 +106,36 @@ def _ranked(
     return ranked
 
 
+def warm_arena(sched, layers: list[int], num_experts: int) -> None:
+    """ExpertCache.warm: `layers`' experts read into `sched`'s free arena slots, in order,
+    until none is left; the statistics start afresh after them."""
+    arena = sched.arena
+    free = arena.n_slots - len(arena.slot_of)
+    keys = [
+        (layer, e)
+        for layer in layers
+        for e in range(num_experts)
+        if (layer, e) not in arena.slot_of
+    ][: max(free, 0)]
+    from tqdm import tqdm
+
+    # A bar on stderr, shown only when the reads outlast WARM_BAR_DELAY_S (a whole store on a
+    # slow drive takes minutes). Batches keep the queue full between updates.
+    with tqdm(
+        total=len(keys), desc="warm", unit="expert", delay=WARM_BAR_DELAY_S, leave=False
+    ) as bar:
+        for i in range(0, len(keys), WARM_BATCH):
+            batch = keys[i : i + WARM_BATCH]
+            sched.ensure(batch)
+            # Completions are collected as they come (a wait on all 24 K tags at once rescans
+            # every tag at each completion: minutes for a whole 24 GB store on the H200).
+            sched.drain()
+            bar.update(len(batch))
+    with sched.lock:
+        sched.stats = ExpertStats()
+        sched.prefetched.clear()
+
+
 def _route_sync(inds: mx.array, x: mx.array, preds: list[mx.array], join: bool):
     """Evaluate a layer's ids, its input and lookahead's predicted ids (the route sync).
     With `join`, decode's one token's ids and predicted ids are evaluated as one array
@@ -178,9 +208,8 @@ class ExpertCache:
         # Every expert fits at once: eviction never happens, so uses need not be recorded.
         all_fit = arena.n_slots >= manifest.num_experts * len(self.layers)
         self.pipelined = DeferredHandshake(
-            self.sched, self.predictor, self.compute, self.layers, all_fit, weakref.ref(self),
-            device_gate,
-        )  # fmt: skip
+            self.sched, self.predictor, self.compute, self.layers, all_fit, weakref.ref(self)
+        )
         # A batched token step (strata_mlx.generation.batch) sets this (`gathering`): each
         # sequence's MoE layer is handed to it, which runs the layer once for every sequence.
         self.gather: Callable[[int, mx.array, mx.array], mx.array] | None = None
@@ -231,31 +260,7 @@ class ExpertCache:
 
     def warm(self) -> None:
         """Read every expert that fits, layer by layer (a fully resident run when it all fits)."""
-        free = self.arena.n_slots - len(self.arena.slot_of)
-        keys = [
-            (layer, e)
-            for layer in self.layers
-            for e in range(self.manifest.num_experts)
-            if (layer, e) not in self.arena.slot_of
-        ][: max(free, 0)]
-        from tqdm import tqdm
-
-        # A bar on stderr, shown only when the reads outlast WARM_BAR_DELAY_S (a whole store
-        # on a slow drive takes minutes). Batches keep the queue full between updates.
-        with tqdm(
-            total=len(keys), desc="warm", unit="expert", delay=WARM_BAR_DELAY_S, leave=False
-        ) as bar:
-            for i in range(0, len(keys), WARM_BATCH):
-                batch = keys[i : i + WARM_BATCH]
-                self.sched.ensure(batch)
-                # Completions are collected as they come (a wait on all 24 K tags at once
-                # rescans every tag at each completion: minutes for a whole 24 GB store on
-                # the H200).
-                self.sched.drain()
-                bar.update(len(batch))
-        with self.sched.lock:
-            self.stats = ExpertStats()
-            self.sched.prefetched.clear()
+        warm_arena(self.sched, self.layers, self.manifest.num_experts)
 
     @contextmanager
     def phase(self, decoding: bool):

@@ -6,7 +6,8 @@ host's routing checks; each layer's experts wait on the device, in the gate kern
 compute from the slots it names. A miss costs the device its read and nothing else: no
 rollback, no per-layer host round trip before the experts are queued.
 
-One int32 word per (MoE layer, expert): its slot once the record is in place, -1 otherwise.
+One int32 word per (MoE layer, expert): its slot once the record is in place, -1 otherwise
+(CLOSED, once the table is closed: a gate still waiting gives up).
 Written by
   - the reader's threads, as a read completes (Request.ready in _native/reader.c: the slot
     stored with release order after the record sits verified in its slot, its device copy
@@ -31,6 +32,7 @@ from ..format.store import Manifest
 
 Key = tuple[int, int]
 PAGE = 4096
+CLOSED = -2  # a word not landed when the table closed: the gate kernel gives up on it at once
 
 
 class GateTable:
@@ -72,14 +74,18 @@ class GateTable:
         return self.device_address + 4 * self.pos[layer] * self.num_experts
 
     def close(self) -> None:
-        """Unmap from the device. A gate may still be polling (a decode stopped by an error
-        leaves its gates to time out): the device finishes first, since a kernel reading
-        memory no longer mapped is an illegal access that ends the process's CUDA context."""
+        """Unmap from the device, once nothing there can read the table. A gate still
+        waiting (a token abandoned mid-way: a read error, or close() on another thread while
+        a token computes; the reader's threads are stopped first) would wait out its timeout
+        for a read never made, and then read an unmapped page, an error that leaves the
+        device's context unusable: every word not landed is made CLOSED, which such a gate
+        gives up on at once (its late flag set), and the device is waited for."""
         if self.device_address is not None:
             import mlx.core as mx
 
             from .reader import unmap_host
 
+            self.table[self.table < 0] = CLOSED
             mx.synchronize()
             unmap_host(self.address)
             self.device_address = None

@@ -112,8 +112,15 @@ DEVICE_COPY_FAILED: int = _reader.DEVICE_COPY_FAILED
 """Completion error code (-3): the copy engine could not move the record into place."""
 
 
-Request = tuple[int, int, int, int, int] | tuple[int, int, int, int, int, int | None]
-"""``(tag, file_index, offset, length, dest_address[, expected_checksum])``."""
+Request = (
+    tuple[int, int, int, int, int]
+    | tuple[int, int, int, int, int, int | None]
+    | tuple[int, int, int, int, int, int | None, tuple[int, int] | None]
+)
+"""``(tag, file_index, offset, length, dest_address[, expected_checksum[, ready]])``; `ready`:
+``(address, value)`` of an int32 word the worker stores ``value`` into (release order) once
+the record is in place and verified, before its completion is reported, never for a failed
+read (the decode gate's table, strata_mlx.stream.gate)."""
 
 Completion = tuple[int, int, int]
 """``(tag, error, bytes_read)``; error is 0, an errno, SHORT_READ or CHECKSUM_MISMATCH."""
@@ -219,13 +226,15 @@ class Reader:
     def submit(self, requests: Sequence[Request], urgent: bool = False) -> None:
         """Queue a batch of ``(tag, file_index, offset, length, dest_address)`` requests,
         each optionally with a sixth element: the expected checksum of the ``length`` bytes
-        (None: not checked), for a file opened with ``checksum=``.
+        (None: not checked), for a file opened with ``checksum=``; and a seventh: its ready
+        word (:data:`Request`), or None.
 
         The whole batch is validated before any of it is queued, then queued under one lock,
         in order, at the back of the urgent or the read-ahead queue. Raises ValueError for an
         unknown file index, negative offset/length, a NULL address, an expected checksum for a
-        file opened without one (or not in 32 bits), or (direct files) an offset, length or
-        address that is not a multiple of :data:`ALIGNMENT`.
+        file opened without one (or not in 32 bits), a ready word's address NULL or not 4-byte
+        aligned, or (direct files) an offset, length or address that is not a multiple of
+        :data:`ALIGNMENT`.
         """
         self._r.submit(requests, urgent)
 

@@ -92,7 +92,8 @@ class ResidencyRows:
         return self.table[self.pos[layer]]
 
     def set(self, key: Key, slot: int) -> None:
-        """`key` landed in `slot` (-1: it left the arena, and the gate table hears so now)."""
+        """`key` landed in `slot` (-1: it left the arena, and the gate table, before the read
+        that refills its slot is handed to the reader)."""
         self.table[self.pos[key[0]], key[1]] = slot
         self._dirty.add(key[0])
         if slot < 0 and self.gate is not None:
@@ -175,10 +176,9 @@ class Scheduler:
         with self.lock:
             return self.residency.device_row(layer, fake)
 
-    def claim(self, layer: int, needed: list[int], protect: set[int] | None = None) -> list[int]:
+    def claim(self, layer: int, needed: list[int]) -> list[int]:
         """Count hits / streamed-ahead / misses of `layer`'s `needed` experts, submit the
-        misses urgently (into slots of no layer in `protect`), pin them all; the tags the
-        computation must wait for."""
+        misses urgently, pin them all; the tags the computation must wait for."""
         with self.lock:
             self._check_failed()
             row = self.residency.row(layer)
@@ -234,7 +234,7 @@ class Scheduler:
                 self.reader.promote(urgent)
             if missed:  # one batch: the reader splits it over its idle workers
                 st.misses += len(missed)
-                waits += self.ensure(missed, protect)
+                waits += self.ensure(missed)
                 self.arena.pin([self.arena.slot_of[k] for k in missed])
             return waits
 
@@ -253,13 +253,12 @@ class Scheduler:
         with self.lock:
             self._count_hits([(layer, e) for e in needed])
 
-    def ensure(self, keys: list[Key], protect: set[int] | None = None) -> list[int]:
-        """Allocate slots (none of a layer in `protect`) and submit urgent reads for keys;
-        returns their tags."""
+    def ensure(self, keys: list[Key]) -> list[int]:
+        """Allocate slots and submit urgent reads for keys; returns their tags."""
         with self.lock:
             reqs, i = [], 0
             while True:
-                for slot, victim in self.arena.allocate_many(keys[i:], protect):
+                for slot, victim in self.arena.allocate_many(keys[i:]):
                     self._evicted(victim)
                     reqs.append(self._start_read(keys[i], slot, urgent=True))
                     i += 1

@@ -64,6 +64,33 @@ def test_a_read_stores_its_ready_word_only_once_landed(tmp_path, split):
     assert np.array_equal(dest, data)
 
 
+@pytest.mark.parametrize("split", [0, 4096])
+def test_a_corrupt_or_cancelled_read_stores_no_ready_word(tmp_path, split):
+    from strata_mlx.format.checksums import checksum
+
+    data = np.random.default_rng(1).integers(0, 256, 2 * 8192, dtype=np.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    words = np.full(3, -1, dtype=np.int32)
+    dest = aligned(3 * 8192)
+    at, good = words.ctypes.data, checksum("crc32c", data[:8192])
+    with Reader(2, split=split, start_paused=True) as r:
+        f = r.open(str(path), direct=False, checksum="crc32c")
+        r.submit(
+            [
+                (0, f, 0, 8192, dest.ctypes.data, good, (at, 5)),
+                (1, f, 8192, 8192, dest.ctypes.data + 8192, good ^ 1, (at + 4, 6)),
+            ],
+            True,
+        )
+        r.submit([(2, f, 0, 8192, dest.ctypes.data + 16384, good, (at + 8, 7))])
+        assert r.cancel([2]) == [2]
+        r.resume()
+        done = {t: err for t, err, _ in r.wait([0, 1], None)}
+    assert done[0] == 0 and done[1] != 0
+    assert words.tolist() == [5, -1, -1]
+
+
 def test_a_request_with_a_bad_ready_word_is_refused(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(4096))
@@ -123,6 +150,29 @@ def test_a_gate_table_without_a_device_has_no_device_address():
         g.row_address(1)
 
 
+def test_closing_a_mapped_table_opens_every_gate_and_waits_for_the_device(monkeypatch):
+    """A gate still polling as its table closes (a token abandoned mid-way: a read error,
+    or close() from another thread) gives up at once instead of reading an unmapped page,
+    which would fault the device's context for good: every word not landed reads CLOSED,
+    and the device is waited for before the mapping goes."""
+    from strata_mlx.stream import gate as gate_module
+    from strata_mlx.stream import reader
+
+    seen = []
+    monkeypatch.setattr(reader, "map_host", lambda address, nbytes: address)
+    monkeypatch.setattr(mx, "synchronize", lambda *a: seen.append(("synchronize", None)))
+    monkeypatch.setattr(reader, "unmap_host", lambda a: seen.append(("unmap", g.table.copy())))
+    g = GateTable(TableShape(layers=[1, 3]), device=True)
+    g.table[1, 2] = 7  # landed
+    g.close()
+    assert [what for what, _ in seen] == ["synchronize", "unmap"]
+    want = np.full((2, 8), gate_module.CLOSED, dtype=np.int32)
+    want[1, 2] = 7
+    assert np.array_equal(seen[1][1], want) and g.device_address is None
+    g.close()  # once only
+    assert len(seen) == 2
+
+
 def cuda_ready() -> bool:
     return hasattr(mx, "cuda") and mx.cuda.is_available()
 
@@ -166,6 +216,22 @@ def test_the_gate_kernel_gives_up_past_its_timeout():
     slots, late = gate(mx.array([5], dtype=mx.uint32), row_at, timeout=50)
     mx.eval(slots, late)
     assert late.item() == 1 and time.perf_counter() - t0 >= 0.045
+    g.close()
+
+
+@pytest.mark.gpu
+def test_the_gate_kernel_gives_up_at_once_on_a_closed_word():
+    from custom_kernels.gate import gate
+    from strata_mlx.stream.gate import CLOSED
+
+    assert cuda_ready()
+    g = GateTable(TableShape(), device=True)
+    row_at = mx.array([g.row_address(0)], dtype=mx.uint64)
+    g.table[0, 1], g.table[0, 5] = 4, CLOSED
+    t0 = time.perf_counter()
+    slots, late = gate(mx.array([1, 5], dtype=mx.uint32), row_at, timeout=5000)
+    mx.eval(slots, late)
+    assert late.item() == 1 and slots.tolist() == [4, 0] and time.perf_counter() - t0 < 1
     g.close()
 
 
@@ -236,3 +302,84 @@ def test_the_gate_kernel_type_checks_as_cxx(tmp_path):
         text=True,
     )
     assert r.returncode == 0, r.stderr
+
+
+def late_at(monkeypatch, layer: int, times: int = 1) -> list[int]:
+    """The host's gate, with the gate of `layer` reported as given up (its flag set) the
+    first `times` times it is built, as a device gate past its timeout reports it; the
+    layers it was set for."""
+    from strata_mlx.runtime.deferred import DeferredHandshake
+
+    run_gated, flagged = DeferredHandshake.run_gated, []
+
+    def flagging(self, l, x, inds):
+        y = run_gated(self, l, x, inds)
+        if l == layer and len(flagged) < times:
+            self.records[-1].gated.late = mx.array([1], dtype=mx.int32)
+            flagged.append(l)
+        return y
+
+    monkeypatch.setattr(DeferredHandshake, "run_gated", flagging)
+    return flagged
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_a_gate_given_up_under_a_token_built_ahead_recomputes_exactly(store, family, monkeypatch):
+    """A gated token whose gate gave up is recomputed from that layer; the token built on
+    it meanwhile ("token" mode, chosen as the gated one ended) is rolled back whole, the
+    layers before the late one too."""
+    path = store(family)
+    ids = prompt_ids(24, seed=5)
+    gb = arena_gb(path, 0.25)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
+    ref = decode(sync, ids, 6)
+    model, _ = strata_mlx.load(path, arena_gb=gb, decode_gate=True)
+    last = max(model.expert_cache.layers)
+    flagged = late_at(monkeypatch, last)
+    modes = iter(["gated"])  # the first token gated, every one after it "token" mode
+    monkeypatch.setattr(model.decoder, "mode", lambda: next(modes, "token"))
+    got = decode(model, ids, 6)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    assert flagged == [last] and model.expert_cache.stats.gate_timeouts == 1
+    for m in (model, sync):
+        m.expert_cache.close()
+
+
+def test_every_gate_given_up_is_counted_and_the_token_recomputed_from_the_first(store, monkeypatch):
+    path = store("qwen3_next")
+    ids = prompt_ids(24, seed=5)
+    gb = arena_gb(path, 0.25)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
+    ref = decode(sync, ids, 4)
+    model, _ = strata_mlx.load(path, arena_gb=gb, decode_gate=True, decode_token_below=0.0)
+    first, *_, last = model.expert_cache.layers
+    late_at(monkeypatch, first)
+    late_at(monkeypatch, last)
+    got = decode(model, ids, 4)
+    s = model.expert_cache.stats
+    assert s.gate_timeouts == 2 and s.recomputed_layers == last - first + 1
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    for m in (model, sync):
+        m.expert_cache.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("fraction", [0.25, 0.15])
+def test_gated_and_token_mode_tokens_in_turn_equal_sync(store, family, fraction, monkeypatch):
+    """Gated tokens with whole tokens ("token" mode: each built on the last before it is
+    verified, a miss recomputing it) between them: a token built ahead of a gated one, and
+    a gated one after a recomputed one, equal the per-layer handshake."""
+    path = store(family)
+    ids = prompt_ids(24, seed=9)
+    gb = arena_gb(path, fraction)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
+    ref = decode(sync, ids, 12)
+    model, _ = strata_mlx.load(path, arena_gb=gb, decode_gate=True)
+    calls = iter(range(1 << 20))
+    monkeypatch.setattr(model.decoder, "mode", lambda: ("gated", "token")[next(calls) // 2 % 2])
+    got = decode(model, ids, 12)
+    s = model.expert_cache.stats
+    assert s.gated_mode_tokens > 0 and s.token_mode_tokens > 0 and s.recomputed_layers > 0
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    for m in (model, sync):
+        m.expert_cache.close()
