@@ -448,7 +448,13 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
         "topped_up_per_chunk": p.topped_up / n,
         "decode_loop_ms_per_token": d.loop_s / per_tok * 1e3,
         "decode_loop_cpu_ms_per_token": d.loop_cpu_s / per_tok * 1e3,
+        # tokens begun in each decoder mode; gated decode's gates that gave up (recomputed)
+        "decode_modes": {m: getattr(d, f"{m}_mode_tokens") for m in DECODE_MODES},
+        "decode_gate_timeouts": d.gate_timeouts,
     }
+
+
+DECODE_MODES = ("token", "layers", "sync", "gated")
 
 
 def _line(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> str:
@@ -462,8 +468,17 @@ def _line(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> str:
         f"x{s['path_floor_ratio']:.2f} of the data path's (read {s['read_floor_ms']:.0f} ms) | "
         f"decode {s['decode_tps']:.2f} tok/s (wait {s['decode_wait_ms_per_token']:.1f}, sync {s['decode_sync_ms_per_token']:.1f}, "
         f"host {s['decode_host_ms_per_token']:.1f} ms/tok; miss {s['decode_miss_pct']:.1f}%), "
-        f"x{s['decode_floor_ratio']:.2f} of its floor ({s['decode_floor_ms']:.1f} ms)"
+        f"x{s['decode_floor_ratio']:.2f} of its floor ({s['decode_floor_ms']:.1f} ms)" + _modes(s)
     )
+
+
+def _modes(s: dict) -> str:
+    """Decode's modes where any token was gated: gated decode's figures to read beside."""
+    m = s["decode_modes"]
+    if not m["gated"]:
+        return ""
+    seen = ", ".join(f"{k} {v}" for k, v in m.items() if v)
+    return f" [modes: {seen}; gates given up {s['decode_gate_timeouts']}]"
 
 
 def _reads(s: dict) -> str:
