@@ -214,8 +214,8 @@ class RuntimeConfig:
     )  # fmt: skip
     decode_layers_chunk: int = field(
         default=1,
-        metadata=opt("pipelined layers mode: layers submitted to the device at once.",
-                     (1, 1 << 10)),
+        metadata=opt("pipelined layers and gated modes: layers submitted to the device at "
+                     "once.", (1, 1 << 10), variant="lc"),
     )  # fmt: skip
     # Gated decode: with misses, a token's layers are queued ahead of their routing checks and
     # each layer's experts wait on the device for their reads (strata_mlx.stream.gate), where
