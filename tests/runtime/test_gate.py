@@ -43,15 +43,20 @@ def aligned(n: int) -> np.ndarray:
     return raw[start : start + n]
 
 
-@pytest.mark.parametrize("split", [0, 4096])
-def test_a_read_stores_its_ready_word_only_once_landed(tmp_path, split):
-    data = np.random.default_rng(0).integers(0, 256, 3 * 8192, dtype=np.uint8)
+def file_words_dest(tmp_path, records: int, words: int, seed: int):
+    """A file of `records` random 8 KB records, `words` ready words (-1), and room for 3
+    records to land in."""
+    data = np.random.default_rng(seed).integers(0, 256, records * 8192, dtype=np.uint8)
     path = tmp_path / "f.bin"
     path.write_bytes(data.tobytes())
-    words = np.full(4, -1, dtype=np.int32)
-    dest = aligned(3 * 8192)
+    return data, str(path), np.full(words, -1, dtype=np.int32), aligned(3 * 8192)
+
+
+@pytest.mark.parametrize("split", [0, 4096])
+def test_a_read_stores_its_ready_word_only_once_landed(tmp_path, split):
+    data, path, words, dest = file_words_dest(tmp_path, 3, 4, seed=0)
     with Reader(2, split=split) as r:
-        f = r.open(str(path), direct=False)
+        f = r.open(path, direct=False)
         at = words.ctypes.data
         reqs = [(i, f, i * 8192, 8192, dest.ctypes.data + i * 8192, None, (at + 4 * i, 10 + i))
                 for i in range(3)]  # fmt: skip
@@ -68,14 +73,10 @@ def test_a_read_stores_its_ready_word_only_once_landed(tmp_path, split):
 def test_a_corrupt_or_cancelled_read_stores_no_ready_word(tmp_path, split):
     from strata_mlx.format.checksums import checksum
 
-    data = np.random.default_rng(1).integers(0, 256, 2 * 8192, dtype=np.uint8)
-    path = tmp_path / "f.bin"
-    path.write_bytes(data.tobytes())
-    words = np.full(3, -1, dtype=np.int32)
-    dest = aligned(3 * 8192)
+    data, path, words, dest = file_words_dest(tmp_path, 2, 3, seed=1)
     at, good = words.ctypes.data, checksum("crc32c", data[:8192])
     with Reader(2, split=split, start_paused=True) as r:
-        f = r.open(str(path), direct=False, checksum="crc32c")
+        f = r.open(path, direct=False, checksum="crc32c")
         r.submit(
             [
                 (0, f, 0, 8192, dest.ctypes.data, good, (at, 5)),
@@ -121,17 +122,23 @@ def test_the_gate_table_matches_residency_after_a_decode(store):
     ec.close()
 
 
-def test_gated_decode_recomputes_nothing_and_counts_every_lookup(store):
-    path = store("qwen3_next")
-    ids = prompt_ids(24, seed=21)
-    gb = arena_gb(path, 0.25)
+def gated_and_sync(path, fraction: float, ids, n: int):
+    """(gated model, per-layer handshake model), each having decoded `n` tokens after `ids`
+    with lookahead in an arena of `fraction` of the experts: their tokens and log-probabilities
+    asserted equal."""
+    gb = arena_gb(path, fraction)
     sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead="lookahead")
-    ref = decode(sync, ids, 10)
+    ref = decode(sync, ids, n)
     model, _ = strata_mlx.load(
         path, arena_gb=gb, read_ahead="lookahead", decode_gate=True, decode_token_below=0.0
     )
-    got = decode(model, ids, 10)
+    got = decode(model, ids, n)
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    return model, sync
+
+
+def test_gated_decode_recomputes_nothing_and_counts_every_lookup(store):
+    model, sync = gated_and_sync(store("qwen3_next"), 0.25, prompt_ids(24, seed=21), 10)
     s, r = model.expert_cache.stats, sync.expert_cache.stats
     assert s.recomputed_layers == 0 and s.gate_timeouts == 0
     assert s.gated_mode_tokens == 10 and s.lookups == r.lookups
@@ -177,15 +184,22 @@ def cuda_ready() -> bool:
     return hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
-@pytest.mark.gpu
-def test_the_gate_kernel_waits_for_a_word_a_host_thread_stores():
+def run_gate(g: GateTable, ids: list[int], timeout: int | None = None):
+    """The gate kernel over `ids` of `g`'s first row: (slots, late, seconds to evaluate)."""
     from custom_kernels.gate import gate
 
+    row_at = mx.array([g.row_address(0)], dtype=mx.uint64)
+    t0 = time.perf_counter()
+    slots, late = gate(mx.array(ids, dtype=mx.uint32), row_at, timeout)
+    mx.eval(slots, late)
+    return slots.tolist(), late.item(), time.perf_counter() - t0
+
+
+@pytest.mark.gpu
+def test_the_gate_kernel_waits_for_a_word_a_host_thread_stores():
     assert cuda_ready()
     g = GateTable(TableShape(), device=True)
-    row_at = mx.array([g.row_address(0)], dtype=mx.uint64)
     g.table[0, 1] = 4  # resident already
-    ids = mx.array([1, 6, 2], dtype=mx.uint32)
 
     def land():
         time.sleep(0.05)
@@ -194,44 +208,31 @@ def test_the_gate_kernel_waits_for_a_word_a_host_thread_stores():
         g.table[0, 2] = 3
 
     t = threading.Thread(target=land)
-    t0 = time.perf_counter()
     t.start()
-    slots, late = gate(ids, row_at)
-    mx.eval(slots, late)
-    waited = time.perf_counter() - t0
+    slots, late, waited = run_gate(g, [1, 6, 2])
     t.join()
-    assert slots.tolist() == [4, 9, 3] and late.item() == 0
-    assert waited >= 0.09
+    assert slots == [4, 9, 3] and late == 0 and waited >= 0.09
     g.close()
 
 
 @pytest.mark.gpu
 def test_the_gate_kernel_gives_up_past_its_timeout():
-    from custom_kernels.gate import gate
-
     assert cuda_ready()
     g = GateTable(TableShape(), device=True)
-    row_at = mx.array([g.row_address(0)], dtype=mx.uint64)
-    t0 = time.perf_counter()
-    slots, late = gate(mx.array([5], dtype=mx.uint32), row_at, timeout=50)
-    mx.eval(slots, late)
-    assert late.item() == 1 and time.perf_counter() - t0 >= 0.045
+    slots, late, waited = run_gate(g, [5], timeout=50)
+    assert late == 1 and waited >= 0.045
     g.close()
 
 
 @pytest.mark.gpu
 def test_the_gate_kernel_gives_up_at_once_on_a_closed_word():
-    from custom_kernels.gate import gate
     from strata_mlx.stream.gate import CLOSED
 
     assert cuda_ready()
     g = GateTable(TableShape(), device=True)
-    row_at = mx.array([g.row_address(0)], dtype=mx.uint64)
     g.table[0, 1], g.table[0, 5] = 4, CLOSED
-    t0 = time.perf_counter()
-    slots, late = gate(mx.array([1, 5], dtype=mx.uint32), row_at, timeout=5000)
-    mx.eval(slots, late)
-    assert late.item() == 1 and slots.tolist() == [4, 0] and time.perf_counter() - t0 < 1
+    slots, late, waited = run_gate(g, [1, 5], timeout=5000)
+    assert late == 1 and slots == [4, 0] and waited < 1
     g.close()
 
 
@@ -239,17 +240,8 @@ def test_the_gate_kernel_gives_up_at_once_on_a_closed_word():
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
 def test_gated_decode_through_the_device_gate_equals_sync(store, family):
     assert cuda_ready() and os.environ.get("STRATA_MLX_GATE", "device") == "device"
-    path = store(family)
-    ids = prompt_ids(24, seed=7)
-    gb = arena_gb(path, 0.1)
-    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead="lookahead")
-    ref = decode(sync, ids, 12)
-    model, _ = strata_mlx.load(
-        path, arena_gb=gb, read_ahead="lookahead", decode_gate=True, decode_token_below=0.0
-    )
+    model, sync = gated_and_sync(store(family), 0.1, prompt_ids(24, seed=7), 12)
     assert model.expert_cache.pipelined.device_gate
-    got = decode(model, ids, 12)
-    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
     s = model.expert_cache.stats
     assert s.gate_timeouts == 0 and s.misses > 0 and s.gated_mode_tokens == 12
     for m in (model, sync):
