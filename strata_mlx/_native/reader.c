@@ -1416,13 +1416,18 @@ static PyObject *mod_map_host(PyObject *m, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "map_host: a NULL or unaligned address, or an empty range");
         return NULL;
     }
-    int rc;
+    int rc, init;
     Py_BEGIN_ALLOW_THREADS
-    rc = devcopy_init(0);
+    init = rc = devcopy_init(0);
     if (rc == 0) rc = devcopy_map_host((void *)(uintptr_t)addr, (size_t)len, &device);
     Py_END_ALLOW_THREADS
+    if (init) {
+        PyErr_Format(PyExc_RuntimeError, "map_host: %s", devcopy_error());
+        return NULL;
+    }
     if (rc) {
-        PyErr_Format(PyExc_RuntimeError, "map_host: CUDA error %d %s", rc, devcopy_error());
+        PyErr_Format(PyExc_RuntimeError, "map_host: registering %zd bytes for the device "
+                     "failed (CUresult %d)", len, rc);
         return NULL;
     }
     return PyLong_FromUnsignedLongLong(device);

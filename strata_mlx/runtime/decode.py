@@ -90,7 +90,7 @@ def choose_mode(
     for the next token, from the running share of decode layers that missed and whether
     decode lookahead predicts (see the module docstring)."""
     token = layer_miss_rate < token_below and (token_while_predicting or not predicting)
-    if gated:
+    if gated and sync_above >= 0:  # (a negative sync_above forces "sync": thresholds())
         return "token" if token else "gated"
     if layer_miss_rate > sync_above:
         return "sync"

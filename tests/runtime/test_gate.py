@@ -375,3 +375,14 @@ def test_gated_and_token_mode_tokens_in_turn_equal_sync(store, family, fraction,
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
     for m in (model, sync):
         m.expert_cache.close()
+
+
+def test_a_negative_sync_threshold_forces_sync_on_a_gated_cache():
+    """PipelinedDecoder.thresholds(-1, 0), which times the per-layer handshake alone (plan),
+    gets "sync" whether or not the cache keeps a gate table."""
+    from strata_mlx.runtime.decode import choose_mode
+
+    for gated in (False, True):
+        assert choose_mode(0.5, True, -1.0, 0.0, gated=gated) == "sync"
+    assert choose_mode(0.5, True, 0.3, 0.02, gated=True) == "gated"
+    assert choose_mode(0.0, False, 0.3, 0.02, gated=True) == "token"
