@@ -41,6 +41,7 @@ static struct {
     CUresult (*prefetch)(CUdeviceptr, size_t, CUdevice, CUstream);
     CUresult (*error_string)(CUresult, const char **);
     CUresult (*host_get_device_pointer)(CUdeviceptr *, void *, unsigned);
+    CUresult (*launch_host_func)(CUstream, void (*)(void *), void *);
 } cu;
 
 static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -89,6 +90,7 @@ int devcopy_init(int ordinal) {
     *(void **)&cu.prefetch = sym(lib, "cuMemPrefetchAsync");
     *(void **)&cu.error_string = sym(lib, "cuGetErrorString");
     *(void **)&cu.host_get_device_pointer = sym(lib, "cuMemHostGetDevicePointer_v2");
+    *(void **)&cu.launch_host_func = sym(lib, "cuLaunchHostFunc");
     if (!cu.init || !cu.device_get || !cu.primary_ctx_retain || !cu.ctx_set_current ||
         !cu.stream_create || !cu.stream_destroy || !cu.stream_synchronize ||
         !cu.host_register || !cu.host_unregister || !cu.memcpy_htod_async) {
@@ -190,4 +192,9 @@ int devcopy_unmap_host(void *addr) {
     if (init_rc != 0) return -1;
     CUresult e = cu.ctx_set_current(ctx);
     return e ? e : cu.host_unregister(addr);
+}
+
+int devcopy_then(DevCopyThread *t, void (*fn)(void *), void *arg) {
+    if (!cu.launch_host_func) return -1;
+    return cu.launch_host_func(t->stream, fn, arg);
 }

@@ -30,6 +30,11 @@ int devcopy_copy(DevCopyThread *t, void *dst, const void *src, size_t len);
 int devcopy_start(DevCopyThread *t, void *dst, const void *src, size_t len);
 int devcopy_wait(DevCopyThread *t);
 
+/* Queue fn(arg) on the thread's stream: the driver calls it on a thread of its own once the
+ * copies queued before it are done (fn must not call CUDA). 0, -1 where the driver lacks
+ * cuLaunchHostFunc, or a CUresult; fn is not called unless 0. */
+int devcopy_then(DevCopyThread *t, void (*fn)(void *), void *arg);
+
 /* Ask the driver to keep [addr, addr + len) (managed memory) on the device and move it there
  * now: 0 or a CUresult. */
 int devcopy_prefer_device(void *addr, size_t len, int ordinal);

@@ -331,6 +331,32 @@ static void mark_ready(int32_t *ready, int32_t value, int err) {
     if (ready && !err) __atomic_store_n(ready, value, __ATOMIC_RELEASE);
 }
 
+/* A ready word stored by the CUDA driver's thread once a queued copy is done (devcopy_then):
+ * a gate waiting on a read-ahead record sees it land then, not when its worker next waits. */
+typedef struct {
+    int32_t *ready;
+    int32_t value;
+} ReadyLater;
+
+/* (A queued copy that fails asynchronously leaves the CUDA context unusable: no kernel after
+ * it reads the record.) */
+static void ready_later(void *p) {
+    ReadyLater *l = p;
+    __atomic_store_n(l->ready, l->value, __ATOMIC_RELEASE);
+    free(l);
+}
+
+/* Queue the store of rq's ready word behind its device copy: 1 if queued (else the worker
+ * stores it when it waits for the copy). */
+static int mark_ready_later(DevCopyThread *dc, const Request *rq) {
+    ReadyLater *l = rq->ready ? malloc(sizeof *l) : NULL;
+    if (!l) return 0;
+    *l = (ReadyLater){rq->ready, rq->ready_value};
+    if (devcopy_then(dc, ready_later, l) == 0) return 1;
+    free(l);
+    return 0;
+}
+
 /* copy_behind: a read whose device copy was queued and not waited for yet. */
 typedef struct {
     int active, err, checked;
@@ -455,8 +481,12 @@ static void *worker_main(void *p) {
                      * thread sleeps); an urgent read is waited for at once */
                     if (devcopy_start(dc, rq.dest, into.dest, (size_t)nread))
                         err = DEVICE_COPY_FAILED;
-                    else
+                    else {
                         queued = 1;
+                        /* a verified, whole record: its word can go out with the copy */
+                        if (!err && nread == rq.length && mark_ready_later(dc, &rq))
+                            rq.ready = NULL;
+                    }
                 } else if (devcopy_copy(dc, rq.dest, into.dest, (size_t)nread))
                     err = DEVICE_COPY_FAILED;
                 copy_ns = now_ns() - c0;
