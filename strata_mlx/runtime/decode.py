@@ -143,6 +143,10 @@ class Decoder:
     def finish(self, step, later=None) -> bool:
         return True
 
+    def builds_on(self, step) -> bool:
+        """Whether a token may be built on `step` before it is verified."""
+        return True
+
     def discard(self, step) -> None:
         pass
 
@@ -175,7 +179,7 @@ class Decoder:
                     # the device computes it ("token" mode; mlx-lm's generate_step overlaps
                     # alike).
                     later = None
-                    ahead = n + 1 < max_tokens and may_build_ahead()
+                    ahead = n + 1 < max_tokens and may_build_ahead() and self.builds_on(step)
                     if ahead and self.mode() == "token":
                         later = self.start(token[None], cache)
                     if not self.finish(step, later):
@@ -338,6 +342,12 @@ class PipelinedDecoder(Decoder):
             step.pending, step.late = [], []
             self._build(step, j + 1, h)
             exact = False
+
+    def builds_on(self, step: Step) -> bool:
+        """Not on a gated token: its last checks may give a miss the slot of any layer not
+        computing yet, which a token built on top (its slots looked up when built, in "token"
+        mode) would read without its check seeing it."""
+        return step.mode != "gated"
 
     def _late(self, step: Step) -> int | None:
         """The first layer of `step` whose device gate gave up, or None (one read a token)."""

@@ -369,10 +369,20 @@ def test_gated_and_token_mode_tokens_in_turn_equal_sync(store, family, fraction,
     model, _ = strata_mlx.load(path, arena_gb=gb, decode_gate=True)
     calls = iter(range(1 << 20))
     monkeypatch.setattr(model.decoder, "mode", lambda: ("gated", "token")[next(calls) // 2 % 2])
+    finished, finish = [], model.decoder.finish
+    monkeypatch.setattr(
+        model.decoder,
+        "finish",
+        lambda step, later=None: finished.append((step.mode, later)) or finish(step, later),
+    )
     got = decode(model, ids, 12)
     s = model.expert_cache.stats
     assert s.gated_mode_tokens > 0 and s.token_mode_tokens > 0 and s.recomputed_layers > 0
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    # Never a token built on a gated one: its last checks may give a miss a slot that a token
+    # built on top would read (PipelinedDecoder.builds_on); on top of a token-mode one, yes.
+    assert all(later is None for mode, later in finished if mode == "gated")
+    assert any(later is not None for mode, later in finished if mode == "token")
     for m in (model, sync):
         m.expert_cache.close()
 
