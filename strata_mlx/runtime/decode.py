@@ -42,7 +42,9 @@ A token runs in one of three ways, chosen from the running share of decode layer
     end reads: that layer is recomputed by the per-layer handshake (a token built on this
     one meanwhile is discarded, as after a miss). Where the device cannot wait (no CUDA),
     the host's gate runs each layer's check before its experts are queued and waits for its
-    reads, as "sync" does.
+    reads, as "sync" does. No token is built on a gated one before it is verified: its last
+    checks may give a miss the slot of a layer not computing yet, which a token built on top
+    ("token" mode: slots looked up when built) would read unchecked.
 
 Outputs are bit-identical to the sync path in every mode (tests/test_decode.py).
 
