@@ -39,7 +39,10 @@
 typedef uint32_t Shift[4][256]; /* multiply a CRC register by x^(8n) mod P, a byte at a time */
 
 static uint32_t slice[2][8][256]; /* [kind - 1]: slicing-by-8 tables */
-static uint32_t x2n[2][32];       /* [kind - 1]: x^(2^n) mod P, for checksum_combine */
+/* [kind - 1]: x^(2^n) mod P for checksum_combine, n from 0 to 3 + 63 (a length of up to 64 bits,
+ * in bytes of 2^3 bits). Not read modulo 32 as zlib's: x^(2^32) = x mod crc32's P, but
+ * x^(2^31) = x mod crc32c's, so from 2^29 bytes on that table gave crc32c a wrong power. */
+static uint32_t x2n[2][67];
 static Shift shift_long[2], shift_short[2];
 static uint32_t (*impl[3])(uint32_t, const unsigned char *, size_t);
 static const char *impl_name[3];
@@ -214,7 +217,7 @@ void checksum_init(void) {
         build_shift(shift_short[k], SHORT_STREAM, t[0], polys[k]);
         uint32_t p = (uint32_t)1 << 30; /* x^1 (bit 31 is x^0) */
         x2n[k][0] = p;
-        for (int n = 1; n < 32; n++) x2n[k][n] = p = multmodp(p, p, polys[k]);
+        for (int n = 1; n < 67; n++) x2n[k][n] = p = multmodp(p, p, polys[k]);
     }
     impl[CHECKSUM_CRC32] = crc32_table;
     impl_name[CHECKSUM_CRC32] = "table";
@@ -259,6 +262,6 @@ uint32_t checksum_combine(int kind, uint32_t crc1, uint32_t crc2, uint64_t len2)
     uint32_t p = (uint32_t)1 << 31; /* x^0 */
     unsigned k = 3;                  /* 8 len2 = len2 * 2^3 */
     for (; len2; len2 >>= 1, k++)
-        if (len2 & 1) p = multmodp(x2n[kind - 1][k & 31], p, poly);
+        if (len2 & 1) p = multmodp(x2n[kind - 1][k], p, poly);
     return multmodp(p, crc1, poly) ^ crc2;
 }

@@ -710,6 +710,20 @@ def test_a_checksum_combines_from_its_parts(name):
         assert got == checksum(name, a + b), (la, lb)
 
 
+@pytest.mark.parametrize("name", ["crc32", "crc32c"])
+def test_a_checksum_combines_across_parts_of_512_mib_and_more(name):
+    """combine(c, 0, n) multiplies c by x^(8n) mod P, so n bytes at once must equal n in
+    steps of 256 MiB. x^(2^n) mod P repeats every 32 squarings for crc32 but every 31 for
+    crc32c: a table read modulo 32 was wrong for crc32c from 2^29 bytes on."""
+    step = 1 << 28
+    for n in (1 << 29, 3 << 28, 1 << 33):
+        crc = whole = 0x1234_5678
+        for _ in range(n // step):
+            crc = _reader.checksum_combine(name, crc, 0, step)
+        whole = _reader.checksum_combine(name, whole, 0, n)
+        assert whole == crc, (name, n)
+
+
 @pytest.mark.parametrize("bounce", [False, True])
 def test_a_split_record_of_uneven_parts_is_verified_from_them(data_file, bounce):
     path, payload = data_file
