@@ -235,7 +235,10 @@ class DeferredHandshake:
         sched, pr = self.sched, self.predictor
         if inds.size != inds.shape[-1]:
             raise ValueError("gated decode runs one token at a time")
-        targets = pr.targets(layer, True) if self.lookahead and self.predicts_in_decode() else []
+        decoding = self.owner().decoding  # (the prompt's last token is prefill's)
+        targets = (
+            pr.targets(layer, decoding) if self.lookahead and self.predicts_in_decode() else []
+        )
         preds = [pr.routers[target](x) for target in targets]
         g = Gated(targets, preds, joint_ids(inds, preds))
         d = Deferred(layer, inds, None, gated=g)
