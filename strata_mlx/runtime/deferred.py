@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from custom_kernels.gate import gate
+
 from ..stream.prediction import Predictor
 from ..stream.scheduler import Scheduler
 from ..stream.stats import RoutingTrace
@@ -140,8 +142,8 @@ class DeferredHandshake:
         all_fit: bool,
         owner: Callable | None = None,
     ):
-        """`owner()`: the ExpertCache (a weak reference), whose per-layer handshake's
-        prediction (`predict`) gated layers make as it does, and whose `trace` they record
+        """`owner()`: the ExpertCache (a weak reference), whose per-layer handshake's claim and
+        prediction (`claim`, `predict`) gated layers make as it does, and whose `trace` they record
         into. Gated layers wait on the device (custom_kernels/gate.py) where the scheduler's
         gate table is mapped for it, else on the host (the host's gate)."""
         self.sched = sched
@@ -245,8 +247,6 @@ class DeferredHandshake:
         with sched.lock:
             sched.busy_layers.add(layer)
         if self.device_gate:
-            from custom_kernels.gate import gate
-
             mx.async_eval(*d.outputs())  # alone: the device reaches them before the gate
             slots, g.late = gate(inds.reshape(-1), self._row_address(layer))
         else:
@@ -287,7 +287,7 @@ class DeferredHandshake:
         gates of the layers built after it have not read the table yet and will see the
         victim gone. Read-ahead keeps off every layer built and not finished (it does not
         stop the device)."""
-        st, sched, pr, g = self.sched.stats, self.sched, self.predictor, d.gated
+        st, sched, g = self.sched.stats, self.sched, d.gated
         g.checked = True
         t0 = time.perf_counter()
         mx.eval(*d.outputs())  # the routing and the predictions (a wait, then reads in place)
@@ -307,10 +307,9 @@ class DeferredHandshake:
         st.lookups += len(needed)
         sched.collect(block=False)
         sched.drop_unneeded(layer, needed)
-        before = st.misses
-        tags = sched.claim(layer, needed)
-        pr.observe_decode_layer((st.misses - before) / len(needed))
-        self.owner().predict(g.targets, g.preds, self._next.get(layer), layer, needed, pred_ids)
+        owner = self.owner()
+        tags = owner.claim(layer, needed)
+        owner.predict(g.targets, g.preds, self._next.get(layer), layer, needed, pred_ids)
         st.host_s += time.perf_counter() - t1
         return tags
 

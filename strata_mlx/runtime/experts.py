@@ -353,10 +353,7 @@ class ExpertCache:
             st.host_s += time.perf_counter() - t1
             return self.compute.groups(layer, x, inds, host_ids(inds), needed)
 
-        misses_before = st.misses
-        waits = sched.claim(layer, needed)
-        if self.decoding and observed != layer:
-            pr.observe_decode_layer((st.misses - misses_before) / len(needed))
+        waits = self.claim(layer, needed, observe=observed != layer)
         late = bool(targets) and self.read_ahead.after_experts
         if not late:
             self.predict(targets, preds, nxt, layer, needed, pred_ids)
@@ -378,6 +375,17 @@ class ExpertCache:
                 sched.read_ahead(*after)
         st.host_s += (t2 - t1) + (time.perf_counter() - t3)
         return y
+
+    def claim(self, layer: int, needed: list[int], observe: bool = True) -> list[int]:
+        """`layer`'s `needed` experts claimed (Scheduler.claim: hits counted, misses
+        submitted, all pinned); in decode, with `observe`, the share that missed feeds the
+        mode rule. The tags their computation waits for."""
+        st = self.stats
+        before = st.misses
+        waits = self.sched.claim(layer, needed)
+        if self.decoding and observe:
+            self.predictor.observe_decode_layer((st.misses - before) / len(needed))
+        return waits
 
     def predict(
         self, targets: list[int], preds: list[mx.array], nxt: int | None, layer, needed, pred_ids
