@@ -8,7 +8,8 @@ poll reaches the host's memory, never a cached copy), so a store by a reader thr
 within a poll. A pair still waiting after `timeout_us` gives up: it writes slot 0 and sets
 `late`, which the decoder reads once a token and answers by recomputing the layer through the
 per-layer handshake (its output is then never used): a bug or a stuck read costs time, never
-a wrong token. A word the table's close() marked (-2: no read will come) gives up at once.
+a wrong token. A word marked as no read coming (-2: the table closed; -3: its read failed,
+or its token was abandoned) gives up at once.
 
 CUDA only (MLX's cuda_kernel; `%globaltimer` for the timeout, `__nanosleep` between polls:
 sm_70 and later). Metal has no such kernel yet: there the gate is the host's (the check runs
@@ -50,7 +51,7 @@ BODY = r"""
       } while ((s = row[e]) == -1 &&
                sk_now_ns() - t0 <= (unsigned long long)TIMEOUT_US * 1000ull);
     }
-    if (s < 0) {  // still -1 past the timeout, or the table closed (-2): give up
+    if (s < 0) {  // still -1 past the timeout, closed (-2) or failed (-3): give up
       late[0] = 1;
       s = 0;
     }

@@ -43,6 +43,7 @@
 #define SHORT_READ (-1)
 #define CHECKSUM_MISMATCH (-2)
 #define DEVICE_COPY_FAILED (-3)
+#define READY_FAILED (-3) /* a ready word's value once its read failed (strata_mlx.stream.gate) */
 #define MAX_CHUNK ((size_t)1 << 30)      /* one pread at most 1 GiB (Linux and macOS limits) */
 #define WAIT_SLICE_NS 100000000ULL       /* wait() re-takes the GIL this often to see Ctrl-C */
 
@@ -79,7 +80,10 @@ typedef struct {
     /* Where the record's landing is announced to a device that waits for it (the decode
      * gate, strata_mlx.stream.gate): `ready_value` is stored there, with release order, once
      * the whole record sits verified in `dest` (a device copy completed), before the
-     * completion is reported; never on an error. NULL: no word. */
+     * completion is reported; READY_FAILED instead when the read failed (an I/O error, a
+     * short read, a checksum mismatch, a failed device copy), so that a device waiting for
+     * it gives up at once; nothing for a request cancelled before it started. NULL: no
+     * word. */
     int32_t *ready;
     int32_t ready_value;
 } Request;
@@ -326,9 +330,10 @@ static void complete(ReaderObject *r, int w, long long tag, int err, long long n
     announce(r, 1);
 }
 
-/* The record is in place: tell a device waiting on its ready word (Request.ready). */
-static void mark_ready(int32_t *ready, int32_t value, int err) {
-    if (ready && !err) __atomic_store_n(ready, value, __ATOMIC_RELEASE);
+/* The record is in place, or (`failed`) will not be: tell a device waiting on its ready word
+ * (Request.ready). */
+static void mark_ready(int32_t *ready, int32_t value, int failed) {
+    if (ready) __atomic_store_n(ready, failed ? READY_FAILED : value, __ATOMIC_RELEASE);
 }
 
 /* A ready word stored by the CUDA driver's thread once a queued copy is done (devcopy_then):
@@ -1538,7 +1543,8 @@ PyMODINIT_FUNC PyInit__reader(void) {
         PyModule_AddIntConstant(m, "ALIGNMENT", ALIGNMENT) < 0 ||
         PyModule_AddIntConstant(m, "SHORT_READ", SHORT_READ) < 0 ||
         PyModule_AddIntConstant(m, "CHECKSUM_MISMATCH", CHECKSUM_MISMATCH) < 0 ||
-        PyModule_AddIntConstant(m, "DEVICE_COPY_FAILED", DEVICE_COPY_FAILED) < 0) {
+        PyModule_AddIntConstant(m, "DEVICE_COPY_FAILED", DEVICE_COPY_FAILED) < 0 ||
+        PyModule_AddIntConstant(m, "READY_FAILED", READY_FAILED) < 0) {
         Py_DECREF(m);
         return NULL;
     }

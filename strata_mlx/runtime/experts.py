@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import mlx.core as mx
@@ -265,12 +265,22 @@ class ExpertCache:
     @contextmanager
     def phase(self, decoding: bool):
         """Run the block as decode steps (decode's prediction rule, miss rates, cache-aware
-        routing) or as prefill; the previous phase is restored after it."""
+        routing) or as prefill; the previous phase is restored after it. Gated decode's
+        table stays mapped inside (GateTable.in_use); an error leaving the block abandons
+        the gates a token left queued (not a generator closed at a yield: none are)."""
         before, self.decoding = self.decoding, decoding
         with self.sched.lock:  # the eviction policy is told (its optional `phase` hook)
             self.arena.set_phase(decoding)
+        gate = self.sched.residency.gate
         try:
-            yield
+            with gate.in_use() if gate is not None else nullcontext():
+                yield
+        except GeneratorExit:
+            raise
+        except BaseException:
+            if gate is not None:
+                gate.abandon()
+            raise
         finally:
             self.decoding = before
             with self.sched.lock:
@@ -309,6 +319,8 @@ class ExpertCache:
         built yet would make it wait for another token's prediction."""
         self.settle()
         self.pipelined.ahead_tags.clear()
+        if self.sched.residency.gate is not None:
+            self.sched.residency.gate.reset()  # words a token abandoned by an error left
 
     # ---- the handshake -----------------------------------------------------------------
 

@@ -6,14 +6,19 @@ host's routing checks; each layer's experts wait on the device, in the gate kern
 compute from the slots it names. A miss costs the device its read and nothing else: no
 rollback, no per-layer host round trip before the experts are queued.
 
-One int32 word per (MoE layer, expert): its slot once the record is in place, -1 otherwise
-(CLOSED, once the table is closed: a gate still waiting gives up).
+One int32 word per (MoE layer, expert): its slot once the record is in place, -1 otherwise;
+FAILED once its read failed, or the token waiting for it was abandoned; CLOSED once the table
+is closed. A gate gives up at once on either (its token is recomputed, or never used).
 Written by
   - the reader's threads, as a read completes (Request.ready in _native/reader.c: the slot
     stored with release order after the record sits verified in its slot, its device copy
-    done, before the completion is reported; never for a failed read);
+    done, before the completion is reported; FAILED for a failed read);
   - the scheduler, -1 for an expert evicted, before the read that refills its slot is handed
-    to the reader (`clear`).
+    to the reader (`clear`), and -1 for the expert a read is submitted for (`expect`);
+  - the expert cache: FAILED for every word not landed when a gated token is abandoned by an
+    error (`abandon`: the gates it left queued give up at once, rather than each waiting out
+    its timeout before the next generation's work), -1 again for them once the device is
+    idle (`reset`).
 The table lives in page-locked host memory mapped into the CUDA device's address space
 (`reader.map_host`): the device polls it in place, the host and the reader's threads store
 into it with plain stores, so no copy or page migration stands between a landing and the
@@ -25,14 +30,18 @@ Never decides residency (the arena does) and never reads the store.
 from __future__ import annotations
 
 import mmap
+import threading
+from contextlib import contextmanager
 
 import numpy as np
 
 from ..format.store import Manifest
+from .reader import READY_FAILED
 
 Key = tuple[int, int]
 PAGE = 4096
 CLOSED = -2  # a word not landed when the table closed: the gate kernel gives up on it at once
+FAILED = READY_FAILED  # its read failed, or its token was abandoned: given up on at once too
 
 
 class GateTable:
@@ -50,14 +59,21 @@ class GateTable:
         self.table.fill(-1)
         self.address = self.table.ctypes.data
         self.device_address: int | None = None
+        # Decodes running (`in_use`), and whether close() left the unmapping to the last.
+        self._lock = threading.Lock()
+        self._users = 0
+        self._closing = False
         if device:
             from .reader import map_host
 
             self.device_address = map_host(self.address, len(self._mem))
 
-    def ready(self, key: Key, slot: int) -> tuple[int, int]:
-        """A read request's ready word for `key` landing in `slot`: (address, value)."""
-        return self.address + 4 * (self.pos[key[0]] * self.num_experts + key[1]), slot
+    def expect(self, key: Key, slot: int) -> tuple[int, int]:
+        """A read of `key` into `slot` is about to be submitted: its word reads -1 until it
+        lands (an earlier failed read left FAILED); the request's ready word (address, value)."""
+        pos = self.pos[key[0]]
+        self.table[pos, key[1]] = -1
+        return self.address + 4 * (pos * self.num_experts + key[1]), slot
 
     def clear(self, key: Key) -> None:
         """`key` left its slot: the device must not take it as landed from now on."""
@@ -73,19 +89,58 @@ class GateTable:
             raise RuntimeError("the gate table is not mapped for a device")
         return self.device_address + 4 * self.pos[layer] * self.num_experts
 
+    def abandon(self) -> None:
+        """A gated token was stopped by an error: every word not landed reads FAILED, so that
+        the gates it left queued give up at once (`reset` once the device is idle)."""
+        self.table[self.table == -1] = FAILED
+
+    def reset(self) -> None:
+        """Nothing runs on the device: words left FAILED read -1 again (a later read of the
+        expert lands in them). The device is waited for first where a gate may still be
+        queued behind an abandoned token (it would otherwise wait out its timeout)."""
+        failed = self.table == FAILED
+        if failed.any():
+            if self.device_address is not None:
+                import mlx.core as mx
+
+                mx.synchronize()
+            self.table[failed] = -1
+
+    @contextmanager
+    def in_use(self):
+        """A decode runs inside (gates may be built and launched): a close() meanwhile, from
+        another thread, leaves the table mapped until the block ends."""
+        with self._lock:
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0 and self._closing:
+                    self._unmap()
+
     def close(self) -> None:
         """Unmap from the device, once nothing there can read the table. A gate still
         waiting (a token abandoned mid-way: a read error, or close() on another thread while
         a token computes; the reader's threads are stopped first) would wait out its timeout
         for a read never made, and then read an unmapped page, an error that leaves the
         device's context unusable: every word not landed is made CLOSED, which such a gate
-        gives up on at once (its late flag set), and the device is waited for."""
+        gives up on at once (its late flag set), and the device is waited for. While a decode
+        runs (`in_use`; another thread's), it may still launch gates (which then give up at
+        once): the mapping stays until it ends."""
+        self.table[self.table < 0] = CLOSED
+        with self._lock:
+            self._closing = True
+            if self._users == 0:
+                self._unmap()
+
+    def _unmap(self) -> None:
         if self.device_address is not None:
             import mlx.core as mx
 
             from .reader import unmap_host
 
-            self.table[self.table < 0] = CLOSED
             mx.synchronize()
             unmap_host(self.address)
             self.device_address = None

@@ -111,6 +111,10 @@ CHECKSUM_MISMATCH: int = _reader.CHECKSUM_MISMATCH
 DEVICE_COPY_FAILED: int = _reader.DEVICE_COPY_FAILED
 """Completion error code (-3): the copy engine could not move the record into place."""
 
+READY_FAILED: int = _reader.READY_FAILED
+"""A request's ready word once its read failed (an error, a short read, a checksum mismatch, a
+failed device copy): a device waiting for the word gives up at once."""
+
 
 Request = (
     tuple[int, int, int, int, int]
@@ -119,8 +123,9 @@ Request = (
 )
 """``(tag, file_index, offset, length, dest_address[, expected_checksum[, ready]])``; `ready`:
 ``(address, value)`` of an int32 word the worker stores ``value`` into (release order) once
-the record is in place and verified, before its completion is reported, never for a failed
-read (the decode gate's table, strata_mlx.stream.gate)."""
+the record is in place and verified, before its completion is reported; :data:`READY_FAILED`
+for a failed read; nothing for one cancelled (the decode gate's table,
+strata_mlx.stream.gate)."""
 
 Completion = tuple[int, int, int]
 """``(tag, error, bytes_read)``; error is 0, an errno, SHORT_READ or CHECKSUM_MISMATCH."""

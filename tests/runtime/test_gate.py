@@ -22,8 +22,8 @@ from conftest import prompt_ids
 import strata_mlx
 from strata_mlx.format.store import load_manifest
 from strata_mlx.generation.generate import stream_generate
-from strata_mlx.stream.gate import GateTable
-from strata_mlx.stream.reader import ALIGNMENT, Reader
+from strata_mlx.stream.gate import CLOSED, FAILED, GateTable
+from strata_mlx.stream.reader import ALIGNMENT, READY_FAILED, Reader
 
 
 def decode(model, ids, n=10):
@@ -53,24 +53,24 @@ def file_words_dest(tmp_path, records: int, words: int, seed: int):
 
 
 @pytest.mark.parametrize("split", [0, 4096])
-def test_a_read_stores_its_ready_word_only_once_landed(tmp_path, split):
+def test_a_read_stores_its_ready_word_only_once_landed_and_failed_when_short(tmp_path, split):
     data, path, words, dest = file_words_dest(tmp_path, 3, 4, seed=0)
     with Reader(2, split=split) as r:
         f = r.open(path, direct=False)
         at = words.ctypes.data
         reqs = [(i, f, i * 8192, 8192, dest.ctypes.data + i * 8192, None, (at + 4 * i, 10 + i))
                 for i in range(3)]  # fmt: skip
-        # the last one reads past the end of the file: a short read stores nothing
+        # the last one reads past the end of the file: a short read stores READY_FAILED
         reqs.append((3, f, 3 * 8192, 8192, dest.ctypes.data, None, (at + 12, 13)))
         r.submit(reqs, True)
         done = {t: err for t, err, _ in r.wait([0, 1, 2, 3], None)}
     assert done[3] != 0 and not any(done[t] for t in range(3))
-    assert words.tolist() == [10, 11, 12, -1]
+    assert words.tolist() == [10, 11, 12, READY_FAILED]
     assert np.array_equal(dest, data)
 
 
 @pytest.mark.parametrize("split", [0, 4096])
-def test_a_corrupt_or_cancelled_read_stores_no_ready_word(tmp_path, split):
+def test_a_corrupt_read_stores_failed_and_a_cancelled_one_nothing(tmp_path, split):
     from strata_mlx.format.checksums import checksum
 
     data, path, words, dest = file_words_dest(tmp_path, 2, 3, seed=1)
@@ -89,7 +89,7 @@ def test_a_corrupt_or_cancelled_read_stores_no_ready_word(tmp_path, split):
         r.resume()
         done = {t: err for t, err, _ in r.wait([0, 1], None)}
     assert done[0] == 0 and done[1] != 0
-    assert words.tolist() == [5, -1, -1]
+    assert words.tolist() == [5, READY_FAILED, -1]
 
 
 def test_a_request_with_a_bad_ready_word_is_refused(tmp_path):
@@ -150,8 +150,10 @@ def test_gated_decode_recomputes_nothing_and_counts_every_lookup(store):
 def test_a_gate_table_without_a_device_has_no_device_address():
     g = GateTable(TableShape(layers=[1, 3]))
     assert g.table.shape == (2, 8) and (g.table == -1).all()
-    address, value = g.ready((3, 2), 7)
+    g.table[1, 2] = FAILED  # an earlier read of (3, 2) failed
+    address, value = g.expect((3, 2), 7)
     assert address == g.table.ctypes.data + 4 * (8 + 2) and value == 7
+    assert g.table[1, 2] == -1  # until the new read lands
     g.clear((3, 2))
     with pytest.raises(RuntimeError, match="not mapped"):
         g.row_address(1)
@@ -162,7 +164,6 @@ def test_closing_a_mapped_table_opens_every_gate_and_waits_for_the_device(monkey
     or close() from another thread) gives up at once instead of reading an unmapped page,
     which would fault the device's context for good: every word not landed reads CLOSED,
     and the device is waited for before the mapping goes."""
-    from strata_mlx.stream import gate as gate_module
     from strata_mlx.stream import reader
 
     seen = []
@@ -173,11 +174,88 @@ def test_closing_a_mapped_table_opens_every_gate_and_waits_for_the_device(monkey
     g.table[1, 2] = 7  # landed
     g.close()
     assert [what for what, _ in seen] == ["synchronize", "unmap"]
-    want = np.full((2, 8), gate_module.CLOSED, dtype=np.int32)
+    want = np.full((2, 8), CLOSED, dtype=np.int32)
     want[1, 2] = 7
     assert np.array_equal(seen[1][1], want) and g.device_address is None
     g.close()  # once only
     assert len(seen) == 2
+
+
+def mapped_table(monkeypatch) -> tuple[GateTable, list[str]]:
+    """A table as if mapped for a device (map_host, unmap_host and mx.synchronize stood in
+    for, in the order called)."""
+    from strata_mlx.stream import reader
+
+    seen: list[str] = []
+    monkeypatch.setattr(reader, "map_host", lambda address, nbytes: address)
+    monkeypatch.setattr(mx, "synchronize", lambda *a: seen.append("synchronize"))
+    monkeypatch.setattr(reader, "unmap_host", lambda a: seen.append("unmap"))
+    return GateTable(TableShape(layers=[1, 3]), device=True), seen
+
+
+def test_a_table_closed_while_a_decode_runs_stays_mapped_until_it_ends(monkeypatch):
+    """close() on another thread while a decode may still launch gates: those gates see
+    CLOSED and give up, but they must not read an unmapped page, so the mapping outlives
+    the decode."""
+    g, seen = mapped_table(monkeypatch)
+    with g.in_use():
+        with g.in_use():  # (nested phases)
+            g.close()
+            assert seen == [] and (g.table == CLOSED).all() and g.device_address is not None
+        assert seen == []
+    assert seen == ["synchronize", "unmap"] and g.device_address is None
+
+
+def test_an_abandoned_token_fails_its_words_until_the_device_is_idle(monkeypatch):
+    g, seen = mapped_table(monkeypatch)
+    g.table[1, 2] = 7  # landed
+    g.abandon()
+    want = np.full((2, 8), FAILED, dtype=np.int32)
+    want[1, 2] = 7
+    assert np.array_equal(g.table, want)
+    g.reset()
+    assert seen == ["synchronize"]  # a gate may still be queued behind the abandoned token
+    want[want == FAILED] = -1
+    assert np.array_equal(g.table, want)
+    g.reset()  # nothing failed: no wait for the device
+    assert seen == ["synchronize"]
+
+
+def test_an_error_mid_token_abandons_its_gates_and_the_next_generation_is_exact(store, monkeypatch):
+    """A gated decode stopped by an error leaves no word to wait for: every word not landed
+    reads FAILED (queued gates give up at once); the next generation starts with them -1
+    again and decodes as the per-layer handshake does."""
+    from strata_mlx.runtime.experts import ExpertCache
+
+    path = store("qwen3_moe")
+    ids = prompt_ids(24, seed=5)
+    sync, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.25), decode="sync")
+    ref = decode(sync, ids, 6)
+    model, _ = strata_mlx.load(
+        path, arena_gb=arena_gb(path, 0.25), decode_gate=True, decode_token_below=0.0
+    )
+    ec = model.expert_cache
+    claim, calls = ExpertCache.claim, []
+
+    def failing(self, layer, needed, observe=True):
+        calls.append(layer)
+        if len(calls) == 3 * len(self.layers):  # the third token's last layer
+            raise OSError("a stand-in read error")
+        return claim(self, layer, needed, observe)
+
+    monkeypatch.setattr(ExpertCache, "claim", failing)
+    with pytest.raises(OSError, match="stand-in"):
+        decode(model, ids, 6)
+    table = ec.sched.residency.gate.table
+    assert (table == FAILED).any() and not (table == -1).any()
+    ec.idle()  # as the next generation starts
+    assert not (table == FAILED).any()
+    monkeypatch.setattr(ExpertCache, "claim", claim)
+    got = decode(model, ids, 6)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    assert ec.stats.gated_mode_tokens > 0
+    for m in (model, sync):
+        m.expert_cache.close()
 
 
 def cuda_ready() -> bool:
@@ -225,12 +303,11 @@ def test_the_gate_kernel_gives_up_past_its_timeout():
 
 
 @pytest.mark.gpu
-def test_the_gate_kernel_gives_up_at_once_on_a_closed_word():
-    from strata_mlx.stream.gate import CLOSED
-
+@pytest.mark.parametrize("word", [CLOSED, FAILED])
+def test_the_gate_kernel_gives_up_at_once_on_a_closed_or_failed_word(word):
     assert cuda_ready()
     g = GateTable(TableShape(), device=True)
-    g.table[0, 1], g.table[0, 5] = 4, CLOSED
+    g.table[0, 1], g.table[0, 5] = 4, word
     slots, late, waited = run_gate(g, [1, 5], timeout=5000)
     assert late == 1 and slots == [4, 0] and waited < 1
     g.close()
