@@ -11,8 +11,10 @@ process has a deadline and its own exit code. One test runs the CLI under mlx.la
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -47,6 +49,7 @@ def start(n: int, argv: list[str], env: dict | None = None) -> list[subprocess.P
     """Start `n` ranks of `python argv...`, joined by the ring backend on localhost the way
     mlx.launch joins them (a hostfile of 127.0.0.1 entries, MLX_RANK)."""
     d = Path(tempfile.mkdtemp(prefix="strata-ring-"))
+    atexit.register(shutil.rmtree, d, True)  # (the ranks read it as they start)
     hostfile = d / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(n)]))
     procs = []
