@@ -43,7 +43,8 @@
 #define SHORT_READ (-1)
 #define CHECKSUM_MISMATCH (-2)
 #define DEVICE_COPY_FAILED (-3)
-#define READY_FAILED (-3) /* a ready word's value once its read failed (strata_mlx.stream.gate) */
+#define READY_PENDING (-1) /* a ready word's value from its request's submission until it lands */
+#define READY_FAILED (-3)  /* ... and once its read failed (strata_mlx.stream.gate) */
 #define MAX_CHUNK ((size_t)1 << 30)      /* one pread at most 1 GiB (Linux and macOS limits) */
 #define WAIT_SLICE_NS 100000000ULL       /* wait() re-takes the GIL this often to see Ctrl-C */
 
@@ -78,12 +79,12 @@ typedef struct {
     Group *group; /* a part of a split request (its checksum is the group's), or NULL */
     char lead;    /* the group's first part: queued() counts requests, not parts */
     /* Where the record's landing is announced to a device that waits for it (the decode
-     * gate, strata_mlx.stream.gate): `ready_value` is stored there, with release order, once
-     * the whole record sits verified in `dest` (a device copy completed), before the
-     * completion is reported; READY_FAILED instead when the read failed (an I/O error, a
-     * short read, a checksum mismatch, a failed device copy), so that a device waiting for
-     * it gives up at once; nothing for a request cancelled before it started. NULL: no
-     * word. */
+     * gate, strata_mlx.stream.gate), with release order: READY_PENDING as the request is
+     * submitted; `ready_value` once the whole record sits verified in `dest` (a device copy
+     * completed), before the completion is reported; READY_FAILED instead when the read
+     * failed (an I/O error, a short read, a checksum mismatch, a failed device copy), so that
+     * a device waiting for it gives up at once; nothing more for a request cancelled before
+     * it started. NULL: no word. */
     int32_t *ready;
     int32_t ready_value;
 } Request;
@@ -953,7 +954,11 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
             }
         }
     }
-    for (Py_ssize_t i = 0; i < n; i++) reqs[i].group = NULL, reqs[i].lead = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        reqs[i].group = NULL, reqs[i].lead = 0;
+        /* pending from here on (an earlier read of the same record may have failed) */
+        if (reqs[i].ready) __atomic_store_n(reqs[i].ready, READY_PENDING, __ATOMIC_RELEASE);
+    }
     pthread_mutex_lock(&r->mu);
     Queue *q = urgent ? &r->urgent : &r->ahead;
     /* Split reads: while workers would sit idle (few requests queued or in flight, as in

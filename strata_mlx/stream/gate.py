@@ -13,8 +13,10 @@ Written by
   - the reader's threads, as a read completes (Request.ready in _native/reader.c: the slot
     stored with release order after the record sits verified in its slot, its device copy
     done, before the completion is reported; FAILED for a failed read);
+  - the reader, -1 as a read's request is submitted (an earlier read of the expert may have
+    failed);
   - the scheduler, -1 for an expert evicted, before the read that refills its slot is handed
-    to the reader (`clear`), and -1 for the expert a read is submitted for (`expect`);
+    to the reader (`clear`);
   - the expert cache: FAILED for every word not landed when a gated token is abandoned by an
     error (`abandon`: the gates it left queued give up at once, rather than each waiting out
     its timeout before the next generation's work), -1 again for them once the device is
@@ -68,12 +70,9 @@ class GateTable:
 
             self.device_address = map_host(self.address, len(self._mem))
 
-    def expect(self, key: Key, slot: int) -> tuple[int, int]:
-        """A read of `key` into `slot` is about to be submitted: its word reads -1 until it
-        lands (an earlier failed read left FAILED); the request's ready word (address, value)."""
-        pos = self.pos[key[0]]
-        self.table[pos, key[1]] = -1
-        return self.address + 4 * (pos * self.num_experts + key[1]), slot
+    def ready(self, key: Key, slot: int) -> tuple[int, int]:
+        """A read request's ready word for `key` landing in `slot`: (address, value)."""
+        return self.address + 4 * (self.pos[key[0]] * self.num_experts + key[1]), slot
 
     def clear(self, key: Key) -> None:
         """`key` left its slot: the device must not take it as landed from now on."""

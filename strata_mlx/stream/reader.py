@@ -123,9 +123,9 @@ Request = (
 )
 """``(tag, file_index, offset, length, dest_address[, expected_checksum[, ready]])``; `ready`:
 ``(address, value)`` of an int32 word the worker stores ``value`` into (release order) once
-the record is in place and verified, before its completion is reported; :data:`READY_FAILED`
-for a failed read; nothing for one cancelled (the decode gate's table,
-strata_mlx.stream.gate)."""
+the record is in place and verified, before its completion is reported; -1 as the request is
+submitted; :data:`READY_FAILED` for a failed read; nothing more for one cancelled (the decode
+gate's table, strata_mlx.stream.gate)."""
 
 Completion = tuple[int, int, int]
 """``(tag, error, bytes_read)``; error is 0, an errno, SHORT_READ or CHECKSUM_MISMATCH."""

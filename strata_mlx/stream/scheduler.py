@@ -84,9 +84,8 @@ class ResidencyRows:
         self.gate: GateTable | None = None
 
     def ready(self, key: Key, slot: int) -> tuple[int, int] | None:
-        """A read request's ready word for `key` into `slot`, about to be submitted (None
-        without a gate table; GateTable.expect)."""
-        return None if self.gate is None else self.gate.expect(key, slot)
+        """A read request's ready word for `key` into `slot` (None without a gate table)."""
+        return None if self.gate is None else self.gate.ready(key, slot)
 
     def row(self, layer: int) -> np.ndarray:
         """The host row of `layer`: expert -> slot, -1 where absent."""
