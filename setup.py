@@ -28,7 +28,11 @@ setup(
         ),
         Extension(
             "strata_mlx._nextuse",
-            ["strata_mlx/_native/nextuse.c", "strata_mlx/_native/duel.c"],
+            [
+                "strata_mlx/_native/nextuse.c",
+                "strata_mlx/_native/duel.c",
+                "strata_mlx/_native/evictable.c",
+            ],
             depends=["strata_mlx/_native/nextuse.h"],
             extra_compile_args=["-O2", "-ffp-contract=off"],
         ),

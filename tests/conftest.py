@@ -235,6 +235,21 @@ def prompt_ids(n: int = 64, seed: int = 0, vocab: int = 128) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
 
 
+def evictable_as(rng, resident: set, protect: set, pinned: set, python: Callable) -> Any:
+    """A victim search's `evictable` for a native policy: `python` (k[0] not in protect and
+    k not in pinned) itself, or the same as strata_mlx._nextuse.Evictable, the arena's C
+    check (pinned keys given as pinned slots or as `keep`), chosen by `rng`."""
+    from strata_mlx._nextuse import Evictable
+
+    r = rng.random()
+    if r < 1 / 3:
+        return python
+    slot_of = {k: i for i, k in enumerate(sorted(resident))}
+    if r < 2 / 3:
+        return Evictable(slot_of, {slot_of[k] for k in pinned if k in slot_of}, set(), protect)
+    return Evictable(slot_of, set(), set(), protect, set(pinned))
+
+
 def wait_until_serving(
     procs: list[subprocess.Popen],
     request: Callable[[], Any],

@@ -233,7 +233,7 @@ static void hold(Duel *d, int c, int32_t n, int on) {
 static int shadow_misses(Duel *d, int c, const int32_t *miss, Py_ssize_t nm, long *layers) {
     /* Adaptive._shadow_misses: each miss given a slot, evicting the shadow's victims (one
      * victims call for the misses that evict) where the shadow is full */
-    Pred pred = {NULL, not_pinned, d};
+    Pred pred = {NULL, not_pinned, NULL, d};
     Py_ssize_t j = 0;
     while (j < nm) {
         if (d->shadow_slots < 0 || d->n_held[c] < d->shadow_slots) {
@@ -434,7 +434,7 @@ static PyObject *Duel_remove_all(Duel *d, PyObject *keys) {
 static int victim(Duel *d, PyObject *evictable, long *layer, int32_t *expert) {
     /* the leader's victim, else the next component's that has one */
     if (d->capacity < 0 && learn_capacity(d) < 0) return -1;
-    Pred p = {evictable, NULL, NULL};
+    Pred p = pred_of(evictable);
     for (int k = 0; k < NCOMP; k++) {
         int got = comp_victim(d, d->order[k], &p, layer, expert);
         if (got) return got;
@@ -472,7 +472,7 @@ static PyObject *Duel_victims(Duel *d, PyObject *const *args, Py_ssize_t nargs) 
         goto done;
     }
     if (d->capacity < 0 && learn_capacity(d) < 0) goto done;
-    Pred p = {args[0], NULL, NULL};
+    Pred p = pred_of(args[0]);
     d->searching = 1;
     int rc = comp_victims(d, 0, d->order[0], &p, layers, n, &out);
     if (rc == 0 && !out.len) {

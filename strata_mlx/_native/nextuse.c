@@ -414,6 +414,10 @@ static int least(Core *s, int i, const Pred *evictable, Entry *out) {
         *out = hp->h[0];
         return 1;
     }
+    if (evictable->layer_ok) {
+        int ok = evictable->layer_ok(evictable->ctx, l->layer);
+        if (ok <= 0) return ok;
+    }
     Heap *skipped = &s->skipped; /* the live entries passed over, pushed back after */
     skipped->len = 0;
     int found = 0;
@@ -626,6 +630,11 @@ static int victims(Core *s, const Pred *evictable, const long *key_layers, Py_ss
         ranked[b] = ranked[--nr];
         int i = r.i;
         Layer *l = &s->L[i];
+        if (evictable->layer_ok) { /* none of the layer may go: passed over whole */
+            int ok = evictable->layer_ok(evictable->ctx, l->layer);
+            if (ok < 0) goto fail_back;
+            if (!ok) continue;
+        }
         int took = -1;
         if (!r.has_entry) {
             if (l->has_top && l->live[l->top.e] == l->top.n && l->taken[l->top.e] != pass) {
@@ -841,7 +850,7 @@ static PyObject *Core_remove_all(Core *s, PyObject *keys) {
 
 static PyObject *Core_victim(Core *s, PyObject *evictable) {
     if (search_idle(s->searching) < 0) return NULL;
-    Pred p = {evictable, NULL, NULL};
+    Pred p = pred_of(evictable);
     long layer;
     int32_t e;
     int got = nu_victim(s, &p, &layer, &e);
@@ -860,7 +869,7 @@ static PyObject *Core_victims(Core *s, PyObject *const *args, Py_ssize_t nargs) 
     long *layers = key_layers(args[1], &n);
     if (!layers) return NULL;
     Keys out = {0};
-    Pred p = {args[0], NULL, NULL};
+    Pred p = pred_of(args[0]);
     PyObject *res = nu_victims(s, &p, layers, n, &out) == 0 ? keys_list(&out) : NULL;
     free(layers);
     free(out.layer);
@@ -948,7 +957,7 @@ PyMODINIT_FUNC PyInit__nextuse(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (duel_register(m) < 0) {
+    if (duel_register(m) < 0 || evictable_register(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -15,12 +15,19 @@ typedef struct Core Core;
 extern PyTypeObject NuCoreType;
 
 /* Which resident keys a victim search may take: a Python callable of a (layer, expert) tuple,
- * or (check set) a C function of the same, which calls no Python. */
+ * or (check set) a C function of the same, which calls no Python; `layer_ok` (or NULL): 0
+ * where no key of the layer may be taken, so a search passes the layer over whole. */
 typedef struct {
     PyObject *fn;
     int (*check)(void *ctx, long layer, int32_t expert); /* 1 yes, 0 no, -1 an error */
+    int (*layer_ok)(void *ctx, long layer);              /* 1 maybe, 0 no, -1 an error */
     void *ctx;
 } Pred;
+
+/* evictable.c: the Pred of a victim search's `evictable` argument (an Evictable's C check, or
+ * the Python callable), and Evictable added to the module */
+Pred pred_of(PyObject *evictable);
+int evictable_register(PyObject *module);
 
 /* (layer, expert) from a key tuple in range: 0, else -1 and an exception */
 int parse_key(PyObject *key, long *layer, long *expert);

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
+from .._nextuse import Evictable
 from ..format.store import ALIGNMENT
 from .reader import advise_hugepages, prefer_device
 
@@ -460,14 +461,7 @@ class Arena:
             i += 1
         if i == n:
             return out
-        if protect or keep:
-            protect, keep = protect or (), keep or ()
-            ev = self._evictable
-
-            def evictable(k: Key) -> bool:
-                return k[0] not in protect and k not in keep and ev(k)
-        else:
-            evictable = self._evictable
+        evictable = self._evictable(protect, keep)
         while i < n:
             victims = batch(evictable, keys[i:])
             if not victims:
@@ -487,9 +481,10 @@ class Arena:
         self.slot_of[key] = slot
         self.loading.add(slot)
 
-    def _evictable(self, key: Key) -> bool:
-        s = self.slot_of[key]
-        return s not in self.pinned and s not in self.loading
+    def _evictable(self, protect: set[int] | None, keep: set[Key] | None) -> Evictable:
+        """Whether a resident key may give up its slot: not pinned, not loading, of no layer
+        in `protect`, not in `keep` (a C check the native policies call without Python)."""
+        return Evictable(self.slot_of, self.pinned, self.loading, protect or None, keep or None)
 
     def allocate(
         self, key: Key, protect: set[int] | None = None, keep: set[Key] | None = None
@@ -501,13 +496,7 @@ class Arena:
         if self._free:
             slot = self._free.pop()
         else:
-            if protect or keep:
-                protect, keep = protect or (), keep or ()
-                victim = self.policy.victim(
-                    lambda k: k[0] not in protect and k not in keep and self._evictable(k)
-                )
-            else:
-                victim = self.policy.victim(self._evictable)
+            victim = self.policy.victim(self._evictable(protect, keep))
             if victim is None or not self._beyond_bar(victim):
                 return None
             slot = self.slot_of.pop(victim)

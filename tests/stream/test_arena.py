@@ -522,3 +522,36 @@ def test_cpu_arena_slots_fault_in_as_huge_pages():
         kb = int(out.stdout.split()[-1])
         if hugepages or "[madvise]" in THP.read_text():
             assert (kb > 0) == hugepages, (hugepages, kb)
+
+
+def test_the_c_evictable_answers_as_the_arena_s_rule():
+    """strata_mlx._nextuse.Evictable (the arena's rule, which the native policies check
+    without a Python call) against that rule in Python, over random residents, pins, reads
+    in flight, protected layers and kept keys; a key not resident is a KeyError in both."""
+    from strata_mlx._nextuse import Evictable
+
+    rng = random.Random(0)
+    for _ in range(200):
+        keys = list({(rng.randrange(4), rng.randrange(8)) for _ in range(12)})
+        slot_of = {k: i for i, k in enumerate(keys)}
+        pinned = set(rng.sample(range(len(keys)), rng.randint(0, 4)))
+        loading = set(rng.sample(range(len(keys)), rng.randint(0, 4)))
+        protect = set(rng.sample(range(4), rng.randint(0, 2))) or None
+        keep = set(rng.sample(keys, rng.randint(0, 3))) or None
+        ev = Evictable(slot_of, pinned, loading, protect, keep)
+        for k in keys:
+            want = (
+                k[0] not in (protect or ())
+                and k not in (keep or ())
+                and slot_of[k] not in pinned
+                and slot_of[k] not in loading
+            )
+            assert ev(k) is want
+    ev = Evictable({}, set(), set())
+    with pytest.raises(KeyError):
+        ev((9, 9))
+    for bad in ((1,), [1, 2], 3):
+        with pytest.raises(TypeError, match="tuple"):
+            ev(bad)
+    with pytest.raises(TypeError):
+        Evictable([], set(), set())
