@@ -286,7 +286,9 @@ def attach(app, path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Spillin
             yield state
         if not engine.active:
             failed = disk.failed_writes
-            await asyncio.get_running_loop().run_in_executor(None, caches.flush)
+            from ..runtime.threads import last_on_thread
+
+            await asyncio.get_running_loop().run_in_executor(None, last_on_thread, caches.flush)
             if disk.failed_writes > failed:  # said once, as the server stops
                 print(
                     f"strata-mlx: {disk.failed_writes - failed} conversation(s) not written to "

@@ -58,6 +58,7 @@ from .deferred import (
     joint_ids,
     token_ids,
 )
+from .threads import last_on_thread
 
 WARM_BATCH = 256  # warm()'s reads between progress updates
 WARM_BAR_DELAY_S = 2.0  # warm() shows its bar only past this
@@ -86,7 +87,9 @@ def _close_dropped(sched) -> None:
     loop), which would otherwise keep the loop's thread, the reader's threads and files and,
     through them, the arena. On a thread of its own: the collection may run on the loop's
     thread, which cannot join itself, or inside the scheduler's lock."""
-    threading.Thread(target=sched.close, name="strata-mlx-close", daemon=True).start()
+    threading.Thread(
+        target=last_on_thread, args=(sched.close,), name="strata-mlx-close", daemon=True
+    ).start()
 
 
 def _ranked(

@@ -208,6 +208,50 @@ def test_a_table_closed_while_a_decode_runs_stays_mapped_until_it_ends(monkeypat
     assert seen == ["synchronize", "unmap"] and g.device_address is None
 
 
+def test_a_cache_closed_under_a_decode_on_another_thread_unmaps_after_it(store, monkeypatch):
+    """The server's shutdown closes the expert cache while its worker may be decoding: the
+    worker stops with the cache's one-line error, and the table is unmapped only once its
+    decode has left the expert cache's phase (the unmapping runs on the worker's thread)."""
+    from strata_mlx.runtime import experts
+    from strata_mlx.stream import reader
+
+    path = store("qwen3_moe")
+    seen: list[tuple[str, str]] = []
+    monkeypatch.setattr(reader, "map_host", lambda address, nbytes: address)
+    monkeypatch.setattr(reader, "unmap_host", lambda a: seen.append(("unmap", thread())))
+    # The table mapped as on CUDA; the decode's gate stays the host's (no device here).
+    monkeypatch.setattr(experts, "GateTable", lambda m, device: GateTable(m, device=True))
+    model, _ = strata_mlx.load(
+        path, arena_gb=arena_gb(path, 0.25), decode_gate=True, decode_token_below=0.0
+    )
+    ec = model.expert_cache
+    assert ec.sched.residency.gate.device_address is not None
+
+    def thread() -> str:
+        return threading.current_thread().name
+
+    started, errors = threading.Event(), []
+
+    def worker():
+        try:
+            for _ in stream_generate(model, None, prompt_ids(24, seed=9), 400):
+                started.set()
+                time.sleep(0.005)
+        except RuntimeError as e:
+            errors.append(str(e))
+        seen.append(("decode left", thread()))
+
+    t = threading.Thread(target=worker, name="worker")
+    t.start()
+    assert started.wait(60)
+    ec.close()
+    seen.append(("closed", thread()))
+    t.join(60)
+    assert errors == ["expert cache is closed"]
+    assert ("unmap", "worker") in seen and ("unmap", "MainThread") not in seen
+    assert seen.index(("closed", "MainThread")) < seen.index(("unmap", "worker"))
+
+
 def test_an_abandoned_token_fails_its_words_until_the_device_is_idle(monkeypatch):
     g, seen = mapped_table(monkeypatch)
     g.table[1, 2] = 7  # landed
