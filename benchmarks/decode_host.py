@@ -1,7 +1,7 @@
 """Decode's host time per MoE layer: the handshake's Python, outside the route sync and the wait.
 
     python benchmarks/decode_host.py STORE [--arena-gb 0.1] [-p 64] [-g 32]
-        [--policies lookahead,demand] [--rounds 3] [--parts] [--full] [--general]
+        [--policies lookahead,demand] [--rounds 3] [--parts] [--full] [--general] [--python-rule]
     python benchmarks/decode_host.py --tiny /tmp/strata-tiny48 ...
 
 `--tiny DIR` builds (once) and uses a store of the full-size model's routing shape
@@ -54,6 +54,7 @@ from strata_mlx.generation.generate import generate_step
 from strata_mlx.runtime import experts
 from strata_mlx.runtime.compute import LayerCompute
 from strata_mlx.runtime.experts import ExpertCache
+from strata_mlx.stream.arena import Arena
 from strata_mlx.stream.scheduler import LoopScheduler, Scheduler
 from strata_mlx.stream.stats import ExpertStats
 
@@ -173,6 +174,34 @@ def general_path():
         experts.token_ids, experts.joint_ids = kept
 
 
+@contextlib.contextmanager
+def python_rule():
+    """Within: the arena's victim rule is a Python callable, as before the C one
+    (strata_mlx._nextuse.Evictable): the native policies call it for every candidate."""
+    kept = Arena._evictable
+
+    def rule(self, protect, keep):
+        slot_of, pinned, loading = self.slot_of, self.pinned, self.loading
+        protect, keep = protect or (), keep or ()
+
+        def evictable(k):
+            if k[0] in protect or k in keep:
+                return False
+            s = slot_of[k]
+            return s not in pinned and s not in loading
+
+        return evictable
+
+    Arena._evictable = rule
+    try:
+        yield
+    finally:
+        Arena._evictable = kept
+
+
+VARIANTS = {"general": general_path, "python-rule": python_rule}
+
+
 def load(store: str, a, policy: str):
     opts = policy_options(policy)
     # (a gated policy's layers are replayed as gated decode builds them: a pipelined decoder's)
@@ -271,6 +300,12 @@ def main() -> None:
         help="replay: also run each policy through the general handshake path (numpy ids, "
         "by_expert), alternating: the one-token path's gain in one process",
     )
+    ap.add_argument(
+        "--python-rule",
+        action="store_true",
+        help="replay: also run each policy with the arena's victim rule in Python (before its "
+        "C object), alternating",
+    )
     a = ap.parse_args()
     if (a.store is None) == (a.tiny is None):
         ap.error("give a STORE or --tiny DIR")
@@ -281,14 +316,15 @@ def main() -> None:
     if not a.full:
         a.decode = "sync"  # recorded by the per-layer handshake, which the replay runs
     recorded = None if a.full else {p: record(store, a, p) for p in policies}
-    variants = [(p, g) for p in policies for g in ((False, True) if a.general else (False,))]
+    extra = ["general"] * a.general + ["python-rule"] * a.python_rule
+    variants = [(p, v) for p in policies for v in ["", *extra]]
     for r in range(a.rounds):
-        for policy, general in variants:  # interleaved: drift on a shared machine hits all alike
+        for policy, v in variants:  # interleaved: drift on a shared machine hits all alike
             last = r == a.rounds - 1
-            part = parts.get(policy) if last and not general else None
-            with general_path() if general else contextlib.nullcontext():
+            part = parts.get(policy) if last and not v else None
+            with VARIANTS[v]() if v else contextlib.nullcontext():
                 out = run(store, a, policy, part, recorded and recorded[policy])
-            results[policy + ":general" * general].append(out)
+            results[policy + (":" + v if v else "")].append(out)
     what = "decode " + a.decode if a.full else "replayed decode"
     print(
         f"{what}, arena {a.arena_gb} GB, p {a.prompt_tokens}, g {a.gen_tokens}, "
