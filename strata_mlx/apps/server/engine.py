@@ -113,13 +113,14 @@ class Engine:
         worker to stop; returns whether it did."""
         from ...runtime.threads import end_mlx_thread
 
-        self._closing.set()
-        if self.batch is not None:
-            self._steps.put(None)  # wakes the step loop, which then ends
-        # Jobs still queued return at once (`_work`); the worker's last task ends its MLX
-        # streams, as MLX requires of a thread before the process exits.
-        self._executor.submit(end_mlx_thread)
-        self._executor.shutdown(wait=False)
+        if not self._closing.is_set():  # (a second close only waits)
+            self._closing.set()
+            if self.batch is not None:
+                self._steps.put(None)  # wakes the step loop, which then ends
+            # Jobs still queued return at once (`_work`); the worker's last task ends its MLX
+            # streams, as MLX requires of a thread before the process exits.
+            self._executor.submit(end_mlx_thread)
+            self._executor.shutdown(wait=False)
         return self._idle.wait(timeout)
 
     def retry_after(self) -> int:
