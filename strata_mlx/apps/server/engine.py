@@ -110,10 +110,14 @@ class Engine:
 
     def close(self, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> bool:
         """Cancel every job, queued or running, and wait up to `timeout` seconds for the
-        worker to stop; returns whether it did."""
+        worker to stop; returns whether it did. A second call only waits."""
         from ...runtime.threads import end_mlx_thread
 
-        self._closing.set()
+        with self._counts:
+            again = self._closing.is_set()
+            self._closing.set()
+        if again:  # only waits: a shut-down executor refuses any task
+            return self._idle.wait(timeout)
         if self.batch is not None:
             self._steps.put(None)  # wakes the step loop, which then ends
         # Jobs still queued return at once (`_work`); the worker's last task ends its MLX
