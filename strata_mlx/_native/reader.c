@@ -1487,14 +1487,14 @@ static PyObject *mod_unmap_host(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* replace_words(address, count, old, new): each int32 word of the range that holds `old` takes
- * `new`, in one atomic step a word, so that a store another thread makes meanwhile (a reader's
+/* replace_words(address, count, from, to): each int32 word of the range that holds `from` takes
+ * `to`, in one atomic step a word, so that a store another thread makes meanwhile (a reader's
  * thread landing a ready word) is never overwritten; the number replaced. */
 static PyObject *mod_replace_words(PyObject *m, PyObject *args) {
     unsigned long long addr;
     Py_ssize_t count;
-    int old, new;
-    if (!PyArg_ParseTuple(args, "Knii:replace_words", &addr, &count, &old, &new)) return NULL;
+    int from, to;
+    if (!PyArg_ParseTuple(args, "Knii:replace_words", &addr, &count, &from, &to)) return NULL;
     if (count < 0 || (count && (!addr || addr % sizeof(int32_t)))) {
         PyErr_SetString(PyExc_ValueError, "replace_words: a NULL or unaligned address, or a "
                                           "negative count");
@@ -1503,9 +1503,9 @@ static PyObject *mod_replace_words(PyObject *m, PyObject *args) {
     int32_t *w = (int32_t *)(uintptr_t)addr;
     Py_ssize_t replaced = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
-        int32_t expected = old;
-        if (__atomic_load_n(&w[i], __ATOMIC_RELAXED) == old &&
-            __atomic_compare_exchange_n(&w[i], &expected, new, 0, __ATOMIC_ACQ_REL,
+        int32_t expected = from;
+        if (__atomic_load_n(&w[i], __ATOMIC_RELAXED) == from &&
+            __atomic_compare_exchange_n(&w[i], &expected, to, 0, __ATOMIC_ACQ_REL,
                                         __ATOMIC_RELAXED))
             replaced++;
     }
