@@ -1487,6 +1487,31 @@ static PyObject *mod_unmap_host(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* replace_words(address, count, from, to): each int32 word of the range that holds `from` takes
+ * `to`, in one atomic step a word, so that a store another thread makes meanwhile (a reader's
+ * thread landing a ready word) is never overwritten; the number replaced. */
+static PyObject *mod_replace_words(PyObject *m, PyObject *args) {
+    unsigned long long addr;
+    Py_ssize_t count;
+    int from, to;
+    if (!PyArg_ParseTuple(args, "Knii:replace_words", &addr, &count, &from, &to)) return NULL;
+    if (count < 0 || (count && (!addr || addr % sizeof(int32_t)))) {
+        PyErr_SetString(PyExc_ValueError, "replace_words: a NULL or unaligned address, or a "
+                                          "negative count");
+        return NULL;
+    }
+    int32_t *w = (int32_t *)(uintptr_t)addr;
+    Py_ssize_t replaced = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int32_t expected = from;
+        if (__atomic_load_n(&w[i], __ATOMIC_RELAXED) == from &&
+            __atomic_compare_exchange_n(&w[i], &expected, to, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_RELAXED))
+            replaced++;
+    }
+    return PyLong_FromSsize_t(replaced);
+}
+
 static PyObject *mod_limit_drive(PyObject *m, PyObject *arg) {
     double bps = PyFloat_AsDouble(arg);
     if (bps == -1.0 && PyErr_Occurred()) return NULL;
@@ -1517,6 +1542,8 @@ static PyMethodDef module_methods[] = {
      "map_host(address, nbytes) -> device address: page-locked host memory the CUDA device "
      "reads in place"},
     {"unmap_host", mod_unmap_host, METH_VARARGS, "unmap_host(address): undo map_host"},
+    {"replace_words", mod_replace_words, METH_VARARGS,
+     "replace_words(address, count, old, new) -> int32 words that held old and now hold new"},
     {"advise_hugepages", mod_advise_hugepages, METH_VARARGS,
      "advise_hugepages(address, nbytes, zeroed=False) -> bool: huge pages from the next fault"},
     {"checksum", mod_checksum, METH_VARARGS,

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..format.store import Manifest
-from .reader import READY_FAILED
+from .reader import READY_FAILED, replace_words
 
 Key = tuple[int, int]
 PAGE = 4096
@@ -89,21 +89,31 @@ class GateTable:
         return self.device_address + 4 * self.pos[layer] * self.num_experts
 
     def abandon(self) -> None:
-        """A gated token was stopped by an error: every word not landed reads FAILED, so that
-        the gates it left queued give up at once (`reset` once the device is idle)."""
-        self.table[self.table == -1] = FAILED
+        """A gated token was stopped by an error, on the calling thread: every word not
+        landed reads FAILED, so that the gates it left queued give up at once (`reset` once
+        the device is idle). Word by word, atomically: a read of the token's landing
+        meanwhile keeps its slot. Mapped, the thread's device work is then waited for (the
+        gates give up at once): MLX synchronizes a thread's own stream only, so a close() or
+        reset() on another thread could not wait for this one's gates."""
+        replace_words(self.address, self.table.size, -1, FAILED)
+        if self.device_address is not None:
+            import mlx.core as mx
+
+            mx.synchronize()
 
     def reset(self) -> None:
         """Nothing runs on the device: words left FAILED read -1 again (a later read of the
         expert lands in them). The device is waited for first where a gate may still be
-        queued behind an abandoned token (it would otherwise wait out its timeout)."""
-        failed = self.table == FAILED
-        if failed.any():
+        queued behind an abandoned token (it would otherwise wait out its timeout). Reads
+        the token left in flight land meanwhile: only words still FAILED after the wait go
+        back to -1, each atomically, so a landed slot is never taken for one not in place
+        (its expert resident, every gate needing it would wait out its timeout)."""
+        if (self.table == FAILED).any():
             if self.device_address is not None:
                 import mlx.core as mx
 
                 mx.synchronize()
-            self.table[failed] = -1
+            replace_words(self.address, self.table.size, FAILED, -1)
 
     @contextmanager
     def in_use(self):

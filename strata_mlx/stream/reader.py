@@ -404,3 +404,11 @@ def map_host(address: int, nbytes: int) -> int:
 def unmap_host(address: int) -> None:
     """Undo `map_host` for the range starting at `address`."""
     _reader.unmap_host(address)
+
+
+def replace_words(address: int, count: int, old: int, new: int) -> int:
+    """Each int32 word of ``[address, address + 4 * count)`` that holds `old` takes `new`, in
+    one atomic step a word: a ready word a reader's thread stores meanwhile is never
+    overwritten (a numpy masked assignment could, between its compare and its store).
+    Returns the number of words replaced."""
+    return _reader.replace_words(address, count, old, new)

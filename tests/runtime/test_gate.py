@@ -242,7 +242,9 @@ def test_a_cache_closed_under_a_decode_on_another_thread_unmaps_after_it(store, 
             errors.append(str(e))
         seen.append(("decode left", thread()))
 
-    t = threading.Thread(target=worker, name="worker")
+    from strata_mlx.runtime.threads import last_on_thread
+
+    t = threading.Thread(target=last_on_thread, args=(worker,), name="worker")
     t.start()
     assert started.wait(60)
     ec.close()
@@ -257,15 +259,71 @@ def test_an_abandoned_token_fails_its_words_until_the_device_is_idle(monkeypatch
     g, seen = mapped_table(monkeypatch)
     g.table[1, 2] = 7  # landed
     g.abandon()
+    # the abandoning thread waits for its own gates (another thread's synchronize would not)
+    assert seen == ["synchronize"]
     want = np.full((2, 8), FAILED, dtype=np.int32)
     want[1, 2] = 7
     assert np.array_equal(g.table, want)
     g.reset()
-    assert seen == ["synchronize"]  # a gate may still be queued behind the abandoned token
+    assert seen == ["synchronize"] * 2  # a gate may still be queued behind the abandoned token
     want[want == FAILED] = -1
     assert np.array_equal(g.table, want)
     g.reset()  # nothing failed: no wait for the device
-    assert seen == ["synchronize"]
+    assert seen == ["synchronize"] * 2
+
+
+def test_a_read_landing_while_reset_waits_for_the_device_stays_landed(monkeypatch):
+    """reset() waits for the device, and reads of the abandoned token (read-ahead, a
+    prefill's) may land meanwhile: a word they store is a landed slot and must not be reset
+    to -1 (its expert resident, the gates that need it would each wait out their timeout;
+    the host's gate would fail the layer)."""
+    import ctypes
+
+    g, seen = mapped_table(monkeypatch)
+    g.abandon()  # every word FAILED; the read of (3, 4) is still in flight
+    at, slot = g.ready((3, 4), 6)
+
+    def synchronize(*a):
+        seen.append("synchronize")
+        ctypes.c_int32.from_address(at).value = slot  # the reader's thread stores it meanwhile
+
+    monkeypatch.setattr(mx, "synchronize", synchronize)
+    g.reset()
+    assert seen == ["synchronize"] * 2  # abandon's, then reset's
+    assert g.table[1, 4] == 6 and (g.table[0] == -1).all() and (g.table[1, :4] == -1).all()
+
+
+def test_replace_words_replaces_only_the_words_holding_the_value():
+    from strata_mlx.stream.reader import replace_words
+
+    words = np.array([-1, 5, -1, READY_FAILED, 0], dtype=np.int32)
+    assert replace_words(words.ctypes.data, 4, -1, READY_FAILED) == 2
+    assert words.tolist() == [READY_FAILED, 5, READY_FAILED, READY_FAILED, 0]
+    assert replace_words(words.ctypes.data, 0, 0, 1) == 0
+    with pytest.raises(ValueError):
+        replace_words(words.ctypes.data + 2, 1, 0, 1)
+
+
+def test_abandon_and_reset_never_overwrite_a_word_a_reader_thread_lands(tmp_path):
+    """The reader's threads store landed slots while abandon() and reset() run on the
+    decoding thread: a word replaced only where it still holds the value looked for (one
+    atomic step a word), so every read that landed reads its slot in the end."""
+    layers, words = 64, 64 * 8
+    data = np.random.default_rng(3).integers(0, 256, 4096, dtype=np.uint8)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.tobytes())
+    dest = aligned(4096)
+    for _ in range(20):
+        g = GateTable(TableShape(layers=range(layers)))
+        with Reader(2) as r:
+            f = r.open(str(path), direct=False)
+            ready = [(g.address + 4 * i, i % 7) for i in range(words)]
+            r.submit([(i, f, 0, 4096, dest.ctypes.data, None, ready[i]) for i in range(words)])
+            while r.stats()["requests_done"] < words:
+                g.abandon()
+                g.reset()
+            r.wait(list(range(words)), None)
+        assert np.array_equal(g.table.reshape(-1), np.arange(words) % 7)
 
 
 def test_an_error_mid_token_abandons_its_gates_and_the_next_generation_is_exact(store, monkeypatch):

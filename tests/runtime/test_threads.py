@@ -70,10 +70,23 @@ def test_the_server_worker_ends_its_streams_at_close(store, monkeypatch):
     names = cleared_on(monkeypatch)
     engine = Engine(model, None)
     worker = engine._executor.submit(lambda: threading.current_thread().name).result()
-    assert engine.close(10) and engine.close(10)  # (a second close only waits)
+    assert engine.close(10)
     engine._executor.shutdown(wait=True)
     assert names == [worker] and worker.startswith("strata-generate")
     model.expert_cache.close()
+
+
+def test_closing_the_server_engine_twice_is_harmless(monkeypatch):
+    """Engine.close() is idempotent (it was before its worker's last task ended the streams):
+    a second call hands the shut-down executor nothing and only waits, and the worker's
+    streams end once."""
+    from strata_mlx.apps.server.engine import Engine
+
+    names = cleared_on(monkeypatch)
+    engine = Engine(None, None)
+    assert engine.close(10) and engine.close(10)
+    engine._executor.shutdown(wait=True)
+    assert len(names) == 1
 
 
 def test_a_dropped_cache_closes_on_a_thread_that_ends_its_streams(store, monkeypatch):

@@ -110,17 +110,20 @@ class Engine:
 
     def close(self, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> bool:
         """Cancel every job, queued or running, and wait up to `timeout` seconds for the
-        worker to stop; returns whether it did."""
+        worker to stop; returns whether it did. A second call only waits."""
         from ...runtime.threads import end_mlx_thread
 
-        if not self._closing.is_set():  # (a second close only waits)
+        with self._counts:
+            again = self._closing.is_set()
             self._closing.set()
-            if self.batch is not None:
-                self._steps.put(None)  # wakes the step loop, which then ends
-            # Jobs still queued return at once (`_work`); the worker's last task ends its MLX
-            # streams, as MLX requires of a thread before the process exits.
-            self._executor.submit(end_mlx_thread)
-            self._executor.shutdown(wait=False)
+        if again:  # only waits: a shut-down executor refuses any task
+            return self._idle.wait(timeout)
+        if self.batch is not None:
+            self._steps.put(None)  # wakes the step loop, which then ends
+        # Jobs still queued return at once (`_work`); the worker's last task ends its MLX
+        # streams, as MLX requires of a thread before the process exits.
+        self._executor.submit(end_mlx_thread)
+        self._executor.shutdown(wait=False)
         return self._idle.wait(timeout)
 
     def retry_after(self) -> int:
