@@ -954,11 +954,7 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
             }
         }
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        reqs[i].group = NULL, reqs[i].lead = 0;
-        /* pending from here on (an earlier read of the same record may have failed) */
-        if (reqs[i].ready) __atomic_store_n(reqs[i].ready, READY_PENDING, __ATOMIC_RELEASE);
-    }
+    for (Py_ssize_t i = 0; i < n; i++) reqs[i].group = NULL, reqs[i].lead = 0;
     pthread_mutex_lock(&r->mu);
     Queue *q = urgent ? &r->urgent : &r->ahead;
     /* Split reads: while workers would sit idle (few requests queued or in flight, as in
@@ -993,6 +989,9 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
         goto fail;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
+        /* pending from here on (an earlier read of the same record may have failed); stored
+         * once the batch is sure to be queued, before a worker can take it */
+        if (reqs[i].ready) __atomic_store_n(reqs[i].ready, READY_PENDING, __ATOMIC_RELEASE);
         int parts = per >= 2 ? split_parts(r, &reqs[i], per) : 1;
         Group *g = NULL;
         Py_ssize_t part = parts > 1 ? ((reqs[i].length + parts - 1) / parts + ALIGNMENT - 1) /
