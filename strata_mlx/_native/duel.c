@@ -659,7 +659,7 @@ static PyGetSetDef Duel_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject DuelType = {
+PyTypeObject DuelType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "strata_mlx._nextuse.Duel",
     .tp_basicsize = sizeof(Duel),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -669,13 +669,3 @@ static PyTypeObject DuelType = {
     .tp_methods = Duel_methods,
     .tp_getset = Duel_getset,
 };
-
-int duel_register(PyObject *m) {
-    if (PyType_Ready(&DuelType) < 0) return -1;
-    Py_INCREF(&DuelType);
-    if (PyModule_AddObject(m, "Duel", (PyObject *)&DuelType) < 0) {
-        Py_DECREF(&DuelType);
-        return -1;
-    }
-    return 0;
-}

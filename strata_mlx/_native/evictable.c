@@ -117,7 +117,7 @@ static void Evictable_dealloc(Evictable *v) {
     Py_TYPE(v)->tp_free((PyObject *)v);
 }
 
-static PyTypeObject EvictableType = {
+PyTypeObject EvictableType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "strata_mlx._nextuse.Evictable",
     .tp_basicsize = sizeof(Evictable),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
@@ -134,14 +134,4 @@ Pred pred_of(PyObject *evictable) {
     if (Py_TYPE(evictable) == &EvictableType)
         return (Pred){NULL, evictable_check, layer_allowed, evictable};
     return (Pred){evictable, NULL, NULL, NULL};
-}
-
-int evictable_register(PyObject *m) {
-    if (PyType_Ready(&EvictableType) < 0) return -1;
-    Py_INCREF(&EvictableType);
-    if (PyModule_AddObject(m, "Evictable", (PyObject *)&EvictableType) < 0) {
-        Py_DECREF(&EvictableType);
-        return -1;
-    }
-    return 0;
 }

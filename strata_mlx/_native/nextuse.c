@@ -948,16 +948,10 @@ static struct PyModuleDef nextuse_module = {
 };
 
 PyMODINIT_FUNC PyInit__nextuse(void) {
-    if (PyType_Ready(&NuCoreType) < 0) return NULL;
     PyObject *m = PyModule_Create(&nextuse_module);
     if (!m) return NULL;
-    Py_INCREF(&NuCoreType);
-    if (PyModule_AddObject(m, "Core", (PyObject *)&NuCoreType) < 0) {
-        Py_DECREF(&NuCoreType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    if (duel_register(m) < 0 || evictable_register(m) < 0) {
+    if (PyModule_AddType(m, &NuCoreType) < 0 || PyModule_AddType(m, &DuelType) < 0 ||
+        PyModule_AddType(m, &EvictableType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

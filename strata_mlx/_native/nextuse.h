@@ -13,6 +13,7 @@
 
 typedef struct Core Core;
 extern PyTypeObject NuCoreType;
+extern PyTypeObject DuelType, EvictableType; /* duel.c, evictable.c: the module's other types */
 
 /* Which resident keys a victim search may take: a Python callable of a (layer, expert) tuple,
  * or (check set) a C function of the same, which calls no Python; `layer_ok` (or NULL): 0
@@ -25,9 +26,8 @@ typedef struct {
 } Pred;
 
 /* evictable.c: the Pred of a victim search's `evictable` argument (an Evictable's C check, or
- * the Python callable), and Evictable added to the module */
+ * the Python callable) */
 Pred pred_of(PyObject *evictable);
-int evictable_register(PyObject *module);
 
 /* (layer, expert) from a key tuple in range: 0, else -1 and an exception */
 int parse_key(PyObject *key, long *layer, long *expert);
@@ -64,7 +64,5 @@ int nu_set_current(Core *s, int has, long layer); /* has 0: no running layer */
 int nu_victim(Core *s, const Pred *evictable, long *layer, int32_t *expert);
 /* the victims of successive victim calls for `n` keys of these layers, appended to out */
 int nu_victims(Core *s, const Pred *evictable, const long *key_layers, Py_ssize_t n, Keys *out);
-
-int duel_register(PyObject *module); /* duel.c: adds Duel to the module */
 
 #endif
