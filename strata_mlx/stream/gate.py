@@ -35,6 +35,7 @@ import mmap
 import threading
 from contextlib import contextmanager
 
+import mlx.core as mx
 import numpy as np
 
 from ..format.store import Manifest
@@ -96,10 +97,7 @@ class GateTable:
         gates give up at once): MLX synchronizes a thread's own stream only, so a close() or
         reset() on another thread could not wait for this one's gates."""
         replace_words(self.address, self.table.size, -1, FAILED)
-        if self.device_address is not None:
-            import mlx.core as mx
-
-            mx.synchronize()
+        self._wait_for_device()
 
     def reset(self) -> None:
         """Nothing runs on the device: words left FAILED read -1 again (a later read of the
@@ -109,10 +107,7 @@ class GateTable:
         back to -1, each atomically, so a landed slot is never taken for one not in place
         (its expert resident, every gate needing it would wait out its timeout)."""
         if (self.table == FAILED).any():
-            if self.device_address is not None:
-                import mlx.core as mx
-
-                mx.synchronize()
+            self._wait_for_device()
             replace_words(self.address, self.table.size, FAILED, -1)
 
     @contextmanager
@@ -144,12 +139,15 @@ class GateTable:
             if self._users == 0:
                 self._unmap()
 
+    def _wait_for_device(self) -> None:
+        """Mapped: the calling thread's device work done (MLX's synchronize: its stream)."""
+        if self.device_address is not None:
+            mx.synchronize()
+
     def _unmap(self) -> None:
         if self.device_address is not None:
-            import mlx.core as mx
-
             from .reader import unmap_host
 
-            mx.synchronize()
+            self._wait_for_device()
             unmap_host(self.address)
             self.device_address = None
