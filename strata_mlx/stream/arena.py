@@ -445,9 +445,9 @@ class Arena:
         if batch_from is None:
             batch_from = BATCH_FROM
         if batch is None or self.read_ahead_bar is not None or len(keys) < batch_from:
-            out = []
+            out, evictable = [], self._evictable(protect, keep)
             for key in keys:
-                got = self.allocate(key, protect, keep)
+                got = self._take(key, evictable)
                 if got is None:
                     break
                 out.append(got)
@@ -492,18 +492,20 @@ class Arena:
         """(slot, the expert evicted from it or None) for `key`, the slot marked loading;
         never evicts an expert of a layer in `protect` nor one in `keep`. None if every slot
         is busy."""
+        return self._take(key, None if self._free else self._evictable(protect, keep))
+
+    def _take(self, key: Key, evictable: Evictable | None) -> tuple[int, Key | None] | None:
+        """`allocate`, its rule built (None: only where a slot is free)."""
         victim = None
         if self._free:
             slot = self._free.pop()
         else:
-            victim = self.policy.victim(self._evictable(protect, keep))
+            victim = self.policy.victim(evictable)
             if victim is None or not self._beyond_bar(victim):
                 return None
             slot = self.slot_of.pop(victim)
             self.policy.remove(victim)
-        self.owner[slot] = key
-        self.slot_of[key] = slot
-        self.loading.add(slot)
+        self._assign(slot, key)
         self.policy.touch(key)
         return slot, victim
 
