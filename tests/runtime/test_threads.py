@@ -1,6 +1,6 @@
 """MLX on threads of our own (strata_mlx.runtime.threads): a thread that generated and ends its
-streams lets the process exit cleanly (without it, this machine's MLX aborted the exit of
-every such run: "terminate called without an active exception"); the server's worker and a
+streams lets the process exit cleanly (without it, MLX 0.32.4's CPU build aborted the exit of
+most such runs: "terminate called without an active exception"); the server's worker and a
 dropped cache's closing thread end theirs."""
 
 from __future__ import annotations
