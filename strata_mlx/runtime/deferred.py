@@ -30,6 +30,7 @@ from ..stream.prediction import Predictor
 from ..stream.scheduler import Scheduler
 from ..stream.stats import RoutingTrace
 from .compute import LayerCompute
+from .gate_checks import GateChecks
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Gated:
     joint: mx.array | None  # the ids and the predictions as one array (joint_ids), or None
     late: mx.array | None = None  # the device gate's give-up flag (None: the host's gate)
     checked: bool = False  # its check ran (the host's gate checks as the layer is built)
+    done: bool = False  # its check ended (GateChecks: on the checks' thread)
 
 
 def token_ids(a: mx.array) -> list[int] | None:
@@ -154,6 +156,10 @@ class DeferredHandshake:
         self.owner = owner
         table = sched.residency.gate
         self.device_gate = table is not None and table.device_address is not None
+        # The device gate's checks run on a thread of their own (runtime/gate_checks.py).
+        self.checks = (
+            GateChecks(self._check_aside, table.fail_pending) if self.device_gate else None
+        )
         self._next = dict(zip(layers, layers[1:]))
         self._row_at: dict[int, mx.array] = {}  # layer -> its gate-table row's device address
         self.records: list[Deferred] | None = None  # inside `building()`: where layers go
@@ -248,6 +254,7 @@ class DeferredHandshake:
             sched.busy_layers.add(layer)
         if self.device_gate:
             mx.async_eval(*d.outputs())  # alone: the device reaches them before the gate
+            self.checks.submit(d)  # (read while this thread builds on: GateChecks)
             slots, g.late = gate(inds.reshape(-1), self._row_address(layer))
         else:
             sched.stats.host_s += time.perf_counter() - t
@@ -261,6 +268,16 @@ class DeferredHandshake:
         self.records.append(d)
         sched.stats.host_s += time.perf_counter() - t
         return y
+
+    def drain_checks(self, error: bool = False) -> None:
+        """Until the checks' thread is idle; `error`: a token stopped by an error, its
+        queued checks dropped. None without the device gate."""
+        if self.checks is not None:
+            self.checks.cancel() if error else self.checks.drain()
+
+    def close(self) -> None:
+        if self.checks is not None:
+            self.checks.close()
 
     def _row_address(self, layer: int) -> mx.array:
         at = self._row_at.get(layer)
@@ -277,7 +294,14 @@ class DeferredHandshake:
             raise RuntimeError(f"layer {layer}: a waited-for read is not in the gate table")
         return mx.array(slots, dtype=mx.uint32)
 
-    def check_gated(self, d: Deferred, trace: RoutingTrace | None) -> list[int]:
+    def _check_aside(self, d: Deferred) -> None:
+        """A device-gated layer's check, on the checks' thread (GateChecks)."""
+        owner = self.owner()
+        self.check_gated(d, owner.trace if owner is not None else None, aside=True)
+
+    def check_gated(
+        self, d: Deferred, trace: RoutingTrace | None, aside: bool = False
+    ) -> list[int]:
         """A gated layer's handshake, as the per-layer one runs it without the wait: its
         routing read (the device has computed every layer before it), its hits counted,
         its misses' reads submitted urgently, lookahead's read-ahead; the tags its experts
@@ -286,7 +310,8 @@ class DeferredHandshake:
         finished, and the device cannot pass this layer's gate before the miss lands, so the
         gates of the layers built after it have not read the table yet and will see the
         victim gone. Read-ahead keeps off every layer built and not finished (it does not
-        stop the device)."""
+        stop the device). `aside`: on the checks' thread, whose time (the routing's wait
+        included) is `check_s`, off the decoding thread's."""
         st, sched, g = self.sched.stats, self.sched, d.gated
         g.checked = True
         t0 = time.perf_counter()
@@ -294,7 +319,8 @@ class DeferredHandshake:
         one, pred_ids = as_ints(g.joint, d.inds, g.preds)
         ids = host_ids(d.inds) if one is None or trace is not None else None
         t1 = time.perf_counter()
-        st.route_sync_s += t1 - t0
+        if not aside:
+            st.route_sync_s += t1 - t0
         layer = d.layer
         with sched.lock:
             busy = sched.busy_layers
@@ -310,7 +336,10 @@ class DeferredHandshake:
         owner = self.owner()
         tags = owner.claim(layer, needed)
         owner.predict(g.targets, g.preds, self._next.get(layer), layer, needed, pred_ids)
-        st.host_s += time.perf_counter() - t1
+        if aside:
+            st.check_s += time.perf_counter() - t0
+        else:
+            st.host_s += time.perf_counter() - t1
         return tags
 
     def check(self, d: Deferred, alone: bool, trace: RoutingTrace | None) -> bool:
@@ -318,7 +347,11 @@ class DeferredHandshake:
         resident when it was built; a miss's reads start here when `alone`. A gated layer
         always passes (its experts wait for their reads): its check is its handshake."""
         if d.gated is not None:
-            if not d.gated.checked:
+            if self.device_gate:  # its check runs aside: waited for (a route sync)
+                t = time.perf_counter()
+                self.checks.wait(d)
+                self.sched.stats.route_sync_s += time.perf_counter() - t
+            elif not d.gated.checked:
                 self.check_gated(d, trace)
             return True
         st, sched = self.sched.stats, self.sched

@@ -96,8 +96,13 @@ class GateTable:
         meanwhile keeps its slot. Mapped, the thread's device work is then waited for (the
         gates give up at once): MLX synchronizes a thread's own stream only, so a close() or
         reset() on another thread could not wait for this one's gates."""
-        replace_words(self.address, self.table.size, -1, FAILED)
+        self.fail_pending()
         self._wait_for_device()
+
+    def fail_pending(self) -> None:
+        """Every word not landed reads FAILED, word by word, atomically (`abandon` without
+        its wait: a check that failed on the checks' thread, which has no device work)."""
+        replace_words(self.address, self.table.size, -1, FAILED)
 
     def reset(self) -> None:
         """Nothing runs on the device: words left FAILED read -1 again (a later read of the

@@ -37,6 +37,9 @@ class ExpertStats:
     predicting_tokens: int = 0
     # gated decode: layers whose gate gave up waiting on the device (recomputed: a stuck read)
     gate_timeouts: int = 0
+    # gated decode on the device: time its checks' thread spent checking layers, their
+    # routing's wait included (off the decoding thread: waits for it are in route_sync_s)
+    check_s: float = 0.0
     topped_up: int = 0  # read-ahead the scheduler's loop added when the drive ran low
     loop_s: float = 0.0  # time the scheduler's loop thread held the GIL
     # its CPU time meanwhile (thread_time: what others' threads and processes take of its

@@ -363,6 +363,107 @@ def test_an_error_mid_token_abandons_its_gates_and_the_next_generation_is_exact(
         m.expert_cache.close()
 
 
+def emulated_device_gate(monkeypatch, seconds: float = 5.0) -> dict:
+    """The device gate on this CPU, at its worst: the gate call holds the thread building
+    the token (as a CUDA allocation that synchronizes the device would hold it) until every
+    record the layer reads has landed, then hands over their slots; past `seconds` it gives
+    up (late). The table's "device address" is its host address. Fill the returned dict's
+    "rows" (device address -> host row) once the model is loaded."""
+    import strata_mlx.runtime.deferred as deferred
+    import strata_mlx.runtime.experts as experts
+    import strata_mlx.stream.reader as reader
+
+    monkeypatch.setattr(experts, "device_gate_available", lambda: True)
+    monkeypatch.setattr(reader, "map_host", lambda address, nbytes: address)
+    monkeypatch.setattr(reader, "unmap_host", lambda address: None)
+    seen = {"rows": {}, "held": 0}
+
+    def gate(ids, row_at):
+        row, wanted = seen["rows"][row_at.item()], ids.tolist()
+        deadline = time.monotonic() + seconds
+        # (as the kernel: waits while a word is -1, gives up at once on CLOSED or FAILED)
+        while -1 in (words := [int(row[e]) for e in wanted]) and time.monotonic() < deadline:
+            if min(words) < -1:
+                break
+            seen["held"] += 1
+            time.sleep(0.0005)
+        words = [int(row[e]) for e in wanted]
+        slots, late = [max(w, 0) for w in words], int(min(words) < 0)
+        return mx.array(slots, dtype=mx.uint32), mx.array([late], dtype=mx.int32)
+
+    monkeypatch.setattr(deferred, "gate", gate)
+    return seen
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+def test_a_device_gate_holding_the_building_thread_gets_its_reads_from_the_checks(
+    store, family, monkeypatch
+):
+    """Gated decode's checks run on a thread of their own: a layer's reads go out even while
+    the thread building the token is held until they land (before, its check waited for
+    that thread to build the next layer: every such gate waited out its timeout). Tokens
+    and log-probabilities equal the per-layer handshake's, no gate gives up."""
+    path = store(family)
+    ids = prompt_ids(24, seed=11)
+    gb = arena_gb(path, 0.2)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead="lookahead")
+    ref = decode(sync, ids, 8)
+    seen = emulated_device_gate(monkeypatch)
+    model, _ = strata_mlx.load(
+        path, arena_gb=gb, read_ahead="lookahead", decode_gate=True, decode_token_below=0.0
+    )
+    ec = model.expert_cache
+    assert ec.pipelined.device_gate and ec.pipelined.checks is not None
+    table = ec.sched.residency.gate
+    seen["rows"] = {table.row_address(l): table.row(l) for l in ec.layers}
+    got = decode(model, ids, 8)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    s = ec.stats
+    assert s.gate_timeouts == 0 and s.gated_mode_tokens == 8 and s.misses > 0
+    assert seen["held"] > 0 and s.check_s > 0  # gates did hold the building thread
+    for m in (model, sync):
+        m.expert_cache.close()
+    assert not ec.pipelined.checks._thread.is_alive()
+
+
+def test_a_check_failing_aside_is_raised_and_the_next_generation_is_exact(store, monkeypatch):
+    """A check that raises on the checks' thread: the gates behind it give up at once (no
+    5 s waits), the error reaches the decoding thread, and the next generation decodes as
+    the per-layer handshake does."""
+    from strata_mlx.runtime.experts import ExpertCache
+
+    path = store("qwen3_moe")
+    ids = prompt_ids(24, seed=5)
+    sync, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.25), decode="sync")
+    ref = decode(sync, ids, 6)
+    seen = emulated_device_gate(monkeypatch)
+    model, _ = strata_mlx.load(
+        path, arena_gb=arena_gb(path, 0.25), decode_gate=True, decode_token_below=0.0
+    )
+    ec = model.expert_cache
+    table = ec.sched.residency.gate
+    seen["rows"] = {table.row_address(l): table.row(l) for l in ec.layers}
+    claim, calls = ExpertCache.claim, []
+
+    def failing(self, layer, needed, observe=True):
+        calls.append(layer)
+        if len(calls) == 3 * len(self.layers):  # the third token's last layer
+            raise OSError("a stand-in read error")
+        return claim(self, layer, needed, observe)
+
+    monkeypatch.setattr(ExpertCache, "claim", failing)
+    t = time.monotonic()
+    with pytest.raises(OSError, match="stand-in"):
+        decode(model, ids, 6)
+    assert time.monotonic() - t < 4  # no gate waited out its 5 s
+    assert (table.table == FAILED).any() and not (table.table == -1).any()
+    monkeypatch.setattr(ExpertCache, "claim", claim)
+    got = decode(model, ids, 6)  # (its start: ExpertCache.idle)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    for m in (model, sync):
+        m.expert_cache.close()
+
+
 def cuda_ready() -> bool:
     return hasattr(mx, "cuda") and mx.cuda.is_available()
 
