@@ -451,6 +451,8 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
         # tokens begun in each decoder mode; gated decode's gates that gave up (recomputed)
         "decode_modes": {m: getattr(d, f"{m}_mode_tokens") for m in DECODE_MODES},
         "decode_gate_timeouts": d.gate_timeouts,
+        # the device gate's checks, on their own thread (beside the decoding thread's time)
+        "decode_check_ms_per_token": d.check_s / per_tok * 1e3,
     }
 
 
@@ -478,7 +480,9 @@ def _modes(s: dict) -> str:
     if not m["gated"]:
         return ""
     seen = ", ".join(f"{k} {v}" for k, v in m.items() if v)
-    return f" [modes: {seen}; gates given up {s['decode_gate_timeouts']}]"
+    checks = s["decode_check_ms_per_token"]
+    aside = f"; checks aside {checks:.1f} ms/tok" if checks else ""
+    return f" [modes: {seen}; gates given up {s['decode_gate_timeouts']}{aside}]"
 
 
 def _reads(s: dict) -> str:
