@@ -326,6 +326,23 @@ def test_abandon_and_reset_never_overwrite_a_word_a_reader_thread_lands(tmp_path
         assert np.array_equal(g.table.reshape(-1), np.arange(words) % 7)
 
 
+def fail_third_tokens_last_claim(monkeypatch):
+    """ExpertCache.claim raising a stand-in read error at the third token's last MoE layer
+    (patched); the original, to patch back."""
+    from strata_mlx.runtime.experts import ExpertCache
+
+    claim, calls = ExpertCache.claim, []
+
+    def failing(self, layer, needed, observe=True):
+        calls.append(layer)
+        if len(calls) == 3 * len(self.layers):
+            raise OSError("a stand-in read error")
+        return claim(self, layer, needed, observe)
+
+    monkeypatch.setattr(ExpertCache, "claim", failing)
+    return claim
+
+
 def test_an_error_mid_token_abandons_its_gates_and_the_next_generation_is_exact(store, monkeypatch):
     """A gated decode stopped by an error leaves no word to wait for: every word not landed
     reads FAILED (queued gates give up at once); the next generation starts with them -1
@@ -340,15 +357,7 @@ def test_an_error_mid_token_abandons_its_gates_and_the_next_generation_is_exact(
         path, arena_gb=arena_gb(path, 0.25), decode_gate=True, decode_token_below=0.0
     )
     ec = model.expert_cache
-    claim, calls = ExpertCache.claim, []
-
-    def failing(self, layer, needed, observe=True):
-        calls.append(layer)
-        if len(calls) == 3 * len(self.layers):  # the third token's last layer
-            raise OSError("a stand-in read error")
-        return claim(self, layer, needed, observe)
-
-    monkeypatch.setattr(ExpertCache, "claim", failing)
+    claim = fail_third_tokens_last_claim(monkeypatch)
     with pytest.raises(OSError, match="stand-in"):
         decode(model, ids, 6)
     table = ec.sched.residency.gate.table
@@ -443,15 +452,7 @@ def test_a_check_failing_aside_is_raised_and_the_next_generation_is_exact(store,
     ec = model.expert_cache
     table = ec.sched.residency.gate
     seen["rows"] = {table.row_address(l): table.row(l) for l in ec.layers}
-    claim, calls = ExpertCache.claim, []
-
-    def failing(self, layer, needed, observe=True):
-        calls.append(layer)
-        if len(calls) == 3 * len(self.layers):  # the third token's last layer
-            raise OSError("a stand-in read error")
-        return claim(self, layer, needed, observe)
-
-    monkeypatch.setattr(ExpertCache, "claim", failing)
+    claim = fail_third_tokens_last_claim(monkeypatch)
     t = time.monotonic()
     with pytest.raises(OSError, match="stand-in"):
         decode(model, ids, 6)
