@@ -45,7 +45,7 @@ class GateChecks:
         """Check `d` after the layers submitted before it."""
         with self._cond:
             if self._closed:
-                raise RuntimeError("gated decode's checks are closed")
+                raise RuntimeError(CLOSED)
             self._queue.append(d)
             if self._thread is None:
                 self._thread = threading.Thread(

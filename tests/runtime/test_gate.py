@@ -465,6 +465,38 @@ def test_a_check_failing_aside_is_raised_and_the_next_generation_is_exact(store,
         m.expert_cache.close()
 
 
+def test_a_cache_closed_while_its_decode_waits_for_a_check_aside_stops_it(store, monkeypatch):
+    """close() from another thread (a server shutting down) while gated decode's checks run
+    aside: the decode stops with the cache's one-line error, and the checks' thread ends."""
+    path = store("qwen3_moe")
+    seen = emulated_device_gate(monkeypatch)
+    model, _ = strata_mlx.load(
+        path, arena_gb=arena_gb(path, 0.25), decode_gate=True, decode_token_below=0.0
+    )
+    ec = model.expert_cache
+    table = ec.sched.residency.gate
+    seen["rows"] = {table.row_address(l): table.row(l) for l in ec.layers}
+    started, errors = threading.Event(), []
+
+    def worker():
+        try:
+            for _ in stream_generate(model, None, prompt_ids(24, seed=9), 400):
+                started.set()
+                time.sleep(0.005)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    from strata_mlx.runtime.threads import last_on_thread
+
+    t = threading.Thread(target=last_on_thread, args=(worker,), name="worker")
+    t.start()
+    assert started.wait(60)
+    ec.close()
+    t.join(60)
+    assert not t.is_alive() and errors == ["expert cache is closed"]
+    assert not ec.pipelined.checks._thread.is_alive()
+
+
 def cuda_ready() -> bool:
     return hasattr(mx, "cuda") and mx.cuda.is_available()
 
