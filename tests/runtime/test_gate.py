@@ -208,6 +208,29 @@ def test_a_table_closed_while_a_decode_runs_stays_mapped_until_it_ends(monkeypat
     assert seen == ["synchronize", "unmap"] and g.device_address is None
 
 
+def decoding_worker(model, on_leave=None):
+    """A thread named "worker" decoding up to 400 tokens, its MLX streams ended after it, and
+    `on_leave()` once its decode has left the expert cache: (the thread, an Event set at its
+    first token, the RuntimeErrors it stopped with)."""
+    from strata_mlx.runtime.threads import last_on_thread
+
+    started, errors = threading.Event(), []
+
+    def worker():
+        try:
+            for _ in stream_generate(model, None, prompt_ids(24, seed=9), 400):
+                started.set()
+                time.sleep(0.005)
+        except RuntimeError as e:
+            errors.append(str(e))
+        if on_leave is not None:
+            on_leave()
+
+    t = threading.Thread(target=last_on_thread, args=(worker,), name="worker")
+    t.start()
+    return t, started, errors
+
+
 def test_a_cache_closed_under_a_decode_on_another_thread_unmaps_after_it(store, monkeypatch):
     """The server's shutdown closes the expert cache while its worker may be decoding: the
     worker stops with the cache's one-line error, and the table is unmapped only once its
@@ -231,21 +254,7 @@ def test_a_cache_closed_under_a_decode_on_another_thread_unmaps_after_it(store, 
     def thread() -> str:
         return threading.current_thread().name
 
-    started, errors = threading.Event(), []
-
-    def worker():
-        try:
-            for _ in stream_generate(model, None, prompt_ids(24, seed=9), 400):
-                started.set()
-                time.sleep(0.005)
-        except RuntimeError as e:
-            errors.append(str(e))
-        seen.append(("decode left", thread()))
-
-    from strata_mlx.runtime.threads import last_on_thread
-
-    t = threading.Thread(target=last_on_thread, args=(worker,), name="worker")
-    t.start()
+    t, started, errors = decoding_worker(model, lambda: seen.append(("decode left", thread())))
     assert started.wait(60)
     ec.close()
     seen.append(("closed", thread()))
@@ -404,6 +413,18 @@ def emulated_device_gate(monkeypatch, seconds: float = 5.0) -> dict:
     return seen
 
 
+def load_emulated(monkeypatch, path, fraction: float, **opts):
+    """(a gated model of `path` in an arena of `fraction` of its experts, through the
+    emulated device gate; that gate's `seen`)."""
+    seen = emulated_device_gate(monkeypatch)
+    model, _ = strata_mlx.load(
+        path, arena_gb=arena_gb(path, fraction), decode_gate=True, decode_token_below=0.0, **opts
+    )
+    table = model.expert_cache.sched.residency.gate
+    seen["rows"] = {table.row_address(l): table.row(l) for l in model.expert_cache.layers}
+    return model, seen
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
 def test_a_device_gate_holding_the_building_thread_gets_its_reads_from_the_checks(
     store, family, monkeypatch
@@ -417,14 +438,9 @@ def test_a_device_gate_holding_the_building_thread_gets_its_reads_from_the_check
     gb = arena_gb(path, 0.2)
     sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead="lookahead")
     ref = decode(sync, ids, 8)
-    seen = emulated_device_gate(monkeypatch)
-    model, _ = strata_mlx.load(
-        path, arena_gb=gb, read_ahead="lookahead", decode_gate=True, decode_token_below=0.0
-    )
+    model, seen = load_emulated(monkeypatch, path, 0.2, read_ahead="lookahead")
     ec = model.expert_cache
     assert ec.pipelined.device_gate and ec.pipelined.checks is not None
-    table = ec.sched.residency.gate
-    seen["rows"] = {table.row_address(l): table.row(l) for l in ec.layers}
     got = decode(model, ids, 8)
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
     s = ec.stats
@@ -445,13 +461,9 @@ def test_a_check_failing_aside_is_raised_and_the_next_generation_is_exact(store,
     ids = prompt_ids(24, seed=5)
     sync, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.25), decode="sync")
     ref = decode(sync, ids, 6)
-    seen = emulated_device_gate(monkeypatch)
-    model, _ = strata_mlx.load(
-        path, arena_gb=arena_gb(path, 0.25), decode_gate=True, decode_token_below=0.0
-    )
+    model, _ = load_emulated(monkeypatch, path, 0.25)
     ec = model.expert_cache
     table = ec.sched.residency.gate
-    seen["rows"] = {table.row_address(l): table.row(l) for l in ec.layers}
     claim = fail_third_tokens_last_claim(monkeypatch)
     t = time.monotonic()
     with pytest.raises(OSError, match="stand-in"):
@@ -469,27 +481,9 @@ def test_a_cache_closed_while_its_decode_waits_for_a_check_aside_stops_it(store,
     """close() from another thread (a server shutting down) while gated decode's checks run
     aside: the decode stops with the cache's one-line error, and the checks' thread ends."""
     path = store("qwen3_moe")
-    seen = emulated_device_gate(monkeypatch)
-    model, _ = strata_mlx.load(
-        path, arena_gb=arena_gb(path, 0.25), decode_gate=True, decode_token_below=0.0
-    )
+    model, _ = load_emulated(monkeypatch, path, 0.25)
     ec = model.expert_cache
-    table = ec.sched.residency.gate
-    seen["rows"] = {table.row_address(l): table.row(l) for l in ec.layers}
-    started, errors = threading.Event(), []
-
-    def worker():
-        try:
-            for _ in stream_generate(model, None, prompt_ids(24, seed=9), 400):
-                started.set()
-                time.sleep(0.005)
-        except RuntimeError as e:
-            errors.append(str(e))
-
-    from strata_mlx.runtime.threads import last_on_thread
-
-    t = threading.Thread(target=last_on_thread, args=(worker,), name="worker")
-    t.start()
+    t, started, errors = decoding_worker(model)
     assert started.wait(60)
     ec.close()
     t.join(60)
