@@ -156,10 +156,10 @@ class DeferredHandshake:
         self.owner = owner
         table = sched.residency.gate
         self.device_gate = table is not None and table.device_address is not None
-        # The device gate's checks run on a thread of their own (runtime/gate_checks.py).
-        self.checks = (
-            GateChecks(self._check_aside, table.fail_pending) if self.device_gate else None
-        )
+        # The device gate's checks run on a thread of their own (runtime/gate_checks.py),
+        # started at the first; without it the checks stay idle.
+        fail = table.fail_pending if table is not None else lambda: None
+        self.checks = GateChecks(self._check_aside, fail)
         self._next = dict(zip(layers, layers[1:]))
         self._row_at: dict[int, mx.array] = {}  # layer -> its gate-table row's device address
         self.records: list[Deferred] | None = None  # inside `building()`: where layers go
@@ -268,16 +268,6 @@ class DeferredHandshake:
         self.records.append(d)
         sched.stats.host_s += time.perf_counter() - t
         return y
-
-    def drain_checks(self, error: bool = False) -> None:
-        """Until the checks' thread is idle; `error`: a token stopped by an error, its
-        queued checks dropped. None without the device gate."""
-        if self.checks is not None:
-            self.checks.cancel() if error else self.checks.drain()
-
-    def close(self) -> None:
-        if self.checks is not None:
-            self.checks.close()
 
     def _row_address(self, layer: int) -> mx.array:
         at = self._row_at.get(layer)

@@ -282,7 +282,7 @@ class ExpertCache:
             raise
         except BaseException:
             if gate is not None:
-                self.pipelined.drain_checks(error=True)  # none may submit a read after it
+                self.pipelined.checks.cancel()  # none may submit a read after it
                 gate.abandon()
             raise
         finally:
@@ -314,7 +314,7 @@ class ExpertCache:
         """Stop the scheduler and its reader. Idempotent; a layer run after it (a generation
         abandoned mid-stream and resumed, or one running on another thread) raises
         RuntimeError("expert cache is closed"), even where every expert it needs is resident."""
-        self.pipelined.close()
+        self.pipelined.checks.close()
         self.sched.close()
 
     def idle(self) -> None:
@@ -325,8 +325,7 @@ class ExpertCache:
         self.settle()
         self.pipelined.ahead_tags.clear()
         if self.sched.residency.gate is not None:
-            if self.pipelined.checks is not None:
-                self.pipelined.checks.reset()  # a failed check's error, never raised, goes
+            self.pipelined.checks.reset()  # a failed check's error, never raised, goes
             self.sched.residency.gate.reset()  # words a token abandoned by an error left
 
     # ---- the handshake -----------------------------------------------------------------
@@ -443,7 +442,7 @@ class ExpertCache:
         """The device finished everything built so far (the decoder drained or the token
         is evaluated): no slot is in use, neither a handshake's pins nor a pipelined layer's
         (but `keep`'s, about to be recomputed)."""
-        self.pipelined.drain_checks()  # (none of them pins a slot after this)
+        self.pipelined.checks.drain()  # (none of them pins a slot after this)
         with self.sched.lock:
             self.arena.unpin_all()
             busy = self.sched.busy_layers
