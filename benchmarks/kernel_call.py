@@ -18,12 +18,14 @@ or --dtype), N calls of `pairs` are timed three ways, STRATA_MLX_KERNEL_HEADER's
          the clock stops: the host's whole share, the source's hash at eval included;
   eval   mx.eval every 48 calls: wall time, the kernels' device time included (when the device
          is slower than the host, this hides host savings).
-Then a trivial kernel (one copy) with a header of 1 KB and of 20 KB of comment lines, the same
+Then `pairs` against the general call on the same pairs (an index of them, as pipelined and
+gated decode's layers made before they called `pairs`), the same three ways. Then a trivial
+kernel (one copy) with a header of 1 KB and of 20 KB of comment lines, the same
 three ways: what a KB of source costs a call. Only the manifest is read, and an arena of zeros
 of a few records stands in for the experts (the host's work does not depend on the values).
 On a machine whose MLX has no CUDA or Metal device it prints the source sizes, says that
 nothing was timed and exits 0. Sized for well under 90 s on a GPU: six JIT compiles (~1.5 s
-each on the H200), then 2 x 2 x 3 x --rounds measurements of --calls calls of ~0.2 ms at most.
+each on the H200), then 3 x 2 x 3 x --rounds measurements of --calls calls of ~0.2 ms at most.
 """
 
 from __future__ import annotations
@@ -169,6 +171,18 @@ def main() -> int:
     print_table(
         f"pairs, one layer's decode call ({a.calls} calls, {a.rounds} rounds)", list(calls), med
     )
+
+    # Pipelined and gated decode's layers called the general entry with an index of the
+    # pairs (a gather of their slots, a tile plan, reshapes); they call `pairs` now.
+    own = kerns["own"]
+    idx = mx.arange(k, dtype=mx.uint32).reshape(1, 1, k)
+    mx.eval(idx)
+    entries = {
+        "pairs": lambda: own.pairs(x, arena, pair_slot),
+        "general": lambda: own(x, arena, pair_slot, idx, layout),
+    }
+    med = alternate(entries, a.calls, a.rounds)
+    print_table("one token's pairs: `pairs` against the general call", list(entries), med)
 
     sizes = {"20 KB header": 20_000, "1 KB header": 1_000}
     trivial = {name: trivial_kernel(dialect, size) for name, size in sizes.items()}

@@ -53,15 +53,17 @@ class LayerCompute:
         """x [..., D] of one token routed to inds [..., k], pair p's expert in `slots[p]`
         (decode's handshake: pair by pair, no local index; by_expert's outputs bit for bit)
         -> [..., k, D]."""
-        pair_slot = mx.array(slots, dtype=mx.uint32)
-        direct = self.pairs[layer]
-        if direct is not None:
-            return direct(x, self.arena.rows, pair_slot)
-        return self.by_pair(layer, x, inds, pair_slot)
+        return self.by_pair(layer, x, inds, mx.array(slots, dtype=mx.uint32))
 
     def by_pair(self, layer: int, x: mx.array, inds: mx.array, slots: mx.array) -> mx.array:
         """x [..., D] routed to inds [..., k], pair p read from `slots[p]` (slots looked up
-        on the device: pipelined decode) -> [..., k, D]."""
+        on the device: pipelined and gated decode) -> [..., k, D]. One token goes to the
+        kernels' `pairs` where they have it: the same kernels on the same inputs, without
+        the general call's index, gather, tile plan and reshapes (two launches a layer
+        instead of four)."""
+        direct = self.pairs[layer]
+        if direct is not None and inds.size == inds.shape[-1]:
+            return direct(x, self.arena.rows, slots)
         idx = self._pair_index.get(inds.shape)
         if idx is None:  # pair p reads slots[p]
             idx = mx.arange(inds.size, dtype=mx.uint32).reshape(inds.shape)

@@ -92,7 +92,7 @@ def expert_kernel(layout: RecordLayout, name: str | None = None) -> ExpertFn:
             def run(x, arena, slots, idx):
                 return fn(x, arena, slots, idx, layout)
 
-            run.pairs = fn.pairs  # one token's pairs by their slots (LayerCompute.one_token)
+            run.pairs = fn.pairs  # one token's pairs by their slots (LayerCompute.by_pair)
             return run
 
     def reference(x, arena, slots, idx):

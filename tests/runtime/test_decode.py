@@ -4,6 +4,8 @@ including tokens where a layer misses and is recomputed."""
 
 from __future__ import annotations
 
+import shutil
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -488,3 +490,42 @@ def test_one_read_of_the_ids_equals_a_read_per_array(store, family, after_expert
     assert np.array_equal(lp, ref_lp)
     assert counts == ref_counts
     assert predicted == ref_pred and len(predicted) > 0
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler for the host dialect")
+def test_kernels_pairs_decode_as_their_general_call(tmp_path):
+    """Where the expert kernels have `pairs` (the GPU dialects'; here the host dialect, which
+    compiles the same kernel source), every one-token layer goes through it (the per-layer
+    handshake, token mode's device row lookups, gated layers): the tokens and
+    log-probabilities of the kernels' general call, bit for bit."""
+    from test_synthetic import tiny_synthetic
+
+    from strata_mlx.runtime import kernels
+
+    path = tiny_synthetic(tmp_path / "synth")
+    ids = prompt_ids(16, seed=3)
+    runs = {
+        "sync": dict(decode="sync"),
+        "token": dict(decode_token_below=1.0, decode_sync_above=1.0),
+        "gated": dict(decode_gate=True, decode_token_below=0.0),
+    }
+    for name, kw in runs.items():
+        out = {}
+        for direct in (True, False):
+            model, _ = strata_mlx.load(path, arena_gb=arena_for(path, 0.5), **kw)
+            compute, calls = model.expert_cache.compute, []
+            for layer in compute.kernel:
+                run = kernels.expert_kernel(model.expert_cache.manifest.layout_of(layer), "host")
+
+                def pairs(*a, run=run, calls=calls):
+                    calls.append(a)
+                    return run.pairs(*a)
+
+                compute.kernel[layer] = run
+                compute.pairs[layer] = pairs if direct else None
+            out[direct] = (*decode(model, ids, n=6), len(calls))
+            model.expert_cache.close()
+        (tokens, lp, calls), (ref_tokens, ref_lp, ref_calls) = out[True], out[False]
+        assert tokens == ref_tokens, name
+        assert np.array_equal(lp, ref_lp), name
+        assert calls > 0 and ref_calls == 0, name
