@@ -87,7 +87,14 @@ def set_mode(model, mode: str) -> None:
     """sync | layers:LAG (each layer checked LAG layers late, never whole tokens) |
     token:CHUNK (whole tokens overlapped with the next one's build, CHUNK layers submitted at
     once, never the sync fallback) | adaptive (the runtime's defaults) | adaptive+token (the
-    same, "token" mode allowed while decode lookahead predicts)."""
+    same, "token" mode allowed while decode lookahead predicts). A "+general" suffix: one
+    token's layers call the expert kernels' general entry with an index of the pairs, as
+    before they called `pairs` (LayerCompute.by_pair), for a side-by-side timing."""
+    compute = model.expert_cache.compute
+    if not hasattr(compute, "kept_pairs"):
+        compute.kept_pairs = dict(compute.pairs)
+    mode, general = mode.removesuffix("+general"), mode.endswith("+general")
+    compute.pairs = {l: None for l in compute.kept_pairs} if general else dict(compute.kept_pairs)
     name, _, n = mode.partition(":")
     if name == "sync":
         model.decoder = model.sync_decoder
@@ -105,7 +112,7 @@ def set_mode(model, mode: str) -> None:
     else:
         raise SystemExit(
             f"unknown mode {mode!r}: sync | layers:LAG[:CHUNK] | token:CHUNK | adaptive"
-            " | adaptive+token"
+            " | adaptive+token, each optionally +general"
         )
 
 
