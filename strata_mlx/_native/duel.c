@@ -166,6 +166,7 @@ static void lru_touch(Lru *q, int32_t n) {
 
 static int lru_victims(Duel *d, Lru *q, const Pred *p, Py_ssize_t want, Keys *out) {
     /* arena.LRU.victims: the first evictable keys in one walk, oldest first */
+    if (want <= 0) return 0;
     for (int32_t n = q->head; n; n = q->next[n]) {
         int ok = is_evictable(p, d->layer[n], d->expert[n]);
         if (ok < 0) return -1;

@@ -590,6 +590,7 @@ int nu_victim(Core *s, const Pred *evictable, long *layer, int32_t *expert) {
 
 static int victims(Core *s, const Pred *evictable, const long *key_layers, Py_ssize_t want,
                    Keys *out) {
+    if (want <= 0) return 0; /* no keys, no victims (not the small batch's one) */
     for (Py_ssize_t j = 0; j < want; j++)
         if (find(s, key_layers[j]) < 0) { /* a new layer moves every distance: ask again after */
             want = j + 1;
@@ -679,7 +680,8 @@ static int victims(Core *s, const Pred *evictable, const long *key_layers, Py_ss
         Layer *l = &s->L[i];
         for (Py_ssize_t j = 0; j < back[i].len; j++) {
             Entry x = back[i].h[j];
-            if (l->taken[x.e] != pass && heap_push(&l->heap, x) < 0) goto fail_back;
+            /* cannot fail: the heap keeps the room of the entries popped from it */
+            if (l->taken[x.e] != pass) (void)heap_push(&l->heap, x);
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) free(back[i].h);

@@ -90,7 +90,10 @@ class LRU:
     def victims(self, evictable, keys: list[Key]) -> list[Key]:
         """The victims of successive `victim` calls for `keys` (each removed, its slot given
         to the next of `keys`, touched and not evictable): the first evictable ones in one
-        walk of the order. A subclass that overrides `victim` gets its one victim."""
+        walk of the order. A subclass that overrides `victim` gets its one victim. None for
+        no keys (the walk stops at as many victims as keys)."""
+        if not keys:
+            return []
         if type(self).victim is not LRU.victim:
             key = self.victim(evictable)
             return [] if key is None else [key]

@@ -103,7 +103,9 @@ class Batched:
         SMALL_BATCH.
         (A key's touch changes only its own layer's rate, and a layer whose rate moves at
         its first use has no resident but the batch's own, none evictable.) Empty where none
-        is evictable. The caller removes every victim returned."""
+        is evictable, or for no keys. The caller removes every victim returned."""
+        if not keys:
+            return []
         index, want = self._index, len(keys)
         for j, key in enumerate(keys):
             if key[0] not in index:

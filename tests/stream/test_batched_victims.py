@@ -197,3 +197,21 @@ def test_nextuse_s_victims_stop_after_a_layer_not_seen_yet():
         # one pass over the old cycle (keys of a layer it knows) would not give them
         differ += one != ps[2].victims(lambda k: k[0] != 9, [(0, 99 + e) for e in range(4)])
     assert differ
+
+
+@pytest.mark.parametrize(
+    "make",
+    [arena_module.LRU, lambda: NextUse(core="native"), lambda: NextUse(core="python")],
+    ids=["lru", "nextuse-native", "nextuse-python"],
+)
+def test_no_keys_have_no_victims(make):
+    """A batch of no keys evicts nothing: LRU's walk, which stops at as many victims as keys,
+    took every evictable one; NextUse's small batch gave its one candidate."""
+    p = make()
+    for step in range(3):
+        p.current = step % 2
+        for e in range(8):
+            p.touch((step % 2, e))
+    p.current = None
+    assert p.victims(lambda k: True, []) == []
+    assert len(p.victims(lambda k: True, [(0, 9)])) == 1
