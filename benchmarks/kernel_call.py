@@ -24,7 +24,8 @@ kernel (one copy) with a header of 1 KB and of 20 KB of comment lines, the same
 three ways: what a KB of source costs a call. Only the manifest is read, and an arena of zeros
 of a few records stands in for the experts (the host's work does not depend on the values).
 On a machine whose MLX has no CUDA or Metal device it prints the source sizes, says that
-nothing was timed and exits 0. Sized for well under 90 s on a GPU: six JIT compiles (~1.5 s
+nothing was timed and exits 0; with --stub it times `pairs` against the general call there
+(and anywhere) with stub kernels, one MLX op each: the host's glue around the kernels alone. Sized for well under 90 s on a GPU: six JIT compiles (~1.5 s
 each on the H200), then 3 x 2 x 3 x --rounds measurements of --calls calls of ~0.2 ms at most.
 """
 
@@ -122,12 +123,51 @@ def trivial_kernel(dialect: str, header_bytes: int) -> Callable[[], mx.array]:
     return lambda: kernel(inputs=[a], **args)[0]
 
 
+class StubDialect:
+    """Kernels that are one MLX op each (zeros of the output's shape): what is left to time
+    is the Python and the graph around them, on any machine."""
+
+    MAX_GRID_Y = 65535
+
+    @staticmethod
+    def build(src):
+        def run(inputs, output_shapes, output_dtypes, **kw):
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return run
+
+
+def time_glue(layout, projs, k: int, dtype, a) -> int:
+    """--stub: `pairs` against the general call with stub kernels, on this machine's device."""
+    kern = dispatch.ExpertKernels(StubDialect, layout, projs, header="own")
+    arena = mx.zeros((max(k, 16), layout.record_bytes), dtype=mx.uint8)
+    x = mx.random.normal((1, 1, kern.hidden)).astype(dtype)
+    pair_slot = mx.arange(k, dtype=mx.uint32)
+    idx = mx.arange(k, dtype=mx.uint32).reshape(1, 1, k)
+    mx.eval(arena, x, pair_slot, idx)
+    entries = {
+        "pairs": lambda: kern.pairs(x, arena, pair_slot),
+        "general": lambda: kern(x, arena, pair_slot, idx, layout),
+    }
+    med = alternate(entries, a.calls, a.rounds)
+    print_table(
+        "stub kernels (the glue alone): `pairs` against the general call", list(entries), med
+    )
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("store", help="a strata-mlx store (only its manifest is read)")
     ap.add_argument("--calls", type=int, default=2000, help="calls a measurement (N)")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (medians)")
     ap.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None)
+    ap.add_argument(
+        "--stub",
+        action="store_true",
+        help="time `pairs` against the general call with stub kernels (one op each): the "
+        "Python and graph around the kernels, on any machine",
+    )
     a = ap.parse_args()
 
     try:
@@ -156,6 +196,8 @@ def main() -> int:
             f"  {h:4}: decode gate_up {sizes[0]}, down {sizes[1]} (a layer: {sum(sizes[:2])});"
             f" dequantize {', '.join(map(str, sizes[2:]))}"
         )
+    if a.stub:
+        return time_glue(layout, projs, k, dtype, a)
     if dialect is None:
         print(f"MLX {mx.__version__} here has no CUDA or Metal device: nothing timed.")
         return 0

@@ -746,7 +746,8 @@ def test_host_kernels_compute_the_same_bits_with_either_header(case):
 
 def test_the_kernel_call_benchmark_says_what_it_cannot_time_here(tmp_path):
     """benchmarks/kernel_call.py on a machine without a GPU device: the source sizes of a
-    synthetic store's kernels with either header, then "nothing timed", and exit status 0."""
+    synthetic store's kernels with either header, then "nothing timed", and exit status 0;
+    with --stub, the glue's table."""
     from test_synthetic import tiny_synthetic
 
     if (hasattr(mx, "cuda") and mx.cuda.is_available()) or mx.metal.is_available():
@@ -759,6 +760,15 @@ def test_the_kernel_call_benchmark_says_what_it_cannot_time_here(tmp_path):
     sizes = dict(re.findall(r"(own|full) *: decode gate_up (\d+)", r.stdout))
     assert int(sizes["own"]) < int(sizes["full"]), r.stdout
     assert "nothing timed" in r.stdout
+    # --stub: `pairs` against the general call with one-op kernels, timed on this machine
+    r = subprocess.run(
+        [sys.executable, script, str(path), "--stub", "--calls", "96", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = dict(re.findall(r"^(pairs|general) +([0-9.]+)", r.stdout, re.M))
+    assert set(rows) == {"pairs", "general"} and "difference" in r.stdout, r.stdout
 
 
 @needs_cxx
