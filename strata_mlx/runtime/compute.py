@@ -56,14 +56,15 @@ class LayerCompute:
         return self.by_pair(layer, x, inds, mx.array(slots, dtype=mx.uint32))
 
     def by_pair(self, layer: int, x: mx.array, inds: mx.array, slots: mx.array) -> mx.array:
-        """x [..., D] routed to inds [..., k], pair p read from `slots[p]` (slots looked up
-        on the device: pipelined and gated decode) -> [..., k, D]. One token goes to the
-        kernels' `pairs` where they have it: the same kernels on the same inputs, without
-        the general call's index, gather, tile plan and reshapes (two launches a layer
-        instead of four)."""
+        """x [..., D] routed to inds [..., k], pair p read from `slots` [..., k] at p in
+        row-major order (slots looked up on the device: pipelined and gated decode) ->
+        [..., k, D]. One token goes to the kernels' `pairs` where they have it: the same
+        kernels on the same inputs, without the general call's index, gather, tile plan and
+        reshapes (two launches a layer instead of four)."""
         direct = self.pairs[layer]
         if direct is not None and inds.size == inds.shape[-1]:
-            return direct(x, self.arena.rows, slots)
+            return direct(x, self.arena.rows, slots)  # (reads slots flat, whatever its shape)
+        slots = slots.reshape(-1)
         idx = self._pair_index.get(inds.shape)
         if idx is None:  # pair p reads slots[p]
             idx = mx.arange(inds.size, dtype=mx.uint32).reshape(inds.shape)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -131,6 +130,25 @@ def distinct(ids: np.ndarray) -> list[int]:
     return np.unique(ids).tolist()
 
 
+class Building:
+    """DeferredHandshake.building's block: a class, not a generator, as pipelined decode
+    enters one at every layer (contextlib's costs a few microseconds each time)."""
+
+    __slots__ = ("handshake", "lookahead", "gated")
+
+    def __init__(self, handshake: DeferredHandshake, lookahead: bool, gated: bool):
+        self.handshake, self.lookahead, self.gated = handshake, lookahead, gated
+
+    def __enter__(self) -> list[Deferred]:
+        records: list[Deferred] = []
+        h = self.handshake
+        h.records, h.lookahead, h.gating = records, self.lookahead, self.gated
+        return records
+
+    def __exit__(self, *exc) -> None:
+        self.handshake.records, self.handshake.gating = None, False
+
+
 class DeferredHandshake:
     """The deferred handshake of every MoE layer of one model. `all_fit`: every expert fits
     in the arena at once, so uses need not be recorded for eviction."""
@@ -176,19 +194,13 @@ class DeferredHandshake:
         """Whether gated decode can run (the scheduler keeps a gate table)."""
         return self.sched.residency.gate is not None and not self.compute.fake_stream
 
-    @contextmanager
-    def building(self, lookahead: bool, gated: bool = False):
+    def building(self, lookahead: bool, gated: bool = False) -> Building:
         """Layers run inside are built without a host sync, each recorded as a `Deferred`
         in the list this yields; with `lookahead` they may predict a later layer; `gated`:
         their experts wait for their reads (`run_gated`) instead of being checked later."""
         if gated and not self.gated:
             raise RuntimeError("gated decode needs the expert cache's gate table")
-        records: list[Deferred] = []
-        self.records, self.lookahead, self.gating = records, lookahead, gated
-        try:
-            yield records
-        finally:
-            self.records, self.gating = None, False
+        return Building(self, lookahead, gated)
 
     def plan_lookahead(self, distance: int) -> None:
         """A prediction made from layer l's input can only help layer l + `distance`."""
@@ -223,8 +235,8 @@ class DeferredHandshake:
         with sched.lock:
             # Slots of layers built on the device must not be refilled until they complete.
             sched.busy_layers.add(layer)
-        row, row_mx = sched.device_row(layer, self.compute.fake_stream)
-        y = self.compute.by_pair(layer, x, inds, row_mx[inds.reshape(-1)])
+            row, row_mx = sched.residency.device_row(layer, self.compute.fake_stream)
+        y = self.compute.by_pair(layer, x, inds, row_mx[inds])
         d = Deferred(layer, inds, row)
         target = self.ahead.get(layer)
         if target is not None and self.lookahead and self.predicts_in_decode():
