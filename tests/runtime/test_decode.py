@@ -529,3 +529,31 @@ def test_kernels_pairs_decode_as_their_general_call(tmp_path):
         assert tokens == ref_tokens, name
         assert np.array_equal(lp, ref_lp), name
         assert calls > 0 and ref_calls == 0, name
+
+
+def test_the_token_build_benchmark_times_both_models(tmp_path):
+    """benchmarks/token_build.py on a tiny store: a line a round with both models' times and
+    their ratio, then the median ratio; exit status 0."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_synthetic import tiny_synthetic
+
+    path = tiny_synthetic(tmp_path / "synth")
+    script = Path(__file__).parents[2] / "benchmarks" / "token_build.py"
+    r = subprocess.run(
+        [sys.executable, str(script), str(path), "--rounds", "2", "--reps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rounds = re.findall(
+        r"^round \d: ms a token, mlx-lm [0-9.]+, strata-mlx token mode [0-9.]+ \(x[0-9.]+\)$",
+        r.stdout,
+        re.M,
+    )
+    assert len(rounds) == 2, r.stdout
+    assert re.search(r"median of the rounds' ratios: x[0-9.]+$", r.stdout, re.M), r.stdout
