@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|gate
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|gate|pairs
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode.
 set -uo pipefail
@@ -160,5 +160,18 @@ gate)  # gated decode: the gate's GPU tests (the kernel waits for a host store, 
     STRATA_MLX_DRIVE_GBPS=$g G=${G:-32} LIMIT=${LIMIT:-200} bench "bench-gate-$d" "$SHM" "$p"
   done
   ;;
-*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|gate"; exit 2;;
+pairs)  # one token's layers through the kernels' `pairs` against their general entry (the
+  # call before): the call alone (a one-layer store of the full-size layout), the resident
+  # decode beside mlx-lm (interleaved), and a resident token's host build beside mlx-lm's
+  build
+  one=/tmp/strata-q3n-1
+  [ -f "$one/manifest.json" ] || python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --mlx-path "$one" --calibration-tokens 0 --set num_hidden_layers=1 --set num_experts=16 \
+     --set vocab_size=256 2>&1 | tail -1
+  timeout 120 python3 benchmarks/kernel_call.py "$one" --dtype bfloat16 2>&1 | tee "$OUT/pairs-call.log"
+  timeout 330 python3 benchmarks/decode.py "$SHM" -p 2048 -g 64 --rounds "${ROUNDS:-3}" --interleave \
+     --modes token:4,token:4+general --json "$OUT/pairs-resident.json" 2>&1 | tee "$OUT/pairs-resident.log"
+  timeout 200 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 40 2>&1 | tee "$OUT/pairs-build.log"
+  ;;
+*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|gate|pairs"; exit 2;;
 esac
