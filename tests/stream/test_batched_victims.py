@@ -201,12 +201,19 @@ def test_nextuse_s_victims_stop_after_a_layer_not_seen_yet():
 
 @pytest.mark.parametrize(
     "make",
-    [arena_module.LRU, lambda: NextUse(core="native"), lambda: NextUse(core="python")],
-    ids=["lru", "nextuse-native", "nextuse-python"],
+    [
+        arena_module.LRU,
+        lambda: NextUse(core="native"),
+        lambda: NextUse(core="python"),
+        lambda: policies.NextUseDuel([0, 1], None, core="native"),
+        lambda: policies.NextUseDuel([0, 1], None, core="python"),
+    ],
+    ids=["lru", "nextuse-native", "nextuse-python", "duel-native", "duel-python"],
 )
 def test_no_keys_have_no_victims(make):
     """A batch of no keys evicts nothing: LRU's walk, which stops at as many victims as keys,
-    took every evictable one; NextUse's small batch gave its one candidate."""
+    took every evictable one; NextUse's small batch gave its one candidate (the duel, in C and
+    in Python, asks its leader for none)."""
     p = make()
     for step in range(3):
         p.current = step % 2

@@ -207,20 +207,6 @@ def test_either_duel_refuses_a_half_life_or_sample_not_above_zero(core, bad):
         policies.NextUseDuel([0, 1], None, core=core, min_shadow_slots=0, **bad)
 
 
-@pytest.mark.parametrize("core", ["native", "python"])
-def test_no_keys_have_no_victims(core):
-    """LRU's walk stops when it has as many victims as keys: for none, it took every
-    evictable key; the NextUse cores gave one."""
-    p = policies.NextUseDuel([0, 1], None, core=core)
-    for step in range(3):
-        p.current = step % 2
-        for e in range(8):
-            p.touch((step % 2, e))
-    p.current = None
-    assert p.victims(lambda k: True, []) == []
-    assert len(p.victims(lambda k: True, [(0, 9)])) == 1
-
-
 def test_an_evictable_that_calls_back_into_the_policy_is_refused():
     """A victim search holds pointers into the cores' layers and heaps across its evictable
     calls: touching a new layer from evictable moved them under it (a use after free)."""
