@@ -168,10 +168,10 @@ pairs)  # one token's layers through the kernels' `pairs` against their general 
   [ -f "$one/manifest.json" ] || python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
      --mlx-path "$one" --calibration-tokens 0 --set num_hidden_layers=1 --set num_experts=16 \
      --set vocab_size=256 2>&1 | tail -1
-  timeout 120 python3 benchmarks/kernel_call.py "$one" --dtype bfloat16 2>&1 | tee "$OUT/pairs-call.log"
-  timeout 330 python3 benchmarks/decode.py "$SHM" -p 2048 -g 64 --rounds "${ROUNDS:-3}" --interleave \
+  timeout 100 python3 benchmarks/kernel_call.py "$one" --dtype bfloat16 2>&1 | tee "$OUT/pairs-call.log"
+  timeout 300 python3 benchmarks/decode.py "$SHM" -p 2048 -g 48 --rounds "${ROUNDS:-3}" --interleave \
      --modes token:4,token:4+general --json "$OUT/pairs-resident.json" 2>&1 | tee "$OUT/pairs-resident.log"
-  timeout 200 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 40 2>&1 | tee "$OUT/pairs-build.log"
+  timeout 150 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 30 2>&1 | tee "$OUT/pairs-build.log"
   ;;
 *) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|gate|pairs"; exit 2;;
 esac
