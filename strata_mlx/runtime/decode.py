@@ -319,6 +319,7 @@ class PipelinedDecoder(Decoder):
         one) is discarded, and `step`'s logits are recomputed exactly: returns False."""
         ec = self.expert_cache
         exact = True
+        counted = None  # the uses counted before a gate given up: its layers' only count
         while True:
             while step.pending:
                 j, d = step.pending.pop(0)
@@ -333,10 +334,14 @@ class PipelinedDecoder(Decoder):
                 exact = False
             j = self._late(step)
             if j is None:
+                if counted is not None:  # (every layer was checked, and counted, once)
+                    ec.stats.restore_uses(counted)
                 return exact
             # A gate gave up waiting (a stuck read): the layer's output is wrong, and so is
             # everything after it, `later` included. Recomputed through the per-layer
-            # handshake.
+            # handshake; the recomputed layers' experts were counted by their checks.
+            if counted is None:
+                counted = ec.stats.uses()
             if later is not None:
                 self.discard(later)
                 later = None

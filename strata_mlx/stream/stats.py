@@ -56,6 +56,17 @@ class ExpertStats:
     def copy(self) -> ExpertStats:
         return ExpertStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
+    # What a layer's handshake counts of its experts: a layer computed again (a gate given
+    # up) must not count them twice.
+    USES = ("lookups", "hits", "streamed_ahead", "misses")
+
+    def uses(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in self.USES)
+
+    def restore_uses(self, uses: tuple[int, ...]) -> None:
+        for name, value in zip(self.USES, uses):
+            setattr(self, name, value)
+
     def minus(self, other: ExpertStats) -> ExpertStats:
         return ExpertStats(
             **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}

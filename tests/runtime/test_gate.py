@@ -650,6 +650,8 @@ def test_a_gate_given_up_under_a_token_built_ahead_recomputes_exactly(store, fam
 
 
 def test_every_gate_given_up_is_counted_and_the_token_recomputed_from_the_first(store, monkeypatch):
+    """Two gates given up in one token: both counted, the token recomputed from the first, its
+    outputs exact, and its layers' lookups counted once, as the per-layer handshake's."""
     path = store("qwen3_next")
     ids = prompt_ids(24, seed=5)
     gb = arena_gb(path, 0.25)
@@ -663,6 +665,9 @@ def test_every_gate_given_up_is_counted_and_the_token_recomputed_from_the_first(
     s = model.expert_cache.stats
     assert s.gate_timeouts == 2 and s.recomputed_layers == last - first + 1
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    # the recomputed layers' experts counted once, by their checks
+    assert s.lookups == sync.expert_cache.stats.lookups
+    assert s.hits + s.streamed_ahead + s.misses == s.lookups
     for m in (model, sync):
         m.expert_cache.close()
 
