@@ -317,9 +317,9 @@ class PipelinedDecoder(Decoder):
     def finish(self, step: Step, later: Step | None = None) -> bool:
         """Verify every layer of `step`. On a miss, `later` (a token built on top of this
         one) is discarded, and `step`'s logits are recomputed exactly: returns False."""
-        ec = self.expert_cache
+        ec, pr = self.expert_cache, self.expert_cache.predictor
         exact = True
-        counted = None  # the uses counted before a gate given up: its layers' only count
+        counted = None  # what was counted before a gate given up: its layers' only count
         while True:
             while step.pending:
                 j, d = step.pending.pop(0)
@@ -335,13 +335,14 @@ class PipelinedDecoder(Decoder):
             j = self._late(step)
             if j is None:
                 if counted is not None:  # (every layer was checked, and counted, once)
-                    ec.stats.restore_uses(counted)
+                    uses, pr.decode_miss_rate, pr.decode_layer_miss_rate = counted
+                    ec.stats.restore_uses(uses)
                 return exact
             # A gate gave up waiting (a stuck read): the layer's output is wrong, and so is
             # everything after it, `later` included. Recomputed through the per-layer
             # handshake; the recomputed layers' experts were counted by their checks.
-            if counted is None:
-                counted = ec.stats.uses()
+            if counted is None:  # (the miss rates observed them too)
+                counted = ec.stats.uses(), pr.decode_miss_rate, pr.decode_layer_miss_rate
             if later is not None:
                 self.discard(later)
                 later = None

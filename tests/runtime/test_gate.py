@@ -23,6 +23,7 @@ import strata_mlx
 from strata_mlx.format.store import load_manifest
 from strata_mlx.generation.generate import stream_generate
 from strata_mlx.stream.gate import CLOSED, FAILED, GateTable
+from strata_mlx.stream.prediction import Predictor
 from strata_mlx.stream.reader import ALIGNMENT, READY_FAILED, Reader
 
 
@@ -651,7 +652,8 @@ def test_a_gate_given_up_under_a_token_built_ahead_recomputes_exactly(store, fam
 
 def test_every_gate_given_up_is_counted_and_the_token_recomputed_from_the_first(store, monkeypatch):
     """Two gates given up in one token: both counted, the token recomputed from the first, its
-    outputs exact, and its layers' lookups counted once, as the per-layer handshake's."""
+    outputs exact, and its layers counted once: the per-layer handshake's lookups, the miss
+    rates without the recompute's observations."""
     path = store("qwen3_next")
     ids = prompt_ids(24, seed=5)
     gb = arena_gb(path, 0.25)
@@ -661,13 +663,44 @@ def test_every_gate_given_up_is_counted_and_the_token_recomputed_from_the_first(
     first, *_, last = model.expert_cache.layers
     late_at(monkeypatch, first)
     late_at(monkeypatch, last)
+    # The miss rates' observations, and whether each came from inside `finish`: with the
+    # host's gate every check runs as its layer is built, so those are the recompute's.
+    pr, dec, seen, inside = model.expert_cache.predictor, model.decoder, [], [False]
+    start, observe, finish = (
+        (pr.decode_miss_rate, pr.decode_layer_miss_rate),
+        pr.observe_decode_layer,
+        dec.finish,
+    )
+
+    def finishing(step, later=None):
+        inside[0] = True
+        try:
+            return finish(step, later)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(
+        pr, "observe_decode_layer", lambda r: seen.append((r, inside[0])) or observe(r)
+    )
+    monkeypatch.setattr(dec, "finish", finishing)
     got = decode(model, ids, 4)
     s = model.expert_cache.stats
     assert s.gate_timeouts == 2 and s.recomputed_layers == last - first + 1
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
-    # the recomputed layers' experts counted once, by their checks
+    # the recomputed layers counted once, by their checks: the per-layer handshake's lookups,
+    # and the miss rates of the observations outside the recompute alone
     assert s.lookups == sync.expert_cache.stats.lookups
     assert s.hits + s.streamed_ahead + s.misses == s.lookups
+    assert sum(recomputed for _, recomputed in seen) == last - first + 1
+    again = Predictor.__new__(Predictor)
+    again.decode_miss_rate, again.decode_layer_miss_rate = start
+    for r, recomputed in seen:
+        if not recomputed:
+            again.observe_decode_layer(r)
+    assert (pr.decode_miss_rate, pr.decode_layer_miss_rate) == (
+        again.decode_miss_rate,
+        again.decode_layer_miss_rate,
+    )
     for m in (model, sync):
         m.expert_cache.close()
 
