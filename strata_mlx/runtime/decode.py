@@ -320,36 +320,39 @@ class PipelinedDecoder(Decoder):
         ec, pr = self.expert_cache, self.expert_cache.predictor
         exact = True
         counted = None  # what was counted before a gate given up: its layers' only count
-        while True:
-            while step.pending:
-                j, d = step.pending.pop(0)
-                if ec.check_deferred(d, alone=later is None):
-                    continue
+        try:
+            while True:
+                while step.pending:
+                    j, d = step.pending.pop(0)
+                    if ec.check_deferred(d, alone=later is None):
+                        continue
+                    if later is not None:
+                        self.discard(later)
+                        later = None
+                    h = self._recover(step, j)
+                    step.mode, step.pending = "layers", []  # the rest is checked as built
+                    self._build(step, j + 1, h)
+                    exact = False
+                j = self._late(step)
+                if j is None:
+                    return exact
+                # A gate gave up waiting (a stuck read): the layer's output is wrong, and so
+                # is everything after it, `later` included. Recomputed through the per-layer
+                # handshake; every layer of the token was checked, and counted, already (a
+                # gated token's checks never fail, and none is built on it).
+                if counted is None:  # (the miss rates observed them too)
+                    counted = ec.stats.uses(), pr.decode_miss_rate, pr.decode_layer_miss_rate
                 if later is not None:
                     self.discard(later)
                     later = None
                 h = self._recover(step, j)
-                step.mode, step.pending = "layers", []  # the rest is checked as it is built
+                step.pending, step.late = [], []
                 self._build(step, j + 1, h)
                 exact = False
-            j = self._late(step)
-            if j is None:
-                if counted is not None:  # (every layer was checked, and counted, once)
-                    uses, pr.decode_miss_rate, pr.decode_layer_miss_rate = counted
-                    ec.stats.restore_uses(uses)
-                return exact
-            # A gate gave up waiting (a stuck read): the layer's output is wrong, and so is
-            # everything after it, `later` included. Recomputed through the per-layer
-            # handshake; the recomputed layers' experts were counted by their checks.
-            if counted is None:  # (the miss rates observed them too)
-                counted = ec.stats.uses(), pr.decode_miss_rate, pr.decode_layer_miss_rate
-            if later is not None:
-                self.discard(later)
-                later = None
-            h = self._recover(step, j)
-            step.pending, step.late = [], []
-            self._build(step, j + 1, h)
-            exact = False
+        finally:
+            if counted is not None:  # the recompute's counts and observations undone
+                uses, pr.decode_miss_rate, pr.decode_layer_miss_rate = counted
+                ec.stats.restore_uses(uses)
 
     def builds_on(self, step: Step) -> bool:
         """Not on a gated token: its last checks may give a miss the slot of any layer not

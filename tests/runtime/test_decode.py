@@ -98,10 +98,31 @@ def test_sampled_tokens_equal_sync_across_recomputed_tokens(store):
 
 class HoldingReader:
     """The native reader, except that non-blocking polls never see a completion: every read
-    lands "late", so a layer built while its read-ahead is in flight misses."""
+    lands "late", so a layer built while its read-ahead is in flight misses. So that what is
+    resident never depends on when the reader's threads got to a read: a wait for any
+    completion (an arena whose slots are all busy) gets the oldest read's alone, and no
+    read-ahead is cancelled (as if each had started: the reader cancels only queued ones)."""
 
     def __init__(self, reader):
         self._reader = reader
+        self._out: dict[int, None] = {}  # tags submitted and not collected, oldest first
+
+    def submit(self, reqs, urgent=False):
+        self._reader.submit(reqs, urgent)
+        self._out.update(dict.fromkeys(r[0] for r in reqs))
+
+    def cancel(self, tags):
+        return []
+
+    def wait(self, tags=None, timeout=None):
+        if tags is None:
+            if not self._out:
+                return []
+            tags = [next(iter(self._out))]
+        done = self._reader.wait(tags, timeout)
+        for c in done:
+            self._out.pop(c[0], None)
+        return done
 
     def poll(self):
         return []
@@ -493,42 +514,62 @@ def test_one_read_of_the_ids_equals_a_read_per_array(store, family, after_expert
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler for the host dialect")
-def test_kernels_pairs_decode_as_their_general_call(tmp_path):
+def test_kernels_pairs_decode_as_their_general_call(tmp_path, monkeypatch):
     """Where the expert kernels have `pairs` (the GPU dialects'; here the host dialect, which
     compiles the same kernel source), every one-token layer goes through it (the per-layer
-    handshake, token mode's device row lookups, gated layers): the tokens and
-    log-probabilities of the kernels' general call, bit for bit."""
+    handshake's, token mode's with slots looked up on the device, gated layers'): the tokens
+    and log-probabilities of the kernels' general call, bit for bit."""
     from test_synthetic import tiny_synthetic
 
     from strata_mlx.runtime import kernels
 
+    monkeypatch.setenv("STRATA_MLX_GATE", "host")  # (the device gate's checks run aside)
     path = tiny_synthetic(tmp_path / "synth")
     ids = prompt_ids(16, seed=3)
-    runs = {
-        "sync": dict(decode="sync"),
-        "token": dict(decode_token_below=1.0, decode_sync_above=1.0),
-        "gated": dict(decode_gate=True, decode_token_below=0.0),
+    runs = {  # (options, the stat that says the mode ran)
+        "sync": (dict(decode="sync"), "sync_mode_tokens"),
+        "token": (
+            dict(read_ahead="demand", decode_token_below=1.0, decode_sync_above=1.0),
+            "token_mode_tokens",
+        ),
+        "gated": (dict(decode_gate=True, decode_token_below=0.0), "gated_mode_tokens"),
     }
-    for name, kw in runs.items():
+    for name, (kw, ran) in runs.items():
         out = {}
         for direct in (True, False):
             model, _ = strata_mlx.load(path, arena_gb=arena_for(path, 0.5), **kw)
-            compute, calls = model.expert_cache.compute, []
+            compute, calls, handshake = model.expert_cache.compute, [], [False]
             for layer in compute.kernel:
                 run = kernels.expert_kernel(model.expert_cache.manifest.layout_of(layer), "host")
 
-                def pairs(*a, run=run, calls=calls):
-                    calls.append(a)
+                def pairs(*a, run=run, calls=calls, handshake=handshake):
+                    calls.append(handshake[0])  # (from the per-layer handshake's one_token)
                     return run.pairs(*a)
 
                 compute.kernel[layer] = run
                 compute.pairs[layer] = pairs if direct else None
-            out[direct] = (*decode(model, ids, n=6), len(calls))
+            one_token = compute.one_token
+
+            def by_handshake(*a, one_token=one_token, handshake=handshake):
+                handshake[0] = True
+                try:
+                    return one_token(*a)
+                finally:
+                    handshake[0] = False
+
+            monkeypatch.setattr(compute, "one_token", by_handshake)
+            tokens, lp = decode(model, ids, n=6)
+            assert getattr(model.expert_cache.stats, ran) > 0, name
+            out[direct] = tokens, lp, calls
             model.expert_cache.close()
         (tokens, lp, calls), (ref_tokens, ref_lp, ref_calls) = out[True], out[False]
         assert tokens == ref_tokens, name
         assert np.array_equal(lp, ref_lp), name
-        assert calls > 0 and ref_calls == 0, name
+        assert ref_calls == [], name
+        if name == "sync":
+            assert calls and all(calls)
+        else:  # the deferred layers' own calls, not only their recomputes'
+            assert calls.count(False) > 0, name
 
 
 def test_the_token_build_benchmark_times_both_models(tmp_path):

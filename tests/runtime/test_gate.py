@@ -651,18 +651,19 @@ def test_a_gate_given_up_under_a_token_built_ahead_recomputes_exactly(store, fam
 
 
 def test_every_gate_given_up_is_counted_and_the_token_recomputed_from_the_first(store, monkeypatch):
-    """Two gates given up in one token: both counted, the token recomputed from the first, its
-    outputs exact, and its layers counted once: the per-layer handshake's lookups, the miss
-    rates without the recompute's observations."""
+    """Two gates given up in one token, one of them again in its recompute: each counted, the
+    token recomputed from the first, its outputs exact, and its layers counted once: the
+    per-layer handshake's lookups, the miss rates without the recomputes' observations."""
     path = store("qwen3_next")
     ids = prompt_ids(24, seed=5)
     gb = arena_gb(path, 0.25)
     sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
     ref = decode(sync, ids, 4)
+    monkeypatch.setenv("STRATA_MLX_GATE", "host")  # (checks as layers are built: see below)
     model, _ = strata_mlx.load(path, arena_gb=gb, decode_gate=True, decode_token_below=0.0)
     first, *_, last = model.expert_cache.layers
     late_at(monkeypatch, first)
-    late_at(monkeypatch, last)
+    late_at(monkeypatch, last, times=2)  # given up again in the recompute
     # The miss rates' observations, and whether each came from inside `finish`: with the
     # host's gate every check runs as its layer is built, so those are the recompute's.
     pr, dec, seen, inside = model.expert_cache.predictor, model.decoder, [], [False]
@@ -685,13 +686,13 @@ def test_every_gate_given_up_is_counted_and_the_token_recomputed_from_the_first(
     monkeypatch.setattr(dec, "finish", finishing)
     got = decode(model, ids, 4)
     s = model.expert_cache.stats
-    assert s.gate_timeouts == 2 and s.recomputed_layers == last - first + 1
+    assert s.gate_timeouts == 3 and s.recomputed_layers == last - first + 2
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
     # the recomputed layers counted once, by their checks: the per-layer handshake's lookups,
     # and the miss rates of the observations outside the recompute alone
     assert s.lookups == sync.expert_cache.stats.lookups
     assert s.hits + s.streamed_ahead + s.misses == s.lookups
-    assert sum(recomputed for _, recomputed in seen) == last - first + 1
+    assert sum(recomputed for _, recomputed in seen) == last - first + 2
     again = Predictor.__new__(Predictor)
     again.decode_miss_rate, again.decode_layer_miss_rate = start
     for r, recomputed in seen:
