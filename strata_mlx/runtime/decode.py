@@ -321,38 +321,40 @@ class PipelinedDecoder(Decoder):
         exact = True
         counted = None  # what was counted before a gate given up: its layers' only count
         try:
-            while True:
-                while step.pending:
-                    j, d = step.pending.pop(0)
-                    if ec.check_deferred(d, alone=later is None):
-                        continue
-                    if later is not None:
-                        self.discard(later)
-                        later = None
-                    h = self._recover(step, j)
-                    step.mode, step.pending = "layers", []  # the rest is checked as built
-                    self._build(step, j + 1, h)
-                    exact = False
-                j = self._late(step)
-                if j is None:
-                    return exact
-                # A gate gave up waiting (a stuck read): the layer's output is wrong, and so
-                # is everything after it, `later` included. Recomputed through the per-layer
-                # handshake; every layer of the token was checked, and counted, already (a
-                # gated token's checks never fail, and none is built on it).
-                if counted is None:  # (the miss rates observed them too)
+            while (wrong := self._first_wrong(step, later is None)) is not None:
+                j, late = wrong
+                if late and counted is None:
+                    # A gate gave up waiting (a stuck read): every layer of the token was
+                    # checked, and counted, already (a gated token's checks never fail, and
+                    # none is built on it); the miss rates observed them too.
                     counted = ec.stats.uses(), pr.decode_miss_rate, pr.decode_layer_miss_rate
+                # Layer j's output is wrong, and so is everything after it, `later` included:
+                # recomputed from j (j itself through the per-layer handshake).
                 if later is not None:
                     self.discard(later)
                     later = None
                 h = self._recover(step, j)
-                step.pending, step.late = [], []
+                step.pending = []
+                if not late:
+                    step.mode = "layers"  # the rest is checked as it is built
                 self._build(step, j + 1, h)
                 exact = False
+            return exact
         finally:
             if counted is not None:  # the recompute's counts and observations undone
                 uses, pr.decode_miss_rate, pr.decode_layer_miss_rate = counted
                 ec.stats.restore_uses(uses)
+
+    def _first_wrong(self, step: Step, alone: bool) -> tuple[int, bool] | None:
+        """(the first layer of `step` to recompute, whether its gate gave up): its pending
+        layers checked in order (a miss), then its gates' flags; None where all are exact.
+        `alone`: no token is built on `step`."""
+        while step.pending:
+            j, d = step.pending.pop(0)
+            if not self.expert_cache.check_deferred(d, alone=alone):
+                return j, False
+        j = self._late(step)
+        return None if j is None else (j, True)
 
     def builds_on(self, step: Step) -> bool:
         """Not on a gated token: its last checks may give a miss the slot of any layer not

@@ -235,7 +235,7 @@ class DeferredHandshake:
         with sched.lock:
             # Slots of layers built on the device must not be refilled until they complete.
             sched.busy_layers.add(layer)
-            row, row_mx = sched.residency.device_row(layer, self.compute.fake_stream)
+        row, row_mx = sched.device_row(layer, self.compute.fake_stream)
         y = self.compute.by_pair(layer, x, inds, row_mx[inds])
         d = Deferred(layer, inds, row)
         target = self.ahead.get(layer)
