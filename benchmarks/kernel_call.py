@@ -25,8 +25,9 @@ three ways: what a KB of source costs a call. Only the manifest is read, and an 
 of a few records stands in for the experts (the host's work does not depend on the values).
 On a machine whose MLX has no CUDA or Metal device it prints the source sizes, says that
 nothing was timed and exits 0; with --stub it times `pairs` against the general call there
-(and anywhere) with stub kernels, one MLX op each: the host's glue around the kernels alone. Sized for well under 90 s on a GPU: six JIT compiles (~1.5 s
-each on the H200), then 3 x 2 x 3 x --rounds measurements of --calls calls of ~0.2 ms at most.
+(and anywhere) with stub kernels, one MLX op each: the host's glue around the kernels alone.
+Sized for well under 90 s on a GPU: six JIT compiles (~1.5 s each on the H200), then 3 x 2 x 3
+x --rounds measurements of --calls calls of ~0.2 ms at most.
 """
 
 from __future__ import annotations
@@ -137,23 +138,28 @@ class StubDialect:
         return run
 
 
-def time_glue(layout, projs, k: int, dtype, a) -> int:
-    """--stub: `pairs` against the general call with stub kernels, on this machine's device."""
-    kern = dispatch.ExpertKernels(StubDialect, layout, projs, header="own")
+def one_token(kern, layout, k: int, dtype) -> tuple[mx.array, mx.array, mx.array]:
+    """(x, arena, pair_slot) of one token's k pairs for `kern`: zeros stand in for records
+    (the host's work does not depend on the values)."""
     arena = mx.zeros((max(k, 16), layout.record_bytes), dtype=mx.uint8)
     x = mx.random.normal((1, 1, kern.hidden)).astype(dtype)
     pair_slot = mx.arange(k, dtype=mx.uint32)
+    mx.eval(arena, x, pair_slot)
+    return x, arena, pair_slot
+
+
+def pairs_against_general(kern, layout, problem, a, title: str) -> None:
+    """`pairs` against the general call on the same pairs (an index of them, as pipelined
+    and gated decode's layers made before they called `pairs`), timed as MODES say."""
+    x, arena, pair_slot = problem
+    k = pair_slot.size
     idx = mx.arange(k, dtype=mx.uint32).reshape(1, 1, k)
-    mx.eval(arena, x, pair_slot, idx)
+    mx.eval(idx)
     entries = {
         "pairs": lambda: kern.pairs(x, arena, pair_slot),
         "general": lambda: kern(x, arena, pair_slot, idx, layout),
     }
-    med = alternate(entries, a.calls, a.rounds)
-    print_table(
-        "stub kernels (the glue alone): `pairs` against the general call", list(entries), med
-    )
-    return 0
+    print_table(title, list(entries), alternate(entries, a.calls, a.rounds))
 
 
 def main() -> int:
@@ -197,34 +203,25 @@ def main() -> int:
             f" dequantize {', '.join(map(str, sizes[2:]))}"
         )
     if a.stub:
-        return time_glue(layout, projs, k, dtype, a)
+        kern = dispatch.ExpertKernels(StubDialect, layout, projs, header="own")
+        title = "stub kernels (the glue alone): `pairs` against the general call"
+        pairs_against_general(kern, layout, one_token(kern, layout, k, dtype), a, title)
+        return 0
     if dialect is None:
         print(f"MLX {mx.__version__} here has no CUDA or Metal device: nothing timed.")
         return 0
     mx.set_default_device(mx.gpu)
 
-    n_slots = max(k, 16)
-    arena = mx.zeros((n_slots, layout.record_bytes), dtype=mx.uint8)
-    x = mx.random.normal((1, 1, kerns["own"].hidden)).astype(dtype)
-    pair_slot = mx.arange(k, dtype=mx.uint32)
-    mx.eval(arena, x, pair_slot)
+    problem = one_token(kerns["own"], layout, k, dtype)
+    x, arena, pair_slot = problem
     calls = {h: (lambda kern=kern: kern.pairs(x, arena, pair_slot)) for h, kern in kerns.items()}
     med = alternate(calls, a.calls, a.rounds)
     print_table(
         f"pairs, one layer's decode call ({a.calls} calls, {a.rounds} rounds)", list(calls), med
     )
 
-    # Pipelined and gated decode's layers called the general entry with an index of the
-    # pairs (a gather of their slots, a tile plan, reshapes); they call `pairs` now.
-    own = kerns["own"]
-    idx = mx.arange(k, dtype=mx.uint32).reshape(1, 1, k)
-    mx.eval(idx)
-    entries = {
-        "pairs": lambda: own.pairs(x, arena, pair_slot),
-        "general": lambda: own(x, arena, pair_slot, idx, layout),
-    }
-    med = alternate(entries, a.calls, a.rounds)
-    print_table("one token's pairs: `pairs` against the general call", list(entries), med)
+    title = "one token's pairs: `pairs` against the general call"
+    pairs_against_general(kerns["own"], layout, problem, a, title)
 
     sizes = {"20 KB header": 20_000, "1 KB header": 1_000}
     trivial = {name: trivial_kernel(dialect, size) for name, size in sizes.items()}
