@@ -28,7 +28,7 @@ import numpy as np
 
 import strata_mlx
 from strata_mlx.apps.baseline import load_mlx_lm
-from strata_mlx.format.store import load_manifest
+from strata_mlx.format.store import StoreError, load_manifest
 from strata_mlx.generation.generate import make_prompt_cache
 
 
@@ -77,11 +77,15 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens prefilled a round")
     a = ap.parse_args()
 
-    m = load_manifest(a.store)
+    try:
+        m = load_manifest(a.store)
+    except StoreError as e:
+        raise SystemExit(f"error: {e}") from None
     k = int(m.config["num_experts_per_tok"])
     ids = mx.array(np.random.default_rng(0).integers(0, m.config["vocab_size"], a.prompt))
     import mlx_lm.models.switch_layers as switch_layers
 
+    print("loading mlx-lm's model and strata-mlx's (every expert resident)", flush=True)
     lm = load_mlx_lm(a.store)
     switch_layers.SwitchGLU.__call__ = lambda self, x, indices: stub(x, indices.shape[-1])
     model, _ = strata_mlx.load(a.store, arena_gb=m.expert_bytes / 1024**3 * 1.01 + 0.01)
