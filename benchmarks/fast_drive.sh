@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|gate|pairs
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|gate|gate-copy|pairs
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode.
 set -uo pipefail
@@ -160,6 +160,19 @@ gate)  # gated decode: the gate's GPU tests (the kernel waits for a host store, 
     STRATA_MLX_DRIVE_GBPS=$g G=${G:-32} LIMIT=${LIMIT:-200} bench "bench-gate-$d" "$SHM" "$p"
   done
   ;;
+gate-copy)  # which of MLX's calls holds a record's device copy while a gate waits
+  # (benchmarks/gate_copy.py), then gated decode behind a 12 GB/s emulated drive with the
+  # device's memory pool as it comes and kept with RESERVE GB reserved, few tokens, a short
+  # timeout (the gates given up are bench's figure)
+  build
+  timeout 120 python3 benchmarks/gate_copy.py --reserve-gb "${RESERVE:-2}" 2>&1 | tee "$OUT/gate-copy.log"
+  for r in 0 "${RESERVE:-2}"; do
+    STRATA_MLX_DRIVE_GBPS=12 STRATA_MLX_GATE_TIMEOUT_MS=100 timeout 240 python3 benchmarks/gate_copy.py \
+      --no-rounds --reserve-gb "$r" --bench --model "$SHM" -p 512 -g "${G:-8}" --arena-gb 6.5 \
+      --prefill-step-size 512 --policies "${POL:-lookahead:gt1}" --json "$OUT/gate-pool$r.json" 2>&1 \
+      | tee "$OUT/gate-pool$r.log" | grep -v "^ *[0-9]"
+  done
+  ;;
 pairs)  # one token's layers through the kernels' `pairs` against their general entry (the
   # call before): the call alone (a one-layer store of the full-size layout), the resident
   # decode beside mlx-lm (interleaved), and a resident token's host build beside mlx-lm's
@@ -173,5 +186,5 @@ pairs)  # one token's layers through the kernels' `pairs` against their general 
      --modes token:4,token:4+general --json "$OUT/pairs-resident.json" 2>&1 | tee "$OUT/pairs-resident.log"
   timeout 150 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 30 2>&1 | tee "$OUT/pairs-build.log"
   ;;
-*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|gate|pairs"; exit 2;;
+*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|gate|gate-copy|pairs"; exit 2;;
 esac

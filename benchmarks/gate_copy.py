@@ -1,0 +1,199 @@
+"""Does a record's device copy land while a decode gate waits on the device, and which of
+MLX's calls on the building thread holds it? CUDA only.
+
+    python3 benchmarks/gate_copy.py [--spin-ms 400] [--reserve-gb 2]
+    python3 benchmarks/gate_copy.py --reserve-gb 2 --bench --model STORE --policies lookahead:gt1 ...
+
+Gated decode's layers wait in the gate kernel (custom_kernels/gate.py) for the records their
+checks read; a reader thread copies each record into its slot with the copy engine, then
+stores its ready word. On the full-size store such words landed only when the gate waiting
+for them gave up (docs/benchmarks.md, "Gated decode"), while a CPU copy (`:dc0`) landed in
+time. Here a gate waits on a word that never lands (--spin-ms), and while it waits the
+building thread does one thing of MLX's, and 5 ms into it a reader thread reads a 1 MB record
+from a tmpfs file into a slot of an arena in device memory, its ready word a second word of
+the same mapped table. Printed: the time from that read's submission to its word, and how long
+the building thread's call took. The calls, each in its own round:
+  nothing;
+  a GPU op whose output has a size MLX's buffer cache has not held (a device allocation:
+  cudaMallocAsync from the device's default memory pool);
+  the same op again (MLX's cache serves it);
+  an array from host memory of a size not held (CUDA managed memory, cudaMallocManaged);
+  mx.clear_cache() after a GPU op of a new size was freed (its buffer returned to the pool).
+A word held for the whole spin by one of them says which call holds the device's other users.
+With --reserve-gb G the rounds run again after the default memory pool is told to keep what it
+reserves (its release threshold at the maximum: by default it hands its free memory back at
+every synchronization) and grown by G GB, so that a new allocation is carved from reserved
+memory instead of mapping new memory.
+
+--bench ARGS...: then `strata-mlx bench ARGS` in this process, after the reserve if any (bench
+prints the gates given up). Everything after --bench goes to bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import tempfile
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+
+RECORD = 1 << 20
+CALLS = ("nothing", "new-device-size", "same-device-size", "new-host-size", "clear-cache")
+
+
+class TableShape:
+    """A gate table of one layer of 64 experts (strata_mlx.stream.gate.GateTable's manifest)."""
+
+    num_experts = 64
+    moe_layers = [0]
+
+    def layer_position(self, layer: int) -> int:
+        return 0
+
+
+def reserve_pool(gb: float) -> None:
+    """The device's default memory pool keeps what it reserves, grown by `gb` GB now."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    dev, pool = ctypes.c_int(), ctypes.c_void_p()
+    threshold = ctypes.c_uint64(2**64 - 1)
+    for call in (
+        lambda: cu.cuDeviceGet(ctypes.byref(dev), 0),
+        lambda: cu.cuDeviceGetDefaultMemPool(ctypes.byref(pool), dev),
+        lambda: cu.cuMemPoolSetAttribute(pool, 4, ctypes.byref(threshold)),  # RELEASE_THRESHOLD
+    ):
+        if rc := call():
+            sys.exit(f"gate_copy.py: the CUDA driver refused the pool's setting (CUresult {rc})")
+    if gb > 0:
+        a = mx.zeros((int(gb * 2**30) // 4,), dtype=mx.float32) + 1  # a GPU op: the pool's memory
+        mx.eval(a)
+        del a
+        mx.clear_cache()  # back to the pool, which now keeps it
+        mx.synchronize()
+
+
+class Sizes:
+    """Element counts no earlier round used (each a different page-rounded size)."""
+
+    def __init__(self):
+        self.n = 3 << 18
+
+    def new(self) -> int:
+        self.n += 5 << 12
+        return self.n
+
+
+def building_call(kind: str, sizes: Sizes, same: list) -> None:
+    """One thing of MLX's on the building thread while the gate waits."""
+    if kind == "new-device-size":
+        a = mx.zeros((sizes.new(),), dtype=mx.float32) + 1
+        same[:] = [a.size]
+        mx.async_eval(a)
+    elif kind == "same-device-size":
+        n = same[0] if same else sizes.new()
+        mx.async_eval(mx.zeros((n,), dtype=mx.float32) + 2)
+    elif kind == "new-host-size":
+        mx.async_eval(mx.array(np.ones(sizes.new(), dtype=np.float32)))
+    elif kind == "clear-cache":
+        a = mx.zeros((sizes.new(),), dtype=mx.float32) + 3
+        mx.async_eval(a)
+        del a
+        mx.clear_cache()
+
+
+def one_round(kind: str, reader, f, arena, table, spin_ms: int, sizes: Sizes, same: list):
+    """(ms from the read's submission to its ready word, ms the building thread's call took)."""
+    from custom_kernels.gate import gate
+
+    table.table[0, 63] = -1  # never lands: the gate waits out spin_ms
+    table.table[0, 5] = -1
+    ids = mx.array([63], dtype=mx.uint32)
+    row = mx.array([table.row_address(0)], dtype=mx.uint64)
+    _, late = gate(ids, row, spin_ms)
+    mx.async_eval(late)
+    time.sleep(0.02)  # the gate is waiting
+    landed: dict[str, float] = {}
+
+    def read():
+        time.sleep(0.005)  # into the building thread's call
+        t0 = time.perf_counter()
+        reader.submit([(1, f, 0, RECORD, arena.address(0), None, table.ready((0, 5), 0))], True)
+        while table.table[0, 5] < 0 and time.perf_counter() - t0 < 5:
+            time.sleep(0.0002)
+        landed["word"] = time.perf_counter() - t0
+        reader.wait([1])
+
+    th = threading.Thread(target=read)
+    th.start()
+    t0 = time.perf_counter()
+    building_call(kind, sizes, same)
+    call = time.perf_counter() - t0
+    th.join()
+    mx.eval(late)
+    return 1e3 * landed["word"], 1e3 * call
+
+
+def rounds(args, label: str) -> None:
+    from strata_mlx.stream.arena import Arena
+    from strata_mlx.stream.gate import GateTable
+    from strata_mlx.stream.reader import Reader
+
+    table = GateTable(TableShape(), device=True)
+    arena = Arena(2, RECORD, on_device=True, device_memory=True)
+    sizes, same = Sizes(), []
+    with tempfile.NamedTemporaryFile(dir=args.dir, suffix=".bin") as tmp:
+        tmp.write(np.random.default_rng(0).integers(0, 255, RECORD, dtype=np.uint8).tobytes())
+        tmp.flush()
+        with Reader(2, bounce=True, device_copy=True) as reader:
+            f = reader.open(tmp.name)
+            one_round("nothing", reader, f, arena, table, 20, sizes, same)  # kernels built
+            print(f"{label}: the gate waits {args.spin_ms} ms; a 1 MB record read meanwhile")
+            for kind in CALLS:
+                word, call = one_round(kind, reader, f, arena, table, args.spin_ms, sizes, same)
+                held = "  <- held" if word > args.spin_ms / 2 else ""
+                print(f"  {kind:18s} word after {word:7.1f} ms, the call {call:7.1f} ms{held}")
+    table.close()
+
+
+def main(argv: list[str]) -> None:
+    bench = None
+    if "--bench" in argv:
+        i = argv.index("--bench")
+        argv, bench = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--spin-ms", type=int, default=400, help="how long the gate waits")
+    p.add_argument(
+        "--reserve-gb", type=float, default=0.0, help="then keep the pool, grown by G GB"
+    )
+    p.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    p.add_argument("--no-rounds", action="store_true", help="only the bench (after the reserve)")
+    args = p.parse_args(argv)
+    from strata_mlx.runtime.experts import device_gate_available
+
+    if not device_gate_available():
+        sys.exit("gate_copy.py: needs MLX's CUDA device (the gate kernel is CUDA only)")
+    if not args.no_rounds:
+        rounds(args, "the default memory pool")
+    if args.reserve_gb > 0:
+        reserve_pool(args.reserve_gb)
+        if not args.no_rounds:
+            rounds(args, f"the pool kept, {args.reserve_gb:g} GB reserved")
+    if bench is not None:
+        from strata_mlx.apps.cli import app
+
+        print(
+            f"strata-mlx bench {' '.join(bench)} (pool {'kept' if args.reserve_gb else 'default'})"
+        )
+        try:
+            app(["bench", *bench], prog_name="strata-mlx")
+        except SystemExit as e:
+            if e.code:
+                raise
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
