@@ -40,7 +40,8 @@ A token runs in one of three ways, chosen from the running share of decode layer
     fails, so nothing is recomputed and the host is never between two layers of a token on
     the device. A gate that gives up (a read stuck past its timeout) sets a flag the token's
     end reads: that layer is recomputed by the per-layer handshake (a token built on this
-    one meanwhile is discarded, as after a miss). Where the device cannot wait (no CUDA),
+    one meanwhile is discarded, as after a miss); past `gate_give_ups` of them in the
+    decoder's life it stops gating, warning once. Where the device cannot wait (no CUDA),
     the host's gate runs each layer's check before its experts are queued and waits for its
     reads, as "sync" does. No token is built on a gated one before it is verified: its last
     checks may give a miss the slot of a layer not computing yet, which a token built on top
@@ -67,6 +68,7 @@ This module never reads files; the expert cache does.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -244,6 +246,7 @@ class PipelinedDecoder(Decoder):
         chunk: int = 4,
         layers_chunk: int = 1,
         token_while_predicting: bool = False,
+        gate_give_ups: int = 0,
     ):
         if lag < 0:
             raise ValueError(f"decode lag must be >= 0, got {lag}")
@@ -261,6 +264,8 @@ class PipelinedDecoder(Decoder):
         self.chunk = chunk
         self.layers_chunk = layers_chunk
         self.token_while_predicting = token_while_predicting
+        # Gated decode stops past this many gates given up (0: never); `given_up` counts them.
+        self.gate_give_ups, self.given_up = gate_give_ups, 0
         inner = model.model
         self.embed = inner.embed_tokens
         self.norm = inner.norm
@@ -295,8 +300,13 @@ class PipelinedDecoder(Decoder):
             self.sync_above,
             self.token_below,
             self.token_while_predicting,
-            ec.pipelined.gated,
+            ec.pipelined.gated and not self.gave_up,
         )
+
+    @property
+    def gave_up(self) -> bool:
+        """Whether gating stopped: `gate_give_ups` gates gave up in this decoder's life."""
+        return 0 < self.gate_give_ups <= self.given_up
 
     def start(self, tokens: mx.array, cache: list) -> Step:
         """Build one token (tokens [1, 1], possibly not yet evaluated) and submit it; in
@@ -373,6 +383,18 @@ class PipelinedDecoder(Decoder):
         if not late:
             return None
         self.expert_cache.stats.gate_timeouts += len(late)
+        stopped = self.gave_up
+        self.given_up += len(late)
+        if self.gave_up and not stopped:
+            from custom_kernels.gate import timeout_ms
+
+            warnings.warn(
+                f"gated decode: {self.given_up} gates gave up waiting for their reads (each "
+                f"after {timeout_ms()} ms); decoding without the gate from here "
+                "(--decode-gate-give-ups sets how many)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return late[0]
 
     def discard(self, step: Step) -> None:

@@ -67,6 +67,7 @@ class StrataModel:
                 config.decode_chunk,
                 config.decode_layers_chunk,
                 token_while_predicting=config.decode_token_while_predicting,
+                gate_give_ups=config.decode_gate_give_ups,
             )
 
     # ---- the family model's surface ----------------------------------------------------------

@@ -747,3 +747,29 @@ def test_a_negative_sync_threshold_forces_sync_on_a_gated_cache():
         assert choose_mode(0.5, True, -1.0, 0.0, gated=gated) == "sync"
     assert choose_mode(0.5, True, 0.3, 0.02, gated=True) == "gated"
     assert choose_mode(0.0, False, 0.3, 0.02, gated=True) == "token"
+
+
+def test_a_decoder_whose_gates_keep_giving_up_stops_gating_and_stays_exact(store, monkeypatch):
+    """Past `decode_gate_give_ups` gates given up, the decoder runs its tokens as without the
+    gate ("layers" / "sync"), warning once; the tokens equal the per-layer handshake's."""
+    path = store("qwen3_next")
+    ids = prompt_ids(24, seed=5)
+    gb = arena_gb(path, 0.25)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
+    ref = decode(sync, ids, 6)
+    monkeypatch.setenv("STRATA_MLX_GATE", "host")
+    model, _ = strata_mlx.load(
+        path, arena_gb=gb, decode_gate=True, decode_token_below=0.0, decode_gate_give_ups=3
+    )
+    first = model.expert_cache.layers[0]
+    flagged = late_at(monkeypatch, first, times=100)  # every gate of that layer gives up
+    with pytest.warns(RuntimeWarning, match="3 gates gave up") as caught:
+        got = decode(model, ids, 6)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    s = model.expert_cache.stats
+    # three gated tokens, one gate given up each; then no token gated, so no gate built
+    assert len(flagged) == 3 and s.gate_timeouts == 3 and s.gated_mode_tokens == 3
+    assert model.decoder.gave_up and len(caught) == 1
+    assert s.layers_mode_tokens + s.sync_mode_tokens > 0
+    for m in (model, sync):
+        m.expert_cache.close()
