@@ -163,15 +163,28 @@ gate)  # gated decode: the gate's GPU tests (the kernel waits for a host store, 
 gate-copy)  # which of MLX's calls holds a record's device copy while a gate waits
   # (benchmarks/gate_copy.py), then gated decode behind a 12 GB/s emulated drive with the
   # device's memory pool as it comes and kept with RESERVE GB reserved, few tokens, a short
-  # timeout (the gates given up are bench's figure: every one counted, gating never stopped)
+  # timeout (the gates given up are bench's figure: every one counted, gating never stopped).
+  # With py-spy's wheel in .whl/ (pip download py-spy --only-binary=:all: --no-deps -d
+  # .whl/base), a held call's native stack, and the gated runs' native stacks sampled
+  # (collapsed, gate-pool*.stacks: the decoding thread's waits inside MLX and CUDA)
   build
-  timeout 120 python3 benchmarks/gate_copy.py --reserve-gb "${RESERVE:-2}" 2>&1 | tee "$OUT/gate-copy.log"
+  spy=; w=$(ls .whl/*/py_spy-*.whl 2>/dev/null | head -1)
+  if [ -n "$w" ]; then
+    python3 -c "import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/pyspy')" "$w"
+    spy=$(ls /tmp/pyspy/py_spy-*.data/scripts/py-spy); chmod +x "$spy"
+  fi
+  timeout 120 python3 benchmarks/gate_copy.py --reserve-gb "${RESERVE:-2}" ${spy:+--py-spy "$spy"} 2>&1 \
+    | tee "$OUT/gate-copy.log"
   for r in 0 "${RESERVE:-2}"; do
     STRATA_MLX_DRIVE_GBPS=12 STRATA_MLX_GATE_TIMEOUT_MS=100 timeout 240 python3 benchmarks/gate_copy.py \
       --no-rounds --reserve-gb "$r" --bench --model "$SHM" -p 512 -g "${G:-8}" --arena-gb 6.5 \
       --prefill-step-size 512 --policies "${POL:-lookahead:gt1}" --decode-gate-give-ups 0 \
-      --json "$OUT/gate-pool$r.json" 2>&1 \
-      | tee "$OUT/gate-pool$r.log" | grep -v "^ *[0-9]"
+      --json "$OUT/gate-pool$r.json" > "$OUT/gate-pool$r.log" 2>&1 &
+    pid=$!
+    [ -z "$spy" ] || "$spy" record --native --idle --threads --format raw --rate 100 --pid "$pid" \
+      -o "$OUT/gate-pool$r.stacks" > /dev/null 2>&1 &
+    wait "$pid"; wait
+    grep -v "^ *[0-9]" "$OUT/gate-pool$r.log"
   done
   ;;
 pairs)  # one token's layers through the kernels' `pairs` against their general entry (the

@@ -19,7 +19,9 @@ the building thread's call took. The calls, each in its own round:
   the same op again (MLX's cache serves it);
   an array from host memory of a size not held (CUDA managed memory, cudaMallocManaged);
   mx.clear_cache() after a GPU op of a new size was freed (its buffer returned to the pool).
-A word held for the whole spin by one of them says which call holds the device's other users.
+A word held for the whole spin by one of them says which call holds the device's other users;
+with --py-spy PATH (py-spy's binary), a word still out 50 ms into a round has the building
+thread's native stack dumped (`py-spy dump --native`): where in MLX, and in CUDA, it waits.
 With --reserve-gb G the rounds run again after the default memory pool is told to keep what it
 reserves (its release threshold at the maximum: by default it hands its free memory back at
 every synchronization) and grown by G GB, so that a new allocation is carved from reserved
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -105,7 +108,30 @@ def building_call(kind: str, sizes: Sizes, same: list) -> None:
         mx.clear_cache()
 
 
-def one_round(kind: str, reader, f, arena, table, spin_ms: int, sizes: Sizes, same: list):
+def main_stack(py_spy: str) -> str:
+    """The building (main) thread's native stack, from py-spy's dump of this process."""
+    r = subprocess.run(
+        [py_spy, "dump", "--native", "--pid", str(os.getpid())],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    text = r.stdout if r.returncode == 0 else f"py-spy failed: {r.stderr.strip()[:300]}"
+    block = text.split('"MainThread"', 1)[-1].split("\nThread ", 1)[0]
+    return "\n".join("      " + line.strip() for line in block.splitlines()[1:30])
+
+
+def one_round(
+    kind: str,
+    reader,
+    f,
+    arena,
+    table,
+    spin_ms: int,
+    sizes: Sizes,
+    same: list,
+    py_spy: str | None = None,
+):
     """(ms from the read's submission to its ready word, ms the building thread's call took)."""
     from custom_kernels.gate import gate
 
@@ -123,6 +149,8 @@ def one_round(kind: str, reader, f, arena, table, spin_ms: int, sizes: Sizes, sa
         t0 = time.perf_counter()
         reader.submit([(1, f, 0, RECORD, arena.address(0), None, table.ready((0, 5), 0))], True)
         while table.table[0, 5] < 0 and time.perf_counter() - t0 < 5:
+            if py_spy and "stack" not in landed and time.perf_counter() - t0 > 0.05:
+                landed["stack"] = main_stack(py_spy)
             time.sleep(0.0002)
         landed["word"] = time.perf_counter() - t0
         reader.wait([1])
@@ -134,7 +162,7 @@ def one_round(kind: str, reader, f, arena, table, spin_ms: int, sizes: Sizes, sa
     call = time.perf_counter() - t0
     th.join()
     mx.eval(late)
-    return 1e3 * landed["word"], 1e3 * call
+    return 1e3 * landed["word"], 1e3 * call, landed.get("stack")
 
 
 def rounds(args, label: str) -> None:
@@ -151,11 +179,16 @@ def rounds(args, label: str) -> None:
         with Reader(2, bounce=True, device_copy=True) as reader:
             f = reader.open(tmp.name)
             one_round("nothing", reader, f, arena, table, 20, sizes, same)  # kernels built
+            spy = args.py_spy
             print(f"{label}: the gate waits {args.spin_ms} ms; a 1 MB record read meanwhile")
             for kind in CALLS:
-                word, call = one_round(kind, reader, f, arena, table, args.spin_ms, sizes, same)
+                word, call, stack = one_round(
+                    kind, reader, f, arena, table, args.spin_ms, sizes, same, spy
+                )
                 held = "  <- held" if word > args.spin_ms / 2 else ""
                 print(f"  {kind:18s} word after {word:7.1f} ms, the call {call:7.1f} ms{held}")
+                if stack:
+                    print("    the building thread 50 ms in:\n" + stack)
     table.close()
 
 
@@ -171,6 +204,7 @@ def main(argv: list[str]) -> None:
     )
     p.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     p.add_argument("--no-rounds", action="store_true", help="only the bench (after the reserve)")
+    p.add_argument("--py-spy", default=None, help="py-spy's binary: a held call's native stack")
     args = p.parse_args(argv)
     from strata_mlx.runtime.experts import device_gate_available
 
