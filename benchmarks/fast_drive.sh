@@ -175,14 +175,15 @@ gate-copy)  # which of MLX's calls holds a record's device copy while a gate wai
   fi
   timeout 120 python3 benchmarks/gate_copy.py --reserve-gb "${RESERVE:-2}" ${spy:+--py-spy "$spy"} 2>&1 \
     | tee "$OUT/gate-copy.log"
-  for r in 0 "${RESERVE:-2}"; do
+  rs=0; [ "${RESERVE:-2}" = 0 ] || rs="0 ${RESERVE:-2}"
+  for r in $rs; do
     STRATA_MLX_DRIVE_GBPS=12 STRATA_MLX_GATE_TIMEOUT_MS=100 timeout 240 python3 benchmarks/gate_copy.py \
       --no-rounds --reserve-gb "$r" --bench --model "$SHM" -p 512 -g "${G:-8}" --arena-gb 6.5 \
       --prefill-step-size 512 --policies "${POL:-lookahead:gt1}" --decode-gate-give-ups 0 \
       --json "$OUT/gate-pool$r.json" > "$OUT/gate-pool$r.log" 2>&1 &
-    pid=$!
-    [ -z "$spy" ] || "$spy" record --native --idle --threads --format raw --rate 100 --pid "$pid" \
-      -o "$OUT/gate-pool$r.stacks" > /dev/null 2>&1 &
+    pid=$!  # (timeout's: py-spy follows it to Python with --subprocesses)
+    [ -z "$spy" ] || "$spy" record --native --idle --threads --subprocesses --format raw --rate 100 \
+      --pid "$pid" -o "$OUT/gate-pool$r.stacks" > "$OUT/gate-pool$r.spy.log" 2>&1 &
     wait "$pid"; wait
     grep -v "^ *[0-9]" "$OUT/gate-pool$r.log"
   done

@@ -17,8 +17,12 @@ the building thread's call took. The calls, each in its own round:
   a GPU op whose output has a size MLX's buffer cache has not held (a device allocation:
   cudaMallocAsync from the device's default memory pool);
   the same op again (MLX's cache serves it);
+  a matmul of a shape not seen before (cuBLAS may pick a kernel not loaded yet);
   an array from host memory of a size not held (CUDA managed memory, cudaMallocManaged);
-  mx.clear_cache() after a GPU op of a new size was freed (its buffer returned to the pool).
+  mx.clear_cache(), a buffer of a new size evaluated and freed before the gate (MLX's cache
+  hands it back to the pool).
+Each call runs once before the rounds with no gate waiting, so that its kernels are loaded
+(CUDA loads a module at its first launch) and a round times the call alone.
 A word held for the whole spin by one of them says which call holds the device's other users;
 with --py-spy PATH (py-spy's binary), a word still out 50 ms into a round has the building
 thread's native stack dumped (`py-spy dump --native`): where in MLX, and in CUDA, it waits.
@@ -46,7 +50,14 @@ import mlx.core as mx
 import numpy as np
 
 RECORD = 1 << 20
-CALLS = ("nothing", "new-device-size", "same-device-size", "new-host-size", "clear-cache")
+CALLS = (
+    "nothing",
+    "new-device-size",
+    "same-device-size",
+    "new-matmul-shape",
+    "new-host-size",
+    "clear-cache",
+)
 
 
 class TableShape:
@@ -90,28 +101,48 @@ class Sizes:
         return self.n
 
 
-def building_call(kind: str, sizes: Sizes, same: list) -> None:
-    """One thing of MLX's on the building thread while the gate waits."""
-    if kind == "new-device-size":
+def building_call(kind: str, sizes: Sizes, same: list, prepare: bool = False) -> None:
+    """One thing of MLX's on the building thread while the gate waits; `prepare`: what must
+    happen before the gate is launched (clear-cache's buffer, evaluated and freed into MLX's
+    cache, so that the call returns it to the pool)."""
+    if kind == "clear-cache":
+        if prepare:
+            a = mx.zeros((sizes.new(),), dtype=mx.float32) + 3
+            mx.eval(a)
+            del a
+        else:
+            mx.clear_cache()
+    elif prepare:
+        return
+    elif kind == "new-device-size":
         a = mx.zeros((sizes.new(),), dtype=mx.float32) + 1
         same[:] = [a.size]
         mx.async_eval(a)
     elif kind == "same-device-size":
         n = same[0] if same else sizes.new()
         mx.async_eval(mx.zeros((n,), dtype=mx.float32) + 2)
+    elif kind == "new-matmul-shape":
+        n = sizes.new() // 4096
+        w = mx.ones((64, n), dtype=mx.bfloat16)
+        mx.async_eval(w @ w.T)
     elif kind == "new-host-size":
         mx.async_eval(mx.array(np.ones(sizes.new(), dtype=np.float32)))
-    elif kind == "clear-cache":
-        a = mx.zeros((sizes.new(),), dtype=mx.float32) + 3
-        mx.async_eval(a)
-        del a
-        mx.clear_cache()
+
+
+def warm_up(sizes: Sizes) -> None:
+    """Each call once with no gate waiting: the kernels it launches loaded (CUDA loads a
+    module at its first launch), so that a round times the call, not a first load."""
+    same: list = []
+    for kind in CALLS:
+        building_call(kind, sizes, same, prepare=True)
+        building_call(kind, sizes, same)
+        mx.synchronize()
 
 
 def main_stack(py_spy: str) -> str:
     """The building (main) thread's native stack, from py-spy's dump of this process."""
     r = subprocess.run(
-        [py_spy, "dump", "--native", "--pid", str(os.getpid())],
+        [py_spy, "dump", "--native", "--nonblocking", "--pid", str(os.getpid())],
         capture_output=True,
         text=True,
         timeout=60,
@@ -135,6 +166,7 @@ def one_round(
     """(ms from the read's submission to its ready word, ms the building thread's call took)."""
     from custom_kernels.gate import gate
 
+    building_call(kind, sizes, same, prepare=True)
     table.table[0, 63] = -1  # never lands: the gate waits out spin_ms
     table.table[0, 5] = -1
     ids = mx.array([63], dtype=mx.uint32)
@@ -142,15 +174,19 @@ def one_round(
     _, late = gate(ids, row, spin_ms)
     mx.async_eval(late)
     time.sleep(0.02)  # the gate is waiting
-    landed: dict[str, float] = {}
+    landed: dict = {}
+
+    def dump():  # on its own thread, the process not paused: the read's timing untouched
+        landed["stack"] = main_stack(py_spy)
 
     def read():
         time.sleep(0.005)  # into the building thread's call
         t0 = time.perf_counter()
         reader.submit([(1, f, 0, RECORD, arena.address(0), None, table.ready((0, 5), 0))], True)
         while table.table[0, 5] < 0 and time.perf_counter() - t0 < 5:
-            if py_spy and "stack" not in landed and time.perf_counter() - t0 > 0.05:
-                landed["stack"] = main_stack(py_spy)
+            if py_spy and "dumper" not in landed and time.perf_counter() - t0 > 0.05:
+                landed["dumper"] = threading.Thread(target=dump)
+                landed["dumper"].start()
             time.sleep(0.0002)
         landed["word"] = time.perf_counter() - t0
         reader.wait([1])
@@ -161,6 +197,8 @@ def one_round(
     building_call(kind, sizes, same)
     call = time.perf_counter() - t0
     th.join()
+    if "dumper" in landed:
+        landed["dumper"].join()
     mx.eval(late)
     return 1e3 * landed["word"], 1e3 * call, landed.get("stack")
 
@@ -178,7 +216,11 @@ def rounds(args, label: str) -> None:
         tmp.flush()
         with Reader(2, bounce=True, device_copy=True) as reader:
             f = reader.open(tmp.name)
-            one_round("nothing", reader, f, arena, table, 20, sizes, same)  # kernels built
+            # the gate kernel (its timeout is a template value: one build each) and every
+            # call's kernels built before the rounds
+            one_round("nothing", reader, f, arena, table, 20, sizes, same)
+            one_round("nothing", reader, f, arena, table, args.spin_ms, sizes, same)
+            warm_up(sizes)
             spy = args.py_spy
             print(f"{label}: the gate waits {args.spin_ms} ms; a 1 MB record read meanwhile")
             for kind in CALLS:

@@ -40,10 +40,10 @@ A token runs in one of three ways, chosen from the running share of decode layer
     fails, so nothing is recomputed and the host is never between two layers of a token on
     the device. A gate that gives up (a read stuck past its timeout) sets a flag the token's
     end reads: that layer is recomputed by the per-layer handshake (a token built on this
-    one meanwhile is discarded, as after a miss); past `gate_give_ups` of them in the
-    decoder's life it stops gating, warning once. Where the device cannot wait (no CUDA),
-    the host's gate runs each layer's check before its experts are queued and waits for its
-    reads, as "sync" does. No token is built on a gated one before it is verified: its last
+    one meanwhile is discarded, as after a miss); once `gate_give_ups` of them have in the
+    decoder's life it stops gating (the rest of that token included), warning once. Where
+    the device cannot wait (no CUDA), the host's gate runs each layer's check before its
+    experts are queued and waits for its reads, as "sync" does. No token is built on a gated one before it is verified: its last
     checks may give a miss the slot of a layer not computing yet, which a token built on top
     ("token" mode: slots looked up when built) would read unchecked.
 
@@ -264,7 +264,8 @@ class PipelinedDecoder(Decoder):
         self.chunk = chunk
         self.layers_chunk = layers_chunk
         self.token_while_predicting = token_while_predicting
-        # Gated decode stops past this many gates given up (0: never); `given_up` counts them.
+        # Gated decode stops once this many gates gave up (0: never; the loader passes
+        # RuntimeConfig.decode_gate_give_ups); `given_up` counts them.
         self.gate_give_ups, self.given_up = gate_give_ups, 0
         inner = model.model
         self.embed = inner.embed_tokens
@@ -345,7 +346,7 @@ class PipelinedDecoder(Decoder):
                     later = None
                 h = self._recover(step, j)
                 step.pending = []
-                if not late:
+                if not late or self.gave_up:
                     step.mode = "layers"  # the rest is checked as it is built
                 self._build(step, j + 1, h)
                 exact = False
@@ -389,8 +390,8 @@ class PipelinedDecoder(Decoder):
             from custom_kernels.gate import timeout_ms
 
             warnings.warn(
-                f"gated decode: {self.given_up} gates gave up waiting for their reads (each "
-                f"after {timeout_ms()} ms); decoding without the gate from here "
+                f"gated decode: {self.given_up} gates gave up waiting for their reads (a "
+                f"stuck read after {timeout_ms()} ms); decoding without the gate from here "
                 "(--decode-gate-give-ups sets how many)",
                 RuntimeWarning,
                 stacklevel=2,

@@ -226,15 +226,15 @@ class RuntimeConfig:
         metadata=opt("pipelined: with misses, layers wait on the device for their reads "
                      "instead of a per-layer sync.", variant="gt"),
     )  # fmt: skip
-    # A gate gives up only when its read is stuck (5 s by default): a few in one decoder's
-    # life mean something holds the reads back (on the full-size store a record's device copy
-    # waited for the very gate that waited for it: docs/decisions.md, "Gated decode"), and
-    # every one more costs the timeout and a recompute. Past this many the decoder stops
-    # gating and runs "layers" / "sync" as without the gate, warning once.
+    # A gate gives up when its read is stuck (after 5 s by default) or failed: a few in one
+    # decoder's life mean something holds the reads back (on the full-size store a record's
+    # device copy waited for the very gate that waited for it: docs/decisions.md, "Gated
+    # decode"), and every one more costs the timeout and a recompute. Once this many have, the
+    # decoder stops gating and runs "layers" / "sync" as without the gate, warning once.
     decode_gate_give_ups: int = field(
         default=4,
-        metadata=opt("gated: gates given up (each waited out its timeout) before the decoder "
-                     "stops gating; 0: never stops.", (0, 1 << 20), variant="gg"),
+        metadata=opt("gated: gates given up (a stuck read waits out the gate's timeout) before "
+                     "the decoder stops gating; 0: never stops.", (0, 1 << 20), variant="gg"),
     )  # fmt: skip
     # Off, a predicting decoder runs "layers" mode: measured on the H200, token mode cost
     # lookahead 41.6 against demand's 32.0 ms/token where 0.9 % of lookups missed.
