@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|gate|gate-copy|pairs
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|gate|gate-copy|pairs
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode.
 set -uo pipefail
@@ -43,6 +43,13 @@ store)  # the store on disk and on tmpfs; the reader's GPU tests; the drive and 
   [ "${READPATH:-1}" = 0 ] || timeout 120 python3 benchmarks/read_path.py "$SHM" --touch --seconds 2 \
      --rounds 3 --variants bounce+verify+overlap,bounce+verify+overlap+dc,bounce+verify+overlap+dc+dm,bounce+overlap+dc+dm \
      2>&1 | tee "$OUT/read-path-shm.log"
+  ;;
+shm)  # the store written straight to the tmpfs (no disk copy, tests or probes: ~150-180 s on
+  # the GPU machine), for the stages that read only $SHM
+  build
+  [ -f "$SHM/manifest.json" ] || /usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx \
+     convert --synthetic qwen3-next-80b-a3b --mlx-path "$SHM" --calibration-tokens 256 2>&1 \
+     | grep -v "experts:" | tail -2 | tee "$OUT/synth.log"
   ;;
 bench)  # tmpfs: each policy with the arena in device memory (the default on CUDA) and in
   # managed memory (:da0)
@@ -201,5 +208,5 @@ pairs)  # one token's layers through the kernels' `pairs` against their general 
      --modes token:4,token:4+general --json "$OUT/pairs-resident.json" 2>&1 | tee "$OUT/pairs-resident.log"
   timeout 150 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 30 2>&1 | tee "$OUT/pairs-build.log"
   ;;
-*) echo "usage: $0 store|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|gate|gate-copy|pairs"; exit 2;;
+*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|gate|gate-copy|pairs"; exit 2;;
 esac
