@@ -165,14 +165,14 @@ class ExpertCache:
         verify: bool = False,
         fake_stream: bool = False,
         scheduler: str = "loop",
-        low_water: int | None = None,
-        wake_every: bool = True,
+        loop: dict | None = None,
         route_bonus: float = 0.0,
         dump: Callable | None = None,
         trace: RoutingTrace | None = None,
         gate: bool = False,
     ):
-        """`route_bonus`: cache-aware routing, a bonus on resident experts' router logits in
+        """`loop`: the loop scheduler's options (scheduler.LoopScheduler). `route_bonus`:
+        cache-aware routing, a bonus on resident experts' router logits in
         decode (0: exact). `dump(layer, x, ids, scores, y)` gets every MoE layer's state
         (--dump-moe); `trace` records routing and lookahead's predictions. `gate`: a gate
         table for gated decode (DeferredHandshake.run_gated; device_gate_available)."""
@@ -197,8 +197,7 @@ class ExpertCache:
             arena,
             reader,
             verify,
-            low_water=low_water,
-            wake_every=wake_every,
+            loop=loop,
         )
         if gate:
             self.sched.residency.gate = GateTable(manifest, device=device_gate)

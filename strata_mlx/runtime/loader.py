@@ -162,6 +162,17 @@ class RuntimeConfig:
         metadata=opt("loop: wake at every completion, not only when the queue has room.",
                      variant="we"),
     )  # fmt: skip
+    # loop: a reserve set by a handshake (lookahead's layers after the next) is read from the
+    # loop's thread at the next completion, where reads are in flight, instead of by the
+    # handshake, whose thread builds the device's work. Replayed on the dev CPU the
+    # handshake's prediction took 43-57 us a layer less, its waits 39-45 more (a wait that
+    # collects completions tops the queue up too), its wall time 8-14 % less; on a GPU the
+    # loop may take more of it while that thread waits on the device. Off until one shows it.
+    scheduler_loop_top_up: bool = field(
+        default=False,
+        metadata=opt("loop: a handshake's reserve read from the loop's thread, not the "
+                     "handshake's.", variant="lt"),
+    )  # fmt: skip
     # The expected-next-use duel: on the full-size store's GPU decode trace it closes 66 % of
     # LRU's gap to Belady's optimum, and live on an H200 it read 25-47 % fewer decode bytes a
     # token than LRU at 0.99x LRU's ms a token behind a 12 GB/s drive, 0.90x at 6 GB/s
@@ -562,8 +573,11 @@ def build_expert_cache(
         verify=cfg.verify,
         fake_stream=cfg.fake_stream,
         scheduler=cfg.scheduler,
-        low_water=cfg.scheduler_low_water,
-        wake_every=cfg.scheduler_wake_every,
+        loop=dict(
+            low_water=cfg.scheduler_low_water,
+            wake_every=cfg.scheduler_wake_every,
+            loop_top_up=cfg.scheduler_loop_top_up,
+        ),
         route_bonus=cfg.moce_bonus,
         dump=cfg.dump,
         trace=cfg.trace,

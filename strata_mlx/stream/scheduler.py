@@ -458,13 +458,23 @@ class LoopScheduler(Scheduler):
             than this are queued (None: twice the reader's workers).
         wake_every: the reader's pipe wakes the loop at every completion (else only while
             the queue is below half the low-water mark and the reserve has reads left).
+        loop_top_up: a new reserve's first reads are left to the loop (its next completion)
+            where reads are in flight, instead of sent by the handshake that set it.
     """
 
     name = "loop"
 
-    def __init__(self, *args, low_water: int | None = None, wake_every: bool = True, **kw):
+    def __init__(
+        self,
+        *args,
+        low_water: int | None = None,
+        wake_every: bool = True,
+        loop_top_up: bool = False,
+        **kw,
+    ):
         super().__init__(*args, **kw)
         self.wake_every = wake_every
+        self.loop_top_up = loop_top_up and wake_every  # (else no completion need wake it)
         self.low_water = low_water if low_water is not None else 2 * self.reader.workers
         self._reserve: list[Key] = []
         self._next = 0  # the reserve's next key
@@ -553,6 +563,11 @@ class LoopScheduler(Scheduler):
 
     def _reserved(self, keys: list[Key], predicted: set[Key], pending: int) -> list[tuple]:
         self._reserve, self._next, self._predicted = keys, 0, predicted
+        if self.loop_top_up and (self.reads or pending):
+            # A read in flight (or about to be: `pending`) wakes the loop when it lands, and
+            # every collection of completions tops the queue up: the reserve's victim
+            # searches and requests run there, on the loop's thread, not the handshake's.
+            return []
         reqs = self._top_up_requests(pending)
         self._arm(self._reserve_left())
         return reqs
@@ -590,11 +605,10 @@ class LoopScheduler(Scheduler):
         super().close()
 
 
-def make_scheduler(
-    name: str, *args, low_water: int | None = None, wake_every: bool = True, **kw
-) -> Scheduler:
+def make_scheduler(name: str, *args, loop: dict | None = None, **kw) -> Scheduler:
+    """`loop`: LoopScheduler's own options (low_water, wake_every, loop_top_up)."""
     if name == "sync":
         return SyncScheduler(*args, **kw)
     if name == "loop":
-        return LoopScheduler(*args, low_water=low_water, wake_every=wake_every, **kw)
+        return LoopScheduler(*args, **(loop or {}), **kw)
     raise ValueError(f"unknown scheduler {name!r}; one of {SCHEDULERS}")

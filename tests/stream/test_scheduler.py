@@ -96,6 +96,38 @@ def test_a_handshake_hands_its_read_ahead_and_reserve_to_the_reader_at_once(stor
         sched.close()
 
 
+def test_a_reserve_left_to_the_loop_is_read_once_reads_land_not_by_the_handshake(store):
+    """With loop_top_up a handshake hands over only the next layer's prediction; the reserve
+    goes out from the loop's thread as those reads land (it would not with no read in
+    flight: then the handshake reads it itself)."""
+    path = store("qwen3_next")  # four MoE layers
+    m = load_manifest(path)
+    l0, l1, l2 = m.moe_layers[:3]
+    arena = Arena(8, m.layout.record_bytes)
+    reader = ScriptedReader()
+    sched = LoopScheduler(path, m, arena, reader, verify=True, low_water=4, loop_top_up=True)
+    try:
+        reader.pause()
+        before = len(reader.submits)
+        predicted = {(l1, 2), (l1, 3), (l2, 4), (l2, 5), (l2, 6)}
+        sched.predicted(l1, [2, 3], [(l2, 4), (l2, 5), (l2, 6)], predicted)
+        (urgent, tags, _), *more = reader.submits[before:]
+        assert not urgent and not more
+        assert [sched.reads[t].key for t in tags] == [(l1, 2), (l1, 3)]
+        assert sched.stats.topped_up == 0
+        reader.resume()
+        until(lambda: sched.stats.topped_up == 3)  # by the loop, as l1's reads landed
+        sched.drain()
+        with sched.lock:
+            assert all(arena.resident(k) for k in predicted)
+        # No read in flight nor about to be: the handshake reads the reserve itself.
+        sched.predicted(l2, [], [(l0, 7)], {(l0, 7)})
+        assert sched.stats.topped_up == 4
+        sched.drain()
+    finally:
+        sched.close()
+
+
 @pytest.mark.parametrize("wake_every", [True, False], ids=["every", "room"])
 def test_scheduler_tops_up_from_the_reserve_without_evicting_pinned_or_predicted(store, wake_every):
     """The loop tops the queue up as reads land, whether the reader wakes it at every
@@ -248,6 +280,23 @@ def test_loop_and_sync_are_bit_identical(store, family, depth):
                 assert model.expert_cache.stats.topped_up > 0  # the reserve was read
             model.expert_cache.close()
         assert np.array_equal(outs["loop"], outs["sync"]), fraction
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "deepseek_v3"])
+def test_a_reserve_read_from_the_loop_is_bit_identical(store, family):
+    """loop_top_up moves the reserve's reads to the loop's thread: same logits as sync."""
+    path = store(family)
+    m = load_manifest(path)
+    ids = prompt_ids(40, seed=6)
+    total = m.num_experts * len(m.moe_layers) * m.layout.record_bytes
+    outs = {}
+    for name, opts in (("sync", dict(scheduler="sync")), ("lt", dict(scheduler_loop_top_up=True))):
+        model, _ = strata_mlx.load(path, arena_gb=0.6 * total / 1024**3, lookahead_depth=3, **opts)
+        outs[name] = teacher_forced_logits(model, ids, 7)
+        if name == "lt" and len(m.moe_layers) > 2:
+            assert model.expert_cache.stats.topped_up > 0  # the reserve was read
+        model.expert_cache.close()
+    assert np.array_equal(outs["lt"], outs["sync"])
 
 
 def test_prefetch_is_awaitable(store):
