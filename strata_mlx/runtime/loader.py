@@ -162,16 +162,16 @@ class RuntimeConfig:
         metadata=opt("loop: wake at every completion, not only when the queue has room.",
                      variant="we"),
     )  # fmt: skip
-    # loop: a reserve set by a handshake (lookahead's layers after the next) is read from the
-    # loop's thread at the next completion, where reads are in flight, instead of by the
-    # handshake, whose thread builds the device's work. Replayed on the dev CPU the
-    # handshake's prediction took 43-57 us a layer less, its waits 39-45 more (a wait that
-    # collects completions tops the queue up too), its wall time 8-14 % less; on a GPU the
-    # loop may take more of it while that thread waits on the device. Off until one shows it.
+    # loop: the reserve (lookahead's layers after the next) is read from the loop's thread
+    # alone, woken by each completion, where reads are in flight, instead of by whichever
+    # thread collects completions, mostly the handshake's, which builds the device's work.
+    # Replayed on the dev CPU (decode_host.py, lookahead): the handshake's wall time 29-31 %
+    # less a layer, its CPU time 15 %, the same misses; on a GPU the loop's GIL time may land
+    # on the decoding thread's kernel calls instead. Off until a GPU run shows it.
     scheduler_loop_top_up: bool = field(
         default=False,
-        metadata=opt("loop: a handshake's reserve read from the loop's thread, not the "
-                     "handshake's.", variant="lt"),
+        metadata=opt("loop: the reserve's reads sent from the loop's thread alone, not "
+                     "the handshake's.", variant="lt"),
     )  # fmt: skip
     # The expected-next-use duel: on the full-size store's GPU decode trace it closes 66 % of
     # LRU's gap to Belady's optimum, and live on an H200 it read 25-47 % fewer decode bytes a

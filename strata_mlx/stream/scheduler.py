@@ -458,8 +458,9 @@ class LoopScheduler(Scheduler):
             than this are queued (None: twice the reader's workers).
         wake_every: the reader's pipe wakes the loop at every completion (else only while
             the queue is below half the low-water mark and the reserve has reads left).
-        loop_top_up: a new reserve's first reads are left to the loop (its next completion)
-            where reads are in flight, instead of sent by the handshake that set it.
+        loop_top_up: the reserve's reads are sent from the loop's thread alone (woken by
+            each completion, whoever collects it), where reads are in flight; a handshake
+            sends them only with none in flight.
     """
 
     name = "loop"
@@ -510,6 +511,8 @@ class LoopScheduler(Scheduler):
             try:
                 self.reader.ack()  # before polling: a completion after the poll wakes us again
                 self._absorb(self.reader.poll())
+                if self.loop_top_up:  # (a handshake may have collected what woke us)
+                    self._top_up()
                 self._arm(self._reserve_left() and self._failed is None)
             except Exception as e:  # a bug here must reach the caller, not hang it
                 self._failed = self._failed or e
@@ -525,10 +528,12 @@ class LoopScheduler(Scheduler):
 
     def _absorb(self, completions) -> None:
         """Completions, whoever collected them: into residency, a failed read kept for the
-        caller's next request, the queue topped up."""
+        caller's next request, the queue topped up (with loop_top_up, by the loop alone:
+        each completion wakes it)."""
         if completions:
             self._failed = self._failed or self._finish(completions)
-            self._top_up()
+            if not self.loop_top_up or threading.current_thread() is self._thread:
+                self._top_up()
 
     def _top_up(self) -> None:
         """Reads from the reserve while the reader's queue is below the low-water mark."""
