@@ -170,8 +170,8 @@ class RuntimeConfig:
     # on the decoding thread's kernel calls instead. Off until a GPU run shows it.
     scheduler_loop_top_up: bool = field(
         default=False,
-        metadata=opt("loop: the reserve's reads sent from the loop's thread alone, not "
-                     "the handshake's.", variant="lt"),
+        metadata=opt("loop, with wake-every: the reserve's reads sent from the loop's "
+                     "thread alone, not the handshake's.", variant="lt"),
     )  # fmt: skip
     # The expected-next-use duel: on the full-size store's GPU decode trace it closes 66 % of
     # LRU's gap to Belady's optimum, and live on an H200 it read 25-47 % fewer decode bytes a

@@ -22,8 +22,9 @@ Two schedulers share that contract:
 One (re-entrant) lock guards all of this state; the loop thread holds it only while it
 handles a batch of completions. A handshake waiting for its misses holds it and collects
 itself (its urgent reads land without a hop through the loop's thread), topping the queue up
-as the loop would. Reads themselves never take the GIL: the reader's threads pread, verify
-and report completions in C.
+as the loop would (with `loop_top_up` it leaves that to the loop, which the completions it
+collected wake once it lets go of the lock). Reads themselves never take the GIL: the
+reader's threads pread, verify and report completions in C.
 
 Results never depend on any of this: which slot holds an expert, and when it landed, never
 changes what a layer computes (strata_mlx.runtime.experts).
@@ -510,8 +511,9 @@ class LoopScheduler(Scheduler):
                 return
             try:
                 self.reader.ack()  # before polling: a completion after the poll wakes us again
-                self._absorb(self.reader.poll())
-                if self.loop_top_up:  # (a handshake may have collected what woke us)
+                done = self.reader.poll()
+                self._absorb(done)
+                if self.loop_top_up and not done:  # a handshake collected what woke us
                     self._top_up()
                 self._arm(self._reserve_left() and self._failed is None)
             except Exception as e:  # a bug here must reach the caller, not hang it
@@ -568,10 +570,10 @@ class LoopScheduler(Scheduler):
 
     def _reserved(self, keys: list[Key], predicted: set[Key], pending: int) -> list[tuple]:
         self._reserve, self._next, self._predicted = keys, 0, predicted
-        if self.loop_top_up and (self.reads or pending):
-            # A read in flight (or about to be: `pending`) wakes the loop when it lands, and
-            # every collection of completions tops the queue up: the reserve's victim
-            # searches and requests run there, on the loop's thread, not the handshake's.
+        if self.loop_top_up and self.reads:
+            # A read in flight (this handshake's read-ahead included) wakes the loop when it
+            # lands, whoever collects it, and the loop tops the queue up then: the reserve's
+            # victim searches and requests run on its thread, not the handshake's.
             return []
         reqs = self._top_up_requests(pending)
         self._arm(self._reserve_left())
@@ -580,7 +582,9 @@ class LoopScheduler(Scheduler):
     def wait(self, tags: list[int]) -> None:
         """The caller collects while it waits (holding the lock, so the loop cannot): its
         misses land without a hop through the loop's thread, and what else lands meanwhile
-        is made resident and tops the queue up as the loop would."""
+        is made resident and tops the queue up as the loop would (with `loop_top_up` the
+        loop does, woken by those completions once the lock is let go: the reserve waits
+        out this wait)."""
         with self.lock:
             # Only the completions collected here take reads out while the lock is held:
             # what is left to wait for shrinks by them (no rescan of every tag per batch).
