@@ -163,7 +163,8 @@ def one_round(
     same: list,
     py_spy: str | None = None,
 ):
-    """(ms from the read's submission to its ready word, ms the building thread's call took)."""
+    """(ms from the read's submission to its ready word, ms the building thread's call took,
+    the building thread's stack if it was dumped). A failed read exits with its error."""
     from custom_kernels.gate import gate
 
     building_call(kind, sizes, same, prepare=True)
@@ -189,7 +190,7 @@ def one_round(
                 landed["dumper"].start()
             time.sleep(0.0002)
         landed["word"] = time.perf_counter() - t0
-        reader.wait([1])
+        ((_, landed["err"], _),) = reader.wait([1])
 
     th = threading.Thread(target=read)
     th.start()
@@ -200,6 +201,10 @@ def one_round(
     if "dumper" in landed:
         landed["dumper"].join()
     mx.eval(late)
+    if landed["err"]:
+        from strata_mlx.stream.reader import error_message
+
+        sys.exit(f"gate_copy.py: the record's read failed: {error_message(landed['err'])}")
     return 1e3 * landed["word"], 1e3 * call, landed.get("stack")
 
 
@@ -218,14 +223,12 @@ def rounds(args, label: str) -> None:
             f = reader.open(tmp.name)
             # the gate kernel (its timeout is a template value: one build each) and every
             # call's kernels built before the rounds
-            one_round("nothing", reader, f, arena, table, 20, sizes, same)
             one_round("nothing", reader, f, arena, table, args.spin_ms, sizes, same)
             warm_up(sizes)
-            spy = args.py_spy
             print(f"{label}: the gate waits {args.spin_ms} ms; a 1 MB record read meanwhile")
             for kind in CALLS:
                 word, call, stack = one_round(
-                    kind, reader, f, arena, table, args.spin_ms, sizes, same, spy
+                    kind, reader, f, arena, table, args.spin_ms, sizes, same, args.py_spy
                 )
                 held = "  <- held" if word > args.spin_ms / 2 else ""
                 print(f"  {kind:18s} word after {word:7.1f} ms, the call {call:7.1f} ms{held}")

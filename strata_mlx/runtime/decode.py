@@ -43,9 +43,10 @@ A token runs in one of three ways, chosen from the running share of decode layer
     one meanwhile is discarded, as after a miss); once `gate_give_ups` of them have in the
     decoder's life it stops gating (the rest of that token included), warning once. Where
     the device cannot wait (no CUDA), the host's gate runs each layer's check before its
-    experts are queued and waits for its reads, as "sync" does. No token is built on a gated one before it is verified: its last
-    checks may give a miss the slot of a layer not computing yet, which a token built on top
-    ("token" mode: slots looked up when built) would read unchecked.
+    experts are queued and waits for its reads, as "sync" does. No token is built on a gated
+    one before it is verified: its last checks may give a miss the slot of a layer not
+    computing yet, which a token built on top ("token" mode: slots looked up when built)
+    would read unchecked.
 
 Outputs are bit-identical to the sync path in every mode (tests/test_decode.py).
 

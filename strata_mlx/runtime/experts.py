@@ -172,10 +172,10 @@ class ExpertCache:
         gate: bool = False,
     ):
         """`loop`: the loop scheduler's options (scheduler.LoopScheduler). `route_bonus`:
-        cache-aware routing, a bonus on resident experts' router logits in
-        decode (0: exact). `dump(layer, x, ids, scores, y)` gets every MoE layer's state
-        (--dump-moe); `trace` records routing and lookahead's predictions. `gate`: a gate
-        table for gated decode (DeferredHandshake.run_gated; device_gate_available)."""
+        cache-aware routing, a bonus on resident experts' router logits in decode (0:
+        exact). `dump(layer, x, ids, scores, y)` gets every MoE layer's state (--dump-moe);
+        `trace` records routing and lookahead's predictions. `gate`: a gate table for gated
+        decode (DeferredHandshake.run_gated; device_gate_available)."""
         self.store = Path(store)
         self.manifest = manifest
         self.layout = manifest.layout
