@@ -14,6 +14,7 @@ typedef int CUdevice;
 typedef void *CUcontext;
 typedef void *CUstream;
 typedef unsigned long long CUdeviceptr;
+typedef void *CUmemoryPool;
 typedef struct {
     int type; /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
     int id;
@@ -23,6 +24,7 @@ typedef struct {
 #define CU_MEMHOSTREGISTER_PORTABLE 1
 #define CU_MEMHOSTREGISTER_DEVICEMAP 2
 #define CU_MEM_ADVISE_SET_PREFERRED_LOCATION 3
+#define CU_MEMPOOL_ATTR_RELEASE_THRESHOLD 4
 
 static struct {
     CUresult (*init)(unsigned);
@@ -42,6 +44,9 @@ static struct {
     CUresult (*error_string)(CUresult, const char **);
     CUresult (*host_get_device_pointer)(CUdeviceptr *, void *, unsigned);
     CUresult (*launch_host_func)(CUstream, void (*)(void *), void *);
+    CUresult (*default_mem_pool)(CUmemoryPool *, CUdevice);
+    CUresult (*pool_set_attribute)(CUmemoryPool, int, void *);
+    CUresult (*pool_get_attribute)(CUmemoryPool, int, void *);
 } cu;
 
 static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -91,6 +96,9 @@ int devcopy_init(int ordinal) {
     *(void **)&cu.error_string = sym(lib, "cuGetErrorString");
     *(void **)&cu.host_get_device_pointer = sym(lib, "cuMemHostGetDevicePointer_v2");
     *(void **)&cu.launch_host_func = sym(lib, "cuLaunchHostFunc");
+    *(void **)&cu.default_mem_pool = sym(lib, "cuDeviceGetDefaultMemPool");
+    *(void **)&cu.pool_set_attribute = sym(lib, "cuMemPoolSetAttribute");
+    *(void **)&cu.pool_get_attribute = sym(lib, "cuMemPoolGetAttribute");
     if (!cu.init || !cu.device_get || !cu.primary_ctx_retain || !cu.ctx_set_current ||
         !cu.stream_create || !cu.stream_destroy || !cu.stream_synchronize ||
         !cu.host_register || !cu.host_unregister || !cu.memcpy_htod_async) {
@@ -197,4 +205,18 @@ int devcopy_unmap_host(void *addr) {
 int devcopy_then(DevCopyThread *t, void (*fn)(void *), void *arg) {
     if (!cu.launch_host_func) return -1;
     return cu.launch_host_func(t->stream, fn, arg);
+}
+
+int devcopy_pool_threshold(int ordinal, unsigned long long threshold,
+                           unsigned long long *previous) {
+    if (init_rc != 0) return -1;
+    if (!cu.default_mem_pool || !cu.pool_set_attribute || !cu.pool_get_attribute) return -2;
+    CUdevice dev;
+    CUmemoryPool pool;
+    CUresult e = cu.ctx_set_current(ctx);
+    if (!e) e = cu.device_get(&dev, ordinal);
+    if (!e) e = cu.default_mem_pool(&pool, dev);
+    if (!e) e = cu.pool_get_attribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, previous);
+    if (!e) e = cu.pool_set_attribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold);
+    return e;
 }

@@ -45,4 +45,12 @@ int devcopy_prefer_device(void *addr, size_t len, int ordinal);
 int devcopy_map_host(void *addr, size_t len, unsigned long long *device_address);
 int devcopy_unmap_host(void *addr);
 
+/* Device `ordinal`'s default memory pool (where the CUDA runtime's stream-ordered allocations
+ * come from) keeps up to `threshold` bytes of free memory reserved at a synchronization instead
+ * of handing them back to the system (its release threshold; the driver's default is 0), the
+ * threshold before in *previous. 0, a negative code (no driver, or one without memory pools) or
+ * a CUresult. */
+int devcopy_pool_threshold(int ordinal, unsigned long long threshold,
+                           unsigned long long *previous);
+
 #endif
