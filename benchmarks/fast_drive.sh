@@ -156,9 +156,9 @@ orders)  # tmpfs behind an emulated drive (DRIVE, GB/s; empty: the tmpfs itself)
 gate)  # gated decode: the gate's GPU tests (the kernel waits for a host store, gives up past
   # its timeout, a gated decode equals the per-layer handshake), then bench's POL (default:
   # lookahead, gated at lag 1 and 2) on the tmpfs behind each of DRIVES (GB/s; shm: the tmpfs
-  # itself), the order reversed every other drive
+  # itself), the order reversed every other drive; GATE_TESTS=0 skips the tests
   build
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_gate.py 2>&1 \
+  [ "${GATE_TESTS:-1}" = 0 ] || timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_gate.py 2>&1 \
      | tail -6 | tee "$OUT/gate-tests.log"
   pol=${POL:-lookahead,lookahead:gt1,lookahead:gt1:lag2}; r=0
   rev=$(echo "$pol" | tr , '\n' | tac | paste -sd,)
@@ -167,32 +167,19 @@ gate)  # gated decode: the gate's GPU tests (the kernel waits for a host store, 
     STRATA_MLX_DRIVE_GBPS=$g G=${G:-32} LIMIT=${LIMIT:-200} bench "bench-gate-$d" "$SHM" "$p"
   done
   ;;
-gate-copy)  # which of MLX's calls holds a record's device copy while a gate waits
-  # (benchmarks/gate_copy.py), then gated decode behind a 12 GB/s emulated drive with the
-  # device's memory pool as it comes and kept with RESERVE GB reserved, few tokens, a short
-  # timeout (the gates given up are bench's figure: every one counted, gating never stopped).
-  # With py-spy's wheel in .whl/ (pip download py-spy --only-binary=:all: --no-deps -d
-  # .whl/base), a held call's native stack, and the gated runs' native stacks sampled
-  # (collapsed, gate-pool*.stacks: the decoding thread's waits inside MLX and CUDA)
+gate-copy)  # which of MLX's calls holds a record's device copy while a gate waits, and whether
+  # reader threads' copy streams sharing MLX's hardware queue do (benchmarks/gate_copy.py, 16
+  # threads), under each of CONNS (CUDA_DEVICE_MAX_CONNECTIONS: 8 is CUDA's default, 32 the
+  # package's); then gated decode behind a 12 GB/s emulated drive under each, few tokens, a
+  # short timeout (the gates given up are bench's figure: every one counted, gating never
+  # stopped)
   build
-  spy=; w=$(ls .whl/*/py_spy-*.whl 2>/dev/null | head -1)
-  if [ -n "$w" ]; then
-    python3 -c "import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/pyspy')" "$w"
-    spy=$(ls /tmp/pyspy/py_spy-*.data/scripts/py-spy); chmod +x "$spy"
-  fi
-  timeout 120 python3 benchmarks/gate_copy.py --reserve-gb "${RESERVE:-2}" ${spy:+--py-spy "$spy"} 2>&1 \
-    | tee "$OUT/gate-copy.log"
-  rs=0; [ "${RESERVE:-2}" = 0 ] || rs="0 ${RESERVE:-2}"
-  for r in $rs; do
-    STRATA_MLX_DRIVE_GBPS=12 STRATA_MLX_GATE_TIMEOUT_MS=100 timeout 240 python3 benchmarks/gate_copy.py \
-      --no-rounds --reserve-gb "$r" --bench --model "$SHM" -p 512 -g "${G:-8}" --arena-gb 6.5 \
-      --prefill-step-size 512 --policies "${POL:-lookahead:gt1}" --decode-gate-give-ups 0 \
-      --json "$OUT/gate-pool$r.json" > "$OUT/gate-pool$r.log" 2>&1 &
-    pid=$!  # (timeout's: py-spy follows it to Python with --subprocesses)
-    [ -z "$spy" ] || "$spy" record --native --idle --threads --subprocesses --format raw --rate 100 \
-      --pid "$pid" -o "$OUT/gate-pool$r.stacks" > "$OUT/gate-pool$r.spy.log" 2>&1 &
-    wait "$pid"; wait
-    grep -v "^ *[0-9]" "$OUT/gate-pool$r.log"
+  for c in ${CONNS:-8 32}; do
+    CUDA_DEVICE_MAX_CONNECTIONS=$c timeout 120 python3 benchmarks/gate_copy.py --workers 16 2>&1
+  done | tee "$OUT/gate-copy.log"
+  for c in ${CONNS:-8 32}; do
+    CUDA_DEVICE_MAX_CONNECTIONS=$c STRATA_MLX_DRIVE_GBPS=12 STRATA_MLX_GATE_TIMEOUT_MS=100 \
+      G=${G:-8} LIMIT=${LIMIT:-240} bench "gate-conn$c" "$SHM" "${POL:-lookahead:gt1:gg0}"
   done
   ;;
 pairs)  # one token's layers through the kernels' `pairs` against their general entry (the

@@ -31,6 +31,10 @@ reserves (its release threshold at the maximum: by default it hands its free mem
 every synchronization) and grown by G GB, so that a new allocation is carved from reserved
 memory instead of mapping new memory.
 
+With --workers N, then N reader threads (each its own copy stream) read a record each while a
+gate waits: CUDA runs a context's streams on CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by
+default), and a copy stream sharing MLX's queue waits behind the gate. Run it under each value.
+
 --bench ARGS...: then `strata-mlx bench ARGS` in this process, after the reserve if any (bench
 prints the gates given up). Everything after --bench goes to bench.
 """
@@ -216,6 +220,58 @@ def rounds(args, label: str) -> None:
     table.close()
 
 
+def streams_round(args) -> None:
+    """--workers N reader threads (each its own copy stream) read a record each while a gate
+    waits: how many words landed only near the gate's end. CUDA runs a context's streams on
+    CUDA_DEVICE_MAX_CONNECTIONS hardware queues; a stream sharing MLX's queues its copies
+    behind the gate."""
+    from custom_kernels.gate import gate
+    from strata_mlx.stream.arena import Arena
+    from strata_mlx.stream.gate import GateTable
+    from strata_mlx.stream.reader import Reader
+
+    n = args.workers
+    table = GateTable(TableShape(), device=True)
+    arena = Arena(n, RECORD, on_device=True, device_memory=True)
+    with tempfile.NamedTemporaryFile(dir=args.dir, suffix=".bin") as tmp:
+        tmp.write(np.random.default_rng(0).integers(0, 255, RECORD, dtype=np.uint8).tobytes())
+        tmp.flush()
+        with Reader(n, bounce=True, device_copy=True) as reader:
+            f = reader.open(tmp.name)
+            reqs = [(i, f, 0, RECORD, arena.address(i), None, table.ready((0, i), i))
+                    for i in range(n)]  # fmt: skip
+            reader.submit(reqs, True)  # every thread's stream used once before the gate
+            reader.wait(list(range(n)))
+            table.table[0, 63] = -1  # never lands: the gate waits out spin_ms
+            ids = mx.array([63], dtype=mx.uint32)
+            row = mx.array([table.row_address(0)], dtype=mx.uint64)
+            _, late = gate(ids, row, args.spin_ms)
+            mx.async_eval(late)
+            time.sleep(0.02)
+            t0 = time.perf_counter()
+            reader.submit(reqs, True)
+            landed = [None] * n
+            while None in landed and time.perf_counter() - t0 < 5:
+                now = time.perf_counter() - t0
+                for i in range(n):
+                    if landed[i] is None and table.table[0, i] >= 0:
+                        landed[i] = 1e3 * now
+                time.sleep(0.0002)
+            errs = [err for _, err, _ in reader.wait(list(range(n)))]
+            mx.eval(late)
+    table.close()
+    if any(errs):
+        sys.exit(f"gate_copy.py: {sum(map(bool, errs))} of the records' reads failed")
+    ms = sorted(x if x is not None else 5e3 for x in landed)
+    held = sum(x > args.spin_ms / 2 for x in ms)
+    print(
+        f"{n} reader threads, a record each while the gate waits {args.spin_ms} ms "
+        f"(CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset')})"
+        f": {held} held; words after {ms[0]:.1f} / {ms[n // 2]:.1f} / {ms[-1]:.1f} ms "
+        "(first / median / last)"
+    )
+
+
 def main(argv: list[str]) -> None:
     bench = None
     if "--bench" in argv:
@@ -228,14 +284,19 @@ def main(argv: list[str]) -> None:
     )
     p.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     p.add_argument("--no-rounds", action="store_true", help="only the bench (after the reserve)")
+    p.add_argument("--workers", type=int, default=0, help="then N threads' copies at once")
     p.add_argument("--py-spy", default=None, help="py-spy's binary: a held call's native stack")
     args = p.parse_args(argv)
+    if not 0 <= args.workers <= 32:
+        p.error(f"--workers {args.workers}: 0 to 32 (a word each in a 64-word table row)")
     from strata_mlx.runtime.experts import device_gate_available
 
     if not device_gate_available():
         sys.exit("gate_copy.py: needs MLX's CUDA device (the gate kernel is CUDA only)")
     if not args.no_rounds:
         rounds(args, "the default memory pool")
+        if args.workers:
+            streams_round(args)
     if args.reserve_gb > 0:
         from strata_mlx.stream.arena import keep_device_pool
 

@@ -5,6 +5,15 @@ for r in strata_mlx.stream_generate(model, tokenizer, "Hello", max_tokens=32):
     print(r.text, end="")
 """
 
+import os
+
+# CUDA runs a context's streams on a fixed number of hardware work queues (8 unless this says
+# otherwise, 32 at most), read when the process first uses CUDA. A reader thread's copy stream
+# that shares a queue with MLX's waits behind MLX's kernels, and behind a gate kernel waiting
+# for that very copy until the gate gives up: each reader thread's stream wants a queue of its
+# own. The variable set before this package is imported wins.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
 from .generation.generate import GenerationResponse, generate, stream_generate
 from .runtime.loader import RuntimeConfig, load
 

@@ -120,11 +120,26 @@ out:;
     return rc;
 }
 
+/* Streams outlive the threads that used them: a new thread takes a finished one's. The driver
+ * maps streams onto a fixed number of hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS), and a
+ * stream sharing one with MLX's queues its copies behind MLX's kernels; a process that made a
+ * stream for every reader thread it ever started would wrap around onto MLX's queue. */
+static pthread_mutex_t streams_mu = PTHREAD_MUTEX_INITIALIZER;
+static CUstream spare[64];
+static int n_spare;
+
 DevCopyThread *devcopy_thread_new(void) {
     if (init_rc != 0) return NULL;
     DevCopyThread *t = calloc(1, sizeof *t);
     if (!t) return NULL;
-    if (cu.ctx_set_current(ctx) || cu.stream_create(&t->stream, CU_STREAM_NON_BLOCKING)) {
+    if (cu.ctx_set_current(ctx)) {
+        free(t);
+        return NULL;
+    }
+    pthread_mutex_lock(&streams_mu);
+    if (n_spare) t->stream = spare[--n_spare];
+    pthread_mutex_unlock(&streams_mu);
+    if (!t->stream && cu.stream_create(&t->stream, CU_STREAM_NON_BLOCKING)) {
         free(t);
         return NULL;
     }
@@ -133,7 +148,16 @@ DevCopyThread *devcopy_thread_new(void) {
 
 void devcopy_thread_free(DevCopyThread *t) {
     if (!t) return;
-    cu.stream_destroy(t->stream);
+    int kept = 0;
+    if (cu.stream_synchronize(t->stream) == 0) { /* nothing of this thread's left queued */
+        pthread_mutex_lock(&streams_mu);
+        if (n_spare < (int)(sizeof spare / sizeof spare[0])) {
+            spare[n_spare++] = t->stream;
+            kept = 1;
+        }
+        pthread_mutex_unlock(&streams_mu);
+    }
+    if (!kept) cu.stream_destroy(t->stream);
     free(t);
 }
 

@@ -15,7 +15,8 @@
 int devcopy_init(int ordinal);
 const char *devcopy_error(void);
 
-/* Per thread: a stream of its own (made current on first use), host buffers pinned. */
+/* Per thread: a stream of its own while it lives (one a finished thread left, or a new one),
+ * host buffers pinned. */
 typedef struct DevCopyThread DevCopyThread;
 DevCopyThread *devcopy_thread_new(void);
 void devcopy_thread_free(DevCopyThread *t);

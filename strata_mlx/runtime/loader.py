@@ -142,8 +142,9 @@ class RuntimeConfig:
     )
     # CUDA with device_copy: the device's memory pool (MLX's new buffers) keeps what it
     # reserves, this many GB reserved at load, where MLX leaves it handing free memory back at
-    # every synchronization (stream.arena.keep_device_pool). For gated decode, whose gates
-    # spin on the device while records are copied in.
+    # every synchronization (stream.arena.keep_device_pool). Tried for gated decode, whose
+    # records' copies waited for the gates spinning on the device: kept, 4 GB reserved, as
+    # many gates gave up on an H100 (docs/benchmarks.md, "Gated decode"). Off.
     device_pool_gb: float = field(
         default=0.0,
         metadata=opt("CUDA: the device's memory pool keeps what it reserves, this many GB "
@@ -175,8 +176,8 @@ class RuntimeConfig:
     # alone, woken by each completion, where reads are in flight, instead of by whichever
     # thread collects completions, mostly the handshake's, which builds the device's work.
     # Replayed on the dev CPU (decode_host.py, lookahead): the handshake's wall time 29-31 %
-    # less a layer, its CPU time 15 %, the same misses; on a GPU the loop's GIL time may land
-    # on the decoding thread's kernel calls instead. Off until a GPU run shows it.
+    # less a layer, its CPU time 15 %, the same misses. On an H100 behind a 12 GB/s emulated
+    # drive: the host 2-11 % less a token, decode's tok/s the same (docs/benchmarks.md). Off.
     scheduler_loop_top_up: bool = field(
         default=False,
         metadata=opt("loop, with wake-every: the reserve's reads sent from the loop's "

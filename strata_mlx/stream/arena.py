@@ -313,8 +313,8 @@ def keep_device_pool(reserve_gb: float):
     MLX leaves the pool's release threshold at 0: at every synchronization its free memory goes
     back to the system, and the next buffer of a size MLX's own cache lacks grows it again.
     While a gate kernel spins on the device, a record's device copy was seen held until the
-    gate gave up (docs/decisions.md, "Gated decode"); growing or trimming the pool is the
-    suspect this option takes away."""
+    gate gave up (docs/decisions.md, "Gated decode"); with the pool kept as many gates gave
+    up, so growing or trimming it is not what holds them."""
     before = pool_threshold(2**64 - 1)
     if reserve_gb > 0:
         grow = mx.zeros((int(reserve_gb * 2**30) // 4,), dtype=mx.float32) + 1  # a GPU op
