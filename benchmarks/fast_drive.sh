@@ -14,6 +14,8 @@ DISK=${DISK:-/root/strata-synth}   # the store on the machine's disk
 SHM=${SHM:-/dev/shm/strata-synth}  # the same store on tmpfs
 OLD=${OLD:-$PWD/.old}              # a tree of the code to compare against (git archive)
 export PYTHONUNBUFFERED=1
+# (the package's own default, set here too for the scripts that start CUDA before importing it)
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$PWD"
 # (this Python's own extension suffix: a tree copied from another machine may hold another's)
 built() { [ -f "strata_mlx/_reader$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" ]; }
