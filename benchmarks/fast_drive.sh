@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|gate|gate-copy|pairs
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|pairs
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode.
 set -uo pipefail
@@ -169,6 +169,18 @@ gate)  # gated decode: the gate's GPU tests (the kernel waits for a host store, 
     STRATA_MLX_DRIVE_GBPS=$g G=${G:-32} LIMIT=${LIMIT:-200} bench "bench-gate-$d" "$SHM" "$p"
   done
   ;;
+conns)  # tmpfs (behind DRIVE GB/s where set): bench's POL under 8 hardware queues (CUDA's
+  # default) and 32 (the package's), ROUNDS times, the order swapped each round: whether the
+  # reader threads' copies queued behind MLX's kernels cost the ungated path too
+  build
+  for r in $(seq "${ROUNDS:-2}"); do
+    cs="8 32"; [ $((r % 2)) = 0 ] && cs="32 8"
+    for c in $cs; do
+      CUDA_DEVICE_MAX_CONNECTIONS=$c STRATA_MLX_DRIVE_GBPS=${DRIVE:-} G=${G:-32} LIMIT=${LIMIT:-150} \
+        bench "bench-conns$c-$r" "$SHM" "${POL:-lookahead,demand}"
+    done
+  done
+  ;;
 gate-copy)  # which of MLX's calls holds a record's device copy while a gate waits, and whether
   # reader threads' copy streams sharing MLX's hardware queue do (benchmarks/gate_copy.py, 16
   # threads), under each of CONNS (CUDA_DEVICE_MAX_CONNECTIONS: 8 is CUDA's default, 32 the
@@ -197,5 +209,5 @@ pairs)  # one token's layers through the kernels' `pairs` against their general 
      --modes token:4,token:4+general --json "$OUT/pairs-resident.json" 2>&1 | tee "$OUT/pairs-resident.log"
   timeout 150 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 30 2>&1 | tee "$OUT/pairs-build.log"
   ;;
-*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|gate|gate-copy|pairs"; exit 2;;
+*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|pairs"; exit 2;;
 esac

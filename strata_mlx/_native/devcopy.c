@@ -128,36 +128,44 @@ static pthread_mutex_t streams_mu = PTHREAD_MUTEX_INITIALIZER;
 static CUstream spare[64];
 static int n_spare;
 
+/* A spare stream, or a new one (NULL if the driver refused); the context made current. */
+static CUstream take_stream(void) {
+    CUstream s = NULL;
+    if (cu.ctx_set_current(ctx)) return NULL;
+    pthread_mutex_lock(&streams_mu);
+    if (n_spare) s = spare[--n_spare];
+    pthread_mutex_unlock(&streams_mu);
+    if (!s && cu.stream_create(&s, CU_STREAM_NON_BLOCKING)) return NULL;
+    return s;
+}
+
+/* Back to the spares once nothing queued on it is left (destroyed where it cannot be). */
+static void give_stream(CUstream s) {
+    int kept = 0;
+    if (cu.stream_synchronize(s) == 0) {
+        pthread_mutex_lock(&streams_mu);
+        if (n_spare < (int)(sizeof spare / sizeof spare[0])) {
+            spare[n_spare++] = s;
+            kept = 1;
+        }
+        pthread_mutex_unlock(&streams_mu);
+    }
+    if (!kept) cu.stream_destroy(s);
+}
+
 DevCopyThread *devcopy_thread_new(void) {
     if (init_rc != 0) return NULL;
     DevCopyThread *t = calloc(1, sizeof *t);
-    if (!t) return NULL;
-    if (cu.ctx_set_current(ctx)) {
+    if (t && !(t->stream = take_stream())) {
         free(t);
-        return NULL;
-    }
-    pthread_mutex_lock(&streams_mu);
-    if (n_spare) t->stream = spare[--n_spare];
-    pthread_mutex_unlock(&streams_mu);
-    if (!t->stream && cu.stream_create(&t->stream, CU_STREAM_NON_BLOCKING)) {
-        free(t);
-        return NULL;
+        t = NULL;
     }
     return t;
 }
 
 void devcopy_thread_free(DevCopyThread *t) {
     if (!t) return;
-    int kept = 0;
-    if (cu.stream_synchronize(t->stream) == 0) { /* nothing of this thread's left queued */
-        pthread_mutex_lock(&streams_mu);
-        if (n_spare < (int)(sizeof spare / sizeof spare[0])) {
-            spare[n_spare++] = t->stream;
-            kept = 1;
-        }
-        pthread_mutex_unlock(&streams_mu);
-    }
-    if (!kept) cu.stream_destroy(t->stream);
+    give_stream(t->stream);
     free(t);
 }
 
@@ -192,14 +200,14 @@ int devcopy_prefer_device(void *addr, size_t len, int ordinal) {
     else if (cu.advise)
         e = cu.advise(p, len, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, ordinal);
     if (e) return e;
-    CUstream s;
-    if ((e = cu.stream_create(&s, CU_STREAM_NON_BLOCKING))) return e;
+    CUstream s = take_stream();
+    if (!s) return -4;
     if (cu.prefetch_v2)
         e = cu.prefetch_v2(p, len, loc, 0, s);
     else if (cu.prefetch)
         e = cu.prefetch(p, len, ordinal, s);
     if (!e) e = cu.stream_synchronize(s);
-    cu.stream_destroy(s);
+    give_stream(s);
     return e;
 }
 

@@ -37,7 +37,7 @@ int devcopy_wait(DevCopyThread *t);
 int devcopy_then(DevCopyThread *t, void (*fn)(void *), void *arg);
 
 /* Ask the driver to keep [addr, addr + len) (managed memory) on the device and move it there
- * now: 0 or a CUresult. */
+ * now: 0, a negative code (no driver, or no stream to move it on) or a CUresult. */
 int devcopy_prefer_device(void *addr, size_t len, int ordinal);
 
 /* Page-locked host memory the device reads and writes in place ([addr, addr + len), page
