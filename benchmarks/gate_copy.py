@@ -243,7 +243,6 @@ def streams_round(args) -> None:
             reader.submit(reqs, True)  # every thread's stream used once before the gate
             reader.wait(list(range(n)))
             table.table[0, 63] = -1  # never lands: the gate waits out spin_ms
-            table.table[0, :n] = -1  # (the reader only ever stores a landed read's word)
             ids = mx.array([63], dtype=mx.uint32)
             row = mx.array([table.row_address(0)], dtype=mx.uint64)
             _, late = gate(ids, row, args.spin_ms)
