@@ -14,7 +14,8 @@ DISK=${DISK:-/root/strata-synth}   # the store on the machine's disk
 SHM=${SHM:-/dev/shm/strata-synth}  # the same store on tmpfs
 OLD=${OLD:-$PWD/.old}              # a tree of the code to compare against (git archive)
 export PYTHONUNBUFFERED=1
-# (the package's own default, set here too for the scripts that start CUDA before importing it)
+# (the package's own default, set here too for the scripts that start CUDA before importing it;
+# logs from before it was the default ran with CUDA's 8, the old tree's too: `conns` compares)
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$PWD"
 # (this Python's own extension suffix: a tree copied from another machine may hold another's)
@@ -176,7 +177,7 @@ conns)  # tmpfs (behind DRIVE GB/s where set): bench's POL under 8 hardware queu
   for r in $(seq "${ROUNDS:-2}"); do
     cs="8 32"; [ $((r % 2)) = 0 ] && cs="32 8"
     for c in $cs; do
-      CUDA_DEVICE_MAX_CONNECTIONS=$c STRATA_MLX_DRIVE_GBPS=${DRIVE:-} G=${G:-32} LIMIT=${LIMIT:-150} \
+      CUDA_DEVICE_MAX_CONNECTIONS=$c STRATA_MLX_DRIVE_GBPS=${DRIVE:-} G=${G:-32} LIMIT=${LIMIT:-130} \
         bench "bench-conns$c-$r" "$SHM" "${POL:-lookahead,demand}"
     done
   done
@@ -189,11 +190,12 @@ gate-copy)  # which of MLX's calls holds a record's device copy while a gate wai
   # stopped)
   build
   for c in ${CONNS:-8 32}; do
-    CUDA_DEVICE_MAX_CONNECTIONS=$c timeout 120 python3 benchmarks/gate_copy.py --workers 16 2>&1
+    echo "== CUDA_DEVICE_MAX_CONNECTIONS=$c"
+    CUDA_DEVICE_MAX_CONNECTIONS=$c timeout 90 python3 benchmarks/gate_copy.py --workers 16 2>&1
   done | tee "$OUT/gate-copy.log"
   for c in ${CONNS:-8 32}; do
     CUDA_DEVICE_MAX_CONNECTIONS=$c STRATA_MLX_DRIVE_GBPS=12 STRATA_MLX_GATE_TIMEOUT_MS=100 \
-      G=${G:-8} LIMIT=${LIMIT:-240} bench "gate-conn$c" "$SHM" "${POL:-lookahead:gt1:gg0}"
+      G=${G:-8} LIMIT=${LIMIT:-180} bench "gate-conn$c" "$SHM" "${POL:-lookahead:gt1:gg0}"
   done
   ;;
 pairs)  # one token's layers through the kernels' `pairs` against their general entry (the

@@ -42,6 +42,7 @@ prints the gates given up). Everything after --bench goes to bench.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import subprocess
 import sys
@@ -71,6 +72,26 @@ class TableShape:
 
     def layer_position(self, layer: int) -> int:
         return 0
+
+
+def reserve_pool(gb: float) -> None:
+    """The device's default memory pool keeps what it reserves, grown by `gb` GB now."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    dev, pool = ctypes.c_int(), ctypes.c_void_p()
+    threshold = ctypes.c_uint64(2**64 - 1)
+    for call in (
+        lambda: cu.cuDeviceGet(ctypes.byref(dev), 0),
+        lambda: cu.cuDeviceGetDefaultMemPool(ctypes.byref(pool), dev),
+        lambda: cu.cuMemPoolSetAttribute(pool, 4, ctypes.byref(threshold)),  # RELEASE_THRESHOLD
+    ):
+        if rc := call():
+            sys.exit(f"gate_copy.py: the CUDA driver refused the pool's setting (CUresult {rc})")
+    if gb > 0:
+        a = mx.zeros((int(gb * 2**30) // 4,), dtype=mx.float32) + 1  # a GPU op: the pool's memory
+        mx.eval(a)
+        del a
+        mx.clear_cache()  # back to the pool, which now keeps it
+        mx.synchronize()
 
 
 class Sizes:
@@ -298,9 +319,7 @@ def main(argv: list[str]) -> None:
         if args.workers:
             streams_round(args)
     if args.reserve_gb > 0:
-        from strata_mlx.stream.arena import keep_device_pool
-
-        keep_device_pool(args.reserve_gb)
+        reserve_pool(args.reserve_gb)
         if not args.no_rounds:
             rounds(args, f"the pool kept, {args.reserve_gb:g} GB reserved")
     if bench is not None:

@@ -11,8 +11,11 @@ import os
 # otherwise, 32 at most), read when the process first uses CUDA. A reader thread's copy stream
 # that shares a queue with MLX's waits behind MLX's kernels, and behind a gate kernel waiting
 # for that very copy until the gate gives up: each reader thread's stream wants a queue of its
-# own. The variable set before this package is imported wins.
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+# own. A value set before this package is imported wins; it must come before MLX first uses
+# the GPU, as this does for the command line (a program that uses MLX's GPU before importing
+# strata_mlx sets it itself).
+if not os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
 
 from .generation.generate import GenerationResponse, generate, stream_generate
 from .runtime.loader import RuntimeConfig, load

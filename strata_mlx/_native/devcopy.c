@@ -14,7 +14,6 @@ typedef int CUdevice;
 typedef void *CUcontext;
 typedef void *CUstream;
 typedef unsigned long long CUdeviceptr;
-typedef void *CUmemoryPool;
 typedef struct {
     int type; /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
     int id;
@@ -24,7 +23,7 @@ typedef struct {
 #define CU_MEMHOSTREGISTER_PORTABLE 1
 #define CU_MEMHOSTREGISTER_DEVICEMAP 2
 #define CU_MEM_ADVISE_SET_PREFERRED_LOCATION 3
-#define CU_MEMPOOL_ATTR_RELEASE_THRESHOLD 4
+#define CUDA_ERROR_NOT_READY 600
 
 static struct {
     CUresult (*init)(unsigned);
@@ -34,6 +33,7 @@ static struct {
     CUresult (*stream_create)(CUstream *, unsigned);
     CUresult (*stream_destroy)(CUstream);
     CUresult (*stream_synchronize)(CUstream);
+    CUresult (*stream_query)(CUstream);
     CUresult (*host_register)(void *, size_t, unsigned);
     CUresult (*host_unregister)(void *);
     CUresult (*memcpy_htod_async)(CUdeviceptr, const void *, size_t, CUstream);
@@ -44,9 +44,6 @@ static struct {
     CUresult (*error_string)(CUresult, const char **);
     CUresult (*host_get_device_pointer)(CUdeviceptr *, void *, unsigned);
     CUresult (*launch_host_func)(CUstream, void (*)(void *), void *);
-    CUresult (*default_mem_pool)(CUmemoryPool *, CUdevice);
-    CUresult (*pool_set_attribute)(CUmemoryPool, int, void *);
-    CUresult (*pool_get_attribute)(CUmemoryPool, int, void *);
 } cu;
 
 static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -86,6 +83,7 @@ int devcopy_init(int ordinal) {
     *(void **)&cu.stream_create = sym(lib, "cuStreamCreate");
     *(void **)&cu.stream_destroy = sym(lib, "cuStreamDestroy_v2");
     *(void **)&cu.stream_synchronize = sym(lib, "cuStreamSynchronize");
+    *(void **)&cu.stream_query = sym(lib, "cuStreamQuery");
     *(void **)&cu.host_register = sym(lib, "cuMemHostRegister_v2");
     *(void **)&cu.host_unregister = sym(lib, "cuMemHostUnregister");
     *(void **)&cu.memcpy_htod_async = sym(lib, "cuMemcpyHtoDAsync_v2");
@@ -96,9 +94,6 @@ int devcopy_init(int ordinal) {
     *(void **)&cu.error_string = sym(lib, "cuGetErrorString");
     *(void **)&cu.host_get_device_pointer = sym(lib, "cuMemHostGetDevicePointer_v2");
     *(void **)&cu.launch_host_func = sym(lib, "cuLaunchHostFunc");
-    *(void **)&cu.default_mem_pool = sym(lib, "cuDeviceGetDefaultMemPool");
-    *(void **)&cu.pool_set_attribute = sym(lib, "cuMemPoolSetAttribute");
-    *(void **)&cu.pool_get_attribute = sym(lib, "cuMemPoolGetAttribute");
     if (!cu.init || !cu.device_get || !cu.primary_ctx_retain || !cu.ctx_set_current ||
         !cu.stream_create || !cu.stream_destroy || !cu.stream_synchronize ||
         !cu.host_register || !cu.host_unregister || !cu.memcpy_htod_async) {
@@ -128,15 +123,23 @@ static pthread_mutex_t streams_mu = PTHREAD_MUTEX_INITIALIZER;
 static CUstream spare[64];
 static int n_spare;
 
-/* A spare stream, or a new one (NULL if the driver refused); the context made current. */
-static CUstream take_stream(void) {
-    CUstream s = NULL;
-    if (cu.ctx_set_current(ctx)) return NULL;
-    pthread_mutex_lock(&streams_mu);
-    if (n_spare) s = spare[--n_spare];
-    pthread_mutex_unlock(&streams_mu);
-    if (!s && cu.stream_create(&s, CU_STREAM_NON_BLOCKING)) return NULL;
-    return s;
+/* A spare stream, or a new one, in *out: 0 or the driver's CUresult; the context made current.
+ * A spare the driver no longer knows (its context was reset) is dropped. */
+static CUresult take_stream(CUstream *out) {
+    CUresult e = cu.ctx_set_current(ctx);
+    if (e) return e;
+    for (;;) {
+        CUstream s = NULL;
+        pthread_mutex_lock(&streams_mu);
+        if (n_spare) s = spare[--n_spare];
+        pthread_mutex_unlock(&streams_mu);
+        if (!s) return cu.stream_create(out, CU_STREAM_NON_BLOCKING);
+        e = cu.stream_query ? cu.stream_query(s) : 0;
+        if (e == 0 || e == CUDA_ERROR_NOT_READY) {
+            *out = s;
+            return 0;
+        }
+    }
 }
 
 /* Back to the spares once nothing queued on it is left (destroyed where it cannot be). */
@@ -156,7 +159,7 @@ static void give_stream(CUstream s) {
 DevCopyThread *devcopy_thread_new(void) {
     if (init_rc != 0) return NULL;
     DevCopyThread *t = calloc(1, sizeof *t);
-    if (t && !(t->stream = take_stream())) {
+    if (t && take_stream(&t->stream)) {
         free(t);
         t = NULL;
     }
@@ -200,8 +203,8 @@ int devcopy_prefer_device(void *addr, size_t len, int ordinal) {
     else if (cu.advise)
         e = cu.advise(p, len, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, ordinal);
     if (e) return e;
-    CUstream s = take_stream();
-    if (!s) return -4;
+    CUstream s;
+    if ((e = take_stream(&s))) return e;
     if (cu.prefetch_v2)
         e = cu.prefetch_v2(p, len, loc, 0, s);
     else if (cu.prefetch)
@@ -237,18 +240,4 @@ int devcopy_unmap_host(void *addr) {
 int devcopy_then(DevCopyThread *t, void (*fn)(void *), void *arg) {
     if (!cu.launch_host_func) return -1;
     return cu.launch_host_func(t->stream, fn, arg);
-}
-
-int devcopy_pool_threshold(int ordinal, unsigned long long threshold,
-                           unsigned long long *previous) {
-    if (init_rc != 0) return -1;
-    if (!cu.default_mem_pool || !cu.pool_set_attribute || !cu.pool_get_attribute) return -2;
-    CUdevice dev;
-    CUmemoryPool pool;
-    CUresult e = cu.ctx_set_current(ctx);
-    if (!e) e = cu.device_get(&dev, ordinal);
-    if (!e) e = cu.default_mem_pool(&pool, dev);
-    if (!e) e = cu.pool_get_attribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, previous);
-    if (!e) e = cu.pool_set_attribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold);
-    return e;
 }

@@ -37,7 +37,7 @@ int devcopy_wait(DevCopyThread *t);
 int devcopy_then(DevCopyThread *t, void (*fn)(void *), void *arg);
 
 /* Ask the driver to keep [addr, addr + len) (managed memory) on the device and move it there
- * now: 0, a negative code (no driver, or no stream to move it on) or a CUresult. */
+ * now: 0 or a CUresult. */
 int devcopy_prefer_device(void *addr, size_t len, int ordinal);
 
 /* Page-locked host memory the device reads and writes in place ([addr, addr + len), page
@@ -45,13 +45,5 @@ int devcopy_prefer_device(void *addr, size_t len, int ordinal);
  * negative code (no driver) or a CUresult. Undone by devcopy_unmap_host. */
 int devcopy_map_host(void *addr, size_t len, unsigned long long *device_address);
 int devcopy_unmap_host(void *addr);
-
-/* Device `ordinal`'s default memory pool (where the CUDA runtime's stream-ordered allocations
- * come from) keeps up to `threshold` bytes of free memory reserved at a synchronization instead
- * of handing them back to the system (its release threshold; the driver's default is 0), the
- * threshold before in *previous. 0, a negative code (no driver, or one without memory pools) or
- * a CUresult. */
-int devcopy_pool_threshold(int ordinal, unsigned long long threshold,
-                           unsigned long long *previous);
 
 #endif

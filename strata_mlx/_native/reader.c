@@ -397,7 +397,7 @@ static void *worker_main(void *p) {
     size_t caps[2] = {0, 0};
     int cur = 0;
     Behind behind = {0};
-    /* device_copy: this thread's stream; NULL (the CPU copies) if it could not be made */
+    /* device_copy: this thread's stream; NULL if it could not be made (its reads fail) */
     DevCopyThread *dc = r->device_copy ? devcopy_thread_new() : NULL;
     int copy_behind = r->copy_behind && dc;
     pthread_mutex_lock(&r->mu);
@@ -496,7 +496,9 @@ static void *worker_main(void *p) {
                 } else if (devcopy_copy(dc, rq.dest, into.dest, (size_t)nread))
                     err = DEVICE_COPY_FAILED;
                 copy_ns = now_ns() - c0;
-            } else
+            } else if (r->device_copy) /* no stream: the slot may be device memory */
+                err = DEVICE_COPY_FAILED;
+            else
                 memcpy(rq.dest, into.dest, (size_t)nread);
         }
 
@@ -1472,26 +1474,6 @@ static PyObject *mod_map_host(PyObject *m, PyObject *args) {
     return PyLong_FromUnsignedLongLong(device);
 }
 
-static PyObject *mod_pool_threshold(PyObject *m, PyObject *args) {
-    unsigned long long threshold, previous = 0;
-    if (!PyArg_ParseTuple(args, "K:pool_threshold", &threshold)) return NULL;
-    int rc, init;
-    Py_BEGIN_ALLOW_THREADS
-    init = rc = devcopy_init(0);
-    if (rc == 0) rc = devcopy_pool_threshold(0, threshold, &previous);
-    Py_END_ALLOW_THREADS
-    if (init) {
-        PyErr_Format(PyExc_RuntimeError, "pool_threshold: %s", devcopy_error());
-        return NULL;
-    }
-    if (rc) {
-        PyErr_Format(PyExc_RuntimeError, "pool_threshold: %s (%d)",
-                     rc == -2 ? "the CUDA driver has no memory pools" : "CUDA error", rc);
-        return NULL;
-    }
-    return PyLong_FromUnsignedLongLong(previous);
-}
-
 static PyObject *mod_unmap_host(PyObject *m, PyObject *args) {
     unsigned long long addr;
     if (!PyArg_ParseTuple(args, "K:unmap_host", &addr)) return NULL;
@@ -1557,9 +1539,6 @@ static PyMethodDef module_methods[] = {
      "device_copy_error() -> None where CUDA copies can run, else why not"},
     {"prefer_device", mod_prefer_device, METH_VARARGS,
      "prefer_device(address, nbytes): keep managed memory on CUDA device 0 and move it there"},
-    {"pool_threshold", mod_pool_threshold, METH_VARARGS,
-     "pool_threshold(bytes) -> the one before: CUDA device 0's default memory pool's release "
-     "threshold"},
     {"map_host", mod_map_host, METH_VARARGS,
      "map_host(address, nbytes) -> device address: page-locked host memory the CUDA device "
      "reads in place"},

@@ -34,7 +34,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import mlx.core as mx
@@ -215,7 +215,6 @@ class ExpertCache:
         # A batched token step (strata_mlx.generation.batch) sets this (`gathering`): each
         # sequence's MoE layer is handed to it, which runs the layer once for every sequence.
         self.gather: Callable[[int, mx.array, mx.array], mx.array] | None = None
-        self.on_close = ExitStack()  # callbacks close() runs, last first
 
     # ---- public ----------------------------------------------------------------------
 
@@ -311,12 +310,11 @@ class ExpertCache:
         self.trace = None
 
     def close(self) -> None:
-        """Stop the scheduler and its reader, then run `on_close`. Idempotent; a layer run after
-        it (e.g. a generation abandoned and resumed) raises RuntimeError("expert cache is
-        closed"), even where every expert it needs is resident."""
+        """Stop the scheduler and its reader. Idempotent; a layer run after it (a generation
+        abandoned mid-stream and resumed, or one running on another thread) raises
+        RuntimeError("expert cache is closed"), even where every expert it needs is resident."""
         self.pipelined.checks.close()
         self.sched.close()
-        self.on_close.close()
 
     def idle(self) -> None:
         """Nothing is computing on the device and nothing built awaits a check (a generation

@@ -43,7 +43,7 @@ from ..format.store import (
 from ..generation.tokenizer import load_tokenizer
 from ..models.base import normalize_config
 from ..stream import memory
-from ..stream.arena import Arena, keep_device_pool
+from ..stream.arena import Arena
 from ..stream.policies import check as check_policy
 from ..stream.prediction import ReadAhead
 from ..stream.scheduler import SCHEDULERS
@@ -140,16 +140,6 @@ class RuntimeConfig:
         default=True,
         metadata=opt("CUDA: read the next record while the last one's copy runs.", variant="cb"),
     )
-    # CUDA with device_copy: the device's memory pool (MLX's new buffers) keeps what it
-    # reserves, this many GB reserved at load, where MLX leaves it handing free memory back at
-    # every synchronization (stream.arena.keep_device_pool). Tried for gated decode, whose
-    # records' copies waited for the gates spinning on the device: kept, 4 GB reserved, as
-    # many gates gave up on an H100 (docs/benchmarks.md, "Gated decode"). Off.
-    device_pool_gb: float = field(
-        default=0.0,
-        metadata=opt("CUDA: the device's memory pool keeps what it reserves, this many GB "
-                     "reserved at load; 0: as MLX leaves it.", (0.0, None), variant="pk"),
-    )  # fmt: skip
     read_ahead: ReadAhead = field(default_factory=ReadAhead, metadata=group())
     scheduler: str = field(
         default="loop",
@@ -573,7 +563,7 @@ def build_expert_cache(
         device_copy=device_copy,
         copy_behind=cfg.copy_behind,
     )
-    cache = ExpertCache(
+    return ExpertCache(
         path,
         manifest,
         arena,
@@ -596,9 +586,6 @@ def build_expert_cache(
         and cfg.decode == "pipelined"
         and n_slots >= getattr(args, "num_experts_per_tok", 1),
     )
-    if device_copy and cfg.device_pool_gb:
-        cache.on_close.callback(keep_device_pool(cfg.device_pool_gb))
-    return cache
 
 
 # What dense.safetensors may hold: float weights, and uint32 codes of quantized layers.

@@ -33,7 +33,7 @@ import numpy as np
 
 from .._nextuse import Evictable
 from ..format.store import ALIGNMENT
-from .reader import advise_hugepages, pool_threshold, prefer_device
+from .reader import advise_hugepages, prefer_device
 
 if TYPE_CHECKING:
     from .prediction import Ahead
@@ -304,25 +304,6 @@ def device_address(a: mx.array) -> int:
         output_dtypes=[mx.uint64],
     )  # fmt: skip
     return int(out.item())
-
-
-def keep_device_pool(reserve_gb: float):
-    """CUDA: the device's default memory pool, where MLX's new buffers come from, keeps the
-    memory it reserves, `reserve_gb` GB of it reserved now; the undo (the pool as it was).
-
-    MLX leaves the pool's release threshold at 0: at every synchronization its free memory goes
-    back to the system, and the next buffer of a size MLX's own cache lacks grows it again.
-    While a gate kernel spins on the device, a record's device copy was seen held until the
-    gate gave up (docs/decisions.md, "Gated decode"); with the pool kept as many gates gave
-    up, so growing or trimming it is not what holds them."""
-    before = pool_threshold(2**64 - 1)
-    if reserve_gb > 0:
-        grow = mx.zeros((int(reserve_gb * 2**30) // 4,), dtype=mx.float32) + 1  # a GPU op
-        mx.eval(grow)
-        del grow
-        mx.clear_cache()  # MLX's cache hands the buffer to the pool, which keeps it
-        mx.synchronize()
-    return lambda: pool_threshold(before)
 
 
 def touch_all(policy, keys: list[Key]) -> None:

@@ -401,13 +401,6 @@ def map_host(address: int, nbytes: int) -> int:
     return _reader.map_host(address, nbytes)
 
 
-def pool_threshold(nbytes: int) -> int:
-    """Set CUDA device 0's default memory pool's release threshold (the free memory it keeps
-    reserved at a synchronization) to `nbytes`: the threshold before. RuntimeError without
-    CUDA."""
-    return _reader.pool_threshold(nbytes)
-
-
 def unmap_host(address: int) -> None:
     """Undo `map_host` for the range starting at `address`."""
     _reader.unmap_host(address)

@@ -555,36 +555,3 @@ def test_the_c_evictable_answers_as_the_arena_s_rule():
             ev(bad)
     with pytest.raises(TypeError):
         Evictable([], set(), set())
-
-
-@pytest.mark.gpu
-def test_kept_device_pool_holds_its_memory_and_its_undo_restores_the_pool():
-    """CUDA: keep_device_pool sets the default pool's release threshold to the maximum and
-    leaves the reserve in it (MLX's next buffers come from it); its undo puts back the
-    threshold it found."""
-    from strata_mlx.stream import reader as rd
-    from strata_mlx.stream.arena import keep_device_pool
-
-    if not rd.uses_device_copy():
-        pytest.skip(f"no CUDA device copy here: {rd.device_copy_error()}")
-    before = rd.pool_threshold(0)
-    rd.pool_threshold(before)
-    undo = keep_device_pool(0.5)
-    assert rd.pool_threshold(2**64 - 1) == 2**64 - 1
-    a = mx.zeros((1 << 26,), dtype=mx.float32) + 2  # 256 MB: carved from the reserve
-    assert mx.sum(a).item() == 2 * (1 << 26)
-    undo()
-    assert rd.pool_threshold(before) == before
-
-
-def test_the_device_pool_cannot_be_kept_without_cuda():
-    """Without CUDA keep_device_pool refuses with the driver's reason, so the option is only
-    taken where device_copy is on (the loader asks for it there alone)."""
-    from strata_mlx.stream.reader import device_copy_error
-
-    if device_copy_error() is None:
-        pytest.skip("CUDA is here")
-    from strata_mlx.stream.arena import keep_device_pool
-
-    with pytest.raises(RuntimeError, match="pool_threshold: no CUDA driver"):
-        keep_device_pool(1.0)

@@ -4,7 +4,6 @@ checksums verified in the worker threads."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -843,17 +842,3 @@ def test_the_drive_limit_comes_from_the_environment(data_file, no_drive_limit, m
         monkeypatch.setenv(no_drive_limit.DRIVE_ENV, bad)
         with pytest.raises(OptionError, match=f"STRATA_MLX_DRIVE_GBPS='{bad}': expected"):
             Reader(workers=1)
-
-
-@pytest.mark.parametrize("given", [None, "4"], ids=["unset", "set"])
-def test_the_package_asks_cuda_for_a_work_queue_per_stream_unless_told(given):
-    """Importing strata_mlx sets CUDA_DEVICE_MAX_CONNECTIONS to 32 (a copy stream sharing a
-    hardware queue with MLX's waits behind its kernels) where the environment has no value;
-    a value already there stays."""
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
-    if given is not None:
-        env["CUDA_DEVICE_MAX_CONNECTIONS"] = given
-    code = "import os, strata_mlx; print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS'])"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == (given or "32")
