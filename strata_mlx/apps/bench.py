@@ -237,6 +237,8 @@ def bench(
         "ssd_gbps": ssd_gbps,
         "data_path_gbps": path_gbps,
         "emulated_drive_gbps": drive_limit_gbps(),  # STRATA_MLX_DRIVE_GBPS; 0: the real drive
+        # CUDA's hardware queues as this process asked for them (the package's default or not)
+        "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
         "compute_chunk_s": _mean([c.wall_s for c in fake.chunks]),
         "compute_decode_tps": fake.decode_tokens / fake.decode_s,
         "runs": [_summary(run, fake, ssd_gbps, path_gbps) for run in runs],

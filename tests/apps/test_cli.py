@@ -228,6 +228,8 @@ def test_synthetic_store_and_bench(tmp_path):
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "b.json").read_text())
     assert result["emulated_drive_gbps"] == 0.5
+    # (this process's value, the package's default where the environment had none)
+    assert result["cuda_device_max_connections"] == os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]
     assert "an emulated drive of 0.5 GB/s" in r.stderr + r.stdout
     assert 0 < result["ssd_gbps"] <= 0.5 * 1.01 and result["data_path_gbps"] <= 0.5 * 1.01
     rows = {(x["policy"], x["phase"]): x for x in result["runs"]}
