@@ -50,8 +50,12 @@ import tempfile
 import threading
 import time
 
-import mlx.core as mx
-import numpy as np
+# The package's default, in place before MLX starts CUDA here (mlx is imported first)
+if not os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 RECORD = 1 << 20
 CALLS = (
@@ -261,7 +265,7 @@ def streams_round(args) -> None:
             f = reader.open(tmp.name)
             reqs = [(i, f, 0, RECORD, arena.address(i), None, table.ready((0, i), i))
                     for i in range(n)]  # fmt: skip
-            reader.submit(reqs, True)  # every thread's stream used once before the gate
+            reader.submit(reqs, True)  # the record's pages and the threads warmed up
             reader.wait(list(range(n)))
             table.table[0, 63] = -1  # never lands: the gate waits out spin_ms
             ids = mx.array([63], dtype=mx.uint32)
