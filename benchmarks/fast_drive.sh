@@ -195,7 +195,7 @@ gate-copy)  # which of MLX's calls holds a record's device copy while a gate wai
   done | tee "$OUT/gate-copy.log"
   for c in ${CONNS:-8 32}; do
     CUDA_DEVICE_MAX_CONNECTIONS=$c STRATA_MLX_DRIVE_GBPS=12 STRATA_MLX_GATE_TIMEOUT_MS=100 \
-      G=${G:-8} LIMIT=${LIMIT:-180} bench "gate-conn$c" "$SHM" "${POL:-lookahead:gt1:gg0}"
+      G=${G:-4} LIMIT=${LIMIT:-180} bench "gate-conn$c" "$SHM" "${POL:-lookahead:gt1:gg0}"
   done
   ;;
 pairs)  # one token's layers through the kernels' `pairs` against their general entry (the
