@@ -49,6 +49,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 
 # The package's default, in place before MLX starts CUDA here (mlx is imported first)
 if not os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):
@@ -173,16 +174,9 @@ def one_round(
 ):
     """(ms from the read's submission to its ready word, ms the building thread's call took,
     the building thread's stack if it was dumped). A failed read exits with its error."""
-    from custom_kernels.gate import gate
-
     building_call(kind, sizes, same, prepare=True)
-    table.table[0, 63] = -1  # never lands: the gate waits out spin_ms
     table.table[0, 5] = -1
-    ids = mx.array([63], dtype=mx.uint32)
-    row = mx.array([table.row_address(0)], dtype=mx.uint64)
-    _, late = gate(ids, row, spin_ms)
-    mx.async_eval(late)
-    time.sleep(0.02)  # the gate is waiting
+    late = spin_gate(table, spin_ms)
     landed: dict = {}
 
     def dump():  # on its own thread, the process not paused: the read's timing untouched
@@ -216,33 +210,58 @@ def one_round(
     return 1e3 * landed["word"], 1e3 * call, landed.get("stack")
 
 
-def rounds(args, label: str) -> None:
+def spin_gate(table, spin_ms: int) -> mx.array:
+    """A gate queued on the device, waiting out `spin_ms` for a word that never lands (row
+    0's last); its give-up flag, to evaluate once done."""
+    from custom_kernels.gate import gate
+
+    table.table[0, 63] = -1
+    ids = mx.array([63], dtype=mx.uint32)
+    row = mx.array([table.row_address(0)], dtype=mx.uint64)
+    _, late = gate(ids, row, spin_ms)
+    mx.async_eval(late)
+    time.sleep(0.02)  # the gate is waiting
+    return late
+
+
+@contextmanager
+def record_reader(args, slots: int, workers: int):
+    """(reader, the record file's index, arena, gate table): a 1 MB record in a temporary
+    file, read through `workers` device-copy threads into an arena of `slots` slots in
+    device memory, each read's ready word in one row of a mapped gate table."""
     from strata_mlx.stream.arena import Arena
     from strata_mlx.stream.gate import GateTable
     from strata_mlx.stream.reader import Reader
 
     table = GateTable(TableShape(), device=True)
-    arena = Arena(2, RECORD, on_device=True, device_memory=True)
+    arena = Arena(slots, RECORD, on_device=True, device_memory=True)
+    try:
+        with tempfile.NamedTemporaryFile(dir=args.dir, suffix=".bin") as tmp:
+            data = np.random.default_rng(0).integers(0, 255, RECORD, dtype=np.uint8)
+            tmp.write(data.tobytes())
+            tmp.flush()
+            with Reader(workers, bounce=True, device_copy=True) as reader:
+                yield reader, reader.open(tmp.name), arena, table
+    finally:
+        table.close()
+
+
+def rounds(args, label: str) -> None:
     sizes, same = Sizes(), []
-    with tempfile.NamedTemporaryFile(dir=args.dir, suffix=".bin") as tmp:
-        tmp.write(np.random.default_rng(0).integers(0, 255, RECORD, dtype=np.uint8).tobytes())
-        tmp.flush()
-        with Reader(2, bounce=True, device_copy=True) as reader:
-            f = reader.open(tmp.name)
-            # the gate kernel (its timeout is a template value: one build each) and every
-            # call's kernels built before the rounds
-            one_round("nothing", reader, f, arena, table, args.spin_ms, sizes, same)
-            warm_up(sizes)
-            print(f"{label}: the gate waits {args.spin_ms} ms; a 1 MB record read meanwhile")
-            for kind in CALLS:
-                word, call, stack = one_round(
-                    kind, reader, f, arena, table, args.spin_ms, sizes, same, args.py_spy
-                )
-                held = "  <- held" if word > args.spin_ms / 2 else ""
-                print(f"  {kind:18s} word after {word:7.1f} ms, the call {call:7.1f} ms{held}")
-                if stack:
-                    print("    the building thread 50 ms in:\n" + stack)
-    table.close()
+    with record_reader(args, 2, 2) as (reader, f, arena, table):
+        # the gate kernel (its timeout is a template value: one build each) and every
+        # call's kernels built before the rounds
+        one_round("nothing", reader, f, arena, table, args.spin_ms, sizes, same)
+        warm_up(sizes)
+        print(f"{label}: the gate waits {args.spin_ms} ms; a 1 MB record read meanwhile")
+        for kind in CALLS:
+            word, call, stack = one_round(
+                kind, reader, f, arena, table, args.spin_ms, sizes, same, args.py_spy
+            )
+            held = "  <- held" if word > args.spin_ms / 2 else ""
+            print(f"  {kind:18s} word after {word:7.1f} ms, the call {call:7.1f} ms{held}")
+            if stack:
+                print("    the building thread 50 ms in:\n" + stack)
 
 
 def streams_round(args) -> None:
@@ -250,41 +269,24 @@ def streams_round(args) -> None:
     waits: how many words landed only near the gate's end. CUDA runs a context's streams on
     CUDA_DEVICE_MAX_CONNECTIONS hardware queues; a stream sharing MLX's queues its copies
     behind the gate."""
-    from custom_kernels.gate import gate
-    from strata_mlx.stream.arena import Arena
-    from strata_mlx.stream.gate import GateTable
-    from strata_mlx.stream.reader import Reader
-
     n = args.workers
-    table = GateTable(TableShape(), device=True)
-    arena = Arena(n, RECORD, on_device=True, device_memory=True)
-    with tempfile.NamedTemporaryFile(dir=args.dir, suffix=".bin") as tmp:
-        tmp.write(np.random.default_rng(0).integers(0, 255, RECORD, dtype=np.uint8).tobytes())
-        tmp.flush()
-        with Reader(n, bounce=True, device_copy=True) as reader:
-            f = reader.open(tmp.name)
-            reqs = [(i, f, 0, RECORD, arena.address(i), None, table.ready((0, i), i))
-                    for i in range(n)]  # fmt: skip
-            reader.submit(reqs, True)  # the record's pages and the threads warmed up
-            reader.wait(list(range(n)))
-            table.table[0, 63] = -1  # never lands: the gate waits out spin_ms
-            ids = mx.array([63], dtype=mx.uint32)
-            row = mx.array([table.row_address(0)], dtype=mx.uint64)
-            _, late = gate(ids, row, args.spin_ms)
-            mx.async_eval(late)
-            time.sleep(0.02)
-            t0 = time.perf_counter()
-            reader.submit(reqs, True)
-            landed = [None] * n
-            while None in landed and time.perf_counter() - t0 < 5:
-                now = time.perf_counter() - t0
-                for i in range(n):
-                    if landed[i] is None and table.table[0, i] >= 0:
-                        landed[i] = 1e3 * now
-                time.sleep(0.0002)
-            errs = [err for _, err, _ in reader.wait(list(range(n)))]
-            mx.eval(late)
-    table.close()
+    with record_reader(args, n, n) as (reader, f, arena, table):
+        reqs = [(i, f, 0, RECORD, arena.address(i), None, table.ready((0, i), i))
+                for i in range(n)]  # fmt: skip
+        reader.submit(reqs, True)  # the record's pages and the threads warmed up
+        reader.wait(list(range(n)))
+        late = spin_gate(table, args.spin_ms)
+        t0 = time.perf_counter()
+        reader.submit(reqs, True)
+        landed = [None] * n
+        while None in landed and time.perf_counter() - t0 < 5:
+            now = time.perf_counter() - t0
+            for i in range(n):
+                if landed[i] is None and table.table[0, i] >= 0:
+                    landed[i] = 1e3 * now
+            time.sleep(0.0002)
+        errs = [err for _, err, _ in reader.wait(list(range(n)))]
+        mx.eval(late)
     if any(errs):
         sys.exit(f"gate_copy.py: {sum(map(bool, errs))} of the records' reads failed")
     ms = sorted(x if x is not None else 5e3 for x in landed)
