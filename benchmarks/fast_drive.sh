@@ -21,6 +21,11 @@ export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$PWD"
 # (this Python's own extension suffix: a tree copied from another machine may hold another's)
 built() { [ -f "strata_mlx/_reader$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" ]; }
 build() { built || python3 setup.py build_ext --inplace -q 2>&1 | tail -2; }
+synth() {  # DIR: the full-size synthetic store written there, unless it is already
+  [ -f "$1/manifest.json" ] || /usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx \
+     convert --synthetic qwen3-next-80b-a3b --mlx-path "$1" --calibration-tokens 256 2>&1 \
+     | grep -v "experts:" | tail -2 | tee "$OUT/synth.log"
+}
 bench() {  # NAME STORE POLICIES [extra bench args]: this code's bench, logged as NAME
   local name=$1 store=$2 pol=$3; shift 3
   timeout "${LIMIT:-560}" python3 -m strata_mlx bench --model "$store" -p 2048 -g "${G:-128}" \
@@ -31,9 +36,7 @@ case "${1:-}" in
 store)  # the store on disk and on tmpfs; the reader's GPU tests; the drive and the data path
   build
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.log"
-  [ -f "$DISK/manifest.json" ] || /usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx \
-     convert --synthetic qwen3-next-80b-a3b --mlx-path "$DISK" --calibration-tokens 256 2>&1 \
-     | grep -v "experts:" | tail -2 | tee "$OUT/synth.log"
+  synth "$DISK"
   [ -f "$SHM/manifest.json" ] || (/usr/bin/time -f "copy to tmpfs: %e s" cp -r "$DISK" "$SHM") 2>&1 \
      | tee -a "$OUT/synth.log"
   df -h / /dev/shm | tee "$OUT/df.log"
@@ -50,9 +53,7 @@ store)  # the store on disk and on tmpfs; the reader's GPU tests; the drive and 
 shm)  # the store written straight to the tmpfs (no disk copy, tests or probes: ~150-180 s on
   # the GPU machine), for the stages that read only $SHM
   build
-  [ -f "$SHM/manifest.json" ] || /usr/bin/time -f "synthetic store: %e s" python3 -m strata_mlx \
-     convert --synthetic qwen3-next-80b-a3b --mlx-path "$SHM" --calibration-tokens 256 2>&1 \
-     | grep -v "experts:" | tail -2 | tee "$OUT/synth.log"
+  synth "$SHM"
   ;;
 bench)  # tmpfs: each policy with the arena in device memory (the default on CUDA) and in
   # managed memory (:da0)
