@@ -14,8 +14,8 @@ DISK=${DISK:-/root/strata-synth}   # the store on the machine's disk
 SHM=${SHM:-/dev/shm/strata-synth}  # the same store on tmpfs
 OLD=${OLD:-$PWD/.old}              # a tree of the code to compare against (git archive)
 export PYTHONUNBUFFERED=1
-# (the package's own default, set here too for the scripts that start CUDA before importing it;
-# logs from before it was the default ran with CUDA's 8, the old tree's too: `conns` compares)
+# (the package's own default, set here too for the scripts that start CUDA before importing it,
+# and so for the old tree's code as well; CUDA's own is 8, which `conns` compares)
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$PWD"
 # (this Python's own extension suffix: a tree copied from another machine may hold another's)
