@@ -4,9 +4,9 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|pairs
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|pairs
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
-# variants, BATCH=0 extra's batched decode.
+# variants, BATCH=0 extra's batched decode; ARENA (GB, 6.5) sizes bench's arena.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -29,7 +29,7 @@ synth() {  # DIR: the full-size synthetic store written there, unless it is alre
 bench() {  # NAME STORE POLICIES [extra bench args]: this code's bench, logged as NAME
   local name=$1 store=$2 pol=$3; shift 3
   timeout "${LIMIT:-560}" python3 -m strata_mlx bench --model "$store" -p 2048 -g "${G:-128}" \
-    --arena-gb 6.5 --prefill-step-size "${STEP:-1024}" --policies "$pol" --json "$OUT/$name.json" "$@" \
+    --arena-gb "${ARENA:-6.5}" --prefill-step-size "${STEP:-1024}" --policies "$pol" --json "$OUT/$name.json" "$@" \
     2>&1 | tee "$OUT/$name.log" | grep -v "^ *[0-9]"
 }
 case "${1:-}" in
@@ -192,12 +192,27 @@ gate-copy)  # which of MLX's calls holds a record's device copy while a gate wai
   build
   for c in ${CONNS:-8 32}; do
     echo "== CUDA_DEVICE_MAX_CONNECTIONS=$c"
-    CUDA_DEVICE_MAX_CONNECTIONS=$c timeout 90 python3 benchmarks/gate_copy.py --workers 16 2>&1
+    CUDA_DEVICE_MAX_CONNECTIONS=$c timeout 90 python3 benchmarks/gate_copy.py --workers 16 --behind 2>&1
   done | tee "$OUT/gate-copy.log"
   for c in ${CONNS:-8 32}; do
     CUDA_DEVICE_MAX_CONNECTIONS=$c STRATA_MLX_DRIVE_GBPS=12 STRATA_MLX_GATE_TIMEOUT_MS=100 \
       G=${G:-4} LIMIT=${LIMIT:-180} bench "gate-conn$c" "$SHM" "${POL:-lookahead:gt1:gg0}"
   done
+  ;;
+trace)  # why gated decode's gates give up (benchmarks/gate_trace.py): each gated layer's
+  # check and its experts' gate-table words, on the quarter store behind a 12 GB/s emulated
+  # drive, a 100 ms timeout: generate alone (-p 2048), the same after a fake-stream model was
+  # loaded, run and closed (as bench's floor is), then bench's POL traced in-process
+  build
+  q=/dev/shm/strata-synth-12
+  [ -f "$q/manifest.json" ] || python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --mlx-path "$q" --calibration-tokens 256 --set num_hidden_layers=12 2>&1 | grep -v "experts:" | tail -1
+  export STRATA_MLX_DRIVE_GBPS=12 STRATA_MLX_GATE_TIMEOUT_MS=100
+  { timeout 120 python3 benchmarks/gate_trace.py "$q" --arena-gb 1.6 -p 2048 -g 8 --detail 1
+    timeout 150 python3 benchmarks/gate_trace.py "$q" --arena-gb 1.6 -p 2048 -g 8 --detail 1 --after-floor
+    timeout 300 python3 benchmarks/gate_trace.py --detail 2 --bench --model "$q" -p 2048 -g "${G:-8}" \
+      --arena-gb 1.6 --prefill-step-size 1024 --policies "${POL:-lookahead:gt1:gg0,lookahead:gt1:gg0:cb0}"
+  } 2>&1 | cut -c1-1500 | tee "$OUT/gate-trace.log"
   ;;
 pairs)  # one token's layers through the kernels' `pairs` against their general entry (the
   # call before): the call alone (a one-layer store of the full-size layout), the resident
@@ -212,5 +227,5 @@ pairs)  # one token's layers through the kernels' `pairs` against their general 
      --modes token:4,token:4+general --json "$OUT/pairs-resident.json" 2>&1 | tee "$OUT/pairs-resident.log"
   timeout 150 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 30 2>&1 | tee "$OUT/pairs-build.log"
   ;;
-*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|pairs"; exit 2;;
+*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|pairs"; exit 2;;
 esac

@@ -34,6 +34,12 @@ memory instead of mapping new memory.
 With --workers N, then N reader threads (each its own copy stream) read a record each while a
 gate waits: CUDA runs a context's streams on CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 by
 default), and a copy stream sharing MLX's queue waits behind the gate. Run it under each value.
+With --behind too, then the same as read-ahead whose copies the threads leave running, their
+words stored by the driver's host functions: the driver may run every stream's host functions
+on one thread in turn, MLX's own among them.
+
+With --driver, only the CUDA driver calls a reader thread makes (a copy stream made, a bounce
+buffer pinned and let go of), each timed while a gate waits.
 
 --bench ARGS...: then `strata-mlx bench ARGS` in this process, after the reserve if any (bench
 prints the gates given up). Everything after --bench goes to bench.
@@ -225,10 +231,11 @@ def spin_gate(table, spin_ms: int) -> mx.array:
 
 
 @contextmanager
-def record_reader(args, slots: int, workers: int):
+def record_reader(args, slots: int, workers: int, **reader_options):
     """(reader, the record file's index, arena, gate table): a 1 MB record in a temporary
     file, read through `workers` device-copy threads into an arena of `slots` slots in
-    device memory, each read's ready word in one row of a mapped gate table."""
+    device memory, each read's ready word in one row of a mapped gate table; the reader's
+    `reader_options` (copy_behind)."""
     from strata_mlx.stream.arena import Arena
     from strata_mlx.stream.gate import GateTable
     from strata_mlx.stream.reader import Reader
@@ -240,7 +247,7 @@ def record_reader(args, slots: int, workers: int):
             data = np.random.default_rng(0).integers(0, 255, RECORD, dtype=np.uint8)
             tmp.write(data.tobytes())
             tmp.flush()
-            with Reader(workers, bounce=True, device_copy=True) as reader:
+            with Reader(workers, bounce=True, device_copy=True, **reader_options) as reader:
                 yield reader, reader.open(tmp.name), arena, table
     finally:
         table.close()
@@ -264,20 +271,24 @@ def rounds(args, label: str) -> None:
                 print("    the building thread 50 ms in:\n" + stack)
 
 
-def streams_round(args) -> None:
+def streams_round(args, behind: bool = False) -> None:
     """--workers N reader threads (each its own copy stream) read a record each while a gate
     waits: how many words landed only near the gate's end. CUDA runs a context's streams on
     CUDA_DEVICE_MAX_CONNECTIONS hardware queues; a stream sharing MLX's queues its copies
-    behind the gate."""
+    behind the gate. With `behind`, read-ahead whose copies the threads leave running
+    (copy_behind), each word stored by a host function the driver runs once the copy is done
+    (cuLaunchHostFunc), while MLX has one of its own queued behind the gate (each evaluation's
+    batch ends with one)."""
     n = args.workers
-    with record_reader(args, n, n) as (reader, f, arena, table):
+    urgent = not behind
+    with record_reader(args, n, n, copy_behind=behind) as (reader, f, arena, table):
         reqs = [(i, f, 0, RECORD, arena.address(i), None, table.ready((0, i), i))
                 for i in range(n)]  # fmt: skip
-        reader.submit(reqs, True)  # the record's pages and the threads warmed up
+        reader.submit(reqs, urgent)  # the record's pages and the threads warmed up
         reader.wait(list(range(n)))
         late = spin_gate(table, args.spin_ms)
         t0 = time.perf_counter()
-        reader.submit(reqs, True)
+        reader.submit(reqs, urgent)
         landed = [None] * n
         while None in landed and time.perf_counter() - t0 < 5:
             now = time.perf_counter() - t0
@@ -291,12 +302,54 @@ def streams_round(args) -> None:
         sys.exit(f"gate_copy.py: {sum(map(bool, errs))} of the records' reads failed")
     ms = sorted(x if x is not None else 5e3 for x in landed)
     held = sum(x > args.spin_ms / 2 for x in ms)
+    what = "read-ahead copied behind" if behind else "a record each"
     print(
-        f"{n} reader threads, a record each while the gate waits {args.spin_ms} ms "
+        f"{n} reader threads, {what} while the gate waits {args.spin_ms} ms "
         f"(CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset')})"
         f": {held} held; words after {ms[0]:.1f} / {ms[n // 2]:.1f} / {ms[-1]:.1f} ms "
         "(first / median / last)"
     )
+
+
+def driver_round(args) -> None:
+    """The CUDA driver calls a reader thread makes (its copy stream made, a bounce buffer
+    pinned and let go of), each timed on a thread of its own while a gate waits: CUDA lists
+    page-locking host memory among the operations that may synchronize the device, and a
+    call that waits for the device to go idle waits out the gate."""
+    from strata_mlx.stream.gate import GateTable
+
+    cu = ctypes.CDLL("libcuda.so.1")
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    cu.cuDeviceGet(ctypes.byref(dev), 0)
+    cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+    buf = ctypes.create_string_buffer(4 << 20)
+    stream = ctypes.c_void_p()
+    calls = {
+        "cuStreamCreate": lambda: cu.cuStreamCreate(ctypes.byref(stream), 1),
+        "cuMemHostRegister 4 MB": lambda: cu.cuMemHostRegister_v2(buf, 4 << 20, 0),
+        "cuMemHostUnregister": lambda: cu.cuMemHostUnregister(buf),
+        "cuStreamDestroy": lambda: cu.cuStreamDestroy_v2(stream),
+    }
+    table = GateTable(TableShape(), device=True)
+    try:
+        for name, call in calls.items():
+            late = spin_gate(table, args.spin_ms)
+            out: dict = {}
+
+            def run(call=call, out=out):
+                cu.cuCtxSetCurrent(ctx)
+                t0 = time.perf_counter()
+                out["rc"] = call()
+                out["ms"] = 1e3 * (time.perf_counter() - t0)
+
+            th = threading.Thread(target=run)
+            th.start()
+            th.join()
+            mx.eval(late)
+            held = "  <- held" if out["ms"] > args.spin_ms / 2 else ""
+            print(f"  {name:24s} {out['ms']:7.1f} ms (CUresult {out['rc']}){held}")
+    finally:
+        table.close()
 
 
 def main(argv: list[str]) -> None:
@@ -312,6 +365,14 @@ def main(argv: list[str]) -> None:
     p.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     p.add_argument("--no-rounds", action="store_true", help="only the bench (after the reserve)")
     p.add_argument("--workers", type=int, default=0, help="then N threads' copies at once")
+    p.add_argument(
+        "--behind",
+        action="store_true",
+        help="with --workers: then read-ahead copied behind (words by the driver's host functions)",
+    )
+    p.add_argument(
+        "--driver", action="store_true", help="only the reader's driver calls under a gate"
+    )
     p.add_argument("--py-spy", default=None, help="py-spy's binary: a held call's native stack")
     args = p.parse_args(argv)
     if not 0 <= args.workers <= 32:
@@ -320,10 +381,15 @@ def main(argv: list[str]) -> None:
 
     if not device_gate_available():
         sys.exit("gate_copy.py: needs MLX's CUDA device (the gate kernel is CUDA only)")
+    if args.driver:
+        print(f"the reader's driver calls while the gate waits {args.spin_ms} ms:")
+        return driver_round(args)
     if not args.no_rounds:
         rounds(args, "the default memory pool")
         if args.workers:
             streams_round(args)
+        if args.workers and args.behind:
+            streams_round(args, behind=True)
     if args.reserve_gb > 0:
         reserve_pool(args.reserve_gb)
         if not args.no_rounds:

@@ -1,0 +1,300 @@
+"""Why a decode gate gives up: each gated layer's check, and its experts' gate-table words
+watched from the moment the check ends. CUDA only (the device gate).
+
+    python3 benchmarks/gate_trace.py STORE [--arena-gb 1.6] [-p 256] [-g 6] [--policy lookahead:gt1:gg0]
+    python3 benchmarks/gate_trace.py [--detail 2] --bench BENCH_ARGS...
+
+With --bench, `strata-mlx bench BENCH_ARGS` runs in this process, traced (its fake-stream
+floor and probes first, as always: a trace of the same process bench's figures come from).
+
+Gated decode (strata_mlx.runtime.deferred.run_gated) builds a token's layers ahead of their
+checks; each layer's experts wait on the device, in the gate kernel, until the gate table
+shows every expert the layer chose landed. A gate that waits past its timeout
+(STRATA_MLX_GATE_TIMEOUT_MS; set it short here, e.g. 100) gives up and its token is
+recomputed. For each token, recorded: when each gated layer was built, when its check (on the
+checks' thread) began and ended, and, for each expert the layer chose, the host's residency
+slot and the gate-table word as the check ended; a thread of this script then polls those
+words (every ~0.1 ms, for 2 s) and records when a word not landed lands and when a landed one
+is cleared (its expert evicted). Once the token is done, its gates' give-up flags name the
+layers that gave up. Printed: the first tokens with give-ups in detail, then every given-up
+layer classed by what its words did:
+  late landing  a word landed only after the check ended, at least half a timeout later;
+  never landed  a word not landed within the watch;
+  cleared       a word landed at the check's end and cleared before the next layer's check
+                began (by then the layer had finished: its routing was computed);
+  all landed    every word in place at the check's end and none cleared: the gate should
+                have passed (what it read differs from what the host sees);
+  no check      the layer's check had not run by the token's end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from collections import Counter
+
+if not os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):  # the package's default, before MLX
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+import strata_mlx  # noqa: E402
+from strata_mlx.apps.bench import policy_options  # noqa: E402
+from strata_mlx.format.store import load_manifest  # noqa: E402
+from strata_mlx.generation.generate import generate_step  # noqa: E402
+from strata_mlx.runtime import decode, deferred  # noqa: E402
+
+WATCH_S = 2.0
+
+
+class Trace:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.token, self.t_start = -1, time.perf_counter()
+        self.built: dict[tuple[int, int], float] = {}  # (token, layer) -> last build time
+        self.checks: list[dict] = []
+        self.watch: list[dict] = []
+        self.gave_up: dict[int, list[int]] = {}  # token -> layers whose gate gave up
+        self.stop = False
+
+    def now(self) -> float:
+        return 1e3 * (time.perf_counter() - self.t_start)
+
+    def poll(self) -> None:
+        while not self.stop:
+            t = time.perf_counter()
+            with self.lock:
+                self.watch = [r for r in self.watch if t - r["wall"] < WATCH_S]
+                recs = list(self.watch)
+            for r in recs:
+                row = r["table"].row(r["layer"])
+                for e, w0 in zip(r["ids"], r["words"]):
+                    w = int(row[e])
+                    if w0 < 0 and w >= 0 and e not in r["landed"]:
+                        r["landed"][e] = 1e3 * (t - r["wall"])
+                    if w0 >= 0 and w < 0 and e not in r["cleared"]:
+                        r["cleared"][e] = 1e3 * (t - r["wall"])
+            time.sleep(0.0001)
+
+
+T = Trace()
+
+
+def install() -> None:
+    run_gated = deferred.DeferredHandshake.run_gated
+    check_gated = deferred.DeferredHandshake.check_gated
+    start = decode.PipelinedDecoder.start
+    late = decode.PipelinedDecoder._late
+
+    def traced_run_gated(self, layer, x, inds):
+        T.built.setdefault((T.token, layer), T.now())  # (its first build, not a recompute)
+        return run_gated(self, layer, x, inds)
+
+    def traced_check_gated(self, d, trace, aside=False):
+        t0 = T.now()
+        with T.lock:  # the layers before this one have finished on the device
+            for r in T.watch:
+                if r["token"] == T.token and r["layer"] < d.layer and "done" not in r:
+                    r["done"] = t0 - r["t1"]
+        with self.sched.lock:  # in flight as the check began (read-ahead, or an earlier miss)
+            flying = {k[1] for k in self.sched.tag_of if k[0] == d.layer}
+        tags = check_gated(self, d, trace, aside)
+        t1 = T.now()
+        ids = sorted(set(np.array(d.inds).reshape(-1).tolist()))
+        gate = self.sched.residency.gate
+        r = {
+            "token": T.token,
+            "layer": d.layer,
+            "t0": t0,
+            "t1": t1,
+            "ids": ids,
+            "words": gate.row(d.layer)[ids].tolist(),
+            "res": self.sched.residency.row(d.layer)[ids].tolist(),
+            "tags": len(tags),
+            "flying": flying,
+            "table": gate,
+            "landed": {},
+            "cleared": {},
+            "wall": time.perf_counter(),
+        }
+        with T.lock:
+            T.checks.append(r)
+            T.watch.append(r)
+        return tags
+
+    def traced_start(self, tokens, cache):
+        T.token += 1
+        return start(self, tokens, cache)
+
+    def traced_late(self, step):
+        if step.late:
+            flags = mx.concatenate([f for _, f in step.late]).tolist()
+            gone = [j for (j, _), f in zip(step.late, flags) if f]
+            if gone:
+                T.gave_up.setdefault(T.token, []).extend(gone)
+        return late(self, step)
+
+    deferred.DeferredHandshake.run_gated = traced_run_gated
+    deferred.DeferredHandshake.check_gated = traced_check_gated
+    decode.PipelinedDecoder.start = traced_start
+    decode.PipelinedDecoder._late = traced_late
+
+
+def classify(r: dict | None, half_timeout_ms: float) -> str:
+    if r is None:
+        return "no check"
+    out = [w for w in r["words"] if w < 0]
+    if any(t < r.get("done", WATCH_S * 1e3) for t in r["cleared"].values()):
+        return "cleared"
+    if not out:
+        return "all landed"
+    missing = [e for e, w in zip(r["ids"], r["words"]) if w < 0]
+    if any(e not in r["landed"] for e in missing):
+        return "never landed"
+    if max(r["landed"][e] for e in missing) >= half_timeout_ms:
+        return "late landing"
+    return "landed in time"
+
+
+def describe(r: dict, built: float | None) -> str:
+    b = f"built {built:8.1f}" if built is not None else "built      ?"
+    parts = []
+    for e, s, w in zip(r["ids"], r["res"], r["words"]):
+        p = f"{e}:{s}/{w}" + ("^" if e in r["flying"] else "")
+        if e in r["landed"]:
+            p += f"+{r['landed'][e]:.1f}"
+        if e in r["cleared"]:
+            p += f"x{r['cleared'][e]:.1f}"
+        parts.append(p)
+    return (
+        f"    layer {r['layer']:3d} {b}, check {r['t0']:8.1f}-{r['t1']:8.1f} ms, "
+        f"{r['tags']} waits; expert:slot/word(^ in flight at the check's start, +landed ms, "
+        f"xcleared ms) {' '.join(parts)}"
+    )
+
+
+def main(argv: list[str]) -> None:
+    bench = None
+    if "--bench" in argv:
+        i = argv.index("--bench")
+        argv, bench = argv[:i], argv[i + 1 :]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("store", nargs="?", help="(not with --bench)")
+    ap.add_argument("--arena-gb", type=float, default=None)
+    ap.add_argument("-p", "--prompt-tokens", type=int, default=256)
+    ap.add_argument("-g", "--gen-tokens", type=int, default=6)
+    ap.add_argument("--policy", default="lookahead:gt1:gg0")
+    ap.add_argument("--detail", type=int, default=2, help="tokens with give-ups in detail")
+    ap.add_argument(
+        "--after-floor",
+        action="store_true",
+        help="first load, run and close a fake-stream model, as bench's compute floor does",
+    )
+    ap.add_argument(
+        "--host-ok",
+        action="store_true",
+        help="run with the host's gate (never gives up: a smoke run)",
+    )
+    a = ap.parse_args(argv)
+    from strata_mlx.runtime.experts import device_gate_available
+
+    if not device_gate_available() and not a.host_ok:
+        raise SystemExit("gate_trace.py: needs MLX's CUDA device (the device gate)")
+    if (bench is None) == (a.store is None):
+        ap.error("a STORE, or --bench and bench's arguments")
+    install()
+    poller = threading.Thread(target=T.poll, daemon=True)
+    poller.start()
+    t = time.perf_counter()
+    if bench is not None:
+        from strata_mlx.apps.cli import app
+
+        label = f"strata-mlx bench {' '.join(bench)}"
+        try:
+            app(["bench", *bench], prog_name="strata-mlx")
+        except SystemExit as e:
+            if e.code:
+                raise
+    else:
+        m = load_manifest(a.store)
+        if a.after_floor:
+            fake, _ = strata_mlx.load(a.store, arena_gb=a.arena_gb, fake_stream=True)
+            ids = np.random.default_rng(1).integers(0, m.config["vocab_size"], a.prompt_tokens)
+            for _ in generate_step(fake, mx.array(ids.tolist()), max_tokens=a.gen_tokens):
+                pass
+            fake.expert_cache.close()
+            del fake
+        model, _ = strata_mlx.load(a.store, arena_gb=a.arena_gb, **policy_options(a.policy))
+        ids = np.random.default_rng(0).integers(0, m.config["vocab_size"], a.prompt_tokens)
+        steps = generate_step(model, mx.array(ids.tolist()), max_tokens=a.gen_tokens)
+        n = sum(1 for _ in steps)
+        label = f"{a.policy}: {n} tokens" + (
+            " (after a fake-stream model)" if a.after_floor else ""
+        )
+        model.expert_cache.close()
+    wall = time.perf_counter() - t
+    time.sleep(WATCH_S)
+    T.stop = True
+    poller.join()
+    report(f"{label}: {wall:.1f} s (prefill included)", a.detail)
+
+
+def report(label: str, detail: int) -> None:
+    from custom_kernels.gate import timeout_ms
+
+    half = timeout_ms() / 2
+    print(
+        f"{label}, gate timeout {timeout_ms()} ms, "
+        f"{sum(map(len, T.gave_up.values()))} gates gave up"
+    )
+    kinds: Counter = Counter()
+    delays = []
+    shown = 0
+    for token, layers in sorted(T.gave_up.items()):
+        recs = [r for r in T.checks if r["token"] == token]
+        if shown < detail:
+            print(f"  token {token}: gave up at layers {layers}")
+            for r in recs:
+                print(describe(r, T.built.get((token, r["layer"]))))
+            shown += 1
+        for layer in layers:
+            mine = [r for r in recs if r["layer"] == layer]
+            kinds[classify(mine[0] if mine else None, half)] += 1
+            if mine and (token, layer) in T.built:
+                delays.append(mine[0]["t0"] - T.built[(token, layer)])
+    if not T.gave_up and T.checks:  # a sample: the last token's checks
+        last = T.checks[-1]["token"]
+        print(f"  token {last} (no gate gave up):")
+        for r in (r for r in T.checks if r["token"] == last):
+            print(describe(r, T.built.get((last, r["layer"]))))
+    lands = sorted(v for r in T.checks for v in r["landed"].values())
+    waited = sum(w < 0 for r in T.checks for w in r["words"])
+    if waited:
+        print(
+            f"words not landed at their check's end: {waited}, landed within the watch "
+            f"{len(lands)}"
+            + (
+                f" (ms after: median {lands[len(lands) // 2]:.1f}, max {lands[-1]:.1f})"
+                if lands
+                else ""
+            )
+            + f"; landed words cleared {sum(len(r['cleared']) for r in T.checks)}"
+        )
+    print(
+        "given-up layers by what their words did: "
+        + ", ".join(f"{k} {v}" for k, v in kinds.items())
+    )
+    if delays:
+        d = sorted(delays)
+        print(
+            f"check start after the layer's build (ms): min {d[0]:.1f}, median "
+            f"{d[len(d) // 2]:.1f}, max {d[-1]:.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
