@@ -1,7 +1,9 @@
-"""Why a decode gate gives up: each gated layer's check, and its experts' gate-table words
-watched from the moment the check ends. CUDA only (the device gate).
+"""Why a decode gate gives up: each gated layer's check, its experts' gate-table words
+watched from the moment the check ends, and the reader's state while a word is late.
+CUDA only (the device gate).
 
-    python3 benchmarks/gate_trace.py STORE [--arena-gb 1.6] [-p 256] [-g 6] [--policy lookahead:gt1:gg0]
+    python3 benchmarks/gate_trace.py STORE [--arena-gb 1.6] [-p 256] [-g 6]
+        [--policy lookahead:gt1:gg0] [--after-floor] [--detail 2]
     python3 benchmarks/gate_trace.py [--detail 2] --bench BENCH_ARGS...
 
 With --bench, `strata-mlx bench BENCH_ARGS` runs in this process, traced (its fake-stream
@@ -15,9 +17,11 @@ recomputed. For each token, recorded: when each gated layer was built, when its 
 checks' thread) began and ended, and, for each expert the layer chose, the host's residency
 slot and the gate-table word as the check ended; a thread of this script then polls those
 words (every ~0.1 ms, for 2 s) and records when a word not landed lands and when a landed one
-is cleared (its expert evicted). Once the token is done, its gates' give-up flags name the
-layers that gave up. Printed: the first tokens with give-ups in detail, then every given-up
-layer classed by what its words did:
+is cleared (its expert evicted), and, for a word still out 20 and 60 ms after its check, the
+reader's queues, reads in flight, reads done and device copies made (copies that stop
+counting while reads are in flight: held in the driver). Once the token is done, its gates'
+give-up flags name the layers that gave up. Printed: the first tokens with give-ups in
+detail, then every given-up layer classed by what its words did:
   late landing  a word landed only after the check ended, at least half a timeout later;
   never landed  a word not landed within the watch;
   cleared       a word landed at the check's end and cleared before the next layer's check
@@ -78,10 +82,27 @@ class Trace:
                         r["landed"][e] = 1e3 * (t - r["wall"])
                     if w0 >= 0 and w < 0 and e not in r["cleared"]:
                         r["cleared"][e] = 1e3 * (t - r["wall"])
+                late = any(w < 0 and e not in r["landed"] for e, w in zip(r["ids"], r["words"]))
+                for at in SNAPS_MS:
+                    if late and at not in r["snaps"] and 1e3 * (t - r["wall"]) >= at:
+                        r["snaps"][at] = reader_state(r["reader"])
             time.sleep(0.0001)
 
 
 T = Trace()
+SNAPS_MS = (20, 60)  # a word still out this long after its check: the reader's state taken
+
+
+def reader_state(reader) -> str:
+    """What the reader's threads hold and have done, in one line."""
+    try:
+        st = reader.stats()
+    except Exception as e:  # (closed meanwhile)
+        return f"({e})"
+    return (
+        f"urgent {st['queued_urgent']} ahead {st['queued_ahead']} in flight {st['in_flight']} "
+        f"done {st['requests_done']} copies {st['device_copies']} completions {st['completions']}"
+    )
 
 
 def install() -> None:
@@ -117,6 +138,8 @@ def install() -> None:
             "tags": len(tags),
             "flying": flying,
             "table": gate,
+            "reader": self.sched._reader,
+            "snaps": {},
             "landed": {},
             "cleared": {},
             "wall": time.perf_counter(),
@@ -170,10 +193,11 @@ def describe(r: dict, built: float | None) -> str:
         if e in r["cleared"]:
             p += f"x{r['cleared'][e]:.1f}"
         parts.append(p)
+    snaps = "".join(f"\n      {at} ms after: {st}" for at, st in sorted(r["snaps"].items()))
     return (
         f"    layer {r['layer']:3d} {b}, check {r['t0']:8.1f}-{r['t1']:8.1f} ms, "
         f"{r['tags']} waits; expert:slot/word(^ in flight at the check's start, +landed ms, "
-        f"xcleared ms) {' '.join(parts)}"
+        f"xcleared ms) {' '.join(parts)}{snaps}"
     )
 
 
