@@ -89,10 +89,13 @@ def set_mode(model, mode: str) -> None:
     once, never the sync fallback) | adaptive (the runtime's defaults) | adaptive+token (the
     same, "token" mode allowed while decode lookahead predicts). A "+general" suffix: one
     token's layers call the expert kernels' general entry with an index of the pairs, as
-    before they called `pairs` (LayerCompute.by_pair), for a side-by-side timing."""
+    before they called `pairs` (LayerCompute.by_pair), for a side-by-side timing; "+perlayer":
+    "token" mode reads each layer's routing back on its own, as before a token's was read in
+    one transfer (PipelinedDecoder.join_routing)."""
     compute = model.expert_cache.compute
     if not hasattr(compute, "kept_pairs"):
         compute.kept_pairs = dict(compute.pairs)
+    perlayer, mode = mode.endswith("+perlayer"), mode.removesuffix("+perlayer")
     mode, general = mode.removesuffix("+general"), mode.endswith("+general")
     compute.pairs = {l: None for l in compute.kept_pairs} if general else dict(compute.kept_pairs)
     name, _, n = mode.partition(":")
@@ -112,8 +115,10 @@ def set_mode(model, mode: str) -> None:
     else:
         raise SystemExit(
             f"unknown mode {mode!r}: sync | layers:LAG[:CHUNK] | token:CHUNK | adaptive"
-            " | adaptive+token, each optionally +general"
+            " | adaptive+token, each optionally +general, then optionally +perlayer"
         )
+    if perlayer and isinstance(model.decoder, PipelinedDecoder):
+        model.decoder.join_routing = False
 
 
 def main() -> None:

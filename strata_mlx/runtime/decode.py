@@ -76,6 +76,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 
 from ..models.base import ArraysCache
+from .deferred import joint_routing, spread_routing
 
 # sample(logits [1, n, vocab]) -> (token [1], logprobs [vocab]) from the last position
 Sample = Callable[[mx.array], tuple[mx.array, mx.array]]
@@ -116,6 +117,7 @@ class Step:
         self.tail: mx.array | None = None  # the last layer output built (submitted or not)
         self.built = 0  # layers built (their state written)
         self.late: list[tuple[int, mx.array]] = []  # gated: (layer, its gate's give-up flag)
+        self.joint: mx.array | None = None  # "token": its layers' routing as one array
         self.discarded = False
         self.begun = mode  # the mode it was begun in (a miss turns `mode` to "layers")
         self.predicting = predicting  # decode lookahead predicted when it was begun
@@ -268,6 +270,9 @@ class PipelinedDecoder(Decoder):
         # Gated decode stops once this many gates gave up (0: never; the loader passes
         # RuntimeConfig.decode_gate_give_ups); `given_up` counts them.
         self.gate_give_ups, self.given_up = gate_give_ups, 0
+        # "token" mode reads a token's routing in one transfer at its end (joint_routing,
+        # where JOIN_IDS: CUDA, a transfer a read), not one a layer; off for a comparison.
+        self.join_routing = True
         inner = model.model
         self.embed = inner.embed_tokens
         self.norm = inner.norm
@@ -361,6 +366,11 @@ class PipelinedDecoder(Decoder):
         """(the first layer of `step` to recompute, whether its gate gave up): its pending
         layers checked in order (a miss), then its gates' flags; None where all are exact.
         `alone`: no token is built on `step`."""
+        if step.joint is not None:  # "token" mode: every layer's routing in one read
+            t = time.perf_counter()
+            spread_routing(step.joint, [d for _, d in step.pending])
+            step.joint = None
+            self.expert_cache.stats.route_sync_s += time.perf_counter() - t
         while step.pending:
             j, d = step.pending.pop(0)
             if not self.expert_cache.check_deferred(d, alone=alone):
@@ -444,6 +454,10 @@ class PipelinedDecoder(Decoder):
                 check = max(len(step.pending) - lag, 0)
             else:  # every layer built: the head goes in while the last ones are checked
                 step.logits = self.head(self.norm(h))
+                if not checked and self.join_routing:  # its routing read once, at its end
+                    step.joint = joint_routing([d for _, d in step.pending])
+                    if step.joint is not None:
+                        outs.append(step.joint)
                 mx.async_eval(step.logits, *outs)
                 step.last = step.logits
                 check = len(step.pending) if checked else 0

@@ -43,6 +43,9 @@ class Deferred:
     pred: mx.array | None = None  # its predicted ids
     # gated (row None): its experts wait on the device for their reads (GATED below)
     gated: Gated | None = None
+    # "token" mode: its ids as read from the token's joint routing (spread_routing), [T, k]
+    # on the host; None: read from `inds` itself
+    host: np.ndarray | None = None
 
     def outputs(self) -> list[mx.array]:
         g = self.gated
@@ -92,6 +95,32 @@ def joint_ids(inds: mx.array, preds: list[mx.array]) -> mx.array | None:
     if any(p.size != p.shape[-1] or p.dtype != inds.dtype for p in preds):
         return None
     return mx.concatenate([inds.reshape(-1), *(p.reshape(-1) for p in preds)])
+
+
+def joint_routing(ds: list[Deferred]) -> mx.array | None:
+    """ "token" mode: the routing ids (and predicted ids) of a whole token's layers `ds` as one
+    flat array, evaluated with the token and read with one transfer when it is verified
+    (spread_routing), instead of one a layer. None without JOIN_IDS, or where the arrays'
+    dtypes differ."""
+    parts = [a for d in ds for a in d.outputs()]
+    if not JOIN_IDS or len(parts) < 2 or any(a.dtype != parts[0].dtype for a in parts):
+        return None
+    return mx.concatenate([a.reshape(-1) for a in parts])
+
+
+def spread_routing(joint: mx.array, ds: list[Deferred]) -> None:
+    """`joint_routing(ds)`'s array read once (a wait for the token, then one transfer) and
+    handed out: each layer's ids to its `host`, its predicted ids to its `host_pred`."""
+    flat = np.array(joint)
+    at = 0
+    for d in ds:
+        n = d.inds.size
+        d.host = flat[at : at + n].reshape(-1, d.inds.shape[-1])
+        at += n
+        if d.pred is not None:
+            n = d.pred.size
+            d.host_pred = flat[at : at + n].reshape(-1, d.pred.shape[-1])
+            at += n
 
 
 def split_ids(
@@ -358,7 +387,7 @@ class DeferredHandshake:
             return True
         st, sched = self.sched.stats, self.sched
         t0 = time.perf_counter()
-        ids = np.array(d.inds).reshape(-1, d.inds.shape[-1])
+        ids = d.host if d.host is not None else np.array(d.inds).reshape(-1, d.inds.shape[-1])
         t1 = time.perf_counter()
         st.route_sync_s += t1 - t0
         if alone:

@@ -14,6 +14,7 @@ from conftest import prompt_ids
 import strata_mlx
 from strata_mlx.format.store import load_manifest
 from strata_mlx.generation.generate import stream_generate
+from strata_mlx.runtime import decode as decode_module
 from strata_mlx.runtime import deferred
 
 FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "qwen3_next", "glm4_moe", "deepseek_v3", "gpt_oss"]
@@ -598,3 +599,43 @@ def test_the_token_build_benchmark_times_both_models(tmp_path):
     )
     assert len(rounds) == 2, r.stdout
     assert re.search(r"median of the rounds' ratios: x[0-9.]+$", r.stdout, re.M), r.stdout
+
+
+@pytest.mark.parametrize("variant", ["token-chunk3", "adaptive-lookahead-token"])
+def test_token_routing_read_once_equals_a_read_per_layer(store, variant, monkeypatch):
+    """ "token" mode's routing read in one transfer at the token's end (joint_routing, on
+    where reads are transfers: CUDA) gives the per-layer reads' tokens, log-probabilities,
+    lookups and hits, with misses discarding tokens (a quarter arena) and without (all
+    resident); each layer's ids as its own read gives them."""
+    monkeypatch.setattr(deferred, "JOIN_IDS", True)
+    spread = deferred.spread_routing
+    path = store("qwen3_next")
+    ids = prompt_ids(24, seed=19)
+    for fraction in (1.0, 0.25):
+        gb = arena_for(path, fraction)
+        out = {}
+        for join in (True, False):
+            calls = []
+
+            def counted(joint, ds, calls=calls):
+                calls.append(len(ds))
+                spread(joint, ds)
+                for d in ds:  # each layer's ids as its own read gives them
+                    assert d.pred is None  # (a token checked at its end predicts nothing)
+                    assert np.array_equal(d.host, np.array(d.inds).reshape(d.host.shape))
+
+            monkeypatch.setattr(decode_module, "spread_routing", counted)
+            model, _ = strata_mlx.load(
+                path, arena_gb=gb, **{"read_ahead": "demand", **VARIANTS[variant]}
+            )
+            model.decoder.join_routing = join
+            tokens, lp = decode(model, ids, n=12)
+            st = model.expert_cache.stats
+            out[join] = (tokens, lp, st.lookups, st.hits, st.token_mode_tokens)
+            assert (len(calls) > 0) == join, (fraction, join)  # once a token
+            assert all(n == len(load_manifest(path).moe_layers) for n in calls)
+            model.expert_cache.close()
+        (tokens, lp, *counts), (ref_tokens, ref_lp, *ref_counts) = out[True], out[False]
+        assert tokens == ref_tokens, fraction
+        assert np.array_equal(lp, ref_lp), fraction
+        assert counts == ref_counts and counts[-1] > 0, fraction
