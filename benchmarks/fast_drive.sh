@@ -209,9 +209,9 @@ trace)  # why gated decode's gates give up (benchmarks/gate_trace.py): each gate
   [ -f "$q/manifest.json" ] || python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
      --mlx-path "$q" --calibration-tokens 256 --set num_hidden_layers=12 2>&1 | grep -v "experts:" | tail -1
   export STRATA_MLX_DRIVE_GBPS=12 STRATA_MLX_GATE_TIMEOUT_MS=100
-  { timeout 120 python3 benchmarks/gate_trace.py "$q" --arena-gb 1.6 -p 2048 -g 8 --detail 1
-    timeout 150 python3 benchmarks/gate_trace.py "$q" --arena-gb 1.6 -p 2048 -g 8 --detail 1 --after-floor
-    timeout 300 python3 benchmarks/gate_trace.py --detail 2 --bench --model "$q" -p 2048 -g "${G:-8}" \
+  { timeout 90 python3 benchmarks/gate_trace.py "$q" --arena-gb 1.6 -p 2048 -g 6 --detail 1
+    timeout 110 python3 benchmarks/gate_trace.py "$q" --arena-gb 1.6 -p 2048 -g 6 --detail 1 --after-floor
+    timeout 250 python3 benchmarks/gate_trace.py --detail 2 --bench --model "$q" -p 2048 -g "${G:-6}" \
       --arena-gb 1.6 --prefill-step-size 1024 --policies "${POL:-lookahead:gt1:gg0,lookahead:gt1:gg0:cb0}"
   } 2>&1 | cut -c1-1500 | tee "$OUT/gate-trace.log"
   ;;

@@ -16,18 +16,22 @@ shows every expert the layer chose landed. A gate that waits past its timeout
 recomputed. For each token, recorded: when each gated layer was built, when its check (on the
 checks' thread) began and ended, and, for each expert the layer chose, the host's residency
 slot and the gate-table word as the check ended; a thread of this script then polls those
-words (every ~0.1 ms, for 2 s) and records when a word not landed lands and when a landed one
-is cleared (its expert evicted), and, for a word still out 20 and 60 ms after its check, the
-reader's queues, reads in flight, reads done and device copies made (copies that stop
-counting while reads are in flight: held in the driver). Once the token is done, its gates'
-give-up flags name the layers that gave up. Printed: the first tokens with give-ups in
-detail, then every given-up layer classed by what its words did:
+words (a sweep every ~0.1 ms plus its own time, for 2 s) and records when a word not landed
+lands and when a landed one is cleared (its expert evicted), and, for a word still out 20
+and 60 ms after its check, the reader's queues, reads in flight, reads done and device
+copies made (copies that stop counting while reads are in flight: held in the driver). Once
+the token is done, its gates' give-up flags name the layers that gave up (a give-up
+rebuilds the layers after it, checked again: each build's records are matched to its own
+flags). Printed: the first tokens with give-ups in detail, then every given-up layer
+classed by what its words did:
   late landing  a word landed only after the check ended, at least half a timeout later;
   never landed  a word not landed within the watch;
-  cleared       a word landed at the check's end and cleared before the next layer's check
-                began (by then the layer had finished: its routing was computed);
+  cleared       a word landed at the check's end and cleared before a later layer's check
+                had its routing (by then the layer had finished);
   all landed    every word in place at the check's end and none cleared: the gate should
                 have passed (what it read differs from what the host sees);
+  landed in time  every missing word landed within half a timeout of the check's end: the
+                gate did not see it (or waited on another word);
   no check      the layer's check had not run by the token's end.
 """
 
@@ -62,7 +66,10 @@ class Trace:
         self.built: dict[tuple[int, int], float] = {}  # (token, layer) -> last build time
         self.checks: list[dict] = []
         self.watch: list[dict] = []
-        self.gave_up: dict[int, list[int]] = {}  # token -> layers whose gate gave up
+        # token -> (build, layer) of each gate that gave up; a build: the layers built since
+        # the token's gates' flags were last read (a give-up rebuilds the layers after it)
+        self.gave_up: dict[int, list[tuple[int, int]]] = {}
+        self.gen = 0
         self.stop = False
 
     def now(self) -> float:
@@ -75,6 +82,7 @@ class Trace:
                 self.watch = [r for r in self.watch if t - r["wall"] < WATCH_S]
                 recs = list(self.watch)
             for r in recs:
+                t = time.perf_counter()
                 row = r["table"].row(r["layer"])
                 for e, w0 in zip(r["ids"], r["words"]):
                     w = int(row[e])
@@ -117,18 +125,21 @@ def install() -> None:
 
     def traced_check_gated(self, d, trace, aside=False):
         t0 = T.now()
-        with T.lock:  # the layers before this one have finished on the device
-            for r in T.watch:
-                if r["token"] == T.token and r["layer"] < d.layer and "done" not in r:
-                    r["done"] = t0 - r["t1"]
         with self.sched.lock:  # in flight as the check began (read-ahead, or an earlier miss)
             flying = {k[1] for k in self.sched.tag_of if k[0] == d.layer}
         tags = check_gated(self, d, trace, aside)
         t1 = T.now()
+        wall = time.perf_counter()
+        with T.lock:  # this layer's routing is known: the layers before it have finished
+            for r in T.watch:
+                earlier = r["token"] < T.token or r["layer"] < d.layer
+                if earlier and "done" not in r:
+                    r["done"] = 1e3 * (wall - r["wall"])
         ids = sorted(set(np.array(d.inds).reshape(-1).tolist()))
         gate = self.sched.residency.gate
         r = {
             "token": T.token,
+            "gen": T.gen,
             "layer": d.layer,
             "t0": t0,
             "t1": t1,
@@ -156,9 +167,10 @@ def install() -> None:
     def traced_late(self, step):
         if step.late:
             flags = mx.concatenate([f for _, f in step.late]).tolist()
-            gone = [j for (j, _), f in zip(step.late, flags) if f]
+            gone = [(T.gen, j) for (j, _), f in zip(step.late, flags) if f]
             if gone:
                 T.gave_up.setdefault(T.token, []).extend(gone)
+            T.gen += 1  # the layers rebuilt after a give-up are a build of their own
         return late(self, step)
 
     deferred.DeferredHandshake.run_gated = traced_run_gated
@@ -278,16 +290,16 @@ def report(label: str, detail: int) -> None:
     kinds: Counter = Counter()
     delays = []
     shown = 0
-    for token, layers in sorted(T.gave_up.items()):
+    for token, gone in sorted(T.gave_up.items()):
         recs = [r for r in T.checks if r["token"] == token]
         if shown < detail:
-            print(f"  token {token}: gave up at layers {layers}")
+            print(f"  token {token}: gave up at layers {[layer for _, layer in gone]}")
             for r in recs:
                 print(describe(r, T.built.get((token, r["layer"]))))
             shown += 1
-        for layer in layers:
-            mine = [r for r in recs if r["layer"] == layer]
-            kinds[classify(mine[0] if mine else None, half)] += 1
+        for gen, layer in gone:
+            mine = [r for r in recs if r["layer"] == layer and r["gen"] == gen]
+            kinds[classify(mine[-1] if mine else None, half)] += 1
             if mine and (token, layer) in T.built:
                 delays.append(mine[0]["t0"] - T.built[(token, layer)])
     if not T.gave_up and T.checks:  # a sample: the last token's checks

@@ -415,6 +415,7 @@ class PipelinedDecoder(Decoder):
         if step.discarded:  # (an error inside finish, after it discarded `step`)
             return
         step.discarded = True
+        step.joint = None
         if step.last is not None:  # (a sync token has no last: it was evaluated layer by layer)
             mx.eval(step.last)
         for c, s in zip(step.cache, step.saved):
@@ -456,9 +457,10 @@ class PipelinedDecoder(Decoder):
                 step.logits = self.head(self.norm(h))
                 if not checked and self.join_routing:  # its routing read once, at its end
                     step.joint = joint_routing([d for _, d in step.pending])
-                    if step.joint is not None:
-                        outs.append(step.joint)
-                mx.async_eval(step.logits, *outs)
+                if step.joint is not None:  # (ahead of the head: the first thing read)
+                    mx.async_eval(step.joint, step.logits, *outs)
+                else:
+                    mx.async_eval(step.logits, *outs)
                 step.last = step.logits
                 check = len(step.pending) if checked else 0
             missed = None

@@ -98,29 +98,27 @@ def joint_ids(inds: mx.array, preds: list[mx.array]) -> mx.array | None:
 
 
 def joint_routing(ds: list[Deferred]) -> mx.array | None:
-    """ "token" mode: the routing ids (and predicted ids) of a whole token's layers `ds` as one
-    flat array, evaluated with the token and read with one transfer when it is verified
-    (spread_routing), instead of one a layer. None without JOIN_IDS, or where the arrays'
-    dtypes differ."""
-    parts = [a for d in ds for a in d.outputs()]
-    if not JOIN_IDS or len(parts) < 2 or any(a.dtype != parts[0].dtype for a in parts):
+    """ "token" mode: the routing ids of a whole token's layers `ds` (neither gated nor
+    predicting: the token is checked too late for a prediction) as one flat array, evaluated
+    with the token and read with one transfer when it is verified (spread_routing), instead
+    of one a layer. None without JOIN_IDS, for a gated or predicting layer, or where the
+    ids' dtypes differ."""
+    if not JOIN_IDS or len(ds) < 2 or any(d.gated or d.pred is not None for d in ds):
         return None
-    return mx.concatenate([a.reshape(-1) for a in parts])
+    if any(d.inds.dtype != ds[0].inds.dtype for d in ds):
+        return None
+    return mx.concatenate([d.inds.reshape(-1) for d in ds])
 
 
 def spread_routing(joint: mx.array, ds: list[Deferred]) -> None:
     """`joint_routing(ds)`'s array read once (a wait for the token, then one transfer) and
-    handed out: each layer's ids to its `host`, its predicted ids to its `host_pred`."""
+    handed out: each layer's ids to its `host`."""
     flat = np.array(joint)
     at = 0
     for d in ds:
         n = d.inds.size
         d.host = flat[at : at + n].reshape(-1, d.inds.shape[-1])
         at += n
-        if d.pred is not None:
-            n = d.pred.size
-            d.host_pred = flat[at : at + n].reshape(-1, d.pred.shape[-1])
-            at += n
 
 
 def split_ids(

@@ -601,39 +601,73 @@ def test_the_token_build_benchmark_times_both_models(tmp_path):
     assert re.search(r"median of the rounds' ratios: x[0-9.]+$", r.stdout, re.M), r.stdout
 
 
-@pytest.mark.parametrize("variant", ["token-chunk3", "adaptive-lookahead-token"])
+class Unread:
+    """An array's shape and dtype, whose values may not be read."""
+
+    def __init__(self, a):
+        self.shape, self.size, self.dtype, self.ndim = a.shape, a.size, a.dtype, a.ndim
+
+    def __array__(self, *a, **kw):
+        raise AssertionError("read on its own, not from the token's joint routing")
+
+    def tolist(self):
+        self.__array__()
+
+
+@pytest.mark.parametrize("variant", ["token-chunk1", "token-chunk3"])
 def test_token_routing_read_once_equals_a_read_per_layer(store, variant, monkeypatch):
     """ "token" mode's routing read in one transfer at the token's end (joint_routing, on
     where reads are transfers: CUDA) gives the per-layer reads' tokens, log-probabilities,
     lookups and hits, with misses discarding tokens (a quarter arena) and without (all
-    resident); each layer's ids as its own read gives them."""
+    resident); each layer's ids as its own read gives them, and the checks read those. The
+    loop-less scheduler, completions seen only where waited for: what is resident does not
+    depend on when reads land."""
+    from strata_mlx.runtime.deferred import DeferredHandshake
+
     monkeypatch.setattr(deferred, "JOIN_IDS", True)
-    spread = deferred.spread_routing
+    spread, check = deferred.spread_routing, DeferredHandshake.check
     path = store("qwen3_next")
+    moe_layers = len(load_manifest(path).moe_layers)
     ids = prompt_ids(24, seed=19)
     for fraction in (1.0, 0.25):
         gb = arena_for(path, fraction)
         out = {}
         for join in (True, False):
-            calls = []
+            calls, checked = [], []
 
             def counted(joint, ds, calls=calls):
                 calls.append(len(ds))
                 spread(joint, ds)
                 for d in ds:  # each layer's ids as its own read gives them
-                    assert d.pred is None  # (a token checked at its end predicts nothing)
                     assert np.array_equal(d.host, np.array(d.inds).reshape(d.host.shape))
 
+            def seen(self, d, *a, checked=checked):
+                checked.append(d.host is not None)
+                if d.host is None:
+                    return check(self, d, *a)
+                inds, d.inds = d.inds, Unread(d.inds)  # a read of its own would raise
+                try:
+                    return check(self, d, *a)
+                finally:
+                    d.inds = inds
+
             monkeypatch.setattr(decode_module, "spread_routing", counted)
+            monkeypatch.setattr(DeferredHandshake, "check", seen)
             model, _ = strata_mlx.load(
-                path, arena_gb=gb, **{"read_ahead": "demand", **VARIANTS[variant]}
+                path,
+                arena_gb=gb,
+                scheduler="sync",  # (completions seen only where waited for, below)
+                **{"read_ahead": "demand", **VARIANTS[variant]},
             )
+            model.expert_cache.reader = HoldingReader(model.expert_cache.reader)
             model.decoder.join_routing = join
             tokens, lp = decode(model, ids, n=12)
             st = model.expert_cache.stats
             out[join] = (tokens, lp, st.lookups, st.hits, st.token_mode_tokens)
-            assert (len(calls) > 0) == join, (fraction, join)  # once a token
-            assert all(n == len(load_manifest(path).moe_layers) for n in calls)
+            # a token's layers at once, and its checks read them: none without the join
+            assert all(n == moe_layers for n in calls)
+            assert 0 < len(calls) <= st.token_mode_tokens if join else not calls
+            assert any(checked) == join and checked, (fraction, join)
             model.expert_cache.close()
         (tokens, lp, *counts), (ref_tokens, ref_lp, *ref_counts) = out[True], out[False]
         assert tokens == ref_tokens, fraction
