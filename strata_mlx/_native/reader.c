@@ -137,6 +137,10 @@ struct ReaderObject {
     unsigned long long bytes_read, requests_done, errors, verified, *busy_ns, *verify_ns;
     unsigned long long split_requests; /* requests read in parts */
     unsigned long long device_copies, device_copy_ns; /* copies by the copy engine, their time */
+    /* bounce buffers are made at least this large (bytes; 0: as large as the read needing
+     * them), and how many were let go of for a larger one since (mu) */
+    Py_ssize_t bounce_min;
+    unsigned long long bounce_regrown;
     int notify_r, notify_w; /* the completion pipe (-1 until notify_fd()), its ends */
     int notified;           /* a byte was written since the last ack() */
     Py_ssize_t notify_below; /* announce only while fewer requests are queued (-1: always) */
@@ -437,11 +441,19 @@ static void *worker_main(void *p) {
         Request into = rq;
         if (r->bounce) {
             if ((size_t)rq.length > caps[cur]) {
-                if (bounces[cur]) devcopy_unpin(dc, bounces[cur]);
+                /* (a pinned buffer let go of waits for the device to go idle, behind whatever
+                 * it runs: a decode gate waiting for this very read included) */
+                if (bounces[cur]) {
+                    devcopy_unpin(dc, bounces[cur]);
+                    pthread_mutex_lock(&r->mu);
+                    r->bounce_regrown++;
+                    pthread_mutex_unlock(&r->mu);
+                }
                 free(bounces[cur]);
                 bounces[cur] = NULL;
                 caps[cur] = 0;
-                size_t cap = ((size_t)rq.length + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+                size_t want = (size_t)(rq.length > r->bounce_min ? rq.length : r->bounce_min);
+                size_t cap = (want + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
                 if (posix_memalign(&bounces[cur], HUGE_PAGE, cap) == 0) {
                     caps[cur] = cap;
                     advise_huge(bounces[cur], cap, 0); /* before the first touch: huge at fault */
@@ -721,12 +733,17 @@ static void Reader_dealloc(ReaderObject *r) {
 
 static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"workers", "start_paused", "bounce", "split", "overlap",
-                             "device_copy", "copy_behind", NULL};
+                             "device_copy", "copy_behind", "record_bytes", NULL};
     int nworkers = 8, paused = 0, bounce = 0, overlap = 0, device_copy = 0, copy_behind = 0;
-    Py_ssize_t split = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ippnppp:Reader", kwlist, &nworkers, &paused,
-                                     &bounce, &split, &overlap, &device_copy, &copy_behind))
+    Py_ssize_t split = 0, record_bytes = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ippnpppn:Reader", kwlist, &nworkers, &paused,
+                                     &bounce, &split, &overlap, &device_copy, &copy_behind,
+                                     &record_bytes))
         return NULL;
+    if (record_bytes < 0) {
+        PyErr_Format(PyExc_ValueError, "record_bytes must be >= 0, got %zd", record_bytes);
+        return NULL;
+    }
     if (device_copy && devcopy_init(0)) {
         PyErr_Format(PyExc_RuntimeError, "device_copy: %s", devcopy_error());
         return NULL;
@@ -748,6 +765,7 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     r->bounce = bounce || device_copy;
     r->device_copy = device_copy;
     r->copy_behind = copy_behind && device_copy;
+    r->bounce_min = record_bytes;
     r->split = split;
     r->notify_r = r->notify_w = -1;
     r->notify_below = -1;
@@ -1186,7 +1204,8 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
     pthread_mutex_lock(&r->mu);
     unsigned long long bytes = r->bytes_read, reqs = r->requests_done, errs = r->errors,
                        verified = r->verified, split = r->split_requests,
-                       copies = r->device_copies, copy_ns = r->device_copy_ns;
+                       copies = r->device_copies, copy_ns = r->device_copy_ns,
+                       regrown = r->bounce_regrown;
     Py_ssize_t nu = q_size(&r->urgent), na = q_size(&r->ahead), nd = r->n_done;
     int inflight = 0, preading_max = r->preading_max;
     for (int w = 0; w < r->nthreads; w++) inflight += r->reading[w] + r->behind_on[w];
@@ -1207,18 +1226,19 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
         Py_XDECREF(verify);
         return NULL;
     }
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K}",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K,s:K}",
                          "bytes_read", bytes, "requests_done", reqs, "errors", errs,
                          "verified", verified, "split", split, "busy_ns", busy,
                          "verify_ns", verify, "queued_urgent", nu, "queued_ahead", na,
                          "in_flight", inflight, "completions", nd, "preads_max", preading_max,
-                         "device_copies", copies, "device_copy_ns", copy_ns);
+                         "device_copies", copies, "device_copy_ns", copy_ns,
+                         "bounce_regrown", regrown);
 }
 
 static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
     pthread_mutex_lock(&r->mu);
     r->bytes_read = r->requests_done = r->errors = r->verified = r->split_requests = 0;
-    r->device_copies = r->device_copy_ns = 0;
+    r->device_copies = r->device_copy_ns = r->bounce_regrown = 0;
     r->preading_max = r->preading;
     memset(r->busy_ns, 0, sizeof(unsigned long long) * (size_t)r->nthreads);
     memset(r->verify_ns, 0, sizeof(unsigned long long) * (size_t)r->nthreads);

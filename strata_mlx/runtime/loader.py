@@ -562,6 +562,7 @@ def build_expert_cache(
         overlap=cfg.read_overlap,
         device_copy=device_copy,
         copy_behind=cfg.copy_behind,
+        record_bytes=rb,
     )
     return ExpertCache(
         path,

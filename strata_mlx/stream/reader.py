@@ -184,6 +184,12 @@ class Reader:
             reads its next record while the copy runs, in a second pinned buffer; the record
             completes once that next read has landed (or the worker finds nothing to read).
             Urgent records are copied and completed at once, as without it.
+        record_bytes: (with ``bounce``) the longest request it will be given (0: not known).
+            A worker's buffers are made at least that large at their first use, so that a
+            longer read after a shorter one (a whole record after a split request's part)
+            never has a buffer let go of and made again: on CUDA letting go of a pinned
+            buffer waits for the device to go idle, behind a decode gate that may be waiting
+            for that very read (``stats()["bounce_regrown"]`` counts them).
     """
 
     def __init__(
@@ -195,10 +201,11 @@ class Reader:
         overlap: bool = False,
         device_copy: bool = False,
         copy_behind: bool = False,
+        record_bytes: int = 0,
     ) -> None:
         drive_from_env()
         self._r = _reader.Reader(
-            workers, start_paused, bounce, split, overlap, device_copy, copy_behind
+            workers, start_paused, bounce, split, overlap, device_copy, copy_behind, record_bytes
         )
 
     @property
@@ -314,12 +321,13 @@ class Reader:
         ``verify_ns`` (lists, per thread: time spent inside reads, and checking checksums),
         ``preads_max`` (the most preads in flight at once since the last reset: at most
         ``workers``), ``device_copies`` and ``device_copy_ns`` (copies by the copy engine,
-        and their time), and the current ``queued_urgent``, ``queued_ahead``, ``in_flight``
+        and their time), ``bounce_regrown`` (bounce buffers let go of for a larger one), and the current ``queued_urgent``, ``queued_ahead``, ``in_flight``
         (requests a thread holds) and uncollected ``completions``."""
         return self._r.stats()
 
     def reset_stats(self) -> None:
-        """Zero bytes_read, requests_done, errors, verified, split, busy_ns and verify_ns."""
+        """Zero bytes_read, requests_done, errors, verified, split, busy_ns, verify_ns, the
+        device copies' counts and bounce_regrown."""
         self._r.reset_stats()
 
     def close(self) -> None:

@@ -842,3 +842,26 @@ def test_the_drive_limit_comes_from_the_environment(data_file, no_drive_limit, m
         monkeypatch.setenv(no_drive_limit.DRIVE_ENV, bad)
         with pytest.raises(OptionError, match=f"STRATA_MLX_DRIVE_GBPS='{bad}': expected"):
             Reader(workers=1)
+
+
+def test_bounce_buffers_made_for_the_longest_request_are_never_made_again(data_dir):
+    """A split request's part, then a whole record longer than the first buffer: without the
+    record size a worker's buffer is let go of and made again for it (on CUDA letting go of a
+    pinned buffer waits for the device to go idle), with it never; the bytes land either way."""
+    big = 5 << 20  # longer than the 2 MB a first, part-sized buffer is rounded up to
+    payload = np.random.default_rng(3).integers(0, 256, big, dtype=np.uint8).tobytes()
+    path = data_dir / "big.bin"
+    path.write_bytes(payload)
+    for record_bytes, regrown in ((0, 1), (big, 0)):
+        buf, addr = aligned(big)
+        # (one thread: the whole record meets the buffer the part was read into)
+        with Reader(workers=1, bounce=True, overlap=False, record_bytes=record_bytes) as r:
+            f = r.open(path)
+            r.submit([(1, f, 0, RECORD, addr)])  # (a part's length)
+            assert r.wait([1], timeout=10) == [(1, 0, RECORD)]
+            r.submit([(2, f, 0, big, addr)])
+            assert r.wait([2], timeout=10) == [(2, 0, big)]
+            assert r.stats()["bounce_regrown"] == regrown, record_bytes
+        assert buf.tobytes() == payload
+    with pytest.raises(ValueError, match="record_bytes"):
+        Reader(workers=1, record_bytes=-1)
