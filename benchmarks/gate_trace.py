@@ -110,6 +110,7 @@ def reader_state(reader) -> str:
     return (
         f"urgent {st['queued_urgent']} ahead {st['queued_ahead']} in flight {st['in_flight']} "
         f"done {st['requests_done']} copies {st['device_copies']} completions {st['completions']}"
+        f" buffers regrown {st['bounce_regrown']}"
     )
 
 
