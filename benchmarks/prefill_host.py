@@ -50,7 +50,7 @@ def run(store: str, a, policy: str, parts: Parts | None) -> dict:
             ec.stats = ExpertStats()
             cpu = 0
             t = time.perf_counter()
-            with (parts if counted and parts else contextlib.nullcontext()), SyncTime() as sync:
+            with parts if counted and parts else contextlib.nullcontext(), SyncTime() as sync:
                 with ec.phase(decoding=False):
                     for layer in ec.layers:
                         key, k = mx.random.split(key)
@@ -102,10 +102,18 @@ def main() -> None:
         for policy in policies:  # interleaved: drift on a shared machine hits all alike
             part = parts.get(policy) if r == a.rounds - 1 else None
             results[policy].append(run(store, a, policy, part))
-            print(f"round {r} {policy}: " + ", ".join(f"{k} {v:.0f}" for k, v in results[policy][-1].items()), flush=True)
+            print(
+                f"round {r} {policy}: "
+                + ", ".join(f"{k} {v:.0f}" for k, v in results[policy][-1].items()),
+                flush=True,
+            )
     layers = len(load_manifest(store).moe_layers)
-    print(f"replayed prefill, arena {a.arena_gb} GB, chunks of {a.chunk}, median of {a.rounds}; ms a chunk")
-    print(f"{'policy':28} {'wall':>7} {'cpu':>6} {'host':>6} {'sync':>6} {'wait':>6} {'loop':>6} {'loopcpu':>7} {'read':>6}")
+    print(
+        f"replayed prefill, arena {a.arena_gb} GB, chunks of {a.chunk}, median of {a.rounds}; ms a chunk"
+    )
+    print(
+        f"{'policy':28} {'wall':>7} {'cpu':>6} {'host':>6} {'sync':>6} {'wait':>6} {'loop':>6} {'loopcpu':>7} {'read':>6}"
+    )
     for policy, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(f"{policy:28} {med['wall']:7.0f} {med['cpu']:6.0f} {med['host']:6.0f} {med['sync']:6.0f} "
