@@ -454,7 +454,12 @@ static void *worker_main(void *p) {
                 caps[cur] = 0;
                 size_t want = (size_t)(rq.length > r->bounce_min ? rq.length : r->bounce_min);
                 size_t cap = (want + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-                if (posix_memalign(&bounces[cur], HUGE_PAGE, cap) == 0) {
+                int got = posix_memalign(&bounces[cur], HUGE_PAGE, cap) == 0;
+                if (!got && want > (size_t)rq.length) { /* no room for a record: this read's */
+                    cap = ((size_t)rq.length + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+                    got = posix_memalign(&bounces[cur], HUGE_PAGE, cap) == 0;
+                }
+                if (got) {
                     caps[cur] = cap;
                     advise_huge(bounces[cur], cap, 0); /* before the first touch: huge at fault */
                     devcopy_pin(dc, bounces[cur], cap); /* device copy: registered, still huge */

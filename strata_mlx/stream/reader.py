@@ -321,8 +321,9 @@ class Reader:
         ``verify_ns`` (lists, per thread: time spent inside reads, and checking checksums),
         ``preads_max`` (the most preads in flight at once since the last reset: at most
         ``workers``), ``device_copies`` and ``device_copy_ns`` (copies by the copy engine,
-        and their time), ``bounce_regrown`` (bounce buffers let go of for a larger one), and the current ``queued_urgent``, ``queued_ahead``, ``in_flight``
-        (requests a thread holds) and uncollected ``completions``."""
+        and their time), ``bounce_regrown`` (bounce buffers let go of for a larger one),
+        and the current ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a
+        thread holds) and uncollected ``completions``."""
         return self._r.stats()
 
     def reset_stats(self) -> None:
