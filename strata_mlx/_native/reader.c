@@ -1368,7 +1368,9 @@ static PyTypeObject ReaderType = {
     .tp_basicsize = sizeof(ReaderObject),
     .tp_dealloc = (destructor)Reader_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "Reader(workers=8, start_paused=False): native pread worker pool",
+    .tp_doc = "Reader(workers=8, start_paused=False, bounce=False, split=0, overlap=False, "
+              "device_copy=False, copy_behind=False, record_bytes=0): native pread worker pool "
+              "(strata_mlx.stream.reader.Reader documents each)",
     .tp_methods = Reader_methods,
     .tp_getset = Reader_getset,
     .tp_new = Reader_new,
