@@ -19,7 +19,8 @@ slot and the gate-table word as the check ended; a thread of this script then po
 words (a sweep every ~0.1 ms plus its own time, for 2 s) and records when a word not landed
 lands and when a landed one is cleared (its expert evicted), and, for a word still out 20
 and 60 ms after its check, the reader's queues, reads in flight, reads done and device
-copies made (copies that stop counting while reads are in flight: held in the driver). Once
+copies made (copies that stop counting while reads are in flight: held in the driver), and
+the system call each of the process's threads waits in, by thread name. Once
 the token is done, its gates' give-up flags name the layers that gave up (a give-up
 rebuilds the layers after it, checked again: each build's records are matched to its own
 flags). Printed: the first tokens with give-ups in detail, then every given-up layer
@@ -93,12 +94,40 @@ class Trace:
                 late = any(w < 0 and e not in r["landed"] for e, w in zip(r["ids"], r["words"]))
                 for at in SNAPS_MS:
                     if late and at not in r["snaps"] and 1e3 * (t - r["wall"]) >= at:
-                        r["snaps"][at] = reader_state(r["reader"])
+                        r["snaps"][at] = f"{reader_state(r['reader'])}; {threads_state()}"
             time.sleep(0.0001)
 
 
 T = Trace()
 SNAPS_MS = (20, 60)  # a word still out this long after its check: the reader's state taken
+
+
+# x86-64 Linux system call numbers a waiting thread shows in /proc/PID/task/TID/syscall
+SYSCALLS = {"0": "read", "1": "write", "7": "poll", "16": "ioctl", "17": "pread",
+            "35": "nanosleep", "202": "futex", "230": "clock_nanosleep", "232": "epoll_wait",
+            "271": "ppoll", "281": "epoll_pwait"}  # fmt: skip
+
+
+def threads_state() -> str:
+    """This process's threads, by name, counted by the system call each waits in (Linux's
+    /proc; "running" where none): a reader thread (strata-reader) in ioctl waits inside the
+    CUDA driver, in futex on a lock or its queue, in pread on the drive."""
+    groups: Counter = Counter()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return "(no /proc)"
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/syscall") as f:
+                call = f.read().split()[0]
+        except (OSError, IndexError):
+            continue
+        what = call if call == "running" else SYSCALLS.get(call, f"syscall {call}")
+        groups[(name, what)] += 1
+    return ", ".join(f"{n} {w} x{c}" for (n, w), c in sorted(groups.items()))
 
 
 def reader_state(reader) -> str:

@@ -401,6 +401,13 @@ static void *worker_main(void *p) {
     size_t caps[2] = {0, 0};
     int cur = 0;
     Behind behind = {0};
+    /* named, so that top -H, a profiler or /proc/PID/task tells the reader's threads apart
+     * (one waiting in the CUDA driver, say) */
+#ifdef __APPLE__
+    pthread_setname_np("strata-reader");
+#elif defined(__linux__)
+    pthread_setname_np(pthread_self(), "strata-reader"); /* (15 characters at most) */
+#endif
     /* device_copy: this thread's stream; NULL if it could not be made (its reads fail) */
     DevCopyThread *dc = r->device_copy ? devcopy_thread_new() : NULL;
     int copy_behind = r->copy_behind && dc;

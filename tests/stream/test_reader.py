@@ -865,3 +865,27 @@ def test_bounce_buffers_made_for_the_longest_request_are_never_made_again(data_d
         assert buf.tobytes() == payload
     with pytest.raises(ValueError, match="record_bytes"):
         Reader(workers=1, record_bytes=-1)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux's /proc")
+def test_reader_threads_are_named(overlap):
+    """Each worker thread carries the reader's name (top -H, a profiler, /proc tell them
+    apart): as many as the reader runs, two a worker with the overlap."""
+
+    def named() -> int:
+        count = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    count += f.read().strip() == "strata-reader"
+            except OSError:  # (a thread that ended meanwhile)
+                pass
+        return count
+
+    before, want = named(), 6 if overlap else 3
+    with Reader(workers=3):
+        deadline = time.monotonic() + 5  # (a thread names itself as it starts)
+        while named() - before < want and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert named() - before == want
+    assert named() == before
