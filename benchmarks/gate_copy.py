@@ -57,12 +57,12 @@ import threading
 import time
 from contextlib import contextmanager
 
-# The package's default, in place before MLX starts CUDA here (mlx is imported first)
-if not os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
+# (first: importing the package asks CUDA for its hardware queues, before MLX starts CUDA)
+import strata_mlx  # noqa: F401
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
+# isort: split
+import mlx.core as mx
+import numpy as np
 
 RECORD = 1 << 20
 CALLS = (
@@ -352,11 +352,27 @@ def driver_round(args) -> None:
         table.close()
 
 
+def split_bench(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """(this script's arguments, bench's: those after --bench, or None without it)."""
+    if "--bench" not in argv:
+        return argv, None
+    i = argv.index("--bench")
+    return argv[:i], argv[i + 1 :]
+
+
+def run_bench(bench: list[str]) -> None:
+    """`strata-mlx bench BENCH` in this process (its zero exit is no error)."""
+    from strata_mlx.apps.cli import app
+
+    try:
+        app(["bench", *bench], prog_name="strata-mlx")
+    except SystemExit as e:
+        if e.code:
+            raise
+
+
 def main(argv: list[str]) -> None:
-    bench = None
-    if "--bench" in argv:
-        i = argv.index("--bench")
-        argv, bench = argv[:i], argv[i + 1 :]
+    argv, bench = split_bench(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--spin-ms", type=int, default=400, help="how long the gate waits")
     p.add_argument(
@@ -395,16 +411,10 @@ def main(argv: list[str]) -> None:
         if not args.no_rounds:
             rounds(args, f"the pool kept, {args.reserve_gb:g} GB reserved")
     if bench is not None:
-        from strata_mlx.apps.cli import app
-
         print(
             f"strata-mlx bench {' '.join(bench)} (pool {'kept' if args.reserve_gb else 'default'})"
         )
-        try:
-            app(["bench", *bench], prog_name="strata-mlx")
-        except SystemExit as e:
-            if e.code:
-                raise
+        run_bench(bench)
 
 
 if __name__ == "__main__":

@@ -45,17 +45,18 @@ import threading
 import time
 from collections import Counter
 
-if not os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):  # the package's default, before MLX
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
+# (first: importing the package asks CUDA for its hardware queues, before MLX starts CUDA)
+import strata_mlx
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
+# isort: split
+import mlx.core as mx
+import numpy as np
+from gate_copy import run_bench, split_bench  # (benchmarks/ on sys.path)
 
-import strata_mlx  # noqa: E402
-from strata_mlx.apps.bench import policy_options  # noqa: E402
-from strata_mlx.format.store import load_manifest  # noqa: E402
-from strata_mlx.generation.generate import generate_step  # noqa: E402
-from strata_mlx.runtime import decode, deferred  # noqa: E402
+from strata_mlx.apps.bench import policy_options
+from strata_mlx.format.store import load_manifest
+from strata_mlx.generation.generate import generate_step
+from strata_mlx.runtime import decode, deferred
 
 WATCH_S = 2.0
 
@@ -244,10 +245,7 @@ def describe(r: dict, built: float | None) -> str:
 
 
 def main(argv: list[str]) -> None:
-    bench = None
-    if "--bench" in argv:
-        i = argv.index("--bench")
-        argv, bench = argv[:i], argv[i + 1 :]
+    argv, bench = split_bench(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("store", nargs="?", help="(not with --bench)")
     ap.add_argument("--arena-gb", type=float, default=None)
@@ -277,14 +275,8 @@ def main(argv: list[str]) -> None:
     poller.start()
     t = time.perf_counter()
     if bench is not None:
-        from strata_mlx.apps.cli import app
-
         label = f"strata-mlx bench {' '.join(bench)}"
-        try:
-            app(["bench", *bench], prog_name="strata-mlx")
-        except SystemExit as e:
-            if e.code:
-                raise
+        run_bench(bench)
     else:
         m = load_manifest(a.store)
         if a.after_floor:
