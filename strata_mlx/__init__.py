@@ -8,12 +8,12 @@ for r in strata_mlx.stream_generate(model, tokenizer, "Hello", max_tokens=32):
 import os
 
 # CUDA runs a context's streams on a fixed number of hardware work queues (8 unless this says
-# otherwise, 32 at most), read when the process first uses CUDA. A reader thread's copy stream
-# that shares a queue with MLX's waits behind MLX's kernels, and behind a gate kernel waiting
-# for that very copy until the gate gives up: each reader thread's stream wants a queue of its
-# own. A value set before this package is imported wins; it must come before MLX first uses
-# the GPU, as this does for the command line (a program that uses MLX's GPU before importing
-# strata_mlx sets it itself).
+# otherwise, 32 at most), read when the process first uses CUDA; streams sharing a queue run
+# its work in turn, so a reader thread's copy stream sharing one with MLX's would wait behind
+# MLX's kernels. The reader runs a stream a thread (16 at 8 workers with the overlap), beside
+# MLX's: 32 gives each its own. A value set before this package is imported wins; it must come
+# before MLX first uses the GPU, as this does for the command line (a program that uses MLX's
+# GPU before importing strata_mlx sets it itself).
 if not os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
 
