@@ -280,16 +280,21 @@ def main(argv: list[str]) -> None:
     else:
         m = load_manifest(a.store)
         if a.after_floor:
+            print("a fake-stream model: load, prefill, decode, close", flush=True)
             fake, _ = strata_mlx.load(a.store, arena_gb=a.arena_gb, fake_stream=True)
             ids = np.random.default_rng(1).integers(0, m.config["vocab_size"], a.prompt_tokens)
             for _ in generate_step(fake, mx.array(ids.tolist()), max_tokens=a.gen_tokens):
                 pass
             fake.expert_cache.close()
             del fake
+        print(f"{a.policy}: load, prefill {a.prompt_tokens}, decode {a.gen_tokens}", flush=True)
         model, _ = strata_mlx.load(a.store, arena_gb=a.arena_gb, **policy_options(a.policy))
         ids = np.random.default_rng(0).integers(0, m.config["vocab_size"], a.prompt_tokens)
         steps = generate_step(model, mx.array(ids.tolist()), max_tokens=a.gen_tokens)
-        n = sum(1 for _ in steps)
+        n = 0
+        for _ in steps:
+            n += 1
+            print(f"  decoded {n}", flush=True)
         label = f"{a.policy}: {n} tokens" + (
             " (after a fake-stream model)" if a.after_floor else ""
         )
