@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|pairs
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|pairs
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode; ARENA (GB, 6.5) sizes bench's arena.
 set -uo pipefail
@@ -215,6 +215,21 @@ trace)  # why gated decode's gates give up (benchmarks/gate_trace.py): each gate
       --arena-gb 1.6 --prefill-step-size 1024 --policies "${POL:-lookahead:gt1:gg0,lookahead:gt1:gg0:cb0}"
   } 2>&1 | cut -c1-1500 | tee "$OUT/gate-trace.log"
   ;;
+stalls)  # what holds bench's gated decode (benchmarks/gate_trace.py), on trace's quarter store:
+  # generate after bench's probes with bench's 1024-token chunks, then bench traced with the
+  # stacks of every build step that stalls 60 ms dumped, then the same with Python's GC off
+  build
+  q=/dev/shm/strata-synth-12
+  [ -f "$q/manifest.json" ] || python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
+     --mlx-path "$q" --calibration-tokens 256 --set num_hidden_layers=12 2>&1 | grep -v "experts:" | tail -1
+  export STRATA_MLX_DRIVE_GBPS=12 STRATA_MLX_GATE_TIMEOUT_MS=100
+  b=(--bench --model "$q" -p 2048 -g "${G:-6}" --arena-gb 1.6 --prefill-step-size 1024 --policies "${POL:-lookahead:gt1:gg0}")
+  { timeout 110 python3 benchmarks/gate_trace.py "$q" --arena-gb 1.6 -p 2048 -g 6 --detail 1 \
+      --probes --prefill-step-size 1024 --stacks "$OUT/stacks-generate.txt"
+    timeout 200 python3 benchmarks/gate_trace.py --detail 2 --stacks "$OUT/stacks-bench.txt" "${b[@]}"
+    timeout 200 python3 benchmarks/gate_trace.py --detail 1 --no-gc "${b[@]}"
+  } 2>&1 | cut -c1-1500 | tee "$OUT/gate-stalls.log"
+  ;;
 pairs)  # one token's layers through the kernels' `pairs` against their general entry (the
   # call before): the call alone (a one-layer store of the full-size layout), the resident
   # decode beside mlx-lm (interleaved), and a resident token's host build beside mlx-lm's
@@ -228,5 +243,5 @@ pairs)  # one token's layers through the kernels' `pairs` against their general 
      --modes token:4,token:4+general --json "$OUT/pairs-resident.json" 2>&1 | tee "$OUT/pairs-resident.log"
   timeout 150 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 30 2>&1 | tee "$OUT/pairs-build.log"
   ;;
-*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|pairs"; exit 2;;
+*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|pairs"; exit 2;;
 esac

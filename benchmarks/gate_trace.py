@@ -39,11 +39,14 @@ classed by what its words did:
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import gc
 import os
 import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 # (first: importing the package asks CUDA for its hardware queues, before MLX starts CUDA)
 import strata_mlx
@@ -56,7 +59,7 @@ from gate_copy import run_bench, split_bench  # (benchmarks/ on sys.path)
 from strata_mlx.apps.bench import policy_options
 from strata_mlx.format.store import load_manifest
 from strata_mlx.generation.generate import generate_step
-from strata_mlx.runtime import decode, deferred
+from strata_mlx.runtime import decode, deferred, gate_checks
 
 WATCH_S = 2.0
 
@@ -73,6 +76,33 @@ class Trace:
         self.gave_up: dict[int, list[tuple[int, int]]] = {}
         self.gen = 0
         self.stop = False
+        self.build_s: dict[tuple[int, int], float] = {}  # (token, layer) -> run_gated's ms
+        self.submitted: dict[tuple[int, int], float] = {}  # -> its check handed to the thread
+        self.gcs: list[tuple[float, float, int]] = []  # (start, end ms, generation) of each GC
+        self._gc_start = 0.0
+        self.stacks = None  # the file faulthandler dumps a stalled build's stacks into
+        self.stack_dumps = 0  # dumps taken (a stall armed and not disarmed in time)
+        self.stack_size = 0
+
+    def on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = self.now()
+        else:
+            self.gcs.append((self._gc_start, self.now(), info.get("generation", -1)))
+
+    def arm(self) -> None:
+        """A build step began: if the building thread is still on it STALL_S from now,
+        faulthandler (a C thread of its own, no GIL needed) dumps every thread's stack."""
+        if self.stacks is None:
+            return
+        size = os.fstat(self.stacks.fileno()).st_size
+        if size > self.stack_size:
+            self.stack_dumps += 1
+            self.stack_size = size
+        if self.stack_dumps < STACK_DUMPS:
+            faulthandler.dump_traceback_later(STALL_S, file=self.stacks)
+        else:
+            faulthandler.cancel_dump_traceback_later()
 
     def now(self) -> float:
         return 1e3 * (time.perf_counter() - self.t_start)
@@ -100,6 +130,7 @@ class Trace:
 
 
 T = Trace()
+STALL_S, STACK_DUMPS = 0.06, 6  # a build step this long has its stacks dumped, this many at most
 SNAPS_MS = (20, 60)  # a word still out this long after its check: the reader's state taken
 
 
@@ -149,10 +180,20 @@ def install() -> None:
     check_gated = deferred.DeferredHandshake.check_gated
     start = decode.PipelinedDecoder.start
     late = decode.PipelinedDecoder._late
+    submit = gate_checks.GateChecks.submit
+    finish = decode.PipelinedDecoder.finish
 
     def traced_run_gated(self, layer, x, inds):
-        T.built.setdefault((T.token, layer), T.now())  # (its first build, not a recompute)
-        return run_gated(self, layer, x, inds)
+        key, t = (T.token, layer), T.now()
+        T.built.setdefault(key, t)  # (its first build, not a recompute)
+        T.arm()
+        out = run_gated(self, layer, x, inds)
+        T.build_s.setdefault(key, T.now() - t)
+        return out
+
+    def traced_submit(self, d):
+        T.submitted.setdefault((T.token, d.layer), T.now())
+        return submit(self, d)
 
     def traced_check_gated(self, d, trace, aside=False):
         t0 = T.now()
@@ -195,6 +236,11 @@ def install() -> None:
         T.token += 1
         return start(self, tokens, cache)
 
+    def traced_finish(self, step, later=None):
+        if T.stacks is not None:  # the token's checks wait for the device: not a stalled build
+            faulthandler.cancel_dump_traceback_later()
+        return finish(self, step, later)
+
     def traced_late(self, step):
         if step.late:
             flags = mx.concatenate([f for _, f in step.late]).tolist()
@@ -208,6 +254,9 @@ def install() -> None:
     deferred.DeferredHandshake.check_gated = traced_check_gated
     decode.PipelinedDecoder.start = traced_start
     decode.PipelinedDecoder._late = traced_late
+    gate_checks.GateChecks.submit = traced_submit
+    decode.PipelinedDecoder.finish = traced_finish
+    gc.callbacks.append(T.on_gc)
 
 
 def classify(r: dict | None, half_timeout_ms: float) -> str:
@@ -227,7 +276,10 @@ def classify(r: dict | None, half_timeout_ms: float) -> str:
 
 
 def describe(r: dict, built: float | None) -> str:
+    key = (r["token"], r["layer"])
     b = f"built {built:8.1f}" if built is not None else "built      ?"
+    if key in T.build_s and key in T.submitted:
+        b += f" (+{T.build_s[key]:.1f} ms, submitted {T.submitted[key]:8.1f})"
     parts = []
     for e, s, w in zip(r["ids"], r["res"], r["words"]):
         p = f"{e}:{s}/{w}" + ("^" if e in r["flying"] else "")
@@ -259,6 +311,19 @@ def main(argv: list[str]) -> None:
         help="first load, run and close a fake-stream model, as bench's compute floor does",
     )
     ap.add_argument(
+        "--probes",
+        action="store_true",
+        help="first run bench's probes (probe-ssd, the data path's readers into an arena)",
+    )
+    ap.add_argument("--prefill-step-size", type=int, default=None)
+    ap.add_argument("--no-gc", action="store_true", help="Python's cyclic GC off for the run")
+    ap.add_argument(
+        "--stacks",
+        default=None,
+        help=f"where every thread's stack goes when a build step takes {STALL_S * 1e3:.0f} ms "
+        f"or more (faulthandler; the first {STACK_DUMPS})",
+    )
+    ap.add_argument(
         "--host-ok",
         action="store_true",
         help="run with the host's gate (never gives up: a smoke run)",
@@ -271,6 +336,11 @@ def main(argv: list[str]) -> None:
     if (bench is None) == (a.store is None):
         ap.error("a STORE, or --bench and bench's arguments")
     install()
+    if a.stacks:
+        T.stacks = open(a.stacks, "w")
+    if a.no_gc:
+        gc.collect()
+        gc.disable()
     poller = threading.Thread(target=T.poll, daemon=True)
     poller.start()
     t = time.perf_counter()
@@ -279,6 +349,11 @@ def main(argv: list[str]) -> None:
         run_bench(bench)
     else:
         m = load_manifest(a.store)
+        if a.probes:
+            from strata_mlx.apps.bench import _probes
+            from strata_mlx.runtime.loader import RuntimeConfig
+
+            _probes(Path(a.store), m, RuntimeConfig(), 8, 2.0, print)
         if a.after_floor:
             print("a fake-stream model: load, prefill, decode, close", flush=True)
             fake, _ = strata_mlx.load(a.store, arena_gb=a.arena_gb, fake_stream=True)
@@ -290,20 +365,30 @@ def main(argv: list[str]) -> None:
         print(f"{a.policy}: load, prefill {a.prompt_tokens}, decode {a.gen_tokens}", flush=True)
         model, _ = strata_mlx.load(a.store, arena_gb=a.arena_gb, **policy_options(a.policy))
         ids = np.random.default_rng(0).integers(0, m.config["vocab_size"], a.prompt_tokens)
-        steps = generate_step(model, mx.array(ids.tolist()), max_tokens=a.gen_tokens)
+        steps = generate_step(
+            model, mx.array(ids.tolist()), max_tokens=a.gen_tokens,
+            prefill_step_size=a.prefill_step_size,
+        )  # fmt: skip
         n = 0
         for _ in steps:
             n += 1
             print(f"  decoded {n}", flush=True)
-        label = f"{a.policy}: {n} tokens" + (
-            " (after a fake-stream model)" if a.after_floor else ""
+        label = (
+            f"{a.policy}: {n} tokens"
+            + (" (after a fake-stream model)" if a.after_floor else "")
+            + (" (after the probes)" if a.probes else "")
         )
         model.expert_cache.close()
     wall = time.perf_counter() - t
+    faulthandler.cancel_dump_traceback_later()
+    gc.enable()
     time.sleep(WATCH_S)
     T.stop = True
     poller.join()
     report(f"{label}: {wall:.1f} s (prefill included)", a.detail)
+    if T.stacks is not None:
+        T.stacks.close()
+        print(f"stacks of stalled build steps: {a.stacks}")
 
 
 def report(label: str, detail: int) -> None:
@@ -323,6 +408,9 @@ def report(label: str, detail: int) -> None:
             print(f"  token {token}: gave up at layers {[layer for _, layer in gone]}")
             for r in recs:
                 print(describe(r, T.built.get((token, r["layer"]))))
+            for g0, g1, gen in T.gcs:  # collections during this token's checks
+                if recs and recs[0]["t0"] - 200 <= g0 <= recs[-1]["t1"]:
+                    print(f"    GC generation {gen}: {g0:8.1f}-{g1:8.1f} ms")
             shown += 1
         for gen, layer in gone:
             mine = [r for r in recs if r["layer"] == layer and r["gen"] == gen]
@@ -351,6 +439,12 @@ def report(label: str, detail: int) -> None:
         "given-up layers by what their words did: "
         + ", ".join(f"{k} {v}" for k, v in kinds.items())
     )
+    long = sorted(((g1 - g0), g0, gen) for g0, g1, gen in T.gcs if g1 - g0 >= 1.0)
+    print(
+        f"garbage collections: {len(T.gcs)}, {len(long)} of 1 ms or more"
+        + (f" (longest {long[-1][0]:.1f} ms, generation {long[-1][2]}, at {long[-1][1]:.1f})"
+           if long else "")
+    )  # fmt: skip
     if delays:
         d = sorted(delays)
         print(
