@@ -216,18 +216,24 @@ trace)  # why gated decode's gates give up (benchmarks/gate_trace.py): each gate
   } 2>&1 | cut -c1-1500 | tee "$OUT/gate-trace.log"
   ;;
 stalls)  # what holds bench's gated decode (benchmarks/gate_trace.py), on trace's quarter store:
-  # generate after bench's probes with bench's 1024-token chunks, then bench traced with the
-  # stacks of every build step that stalls 60 ms dumped, then the same with Python's GC off
+  # bench traced with the stacks of every build step that stalls 60 ms dumped (faulthandler)
+  # and, with py-spy's wheel in .whl/base, every thread's native stack while a word is late;
+  # then the same with Python's GC off
   build
   q=/dev/shm/strata-synth-12
   [ -f "$q/manifest.json" ] || python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
      --mlx-path "$q" --calibration-tokens 256 --set num_hidden_layers=12 2>&1 | grep -v "experts:" | tail -1
+  spy=()
+  w=$(ls .whl/base/py_spy-*.whl 2>/dev/null | head -1)
+  if [ -n "$w" ]; then
+    python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/spy')" "$w"
+    chmod +x /tmp/spy/py_spy-*.data/scripts/py-spy
+    spy=(--py-spy "$(ls /tmp/spy/py_spy-*.data/scripts/py-spy)" "$OUT/spy-bench.txt")
+  fi
   export STRATA_MLX_DRIVE_GBPS=12 STRATA_MLX_GATE_TIMEOUT_MS=100
   b=(--bench --model "$q" -p 2048 -g "${G:-6}" --arena-gb 1.6 --prefill-step-size 1024 --policies "${POL:-lookahead:gt1:gg0}")
-  { timeout 110 python3 benchmarks/gate_trace.py "$q" --arena-gb 1.6 -p 2048 -g 6 --detail 1 \
-      --probes --prefill-step-size 1024 --stacks "$OUT/stacks-generate.txt"
-    timeout 200 python3 benchmarks/gate_trace.py --detail 2 --stacks "$OUT/stacks-bench.txt" "${b[@]}"
-    timeout 200 python3 benchmarks/gate_trace.py --detail 1 --no-gc "${b[@]}"
+  { timeout 200 python3 benchmarks/gate_trace.py --detail 2 --stacks "$OUT/stacks-bench.txt" "${spy[@]}" "${b[@]}"
+    [ "${NOGC:-1}" = 0 ] || timeout 200 python3 benchmarks/gate_trace.py --detail 1 --no-gc "${b[@]}"
   } 2>&1 | cut -c1-1500 | tee "$OUT/gate-stalls.log"
   ;;
 pairs)  # one token's layers through the kernels' `pairs` against their general entry (the

@@ -42,6 +42,7 @@ import argparse
 import faulthandler
 import gc
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -83,6 +84,26 @@ class Trace:
         self.stacks = None  # the file faulthandler dumps a stalled build's stacks into
         self.stack_dumps = 0  # dumps taken (a stall armed and not disarmed in time)
         self.stack_size = 0
+        self.py_spy: tuple[str, str] | None = None  # (py-spy's binary, the file its dumps go to)
+        self.spied = 0
+
+    def spy(self, r: dict) -> None:
+        """A late word: every thread's native stack (py-spy's dump, the process paused while
+        it reads them) appended to the --py-spy file, on a thread of its own; SPY_DUMPS at most."""
+        if self.py_spy is None or self.spied >= SPY_DUMPS:
+            return
+        self.spied += 1
+        head = f"=== token {r['token']} layer {r['layer']}, {SNAPS_MS[0]} ms after its check\n"
+
+        def dump():
+            out = subprocess.run(
+                [self.py_spy[0], "dump", "--native", "--pid", str(os.getpid())],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            with open(self.py_spy[1], "a") as f:
+                f.write(head + out.stdout + out.stderr)
+
+        threading.Thread(target=dump, daemon=True).start()
 
     def on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -126,10 +147,13 @@ class Trace:
                 for at in SNAPS_MS:
                     if late and at not in r["snaps"] and 1e3 * (t - r["wall"]) >= at:
                         r["snaps"][at] = f"{reader_state(r['reader'])}; {threads_state()}"
+                        if at == SNAPS_MS[0]:
+                            self.spy(r)
             time.sleep(0.0001)
 
 
 T = Trace()
+SPY_DUMPS = 3
 STALL_S, STACK_DUMPS = 0.06, 6  # a build step this long has its stacks dumped, this many at most
 SNAPS_MS = (20, 60)  # a word still out this long after its check: the reader's state taken
 
@@ -158,6 +182,8 @@ def threads_state() -> str:
         except (OSError, IndexError):
             continue
         what = call if call == "running" else SYSCALLS.get(call, f"syscall {call}")
+        if tid == str(os.getpid()):
+            name = "main"  # the building thread
         groups[(name, what)] += 1
     return ", ".join(f"{n} {w} x{c}" for (n, w), c in sorted(groups.items()))
 
@@ -324,6 +350,14 @@ def main(argv: list[str]) -> None:
         f"or more (faulthandler; the first {STACK_DUMPS})",
     )
     ap.add_argument(
+        "--py-spy",
+        nargs=2,
+        metavar=("BINARY", "FILE"),
+        default=None,
+        help=f"py-spy's binary, and where each thread's native stack goes while a word is "
+        f"late (the first {SPY_DUMPS})",
+    )
+    ap.add_argument(
         "--host-ok",
         action="store_true",
         help="run with the host's gate (never gives up: a smoke run)",
@@ -338,6 +372,8 @@ def main(argv: list[str]) -> None:
     install()
     if a.stacks:
         T.stacks = open(a.stacks, "w")
+    if a.py_spy:
+        T.py_spy = tuple(a.py_spy)
     if a.no_gc:
         gc.collect()
         gc.disable()
