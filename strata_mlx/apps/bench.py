@@ -13,6 +13,7 @@ Floors: the SSD floor of a chunk is its bytes read over the drive's own probe ba
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -289,6 +290,8 @@ class _Runner:
         run_policy(model, ids[: min(len(ids), self.step + 1)], 2, self.step, "warmup", "-")
         fake = self.run(model, ids, "fake-stream", "compute")
         self.close(model)
+        del model
+        self.release()
         self.log(
             f"compute floor (fake-stream): {_mean([c.wall_s for c in fake.chunks]) * 1e3:.0f} "
             f"ms/chunk, decode {fake.decode_tokens / fake.decode_s:.2f} tok/s"
@@ -323,6 +326,8 @@ class _Runner:
             self.log(line(run) + pages)
             self.log_ranks(run)
         self.close(model)
+        del model, layers
+        self.release()
         return runs, arena_gb
 
     def load(self, cfg: RuntimeConfig):
@@ -353,6 +358,15 @@ class _Runner:
         if hasattr(model, "rank_stats"):
             model.close()  # the other ranks stop serving this load
         model.expert_cache.close()
+
+    @staticmethod
+    def release() -> None:
+        """Once a closed model is no longer referred to: its buffers freed and MLX's cache
+        emptied, so that the next load starts as in a process of its own (generate.py,
+        RELEASE_EVERY: a cache full of an earlier model's buffers makes later allocations
+        free them, each free waiting for the device)."""
+        gc.collect()  # (a model's modules and its expert cache refer to each other)
+        mx.clear_cache()
 
 
 def _probes(path: Path, m, base: RuntimeConfig, io_workers: int, seconds: float, log):

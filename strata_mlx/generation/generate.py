@@ -20,6 +20,16 @@ from ..stream.stats import ExpertStats
 from .prompt_cache import KVOptions, make_prompt_cache, maybe_quantize, quantize_due
 from .sampling import LogitsProcessor, Sampler, make_sampler  # make_sampler lived here
 
+# MLX keeps the buffers it frees for reuse until they and the live ones near its memory
+# limit; past that, an allocation hands cached buffers back to the device's allocator first,
+# and on CUDA that free waits for the device to go idle: the building thread stalls behind
+# whatever the device is waiting for (a decode gate waiting for a read: the gate then waits
+# out its timeout, measured on an H100 in bench's process, where an earlier model's buffers
+# filled the cache). So, as mlx-lm's generate_step does, the cache is emptied before and
+# after the prompt, when nothing is in flight, and every RELEASE_EVERY tokens after a token
+# is verified (every gate of it passed).
+RELEASE_EVERY = 256
+
 
 @dataclass
 class GenerationResponse:
@@ -130,10 +140,12 @@ def generate_step(
     # built ahead rolled back), nor of the prefill once its chunks are evaluated: what they
     # left in the expert cache (busy layers, the last handshake's pins) is released.
     expert_cache.idle()
+    mx.clear_cache()  # (RELEASE_EVERY)
     progress(0, total)
     with expert_cache.phase(decoding=False):  # the eviction policy is told, as decode's is
         y = prefill(model, prompt, cache, chunk, on_chunk, kv, lambda d: progress(d, total))
     expert_cache.idle()
+    mx.clear_cache()
 
     context = prompt  # the tokens so far, for logits_processors
     if cached_tokens:
@@ -161,6 +173,8 @@ def generate_step(
             if n == 0:
                 progress(total, total)
             yield t, logprobs
+            if (n + 1) % RELEASE_EVERY == 0:
+                mx.clear_cache()
 
 
 def stream_generate(

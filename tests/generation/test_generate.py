@@ -173,3 +173,26 @@ def test_closing_expert_line_adds_up_and_names_the_arena():
     assert (hit, missed) == (96.0, 4.0) and "arena 0.000 GiB (120 slots)" in line
     quiet = expert_line(ExpertStats(lookups=10, hits=10))
     assert "0 read" in quiet and "GB/s" not in quiet and "misses 0.0%" in quiet
+
+
+def test_mlx_buffer_cache_is_emptied_around_the_prompt(store, monkeypatch):
+    """An earlier model's freed buffers in MLX's cache would make later allocations free them
+    (on CUDA, waiting for the device): generate_step empties the cache before and after the
+    prompt and every RELEASE_EVERY tokens, as mlx-lm's does. (This CPU backend keeps no
+    cache, so the calls are what is checked.)"""
+    import mlx.core as mx
+
+    from strata_mlx.generation import generate
+
+    model, _ = strata_mlx.load(store("qwen3_moe"))
+    events = []
+    monkeypatch.setattr(generate, "RELEASE_EVERY", 2)
+    monkeypatch.setattr(mx, "clear_cache", lambda: events.append("clear"))
+    chunks = []
+    steps = generate.generate_step(
+        model, mx.array(prompt_ids(8)), max_tokens=5, prefill_step_size=4, on_chunk=chunks.append
+    )
+    for _ in steps:
+        events.append("token")
+    assert len(chunks) == 2  # the prompt ran in two chunks, the cache emptied around them
+    assert events == ["clear", "clear"] + ["token", "token", "clear"] * 2 + ["token"]
