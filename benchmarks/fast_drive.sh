@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|pairs
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|pairs
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode; ARENA (GB, 6.5) sizes bench's arena.
 set -uo pipefail
@@ -215,6 +215,12 @@ trace)  # why gated decode's gates give up (benchmarks/gate_trace.py): each gate
       --arena-gb 1.6 --prefill-step-size 1024 --policies "${POL:-lookahead:gt1:gg0,lookahead:gt1:gg0:cb0}"
   } 2>&1 | cut -c1-1500 | tee "$OUT/gate-trace.log"
   ;;
+gated)  # tmpfs: lookahead, gated, and gated with prefill's ready words stored by the driver
+  # (`:pw1`, as before `Reader.words_by_driver`): does prefill's read throughput come back?
+  build
+  synth "$SHM"
+  G=${G:-32} bench "bench-gated" "$SHM" "${POL:-lookahead,lookahead:gt1,lookahead:gt1:pw1}"
+  ;;
 stalls)  # what holds bench's gated decode (benchmarks/gate_trace.py), on trace's quarter store:
   # bench traced with the stacks of every build step that stalls 60 ms dumped (faulthandler)
   # and, with py-spy's wheel in .whl/base, every thread's native stack while a word is late;
@@ -249,5 +255,5 @@ pairs)  # one token's layers through the kernels' `pairs` against their general 
      --modes token:4,token:4+general --json "$OUT/pairs-resident.json" 2>&1 | tee "$OUT/pairs-resident.log"
   timeout 150 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 30 2>&1 | tee "$OUT/pairs-build.log"
   ;;
-*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|pairs"; exit 2;;
+*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|pairs"; exit 2;;
 esac

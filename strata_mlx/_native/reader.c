@@ -117,6 +117,11 @@ struct ReaderObject {
     int bounce; /* read into a per-worker buffer, then copy into dest (see worker_main) */
     int device_copy; /* that copy by the GPU's copy engine from pinned memory (devcopy.h) */
     int copy_behind; /* read-ahead's copy waited for after the worker's next read (worker_main) */
+    /* copy_behind: a read-ahead record's ready word stored by the driver's host function as
+     * its copy lands (a gate waiting for it sees it at once), else by the worker once it has
+     * waited for the copy (after its next read): no host function queued on the copy's
+     * stream, whose next copy then waits for none. Read by the workers with no lock. */
+    int words_by_driver;
     Py_ssize_t split; /* smallest part of a split request in bytes; 0: never split */
     pthread_t *threads;
     WorkerArg *args;
@@ -514,7 +519,9 @@ static void *worker_main(void *p) {
                     else {
                         queued = 1;
                         /* a verified, whole record: its word can go out with the copy */
-                        if (!err && nread == rq.length && mark_ready_later(dc, &rq))
+                        if (!err && nread == rq.length &&
+                            __atomic_load_n(&r->words_by_driver, __ATOMIC_RELAXED) &&
+                            mark_ready_later(dc, &rq))
                             rq.ready = NULL;
                     }
                 } else if (devcopy_copy(dc, rq.dest, into.dest, (size_t)nread))
@@ -777,6 +784,7 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     r->bounce = bounce || device_copy;
     r->device_copy = device_copy;
     r->copy_behind = copy_behind && device_copy;
+    r->words_by_driver = 1;
     r->bounce_min = record_bytes;
     r->split = split;
     r->notify_r = r->notify_w = -1;
@@ -1335,6 +1343,18 @@ static PyObject *Reader_queued(ReaderObject *r, PyObject *unused) {
 
 static PyObject *get_workers(ReaderObject *r, void *c) { return PyLong_FromLong(r->nworkers); }
 static PyObject *get_closed(ReaderObject *r, void *c) { return PyBool_FromLong(r->closing); }
+static PyObject *get_words_by_driver(ReaderObject *r, void *c) {
+    return PyBool_FromLong(__atomic_load_n(&r->words_by_driver, __ATOMIC_RELAXED));
+}
+static int set_words_by_driver(ReaderObject *r, PyObject *v, void *c) {
+    int on = v ? PyObject_IsTrue(v) : -1;
+    if (on < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "words_by_driver needs a bool");
+        return -1;
+    }
+    __atomic_store_n(&r->words_by_driver, on, __ATOMIC_RELAXED);
+    return 0;
+}
 
 static PyMethodDef Reader_methods[] = {
     {"open", (PyCFunction)(void (*)(void))Reader_open, METH_VARARGS | METH_KEYWORDS,
@@ -1366,6 +1386,9 @@ static PyMethodDef Reader_methods[] = {
 static PyGetSetDef Reader_getset[] = {
     {"workers", (getter)get_workers, NULL, "number of worker threads", NULL},
     {"closed", (getter)get_closed, NULL, "True after close()", NULL},
+    {"words_by_driver", (getter)get_words_by_driver, (setter)set_words_by_driver,
+     "copy_behind: read-ahead's ready words stored by the driver as its copies land (True), "
+     "or by the worker once it has waited for them", NULL},
     {NULL},
 };
 

@@ -170,12 +170,15 @@ class ExpertCache:
         dump: Callable | None = None,
         trace: RoutingTrace | None = None,
         gate: bool = False,
+        prefill_words_by_driver: bool = False,
     ):
         """`loop`: the loop scheduler's options (scheduler.LoopScheduler). `route_bonus`:
         cache-aware routing, a bonus on resident experts' router logits in decode (0:
         exact). `dump(layer, x, ids, scores, y)` gets every MoE layer's state (--dump-moe);
         `trace` records routing and lookahead's predictions. `gate`: a gate table for gated
-        decode (DeferredHandshake.run_gated; device_gate_available)."""
+        decode (DeferredHandshake.run_gated; device_gate_available), whose read-ahead ready
+        words the driver stores as their copies land while decoding (a gate may wait for
+        them), in prefill only with `prefill_words_by_driver` (Reader.words_by_driver)."""
         self.store = Path(store)
         self.manifest = manifest
         self.layout = manifest.layout
@@ -201,6 +204,8 @@ class ExpertCache:
         )
         if gate:
             self.sched.residency.gate = GateTable(manifest, device=device_gate)
+        self.prefill_words_by_driver = prefill_words_by_driver
+        self._words(False)
         weakref.finalize(self, _close_dropped, self.sched).atexit = False
         self.trace = trace
         self.route_bonus = route_bonus
@@ -273,6 +278,7 @@ class ExpertCache:
         before, self.decoding = self.decoding, decoding
         with self.sched.lock:  # the eviction policy is told (its optional `phase` hook)
             self.arena.set_phase(decoding)
+        self._words(decoding)
         gate = self.sched.residency.gate
         try:
             with gate.in_use() if gate is not None else nullcontext():
@@ -288,6 +294,15 @@ class ExpertCache:
             self.decoding = before
             with self.sched.lock:
                 self.arena.set_phase(before)
+            self._words(before)
+
+    def _words(self, decoding: bool) -> None:
+        """Who stores read-ahead's ready words in this phase (Reader.words_by_driver)."""
+        if self.sched.residency.gate is None or self.sched.closed:
+            return
+        reader = self.sched.reader
+        if hasattr(reader, "words_by_driver"):  # (None, or a test's stand-in, has none)
+            reader.words_by_driver = decoding or self.prefill_words_by_driver
 
     async def prefetch(self, layer: int, experts) -> None:
         """Read `experts` of `layer` as read-ahead and return once they are resident (for

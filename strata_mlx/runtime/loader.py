@@ -247,6 +247,14 @@ class RuntimeConfig:
         metadata=opt("gated: gates given up (a stuck read waits out the gate's timeout) before "
                      "the decoder stops gating; 0: never stops.", (0, 1 << 20), variant="gg"),
     )  # fmt: skip
+    # With a gate table every read-ahead record's ready word was stored by the CUDA driver's
+    # host function queued behind its copy, prefill's too, where no gate waits for one; the
+    # copy stream's next copy waits for that function (docs/decisions.md, "Gated decode").
+    prefill_words_by_driver: bool = field(
+        default=False,
+        metadata=opt("gated: prefill's read-ahead ready words stored by the driver as decode's "
+                     "are (else by the reader's thread after the copy).", variant="pw"),
+    )  # fmt: skip
     # Off, a predicting decoder runs "layers" mode: measured on the H200, token mode cost
     # lookahead 41.6 against demand's 32.0 ms/token where 0.9 % of lookups missed.
     decode_token_while_predicting: bool = field(
@@ -586,6 +594,7 @@ def build_expert_cache(
         gate=cfg.decode_gate
         and cfg.decode == "pipelined"
         and n_slots >= getattr(args, "num_experts_per_tok", 1),
+        prefill_words_by_driver=cfg.prefill_words_by_driver,
     )
 
 

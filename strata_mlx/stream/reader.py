@@ -218,6 +218,20 @@ class Reader:
         """True once :meth:`close` has been called."""
         return self._r.closed
 
+    @property
+    def words_by_driver(self) -> bool:
+        """(copy_behind) Who stores a read-ahead record's ready word (:data:`Request`): True
+        (the default), the CUDA driver's host-function thread as the record's copy lands, so
+        a device waiting for the word sees it at once; False, the worker, once it has waited
+        for the copy (after its next read, or before it sleeps), with no host function
+        queued behind the copy on the worker's stream, whose next copy would wait for it.
+        Settable at any time; it applies to reads that start after it."""
+        return self._r.words_by_driver
+
+    @words_by_driver.setter
+    def words_by_driver(self, on: bool) -> None:
+        self._r.words_by_driver = bool(on)
+
     def open(
         self, path: str | os.PathLike, direct: bool = True, checksum: str | None = None
     ) -> int:

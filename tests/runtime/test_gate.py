@@ -786,3 +786,32 @@ def test_no_limit_on_gates_given_up_never_stops_gating():
     assert not d.gave_up
     d.gate_give_ups = 3
     assert [d.gave_up for d.given_up in (2, 3, 4)] == [False, True, True]
+
+
+@pytest.mark.parametrize("in_prefill", [False, True], ids=["worker", "driver"])
+def test_the_driver_stores_read_ahead_words_while_decoding_and_in_prefill_only_when_asked(
+    store, in_prefill
+):
+    """With a gate table, the reader's read-ahead ready words are the driver's to store (as
+    their copies land: a gate may be waiting) inside decode steps, and the worker's in prefill,
+    where no gate waits and a host function queued behind each copy holds the stream's next
+    one back, unless `prefill_words_by_driver`; each phase is restored after it."""
+    path = store("qwen3_moe")
+    model, _ = strata_mlx.load(
+        path, arena_gb=arena_gb(path, 0.25), decode_gate=True, prefill_words_by_driver=in_prefill
+    )
+    ec = model.expert_cache
+    reader = ec.sched.reader
+    assert reader.words_by_driver is in_prefill
+    with ec.phase(decoding=True):
+        assert reader.words_by_driver is True
+        with ec.phase(decoding=False):  # (decode's first step is the prompt's last token)
+            assert reader.words_by_driver is in_prefill
+        assert reader.words_by_driver is True
+    assert reader.words_by_driver is in_prefill
+    ungated, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.25))
+    with ungated.expert_cache.phase(decoding=True):  # no table: the reader's default stays
+        assert ungated.expert_cache.sched.reader.words_by_driver is True
+    ec.close()
+    with ec.phase(decoding=True):  # closed: nothing to tell
+        pass

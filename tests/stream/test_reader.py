@@ -688,6 +688,49 @@ def test_device_copy_lands_verified_records_in_device_memory(store, device_memor
             arena.view(0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("by_driver", [True, False], ids=["driver", "worker"])
+def test_copied_behind_records_store_their_ready_words_either_way(store, by_driver):
+    """CUDA, copy_behind: a read-ahead record's ready word is stored once its copy has landed,
+    by the driver's host function (`words_by_driver`, decode's) or by the worker after it
+    waited for the copy (prefill's): either way every word ends up its value and the records
+    equal the file's bytes."""
+    import time
+
+    import mlx.core as mx
+
+    from strata_mlx.format.store import EXPERTS, load_manifest
+    from strata_mlx.stream import reader as rd
+    from strata_mlx.stream.arena import Arena
+
+    if not rd.uses_device_copy():
+        pytest.skip(f"no CUDA device copy here: {rd.device_copy_error()}")
+    path = Path(store("qwen3_moe"))
+    m = load_manifest(path)
+    rb = m.layout.record_bytes
+    keys = [(layer, e) for layer in m.moe_layers for e in range(m.num_experts)][:24]
+    arena = Arena(len(keys), rb, on_device=True, device_memory=True)
+    words = np.full(len(keys), -1, dtype=np.int32)
+    reader = Reader(4, bounce=True, overlap=True, device_copy=True, copy_behind=True)
+    reader.words_by_driver = by_driver
+    assert reader.words_by_driver is by_driver
+    with reader as r:
+        f = r.open(path / EXPERTS, checksum=m.checksum)
+        reqs = [(i, f, m.record(*k)[0], rb, arena.address(i), m.record(*k)[1],
+                 (words.ctypes.data + 4 * i, 100 + i)) for i, k in enumerate(keys)]  # fmt: skip
+        r.submit(reqs)  # read-ahead: every copy behind
+        done = r.wait(list(range(len(keys))))
+        assert [err for _, err, _ in done] == [0] * len(keys)
+        end = time.monotonic() + 2.0  # (the driver's host function may run just after)
+        while (words < 0).any() and time.monotonic() < end:
+            time.sleep(0.001)
+    assert words.tolist() == [100 + i for i in range(len(keys))]
+    raw = (path / EXPERTS).read_bytes()
+    want = np.stack([np.frombuffer(raw, np.uint8, rb, m.record(*k)[0]) for k in keys])
+    assert np.array_equal(np.array(arena.rows + 0), want)
+    mx.synchronize()
+
+
 def test_split_reads_go_with_the_device_copy():
     """A split record is verified from its parts' checksums, taken where each part was read,
     so its parts may land in device memory: only a missing CUDA driver refuses the pair."""
