@@ -216,7 +216,7 @@ trace)  # why gated decode's gates give up (benchmarks/gate_trace.py): each gate
   } 2>&1 | cut -c1-1500 | tee "$OUT/gate-trace.log"
   ;;
 gated)  # tmpfs: lookahead, gated, and gated with prefill's ready words stored by the driver
-  # (`:pw1`, as before `Reader.words_by_driver`): does prefill's read throughput come back?
+  # (`:pw1`): what the driver's host functions behind each copy cost prefill's reads
   build
   synth "$SHM"
   G=${G:-32} bench "bench-gated" "$SHM" "${POL:-lookahead,lookahead:gt1,lookahead:gt1:pw1}"

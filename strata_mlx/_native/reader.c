@@ -146,6 +146,7 @@ struct ReaderObject {
      * them), and how many were let go of for a larger one since (mu) */
     Py_ssize_t bounce_min;
     unsigned long long bounce_regrown;
+    unsigned long long words_queued; /* ready words left to the driver's host function */
     int notify_r, notify_w; /* the completion pipe (-1 until notify_fd()), its ends */
     int notified;           /* a byte was written since the last ack() */
     Py_ssize_t notify_below; /* announce only while fewer requests are queued (-1: always) */
@@ -521,8 +522,10 @@ static void *worker_main(void *p) {
                         /* a verified, whole record: its word can go out with the copy */
                         if (!err && nread == rq.length &&
                             __atomic_load_n(&r->words_by_driver, __ATOMIC_RELAXED) &&
-                            mark_ready_later(dc, &rq))
+                            mark_ready_later(dc, &rq)) {
                             rq.ready = NULL;
+                            __atomic_add_fetch(&r->words_queued, 1, __ATOMIC_RELAXED);
+                        }
                     }
                 } else if (devcopy_copy(dc, rq.dest, into.dest, (size_t)nread))
                     err = DEVICE_COPY_FAILED;
@@ -1225,7 +1228,8 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
     unsigned long long bytes = r->bytes_read, reqs = r->requests_done, errs = r->errors,
                        verified = r->verified, split = r->split_requests,
                        copies = r->device_copies, copy_ns = r->device_copy_ns,
-                       regrown = r->bounce_regrown;
+                       regrown = r->bounce_regrown,
+                       queued_words = __atomic_load_n(&r->words_queued, __ATOMIC_RELAXED);
     Py_ssize_t nu = q_size(&r->urgent), na = q_size(&r->ahead), nd = r->n_done;
     int inflight = 0, preading_max = r->preading_max;
     for (int w = 0; w < r->nthreads; w++) inflight += r->reading[w] + r->behind_on[w];
@@ -1246,19 +1250,20 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
         Py_XDECREF(verify);
         return NULL;
     }
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K,s:K}",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K,s:K,s:K}",
                          "bytes_read", bytes, "requests_done", reqs, "errors", errs,
                          "verified", verified, "split", split, "busy_ns", busy,
                          "verify_ns", verify, "queued_urgent", nu, "queued_ahead", na,
                          "in_flight", inflight, "completions", nd, "preads_max", preading_max,
                          "device_copies", copies, "device_copy_ns", copy_ns,
-                         "bounce_regrown", regrown);
+                         "bounce_regrown", regrown, "words_by_driver", queued_words);
 }
 
 static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
     pthread_mutex_lock(&r->mu);
     r->bytes_read = r->requests_done = r->errors = r->verified = r->split_requests = 0;
     r->device_copies = r->device_copy_ns = r->bounce_regrown = 0;
+    __atomic_store_n(&r->words_queued, 0, __ATOMIC_RELAXED);
     r->preading_max = r->preading;
     memset(r->busy_ns, 0, sizeof(unsigned long long) * (size_t)r->nthreads);
     memset(r->verify_ns, 0, sizeof(unsigned long long) * (size_t)r->nthreads);

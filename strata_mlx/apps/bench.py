@@ -213,6 +213,7 @@ def bench(
 
     runner = _Runner(path, gen_tokens, prefill_step_size, pipeline, log)
     ssd_gbps, path_gbps = _probes(path, m, base, io_workers, probe_seconds, log)
+    runner.release()  # (the data path's arena)
     fake = runner.compute_floor(fake_cfg, ids)
 
     def line(run: Run) -> str:

@@ -177,8 +177,10 @@ class ExpertCache:
         exact). `dump(layer, x, ids, scores, y)` gets every MoE layer's state (--dump-moe);
         `trace` records routing and lookahead's predictions. `gate`: a gate table for gated
         decode (DeferredHandshake.run_gated; device_gate_available), whose read-ahead ready
-        words the driver stores as their copies land while decoding (a gate may wait for
-        them), in prefill only with `prefill_words_by_driver` (Reader.words_by_driver)."""
+        words the driver stores as their copies land inside decode steps (a gate may wait for
+        them), in prefill's phase only with `prefill_words_by_driver` (Reader.words_by_driver;
+        the prompt's last token runs in prefill's phase and may be gated: its gates may wait
+        a read longer for a word the reader's thread stores)."""
         self.store = Path(store)
         self.manifest = manifest
         self.layout = manifest.layout
@@ -298,10 +300,13 @@ class ExpertCache:
 
     def _words(self, decoding: bool) -> None:
         """Who stores read-ahead's ready words in this phase (Reader.words_by_driver)."""
-        if self.sched.residency.gate is None or self.sched.closed:
+        if self.sched.residency.gate is None:
             return
-        reader = self.sched.reader
-        if hasattr(reader, "words_by_driver"):  # (None, or a test's stand-in, has none)
+        try:
+            reader = self.sched.reader
+        except RuntimeError:  # closed (on another thread, maybe): nothing reads any more
+            return
+        if reader is not None:
             reader.words_by_driver = decoding or self.prefill_words_by_driver
 
     async def prefetch(self, layer: int, experts) -> None:

@@ -247,9 +247,10 @@ class RuntimeConfig:
         metadata=opt("gated: gates given up (a stuck read waits out the gate's timeout) before "
                      "the decoder stops gating; 0: never stops.", (0, 1 << 20), variant="gg"),
     )  # fmt: skip
-    # With a gate table every read-ahead record's ready word was stored by the CUDA driver's
-    # host function queued behind its copy, prefill's too, where no gate waits for one; the
-    # copy stream's next copy waits for that function (docs/decisions.md, "Gated decode").
+    # A host function queued behind a read-ahead record's copy to store its ready word holds
+    # the copy stream's next copy back; in prefill no gate waits for the word, so by default
+    # the reader's thread stores it once it has waited for the copy (docs/decisions.md,
+    # "Gated decode").
     prefill_words_by_driver: bool = field(
         default=False,
         metadata=opt("gated: prefill's read-ahead ready words stored by the driver as decode's "

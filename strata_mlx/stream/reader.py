@@ -225,7 +225,8 @@ class Reader:
         a device waiting for the word sees it at once; False, the worker, once it has waited
         for the copy (after its next read, or before it sleeps), with no host function
         queued behind the copy on the worker's stream, whose next copy would wait for it.
-        Settable at any time; it applies to reads that start after it."""
+        Settable at any time; it applies to records whose copy is queued after it
+        (``stats()["words_by_driver"]`` counts the words left to the driver)."""
         return self._r.words_by_driver
 
     @words_by_driver.setter

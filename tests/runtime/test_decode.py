@@ -131,6 +131,14 @@ class HoldingReader:
     def __getattr__(self, name):
         return getattr(self._reader, name)
 
+    @property
+    def words_by_driver(self) -> bool:  # (set as well as read: the native reader's)
+        return self._reader.words_by_driver
+
+    @words_by_driver.setter
+    def words_by_driver(self, on: bool) -> None:
+        self._reader.words_by_driver = on
+
 
 @pytest.mark.parametrize("lag,chunk", [(1, 1), (2, 3)])
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])

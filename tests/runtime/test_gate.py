@@ -805,13 +805,14 @@ def test_the_driver_stores_read_ahead_words_while_decoding_and_in_prefill_only_w
     assert reader.words_by_driver is in_prefill
     with ec.phase(decoding=True):
         assert reader.words_by_driver is True
-        with ec.phase(decoding=False):  # (decode's first step is the prompt's last token)
+        with ec.phase(decoding=False):  # (a phase inside another: the outer one's comes back)
             assert reader.words_by_driver is in_prefill
         assert reader.words_by_driver is True
     assert reader.words_by_driver is in_prefill
     ungated, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.25))
-    with ungated.expert_cache.phase(decoding=True):  # no table: the reader's default stays
+    with ungated.expert_cache.phase(decoding=False):  # no table: the reader's default stays
         assert ungated.expert_cache.sched.reader.words_by_driver is True
+    ungated.expert_cache.close()
     ec.close()
     with ec.phase(decoding=True):  # closed: nothing to tell
         pass

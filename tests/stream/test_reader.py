@@ -724,6 +724,7 @@ def test_copied_behind_records_store_their_ready_words_either_way(store, by_driv
         end = time.monotonic() + 2.0  # (the driver's host function may run just after)
         while (words < 0).any() and time.monotonic() < end:
             time.sleep(0.001)
+        assert r.stats()["words_by_driver"] == (len(keys) if by_driver else 0)
     assert words.tolist() == [100 + i for i in range(len(keys))]
     raw = (path / EXPERTS).read_bytes()
     want = np.stack([np.frombuffer(raw, np.uint8, rb, m.record(*k)[0]) for k in keys])
