@@ -643,6 +643,20 @@ def test_data_path_probe_reads_verified_records_and_names_a_corrupt_one(store, t
         probe_data_path(bad, m, workers=2, seconds=0.2, seed=0)
 
 
+def device_copy_store(store):
+    """(path, manifest, record bytes, 24 of its records' keys) of a tiny store, for the
+    device copy's tests; skipped where there is no CUDA device copy."""
+    from strata_mlx.format.store import load_manifest
+    from strata_mlx.stream import reader as rd
+
+    if not rd.uses_device_copy():
+        pytest.skip(f"no CUDA device copy here: {rd.device_copy_error()}")
+    path = Path(store("qwen3_moe"))
+    m = load_manifest(path)
+    keys = [(layer, e) for layer in m.moe_layers for e in range(m.num_experts)][:24]
+    return path, m, m.layout.record_bytes, keys
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("copy_behind", [False, True], ids=["wait", "behind"])
 @pytest.mark.parametrize("device_memory", [False, True], ids=["managed", "device"])
@@ -654,16 +668,10 @@ def test_device_copy_lands_verified_records_in_device_memory(store, device_memor
     at once: every record lands and completes all the same."""
     import mlx.core as mx
 
-    from strata_mlx.format.store import EXPERTS, load_manifest
-    from strata_mlx.stream import reader as rd
+    from strata_mlx.format.store import EXPERTS
     from strata_mlx.stream.arena import Arena
 
-    if not rd.uses_device_copy():
-        pytest.skip(f"no CUDA device copy here: {rd.device_copy_error()}")
-    path = Path(store("qwen3_moe"))
-    m = load_manifest(path)
-    rb = m.layout.record_bytes
-    keys = [(layer, e) for layer in m.moe_layers for e in range(m.num_experts)][:24]
+    path, m, rb, keys = device_copy_store(store)
     arena = Arena(len(keys), rb, on_device=True, device_memory=device_memory)
     assert arena.device_memory == device_memory
     mx.eval(arena.rows.astype(mx.uint32).sum())  # the device has touched every slot first
@@ -699,16 +707,10 @@ def test_copied_behind_records_store_their_ready_words_either_way(store, by_driv
 
     import mlx.core as mx
 
-    from strata_mlx.format.store import EXPERTS, load_manifest
-    from strata_mlx.stream import reader as rd
+    from strata_mlx.format.store import EXPERTS
     from strata_mlx.stream.arena import Arena
 
-    if not rd.uses_device_copy():
-        pytest.skip(f"no CUDA device copy here: {rd.device_copy_error()}")
-    path = Path(store("qwen3_moe"))
-    m = load_manifest(path)
-    rb = m.layout.record_bytes
-    keys = [(layer, e) for layer in m.moe_layers for e in range(m.num_experts)][:24]
+    path, m, rb, keys = device_copy_store(store)
     arena = Arena(len(keys), rb, on_device=True, device_memory=True)
     words = np.full(len(keys), -1, dtype=np.int32)
     reader = Reader(4, bounce=True, overlap=True, device_copy=True, copy_behind=True)
