@@ -37,6 +37,7 @@ from greenlet import greenlet
 
 from ..config import OptionError
 from ..models.base import RowCaches
+from . import generate
 from .generate import GenerationResponse, add_token
 from .prompt_cache import KVOptions, make_prompt_cache, maybe_quantize
 from .sampling import LogitsProcessor, Sampler, make_sampler
@@ -253,6 +254,7 @@ class BatchGenerator:
         prefilling = [s for s in self.sequences if not s.decoding][: self.prompt_concurrency]
         if prefilling:
             self._prefill_chunks(prefilling, on_error)
+            mx.clear_cache()  # (generate.RELEASE_EVERY: as mlx-lm's after each prompt chunk)
         rows = [s for s in self.sequences if s.decoding]
         if not rows:
             return []
@@ -272,6 +274,8 @@ class BatchGenerator:
                 return []
         self.steps += 1
         self.rows += len(rows)
+        if self.steps % generate.RELEASE_EVERY == 0:
+            mx.clear_cache()
         out = []
         for seq, (token, logprobs) in zip(rows, sampled):
             out.append((seq, self._respond(seq, token.item(), logprobs)))

@@ -238,3 +238,28 @@ def test_kv_cache_options_stay_exact(store, wide_store, kv):  # noqa: F811
     quantized = any(type(c).__name__ == "QuantizedKVCache" for c in seqs[1].cache)
     assert quantized == ("kv_bits" in kv)
     model.expert_cache.close()
+
+
+def test_mlx_buffer_cache_is_emptied_after_prompt_chunks_and_every_so_many_steps(
+    store, monkeypatch
+):
+    """As generate_step (generate.RELEASE_EVERY): MLX's cache emptied after each step's
+    prompt chunks and every RELEASE_EVERY token steps, when nothing is in flight."""
+    from strata_mlx.generation import generate
+
+    path = store("qwen3_moe")
+    model, _ = small_arena(path)
+    events = []
+    monkeypatch.setattr(generate, "RELEASE_EVERY", 2)
+    monkeypatch.setattr(mx, "clear_cache", lambda: events.append("clear"))
+    gen = BatchGenerator(model, None, decode_concurrency=2, prefill_step_size=4)
+    gen.insert(prompt_ids(8, seed=3), 4)  # 7 tokens to prefill: two chunks, two steps
+    while gen.sequences:
+        for seq, r in gen.step():
+            events.append("token")
+            if r.finish_reason is not None:
+                gen.remove(seq)
+    # a step's clears come before the tokens it returns: step 1 a chunk; step 2 the last
+    # chunk and token step 1; then a token step a step, emptied after steps 2 and 4
+    assert events == ["clear", "clear", "token", "clear", "token", "token", "clear", "token"]
+    model.expert_cache.close()
