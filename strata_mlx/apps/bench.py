@@ -470,6 +470,7 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
         "decode_gate_timeouts": d.gate_timeouts,
         # the device gate's checks, on their own thread (beside the decoding thread's time)
         "decode_check_ms_per_token": d.check_s / per_tok * 1e3,
+        "decode_check_cpu_ms_per_token": d.check_cpu_s / per_tok * 1e3,
     }
 
 
@@ -498,7 +499,8 @@ def _modes(s: dict) -> str:
         return ""
     seen = ", ".join(f"{k} {v}" for k, v in m.items() if v)
     checks = s["decode_check_ms_per_token"]
-    aside = f"; checks aside {checks:.1f} ms/tok" if checks else ""
+    cpu = s.get("decode_check_cpu_ms_per_token", 0.0)
+    aside = f"; checks aside {checks:.1f} ms/tok (cpu {cpu:.1f})" if checks else ""
     return f" [modes: {seen}; gates given up {s['decode_gate_timeouts']}{aside}]"
 
 

@@ -345,6 +345,7 @@ class DeferredHandshake:
         g.checked = True
         t0 = time.perf_counter()
         mx.eval(*d.outputs())  # the routing and the predictions (a wait, then reads in place)
+        c1 = time.thread_time()
         one, pred_ids = as_ints(g.joint, d.inds, g.preds)
         ids = host_ids(d.inds) if one is None or trace is not None else None
         t1 = time.perf_counter()
@@ -367,6 +368,7 @@ class DeferredHandshake:
         owner.predict(g.targets, g.preds, self._next.get(layer), layer, needed, pred_ids)
         if aside:
             st.check_s += time.perf_counter() - t0
+            st.check_cpu_s += time.thread_time() - c1
         else:
             st.host_s += time.perf_counter() - t1
         return tags

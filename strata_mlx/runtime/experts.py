@@ -109,6 +109,23 @@ def _ranked(
     return ranked
 
 
+def tell_words(sched, decoding: bool) -> None:
+    """With a gate table: whether the driver stores read-ahead's ready words as their copies
+    land (Reader.words_by_driver): inside decode steps, where a gate may wait for one; in
+    prefill's phase only with the table's `prefill_by_driver` (otherwise the reader's thread
+    does, after waiting for the copy: the prompt's last token, in prefill's phase and maybe
+    gated, may wait a read longer for one)."""
+    gate = sched.residency.gate
+    if gate is None:
+        return
+    try:
+        reader = sched.reader
+    except RuntimeError:  # closed (on another thread, maybe): nothing reads any more
+        return
+    if reader is not None:
+        reader.words_by_driver = decoding or gate.prefill_by_driver
+
+
 def warm_arena(sched, layers: list[int], num_experts: int) -> None:
     """ExpertCache.warm: `layers`' experts read into `sched`'s free arena slots, in order,
     until none is left; the statistics start afresh after them."""
@@ -170,17 +187,12 @@ class ExpertCache:
         dump: Callable | None = None,
         trace: RoutingTrace | None = None,
         gate: bool = False,
-        prefill_words_by_driver: bool = False,
     ):
         """`loop`: the loop scheduler's options (scheduler.LoopScheduler). `route_bonus`:
         cache-aware routing, a bonus on resident experts' router logits in decode (0:
         exact). `dump(layer, x, ids, scores, y)` gets every MoE layer's state (--dump-moe);
         `trace` records routing and lookahead's predictions. `gate`: a gate table for gated
-        decode (DeferredHandshake.run_gated; device_gate_available), whose read-ahead ready
-        words the driver stores as their copies land inside decode steps (a gate may wait for
-        them), in prefill's phase only with `prefill_words_by_driver` (Reader.words_by_driver;
-        the prompt's last token runs in prefill's phase and may be gated: its gates may wait
-        a read longer for a word the reader's thread stores)."""
+        decode (DeferredHandshake.run_gated; device_gate_available)."""
         self.store = Path(store)
         self.manifest = manifest
         self.layout = manifest.layout
@@ -206,8 +218,6 @@ class ExpertCache:
         )
         if gate:
             self.sched.residency.gate = GateTable(manifest, device=device_gate)
-        self.prefill_words_by_driver = prefill_words_by_driver
-        self._words(False)
         weakref.finalize(self, _close_dropped, self.sched).atexit = False
         self.trace = trace
         self.route_bonus = route_bonus
@@ -280,7 +290,7 @@ class ExpertCache:
         before, self.decoding = self.decoding, decoding
         with self.sched.lock:  # the eviction policy is told (its optional `phase` hook)
             self.arena.set_phase(decoding)
-        self._words(decoding)
+        tell_words(self.sched, decoding)
         gate = self.sched.residency.gate
         try:
             with gate.in_use() if gate is not None else nullcontext():
@@ -296,18 +306,7 @@ class ExpertCache:
             self.decoding = before
             with self.sched.lock:
                 self.arena.set_phase(before)
-            self._words(before)
-
-    def _words(self, decoding: bool) -> None:
-        """Who stores read-ahead's ready words in this phase (Reader.words_by_driver)."""
-        if self.sched.residency.gate is None:
-            return
-        try:
-            reader = self.sched.reader
-        except RuntimeError:  # closed (on another thread, maybe): nothing reads any more
-            return
-        if reader is not None:
-            reader.words_by_driver = decoding or self.prefill_words_by_driver
+            tell_words(self.sched, before)
 
     async def prefetch(self, layer: int, experts) -> None:
         """Read `experts` of `layer` as read-ahead and return once they are resident (for

@@ -49,7 +49,7 @@ from ..stream.prediction import ReadAhead
 from ..stream.scheduler import SCHEDULERS
 from ..stream.stats import RoutingTrace
 from .decode import MODES
-from .experts import ExpertCache
+from .experts import ExpertCache, tell_words
 from .model import StrataModel
 
 # The supported model types, each run by models/<model_type>.py; ALIASES are run by
@@ -573,7 +573,7 @@ def build_expert_cache(
         copy_behind=cfg.copy_behind,
         record_bytes=rb,
     )
-    return ExpertCache(
+    cache = ExpertCache(
         path,
         manifest,
         arena,
@@ -595,8 +595,11 @@ def build_expert_cache(
         gate=cfg.decode_gate
         and cfg.decode == "pipelined"
         and n_slots >= getattr(args, "num_experts_per_tok", 1),
-        prefill_words_by_driver=cfg.prefill_words_by_driver,
     )
+    if (gate := cache.sched.residency.gate) is not None:
+        gate.prefill_by_driver = cfg.prefill_words_by_driver
+        tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
+    return cache
 
 
 # What dense.safetensors may hold: float weights, and uint32 codes of quantized layers.

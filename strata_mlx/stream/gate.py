@@ -51,6 +51,10 @@ class GateTable:
     """Expert -> landed slot (-1: not in place) per MoE layer of `manifest`; `device`: mapped
     for the CUDA device (`device_address`)."""
 
+    # Whether the driver stores prefill's read-ahead ready words too (runtime.experts.
+    # tell_words; RuntimeConfig.prefill_words_by_driver), as it does decode's.
+    prefill_by_driver = False
+
     def __init__(self, manifest: Manifest, device: bool = False):
         self.num_experts = manifest.num_experts
         self.pos = {l: manifest.layer_position(l) for l in manifest.moe_layers}

@@ -40,6 +40,9 @@ class ExpertStats:
     # gated decode on the device: time its checks' thread spent checking layers, their
     # routing's wait included (off the decoding thread: waits for it are in route_sync_s)
     check_s: float = 0.0
+    # and its CPU time after each routing's wait (thread_time): against the decoding
+    # thread's, what of a token's host work the GIL lets run side by side
+    check_cpu_s: float = 0.0
     topped_up: int = 0  # read-ahead the scheduler's loop added when the drive ran low
     loop_s: float = 0.0  # time the scheduler's loop thread held the GIL
     # its CPU time meanwhile (thread_time: what others' threads and processes take of its

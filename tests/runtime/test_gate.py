@@ -447,6 +447,7 @@ def test_a_device_gate_holding_the_building_thread_gets_its_reads_from_the_check
     s = ec.stats
     assert s.gate_timeouts == 0 and s.gated_mode_tokens == 8 and s.misses > 0
     assert seen["held"] > 0 and s.check_s > 0  # gates did hold the building thread
+    assert 0 < s.check_cpu_s <= s.check_s  # (CPU time after the routing's waits, inside them)
     for m in (model, sync):
         m.expert_cache.close()
     assert not ec.pipelined.checks._thread.is_alive()
