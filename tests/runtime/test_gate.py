@@ -817,3 +817,26 @@ def test_the_driver_stores_read_ahead_words_while_decoding_and_in_prefill_only_w
     ec.close()
     with ec.phase(decoding=True):  # closed: nothing to tell
         pass
+
+
+@pytest.mark.parametrize(
+    "opts", [{"decode_layers_chunk": 4}, {"decode_lag": 3}], ids=["chunk4", "lag3"]
+)
+def test_the_device_gate_stays_exact_with_layers_in_chunks_or_checks_further_behind(
+    store, opts, monkeypatch
+):
+    """The variants `fast_drive.sh gated` times (bench's `:lc4`, `:lag3`): the decoder's
+    commit every 4 layers (each gated layer's routing is committed on its own anyway), or
+    the decoding thread 3 layers ahead of the checks: tokens and log-probabilities equal the
+    per-layer handshake's, no gate gives up, every token gated."""
+    path = store("qwen3_next")
+    ids = prompt_ids(24, seed=11)
+    sync, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.2), decode="sync")
+    ref = decode(sync, ids, 6)
+    model, seen = load_emulated(monkeypatch, path, 0.2, read_ahead="lookahead", **opts)
+    got = decode(model, ids, 6)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    s = model.expert_cache.stats
+    assert s.gate_timeouts == 0 and s.gated_mode_tokens == 6 and s.misses > 0
+    for m in (model, sync):
+        m.expert_cache.close()
