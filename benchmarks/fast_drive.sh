@@ -215,17 +215,20 @@ trace)  # why gated decode's gates give up (benchmarks/gate_trace.py): each gate
       --arena-gb 1.6 --prefill-step-size 1024 --policies "${POL:-lookahead:gt1:gg0,lookahead:gt1:gg0:cb0}"
   } 2>&1 | cut -c1-1500 | tee "$OUT/gate-trace.log"
   ;;
-gated)  # tmpfs: lookahead, gated, and gated with prefill's ready words stored by the driver
-  # (`:pw1`): what the driver's host functions behind each copy cost prefill's reads; then
-  # each thread's CPU time a gated token against its wall (the GIL). The decode side's
-  # variants, in a call of their own (~6 min each): POL=lookahead:gt1:lc4,lookahead:gt1:lag3,demand:gt1
-  # (the decoder's commit every 4 layers instead of each: run_gated commits each layer's
-  # routing anyway; the decoding thread 3 layers ahead of the checks instead of 1; no
+gated)  # the gate's GPU tests (the routing board's kernel among them); then on the tmpfs:
+  # lookahead, gated, and gated with prefill's ready words stored by the driver (`:pw1`):
+  # what the driver's host functions behind each copy cost prefill's reads; then each
+  # thread's CPU time a gated token against its wall (the GIL). The decode side's variants,
+  # in a call of their own (~6 min): POL=lookahead:gt1:bd1,lookahead:gt1:bd1:lc4:lag4,lookahead:gt1:lc4,demand:gt1
+  # (the routing board: no command buffer a layer for its check; with the decoder's commits
+  # every 4 layers and the checks 4 behind; the decoder's commit every 4 layers alone; no
   # prediction's Python in the checks)
   build
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_gate.py 2>&1 \
+     | tail -4 | tee "$OUT/gate-tests.log"
   synth "$SHM"
   G=${G:-32} bench "bench-gated" "$SHM" "${POL:-lookahead,lookahead:gt1,lookahead:gt1:pw1}"
-  for p in lookahead:gt1 demand:gt1 lookahead; do
+  for p in ${PROFILE_POL:-lookahead:gt1 lookahead:gt1:bd1 lookahead}; do
     timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 32 \
       --policy $p --no-profile 2>&1 | tail -2
   done | tee "$OUT/gated-threads.log"

@@ -101,3 +101,52 @@ def gate(ids: mx.array, row_at: mx.array, timeout: int | None = None) -> tuple[m
         init_value=0,
     )
     return slots, late
+
+
+# The routing board's kernel: a layer's ids (its routing, and lookahead's predictions joined to
+# it) stored into its board row in mapped host memory, then, once they are visible to the
+# host (a system-wide fence), the row's sequence number; the ids also come out as an array,
+# which the layer's gate takes as its own, so that the device runs this kernel before the gate
+# that waits for the check that reads the board.
+BOARD_BODY = r"""
+  const uint32_t j = threadIdx.x;
+  volatile int* row = reinterpret_cast<volatile int*>(board_at[0]);
+  if (j < N) {
+    out[j] = ids[j];
+    row[1 + j] = (int)ids[j];
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (j == 0) {
+    row[0] = seq[0];
+  }
+"""
+
+_BOARD: Callable | None = None
+
+
+def board(ids: mx.array, board_at: mx.array, seq: mx.array) -> mx.array:
+    """ids [n] (n <= 63), board_at uint64 [1] (the device address of a board row), seq int32
+    [1] -> ids again [n], once written into the row with `seq` after them."""
+    global _BOARD
+    if _BOARD is None:
+        _BOARD = mx.fast.cuda_kernel(
+            name="strata_board",
+            input_names=["ids", "board_at", "seq"],
+            output_names=["out"],
+            source=BOARD_BODY,
+            ensure_row_contiguous=True,
+        )
+    n = ids.size
+    if n > 63:
+        raise ValueError(f"{n} ids for one board row; at most 63")
+    width = -(-n // 32) * 32
+    (out,) = _BOARD(
+        inputs=[ids, board_at, seq],
+        grid=(width, 1, 1),
+        threadgroup=(width, 1, 1),
+        output_shapes=[(n,)],
+        output_dtypes=[ids.dtype],
+        template=[("I", ids.dtype), ("N", n)],
+    )
+    return out

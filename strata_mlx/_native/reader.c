@@ -1575,6 +1575,30 @@ static PyObject *mod_replace_words(PyObject *m, PyObject *args) {
     return PyLong_FromSsize_t(replaced);
 }
 
+/* wait_word(address, value, timeout_s): until the int32 word at address holds value (True)
+ * or timeout_s has passed (False), outside the GIL: a word a device stores into mapped host
+ * memory, polled every few microseconds. */
+static PyObject *mod_wait_word(PyObject *m, PyObject *args) {
+    unsigned long long addr;
+    int value;
+    double timeout_s;
+    if (!PyArg_ParseTuple(args, "Kid:wait_word", &addr, &value, &timeout_s)) return NULL;
+    if (!addr || addr % sizeof(int32_t) || !(timeout_s >= 0)) {
+        PyErr_SetString(PyExc_ValueError, "wait_word: a NULL or unaligned address, or a "
+                                          "negative timeout");
+        return NULL;
+    }
+    const int32_t *w = (const int32_t *)(uintptr_t)addr;
+    int seen;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t end = now_ns() + (uint64_t)(timeout_s * 1e9);
+    struct timespec pause = {0, 5000};
+    while (!(seen = __atomic_load_n(w, __ATOMIC_ACQUIRE) == value) && now_ns() < end)
+        nanosleep(&pause, NULL);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(seen);
+}
+
 static PyObject *mod_limit_drive(PyObject *m, PyObject *arg) {
     double bps = PyFloat_AsDouble(arg);
     if (bps == -1.0 && PyErr_Occurred()) return NULL;
@@ -1605,6 +1629,8 @@ static PyMethodDef module_methods[] = {
      "map_host(address, nbytes) -> device address: page-locked host memory the CUDA device "
      "reads in place"},
     {"unmap_host", mod_unmap_host, METH_VARARGS, "unmap_host(address): undo map_host"},
+    {"wait_word", mod_wait_word, METH_VARARGS,
+     "wait_word(address, value, timeout_s) -> whether the int32 word came to hold value"},
     {"replace_words", mod_replace_words, METH_VARARGS,
      "replace_words(address, count, old, new) -> int32 words that held old and now hold new"},
     {"advise_hugepages", mod_advise_hugepages, METH_VARARGS,

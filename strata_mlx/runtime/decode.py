@@ -463,6 +463,10 @@ class PipelinedDecoder(Decoder):
                     mx.async_eval(step.logits, *outs)
                 step.last = step.logits
                 check = len(step.pending) if checked else 0
+            if check and outs and any(d.gated and d.gated.board for _, d in step.pending[:check]):
+                # a check reading the board waits for the device: what it reads goes there now
+                mx.async_eval(h, *outs)
+                step.last, outs = h, []
             missed = None
             for _ in range(check):
                 j, d = step.pending.pop(0)

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from custom_kernels.gate import gate
+from custom_kernels.gate import board, gate, timeout_ms
 
 from ..stream.prediction import Predictor
-from ..stream.scheduler import Scheduler
+from ..stream.reader import wait_word
+from ..stream.scheduler import CLOSED, Scheduler
 from ..stream.stats import RoutingTrace
 from .compute import LayerCompute
 from .gate_checks import GateChecks
@@ -64,6 +65,8 @@ class Gated:
     late: mx.array | None = None  # the device gate's give-up flag (None: the host's gate)
     checked: bool = False  # its check ran (the host's gate checks as the layer is built)
     done: bool = False  # its check ended (GateChecks: on the checks' thread)
+    # (layer, sequence number, ids) of its routing on the board (stream.gate), or None
+    board: tuple[int, int, int] | None = None
 
 
 def token_ids(a: mx.array) -> list[int] | None:
@@ -122,10 +125,11 @@ def spread_routing(joint: mx.array, ds: list[Deferred]) -> None:
 
 
 def split_ids(
-    joint: mx.array, inds: mx.array, preds: list[mx.array]
+    joint: mx.array | list[int], inds: mx.array, preds: list[mx.array]
 ) -> tuple[list[int], list[list[int]]]:
-    """`joint_ids`' array, evaluated, back as (the token's ids, each router's ids) in ints."""
-    flat = joint.tolist()
+    """`joint_ids`' array, evaluated (or its ints), back as (the token's ids, each router's
+    ids) in ints."""
+    flat = joint if isinstance(joint, list) else joint.tolist()
     k = inds.shape[-1]
     out = []
     for p in preds:
@@ -142,6 +146,9 @@ def as_ints(joint, inds: mx.array, preds: list[mx.array]):
     if joint is None:
         return token_ids(inds), None
     return split_ids(joint, inds, preds)
+
+
+BOARD_IDS = 63  # ids a board row holds (stream.gate.BOARD_WIDTH, less its sequence number)
 
 
 def host_ids(a: mx.array) -> np.ndarray:
@@ -176,6 +183,55 @@ class Building:
         self.handshake.records, self.handshake.gating = None, False
 
 
+class RoutingBoard:
+    """Gated layers' routing on the board (stream.gate) with the table's `board_on`: written
+    there by the device (custom_kernels.gate.board) and read there by the layer's check,
+    rather than ending a command buffer of its own that the check waits for."""
+
+    def __init__(self, sched: Scheduler):
+        self.sched = sched
+        self._at: dict[int, mx.array] = {}  # layer -> its board row's device address
+        self._seq = 0  # the last sequence number a layer's routing went onto the board with
+
+    def put(self, layer: int, d: Deferred, untraced: bool) -> mx.array | None:
+        """`d`'s routing (and lookahead's predictions joined to it) onto the board; the
+        routing ids for its gate, which then runs after the board's kernel. None where the
+        board does not apply (off, a trace recording routing, more ids than a row holds)."""
+        g, table = d.gated, self.sched.residency.gate
+        if not table.board_on or not untraced:
+            return None
+        src = g.joint
+        if src is None:  # (joint_ids's join, where reads are not transfers too: one write)
+            parts = [d.inds, *g.preds]
+            if any(p.size != p.shape[-1] or p.dtype != d.inds.dtype for p in parts):
+                return None
+            flat = [p.reshape(-1) for p in parts]
+            src = mx.concatenate(flat) if g.preds else flat[0]
+        if src.size > BOARD_IDS:
+            return None
+        at = self._at.get(layer)
+        if at is None:
+            at = self._at[layer] = mx.array([table.board_address(layer)], dtype=mx.uint64)
+        self._seq += 1
+        g.board = (layer, self._seq, src.size)
+        return board(src, at, mx.array([self._seq], dtype=mx.int32))[: d.inds.size]
+
+    def read(self, d: Deferred) -> list[int] | None:
+        """The ints `put` had the device write for `d`, once written; None if that took longer
+        than twice the gate's timeout (its gate has given up by then: the check reads the
+        routing from MLX's arrays instead)."""
+        layer, seq, n = d.gated.board
+        table = self.sched.residency.gate
+        row = table.board_row(layer)
+        end = time.monotonic() + 2e-3 * timeout_ms()
+        while not wait_word(row.ctypes.data, seq, 0.05):
+            if self.sched.closed or table.device_address is None:
+                raise RuntimeError(CLOSED)
+            if time.monotonic() > end:
+                return None
+        return row[1 : 1 + n].tolist()
+
+
 class DeferredHandshake:
     """The deferred handshake of every MoE layer of one model. `all_fit`: every expert fits
     in the arena at once, so uses need not be recorded for eviction."""
@@ -207,6 +263,7 @@ class DeferredHandshake:
         self.checks = GateChecks(self._check_aside, fail)
         self._next = dict(zip(layers, layers[1:]))
         self._row_at: dict[int, mx.array] = {}  # layer -> its gate-table row's device address
+        self.board = RoutingBoard(sched)
         self.records: list[Deferred] | None = None  # inside `building()`: where layers go
         self.lookahead = True  # whether those layers may predict
         self.gating = False  # inside `building(gated=True)`
@@ -292,9 +349,12 @@ class DeferredHandshake:
         with sched.lock:
             sched.busy_layers.add(layer)
         if self.device_gate:
-            mx.async_eval(*d.outputs())  # alone: the device reaches them before the gate
+            ids = self.board.put(layer, d, self.owner().trace is None)
+            if ids is None:
+                mx.async_eval(*d.outputs())  # alone: the device reaches them before the gate
+                ids = inds.reshape(-1)
             self.checks.submit(d)  # (read while this thread builds on: GateChecks)
-            slots, g.late = gate(inds.reshape(-1), self._row_address(layer))
+            slots, g.late = gate(ids, self._row_address(layer))
         else:
             sched.stats.host_s += time.perf_counter() - t
             tags = self.check_gated(d, self.owner().trace)
@@ -344,9 +404,14 @@ class DeferredHandshake:
         st, sched, g = self.sched.stats, self.sched, d.gated
         g.checked = True
         t0 = time.perf_counter()
-        mx.eval(*d.outputs())  # the routing and the predictions (a wait, then reads in place)
+        flat = self.board.read(d) if g.board is not None else None
+        if flat is None:
+            mx.eval(*d.outputs())  # the routing and the predictions (a wait, then reads)
         c1 = time.thread_time()
-        one, pred_ids = as_ints(g.joint, d.inds, g.preds)
+        if flat is None:
+            one, pred_ids = as_ints(g.joint, d.inds, g.preds)
+        else:
+            one, pred_ids = split_ids(flat, d.inds, g.preds) if g.preds else (flat, None)
         ids = host_ids(d.inds) if one is None or trace is not None else None
         t1 = time.perf_counter()
         if not aside:

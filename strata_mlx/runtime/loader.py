@@ -256,6 +256,12 @@ class RuntimeConfig:
         metadata=opt("gated: prefill's read-ahead ready words stored by the driver as decode's "
                      "are (else by the reader's thread after the copy).", variant="pw"),
     )  # fmt: skip
+    decode_gate_board: bool = field(
+        default=False,
+        metadata=opt("gated (CUDA): each layer's routing written by the device into mapped "
+                     "host memory for its check, instead of a command buffer of its own.",
+                     variant="bd"),
+    )  # fmt: skip
     # Off, a predicting decoder runs "layers" mode: measured on the H200, token mode cost
     # lookahead 41.6 against demand's 32.0 ms/token where 0.9 % of lookups missed.
     decode_token_while_predicting: bool = field(
@@ -598,6 +604,7 @@ def build_expert_cache(
     )
     if (gate := cache.sched.residency.gate) is not None:
         gate.prefill_by_driver = cfg.prefill_words_by_driver
+        gate.board_on = cfg.decode_gate_board
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
     return cache
 

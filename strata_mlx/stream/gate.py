@@ -27,6 +27,12 @@ into it with plain stores, so no copy or page migration stands between a landing
 device seeing it. Elsewhere it is plain host memory, read by the host (the gate's host form).
 
 Never decides residency (the arena does) and never reads the store.
+
+Beside the table, in the same mapped memory, the routing board: a row per MoE layer into which
+a kernel of gated decode's may write a layer's routing ids, then a sequence number
+(custom_kernels/gate.py, `board`), so that the layer's check reads them in place as soon as
+the device has computed them, without a copy back or a wait on MLX's event for the command
+buffer they belong to.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from .reader import READY_FAILED, replace_words
 
 Key = tuple[int, int]
 PAGE = 4096
+BOARD_WIDTH = 64  # int32 a board row: the sequence number, then up to 63 ids
 CLOSED = -2  # a word not landed when the table closed: the gate kernel gives up on it at once
 FAILED = READY_FAILED  # its read failed, or its token was abandoned: given up on at once too
 
@@ -54,17 +61,25 @@ class GateTable:
     # Whether the driver stores prefill's read-ahead ready words too (runtime.experts.
     # tell_words; RuntimeConfig.prefill_words_by_driver), as it does decode's.
     prefill_by_driver = False
+    # Whether gated layers' checks read their routing from the board (RuntimeConfig.
+    # decode_gate_board; runtime.deferred's `_onto_board`).
+    board_on = False
 
     def __init__(self, manifest: Manifest, device: bool = False):
         self.num_experts = manifest.num_experts
         self.pos = {l: manifest.layer_position(l) for l in manifest.moe_layers}
         shape = (len(self.pos), self.num_experts)
-        nbytes = max(shape[0] * shape[1] * 4, 4)
+        board_at = -(-shape[0] * shape[1] * 4 // 256) * 256  # (its own cache lines)
+        nbytes = max(board_at + shape[0] * BOARD_WIDTH * 4, 4)
         self._mem = mmap.mmap(-1, -(-nbytes // PAGE) * PAGE)  # page aligned, as mapping needs
         self.table = np.frombuffer(self._mem, dtype=np.int32, count=shape[0] * shape[1])
         self.table = self.table.reshape(shape)
         self.table.fill(-1)
         self.address = self.table.ctypes.data
+        self.board = np.frombuffer(
+            self._mem, dtype=np.int32, count=shape[0] * BOARD_WIDTH, offset=board_at
+        ).reshape(shape[0], BOARD_WIDTH)  # zeros: no sequence number written yet
+        self._board_at = board_at
         self.device_address: int | None = None
         # Decodes running (`in_use`), and whether close() left the unmapping to the last.
         self._lock = threading.Lock()
@@ -86,6 +101,16 @@ class GateTable:
     def row(self, layer: int) -> np.ndarray:
         """The host's view of `layer`'s row (live: the reader's threads write into it)."""
         return self.table[self.pos[layer]]
+
+    def board_row(self, layer: int) -> np.ndarray:
+        """The host's view of `layer`'s board row: [sequence number, ids...]."""
+        return self.board[self.pos[layer]]
+
+    def board_address(self, layer: int) -> int:
+        """The device address of `layer`'s board row (mapped tables only)."""
+        if self.device_address is None:
+            raise RuntimeError("the gate table is not mapped for a device")
+        return self.device_address + self._board_at + 4 * BOARD_WIDTH * self.pos[layer]
 
     def row_address(self, layer: int) -> int:
         """The device address of `layer`'s row (mapped tables only)."""

@@ -430,6 +430,13 @@ def unmap_host(address: int) -> None:
     _reader.unmap_host(address)
 
 
+def wait_word(address: int, value: int, timeout_s: float) -> bool:
+    """Until the int32 word at ``address`` holds ``value`` (True) or ``timeout_s`` has passed
+    (False), polled every few microseconds outside the GIL: a word a device stores into
+    mapped host memory (stream.gate's routing board)."""
+    return _reader.wait_word(address, value, timeout_s)
+
+
 def replace_words(address: int, count: int, old: int, new: int) -> int:
     """Each int32 word of ``[address, address + 4 * count)`` that holds `old` takes `new`, in
     one atomic step a word: a ready word a reader's thread stores meanwhile is never

@@ -529,6 +529,35 @@ def test_the_gate_kernel_waits_for_a_word_a_host_thread_stores():
 
 
 @pytest.mark.gpu
+def test_the_board_kernel_writes_ids_then_their_sequence_number_and_orders_the_gate():
+    """custom_kernels.gate.board on the device: a layer's joined ids land in its board row
+    with the sequence number after them, the ids come out unchanged, and a gate fed its
+    output runs after it (a host thread that sees the board's word stores the gate's word)."""
+    from custom_kernels.gate import board, gate
+    from strata_mlx.stream.reader import wait_word
+
+    assert cuda_ready()
+    g = GateTable(TableShape(), device=True)
+    ids = mx.array([3, 1, 7, 2, 6], dtype=mx.uint32) + 0  # (computed on the device)
+    at = mx.array([g.board_address(0)], dtype=mx.uint64)
+    row = g.board_row(0)
+
+    def land():  # the gate's word only once the board's word is in
+        if wait_word(row.ctypes.data, 11, 5.0):
+            g.table[0, 3] = 8
+
+    t = threading.Thread(target=land)
+    t.start()
+    out = board(ids, at, mx.array([11], dtype=mx.int32))
+    slots, late = gate(out[:1], mx.array([g.row_address(0)], dtype=mx.uint64), 2000)
+    mx.eval(out, slots, late)
+    t.join()
+    assert row[0] == 11 and row[1:6].tolist() == [3, 1, 7, 2, 6]
+    assert out.tolist() == [3, 1, 7, 2, 6] and slots.tolist() == [8] and late.item() == 0
+    g.close()
+
+
+@pytest.mark.gpu
 def test_the_gate_kernel_gives_up_past_its_timeout():
     assert cuda_ready()
     g = GateTable(TableShape(), device=True)
@@ -840,3 +869,78 @@ def test_the_device_gate_stays_exact_with_layers_in_chunks_or_checks_further_beh
     assert s.gate_timeouts == 0 and s.gated_mode_tokens == 6 and s.misses > 0
     for m in (model, sync):
         m.expert_cache.close()
+
+
+def emulated_board(monkeypatch, model, write: bool = True) -> dict:
+    """The routing board's kernel on this CPU (with the emulated device gate, whose device
+    addresses are host ones): the ids written into the layer's board row, then the sequence
+    number (unless not `write`: a device that never gets there). Counts its calls."""
+    import strata_mlx.runtime.deferred as deferred
+
+    table = model.expert_cache.sched.residency.gate
+    rows = {table.board_address(l): table.board_row(l) for l in model.expert_cache.layers}
+    seen = {"calls": 0}
+
+    def board(ids, board_at, seq):
+        seen["calls"] += 1
+        if write:
+            row, vals = rows[board_at.item()], ids.tolist()
+            row[1 : 1 + len(vals)] = vals
+            row[0] = seq.item()
+        return ids
+
+    monkeypatch.setattr(deferred, "board", board)
+    return seen
+
+
+@pytest.mark.parametrize("opts", [{}, {"decode_layers_chunk": 4}], ids=["each", "chunk4"])
+def test_gated_checks_reading_the_routing_board_stay_exact(store, opts, monkeypatch):
+    """`decode_gate_board`: each gated layer's routing (its predictions joined) goes onto the
+    board, where its check reads it, with no command buffer of its own; with the decoder's
+    commits every 4 layers, a check's layer goes to the device before the check waits for
+    it. Tokens and log-probabilities equal the per-layer handshake's, no gate gives up."""
+    path = store("qwen3_next")
+    ids = prompt_ids(24, seed=11)
+    sync, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.2), decode="sync")
+    ref = decode(sync, ids, 6)
+    model, _ = load_emulated(
+        monkeypatch, path, 0.2, read_ahead="lookahead", decode_gate_board=True, **opts
+    )
+    seen = emulated_board(monkeypatch, model)
+    got = decode(model, ids, 6)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    s = model.expert_cache.stats
+    assert s.gate_timeouts == 0 and s.gated_mode_tokens == 6 and s.misses > 0
+    assert seen["calls"] >= 6 * len(model.expert_cache.layers)  # every gated layer's
+    for m in (model, sync):
+        m.expert_cache.close()
+
+
+def test_a_board_never_written_falls_back_to_mlx_arrays_and_stays_exact(store, monkeypatch):
+    """A board word that never comes (a device that does not get there): the check gives up
+    on it after twice the gate's timeout and reads the routing from MLX's arrays; the tokens
+    are still the per-layer handshake's."""
+    monkeypatch.setenv("STRATA_MLX_GATE_TIMEOUT_MS", "20")
+    path = store("qwen3_next")
+    ids = prompt_ids(24, seed=11)
+    sync, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.2), decode="sync")
+    ref = decode(sync, ids, 3)
+    model, _ = load_emulated(monkeypatch, path, 0.2, decode_gate_board=True)
+    seen = emulated_board(monkeypatch, model, write=False)
+    got = decode(model, ids, 3)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    assert seen["calls"] > 0 and model.expert_cache.stats.gated_mode_tokens == 3
+    for m in (model, sync):
+        m.expert_cache.close()
+
+
+def test_wait_word_sees_a_store_from_another_thread_and_times_out_without_one():
+    from strata_mlx.stream.reader import wait_word
+
+    words = np.zeros(2, dtype=np.int32)
+    assert not wait_word(words.ctypes.data, 7, 0.02)
+    threading.Timer(0.05, lambda: words.__setitem__(1, 7)).start()
+    t0 = time.monotonic()
+    assert wait_word(words.ctypes.data + 4, 7, 5.0) and time.monotonic() - t0 < 2.0
+    with pytest.raises(ValueError, match="wait_word"):
+        wait_word(words.ctypes.data + 2, 7, 0.01)
