@@ -118,15 +118,17 @@ BOARD_BODY = r"""
   __threadfence_system();
   __syncthreads();
   if (j == 0) {
+    __threadfence_system();
     row[0] = seq[0];
   }
 """
 
+BOARD_IDS = 63  # ids a board row holds after its sequence number (stream.gate.BOARD_WIDTH)
 _BOARD: Callable | None = None
 
 
 def board(ids: mx.array, board_at: mx.array, seq: mx.array) -> mx.array:
-    """ids [n] (n <= 63), board_at uint64 [1] (the device address of a board row), seq int32
+    """ids [n] (n <= BOARD_IDS), board_at uint64 [1] (the device address of a board row), seq int32
     [1] -> ids again [n], once written into the row with `seq` after them."""
     global _BOARD
     if _BOARD is None:
@@ -138,8 +140,8 @@ def board(ids: mx.array, board_at: mx.array, seq: mx.array) -> mx.array:
             ensure_row_contiguous=True,
         )
     n = ids.size
-    if n > 63:
-        raise ValueError(f"{n} ids for one board row; at most 63")
+    if n > BOARD_IDS:
+        raise ValueError(f"{n} ids for one board row; at most {BOARD_IDS}")
     width = -(-n // 32) * 32
     (out,) = _BOARD(
         inputs=[ids, board_at, seq],

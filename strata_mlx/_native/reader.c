@@ -1577,7 +1577,8 @@ static PyObject *mod_replace_words(PyObject *m, PyObject *args) {
 
 /* wait_word(address, value, timeout_s): until the int32 word at address holds value (True)
  * or timeout_s has passed (False), outside the GIL: a word a device stores into mapped host
- * memory, polled every few microseconds. */
+ * memory. Polled without sleeping for its first 100 us (a sleep's wake-up takes tens of us
+ * of timer slack, a fair share of a decode layer), then between sleeps of a few us. */
 static PyObject *mod_wait_word(PyObject *m, PyObject *args) {
     unsigned long long addr;
     int value;
@@ -1591,10 +1592,13 @@ static PyObject *mod_wait_word(PyObject *m, PyObject *args) {
     const int32_t *w = (const int32_t *)(uintptr_t)addr;
     int seen;
     Py_BEGIN_ALLOW_THREADS
-    uint64_t end = now_ns() + (uint64_t)(timeout_s * 1e9);
+    uint64_t start = now_ns(), end = start + (uint64_t)(timeout_s * 1e9), now = start;
     struct timespec pause = {0, 5000};
-    while (!(seen = __atomic_load_n(w, __ATOMIC_ACQUIRE) == value) && now_ns() < end)
-        nanosleep(&pause, NULL);
+    while (!(seen = __atomic_load_n(w, __ATOMIC_ACQUIRE) == value) && now < end) {
+        if (now - start > 100000)
+            nanosleep(&pause, NULL);
+        now = now_ns();
+    }
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(seen);
 }

@@ -123,6 +123,18 @@ class Step:
         self.predicting = predicting  # decode lookahead predicted when it was begun
 
 
+def _unsent_board(pending: list) -> bool:
+    """Whether a layer of `pending` reads its routing from the board and is not on the device."""
+    return any(d.gated is not None and d.gated.board and not d.gated.sent for _, d in pending)
+
+
+def _sent(step: Step) -> None:
+    """Everything built of `step` was just submitted to the device."""
+    for _, d in step.pending:
+        if d.gated is not None:
+            d.gated.sent = True
+
+
 class Done:
     """A token the model's forward computed whole: nothing left to verify (the per-layer
     handshake ran it, predicting as decode lookahead did then)."""
@@ -449,10 +461,13 @@ class PipelinedDecoder(Decoder):
                 i += 1
                 step.built = max(step.built, i)
             if i < n:
-                if i % chunk == 0:
+                check = max(len(step.pending) - lag, 0)
+                # (a check that reads the routing board waits for the device: its layer
+                # goes there first, chunk or not)
+                if i % chunk == 0 or _unsent_board(step.pending[:check]):
                     mx.async_eval(h, *outs)
                     step.last, outs = h, []
-                check = max(len(step.pending) - lag, 0)
+                    _sent(step)
             else:  # every layer built: the head goes in while the last ones are checked
                 step.logits = self.head(self.norm(h))
                 if not checked and self.join_routing:  # its routing read once, at its end
@@ -462,11 +477,8 @@ class PipelinedDecoder(Decoder):
                 else:
                     mx.async_eval(step.logits, *outs)
                 step.last = step.logits
+                _sent(step)
                 check = len(step.pending) if checked else 0
-            if check and outs and any(d.gated and d.gated.board for _, d in step.pending[:check]):
-                # a check reading the board waits for the device: what it reads goes there now
-                mx.async_eval(h, *outs)
-                step.last, outs = h, []
             missed = None
             for _ in range(check):
                 j, d = step.pending.pop(0)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from custom_kernels.gate import board, gate, timeout_ms
+from custom_kernels.gate import BOARD_IDS, board, gate, timeout_ms
 
 from ..stream.prediction import Predictor
 from ..stream.reader import wait_word
@@ -65,8 +65,10 @@ class Gated:
     late: mx.array | None = None  # the device gate's give-up flag (None: the host's gate)
     checked: bool = False  # its check ran (the host's gate checks as the layer is built)
     done: bool = False  # its check ended (GateChecks: on the checks' thread)
-    # (layer, sequence number, ids) of its routing on the board (stream.gate), or None
+    # (layer, sequence number, how many ids) of its routing on the board (stream.gate), or
+    # None; `sent`: the decoder has submitted it to the device
     board: tuple[int, int, int] | None = None
+    sent: bool = False
 
 
 def token_ids(a: mx.array) -> list[int] | None:
@@ -148,9 +150,6 @@ def as_ints(joint, inds: mx.array, preds: list[mx.array]):
     return split_ids(joint, inds, preds)
 
 
-BOARD_IDS = 63  # ids a board row holds (stream.gate.BOARD_WIDTH, less its sequence number)
-
-
 def host_ids(a: mx.array) -> np.ndarray:
     """The ids of `a` [..., k] on the host, [T, k]."""
     return np.array(a).reshape(-1, a.shape[-1])
@@ -188,15 +187,17 @@ class RoutingBoard:
     there by the device (custom_kernels.gate.board) and read there by the layer's check,
     rather than ending a command buffer of its own that the check waits for."""
 
-    def __init__(self, sched: Scheduler):
-        self.sched = sched
+    def __init__(self, sched: Scheduler, stopping: Callable[[], bool]):
+        self.sched, self.stopping = sched, stopping
         self._at: dict[int, mx.array] = {}  # layer -> its board row's device address
         self._seq = 0  # the last sequence number a layer's routing went onto the board with
+        self.reads = self.fallbacks = 0  # routings read from the board; read from MLX instead
 
     def put(self, layer: int, d: Deferred, untraced: bool) -> mx.array | None:
         """`d`'s routing (and lookahead's predictions joined to it) onto the board; the
         routing ids for its gate, which then runs after the board's kernel. None where the
-        board does not apply (off, a trace recording routing, more ids than a row holds)."""
+        board does not apply (off, a trace recording routing, more ids than a row holds, or
+        predictions of another shape or dtype than the routing's)."""
         g, table = d.gated, self.sched.residency.gate
         if not table.board_on or not untraced:
             return None
@@ -212,23 +213,33 @@ class RoutingBoard:
         at = self._at.get(layer)
         if at is None:
             at = self._at[layer] = mx.array([table.board_address(layer)], dtype=mx.uint64)
-        self._seq += 1
+        self._seq = self._seq % (2**31 - 1) + 1  # (int32, never 0: a row not yet written)
         g.board = (layer, self._seq, src.size)
         return board(src, at, mx.array([self._seq], dtype=mx.int32))[: d.inds.size]
 
     def read(self, d: Deferred) -> list[int] | None:
-        """The ints `put` had the device write for `d`, once written; None if that took longer
-        than twice the gate's timeout (its gate has given up by then: the check reads the
-        routing from MLX's arrays instead)."""
+        """The ints `put` had the device write for `d`, once written. None if they have not
+        come twice the gate's timeout after the layer was submitted to the device (a board
+        that does not work: the check reads the routing from MLX's arrays instead, which
+        that submission scheduled); RuntimeError if the checks are stopping or the layer was
+        never submitted in ten times that."""
         layer, seq, n = d.gated.board
         table = self.sched.residency.gate
         row = table.board_row(layer)
-        end = time.monotonic() + 2e-3 * timeout_ms()
+        t0, limit = time.monotonic(), 2e-3 * timeout_ms()
         while not wait_word(row.ctypes.data, seq, 0.05):
-            if self.sched.closed or table.device_address is None:
+            if self.stopping() or self.sched.closed or table.device_address is None:
                 raise RuntimeError(CLOSED)
-            if time.monotonic() > end:
+            waited = time.monotonic() - t0
+            if d.gated.sent and waited > limit:
+                self.fallbacks += 1
                 return None
+            if waited > 5 * limit:
+                raise RuntimeError(
+                    f"gated decode: layer {layer}'s routing never reached the routing board "
+                    f"in {waited:.1f} s (never submitted to the device)"
+                )
+        self.reads += 1
         return row[1 : 1 + n].tolist()
 
 
@@ -263,7 +274,7 @@ class DeferredHandshake:
         self.checks = GateChecks(self._check_aside, fail)
         self._next = dict(zip(layers, layers[1:]))
         self._row_at: dict[int, mx.array] = {}  # layer -> its gate-table row's device address
-        self.board = RoutingBoard(sched)
+        self.board = RoutingBoard(sched, lambda: self.checks.stopping)
         self.records: list[Deferred] | None = None  # inside `building()`: where layers go
         self.lookahead = True  # whether those layers may predict
         self.gating = False  # inside `building(gated=True)`

@@ -40,6 +40,8 @@ class GateChecks:
         self._thread: threading.Thread | None = None
         self._running = False  # a check is running (taken off the queue)
         self._closed = False
+        # cancel() or close() began: a check waiting on the device gives up (RoutingBoard)
+        self.stopping = False
 
     def submit(self, d) -> None:
         """Check `d` after the layers submitted before it."""
@@ -75,6 +77,7 @@ class GateChecks:
         """Checks queued are dropped (a token stopped by an error); returns once the one
         running, if any, has ended."""
         with self._cond:
+            self.stopping = True
             self._queue.clear()
             self._cond.notify_all()
         self.drain()
@@ -84,12 +87,13 @@ class GateChecks:
         self.drain()
         with self._cond:
             self._error = None
+            self.stopping = False
 
     def close(self) -> None:
         """Checks queued are dropped (their gates give up: the table is closing too); the
         thread ends after the check running, if any."""
         with self._cond:
-            self._closed = True
+            self._closed = self.stopping = True
             self._queue.clear()
             self._cond.notify_all()
             thread = self._thread

@@ -44,12 +44,14 @@ from contextlib import contextmanager
 import mlx.core as mx
 import numpy as np
 
+from custom_kernels.gate import BOARD_IDS
+
 from ..format.store import Manifest
 from .reader import READY_FAILED, replace_words
 
 Key = tuple[int, int]
 PAGE = 4096
-BOARD_WIDTH = 64  # int32 a board row: the sequence number, then up to 63 ids
+BOARD_WIDTH = BOARD_IDS + 1  # int32 a board row: the sequence number, then the ids
 CLOSED = -2  # a word not landed when the table closed: the gate kernel gives up on it at once
 FAILED = READY_FAILED  # its read failed, or its token was abandoned: given up on at once too
 
@@ -62,7 +64,7 @@ class GateTable:
     # tell_words; RuntimeConfig.prefill_words_by_driver), as it does decode's.
     prefill_by_driver = False
     # Whether gated layers' checks read their routing from the board (RuntimeConfig.
-    # decode_gate_board; runtime.deferred's `_onto_board`).
+    # decode_gate_board; runtime.deferred.RoutingBoard).
     board_on = False
 
     def __init__(self, manifest: Manifest, device: bool = False):

@@ -432,8 +432,8 @@ def unmap_host(address: int) -> None:
 
 def wait_word(address: int, value: int, timeout_s: float) -> bool:
     """Until the int32 word at ``address`` holds ``value`` (True) or ``timeout_s`` has passed
-    (False), polled every few microseconds outside the GIL: a word a device stores into
-    mapped host memory (stream.gate's routing board)."""
+    (False), polled outside the GIL (without sleeping for its first 100 us): a word a
+    device stores into mapped host memory (stream.gate's routing board)."""
     return _reader.wait_word(address, value, timeout_s)
 
 

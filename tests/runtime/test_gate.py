@@ -542,8 +542,11 @@ def test_the_board_kernel_writes_ids_then_their_sequence_number_and_orders_the_g
     at = mx.array([g.board_address(0)], dtype=mx.uint64)
     row = g.board_row(0)
 
+    seen = {}
+
     def land():  # the gate's word only once the board's word is in
         if wait_word(row.ctypes.data, 11, 5.0):
+            seen["ids"] = row[1:6].tolist()  # (in place before their sequence number)
             g.table[0, 3] = 8
 
     t = threading.Thread(target=land)
@@ -552,7 +555,7 @@ def test_the_board_kernel_writes_ids_then_their_sequence_number_and_orders_the_g
     slots, late = gate(out[:1], mx.array([g.row_address(0)], dtype=mx.uint64), 2000)
     mx.eval(out, slots, late)
     t.join()
-    assert row[0] == 11 and row[1:6].tolist() == [3, 1, 7, 2, 6]
+    assert row[0] == 11 and seen["ids"] == [3, 1, 7, 2, 6]
     assert out.tolist() == [3, 1, 7, 2, 6] and slots.tolist() == [8] and late.item() == 0
     g.close()
 
@@ -873,13 +876,18 @@ def test_the_device_gate_stays_exact_with_layers_in_chunks_or_checks_further_beh
 
 def emulated_board(monkeypatch, model, write: bool = True) -> dict:
     """The routing board's kernel on this CPU (with the emulated device gate, whose device
-    addresses are host ones): the ids written into the layer's board row, then the sequence
-    number (unless not `write`: a device that never gets there). Counts its calls."""
+    addresses are host ones): the ids, then the sequence number, written into the layer's
+    board row as it is built (the emulated gate holds the building thread until the layer's
+    records land: a board written only once submitted would never be read), unless not
+    `write` (a device that never gets there). Counts its calls and the submissions, and
+    records any wait of the decoding thread for a check that reads the board of a layer not
+    yet submitted (on a device that check could never end)."""
     import strata_mlx.runtime.deferred as deferred
+    from strata_mlx.runtime.gate_checks import GateChecks
 
     table = model.expert_cache.sched.residency.gate
     rows = {table.board_address(l): table.board_row(l) for l in model.expert_cache.layers}
-    seen = {"calls": 0}
+    seen = {"calls": 0, "commits": 0, "unsent waits": 0}
 
     def board(ids, board_at, seq):
         seen["calls"] += 1
@@ -889,16 +897,34 @@ def emulated_board(monkeypatch, model, write: bool = True) -> dict:
             row[0] = seq.item()
         return ids
 
+    submit, wait = mx.async_eval, GateChecks.wait
+
+    def async_eval(*arrays):
+        seen["commits"] += 1
+        submit(*arrays)
+
+    def checked_wait(self, d):
+        if d.gated.board is not None and not d.gated.sent:
+            seen["unsent waits"] += 1
+        return wait(self, d)
+
     monkeypatch.setattr(deferred, "board", board)
+    monkeypatch.setattr(mx, "async_eval", async_eval)
+    monkeypatch.setattr(GateChecks, "wait", checked_wait)
     return seen
 
 
-@pytest.mark.parametrize("opts", [{}, {"decode_layers_chunk": 4}], ids=["each", "chunk4"])
-def test_gated_checks_reading_the_routing_board_stay_exact(store, opts, monkeypatch):
+@pytest.mark.parametrize(
+    "opts,commits",
+    [({}, 1.0), ({"decode_layers_chunk": 4, "decode_lag": 4}, 0.25)],
+    ids=["each", "chunk4-lag4"],
+)
+def test_gated_checks_reading_the_routing_board_stay_exact(store, opts, commits, monkeypatch):
     """`decode_gate_board`: each gated layer's routing (its predictions joined) goes onto the
-    board, where its check reads it, with no command buffer of its own; with the decoder's
-    commits every 4 layers, a check's layer goes to the device before the check waits for
-    it. Tokens and log-probabilities equal the per-layer handshake's, no gate gives up."""
+    board, where its check reads it, with no command buffer of its own: the decoder's
+    commits alone, every layer or (chunks of 4, checks 4 behind) every 4 layers, and never a
+    wait for a check whose layer is not on the device. Tokens and log-probabilities equal
+    the per-layer handshake's, no gate gives up, every check read the board."""
     path = store("qwen3_next")
     ids = prompt_ids(24, seed=11)
     sync, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.2), decode="sync")
@@ -909,29 +935,56 @@ def test_gated_checks_reading_the_routing_board_stay_exact(store, opts, monkeypa
     seen = emulated_board(monkeypatch, model)
     got = decode(model, ids, 6)
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
-    s = model.expert_cache.stats
+    ec = model.expert_cache
+    s, board = ec.stats, ec.pipelined.board
+    layers = len(ec.layers)
     assert s.gate_timeouts == 0 and s.gated_mode_tokens == 6 and s.misses > 0
-    assert seen["calls"] >= 6 * len(model.expert_cache.layers)  # every gated layer's
+    assert seen["calls"] >= 6 * layers and board.reads == seen["calls"] and board.fallbacks == 0
+    assert seen["unsent waits"] == 0
+    # a commit a layer (the head's among them), or one every 4 layers: here the head's alone
+    assert seen["commits"] <= 6 * max(commits * layers, 1)
     for m in (model, sync):
         m.expert_cache.close()
 
 
-def test_a_board_never_written_falls_back_to_mlx_arrays_and_stays_exact(store, monkeypatch):
-    """A board word that never comes (a device that does not get there): the check gives up
-    on it after twice the gate's timeout and reads the routing from MLX's arrays; the tokens
-    are still the per-layer handshake's."""
+def test_a_board_read_waits_for_its_word_falls_back_once_submitted_and_stops_when_asked(
+    monkeypatch,
+):
+    """RoutingBoard.read: the row's ids once its sequence number is in; a word that does not
+    come twice the gate's timeout after the layer was submitted: None (the check reads MLX's
+    arrays); a layer never submitted: a one-line error after ten times that; the checks
+    stopping: CLOSED at once."""
+    from strata_mlx.runtime.deferred import Deferred, Gated, RoutingBoard
+
     monkeypatch.setenv("STRATA_MLX_GATE_TIMEOUT_MS", "20")
-    path = store("qwen3_next")
-    ids = prompt_ids(24, seed=11)
-    sync, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.2), decode="sync")
-    ref = decode(sync, ids, 3)
-    model, _ = load_emulated(monkeypatch, path, 0.2, decode_gate_board=True)
-    seen = emulated_board(monkeypatch, model, write=False)
-    got = decode(model, ids, 3)
-    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
-    assert seen["calls"] > 0 and model.expert_cache.stats.gated_mode_tokens == 3
-    for m in (model, sync):
-        m.expert_cache.close()
+    g = GateTable(TableShape(layers=(0, 1)))
+
+    class Sched:
+        closed = False
+        residency = type("Residency", (), {"gate": g})
+        stats = None
+
+    stop = {"now": False}
+    board = RoutingBoard(Sched(), lambda: stop["now"])
+    g.device_address = g.address  # (as mapped)
+
+    def layer(seq, sent):
+        d = Deferred(1, mx.array([[4, 2, 6]]), None, gated=Gated([], [], None))
+        d.gated.board, d.gated.sent = (1, seq, 3), sent
+        return d
+
+    row = g.board_row(1)
+    row[1:4], row[0] = [4, 2, 6], 7
+    assert board.read(layer(7, False)) == [4, 2, 6] and board.reads == 1
+    assert board.read(layer(8, True)) is None and board.fallbacks == 1  # after ~40 ms
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="layer 1's routing never reached the routing board"):
+        board.read(layer(9, False))
+    assert time.monotonic() - t0 >= 0.2
+    stop["now"] = True
+    with pytest.raises(RuntimeError, match="closed"):
+        board.read(layer(10, False))
+    g.device_address = None
 
 
 def test_wait_word_sees_a_store_from_another_thread_and_times_out_without_one():
