@@ -221,8 +221,8 @@ class RoutingBoard:
         """The ints `put` had the device write for `d`, once written. None if they have not
         come twice the gate's timeout after the layer was submitted to the device (a board
         that does not work: the check reads the routing from MLX's arrays instead, which
-        that submission scheduled); RuntimeError if the checks are stopping or the layer was
-        never submitted in ten times that."""
+        that submission scheduled); RuntimeError if the checks are stopping, or if the layer
+        was not submitted within ten times the gate's timeout."""
         layer, seq, n = d.gated.board
         table = self.sched.residency.gate
         row = table.board_row(layer)
