@@ -92,6 +92,15 @@ def _close_dropped(sched) -> None:
     ).start()
 
 
+def closed_when_dropped(cache) -> weakref.finalize:
+    """`cache`'s scheduler closed on a thread of its own once the cache is collected without
+    close() (_close_dropped); close() detaches it: such a thread still running at exit races
+    MLX's teardown ("terminate called without an active exception")."""
+    dropped = weakref.finalize(cache, _close_dropped, cache.sched)
+    dropped.atexit = False
+    return dropped
+
+
 def _ranked(
     predictor: Predictor, targets, preds, nxt, trace, pred_ids=None
 ) -> list[tuple[int, list[int]]]:
@@ -218,11 +227,9 @@ class ExpertCache:
         )
         if gate:
             self.sched.residency.gate = GateTable(manifest, device=device_gate)
-        weakref.finalize(self, _close_dropped, self.sched).atexit = False
-        self.trace = trace
-        self.route_bonus = route_bonus
+        self._dropped = closed_when_dropped(self)
+        self.trace, self.route_bonus, self.dump = trace, route_bonus, dump
         self.decoding = False  # inside `phase(decoding=True)`: generation's decode steps
-        self.dump = dump
         self.compute = LayerCompute(manifest, arena, self.sched, fake_stream)
         # Every expert fits at once: eviction never happens, so uses need not be recorded.
         all_fit = arena.n_slots >= manifest.num_experts * len(self.layers)
@@ -332,6 +339,7 @@ class ExpertCache:
         """Stop the scheduler and its reader. Idempotent; a layer run after it (a generation
         abandoned mid-stream and resumed, or one running on another thread) raises
         RuntimeError("expert cache is closed"), even where every expert it needs is resident."""
+        self._dropped.detach()  # (no closing thread once collected: closed_when_dropped)
         self.pipelined.checks.close()
         self.sched.close()
 
