@@ -95,11 +95,17 @@ def joint_ids(inds: mx.array, preds: list[mx.array]) -> mx.array | None:
     (`split_ids`): three reads a layer at lookahead depth 2 become one. None without
     JOIN_IDS, where there is nothing to join (no prediction), for more than one token, or
     for ids of another dtype."""
-    if not JOIN_IDS or not preds or inds.size != inds.shape[-1]:
+    return join_ids(inds, preds) if JOIN_IDS and preds else None
+
+
+def join_ids(inds: mx.array, preds: list[mx.array]) -> mx.array | None:
+    """One token's routing ids, then each of `preds`, as one flat array (the routing's alone
+    without predictions); None for more than one token or for ids of another dtype."""
+    parts = [inds, *preds]
+    if any(p.size != p.shape[-1] or p.dtype != inds.dtype for p in parts):
         return None
-    if any(p.size != p.shape[-1] or p.dtype != inds.dtype for p in preds):
-        return None
-    return mx.concatenate([inds.reshape(-1), *(p.reshape(-1) for p in preds)])
+    flat = [p.reshape(-1) for p in parts]
+    return mx.concatenate(flat) if preds else flat[0]
 
 
 def joint_routing(ds: list[Deferred]) -> mx.array | None:
@@ -201,14 +207,9 @@ class RoutingBoard:
         g, table = d.gated, self.sched.residency.gate
         if not table.board_on or not untraced:
             return None
-        src = g.joint
-        if src is None:  # (joint_ids's join, where reads are not transfers too: one write)
-            parts = [d.inds, *g.preds]
-            if any(p.size != p.shape[-1] or p.dtype != d.inds.dtype for p in parts):
-                return None
-            flat = [p.reshape(-1) for p in parts]
-            src = mx.concatenate(flat) if g.preds else flat[0]
-        if src.size > BOARD_IDS:
+        # (joined here too where reads are not transfers: one write onto the board)
+        src = g.joint if g.joint is not None else join_ids(d.inds, g.preds)
+        if src is None or src.size > BOARD_IDS:
             return None
         at = self._at.get(layer)
         if at is None:

@@ -337,13 +337,14 @@ class Reader:
         ``preads_max`` (the most preads in flight at once since the last reset: at most
         ``workers``), ``device_copies`` and ``device_copy_ns`` (copies by the copy engine,
         and their time), ``bounce_regrown`` (bounce buffers let go of for a larger one),
+        ``words_by_driver`` (ready words left to the driver's host functions),
         and the current ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a
         thread holds) and uncollected ``completions``."""
         return self._r.stats()
 
     def reset_stats(self) -> None:
         """Zero bytes_read, requests_done, errors, verified, split, busy_ns, verify_ns, the
-        device copies' counts and bounce_regrown."""
+        device copies' counts, bounce_regrown and words_by_driver."""
         self._r.reset_stats()
 
     def close(self) -> None:
