@@ -128,8 +128,8 @@ _BOARD: Callable | None = None
 
 
 def board(ids: mx.array, board_at: mx.array, seq: mx.array) -> mx.array:
-    """ids [n] (n <= BOARD_IDS), board_at uint64 [1] (the device address of a board row), seq int32
-    [1] -> ids again [n], once written into the row with `seq` after them."""
+    """ids [n] (n <= BOARD_IDS), board_at uint64 [1] (the device address of a board row),
+    seq int32 [1] -> ids again [n], once written into the row with `seq` after them."""
     global _BOARD
     if _BOARD is None:
         _BOARD = mx.fast.cuda_kernel(
