@@ -14,6 +14,7 @@ DISK=${DISK:-/root/strata-synth}   # the store on the machine's disk
 SHM=${SHM:-/dev/shm/strata-synth}  # the same store on tmpfs
 OLD=${OLD:-$PWD/.old}              # a tree of the code to compare against (git archive)
 export PYTHONUNBUFFERED=1
+export PYTHONFAULTHANDLER=1  # (a native crash prints every thread's Python stack)
 # (the package's own default, set here too for the scripts that start CUDA before importing it,
 # and so for the old tree's code as well; CUDA's own is 8, which `conns` compares)
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
@@ -225,13 +226,13 @@ gated)  # the gate's GPU tests (the routing board's kernel among them); then on 
   # prediction's Python in the checks)
   build
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_gate.py 2>&1 \
-     | tail -4 | tee "$OUT/gate-tests.log"
+     | tail -4 | tee "$OUT/gate-tests${TAG:-}.log"
   synth "$SHM"
-  G=${G:-32} bench "bench-gated" "$SHM" "${POL:-lookahead,lookahead:gt1,lookahead:gt1:pw1}"
+  G=${G:-32} bench "bench-gated${TAG:-}" "$SHM" "${POL:-lookahead,lookahead:gt1,lookahead:gt1:pw1}"
   for p in ${PROFILE_POL:-lookahead:gt1 lookahead:gt1:bd1 lookahead}; do
     timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 32 \
       --policy $p --no-profile 2>&1 | tail -2
-  done | tee "$OUT/gated-threads.log"
+  done | tee "$OUT/gated-threads${TAG:-}.log"
   ;;
 stalls)  # what holds bench's gated decode (benchmarks/gate_trace.py), on trace's quarter store:
   # bench traced with the stacks of every build step that stalls 60 ms dumped (faulthandler)

@@ -417,8 +417,13 @@ class DeferredHandshake:
         g.checked = True
         t0 = time.perf_counter()
         flat = self.board.read(d) if g.board is not None else None
-        if flat is None:
+        if flat is None and not aside:
             mx.eval(*d.outputs())  # the routing and the predictions (a wait, then reads)
+        # Aside, the outputs were submitted before the check was (run_gated; the board's
+        # fallback only for a sent layer): reading them below only waits for their event.
+        # An mx.eval on this thread would encode on the stream the decoding thread builds
+        # on and detach arrays its evals walk (MLX's graph is one thread's): on CUDA that
+        # crashed gated decode's process now and then (SIGSEGV in this eval).
         c1 = time.thread_time()
         if flat is None:
             one, pred_ids = as_ints(g.joint, d.inds, g.preds)

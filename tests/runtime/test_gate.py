@@ -442,8 +442,14 @@ def test_a_device_gate_holding_the_building_thread_gets_its_reads_from_the_check
     model, seen = load_emulated(monkeypatch, path, 0.2, read_ahead="lookahead")
     ec = model.expert_cache
     assert ec.pipelined.device_gate and ec.pipelined.checks is not None
+    evals, real_eval = [], mx.eval
+    monkeypatch.setattr(
+        mx, "eval", lambda *a: evals.append(threading.current_thread()) or real_eval(*a)
+    )
     got = decode(model, ids, 8)
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    # (an eval on the checks' thread races the decoding thread's graph: it only reads)
+    assert evals and ec.pipelined.checks._thread not in evals
     s = ec.stats
     assert s.gate_timeouts == 0 and s.gated_mode_tokens == 8 and s.misses > 0
     assert seen["held"] > 0 and s.check_s > 0  # gates did hold the building thread
