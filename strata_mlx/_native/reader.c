@@ -397,27 +397,6 @@ static void finish_behind(ReaderObject *r, int w, DevCopyThread *dc, Behind *b) 
     b->active = 0;
 }
 
-/* A bounce buffer of at least the record size and `need` bytes (the record size where that
- * much cannot be had), huge-page advised, pinned for the device copy; NULL, cap 0 if none. */
-static void make_bounce(ReaderObject *r, DevCopyThread *dc, void **buf, size_t *cap_out,
-                        size_t need) {
-    size_t want = need > (size_t)r->bounce_min ? need : (size_t)r->bounce_min;
-    size_t cap = (want + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-    int got = posix_memalign(buf, HUGE_PAGE, cap) == 0;
-    if (!got && want > need && need > 0) { /* no room for a record: this read's */
-        cap = (need + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-        got = posix_memalign(buf, HUGE_PAGE, cap) == 0;
-    }
-    if (!got) {
-        *buf = NULL;
-        *cap_out = 0;
-        return;
-    }
-    *cap_out = cap;
-    advise_huge(*buf, cap, 0); /* before the first touch: huge at fault */
-    devcopy_pin(dc, *buf, cap); /* device copy: registered, still huge */
-}
-
 static void *worker_main(void *p) {
     WorkerArg *arg = p;
     ReaderObject *r = arg->reader;
@@ -438,11 +417,6 @@ static void *worker_main(void *p) {
     /* device_copy: this thread's stream; NULL if it could not be made (its reads fail) */
     DevCopyThread *dc = r->device_copy ? devcopy_thread_new() : NULL;
     int copy_behind = r->copy_behind && dc;
-    /* With the record size known, the buffers are made and pinned as the thread starts, at
-     * load: pinning memory on CUDA can wait for the device to go idle, and at a first read in
-     * decode the device may be running a gate that waits for that very read. */
-    if (r->bounce && r->bounce_min > 0)
-        for (int i = 0; i < 1 + copy_behind; i++) make_bounce(r, dc, &bounces[i], &caps[i], 0);
     pthread_mutex_lock(&r->mu);
     while (!r->stopping) {
         Queue *q = NULL;
@@ -491,7 +465,19 @@ static void *worker_main(void *p) {
                 free(bounces[cur]);
                 bounces[cur] = NULL;
                 caps[cur] = 0;
-                make_bounce(r, dc, &bounces[cur], &caps[cur], (size_t)rq.length);
+                size_t want = (size_t)(rq.length > r->bounce_min ? rq.length : r->bounce_min);
+                size_t cap = (want + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+                int got = posix_memalign(&bounces[cur], HUGE_PAGE, cap) == 0;
+                if (!got && want > (size_t)rq.length) { /* no room for a record: this read's */
+                    cap = ((size_t)rq.length + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+                    got = posix_memalign(&bounces[cur], HUGE_PAGE, cap) == 0;
+                }
+                if (got) {
+                    caps[cur] = cap;
+                    advise_huge(bounces[cur], cap, 0); /* before the first touch: huge at fault */
+                    devcopy_pin(dc, bounces[cur], cap); /* device copy: registered, still huge */
+                } else
+                    bounces[cur] = NULL;
             }
             if (bounces[cur])
                 into.dest = (char *)bounces[cur];

@@ -547,6 +547,12 @@ def test_the_board_kernel_writes_ids_then_their_sequence_number_and_orders_the_g
     ids = mx.array([3, 1, 7, 2, 6], dtype=mx.uint32) + 0  # (computed on the device)
     at = mx.array([g.board_address(0)], dtype=mx.uint64)
     row = g.board_row(0)
+    # Both kernels compiled first (NVRTC, ~1.2 s each on the H200; more on a slower host),
+    # so that the host thread's 5 s wait below times the device, not the compiler.
+    g.table[0, 1] = 1  # (resident: the warm gate passes at once)
+    warm = board(ids, at, mx.array([10], dtype=mx.int32))
+    mx.eval(warm, gate(warm[1:2], mx.array([g.row_address(0)], dtype=mx.uint64), 2000)[0])
+    assert row[0] == 10
 
     seen = {}
 
