@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|pairs
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|pairs
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode; ARENA (GB, 6.5) sizes bench's arena.
 set -uo pipefail
@@ -32,6 +32,12 @@ bench() {  # NAME STORE POLICIES [extra bench args]: this code's bench, logged a
   timeout "${LIMIT:-560}" python3 -m strata_mlx bench --model "$store" -p 2048 -g "${G:-128}" \
     --arena-gb "${ARENA:-6.5}" --prefill-step-size "${STEP:-1024}" --policies "$pol" --json "$OUT/$name.json" "$@" \
     2>&1 | tee "$OUT/$name.log" | grep -v "^ *[0-9]"
+}
+spybin() {  # py-spy's binary from its wheel in .whl/base (extracted once); empty without it
+  local w; w=$(ls .whl/base/py_spy-*.whl 2>/dev/null | head -1)
+  [ -n "$w" ] || return 0
+  [ -d /tmp/spy ] || python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/spy')" "$w"
+  chmod +x /tmp/spy/py_spy-*.data/scripts/py-spy && ls /tmp/spy/py_spy-*.data/scripts/py-spy
 }
 case "${1:-}" in
 store)  # the store on disk and on tmpfs; the reader's GPU tests; the drive and the data path
@@ -234,6 +240,16 @@ gated)  # the gate's GPU tests (the routing board's kernel among them); then on 
       --policy $p --no-profile 2>&1 | tail -2
   done | tee "$OUT/gated-threads${TAG:-}.log"
   ;;
+hostprof)  # tmpfs: where each decode thread's CPU goes, MLX's and CUDA's calls included
+  # (profile_decode.py --no-profile --py-spy: native stacks sampled while 32 tokens decode),
+  # gated and not; needs py-spy's wheel in .whl/base
+  build
+  synth "$SHM"
+  for p in ${PROFILE_POL:-lookahead:gt1 lookahead}; do
+    timeout 150 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 32 \
+      --policy $p --no-profile --py-spy "$(spybin)" --top 30
+  done 2>&1 | cut -c1-300 | tee "$OUT/hostprof.log"
+  ;;
 stalls)  # what holds bench's gated decode (benchmarks/gate_trace.py), on trace's quarter store:
   # bench traced with the stacks of every build step that stalls 60 ms dumped (faulthandler)
   # and, with py-spy's wheel in .whl/base, every thread's native stack while a word is late;
@@ -243,12 +259,7 @@ stalls)  # what holds bench's gated decode (benchmarks/gate_trace.py), on trace'
   [ -f "$q/manifest.json" ] || python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
      --mlx-path "$q" --calibration-tokens 256 --set num_hidden_layers=12 2>&1 | grep -v "experts:" | tail -1
   spy=()
-  w=$(ls .whl/base/py_spy-*.whl 2>/dev/null | head -1)
-  if [ -n "$w" ]; then
-    python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/spy')" "$w"
-    chmod +x /tmp/spy/py_spy-*.data/scripts/py-spy
-    spy=(--py-spy "$(ls /tmp/spy/py_spy-*.data/scripts/py-spy)" "$OUT/spy-bench.txt")
-  fi
+  [ -z "$(spybin)" ] || spy=(--py-spy "$(spybin)" "$OUT/spy-bench.txt")
   export STRATA_MLX_DRIVE_GBPS=12 STRATA_MLX_GATE_TIMEOUT_MS=100
   b=(--bench --model "$q" -p 2048 -g "${G:-6}" --arena-gb 1.6 --prefill-step-size 1024 --policies "${POL:-lookahead:gt1:gg0}")
   { timeout 200 python3 benchmarks/gate_trace.py --detail 2 --stacks "$OUT/stacks-bench.txt" "${spy[@]}" "${b[@]}"
@@ -268,5 +279,5 @@ pairs)  # one token's layers through the kernels' `pairs` against their general 
      --modes token:4,token:4+general --json "$OUT/pairs-resident.json" 2>&1 | tee "$OUT/pairs-resident.log"
   timeout 150 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 30 2>&1 | tee "$OUT/pairs-build.log"
   ;;
-*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|pairs"; exit 2;;
+*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|pairs"; exit 2;;
 esac

@@ -1,20 +1,31 @@
 """Where decode's (or prefill's) host time goes: cProfile over one generation's decode steps.
 
     python benchmarks/profile_decode.py STORE [--arena-gb 6.5] [-p 1024] [-g 48]
-        [--policy lookahead] [--top 40] [--prefill]
+        [--policy lookahead] [--top 40] [--prefill] [--no-profile [--py-spy BINARY]]
 
 Prefills a random prompt of `p` tokens (not profiled), then profiles `g` greedy decode steps
 and prints the functions by their own time and by cumulative time, with the cache's
 per-token wait / sync / host split beside them. `--prefill`: profiles the prompt's chunks
 after the first instead (chunks of `--prefill-step-size`), with the split a chunk.
+`--no-profile` times decode without cProfile and prints each thread's CPU time a token against
+the wall; with `--py-spy BINARY` too, py-spy samples every thread's Python and native stacks
+while decode runs (`record --native --threads`, active samples only, so about where each
+thread spends its CPU) and the top frames by thread are printed, self and inclusive: what
+cProfile cannot show, the time inside MLX's and CUDA's calls.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
+import signal
+import subprocess
+import tempfile
+import threading
 import time
+from collections import Counter
 
 import mlx.core as mx
 import numpy as np
@@ -41,6 +52,7 @@ def main() -> None:
         action="store_true",
         help="time decode without cProfile: each thread's CPU time a token against the wall",
     )
+    ap.add_argument("--py-spy", default=None, help="with --no-profile: py-spy's binary")
     a = ap.parse_args()
     m = load_manifest(a.store)
     model, _ = strata_mlx.load(a.store, arena_gb=a.arena_gb, **policy_options(a.policy))
@@ -52,6 +64,7 @@ def main() -> None:
     next(steps)  # the prompt and its first token: not profiled
     ec.stats = ExpertStats()
     prof = cProfile.Profile()
+    spy = Spy(a.py_spy) if a.py_spy and a.no_profile else None
     t, cpu = time.perf_counter(), time.thread_time()
     if not a.no_profile:
         prof.enable()
@@ -67,9 +80,50 @@ def main() -> None:
         f"{st.check_cpu_s / n * 1e3:.1f}, scheduler loop {st.loop_cpu_s / n * 1e3:.1f}; "
         f"wall {wall / n * 1e3:.1f}"
     )
+    if spy is not None:
+        spy.report(a.top)
     if a.no_profile:
         return ec.close()
     finish(prof, ec, a.top)
+
+
+class Spy:
+    """py-spy recording this process (native frames, per thread) until `report`."""
+
+    def __init__(self, binary: str):
+        self.out = tempfile.NamedTemporaryFile(suffix=".txt", delete=False).name
+        cmd = [binary, "record", "--native", "--threads", "--rate", "200", "--format", "raw"]
+        cmd += ["--output", self.out, "--pid", str(os.getpid())]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(1.0)  # (attached before decode starts)
+
+    def report(self, top: int) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        _, err = self.proc.communicate(timeout=120)
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        own: dict[str, Counter] = {}
+        inclusive: dict[str, Counter] = {}
+        with open(self.out) as f:
+            for line in f:
+                stack, _, count = line.rstrip("\n").rpartition(" ")
+                if not stack or not count.isdigit():
+                    continue
+                frames = stack.split(";")
+                tid = frames[0].removeprefix("thread (").split(")")[0]
+                name = names.get(int(tid), tid) if tid.isdigit() else frames[0]
+                own.setdefault(name, Counter())[frames[-1]] += int(count)
+                inclusive.setdefault(name, Counter()).update(dict.fromkeys(frames[1:], int(count)))
+        os.unlink(self.out)
+        if not own:
+            print("py-spy recorded nothing:", err.decode(errors="replace").strip()[-300:])
+        for name, counts in sorted(own.items(), key=lambda kv: -kv[1].total()):
+            total = counts.total()
+            print(f"py-spy, thread {name}: {total} active samples")
+            # (inclusive: the callers under 90 % of the samples, the common outer frames aside)
+            under = Counter({f: c for f, c in inclusive[name].items() if c < 0.9 * total})
+            for label, table in (("self", counts), ("inclusive", under)):
+                for frame, c in table.most_common(top):
+                    print(f"  {label:9s} {100 * c / total:5.1f}%  {frame[:150]}")
 
 
 def split(st: ExpertStats, n: int) -> str:
