@@ -457,7 +457,9 @@ class PipelinedDecoder(Decoder):
                     for d in deferred
                     if d.gated is not None and d.gated.late is not None
                 ]
-                outs += [a for d in deferred for a in d.outputs()]
+                # (a gated layer's outputs are already submitted or evaluated, or feed the
+                # board's kernel on the way to h: not again, where the checks' thread reads them)
+                outs += [a for d in deferred if d.gated is None for a in d.outputs()]
                 i += 1
                 step.built = max(step.built, i)
             if i < n:
