@@ -231,8 +231,9 @@ gated)  # the gate's GPU tests (the routing board's kernel among them); then on 
   # every 4 layers and the checks 4 behind; the decoder's commit every 4 layers alone; no
   # prediction's Python in the checks)
   build
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu${TAG:-}.log"
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_gate.py 2>&1 \
-     | tail -4 | tee "$OUT/gate-tests${TAG:-}.log"
+     | tail -12 | tee "$OUT/gate-tests${TAG:-}.log"
   synth "$SHM"
   G=${G:-32} bench "bench-gated${TAG:-}" "$SHM" "${POL:-lookahead,lookahead:gt1,lookahead:gt1:pw1}"
   for p in ${PROFILE_POL:-lookahead:gt1 lookahead:gt1:bd1 lookahead}; do
