@@ -69,6 +69,7 @@ class Gated:
     # None; `sent`: the decoder has submitted it to the device
     board: tuple[int, int, int] | None = None
     sent: bool = False
+    needed: list[int] | None = None  # the distinct experts its check found, ascending
 
 
 def token_ids(a: mx.array) -> list[int] | None:
@@ -106,6 +107,16 @@ def join_ids(inds: mx.array, preds: list[mx.array]) -> mx.array | None:
         return None
     flat = [p.reshape(-1) for p in parts]
     return mx.concatenate(flat) if preds else flat[0]
+
+
+def own_ids(inds: mx.array, preds: list[mx.array]) -> mx.array:
+    """One token's routing ids, then each of `preds` (in the ids' dtype), as one flat array
+    of its own: a buffer and an event that nothing the decoding thread builds next reads,
+    so that the checks' thread may wait on it and read it while the decoding thread's evals
+    walk `inds` (waiting on an array detaches its event, and reading it on CUDA moves its
+    buffer: neither may race the other thread's)."""
+    flat = [inds.reshape(-1), *(p.reshape(-1).astype(inds.dtype) for p in preds)]
+    return mx.concatenate(flat) if preds else flat[0] + 0
 
 
 def joint_routing(ds: list[Deferred]) -> mx.array | None:
@@ -363,6 +374,8 @@ class DeferredHandshake:
         if self.device_gate:
             ids = self.board.put(layer, d, self.owner().trace is None)
             if ids is None:
+                if g.joint is None:  # (what the check reads: an array of its own)
+                    g.joint = own_ids(inds, preds)
                 mx.async_eval(*d.outputs())  # alone: the device reaches them before the gate
                 ids = inds.reshape(-1)
             self.checks.submit(d)  # (read while this thread builds on: GateChecks)
@@ -419,17 +432,22 @@ class DeferredHandshake:
         flat = self.board.read(d) if g.board is not None else None
         if flat is None and not aside:
             mx.eval(*d.outputs())  # the routing and the predictions (a wait, then reads)
-        # Aside, the outputs were submitted before the check was (run_gated; the board's
-        # fallback only for a sent layer): reading them below only waits for their event.
-        # An mx.eval on this thread would encode on the stream the decoding thread builds
-        # on and detach arrays its evals walk (MLX's graph is one thread's): on CUDA that
-        # crashed gated decode's process now and then (SIGSEGV in this eval).
+        # Aside, this thread reads only `g.joint` (or the board), submitted before the check
+        # was (run_gated; the board's fallback only for a sent layer), which nothing built
+        # after it reads: reading it waits for its event and nothing more. An mx.eval here
+        # would encode work and detach arrays the decoding thread's evals walk (MLX's graph
+        # is one thread's): on CUDA that crashed gated decode's process (SIGSEGV in it).
         c1 = time.thread_time()
         if flat is None:
             one, pred_ids = as_ints(g.joint, d.inds, g.preds)
         else:
             one, pred_ids = split_ids(flat, d.inds, g.preds) if g.preds else (flat, None)
-        ids = host_ids(d.inds) if one is None or trace is not None else None
+        if one is None:
+            ids = host_ids(d.inds)  # (not aside: the decoding thread's own check)
+        elif trace is not None:
+            ids = np.array([one], dtype=getattr(np, str(d.inds.dtype).rpartition(".")[2]))
+        else:
+            ids = None
         t1 = time.perf_counter()
         if not aside:
             st.route_sync_s += t1 - t0
@@ -441,7 +459,7 @@ class DeferredHandshake:
             sched.arena.set_layer(layer)
         if trace is not None:
             trace.record(layer, ids)
-        needed = sorted(set(one)) if one is not None else distinct(ids)
+        needed = g.needed = sorted(set(one)) if one is not None else distinct(ids)
         st.lookups += len(needed)
         sched.collect(block=False)
         sched.drop_unneeded(layer, needed)

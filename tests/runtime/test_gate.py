@@ -414,6 +414,27 @@ def emulated_device_gate(monkeypatch, seconds: float = 5.0) -> dict:
     return seen
 
 
+def spy_calls(monkeypatch) -> dict[str, list]:
+    """The threads that call MLX's evals and the checks' ways of reading routing ids, by
+    name, from here on: an eval on the checks' thread, or a read there of an array the
+    decoding thread builds on (`token_ids`, `host_ids` of a layer's routing ids: only
+    `split_ids` of its own joined array is safe), races the decoding thread's graph."""
+    import strata_mlx.runtime.deferred as deferred
+
+    calls: dict[str, list] = {}
+    for owner, name in [(mx, "eval"), (mx, "async_eval")] + [
+        (deferred, f) for f in ("split_ids", "token_ids", "host_ids")
+    ]:
+        real, seen = getattr(owner, name), calls.setdefault(name, [])
+
+        def wrapped(*a, real=real, seen=seen, **kw):
+            seen.append(threading.current_thread())
+            return real(*a, **kw)
+
+        monkeypatch.setattr(owner, name, wrapped)
+    return calls
+
+
 def load_emulated(monkeypatch, path, fraction: float, **opts):
     """(a gated model of `path` in an arena of `fraction` of its experts, through the
     emulated device gate; that gate's `seen`)."""
@@ -442,14 +463,13 @@ def test_a_device_gate_holding_the_building_thread_gets_its_reads_from_the_check
     model, seen = load_emulated(monkeypatch, path, 0.2, read_ahead="lookahead")
     ec = model.expert_cache
     assert ec.pipelined.device_gate and ec.pipelined.checks is not None
-    evals, real_eval = [], mx.eval
-    monkeypatch.setattr(
-        mx, "eval", lambda *a: evals.append(threading.current_thread()) or real_eval(*a)
-    )
+    calls = spy_calls(monkeypatch)
     got = decode(model, ids, 8)
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
-    # (an eval on the checks' thread races the decoding thread's graph: it only reads)
-    assert evals and ec.pipelined.checks._thread not in evals
+    # The checks' thread evaluates nothing and reads only each layer's own array (spy_calls)
+    checks = ec.pipelined.checks._thread
+    assert calls["eval"] and checks not in calls["eval"] + calls["async_eval"]
+    assert checks in calls["split_ids"] and checks not in calls["token_ids"] + calls["host_ids"]
     s = ec.stats
     assert s.gate_timeouts == 0 and s.gated_mode_tokens == 8 and s.misses > 0
     assert seen["held"] > 0 and s.check_s > 0  # gates did hold the building thread
