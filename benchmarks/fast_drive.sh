@@ -36,7 +36,8 @@ bench() {  # NAME STORE POLICIES [extra bench args]: this code's bench, logged a
 spybin() {  # py-spy's binary from its wheel in .whl/base (extracted once); empty without it
   local w; w=$(ls .whl/base/py_spy-*.whl 2>/dev/null | head -1)
   [ -n "$w" ] || return 0
-  [ -d /tmp/spy ] || python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/spy')" "$w"
+  ls /tmp/spy/py_spy-*.data/scripts/py-spy >/dev/null 2>&1 ||
+    python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/spy')" "$w"
   chmod +x /tmp/spy/py_spy-*.data/scripts/py-spy && ls /tmp/spy/py_spy-*.data/scripts/py-spy
 }
 case "${1:-}" in
@@ -245,10 +246,12 @@ hostprof)  # tmpfs: where each decode thread's CPU goes, MLX's and CUDA's calls 
   # (profile_decode.py --no-profile --py-spy: native stacks sampled while 32 tokens decode),
   # gated and not; needs py-spy's wheel in .whl/base
   build
+  spy=$(spybin)
+  [ -n "$spy" ] || { echo "hostprof: no py-spy wheel in .whl/base"; exit 1; }
   synth "$SHM"
   for p in ${PROFILE_POL:-lookahead:gt1 lookahead}; do
     timeout 150 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 32 \
-      --policy $p --no-profile --py-spy "$(spybin)" --top 30
+      --policy $p --no-profile --py-spy "$spy" --top 30
   done 2>&1 | cut -c1-300 | tee "$OUT/hostprof.log"
   ;;
 stalls)  # what holds bench's gated decode (benchmarks/gate_trace.py), on trace's quarter store:

@@ -88,22 +88,31 @@ def main() -> None:
 
 
 class Spy:
-    """py-spy recording this process (native frames, per thread) until `report`."""
+    """py-spy recording this process (native frames, per thread) until `report`. Sampling
+    pauses the process (200 times a second), so a spied run's timings are not an unspied
+    one's: compare its shares, not its milliseconds."""
 
     def __init__(self, binary: str):
-        self.out = tempfile.NamedTemporaryFile(suffix=".txt", delete=False).name
+        with tempfile.NamedTemporaryFile(suffix=".txt", delete=False) as f:
+            self.out = f.name
+        self.err = tempfile.TemporaryFile()  # (a pipe left unread could fill and stall it)
         cmd = [binary, "record", "--native", "--threads", "--rate", "200", "--format", "raw"]
         cmd += ["--output", self.out, "--pid", str(os.getpid())]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.err)
         time.sleep(1.0)  # (attached before decode starts)
 
     def report(self, top: int) -> None:
         self.proc.send_signal(signal.SIGINT)
-        _, err = self.proc.communicate(timeout=120)
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.err.seek(0)
+        err = self.err.read()
         names = {t.native_id: t.name for t in threading.enumerate()}
         own: dict[str, Counter] = {}
         inclusive: dict[str, Counter] = {}
-        with open(self.out) as f:
+        with open(self.out) if os.path.exists(self.out) else open(os.devnull) as f:
             for line in f:
                 stack, _, count = line.rstrip("\n").rpartition(" ")
                 if not stack or not count.isdigit():
@@ -116,6 +125,7 @@ class Spy:
         os.unlink(self.out)
         if not own:
             print("py-spy recorded nothing:", err.decode(errors="replace").strip()[-300:])
+        print("(py-spy sampled the run above: its timings are slowed by the sampling)")
         for name, counts in sorted(own.items(), key=lambda kv: -kv[1].total()):
             total = counts.total()
             print(f"py-spy, thread {name}: {total} active samples")
