@@ -172,6 +172,12 @@ def host_ids(a: mx.array) -> np.ndarray:
     return np.array(a).reshape(-1, a.shape[-1])
 
 
+def ints_as_host(ids: list[int], like: mx.array) -> np.ndarray:
+    """One token's ids read as ints, as host_ids would give them from `like` ([1, k], its
+    dtype), without reading `like`."""
+    return np.array([ids], dtype=getattr(np, str(like.dtype).rpartition(".")[2]))
+
+
 def distinct(ids: np.ndarray) -> list[int]:
     """The distinct expert ids of `ids` [T, k], ascending (np.unique's, which costs more than
     the whole lookup for decode's single row)."""
@@ -218,10 +224,12 @@ class RoutingBoard:
         g, table = d.gated, self.sched.residency.gate
         if not table.board_on or not untraced:
             return None
-        # (joined here too where reads are not transfers: one write onto the board)
-        src = g.joint if g.joint is not None else join_ids(d.inds, g.preds)
-        if src is None or src.size > BOARD_IDS:
+        # (joined here too where reads are not transfers: one write onto the board; an
+        # array of its own, which the check's fallback reads: own_ids)
+        src = g.joint if g.joint is not None else own_ids(d.inds, g.preds)
+        if src.size > BOARD_IDS:
             return None
+        g.joint = src
         at = self._at.get(layer)
         if at is None:
             at = self._at[layer] = mx.array([table.board_address(layer)], dtype=mx.uint64)
@@ -445,7 +453,7 @@ class DeferredHandshake:
         if one is None:
             ids = host_ids(d.inds)  # (not aside: the decoding thread's own check)
         elif trace is not None:
-            ids = np.array([one], dtype=getattr(np, str(d.inds.dtype).rpartition(".")[2]))
+            ids = ints_as_host(one, d.inds)
         else:
             ids = None
         t1 = time.perf_counter()

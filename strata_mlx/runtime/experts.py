@@ -55,6 +55,7 @@ from .deferred import (
     as_ints,
     distinct,
     host_ids,
+    ints_as_host,
     joint_ids,
     token_ids,
 )
@@ -108,6 +109,9 @@ def _ranked(
     decode's single token ranked from ints (`pred_ids`: those ints, read with the layer's
     own). `trace` records the prediction for `nxt`."""
     if pred_ids is not None:
+        for target, ids, pred in zip(targets, pred_ids, preds):
+            if trace is not None and target == nxt:
+                trace.record_prediction(nxt, ints_as_host(ids, pred))
         return [(t, predictor.rank(ids)) for t, ids in zip(targets, pred_ids)]
     ranked = []
     for target, pred in zip(targets, preds):

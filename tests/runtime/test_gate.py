@@ -420,11 +420,14 @@ def spy_calls(monkeypatch) -> dict[str, list]:
     decoding thread builds on (`token_ids`, `host_ids` of a layer's routing ids: only
     `split_ids` of its own joined array is safe), races the decoding thread's graph."""
     import strata_mlx.runtime.deferred as deferred
+    import strata_mlx.runtime.experts as experts
 
     calls: dict[str, list] = {}
     for owner, name in [(mx, "eval"), (mx, "async_eval")] + [
-        (deferred, f) for f in ("split_ids", "token_ids", "host_ids")
+        (m, f) for m in (deferred, experts) for f in ("split_ids", "token_ids", "host_ids")
     ]:
+        if not hasattr(owner, name):
+            continue
         real, seen = getattr(owner, name), calls.setdefault(name, [])
 
         def wrapped(*a, real=real, seen=seen, **kw):
@@ -477,6 +480,37 @@ def test_a_device_gate_holding_the_building_thread_gets_its_reads_from_the_check
     for m in (model, sync):
         m.expert_cache.close()
     assert not ec.pipelined.checks._thread.is_alive()
+
+
+def test_checks_aside_trace_the_routing_and_predictions_of_the_per_layer_handshake(
+    store, monkeypatch
+):
+    """A routing trace of gated decode, whose checks read each layer's ids as ints from an
+    array of its own, holds the same ids and lookahead predictions, dtypes included, as the
+    per-layer handshake's trace of the same decode."""
+    from strata_mlx.stream.stats import RoutingTrace
+
+    path = store("qwen3_moe")
+    ids = prompt_ids(24, seed=13)
+    sync, _ = strata_mlx.load(
+        path, arena_gb=arena_gb(path, 0.2), decode="sync", read_ahead="lookahead"
+    )
+    model, _ = load_emulated(monkeypatch, path, 0.2, read_ahead="lookahead")
+    traces = []
+    for m in (sync, model):
+        trace = m.expert_cache.trace = RoutingTrace()
+        decode(m, ids, 6)
+        traces.append(trace)
+        m.expert_cache.close()
+    assert model.expert_cache.stats.gated_mode_tokens == 6
+    want, got = traces
+    assert want.predicted and sorted(got.ids) == sorted(want.ids)
+    for field in ("ids", "predicted"):
+        a, b = getattr(want, field), getattr(got, field)
+        assert sorted(a) == sorted(b), field
+        for layer in a:
+            x, y = np.concatenate(a[layer]), np.concatenate(b[layer])
+            assert x.dtype == y.dtype and np.array_equal(x, y), (field, layer)
 
 
 def test_a_check_failing_aside_is_raised_and_the_next_generation_is_exact(store, monkeypatch):
