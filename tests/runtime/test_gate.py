@@ -650,12 +650,16 @@ def test_the_gate_kernel_gives_up_at_once_on_a_closed_or_failed_word(word):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
-def test_gated_decode_through_the_device_gate_equals_sync(store, family):
+def test_gated_decode_through_the_device_gate_equals_sync(store, family, monkeypatch):
     assert cuda_ready() and os.environ.get("STRATA_MLX_GATE", "device") == "device"
+    calls = spy_calls(monkeypatch)
     model, sync = gated_and_sync(store(family), 0.1, prompt_ids(24, seed=7), 12)
     assert model.expert_cache.pipelined.device_gate
     s = model.expert_cache.stats
     assert s.gate_timeouts == 0 and s.misses > 0 and s.gated_mode_tokens == 12
+    checks = model.expert_cache.pipelined.checks._thread  # (reads only: spy_calls)
+    assert checks not in calls["eval"] + calls["async_eval"] + calls["token_ids"]
+    assert checks in calls["split_ids"] and checks not in calls["host_ids"]
     for m in (model, sync):
         m.expert_cache.close()
 
