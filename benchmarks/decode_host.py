@@ -202,6 +202,29 @@ def python_rule():
 VARIANTS = {"general": general_path, "python-rule": python_rule}
 
 
+@contextlib.contextmanager
+def emulated_device_gate():
+    """Gated policies through the device gate's path on this CPU (`--device-gate`): the
+    gate table mapped at its host address, the gate kernel a call that returns slot 0 for
+    every pair at once (a replay never evaluates its outputs), each check on the checks'
+    thread as on CUDA. The decoding thread's build then costs what it would there, less
+    MLX's launches; the checks' CPU is theirs (`checks`)."""
+    from strata_mlx.runtime import deferred
+    from strata_mlx.stream import reader
+
+    def gate(ids, row_at, timeout=None):
+        return mx.zeros((ids.size,), dtype=mx.uint32), mx.zeros((1,), dtype=mx.int32)
+
+    kept = (experts.device_gate_available, reader.map_host, reader.unmap_host, deferred.gate)
+    experts.device_gate_available = lambda: True
+    reader.map_host, reader.unmap_host = (lambda address, nbytes: address), (lambda a: None)
+    deferred.gate = gate
+    try:
+        yield
+    finally:
+        (experts.device_gate_available, reader.map_host, reader.unmap_host, deferred.gate) = kept
+
+
 def load(store: str, a, policy: str):
     opts = policy_options(policy)
     # (a gated policy's layers are replayed as gated decode builds them: a pipelined decoder's)
@@ -278,6 +301,7 @@ def run(store: str, a, policy: str, parts: Parts | None, layers=None) -> dict:
         sync=st.route_sync_s * us,
         wait=st.exposed_wait_s * us,
         loop=st.loop_s * us,
+        checks=st.check_cpu_s * us,
         miss=st.miss_pct,
     )
 
@@ -294,6 +318,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--parts", action="store_true")
     ap.add_argument("--full", action="store_true", help="time real decode, not a replay")
+    ap.add_argument(
+        "--device-gate",
+        action="store_true",
+        help="replay: gated policies through the device gate's path, emulated (checks on "
+        "their own thread, whose CPU is the `checks` column)",
+    )
     ap.add_argument(
         "--general",
         action="store_true",
@@ -322,8 +352,10 @@ def main() -> None:
         for policy, v in variants:  # interleaved: drift on a shared machine hits all alike
             last = r == a.rounds - 1
             part = parts.get(policy) if last and not v else None
+            emulate = a.device_gate and ":gt1" in policy and not a.full
             with VARIANTS[v]() if v else contextlib.nullcontext():
-                out = run(store, a, policy, part, recorded and recorded[policy])
+                with emulated_device_gate() if emulate else contextlib.nullcontext():
+                    out = run(store, a, policy, part, recorded and recorded[policy])
             results[policy + (":" + v if v else "")].append(out)
     what = "decode " + a.decode if a.full else "replayed decode"
     print(
@@ -332,7 +364,7 @@ def main() -> None:
     )
     print(
         f"{'policy':28} {'ms/token':>9} {'cpu':>6} {'host':>7} {'sync':>8} {'wait':>7} "
-        f"{'loop':>6} miss %"
+        f"{'loop':>6} {'checks':>6} miss %"
     )
     for policy, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -340,7 +372,7 @@ def main() -> None:
             f"{policy:28} {med['ms_token']:9.1f} {'-' if a.full else round(med['cpu']):>6} "
             f"{med['host']:7.0f} "
             f"{med['sync']:8.0f} "
-            f"{med['wait']:7.0f} {med['loop']:6.0f} {med['miss']:6.1f}"
+            f"{med['wait']:7.0f} {med['loop']:6.0f} {med['checks']:6.0f} {med['miss']:6.1f}"
         )
         if policy in parts:
             layers = runs[-1]["layers"]
