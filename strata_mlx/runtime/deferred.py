@@ -96,17 +96,11 @@ def joint_ids(inds: mx.array, preds: list[mx.array]) -> mx.array | None:
     (`split_ids`): three reads a layer at lookahead depth 2 become one. None without
     JOIN_IDS, where there is nothing to join (no prediction), for more than one token, or
     for ids of another dtype."""
-    return join_ids(inds, preds) if JOIN_IDS and preds else None
-
-
-def join_ids(inds: mx.array, preds: list[mx.array]) -> mx.array | None:
-    """One token's routing ids, then each of `preds`, as one flat array (the routing's alone
-    without predictions); None for more than one token or for ids of another dtype."""
-    parts = [inds, *preds]
-    if any(p.size != p.shape[-1] or p.dtype != inds.dtype for p in parts):
+    if not JOIN_IDS or not preds:
         return None
-    flat = [p.reshape(-1) for p in parts]
-    return mx.concatenate(flat) if preds else flat[0]
+    if any(p.size != p.shape[-1] or p.dtype != inds.dtype for p in [inds, *preds]):
+        return None
+    return own_ids(inds, preds)
 
 
 def own_ids(inds: mx.array, preds: list[mx.array]) -> mx.array:
@@ -160,8 +154,8 @@ def split_ids(
 
 def as_ints(joint, inds: mx.array, preds: list[mx.array]):
     """(decode's one token's ids as ints or None, the predicted ids as ints where they were
-    joined to them or None), once `joint` (joint_ids' array, or None) is evaluated or may
-    be: reading it waits for it."""
+    joined to them or None), once `joint` (joint_ids' array, its ints as the routing board
+    holds them, or None) is evaluated or may be: reading it waits for it."""
     if joint is None:
         return token_ids(inds), None
     return split_ids(joint, inds, preds)
@@ -446,10 +440,8 @@ class DeferredHandshake:
         # would encode work and detach arrays the decoding thread's evals walk (MLX's graph
         # is one thread's): on CUDA that crashed gated decode's process (SIGSEGV in it).
         c1 = time.thread_time()
-        if flat is None:
-            one, pred_ids = as_ints(g.joint, d.inds, g.preds)
-        else:
-            one, pred_ids = split_ids(flat, d.inds, g.preds) if g.preds else (flat, None)
+        # (the board holds g.joint's ints: put joins onto it what the joint holds)
+        one, pred_ids = as_ints(g.joint if flat is None else flat, d.inds, g.preds)
         if one is None:
             ids = host_ids(d.inds)  # (not aside: the decoding thread's own check)
         elif trace is not None:
