@@ -173,7 +173,7 @@ gate)  # gated decode: the gate's GPU tests (the kernel waits for a host store, 
   build
   [ "${GATE_TESTS:-1}" = 0 ] || timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_gate.py 2>&1 \
      | tail -6 | tee "$OUT/gate-tests.log"
-  pol=${POL:-lookahead,lookahead:gt1,lookahead:gt1:lag2}; r=0
+  pol=${POL:-lookahead:gt0,lookahead:gt1,lookahead:gt1:lag2}; r=0
   rev=$(echo "$pol" | tr , '\n' | tac | paste -sd,)
   for d in ${DRIVES:-12 shm}; do  # shm: the tmpfs itself, no emulated drive
     r=$((r + 1)); p=$pol; [ $((r % 2)) = 0 ] && p=$rev; g=$d; [ "$d" = shm ] && g=
@@ -236,8 +236,8 @@ gated)  # the gate's GPU tests (the routing board's kernel among them); then on 
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_gate.py 2>&1 \
      | tail -12 | tee "$OUT/gate-tests${TAG:-}.log"
   synth "$SHM"
-  G=${G:-32} bench "bench-gated${TAG:-}" "$SHM" "${POL:-lookahead,lookahead:gt1,lookahead:gt1:pw1}"
-  for p in ${PROFILE_POL:-lookahead:gt1 lookahead:gt1:bd1 lookahead}; do
+  G=${G:-32} bench "bench-gated${TAG:-}" "$SHM" "${POL:-lookahead:gt0,lookahead:gt1,lookahead:gt1:pw1}"
+  for p in ${PROFILE_POL:-lookahead:gt1 lookahead:gt1:bd1 lookahead:gt0}; do
     timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 32 \
       --policy $p --no-profile 2>&1 | tail -2
   done | tee "$OUT/gated-threads${TAG:-}.log"
@@ -249,7 +249,7 @@ hostprof)  # tmpfs: where each decode thread's CPU goes, MLX's and CUDA's calls 
   spy=$(spybin)
   [ -n "$spy" ] || { echo "hostprof: no py-spy wheel in .whl/base"; exit 1; }
   synth "$SHM"
-  for p in ${PROFILE_POL:-lookahead:gt1 lookahead}; do
+  for p in ${PROFILE_POL:-lookahead:gt1 lookahead:gt0}; do
     timeout 150 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 32 \
       --policy $p --no-profile --py-spy "$spy" --top 30
   done 2>&1 | cut -c1-300 | tee "$OUT/hostprof.log"

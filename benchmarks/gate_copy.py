@@ -20,9 +20,11 @@ the building thread's call took. The calls, each in its own round:
   a matmul of a shape not seen before (cuBLAS may pick a kernel not loaded yet);
   an array from host memory of a size not held (CUDA managed memory, cudaMallocManaged);
   mx.clear_cache(), a buffer of a new size evaluated and freed before the gate (MLX's cache
-  hands it back to the pool).
-Each call runs once before the rounds with no gate waiting, so that its kernels are loaded
-(CUDA loads a module at its first launch) and a round times the call alone.
+  hands it back to the pool);
+  a kernel this process has not launched yet (MLX compiles it and CUDA loads its module:
+  CUDA's documentation says loading a module may synchronize the context).
+Each call but the last runs once before the rounds with no gate waiting, so that its kernels
+are loaded (CUDA loads a module at its first launch) and a round times the call alone.
 A word held for the whole spin by one of them says which call holds the device's other users;
 with --py-spy PATH (py-spy's binary), a word still out 50 ms into a round has the building
 thread's native stack dumped (`py-spy dump --native`): where in MLX, and in CUDA, it waits.
@@ -72,7 +74,11 @@ CALLS = (
     "new-matmul-shape",
     "new-host-size",
     "clear-cache",
+    "first-kernel",
 )
+# Ops no other call launches, one a round: each "first-kernel" call's kernel is compiled and
+# its module loaded by that call, behind the waiting gate (never warmed up).
+FIRST_KERNELS = ("erfinv", "arctanh", "expm1", "log1p", "arcsinh", "sinh", "cosh", "erf")
 
 
 class TableShape:
@@ -110,6 +116,7 @@ class Sizes:
 
     def __init__(self):
         self.n = 3 << 18
+        self.first = 0  # first-kernel's ops used
 
     def new(self) -> int:
         self.n += 5 << 12
@@ -142,6 +149,10 @@ def building_call(kind: str, sizes: Sizes, same: list, prepare: bool = False) ->
         mx.async_eval(w @ w.T)
     elif kind == "new-host-size":
         mx.async_eval(mx.array(np.ones(sizes.new(), dtype=np.float32)))
+    elif kind == "first-kernel":
+        op = getattr(mx, FIRST_KERNELS[sizes.first % len(FIRST_KERNELS)])
+        sizes.first += 1
+        mx.async_eval(op(mx.full((4096,), 0.25, dtype=mx.float16)))
 
 
 def warm_up(sizes: Sizes) -> None:
@@ -149,6 +160,8 @@ def warm_up(sizes: Sizes) -> None:
     module at its first launch), so that a round times the call, not a first load."""
     same: list = []
     for kind in CALLS:
+        if kind == "first-kernel":  # (its point: a kernel not loaded yet)
+            continue
         building_call(kind, sizes, same, prepare=True)
         building_call(kind, sizes, same)
         mx.synchronize()

@@ -53,6 +53,11 @@ def main() -> None:
         help="time decode without cProfile: each thread's CPU time a token against the wall",
     )
     ap.add_argument("--py-spy", default=None, help="with --no-profile: py-spy's binary")
+    ap.add_argument(
+        "--tokens",
+        action="store_true",
+        help="each token's wall time and decode mode, the prompt's first token's included",
+    )
     a = ap.parse_args()
     m = load_manifest(a.store)
     model, _ = strata_mlx.load(a.store, arena_gb=a.arena_gb, **policy_options(a.policy))
@@ -61,6 +66,8 @@ def main() -> None:
     if a.prefill:
         return profile_prefill(model, ec, ids, a)
     steps = generate_step(model, mx.array(ids), max_tokens=a.gen_tokens + 1, prefill_step_size=1024)
+    if a.tokens:
+        return each_token(steps, ec)
     next(steps)  # the prompt and its first token: not profiled
     ec.stats = ExpertStats()
     prof = cProfile.Profile()
@@ -134,6 +141,23 @@ class Spy:
             for label, table in (("self", counts), ("inclusive", under)):
                 for frame, c in table.most_common(top):
                     print(f"  {label:9s} {100 * c / total:5.1f}%  {frame[:150]}")
+
+
+MODES = ("gated", "layers", "token", "sync")
+
+
+def each_token(steps, ec) -> None:
+    """Each token's wall time (the first's: the prompt's prefill and its last token) and the
+    mode its decode step ran in; gates given up so far."""
+    t, st = time.perf_counter(), ec.stats
+    before = {m: 0 for m in MODES}
+    for i, _ in enumerate(steps):
+        now = time.perf_counter()
+        counts = {m: getattr(st, f"{m}_mode_tokens") for m in MODES}
+        mode = ",".join(m for m in MODES if counts[m] > before[m]) or "-"
+        print(f"token {i}: {1e3 * (now - t):8.1f} ms, {mode}; gates given up {st.gate_timeouts}")
+        before, t = counts, time.perf_counter()
+    ec.close()
 
 
 def split(st: ExpertStats, n: int) -> str:

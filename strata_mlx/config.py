@@ -130,6 +130,7 @@ class Option:
     name: str | None = None
     variant: str | None = None
     shown: str | None = None
+    switch: bool = False
 
 
 def opt(
@@ -143,6 +144,7 @@ def opt(
     name: str | None = None,
     variant: str | None = None,
     shown: str | None = None,
+    switch: bool = False,
 ) -> dict:
     """A runtime option's field metadata: `field(default=2, metadata=opt(...))`.
 
@@ -152,8 +154,11 @@ def opt(
     whose default is None also takes None ("automatic"; `shown` says so in the help). `name`:
     the option's name where it differs from the field's (a group's field). `variant`: bench's
     policy-name variant, `:<variant>N` (a number) or `:<variant>0` / `:<variant>1` (a switch);
-    an option with choices takes each choice as a variant when `variant` is "choices"."""
-    return {_OPTION: Option(help, range, lo_open, choices, check, panel, name, variant, shown)}
+    an option with choices takes each choice as a variant when `variant` is "choices".
+    `switch`: a yes-or-no option whose default is None (decided when the model loads)."""
+    return {
+        _OPTION: Option(help, range, lo_open, choices, check, panel, name, variant, shown, switch)
+    }
 
 
 def group() -> dict:
@@ -177,7 +182,7 @@ class RuntimeOption:
 
     @property
     def is_switch(self) -> bool:
-        return isinstance(self.default, bool)
+        return isinstance(self.default, bool) or self.option.switch
 
 
 def _default(f) -> Any:

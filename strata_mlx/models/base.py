@@ -188,6 +188,11 @@ class _GrowingCache:
     def is_trimmable(self) -> bool:
         return True
 
+    def grows(self, n: int) -> bool:
+        """Whether writing `n` more positions makes a new, larger buffer."""
+        keys = self.keys[0] if isinstance(self.keys, (tuple, list)) else self.keys
+        return keys is None or self.offset + n > keys.shape[2]
+
 
 class KVCache(_GrowingCache):
     """Keys and values grown in steps of 256 positions (as mlx-lm's KVCache).
@@ -421,6 +426,13 @@ class RotatingKVCache:
         if keys.shape[2] == 1:
             return self._write_one(keys, values)
         return self._append(keys, values)
+
+    def grows(self, n: int) -> bool:
+        """Whether writing `n` more positions makes a new buffer (a one-token write past the
+        buffer before it holds `max_size`; any longer write appends)."""
+        if self.keys is None or n > 1:
+            return True
+        return self.offset >= self.keys.shape[2] and self.keys.shape[2] < self.max_size
 
     def make_mask(self, n: int):
         if n == 1:

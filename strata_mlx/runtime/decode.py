@@ -46,7 +46,10 @@ A token runs in one of three ways, chosen from the running share of decode layer
     experts are queued and waits for its reads, as "sync" does. No token is built on a gated
     one before it is verified: its last checks may give a miss the slot of a layer not
     computing yet, which a token built on top ("token" mode: slots looked up when built)
-    would read unchecked.
+    would read unchecked. A token that may launch a kernel the process has not loaded (the
+    first with its cache's buffer shapes, or one that grows a buffer) runs ungated: CUDA may
+    synchronize the context to load a module, and a read's copy then waits behind the
+    waiting gate until it gives up (`PipelinedDecoder._loads_code`).
 
 Outputs are bit-identical to the sync path in every mode (tests/test_decode.py).
 
@@ -292,6 +295,8 @@ class PipelinedDecoder(Decoder):
         tied = getattr(model.args, "tie_word_embeddings", False)
         self.head = inner.embed_tokens.as_linear if tied else model.lm_head
         self.expert_cache.plan_pipelined_lookahead(lag + 1)
+        # The caches' buffer shapes some token ran ungated with (`_loads_code`).
+        self.ran: set[tuple] = set()
 
     def __call__(self, tokens: mx.array, cache: list) -> mx.array:
         """tokens [1, 1] -> logits [1, 1, vocab], bit-identical to model(tokens, cache)."""
@@ -310,8 +315,9 @@ class PipelinedDecoder(Decoder):
         finally:
             self.sync_above, self.token_below = kept
 
-    def mode(self) -> str:
-        """How the next token runs: "token", "layers" or "sync" (see the module docstring)."""
+    def mode(self, gated: bool = True) -> str:
+        """How the next token runs: "token", "layers", "sync" or, unless not `gated`,
+        "gated" (see the module docstring)."""
         ec = self.expert_cache
         return choose_mode(
             ec.decode_layer_miss_rate,
@@ -319,8 +325,22 @@ class PipelinedDecoder(Decoder):
             self.sync_above,
             self.token_below,
             self.token_while_predicting,
-            ec.pipelined.gated and not self.gave_up,
+            gated and ec.pipelined.gated and not self.gave_up,
         )
+
+    def _loads_code(self, cache: list) -> bool:
+        """Whether a token built now may launch a kernel this process has not loaded: a
+        cache's buffer grows with it, or no token ran ungated with these buffers' shapes
+        (the first, or the first after a prompt of another length; cuDNN's attention plans
+        for one token are keyed by the buffer's shape and compiled at their first use).
+        CUDA may synchronize the context to load a module: behind a device gate waiting
+        for a read, the read's copy then waits for the load and the gate gives up (the
+        gates given up in a process's first gated tokens). Such a token runs ungated, and
+        loads its kernels there."""
+        if not self.expert_cache.pipelined.device_gate:
+            return False
+        grows = [getattr(c, "grows", None) for c in cache]
+        return any(g is not None and g(1) for g in grows) or _shapes(cache) not in self.ran
 
     @property
     def gave_up(self) -> bool:
@@ -331,16 +351,21 @@ class PipelinedDecoder(Decoder):
         """Build one token (tokens [1, 1], possibly not yet evaluated) and submit it; in
         "token" mode nothing is verified until `finish`."""
         ec = self.expert_cache
-        step = Step(cache, self.mode(), ec.predicts_in_decode())
+        mode = self.mode()
+        if mode == "gated" and self._loads_code(cache):
+            mode = self.mode(gated=False)
+        step = Step(cache, mode, ec.predicts_in_decode())
         if step.mode == "sync":
             # Most layers miss: each would be built, found wrong and recomputed. The sync
             # handshake is cheaper here (H200: 178 against 228 ms/token at 35 % misses).
             ec.settle()
             step.logits = self.model(tokens, cache=cache)
-            return step
-        if step.mode in ("layers", "gated"):
-            ec.settle()  # the last token is verified and drained: no slot in use
-        self._build(step, 0, self.embed(tokens))
+        else:
+            if step.mode in ("layers", "gated"):
+                ec.settle()  # the last token is verified and drained: no slot in use
+            self._build(step, 0, self.embed(tokens))
+        if mode != "gated" and ec.pipelined.device_gate:  # (its kernels loaded: `_loads_code`)
+            self.ran.add(_shapes(cache))
         return step
 
     def finish(self, step: Step, later: Step | None = None) -> bool:
@@ -513,6 +538,17 @@ class PipelinedDecoder(Decoder):
         mx.async_eval(h)
         step.last = h
         return h
+
+
+def _shapes(cache: list) -> tuple:
+    """Each cache's kind and its keys' buffer's shape (what attention reads), where it has one."""
+    shapes = []
+    for c in cache:
+        keys = getattr(c, "keys", None)
+        if isinstance(keys, (tuple, list)):  # (QuantizedKVCache: codes, scales, biases)
+            keys = keys[0]
+        shapes.append(None if keys is None else (type(c).__name__, tuple(keys.shape)))
+    return tuple(shapes)
 
 
 def _save(c):

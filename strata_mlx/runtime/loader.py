@@ -49,7 +49,7 @@ from ..stream.prediction import ReadAhead
 from ..stream.scheduler import SCHEDULERS
 from ..stream.stats import RoutingTrace
 from .decode import MODES
-from .experts import ExpertCache, tell_words
+from .experts import ExpertCache, device_gate_available, tell_words
 from .model import StrataModel
 
 # The supported model types, each run by models/<model_type>.py; ALIASES are run by
@@ -231,11 +231,14 @@ class RuntimeConfig:
     # Gated decode: with misses, a token's layers are queued ahead of their routing checks and
     # each layer's experts wait on the device for their reads (strata_mlx.stream.gate), where
     # the pipelined decoder otherwise stops at every layer ("sync") or recomputes after a miss
-    # ("layers"). The gate waits on a CUDA device; elsewhere the host waits as "sync" does.
-    decode_gate: bool = field(
-        default=False,
+    # ("layers"). The gate waits on a CUDA device; elsewhere the host waits as "sync" does, so
+    # by default (None) it is on only where the device can wait (docs/decisions.md, "Gated
+    # decode": 1.3-1.8x ungated decode's speed on the H100 with misses).
+    decode_gate: bool | None = field(
+        default=None,
         metadata=opt("pipelined: with misses, layers wait on the device for their reads "
-                     "instead of a per-layer sync.", variant="gt"),
+                     "instead of a per-layer sync.", variant="gt", switch=True,
+                     shown="on where the device can wait (CUDA)"),
     )  # fmt: skip
     # A gate gives up when its read is stuck (after 5 s by default) or failed: a few in one
     # decoder's life mean something holds the reads back (on the full-size store a record's
@@ -598,7 +601,7 @@ def build_expert_cache(
         dump=cfg.dump,
         trace=cfg.trace,
         # (an arena smaller than one token's experts runs a layer in groups: never gated)
-        gate=cfg.decode_gate
+        gate=(device_gate_available() if cfg.decode_gate is None else cfg.decode_gate)
         and cfg.decode == "pipelined"
         and n_slots >= getattr(args, "num_experts_per_tok", 1),
     )

@@ -139,8 +139,8 @@ def _flag(o: RuntimeOption, defaults: dict) -> inspect.Parameter:
     from the declaration (or the command's `defaults`)."""
     spec = o.option
     if o.is_switch:  # off by default: the flag alone turns it on
-        names = f"{o.flag}/--no-{o.flag[2:]}" if o.default else o.flag
-        kind, default = bool, "on" if o.default else "off"
+        names = f"{o.flag}/--no-{o.flag[2:]}" if o.default is not False else o.flag
+        kind, default = bool, spec.shown or ("on" if o.default else "off")
     else:
         lo = spec.range[0] if spec.range else None
         kind = float if isinstance(lo, float) else int if isinstance(lo, int) else str
