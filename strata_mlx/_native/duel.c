@@ -590,8 +590,11 @@ static PyObject *Duel_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         return NULL;
     }
     if (!(sample > 0) || !(half_life > 0)) { /* the growth divides by both */
-        PyErr_Format(PyExc_ValueError, "Duel: sample %g and half_life %g must be above 0", sample,
-                     half_life);
+        /* (PyErr_Format has no float conversion: Python >= 3.12 raises SystemError on one) */
+        char text[96];
+        snprintf(text, sizeof text, "Duel: sample %g and half_life %g must be above 0", sample,
+                 half_life);
+        PyErr_SetString(PyExc_ValueError, text);
         return NULL;
     }
     Duel *d = (Duel *)type->tp_alloc(type, 0);

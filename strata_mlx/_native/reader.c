@@ -954,7 +954,7 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
                 goto fail;
             }
             if (!at || at % sizeof(int32_t)) {
-                PyErr_Format(PyExc_ValueError, "request %zd (tag %lld): ready address %#llx "
+                PyErr_Format(PyExc_ValueError, "request %zd (tag %lld): ready address 0x%llx "
                              "is NULL or not 4-byte aligned", i, q->tag, at);
                 goto fail;
             }

@@ -315,9 +315,12 @@ class PipelinedDecoder(Decoder):
         finally:
             self.sync_above, self.token_below = kept
 
-    def mode(self, gated: bool = True) -> str:
-        """How the next token runs: "token", "layers", "sync" or, unless not `gated`,
-        "gated" (see the module docstring)."""
+    def mode(self) -> str:
+        """How the next token runs: "token", "layers", "sync" or "gated" (see the module
+        docstring)."""
+        return self._mode(gated=True)
+
+    def _mode(self, gated: bool) -> str:
         ec = self.expert_cache
         return choose_mode(
             ec.decode_layer_miss_rate,
@@ -353,7 +356,7 @@ class PipelinedDecoder(Decoder):
         ec = self.expert_cache
         mode = self.mode()
         if mode == "gated" and self._loads_code(cache):
-            mode = self.mode(gated=False)
+            mode = self._mode(gated=False)
         step = Step(cache, mode, ec.predicts_in_decode())
         if step.mode == "sync":
             # Most layers miss: each would be built, found wrong and recomputed. The sync

@@ -488,3 +488,10 @@ def test_nextuse_victim_is_the_evictable_expert_expected_farthest():
                 resident.discard(v)
             resident.add(key)
             p.touch(key)
+
+
+def test_a_native_duel_refuses_a_sample_or_half_life_not_above_zero():
+    """Its one-line error names both values (a float in a native error message)."""
+    for sample, half_life in ((0.0, 256.0), (0.25, -1.0)):
+        with pytest.raises(ValueError, match=rf"sample {sample:g} and half_life {half_life:g}"):
+            policies.NextUseDuel([0, 1], None, sample, 0, core="native", half_life=half_life)
