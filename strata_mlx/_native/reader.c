@@ -954,8 +954,8 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
                 goto fail;
             }
             if (!at || at % sizeof(int32_t)) {
-                PyErr_Format(PyExc_ValueError, "request %zd (tag %lld): ready address 0x%llx "
-                             "is NULL or not 4-byte aligned", i, q->tag, at);
+                PyErr_Format(PyExc_ValueError, "request %zd (tag %lld): ready address %p "
+                             "is NULL or not 4-byte aligned", i, q->tag, (void *)(uintptr_t)at);
                 goto fail;
             }
             q->ready = (int32_t *)(uintptr_t)at;

@@ -259,7 +259,7 @@ class BatchGenerator:
         if not rows:
             return []
         ec.idle()
-        with ec.phase(decoding=True):
+        with ec.phase(decoding=True, gating=False):
             try:
                 steps = [(s.y[None], s.cache) for s in rows]
                 logits = batch_forward(self.model, steps, self.one_forward)

@@ -47,7 +47,8 @@ A token runs in one of three ways, chosen from the running share of decode layer
     one before it is verified: its last checks may give a miss the slot of a layer not
     computing yet, which a token built on top ("token" mode: slots looked up when built)
     would read unchecked. A token that may launch a kernel the process has not loaded (the
-    first with its cache's buffer shapes, or one that grows a buffer) runs ungated: CUDA may
+    first with its cache's buffer shapes, one that grows a buffer or whose keys reach a count
+    where attention changes kernels) runs ungated: CUDA may
     synchronize the context to load a module, and a read's copy then waits behind the
     waiting gate until it gives up (`PipelinedDecoder._loads_code`).
 
@@ -155,6 +156,7 @@ class Decoder:
     how the next token runs. Subclasses set `expert_cache`."""
 
     expert_cache = None
+    gates = False  # whether its tokens may wait on a device gate (ExpertCache.phase)
 
     def mode(self) -> str:
         return "sync"
@@ -192,7 +194,7 @@ class Decoder:
         with ec.phase(decoding=False):
             step = self.start(y[None], cache)
         later = None
-        with ec.phase(decoding=True):
+        with ec.phase(decoding=True, gating=self.gates):
             try:
                 for n in range(max_tokens):
                     rng = mx.random.state[0]  # the key this token's sample draws from
@@ -333,17 +335,22 @@ class PipelinedDecoder(Decoder):
 
     def _loads_code(self, cache: list) -> bool:
         """Whether a token built now may launch a kernel this process has not loaded: a
-        cache's buffer grows with it, or no token ran ungated with these buffers' shapes
-        (the first, or the first after a prompt of another length; cuDNN's attention plans
-        for one token are keyed by the buffer's shape and compiled at their first use).
-        CUDA may synchronize the context to load a module: behind a device gate waiting
-        for a read, the read's copy then waits for the load and the gate gives up (the
-        gates given up in a process's first gated tokens). Such a token runs ungated, and
-        loads its kernels there."""
+        cache's buffer grows with it, its keys reach one of ATTENTION_STEPS, or no token ran
+        ungated with these buffers' shapes (the first, or the first after a prompt of another
+        length: cuDNN's attention plans are keyed by the buffer's shape and built at their
+        first use). Loading a module may synchronize the CUDA context: behind a device gate
+        waiting for a read, the read's copy then waits for the load and the gate gives up.
+        Such a token runs ungated, and loads its kernels there."""
         if not self.expert_cache.pipelined.device_gate:
             return False
         grows = [getattr(c, "grows", None) for c in cache]
-        return any(g is not None and g(1) for g in grows) or _shapes(cache) not in self.ran
+        if any(g is not None and g(1) for g in grows) or any(map(_reaches_step, cache)):
+            return True
+        return _shapes(cache) not in self.ran
+
+    @property
+    def gates(self) -> bool:
+        return self.expert_cache.pipelined.gated
 
     @property
     def gave_up(self) -> bool:
@@ -541,6 +548,23 @@ class PipelinedDecoder(Decoder):
         mx.async_eval(h)
         step.last = h
         return h
+
+
+# The key counts at which MLX's CUDA attention for one token changes kernels: its vector
+# kernel below 256 keys; cuDNN's from 256 where the keys are a slice of a buffer of a multiple
+# of 256 positions (mlx-lm's caches and ours); the vector kernel's two-pass form past 1024.
+ATTENTION_STEPS = (256, 1025)
+
+
+def _reaches_step(c) -> bool:
+    """Whether the next token's keys in cache `c` reach one of ATTENTION_STEPS."""
+    offset = getattr(c, "offset", None)
+    if not isinstance(offset, int) or getattr(c, "keys", None) is None:
+        return False
+    before, after = offset, offset + 1
+    if (cap := getattr(c, "max_size", None)) is not None:  # (a window's keys stop at it)
+        before, after = min(before, cap), min(after, cap)
+    return any(before < s <= after for s in ATTENTION_STEPS)
 
 
 def _shapes(cache: list) -> tuple:

@@ -297,6 +297,7 @@ class DeferredHandshake:
         self.ahead_distance = 1  # layers from a checked layer to the one it predicts
         # A failed check fed the miss rate for this layer: its recomputing handshake must not.
         self.observed: int | None = None
+        self.warmed = False  # (the device gate's first layer: `_warm`)
 
     @property
     def gated(self) -> bool:
@@ -374,6 +375,8 @@ class DeferredHandshake:
         with sched.lock:
             sched.busy_layers.add(layer)
         if self.device_gate:
+            if not self.warmed:
+                self._warm(inds, preds)
             ids = self.board.put(layer, d, self.owner().trace is None)
             if ids is None:
                 if g.joint is None:  # (what the check reads: an array of its own)
@@ -394,6 +397,18 @@ class DeferredHandshake:
         self.records.append(d)
         sched.stats.host_s += time.perf_counter() - t
         return y
+
+    def _warm(self, inds: mx.array, preds: list[mx.array]) -> None:
+        """Before the first device gate: the array ops that gated layers and their token's
+        end launch, evaluated once, so that none launches a kernel for the first time while
+        a gate waits (loading a module may synchronize the device, and a read's copy then
+        waits behind that gate until it gives up: docs/decisions.md, "Gated decode"). The
+        layers near the end predict fewer layers ahead (the last one none: `own_ids`' copy),
+        and the token's end joins the gates' flags. No gate waits here: a gated token is
+        built only once the token before it is verified."""
+        self.warmed = True
+        flags = [mx.zeros((1,), dtype=mx.int32) for _ in range(2)]
+        mx.eval(*(own_ids(inds, preds[:j]) for j in range(len(preds) + 1)), mx.concatenate(flags))
 
     def _row_address(self, layer: int) -> mx.array:
         at = self._row_at.get(layer)

@@ -293,15 +293,17 @@ class ExpertCache:
         warm_arena(self.sched, self.layers, self.manifest.num_experts)
 
     @contextmanager
-    def phase(self, decoding: bool):
+    def phase(self, decoding: bool, gating: bool | None = None):
         """Run the block as decode steps (decode's prediction rule, miss rates, cache-aware
-        routing) or as prefill; the previous phase is restored after it. Gated decode's
-        table stays mapped inside (GateTable.in_use); an error leaving the block abandons
-        the gates a token left queued (not a generator closed at a yield: none are)."""
+        routing) or as prefill; the previous phase is restored after it. `gating`: whether a
+        device gate may wait for a read inside (`tell_words`; by default `decoding`; a batch
+        of sequences, which never gates, passes False). Gated decode's table stays mapped inside
+        (GateTable.in_use); an error leaving the block abandons the gates a token left
+        queued (not a generator closed at a yield: none are)."""
         before, self.decoding = self.decoding, decoding
         with self.sched.lock:  # the eviction policy is told (its optional `phase` hook)
             self.arena.set_phase(decoding)
-        tell_words(self.sched, decoding)
+        tell_words(self.sched, decoding if gating is None else gating)
         gate = self.sched.residency.gate
         try:
             with gate.in_use() if gate is not None else nullcontext():

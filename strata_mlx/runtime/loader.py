@@ -601,8 +601,8 @@ def build_expert_cache(
         dump=cfg.dump,
         trace=cfg.trace,
         # (an arena smaller than one token's experts runs a layer in groups: never gated)
-        gate=(device_gate_available() if cfg.decode_gate is None else cfg.decode_gate)
-        and cfg.decode == "pipelined"
+        gate=cfg.decode == "pipelined"
+        and (device_gate_available() if cfg.decode_gate is None else cfg.decode_gate)
         and n_slots >= getattr(args, "num_experts_per_tok", 1),
     )
     if (gate := cache.sched.residency.gate) is not None:

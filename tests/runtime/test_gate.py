@@ -490,23 +490,77 @@ def test_a_token_that_may_load_kernels_runs_ungated_and_the_rest_stay_gated(stor
     """With the device gate, a token runs ungated where it may launch kernels the process has
     not loaded (CUDA may synchronize the context to load one, which a gate waiting for a
     read's copy would hold until it gave up): the first token (no token ran with its cache's
-    shapes yet) and the token that grows the KV cache's buffer (cuDNN's attention plans are
-    keyed by that shape). A second generation of the same length is gated from its first
-    token but for the growth. Tokens equal the per-layer handshake's."""
+    shapes yet), the token whose keys reach 256 (MLX's attention moves to cuDNN there) and
+    the token that grows the KV cache's buffer (cuDNN's attention plans are keyed by its
+    shape). A second generation of the same length is gated from its first token but for
+    those two. Tokens equal the per-layer handshake's."""
     path = store("qwen3_moe")
-    ids = prompt_ids(250, seed=3)  # (the buffer, 256 positions, grows at the 8th token)
+    ids = prompt_ids(250, seed=3)  # (256 keys at the 7th token; the buffer grows at the 8th)
     gb = arena_gb(path, 0.2)
     sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
     ref = decode(sync, ids, 12)
     model, _ = load_emulated(monkeypatch, path, 0.2)
     s = model.expert_cache.stats
-    for gated in (10, 11):  # 12 tokens: the first and the growth ungated, then the growth
+    for gated in (9, 10):  # 12 tokens: the first, the 256th key and the growth ungated
         before = s.gated_mode_tokens
         got = decode(model, ids, 12)
         assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
         assert s.gated_mode_tokens - before == gated and s.gate_timeouts == 0
     for m in (model, sync):
         m.expert_cache.close()
+
+
+def test_the_keys_reaching_an_attention_step_or_a_growing_buffer_load_code():
+    """The caches' side of PipelinedDecoder._loads_code: the next token grows a buffer, or its
+    keys reach 256 or 1025, where MLX's CUDA attention for one token changes kernels (a
+    window's keys stop at its size)."""
+    from strata_mlx.models.base import KVCache, RotatingKVCache
+    from strata_mlx.runtime.decode import _reaches_step
+
+    def kv(offset: int, buffer: int) -> KVCache:
+        c = KVCache()
+        c.keys = c.values = mx.zeros((1, 1, buffer, 8))
+        c.offset = offset
+        return c
+
+    assert _reaches_step(kv(255, 256)) and not kv(255, 256).grows(1)
+    assert _reaches_step(kv(1024, 1280)) and not _reaches_step(kv(300, 512))
+    assert kv(256, 256).grows(1) and not _reaches_step(kv(256, 256))
+    assert KVCache().grows(1) and not _reaches_step(KVCache())
+    window = RotatingKVCache(128)
+    window.keys = window.values = mx.zeros((1, 1, 128, 8))
+    window.offset = window._idx = 1024
+    assert not _reaches_step(window) and not window.grows(1)
+
+
+def test_the_gated_layers_array_ops_are_evaluated_once_before_the_first_gate(store, monkeypatch):
+    """The device gate's first layer evaluates, before its gate, the ops the gated layers and
+    their token's end launch (`DeferredHandshake._warm`: the joined ids with as many
+    predictions as the layer makes and with fewer, down to none, and the flags' join), so
+    that none is a first launch while a gate waits; once a model."""
+    import strata_mlx.runtime.deferred as deferred
+    from strata_mlx.runtime.deferred import DeferredHandshake
+
+    path = store("qwen3_next")
+    ids = prompt_ids(24, seed=11)
+    model, _ = load_emulated(monkeypatch, path, 0.2, read_ahead="lookahead")
+    gates, warmed, emulated, warm = [0], [], deferred.gate, DeferredHandshake._warm
+
+    def gate(*args):
+        gates[0] += 1
+        return emulated(*args)
+
+    def spy(self, inds, preds):
+        warmed.append((gates[0], len(preds)))
+        warm(self, inds, preds)
+
+    monkeypatch.setattr(deferred, "gate", gate)
+    monkeypatch.setattr(DeferredHandshake, "_warm", spy)
+    for _ in range(2):
+        decode(model, ids, 6)
+    depth = model.expert_cache.read_ahead.depth
+    assert warmed == [(0, depth)] and gates[0] > 0
+    model.expert_cache.close()
 
 
 def test_checks_aside_trace_the_routing_and_predictions_of_the_per_layer_handshake(

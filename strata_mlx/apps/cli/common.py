@@ -138,7 +138,7 @@ def _flag(o: RuntimeOption, defaults: dict) -> inspect.Parameter:
     """The typer parameter of runtime option `o`: None when not given, its default shown
     from the declaration (or the command's `defaults`)."""
     spec = o.option
-    if o.is_switch:  # off by default: the flag alone turns it on
+    if o.is_switch:  # the flag alone turns it on (--no-... too where it may be on by default)
         names = f"{o.flag}/--no-{o.flag[2:]}" if o.default is not False else o.flag
         kind, default = bool, spec.shown or ("on" if o.default else "off")
     else:

@@ -145,7 +145,8 @@ def decode_forecast(
     step: int,
 ) -> dict:
     """Decode of `gen_tokens` after a cold prompt in chunks of `step`, token by token through
-    the decoder's own rules (strata_mlx.runtime.decode; thresholds from RuntimeConfig's defaults).
+    the decoder's own rules (strata_mlx.runtime.decode; thresholds from RuntimeConfig's defaults),
+    without the device gate: gated decode (the default on CUDA) is not forecast.
     The prompt's last token runs first, untimed: it goes through the decoder outside any chunk
     (the arena's and the decoder's state move with it), and bench's decode time starts after it;
     counted, the coldest token of all (the decoder's averages at their start) was charged to
