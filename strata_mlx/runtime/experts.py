@@ -234,6 +234,7 @@ class ExpertCache:
         self._dropped = closed_when_dropped(self)
         self.trace, self.route_bonus, self.dump = trace, route_bonus, dump
         self.decoding = False  # inside `phase(decoding=True)`: generation's decode steps
+        self.gating = False  # inside a phase where a device gate may wait (`phase`)
         self.compute = LayerCompute(manifest, arena, self.sched, fake_stream)
         # Every expert fits at once: eviction never happens, so uses need not be recorded.
         all_fit = arena.n_slots >= manifest.num_experts * len(self.layers)
@@ -301,9 +302,10 @@ class ExpertCache:
         (GateTable.in_use); an error leaving the block abandons the gates a token left
         queued (not a generator closed at a yield: none are)."""
         before, self.decoding = self.decoding, decoding
+        gated_before, self.gating = self.gating, decoding if gating is None else gating
         with self.sched.lock:  # the eviction policy is told (its optional `phase` hook)
             self.arena.set_phase(decoding)
-        tell_words(self.sched, decoding if gating is None else gating)
+        tell_words(self.sched, self.gating)
         gate = self.sched.residency.gate
         try:
             with gate.in_use() if gate is not None else nullcontext():
@@ -316,10 +318,10 @@ class ExpertCache:
                 gate.abandon()
             raise
         finally:
-            self.decoding = before
+            self.decoding, self.gating = before, gated_before
             with self.sched.lock:
                 self.arena.set_phase(before)
-            tell_words(self.sched, before)
+            tell_words(self.sched, gated_before)
 
     async def prefetch(self, layer: int, experts) -> None:
         """Read `experts` of `layer` as read-ahead and return once they are resident (for

@@ -996,6 +996,14 @@ def test_the_driver_stores_read_ahead_words_while_decoding_and_in_prefill_only_w
             assert reader.words_by_driver is in_prefill
         assert reader.words_by_driver is True
     assert reader.words_by_driver is in_prefill
+    with ec.phase(decoding=True, gating=False):  # (a batch of sequences: no gate waits)
+        assert reader.words_by_driver is in_prefill
+        with ec.phase(decoding=False):
+            assert reader.words_by_driver is in_prefill
+        assert reader.words_by_driver is in_prefill
+        with ec.phase(decoding=True):
+            assert reader.words_by_driver is True
+        assert reader.words_by_driver is in_prefill
     ungated, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.25))
     with ungated.expert_cache.phase(decoding=False):  # no table: the reader's default stays
         assert ungated.expert_cache.sched.reader.words_by_driver is True
