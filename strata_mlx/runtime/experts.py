@@ -233,8 +233,8 @@ class ExpertCache:
             self.sched.residency.gate = GateTable(manifest, device=device_gate)
         self._dropped = closed_when_dropped(self)
         self.trace, self.route_bonus, self.dump = trace, route_bonus, dump
-        self.decoding = False  # inside `phase(decoding=True)`: generation's decode steps
-        self.gating = False  # inside a phase where a device gate may wait (`phase`)
+        # inside `phase(decoding=True)`: generation's decode steps (`gating`: a gate may wait)
+        self.decoding = self.gating = False
         self.compute = LayerCompute(manifest, arena, self.sched, fake_stream)
         # Every expert fits at once: eviction never happens, so uses need not be recorded.
         all_fit = arena.n_slots >= manifest.num_experts * len(self.layers)
@@ -295,12 +295,9 @@ class ExpertCache:
 
     @contextmanager
     def phase(self, decoding: bool, gating: bool | None = None):
-        """Run the block as decode steps (decode's prediction rule, miss rates, cache-aware
-        routing) or as prefill; the previous phase is restored after it. `gating`: whether a
-        device gate may wait for a read inside (`tell_words`; by default `decoding`; a batch
-        of sequences, which never gates, passes False). Gated decode's table stays mapped inside
-        (GateTable.in_use); an error leaving the block abandons the gates a token left
-        queued (not a generator closed at a yield: none are)."""
+        """The block run as decode steps (prediction rule, miss rates, cache-aware routing) or
+        prefill, then the phase before; `gating` (default `decoding`): a gate may wait inside
+        (`tell_words`). The gate table stays mapped; an error leaving it abandons queued gates."""
         before, self.decoding = self.decoding, decoding
         gated_before, self.gating = self.gating, decoding if gating is None else gating
         with self.sched.lock:  # the eviction policy is told (its optional `phase` hook)

@@ -1167,3 +1167,28 @@ def test_wait_word_sees_a_store_from_another_thread_and_times_out_without_one():
     assert wait_word(words.ctypes.data + 4, 7, 5.0) and time.monotonic() - t0 < 2.0
     with pytest.raises(ValueError, match="wait_word"):
         wait_word(words.ctypes.data + 2, 7, 0.01)
+
+
+def test_the_gate_is_on_by_default_only_where_the_device_can_wait(store, monkeypatch):
+    """`decode_gate` None (the default): a gate table where the device gate is available
+    (CUDA), none elsewhere (the host's gate only when asked for); False turns it off there
+    too, and `decode="sync"` never keeps one."""
+    import strata_mlx.runtime.loader as loader
+
+    path = store("qwen3_moe")
+    gb = arena_gb(path, 0.25)
+
+    def table(**opts):
+        model, _ = strata_mlx.load(path, arena_gb=gb, **opts)
+        kept = model.expert_cache.sched.residency.gate
+        model.expert_cache.close()
+        return kept is not None
+
+    assert not table() and table(decode_gate=True)
+    monkeypatch.setattr(loader, "device_gate_available", lambda: False)
+    assert not table()
+    calls = []
+    monkeypatch.setattr(loader, "device_gate_available", lambda: calls.append(1) or True)
+    monkeypatch.setenv("STRATA_MLX_GATE", "host")  # (no device here: the table's host gate)
+    assert table() and not table(decode_gate=False) and not table(decode="sync")
+    assert len(calls) == 1  # (asked only where the default decides)
