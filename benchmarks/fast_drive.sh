@@ -224,7 +224,8 @@ trace)  # why gated decode's gates give up (benchmarks/gate_trace.py): each gate
   } 2>&1 | cut -c1-1500 | tee "$OUT/gate-trace.log"
   ;;
 gated)  # the gate's GPU tests (the routing board's kernel among them); then on the tmpfs:
-  # lookahead, gated, and gated with prefill's ready words stored by the driver (`:pw1`):
+  # lookahead ungated (`:gt0`; gated is the default on CUDA), gated, and gated with prefill's
+  # ready words stored by the driver (`:pw1`):
   # what the driver's host functions behind each copy cost prefill's reads; then each
   # thread's CPU time a gated token against its wall (the GIL). The decode side's variants,
   # in a call of their own (~6 min): POL=lookahead:gt1:bd1,lookahead:gt1:bd1:lc4:lag4,lookahead:gt1:lc4,demand:gt1
