@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 import strata_mlx
-from strata_mlx.apps.bench import policy_options
+from strata_mlx.apps.bench import DECODE_MODES, policy_options
 from strata_mlx.format.store import load_manifest
 from strata_mlx.generation.generate import generate_step, make_sampler
 from strata_mlx.runtime.decode import PipelinedDecoder
@@ -218,9 +218,7 @@ def main() -> None:
                 "streamed_ahead": s.streamed_ahead,
                 "recomputed_layers": s.recomputed_layers,
                 # tokens begun in each decoder mode, and while decode lookahead predicted
-                "modes": {
-                    m: getattr(s, f"{m}_mode_tokens") for m in ("token", "layers", "sync", "gated")
-                },
+                "modes": {m: getattr(s, f"{m}_mode_tokens") for m in DECODE_MODES},
                 "predicting_tokens": s.predicting_tokens,
                 "wait_ms": s.exposed_wait_s * 1e3,
                 # per decode token: where the time went (the rest: the dense graph's Python,

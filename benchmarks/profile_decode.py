@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 import strata_mlx
-from strata_mlx.apps.bench import policy_options
+from strata_mlx.apps.bench import DECODE_MODES, policy_options
 from strata_mlx.format.store import load_manifest
 from strata_mlx.generation.generate import generate_step
 from strata_mlx.stream.stats import ExpertStats
@@ -143,18 +143,15 @@ class Spy:
                     print(f"  {label:9s} {100 * c / total:5.1f}%  {frame[:150]}")
 
 
-MODES = ("gated", "layers", "token", "sync")
-
-
 def each_token(steps, ec) -> None:
     """Each token's wall time (the first's: the prompt's prefill and its last token) and the
     mode its decode step ran in; gates given up so far."""
     t, st = time.perf_counter(), ec.stats
-    before = {m: 0 for m in MODES}
+    before = {m: 0 for m in DECODE_MODES}
     for i, _ in enumerate(steps):
         now = time.perf_counter()
-        counts = {m: getattr(st, f"{m}_mode_tokens") for m in MODES}
-        mode = ",".join(m for m in MODES if counts[m] > before[m]) or "-"
+        counts = {m: getattr(st, f"{m}_mode_tokens") for m in DECODE_MODES}
+        mode = ",".join(m for m in DECODE_MODES if counts[m] > before[m]) or "-"
         print(f"token {i}: {1e3 * (now - t):8.1f} ms, {mode}; gates given up {st.gate_timeouts}")
         before, t = counts, time.perf_counter()
     ec.close()

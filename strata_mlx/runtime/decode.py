@@ -343,8 +343,7 @@ class PipelinedDecoder(Decoder):
         Such a token runs ungated, and loads its kernels there."""
         if not self.expert_cache.pipelined.device_gate:
             return False
-        grows = [getattr(c, "grows", None) for c in cache]
-        if any(g is not None and g(1) for g in grows) or any(map(_reaches_step, cache)):
+        if any(hasattr(c, "grows") and c.grows(1) or _reaches_step(c) for c in cache):
             return True
         return _shapes(cache) not in self.ran
 
