@@ -2,6 +2,7 @@
 
     python benchmarks/profile_decode.py STORE [--arena-gb 6.5] [-p 1024] [-g 48]
         [--policy lookahead] [--top 40] [--prefill] [--no-profile [--py-spy BINARY]]
+        [--no-profile --evals [--ops] [--skip N]] [--fake-stream]
 
 Prefills a random prompt of `p` tokens (not profiled), then profiles `g` greedy decode steps
 and prints the functions by their own time and by cumulative time, with the cache's
@@ -11,17 +12,27 @@ after the first instead (chunks of `--prefill-step-size`), with the split a chun
 the wall; with `--py-spy BINARY` too, py-spy samples every thread's Python and native stacks
 while decode runs (`record --native --threads`, active samples only, so about where each
 thread spends its CPU) and the top frames by thread are printed, self and inclusive: what
-cProfile cannot show, the time inside MLX's and CUDA's calls.
+cProfile cannot show, the time inside MLX's and CUDA's calls. `--evals` (with
+`--no-profile`): the decoding thread's time inside MLX's `async_eval` and `eval` a token, by
+the line that called them, against its CPU outside them (the graph's building in Python and
+MLX's op calls); `--ops` adds the primitives a token's evaluations scheduled, by kind (each
+graph walked before its evaluation, in a pass of its own after the timed one: the walk costs
+more than the ops). `--skip N`: the first N decode tokens run before the timing starts (a
+process's first gated token compiles the gate's kernel). `--fake-stream`: every expert counts
+as resident (bench's compute floor: "token" mode, nothing read).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import io
 import os
 import pstats
+import re
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -58,17 +69,28 @@ def main() -> None:
         action="store_true",
         help="each token's wall time and decode mode, the prompt's first token's included",
     )
+    ap.add_argument("--evals", action="store_true", help="time inside MLX's eval calls")
+    ap.add_argument("--ops", action="store_true", help="with --evals: primitives a token")
+    ap.add_argument("--skip", type=int, default=0, help="decode tokens run before timing")
+    ap.add_argument("--fake-stream", action="store_true", help="every expert counts as resident")
     a = ap.parse_args()
     m = load_manifest(a.store)
-    model, _ = strata_mlx.load(a.store, arena_gb=a.arena_gb, **policy_options(a.policy))
+    options = policy_options(a.policy) | ({"fake_stream": True} if a.fake_stream else {})
+    model, _ = strata_mlx.load(a.store, arena_gb=a.arena_gb, **options)
     ids = np.random.default_rng(0).integers(0, m.config["vocab_size"], a.prompt_tokens).tolist()
     ec = model.expert_cache
     if a.prefill:
         return profile_prefill(model, ec, ids, a)
-    steps = generate_step(model, mx.array(ids), max_tokens=a.gen_tokens + 1, prefill_step_size=1024)
+    extra = 1 + a.skip + (a.gen_tokens if a.evals and a.ops else 0)
+    steps = generate_step(
+        model, mx.array(ids), max_tokens=a.gen_tokens + extra, prefill_step_size=1024
+    )
     if a.tokens:
         return each_token(steps, ec)
-    next(steps)  # the prompt and its first token: not profiled
+    for _ in range(1 + a.skip):  # the prompt and its first token (and `skip`): not profiled
+        next(steps)
+    if a.evals and a.no_profile:
+        return timed_evals(steps, ec, a)
     ec.stats = ExpertStats()
     prof = cProfile.Profile()
     spy = Spy(a.py_spy) if a.py_spy and a.no_profile else None
@@ -141,6 +163,86 @@ class Spy:
             for label, table in (("self", counts), ("inclusive", under)):
                 for frame, c in table.most_common(top):
                     print(f"  {label:9s} {100 * c / total:5.1f}%  {frame[:150]}")
+
+
+class EvalCalls:
+    """mx.eval and mx.async_eval wrapped (every caller looks them up on `mx` at the call):
+    wall and thread CPU time inside them by calling line, on the decoding thread; with `ops`,
+    the primitives of each evaluated graph by kind instead (mx.export_to_dot before the call)."""
+
+    def __init__(self, ops: bool):
+        self.ops = ops
+        self.wall: Counter = Counter()
+        self.cpu: Counter = Counter()
+        self.calls: Counter = Counter()
+        self.kinds: Counter = Counter()
+        self.thread = threading.get_ident()
+        self.kept = mx.eval, mx.async_eval
+        mx.eval, mx.async_eval = self._wrap(self.kept[0]), self._wrap(self.kept[1])
+
+    def _wrap(self, fn):
+        name = fn.__name__
+
+        def call(*args, **kw):
+            if threading.get_ident() != self.thread:
+                return fn(*args, **kw)
+            f = sys._getframe(1)
+            site = (
+                f"{name} {f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno} {f.f_code.co_name}"
+            )
+            self.calls[site] += 1
+            if self.ops:
+                arrays = [x for x in args if isinstance(x, mx.array)]
+                if arrays:
+                    dot = io.StringIO()
+                    mx.export_to_dot(dot, *arrays)
+                    self.kinds.update(
+                        re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue())
+                    )
+                return fn(*args, **kw)
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.wall[site] += time.perf_counter() - t
+                self.cpu[site] += time.thread_time() - c
+
+        return call
+
+    def close(self) -> None:
+        mx.eval, mx.async_eval = self.kept
+
+
+def timed_evals(steps, ec, a) -> None:
+    """`--evals`: the decoding thread's time inside MLX's evaluations a token, by caller, and
+    (`--ops`) the primitives a token's graphs hold, in an untimed pass after the timed one."""
+    calls = EvalCalls(ops=False)
+    ec.stats = ExpertStats()
+    t, cpu = time.perf_counter(), time.thread_time()
+    n = sum(1 for _ in zip(range(a.gen_tokens), steps))
+    wall, cpu = time.perf_counter() - t, time.thread_time() - cpu
+    calls.close()
+    inside_w, inside_c = sum(calls.wall.values()), sum(calls.cpu.values())
+    per = 1e3 / n
+    print(f"{a.policy}: {n} tokens, {wall * per:.2f} ms/token; a token: {split(ec.stats, n)}")
+    print(
+        f"decoding thread, ms a token: wall {wall * per:.2f}, CPU {cpu * per:.2f}; inside MLX's "
+        f"evals: wall {inside_w * per:.2f}, CPU {inside_c * per:.2f}; CPU outside them "
+        f"{(cpu - inside_c) * per:.2f}; checks' thread CPU {ec.stats.check_cpu_s * per:.2f}"
+    )
+    for site, w in calls.wall.most_common(12):
+        print(
+            f"  {site:60s} {calls.calls[site] / n:6.1f} calls, wall {w * per:6.2f}, "
+            f"CPU {calls.cpu[site] * per:6.2f} ms a token"
+        )
+    if a.ops:
+        calls = EvalCalls(ops=True)
+        n = sum(1 for _ in steps)
+        calls.close()
+        print(f"primitives a token ({n} tokens; views included): {calls.kinds.total() / n:.0f}")
+        for kind, c in calls.kinds.most_common(40):
+            print(f"  {kind:40s} {c / n:7.1f}")
+    ec.close()
 
 
 def each_token(steps, ec) -> None:
