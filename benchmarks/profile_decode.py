@@ -264,7 +264,8 @@ def split(st: ExpertStats, n: int) -> str:
     return (
         f"wait {st.exposed_wait_s / n * 1e3:.1f}, sync {st.route_sync_s / n * 1e3:.1f}, host "
         f"{st.host_s / n * 1e3:.1f}, loop thread {st.loop_s / n * 1e3:.1f}; read "
-        f"{st.experts_read / n:.0f}, miss {st.miss_pct:.1f}%"
+        f"{st.experts_read / n:.0f}, miss {st.miss_pct:.1f}%; device at gates "
+        f"{st.gate_wait_s / n * 1e3:.1f}"
     )
 
 

@@ -6,9 +6,10 @@ it while it is -1, and writes the slot for the expert kernels after it (dispatch
 table is host memory mapped into the device's address space, read with volatile loads (each
 poll reaches the host's memory, never a cached copy), so a store by a reader thread is seen
 within a poll. A pair still waiting after `timeout_us` gives up: it writes slot 0 and sets
-`late`, which the decoder reads once a token and answers by recomputing the layer through the
+`late[0]`, which the decoder reads once a token and answers by recomputing the layer through the
 per-layer handshake (its output is then never used): a bug or a stuck read costs time, never
-a wrong token. A word marked as no read coming (-2: the table closed; -3: its read failed,
+a wrong token. `late[1]` is the longest any pair waited, in microseconds: the time the device
+stood still at this gate, read with the flag. A word marked as no read coming (-2: the table closed; -3: its read failed,
 or its token was abandoned) gives up at once.
 
 CUDA only (MLX's cuda_kernel; `%globaltimer` for the timeout, `__nanosleep` between polls:
@@ -50,6 +51,8 @@ BODY = r"""
         sk_pause();
       } while ((s = row[e]) == -1 &&
                sk_now_ns() - t0 <= (unsigned long long)TIMEOUT_US * 1000ull);
+      const unsigned long long waited_us = (sk_now_ns() - t0) / 1000ull;
+      atomicMax(&late[1], (int)(waited_us < 2147483647ull ? waited_us : 2147483647ull));
     }
     if (s < 0) {  // still -1 past the timeout, closed (-2) or failed (-3): give up
       late[0] = 1;
@@ -74,7 +77,8 @@ def timeout_ms() -> int:
 
 def gate(ids: mx.array, row_at: mx.array, timeout: int | None = None) -> tuple[mx.array, mx.array]:
     """ids [k] (one token's routed experts), row_at uint64 [1] (the device address of their
-    layer's gate-table row) -> (slots uint32 [k], late int32 [1]: 1 if a pair gave up)."""
+    layer's gate-table row) -> (slots uint32 [k], late int32 [2]: 1 if a pair gave up, then
+    the longest any pair waited in microseconds)."""
     global _KERNEL
     if _KERNEL is None:
         _KERNEL = mx.fast.cuda_kernel(
@@ -93,7 +97,7 @@ def gate(ids: mx.array, row_at: mx.array, timeout: int | None = None) -> tuple[m
         inputs=[ids, row_at],
         grid=(width, 1, 1),
         threadgroup=(width, 1, 1),
-        output_shapes=[(k,), (1,)],
+        output_shapes=[(k,), (2,)],
         output_dtypes=[mx.uint32, mx.int32],
         # (MLX's CUDA backend keys a compiled kernel by its name and template arguments
         # only, not its inputs' dtypes: the ids' dtype goes in as one)

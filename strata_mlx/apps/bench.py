@@ -468,6 +468,8 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
         # tokens begun in each decoder mode; gated decode's gates that gave up (recomputed)
         "decode_modes": {m: getattr(d, f"{m}_mode_tokens") for m in DECODE_MODES},
         "decode_gate_timeouts": d.gate_timeouts,
+        # the device's time at its gates, waiting for reads (gated decode's wait)
+        "decode_gate_wait_ms_per_token": d.gate_wait_s / per_tok * 1e3,
         # the device gate's checks, on their own thread (beside the decoding thread's time)
         "decode_check_ms_per_token": d.check_s / per_tok * 1e3,
         "decode_check_cpu_ms_per_token": d.check_cpu_s / per_tok * 1e3,
@@ -501,7 +503,9 @@ def _modes(s: dict) -> str:
     checks = s["decode_check_ms_per_token"]
     cpu = s.get("decode_check_cpu_ms_per_token", 0.0)
     aside = f"; checks aside {checks:.1f} ms/tok (cpu {cpu:.1f})" if checks else ""
-    return f" [modes: {seen}; gates given up {s['decode_gate_timeouts']}{aside}]"
+    waited = s.get("decode_gate_wait_ms_per_token", 0.0)
+    device = f"; device at gates {waited:.1f} ms/tok" if waited else ""
+    return f" [modes: {seen}; gates given up {s['decode_gate_timeouts']}{aside}{device}]"
 
 
 def _reads(s: dict) -> str:

@@ -431,16 +431,19 @@ class PipelinedDecoder(Decoder):
         return step.mode != "gated"
 
     def _late(self, step: Step) -> int | None:
-        """The first layer of `step` whose device gate gave up, or None (one read a token)."""
+        """The first layer of `step` whose device gate gave up, or None (one read a token,
+        which also counts the time the device stood at the token's gates: `gate_wait_s`)."""
         if not step.late:
             return None
         layers = [j for j, _ in step.late]
         flags = mx.concatenate([f for _, f in step.late]).tolist()
         step.late = []
-        late = [j for j, f in zip(layers, flags) if f]
+        st = self.expert_cache.stats
+        st.gate_wait_s += sum(flags[1::2]) * 1e-6
+        late = [j for j, f in zip(layers, flags[0::2]) if f]
         if not late:
             return None
-        self.expert_cache.stats.gate_timeouts += len(late)
+        st.gate_timeouts += len(late)
         stopped = self.gave_up
         self.given_up += len(late)
         if self.gave_up and not stopped:

@@ -62,7 +62,8 @@ class Gated:
     targets: list[int]  # the layers its lookahead routers predict, nearest first
     preds: list[mx.array]  # their predicted ids
     joint: mx.array | None  # the ids and the predictions as one array (joint_ids), or None
-    late: mx.array | None = None  # the device gate's give-up flag (None: the host's gate)
+    # the device gate's give-up flag and its longest wait, us (None: the host's gate)
+    late: mx.array | None = None
     checked: bool = False  # its check ran (the host's gate checks as the layer is built)
     done: bool = False  # its check ended (GateChecks: on the checks' thread)
     # (layer, sequence number, how many ids) of its routing on the board (stream.gate), or
@@ -397,6 +398,22 @@ class DeferredHandshake:
         self.records.append(d)
         sched.stats.host_s += time.perf_counter() - t
         return y
+
+    def load_gate(self, k: int) -> None:
+        """The device gate's kernels (and the board's, where it is on) compiled and loaded
+        before decode, for tokens of `k` routed experts (uint32 ids, as argpartition gives
+        them), run once on the table's spare rows, which read every expert landed: their
+        first launch would otherwise fall in the first gated token (NVRTC compiled the gate
+        in ~1 s on a GPU machine's first run, and loading a module may synchronize the
+        device)."""
+        table = self.sched.residency.gate
+        row_at, board_at = (mx.array([a], dtype=mx.uint64) for a in table.spare_address())
+        ids = mx.zeros((k,), dtype=mx.uint32)
+        outs = list(gate(ids, row_at))
+        if table.board_on:  # (the routing, then each lookahead router's k ids joined to it)
+            for n in range(k, BOARD_IDS + 1, k)[: self.predictor.read_ahead.depth + 1]:
+                outs.append(board(mx.zeros((n,), dtype=mx.uint32), board_at, mx.array([1])))
+        mx.eval(*outs)
 
     def _warm(self, inds: mx.array, preds: list[mx.array]) -> None:
         """Before the first device gate: the array ops that gated layers and their token's

@@ -609,6 +609,8 @@ def build_expert_cache(
         gate.prefill_by_driver = cfg.prefill_words_by_driver
         gate.board_on = cfg.decode_gate_board
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
+        if cache.pipelined.device_gate:
+            cache.pipelined.load_gate(getattr(args, "num_experts_per_tok", 1))
     return cache
 
 

@@ -71,16 +71,21 @@ class GateTable:
         self.num_experts = manifest.num_experts
         self.pos = {l: manifest.layer_position(l) for l in manifest.moe_layers}
         shape = (len(self.pos), self.num_experts)
-        board_at = -(-shape[0] * shape[1] * 4 // 256) * 256  # (its own cache lines)
-        nbytes = max(board_at + shape[0] * BOARD_WIDTH * 4, 4)
+        # After the layers' rows and board rows, one more of each: the spare, whose words
+        # read slot 0 (landed), where the gate's kernels run once before decode
+        # (`spare_address`).
+        self.spare = shape[0]
+        rows = shape[0] + 1
+        board_at = -(-rows * shape[1] * 4 // 256) * 256  # (its own cache lines)
+        nbytes = max(board_at + rows * BOARD_WIDTH * 4, 4)
         self._mem = mmap.mmap(-1, -(-nbytes // PAGE) * PAGE)  # page aligned, as mapping needs
         self.table = np.frombuffer(self._mem, dtype=np.int32, count=shape[0] * shape[1])
         self.table = self.table.reshape(shape)
-        self.table.fill(-1)
+        self.table.fill(-1)  # (the spare row stays 0)
         self.address = self.table.ctypes.data
         self.board = np.frombuffer(
-            self._mem, dtype=np.int32, count=shape[0] * BOARD_WIDTH, offset=board_at
-        ).reshape(shape[0], BOARD_WIDTH)  # zeros: no sequence number written yet
+            self._mem, dtype=np.int32, count=rows * BOARD_WIDTH, offset=board_at
+        ).reshape(rows, BOARD_WIDTH)  # zeros: no sequence number written yet
         self._board_at = board_at
         self.device_address: int | None = None
         # Decodes running (`in_use`), and whether close() left the unmapping to the last.
@@ -110,15 +115,31 @@ class GateTable:
 
     def board_address(self, layer: int) -> int:
         """The device address of `layer`'s board row (mapped tables only)."""
+        return self._board_address(self.pos[layer])
+
+    def _board_address(self, position: int) -> int:
         if self.device_address is None:
             raise RuntimeError("the gate table is not mapped for a device")
-        return self.device_address + self._board_at + 4 * BOARD_WIDTH * self.pos[layer]
+        return self.device_address + self._board_at + 4 * BOARD_WIDTH * position
 
     def row_address(self, layer: int) -> int:
         """The device address of `layer`'s row (mapped tables only)."""
+        return self._row_address(self.pos[layer])
+
+    def spare_row(self) -> np.ndarray:
+        """The host's view of the spare row (every word 0)."""
+        n = self.num_experts
+        return np.frombuffer(self._mem, dtype=np.int32, count=n, offset=4 * self.spare * n)
+
+    def spare_address(self) -> tuple[int, int]:
+        """The device addresses of the spare row (every word slot 0: a gate on it passes at
+        once) and of the spare board row (mapped tables only)."""
+        return self._row_address(self.spare), self._board_address(self.spare)
+
+    def _row_address(self, position: int) -> int:
         if self.device_address is None:
             raise RuntimeError("the gate table is not mapped for a device")
-        return self.device_address + 4 * self.pos[layer] * self.num_experts
+        return self.device_address + 4 * position * self.num_experts
 
     def abandon(self) -> None:
         """A gated token was stopped by an error, on the calling thread: every word not

@@ -37,6 +37,9 @@ class ExpertStats:
     predicting_tokens: int = 0
     # gated decode: layers whose gate gave up waiting on the device (recomputed: a stuck read)
     gate_timeouts: int = 0
+    # and the time the device stood at its gates, waiting for reads (each gate's longest
+    # pair; the device's own clock): decode's wait for its misses, which the host does not see
+    gate_wait_s: float = 0.0
     # gated decode on the device: time its checks' thread spent checking layers, their
     # routing's wait included (off the decoding thread: waits for it are in route_sync_s)
     check_s: float = 0.0

@@ -10,6 +10,7 @@ equals the per-layer handshake bit for bit."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -159,6 +160,7 @@ def test_gated_decode_recomputes_nothing_and_counts_every_lookup(store):
 def test_a_gate_table_without_a_device_has_no_device_address():
     g = GateTable(TableShape(layers=[1, 3]))
     assert g.table.shape == (2, 8) and (g.table == -1).all()
+    assert (g.spare_row() == 0).all()  # (landed in slot 0: a gate on it passes at once)
     address, value = g.ready((3, 2), 7)
     assert address == g.table.ctypes.data + 4 * (8 + 2) and value == 7
     g.clear((3, 2))
@@ -207,8 +209,11 @@ def test_a_table_closed_while_a_decode_runs_stays_mapped_until_it_ends(monkeypat
     g, seen = mapped_table(monkeypatch)
     with g.in_use():
         with g.in_use():  # (nested phases)
+            g.fail_pending()
+            assert (g.table == FAILED).all() and (g.spare_row() == 0).all()
             g.close()
             assert seen == [] and (g.table == CLOSED).all() and g.device_address is not None
+            assert (g.spare_row() == 0).all()
         assert seen == []
     assert seen == ["synchronize", "unmap"] and g.device_address is None
 
@@ -240,15 +245,17 @@ def test_a_cache_closed_under_a_decode_on_another_thread_unmaps_after_it(store, 
     """The server's shutdown closes the expert cache while its worker may be decoding: the
     worker stops with the cache's one-line error, and the table is unmapped only once its
     decode has left the expert cache's phase (the unmapping runs on the worker's thread)."""
-    from strata_mlx.runtime import experts
+    from strata_mlx.runtime import deferred, experts
     from strata_mlx.stream import reader
 
     path = store("qwen3_moe")
     seen: list[tuple[str, str]] = []
     monkeypatch.setattr(reader, "map_host", lambda address, nbytes: address)
     monkeypatch.setattr(reader, "unmap_host", lambda a: seen.append(("unmap", thread())))
-    # The table mapped as on CUDA; the decode's gate stays the host's (no device here).
+    # The table mapped as on CUDA; the decode's gate stays the host's (no device here, so
+    # no gate kernel to load either).
     monkeypatch.setattr(experts, "GateTable", lambda m, device: GateTable(m, device=True))
+    monkeypatch.setattr(deferred.DeferredHandshake, "load_gate", lambda self, k: None)
     model, _ = strata_mlx.load(
         path, arena_gb=arena_gb(path, 0.25), decode_gate=True, decode_token_below=0.0
     )
@@ -390,7 +397,8 @@ def emulated_device_gate(monkeypatch, seconds: float = 5.0) -> dict:
     """The device gate on this CPU, at its worst: the gate call holds the thread building
     the token (as a CUDA allocation that synchronizes the device would hold it) until every
     record the layer reads has landed, then hands over their slots; past `seconds` it gives
-    up (late). The table's "device address" is its host address. Fill the returned dict's
+    up (late); with the flag it returns the microseconds it held, as the kernel does. The
+    table's "device address" is its host address. Fill the returned dict's
     "rows" (device address -> host row) once the model is loaded."""
     import strata_mlx.runtime.deferred as deferred
     import strata_mlx.runtime.experts as experts
@@ -399,22 +407,33 @@ def emulated_device_gate(monkeypatch, seconds: float = 5.0) -> dict:
     monkeypatch.setattr(experts, "device_gate_available", lambda: True)
     monkeypatch.setattr(reader, "map_host", lambda address, nbytes: address)
     monkeypatch.setattr(reader, "unmap_host", lambda address: None)
-    seen = {"rows": {}, "held": 0}
+    seen = {"rows": {}, "held": 0, "waited_us": 0, "unknown": []}
 
     def gate(ids, row_at):
-        row, wanted = seen["rows"][row_at.item()], ids.tolist()
-        deadline = time.monotonic() + seconds
+        row, wanted, held = seen["rows"].get(row_at.item()), ids.tolist(), seen["held"]
+        if row is None:  # (a row not among the layers': the table's spare, run at load)
+            seen["unknown"].append((row_at.item(), len(wanted)))
+            row = np.ctypeslib.as_array(
+                (ctypes.c_int32 * (max(wanted) + 1)).from_address(row_at.item())
+            )
+        t0 = time.monotonic()
+        deadline = t0 + seconds
         # (as the kernel: waits while a word is -1, gives up at once on CLOSED or FAILED)
         while -1 in (words := [int(row[e]) for e in wanted]) and time.monotonic() < deadline:
             if min(words) < -1:
                 break
             seen["held"] += 1
             time.sleep(0.0005)
+        waited_us = int((time.monotonic() - t0) * 1e6) if seen["held"] > held else 0
+        seen["waited_us"] += waited_us
         words = [int(row[e]) for e in wanted]
         slots, late = [max(w, 0) for w in words], int(min(words) < 0)
-        return mx.array(slots, dtype=mx.uint32), mx.array([late], dtype=mx.int32)
+        return mx.array(slots, dtype=mx.uint32), mx.array([late, waited_us], dtype=mx.int32)
 
     monkeypatch.setattr(deferred, "gate", gate)
+    # (the board's kernel, where it is on, runs at load on the spare board row too:
+    # emulated_board stands in for it once the model is loaded)
+    monkeypatch.setattr(deferred, "board", lambda ids, board_at, seq: ids)
     return seen
 
 
@@ -454,6 +473,21 @@ def load_emulated(monkeypatch, path, fraction: float, **opts):
     return model, seen
 
 
+def test_loading_a_device_gated_model_runs_its_gate_once_on_the_spare_row(store, monkeypatch):
+    """With the device gate, loading runs the gate's kernel once, on the table's spare row
+    (every word slot 0, landed: it passes at once), for a token's k routed ids: its first
+    launch (a compile, and a module's load) comes before the first gated token, not in it.
+    Decode's gates read the layers' rows only."""
+    path = store("qwen3_moe")
+    model, seen = load_emulated(monkeypatch, path, 0.2)
+    table = model.expert_cache.sched.residency.gate
+    k = load_manifest(path).config["num_experts_per_tok"]
+    assert seen["unknown"] == [(table.spare_address()[0], k)] and seen["held"] == 0
+    decode(model, prompt_ids(24, seed=5), 4)
+    assert model.expert_cache.stats.gated_mode_tokens > 0 and len(seen["unknown"]) == 1
+    model.expert_cache.close()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
 def test_a_device_gate_holding_the_building_thread_gets_its_reads_from_the_checks(
     store, family, monkeypatch
@@ -480,6 +514,8 @@ def test_a_device_gate_holding_the_building_thread_gets_its_reads_from_the_check
     s = ec.stats
     assert s.gate_timeouts == 0 and s.gated_mode_tokens == 8 - UNGATED_FIRST and s.misses > 0
     assert seen["held"] > 0 and s.check_s > 0  # gates did hold the building thread
+    # ... and the time they stood is read back with their flags, once a token
+    assert s.gate_wait_s == pytest.approx(seen["waited_us"] * 1e-6) and s.gate_wait_s > 0
     assert 0 < s.check_cpu_s <= s.check_s  # (CPU time after the routing's waits, inside them)
     for m in (model, sync):
         m.expert_cache.close()
@@ -642,14 +678,17 @@ def cuda_ready() -> bool:
 
 
 def run_gate(g: GateTable, ids: list[int], timeout: int | None = None):
-    """The gate kernel over `ids` of `g`'s first row: (slots, late, seconds to evaluate)."""
+    """The gate kernel over `ids` of `g`'s first row: (slots, its give-up flag, seconds to
+    evaluate, the microseconds its longest pair waited by the device's clock)."""
     from custom_kernels.gate import gate
 
     row_at = mx.array([g.row_address(0)], dtype=mx.uint64)
     t0 = time.perf_counter()
     slots, late = gate(mx.array(ids, dtype=mx.uint32), row_at, timeout)
     mx.eval(slots, late)
-    return slots.tolist(), late.item(), time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    flag, waited_us = late.tolist()
+    return slots.tolist(), flag, seconds, waited_us
 
 
 @pytest.mark.gpu
@@ -666,7 +705,7 @@ def test_the_gate_kernel_waits_for_a_word_a_host_thread_stores():
 
     t = threading.Thread(target=land)
     t.start()
-    slots, late, waited = run_gate(g, [1, 6, 2])
+    slots, late, waited, _ = run_gate(g, [1, 6, 2])
     t.join()
     assert slots == [4, 9, 3] and late == 0 and waited >= 0.09
     g.close()
@@ -706,7 +745,7 @@ def test_the_board_kernel_writes_ids_then_their_sequence_number_and_orders_the_g
     mx.eval(out, slots, late)
     t.join()
     assert row[0] == 11 and seen["ids"] == [3, 1, 7, 2, 6]
-    assert out.tolist() == [3, 1, 7, 2, 6] and slots.tolist() == [8] and late.item() == 0
+    assert out.tolist() == [3, 1, 7, 2, 6] and slots.tolist() == [8] and late.tolist()[0] == 0
     g.close()
 
 
@@ -714,8 +753,9 @@ def test_the_board_kernel_writes_ids_then_their_sequence_number_and_orders_the_g
 def test_the_gate_kernel_gives_up_past_its_timeout():
     assert cuda_ready()
     g = GateTable(TableShape(), device=True)
-    slots, late, waited = run_gate(g, [5], timeout=50)
-    assert late == 1 and waited >= 0.045
+    slots, late, waited, device_us = run_gate(g, [5], timeout=50)
+    # (the device's own count of its wait: the timeout, and no more than the host saw)
+    assert late == 1 and waited >= 0.045 and 50_000 <= device_us <= waited * 1e6
     g.close()
 
 
@@ -727,8 +767,8 @@ def test_the_gate_kernel_gives_up_at_once_on_a_closed_or_failed_word(word):
     g.table[0, 1], g.table[0, 5] = 4, 2
     run_gate(g, [1, 5], timeout=5000)  # (compiled first: ~1.2 s on the H200, not a wait)
     g.table[0, 5] = word
-    slots, late, waited = run_gate(g, [1, 5], timeout=5000)
-    assert late == 1 and slots == [4, 0] and waited < 1
+    slots, late, waited, device_us = run_gate(g, [1, 5], timeout=5000)
+    assert late == 1 and slots == [4, 0] and waited < 1 and device_us < 1_000_000
     g.close()
 
 
@@ -778,6 +818,7 @@ def test_the_gate_kernel_type_checks_as_cxx(tmp_path):
             "static sk_dim3 threadIdx;",
             "static unsigned long long sk_now_ns() { return 0; }",
             "static void sk_pause() {}",
+            "static int atomicMax(int* a, int v) { int o = *a; if (v > o) *a = v; return o; }",
             "template <int K, int TIMEOUT_US>",
             "void strata_gate(const uint32_t* ids, const uint64_t* row_at, uint32_t* slots,"
             " int32_t* late) {",
@@ -807,7 +848,7 @@ def late_at(monkeypatch, layer: int, times: int = 1) -> list[int]:
     def flagging(self, l, x, inds):
         y = run_gated(self, l, x, inds)
         if l == layer and len(flagged) < times:
-            self.records[-1].gated.late = mx.array([1], dtype=mx.int32)
+            self.records[-1].gated.late = mx.array([1, 0], dtype=mx.int32)
             flagged.append(l)
         return y
 
