@@ -213,7 +213,7 @@ def emulated_device_gate():
     from strata_mlx.stream import reader
 
     def gate(ids, row_at, timeout=None):
-        return mx.zeros((ids.size,), dtype=mx.uint32), mx.zeros((1,), dtype=mx.int32)
+        return mx.zeros((ids.size,), dtype=mx.uint32), mx.zeros((2,), dtype=mx.int32)
 
     kept = (experts.device_gate_available, reader.map_host, reader.unmap_host, deferred.gate)
     experts.device_gate_available = lambda: True

@@ -70,6 +70,8 @@ def _drop_page_cache(store: Path) -> bool:
 # Variants that set an option to one value, by name (the rest come from the declarations)
 NAMED_VARIANTS = {
     "always": {"lookahead_decode_min_miss": 0.0},  # lookahead predicts in decode too
+    # ... or not past decode's first layers (prefill's lookahead, decode's demand)
+    "never": {"lookahead_decode_min_miss": 1.0},
     "nv": {"verify": False},  # records not verified
 }
 

@@ -98,8 +98,12 @@ class RuntimeConfig:
     )
     # Split reads: while workers would idle (decode's few misses a layer), a record is read as
     # parts of at least this many KB by several workers side by side (reader.Reader's split).
+    # A gated layer's device waits for its misses' reads: on the H100 with the full-size store,
+    # parts of 128-256 KB cut that wait from 21-27 to 15-16 ms a token on a tmpfs, and gated
+    # demand decode ran 1.08-1.34x as fast there and 1.18x behind a 12 GB/s emulated drive,
+    # no slower on the machine's 3.5 GB/s disk (docs/decisions.md, "Split reads").
     read_split_kb: int = field(
-        default=0,
+        default=256,
         metadata=opt("Split reads into parts of at least this many KB (0: whole records).",
                      (0, 1 << 20), check=multiple_of_4kb, variant="s"),
     )  # fmt: skip

@@ -280,3 +280,29 @@ def test_predicting_after_the_experts_changes_no_output(store, monkeypatch):
     for after, seen in order.items():
         at = [i for i, s in enumerate(seen) if s == "predicted"]
         assert all(seen[i + (-1 if after else 1)] == "experts" for i in at)
+
+
+def test_lookahead_that_never_predicts_in_decode_reads_ahead_in_prefill_alone(store):
+    """bench's `lookahead:never` (lookahead_decode_min_miss 1.0): prefill reads ahead as
+    lookahead does, and decode predicts in its first two steps at most (the prompt's last
+    token, which is prefill's and leaves the running miss rate at its start, 1.0, and the
+    first generated one, whose first layer takes it below), then reads as demand does; the
+    tokens are lookahead's."""
+    from strata_mlx.apps.bench import policy_options
+
+    path = store("qwen3_moe")
+    gb = 9 * load_manifest(path).layout.record_bytes / 1024**3
+    never = policy_options("lookahead:never")
+    assert never == {"read_ahead": "lookahead", "lookahead_decode_min_miss": 1.0}
+    tokens, stats = {}, {}
+    for name, opts in (("lookahead", {"read_ahead": "lookahead"}), ("never", never)):
+        model, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", **opts)
+        out = strata_mlx.stream_generate(
+            model, None, prompt_ids(16, seed=14), max_tokens=12, prefill_step_size=8
+        )
+        tokens[name] = [r.token for r in out]
+        stats[name] = model.expert_cache.stats
+        model.expert_cache.close()
+    assert tokens["never"] == tokens["lookahead"]
+    assert 0 < stats["never"].readahead_submitted < stats["lookahead"].readahead_submitted
+    assert stats["never"].predicting_tokens <= 2 < stats["lookahead"].predicting_tokens
