@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|pairs
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|pairs
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode; ARENA (GB, 6.5) sizes bench's arena.
 set -uo pipefail
@@ -270,6 +270,23 @@ stalls)  # what holds bench's gated decode (benchmarks/gate_trace.py), on trace'
   { timeout 200 python3 benchmarks/gate_trace.py --detail 2 --stacks "$OUT/stacks-bench.txt" "${spy[@]}" "${b[@]}"
     [ "${NOGC:-1}" = 0 ] || timeout 200 python3 benchmarks/gate_trace.py --detail 1 --no-gc "${b[@]}"
   } 2>&1 | cut -c1-1500 | tee "$OUT/gate-stalls.log"
+  ;;
+decodewait)  # tmpfs: where a gated token's time goes, policy by policy (profile_decode.py
+  # --evals: the device at its gates, the decoding thread's CPU inside and outside MLX's
+  # evaluations, the checks' CPU), each under each of SWITCH (Python's switch interval, s: how
+  # long the checks' thread may wait for the GIL the decoding thread holds). Predicting in
+  # decode or not, in bench: POL=lookahead:gt1,lookahead:never:gt1,demand:gt1 ... bench
+  build
+  synth "$SHM"
+  for si in ${SWITCH:-0.005 0.0001}; do
+    for p in ${PROFILE_POL:-demand:gt1 demand:gt1:s0 demand:gt1:bd1 lookahead:gt1 lookahead:never:gt1}; do
+      echo "== switch interval $si s, $p"
+      timeout 100 python3 -c "import runpy, sys; sys.setswitchinterval(float(sys.argv.pop(1))); \
+sys.argv[0] = 'benchmarks/profile_decode.py'; runpy.run_path(sys.argv[0], run_name='__main__')" \
+        "$si" "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 --policy "$p" --no-profile --evals \
+        2>&1 | tail -9 | head -3
+    done
+  done 2>&1 | tee "$OUT/decodewait.log"
   ;;
 pairs)  # one token's layers through the kernels' `pairs` against their general entry (the
   # call before): the call alone (a one-layer store of the full-size layout), the resident
