@@ -231,7 +231,7 @@ def one_round(
 
 def spin_gate(table, spin_ms: int) -> mx.array:
     """A gate queued on the device, waiting out `spin_ms` for a word that never lands (row
-    0's last); its give-up flag, to evaluate once done."""
+    0's last); its `late` (give-up flag, longest wait), to evaluate once done."""
     from custom_kernels.gate import gate
 
     table.table[0, 63] = -1

@@ -270,7 +270,7 @@ def install() -> None:
     def traced_late(self, step):
         if step.late:
             flags = mx.concatenate([f for _, f in step.late]).tolist()
-            gone = [(T.gen, j) for (j, _), f in zip(step.late, flags) if f]
+            gone = [(T.gen, j) for (j, _), f in zip(step.late, flags[0::2]) if f]
             if gone:
                 T.gave_up.setdefault(T.token, []).extend(gone)
             T.gen += 1  # the layers rebuilt after a give-up are a build of their own

@@ -2,7 +2,7 @@
 
     python benchmarks/profile_decode.py STORE [--arena-gb 6.5] [-p 1024] [-g 48]
         [--policy lookahead] [--top 40] [--prefill] [--no-profile [--py-spy BINARY]]
-        [--no-profile --evals [--ops] [--skip N]] [--fake-stream]
+        [--evals [--ops] [--skip N]] [--fake-stream]
 
 Prefills a random prompt of `p` tokens (not profiled), then profiles `g` greedy decode steps
 and prints the functions by their own time and by cumulative time, with the cache's
@@ -12,14 +12,15 @@ after the first instead (chunks of `--prefill-step-size`), with the split a chun
 the wall; with `--py-spy BINARY` too, py-spy samples every thread's Python and native stacks
 while decode runs (`record --native --threads`, active samples only, so about where each
 thread spends its CPU) and the top frames by thread are printed, self and inclusive: what
-cProfile cannot show, the time inside MLX's and CUDA's calls. `--evals` (with
-`--no-profile`): the decoding thread's time inside MLX's `async_eval` and `eval` a token, by
-the line that called them, against its CPU outside them (the graph's building in Python and
-MLX's op calls); `--ops` adds the primitives a token's evaluations scheduled, by kind (each
-graph walked before its evaluation, in a pass of its own after the timed one: the walk costs
-more than the ops). `--skip N`: the first N decode tokens run before the timing starts (a
-process's first gated token compiles the gate's kernel). `--fake-stream`: every expert counts
-as resident (bench's compute floor: "token" mode, nothing read).
+cProfile cannot show, the time inside MLX's and CUDA's calls. `--evals` (no cProfile): the
+decoding thread's time inside MLX's `async_eval` and `eval` a token, by the line that called
+them, against its CPU outside them (the graph's building in Python and MLX's op calls);
+`--ops` adds the primitives a token's evaluations scheduled, by kind (each graph walked
+before its evaluation, in a pass of its own after the timed one: the walk costs more than
+the ops; arrays passed as positional arguments only). `--skip N`: the first N decode tokens
+run before the timing starts (kernels first launched in a process's first tokens, ungated
+tokens among them). `--fake-stream`: every expert counts as resident (bench's compute floor:
+"token" mode, nothing read).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def main() -> None:
         return each_token(steps, ec)
     for _ in range(1 + a.skip):  # the prompt and its first token (and `skip`): not profiled
         next(steps)
-    if a.evals and a.no_profile:
+    if a.evals:  # (timed without cProfile)
         return timed_evals(steps, ec, a)
     ec.stats = ExpertStats()
     prof = cProfile.Profile()
@@ -242,6 +243,7 @@ def timed_evals(steps, ec, a) -> None:
         print(f"primitives a token ({n} tokens; views included): {calls.kinds.total() / n:.0f}")
         for kind, c in calls.kinds.most_common(40):
             print(f"  {kind:40s} {c / n:7.1f}")
+    steps.close()  # (a token built ahead is rolled back while the cache is open)
     ec.close()
 
 

@@ -6,11 +6,11 @@ it while it is -1, and writes the slot for the expert kernels after it (dispatch
 table is host memory mapped into the device's address space, read with volatile loads (each
 poll reaches the host's memory, never a cached copy), so a store by a reader thread is seen
 within a poll. A pair still waiting after `timeout_us` gives up: it writes slot 0 and sets
-`late[0]`, which the decoder reads once a token and answers by recomputing the layer through the
-per-layer handshake (its output is then never used): a bug or a stuck read costs time, never
-a wrong token. `late[1]` is the longest any pair waited, in microseconds: the time the device
-stood still at this gate, read with the flag. A word marked as no read coming (-2: the table closed; -3: its read failed,
-or its token was abandoned) gives up at once.
+`late[0]`, which the decoder reads once a token and answers by recomputing the layer through
+the per-layer handshake (its output is then never used): a bug or a stuck read costs time,
+never a wrong token. `late[1]` is the longest any pair waited, in microseconds: the time the
+device stood still at this gate, read with the flag. A word marked as no read coming (-2: the
+table closed; -3: its read failed, or its token was abandoned) gives up at once.
 
 CUDA only (MLX's cuda_kernel; `%globaltimer` for the timeout, `__nanosleep` between polls:
 sm_70 and later). Metal has no such kernel yet: there the gate is the host's (the check runs

@@ -120,7 +120,8 @@ class Step:
         self.last: mx.array | None = None  # the last array submitted to the device
         self.tail: mx.array | None = None  # the last layer output built (submitted or not)
         self.built = 0  # layers built (their state written)
-        self.late: list[tuple[int, mx.array]] = []  # gated: (layer, its gate's give-up flag)
+        # gated: (layer, its gate's `late`: the give-up flag, the longest wait)
+        self.late: list[tuple[int, mx.array]] = []
         self.joint: mx.array | None = None  # "token": its layers' routing as one array
         self.discarded = False
         self.begun = mode  # the mode it was begun in (a miss turns `mode` to "layers")

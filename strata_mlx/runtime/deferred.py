@@ -25,6 +25,7 @@ import numpy as np
 
 from custom_kernels.gate import BOARD_IDS, board, gate, timeout_ms
 
+from ..stream.gate import GateTable
 from ..stream.prediction import Predictor
 from ..stream.reader import wait_word
 from ..stream.scheduler import CLOSED, Scheduler
@@ -258,6 +259,21 @@ class RoutingBoard:
         return row[1 : 1 + n].tolist()
 
 
+def load_gate(table: GateTable, k: int, depth: int) -> None:
+    """The device gate's kernels (and the board's, where `table.board_on`) compiled and
+    loaded before decode, for tokens of `k` routed experts (uint32 ids, as argpartition gives
+    them; `depth` lookahead routers' k ids joined on the board), run once on the table's
+    spare rows, which read every expert landed. Their first launch would otherwise fall in
+    the first gated token: compiling the gate (NVRTC) takes about a second where MLX has no
+    cached copy, and loading a module may synchronize the device."""
+    row_at, board_at = (mx.array([a], dtype=mx.uint64) for a in table.spare_address())
+    outs = list(gate(mx.zeros((k,), dtype=mx.uint32), row_at))
+    if table.board_on:
+        for n in range(k, BOARD_IDS + 1, k)[: depth + 1]:
+            outs.append(board(mx.zeros((n,), dtype=mx.uint32), board_at, mx.array([1])))
+    mx.eval(*outs)
+
+
 class DeferredHandshake:
     """The deferred handshake of every MoE layer of one model. `all_fit`: every expert fits
     in the arena at once, so uses need not be recorded for eviction."""
@@ -399,22 +415,6 @@ class DeferredHandshake:
         sched.stats.host_s += time.perf_counter() - t
         return y
 
-    def load_gate(self, k: int) -> None:
-        """The device gate's kernels (and the board's, where it is on) compiled and loaded
-        before decode, for tokens of `k` routed experts (uint32 ids, as argpartition gives
-        them), run once on the table's spare rows, which read every expert landed: their
-        first launch would otherwise fall in the first gated token (NVRTC compiled the gate
-        in ~1 s on a GPU machine's first run, and loading a module may synchronize the
-        device)."""
-        table = self.sched.residency.gate
-        row_at, board_at = (mx.array([a], dtype=mx.uint64) for a in table.spare_address())
-        ids = mx.zeros((k,), dtype=mx.uint32)
-        outs = list(gate(ids, row_at))
-        if table.board_on:  # (the routing, then each lookahead router's k ids joined to it)
-            for n in range(k, BOARD_IDS + 1, k)[: self.predictor.read_ahead.depth + 1]:
-                outs.append(board(mx.zeros((n,), dtype=mx.uint32), board_at, mx.array([1])))
-        mx.eval(*outs)
-
     def _warm(self, inds: mx.array, preds: list[mx.array]) -> None:
         """Before the first device gate: the array ops that gated layers and their token's
         end launch, evaluated once, so that none launches a kernel for the first time while
@@ -424,7 +424,7 @@ class DeferredHandshake:
         and the token's end joins the gates' flags. No gate waits here: a gated token is
         built only once the token before it is verified."""
         self.warmed = True
-        flags = [mx.zeros((1,), dtype=mx.int32) for _ in range(2)]
+        flags = [mx.zeros((2,), dtype=mx.int32) for _ in range(2)]  # (as gate's `late`)
         mx.eval(*(own_ids(inds, preds[:j]) for j in range(len(preds) + 1)), mx.concatenate(flags))
 
     def _row_address(self, layer: int) -> mx.array:

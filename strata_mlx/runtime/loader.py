@@ -49,6 +49,7 @@ from ..stream.prediction import ReadAhead
 from ..stream.scheduler import SCHEDULERS
 from ..stream.stats import RoutingTrace
 from .decode import MODES
+from .deferred import load_gate
 from .experts import ExpertCache, device_gate_available, tell_words
 from .model import StrataModel
 
@@ -98,10 +99,11 @@ class RuntimeConfig:
     )
     # Split reads: while workers would idle (decode's few misses a layer), a record is read as
     # parts of at least this many KB by several workers side by side (reader.Reader's split).
-    # A gated layer's device waits for its misses' reads: on the H100 with the full-size store,
+    # A gated layer's device waits for its misses' reads: on an H100 with the full-size store,
     # parts of 128-256 KB cut that wait from 21-27 to 15-16 ms a token on a tmpfs, and gated
     # demand decode ran 1.08-1.34x as fast there and 1.18x behind a 12 GB/s emulated drive,
-    # no slower on the machine's 3.5 GB/s disk (docs/decisions.md, "Split reads").
+    # within its spread on a 3.5 GB/s disk. Ungated decode and Metal are not measured with
+    # them since (docs/decisions.md, "Split reads").
     read_split_kb: int = field(
         default=256,
         metadata=opt("Split reads into parts of at least this many KB (0: whole records).",
@@ -614,7 +616,8 @@ def build_expert_cache(
         gate.board_on = cfg.decode_gate_board
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
         if cache.pipelined.device_gate:
-            cache.pipelined.load_gate(getattr(args, "num_experts_per_tok", 1))
+            k = getattr(args, "num_experts_per_tok", 1)
+            load_gate(gate, k, cfg.read_ahead.depth)
     return cache
 
 
