@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|pairs
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|pairs
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode; ARENA (GB, 6.5) sizes bench's arena.
 set -uo pipefail
@@ -270,6 +270,17 @@ stalls)  # what holds bench's gated decode (benchmarks/gate_trace.py), on trace'
   { timeout 200 python3 benchmarks/gate_trace.py --detail 2 --stacks "$OUT/stacks-bench.txt" "${spy[@]}" "${b[@]}"
     [ "${NOGC:-1}" = 0 ] || timeout 200 python3 benchmarks/gate_trace.py --detail 1 --no-gc "${b[@]}"
   } 2>&1 | cut -c1-1500 | tee "$OUT/gate-stalls.log"
+  ;;
+disktrace)  # the gate a bench's first cold run gave up on the machine's disk, traced
+  # (benchmarks/gate_trace.py with bench in-process): the store copied to DISK, `-p 1024`, whole
+  # records, a TIMEOUT of 500 ms (a miss there takes a few ms)
+  build
+  synth "$SHM"
+  [ -f "$DISK/manifest.json" ] || cp -r "$SHM" "$DISK"
+  STRATA_MLX_GATE_TIMEOUT_MS=${TIMEOUT:-500} timeout 300 python3 benchmarks/gate_trace.py \
+    --detail 2 --bench --model "$DISK" -p 1024 -g "${G:-24}" --arena-gb 6.5 \
+    --prefill-step-size 1024 --policies "${POL:-demand:gt1:s0}" 2>&1 | cut -c1-1500 \
+    | tee "$OUT/disk-trace.log"
   ;;
 decodewait)  # tmpfs: where a gated token's time goes, policy by policy (profile_decode.py
   # --evals: the device at its gates, the decoding thread's CPU inside and outside MLX's
