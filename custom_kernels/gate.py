@@ -63,6 +63,7 @@ BODY = r"""
 """
 
 _KERNEL: Callable | None = None
+LATE_WORDS = 2  # a gate's `late`: its give-up flag, then its longest wait in microseconds
 
 
 def timeout_ms() -> int:
@@ -97,7 +98,7 @@ def gate(ids: mx.array, row_at: mx.array, timeout: int | None = None) -> tuple[m
         inputs=[ids, row_at],
         grid=(width, 1, 1),
         threadgroup=(width, 1, 1),
-        output_shapes=[(k,), (2,)],
+        output_shapes=[(k,), (LATE_WORDS,)],
         output_dtypes=[mx.uint32, mx.int32],
         # (MLX's CUDA backend keys a compiled kernel by its name and template arguments
         # only, not its inputs' dtypes: the ids' dtype goes in as one)

@@ -172,6 +172,13 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
     return c
 
 
+def key_buffer(cache) -> mx.array | None:
+    """The buffer a cache keeps its keys in (a QuantizedKVCache's codes), or None: none yet,
+    or a cache without keys (ArraysCache)."""
+    keys = getattr(cache, "keys", None)
+    return keys[0] if isinstance(keys, (tuple, list)) else keys
+
+
 class _GrowingCache:
     """What KVCache and QuantizedKVCache share: positions written only past `offset`."""
 
@@ -190,7 +197,7 @@ class _GrowingCache:
 
     def grows(self, n: int) -> bool:
         """Whether writing `n` more positions makes a new, larger buffer."""
-        keys = self.keys[0] if isinstance(self.keys, (tuple, list)) else self.keys
+        keys = key_buffer(self)
         return keys is None or self.offset + n > keys.shape[2]
 
 

@@ -79,7 +79,7 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 
-from ..models.base import ArraysCache
+from ..models.base import ArraysCache, key_buffer
 from .deferred import joint_routing, spread_routing
 
 # sample(logits [1, n, vocab]) -> (token [1], logprobs [vocab]) from the last position
@@ -572,13 +572,10 @@ def _reaches_step(c) -> bool:
 
 def _shapes(cache: list) -> tuple:
     """Each cache's kind and its keys' buffer's shape (what attention reads), where it has one."""
-    shapes = []
-    for c in cache:
-        keys = getattr(c, "keys", None)
-        if isinstance(keys, (tuple, list)):  # (QuantizedKVCache: codes, scales, biases)
-            keys = keys[0]
-        shapes.append(None if keys is None else (type(c).__name__, tuple(keys.shape)))
-    return tuple(shapes)
+    return tuple(
+        None if (keys := key_buffer(c)) is None else (type(c).__name__, tuple(keys.shape))
+        for c in cache
+    )
 
 
 def _save(c):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from custom_kernels.gate import BOARD_IDS, board, gate, timeout_ms
+from custom_kernels.gate import BOARD_IDS, LATE_WORDS, board, gate, timeout_ms
 
 from ..stream.gate import GateTable
 from ..stream.prediction import Predictor
@@ -424,7 +424,7 @@ class DeferredHandshake:
         and the token's end joins the gates' flags. No gate waits here: a gated token is
         built only once the token before it is verified."""
         self.warmed = True
-        flags = [mx.zeros((2,), dtype=mx.int32) for _ in range(2)]  # (as gate's `late`)
+        flags = [mx.zeros((LATE_WORDS,), dtype=mx.int32) for _ in range(2)]  # (gates' `late`)
         mx.eval(*(own_ids(inds, preds[:j]) for j in range(len(preds) + 1)), mx.concatenate(flags))
 
     def _row_address(self, layer: int) -> mx.array:

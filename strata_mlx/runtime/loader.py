@@ -569,6 +569,7 @@ def build_expert_cache(
         reserve_bytes=reserve_bytes, kv_itemsize=itemsize,
     )  # fmt: skip
     n_slots = max(1, min(arena_bytes // rb, n_records))
+    k = getattr(args, "num_experts_per_tok", 1)  # (experts a token's layer reads)
     profile = load_profile(path, full_manifest)
     if stage is not None:
         profile = stage.profile(profile)
@@ -609,14 +610,13 @@ def build_expert_cache(
         # (an arena smaller than one token's experts runs a layer in groups: never gated)
         gate=cfg.decode == "pipelined"
         and (device_gate_available() if cfg.decode_gate is None else cfg.decode_gate)
-        and n_slots >= getattr(args, "num_experts_per_tok", 1),
+        and n_slots >= k,
     )
     if (gate := cache.sched.residency.gate) is not None:
         gate.prefill_by_driver = cfg.prefill_words_by_driver
         gate.board_on = cfg.decode_gate_board
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
         if cache.pipelined.device_gate:
-            k = getattr(args, "num_experts_per_tok", 1)
             load_gate(gate, k, cfg.read_ahead.depth)
     return cache
 
