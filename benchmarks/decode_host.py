@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import statistics
 import time
 from collections import defaultdict
@@ -215,14 +216,25 @@ def emulated_device_gate():
     def gate(ids, row_at, timeout=None):
         return mx.zeros((ids.size,), dtype=mx.uint32), mx.zeros((2,), dtype=mx.int32)
 
-    kept = (experts.device_gate_available, reader.map_host, reader.unmap_host, deferred.gate)
-    experts.device_gate_available = lambda: True
-    reader.map_host, reader.unmap_host = (lambda address, nbytes: address), (lambda a: None)
-    deferred.gate = gate
+    def board(ids, board_at, seq):  # (the board's row at its host address: ids, then seq)
+        row = np.ctypeslib.as_array(
+            ctypes.cast(board_at.item(), ctypes.POINTER(ctypes.c_int32)), (1 + ids.size,)
+        )
+        row[1:] = np.asarray(ids).astype(np.int32)
+        row[0] = seq.item()
+        return ids
+
+    names = ("device_gate_available", "map_host", "unmap_host", "gate", "board")
+    owners = (experts, reader, reader, deferred, deferred)
+    kept = [getattr(o, n) for o, n in zip(owners, names)]
+    stand_ins = (lambda: True, lambda address, nbytes: address, lambda a: None, gate, board)
+    for o, n, f in zip(owners, names, stand_ins):
+        setattr(o, n, f)
     try:
         yield
     finally:
-        (experts.device_gate_available, reader.map_host, reader.unmap_host, deferred.gate) = kept
+        for o, n, f in zip(owners, names, kept):
+            setattr(o, n, f)
 
 
 def load(store: str, a, policy: str):

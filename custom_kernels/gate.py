@@ -41,6 +41,11 @@ __device__ __forceinline__ void sk_pause() { __nanosleep(200); }
 
 BODY = r"""
   const uint32_t j = threadIdx.x;
+  if (j == 0) {  // (one block: `late` zeroed before any pair writes it, no fill kernel)
+    late[0] = 0;
+    late[1] = 0;
+  }
+  __syncthreads();
   if (j < K) {
     volatile const int* row = reinterpret_cast<volatile const int*>(row_at[0]);
     const int e = (int)ids[j];
@@ -103,7 +108,6 @@ def gate(ids: mx.array, row_at: mx.array, timeout: int | None = None) -> tuple[m
         # (MLX's CUDA backend keys a compiled kernel by its name and template arguments
         # only, not its inputs' dtypes: the ids' dtype goes in as one)
         template=[("I", ids.dtype), ("K", k), ("TIMEOUT_US", (timeout or timeout_ms()) * 1000)],
-        init_value=0,
     )
     return slots, late
 

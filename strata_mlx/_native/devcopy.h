@@ -16,9 +16,11 @@ int devcopy_init(int ordinal);
 const char *devcopy_error(void);
 
 /* Per thread: a stream of its own while it lives (one a finished thread left, or a new one),
- * host buffers pinned. */
+ * host buffers pinned. `blocking`: its waits sleep until the copy engine is done (a blocking-sync
+ * event) instead of spinning in the driver, as the context's default has them do where the
+ * machine has more cores than contexts. */
 typedef struct DevCopyThread DevCopyThread;
-DevCopyThread *devcopy_thread_new(void);
+DevCopyThread *devcopy_thread_new(int blocking);
 void devcopy_thread_free(DevCopyThread *t);
 /* Pin [buf, buf + len) for asynchronous copies (cuMemHostRegister; the buffer keeps its huge
  * pages). A failure only makes copies slower: the driver stages pageable memory itself. */

@@ -117,6 +117,7 @@ struct ReaderObject {
     int bounce; /* read into a per-worker buffer, then copy into dest (see worker_main) */
     int device_copy; /* that copy by the GPU's copy engine from pinned memory (devcopy.h) */
     int copy_behind; /* read-ahead's copy waited for after the worker's next read (worker_main) */
+    int copy_asleep; /* a worker waits for its device copy asleep, not spinning (devcopy.h) */
     /* copy_behind: a read-ahead record's ready word stored by the driver's host function as
      * its copy lands (a gate waiting for it sees it at once), else by the worker once it has
      * waited for the copy (after its next read): no host function queued on the copy's
@@ -415,7 +416,7 @@ static void *worker_main(void *p) {
     pthread_setname_np(pthread_self(), "strata-reader"); /* (15 characters at most) */
 #endif
     /* device_copy: this thread's stream; NULL if it could not be made (its reads fail) */
-    DevCopyThread *dc = r->device_copy ? devcopy_thread_new() : NULL;
+    DevCopyThread *dc = r->device_copy ? devcopy_thread_new(r->copy_asleep) : NULL;
     int copy_behind = r->copy_behind && dc;
     pthread_mutex_lock(&r->mu);
     while (!r->stopping) {
@@ -755,12 +756,13 @@ static void Reader_dealloc(ReaderObject *r) {
 
 static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"workers", "start_paused", "bounce", "split", "overlap",
-                             "device_copy", "copy_behind", "record_bytes", NULL};
+                             "device_copy", "copy_behind", "record_bytes", "copy_asleep", NULL};
     int nworkers = 8, paused = 0, bounce = 0, overlap = 0, device_copy = 0, copy_behind = 0;
+    int copy_asleep = 0;
     Py_ssize_t split = 0, record_bytes = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ippnpppn:Reader", kwlist, &nworkers, &paused,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ippnpppnp:Reader", kwlist, &nworkers, &paused,
                                      &bounce, &split, &overlap, &device_copy, &copy_behind,
-                                     &record_bytes))
+                                     &record_bytes, &copy_asleep))
         return NULL;
     if (record_bytes < 0) {
         PyErr_Format(PyExc_ValueError, "record_bytes must be >= 0, got %zd", record_bytes);
@@ -787,6 +789,7 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     r->bounce = bounce || device_copy;
     r->device_copy = device_copy;
     r->copy_behind = copy_behind && device_copy;
+    r->copy_asleep = copy_asleep;
     r->words_by_driver = 1;
     r->bounce_min = record_bytes;
     r->split = split;
@@ -1404,7 +1407,7 @@ static PyTypeObject ReaderType = {
     .tp_dealloc = (destructor)Reader_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_doc = "Reader(workers=8, start_paused=False, bounce=False, split=0, overlap=False, "
-              "device_copy=False, copy_behind=False, record_bytes=0): native pread worker pool "
+              "device_copy=False, copy_behind=False, record_bytes=0, copy_asleep=False): native pread worker pool "
               "(strata_mlx.stream.reader.Reader documents each)",
     .tp_methods = Reader_methods,
     .tp_getset = Reader_getset,

@@ -146,6 +146,14 @@ class RuntimeConfig:
         default=True,
         metadata=opt("CUDA: read the next record while the last one's copy runs.", variant="cb"),
     )
+    # CUDA with device_copy: a reader thread waits for its copy asleep, on an event the driver
+    # signals, rather than in the driver's spin (a context's default on a machine with more
+    # cores than contexts); off until timed against the spin (docs/decisions.md, "Gated decode").
+    copy_asleep: bool = field(
+        default=False,
+        metadata=opt("CUDA: reader threads wait for their copies asleep, not spinning.",
+                     variant="ca"),
+    )  # fmt: skip
     read_ahead: ReadAhead = field(default_factory=ReadAhead, metadata=group())
     scheduler: str = field(
         default="loop",
@@ -588,6 +596,7 @@ def build_expert_cache(
         device_copy=device_copy,
         copy_behind=cfg.copy_behind,
         record_bytes=rb,
+        copy_asleep=cfg.copy_asleep,
     )
     cache = ExpertCache(
         path,

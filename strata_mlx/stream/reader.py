@@ -190,6 +190,10 @@ class Reader:
             never has a buffer let go of and made again: on CUDA letting go of a pinned
             buffer waits for the device to go idle, behind a decode gate that may be waiting
             for that very read (``stats()["bounce_regrown"]`` counts them).
+        copy_asleep: (with ``device_copy``) a worker waits for its copy asleep, on an event
+            the driver signals, instead of in the driver's spin (the default of a context on
+            a machine with more cores than contexts), whose polling may contend with the
+            threads that launch kernels.
     """
 
     def __init__(
@@ -202,10 +206,19 @@ class Reader:
         device_copy: bool = False,
         copy_behind: bool = False,
         record_bytes: int = 0,
+        copy_asleep: bool = False,
     ) -> None:
         drive_from_env()
         self._r = _reader.Reader(
-            workers, start_paused, bounce, split, overlap, device_copy, copy_behind, record_bytes
+            workers,
+            start_paused,
+            bounce,
+            split,
+            overlap,
+            device_copy,
+            copy_behind,
+            record_bytes,
+            copy_asleep,
         )
 
     @property

@@ -823,6 +823,7 @@ def test_the_gate_kernel_type_checks_as_cxx(tmp_path):
             "static unsigned long long sk_now_ns() { return 0; }",
             "static void sk_pause() {}",
             "static int atomicMax(int* a, int v) { int o = *a; if (v > o) *a = v; return o; }",
+            "static void __syncthreads() {}",
             "template <int K, int TIMEOUT_US>",
             "void strata_gate(const uint32_t* ids, const uint64_t* row_at, uint32_t* slots,"
             " int32_t* late) {",
