@@ -10,6 +10,7 @@ import dataclasses
 import importlib
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -626,7 +627,17 @@ def build_expert_cache(
         gate.board_on = cfg.decode_gate_board
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
         if cache.pipelined.device_gate:
-            load_gate(gate, k, cfg.read_ahead.depth)
+            try:
+                load_gate(gate, k, cfg.read_ahead.depth)
+            except (RuntimeError, ValueError) as e:  # (no NVRTC, a device before sm_70, ...)
+                cache.pipelined.device_gate = False
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                warnings.warn(
+                    f"the device gate's kernel did not load ({reason[:200]}); gated decode "
+                    "waits on the host instead (STRATA_MLX_GATE=host asks for that)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
     return cache
 
 

@@ -488,6 +488,40 @@ def test_loading_a_device_gated_model_runs_its_gate_once_on_the_spare_row(store,
     model.expert_cache.close()
 
 
+def test_a_gate_kernel_that_fails_to_load_leaves_the_gate_on_the_host(store, monkeypatch):
+    """Where the gate's kernel cannot load (no NVRTC, a device before sm_70), loading the model
+    warns once in one line and gated decode waits on the host instead: tokens and
+    log-probabilities equal the per-layer handshake's, every decode token gated (the host's
+    gate loads no code: none runs ungated), no device gate called after the load."""
+    import strata_mlx.runtime.deferred as deferred
+
+    path = store("qwen3_moe")
+    ids = prompt_ids(24, seed=7)
+    gb = arena_gb(path, 0.2)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
+    ref = decode(sync, ids, 6)
+    seen = emulated_device_gate(monkeypatch)
+    calls = []
+
+    def broken(ids, row_at):
+        calls.append(row_at.item())
+        raise RuntimeError("[cuda_kernel] NVRTC compilation failed.\nstrata_gate: long log")
+
+    monkeypatch.setattr(deferred, "gate", broken)
+    with pytest.warns(RuntimeWarning) as caught:
+        model, _ = strata_mlx.load(path, arena_gb=gb, decode_gate=True, decode_token_below=0.0)
+    (w,) = [w for w in caught if "device gate" in str(w.message)]
+    assert "NVRTC compilation failed." in str(w.message) and "\n" not in str(w.message)
+    ec = model.expert_cache
+    assert not ec.pipelined.device_gate and ec.pipelined.gated and len(calls) == 1
+    got = decode(model, ids, 6)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    assert ec.stats.gated_mode_tokens == 6 and ec.stats.misses > 0
+    assert len(calls) == 1 and seen["held"] == 0
+    for m in (model, sync):
+        m.expert_cache.close()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
 def test_a_device_gate_holding_the_building_thread_gets_its_reads_from_the_checks(
     store, family, monkeypatch
