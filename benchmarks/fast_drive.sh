@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|pairs
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|pairs
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode; ARENA (GB, 6.5) sizes bench's arena.
 set -uo pipefail
@@ -298,6 +298,24 @@ sys.argv[0] = 'benchmarks/profile_decode.py'; runpy.run_path(sys.argv[0], run_na
         2>&1 | tail -9 | head -3
     done
   done 2>&1 | tee "$OUT/decodewait.log"
+  ;;
+readcost)  # tmpfs: what a read costs the decoding thread. Its CPU inside MLX's evaluations and
+  # outside them both grow with the reads a token, in the same proportion (a thread that runs
+  # slower, not more work): reader threads waiting for their copies asleep (:ca1), records
+  # not verified (:nv), fewer reader threads (:io4), the routing board committing every 4
+  # layers (:bd1:lc4:lag4), each beside demand:gt1 and the floor (every expert counted
+  # resident), in one process each
+  build
+  synth "$SHM"
+  for p in ${PROFILE_POL:-demand:gt1 demand:gt1:ca1 demand:gt1:nv demand:gt1:io4 demand:gt1:ca1:nv \
+           demand:gt1:bd1:lc4:lag4 demand:gt1:ca1:bd1:lc4:lag4 lookahead:gt1 lookahead:gt1:ca1}; do
+    echo "== $p"
+    timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
+      --policy "$p" --no-profile --evals 2>&1 | grep -A1 " ms/token; a token"
+  done 2>&1 | tee "$OUT/readcost.log"
+  echo "== every expert counted resident" | tee -a "$OUT/readcost.log"
+  timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
+    --policy demand --fake-stream --no-profile --evals 2>&1 | grep -A1 " ms/token; a token" | tee -a "$OUT/readcost.log"
   ;;
 pairs)  # one token's layers through the kernels' `pairs` against their general entry (the
   # call before): the call alone (a one-layer store of the full-size layout), the resident
