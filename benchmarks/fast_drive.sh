@@ -300,8 +300,8 @@ sys.argv[0] = 'benchmarks/profile_decode.py'; runpy.run_path(sys.argv[0], run_na
   done 2>&1 | tee "$OUT/decodewait.log"
   ;;
 readcost)  # tmpfs: what a read costs the decoding thread. Its CPU inside MLX's evaluations and
-  # outside them both grow with the reads a token, in about the same proportion, as a thread
-  # that runs slower would: reader threads waiting for their copies asleep (:ca1), records
+  # outside them both grow with the reads a token, in roughly the same proportion, much as a
+  # thread that runs slower would: reader threads waiting for their copies asleep (:ca1), records
   # not verified (:nv), fewer reader threads (:io4), the routing board committing every 4
   # layers (:bd1:lc4:lag4), each beside demand:gt1 and the floor (every expert counted
   # resident), in one process each
