@@ -208,8 +208,9 @@ def emulated_device_gate():
     """Gated policies through the device gate's path on this CPU (`--device-gate`): the
     gate table mapped at its host address, the gate kernel a call that returns slot 0 for
     every pair at once (a replay never evaluates its outputs), each check on the checks'
-    thread as on CUDA. The decoding thread's build then costs what it would there, less
-    MLX's launches; the checks' CPU is theirs (`checks`)."""
+    thread as on CUDA; the routing board's kernel (`:bd1`) writes its row at the host address.
+    The decoding thread's build then costs what it would there, less MLX's launches; the
+    checks' CPU is theirs (`checks`)."""
     from strata_mlx.runtime import deferred
     from strata_mlx.stream import reader
 
@@ -217,6 +218,7 @@ def emulated_device_gate():
         return mx.zeros((ids.size,), dtype=mx.uint32), mx.zeros((2,), dtype=mx.int32)
 
     def board(ids, board_at, seq):  # (the board's row at its host address: ids, then seq)
+        mx.eval(ids)  # (the routing's wait, counted as the route sync: not on a device)
         row = np.ctypeslib.as_array(
             ctypes.cast(board_at.item(), ctypes.POINTER(ctypes.c_int32)), (1 + ids.size,)
         )

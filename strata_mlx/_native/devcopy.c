@@ -177,15 +177,18 @@ DevCopyThread *devcopy_thread_new(int blocking) {
     }
     /* (without the event, or where the driver lacks it, waits spin as before) */
     if (t && blocking && cu.event_create && cu.event_record && cu.event_synchronize &&
+        cu.event_destroy &&
         cu.event_create(&t->done, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING))
         t->done = NULL;
     return t;
 }
 
+int devcopy_asleep(const DevCopyThread *t) { return t && t->done; }
+
 void devcopy_thread_free(DevCopyThread *t) {
     if (!t) return;
     give_stream(t->stream);
-    if (t->done && cu.event_destroy) cu.event_destroy(t->done);
+    if (t->done) cu.event_destroy(t->done);
     free(t);
 }
 

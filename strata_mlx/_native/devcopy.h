@@ -21,6 +21,8 @@ const char *devcopy_error(void);
  * machine has more cores than contexts. */
 typedef struct DevCopyThread DevCopyThread;
 DevCopyThread *devcopy_thread_new(int blocking);
+/* Whether t's waits sleep (it was made `blocking` and the driver gave it the event). */
+int devcopy_asleep(const DevCopyThread *t);
 void devcopy_thread_free(DevCopyThread *t);
 /* Pin [buf, buf + len) for asynchronous copies (cuMemHostRegister; the buffer keeps its huge
  * pages). A failure only makes copies slower: the driver stages pageable memory itself. */

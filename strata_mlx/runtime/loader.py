@@ -149,7 +149,9 @@ class RuntimeConfig:
     )
     # CUDA with device_copy: a reader thread waits for its copy asleep, on an event the driver
     # signals, rather than in the driver's spin (a context's default on a machine with more
-    # cores than contexts); off until timed against the spin (docs/decisions.md, "Gated decode").
+    # cores than contexts). The data path gained nothing from it into managed memory
+    # (docs/decisions.md, "By the copy engine"); what it costs gated decode's building thread,
+    # which slows with every read, is not yet timed (docs/benchmarks.md, "Gated decode").
     copy_asleep: bool = field(
         default=False,
         metadata=opt("CUDA: reader threads wait for their copies asleep, not spinning.",
@@ -627,18 +629,31 @@ def build_expert_cache(
         gate.board_on = cfg.decode_gate_board
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
         if cache.pipelined.device_gate:
-            try:
-                load_gate(gate, k, cfg.read_ahead.depth)
-            except (RuntimeError, ValueError) as e:  # (no NVRTC, a device before sm_70, ...)
-                cache.pipelined.device_gate = False
-                reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                warnings.warn(
-                    f"the device gate's kernel did not load ({reason[:200]}); gated decode "
-                    "waits on the host instead (STRATA_MLX_GATE=host asks for that)",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+            _load_device_gate(cache, k, cfg)
     return cache
+
+
+def _load_device_gate(cache: ExpertCache, k: int, cfg: RuntimeConfig) -> None:
+    """The device gate's kernels loaded with the model (runtime.deferred.load_gate). Where
+    they cannot load (no NVRTC, a device before sm_70), a one-line warning and no device
+    gate: with `decode_gate` left to its default, decode runs ungated, as where no device can
+    wait; asked for, gated decode waits on the host instead."""
+    table = cache.sched.residency.gate
+    try:
+        load_gate(table, k, cfg.read_ahead.depth)
+        return
+    except (RuntimeError, ValueError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    cache.pipelined.device_gate = False
+    if cfg.decode_gate is None:  # (no read has been submitted yet: nothing holds the table)
+        cache.sched.residency.gate = None
+        table.close()
+        then = "decode runs ungated"
+    else:
+        then = "gated decode waits on the host instead"
+    warnings.warn(
+        f"the device gate's kernel did not load ({reason}); {then}", RuntimeWarning, stacklevel=3
+    )
 
 
 # What dense.safetensors may hold: float weights, and uint32 codes of quantized layers.

@@ -351,7 +351,8 @@ class Reader:
         ``workers``), ``device_copies`` and ``device_copy_ns`` (copies by the copy engine,
         and their time), ``bounce_regrown`` (bounce buffers let go of for a larger one),
         ``words_by_driver`` (ready words left to the driver's host functions),
-        and the current ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a
+        ``copy_threads_asleep`` (threads started so far whose copy waits sleep: copy_asleep
+        where the driver has the event), and the current ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a
         thread holds) and uncollected ``completions``."""
         return self._r.stats()
 

@@ -694,6 +694,9 @@ def test_device_copy_lands_verified_records_in_device_memory(
         done = r.wait(list(range(len(keys))))
         assert [err for _, err, _ in done] == [0] * len(keys)
         assert r.stats()["device_copies"] == len(keys)
+        # (asleep: the threads' waits sleep on the driver's event; else none does)
+        asleep_threads = r.stats()["copy_threads_asleep"]
+        assert 0 < asleep_threads <= 2 * r.workers if asleep else asleep_threads == 0
     raw = (path / EXPERTS).read_bytes()
     want = np.stack([np.frombuffer(raw, np.uint8, rb, m.record(*k)[0]) for k in keys])
     got = np.array(arena.rows + 0)  # a copy made on the device: the host reads only that
