@@ -311,11 +311,11 @@ readcost)  # tmpfs: what a read costs the decoding thread. Its CPU inside MLX's 
            demand:gt1:bd1:lc4:lag4 demand:gt1:ca1:bd1:lc4:lag4 lookahead:gt1 lookahead:gt1:ca1}; do
     echo "== $p"
     timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
-      --policy "$p" --no-profile --evals 2>&1 | grep -A1 " ms/token; a token"
+      --policy "$p" --no-profile --evals 2>&1 | grep -A2 " ms/token; a token"
   done 2>&1 | tee "$OUT/readcost.log"
   echo "== every expert counted resident" | tee -a "$OUT/readcost.log"
   timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
-    --policy demand --fake-stream --no-profile --evals 2>&1 | grep -A1 " ms/token; a token" | tee -a "$OUT/readcost.log"
+    --policy demand --fake-stream --no-profile --evals 2>&1 | grep -A2 " ms/token; a token" | tee -a "$OUT/readcost.log"
   # ... and the data path, the cache's defaults with and without the asleep waits
   timeout 150 python3 benchmarks/read_path.py "$SHM" --touch --seconds 2 --rounds 3 \
     --variants bounce+verify+overlap+dc+dm+cb,bounce+verify+overlap+dc+dm+cb+ca 2>&1 | tail -3 \

@@ -14,7 +14,8 @@ while decode runs (`record --native --threads`, active samples only, so about wh
 thread spends its CPU) and the top frames by thread are printed, self and inclusive: what
 cProfile cannot show, the time inside MLX's and CUDA's calls. `--evals` (no cProfile): the
 decoding thread's time inside MLX's `async_eval` and `eval` a token, by the line that called
-them, against its CPU outside them (the graph's building in Python and MLX's op calls);
+them, against its CPU outside them (the graph's building in Python and MLX's op calls),
+and each group of threads' CPU a token by thread name (the reader's, CUDA's, the rest);
 `--ops` adds the primitives a token's evaluations scheduled, by kind (each graph walked
 before its evaluation, in a pass of its own after the timed one: the walk costs more than
 the ops; arrays passed as positional arguments only). `--skip N`: the first N decode tokens
@@ -38,6 +39,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -214,14 +216,35 @@ class EvalCalls:
         mx.eval, mx.async_eval = self.kept
 
 
+def threads_cpu() -> Counter:
+    """CPU seconds each group of this process's threads has used, by thread name (Linux's
+    /proc: the reader's threads are `strata-reader`, CUDA's driver threads `cuda...`); {}
+    where there is no /proc."""
+    out: Counter = Counter()
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for task in Path("/proc/self/task").glob("*") if Path("/proc/self/task").exists() else []:
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+        except OSError:  # (a thread that ended meanwhile)
+            continue
+        group = "cuda" if name.startswith("cuda") else name
+        out[group] += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
 def timed_evals(steps, ec, a) -> None:
     """`--evals`: the decoding thread's time inside MLX's evaluations a token, by caller, and
-    (`--ops`) the primitives a token's graphs hold, in an untimed pass after the timed one."""
+    (`--ops`) the primitives a token's graphs hold, in an untimed pass after the timed one;
+    each group of threads' CPU a token (by name, from /proc), whose busy waits would show
+    there."""
     calls = EvalCalls(ops=False)
     ec.stats = ExpertStats()
+    groups = threads_cpu()
     t, cpu = time.perf_counter(), time.thread_time()
     n = sum(1 for _ in zip(range(a.gen_tokens), steps))
     wall, cpu = time.perf_counter() - t, time.thread_time() - cpu
+    groups = threads_cpu() - groups
     calls.close()
     inside_w, inside_c = sum(calls.wall.values()), sum(calls.cpu.values())
     per = 1e3 / n
@@ -231,6 +254,11 @@ def timed_evals(steps, ec, a) -> None:
         f"evals: wall {inside_w * per:.2f}, CPU {inside_c * per:.2f}; CPU outside them "
         f"{(cpu - inside_c) * per:.2f}; checks' thread CPU {ec.stats.check_cpu_s * per:.2f}"
     )
+    if groups:  # (10 ms ticks: a group under a tick a token over the run reads 0)
+        print(
+            "threads' CPU, ms a token: "
+            + ", ".join(f"{name} {c * per:.2f}" for name, c in groups.most_common(6))
+        )
     for site, w in calls.wall.most_common(12):
         print(
             f"  {site:60s} {calls.calls[site] / n:6.1f} calls, wall {w * per:6.2f}, "
