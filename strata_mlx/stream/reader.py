@@ -352,8 +352,9 @@ class Reader:
         and their time), ``bounce_regrown`` (bounce buffers let go of for a larger one),
         ``words_by_driver`` (ready words left to the driver's host functions),
         ``copy_threads_asleep`` (threads started so far whose copy waits sleep: copy_asleep
-        where the driver has the event), and the current ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a
-        thread holds) and uncollected ``completions``."""
+        where the driver has the event), and the current ``queued_urgent``,
+        ``queued_ahead``, ``in_flight`` (requests a thread holds) and uncollected
+        ``completions``."""
         return self._r.stats()
 
     def reset_stats(self) -> None:

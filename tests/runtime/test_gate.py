@@ -496,6 +496,7 @@ def test_a_gate_kernel_that_fails_to_load_warns_and_decodes_exactly(store, asked
     gate loads no code, so none runs ungated); left to its default, ungated, the table
     closed, as where no device can wait. No device gate is called after the load."""
     import strata_mlx.runtime.deferred as deferred
+    import strata_mlx.runtime.loader as loader
 
     path = store("qwen3_moe")
     ids = prompt_ids(24, seed=7)
@@ -503,8 +504,6 @@ def test_a_gate_kernel_that_fails_to_load_warns_and_decodes_exactly(store, asked
     sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
     ref = decode(sync, ids, 6)
     emulated_device_gate(monkeypatch)
-    import strata_mlx.runtime.loader as loader
-
     monkeypatch.setattr(loader, "device_gate_available", lambda: True)  # (the default's test)
     calls = []
 
