@@ -304,7 +304,8 @@ readcost)  # tmpfs: what a read costs the decoding thread. Its CPU inside MLX's 
   # thread that runs slower would: reader threads waiting for their copies asleep (:ca1), records
   # not verified (:nv), fewer reader threads (:io4), the routing board committing every 4
   # layers (:bd1:lc4:lag4), each beside demand:gt1 and the floor (every expert counted
-  # resident), in one process each
+  # resident), in one process each; then demand:gt1 with and without :ca1 with the decoding
+  # thread alone on a physical core (whether the threads beside it slow it)
   build
   synth "$SHM"
   for p in ${PROFILE_POL:-demand:gt1 demand:gt1:ca1 demand:gt1:nv demand:gt1:io4 demand:gt1:ca1:nv \
@@ -313,6 +314,12 @@ readcost)  # tmpfs: what a read costs the decoding thread. Its CPU inside MLX's 
     timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
       --policy "$p" --no-profile --evals 2>&1 | grep -A2 " ms/token; a token"
   done 2>&1 | tee "$OUT/readcost.log"
+  # ... and with the decoding thread alone on a physical core (profile_decode --isolate)
+  for p in ${ISOLATE_POL:-demand:gt1 demand:gt1:ca1}; do
+    echo "== $p, isolated"
+    timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
+      --policy "$p" --no-profile --evals --isolate 2>&1 | grep -A2 "isolate:\| ms/token; a token"
+  done 2>&1 | tee -a "$OUT/readcost.log"
   echo "== every expert counted resident" | tee -a "$OUT/readcost.log"
   timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
     --policy demand --fake-stream --no-profile --evals 2>&1 | grep -A2 " ms/token; a token" | tee -a "$OUT/readcost.log"

@@ -21,7 +21,8 @@ before its evaluation, in a pass of its own after the timed one: the walk costs 
 the ops; arrays passed as positional arguments only). `--skip N`: the first N decode tokens
 run before the timing starts (kernels first launched in a process's first tokens, ungated
 tokens among them). `--fake-stream`: every expert counts as resident (bench's compute floor:
-"token" mode, nothing read).
+"token" mode, nothing read). `--isolate`: once those tokens have run, the decoding thread alone
+on a physical core and every other thread on the rest (Linux).
 """
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ def main() -> None:
     ap.add_argument("--ops", action="store_true", help="with --evals: primitives a token")
     ap.add_argument("--skip", type=int, default=0, help="decode tokens run before timing")
     ap.add_argument("--fake-stream", action="store_true", help="every expert counts as resident")
+    ap.add_argument(
+        "--isolate",
+        action="store_true",
+        help="after the skipped tokens: the decoding thread alone on one physical core (its "
+        "SMT siblings idle), every other thread of the process on the other cores (Linux)",
+    )
     a = ap.parse_args()
     m = load_manifest(a.store)
     options = policy_options(a.policy) | ({"fake_stream": True} if a.fake_stream else {})
@@ -92,6 +99,8 @@ def main() -> None:
         return each_token(steps, ec)
     for _ in range(1 + a.skip):  # the prompt and its first token (and `skip`): not profiled
         next(steps)
+    if a.isolate:  # (every thread exists by now: the checks' starts at the first gated layer)
+        print(isolate_decoding_thread())
     if a.evals:  # (timed without cProfile)
         return timed_evals(steps, ec, a)
     ec.stats = ExpertStats()
@@ -214,6 +223,41 @@ class EvalCalls:
 
     def close(self) -> None:
         mx.eval, mx.async_eval = self.kept
+
+
+def isolate_decoding_thread() -> str:
+    """The calling thread alone on one physical core, its SMT siblings left idle, and every
+    other thread of the process on the remaining cores (Linux: sched_setaffinity per thread,
+    the cores' siblings from sysfs): whether the threads beside it slow the decoding thread."""
+    cpus = sorted(os.sched_getaffinity(0))
+    sys_cpu = Path("/sys/devices/system/cpu")
+
+    def siblings(c: int) -> set[int]:
+        f = sys_cpu / f"cpu{c}" / "topology" / "thread_siblings_list"
+        out: set[int] = set()
+        for part in f.read_text().strip().split(",") if f.exists() else [str(c)]:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+        return out
+
+    own = {cpus[0]}
+    rest = set(cpus) - siblings(cpus[0])
+    if not rest:
+        return "isolate: one core only, nothing moved"
+    me = threading.get_native_id()
+    moved = 0
+    for task in Path("/proc/self/task").iterdir():
+        tid = int(task.name)
+        try:
+            os.sched_setaffinity(tid, own if tid == me else rest)
+            moved += tid != me
+        except OSError:  # (a thread that ended meanwhile)
+            pass
+    idle = sorted(siblings(cpus[0]) - own)
+    return (
+        f"isolate: the decoding thread on CPU {cpus[0]} (its SMT siblings {idle or 'none'} "
+        f"idle), {moved} other threads on {len(rest)} CPUs"
+    )
 
 
 def threads_cpu() -> Counter:
