@@ -17,6 +17,7 @@ for a miss (but the host's gate, where the device cannot).
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -272,6 +273,29 @@ def load_gate(table: GateTable, k: int, depth: int) -> None:
         for n in range(k, BOARD_IDS + 1, k)[: depth + 1]:
             outs.append(board(mx.zeros((n,), dtype=mx.uint32), board_at, mx.array([1])))
     mx.eval(*outs)
+
+
+def load_device_gate(cache, k: int, depth: int, asked: bool | None) -> None:
+    """`load_gate` for an ExpertCache whose decode gates on the device. Where its kernels
+    cannot load (no NVRTC, a device before sm_70), a one-line warning and no device gate:
+    with `decode_gate` left to its default (`asked` None), decode runs ungated, as where no
+    device can wait; asked for, gated decode waits on the host instead."""
+    table = cache.sched.residency.gate
+    try:
+        load_gate(table, k, depth)
+        return
+    except (RuntimeError, ValueError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    cache.pipelined.device_gate = False
+    if asked is None:  # (no read has been submitted yet: nothing holds the table)
+        cache.sched.residency.gate = None
+        table.close()
+        then = "decode runs ungated"
+    else:
+        then = "gated decode waits on the host instead"
+    warnings.warn(
+        f"the device gate's kernel did not load ({reason}); {then}", RuntimeWarning, stacklevel=4
+    )
 
 
 class DeferredHandshake:

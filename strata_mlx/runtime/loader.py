@@ -10,7 +10,6 @@ import dataclasses
 import importlib
 import math
 import os
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +49,7 @@ from ..stream.prediction import ReadAhead
 from ..stream.scheduler import SCHEDULERS
 from ..stream.stats import RoutingTrace
 from .decode import MODES
-from .deferred import load_gate
+from .deferred import load_device_gate
 from .experts import ExpertCache, device_gate_available, tell_words
 from .model import StrataModel
 
@@ -147,11 +146,9 @@ class RuntimeConfig:
         default=True,
         metadata=opt("CUDA: read the next record while the last one's copy runs.", variant="cb"),
     )
-    # CUDA with device_copy: a reader thread waits for its copy asleep, on an event the driver
-    # signals, rather than in the driver's spin (a context's default on a machine with more
-    # cores than contexts). The data path gained nothing from it into managed memory
-    # (docs/decisions.md, "By the copy engine"); what it costs gated decode's building thread,
-    # which slows with every read, is not yet timed (docs/benchmarks.md, "Gated decode").
+    # CUDA with device_copy: reader threads wait for their copies asleep, not in the driver's
+    # spin. The data path gained nothing from it (docs/decisions.md, "By the copy engine");
+    # gated decode's building thread, slowed by every read, is yet to be timed with it.
     copy_asleep: bool = field(
         default=False,
         metadata=opt("CUDA: reader threads wait for their copies asleep, not spinning.",
@@ -629,31 +626,8 @@ def build_expert_cache(
         gate.board_on = cfg.decode_gate_board
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
         if cache.pipelined.device_gate:
-            _load_device_gate(cache, k, cfg)
+            load_device_gate(cache, k, cfg.read_ahead.depth, asked=cfg.decode_gate)
     return cache
-
-
-def _load_device_gate(cache: ExpertCache, k: int, cfg: RuntimeConfig) -> None:
-    """The device gate's kernels loaded with the model (runtime.deferred.load_gate). Where
-    they cannot load (no NVRTC, a device before sm_70), a one-line warning and no device
-    gate: with `decode_gate` left to its default, decode runs ungated, as where no device can
-    wait; asked for, gated decode waits on the host instead."""
-    table = cache.sched.residency.gate
-    try:
-        load_gate(table, k, cfg.read_ahead.depth)
-        return
-    except (RuntimeError, ValueError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    cache.pipelined.device_gate = False
-    if cfg.decode_gate is None:  # (no read has been submitted yet: nothing holds the table)
-        cache.sched.residency.gate = None
-        table.close()
-        then = "decode runs ungated"
-    else:
-        then = "gated decode waits on the host instead"
-    warnings.warn(
-        f"the device gate's kernel did not load ({reason}); {then}", RuntimeWarning, stacklevel=3
-    )
 
 
 # What dense.safetensors may hold: float weights, and uint32 codes of quantized layers.

@@ -245,7 +245,7 @@ def test_a_cache_closed_under_a_decode_on_another_thread_unmaps_after_it(store, 
     """The server's shutdown closes the expert cache while its worker may be decoding: the
     worker stops with the cache's one-line error, and the table is unmapped only once its
     decode has left the expert cache's phase (the unmapping runs on the worker's thread)."""
-    from strata_mlx.runtime import experts, loader
+    from strata_mlx.runtime import deferred, experts
     from strata_mlx.stream import reader
 
     path = store("qwen3_moe")
@@ -255,7 +255,7 @@ def test_a_cache_closed_under_a_decode_on_another_thread_unmaps_after_it(store, 
     # The table mapped as on CUDA; the decode's gate stays the host's (no device here, so
     # no gate kernel to load either).
     monkeypatch.setattr(experts, "GateTable", lambda m, device: GateTable(m, device=True))
-    monkeypatch.setattr(loader, "load_gate", lambda table, k, depth: None)
+    monkeypatch.setattr(deferred, "load_gate", lambda table, k, depth: None)
     model, _ = strata_mlx.load(
         path, arena_gb=arena_gb(path, 0.25), decode_gate=True, decode_token_below=0.0
     )
