@@ -305,9 +305,17 @@ readcost)  # tmpfs: what a read costs the decoding thread. Its CPU inside MLX's 
   # not verified (:nv), fewer reader threads (:io4), the routing board committing every 4
   # layers (:bd1:lc4:lag4), each beside demand:gt1 and the floor (every expert counted
   # resident), in one process each; then demand:gt1 with and without :ca1 with the decoding
-  # thread alone on a physical core (whether the threads beside it slow it)
+  # thread alone on a physical core (whether the threads beside it slow it). The gate's and the
+  # reader's GPU tests run while the store is written (GATE_TESTS=0 leaves them out).
   build
-  synth "$SHM"
+  if [ "${GATE_TESTS:-1}" != 0 ]; then
+    synth "$SHM" &
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_gate.py \
+      tests/stream/test_reader.py -k "gate or lands" 2>&1 | tail -4 | tee "$OUT/readcost-tests.log"
+    wait
+  else
+    synth "$SHM"
+  fi
   for p in ${PROFILE_POL:-demand:gt1 demand:gt1:ca1 demand:gt1:nv demand:gt1:io4 demand:gt1:ca1:nv \
            demand:gt1:bd1:lc4:lag4 demand:gt1:ca1:bd1:lc4:lag4 lookahead:gt1 lookahead:gt1:ca1}; do
     echo "== $p"
