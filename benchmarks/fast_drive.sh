@@ -316,21 +316,21 @@ readcost)  # tmpfs: what a read costs the decoding thread. Its CPU inside MLX's 
   else
     synth "$SHM"
   fi
+  # (one profile_decode --evals run on the tmpfs store: its token's lines)
+  evals() {
+    timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
+      --no-profile --evals "$@" 2>&1 | grep -A2 "isolate:\| ms/token; a token"
+  }
   for p in ${PROFILE_POL:-demand:gt1 demand:gt1:ca1 demand:gt1:nv demand:gt1:io4 demand:gt1:ca1:nv \
            demand:gt1:bd1:lc4:lag4 demand:gt1:ca1:bd1:lc4:lag4 lookahead:gt1 lookahead:gt1:ca1}; do
-    echo "== $p"
-    timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
-      --policy "$p" --no-profile --evals 2>&1 | grep -A2 " ms/token; a token"
+    echo "== $p"; evals --policy "$p"
   done 2>&1 | tee "$OUT/readcost.log"
   # ... and with the decoding thread alone on a physical core (profile_decode --isolate)
   for p in ${ISOLATE_POL:-demand:gt1 demand:gt1:ca1}; do
-    echo "== $p, isolated"
-    timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
-      --policy "$p" --no-profile --evals --isolate 2>&1 | grep -A2 "isolate:\| ms/token; a token"
+    echo "== $p, isolated"; evals --policy "$p" --isolate
   done 2>&1 | tee -a "$OUT/readcost.log"
   echo "== every expert counted resident" | tee -a "$OUT/readcost.log"
-  timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
-    --policy demand --fake-stream --no-profile --evals 2>&1 | grep -A2 " ms/token; a token" | tee -a "$OUT/readcost.log"
+  evals --policy demand --fake-stream | tee -a "$OUT/readcost.log"
   # ... and the data path, the cache's defaults with and without the asleep waits
   timeout 150 python3 benchmarks/read_path.py "$SHM" --touch --seconds 2 --rounds 3 \
     --variants bounce+verify+overlap+dc+dm+cb,bounce+verify+overlap+dc+dm+cb+ca 2>&1 | tail -3 \

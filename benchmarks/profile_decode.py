@@ -265,8 +265,8 @@ def threads_cpu() -> Counter:
     /proc: the reader's threads are `strata-reader`, CUDA's driver threads `cuda...`); {}
     where there is no /proc."""
     out: Counter = Counter()
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    for task in Path("/proc/self/task").glob("*") if Path("/proc/self/task").exists() else []:
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path("/proc/self/task").glob("*"):  # (none where there is no /proc)
         try:
             name = (task / "comm").read_text().strip()
             fields = (task / "stat").read_text().rpartition(")")[2].split()
