@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|pairs
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|membw|pairs
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode; ARENA (GB, 6.5) sizes bench's arena.
 set -uo pipefail
@@ -301,12 +301,11 @@ sys.argv[0] = 'benchmarks/profile_decode.py'; runpy.run_path(sys.argv[0], run_na
   ;;
 readcost)  # tmpfs: what a read costs the decoding thread. Its CPU inside MLX's evaluations and
   # outside them both grow with the reads a token, in roughly the same proportion, much as a
-  # thread that runs slower would: reader threads waiting for their copies asleep (:ca1), records
-  # not verified (:nv), fewer reader threads (:io4), the routing board committing every 4
-  # layers (:bd1:lc4:lag4), each beside demand:gt1 and the floor (every expert counted
-  # resident), in one process each; then demand:gt1 with and without :ca1 with the decoding
-  # thread alone on a physical core (whether the threads beside it slow it). The gate's and the
-  # reader's GPU tests run while the store is written (GATE_TESTS=0 leaves them out).
+  # thread that runs slower would: records not verified (:nv), fewer reader threads (:io4), the
+  # routing board committing every 4 layers (:bd1:lc4:lag4), each beside demand:gt1 and the
+  # floor (every expert counted resident), in one process each; then demand:gt1 with the
+  # decoding thread alone on a physical core (whether the threads beside it slow it). The gate's
+  # and the reader's GPU tests run while the store is written (GATE_TESTS=0 leaves them out).
   build
   if [ "${GATE_TESTS:-1}" != 0 ]; then
     synth "$SHM" &
@@ -321,20 +320,27 @@ readcost)  # tmpfs: what a read costs the decoding thread. Its CPU inside MLX's 
     timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
       --no-profile --evals "$@" 2>&1 | grep -A2 "isolate:\| ms/token; a token"
   }
-  for p in ${PROFILE_POL:-demand:gt1 demand:gt1:ca1 demand:gt1:nv demand:gt1:io4 demand:gt1:ca1:nv \
-           demand:gt1:bd1:lc4:lag4 demand:gt1:ca1:bd1:lc4:lag4 lookahead:gt1 lookahead:gt1:ca1}; do
+  for p in ${PROFILE_POL:-demand:gt1 demand:gt1:nv demand:gt1:io4 demand:gt1:bd1:lc4:lag4 \
+           lookahead:gt1}; do
     echo "== $p"; evals --policy "$p"
   done 2>&1 | tee "$OUT/readcost.log"
   # ... and with the decoding thread alone on a physical core (profile_decode --isolate)
-  for p in ${ISOLATE_POL:-demand:gt1 demand:gt1:ca1}; do
+  for p in ${ISOLATE_POL:-demand:gt1}; do
     echo "== $p, isolated"; evals --policy "$p" --isolate
   done 2>&1 | tee -a "$OUT/readcost.log"
   echo "== every expert counted resident" | tee -a "$OUT/readcost.log"
   evals --policy demand --fake-stream | tee -a "$OUT/readcost.log"
-  # ... and the data path, the cache's defaults with and without the asleep waits
-  timeout 150 python3 benchmarks/read_path.py "$SHM" --touch --seconds 2 --rounds 3 \
-    --variants bounce+verify+overlap+dc+dm+cb,bounce+verify+overlap+dc+dm+cb+ca 2>&1 | tail -3 \
-    | tee -a "$OUT/readcost.log"
+  ;;
+membw)  # tmpfs: the host's memory copy rate beside probe-ssd and the data path (whether the
+  # tmpfs data path is bound by memory: four passes over it against the probe's two)
+  build
+  synth "$SHM"
+  { python3 benchmarks/memory_copy.py --threads 8,16 --seconds 2
+    python3 -m strata_mlx probe-ssd "$SHM/experts.bin" --record-bytes 983040 --seconds 2
+    timeout 150 python3 benchmarks/read_path.py "$SHM" --touch --seconds 2 --rounds 3 \
+      --variants bounce+verify+overlap+dc+dm+cb,bounce+overlap+dc+dm+cb 2>&1 | tail -3
+    python3 benchmarks/memory_copy.py --threads 8,16 --seconds 2
+  } 2>&1 | tee "$OUT/membw.log"
   ;;
 pairs)  # one token's layers through the kernels' `pairs` against their general entry (the
   # call before): the call alone (a one-layer store of the full-size layout), the resident
@@ -349,5 +355,5 @@ pairs)  # one token's layers through the kernels' `pairs` against their general 
      --modes token:4,token:4+general --json "$OUT/pairs-resident.json" 2>&1 | tee "$OUT/pairs-resident.log"
   timeout 150 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 30 2>&1 | tee "$OUT/pairs-build.log"
   ;;
-*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|pairs"; exit 2;;
+*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|membw|pairs"; exit 2;;
 esac

@@ -11,8 +11,7 @@ the bounce copy lands through the driver's page migration), as the expert cache 
 device (the expert cache's default there); without it the CPU copies into managed memory.
 "dm": (with dc) into an arena in plain device memory (the cache's device_arena option) instead
 of managed memory. "cb": (with dc) the reader's copy_behind (the next record read while the
-last one's copy runs). "ca": (with dc) the reader's copy_asleep (each thread waits for its copy
-on a blocking-sync event, not in the driver's spin).
+last one's copy runs).
 "4k": into an arena left in 4 KB pages (Arena(hugepages=False); by default the CPU backend's
 arena asks Linux for huge pages, which CUDA's managed memory does not take).
 --touch: each batch of landed slots is then read by the device (a sum over their rows,
@@ -33,7 +32,7 @@ from strata_mlx.format.store import load_manifest
 from strata_mlx.stream.arena import Arena
 from strata_mlx.stream.probe import IN_FLIGHT, probe_data_path
 
-PARTS = ("direct", "bounce", "verify", "overlap", "4k", "dc", "dm", "cb", "ca")
+PARTS = ("direct", "bounce", "verify", "overlap", "4k", "dc", "dm", "cb")
 
 
 def read_round(store: Path, m, arena: Arena, variant: set, workers: int, seconds: float,
@@ -43,8 +42,7 @@ def read_round(store: Path, m, arena: Arena, variant: set, workers: int, seconds
     res = probe_data_path(store, m, workers, seconds, verify="verify" in variant,
                           overlap="overlap" in variant, device_copy="dc" in variant,
                           touch=touch, seed=seed, bounce="bounce" in variant,
-                          arena=arena, copy_behind="cb" in variant,
-                          copy_asleep="ca" in variant)  # fmt: skip
+                          arena=arena, copy_behind="cb" in variant)  # fmt: skip
     st = res["stats"]
     busy = sum(st["busy_ns"]) + sum(st["verify_ns"])
     per = max(st["requests_done"], 1) * 1e3  # ns -> us a read

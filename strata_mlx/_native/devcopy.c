@@ -13,7 +13,6 @@ typedef int CUresult;
 typedef int CUdevice;
 typedef void *CUcontext;
 typedef void *CUstream;
-typedef void *CUevent;
 typedef unsigned long long CUdeviceptr;
 typedef struct {
     int type; /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
@@ -25,8 +24,6 @@ typedef struct {
 #define CU_MEMHOSTREGISTER_DEVICEMAP 2
 #define CU_MEM_ADVISE_SET_PREFERRED_LOCATION 3
 #define CUDA_ERROR_NOT_READY 600
-#define CU_EVENT_BLOCKING_SYNC 1
-#define CU_EVENT_DISABLE_TIMING 2
 
 static struct {
     CUresult (*init)(unsigned);
@@ -47,10 +44,6 @@ static struct {
     CUresult (*error_string)(CUresult, const char **);
     CUresult (*host_get_device_pointer)(CUdeviceptr *, void *, unsigned);
     CUresult (*launch_host_func)(CUstream, void (*)(void *), void *);
-    CUresult (*event_create)(CUevent *, unsigned);
-    CUresult (*event_destroy)(CUevent);
-    CUresult (*event_record)(CUevent, CUstream);
-    CUresult (*event_synchronize)(CUevent);
 } cu;
 
 static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -60,7 +53,6 @@ static char message[256];
 
 struct DevCopyThread {
     CUstream stream;
-    CUevent done; /* blocking waits: recorded after the copies, waited for asleep; else NULL */
 };
 
 const char *devcopy_error(void) { return message; }
@@ -102,10 +94,6 @@ int devcopy_init(int ordinal) {
     *(void **)&cu.error_string = sym(lib, "cuGetErrorString");
     *(void **)&cu.host_get_device_pointer = sym(lib, "cuMemHostGetDevicePointer_v2");
     *(void **)&cu.launch_host_func = sym(lib, "cuLaunchHostFunc");
-    *(void **)&cu.event_create = sym(lib, "cuEventCreate");
-    *(void **)&cu.event_destroy = sym(lib, "cuEventDestroy_v2");
-    *(void **)&cu.event_record = sym(lib, "cuEventRecord");
-    *(void **)&cu.event_synchronize = sym(lib, "cuEventSynchronize");
     if (!cu.init || !cu.device_get || !cu.primary_ctx_retain || !cu.ctx_set_current ||
         !cu.stream_create || !cu.stream_destroy || !cu.stream_synchronize ||
         !cu.host_register || !cu.host_unregister || !cu.memcpy_htod_async) {
@@ -168,27 +156,19 @@ static void give_stream(CUstream s) {
     if (!kept) cu.stream_destroy(s);
 }
 
-DevCopyThread *devcopy_thread_new(int blocking) {
+DevCopyThread *devcopy_thread_new(void) {
     if (init_rc != 0) return NULL;
     DevCopyThread *t = calloc(1, sizeof *t);
     if (t && take_stream(&t->stream)) {
         free(t);
-        return NULL;
+        t = NULL;
     }
-    /* (without the event, or where the driver lacks it, waits spin as before) */
-    if (t && blocking && cu.event_create && cu.event_record && cu.event_synchronize &&
-        cu.event_destroy &&
-        cu.event_create(&t->done, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING))
-        t->done = NULL;
     return t;
 }
-
-int devcopy_asleep(const DevCopyThread *t) { return t && t->done; }
 
 void devcopy_thread_free(DevCopyThread *t) {
     if (!t) return;
     give_stream(t->stream);
-    if (t->done) cu.event_destroy(t->done);
     free(t);
 }
 
@@ -204,11 +184,7 @@ int devcopy_start(DevCopyThread *t, void *dst, const void *src, size_t len) {
     return cu.memcpy_htod_async((CUdeviceptr)(uintptr_t)dst, src, len, t->stream);
 }
 
-int devcopy_wait(DevCopyThread *t) {
-    if (!t->done) return cu.stream_synchronize(t->stream);
-    CUresult e = cu.event_record(t->done, t->stream);
-    return e ? e : cu.event_synchronize(t->done);
-}
+int devcopy_wait(DevCopyThread *t) { return cu.stream_synchronize(t->stream); }
 
 int devcopy_copy(DevCopyThread *t, void *dst, const void *src, size_t len) {
     CUresult e = devcopy_start(t, dst, src, len);

@@ -16,13 +16,9 @@ int devcopy_init(int ordinal);
 const char *devcopy_error(void);
 
 /* Per thread: a stream of its own while it lives (one a finished thread left, or a new one),
- * host buffers pinned. `blocking`: its waits sleep until the copy engine is done (a blocking-sync
- * event) instead of spinning in the driver, as the context's default has them do where the
- * machine has more cores than contexts. */
+ * host buffers pinned. */
 typedef struct DevCopyThread DevCopyThread;
-DevCopyThread *devcopy_thread_new(int blocking);
-/* Whether t's waits sleep (it was made `blocking` and the driver gave it the event). */
-int devcopy_asleep(const DevCopyThread *t);
+DevCopyThread *devcopy_thread_new(void);
 void devcopy_thread_free(DevCopyThread *t);
 /* Pin [buf, buf + len) for asynchronous copies (cuMemHostRegister; the buffer keeps its huge
  * pages). A failure only makes copies slower: the driver stages pageable memory itself. */

@@ -117,8 +117,6 @@ struct ReaderObject {
     int bounce; /* read into a per-worker buffer, then copy into dest (see worker_main) */
     int device_copy; /* that copy by the GPU's copy engine from pinned memory (devcopy.h) */
     int copy_behind; /* read-ahead's copy waited for after the worker's next read (worker_main) */
-    int copy_asleep; /* a worker waits for its device copy asleep, not spinning (devcopy.h) */
-    int copy_threads_asleep; /* workers whose waits do sleep (the driver gave them the event; mu) */
     /* copy_behind: a read-ahead record's ready word stored by the driver's host function as
      * its copy lands (a gate waiting for it sees it at once), else by the worker once it has
      * waited for the copy (after its next read): no host function queued on the copy's
@@ -417,10 +415,9 @@ static void *worker_main(void *p) {
     pthread_setname_np(pthread_self(), "strata-reader"); /* (15 characters at most) */
 #endif
     /* device_copy: this thread's stream; NULL if it could not be made (its reads fail) */
-    DevCopyThread *dc = r->device_copy ? devcopy_thread_new(r->copy_asleep) : NULL;
+    DevCopyThread *dc = r->device_copy ? devcopy_thread_new() : NULL;
     int copy_behind = r->copy_behind && dc;
     pthread_mutex_lock(&r->mu);
-    r->copy_threads_asleep += devcopy_asleep(dc);
     while (!r->stopping) {
         Queue *q = NULL;
         if (!r->paused && r->preading < r->nworkers)
@@ -758,13 +755,12 @@ static void Reader_dealloc(ReaderObject *r) {
 
 static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"workers", "start_paused", "bounce", "split", "overlap",
-                             "device_copy", "copy_behind", "record_bytes", "copy_asleep", NULL};
+                             "device_copy", "copy_behind", "record_bytes", NULL};
     int nworkers = 8, paused = 0, bounce = 0, overlap = 0, device_copy = 0, copy_behind = 0;
-    int copy_asleep = 0;
     Py_ssize_t split = 0, record_bytes = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ippnpppnp:Reader", kwlist, &nworkers, &paused,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ippnpppn:Reader", kwlist, &nworkers, &paused,
                                      &bounce, &split, &overlap, &device_copy, &copy_behind,
-                                     &record_bytes, &copy_asleep))
+                                     &record_bytes))
         return NULL;
     if (record_bytes < 0) {
         PyErr_Format(PyExc_ValueError, "record_bytes must be >= 0, got %zd", record_bytes);
@@ -791,7 +787,6 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     r->bounce = bounce || device_copy;
     r->device_copy = device_copy;
     r->copy_behind = copy_behind && device_copy;
-    r->copy_asleep = copy_asleep;
     r->words_by_driver = 1;
     r->bounce_min = record_bytes;
     r->split = split;
@@ -1234,7 +1229,6 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
                        verified = r->verified, split = r->split_requests,
                        copies = r->device_copies, copy_ns = r->device_copy_ns,
                        regrown = r->bounce_regrown,
-                       asleep = (unsigned long long)r->copy_threads_asleep,
                        queued_words = __atomic_load_n(&r->words_queued, __ATOMIC_RELAXED);
     Py_ssize_t nu = q_size(&r->urgent), na = q_size(&r->ahead), nd = r->n_done;
     int inflight = 0, preading_max = r->preading_max;
@@ -1256,14 +1250,13 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
         Py_XDECREF(verify);
         return NULL;
     }
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K,s:K,s:K,s:K}",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K,s:K,s:K}",
                          "bytes_read", bytes, "requests_done", reqs, "errors", errs,
                          "verified", verified, "split", split, "busy_ns", busy,
                          "verify_ns", verify, "queued_urgent", nu, "queued_ahead", na,
                          "in_flight", inflight, "completions", nd, "preads_max", preading_max,
                          "device_copies", copies, "device_copy_ns", copy_ns,
-                         "bounce_regrown", regrown, "words_by_driver", queued_words,
-                         "copy_threads_asleep", asleep);
+                         "bounce_regrown", regrown, "words_by_driver", queued_words);
 }
 
 static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
@@ -1411,8 +1404,8 @@ static PyTypeObject ReaderType = {
     .tp_dealloc = (destructor)Reader_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_doc = "Reader(workers=8, start_paused=False, bounce=False, split=0, overlap=False, "
-              "device_copy=False, copy_behind=False, record_bytes=0, copy_asleep=False): "
-              "native pread worker pool (strata_mlx.stream.reader.Reader documents each)",
+              "device_copy=False, copy_behind=False, record_bytes=0): native pread worker pool "
+              "(strata_mlx.stream.reader.Reader documents each)",
     .tp_methods = Reader_methods,
     .tp_getset = Reader_getset,
     .tp_new = Reader_new,

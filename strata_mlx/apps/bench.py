@@ -390,7 +390,7 @@ def _probes(path: Path, m, base: RuntimeConfig, io_workers: int, seconds: float,
     path_probe = probe_data_path(
         path, m, workers=io_workers, seconds=seconds, overlap=base.read_overlap,
         device_copy=None if base.device_copy else False, device_memory=base.device_arena,
-        copy_behind=base.copy_behind, copy_asleep=base.copy_asleep,
+        copy_behind=base.copy_behind,
     )  # fmt: skip
     path_gbps = path_probe["gb_per_s"]
     log(

@@ -146,14 +146,6 @@ class RuntimeConfig:
         default=True,
         metadata=opt("CUDA: read the next record while the last one's copy runs.", variant="cb"),
     )
-    # CUDA with device_copy: reader threads wait for their copies asleep, not in the driver's
-    # spin. The data path gained nothing from it (docs/decisions.md, "By the copy engine");
-    # gated decode's building thread, slowed by every read, is yet to be timed with it.
-    copy_asleep: bool = field(
-        default=False,
-        metadata=opt("CUDA: reader threads wait for their copies asleep, not spinning.",
-                     variant="ca"),
-    )  # fmt: skip
     read_ahead: ReadAhead = field(default_factory=ReadAhead, metadata=group())
     scheduler: str = field(
         default="loop",
@@ -596,7 +588,6 @@ def build_expert_cache(
         device_copy=device_copy,
         copy_behind=cfg.copy_behind,
         record_bytes=rb,
-        copy_asleep=cfg.copy_asleep,
     )
     cache = ExpertCache(
         path,

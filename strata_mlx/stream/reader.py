@@ -190,10 +190,6 @@ class Reader:
             never has a buffer let go of and made again: on CUDA letting go of a pinned
             buffer waits for the device to go idle, behind a decode gate that may be waiting
             for that very read (``stats()["bounce_regrown"]`` counts them).
-        copy_asleep: (with ``device_copy``) a worker waits for its copy asleep, on an event
-            the driver signals, instead of in the driver's spin (the default of a context on
-            a machine with more cores than contexts), whose polling may contend with the
-            threads that launch kernels.
     """
 
     def __init__(
@@ -206,19 +202,10 @@ class Reader:
         device_copy: bool = False,
         copy_behind: bool = False,
         record_bytes: int = 0,
-        copy_asleep: bool = False,
     ) -> None:
         drive_from_env()
         self._r = _reader.Reader(
-            workers,
-            start_paused,
-            bounce,
-            split,
-            overlap,
-            device_copy,
-            copy_behind,
-            record_bytes,
-            copy_asleep,
+            workers, start_paused, bounce, split, overlap, device_copy, copy_behind, record_bytes
         )
 
     @property
@@ -351,10 +338,8 @@ class Reader:
         ``workers``), ``device_copies`` and ``device_copy_ns`` (copies by the copy engine,
         and their time), ``bounce_regrown`` (bounce buffers let go of for a larger one),
         ``words_by_driver`` (ready words left to the driver's host functions),
-        ``copy_threads_asleep`` (threads started so far whose copy waits sleep: copy_asleep
-        where the driver has the event), and the current ``queued_urgent``,
-        ``queued_ahead``, ``in_flight`` (requests a thread holds) and uncollected
-        ``completions``."""
+        and the current ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a
+        thread holds) and uncollected ``completions``."""
         return self._r.stats()
 
     def reset_stats(self) -> None:

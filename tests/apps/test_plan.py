@@ -766,10 +766,7 @@ def test_this_machine_probes_what_the_backend_reads_through(store, monkeypatch):
     # through what the cache's reads go through, as bench's probe: its copy-behind included
     cfg = RuntimeConfig()
     want = dict(
-        overlap=cfg.read_overlap,
-        device_memory=cfg.device_arena,
-        copy_behind=cfg.copy_behind,
-        copy_asleep=cfg.copy_asleep,
+        overlap=cfg.read_overlap, device_memory=cfg.device_arena, copy_behind=cfg.copy_behind
     )
     assert all(kw.items() >= want.items() for kw in options)
     calls.clear()

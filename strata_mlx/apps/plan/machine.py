@@ -168,7 +168,6 @@ def data_path_gbps(store: Path, workers_list: tuple[int, ...], seconds: float) -
             device_copy=None if cfg.device_copy else False,
             device_memory=cfg.device_arena,
             copy_behind=cfg.copy_behind,
-            copy_asleep=cfg.copy_asleep,
         )["gb_per_s"]
         for w in workers_list
     ]
