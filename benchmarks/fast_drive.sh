@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|membw|pairs
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|membw|pairs
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode; ARENA (GB, 6.5) sizes bench's arena.
 set -uo pipefail
@@ -331,6 +331,26 @@ readcost)  # tmpfs: what a read costs the decoding thread. Its CPU inside MLX's 
   echo "== every expert counted resident" | tee -a "$OUT/readcost.log"
   evals --policy demand --fake-stream | tee -a "$OUT/readcost.log"
   ;;
+chain)  # the chain through a gated token's gates: a miss's read from submission to landing,
+  # and the token against a delay added to each check before its reads are submitted
+  # (profile_decode.py --evals --check-delay-ms; the slope says how much of a check's latency
+  # the token pays), demand:gt1 on each of DRIVES (shm: the raw tmpfs; N: behind an emulated
+  # N GB/s drive), then lookahead:gt1 undelayed
+  build
+  synth "$SHM"
+  for d in ${DRIVES:-shm 6}; do
+    g=$d; [ "$d" = shm ] && g=
+    for x in ${DELAYS:-0 0.25 0.5}; do
+      echo "== drive $d, demand:gt1, checks delayed $x ms"
+      STRATA_MLX_DRIVE_GBPS=$g timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 \
+        -p 1024 -g 48 --skip 4 --no-profile --evals --policy demand:gt1 --check-delay-ms "$x" 2>&1 \
+        | grep -A3 " ms/token; a token"
+    done
+    echo "== drive $d, lookahead:gt1"
+    STRATA_MLX_DRIVE_GBPS=$g timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 \
+      -p 1024 -g 48 --skip 4 --no-profile --evals --policy lookahead:gt1 2>&1 | grep -A3 " ms/token; a token"
+  done 2>&1 | tee "$OUT/chain.log"
+  ;;
 membw)  # tmpfs: the host's memory copy rate beside probe-ssd and the data path (whether the
   # tmpfs data path is bound by memory: four passes over it against the probe's two)
   build
@@ -355,5 +375,5 @@ pairs)  # one token's layers through the kernels' `pairs` against their general 
      --modes token:4,token:4+general --json "$OUT/pairs-resident.json" 2>&1 | tee "$OUT/pairs-resident.log"
   timeout 150 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 30 2>&1 | tee "$OUT/pairs-build.log"
   ;;
-*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|membw|pairs"; exit 2;;
+*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|membw|pairs"; exit 2;;
 esac

@@ -22,7 +22,11 @@ the ops; arrays passed as positional arguments only). `--skip N`: the first N de
 run before the timing starts (kernels first launched in a process's first tokens, ungated
 tokens among them). `--fake-stream`: every expert counts as resident (bench's compute floor:
 "token" mode, nothing read). `--isolate`: once those tokens have run, the decoding thread alone
-on a physical core and every other thread on the rest (Linux).
+on a physical core and every other thread on the rest (Linux). With `--evals`, the misses'
+reads (the reader's urgent requests) a token and their time from submission to landing.
+`--check-delay-ms X`: each gated check sleeps X ms (the GIL let go) before it claims its
+layer's experts, i.e. before its misses' reads are submitted: how much a token grows with
+the check's latency says how much of it lies on the chain through the gates.
 """
 
 from __future__ import annotations
@@ -83,7 +87,15 @@ def main() -> None:
         help="after the skipped tokens: the decoding thread alone on one physical core (its "
         "SMT siblings idle), every other thread of the process on the other cores (Linux)",
     )
+    ap.add_argument(
+        "--check-delay-ms",
+        type=float,
+        default=0.0,
+        help="each gated check sleeps this long before claiming its experts (the GIL let go)",
+    )
     a = ap.parse_args()
+    if a.check_delay_ms > 0:
+        delay_checks(a.check_delay_ms / 1e3)
     m = load_manifest(a.store)
     options = policy_options(a.policy) | ({"fake_stream": True} if a.fake_stream else {})
     model, _ = strata_mlx.load(a.store, arena_gb=a.arena_gb, **options)
@@ -225,6 +237,25 @@ class EvalCalls:
         mx.eval, mx.async_eval = self.kept
 
 
+DELAYS: list[float] = []  # (--check-delay-ms: each delay as slept)
+
+
+def delay_checks(seconds: float) -> None:
+    """Every claim made on the gated checks' thread sleeps `seconds` first."""
+    from strata_mlx.runtime.experts import ExpertCache
+
+    claim = ExpertCache.claim
+
+    def delayed(self, *args, **kw):
+        if threading.current_thread().name == "strata-mlx-gate-checks":
+            t = time.perf_counter()
+            time.sleep(seconds)
+            DELAYS.append(time.perf_counter() - t)
+        return claim(self, *args, **kw)
+
+    ExpertCache.claim = delayed
+
+
 def isolate_decoding_thread() -> str:
     """The calling thread alone on one physical core, its SMT siblings left idle, and every
     other thread of the process on the remaining cores (Linux: sched_setaffinity per thread,
@@ -285,10 +316,12 @@ def timed_evals(steps, ec, a) -> None:
     calls = EvalCalls(ops=False)
     ec.stats = ExpertStats()
     groups = threads_cpu()
+    reads, delays = ec.reader.stats(), len(DELAYS)
     t, cpu = time.perf_counter(), time.thread_time()
     n = sum(1 for _ in zip(range(a.gen_tokens), steps))
     wall, cpu = time.perf_counter() - t, time.thread_time() - cpu
     groups = threads_cpu() - groups
+    reads = {k: v - reads[k] for k, v in ec.reader.stats().items() if k.startswith("urgent_")}
     calls.close()
     inside_w, inside_c = sum(calls.wall.values()), sum(calls.cpu.values())
     per = 1e3 / n
@@ -298,6 +331,18 @@ def timed_evals(steps, ec, a) -> None:
         f"evals: wall {inside_w * per:.2f}, CPU {inside_c * per:.2f}; CPU outside them "
         f"{(cpu - inside_c) * per:.2f}; checks' thread CPU {ec.stats.check_cpu_s * per:.2f}"
     )
+    if reads["urgent_reads"]:  # (urgent_max_ns: the longest since the reader's start)
+        u = reads["urgent_reads"]
+        print(
+            f"misses' reads: {u / n:.1f} a token, {reads['urgent_ns'] / u / 1e3:.0f} us from "
+            f"submission to landing ({reads['urgent_queued_ns'] / u / 1e3:.0f} us before a "
+            f"thread took them up)"
+        )
+    if len(DELAYS) > delays:
+        slept = DELAYS[delays:]
+        print(
+            f"checks delayed: {len(slept) / n:.1f} a token, {sum(slept) / len(slept) * 1e3:.3f} ms each"
+        )
     if groups:  # (10 ms ticks: a group under a tick a token over the run reads 0)
         print(
             "threads' CPU, ms a token: "

@@ -65,6 +65,7 @@ typedef struct {
     int32_t *ready; /* the request's ready word (see Request), or NULL */
     int32_t ready_value;
     Py_ssize_t part;  /* bytes a part (the last may be shorter) */
+    uint64_t submitted; /* the request's (see Request) */
     uint32_t crcs[];  /* with verify: each part's checksum, taken by the thread that read it */
 } Group;
 
@@ -87,6 +88,10 @@ typedef struct {
      * it started. NULL: no word. */
     int32_t *ready;
     int32_t ready_value;
+    /* now_ns() at submission for a request submitted urgent (a decode miss), else 0: its
+     * latency to landing (its ready word stored, its completion reported) goes into the
+     * urgent_* stats. (A read-ahead request promoted later does not count.) */
+    uint64_t submitted;
 } Request;
 
 typedef struct {
@@ -142,6 +147,10 @@ struct ReaderObject {
     unsigned long long bytes_read, requests_done, errors, verified, *busy_ns, *verify_ns;
     unsigned long long split_requests; /* requests read in parts */
     unsigned long long device_copies, device_copy_ns; /* copies by the copy engine, their time */
+    /* requests submitted urgent and landed: how many; their ns from submission to landing, in
+     * all and the longest; their ns from submission to a worker taking them (or their first
+     * part) up (mu) */
+    unsigned long long urgent_reads, urgent_ns, urgent_max_ns, urgent_queued_ns;
     /* bounce buffers are made at least this large (bytes; 0: as large as the read needing
      * them), and how many were let go of for a larger one since (mu) */
     Py_ssize_t bounce_min;
@@ -347,6 +356,15 @@ static void mark_ready(int32_t *ready, int32_t value, int failed) {
     if (ready) __atomic_store_n(ready, failed ? READY_FAILED : value, __ATOMIC_RELEASE);
 }
 
+/* A request submitted at `submitted` (0: not urgent then) landed now: the urgent_* stats (mu) */
+static void landed_urgent(ReaderObject *r, uint64_t submitted) {
+    if (!submitted) return;
+    uint64_t ns = now_ns() - submitted;
+    r->urgent_reads++;
+    r->urgent_ns += ns;
+    if (ns > r->urgent_max_ns) r->urgent_max_ns = ns;
+}
+
 /* A ready word stored by the CUDA driver's thread once a queued copy is done (devcopy_then):
  * a gate waiting on a read-ahead record sees it land then, not when its worker next waits. */
 typedef struct {
@@ -434,6 +452,7 @@ static void *worker_main(void *p) {
         }
         int urgent = q == &r->urgent;
         Request rq = q_pop(q);
+        if (rq.submitted && (rq.lead || !rq.group)) r->urgent_queued_ns += now_ns() - rq.submitted;
         int fd = r->fds[rq.file], direct = r->direct[rq.file], kind = r->checksum[rq.file];
         if (rq.group) rq.group->started++;
         r->current[w] = rq.tag;
@@ -576,9 +595,12 @@ static void *worker_main(void *p) {
                 if (crc != g->expected) err = CHECKSUM_MISMATCH;
             }
             mark_ready(g->ready, g->ready_value, err || nread != g->length);
+            landed_urgent(r, g->submitted);
             free(g);
-        } else
+        } else {
             mark_ready(rq.ready, rq.ready_value, err || nread != rq.length);
+            landed_urgent(r, rq.submitted);
+        }
         complete(r, w, rq.tag, err, nread, checked, t2 - t1, 0);
     }
     pthread_mutex_unlock(&r->mu);
@@ -997,7 +1019,9 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
             }
         }
     }
-    for (Py_ssize_t i = 0; i < n; i++) reqs[i].group = NULL, reqs[i].lead = 0;
+    uint64_t submitted = urgent ? now_ns() : 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        reqs[i].group = NULL, reqs[i].lead = 0, reqs[i].submitted = submitted;
     pthread_mutex_lock(&r->mu);
     Queue *q = urgent ? &r->urgent : &r->ahead;
     /* Split reads: while workers would sit idle (few requests queued or in flight, as in
@@ -1044,7 +1068,7 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
             parts = (int)((reqs[i].length + part - 1) / part);
             *g = (Group){reqs[i].tag, parts, parts, 0, 0, 0, reqs[i].dest, reqs[i].length,
                          reqs[i].expected, reqs[i].verify, reqs[i].ready, reqs[i].ready_value,
-                         part};
+                         part, reqs[i].submitted};
             r->split_requests++;
         }
         if (!g) { /* whole (or no memory for a group: whole, too) */
@@ -1228,7 +1252,9 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
     unsigned long long bytes = r->bytes_read, reqs = r->requests_done, errs = r->errors,
                        verified = r->verified, split = r->split_requests,
                        copies = r->device_copies, copy_ns = r->device_copy_ns,
-                       regrown = r->bounce_regrown,
+                       regrown = r->bounce_regrown, urgent_reads = r->urgent_reads,
+                       urgent_ns = r->urgent_ns, urgent_max = r->urgent_max_ns,
+                       urgent_queued = r->urgent_queued_ns,
                        queued_words = __atomic_load_n(&r->words_queued, __ATOMIC_RELAXED);
     Py_ssize_t nu = q_size(&r->urgent), na = q_size(&r->ahead), nd = r->n_done;
     int inflight = 0, preading_max = r->preading_max;
@@ -1250,19 +1276,23 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
         Py_XDECREF(verify);
         return NULL;
     }
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K,s:K,s:K}",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K,s:K,s:K,"
+                         "s:K,s:K,s:K,s:K}",
                          "bytes_read", bytes, "requests_done", reqs, "errors", errs,
                          "verified", verified, "split", split, "busy_ns", busy,
                          "verify_ns", verify, "queued_urgent", nu, "queued_ahead", na,
                          "in_flight", inflight, "completions", nd, "preads_max", preading_max,
                          "device_copies", copies, "device_copy_ns", copy_ns,
-                         "bounce_regrown", regrown, "words_by_driver", queued_words);
+                         "bounce_regrown", regrown, "words_by_driver", queued_words,
+                         "urgent_reads", urgent_reads, "urgent_ns", urgent_ns,
+                         "urgent_max_ns", urgent_max, "urgent_queued_ns", urgent_queued);
 }
 
 static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
     pthread_mutex_lock(&r->mu);
     r->bytes_read = r->requests_done = r->errors = r->verified = r->split_requests = 0;
     r->device_copies = r->device_copy_ns = r->bounce_regrown = 0;
+    r->urgent_reads = r->urgent_ns = r->urgent_max_ns = r->urgent_queued_ns = 0;
     __atomic_store_n(&r->words_queued, 0, __ATOMIC_RELAXED);
     r->preading_max = r->preading;
     memset(r->busy_ns, 0, sizeof(unsigned long long) * (size_t)r->nthreads);

@@ -338,13 +338,16 @@ class Reader:
         ``workers``), ``device_copies`` and ``device_copy_ns`` (copies by the copy engine,
         and their time), ``bounce_regrown`` (bounce buffers let go of for a larger one),
         ``words_by_driver`` (ready words left to the driver's host functions),
-        and the current ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a
+        ``urgent_reads`` (requests submitted urgent that landed: decode's misses),
+        ``urgent_ns`` and ``urgent_max_ns`` (their time from submission to landing, in all
+        and the longest), ``urgent_queued_ns`` (their time from submission until a thread
+        took them, or their first part, up), and the current ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a
         thread holds) and uncollected ``completions``."""
         return self._r.stats()
 
     def reset_stats(self) -> None:
         """Zero bytes_read, requests_done, errors, verified, split, busy_ns, verify_ns, the
-        device copies' counts, bounce_regrown and words_by_driver."""
+        device copies' counts, bounce_regrown, words_by_driver and the urgent_* ones."""
         self._r.reset_stats()
 
     def close(self) -> None:

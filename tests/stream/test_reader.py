@@ -455,6 +455,33 @@ def test_split_reads_land_whole_and_complete_once(data_file, direct, bounce):
     assert buf[: 2 * big].tobytes() == payload[: 2 * big]
 
 
+def test_urgent_reads_report_their_latency(data_file):
+    """Requests submitted urgent (decode's misses) report their time from submission to
+    landing and to a thread taking them up, once a request however many parts it is read in;
+    read-ahead, promoted or not, does not count."""
+    path, _ = data_file
+    big = 4 * RECORD
+    _, addr = aligned(4 * big)
+    with Reader(workers=8, start_paused=True, split=RECORD) as r:
+        f = r.open(path)
+        t0 = time.perf_counter()
+        r.submit([(0, f, 0, big, addr), (1, f, big, RECORD, addr + big)], urgent=True)
+        r.submit([(2, f, 2 * big, RECORD, addr + 2 * big), (3, f, 3 * big, RECORD, addr + 3 * big)])
+        assert r.promote([3]) == [3]
+        time.sleep(0.05)  # queued, the reader paused: part of every urgent request's latency
+        r.resume()
+        drain(r, 4)
+        wall = time.perf_counter() - t0
+        st = r.stats()
+        assert st["urgent_reads"] == 2 and st["split"] >= 1
+        assert 2 * 0.05e9 <= st["urgent_queued_ns"] <= st["urgent_ns"] <= 2 * wall * 1e9
+        assert 0.05e9 <= st["urgent_max_ns"] <= wall * 1e9
+        r.reset_stats()
+        st = r.stats()
+        assert st["urgent_reads"] == st["urgent_ns"] == st["urgent_max_ns"] == 0
+        assert st["urgent_queued_ns"] == 0
+
+
 def test_split_request_parts_are_counted_cancelled_and_promoted_together(data_file):
     path, payload = data_file
     big = 4 * RECORD
