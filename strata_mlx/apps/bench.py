@@ -42,6 +42,10 @@ class Run:
     decode_tokens: int = 0
     layers: dict | None = None  # bench --plot: per-layer counts (strata_mlx.plots)
     ranks: list[dict] | None = None  # bench --pipeline: each rank's share (strata_mlx.distributed)
+    # decode's misses as the reader saw them: reads submitted urgent that landed, their ns
+    # from submission to landing in all (Reader.stats' urgent_*)
+    urgent_reads: int = 0
+    urgent_ns: int = 0
 
 
 def _drop_page_cache(store: Path) -> bool:
@@ -151,11 +155,14 @@ def run_policy(
     next(steps)  # the prefill and the first token
     if layers is not None:
         layers.cut("first")  # the last prompt token's forward: in no chunk, not decode
-    before = ec.stats.copy()
+    before, reads = ec.stats.copy(), ec.reader.stats()
     t = time.perf_counter()
     for _ in steps:
         pass
     run.decode_s = time.perf_counter() - t
+    after = ec.reader.stats()
+    run.urgent_reads = after["urgent_reads"] - reads["urgent_reads"]
+    run.urgent_ns = after["urgent_ns"] - reads["urgent_ns"]
     run.decode = ec.stats.minus(before)
     if layers is not None:
         layers.cut("decode")
@@ -475,6 +482,10 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
         # the device gate's checks, on their own thread (beside the decoding thread's time)
         "decode_check_ms_per_token": d.check_s / per_tok * 1e3,
         "decode_check_cpu_ms_per_token": d.check_cpu_s / per_tok * 1e3,
+        # a miss's read, from its submission to its landing (its ready word stored)
+        "decode_miss_landing_us": run.urgent_ns / run.urgent_reads / 1e3
+        if run.urgent_reads
+        else 0.0,
     }
 
 
@@ -507,6 +518,8 @@ def _modes(s: dict) -> str:
     aside = f"; checks aside {checks:.1f} ms/tok (cpu {cpu:.1f})" if checks else ""
     waited = s.get("decode_gate_wait_ms_per_token", 0.0)
     device = f"; device at gates {waited:.1f} ms/tok" if waited else ""
+    landing = s.get("decode_miss_landing_us", 0.0)
+    device += f"; a miss lands {landing:.0f} us after its read's submission" if landing else ""
     return f" [modes: {seen}; gates given up {s['decode_gate_timeouts']}{aside}{device}]"
 
 

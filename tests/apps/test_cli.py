@@ -238,6 +238,10 @@ def test_synthetic_store_and_bench(tmp_path):
     }
     assert rows[("demand", "cold")]["streamed_ahead_pct"] == 0
     assert rows[("lookahead", "cold")]["streamed_ahead_pct"] > 0
+    # demand's decode misses: each read held by the 0.5 GB/s drive at least its record's time
+    demand = rows[("demand", "cold")]
+    assert demand["decode_miss_pct"] > 0
+    assert demand["decode_miss_landing_us"] >= 0.9 * m.layout.record_bytes / 0.5e9 * 1e6
     assert "| policy |" in r.stdout
     # the data path's own probe sets the read floor; decode has a floor of its own
     assert result["data_path_gbps"] > 0 and "data path into the arena" in r.stderr + r.stdout
