@@ -335,20 +335,22 @@ chain)  # the chain through a gated token's gates: a miss's read from submission
   # and the token against a delay added to each check before its reads are submitted
   # (profile_decode.py --evals --check-delay-ms; the slope says how much of a check's latency
   # the token pays), demand:gt1 on each of DRIVES (shm: the raw tmpfs; N: behind an emulated
-  # N GB/s drive), then lookahead:gt1 undelayed
+  # N GB/s drive), then each of LOOK undelayed (lookahead's gated token is the host's: with
+  # the routing board committing every 4 layers, and predicting one layer ahead). One drive
+  # fits a device call: DRIVES=6 for the second.
   build
   synth "$SHM"
-  for d in ${DRIVES:-shm 6}; do
+  # (one profile_decode --evals run on the tmpfs store, through drive $g: its token's lines)
+  run() { STRATA_MLX_DRIVE_GBPS=$g timeout 100 python3 benchmarks/profile_decode.py "$SHM" \
+    --arena-gb 6.5 -p 1024 -g 48 --skip 4 --no-profile --evals "$@" 2>&1 | grep -A3 " ms/token; a token"; }
+  for d in ${DRIVES:-shm}; do
     g=$d; [ "$d" = shm ] && g=
     for x in ${DELAYS:-0 0.25 0.5}; do
-      echo "== drive $d, demand:gt1, checks delayed $x ms"
-      STRATA_MLX_DRIVE_GBPS=$g timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 \
-        -p 1024 -g 48 --skip 4 --no-profile --evals --policy demand:gt1 --check-delay-ms "$x" 2>&1 \
-        | grep -A3 " ms/token; a token"
+      echo "== drive $d, demand:gt1, checks delayed $x ms"; run --policy demand:gt1 --check-delay-ms "$x"
     done
-    echo "== drive $d, lookahead:gt1"
-    STRATA_MLX_DRIVE_GBPS=$g timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 \
-      -p 1024 -g 48 --skip 4 --no-profile --evals --policy lookahead:gt1 2>&1 | grep -A3 " ms/token; a token"
+    for p in ${LOOK:-lookahead:gt1 lookahead:gt1:bd1:lc4:lag4 lookahead:gt1:d1}; do
+      echo "== drive $d, $p"; run --policy "$p"
+    done
   done 2>&1 | tee "$OUT/chain.log"
   ;;
 membw)  # tmpfs: the host's memory copy rate beside probe-ssd and the data path (whether the
