@@ -295,7 +295,7 @@ decodewait)  # tmpfs: where a gated token's time goes, policy by policy (profile
       timeout 100 python3 -c "import runpy, sys; sys.setswitchinterval(float(sys.argv.pop(1))); \
 sys.argv[0] = 'benchmarks/profile_decode.py'; runpy.run_path(sys.argv[0], run_name='__main__')" \
         "$si" "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 --policy "$p" --no-profile --evals \
-        2>&1 | tail -9 | head -3
+        2>&1 | grep -A2 " ms/token; a token"
     done
   done 2>&1 | tee "$OUT/decodewait.log"
   ;;
@@ -318,7 +318,7 @@ readcost)  # tmpfs: what a read costs the decoding thread. Its CPU inside MLX's 
   # (one profile_decode --evals run on the tmpfs store: its token's lines)
   evals() {
     timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
-      --no-profile --evals "$@" 2>&1 | grep -A2 "isolate:\| ms/token; a token"
+      --no-profile --evals "$@" 2>&1 | grep -A4 "isolate:\| ms/token; a token"
   }
   for p in ${PROFILE_POL:-demand:gt1 demand:gt1:nv demand:gt1:io4 demand:gt1:bd1:lc4:lag4 \
            lookahead:gt1}; do

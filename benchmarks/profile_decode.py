@@ -241,7 +241,8 @@ DELAYS: list[float] = []  # (--check-delay-ms: each delay as slept)
 
 
 def delay_checks(seconds: float) -> None:
-    """Every claim made on the gated checks' thread sleeps `seconds` first."""
+    """Every claim made on the gated checks' thread sleeps `seconds` first (ExpertCache.claim
+    replaced on the class: a measurement's probe, never the package's way)."""
     from strata_mlx.runtime.experts import ExpertCache
 
     claim = ExpertCache.claim
@@ -340,9 +341,8 @@ def timed_evals(steps, ec, a) -> None:
         )
     if len(DELAYS) > delays:
         slept = DELAYS[delays:]
-        print(
-            f"checks delayed: {len(slept) / n:.1f} a token, {sum(slept) / len(slept) * 1e3:.3f} ms each"
-        )
+        each = sum(slept) / len(slept) * 1e3
+        print(f"checks delayed: {len(slept) / n:.1f} a token, {each:.3f} ms each")
     if groups:  # (10 ms ticks: a group under a tick a token over the run reads 0)
         print(
             "threads' CPU, ms a token: "

@@ -65,7 +65,7 @@ typedef struct {
     int32_t *ready; /* the request's ready word (see Request), or NULL */
     int32_t ready_value;
     Py_ssize_t part;  /* bytes a part (the last may be shorter) */
-    uint64_t submitted; /* the request's (see Request) */
+    uint64_t submitted; /* now_ns() at an urgent submission, else 0 (Request.submitted) */
     uint32_t crcs[];  /* with verify: each part's checksum, taken by the thread that read it */
 } Group;
 
@@ -88,9 +88,10 @@ typedef struct {
      * it started. NULL: no word. */
     int32_t *ready;
     int32_t ready_value;
-    /* now_ns() at submission for a request submitted urgent (a decode miss), else 0: its
-     * latency to landing (its ready word stored, its completion reported) goes into the
-     * urgent_* stats. (A read-ahead request promoted later does not count.) */
+    /* now_ns() at submission for a request submitted urgent (a miss), else 0: its latency to
+     * landing (its ready word stored, its completion reported, the read failed or not) goes
+     * into the urgent_* stats. (A read-ahead request promoted later does not count; urgent
+     * requests never take copy_behind's deferred path, which would not count them.) */
     uint64_t submitted;
 } Request;
 
@@ -147,9 +148,9 @@ struct ReaderObject {
     unsigned long long bytes_read, requests_done, errors, verified, *busy_ns, *verify_ns;
     unsigned long long split_requests; /* requests read in parts */
     unsigned long long device_copies, device_copy_ns; /* copies by the copy engine, their time */
-    /* requests submitted urgent and landed: how many; their ns from submission to landing, in
-     * all and the longest; their ns from submission to a worker taking them (or their first
-     * part) up (mu) */
+    /* requests submitted urgent and landed (or failed): how many; their ns from submission
+     * to landing, in all and the longest; their ns from submission to a worker taking them
+     * (or their first part) up (mu) */
     unsigned long long urgent_reads, urgent_ns, urgent_max_ns, urgent_queued_ns;
     /* bounce buffers are made at least this large (bytes; 0: as large as the read needing
      * them), and how many were let go of for a larger one since (mu) */

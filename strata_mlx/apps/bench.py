@@ -42,8 +42,9 @@ class Run:
     decode_tokens: int = 0
     layers: dict | None = None  # bench --plot: per-layer counts (strata_mlx.plots)
     ranks: list[dict] | None = None  # bench --pipeline: each rank's share (strata_mlx.distributed)
-    # decode's misses as the reader saw them: reads submitted urgent that landed, their ns
-    # from submission to landing in all (Reader.stats' urgent_*)
+    # decode's misses as the reader saw them: reads submitted urgent that landed (or failed),
+    # their ns from submission to landing in all (Reader.stats' urgent_*; in a pipelined
+    # bench rank 0's, as the other decode figures)
     urgent_reads: int = 0
     urgent_ns: int = 0
 
@@ -518,9 +519,9 @@ def _modes(s: dict) -> str:
     aside = f"; checks aside {checks:.1f} ms/tok (cpu {cpu:.1f})" if checks else ""
     waited = s.get("decode_gate_wait_ms_per_token", 0.0)
     device = f"; device at gates {waited:.1f} ms/tok" if waited else ""
-    landing = s.get("decode_miss_landing_us", 0.0)
-    device += f"; a miss lands {landing:.0f} us after its read's submission" if landing else ""
-    return f" [modes: {seen}; gates given up {s['decode_gate_timeouts']}{aside}{device}]"
+    us = s.get("decode_miss_landing_us", 0.0)
+    landing = f"; a miss lands {us:.0f} us after its read's submission" if us else ""
+    return f" [modes: {seen}; gates given up {s['decode_gate_timeouts']}{aside}{device}{landing}]"
 
 
 def _reads(s: dict) -> str:

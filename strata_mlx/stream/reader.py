@@ -338,11 +338,13 @@ class Reader:
         ``workers``), ``device_copies`` and ``device_copy_ns`` (copies by the copy engine,
         and their time), ``bounce_regrown`` (bounce buffers let go of for a larger one),
         ``words_by_driver`` (ready words left to the driver's host functions),
-        ``urgent_reads`` (requests submitted urgent that landed: decode's misses),
-        ``urgent_ns`` and ``urgent_max_ns`` (their time from submission to landing, in all
-        and the longest), ``urgent_queued_ns`` (their time from submission until a thread
-        took them, or their first part, up), and the current ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a
-        thread holds) and uncollected ``completions``."""
+        ``urgent_reads`` (requests submitted urgent, the misses, that landed or failed:
+        their ready word stored either way; once each, however many parts), ``urgent_ns``
+        and ``urgent_max_ns`` (their time from submission to landing, in all and the
+        longest), ``urgent_queued_ns`` (their time from submission until a thread took
+        them, or their first part, up), and the current ``queued_urgent``,
+        ``queued_ahead``, ``in_flight`` (requests a thread holds) and uncollected
+        ``completions``."""
         return self._r.stats()
 
     def reset_stats(self) -> None:

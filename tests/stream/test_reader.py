@@ -470,7 +470,7 @@ def test_urgent_reads_report_their_latency(data_file):
         assert r.promote([3]) == [3]
         time.sleep(0.05)  # queued, the reader paused: part of every urgent request's latency
         r.resume()
-        drain(r, 4)
+        assert [c[1] for c in drain(r, 4)] == [0] * 4  # (failed reads would count too)
         wall = time.perf_counter() - t0
         st = r.stats()
         assert st["urgent_reads"] == 2 and st["split"] >= 1
