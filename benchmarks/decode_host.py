@@ -210,7 +210,8 @@ def emulated_device_gate():
     every pair at once (a replay never evaluates its outputs), each check on the checks'
     thread as on CUDA; the routing board's kernel (`:bd1`) writes its row at the host address.
     The decoding thread's build then costs what it would there, less MLX's launches; the
-    checks' CPU is theirs (`checks`)."""
+    checks' CPU is theirs (`checks`), and `claim` their wall time from a layer's routing read
+    to its misses' reads submitted: the check's own part of the chain a miss waits on."""
     from strata_mlx.runtime import deferred
     from strata_mlx.stream import reader
 
@@ -316,6 +317,7 @@ def run(store: str, a, policy: str, parts: Parts | None, layers=None) -> dict:
         wait=st.exposed_wait_s * us,
         loop=st.loop_s * us,
         checks=st.check_cpu_s * us,
+        claim=st.check_claim_s * us,
         miss=st.miss_pct,
     )
 
@@ -378,7 +380,7 @@ def main() -> None:
     )
     print(
         f"{'policy':28} {'ms/token':>9} {'cpu':>6} {'host':>7} {'sync':>8} {'wait':>7} "
-        f"{'loop':>6} {'checks':>6} miss %"
+        f"{'loop':>6} {'checks':>6} {'claim':>6} miss %"
     )
     for policy, runs in results.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -386,7 +388,8 @@ def main() -> None:
             f"{policy:28} {med['ms_token']:9.1f} {'-' if a.full else round(med['cpu']):>6} "
             f"{med['host']:7.0f} "
             f"{med['sync']:8.0f} "
-            f"{med['wait']:7.0f} {med['loop']:6.0f} {med['checks']:6.0f} {med['miss']:6.1f}"
+            f"{med['wait']:7.0f} {med['loop']:6.0f} {med['checks']:6.0f} {med['claim']:6.0f} "
+            f"{med['miss']:6.1f}"
         )
         if policy in parts:
             layers = runs[-1]["layers"]

@@ -330,7 +330,8 @@ def timed_evals(steps, ec, a) -> None:
     print(
         f"decoding thread, ms a token: wall {wall * per:.2f}, CPU {cpu * per:.2f}; inside MLX's "
         f"evals: wall {inside_w * per:.2f}, CPU {inside_c * per:.2f}; CPU outside them "
-        f"{(cpu - inside_c) * per:.2f}; checks' thread CPU {ec.stats.check_cpu_s * per:.2f}"
+        f"{(cpu - inside_c) * per:.2f}; checks' thread CPU {ec.stats.check_cpu_s * per:.2f}, "
+        f"its routing reads to misses submitted {ec.stats.check_claim_s * per:.2f}"
     )
     if reads["urgent_reads"]:  # (urgent_max_ns: the longest since the reader's start)
         u = reads["urgent_reads"]

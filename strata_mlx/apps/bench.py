@@ -483,6 +483,8 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
         # the device gate's checks, on their own thread (beside the decoding thread's time)
         "decode_check_ms_per_token": d.check_s / per_tok * 1e3,
         "decode_check_cpu_ms_per_token": d.check_cpu_s / per_tok * 1e3,
+        # ... and their time from each routing read to its misses' reads submitted
+        "decode_check_claim_ms_per_token": d.check_claim_s / per_tok * 1e3,
         # a miss's read, from its submission to its landing (its ready word stored)
         "decode_miss_landing_us": run.urgent_ns / run.urgent_reads / 1e3
         if run.urgent_reads
@@ -516,7 +518,12 @@ def _modes(s: dict) -> str:
     seen = ", ".join(f"{k} {v}" for k, v in m.items() if v)
     checks = s["decode_check_ms_per_token"]
     cpu = s.get("decode_check_cpu_ms_per_token", 0.0)
-    aside = f"; checks aside {checks:.1f} ms/tok (cpu {cpu:.1f})" if checks else ""
+    claim = s.get("decode_check_claim_ms_per_token", 0.0)
+    aside = (
+        f"; checks aside {checks:.1f} ms/tok (cpu {cpu:.1f}, to reads {claim:.1f})"
+        if checks
+        else ""
+    )
     waited = s.get("decode_gate_wait_ms_per_token", 0.0)
     device = f"; device at gates {waited:.1f} ms/tok" if waited else ""
     us = s.get("decode_miss_landing_us", 0.0)

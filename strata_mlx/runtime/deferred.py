@@ -521,10 +521,12 @@ class DeferredHandshake:
         sched.drop_unneeded(layer, needed)
         owner = self.owner()
         tags = owner.claim(layer, needed)
+        claimed = time.perf_counter()
         owner.predict(g.targets, g.preds, self._next.get(layer), layer, needed, pred_ids)
         if aside:
             st.check_s += time.perf_counter() - t0
             st.check_cpu_s += time.thread_time() - c1
+            st.check_claim_s += claimed - t1
         else:
             st.host_s += time.perf_counter() - t1
         return tags

@@ -46,6 +46,9 @@ class ExpertStats:
     # and its CPU time after each routing's wait (thread_time): against the decoding
     # thread's, what of a token's host work the GIL lets run side by side
     check_cpu_s: float = 0.0
+    # and its time from each routing read to its claim's return (the misses' reads submitted):
+    # the check's own part of the chain a gated miss waits on, before the read itself
+    check_claim_s: float = 0.0
     topped_up: int = 0  # read-ahead the scheduler's loop added when the drive ran low
     loop_s: float = 0.0  # time the scheduler's loop thread held the GIL
     # its CPU time meanwhile (thread_time: what others' threads and processes take of its

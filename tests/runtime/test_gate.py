@@ -557,6 +557,7 @@ def test_a_device_gate_holding_the_building_thread_gets_its_reads_from_the_check
     # ... and the time they stood is read back with their flags, once a token
     assert s.gate_wait_s == pytest.approx(seen["waited_us"] * 1e-6) and s.gate_wait_s > 0
     assert 0 < s.check_cpu_s <= s.check_s  # (CPU time after the routing's waits, inside them)
+    assert 0 < s.check_claim_s < s.check_s  # (from the routing read to the reads submitted)
     for m in (model, sync):
         m.expert_cache.close()
     assert not ec.pipelined.checks._thread.is_alive()
