@@ -338,7 +338,8 @@ def main() -> None:
         "--device-gate",
         action="store_true",
         help="replay: gated policies through the device gate's path, emulated (checks on "
-        "their own thread, whose CPU is the `checks` column)",
+        "their own thread, whose CPU is the `checks` column and whose time from a routing "
+        "read to its misses submitted is the `claim` column)",
     )
     ap.add_argument(
         "--general",

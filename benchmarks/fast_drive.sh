@@ -19,18 +19,23 @@ export PYTHONFAULTHANDLER=1  # (a native crash prints every thread's Python stac
 # and so for the old tree's code as well; CUDA's own is 8, which `conns` compares)
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$PWD"
-# MLX compiles its CUDA kernels, the package's own among them, at their first use and keeps
-# their PTX in MLX_PTX_CACHE_DIR: on a fresh machine that took ~65 s of the synthetic store's
-# first calibration layer. A cache carried in (PTX_IN, a .tgz in the working tree) is unpacked
-# first; the cache goes back as $OUT/ptx.tgz when a stage added to it (carry it next time).
-export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}
+# MLX compiles its own CUDA kernels at their first use and keeps them in MLX_PTX_CACHE_DIR
+# (mx.fast.cuda_kernel's, the package's expert and gate kernels, it compiles in every process);
+# a fresh machine spent ~65 s of the synthetic store's first calibration layer compiling, the
+# share of MLX's own not measured. The cache, one folder per MLX version under PTX_ROOT: a copy
+# carried in (PTX_IN, a .tgz in the working tree) is unpacked first, and the cache goes back
+# as $OUT/ptx.tgz when a stage added to it (carry it next time; the device tool returns files
+# up to 16 MiB, 8 a call).
+PTX_ROOT=${PTX_ROOT:-/tmp/mlx-ptx}
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$PTX_ROOT/$(python3 -c \
+  'import importlib.metadata as m; print(m.version("mlx"))' 2>/dev/null || echo unknown)}
 PTX_IN=${PTX_IN:-.device/ptx.tgz}
-if [ -f "$PTX_IN" ] && [ ! -d "$MLX_PTX_CACHE_DIR" ]; then
-  mkdir -p "$MLX_PTX_CACHE_DIR" && tar -xzf "$PTX_IN" -C "$MLX_PTX_CACHE_DIR"
+if [ -f "$PTX_IN" ]; then
+  mkdir -p "$PTX_ROOT" && tar -xzf "$PTX_IN" --skip-old-files -C "$PTX_ROOT"
 fi
-ptx_files() { find "$MLX_PTX_CACHE_DIR" -type f 2>/dev/null | wc -l; }
+ptx_files() { find "$PTX_ROOT" -type f 2>/dev/null | wc -l; }
 ptx_before=$(ptx_files)
-trap '[ "$(ptx_files)" -gt "$ptx_before" ] && tar -czf "$OUT/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .' EXIT
+trap '[ "$(ptx_files)" -gt "$ptx_before" ] && tar -czf "$OUT/ptx.tgz" -C "$PTX_ROOT" .' EXIT
 # (this Python's own extension suffix: a tree copied from another machine may hold another's)
 built() { [ -f "strata_mlx/_reader$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" ]; }
 build() { built || python3 setup.py build_ext --inplace -q 2>&1 | tail -2; }

@@ -331,7 +331,8 @@ def timed_evals(steps, ec, a) -> None:
         f"decoding thread, ms a token: wall {wall * per:.2f}, CPU {cpu * per:.2f}; inside MLX's "
         f"evals: wall {inside_w * per:.2f}, CPU {inside_c * per:.2f}; CPU outside them "
         f"{(cpu - inside_c) * per:.2f}; checks' thread CPU {ec.stats.check_cpu_s * per:.2f}, "
-        f"its routing reads to misses submitted {ec.stats.check_claim_s * per:.2f}"
+        f"from its routing reads to the misses submitted {ec.stats.check_claim_s * per:.2f} "
+        "(--check-delay-ms's delays included)"
     )
     if reads["urgent_reads"]:  # (urgent_max_ns: the longest since the reader's start)
         u = reads["urgent_reads"]

@@ -495,9 +495,9 @@ class DeferredHandshake:
         # after it reads: reading it waits for its event and nothing more. An mx.eval here
         # would encode work and detach arrays the decoding thread's evals walk (MLX's graph
         # is one thread's): on CUDA that crashed gated decode's process (SIGSEGV in it).
-        c1 = time.thread_time()
         # (the board holds g.joint's ints: put joins onto it what the joint holds)
         one, pred_ids = as_ints(g.joint if flat is None else flat, d.inds, g.preds)
+        c1 = time.thread_time()  # (after the joint's wait, as after the board's)
         if one is None:
             ids = host_ids(d.inds)  # (not aside: the decoding thread's own check)
         elif trace is not None:

@@ -47,7 +47,8 @@ class ExpertStats:
     # thread's, what of a token's host work the GIL lets run side by side
     check_cpu_s: float = 0.0
     # and its time from each routing read to its claim's return (the misses' reads submitted):
-    # the check's own part of the chain a gated miss waits on, before the read itself
+    # the check's own part of the chain a gated miss waits on, before the read itself (checks
+    # on that thread only: where the decoding thread checks, this span is in host_s)
     check_claim_s: float = 0.0
     topped_up: int = 0  # read-ahead the scheduler's loop added when the drive ran low
     loop_s: float = 0.0  # time the scheduler's loop thread held the GIL
