@@ -368,6 +368,11 @@ chain)  # the chain through a gated token's gates: a miss's read from submission
     for p in ${LOOK:-lookahead:gt1 lookahead:gt1:bd1:lc4:lag4 lookahead:gt1:d1}; do
       echo "== drive $d, $p"; run --policy "$p"
     done
+    # (Python's switch interval: how long the check may wait for the GIL the building thread
+    # holds; CPython's 5 ms against SWITCH us)
+    for p in ${SWPOL:-demand:gt1 lookahead:gt1}; do
+      echo "== drive $d, $p, switch interval ${SWITCH:-100} us"; run --policy "$p" --switch-us "${SWITCH:-100}"
+    done
   done 2>&1 | tee "$OUT/chain.log"
   ;;
 membw)  # tmpfs: the host's memory copy rate beside probe-ssd and the data path (whether the

@@ -93,7 +93,16 @@ def main() -> None:
         default=0.0,
         help="each gated check sleeps this long before claiming its experts (the GIL let go)",
     )
+    ap.add_argument(
+        "--switch-us",
+        type=float,
+        default=None,
+        help="Python's thread switch interval, us (sys.setswitchinterval; CPython's is 5000): "
+        "how long a thread that wants the GIL may wait for one running Python",
+    )
     a = ap.parse_args()
+    if a.switch_us is not None:
+        sys.setswitchinterval(a.switch_us / 1e6)
     if a.check_delay_ms > 0:
         delay_checks(a.check_delay_ms / 1e3)
     m = load_manifest(a.store)
