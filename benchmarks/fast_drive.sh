@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|membw|pairs
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|pairs
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode; ARENA (GB, 6.5) sizes bench's arena.
 set -uo pipefail
@@ -375,6 +375,25 @@ chain)  # the chain through a gated token's gates: a miss's read from submission
     done
   done 2>&1 | tee "$OUT/chain.log"
   ;;
+spin)  # the reader's idle threads polling for work (:rsN, N us; :rnK threads at once)
+  # against sleeping (each miss's read then waits for a thread's wake-up): gated decode's
+  # token, a miss's read from submission to landing, rounds alternating (profile_decode.py
+  # --evals); demand on the tmpfs and behind an emulated 6 GB/s drive, lookahead with the
+  # routing board on the tmpfs. SPIN: the variant tried (":rs2000:rn4").
+  build
+  synth "$SHM"
+  run() { STRATA_MLX_DRIVE_GBPS=$g timeout 100 python3 benchmarks/profile_decode.py "$SHM" \
+    --arena-gb 6.5 -p 1024 -g 48 --skip 4 --no-profile --evals "$@" 2>&1 | grep -A3 " ms/token; a token"; }
+  sp=${SPIN:-:rs2000:rn4}
+  { for g in "" "" 6; do
+      for p in demand:gt1 "demand:gt1$sp"; do echo "== drive ${g:-shm}, $p"; run --policy "$p"; done
+    done
+    g=
+    for p in lookahead:gt1:bd1:lc4:lag4 "lookahead:gt1:bd1:lc4:lag4$sp"; do
+      echo "== drive shm, $p"; run --policy "$p"
+    done
+  } 2>&1 | tee "$OUT/spin.log"
+  ;;
 membw)  # tmpfs: the host's memory copy rate beside probe-ssd and the data path (whether the
   # tmpfs data path is bound by memory: four passes over it against the probe's two)
   build
@@ -399,5 +418,5 @@ pairs)  # one token's layers through the kernels' `pairs` against their general 
      --modes token:4,token:4+general --json "$OUT/pairs-resident.json" 2>&1 | tee "$OUT/pairs-resident.log"
   timeout 150 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 30 2>&1 | tee "$OUT/pairs-build.log"
   ;;
-*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|membw|pairs"; exit 2;;
+*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|pairs"; exit 2;;
 esac

@@ -332,7 +332,8 @@ def timed_evals(steps, ec, a) -> None:
     wall, cpu = time.perf_counter() - t, time.thread_time() - cpu
     groups = threads_cpu() - groups
     after = ec.reader.stats()  # (the urgent counters that add up; urgent_max_ns does not)
-    reads = {k: after[k] - reads[k] for k in ("urgent_reads", "urgent_ns", "urgent_queued_ns")}
+    counted = ("urgent_reads", "urgent_ns", "urgent_queued_ns", "spin_takes")
+    reads = {k: after[k] - reads[k] for k in counted}
     calls.close()
     inside_w, inside_c = sum(calls.wall.values()), sum(calls.cpu.values())
     per = 1e3 / n
@@ -349,7 +350,8 @@ def timed_evals(steps, ec, a) -> None:
         print(
             f"misses' reads: {u / n:.1f} a token, {reads['urgent_ns'] / u / 1e3:.0f} us from "
             f"submission to landing ({reads['urgent_queued_ns'] / u / 1e3:.0f} us before a "
-            f"thread took them up)"
+            f"thread took them up); reads or parts taken by a polling thread "
+            f"{reads['spin_takes'] / n:.1f} a token"
         )
     if len(DELAYS) > delays:
         slept = DELAYS[delays:]

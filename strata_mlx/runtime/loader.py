@@ -109,6 +109,19 @@ class RuntimeConfig:
         metadata=opt("Split reads into parts of at least this many KB (0: whole records).",
                      (0, 1 << 20), check=multiple_of_4kb, variant="s"),
     )  # fmt: skip
+    # A reader thread with nothing to read polls for work this long before it sleeps
+    # (reader.Reader's spin_us), so that a decode miss's read, or its parts, start without a
+    # sleeping thread's wake-up; at most read_spinners threads poll at once, a CPU core each.
+    read_spin_us: int = field(
+        default=0,
+        metadata=opt("Reader threads poll this many us for work before sleeping (0: never).",
+                     (0, 1_000_000), variant="rs"),
+    )  # fmt: skip
+    read_spinners: int = field(
+        default=4,
+        metadata=opt("Reader threads that may poll at once (read_spin_us).", (1, 1 << 11),
+                     variant="rn"),
+    )  # fmt: skip
     # The reader's threads let go of their slot on the drive once a pread returns, before the
     # bounce copy and the checksum (reader.Reader's overlap): io_workers preads in flight.
     read_overlap: bool = field(
@@ -588,6 +601,8 @@ def build_expert_cache(
         device_copy=device_copy,
         copy_behind=cfg.copy_behind,
         record_bytes=rb,
+        spin_us=cfg.read_spin_us,
+        spinners=cfg.read_spinners,
     )
     cache = ExpertCache(
         path,

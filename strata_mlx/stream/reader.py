@@ -190,6 +190,12 @@ class Reader:
             never has a buffer let go of and made again: on CUDA letting go of a pinned
             buffer waits for the device to go idle, behind a decode gate that may be waiting
             for that very read (``stats()["bounce_regrown"]`` counts them).
+        spin_us: a thread with nothing to read polls for new work this long (us) before it
+            sleeps (0: it sleeps at once). A sleeping thread's wake-up takes a trip through
+            the OS scheduler (tens of us, more on a virtual machine) before a decode miss's
+            read starts; a polling one starts it at once. Costs a CPU core a polling thread.
+        spinners: how many threads may poll at once (-1: any). ``stats()["spin_takes"]``
+            counts the reads taken by a thread that was polling.
     """
 
     def __init__(
@@ -202,10 +208,21 @@ class Reader:
         device_copy: bool = False,
         copy_behind: bool = False,
         record_bytes: int = 0,
+        spin_us: int = 0,
+        spinners: int = -1,
     ) -> None:
         drive_from_env()
         self._r = _reader.Reader(
-            workers, start_paused, bounce, split, overlap, device_copy, copy_behind, record_bytes
+            workers,
+            start_paused,
+            bounce,
+            split,
+            overlap,
+            device_copy,
+            copy_behind,
+            record_bytes,
+            spin_us,
+            spinners,
         )
 
     @property
@@ -342,14 +359,16 @@ class Reader:
         their ready word stored either way; once each, however many parts), ``urgent_ns``
         and ``urgent_max_ns`` (their time from submission to landing, in all and the
         longest), ``urgent_queued_ns`` (their time from submission until a thread took
-        them, or their first part, up), and the current ``queued_urgent``,
+        them, or their first part, up), ``spin_takes`` (reads, or parts, taken by a
+        thread that was polling: ``spin_us``), and the current ``queued_urgent``,
         ``queued_ahead``, ``in_flight`` (requests a thread holds) and uncollected
         ``completions``."""
         return self._r.stats()
 
     def reset_stats(self) -> None:
         """Zero bytes_read, requests_done, errors, verified, split, busy_ns, verify_ns, the
-        device copies' counts, bounce_regrown, words_by_driver and the urgent_* ones."""
+        device copies' counts, bounce_regrown, words_by_driver, the urgent_* ones and
+        spin_takes."""
         self._r.reset_stats()
 
     def close(self) -> None:

@@ -54,15 +54,22 @@ def data_file(data_dir) -> tuple[Path, bytes]:
     return path, payload.tobytes()
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["slots-held", "overlap"])
+@pytest.fixture(
+    autouse=True,
+    params=[(False, 0), (True, 0), (True, 2000)],
+    ids=["slots-held", "overlap", "overlap-spinning"],
+)
 def overlap(request, monkeypatch):
     """Every test runs with the reader's overlap off and on (threads that let go of their
-    read slot before the copy and the checksum must land, verify, cancel and count alike)."""
-    on = request.param
+    read slot before the copy and the checksum must land, verify, cancel and count alike),
+    and with idle threads polling for work before they sleep (spin_us)."""
+    on, spin_us = request.param
 
     class Overlapping(Reader):
         def __init__(self, *args, **kw):
             kw.setdefault("overlap", on)
+            kw.setdefault("spin_us", spin_us)
+            kw.setdefault("spinners", 2)
             super().__init__(*args, **kw)
 
     monkeypatch.setitem(globals(), "Reader", Overlapping)
@@ -480,6 +487,37 @@ def test_urgent_reads_report_their_latency(data_file):
         st = r.stats()
         assert st["urgent_reads"] == st["urgent_ns"] == st["urgent_max_ns"] == 0
         assert st["urgent_queued_ns"] == 0
+
+
+def test_polling_threads_take_reads_without_a_wake_up(data_file):
+    """With spin_us, an idle thread polls for work before it sleeps: reads submitted while
+    threads poll are taken up by them (counted), land in place and complete once; once the
+    window has passed with nothing posted, the threads sleep and are woken as without it."""
+    path, payload = data_file
+    buf, addr = aligned(N_RECORDS * RECORD)
+    with Reader(workers=4, split=0, spin_us=300_000, spinners=2) as r:
+        f = r.open(path)
+        for t in range(6):  # each submitted right after the last landed: threads poll
+            r.submit([(t, f, t * RECORD, RECORD, addr + t * RECORD)], urgent=True)
+            assert r.wait([t], timeout=10) == [(t, 0, RECORD)]
+        assert r.stats()["spin_takes"] >= 5
+        time.sleep(0.4)  # past the window: every thread asleep
+        taken = r.stats()["spin_takes"]
+        r.submit([(t, f, t * RECORD, RECORD, addr + t * RECORD) for t in range(6, 10)])
+        assert sorted(c[0] for c in drain(r, 4)) == list(range(6, 10))
+        # (the first taken by a woken thread: none polled; a thread done with it may poll
+        # and take a later one)
+        assert r.stats()["spin_takes"] <= taken + 3
+        r.reset_stats()
+        assert r.stats()["spin_takes"] == 0
+    assert buf[: 10 * RECORD].tobytes() == payload[: 10 * RECORD]
+
+
+def test_spin_options_are_checked():
+    with pytest.raises(ValueError, match="spin_us"):
+        Reader(workers=1, spin_us=-1)
+    with pytest.raises(ValueError, match="spinners"):
+        Reader(workers=1, spinners=-2)
 
 
 def test_split_request_parts_are_counted_cancelled_and_promoted_together(data_file):
