@@ -359,7 +359,7 @@ chain)  # the chain through a gated token's gates: a miss's read from submission
   synth "$SHM"
   # (one profile_decode --evals run on the tmpfs store, through drive $g: its token's lines)
   run() { STRATA_MLX_DRIVE_GBPS=$g timeout 100 python3 benchmarks/profile_decode.py "$SHM" \
-    --arena-gb 6.5 -p 1024 -g 48 --skip 4 --no-profile --evals "$@" 2>&1 | grep -A4 " ms/token; a token"; }
+    --arena-gb 6.5 -p 1024 -g 48 --skip 4 --no-profile --evals "$@" 2>&1 | grep -A5 " ms/token; a token"; }
   for d in ${DRIVES:-shm}; do
     g=$d; [ "$d" = shm ] && g=
     for x in ${DELAYS:-0 0.25 0.5}; do
@@ -383,7 +383,7 @@ spin)  # the reader's idle threads polling for work (:rsN, N us; :rnK threads at
   build
   synth "$SHM"
   run() { STRATA_MLX_DRIVE_GBPS=$g timeout 100 python3 benchmarks/profile_decode.py "$SHM" \
-    --arena-gb 6.5 -p 1024 -g 48 --skip 4 --no-profile --evals "$@" 2>&1 | grep -A3 " ms/token; a token"; }
+    --arena-gb 6.5 -p 1024 -g 48 --skip 4 --no-profile --evals "$@" 2>&1 | grep -A4 " ms/token; a token"; }
   sp=${SPIN:-:rs2000:rn4}
   { for g in "" "" 6; do
       for p in demand:gt1 "demand:gt1$sp"; do echo "== drive ${g:-shm}, $p"; run --policy "$p"; done

@@ -332,7 +332,8 @@ def timed_evals(steps, ec, a) -> None:
     wall, cpu = time.perf_counter() - t, time.thread_time() - cpu
     groups = threads_cpu() - groups
     after = ec.reader.stats()  # (the urgent counters that add up; urgent_max_ns does not)
-    counted = ("urgent_reads", "urgent_ns", "urgent_queued_ns", "spin_takes")
+    counted = ("urgent_reads", "urgent_ns", "urgent_queued_ns", "spin_takes", "urgent_parts")
+    counted += ("urgent_pread_ns", "urgent_verify_ns", "urgent_copy_ns")
     reads = {k: after[k] - reads[k] for k in counted}
     calls.close()
     inside_w, inside_c = sum(calls.wall.values()), sum(calls.cpu.values())
@@ -352,6 +353,13 @@ def timed_evals(steps, ec, a) -> None:
             f"submission to landing ({reads['urgent_queued_ns'] / u / 1e3:.0f} us before a "
             f"thread took them up); reads or parts taken by a polling thread "
             f"{reads['spin_takes'] / n:.1f} a token"
+        )
+        parts = max(1, reads["urgent_parts"])
+        print(
+            f"  {parts / u:.1f} parts a miss; a part's pread "
+            f"{reads['urgent_pread_ns'] / parts / 1e3:.0f} us, checksum "
+            f"{reads['urgent_verify_ns'] / parts / 1e3:.0f} us, copy into its slot "
+            f"{reads['urgent_copy_ns'] / parts / 1e3:.0f} us"
         )
     if len(DELAYS) > delays:
         slept = DELAYS[delays:]

@@ -152,6 +152,9 @@ struct ReaderObject {
      * to landing, in all and the longest; their ns from submission to a worker taking them
      * (or their first part) up (mu) */
     unsigned long long urgent_reads, urgent_ns, urgent_max_ns, urgent_queued_ns;
+    /* their reads (or parts) by a thread: how many; ns in the pread, the checksum, the copy
+     * into the destination (mu) */
+    unsigned long long urgent_parts, urgent_pread_ns, urgent_verify_ns, urgent_copy_ns;
     /* bounce buffers are made at least this large (bytes; 0: as large as the read needing
      * them), and how many were let go of for a larger one since (mu) */
     Py_ssize_t bounce_min;
@@ -611,6 +614,12 @@ static void *worker_main(void *p) {
         if (!r->overlap && !copy_behind) r->preading--;
         r->bytes_read += (unsigned long long)nread;
         r->busy_ns[w] += t1 - t0;
+        if (rq.submitted) {
+            r->urgent_parts++;
+            r->urgent_pread_ns += t1 - t0;
+            r->urgent_verify_ns += t2 - t1;
+            r->urgent_copy_ns += copy_ns;
+        }
         if (copy_ns) {
             r->device_copies++;
             r->device_copy_ns += copy_ns;
@@ -1323,6 +1332,8 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
                        regrown = r->bounce_regrown, urgent_reads = r->urgent_reads,
                        urgent_ns = r->urgent_ns, urgent_max = r->urgent_max_ns,
                        urgent_queued = r->urgent_queued_ns, spin_takes = r->spin_takes,
+                       urgent_parts = r->urgent_parts, urgent_pread = r->urgent_pread_ns,
+                       urgent_verify = r->urgent_verify_ns, urgent_copy = r->urgent_copy_ns,
                        queued_words = __atomic_load_n(&r->words_queued, __ATOMIC_RELAXED);
     Py_ssize_t nu = q_size(&r->urgent), na = q_size(&r->ahead), nd = r->n_done;
     int inflight = 0, preading_max = r->preading_max;
@@ -1345,7 +1356,7 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
         return NULL;
     }
     return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K,s:K}",
+                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
                          "bytes_read", bytes, "requests_done", reqs, "errors", errs,
                          "verified", verified, "split", split, "busy_ns", busy,
                          "verify_ns", verify, "queued_urgent", nu, "queued_ahead", na,
@@ -1354,7 +1365,9 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
                          "bounce_regrown", regrown, "words_by_driver", queued_words,
                          "urgent_reads", urgent_reads, "urgent_ns", urgent_ns,
                          "urgent_max_ns", urgent_max, "urgent_queued_ns", urgent_queued,
-                         "spin_takes", spin_takes);
+                         "spin_takes", spin_takes, "urgent_parts", urgent_parts,
+                         "urgent_pread_ns", urgent_pread, "urgent_verify_ns", urgent_verify,
+                         "urgent_copy_ns", urgent_copy);
 }
 
 static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
@@ -1362,7 +1375,8 @@ static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
     r->bytes_read = r->requests_done = r->errors = r->verified = r->split_requests = 0;
     r->device_copies = r->device_copy_ns = r->bounce_regrown = 0;
     r->urgent_reads = r->urgent_ns = r->urgent_max_ns = r->urgent_queued_ns = 0;
-    r->spin_takes = 0;
+    r->spin_takes = r->urgent_parts = r->urgent_pread_ns = r->urgent_verify_ns = 0;
+    r->urgent_copy_ns = 0;
     __atomic_store_n(&r->words_queued, 0, __ATOMIC_RELAXED);
     r->preading_max = r->preading;
     memset(r->busy_ns, 0, sizeof(unsigned long long) * (size_t)r->nthreads);

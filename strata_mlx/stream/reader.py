@@ -359,8 +359,11 @@ class Reader:
         their ready word stored either way; once each, however many parts), ``urgent_ns``
         and ``urgent_max_ns`` (their time from submission to landing, in all and the
         longest), ``urgent_queued_ns`` (their time from submission until a thread took
-        them, or their first part, up), ``spin_takes`` (reads, or parts, taken by a
-        thread that was polling: ``spin_us``), and the current ``queued_urgent``,
+        them, or their first part, up), ``urgent_parts`` (their reads or parts, each by a
+        thread) and that time in the pread, the checksum and the copy into the destination
+        (``urgent_pread_ns``, ``urgent_verify_ns``, ``urgent_copy_ns``), ``spin_takes``
+        (reads, or parts, taken by a thread that was polling: ``spin_us``), and the current
+        ``queued_urgent``,
         ``queued_ahead``, ``in_flight`` (requests a thread holds) and uncollected
         ``completions``."""
         return self._r.stats()

@@ -483,10 +483,15 @@ def test_urgent_reads_report_their_latency(data_file):
         assert st["urgent_reads"] == 2 and st["split"] >= 1
         assert 2 * 0.05e9 <= st["urgent_queued_ns"] <= st["urgent_ns"] <= 2 * wall * 1e9
         assert 0.05e9 <= st["urgent_max_ns"] <= wall * 1e9
+        # each part's or whole read's own steps (the big one in 2-4 parts, the small one
+        # whole; the promoted read-ahead not counted), parts side by side within the wall
+        assert 3 <= st["urgent_parts"] <= 5 and 0 < st["urgent_pread_ns"]
+        steps = st["urgent_pread_ns"] + st["urgent_verify_ns"] + st["urgent_copy_ns"]
+        assert steps <= st["urgent_parts"] * wall * 1e9
         r.reset_stats()
         st = r.stats()
         assert st["urgent_reads"] == st["urgent_ns"] == st["urgent_max_ns"] == 0
-        assert st["urgent_queued_ns"] == 0
+        assert st["urgent_queued_ns"] == st["urgent_parts"] == st["urgent_pread_ns"] == 0
 
 
 def test_polling_threads_take_reads_without_a_wake_up(data_file):
