@@ -222,10 +222,14 @@ class RuntimeConfig:
         metadata=opt("pipelined (routing checked a layer late, no per-layer sync) | sync.",
                      choices=MODES),
     )  # fmt: skip
-    decode_lag: int = field(
-        default=1,
+    # With the routing board (gated decode on CUDA, by default), 4 layers submitted at once and
+    # checked 4 behind: on an H100, lookahead's gated token took 40.1 against 57.3 ms on a
+    # tmpfs and 40.4 against 55.9 behind an emulated 6 GB/s drive (docs/decisions.md, "Gated
+    # decode"); elsewhere one layer at a time, checked one behind.
+    decode_lag: int | None = field(
+        default=None,
         metadata=opt("pipelined: layers the host reads routing behind.", (0, 1 << 10),
-                     variant="lag"),
+                     variant="lag", shown="4 with the routing board, else 1"),
     )  # fmt: skip
     decode_sync_above: float = field(
         default=0.3,
@@ -242,10 +246,11 @@ class RuntimeConfig:
         metadata=opt("pipelined token mode: layers submitted to the device at once.",
                      (1, 1 << 10)),
     )  # fmt: skip
-    decode_layers_chunk: int = field(
-        default=1,
+    decode_layers_chunk: int | None = field(
+        default=None,
         metadata=opt("pipelined layers and gated modes: layers submitted to the device at "
-                     "once.", (1, 1 << 10), variant="lc"),
+                     "once.", (1, 1 << 10), variant="lc",
+                     shown="4 with the routing board, else 1"),
     )  # fmt: skip
     # Gated decode: with misses, a token's layers are queued ahead of their routing checks and
     # each layer's experts wait on the device for their reads (strata_mlx.stream.gate), where
@@ -278,11 +283,11 @@ class RuntimeConfig:
         metadata=opt("gated: prefill's read-ahead ready words stored by the driver as decode's "
                      "are (else by the reader's thread after the copy).", variant="pw"),
     )  # fmt: skip
-    decode_gate_board: bool = field(
-        default=False,
+    decode_gate_board: bool | None = field(
+        default=None,
         metadata=opt("gated (CUDA): each layer's routing written by the device into mapped "
                      "host memory for its check, instead of a command buffer of its own.",
-                     variant="bd"),
+                     variant="bd", switch=True, shown="on where the device gate runs (CUDA)"),
     )  # fmt: skip
     # Off, a predicting decoder runs "layers" mode: measured on the H200, token mode cost
     # lookahead 41.6 against demand's 32.0 ms/token where 0.9 % of lookups missed.
@@ -629,7 +634,8 @@ def build_expert_cache(
     )
     if (gate := cache.sched.residency.gate) is not None:
         gate.prefill_by_driver = cfg.prefill_words_by_driver
-        gate.board_on = cfg.decode_gate_board
+        asked = cfg.decode_gate_board
+        gate.board_on = cache.pipelined.device_gate if asked is None else asked
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
         if cache.pipelined.device_gate:
             load_device_gate(cache, k, cfg.read_ahead.depth, asked=cfg.decode_gate)

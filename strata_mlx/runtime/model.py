@@ -25,6 +25,18 @@ if TYPE_CHECKING:  # loader.py builds the model object: a runtime import would b
     from .loader import RuntimeConfig
 
 
+def decode_defaults(config: RuntimeConfig, cache: ExpertCache) -> RuntimeConfig:
+    """`config` with the decode options left to their defaults (None) set for `cache`: where
+    its decode gates on the device with the routing board (the board's own default there),
+    layers are submitted 4 at a time and checked 4 behind; elsewhere 1 and 1."""
+    gate = cache.sched.residency.gate
+    n = 4 if gate is not None and gate.board_on and cache.pipelined.device_gate else 1
+    lag, chunk = config.decode_lag, config.decode_layers_chunk
+    return config.replace(
+        decode_lag=n if lag is None else lag, decode_layers_chunk=n if chunk is None else chunk
+    )
+
+
 class StrataModel:
     """One loaded store. `blocks`: the MoE blocks this process computes (a pipeline stage
     owns some of the family's; default, every one); `pipeline` (runtime/distributed.py) this
@@ -43,7 +55,7 @@ class StrataModel:
     ):
         self.module = module
         self.expert_cache = expert_cache
-        self.runtime = config
+        self.runtime = config = decode_defaults(config, expert_cache)
         self.store_path = Path(store_path)
         self.pipeline = pipeline
         self.blocks = dict(module.moe_blocks() if blocks is None else blocks)

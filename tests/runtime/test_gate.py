@@ -430,10 +430,21 @@ def emulated_device_gate(monkeypatch, seconds: float = 5.0) -> dict:
         slots, late = [max(w, 0) for w in words], int(min(words) < 0)
         return mx.array(slots, dtype=mx.uint32), mx.array([late, waited_us], dtype=mx.int32)
 
+    def board(ids, board_at, seq):
+        """The board's kernel (on by default with the device gate): the ids, then the
+        sequence number, into the board row at `board_at` as the layer is built (the gate
+        holds the building thread until its records land: a board written only once the
+        layer was submitted would never be read). emulated_board counts its calls."""
+        vals = ids.tolist()
+        row = np.ctypeslib.as_array(
+            (ctypes.c_int32 * (1 + len(vals))).from_address(board_at.item())
+        )
+        row[1:] = vals
+        row[0] = seq.item()
+        return ids
+
     monkeypatch.setattr(deferred, "gate", gate)
-    # (the board's kernel, where it is on, runs at load on the spare board row too:
-    # emulated_board stands in for it once the model is loaded)
-    monkeypatch.setattr(deferred, "board", lambda ids, board_at, seq: ids)
+    monkeypatch.setattr(deferred, "board", board)
     return seen
 
 
@@ -1170,7 +1181,7 @@ def emulated_board(monkeypatch, model, write: bool = True) -> dict:
 
 @pytest.mark.parametrize(
     "opts,commits",
-    [({}, 1.0), ({"decode_layers_chunk": 4, "decode_lag": 4}, 0.25)],
+    [({"decode_layers_chunk": 1, "decode_lag": 1}, 1.0), ({}, 0.25)],
     ids=["each", "chunk4-lag4"],
 )
 def test_gated_checks_reading_the_routing_board_stay_exact(store, opts, commits, monkeypatch):
@@ -1206,6 +1217,44 @@ def test_gated_checks_reading_the_routing_board_stay_exact(store, opts, commits,
     # layers: here the head's alone
     assert seen["commits"] - first <= (6 - UNGATED_FIRST) * max(commits * layers, 1)
     for m in (model, sync):
+        m.expert_cache.close()
+
+
+def test_the_device_gate_defaults_to_the_routing_board_in_chunks_of_4(store, monkeypatch):
+    """Left to their defaults, a model whose decode gates on the device has the routing board
+    on, submits its layers 4 at a time and checks them 4 behind, and its checks read the
+    board (no fallback); tokens and log-probabilities equal the per-layer handshake's. Where
+    no device gate runs (this CPU, unemulated), the board is off, 1 and 1; each default
+    given its own value keeps it."""
+    path = store("qwen3_next")
+    ids = prompt_ids(24, seed=13)
+    gb = arena_gb(path, 0.2)
+    plain, _ = strata_mlx.load(path, arena_gb=gb)
+    assert plain.expert_cache.pipelined.device_gate is False
+    assert (plain.runtime.decode_lag, plain.runtime.decode_layers_chunk) == (1, 1)
+    plain.expert_cache.close()
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
+    ref = decode(sync, ids, 6)
+    model, _ = load_emulated(monkeypatch, path, 0.2, read_ahead="lookahead")
+    ec = model.expert_cache
+    assert ec.sched.residency.gate.board_on
+    assert (model.runtime.decode_lag, model.runtime.decode_layers_chunk) == (4, 4)
+    assert model.decoder.lag == 4 and model.decoder.layers_chunk == 4
+    got = decode(model, ids, 6)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    assert ec.pipelined.board.reads > 0 and ec.pipelined.board.fallbacks == 0
+    assert ec.stats.gate_timeouts == 0 and ec.stats.misses > 0
+    ec.close()
+    # the path before it, as asked: no board, each layer committed alone, checked 1 behind
+    asked, _ = load_emulated(
+        monkeypatch, path, 0.2, read_ahead="lookahead", decode_gate_board=False, decode_lag=1
+    )
+    assert not asked.expert_cache.sched.residency.gate.board_on
+    assert (asked.runtime.decode_lag, asked.runtime.decode_layers_chunk) == (1, 1)
+    got = decode(asked, ids, 6)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    assert asked.expert_cache.pipelined.board.reads == 0 and asked.expert_cache.stats.misses > 0
+    for m in (asked, sync):
         m.expert_cache.close()
 
 

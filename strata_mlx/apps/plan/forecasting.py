@@ -157,7 +157,9 @@ def decode_forecast(
     cfg = RuntimeConfig()
     k, L, rb = shape.top_k, max(shape.moe_layers, 1), shape.record_bytes
     hits = decode_hits(p, L, slots, prompt_tokens, step, gen_tokens + 1)
-    distance = {"sync": 1, "layers": cfg.decode_lag + 1, "token": 1}  # prediction to use
+    # (ungated, the lag's default is 1: 4 goes with gated decode's routing board)
+    lag = 1 if cfg.decode_lag is None else cfg.decode_lag
+    distance = {"sync": 1, "layers": lag + 1, "token": 1}  # prediction to use
     shares = _prediction_shares(compute, L, k, cfg.read_ahead.depth, distance["layers"])
 
     def read_s(n: float) -> float:  # n reads of one layer, issued together
@@ -194,7 +196,7 @@ def decode_forecast(
         if mode == "layers":
             # a layer that missed is drained and recomputed synced, and the `lag` layers built
             # after it on its wrong output are discarded and built again
-            redo = (cfg.decode_lag + 1) * (compute.mode_s("sync") + at) / L
+            redo = (lag + 1) * (compute.mode_s("sync") + at) / L
             cost += L * layer_missed * (redo + synced_layer_s)
             synced += L * layer_missed * synced_layer_s
         for _ in range(L):
