@@ -5,6 +5,10 @@
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
 #   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|pairs
+# Policies name options beside the defaults of the code run: since gated decode on CUDA reads
+# its routing from the board by default, 4 layers a commit, checked 4 behind, `P:gt1` means
+# `P:gt1:bd1:lc4:lag4`, and the path before it is `P:gt1:bd0:lc1:lag1` (OLDGT below), which the
+# stages' earlier figures ran as `P:gt1`.
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode; ARENA (GB, 6.5) sizes bench's arena.
 set -uo pipefail
@@ -13,6 +17,7 @@ mkdir -p "$OUT"
 DISK=${DISK:-/root/strata-synth}   # the store on the machine's disk
 SHM=${SHM:-/dev/shm/strata-synth}  # the same store on tmpfs
 OLD=${OLD:-$PWD/.old}              # a tree of the code to compare against (git archive)
+OLDGT=${OLDGT-:bd0:lc1:lag1}       # gated decode's options before the board's defaults
 export PYTHONUNBUFFERED=1
 export PYTHONFAULTHANDLER=1  # (a native crash prints every thread's Python stack)
 # (the package's own default, set here too for the scripts that start CUDA before importing it,
@@ -357,20 +362,21 @@ chain)  # the chain through a gated token's gates: a miss's read from submission
   # fits a device call: DRIVES=6 for the second.
   build
   synth "$SHM"
+  o=$OLDGT
   # (one profile_decode --evals run on the tmpfs store, through drive $g: its token's lines)
   run() { STRATA_MLX_DRIVE_GBPS=$g timeout 100 python3 benchmarks/profile_decode.py "$SHM" \
     --arena-gb 6.5 -p 1024 -g 48 --skip 4 --no-profile --evals "$@" 2>&1 | grep -A5 " ms/token; a token"; }
   for d in ${DRIVES:-shm}; do
     g=$d; [ "$d" = shm ] && g=
     for x in ${DELAYS:-0 0.25 0.5}; do
-      echo "== drive $d, demand:gt1, checks delayed $x ms"; run --policy demand:gt1 --check-delay-ms "$x"
+      echo "== drive $d, demand:gt1$o, checks delayed $x ms"; run --policy "demand:gt1$o" --check-delay-ms "$x"
     done
-    for p in ${LOOK:-lookahead:gt1 lookahead:gt1:bd1:lc4:lag4 lookahead:gt1:d1}; do
+    for p in ${LOOK:-lookahead:gt1$o lookahead:gt1:bd1:lc4:lag4 lookahead:gt1$o:d1}; do
       echo "== drive $d, $p"; run --policy "$p"
     done
     # (Python's switch interval: how long the check may wait for the GIL the building thread
     # holds; CPython's 5 ms against SWITCH us)
-    for p in ${SWPOL:-demand:gt1 lookahead:gt1}; do
+    for p in ${SWPOL:-demand:gt1$o lookahead:gt1$o}; do
       echo "== drive $d, $p, switch interval ${SWITCH:-100} us"; run --policy "$p" --switch-us "${SWITCH:-100}"
     done
   done 2>&1 | tee "$OUT/chain.log"
@@ -386,7 +392,7 @@ spin)  # the reader's idle threads polling for work (:rsN, N us; :rnK threads at
     --arena-gb 6.5 -p 1024 -g 48 --skip 4 --no-profile --evals "$@" 2>&1 | grep -A4 " ms/token; a token"; }
   sp=${SPIN:-:rs2000:rn4}
   { for g in "" "" 6; do
-      for p in demand:gt1 "demand:gt1$sp"; do echo "== drive ${g:-shm}, $p"; run --policy "$p"; done
+      for p in "demand:gt1$OLDGT" "demand:gt1$OLDGT$sp"; do echo "== drive ${g:-shm}, $p"; run --policy "$p"; done
     done
     g=
     for p in lookahead:gt1:bd1:lc4:lag4 "lookahead:gt1:bd1:lc4:lag4$sp"; do
