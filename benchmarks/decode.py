@@ -108,10 +108,14 @@ def set_mode(model, mode: str) -> None:
         )
     elif name == "token":
         model.decoder = PipelinedDecoder(model, sync_above=1.0, token_below=1.0, chunk=int(n or 4))
-    elif name == "adaptive":
-        model.decoder = PipelinedDecoder(model)
-    elif name == "adaptive+token":  # token mode while lookahead predicts too
-        model.decoder = PipelinedDecoder(model, token_while_predicting=True)
+    elif name in ("adaptive", "adaptive+token"):  # (the loaded model's lag and chunk: the board's 4 on CUDA)
+        rt = model.runtime
+        model.decoder = PipelinedDecoder(
+            model,
+            rt.decode_lag,
+            layers_chunk=rt.decode_layers_chunk,
+            token_while_predicting=name == "adaptive+token",  # token mode while predicting too
+        )
     else:
         raise SystemExit(
             f"unknown mode {mode!r}: sync | layers:LAG[:CHUNK] | token:CHUNK | adaptive"

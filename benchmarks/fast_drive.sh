@@ -195,7 +195,7 @@ gate)  # gated decode: the gate's GPU tests (the kernel waits for a host store, 
   build
   [ "${GATE_TESTS:-1}" = 0 ] || timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_gate.py 2>&1 \
      | tail -6 | tee "$OUT/gate-tests.log"
-  pol=${POL:-lookahead:gt0,lookahead:gt1,lookahead:gt1:lag2}; r=0
+  pol=${POL:-lookahead:gt0,lookahead:gt1$OLDGT,lookahead:gt1:bd0:lc1:lag2}; r=0
   rev=$(echo "$pol" | tr , '\n' | tac | paste -sd,)
   for d in ${DRIVES:-12 shm}; do  # shm: the tmpfs itself, no emulated drive
     r=$((r + 1)); p=$pol; [ $((r % 2)) = 0 ] && p=$rev; g=$d; [ "$d" = shm ] && g=
@@ -260,7 +260,7 @@ gated)  # the gate's GPU tests (the routing board's kernel among them); then on 
      | tail -12 | tee "$OUT/gate-tests${TAG:-}.log"
   synth "$SHM"
   G=${G:-32} bench "bench-gated${TAG:-}" "$SHM" "${POL:-lookahead:gt0,lookahead:gt1,lookahead:gt1:pw1}"
-  for p in ${PROFILE_POL:-lookahead:gt1 lookahead:gt1:bd1 lookahead:gt0}; do
+  for p in ${PROFILE_POL:-lookahead:gt1$OLDGT lookahead:gt1:bd1:lc1:lag1 lookahead:gt0}; do
     timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 32 \
       --policy $p --no-profile 2>&1 | tail -2
   done | tee "$OUT/gated-threads${TAG:-}.log"
@@ -312,7 +312,7 @@ decodewait)  # tmpfs: where a gated token's time goes, policy by policy (profile
   build
   synth "$SHM"
   for si in ${SWITCH:-0.005 0.0001}; do
-    for p in ${PROFILE_POL:-demand:gt1 demand:gt1:s0 demand:gt1:bd1 lookahead:gt1 lookahead:never:gt1}; do
+    for p in ${PROFILE_POL:-demand:gt1$OLDGT demand:gt1$OLDGT:s0 demand:gt1:bd1:lc1:lag1 lookahead:gt1$OLDGT lookahead:never:gt1$OLDGT}; do
       echo "== switch interval $si s, $p"
       timeout 100 python3 -c "import runpy, sys; sys.setswitchinterval(float(sys.argv.pop(1))); \
 sys.argv[0] = 'benchmarks/profile_decode.py'; runpy.run_path(sys.argv[0], run_name='__main__')" \
@@ -342,12 +342,12 @@ readcost)  # tmpfs: what a read costs the decoding thread. Its CPU inside MLX's 
     timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
       --no-profile --evals "$@" 2>&1 | grep -A4 "isolate:\| ms/token; a token"
   }
-  for p in ${PROFILE_POL:-demand:gt1 demand:gt1:nv demand:gt1:io4 demand:gt1:bd1:lc4:lag4 \
-           lookahead:gt1}; do
+  for p in ${PROFILE_POL:-demand:gt1$OLDGT demand:gt1$OLDGT:nv demand:gt1$OLDGT:io4 \
+           demand:gt1:bd1:lc4:lag4 lookahead:gt1$OLDGT}; do
     echo "== $p"; evals --policy "$p"
   done 2>&1 | tee "$OUT/readcost.log"
   # ... and with the decoding thread alone on a physical core (profile_decode --isolate)
-  for p in ${ISOLATE_POL:-demand:gt1}; do
+  for p in ${ISOLATE_POL:-demand:gt1$OLDGT}; do
     echo "== $p, isolated"; evals --policy "$p" --isolate
   done 2>&1 | tee -a "$OUT/readcost.log"
   echo "== every expert counted resident" | tee -a "$OUT/readcost.log"

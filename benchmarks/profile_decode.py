@@ -101,6 +101,8 @@ def main() -> None:
         "how long a thread that wants the GIL may wait for one running Python",
     )
     a = ap.parse_args()
+    if a.switch_us is not None and not a.switch_us > 0:
+        ap.error(f"--switch-us must be > 0, got {a.switch_us}")
     if a.switch_us is not None:
         sys.setswitchinterval(a.switch_us / 1e6)
     if a.check_delay_ms > 0:
@@ -351,8 +353,8 @@ def timed_evals(steps, ec, a) -> None:
         print(
             f"misses' reads: {u / n:.1f} a token, {reads['urgent_ns'] / u / 1e3:.0f} us from "
             f"submission to landing ({reads['urgent_queued_ns'] / u / 1e3:.0f} us before a "
-            f"thread took them up); reads or parts taken by a polling thread "
-            f"{reads['spin_takes'] / n:.1f} a token"
+            f"thread took them up); reads or parts taken by a polling thread (read-ahead's "
+            f"too) {reads['spin_takes'] / n:.1f} a token"
         )
         parts = max(1, reads["urgent_parts"])
         print(

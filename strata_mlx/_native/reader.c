@@ -164,25 +164,28 @@ struct ReaderObject {
     int notified;           /* a byte was written since the last ack() */
     Py_ssize_t notify_below; /* announce only while fewer requests are queued (-1: always) */
     /* Spinning: a worker with nothing to read polls `posted` for up to spin_ns before it
-     * sleeps, while fewer than `spinners` do. A sleeping thread's wake-up is a scheduler's
-     * round trip (on a virtual machine, an interrupt to an idle CPU: ~75 us measured on an
-     * H100 host before a decode miss's read was taken up); a spinning one takes the read at
-     * once. `posted` (atomic) counts wake-ups of r->work: work queued, resumed, stopping. */
+     * sleeps, while fewer than `spinners` do. A sleeping thread's wake-up is a round trip
+     * through the OS scheduler (38-107 us measured on H100 machines before a decode miss's
+     * read was taken up, 14-18 with threads polling); a polling one takes the read at once.
+     * `posted` (atomic) counts wake-ups of r->work: work queued, resumed, stopping. */
     uint64_t spin_ns;
-    int spinners, spinning; /* (mu) */
+    int spinners, spinning; /* spinning: changed under mu, atomically (read without mu) */
     unsigned long long posted;
     unsigned long long spin_takes; /* reads taken by a worker that was spinning (mu) */
 };
 
 static Py_ssize_t q_size(const Queue *q);
 
-/* Work for r->work's waiters (with mu held or not): one sleeper woken, or all with `all`;
- * spinning workers see `posted` move. */
+/* Work for r->work's waiters, queued under mu before (this called with mu held or not):
+ * polling workers see `posted` move; one sleeper is woken only where none polls (a polling
+ * worker looks at the queues under mu once it stops, and it counts itself out of
+ * `spinning` only under mu, so work queued before this call is seen), or all with `all`.
+ * (A sleeper woken beside a poller, run first on a busy CPU, would take the read from it.) */
 static void wake_work(ReaderObject *r, int all) {
-    __atomic_add_fetch(&r->posted, 1, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&r->posted, 1, __ATOMIC_SEQ_CST);
     if (all)
         pthread_cond_broadcast(&r->work);
-    else
+    else if (__atomic_load_n(&r->spinning, __ATOMIC_SEQ_CST) == 0)
         pthread_cond_signal(&r->work);
 }
 
@@ -216,6 +219,21 @@ static uint64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+/* A worker with nothing to read (mu held, let go of meanwhile): polls `posted` for up to
+ * r->spin_ns; whether it moved. */
+static int poll_for_work(ReaderObject *r) {
+    unsigned long long seen = __atomic_load_n(&r->posted, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&r->spinning, 1, __ATOMIC_SEQ_CST);
+    pthread_mutex_unlock(&r->mu);
+    uint64_t end = now_ns() + r->spin_ns;
+    int woke;
+    while (!(woke = __atomic_load_n(&r->posted, __ATOMIC_SEQ_CST) != seen) && now_ns() < end)
+        cpu_relax();
+    pthread_mutex_lock(&r->mu);
+    __atomic_sub_fetch(&r->spinning, 1, __ATOMIC_SEQ_CST);
+    return woke;
 }
 
 /* An emulated drive (stream/reader.py's limit_drive): every reader of the process shares one
@@ -480,19 +498,10 @@ static void *worker_main(void *p) {
                 pthread_mutex_lock(&r->mu);
                 continue;
             }
-            if (r->spin_ns && !spun_out && !r->paused && r->spinning < r->spinners) {
-                unsigned long long seen = __atomic_load_n(&r->posted, __ATOMIC_ACQUIRE);
-                r->spinning++;
-                pthread_mutex_unlock(&r->mu);
-                uint64_t end = now_ns() + r->spin_ns;
-                int woke;
-                while (!(woke = __atomic_load_n(&r->posted, __ATOMIC_ACQUIRE) != seen) &&
-                       now_ns() < end)
-                    cpu_relax();
-                pthread_mutex_lock(&r->mu);
-                r->spinning--;
-                spun_out = !woke;
-                spun = woke;
+            if (r->spin_ns && !spun_out && !r->paused &&
+                __atomic_load_n(&r->spinning, __ATOMIC_SEQ_CST) < r->spinners) {
+                spun = poll_for_work(r);
+                spun_out = !spun;
                 continue;
             }
             spun = 0;
@@ -581,7 +590,7 @@ static void *worker_main(void *p) {
         /* The previous read's copy ran while this one was read: it completes first, and
          * its buffer is the one the next read goes into. */
         finish_behind(r, w, dc, &behind);
-        uint64_t copy_ns = 0;
+        uint64_t copy_ns = 0, urgent_memcpy_ns = 0; /* (the CPU's copy: urgent reads only) */
         int queued = 0;
         if (r->bounce && nread > 0 && err != CHECKSUM_MISMATCH) {
             if (dc) { /* from pageable memory too, where registering failed: staged */
@@ -606,8 +615,11 @@ static void *worker_main(void *p) {
                 copy_ns = now_ns() - c0;
             } else if (r->device_copy) /* no stream: the slot may be device memory */
                 err = DEVICE_COPY_FAILED;
-            else
+            else {
+                uint64_t c0 = now_ns();
                 memcpy(rq.dest, into.dest, (size_t)nread);
+                if (rq.submitted) urgent_memcpy_ns = now_ns() - c0;
+            }
         }
 
         pthread_mutex_lock(&r->mu);
@@ -618,7 +630,7 @@ static void *worker_main(void *p) {
             r->urgent_parts++;
             r->urgent_pread_ns += t1 - t0;
             r->urgent_verify_ns += t2 - t1;
-            r->urgent_copy_ns += copy_ns;
+            r->urgent_copy_ns += copy_ns + urgent_memcpy_ns;
         }
         if (copy_ns) {
             r->device_copies++;
@@ -1211,9 +1223,9 @@ static PyObject *move_ahead(ReaderObject *r, PyObject *tags_obj, int to_urgent) 
         if (g && !to_urgent) free(g);
         moved[nmoved++] = tags[t];
     }
-    if (to_urgent) /* (waiters on cancelled tags) */
+    if (to_urgent)
         wake_work(r, 1);
-    else
+    else /* (waiters on cancelled tags) */
         pthread_cond_broadcast(&r->done);
     pthread_mutex_unlock(&r->mu);
     PyObject *out = tag_list(moved, nmoved);
@@ -1518,8 +1530,8 @@ static PyTypeObject ReaderType = {
     .tp_dealloc = (destructor)Reader_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_doc = "Reader(workers=8, start_paused=False, bounce=False, split=0, overlap=False, "
-              "device_copy=False, copy_behind=False, record_bytes=0, spin_us=0, spinners=-1): native "
-              "pread worker pool "
+              "device_copy=False, copy_behind=False, record_bytes=0, spin_us=0, spinners=-1): "
+              "native pread worker pool "
               "(strata_mlx.stream.reader.Reader documents each)",
     .tp_methods = Reader_methods,
     .tp_getset = Reader_getset,

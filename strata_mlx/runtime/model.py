@@ -26,14 +26,18 @@ if TYPE_CHECKING:  # loader.py builds the model object: a runtime import would b
 
 
 def decode_defaults(config: RuntimeConfig, cache: ExpertCache) -> RuntimeConfig:
-    """`config` with the decode options left to their defaults (None) set for `cache`: where
-    its decode gates on the device with the routing board (the board's own default there),
-    layers are submitted 4 at a time and checked 4 behind; elsewhere 1 and 1."""
+    """`config` with the decode options left to their defaults (None) set for `cache`, each on
+    its own: the routing board as its gate table has it (on where decode gates on the
+    device, unless asked off); with it, layers submitted 4 at a time and checked 4 behind
+    (the ungated tokens of such a decoder too), else 1 and 1."""
     gate = cache.sched.residency.gate
-    n = 4 if gate is not None and gate.board_on and cache.pipelined.device_gate else 1
+    board = gate is not None and gate.board_on and cache.pipelined.device_gate
+    n = 4 if board else 1
     lag, chunk = config.decode_lag, config.decode_layers_chunk
     return config.replace(
-        decode_lag=n if lag is None else lag, decode_layers_chunk=n if chunk is None else chunk
+        decode_gate_board=board,
+        decode_lag=n if lag is None else lag,
+        decode_layers_chunk=n if chunk is None else chunk,
     )
 
 

@@ -192,8 +192,8 @@ class Reader:
             for that very read (``stats()["bounce_regrown"]`` counts them).
         spin_us: a thread with nothing to read polls for new work this long (us) before it
             sleeps (0: it sleeps at once). A sleeping thread's wake-up takes a trip through
-            the OS scheduler (tens of us, more on a virtual machine) before a decode miss's
-            read starts; a polling one starts it at once. Costs a CPU core a polling thread.
+            the OS scheduler (38-107 us on H100 machines) before a decode miss's read starts;
+            a polling one starts it at once. Costs a CPU core a polling thread.
         spinners: how many threads may poll at once (-1: any). ``stats()["spin_takes"]``
             counts the reads taken by a thread that was polling.
     """
@@ -360,8 +360,10 @@ class Reader:
         and ``urgent_max_ns`` (their time from submission to landing, in all and the
         longest), ``urgent_queued_ns`` (their time from submission until a thread took
         them, or their first part, up), ``urgent_parts`` (their reads or parts, each by a
-        thread) and that time in the pread, the checksum and the copy into the destination
-        (``urgent_pread_ns``, ``urgent_verify_ns``, ``urgent_copy_ns``), ``spin_takes``
+        thread) and that time in the pread (with a bounce buffer's first allocation and an
+        emulated drive's hold), the checksum and the copy into the destination by the copy
+        engine or the CPU (``urgent_pread_ns``, ``urgent_verify_ns``, ``urgent_copy_ns``),
+        ``spin_takes``
         (reads, or parts, taken by a thread that was polling: ``spin_us``), and the current
         ``queued_urgent``,
         ``queued_ahead``, ``in_flight`` (requests a thread holds) and uncollected

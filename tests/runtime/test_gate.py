@@ -1117,12 +1117,17 @@ def test_the_driver_stores_read_ahead_words_while_decoding_and_in_prefill_only_w
 
 
 @pytest.mark.parametrize(
-    "opts", [{"decode_layers_chunk": 4}, {"decode_lag": 3}], ids=["chunk4", "lag3"]
+    "opts",
+    [
+        {"decode_layers_chunk": 4, "decode_lag": 1, "decode_gate_board": False},
+        {"decode_lag": 3, "decode_layers_chunk": 1, "decode_gate_board": False},
+    ],
+    ids=["chunk4", "lag3"],
 )
 def test_the_device_gate_stays_exact_with_layers_in_chunks_or_checks_further_behind(
     store, opts, monkeypatch
 ):
-    """The variants `fast_drive.sh gated` times (bench's `:lc4`, `:lag3`): the decoder's
+    """Without the routing board (bench's `:bd0:lc4:lag1`, `:bd0:lc1:lag3`): the decoder's
     commit every 4 layers (each gated layer's routing is committed on its own anyway), or
     the decoding thread 3 layers ahead of the checks: tokens and log-probabilities equal the
     per-layer handshake's, no gate gives up, every token gated."""
@@ -1231,13 +1236,14 @@ def test_the_device_gate_defaults_to_the_routing_board_in_chunks_of_4(store, mon
     gb = arena_gb(path, 0.2)
     plain, _ = strata_mlx.load(path, arena_gb=gb)
     assert plain.expert_cache.pipelined.device_gate is False
+    assert plain.runtime.decode_gate_board is False
     assert (plain.runtime.decode_lag, plain.runtime.decode_layers_chunk) == (1, 1)
     plain.expert_cache.close()
     sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
     ref = decode(sync, ids, 6)
     model, _ = load_emulated(monkeypatch, path, 0.2, read_ahead="lookahead")
     ec = model.expert_cache
-    assert ec.sched.residency.gate.board_on
+    assert ec.sched.residency.gate.board_on and model.runtime.decode_gate_board is True
     assert (model.runtime.decode_lag, model.runtime.decode_layers_chunk) == (4, 4)
     assert model.decoder.lag == 4 and model.decoder.layers_chunk == 4
     got = decode(model, ids, 6)
