@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|pairs
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs
 # Policies name options beside the defaults of the code run: since gated decode on CUDA reads
 # its routing from the board by default, 4 layers a commit, checked 4 behind, `P:gt1` means
 # `P:gt1:bd1:lc4:lag4`, and the path before it is `P:gt1:bd0:lc1:lag1` (OLDGT below), which the
@@ -89,6 +89,20 @@ bench)  # tmpfs: each policy with the arena in device memory (the default on CUD
   # managed memory (:da0)
   build
   bench "bench-shm" "$SHM" "${POL:-demand:da0,demand,lookahead:da0,lookahead}"
+  ;;
+defaults)  # the defaults against the path before the board's (OLDGT): the gate's GPU tests
+  # (the board's kernel now runs in every gated one), then bench on the tmpfs, then behind an
+  # emulated DRIVE GB/s drive (6), each of POL; one profile_decode run of the default for a
+  # miss's read, step by step. ~8 min with the store written: LIMIT per bench.
+  build
+  synth "$SHM"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/test_gate.py 2>&1 \
+     | tail -4 | tee "$OUT/gate-tests.log"
+  pol=${POL:-lookahead,lookahead:gt1$OLDGT,demand,demand:gt1$OLDGT}
+  G=${G:-64} LIMIT=${LIMIT:-200} bench "bench-defaults-shm" "$SHM" "$pol"
+  STRATA_MLX_DRIVE_GBPS=${DRIVE:-6} G=${G:-64} LIMIT=${LIMIT:-200} bench "bench-defaults-drive" "$SHM" "$pol"
+  timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
+    --no-profile --evals --policy demand 2>&1 | grep -A5 " ms/token; a token" | tee "$OUT/defaults-steps.log"
   ;;
 profile)  # tmpfs: where decode's and prefill's host time goes (cProfile)
   build
@@ -424,5 +438,5 @@ pairs)  # one token's layers through the kernels' `pairs` against their general 
      --modes token:4,token:4+general --json "$OUT/pairs-resident.json" 2>&1 | tee "$OUT/pairs-resident.log"
   timeout 150 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 30 2>&1 | tee "$OUT/pairs-build.log"
   ;;
-*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|pairs"; exit 2;;
+*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs"; exit 2;;
 esac
