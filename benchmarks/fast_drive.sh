@@ -62,6 +62,11 @@ spybin() {  # py-spy's binary from its wheel in .whl/base (extracted once); empt
     python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/spy')" "$w"
   chmod +x /tmp/spy/py_spy-*.data/scripts/py-spy && ls /tmp/spy/py_spy-*.data/scripts/py-spy
 }
+evals() {  # one profile_decode --evals run on the tmpfs store (behind STRATA_MLX_DRIVE_GBPS
+  # where set, as the caller's environment has it): its token's lines
+  timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
+    --no-profile --evals "$@" 2>&1 | grep -A5 "isolate:\| ms/token; a token"
+}
 case "${1:-}" in
 store)  # the store on disk and on tmpfs; the reader's GPU tests; the drive and the data path
   build
@@ -102,9 +107,7 @@ defaults)  # the defaults against the path before the board's (OLDGT): the gate'
      tests/runtime/test_gate.py 2>&1 | tail -4 | tee "$OUT/gate-tests.log"
   pol=${POL:-lookahead,lookahead:gt1$OLDGT,demand,demand:gt1$OLDGT}
   STRATA_MLX_DRIVE_GBPS=${DRIVE:-} G=${G:-64} LIMIT=${LIMIT:-220} bench "bench-defaults-${DRIVE:-shm}" "$SHM" "$pol"
-  STRATA_MLX_DRIVE_GBPS=${DRIVE:-} timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 \
-    -p 1024 -g 48 --skip 4 --no-profile --evals --policy demand 2>&1 | grep -A5 " ms/token; a token" \
-    | tee "$OUT/defaults-steps-${DRIVE:-shm}.log"
+  STRATA_MLX_DRIVE_GBPS=${DRIVE:-} evals --policy demand | tee "$OUT/defaults-steps-${DRIVE:-shm}.log"
   python3 benchmarks/wait_word_latency.py --slack-ns 0,5000,1000 2>&1 | tee "$OUT/wait-word.log"
   ;;
 profile)  # tmpfs: where decode's and prefill's host time goes (cProfile)
@@ -354,11 +357,6 @@ readcost)  # tmpfs: what a read costs the decoding thread. Its CPU inside MLX's 
   else
     synth "$SHM"
   fi
-  # (one profile_decode --evals run on the tmpfs store: its token's lines)
-  evals() {
-    timeout 100 python3 benchmarks/profile_decode.py "$SHM" --arena-gb 6.5 -p 1024 -g 48 --skip 4 \
-      --no-profile --evals "$@" 2>&1 | grep -A4 "isolate:\| ms/token; a token"
-  }
   for p in ${PROFILE_POL:-demand:gt1$OLDGT demand:gt1$OLDGT:nv demand:gt1$OLDGT:io4 \
            demand:gt1:bd1:lc4:lag4 lookahead:gt1$OLDGT}; do
     echo "== $p"; evals --policy "$p"
@@ -380,9 +378,7 @@ chain)  # the chain through a gated token's gates: a miss's read from submission
   build
   synth "$SHM"
   o=$OLDGT
-  # (one profile_decode --evals run on the tmpfs store, through drive $g: its token's lines)
-  run() { STRATA_MLX_DRIVE_GBPS=$g timeout 100 python3 benchmarks/profile_decode.py "$SHM" \
-    --arena-gb 6.5 -p 1024 -g 48 --skip 4 --no-profile --evals "$@" 2>&1 | grep -A5 " ms/token; a token"; }
+  run() { STRATA_MLX_DRIVE_GBPS=$g evals "$@"; }  # (through drive $g)
   for d in ${DRIVES:-shm}; do
     g=$d; [ "$d" = shm ] && g=
     for x in ${DELAYS:-0 0.25 0.5}; do
@@ -405,8 +401,7 @@ spin)  # the reader's idle threads polling for work (:rsN, N us; :rnK threads at
   # routing board on the tmpfs. SPIN: the variant tried (":rs2000:rn4").
   build
   synth "$SHM"
-  run() { STRATA_MLX_DRIVE_GBPS=$g timeout 100 python3 benchmarks/profile_decode.py "$SHM" \
-    --arena-gb 6.5 -p 1024 -g 48 --skip 4 --no-profile --evals "$@" 2>&1 | grep -A4 " ms/token; a token"; }
+  run() { STRATA_MLX_DRIVE_GBPS=$g evals "$@"; }  # (through drive $g)
   sp=${SPIN:-:rs2000:rn4}
   { for g in "" "" 6; do
       for p in "demand:gt1$OLDGT" "demand:gt1$OLDGT$sp"; do echo "== drive ${g:-shm}, $p"; run --policy "$p"; done
