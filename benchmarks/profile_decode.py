@@ -101,9 +101,9 @@ def main() -> None:
         "how long a thread that wants the GIL may wait for one running Python",
     )
     a = ap.parse_args()
-    if a.switch_us is not None and not a.switch_us > 0:
-        ap.error(f"--switch-us must be > 0, got {a.switch_us}")
     if a.switch_us is not None:
+        if not a.switch_us > 0:
+            ap.error(f"--switch-us must be > 0, got {a.switch_us}")
         sys.setswitchinterval(a.switch_us / 1e6)
     if a.check_delay_ms > 0:
         delay_checks(a.check_delay_ms / 1e3)

@@ -590,7 +590,7 @@ static void *worker_main(void *p) {
         /* The previous read's copy ran while this one was read: it completes first, and
          * its buffer is the one the next read goes into. */
         finish_behind(r, w, dc, &behind);
-        uint64_t copy_ns = 0, urgent_memcpy_ns = 0; /* (the CPU's copy: urgent reads only) */
+        uint64_t copy_ns = 0, memcpy_ns = 0; /* the copy engine's, the CPU's */
         int queued = 0;
         if (r->bounce && nread > 0 && err != CHECKSUM_MISMATCH) {
             if (dc) { /* from pageable memory too, where registering failed: staged */
@@ -618,7 +618,7 @@ static void *worker_main(void *p) {
             else {
                 uint64_t c0 = now_ns();
                 memcpy(rq.dest, into.dest, (size_t)nread);
-                if (rq.submitted) urgent_memcpy_ns = now_ns() - c0;
+                memcpy_ns = now_ns() - c0;
             }
         }
 
@@ -630,7 +630,7 @@ static void *worker_main(void *p) {
             r->urgent_parts++;
             r->urgent_pread_ns += t1 - t0;
             r->urgent_verify_ns += t2 - t1;
-            r->urgent_copy_ns += copy_ns + urgent_memcpy_ns;
+            r->urgent_copy_ns += copy_ns + memcpy_ns;
         }
         if (copy_ns) {
             r->device_copies++;
@@ -1531,8 +1531,7 @@ static PyTypeObject ReaderType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_doc = "Reader(workers=8, start_paused=False, bounce=False, split=0, overlap=False, "
               "device_copy=False, copy_behind=False, record_bytes=0, spin_us=0, spinners=-1): "
-              "native pread worker pool "
-              "(strata_mlx.stream.reader.Reader documents each)",
+              "native pread worker pool (strata_mlx.stream.reader.Reader documents each)",
     .tp_methods = Reader_methods,
     .tp_getset = Reader_getset,
     .tp_new = Reader_new,

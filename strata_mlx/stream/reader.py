@@ -363,11 +363,9 @@ class Reader:
         thread) and that time in the pread (with a bounce buffer's first allocation and an
         emulated drive's hold), the checksum and the copy into the destination by the copy
         engine or the CPU (``urgent_pread_ns``, ``urgent_verify_ns``, ``urgent_copy_ns``),
-        ``spin_takes``
-        (reads, or parts, taken by a thread that was polling: ``spin_us``), and the current
-        ``queued_urgent``,
-        ``queued_ahead``, ``in_flight`` (requests a thread holds) and uncollected
-        ``completions``."""
+        ``spin_takes`` (reads, or parts, taken by a thread that was polling: ``spin_us``),
+        and the current ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a thread
+        holds) and uncollected ``completions``."""
         return self._r.stats()
 
     def reset_stats(self) -> None:
