@@ -41,15 +41,21 @@ def run(waits: int, slack_ns: int) -> tuple[float, float, float]:
     cpu: list[float] = []
     ready = threading.Event()
 
+    failed: list[BaseException] = []
+
     def waiter() -> None:
-        set_slack(slack_ns)
-        c0 = time.thread_time()
-        for i in range(1, waits + 1):
+        try:
+            set_slack(slack_ns)
+            c0 = time.thread_time()
+            for i in range(1, waits + 1):
+                ready.set()
+                if not wait_word(word.ctypes.data, i, 5.0):
+                    raise RuntimeError("a word not seen in 5 s")
+                seen.append(time.perf_counter_ns())
+            cpu.append(time.thread_time() - c0)
+        except (OSError, RuntimeError) as e:  # (raised by the main thread, which waits on it)
+            failed.append(e)
             ready.set()
-            if not wait_word(word.ctypes.data, i, 5.0):
-                raise RuntimeError("a word not seen in 5 s")
-            seen.append(time.perf_counter_ns())
-        cpu.append(time.thread_time() - c0)
 
     rng = np.random.default_rng(0)
     stores = []
@@ -58,13 +64,17 @@ def run(waits: int, slack_ns: int) -> tuple[float, float, float]:
     for i in range(1, waits + 1):
         ready.wait()
         ready.clear()
+        if failed:
+            raise failed[0]
         delay, t0 = rng.uniform(0.2e-3, 2e-3), time.perf_counter()
         while time.perf_counter() - t0 < delay:  # (a busy wait: the waiter is in wait_word)
             pass
         stores.append(time.perf_counter_ns())
         word[0] = i
-        while len(seen) < i:  # (asleep: the waiter takes the GIL back at once)
+        while len(seen) < i and not failed:  # (asleep: the waiter takes the GIL back at once)
             time.sleep(0.0005)
+        if failed:
+            raise failed[0]
     t.join()
     late = (np.array(seen) - np.array(stores)) / 1e3
     return float(np.median(late)), float(np.percentile(late, 90)), cpu[0] / waits * 1e6
@@ -78,7 +88,10 @@ def main() -> None:
     if not sys.platform.startswith("linux"):
         sys.exit("wait_word_latency.py: the timer slack is Linux's (prctl)")
     for ns in (int(v) for v in a.slack_ns.split(",")):
-        med, p90, cpu = run(a.waits, ns)
+        try:
+            med, p90, cpu = run(a.waits, ns)
+        except (OSError, RuntimeError) as e:
+            sys.exit(f"wait_word_latency.py: timer slack {ns} ns: {e}")
         name = "default" if ns == 0 else f"{ns} ns"
         print(
             f"timer slack {name}: seen {med:.1f} us after the store (p90 {p90:.1f}); "
