@@ -5,10 +5,10 @@
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
 #   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs
-# Policies name options beside the defaults of the code run: since gated decode on CUDA reads
-# its routing from the board by default, 4 layers a commit, checked 4 behind, `P:gt1` means
-# `P:gt1:bd1:lc4:lag4`, and the path before it is `P:gt1:bd0:lc1:lag1` (OLDGT below), which the
-# stages' earlier figures ran as `P:gt1`.
+# Policies name options beside the defaults of the code run: gated decode on CUDA commits each
+# layer alone and checks it 1 behind by default (`P:gt1` is `P:gt1:bd0:lc1:lag1`, OLDGT below,
+# spelled out where a stage compares it); the routing board, asked for (`:bd1`), brings 4
+# layers a commit, checked 4 behind (`:bd1` is `:bd1:lc4:lag4`).
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode; ARENA (GB, 6.5) sizes bench's arena.
 set -uo pipefail
@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 DISK=${DISK:-/root/strata-synth}   # the store on the machine's disk
 SHM=${SHM:-/dev/shm/strata-synth}  # the same store on tmpfs
 OLD=${OLD:-$PWD/.old}              # a tree of the code to compare against (git archive)
-OLDGT=${OLDGT-:bd0:lc1:lag1}       # gated decode's options before the board's defaults
+OLDGT=${OLDGT-:bd0:lc1:lag1}       # gated decode's options without the routing board
 export PYTHONUNBUFFERED=1
 export PYTHONFAULTHANDLER=1  # (a native crash prints every thread's Python stack)
 # (the package's own default, set here too for the scripts that start CUDA before importing it,
@@ -95,17 +95,17 @@ bench)  # tmpfs: each policy with the arena in device memory (the default on CUD
   build
   bench "bench-shm" "$SHM" "${POL:-demand:da0,demand,lookahead:da0,lookahead}"
   ;;
-defaults)  # the defaults against the path before the board's (OLDGT): the gate's GPU tests
-  # (the board's kernel now runs in every gated one; GATE_TESTS=0 skips them), bench of POL
+defaults)  # the defaults (OLDGT) against the routing board (:bd1): the gate's GPU tests
+  # (fresh models giving up no gate, the board on and off; GATE_TESTS=0 skips them), bench of POL
   # on the tmpfs, or behind an emulated DRIVE GB/s drive where set; one profile_decode run of
   # the default for a miss's read, step by step; how late the board's waits see a word on
   # this host (benchmarks/wait_word_latency.py). ~7 min on a fresh machine; the second call:
   # GATE_TESTS=0 DRIVE=6.
   build
   synth "$SHM"
-  [ "${GATE_TESTS:-1}" = 0 ] || timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu \
+  [ "${GATE_TESTS:-1}" = 0 ] || timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
      tests/runtime/test_gate.py 2>&1 | tail -4 | tee "$OUT/gate-tests.log"
-  pol=${POL:-lookahead,lookahead:gt1$OLDGT,demand,demand:gt1$OLDGT}
+  pol=${POL:-lookahead,lookahead:bd1,demand,demand:bd1}
   STRATA_MLX_DRIVE_GBPS=${DRIVE:-} G=${G:-64} LIMIT=${LIMIT:-220} bench "bench-defaults-${DRIVE:-shm}" "$SHM" "$pol"
   STRATA_MLX_DRIVE_GBPS=${DRIVE:-} evals --policy demand | tee "$OUT/defaults-steps-${DRIVE:-shm}.log"
   python3 benchmarks/wait_word_latency.py --slack-ns 0,5000,1000 2>&1 | tee "$OUT/wait-word.log"

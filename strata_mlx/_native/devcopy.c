@@ -115,45 +115,82 @@ out:;
     return rc;
 }
 
-/* Streams outlive the threads that used them: a new thread takes a finished one's. The driver
- * maps streams onto a fixed number of hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS), and a
- * stream sharing one with MLX's queues its copies behind MLX's kernels; a process that made a
- * stream for every reader thread it ever started would wrap around onto MLX's queue. */
+/* Streams outlive the threads that used them: a new thread takes one no thread uses. The
+ * driver maps streams onto a fixed number of hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS),
+ * in turn as they are made, and a stream sharing one with MLX's queues its copies behind MLX's
+ * kernels: behind a decode gate spinning until those very copies land, a wait of the gate's
+ * whole timeout (seen with two models' readers alive in one process, 32 reader threads beside
+ * MLX's stream). So a process makes at most stream_cap() streams for its readers, all the
+ * queues but a few left for MLX's; past it, threads share the least used of them (their copies
+ * take turns, and a thread's wait for its own copies waits for the sharer's too). */
+#define MLX_QUEUES 4 /* queues kept for MLX's own streams */
+#define MAX_STREAMS 64
 static pthread_mutex_t streams_mu = PTHREAD_MUTEX_INITIALIZER;
-static CUstream spare[64];
-static int n_spare;
+static CUstream streams[MAX_STREAMS];
+static int users[MAX_STREAMS]; /* threads using each stream now */
+static int n_streams;
 
-/* A spare stream, or a new one, in *out: 0 or the driver's CUresult; the context made current.
- * A spare the driver no longer knows (its context was reset) is dropped. */
+static int stream_cap(void) {
+    const char *env = getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    int queues = env && atoi(env) > 0 ? atoi(env) : 8; /* (CUDA's default; 32 at most) */
+    int cap = (queues > 32 ? 32 : queues) - MLX_QUEUES;
+    return cap < 1 ? 1 : cap;
+}
+
+static void drop_stream(int i) { /* (streams_mu held) */
+    streams[i] = streams[--n_streams];
+    users[i] = users[n_streams];
+}
+
+/* A stream for a new thread in *out: one no thread uses, a new one below the cap, else the
+ * least used; 0 or the driver's CUresult, the context made current. A stream the driver no
+ * longer knows (its context was reset) is dropped. */
 static CUresult take_stream(CUstream *out) {
     CUresult e = cu.ctx_set_current(ctx);
     if (e) return e;
+    pthread_mutex_lock(&streams_mu);
     for (;;) {
-        CUstream s = NULL;
-        pthread_mutex_lock(&streams_mu);
-        if (n_spare) s = spare[--n_spare];
-        pthread_mutex_unlock(&streams_mu);
-        if (!s) return cu.stream_create(out, CU_STREAM_NON_BLOCKING);
-        e = cu.stream_query ? cu.stream_query(s) : 0;
-        if (e == 0 || e == CUDA_ERROR_NOT_READY) {
-            *out = s;
-            return 0;
+        int best = -1;
+        for (int i = 0; i < n_streams; i++)
+            if (best < 0 || users[i] < users[best]) best = i;
+        if (best >= 0 && users[best] > 0 && n_streams < stream_cap()) best = -1;
+        if (best < 0) {
+            CUstream s = NULL;
+            e = cu.stream_create(&s, CU_STREAM_NON_BLOCKING);
+            if (!e) {
+                streams[n_streams] = s;
+                users[n_streams++] = 1;
+                *out = s;
+            }
+            break;
         }
+        e = users[best] ? 0 : cu.stream_query ? cu.stream_query(streams[best]) : 0;
+        if (e == 0 || e == CUDA_ERROR_NOT_READY) {
+            users[best]++;
+            *out = streams[best];
+            e = 0;
+            break;
+        }
+        drop_stream(best);
     }
+    pthread_mutex_unlock(&streams_mu);
+    return e;
 }
 
-/* Back to the spares once nothing queued on it is left (destroyed where it cannot be). */
+/* A thread's stream given back once nothing it queued is left (a failed stream is destroyed
+ * by its last user). */
 static void give_stream(CUstream s) {
-    int kept = 0;
-    if (cu.stream_synchronize(s) == 0) {
-        pthread_mutex_lock(&streams_mu);
-        if (n_spare < (int)(sizeof spare / sizeof spare[0])) {
-            spare[n_spare++] = s;
-            kept = 1;
+    int failed = cu.stream_synchronize(s) != 0;
+    pthread_mutex_lock(&streams_mu);
+    for (int i = 0; i < n_streams; i++) {
+        if (streams[i] != s) continue;
+        if (--users[i] == 0 && failed) {
+            drop_stream(i);
+            cu.stream_destroy(s);
         }
-        pthread_mutex_unlock(&streams_mu);
+        break;
     }
-    if (!kept) cu.stream_destroy(s);
+    pthread_mutex_unlock(&streams_mu);
 }
 
 DevCopyThread *devcopy_thread_new(void) {

@@ -15,8 +15,8 @@
 int devcopy_init(int ordinal);
 const char *devcopy_error(void);
 
-/* Per thread: a stream of its own while it lives (one a finished thread left, or a new one),
- * host buffers pinned. */
+/* Per thread: a stream while it lives (one no thread uses, or a new one; past the process's
+ * cap on streams, shared with another thread: devcopy.c), host buffers pinned. */
 typedef struct DevCopyThread DevCopyThread;
 DevCopyThread *devcopy_thread_new(void);
 void devcopy_thread_free(DevCopyThread *t);

@@ -464,6 +464,31 @@ static void finish_behind(ReaderObject *r, int w, DevCopyThread *dc, Behind *b) 
     b->active = 0;
 }
 
+/* A worker's bounce buffer made at least `need` bytes (and the reader's record size): the old
+ * one let go of, a new one allocated, huge where the system allows, and pinned for the device
+ * copy. NULL (cap 0) where no memory is left for it. */
+static void grow_bounce(ReaderObject *r, DevCopyThread *dc, void **buf, size_t *cap_out,
+                        size_t need) {
+    if (*buf) devcopy_unpin(dc, *buf);
+    free(*buf);
+    *buf = NULL;
+    *cap_out = 0;
+    size_t want = need > (size_t)r->bounce_min ? need : (size_t)r->bounce_min;
+    size_t cap = (want + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+    int got = posix_memalign(buf, HUGE_PAGE, cap) == 0;
+    if (!got && want > need && need > 0) { /* no room for a record: this read's */
+        cap = (need + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+        got = posix_memalign(buf, HUGE_PAGE, cap) == 0;
+    }
+    if (!got) {
+        *buf = NULL;
+        return;
+    }
+    *cap_out = cap;
+    advise_huge(*buf, cap, 0); /* before the first touch: huge at fault */
+    devcopy_pin(dc, *buf, cap); /* device copy: registered, still huge */
+}
+
 static void *worker_main(void *p) {
     WorkerArg *arg = p;
     ReaderObject *r = arg->reader;
@@ -484,6 +509,13 @@ static void *worker_main(void *p) {
     /* device_copy: this thread's stream; NULL if it could not be made (its reads fail) */
     DevCopyThread *dc = r->device_copy ? devcopy_thread_new() : NULL;
     int copy_behind = r->copy_behind && dc;
+    /* Pinning memory (cuMemHostRegister) synchronizes with the device: behind a decode gate
+     * that waits for this thread's read, it waits out the gate's timeout (seen: a reader
+     * thread spinning in the driver, its copy not made, while the gate waited). So a thread
+     * that copies with the device pins its record-sized buffers now, before any gate can
+     * wait for it. */
+    if (r->bounce && dc && r->bounce_min > 0)
+        for (int i = 0; i < 1 + copy_behind; i++) grow_bounce(r, dc, &bounces[i], &caps[i], 0);
     int spun_out = 0; /* spun its whole window with nothing posted: sleeps until woken */
     int spun = 0;     /* came from spinning: the read it takes next needed no wake-up */
     pthread_mutex_lock(&r->mu);
@@ -540,27 +572,11 @@ static void *worker_main(void *p) {
                 /* (a pinned buffer let go of waits for the device to go idle, behind whatever
                  * it runs: a decode gate waiting for this very read included) */
                 if (bounces[cur]) {
-                    devcopy_unpin(dc, bounces[cur]);
                     pthread_mutex_lock(&r->mu);
                     r->bounce_regrown++;
                     pthread_mutex_unlock(&r->mu);
                 }
-                free(bounces[cur]);
-                bounces[cur] = NULL;
-                caps[cur] = 0;
-                size_t want = (size_t)(rq.length > r->bounce_min ? rq.length : r->bounce_min);
-                size_t cap = (want + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-                int got = posix_memalign(&bounces[cur], HUGE_PAGE, cap) == 0;
-                if (!got && want > (size_t)rq.length) { /* no room for a record: this read's */
-                    cap = ((size_t)rq.length + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-                    got = posix_memalign(&bounces[cur], HUGE_PAGE, cap) == 0;
-                }
-                if (got) {
-                    caps[cur] = cap;
-                    advise_huge(bounces[cur], cap, 0); /* before the first touch: huge at fault */
-                    devcopy_pin(dc, bounces[cur], cap); /* device copy: registered, still huge */
-                } else
-                    bounces[cur] = NULL;
+                grow_bounce(r, dc, &bounces[cur], &caps[cur], (size_t)rq.length);
             }
             if (bounces[cur])
                 into.dest = (char *)bounces[cur];

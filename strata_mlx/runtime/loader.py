@@ -222,7 +222,7 @@ class RuntimeConfig:
         metadata=opt("pipelined (routing checked a layer late, no per-layer sync) | sync.",
                      choices=MODES),
     )  # fmt: skip
-    # With the routing board (gated decode on CUDA, by default), 4 layers submitted at once and
+    # With the routing board (gated decode on CUDA, asked for), 4 layers submitted at once and
     # checked 4 behind: on an H100, lookahead's gated token took 40.1 against 57.3 ms on a
     # tmpfs and 40.4 against 55.9 behind an emulated 6 GB/s drive (docs/decisions.md, "Gated
     # decode"); elsewhere one layer at a time, checked one behind.
@@ -283,11 +283,11 @@ class RuntimeConfig:
         metadata=opt("gated: prefill's read-ahead ready words stored by the driver as decode's "
                      "are (else by the reader's thread after the copy).", variant="pw"),
     )  # fmt: skip
-    decode_gate_board: bool | None = field(
-        default=None,
+    decode_gate_board: bool = field(
+        default=False,
         metadata=opt("gated (CUDA): each layer's routing written by the device into mapped "
                      "host memory for its check, instead of a command buffer of its own.",
-                     variant="bd", switch=True, shown="on where the device gate runs (CUDA)"),
+                     variant="bd", switch=True),
     )  # fmt: skip
     # Off, a predicting decoder runs "layers" mode: measured on the H200, token mode cost
     # lookahead 41.6 against demand's 32.0 ms/token where 0.9 % of lookups missed.
@@ -634,8 +634,8 @@ def build_expert_cache(
     )
     if (gate := cache.sched.residency.gate) is not None:
         gate.prefill_by_driver = cfg.prefill_words_by_driver
-        asked = cfg.decode_gate_board
-        gate.board_on = cache.pipelined.device_gate if asked is None else asked
+        # (off unless asked: docs/decisions.md, "The routing board")
+        gate.board_on = bool(cfg.decode_gate_board) and cache.pipelined.device_gate
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
         if cache.pipelined.device_gate:
             load_device_gate(cache, k, cfg.read_ahead.depth, asked=cfg.decode_gate)

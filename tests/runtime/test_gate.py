@@ -431,7 +431,7 @@ def emulated_device_gate(monkeypatch, seconds: float = 5.0) -> dict:
         return mx.array(slots, dtype=mx.uint32), mx.array([late, waited_us], dtype=mx.int32)
 
     def board(ids, board_at, seq):
-        """The board's kernel (on by default with the device gate): the ids, then the
+        """The board's kernel (where asked for: decode_gate_board): the ids, then the
         sequence number, into the board row at `board_at` as the layer is built (the gate
         holds the building thread until its records land: a board written only once the
         layer was submitted would never be read). emulated_board counts its calls."""
@@ -849,6 +849,32 @@ def test_gated_decode_through_the_device_gate_equals_sync(store, family, monkeyp
         m.expert_cache.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("board", [False, True])
+def test_fresh_gated_models_in_one_process_give_up_no_gate(store, board):
+    """Gated decode on the device in three fresh models of one process, the routing board off
+    and on: no gate gives up, tokens and log-probabilities equal the per-layer handshake's.
+    A driver call that synchronizes with the device (pinning memory, say), made by a reader
+    thread while a gate waits for that thread's copy, holds the copy for the gate's whole
+    timeout: with the board on, the first models of a process gave up gates this way."""
+    assert cuda_ready()
+    path, ids = store("qwen3_next"), prompt_ids(24, seed=7)
+    gb = arena_gb(path, 0.1)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead="lookahead")
+    ref = decode(sync, ids, 12)
+    sync.expert_cache.close()
+    for _ in range(3):
+        model, _ = strata_mlx.load(
+            path, arena_gb=gb, read_ahead="lookahead", decode_gate=True,
+            decode_token_below=0.0, decode_gate_board=board,
+        )  # fmt: skip
+        got = decode(model, ids, 12)
+        s = model.expert_cache.stats
+        model.expert_cache.close()
+        assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+        assert s.gate_timeouts == 0 and s.misses > 0
+
+
 class TableShape:
     """The part of a manifest a gate table reads."""
 
@@ -1225,23 +1251,33 @@ def test_gated_checks_reading_the_routing_board_stay_exact(store, opts, commits,
         m.expert_cache.close()
 
 
-def test_the_device_gate_defaults_to_the_routing_board_in_chunks_of_4(store, monkeypatch):
+def test_the_routing_board_is_asked_for_and_brings_chunks_of_4_checked_4_behind(store, monkeypatch):
     """Left to their defaults, a model whose decode gates on the device has the routing board
-    on, submits its layers 4 at a time and checks them 4 behind, and its checks read the
-    board (no fallback); tokens and log-probabilities equal the per-layer handshake's. Where
-    no device gate runs (this CPU, unemulated), the board is off, 1 and 1; each default
+    off and commits each layer alone, checked 1 behind; asked for, the board comes with
+    layers submitted 4 at a time and checked 4 behind, its checks read the board (no
+    fallback), and tokens and log-probabilities equal the per-layer handshake's. Where no
+    device gate runs (this CPU, unemulated), the board stays off even asked for; each default
     given its own value keeps it."""
     path = store("qwen3_next")
     ids = prompt_ids(24, seed=13)
     gb = arena_gb(path, 0.2)
-    plain, _ = strata_mlx.load(path, arena_gb=gb)
+    plain, _ = strata_mlx.load(path, arena_gb=gb, decode_gate_board=True)
     assert plain.expert_cache.pipelined.device_gate is False
     assert plain.runtime.decode_gate_board is False
     assert (plain.runtime.decode_lag, plain.runtime.decode_layers_chunk) == (1, 1)
     plain.expert_cache.close()
     sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
     ref = decode(sync, ids, 6)
-    model, _ = load_emulated(monkeypatch, path, 0.2, read_ahead="lookahead")
+    default, _ = load_emulated(monkeypatch, path, 0.2, read_ahead="lookahead")
+    assert not default.expert_cache.sched.residency.gate.board_on
+    assert default.runtime.decode_gate_board is False
+    assert (default.runtime.decode_lag, default.runtime.decode_layers_chunk) == (1, 1)
+    got = decode(default, ids, 6)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    assert default.expert_cache.pipelined.board.reads == 0
+    assert default.expert_cache.stats.misses > 0
+    default.expert_cache.close()
+    model, _ = load_emulated(monkeypatch, path, 0.2, read_ahead="lookahead", decode_gate_board=True)
     ec = model.expert_cache
     assert ec.sched.residency.gate.board_on and model.runtime.decode_gate_board is True
     assert (model.runtime.decode_lag, model.runtime.decode_layers_chunk) == (4, 4)
@@ -1251,15 +1287,15 @@ def test_the_device_gate_defaults_to_the_routing_board_in_chunks_of_4(store, mon
     assert ec.pipelined.board.reads > 0 and ec.pipelined.board.fallbacks == 0
     assert ec.stats.gate_timeouts == 0 and ec.stats.misses > 0
     ec.close()
-    # the path before it, as asked: no board, each layer committed alone, checked 1 behind
+    # the board with a lag of its own: the chunk keeps its default
     asked, _ = load_emulated(
-        monkeypatch, path, 0.2, read_ahead="lookahead", decode_gate_board=False, decode_lag=1
+        monkeypatch, path, 0.2, read_ahead="lookahead", decode_gate_board=True, decode_lag=1
     )
-    assert not asked.expert_cache.sched.residency.gate.board_on
-    assert (asked.runtime.decode_lag, asked.runtime.decode_layers_chunk) == (1, 1)
+    assert asked.expert_cache.sched.residency.gate.board_on
+    assert (asked.runtime.decode_lag, asked.runtime.decode_layers_chunk) == (1, 4)
     got = decode(asked, ids, 6)
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
-    assert asked.expert_cache.pipelined.board.reads == 0 and asked.expert_cache.stats.misses > 0
+    assert asked.expert_cache.pipelined.board.reads > 0
     for m in (asked, sync):
         m.expert_cache.close()
 
