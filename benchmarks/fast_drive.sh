@@ -95,8 +95,9 @@ bench)  # tmpfs: each policy with the arena in device memory (the default on CUD
   build
   bench "bench-shm" "$SHM" "${POL:-demand:da0,demand,lookahead:da0,lookahead}"
   ;;
-defaults)  # the defaults (OLDGT) against the routing board (:bd1): the gate's GPU tests
-  # (fresh models giving up no gate, the board on and off; GATE_TESTS=0 skips them), bench of POL
+defaults)  # the defaults (OLDGT) against the routing board (:bd1), and with held copies giving
+  # their gates up after 50 ms (:ch50): the gate's GPU tests (fresh models giving up no gate,
+  # the board on and off; a copy held behind its gate; GATE_TESTS=0 skips them), bench of POL
   # on the tmpfs, or behind an emulated DRIVE GB/s drive where set; one profile_decode run of
   # the default for a miss's read, step by step; how late the board's waits see a word on
   # this host (benchmarks/wait_word_latency.py). ~7 min on a fresh machine; the second call:
@@ -105,7 +106,7 @@ defaults)  # the defaults (OLDGT) against the routing board (:bd1): the gate's G
   synth "$SHM"
   [ "${GATE_TESTS:-1}" = 0 ] || timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
      tests/runtime/test_gate.py 2>&1 | tail -4 | tee "$OUT/gate-tests.log"
-  pol=${POL:-lookahead,lookahead:bd1,demand,demand:bd1}
+  pol=${POL:-lookahead,lookahead:bd1,lookahead:bd1:ch50,demand:bd1:ch50}
   STRATA_MLX_DRIVE_GBPS=${DRIVE:-} G=${G:-64} LIMIT=${LIMIT:-220} bench "bench-defaults-${DRIVE:-shm}" "$SHM" "$pol"
   STRATA_MLX_DRIVE_GBPS=${DRIVE:-} evals --policy demand | tee "$OUT/defaults-steps-${DRIVE:-shm}.log"
   python3 benchmarks/wait_word_latency.py --slack-ns 0,5000,1000 2>&1 | tee "$OUT/wait-word.log"

@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <sched.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -50,6 +52,18 @@ static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
 static int init_rc = 1; /* 1: not tried; 0: ready; < 0: failed */
 static CUcontext ctx;
 static char message[256];
+
+/* The most copy streams the process makes for readers' threads (take_stream, below). */
+#define MLX_QUEUES 4 /* queues kept for MLX's own streams */
+static int cap_streams = 1; /* set by devcopy_init, before any thread takes a stream */
+
+/* (read once, under init_mu: getenv is not safe beside Python's setenv on another thread) */
+static int stream_cap(void) {
+    const char *env = getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    int queues = env && atoi(env) > 0 ? atoi(env) : 8; /* (CUDA's default; 32 at most) */
+    int cap = (queues > 32 ? 32 : queues) - MLX_QUEUES;
+    return cap < 1 ? 1 : cap;
+}
 
 struct DevCopyThread {
     CUstream stream;
@@ -108,6 +122,7 @@ int devcopy_init(int ordinal) {
         init_rc = fail(-3, "CUDA initialisation", e);
         goto out;
     }
+    cap_streams = stream_cap();
     init_rc = 0;
 out:;
     int rc = init_rc;
@@ -119,23 +134,16 @@ out:;
  * driver maps streams onto a fixed number of hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS),
  * in turn as they are made, and a stream sharing one with MLX's queues its copies behind MLX's
  * kernels: behind a decode gate spinning until those very copies land, a wait of the gate's
- * whole timeout (seen with two models' readers alive in one process, 32 reader threads beside
- * MLX's stream). So a process makes at most stream_cap() streams for its readers, all the
+ * whole timeout (two models' readers alive in one process, 32 reader threads, wrap onto it
+ * beside MLX's stream). So a process makes at most stream_cap() streams for its readers, all the
  * queues but a few left for MLX's; past it, threads share the least used of them (their copies
  * take turns, and a thread's wait for its own copies waits for the sharer's too). */
-#define MLX_QUEUES 4 /* queues kept for MLX's own streams */
 #define MAX_STREAMS 64
 static pthread_mutex_t streams_mu = PTHREAD_MUTEX_INITIALIZER;
 static CUstream streams[MAX_STREAMS];
 static int users[MAX_STREAMS]; /* threads using each stream now */
 static int n_streams;
 
-static int stream_cap(void) {
-    const char *env = getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-    int queues = env && atoi(env) > 0 ? atoi(env) : 8; /* (CUDA's default; 32 at most) */
-    int cap = (queues > 32 ? 32 : queues) - MLX_QUEUES;
-    return cap < 1 ? 1 : cap;
-}
 
 static void drop_stream(int i) { /* (streams_mu held) */
     streams[i] = streams[--n_streams];
@@ -153,7 +161,7 @@ static CUresult take_stream(CUstream *out) {
         int best = -1;
         for (int i = 0; i < n_streams; i++)
             if (best < 0 || users[i] < users[best]) best = i;
-        if (best >= 0 && users[best] > 0 && n_streams < stream_cap()) best = -1;
+        if (best >= 0 && users[best] > 0 && n_streams < cap_streams) best = -1;
         if (best < 0) {
             CUstream s = NULL;
             e = cu.stream_create(&s, CU_STREAM_NON_BLOCKING);
@@ -222,6 +230,33 @@ int devcopy_start(DevCopyThread *t, void *dst, const void *src, size_t len) {
 }
 
 int devcopy_wait(DevCopyThread *t) { return cu.stream_synchronize(t->stream); }
+
+static uint64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+int devcopy_wait_late(DevCopyThread *t, uint64_t since_ns, uint64_t late_ns,
+                      void (*late)(void *), void *arg) {
+    if (!late_ns || !late || !cu.stream_query) return devcopy_wait(t);
+    uint64_t start = since_ns ? since_ns : mono_ns();
+    for (;;) {
+        CUresult e = cu.stream_query(t->stream);
+        if (e != CUDA_ERROR_NOT_READY) return e;
+        uint64_t now = mono_ns(), waited = now > start ? now - start : 0;
+        if (late && waited >= late_ns) {
+            late(arg);
+            late = NULL;
+        }
+        /* a copy's usual time spun through (a record's ~50-70 us); past a millisecond, held */
+        if (waited > 1000000) {
+            struct timespec nap = {0, 20000};
+            nanosleep(&nap, NULL);
+        } else if (waited > 20000)
+            sched_yield();
+    }
+}
 
 int devcopy_copy(DevCopyThread *t, void *dst, const void *src, size_t len) {
     CUresult e = devcopy_start(t, dst, src, len);

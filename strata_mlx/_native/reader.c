@@ -128,6 +128,13 @@ struct ReaderObject {
      * waited for the copy (after its next read): no host function queued on the copy's
      * stream, whose next copy then waits for none. Read by the workers with no lock. */
     int words_by_driver;
+    /* A device copy a gate waits for, still not done this long after its worker began to
+     * wait (ns; 0: never): held behind the device, and so behind the gate itself (a driver
+     * call that synchronizes with the device, made while the gate waits). Its ready word goes
+     * from pending to READY_FAILED, the gate gives up at once (its token is recomputed)
+     * instead of after its timeout, and the copy lands once the device moves on. Read by the
+     * workers with no lock; copies_held counts them (atomic). */
+    unsigned long long held_ns, copies_held;
     Py_ssize_t split; /* smallest part of a split request in bytes; 0: never split */
     pthread_t *threads;
     WorkerArg *args;
@@ -440,6 +447,30 @@ static int mark_ready_later(DevCopyThread *dc, const Request *rq) {
     return 0;
 }
 
+/* A copy held past r->held_ns: its ready word, still pending, reads READY_FAILED (a word the
+ * copy's landing or anything else changed meanwhile is left alone). */
+typedef struct {
+    ReaderObject *r;
+    int32_t *word;
+} Held;
+
+static void release_held(void *p) {
+    Held *h = p;
+    int32_t pending = READY_PENDING;
+    if (__atomic_compare_exchange_n(h->word, &pending, READY_FAILED, 0, __ATOMIC_ACQ_REL,
+                                    __ATOMIC_ACQUIRE))
+        __atomic_add_fetch(&h->r->copies_held, 1, __ATOMIC_RELAXED);
+}
+
+/* Wait for the thread's copies; one whose ready word is `word` (may be NULL), queued at
+ * `since` (now_ns) and still held r->held_ns after it, gives its gate up (release_held). 0 or
+ * a CUresult. */
+static int wait_copy(ReaderObject *r, DevCopyThread *dc, int32_t *word, uint64_t since) {
+    uint64_t held = word ? __atomic_load_n(&r->held_ns, __ATOMIC_RELAXED) : 0;
+    Held h = {r, word};
+    return devcopy_wait_late(dc, since, held, release_held, &h);
+}
+
 /* copy_behind: a read whose device copy was queued and not waited for yet. */
 typedef struct {
     int active, err, checked;
@@ -447,13 +478,15 @@ typedef struct {
     uint64_t verify_ns;
     int32_t *ready;
     int32_t ready_value;
+    int32_t *word;  /* its ready word, whoever stores it (wait_copy) */
+    uint64_t since; /* now_ns() as the copy was queued */
 } Behind;
 
 /* Wait for the thread's queued copy and complete its read (mu not held; taken here). */
 static void finish_behind(ReaderObject *r, int w, DevCopyThread *dc, Behind *b) {
     if (!b->active) return;
     uint64_t c0 = now_ns();
-    int e = devcopy_wait(dc);
+    int e = wait_copy(r, dc, b->word, b->since);
     uint64_t c1 = now_ns();
     int err = e && !b->err ? DEVICE_COPY_FAILED : b->err;
     mark_ready(b->ready, b->ready_value, err);
@@ -608,9 +641,13 @@ static void *worker_main(void *p) {
         finish_behind(r, w, dc, &behind);
         uint64_t copy_ns = 0, memcpy_ns = 0; /* the copy engine's, the CPU's */
         int queued = 0;
+        int32_t *word = NULL; /* the ready word a gate may wait on for this copy */
+        uint64_t copy_at = 0; /* as its copy was queued */
         if (r->bounce && nread > 0 && err != CHECKSUM_MISMATCH) {
             if (dc) { /* from pageable memory too, where registering failed: staged */
-                uint64_t c0 = now_ns();
+                uint64_t c0 = copy_at = now_ns();
+                /* (a part's group lives until its last part completes) */
+                word = rq.group ? rq.group->ready : rq.ready;
                 if (copy_behind && !urgent && !rq.group) {
                     /* read-ahead: queued, waited for after the next read (or before this
                      * thread sleeps); an urgent read is waited for at once */
@@ -626,7 +663,8 @@ static void *worker_main(void *p) {
                             __atomic_add_fetch(&r->words_queued, 1, __ATOMIC_RELAXED);
                         }
                     }
-                } else if (devcopy_copy(dc, rq.dest, into.dest, (size_t)nread))
+                } else if (devcopy_start(dc, rq.dest, into.dest, (size_t)nread) ||
+                           wait_copy(r, dc, word, c0))
                     err = DEVICE_COPY_FAILED;
                 copy_ns = now_ns() - c0;
             } else if (r->device_copy) /* no stream: the slot may be device memory */
@@ -653,7 +691,8 @@ static void *worker_main(void *p) {
             r->device_copy_ns += copy_ns;
         }
         if (queued) { /* outstanding as behind[w] until its copy is waited for */
-            behind = (Behind){1, err, checked, rq.tag, nread, t2 - t1, rq.ready, rq.ready_value};
+            behind = (Behind){1, err, checked, rq.tag, nread, t2 - t1, rq.ready,
+                              rq.ready_value, word, copy_at};
             r->behind[w] = rq.tag;
             r->behind_on[w] = 1;
             r->reading[w] = 0;
@@ -1362,7 +1401,8 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
                        urgent_queued = r->urgent_queued_ns, spin_takes = r->spin_takes,
                        urgent_parts = r->urgent_parts, urgent_pread = r->urgent_pread_ns,
                        urgent_verify = r->urgent_verify_ns, urgent_copy = r->urgent_copy_ns,
-                       queued_words = __atomic_load_n(&r->words_queued, __ATOMIC_RELAXED);
+                       queued_words = __atomic_load_n(&r->words_queued, __ATOMIC_RELAXED),
+                       held = __atomic_load_n(&r->copies_held, __ATOMIC_RELAXED);
     Py_ssize_t nu = q_size(&r->urgent), na = q_size(&r->ahead), nd = r->n_done;
     int inflight = 0, preading_max = r->preading_max;
     for (int w = 0; w < r->nthreads; w++) inflight += r->reading[w] + r->behind_on[w];
@@ -1384,7 +1424,7 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
         return NULL;
     }
     return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
                          "bytes_read", bytes, "requests_done", reqs, "errors", errs,
                          "verified", verified, "split", split, "busy_ns", busy,
                          "verify_ns", verify, "queued_urgent", nu, "queued_ahead", na,
@@ -1395,7 +1435,7 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
                          "urgent_max_ns", urgent_max, "urgent_queued_ns", urgent_queued,
                          "spin_takes", spin_takes, "urgent_parts", urgent_parts,
                          "urgent_pread_ns", urgent_pread, "urgent_verify_ns", urgent_verify,
-                         "urgent_copy_ns", urgent_copy);
+                         "urgent_copy_ns", urgent_copy, "copies_held", held);
 }
 
 static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
@@ -1406,6 +1446,7 @@ static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
     r->spin_takes = r->urgent_parts = r->urgent_pread_ns = r->urgent_verify_ns = 0;
     r->urgent_copy_ns = 0;
     __atomic_store_n(&r->words_queued, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&r->copies_held, 0, __ATOMIC_RELAXED);
     r->preading_max = r->preading;
     memset(r->busy_ns, 0, sizeof(unsigned long long) * (size_t)r->nthreads);
     memset(r->verify_ns, 0, sizeof(unsigned long long) * (size_t)r->nthreads);
@@ -1503,6 +1544,26 @@ static int set_words_by_driver(ReaderObject *r, PyObject *v, void *c) {
     return 0;
 }
 
+static PyObject *get_copy_held_us(ReaderObject *r, void *c) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&r->held_ns, __ATOMIC_RELAXED) / 1000);
+}
+static int set_copy_held_us(ReaderObject *r, PyObject *v, void *c) {
+    if (!v || !PyLong_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "copy_held_us needs an int, got %s",
+                     v ? Py_TYPE(v)->tp_name : "nothing (it cannot be deleted)");
+        return -1;
+    }
+    int overflow = 0;
+    long long us = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (us == -1 && PyErr_Occurred()) return -1;
+    if (overflow || us < 0 || us > 60000000) {
+        PyErr_Format(PyExc_ValueError, "copy_held_us must be in 0..60000000, got %S", v);
+        return -1;
+    }
+    __atomic_store_n(&r->held_ns, (unsigned long long)us * 1000, __ATOMIC_RELAXED);
+    return 0;
+}
+
 static PyMethodDef Reader_methods[] = {
     {"open", (PyCFunction)(void (*)(void))Reader_open, METH_VARARGS | METH_KEYWORDS,
      "open(path, direct=True, checksum=None) -> file index"},
@@ -1536,6 +1597,9 @@ static PyGetSetDef Reader_getset[] = {
     {"words_by_driver", (getter)get_words_by_driver, (setter)set_words_by_driver,
      "copy_behind: read-ahead's ready words stored by the driver as its copies land (True), "
      "or by the worker once it has waited for them", NULL},
+    {"copy_held_us", (getter)get_copy_held_us, (setter)set_copy_held_us,
+     "device copies: one a gate waits on, still not done this many us after its worker began "
+     "to wait for it, gives its gate up (its ready word READY_FAILED); 0: never", NULL},
     {NULL},
 };
 

@@ -127,7 +127,9 @@ def tell_words(sched, decoding: bool) -> None:
     land (Reader.words_by_driver): inside decode steps, where a gate may wait for one; in
     prefill's phase only with the table's `prefill_by_driver` (otherwise the reader's thread
     does, after waiting for the copy: the prompt's last token, in prefill's phase and maybe
-    gated, may wait a read longer for one)."""
+    gated, may wait a read longer for one); and how long a held copy waits before it gives
+    its gate up (Reader.copy_held_us): the table's `copy_held_us` inside decode steps, never
+    in prefill, whose long kernels may hold a copy for a while without any gate waiting."""
     gate = sched.residency.gate
     if gate is None:
         return
@@ -137,6 +139,7 @@ def tell_words(sched, decoding: bool) -> None:
         return
     if reader is not None:
         reader.words_by_driver = decoding or gate.prefill_by_driver
+        reader.copy_held_us = gate.copy_held_us if decoding else 0
 
 
 def warm_arena(sched, layers: list[int], num_experts: int) -> None:

@@ -222,10 +222,8 @@ class RuntimeConfig:
         metadata=opt("pipelined (routing checked a layer late, no per-layer sync) | sync.",
                      choices=MODES),
     )  # fmt: skip
-    # With the routing board (gated decode on CUDA, asked for), 4 layers submitted at once and
-    # checked 4 behind: on an H100, lookahead's gated token took 40.1 against 57.3 ms on a
-    # tmpfs and 40.4 against 55.9 behind an emulated 6 GB/s drive (docs/decisions.md, "Gated
-    # decode"); elsewhere one layer at a time, checked one behind.
+    # With the routing board (asked for), 4 layers submitted at once and checked 4 behind
+    # (docs/decisions.md, "The routing board"); elsewhere 1 and 1.
     decode_lag: int | None = field(
         default=None,
         metadata=opt("pipelined: layers the host reads routing behind.", (0, 1 << 10),
@@ -274,10 +272,17 @@ class RuntimeConfig:
         metadata=opt("gated: gates given up (a stuck read waits out the gate's timeout) before "
                      "the decoder stops gating; 0: never stops.", (0, 1 << 20), variant="gg"),
     )  # fmt: skip
+    # A record's device copy takes ~50-70 us; one held longer waits behind the gate waiting
+    # for it (docs/decisions.md, "A copy held behind its gate"). Off until run on a GPU.
+    decode_copy_held_ms: float = field(
+        default=0.0,
+        metadata=opt("gated (CUDA): a device copy held this long gives up the gate waiting for "
+                     "it at once (its token recomputed), not after the gate's timeout; 0: off.",
+                     (0.0, 60000.0), variant="ch"),
+    )  # fmt: skip
     # A host function queued behind a read-ahead record's copy to store its ready word holds
-    # the copy stream's next copy back; in prefill no gate waits for the word, so by default
-    # the reader's thread stores it once it has waited for the copy (docs/decisions.md,
-    # "Gated decode").
+    # the copy stream's next copy back; in prefill no gate waits for the word, so the reader's
+    # thread stores it once it has waited for the copy (docs/decisions.md, "Gated decode").
     prefill_words_by_driver: bool = field(
         default=False,
         metadata=opt("gated: prefill's read-ahead ready words stored by the driver as decode's "
@@ -287,7 +292,7 @@ class RuntimeConfig:
         default=False,
         metadata=opt("gated (CUDA): each layer's routing written by the device into mapped "
                      "host memory for its check, instead of a command buffer of its own.",
-                     variant="bd", switch=True),
+                     variant="bd"),
     )  # fmt: skip
     # Off, a predicting decoder runs "layers" mode: measured on the H200, token mode cost
     # lookahead 41.6 against demand's 32.0 ms/token where 0.9 % of lookups missed.
@@ -634,7 +639,7 @@ def build_expert_cache(
     )
     if (gate := cache.sched.residency.gate) is not None:
         gate.prefill_by_driver = cfg.prefill_words_by_driver
-        # (off unless asked: docs/decisions.md, "The routing board")
+        gate.copy_held_us = round(cfg.decode_copy_held_ms * 1000)
         gate.board_on = bool(cfg.decode_gate_board) and cache.pipelined.device_gate
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
         if cache.pipelined.device_gate:

@@ -63,6 +63,9 @@ class GateTable:
     # Whether the driver stores prefill's read-ahead ready words too (runtime.experts.
     # tell_words; RuntimeConfig.prefill_words_by_driver), as it does decode's.
     prefill_by_driver = False
+    # Inside gated decode, a device copy held this long gives its gate up (Reader.
+    # copy_held_us; RuntimeConfig.decode_copy_held_ms; 0: never).
+    copy_held_us = 0
     # Whether gated layers' checks read their routing from the board (RuntimeConfig.
     # decode_gate_board; runtime.deferred.RoutingBoard).
     board_on = False

@@ -185,11 +185,13 @@ class Reader:
             completes once that next read has landed (or the worker finds nothing to read).
             Urgent records are copied and completed at once, as without it.
         record_bytes: (with ``bounce``) the longest request it will be given (0: not known).
-            A worker's buffers are made at least that large at their first use, so that a
-            longer read after a shorter one (a whole record after a split request's part)
-            never has a buffer let go of and made again: on CUDA letting go of a pinned
-            buffer waits for the device to go idle, behind a decode gate that may be waiting
-            for that very read (``stats()["bounce_regrown"]`` counts them).
+            A worker's buffers are made at least that large (with ``device_copy``, and
+            pinned, as the worker starts; else at their first use), so that a longer read
+            after a shorter one (a whole record after a split request's part) never has a
+            buffer let go of and made again: on CUDA letting go of a pinned buffer waits for
+            the device to go idle, behind a decode gate that may be waiting for that very
+            read (``stats()["bounce_regrown"]`` counts them), and pinning one synchronizes
+            with the device too.
         spin_us: a thread with nothing to read polls for new work this long (us) before it
             sleeps (0: it sleeps at once). A sleeping thread's wake-up takes a trip through
             the OS scheduler (38-107 us on H100 machines) before a decode miss's read starts;
@@ -249,6 +251,22 @@ class Reader:
     @words_by_driver.setter
     def words_by_driver(self, on: bool) -> None:
         self._r.words_by_driver = bool(on)
+
+    @property
+    def copy_held_us(self) -> int:
+        """(device_copy) A device copy whose ready word a gate may wait on, still not done
+        this many microseconds after its worker began to wait for it, is held behind the
+        device and so behind that very gate (a driver call that synchronizes with the device,
+        made while the gate waits): its word, still pending, becomes :data:`READY_FAILED`,
+        and the gate gives up at once instead of after its timeout (its token is
+        recomputed); the copy lands once the device moves on, its word then stored as ever.
+        0 (the default): never. Settable at any time (``stats()["copies_held"]`` counts the
+        words given up)."""
+        return self._r.copy_held_us
+
+    @copy_held_us.setter
+    def copy_held_us(self, us: int) -> None:
+        self._r.copy_held_us = int(us)
 
     def open(
         self, path: str | os.PathLike, direct: bool = True, checksum: str | None = None
@@ -364,14 +382,15 @@ class Reader:
         emulated drive's hold), the checksum and the copy into the destination by the copy
         engine or the CPU (``urgent_pread_ns``, ``urgent_verify_ns``, ``urgent_copy_ns``),
         ``spin_takes`` (reads, or parts, taken by a thread that was polling: ``spin_us``),
+        ``copies_held`` (ready words given up for a copy held past ``copy_held_us``),
         and the current ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a thread
         holds) and uncollected ``completions``."""
         return self._r.stats()
 
     def reset_stats(self) -> None:
         """Zero bytes_read, requests_done, errors, verified, split, busy_ns, verify_ns, the
-        device copies' counts, bounce_regrown, words_by_driver, the urgent_* ones and
-        spin_takes."""
+        device copies' counts, bounce_regrown, words_by_driver, the urgent_* ones,
+        spin_takes and copies_held."""
         self._r.reset_stats()
 
     def close(self) -> None:

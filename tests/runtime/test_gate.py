@@ -767,6 +767,75 @@ def test_the_gate_kernel_waits_for_a_word_a_host_thread_stores():
     g.close()
 
 
+HELD_COPY = """
+import json, sys, time
+import mlx.core as mx
+import numpy as np
+from custom_kernels.gate import gate
+from strata_mlx.stream.arena import Arena
+from strata_mlx.stream.gate import GateTable
+from strata_mlx.stream.reader import Reader
+
+class Shape:
+    num_experts, moe_layers = 8, [0]
+    def layer_position(self, layer):
+        return 0
+
+path, held_us = sys.argv[1], int(sys.argv[2])
+rb = 1 << 20
+g = GateTable(Shape(), device=True)
+row_at = mx.array([g.row_address(0)], dtype=mx.uint64)
+g.table[0, 1] = 0  # (landed: the gate compiled and run once, passing at once)
+mx.eval(*gate(mx.array([1], dtype=mx.uint32), row_at, 3000))
+arena = Arena(1, rb, on_device=True, device_memory=True)
+mx.eval(arena.rows.astype(mx.uint32).sum())
+with Reader(1, bounce=True, device_copy=True, record_bytes=rb) as r:
+    r.copy_held_us = held_us
+    f = r.open(path, direct=False)
+    slots, late = gate(mx.array([2], dtype=mx.uint32) + 0, row_at, 3000)
+    mx.async_eval(slots, late)
+    time.sleep(0.2)  # the gate waits on the device for word (0, 2)
+    t0 = time.monotonic()
+    r.submit([(1, f, 0, rb, arena.address(0), None, g.ready((0, 2), 0))], True)
+    flag = late.tolist()[0]
+    seconds = time.monotonic() - t0
+    (done,) = r.wait([1])
+    held = r.stats()["copies_held"]
+ok = bool(np.array_equal(np.array(arena.rows[0] + 0), np.fromfile(path, np.uint8, rb)))
+print(json.dumps(dict(seconds=seconds, late=flag, held=held, err=done[1], word=int(g.table[0, 2]),
+                      bytes_ok=ok)))
+g.close()
+"""
+
+
+@pytest.mark.gpu
+def test_a_copy_held_behind_its_gate_gives_the_gate_up_at_once(tmp_path):
+    """A record's device copy held behind the gate that waits for it (here: one hardware queue
+    for every stream, CUDA_DEVICE_MAX_CONNECTIONS=1, so the copy queues behind the spinning
+    gate): with copy_held_us, the copy's ready word goes FAILED once it has waited that long,
+    the gate gives up at once, the copy then lands and its word reads its slot; without it,
+    the gate waits out its whole timeout (3 s here) first."""
+    import json
+    import subprocess
+    import sys
+
+    assert cuda_ready()
+    path = tmp_path / "record.bin"
+    path.write_bytes(np.random.default_rng(5).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
+    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    runs = {}
+    for held_us in (50_000, 0):
+        out = subprocess.run([sys.executable, "-c", HELD_COPY, str(path), str(held_us)], env=env,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[held_us] = json.loads(out.stdout.strip().splitlines()[-1])
+    released, waited = runs[50_000], runs[0]
+    for run in (released, waited):
+        assert run["late"] == 1 and run["err"] == 0 and run["word"] == 0 and run["bytes_ok"]
+    assert released["held"] == 1 and released["seconds"] < 1.0
+    assert waited["held"] == 0 and waited["seconds"] >= 2.5
+
+
 @pytest.mark.gpu
 def test_the_board_kernel_writes_ids_then_their_sequence_number_and_orders_the_gate():
     """custom_kernels.gate.board on the device: a layer's joined ids land in its board row
@@ -1249,6 +1318,34 @@ def test_gated_checks_reading_the_routing_board_stay_exact(store, opts, commits,
     assert seen["commits"] - first <= (6 - UNGATED_FIRST) * max(commits * layers, 1)
     for m in (model, sync):
         m.expert_cache.close()
+
+
+def test_a_gated_decoder_holds_copies_to_the_option_in_decode_steps_only(store, monkeypatch):
+    """decode_copy_held_ms: the reader's copy_held_us is the option's (in us) inside gated
+    decode steps, and 0 in prefill and once the generation is over; 0 throughout by
+    default. Tokens equal the per-layer handshake's either way."""
+    from strata_mlx.stream.reader import Reader
+
+    seen, prop = [], Reader.copy_held_us
+
+    def setter(self, us):
+        seen.append(int(us))
+        prop.fset(self, us)
+
+    monkeypatch.setattr(Reader, "copy_held_us", property(prop.fget, setter))
+    path, ids = store("qwen3_moe"), prompt_ids(24, seed=3)
+    sync, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.25), decode="sync")
+    ref = decode(sync, ids, 4)
+    sync.expert_cache.close()
+    for ms in (50, None):
+        seen.clear()
+        opts = {} if ms is None else {"decode_copy_held_ms": ms}
+        model, _ = load_emulated(monkeypatch, path, 0.25, read_ahead="lookahead", **opts)
+        got = decode(model, ids, 4)
+        assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+        assert model.expert_cache.sched.reader.copy_held_us == 0 and seen[-1] == 0
+        assert set(seen) == ({0, 50_000} if ms else {0})
+        model.expert_cache.close()
 
 
 def test_the_routing_board_is_asked_for_and_brings_chunks_of_4_checked_4_behind(store, monkeypatch):

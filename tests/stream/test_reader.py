@@ -1005,3 +1005,19 @@ def test_reader_threads_are_named(overlap):
             time.sleep(0.01)
         assert named() - before == want
     assert named() == before
+
+
+def test_a_readers_copy_hold_is_a_whole_number_of_microseconds_settable_at_any_time():
+    """copy_held_us: 0 (never) by default, any whole number of microseconds up to a minute,
+    a one-line error otherwise; stats count the copies it gave up on (none without a device
+    copy)."""
+    with Reader(2) as r:
+        assert r.copy_held_us == 0 and r.stats()["copies_held"] == 0
+        r.copy_held_us = 50_000
+        assert r.copy_held_us == 50_000
+        for bad, err in ((-1, ValueError), (60_000_001, ValueError), ("5", TypeError)):
+            with pytest.raises(err, match="copy_held_us"):
+                r._r.copy_held_us = bad
+        assert r.copy_held_us == 50_000
+        r.copy_held_us = 0
+        assert r.copy_held_us == 0
