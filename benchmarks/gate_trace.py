@@ -86,6 +86,9 @@ class Trace:
         self.stack_size = 0
         self.py_spy: tuple[str, str] | None = None  # (py-spy's binary, the file its dumps go to)
         self.spied = 0
+        # (token, MLX's active + cached bytes as it starts): a token whose memory grows
+        # allocated new device memory, a call that may synchronize with the device
+        self.memory: list[tuple[int, int]] = []
 
     def spy(self, r: dict) -> None:
         """A late word: every thread's native stack (py-spy's dump, the process paused while
@@ -260,6 +263,7 @@ def install() -> None:
 
     def traced_start(self, tokens, cache):
         T.token += 1
+        T.memory.append((T.token, mx.get_active_memory() + mx.get_cache_memory()))
         return start(self, tokens, cache)
 
     def traced_finish(self, step, later=None):
@@ -475,6 +479,18 @@ def report(label: str, detail: int) -> None:
         "given-up layers by what their words did: "
         + ", ".join(f"{k} {v}" for k, v in kinds.items())
     )
+    grew = {t0: b1 - b0 for (t0, b0), (_, b1) in zip(T.memory, T.memory[1:])}
+    if grew:
+        gone = [t for t in T.gave_up if t in grew]
+        rest = sorted(v for t, v in grew.items() if t not in T.gave_up)
+        print(
+            "MLX's memory (active + cached) grown during a token, MB: "
+            + (f"tokens that gave gates up {[round(grew[t] / 2**20, 1) for t in gone]}; "
+               if gone else "")
+            + (f"the others median {rest[len(rest) // 2] / 2**20:.1f}, max "
+               f"{rest[-1] / 2**20:.1f}, {sum(v > 0 for v in rest)} of {len(rest)} grew"
+               if rest else "")
+        )  # fmt: skip
     long = sorted(((g1 - g0), g0, gen) for g0, g1, gen in T.gcs if g1 - g0 >= 1.0)
     print(
         f"garbage collections: {len(T.gcs)}, {len(long)} of 1 ms or more"
