@@ -252,18 +252,21 @@ gate-copy)  # which of MLX's calls holds a record's device copy while a gate wai
   done
   ;;
 trace)  # why gated decode's gates give up (benchmarks/gate_trace.py): each gated layer's
-  # check and its experts' gate-table words, on the quarter store behind a 12 GB/s emulated
-  # drive, a 100 ms timeout: generate alone (-p 2048), the same after a fake-stream model was
-  # loaded, run and closed (as bench's floor is), then bench's POL traced in-process
+  # check and its experts' gate-table words, and MLX's memory grown a token, on the quarter
+  # store behind a 12 GB/s emulated drive, a 100 ms timeout: generate alone (-p 2048, TPOL,
+  # the routing board by default), the same after a fake-stream model was loaded, run and
+  # closed (as bench's floor is), then bench's POL traced in-process
   build
   q=/dev/shm/strata-synth-12
   [ -f "$q/manifest.json" ] || python3 -m strata_mlx convert --synthetic qwen3-next-80b-a3b \
      --mlx-path "$q" --calibration-tokens 256 --set num_hidden_layers=12 2>&1 | grep -v "experts:" | tail -1
   export STRATA_MLX_DRIVE_GBPS=12 STRATA_MLX_GATE_TIMEOUT_MS=100
-  { timeout 90 python3 benchmarks/gate_trace.py "$q" --arena-gb 1.6 -p 2048 -g 6 --detail 1
-    timeout 110 python3 benchmarks/gate_trace.py "$q" --arena-gb 1.6 -p 2048 -g 6 --detail 1 --after-floor
+  tp=${TPOL:-lookahead:gt1:gg0:bd1}
+  { timeout 90 python3 benchmarks/gate_trace.py "$q" --arena-gb 1.6 -p 2048 -g 6 --detail 1 --policy "$tp"
+    timeout 110 python3 benchmarks/gate_trace.py "$q" --arena-gb 1.6 -p 2048 -g 6 --detail 1 --after-floor \
+      --policy "$tp"
     timeout 250 python3 benchmarks/gate_trace.py --detail 2 --bench --model "$q" -p 2048 -g "${G:-6}" \
-      --arena-gb 1.6 --prefill-step-size 1024 --policies "${POL:-lookahead:gt1:gg0,lookahead:gt1:gg0:cb0}"
+      --arena-gb 1.6 --prefill-step-size 1024 --policies "${POL:-lookahead:gt1:gg0:bd1,lookahead:gt1:gg0}"
   } 2>&1 | cut -c1-1500 | tee "$OUT/gate-trace.log"
   ;;
 gated)  # the gate's GPU tests (the routing board's kernel among them); then on the tmpfs:
