@@ -450,10 +450,14 @@ class PipelinedDecoder(Decoder):
         if self.gave_up and not stopped:
             from custom_kernels.gate import timeout_ms
 
+            gate = self.expert_cache.sched.residency.gate
+            held = gate.copy_held_us if gate is not None else 0
+            why = f"a stuck read after {timeout_ms()} ms" + (
+                f", or a copy held {held / 1000:g} ms" if held else ""
+            )
             warnings.warn(
-                f"gated decode: {self.given_up} gates gave up waiting for their reads (a "
-                f"stuck read after {timeout_ms()} ms); decoding without the gate from here "
-                "(--decode-gate-give-ups sets how many)",
+                f"gated decode: {self.given_up} gates gave up waiting for their reads ({why}); "
+                "decoding without the gate from here (--decode-gate-give-ups sets how many)",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -1136,8 +1136,9 @@ def test_a_negative_sync_threshold_forces_sync_on_a_gated_cache():
 
 def test_a_decoder_whose_gates_keep_giving_up_stops_gating_and_stays_exact(store, monkeypatch):
     """Once `decode_gate_give_ups` gates have given up, the decoder runs as without the gate
-    ("layers" / "sync"), the rest of that token's recompute included, warning once; the
-    tokens equal the per-layer handshake's."""
+    ("layers" / "sync"), the rest of that token's recompute included, warning once (naming
+    the held copies' time where `decode_copy_held_ms` gives gates up too); the tokens equal
+    the per-layer handshake's."""
     path = store("qwen3_next")
     ids = prompt_ids(24, seed=5)
     gb = arena_gb(path, 0.25)
@@ -1145,13 +1146,15 @@ def test_a_decoder_whose_gates_keep_giving_up_stops_gating_and_stays_exact(store
     ref = decode(sync, ids, 6)
     monkeypatch.setenv("STRATA_MLX_GATE", "host")
     model, _ = strata_mlx.load(
-        path, arena_gb=gb, decode_gate=True, decode_token_below=0.0, decode_gate_give_ups=2
-    )
+        path, arena_gb=gb, decode_gate=True, decode_token_below=0.0, decode_gate_give_ups=2,
+        decode_copy_held_ms=50,
+    )  # fmt: skip
     first, second, *_ = model.expert_cache.layers
     # every gate of these two layers gives up: both in the first token, which reaches the
     # limit; its recompute from `first` then rebuilds `second` ungated (no third flag)
     flagged = late_at(monkeypatch, first, times=100), late_at(monkeypatch, second, times=100)
-    with pytest.warns(RuntimeWarning, match="2 gates gave up") as caught:
+    held = r"2 gates gave up .*ms, or a copy held 50 ms\)"
+    with pytest.warns(RuntimeWarning, match=held) as caught:
         got = decode(model, ids, 6)
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
     s = model.expert_cache.stats
