@@ -8,8 +8,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <sched.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -230,33 +228,6 @@ int devcopy_start(DevCopyThread *t, void *dst, const void *src, size_t len) {
 }
 
 int devcopy_wait(DevCopyThread *t) { return cu.stream_synchronize(t->stream); }
-
-static uint64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
-int devcopy_wait_late(DevCopyThread *t, uint64_t since_ns, uint64_t late_ns,
-                      void (*late)(void *), void *arg) {
-    if (!late_ns || !late || !cu.stream_query) return devcopy_wait(t);
-    uint64_t start = since_ns ? since_ns : mono_ns();
-    for (;;) {
-        CUresult e = cu.stream_query(t->stream);
-        if (e != CUDA_ERROR_NOT_READY) return e;
-        uint64_t now = mono_ns(), waited = now > start ? now - start : 0;
-        if (late && waited >= late_ns) {
-            late(arg);
-            late = NULL;
-        }
-        /* a copy's usual time spun through (a record's ~50-70 us); past a millisecond, held */
-        if (waited > 1000000) {
-            struct timespec nap = {0, 20000};
-            nanosleep(&nap, NULL);
-        } else if (waited > 20000)
-            sched_yield();
-    }
-}
 
 int devcopy_copy(DevCopyThread *t, void *dst, const void *src, size_t len) {
     CUresult e = devcopy_start(t, dst, src, len);

@@ -9,7 +9,6 @@
 #define STRATA_DEVCOPY_H
 
 #include <stddef.h>
-#include <stdint.h>
 
 /* Load libcuda and retain device `ordinal`'s primary context (the one MLX's runtime uses).
  * 0 on success; otherwise a negative code and a message in devcopy_error(). Idempotent. */
@@ -31,11 +30,6 @@ int devcopy_copy(DevCopyThread *t, void *dst, const void *src, size_t len);
  * and the wait for every copy the thread queued: 0 or a CUresult. */
 int devcopy_start(DevCopyThread *t, void *dst, const void *src, size_t len);
 int devcopy_wait(DevCopyThread *t);
-/* devcopy_wait, calling late(arg) once (on this thread) if the copies are still not done
- * late_ns after since_ns (CLOCK_MONOTONIC ns; 0: the call); late_ns 0 or late NULL:
- * devcopy_wait itself. */
-int devcopy_wait_late(DevCopyThread *t, uint64_t since_ns, uint64_t late_ns,
-                      void (*late)(void *), void *arg);
 
 /* Queue fn(arg) on the thread's stream: the driver calls it on a thread of its own once the
  * copies queued before it are done (fn must not call CUDA). 0, -1 where the driver lacks

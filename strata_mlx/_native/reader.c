@@ -128,13 +128,20 @@ struct ReaderObject {
      * waited for the copy (after its next read): no host function queued on the copy's
      * stream, whose next copy then waits for none. Read by the workers with no lock. */
     int words_by_driver;
-    /* A device copy a gate waits for, still not done this long after its worker began to
-     * wait (ns; 0: never): held behind the device, and so behind the gate itself (a driver
-     * call that synchronizes with the device, made while the gate waits). Its ready word goes
-     * from pending to READY_FAILED, the gate gives up at once (its token is recomputed)
-     * instead of after its timeout, and the copy lands once the device moves on. Read by the
-     * workers with no lock; copies_held counts them (atomic). */
+    /* A device copy whose ready word a gate may wait on, still not done this long after it
+     * was queued (ns; 0: never), is held behind the device, and so behind that gate (a driver
+     * call that synchronizes with the device, made while the gate waits): the watcher thread
+     * turns its word from pending to READY_FAILED, the gate gives up at once (its token is
+     * recomputed) instead of after its timeout, and the copy lands once the device moves on.
+     * copies_held counts them. Per worker, its copy in flight: the word (NULL: none) and
+     * when it was queued, stored by the worker, read by the watcher (atomics). */
     unsigned long long held_ns, copies_held;
+    int32_t **copy_word;
+    uint64_t *copy_since;
+    pthread_t watcher; /* (with device_copy) */
+    int watching, watch_stop;
+    pthread_mutex_t watch_mu;
+    pthread_cond_t watch_cv;
     Py_ssize_t split; /* smallest part of a split request in bytes; 0: never split */
     pthread_t *threads;
     WorkerArg *args;
@@ -447,28 +454,61 @@ static int mark_ready_later(DevCopyThread *dc, const Request *rq) {
     return 0;
 }
 
-/* A copy held past r->held_ns: its ready word, still pending, reads READY_FAILED (a word the
- * copy's landing or anything else changed meanwhile is left alone). */
-typedef struct {
-    ReaderObject *r;
-    int32_t *word;
-} Held;
-
-static void release_held(void *p) {
-    Held *h = p;
-    int32_t pending = READY_PENDING;
-    if (__atomic_compare_exchange_n(h->word, &pending, READY_FAILED, 0, __ATOMIC_ACQ_REL,
-                                    __ATOMIC_ACQUIRE))
-        __atomic_add_fetch(&h->r->copies_held, 1, __ATOMIC_RELAXED);
+/* Worker w's copy, whose ready word is `word` (NULL: no gate waits on it), queued at `since`
+ * (now_ns), for the watcher; disarmed once it is waited for. */
+static void arm_copy(ReaderObject *r, int w, int32_t *word, uint64_t since) {
+    __atomic_store_n(&r->copy_since[w], since, __ATOMIC_RELAXED);
+    __atomic_store_n(&r->copy_word[w], word, __ATOMIC_RELEASE);
 }
 
-/* Wait for the thread's copies; one whose ready word is `word` (may be NULL), queued at
- * `since` (now_ns) and still held r->held_ns after it, gives its gate up (release_held). 0 or
- * a CUresult. */
-static int wait_copy(ReaderObject *r, DevCopyThread *dc, int32_t *word, uint64_t since) {
-    uint64_t held = word ? __atomic_load_n(&r->held_ns, __ATOMIC_RELAXED) : 0;
-    Held h = {r, word};
-    return devcopy_wait_late(dc, since, held, release_held, &h);
+static void disarm_copy(ReaderObject *r, int w) {
+    __atomic_store_n(&r->copy_word[w], NULL, __ATOMIC_RELEASE);
+}
+
+/* The watcher: while held_ns is set, every quarter of it (1 ms at least), a copy armed longer
+ * than held_ns has its word, still pending, made READY_FAILED (a word the landing or anything
+ * else changed meanwhile is left alone: compare-and-swap). A thread of its own, so that a
+ * worker held anywhere in the driver (queueing its copy or waiting for it) is seen. */
+static void *watch_main(void *p) {
+    ReaderObject *r = p;
+#ifdef __APPLE__
+    pthread_setname_np("strata-held");
+#elif defined(__linux__)
+    pthread_setname_np(pthread_self(), "strata-held");
+#endif
+    pthread_mutex_lock(&r->watch_mu);
+    while (!r->watch_stop) {
+        uint64_t held = __atomic_load_n(&r->held_ns, __ATOMIC_RELAXED);
+        if (!held) {
+            pthread_cond_wait(&r->watch_cv, &r->watch_mu);
+            continue;
+        }
+        uint64_t step = held / 4 > 1000000 ? held / 4 : 1000000;
+        struct timespec until; /* (on watch_cv's clock) */
+#ifdef __APPLE__
+        clock_gettime(CLOCK_REALTIME, &until);
+#else
+        clock_gettime(CLOCK_MONOTONIC, &until);
+#endif
+        uint64_t ns = (uint64_t)until.tv_nsec + step;
+        until.tv_sec += (time_t)(ns / 1000000000ULL);
+        until.tv_nsec = (long)(ns % 1000000000ULL);
+        pthread_cond_timedwait(&r->watch_cv, &r->watch_mu, &until);
+        held = __atomic_load_n(&r->held_ns, __ATOMIC_RELAXED);
+        if (r->watch_stop || !held) continue;
+        uint64_t now = now_ns();
+        for (int w = 0; w < r->nthreads; w++) {
+            int32_t *word = __atomic_load_n(&r->copy_word[w], __ATOMIC_ACQUIRE);
+            uint64_t since = __atomic_load_n(&r->copy_since[w], __ATOMIC_RELAXED);
+            int32_t pending = READY_PENDING;
+            if (word && now > since && now - since >= held &&
+                __atomic_compare_exchange_n(word, &pending, READY_FAILED, 0, __ATOMIC_ACQ_REL,
+                                            __ATOMIC_ACQUIRE))
+                __atomic_add_fetch(&r->copies_held, 1, __ATOMIC_RELAXED);
+        }
+    }
+    pthread_mutex_unlock(&r->watch_mu);
+    return NULL;
 }
 
 /* copy_behind: a read whose device copy was queued and not waited for yet. */
@@ -478,15 +518,14 @@ typedef struct {
     uint64_t verify_ns;
     int32_t *ready;
     int32_t ready_value;
-    int32_t *word;  /* its ready word, whoever stores it (wait_copy) */
-    uint64_t since; /* now_ns() as the copy was queued */
 } Behind;
 
 /* Wait for the thread's queued copy and complete its read (mu not held; taken here). */
 static void finish_behind(ReaderObject *r, int w, DevCopyThread *dc, Behind *b) {
     if (!b->active) return;
     uint64_t c0 = now_ns();
-    int e = wait_copy(r, dc, b->word, b->since);
+    int e = devcopy_wait(dc);
+    disarm_copy(r, w);
     uint64_t c1 = now_ns();
     int err = e && !b->err ? DEVICE_COPY_FAILED : b->err;
     mark_ready(b->ready, b->ready_value, err);
@@ -641,13 +680,12 @@ static void *worker_main(void *p) {
         finish_behind(r, w, dc, &behind);
         uint64_t copy_ns = 0, memcpy_ns = 0; /* the copy engine's, the CPU's */
         int queued = 0;
-        int32_t *word = NULL; /* the ready word a gate may wait on for this copy */
-        uint64_t copy_at = 0; /* as its copy was queued */
         if (r->bounce && nread > 0 && err != CHECKSUM_MISMATCH) {
             if (dc) { /* from pageable memory too, where registering failed: staged */
-                uint64_t c0 = copy_at = now_ns();
-                /* (a part's group lives until its last part completes) */
-                word = rq.group ? rq.group->ready : rq.ready;
+                uint64_t c0 = now_ns();
+                /* the word a gate may wait on (a part's group lives until its last part is
+                 * done; the word itself is the gate table's) */
+                arm_copy(r, w, rq.group ? rq.group->ready : rq.ready, c0);
                 if (copy_behind && !urgent && !rq.group) {
                     /* read-ahead: queued, waited for after the next read (or before this
                      * thread sleeps); an urgent read is waited for at once */
@@ -663,9 +701,9 @@ static void *worker_main(void *p) {
                             __atomic_add_fetch(&r->words_queued, 1, __ATOMIC_RELAXED);
                         }
                     }
-                } else if (devcopy_start(dc, rq.dest, into.dest, (size_t)nread) ||
-                           wait_copy(r, dc, word, c0))
+                } else if (devcopy_copy(dc, rq.dest, into.dest, (size_t)nread))
                     err = DEVICE_COPY_FAILED;
+                if (!queued) disarm_copy(r, w);
                 copy_ns = now_ns() - c0;
             } else if (r->device_copy) /* no stream: the slot may be device memory */
                 err = DEVICE_COPY_FAILED;
@@ -691,8 +729,7 @@ static void *worker_main(void *p) {
             r->device_copy_ns += copy_ns;
         }
         if (queued) { /* outstanding as behind[w] until its copy is waited for */
-            behind = (Behind){1, err, checked, rq.tag, nread, t2 - t1, rq.ready,
-                              rq.ready_value, word, copy_at};
+            behind = (Behind){1, err, checked, rq.tag, nread, t2 - t1, rq.ready, rq.ready_value};
             r->behind[w] = rq.tag;
             r->behind_on[w] = 1;
             r->reading[w] = 0;
@@ -867,6 +904,14 @@ static void stop_workers(ReaderObject *r, int release_gil) {
         for (int i = 0; i < r->nstarted; i++) pthread_join(r->threads[i], NULL);
     }
     r->nstarted = 0;
+    if (r->watching) { /* (after the workers: no copy is left for it to watch) */
+        pthread_mutex_lock(&r->watch_mu);
+        r->watch_stop = 1;
+        pthread_cond_signal(&r->watch_cv);
+        pthread_mutex_unlock(&r->watch_mu);
+        pthread_join(r->watcher, NULL); /* (never needs the GIL; wakes at once) */
+        r->watching = 0;
+    }
     drop_queued(&r->urgent);
     drop_queued(&r->ahead);
     for (int i = 0; i < r->nfiles; i++) close(r->fds[i]);
@@ -885,6 +930,8 @@ static void Reader_dealloc(ReaderObject *r) {
         pthread_mutex_destroy(&r->mu);
         pthread_cond_destroy(&r->work);
         pthread_cond_destroy(&r->done);
+        pthread_mutex_destroy(&r->watch_mu);
+        pthread_cond_destroy(&r->watch_cv);
     }
     free(r->threads);
     free(r->args);
@@ -900,6 +947,8 @@ static void Reader_dealloc(ReaderObject *r) {
     free(r->checksum);
     free(r->busy_ns);
     free(r->verify_ns);
+    free(r->copy_word);
+    free(r->copy_since);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
@@ -964,8 +1013,10 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     r->behind_on = calloc((size_t)nthreads, 1);
     r->busy_ns = calloc((size_t)nthreads, sizeof(unsigned long long));
     r->verify_ns = calloc((size_t)nthreads, sizeof(unsigned long long));
+    r->copy_word = calloc((size_t)nthreads, sizeof(int32_t *));
+    r->copy_since = calloc((size_t)nthreads, sizeof(uint64_t));
     if (!r->threads || !r->args || !r->current || !r->reading || !r->behind || !r->behind_on ||
-        !r->busy_ns || !r->verify_ns) {
+        !r->busy_ns || !r->verify_ns || !r->copy_word || !r->copy_since) {
         Py_DECREF(r);
         return PyErr_NoMemory();
     }
@@ -977,6 +1028,8 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     pthread_mutex_init(&r->mu, NULL);
     pthread_cond_init(&r->work, NULL);
     pthread_cond_init(&r->done, &ca);
+    pthread_mutex_init(&r->watch_mu, NULL);
+    pthread_cond_init(&r->watch_cv, &ca);
     pthread_condattr_destroy(&ca);
     r->sync_ready = 1;
     for (int i = 0; i < nthreads; i++) {
@@ -988,6 +1041,15 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
             return PyErr_SetFromErrno(PyExc_OSError);
         }
         r->nstarted++;
+    }
+    if (r->device_copy) { /* the watcher of held copies: asleep until copy_held_us is set */
+        int rc = pthread_create(&r->watcher, NULL, watch_main, r);
+        if (rc) {
+            Py_DECREF(r);
+            errno = rc;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        r->watching = 1;
     }
     return (PyObject *)r;
 }
@@ -1561,6 +1623,11 @@ static int set_copy_held_us(ReaderObject *r, PyObject *v, void *c) {
         return -1;
     }
     __atomic_store_n(&r->held_ns, (unsigned long long)us * 1000, __ATOMIC_RELAXED);
+    if (r->watching) {
+        pthread_mutex_lock(&r->watch_mu);
+        pthread_cond_signal(&r->watch_cv);
+        pthread_mutex_unlock(&r->watch_mu);
+    }
     return 0;
 }
 

@@ -255,13 +255,13 @@ class Reader:
     @property
     def copy_held_us(self) -> int:
         """(device_copy) A device copy whose ready word a gate may wait on, still not done
-        this many microseconds after its worker began to wait for it, is held behind the
-        device and so behind that very gate (a driver call that synchronizes with the device,
-        made while the gate waits): its word, still pending, becomes :data:`READY_FAILED`,
-        and the gate gives up at once instead of after its timeout (its token is
-        recomputed); the copy lands once the device moves on, its word then stored as ever.
-        0 (the default): never. Settable at any time (``stats()["copies_held"]`` counts the
-        words given up)."""
+        this many microseconds after it was queued, is held behind the device and so behind
+        that very gate (a driver call that synchronizes with the device, made while the gate
+        waits): a watcher thread, looking every quarter of this, makes its word, still
+        pending, :data:`READY_FAILED`, and the gate gives up at once instead of after its
+        timeout (its token is recomputed); the copy lands once the device moves on, its word
+        then stored as ever. 0 (the default): never. Settable at any time
+        (``stats()["copies_held"]`` counts the words given up)."""
         return self._r.copy_held_us
 
     @copy_held_us.setter
