@@ -461,8 +461,13 @@ static void arm_copy(ReaderObject *r, int w, int32_t *word, uint64_t since) {
     __atomic_store_n(&r->copy_word[w], word, __ATOMIC_RELEASE);
 }
 
+/* (Under the watcher's lock, which it holds through a scan: once this returns no
+ * compare-and-swap on the old word is under way, which could otherwise land after the word
+ * was stored, or set pending again for a later read.) */
 static void disarm_copy(ReaderObject *r, int w) {
+    pthread_mutex_lock(&r->watch_mu);
     __atomic_store_n(&r->copy_word[w], NULL, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&r->watch_mu);
 }
 
 /* The watcher: while held_ns is set, every quarter of it (1 ms at least), a copy armed longer
@@ -518,12 +523,14 @@ typedef struct {
     uint64_t verify_ns;
     int32_t *ready;
     int32_t ready_value;
+    int32_t *word; /* the gate's word, where the worker stores it (armed while it waits) */
 } Behind;
 
 /* Wait for the thread's queued copy and complete its read (mu not held; taken here). */
 static void finish_behind(ReaderObject *r, int w, DevCopyThread *dc, Behind *b) {
     if (!b->active) return;
     uint64_t c0 = now_ns();
+    if (b->word) arm_copy(r, w, b->word, c0);
     int e = devcopy_wait(dc);
     disarm_copy(r, w);
     uint64_t c1 = now_ns();
@@ -699,7 +706,9 @@ static void *worker_main(void *p) {
                             mark_ready_later(dc, &rq)) {
                             rq.ready = NULL;
                             __atomic_add_fetch(&r->words_queued, 1, __ATOMIC_RELAXED);
-                        }
+                        } else /* the worker stores the word, after its next read: pending
+                                * till then, landed or not; armed again as it waits */
+                            disarm_copy(r, w);
                     }
                 } else if (devcopy_copy(dc, rq.dest, into.dest, (size_t)nread))
                     err = DEVICE_COPY_FAILED;
@@ -729,7 +738,8 @@ static void *worker_main(void *p) {
             r->device_copy_ns += copy_ns;
         }
         if (queued) { /* outstanding as behind[w] until its copy is waited for */
-            behind = (Behind){1, err, checked, rq.tag, nread, t2 - t1, rq.ready, rq.ready_value};
+            behind = (Behind){1, err, checked, rq.tag, nread, t2 - t1, rq.ready,
+                              rq.ready_value, rq.ready};
             r->behind[w] = rq.tag;
             r->behind_on[w] = 1;
             r->reading[w] = 0;
@@ -1665,8 +1675,8 @@ static PyGetSetDef Reader_getset[] = {
      "copy_behind: read-ahead's ready words stored by the driver as its copies land (True), "
      "or by the worker once it has waited for them", NULL},
     {"copy_held_us", (getter)get_copy_held_us, (setter)set_copy_held_us,
-     "device copies: one a gate waits on, still not done this many us after its worker began "
-     "to wait for it, gives its gate up (its ready word READY_FAILED); 0: never", NULL},
+     "device copies: one a gate waits on, still not done this many us after it was queued, "
+     "gives its gate up (its ready word READY_FAILED); 0: never", NULL},
     {NULL},
 };
 
