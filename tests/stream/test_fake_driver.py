@@ -1,0 +1,178 @@
+"""The reader's device-copy path on this CPU, through a stand-in CUDA driver: a small C library
+built here as libcuda.so.1 (the reader loads the driver at run time by that name), whose copies
+are memcpy and whose waits may be held for a set time (STUB_HOLD_MS), standing in for a copy
+held behind a decode gate. What it checks is the reader's own logic around the driver: how
+many copy streams a process makes, that a worker pins its buffers as it starts, and that a
+held copy's ready word is given up (READY_FAILED) once held past `copy_held_us`, then stored
+once the copy lands. Each case runs in a process of its own (the driver is loaded once a
+process, by the name the library path finds first)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+STUB = r"""
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef int CUresult;
+static atomic_int made, pinned, unpinned, copies;
+
+CUresult cuInit(unsigned f) { (void)f; return 0; }
+CUresult cuDeviceGet(int *d, int o) { *d = o; return 0; }
+CUresult cuDevicePrimaryCtxRetain(void **c, int d) { (void)d; *c = (void *)1; return 0; }
+CUresult cuCtxSetCurrent(void *c) { (void)c; return 0; }
+CUresult cuStreamCreate(void **s, unsigned f) { (void)f; *s = (void *)(long)++made; return 0; }
+CUresult cuStreamDestroy_v2(void *s) { (void)s; return 0; }
+CUresult cuStreamQuery(void *s) { (void)s; return 0; }
+CUresult cuStreamSynchronize(void *s) {
+    (void)s;
+    const char *ms = getenv("STUB_HOLD_MS");
+    if (ms && atoi(ms) > 0) {
+        struct timespec t = {atoi(ms) / 1000, (long)(atoi(ms) % 1000) * 1000000L};
+        nanosleep(&t, NULL);
+    }
+    return 0;
+}
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned f) {
+    (void)p; (void)n; (void)f; pinned++; return 0;
+}
+CUresult cuMemHostUnregister(void *p) { (void)p; unpinned++; return 0; }
+CUresult cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t n, void *s) {
+    (void)s; memcpy((void *)dst, src, n); copies++; return 0;
+}
+CUresult cuGetErrorString(CUresult e, const char **s) { (void)e; *s = "stub"; return 0; }
+int stub_count(int which) {
+    return which == 0 ? made : which == 1 ? pinned : which == 2 ? unpinned : copies;
+}
+"""
+
+CASE = r"""
+import ctypes, json, sys, time
+import numpy as np
+from strata_mlx.stream.reader import READY_FAILED, Reader
+
+stub = ctypes.CDLL(sys.argv[1])
+case, path, rb = sys.argv[2], sys.argv[3], 1 << 16
+count = lambda k: stub.stub_count(k)
+out = {}
+def started(r):
+    # (each thread takes its stream and pins its buffer as it starts: until the counts settle)
+    last, still = None, time.monotonic()
+    end = still + 10
+    while time.monotonic() - still < 0.3 and time.monotonic() < end:
+        now = (count(0), count(1))
+        if now != last:
+            last, still = now, time.monotonic()
+        time.sleep(0.01)
+    return r
+if case == "streams":
+    a = started(Reader(8, bounce=True, overlap=True, device_copy=True, record_bytes=rb))
+    out["one"] = count(0)
+    b = started(Reader(8, bounce=True, overlap=True, device_copy=True, record_bytes=rb))
+    out["two"] = count(0)
+    a.close(); b.close()
+    c = started(Reader(8, bounce=True, overlap=True, device_copy=True, record_bytes=rb))
+    out["after"] = count(0)
+    c.close()
+elif case == "pins":
+    r = started(Reader(4, bounce=True, device_copy=True, record_bytes=rb))
+    out["pinned_before_any_read"] = count(1)
+    r.close()
+    out["unpinned_at_close"] = count(2)
+else:  # "held": one read, its copy held STUB_HOLD_MS; the word watched every ms
+    held_us = int(case.split(":")[1])
+    word = np.full(1, -1, dtype=np.int32)
+    dest = np.zeros(rb + 4096, dtype=np.uint8)
+    at = (dest.ctypes.data + 4095) // 4096 * 4096
+    with Reader(1, bounce=True, device_copy=True, record_bytes=rb) as r:
+        r.copy_held_us = held_us
+        f = r.open(path, direct=False)
+        t0 = time.monotonic()
+        r.submit([(1, f, 0, rb, at, None, (word.ctypes.data, 7))], True)
+        seen = []
+        while time.monotonic() - t0 < 5.0:
+            w = int(word[0])
+            if not seen or seen[-1][0] != w:
+                seen.append((w, round((time.monotonic() - t0) * 1000)))
+            if w == 7:
+                break
+            time.sleep(0.001)
+        (done,) = r.wait([1])
+        out.update(seen=seen, err=done[1], held=r.stats()["copies_held"], failed=READY_FAILED)
+    data = np.fromfile(path, np.uint8, rb)
+    out["bytes_ok"] = bool((np.ctypeslib.as_array((ctypes.c_uint8 * rb).from_address(at)) == data).all())
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_driver(tmp_path_factory):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in driver")
+    d = tmp_path_factory.mktemp("fake_cuda")
+    (d / "stub.c").write_text(STUB)
+    lib = d / "libcuda.so.1"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(d / "stub.c")], check=True)
+    record = d / "record.bin"
+    record.write_bytes(os.urandom(1 << 16))
+
+    def run(case: str, **env) -> dict:
+        e = {**os.environ, "LD_LIBRARY_PATH": str(d), **env}
+        p = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(CASE), str(lib), case, str(record)],
+            env=e, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    return run
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stand-in driver is a Linux library")
+def test_a_process_makes_no_more_copy_streams_than_its_queues_allow(fake_driver):
+    """16 reader threads make 16 streams where 32 queues leave 28 to the readers; a second
+    reader alive beside the first makes only up to that cap (its threads share the rest); a
+    reader made after both closed makes none (it takes theirs). Under 8 queues, 4 in all."""
+    assert fake_driver("streams", CUDA_DEVICE_MAX_CONNECTIONS="32") == {
+        "one": 16, "two": 28, "after": 28,
+    }  # fmt: skip
+    assert fake_driver("streams", CUDA_DEVICE_MAX_CONNECTIONS="8") == {
+        "one": 4, "two": 4, "after": 4,
+    }  # fmt: skip
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stand-in driver is a Linux library")
+def test_a_device_copying_worker_pins_its_buffer_as_it_starts(fake_driver):
+    """Pinning synchronizes with the device: each worker pins its record-sized buffer before
+    any read (never inside decode, behind a gate), and lets go of it at close."""
+    out = fake_driver("pins")
+    assert out == {"pinned_before_any_read": 4, "unpinned_at_close": 4}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stand-in driver is a Linux library")
+def test_a_copy_held_past_copy_held_us_gives_its_word_up_then_lands(fake_driver):
+    """A copy held 1.5 s: with copy_held_us 50 ms the watcher turns its pending word into
+    READY_FAILED once it has been held that long (a gate waiting on it gives up at once), and
+    the word reads its value once the copy lands; without it the word stays pending the
+    whole hold. The record's bytes arrive either way, with no error."""
+    given_up = fake_driver("held:50000", STUB_HOLD_MS="1500")
+    failed = given_up["failed"]
+    values = [w for w, _ in given_up["seen"]]
+    assert values == [-1, failed, 7] and given_up["held"] == 1
+    at = dict((w, ms) for w, ms in given_up["seen"])
+    assert 45 <= at[failed] < 1500 <= at[7]
+    assert given_up["err"] == 0 and given_up["bytes_ok"]
+    waited = fake_driver("held:0", STUB_HOLD_MS="1500")
+    assert [w for w, _ in waited["seen"]] == [-1, 7] and waited["held"] == 0
+    assert dict(waited["seen"])[7] >= 1500 and waited["err"] == 0 and waited["bytes_ok"]
