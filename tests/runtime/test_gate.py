@@ -1351,6 +1351,44 @@ def test_a_gated_decoder_holds_copies_to_the_option_in_decode_steps_only(store, 
         model.expert_cache.close()
 
 
+@pytest.mark.skipif(
+    not os.environ.get("STRATA_MLX_FAKE_DRIVER"),
+    reason="run by tests/stream/test_fake_driver.py, under its stand-in CUDA driver",
+)
+def test_a_held_copy_under_the_stand_in_driver_is_recomputed(store, monkeypatch):
+    """(Under tests/stream/test_fake_driver.py's stand-in driver, the device copy on.) Gated
+    demand decode through the emulated device gate; from the 10th gated check the next copy
+    waited for is held 1.5 s: the watcher gives its word up past decode_copy_held_ms (50 ms),
+    its gate gives up, the token is recomputed, and tokens and log-probabilities equal the
+    per-layer handshake's."""
+    from strata_mlx.runtime.deferred import DeferredHandshake
+
+    stub = ctypes.CDLL(os.environ["STRATA_MLX_FAKE_DRIVER"])
+    path, ids = store("qwen3_next"), prompt_ids(24, seed=7)
+    monkeypatch.setenv("STRATA_MLX_DEVICE_COPY", "1")  # (the store built: now through the driver)
+    opts = {"arena_gb": arena_gb(path, 0.25), "read_ahead": "demand", "device_arena": False}
+    sync, _ = strata_mlx.load(path, decode="sync", **opts)
+    ref = decode(sync, ids, 8)
+    sync.expert_cache.close()
+    checks, check_gated = [0], DeferredHandshake.check_gated
+
+    def held(self, d, trace, aside=False):
+        checks[0] += 1
+        if checks[0] == 10:
+            stub.stub_hold_next(1500)
+        return check_gated(self, d, trace, aside)
+
+    monkeypatch.setattr(DeferredHandshake, "check_gated", held)
+    opts.pop("arena_gb")
+    model, _ = load_emulated(monkeypatch, path, 0.25, decode_copy_held_ms=50, **opts)
+    got = decode(model, ids, 8)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    reader, s = model.expert_cache.sched.reader, model.expert_cache.stats
+    assert reader.stats()["device_copies"] > 0 and checks[0] > 10
+    assert reader.stats()["copies_held"] == 1 and s.gate_timeouts >= 1
+    model.expert_cache.close()
+
+
 def test_the_routing_board_is_asked_for_and_brings_chunks_of_4_checked_4_behind(store, monkeypatch):
     """Left to their defaults, a model whose decode gates on the device has the routing board
     off and commits each layer alone, checked 1 behind; asked for, the board comes with

@@ -25,7 +25,13 @@ STUB = r"""
 #include <time.h>
 
 typedef int CUresult;
-static atomic_int made, pinned, unpinned, copies;
+static atomic_int made, pinned, unpinned, copies, hold_next;
+
+static void hold(int ms) {
+    struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&t, NULL);
+}
+void stub_hold_next(int ms) { hold_next = ms; } /* the next wait for a copy: held ms */
 
 CUresult cuInit(unsigned f) { (void)f; return 0; }
 CUresult cuDeviceGet(int *d, int o) { *d = o; return 0; }
@@ -37,10 +43,11 @@ CUresult cuStreamQuery(void *s) { (void)s; return 0; }
 CUresult cuStreamSynchronize(void *s) {
     (void)s;
     const char *ms = getenv("STUB_HOLD_MS");
-    if (ms && atoi(ms) > 0) {
-        struct timespec t = {atoi(ms) / 1000, (long)(atoi(ms) % 1000) * 1000000L};
-        nanosleep(&t, NULL);
-    }
+    int once = atomic_exchange(&hold_next, 0);
+    if (once > 0)
+        hold(once);
+    else if (ms && atoi(ms) > 0)
+        hold(atoi(ms));
     return 0;
 }
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned f) {
@@ -116,7 +123,8 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def fake_driver(tmp_path_factory):
+def fake_driver_lib(tmp_path_factory):
+    """The stand-in driver, built: its path (a folder of its own, named libcuda.so.1)."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler to build the stand-in driver")
@@ -124,6 +132,12 @@ def fake_driver(tmp_path_factory):
     (d / "stub.c").write_text(STUB)
     lib = d / "libcuda.so.1"
     subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(d / "stub.c")], check=True)
+    return lib
+
+
+@pytest.fixture(scope="module")
+def fake_driver(fake_driver_lib):
+    lib, d = fake_driver_lib, fake_driver_lib.parent
     record = d / "record.bin"
     record.write_bytes(os.urandom(1 << 16))
 
@@ -176,3 +190,21 @@ def test_a_copy_held_past_copy_held_us_gives_its_word_up_then_lands(fake_driver)
     waited = fake_driver("held:0", STUB_HOLD_MS="1500")
     assert [w for w, _ in waited["seen"]] == [-1, 7] and waited["held"] == 0
     assert dict(waited["seen"])[7] >= 1500 and waited["err"] == 0 and waited["bytes_ok"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stand-in driver is a Linux library")
+def test_gated_decode_with_a_held_copy_gives_its_gate_up_and_stays_exact(fake_driver_lib):
+    """Gated decode through the device copy (the stand-in driver's) and the emulated device
+    gate, one miss's copy held 1.5 s mid-decode: with decode_copy_held_ms its gate gives up
+    (the watcher), the token is recomputed, and the tokens equal the per-layer handshake's
+    (tests/runtime/test_gate.py's `..._under_the_stand_in_driver`, run in a process of its
+    own with the driver on its library path)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    test = "tests/runtime/test_gate.py::test_a_held_copy_under_the_stand_in_driver_is_recomputed"
+    env = {**os.environ, "LD_LIBRARY_PATH": str(fake_driver_lib.parent),
+           "STRATA_MLX_FAKE_DRIVER": str(fake_driver_lib)}  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0 and "1 passed" in p.stdout, (p.stdout + p.stderr)[-3000:]
