@@ -58,6 +58,8 @@ CUresult cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t n,
     (void)s; memcpy((void *)dst, src, n); copies++; return 0;
 }
 CUresult cuGetErrorString(CUresult e, const char **s) { (void)e; *s = "stub"; return 0; }
+/* (the copies before it are done: memcpy at once) */
+CUresult cuLaunchHostFunc(void *s, void (*fn)(void *), void *arg) { (void)s; fn(arg); return 0; }
 int stub_count(int which) {
     return which == 0 ? made : which == 1 ? pinned : which == 2 ? unpinned : copies;
 }
@@ -193,14 +195,21 @@ def test_a_copy_held_past_copy_held_us_gives_its_word_up_then_lands(fake_driver)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the stand-in driver is a Linux library")
-def test_gated_decode_with_a_held_copy_gives_its_gate_up_and_stays_exact(fake_driver_lib):
-    """Gated decode through the device copy (the stand-in driver's) and the emulated device
-    gate, one miss's copy held 1.5 s mid-decode: with decode_copy_held_ms its gate gives up
-    (the watcher), the token is recomputed, and the tokens equal the per-layer handshake's
-    (tests/runtime/test_gate.py's `..._under_the_stand_in_driver`, run in a process of its
-    own with the driver on its library path)."""
+@pytest.mark.parametrize("read_ahead", ["demand", "lookahead"])
+def test_gated_decode_with_a_held_copy_gives_its_gate_up_and_stays_exact(
+    fake_driver_lib, read_ahead
+):
+    """Gated decode through the device copy (the stand-in driver's: read-ahead's copies left
+    running behind the next read, their words stored by its host functions) and the emulated
+    device gate, one copy held 1.5 s mid-decode: with decode_copy_held_ms a gate waiting on it
+    gives up (the watcher), the token is recomputed, and the tokens equal the per-layer
+    handshake's (tests/runtime/test_gate.py's `..._under_the_stand_in_driver`, run in a
+    process of its own with the driver on its library path)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    test = "tests/runtime/test_gate.py::test_a_held_copy_under_the_stand_in_driver_is_recomputed"
+    test = (
+        "tests/runtime/test_gate.py::test_a_held_copy_under_the_stand_in_driver_is_recomputed"
+        f"[{read_ahead}]"
+    )
     env = {**os.environ, "LD_LIBRARY_PATH": str(fake_driver_lib.parent),
            "STRATA_MLX_FAKE_DRIVER": str(fake_driver_lib)}  # fmt: skip
     p = subprocess.run(
