@@ -47,6 +47,7 @@ class Run:
     # bench rank 0's, as the other decode figures)
     urgent_reads: int = 0
     urgent_ns: int = 0
+    copies_held: int = 0  # gates given up for a copy held past decode_copy_held_ms
 
 
 def _drop_page_cache(store: Path) -> bool:
@@ -164,6 +165,7 @@ def run_policy(
     after = ec.reader.stats()
     run.urgent_reads = after["urgent_reads"] - reads["urgent_reads"]
     run.urgent_ns = after["urgent_ns"] - reads["urgent_ns"]
+    run.copies_held = after.get("copies_held", 0) - reads.get("copies_held", 0)
     run.decode = ec.stats.minus(before)
     if layers is not None:
         layers.cut("decode")
@@ -478,6 +480,8 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
         # tokens begun in each decoder mode; gated decode's gates that gave up (recomputed)
         "decode_modes": {m: getattr(d, f"{m}_mode_tokens") for m in DECODE_MODES},
         "decode_gate_timeouts": d.gate_timeouts,
+        # ... of them, those whose device copy was held past decode_copy_held_ms
+        "decode_copies_held": run.copies_held,
         # the device's time at its gates, waiting for reads (gated decode's wait)
         "decode_gate_wait_ms_per_token": d.gate_wait_s / per_tok * 1e3,
         # the device gate's checks, on their own thread (beside the decoding thread's time)
@@ -528,7 +532,9 @@ def _modes(s: dict) -> str:
     device = f"; device at gates {waited:.1f} ms/tok" if waited else ""
     us = s.get("decode_miss_landing_us", 0.0)
     landing = f"; a miss lands {us:.0f} us after its read's submission" if us else ""
-    return f" [modes: {seen}; gates given up {s['decode_gate_timeouts']}{aside}{device}{landing}]"
+    held = s.get("decode_copies_held", 0)
+    gave = f"{s['decode_gate_timeouts']}" + (f" ({held} for a held copy)" if held else "")
+    return f" [modes: {seen}; gates given up {gave}{aside}{device}{landing}]"
 
 
 def _reads(s: dict) -> str:

@@ -1166,6 +1166,22 @@ def test_a_decoder_whose_gates_keep_giving_up_stops_gating_and_stays_exact(store
         m.expert_cache.close()
 
 
+def test_bench_names_the_gates_given_up_for_a_held_copy_and_refuses_a_negative_hold():
+    """bench's gated line: the gates given up, and of them those whose copy was held past
+    decode_copy_held_ms where any; the option's range held with a one-line error."""
+    from strata_mlx.apps.bench import _modes
+    from strata_mlx.config import OptionError, check_runtime
+    from strata_mlx.runtime.loader import RuntimeConfig
+
+    s = {"decode_modes": {"token": 0, "layers": 0, "sync": 1, "gated": 63},
+         "decode_check_ms_per_token": 0.0, "decode_gate_timeouts": 3, "decode_copies_held": 2}  # fmt: skip
+    assert "gates given up 3 (2 for a held copy)]" in _modes(s)
+    s["decode_copies_held"] = 0
+    assert "gates given up 3]" in _modes(s)
+    with pytest.raises(OptionError, match=r"^--decode-copy-held-ms -1.0: expected a finite"):
+        check_runtime(RuntimeConfig().replace(decode_copy_held_ms=-1.0), cli=True)
+
+
 def test_no_limit_on_gates_given_up_never_stops_gating():
     from strata_mlx.runtime.decode import PipelinedDecoder
 
