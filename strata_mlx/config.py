@@ -1,13 +1,13 @@
 """The range of every option a user sets: one definition for the CLI, the server and the API.
 
 Runtime options are declared once, as dataclass fields with `opt(...)` metadata
-(loader.RuntimeConfig and its groups); check_runtime() holds each to its declaration, and
-the CLI, presets and bench's policy variants are derived from the same fields. Sampling,
+(runtime.options.RuntimeConfig and its groups); check_runtime() holds each to its declaration,
+and the CLI, presets and bench's policy variants are derived from the same fields. Sampling,
 plan and prompt options have their check functions here. `generate`, `serve`, `bench` and a
-research script therefore refuse the same values the same way, before a model is loaded.
-Each failure is an OptionError: a ValueError whose message is one line naming the option (as
-a flag with `cli=True`, else by its Python / JSON name). Nothing here touches the disk or
-imports a layer above format/.
+research script therefore refuse the same values the same way, before a model is loaded. Each
+failure is an OptionError: a ValueError whose message is one line naming the option (as a flag
+with `cli=True`, else by its Python / JSON name). Nothing here touches the disk or imports a
+layer above format/.
 """
 
 from __future__ import annotations
@@ -106,8 +106,8 @@ def check_choice(name: str, v: Any, choices, cli: bool = False) -> str:
 
 
 # ---- runtime options declared once -----------------------------------------------------------
-# A runtime option is one dataclass field (loader.RuntimeConfig's, or a group of them such as
-# prediction.ReadAhead) whose metadata is `opt(...)`: its help, range or choices, help panel,
+# A runtime option is one dataclass field (runtime.options.RuntimeConfig's, or a group of them
+# such as prediction.ReadAhead) whose metadata is `opt(...)`: its help, range or choices, help panel,
 # and bench's policy variant. The CLI flag (--name-with-dashes), the preset key and load()'s
 # keyword are its name; check_runtime() holds every field to its range.
 
@@ -223,7 +223,7 @@ def check_option(o: RuntimeOption, v: Any, cli: bool = False) -> None:
 
 
 def check_runtime(cfg, cli: bool = False) -> None:
-    """Every option of a loader.RuntimeConfig, by its declaration."""
+    """Every option of a runtime.options.RuntimeConfig, by its declaration."""
     for o in runtime_options(type(cfg)):
         value = cfg
         for attr in o.path:

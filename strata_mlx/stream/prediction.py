@@ -40,8 +40,9 @@ READ_AHEAD_POLICIES = ("demand", "static", "lookahead")
 
 @dataclass
 class ReadAhead:
-    """The read-ahead settings: a group of runtime options inside loader.RuntimeConfig, each
-    declared here once (strata_mlx.config.opt: its flag, preset key, range and bench variant)."""
+    """The read-ahead settings: a group of runtime options inside runtime.options.
+    RuntimeConfig, each declared here once (strata_mlx.config.opt: its flag, preset key, range
+    and bench variant)."""
 
     policy: str = field(
         default="lookahead",

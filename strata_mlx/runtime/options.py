@@ -1,0 +1,289 @@
+"""RuntimeConfig: how the expert cache runs, each runtime option declared once as a field (its
+load() keyword, CLI flag, preset key and bench variant all come from it: strata_mlx.config)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..config import (
+    MAX_IO_WORKERS,
+    MAX_PREFILL_STEP,
+    PANEL_MEMORY,
+    group,
+    multiple_of_4kb,
+    opt,
+    runtime_options,
+)
+from ..stream.policies import check as check_policy
+from ..stream.prediction import ReadAhead
+from ..stream.scheduler import SCHEDULERS
+from ..stream.stats import RoutingTrace
+from .decode import MODES
+
+
+@dataclass
+class RuntimeConfig:
+    """How the expert cache runs. Each field with `opt(...)` metadata is a runtime option,
+    declared here once: load()'s keyword, the CLI flag (--name-with-dashes), the preset key
+    and, where it has one, bench's policy variant all come from the field
+    (strata_mlx.config.runtime_options), and check_runtime() holds it to its range.
+    `read_ahead` is a group: prediction.ReadAhead's fields are options too (`read_ahead`
+    itself sets its policy, or takes a ReadAhead whole)."""
+
+    arena_gb: float | None = field(
+        default=None,
+        metadata=opt("Arena size in GB.", (0.0, None), lo_open=True, panel=PANEL_MEMORY,
+                     shown="from memory"),
+    )  # fmt: skip
+    io_workers: int = field(
+        default=8,
+        metadata=opt("Reader threads.", (1, MAX_IO_WORKERS), panel=PANEL_MEMORY, variant="io"),
+    )
+    # Split reads: while workers would idle (decode's few misses a layer), a record is read as
+    # parts of at least this many KB by several workers side by side (reader.Reader's split).
+    # A gated layer's device waits for its misses' reads: on an H100 with the full-size store,
+    # parts of 128-256 KB cut that wait from 21-27 to 15-16 ms a token on a tmpfs, and gated
+    # demand decode ran 1.08-1.34x as fast there and 1.18x behind a 12 GB/s emulated drive,
+    # within its spread on a 3.5 GB/s disk. Ungated decode and Metal are not measured with
+    # them since (docs/decisions.md, "Split reads").
+    read_split_kb: int = field(
+        default=256,
+        metadata=opt("Split reads into parts of at least this many KB (0: whole records).",
+                     (0, 1 << 20), check=multiple_of_4kb, variant="s"),
+    )  # fmt: skip
+    # A reader thread with nothing to read polls for work this long before it sleeps
+    # (reader.Reader's spin_us), so that a decode miss's read, or its parts, start without a
+    # sleeping thread's wake-up; at most read_spinners threads poll at once, a CPU core each.
+    read_spin_us: int = field(
+        default=0,
+        metadata=opt("Reader threads poll this many us for work before sleeping (0: never).",
+                     (0, 1_000_000), variant="rs"),
+    )  # fmt: skip
+    read_spinners: int = field(
+        default=4,
+        metadata=opt("Reader threads that may poll at once (read_spin_us).", (1, 1 << 11),
+                     variant="rn"),
+    )  # fmt: skip
+    # The reader's threads let go of their slot on the drive once a pread returns, before the
+    # bounce copy and the checksum (reader.Reader's overlap): io_workers preads in flight.
+    read_overlap: bool = field(
+        default=True,
+        metadata=opt("Reader threads free the drive before copying and checksumming.",
+                     variant="ov"),
+    )  # fmt: skip
+    # CUDA: each read reaches its slot by the GPU's copy engine from pinned host memory, the
+    # arena kept on the device; off, the CPU copies it into managed memory, which the driver
+    # then migrates back to the device when a kernel first touches the slot (reader.Reader's
+    # device_copy). Ignored where there is no CUDA device.
+    device_copy: bool = field(
+        default=True,
+        metadata=opt("CUDA: reads reach the arena by the GPU's copy engine.", variant="dc"),
+    )
+    # CUDA with device_copy: the arena is plain device memory (allocated by a GPU op, its
+    # address read by a kernel), which the host never maps; off, CUDA managed memory kept on
+    # the device (advised and prefetched there), which the copy engine writes through the
+    # driver's unified-memory layer (10.7 GB/s into it on an H200 from a 37 GB/s tmpfs).
+    # On by default: on an H200 reading a 27-39 GB/s tmpfs, lookahead's cold prefill chunk
+    # takes 1.37 s against 2.27-2.33 s in managed memory and decode 12.3-12.7 tok/s against
+    # 9.4-9.8 (docs/benchmarks.md); demand reads lose 5-18 % of prefill there (decisions.md).
+    device_arena: bool = field(
+        default=True,
+        metadata=opt("CUDA: the arena in plain device memory (else managed memory).",
+                     variant="da"),
+    )  # fmt: skip
+    # CUDA with device_copy: a reader thread queues a read-ahead record's copy and reads the
+    # next record while it runs, waiting for the copy only then (two pinned buffers a thread);
+    # urgent reads are still waited for at once (reader.Reader's copy_behind). On an H200
+    # reading a 33-37 GB/s tmpfs: the data path 16.1 -> 16.8 and 17.7 -> 18.9 GB/s, lookahead's
+    # prefill chunk 1540 / 1443 -> 1359 / 1384 ms (cold / warm), decode 11.8 -> 13.2 / 12.4
+    # tok/s, one run each (docs/benchmarks.md).
+    copy_behind: bool = field(
+        default=True,
+        metadata=opt("CUDA: read the next record while the last one's copy runs.", variant="cb"),
+    )
+    read_ahead: ReadAhead = field(default_factory=ReadAhead, metadata=group())
+    scheduler: str = field(
+        default="loop",
+        metadata=opt("loop (an asyncio loop keeps the drive busy between handshakes) | sync "
+                     "(reads scheduled inside the handshake only).", choices=SCHEDULERS,
+                     panel=PANEL_MEMORY, variant="choices"),
+    )  # fmt: skip
+    scheduler_low_water: int | None = field(
+        default=None,
+        metadata=opt("loop: top up the queue below this many reads.", (0, 1 << 20),
+                     variant="lw", shown="2 x io-workers"),
+    )  # fmt: skip
+    # loop: the reader's pipe wakes the loop at every completion; off, only while the queue
+    # has room and the reserve has reads left (Reader.notify_below). On an H200 the fewer
+    # wake-ups cut the loop's GIL time in prefill by a fifth (486 -> 358-403 ms a chunk) but
+    # no chunk got faster, and decode ran 4-8 % slower (the handshake then collects the
+    # completions the loop took while the main thread waited on the device): kept as option.
+    scheduler_wake_every: bool = field(
+        default=True,
+        metadata=opt("loop: wake at every completion, not only when the queue has room.",
+                     variant="we"),
+    )  # fmt: skip
+    # loop: the reserve (lookahead's layers after the next) is read from the loop's thread
+    # alone, woken by each completion, where reads are in flight, instead of by whichever
+    # thread collects completions, mostly the handshake's, which builds the device's work.
+    # Replayed on the dev CPU (decode_host.py, lookahead): the handshake's wall time 29-31 %
+    # less a layer, its CPU time 15 %, the same misses. On an H100 behind a 12 GB/s emulated
+    # drive: the host 2-11 % less a token, decode's tok/s the same (docs/benchmarks.md). Off.
+    scheduler_loop_top_up: bool = field(
+        default=False,
+        metadata=opt("loop, with wake-every: the reserve's reads sent from the loop's "
+                     "thread alone, not the handshake's.", variant="lt"),
+    )  # fmt: skip
+    # The expected-next-use duel: on the full-size store's GPU decode trace it closes 66 % of
+    # LRU's gap to Belady's optimum, and live on an H200 it read 25-47 % fewer decode bytes a
+    # token than LRU at 0.99x LRU's ms a token behind a 12 GB/s drive, 0.90x at 6 GB/s
+    # (docs/decisions.md, "Eviction").
+    eviction: str | Callable = field(
+        default="nextuse-duel",
+        metadata=opt("nextuse-duel | lru | lfu | profile | layer, another candidate of "
+                     "strata_mlx.stream.policies, or module:Class (a plug-in).",
+                     check=check_policy, panel=PANEL_MEMORY),
+    )  # fmt: skip
+    # Checksums: dense weights once at load (again only when the file changed), every expert
+    # record as the reader's threads read it. Off only to measure what it costs.
+    verify: bool = field(
+        default=True,
+        metadata=opt("Checksums of the dense weights (once) and of every expert record as it "
+                     "is read.", panel=PANEL_MEMORY),
+    )  # fmt: skip
+    prefill_step_size: int | None = field(
+        default=None,
+        metadata=opt("Prompt tokens per chunk.", (1, MAX_PREFILL_STEP), panel=PANEL_MEMORY,
+                     shown="from memory"),
+    )  # fmt: skip
+    fake_stream: bool = field(
+        default=False, metadata=opt("Every expert counts as resident: times compute alone.")
+    )
+    decode: str = field(
+        default="pipelined",
+        metadata=opt("pipelined (routing checked a layer late, no per-layer sync) | sync.",
+                     choices=MODES),
+    )  # fmt: skip
+    # With the routing board (asked for), 4 layers submitted at once and checked 4 behind
+    # (docs/decisions.md, "The routing board"); elsewhere 1 and 1.
+    decode_lag: int | None = field(
+        default=None,
+        metadata=opt("pipelined: layers the host reads routing behind.", (0, 1 << 10),
+                     variant="lag", shown="4 with the routing board, else 1"),
+    )  # fmt: skip
+    decode_sync_above: float = field(
+        default=0.3,
+        metadata=opt("pipelined: tokens run synced while more layers than this miss.",
+                     (0.0, 1.0)),
+    )  # fmt: skip
+    decode_token_below: float = field(
+        default=0.02,
+        metadata=opt("pipelined: whole tokens, overlapped with the next one's build, while "
+                     "fewer layers than this miss.", (0.0, 1.0)),
+    )  # fmt: skip
+    decode_chunk: int = field(
+        default=4,
+        metadata=opt("pipelined token mode: layers submitted to the device at once.",
+                     (1, 1 << 10)),
+    )  # fmt: skip
+    decode_layers_chunk: int | None = field(
+        default=None,
+        metadata=opt("pipelined layers and gated modes: layers submitted to the device at "
+                     "once.", (1, 1 << 10), variant="lc",
+                     shown="4 with the routing board, else 1"),
+    )  # fmt: skip
+    # Gated decode: with misses, a token's layers are queued ahead of their routing checks and
+    # each layer's experts wait on the device for their reads (strata_mlx.stream.gate), where
+    # the pipelined decoder otherwise stops at every layer ("sync") or recomputes after a miss
+    # ("layers"). The gate waits on a CUDA device; elsewhere the host waits as "sync" does, so
+    # by default (None) it is on only where the device can wait (docs/decisions.md, "Gated
+    # decode": 1.3-1.8x ungated decode's speed on the H100 with misses).
+    decode_gate: bool | None = field(
+        default=None,
+        metadata=opt("pipelined: with misses, layers wait on the device for their reads "
+                     "instead of a per-layer sync.", variant="gt", switch=True,
+                     shown="on where the device can wait (CUDA)"),
+    )  # fmt: skip
+    # A gate gives up when its read is stuck (after 5 s by default) or failed: a few in one
+    # decoder's life mean something holds the reads back (on the full-size store a record's
+    # device copy waited for the very gate that waited for it: docs/decisions.md, "Gated
+    # decode"), and every one more costs the timeout and a recompute. Once this many have, the
+    # decoder stops gating and runs "layers" / "sync" as without the gate, warning once.
+    decode_gate_give_ups: int = field(
+        default=4,
+        metadata=opt("gated: gates given up (a stuck read waits out the gate's timeout) before "
+                     "the decoder stops gating; 0: never stops.", (0, 1 << 20), variant="gg"),
+    )  # fmt: skip
+    # A record's device copy takes ~50-70 us; one held longer waits behind the gate waiting
+    # for it (docs/decisions.md, "A copy held behind its gate"). Off until run on a GPU.
+    decode_copy_held_ms: float = field(
+        default=0.0,
+        metadata=opt("gated (CUDA): a device copy held this long gives up the gate waiting for "
+                     "it at once (its token recomputed), not after the gate's timeout; 0: off.",
+                     (0.0, 60000.0), variant="ch"),
+    )  # fmt: skip
+    # A host function queued behind a read-ahead record's copy to store its ready word holds
+    # the copy stream's next copy back; in prefill no gate waits for the word, so the reader's
+    # thread stores it once it has waited for the copy (docs/decisions.md, "Gated decode").
+    prefill_words_by_driver: bool = field(
+        default=False,
+        metadata=opt("gated: prefill's read-ahead ready words stored by the driver as decode's "
+                     "are (else by the reader's thread after the copy).", variant="pw"),
+    )  # fmt: skip
+    decode_gate_board: bool = field(
+        default=False,
+        metadata=opt("gated (CUDA): each layer's routing written by the device into mapped "
+                     "host memory for its check, instead of a command buffer of its own.",
+                     variant="bd"),
+    )  # fmt: skip
+    # Off, a predicting decoder runs "layers" mode: measured on the H200, token mode cost
+    # lookahead 41.6 against demand's 32.0 ms/token where 0.9 % of lookups missed.
+    decode_token_while_predicting: bool = field(
+        default=False,
+        metadata=opt("pipelined: token mode while decode lookahead predicts, when few layers "
+                     "miss."),
+    )  # fmt: skip
+    experts_per_token: int | None = field(
+        default=None,
+        metadata=opt("Every MoE block's top-k.", (1, 1 << 20), shown="the store's"),
+    )
+    moce_bonus: float = field(
+        default=0.0,
+        metadata=opt("Cache-aware routing: bonus on resident experts' logits in decode.",
+                     (0.0, None)),
+    )  # fmt: skip
+    # Research hooks on the expert cache, set in code: dump(layer, x, ids, scores, y) gets
+    # every MoE layer's state (--dump-moe: tools.MoeDumper; decode then runs the per-layer
+    # handshake), trace (a stats.RoutingTrace) records routing and lookahead's predictions.
+    dump: Callable | None = None
+    trace: RoutingTrace | None = None
+
+    def __post_init__(self):
+        if isinstance(self.read_ahead, str):  # RuntimeConfig(read_ahead="demand")
+            self.read_ahead = ReadAhead(self.read_ahead)
+
+    def options(self) -> dict:
+        """Every runtime option by its name."""
+        out = {}
+        for o in runtime_options(type(self)):
+            value = self
+            for attr in o.path:
+                value = getattr(value, attr)
+            out[o.name] = value
+        return out
+
+    def replace(self, **options) -> RuntimeConfig:
+        """A copy with `options` (by option name, or `dump` / `trace`) set; `read_ahead` may
+        also be a ReadAhead. An unknown name is a TypeError, as a call's unknown keyword is."""
+        paths = {o.name: o.path for o in runtime_options(type(self))}
+        unknown = sorted(set(options) - set(paths) - {"dump", "trace"})
+        if unknown:
+            raise TypeError(f"unknown runtime option {unknown[0]!r}")
+        read_ahead = self.read_ahead
+        if isinstance(options.get("read_ahead"), ReadAhead):
+            read_ahead = options.pop("read_ahead")
+        top = {n: v for n, v in options.items() if len(paths.get(n, ())) < 2}
+        ahead = {paths[n][1]: v for n, v in options.items() if len(paths.get(n, ())) == 2}
+        return dataclasses.replace(self, **top, read_ahead=dataclasses.replace(read_ahead, **ahead))
