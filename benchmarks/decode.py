@@ -109,7 +109,7 @@ def set_mode(model, mode: str) -> None:
     elif name == "token":
         model.decoder = PipelinedDecoder(model, sync_above=1.0, token_below=1.0, chunk=int(n or 4))
     elif name in ("adaptive", "adaptive+token"):
-        rt = model.runtime  # (the loaded model's lag and chunk: the board's 4 on CUDA)
+        rt = model.runtime  # (the loaded model's lag and chunk: 4 with the routing board)
         model.decoder = PipelinedDecoder(
             model,
             rt.decode_lag,

@@ -142,7 +142,6 @@ static CUstream streams[MAX_STREAMS];
 static int users[MAX_STREAMS]; /* threads using each stream now */
 static int n_streams;
 
-
 static void drop_stream(int i) { /* (streams_mu held) */
     streams[i] = streams[--n_streams];
     users[i] = users[n_streams];

@@ -523,14 +523,15 @@ typedef struct {
     uint64_t verify_ns;
     int32_t *ready;
     int32_t ready_value;
-    int32_t *word; /* the gate's word, where the worker stores it (armed while it waits) */
 } Behind;
 
 /* Wait for the thread's queued copy and complete its read (mu not held; taken here). */
 static void finish_behind(ReaderObject *r, int w, DevCopyThread *dc, Behind *b) {
     if (!b->active) return;
     uint64_t c0 = now_ns();
-    if (b->word) arm_copy(r, w, b->word, c0);
+    /* (a word the worker stores is watched while it waits: it pends till then, landed or
+     * not; one the driver stores stayed armed since the copy was queued) */
+    if (b->ready) arm_copy(r, w, b->ready, c0);
     int e = devcopy_wait(dc);
     disarm_copy(r, w);
     uint64_t c1 = now_ns();
@@ -588,11 +589,10 @@ static void *worker_main(void *p) {
     /* device_copy: this thread's stream; NULL if it could not be made (its reads fail) */
     DevCopyThread *dc = r->device_copy ? devcopy_thread_new() : NULL;
     int copy_behind = r->copy_behind && dc;
-    /* Pinning memory (cuMemHostRegister) synchronizes with the device: behind a decode gate
-     * that waits for this thread's read, it waits out the gate's timeout (seen: a reader
-     * thread spinning in the driver, its copy not made, while the gate waited). So a thread
-     * that copies with the device pins its record-sized buffers now, before any gate can
-     * wait for it. */
+    /* CUDA lists page-locked allocation among the operations that synchronize with the
+     * device: made while a decode gate waits for this thread's read, pinning may hold the
+     * read's copy behind that gate until it gives up. So a thread that copies with the
+     * device pins its record-sized buffers now, before any gate can wait for it. */
     if (r->bounce && dc && r->bounce_min > 0)
         for (int i = 0; i < 1 + copy_behind; i++) grow_bounce(r, dc, &bounces[i], &caps[i], 0);
     int spun_out = 0; /* spun its whole window with nothing posted: sleeps until woken */
@@ -706,13 +706,13 @@ static void *worker_main(void *p) {
                             mark_ready_later(dc, &rq)) {
                             rq.ready = NULL;
                             __atomic_add_fetch(&r->words_queued, 1, __ATOMIC_RELAXED);
-                        } else /* the worker stores the word, after its next read: pending
-                                * till then, landed or not; armed again as it waits */
-                            disarm_copy(r, w);
+                        }
                     }
                 } else if (devcopy_copy(dc, rq.dest, into.dest, (size_t)nread))
                     err = DEVICE_COPY_FAILED;
-                if (!queued) disarm_copy(r, w);
+                /* (waited for; or left running with its word the worker's: watched again in
+                 * finish_behind) */
+                if (!queued || rq.ready) disarm_copy(r, w);
                 copy_ns = now_ns() - c0;
             } else if (r->device_copy) /* no stream: the slot may be device memory */
                 err = DEVICE_COPY_FAILED;
@@ -738,8 +738,7 @@ static void *worker_main(void *p) {
             r->device_copy_ns += copy_ns;
         }
         if (queued) { /* outstanding as behind[w] until its copy is waited for */
-            behind = (Behind){1, err, checked, rq.tag, nread, t2 - t1, rq.ready,
-                              rq.ready_value, rq.ready};
+            behind = (Behind){1, err, checked, rq.tag, nread, t2 - t1, rq.ready, rq.ready_value};
             r->behind[w] = rq.tag;
             r->behind_on[w] = 1;
             r->reading[w] = 0;
