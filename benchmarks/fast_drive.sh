@@ -104,8 +104,8 @@ defaults)  # the defaults (OLDGT) against the routing board (:bd1), and with hel
   # GATE_TESTS=0 DRIVE=6.
   build
   synth "$SHM"
-  [ "${GATE_TESTS:-1}" = 0 ] || timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
-     tests/runtime/test_gate.py 2>&1 | tail -4 | tee "$OUT/gate-tests.log"
+  [ "${GATE_TESTS:-1}" = 0 ] || { timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
+     tests/runtime/test_gate.py 2>&1 | tail -80 > "$OUT/gate-tests.log"; tail -4 "$OUT/gate-tests.log"; }
   pol=${POL:-lookahead,lookahead:bd1,lookahead:bd1:ch50,demand:bd1:ch50}
   STRATA_MLX_DRIVE_GBPS=${DRIVE:-} G=${G:-64} LIMIT=${LIMIT:-220} bench "bench-defaults-${DRIVE:-shm}" "$SHM" "$pol"
   STRATA_MLX_DRIVE_GBPS=${DRIVE:-} evals --policy demand | tee "$OUT/defaults-steps-${DRIVE:-shm}.log"

@@ -51,18 +51,6 @@ static int init_rc = 1; /* 1: not tried; 0: ready; < 0: failed */
 static CUcontext ctx;
 static char message[256];
 
-/* The most copy streams the process makes for readers' threads (take_stream, below). */
-#define MLX_QUEUES 4 /* queues kept for MLX's own streams */
-static int cap_streams = 1; /* set by devcopy_init, before any thread takes a stream */
-
-/* (read once, under init_mu: getenv is not safe beside Python's setenv on another thread) */
-static int stream_cap(void) {
-    const char *env = getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-    int queues = env && atoi(env) > 0 ? atoi(env) : 8; /* (CUDA's default; 32 at most) */
-    int cap = (queues > 32 ? 32 : queues) - MLX_QUEUES;
-    return cap < 1 ? 1 : cap;
-}
-
 struct DevCopyThread {
     CUstream stream;
 };
@@ -120,7 +108,6 @@ int devcopy_init(int ordinal) {
         init_rc = fail(-3, "CUDA initialisation", e);
         goto out;
     }
-    cap_streams = stream_cap();
     init_rc = 0;
 out:;
     int rc = init_rc;
@@ -128,14 +115,12 @@ out:;
     return rc;
 }
 
-/* Streams outlive the threads that used them: a new thread takes one no thread uses. The
- * driver maps streams onto a fixed number of hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS),
- * in turn as they are made, and a stream sharing one with MLX's queues its copies behind MLX's
- * kernels: behind a decode gate spinning until those very copies land, a wait of the gate's
- * whole timeout (two models' readers alive in one process, 32 reader threads, wrap onto it
- * beside MLX's stream). So a process makes at most stream_cap() streams for its readers, all the
- * queues but a few left for MLX's; past it, threads share the least used of them (their copies
- * take turns, and a thread's wait for its own copies waits for the sharer's too). */
+/* Streams outlive the threads that used them: a new thread takes one no thread uses, else a
+ * new one; past MAX_STREAMS, threads share the least used (their copies take turns, and a
+ * thread's wait for its own copies waits for the sharer's too). A stream sharing one of the
+ * driver's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS) with MLX's does not queue its copies
+ * behind MLX's kernels: under one queue for every stream, a copy landed while a decode gate
+ * spun on the device waiting for it (measured on an H100). */
 #define MAX_STREAMS 64
 static pthread_mutex_t streams_mu = PTHREAD_MUTEX_INITIALIZER;
 static CUstream streams[MAX_STREAMS];
@@ -147,7 +132,7 @@ static void drop_stream(int i) { /* (streams_mu held) */
     users[i] = users[n_streams];
 }
 
-/* A stream for a new thread in *out: one no thread uses, a new one below the cap, else the
+/* A stream for a new thread in *out: one no thread uses, a new one below MAX_STREAMS, else the
  * least used; 0 or the driver's CUresult, the context made current. A stream the driver no
  * longer knows (its context was reset) is dropped. */
 static CUresult take_stream(CUstream *out) {
@@ -158,7 +143,7 @@ static CUresult take_stream(CUstream *out) {
         int best = -1;
         for (int i = 0; i < n_streams; i++)
             if (best < 0 || users[i] < users[best]) best = i;
-        if (best >= 0 && users[best] > 0 && n_streams < cap_streams) best = -1;
+        if (best >= 0 && users[best] > 0 && n_streams < MAX_STREAMS) best = -1;
         if (best < 0) {
             CUstream s = NULL;
             e = cu.stream_create(&s, CU_STREAM_NON_BLOCKING);

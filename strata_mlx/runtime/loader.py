@@ -361,7 +361,8 @@ def build_expert_cache(
     if (gate := cache.sched.residency.gate) is not None:
         gate.prefill_by_driver = cfg.prefill_words_by_driver
         gate.copy_held_us = round(cfg.decode_copy_held_ms * 1000)
-        gate.board_on = bool(cfg.decode_gate_board) and cache.pipelined.device_gate
+        asked = cfg.decode_gate_board  # (None: on where the device gate runs)
+        gate.board_on = cache.pipelined.device_gate and asked is not False
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
         if cache.pipelined.device_gate:
             load_device_gate(cache, k, cfg.read_ahead.depth, asked=cfg.decode_gate)

@@ -27,8 +27,8 @@ if TYPE_CHECKING:  # loader.py builds the model object: a runtime import would b
 
 def decode_defaults(config: RuntimeConfig, cache: ExpertCache) -> RuntimeConfig:
     """`config` with the decode options left to their defaults (None) set for `cache`, each on
-    its own: the routing board as its gate table has it (where asked for and decode gates on
-    the device); with it, layers submitted 4 at a time and checked 4 behind (the ungated
+    its own: the routing board as its gate table has it (on where decode gates on the device,
+    unless asked off); with it, layers submitted 4 at a time and checked 4 behind (the ungated
     tokens of such a decoder too), else 1 and 1."""
     gate = cache.sched.residency.gate
     board = gate is not None and gate.board_on and cache.pipelined.device_gate
