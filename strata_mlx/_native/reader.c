@@ -129,11 +129,12 @@ struct ReaderObject {
      * stream, whose next copy then waits for none. Read by the workers with no lock. */
     int words_by_driver;
     /* A device copy whose ready word a gate may wait on, still not done this long after it
-     * was queued (ns; 0: never), is held behind the device, and so behind that gate (a driver
-     * call that synchronizes with the device, made while the gate waits): the watcher thread
-     * turns its word from pending to READY_FAILED, the gate gives up at once (its token is
-     * recomputed) instead of after its timeout, and the copy lands once the device moves on.
-     * copies_held counts them. Per worker, its copy in flight: the word (NULL: none) and
+     * was queued (ns; 0: never), is held behind the device, and so behind that gate (another
+     * thread freeing device or pinned memory while the gate spins waits in the driver for the
+     * device to go idle, holding copies queued meanwhile: benchmarks/held_copy_probe.py): the
+     * watcher thread turns its word from pending to READY_FAILED, and those of the reads
+     * still queued, the gates give up at once (their token is recomputed) instead of after
+     * their timeout, and the copies land once the device is idle. copies_held counts them. Per worker, its copy in flight: the word (NULL: none) and
      * when it was queued, stored by the worker, read by the watcher (atomics). */
     unsigned long long held_ns, copies_held;
     int32_t **copy_word;
@@ -174,6 +175,7 @@ struct ReaderObject {
     Py_ssize_t bounce_min;
     unsigned long long bounce_regrown;
     unsigned long long words_queued; /* ready words left to the driver's host function */
+    unsigned long long words_given_up; /* queued reads' words given up while a copy was held */
     int notify_r, notify_w; /* the completion pipe (-1 until notify_fd()), its ends */
     int notified;           /* a byte was written since the last ack() */
     Py_ssize_t notify_below; /* announce only while fewer requests are queued (-1: always) */
@@ -470,10 +472,33 @@ static void disarm_copy(ReaderObject *r, int w) {
     pthread_mutex_unlock(&r->watch_mu);
 }
 
+/* A pending word made READY_FAILED: 1, or 0 where the landing or anything else changed it
+ * first (compare-and-swap). */
+static int give_up_word(int32_t *word) {
+    int32_t pending = READY_PENDING;
+    return word && __atomic_compare_exchange_n(word, &pending, READY_FAILED, 0, __ATOMIC_ACQ_REL,
+                                               __ATOMIC_ACQUIRE);
+}
+
+/* While a copy is held, the words of the reads still queued behind the held workers: a gate
+ * waiting on one of them (a later layer's, already on the device) would keep the device busy
+ * its whole timeout, and the device going idle is what ends the hold. */
+static void give_up_queued(ReaderObject *r) {
+    pthread_mutex_lock(&r->mu);
+    Queue *qs[2] = {&r->urgent, &r->ahead};
+    for (int i = 0; i < 2; i++)
+        for (Py_ssize_t j = qs[i]->head; j < qs[i]->len; j++) {
+            const Request *rq = &qs[i]->items[j];
+            if (give_up_word(rq->group ? rq->group->ready : rq->ready)) r->words_given_up++;
+        }
+    pthread_mutex_unlock(&r->mu);
+}
+
 /* The watcher: while held_ns is set, every quarter of it (1 ms at least), a copy armed longer
  * than held_ns has its word, still pending, made READY_FAILED (a word the landing or anything
- * else changed meanwhile is left alone: compare-and-swap). A thread of its own, so that a
- * worker held anywhere in the driver (queueing its copy or waiting for it) is seen. */
+ * else changed meanwhile is left alone), and while any is, so have the reads still queued. A
+ * thread of its own, so that a worker held anywhere in the driver (queueing its copy or
+ * waiting for it) is seen. (Lock order: watch_mu, then mu.) */
 static void *watch_main(void *p) {
     ReaderObject *r = p;
 #ifdef __APPLE__
@@ -502,15 +527,19 @@ static void *watch_main(void *p) {
         held = __atomic_load_n(&r->held_ns, __ATOMIC_RELAXED);
         if (r->watch_stop || !held) continue;
         uint64_t now = now_ns();
+        int any = 0;
         for (int w = 0; w < r->nthreads; w++) {
             int32_t *word = __atomic_load_n(&r->copy_word[w], __ATOMIC_ACQUIRE);
             uint64_t since = __atomic_load_n(&r->copy_since[w], __ATOMIC_RELAXED);
-            int32_t pending = READY_PENDING;
-            if (word && now > since && now - since >= held &&
-                __atomic_compare_exchange_n(word, &pending, READY_FAILED, 0, __ATOMIC_ACQ_REL,
-                                            __ATOMIC_ACQUIRE))
-                __atomic_add_fetch(&r->copies_held, 1, __ATOMIC_RELAXED);
+            if (!word || now <= since || now - since < held) continue;
+            /* (a read-ahead copy whose word the driver stored stays armed until the worker's
+             * next read is done: landed, not held) */
+            int32_t v = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+            if (v != READY_PENDING && v != READY_FAILED) continue;
+            any = 1;
+            if (give_up_word(word)) __atomic_add_fetch(&r->copies_held, 1, __ATOMIC_RELAXED);
         }
+        if (any) give_up_queued(r);
     }
     pthread_mutex_unlock(&r->watch_mu);
     return NULL;
@@ -589,10 +618,10 @@ static void *worker_main(void *p) {
     /* device_copy: this thread's stream; NULL if it could not be made (its reads fail) */
     DevCopyThread *dc = r->device_copy ? devcopy_thread_new() : NULL;
     int copy_behind = r->copy_behind && dc;
-    /* CUDA lists page-locked allocation among the operations that synchronize with the
-     * device: made while a decode gate waits for this thread's read, pinning may hold the
-     * read's copy behind that gate until it gives up. So a thread that copies with the
-     * device pins its record-sized buffers now, before any gate can wait for it. */
+    /* A thread that copies with the device pins its record-sized buffers now, before any
+     * gate can wait for it: letting go of a pinned buffer for a larger one waits in the
+     * driver for the device to go idle and holds other threads' copies meanwhile (on an
+     * H100, cuMemHostUnregister did while a gate spun; cuMemHostRegister did not). */
     if (r->bounce && dc && r->bounce_min > 0)
         for (int i = 0; i < 1 + copy_behind; i++) grow_bounce(r, dc, &bounces[i], &caps[i], 0);
     int spun_out = 0; /* spun its whole window with nothing posted: sleeps until woken */
@@ -1473,7 +1502,8 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
                        urgent_parts = r->urgent_parts, urgent_pread = r->urgent_pread_ns,
                        urgent_verify = r->urgent_verify_ns, urgent_copy = r->urgent_copy_ns,
                        queued_words = __atomic_load_n(&r->words_queued, __ATOMIC_RELAXED),
-                       held = __atomic_load_n(&r->copies_held, __ATOMIC_RELAXED);
+                       held = __atomic_load_n(&r->copies_held, __ATOMIC_RELAXED),
+                       given_up = r->words_given_up;
     Py_ssize_t nu = q_size(&r->urgent), na = q_size(&r->ahead), nd = r->n_done;
     int inflight = 0, preading_max = r->preading_max;
     for (int w = 0; w < r->nthreads; w++) inflight += r->reading[w] + r->behind_on[w];
@@ -1495,7 +1525,7 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
         return NULL;
     }
     return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
                          "bytes_read", bytes, "requests_done", reqs, "errors", errs,
                          "verified", verified, "split", split, "busy_ns", busy,
                          "verify_ns", verify, "queued_urgent", nu, "queued_ahead", na,
@@ -1506,7 +1536,8 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
                          "urgent_max_ns", urgent_max, "urgent_queued_ns", urgent_queued,
                          "spin_takes", spin_takes, "urgent_parts", urgent_parts,
                          "urgent_pread_ns", urgent_pread, "urgent_verify_ns", urgent_verify,
-                         "urgent_copy_ns", urgent_copy, "copies_held", held);
+                         "urgent_copy_ns", urgent_copy, "copies_held", held,
+                         "words_given_up", given_up);
 }
 
 static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
@@ -1515,7 +1546,7 @@ static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
     r->device_copies = r->device_copy_ns = r->bounce_regrown = 0;
     r->urgent_reads = r->urgent_ns = r->urgent_max_ns = r->urgent_queued_ns = 0;
     r->spin_takes = r->urgent_parts = r->urgent_pread_ns = r->urgent_verify_ns = 0;
-    r->urgent_copy_ns = 0;
+    r->urgent_copy_ns = r->words_given_up = 0;
     __atomic_store_n(&r->words_queued, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&r->copies_held, 0, __ATOMIC_RELAXED);
     r->preading_max = r->preading;

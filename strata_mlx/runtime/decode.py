@@ -40,8 +40,8 @@ A token runs in one of three ways, chosen from the running share of decode layer
     fails, so nothing is recomputed and the host is never between two layers of a token on
     the device. A gate that gives up (a read stuck past its timeout) sets a flag the token's
     end reads: that layer is recomputed by the per-layer handshake (a token built on this
-    one meanwhile is discarded, as after a miss); once `gate_give_ups` of them have in the
-    decoder's life it stops gating (the rest of that token included), warning once. Where
+    one meanwhile is discarded, as after a miss); once `gate_give_ups` of them have waited out
+    their timeout in the decoder's life it stops gating (the rest of that token included), warning once. Where
     the device cannot wait (no CUDA), the host's gate runs each layer's check before its
     experts are queued and waits for its reads, as "sync" does. No token is built on a gated
     one before it is verified: its last checks may give a miss the slot of a layer not
@@ -285,8 +285,8 @@ class PipelinedDecoder(Decoder):
         self.chunk = chunk
         self.layers_chunk = layers_chunk
         self.token_while_predicting = token_while_predicting
-        # Gated decode stops once this many gates gave up (0: never; the loader passes
-        # RuntimeConfig.decode_gate_give_ups); `given_up` counts them.
+        # Gated decode stops once this many gates waited out their timeout (0: never; the
+        # loader passes RuntimeConfig.decode_gate_give_ups); `given_up` counts them.
         self.gate_give_ups, self.given_up = gate_give_ups, 0
         # "token" mode reads a token's routing in one transfer at its end (joint_routing,
         # where JOIN_IDS: CUDA, a transfer a read), not one a layer; off for a comparison.
@@ -354,7 +354,8 @@ class PipelinedDecoder(Decoder):
 
     @property
     def gave_up(self) -> bool:
-        """Whether gating stopped: `gate_give_ups` gates gave up in this decoder's life."""
+        """Whether gating stopped: `gate_give_ups` gates waited out their timeout in this
+        decoder's life."""
         return 0 < self.gate_give_ups <= self.given_up
 
     def start(self, tokens: mx.array, cache: list) -> Step:
@@ -444,20 +445,19 @@ class PipelinedDecoder(Decoder):
         late = [j for j, f in zip(layers, flags[0::2]) if f]
         if not late:
             return None
+        from custom_kernels.gate import timeout_ms
+
         st.gate_timeouts += len(late)
         stopped = self.gave_up
-        self.given_up += len(late)
+        # Only a gate that waited out its timeout counts toward stopping: one given up at once
+        # (a held copy's, past decode_copy_held_ms; a failed read's) cost a recompute only.
+        stuck = [w >= timeout_ms() * 1000 for f, w in zip(flags[0::2], flags[1::2]) if f]
+        self.given_up += sum(stuck)
         if self.gave_up and not stopped:
-            from custom_kernels.gate import timeout_ms
-
-            gate = self.expert_cache.sched.residency.gate
-            held = gate.copy_held_us if gate is not None else 0
-            why = f"a stuck read after {timeout_ms()} ms" + (
-                f", or a copy held {held / 1000:g} ms" if held else ""
-            )
             warnings.warn(
-                f"gated decode: {self.given_up} gates gave up waiting for their reads ({why}); "
-                "decoding without the gate from here (--decode-gate-give-ups sets how many)",
+                f"gated decode: {self.given_up} gates waited out their {timeout_ms()} ms "
+                "timeout for their reads; decoding without the gate from here "
+                "(--decode-gate-give-ups sets how many)",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -206,15 +206,15 @@ class RuntimeConfig:
                      "instead of a per-layer sync.", variant="gt", switch=True,
                      shown="on where the device can wait (CUDA)"),
     )  # fmt: skip
-    # A gate gives up when its read is stuck (after 5 s by default) or failed: a few in one
-    # decoder's life mean something holds the reads back (on the full-size store a record's
-    # device copy waited for the very gate that waited for it: docs/decisions.md, "Gated
-    # decode"), and every one more costs the timeout and a recompute. Once this many have, the
-    # decoder stops gating and runs "layers" / "sync" as without the gate, warning once.
+    # A gate gives up when its read is stuck (after 5 s by default), failed, or its copy is
+    # held (decode_copy_held_ms). A few in one decoder's life waiting out the timeout mean
+    # something holds the reads back, and every one more costs the timeout and a recompute:
+    # once this many have, the decoder stops gating and runs "layers" / "sync" as without the
+    # gate, warning once. One given up at once costs a recompute only, and does not count.
     decode_gate_give_ups: int = field(
         default=4,
-        metadata=opt("gated: gates given up (a stuck read waits out the gate's timeout) before "
-                     "the decoder stops gating; 0: never stops.", (0, 1 << 20), variant="gg"),
+        metadata=opt("gated: gates that waited out their timeout (a stuck read) before the "
+                     "decoder stops gating; 0: never stops.", (0, 1 << 20), variant="gg"),
     )  # fmt: skip
     # A record's device copy takes ~50-70 us; another thread freeing device or pinned memory
     # (cuMemFree, cuMemFreeHost, MLX's events in managed memory) while a gate spins waits in

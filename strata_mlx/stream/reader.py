@@ -256,12 +256,14 @@ class Reader:
     def copy_held_us(self) -> int:
         """(device_copy) A device copy whose ready word a gate may wait on, still not done
         this many microseconds after it was queued, is held behind the device and so behind
-        that very gate (a driver call that synchronizes with the device, made while the gate
-        waits): a watcher thread, looking every quarter of this, makes its word, still
-        pending, :data:`READY_FAILED`, and the gate gives up at once instead of after its
-        timeout (its token is recomputed); the copy lands once the device moves on, its word
-        then stored as ever. 0 (the default): never. Settable at any time
-        (``stats()["copies_held"]`` counts the words given up)."""
+        that very gate (another thread freeing device or pinned memory while the gate spins
+        waits in the driver for the device to go idle, and holds copies queued meanwhile): a
+        watcher thread, looking every quarter of this, makes its word, still pending,
+        :data:`READY_FAILED`, and while any copy is held, the words of the reads still queued
+        too; the gates give up at once instead of after their timeout (their token is
+        recomputed), the device goes idle, the copies land, their words then stored as ever.
+        0 (the default): never. Settable at any time (``stats()["copies_held"]`` and
+        ``["words_given_up"]`` count the words given up: held copies', queued reads')."""
         return self._r.copy_held_us
 
     @copy_held_us.setter
@@ -383,14 +385,15 @@ class Reader:
         engine or the CPU (``urgent_pread_ns``, ``urgent_verify_ns``, ``urgent_copy_ns``),
         ``spin_takes`` (reads, or parts, taken by a thread that was polling: ``spin_us``),
         ``copies_held`` (ready words given up for a copy held past ``copy_held_us``),
-        and the current ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a thread
-        holds) and uncollected ``completions``."""
+        ``words_given_up`` (queued reads' words given up meanwhile), and the current
+        ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a thread holds) and
+        uncollected ``completions``."""
         return self._r.stats()
 
     def reset_stats(self) -> None:
         """Zero bytes_read, requests_done, errors, verified, split, busy_ns, verify_ns, the
         device copies' counts, bounce_regrown, words_by_driver, the urgent_* ones,
-        spin_takes and copies_held."""
+        spin_takes, copies_held and words_given_up."""
         self._r.reset_stats()
 
     def close(self) -> None:

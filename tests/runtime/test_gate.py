@@ -14,6 +14,7 @@ import ctypes
 import os
 import threading
 import time
+import warnings
 
 import mlx.core as mx
 import numpy as np
@@ -957,8 +958,9 @@ def test_fresh_gated_models_in_one_process_give_up_no_gate(store, board):
         assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
         # (a gate given up only for a held copy, its hold then ended: the reader's longest miss
         # well under the gate's 5 s timeout)
-        seen = {k: r[k] for k in ("urgent_max_ns", "copies_held", "device_copies")}
-        assert s.gate_timeouts == r["copies_held"] and s.misses > 0, (model_number, seen)
+        seen = {k: r[k] for k in ("urgent_max_ns", "copies_held", "words_given_up")}
+        released = r["copies_held"] + r["words_given_up"]
+        assert s.gate_timeouts <= released and s.misses > 0, (model_number, seen)
         assert r["urgent_max_ns"] < 1e9, (model_number, seen)
 
 
@@ -1012,18 +1014,21 @@ def test_the_gate_kernel_type_checks_as_cxx(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
-def late_at(monkeypatch, layer: int, times: int = 1) -> list[int]:
+def late_at(monkeypatch, layer: int, times: int = 1, waited_us: int | None = None) -> list[int]:
     """The host's gate, with the gate of `layer` reported as given up (its flag set) the
-    first `times` times it is built, as a device gate past its timeout reports it; the
-    layers it was set for."""
+    first `times` times it is built, as a device gate past its timeout reports it (or one
+    given up at once after `waited_us`); the layers it was set for."""
+    from custom_kernels.gate import timeout_ms
     from strata_mlx.runtime.deferred import DeferredHandshake
+
+    waited = timeout_ms() * 1000 if waited_us is None else waited_us
 
     run_gated, flagged = DeferredHandshake.run_gated, []
 
     def flagging(self, l, x, inds):
         y = run_gated(self, l, x, inds)
         if l == layer and len(flagged) < times:
-            self.records[-1].gated.late = mx.array([1, 0], dtype=mx.int32)
+            self.records[-1].gated.late = mx.array([1, waited], dtype=mx.int32)
             flagged.append(l)
         return y
 
@@ -1153,10 +1158,10 @@ def test_a_negative_sync_threshold_forces_sync_on_a_gated_cache():
 
 
 def test_a_decoder_whose_gates_keep_giving_up_stops_gating_and_stays_exact(store, monkeypatch):
-    """Once `decode_gate_give_ups` gates have given up, the decoder runs as without the gate
-    ("layers" / "sync"), the rest of that token's recompute included, warning once (naming
-    the held copies' time where `decode_copy_held_ms` gives gates up too); the tokens equal
-    the per-layer handshake's."""
+    """Once `decode_gate_give_ups` gates have waited out their timeout, the decoder runs as
+    without the gate ("layers" / "sync"), the rest of that token's recompute included,
+    warning once; gates given up at once (a held copy's, a failed read's) are counted and
+    recomputed but do not stop it. The tokens equal the per-layer handshake's."""
     path = store("qwen3_next")
     ids = prompt_ids(24, seed=5)
     gb = arena_gb(path, 0.25)
@@ -1171,8 +1176,8 @@ def test_a_decoder_whose_gates_keep_giving_up_stops_gating_and_stays_exact(store
     # every gate of these two layers gives up: both in the first token, which reaches the
     # limit; its recompute from `first` then rebuilds `second` ungated (no third flag)
     flagged = late_at(monkeypatch, first, times=100), late_at(monkeypatch, second, times=100)
-    held = r"2 gates gave up .*ms, or a copy held 50 ms\)"
-    with pytest.warns(RuntimeWarning, match=held) as caught:
+    stuck = r"2 gates waited out their \d+ ms timeout"
+    with pytest.warns(RuntimeWarning, match=stuck) as caught:
         got = decode(model, ids, 6)
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
     s = model.expert_cache.stats
@@ -1180,6 +1185,32 @@ def test_a_decoder_whose_gates_keep_giving_up_stops_gating_and_stays_exact(store
     assert model.decoder.gave_up
     assert s.layers_mode_tokens + s.sync_mode_tokens + s.token_mode_tokens == 5
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+    for m in (model, sync):
+        m.expert_cache.close()
+
+
+def test_gates_given_up_at_once_are_recomputed_but_never_stop_gating(store, monkeypatch):
+    """A gate given up at once (its word FAILED: a copy held past decode_copy_held_ms, a
+    failed read), every token's first layer: each counted and its token recomputed exactly,
+    and gating never stops, the limit of 2 notwithstanding (no warning)."""
+    path = store("qwen3_next")
+    ids = prompt_ids(24, seed=5)
+    gb = arena_gb(path, 0.25)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
+    ref = decode(sync, ids, 6)
+    monkeypatch.setenv("STRATA_MLX_GATE", "host")
+    model, _ = strata_mlx.load(
+        path, arena_gb=gb, decode_gate=True, decode_token_below=0.0, decode_gate_give_ups=2,
+    )  # fmt: skip
+    first = min(model.expert_cache.layers)
+    flagged = late_at(monkeypatch, first, times=100, waited_us=60_000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = decode(model, ids, 6)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    s = model.expert_cache.stats
+    assert len(flagged) >= 3 and s.gate_timeouts == len(flagged)
+    assert not model.decoder.gave_up and model.decoder.given_up == 0
     for m in (model, sync):
         m.expert_cache.close()
 
@@ -1395,8 +1426,8 @@ def test_a_held_copy_under_the_stand_in_driver_is_recomputed(store, monkeypatch,
     """(Under tests/stream/test_fake_driver.py's stand-in driver, the device copy on.) Gated
     decode through the emulated device gate; from the 10th gated check the next copy waited
     for is held 1.5 s: the watcher gives its word up past decode_copy_held_ms (50 ms) where it
-    is still pending, that gate gives up, the token is recomputed, and tokens and
-    log-probabilities equal the per-layer handshake's. With demand every copy in decode is a
+    is still pending, that gate gives up (not counted toward stopping the gate), the token is
+    recomputed, and tokens and log-probabilities equal the per-layer handshake's. With demand every copy in decode is a
     miss a gate waits on: the held one gives a gate up for sure; with lookahead it may be a
     read-ahead's whose word the driver already stored."""
     from strata_mlx.runtime.deferred import DeferredHandshake
@@ -1425,6 +1456,7 @@ def test_a_held_copy_under_the_stand_in_driver_is_recomputed(store, monkeypatch,
     assert reader.stats()["device_copies"] > 0 and checks[0] > 10
     if read_ahead == "demand":
         assert reader.stats()["copies_held"] == 1 and s.gate_timeouts >= 1
+        assert model.decoder.given_up == 0  # (given up at once: not toward the stop)
     else:
         assert reader.stats()["copies_held"] <= 1 and s.streamed_ahead > 0
         assert reader.stats()["words_by_driver"] > 0  # (read-ahead's words by host functions)

@@ -98,6 +98,50 @@ elif case == "pins":
     out["pinned_before_any_read"] = count(1)
     r.close()
     out["unpinned_at_close"] = count(2)
+elif case.startswith("queued:"):  # four reads on two threads, each copy held STUB_HOLD_MS
+    held_us = int(case.split(":")[1])
+    words = np.full(4, -1, dtype=np.int32)
+    dest = np.zeros(4 * rb + 4096, dtype=np.uint8)
+    at = (dest.ctypes.data + 4095) // 4096 * 4096
+    with Reader(1, bounce=True, overlap=True, device_copy=True, record_bytes=rb) as r:
+        r.copy_held_us = held_us
+        f = r.open(path, direct=False)
+        t0 = time.monotonic()
+        r.submit([(i, f, 0, rb, at + i * rb, None, (words.ctypes.data + 4 * i, 7))
+                  for i in range(4)], True)
+        none_pending = None
+        while time.monotonic() - t0 < 10.0 and not (words == 7).all():
+            if none_pending is None and (words != -1).all():
+                none_pending = round((time.monotonic() - t0) * 1000)
+            time.sleep(0.001)
+        done = r.wait(list(range(4)))
+        s = r.stats()
+        out.update(none_pending_ms=none_pending, errs=[d[1] for d in done],
+                   held=s["copies_held"], given_up=s["words_given_up"],
+                   landed_ms=round((time.monotonic() - t0) * 1000), words=words.tolist())
+elif case.startswith("slow:"):  # read-ahead, one thread, 120 ms a read, no copy held
+    from strata_mlx.stream.reader import limit_drive
+
+    held_us = int(case.split(":")[1])
+    words = np.full(5, -1, dtype=np.int32)
+    dest = np.zeros(5 * rb + 4096, dtype=np.uint8)
+    at = (dest.ctypes.data + 4095) // 4096 * 4096
+    limit_drive(rb / 0.12 / 1e9)
+    with Reader(1, bounce=True, device_copy=True, copy_behind=True, record_bytes=rb) as r:
+        r.words_by_driver = True
+        r.copy_held_us = held_us
+        f = r.open(path, direct=False)
+        r.submit([(i, f, 0, rb, at + i * rb, None, (words.ctypes.data + 4 * i, 7))
+                  for i in range(5)], False)
+        seen = set()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10.0 and not (words == 7).all():
+            seen.update(int(w) for w in words)
+            time.sleep(0.002)
+        done = r.wait(list(range(5)))
+        s = r.stats()
+        out.update(seen=sorted(seen), errs=[d[1] for d in done], held=s["copies_held"],
+                   given_up=s["words_given_up"], words=words.tolist())
 else:  # "held": one read, its copy held STUB_HOLD_MS; the word watched every ms
     held_us = int(case.split(":")[1])
     word = np.full(1, -1, dtype=np.int32)
@@ -190,6 +234,35 @@ def test_a_copy_held_past_copy_held_us_gives_its_word_up_then_lands(fake_driver)
     waited = fake_driver("held:0", STUB_HOLD_MS="1500")
     assert [w for w, _ in waited["seen"]] == [-1, 7] and waited["held"] == 0
     assert dict(waited["seen"])[7] >= 1500 and waited["err"] == 0 and waited["bytes_ok"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stand-in driver is a Linux library")
+def test_while_a_copy_is_held_the_reads_queued_behind_it_give_their_words_up(fake_driver):
+    """Four reads, two threads, every copy held 1.5 s (a hold ends only once the device is
+    idle, and a gate waiting on a read still queued would keep it busy): with copy_held_us
+    50 ms, the two held copies' words and the two queued reads' words are all given up
+    within a fraction of the hold, and all four land and read their value; without it, the
+    queued reads' words stay pending until their own copies, seconds on."""
+    given_up = fake_driver("queued:50000", STUB_HOLD_MS="1500")
+    assert given_up["held"] == 2 and given_up["given_up"] == 2
+    assert given_up["none_pending_ms"] is not None and given_up["none_pending_ms"] < 500
+    assert given_up["words"] == [7] * 4 and given_up["errs"] == [0] * 4
+    waited = fake_driver("queued:0", STUB_HOLD_MS="1500")
+    assert waited["held"] == 0 and waited["given_up"] == 0
+    assert waited["none_pending_ms"] is None or waited["none_pending_ms"] >= 1500
+    assert waited["words"] == [7] * 4 and waited["errs"] == [0] * 4
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stand-in driver is a Linux library")
+def test_a_landed_read_ahead_copy_is_not_taken_for_held_behind_a_slow_read(fake_driver):
+    """Read-ahead on one thread, its words stored by the driver as each copy lands, each read
+    120 ms (an emulated drive) and no copy held: a landed copy stays armed until the worker's
+    next read is done, longer than copy_held_us (50 ms), and is still not taken for held: no
+    word is ever given up, all five land."""
+    out = fake_driver("slow:50000")
+    assert out["held"] == 0 and out["given_up"] == 0
+    assert -3 not in out["seen"]
+    assert out["words"] == [7] * 5 and out["errs"] == [0] * 5
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the stand-in driver is a Linux library")
