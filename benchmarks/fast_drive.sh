@@ -4,11 +4,11 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs
-# Policies name options beside the defaults of the code run: gated decode on CUDA commits each
-# layer alone and checks it 1 behind by default (`P:gt1` is `P:gt1:bd0:lc1:lag1`, OLDGT below,
-# spelled out where a stage compares it); the routing board, asked for (`:bd1`), brings 4
-# layers a commit, checked 4 behind (`:bd1` is `:bd1:lc4:lag4`).
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen
+# Policies name options beside the defaults of the code run: gated decode on CUDA runs with
+# the routing board by default, 4 layers a commit, checked 4 behind (`:bd1` is
+# `:bd1:lc4:lag4`); without it (OLDGT below, `:bd0:lc1:lag1`) each layer alone, checked 1
+# behind; held copies give their gates up after 50 ms (`:ch50`; `:ch0` off).
 # Logs land in $OUT (the device tool brings them back). READPATH=0 skips store's data-path
 # variants, BATCH=0 extra's batched decode; ARENA (GB, 6.5) sizes bench's arena.
 set -uo pipefail
@@ -426,6 +426,15 @@ membw)  # tmpfs: the host's memory copy rate beside probe-ssd and the data path 
       --variants bounce+verify+overlap+dc+dm+cb,bounce+overlap+dc+dm+cb 2>&1 | tail -3
     python3 benchmarks/memory_copy.py --threads 8,16 --seconds 2
   } 2>&1 | tee "$OUT/membw.log"
+  ;;
+widen)  # decode's lookahead wider than the router's top k (:xN, N more experts a layer ahead):
+  # bench on the tmpfs, then behind an emulated DRIVES GB/s drive each (misses against reads)
+  build
+  synth "$SHM"
+  for d in "" ${DRIVES:-6}; do
+    STRATA_MLX_DRIVE_GBPS=$d G=${G:-64} LIMIT=${LIMIT:-250} bench "bench-widen-${d:-shm}" "$SHM" \
+      "${POL:-lookahead,lookahead:x5,lookahead:x10}"
+  done
   ;;
 pairs)  # one token's layers through the kernels' `pairs` against their general entry (the
   # call before): the call alone (a one-layer store of the full-size layout), the resident

@@ -47,7 +47,7 @@ class Run:
     # bench rank 0's, as the other decode figures)
     urgent_reads: int = 0
     urgent_ns: int = 0
-    copies_held: int = 0  # gates given up for a copy held past decode_copy_held_ms
+    copies_held: int = 0  # words given up for a copy held past decode_copy_held_ms (queued too)
 
 
 def _drop_page_cache(store: Path) -> bool:
@@ -165,7 +165,9 @@ def run_policy(
     after = ec.reader.stats()
     run.urgent_reads = after["urgent_reads"] - reads["urgent_reads"]
     run.urgent_ns = after["urgent_ns"] - reads["urgent_ns"]
-    run.copies_held = after.get("copies_held", 0) - reads.get("copies_held", 0)
+    run.copies_held = sum(
+        after.get(k, 0) - reads.get(k, 0) for k in ("copies_held", "words_given_up")
+    )
     run.decode = ec.stats.minus(before)
     if layers is not None:
         layers.cut("decode")
@@ -533,7 +535,7 @@ def _modes(s: dict) -> str:
     us = s.get("decode_miss_landing_us", 0.0)
     landing = f"; a miss lands {us:.0f} us after its read's submission" if us else ""
     held = s.get("decode_copies_held", 0)
-    gave = f"{s['decode_gate_timeouts']}" + (f" ({held} for a held copy)" if held else "")
+    gave = f"{s['decode_gate_timeouts']}" + (f" ({held} words for a held copy)" if held else "")
     return f" [modes: {seen}; gates given up {gave}{aside}{device}{landing}]"
 
 

@@ -258,6 +258,13 @@ def build_module(manifest, cfg: RuntimeConfig, path: Path) -> tuple[nn.Module, o
             raise OptionError(f"experts_per_token: {str(e).splitlines()[0]}") from None
         raise StoreError(f"{source}: config: {str(e).splitlines()[0]}") from None
     check_experts(manifest, module, args, source)
+    extra = cfg.read_ahead.extra
+    if extra and not all(hasattr(b, "route_ids") for b in module.moe_blocks().values()):
+        raise OptionError(
+            f"lookahead_extra {extra}: the {manifest.model_type} family's router gives no ids "
+            "alone to widen (qwen3_moe, qwen3_next and mixtral's do)",
+            "lookahead_extra",
+        )
     return module, args
 
 

@@ -41,6 +41,13 @@ def decode_defaults(config: RuntimeConfig, cache: ExpertCache) -> RuntimeConfig:
     )
 
 
+def _wider(block, extra: int, num_experts: int):
+    """`block`'s lookahead router with one token's top k + `extra` ids (lookahead_extra);
+    several tokens' (prefill's) top k as ever."""
+    k = min(block.top_k + extra, num_experts)
+    return lambda x: block.route_ids(x, k if x.size == x.shape[-1] else None)
+
+
 class StrataModel:
     """One loaded store. `blocks`: the MoE blocks this process computes (a pipeline stage
     owns some of the family's; default, every one); `pipeline` (runtime/distributed.py) this
@@ -63,10 +70,13 @@ class StrataModel:
         self.store_path = Path(store_path)
         self.pipeline = pipeline
         self.blocks = dict(module.moe_blocks() if blocks is None else blocks)
+        extra = config.read_ahead.extra
         for layer, block in self.blocks.items():
             block.switch_mlp.attach(expert_cache)
             # A family's `route_ids` gives the ids without building the scores' graph.
             ids = getattr(block, "route_ids", None)
+            if extra and ids is not None:
+                ids = _wider(block, extra, expert_cache.manifest.num_experts)
             expert_cache.register_router(layer, ids or (lambda x, b=block: b.route(x)[0]))
         for _, m in module.named_modules():
             if isinstance(m, SwitchGLU) and m.expert_cache is None:

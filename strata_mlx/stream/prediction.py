@@ -89,6 +89,22 @@ class ReadAhead:
         ),
     )
 
+    # Decode's one token: each layer ahead predicted as the router's top k + extra, not its
+    # top k, and all of them read ahead. On the full-size model's routing shape (random
+    # weights; docs/benchmarks.md, "Wider decode lookahead"), +5 cut decode's misses by a
+    # third for 32-42 % more bytes, +10 by nearly half for 68-86 % more: a trade for a fast
+    # drive, not measured on a GPU yet.
+    extra: int = field(
+        default=0,
+        metadata=opt(
+            "lookahead in decode: experts predicted beyond the router's top k for each layer "
+            "ahead (its next best), read ahead too; families whose router gives ids alone.",
+            (0, 1 << 10),
+            name="lookahead_extra",
+            variant="x",
+        ),
+    )
+
     # Replayed on the traces of docs/research.md (section 6), the score reads fewer records
     # than plain lookahead where the arena holds most of a pass's experts; off by default
     # until a live run on the full-size store says what it does to ms/token.

@@ -681,3 +681,44 @@ def test_token_routing_read_once_equals_a_read_per_layer(store, variant, monkeyp
         assert tokens == ref_tokens, fraction
         assert np.array_equal(lp, ref_lp), fraction
         assert counts == ref_counts and counts[-1] > 0, fraction
+
+
+@pytest.mark.parametrize("decode_mode", ["sync", "pipelined"])
+def test_wider_lookahead_reads_more_ahead_and_keeps_every_token(store, decode_mode):
+    """lookahead_extra: one token's lookahead routers give the top k + extra ids (their top k
+    among them), several tokens' their top k; decode reads more records ahead, and tokens and
+    log-probabilities equal the per-layer handshake's without it (more read ahead than the
+    same decoder without it)."""
+    path, ids = store("qwen3_moe"), prompt_ids(24, seed=11)
+    opts = dict(arena_gb=arena_for(path, 0.25), read_ahead="lookahead",
+                lookahead_decode_min_miss=0.0)  # fmt: skip
+    ref_model, _ = strata_mlx.load(path, decode="sync", **opts)
+    ref = decode(ref_model, ids, 8)
+    ref_model.expert_cache.close()
+    narrow, _ = strata_mlx.load(path, decode=decode_mode, **opts)
+    assert decode(narrow, ids, 8)[0] == ref[0]
+    ahead = narrow.expert_cache.stats.readahead_submitted
+    narrow.expert_cache.close()
+    model, _ = strata_mlx.load(path, decode=decode_mode, lookahead_extra=3, **opts)
+    ec = model.expert_cache
+    k, n = model.args.num_experts_per_tok, load_manifest(path).num_experts
+    for layer, block in model.blocks.items():
+        for tokens, width in ((1, min(k + 3, n)), (5, k)):
+            x = mx.random.normal((1, tokens, model.args.hidden_size), key=mx.random.key(tokens))
+            wide = np.array(ec.predictor.routers[layer](x)).reshape(tokens, -1)
+            assert wide.shape[-1] == width
+            top = np.array(block.route_ids(x)).reshape(tokens, -1)
+            assert all(set(t) <= set(w) for t, w in zip(top.tolist(), wide.tolist()))
+    got = decode(model, ids, 8)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    assert ec.stats.readahead_submitted > ahead, (ec.stats.readahead_submitted, ahead)
+    ec.close()
+
+
+def test_wider_lookahead_on_a_family_without_a_router_of_ids_is_refused(store):
+    """lookahead_extra where the family's router gives no ids alone (OLMoE): a one-line
+    OptionError naming the option, before anything is allocated."""
+    from strata_mlx.config import OptionError
+
+    with pytest.raises(OptionError, match=r"^lookahead_extra 2: the olmoe family's router"):
+        strata_mlx.load(store("olmoe"), lookahead_extra=2)

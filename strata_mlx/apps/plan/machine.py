@@ -288,10 +288,9 @@ def lookahead_recall(
     for j, target in enumerate(layers):
         if target not in cache.routers:
             continue
-        k = seen[target][1].shape[-1]
         for d in range(1, min(reach, j) + 1):
-            pred = np.array(cache.routers[target](seen[layers[j - d]][0])).reshape(-1, k)
-            picks[j, d] = [set(p) for p in pred.tolist()]
+            pred = np.array(cache.routers[target](seen[layers[j - d]][0]))
+            picks[j, d] = [set(p) for p in pred.reshape(-1, pred.shape[-1]).tolist()]
     truth = {
         j: np.array(seen[l][1]).reshape(-1, seen[l][1].shape[-1]).tolist()
         for j, l in enumerate(layers)
