@@ -434,13 +434,14 @@ membw)  # tmpfs: the host's memory copy rate beside probe-ssd and the data path 
     python3 benchmarks/memory_copy.py --threads 8,16 --seconds 2
   } 2>&1 | tee "$OUT/membw.log"
   ;;
-widen)  # decode's lookahead wider than the router's top k (:xN, N more experts a layer ahead):
-  # bench on the tmpfs, then behind an emulated DRIVES GB/s drive each (misses against reads)
+widen)  # decode's lookahead wider than the router's top k (:xN, N more experts a layer ahead),
+  # and a miss's checksum taken while its copy runs (:vc1): bench on the tmpfs, then behind an
+  # emulated DRIVES GB/s drive each (misses against reads). ~9 min on a fresh machine
   build
   synth "$SHM"
   for d in "" ${DRIVES:-6}; do
     STRATA_MLX_DRIVE_GBPS=$d G=${G:-64} LIMIT=${LIMIT:-250} bench "bench-widen-${d:-shm}" "$SHM" \
-      "${POL:-lookahead,lookahead:x5,lookahead:x10}"
+      "${POL:-lookahead,lookahead:x5,lookahead:x10,lookahead:vc1}"
   done
   ;;
 pairs)  # one token's layers through the kernels' `pairs` against their general entry (the

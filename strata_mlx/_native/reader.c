@@ -128,6 +128,11 @@ struct ReaderObject {
      * waited for the copy (after its next read): no host function queued on the copy's
      * stream, whose next copy then waits for none. Read by the workers with no lock. */
     int words_by_driver;
+    /* A record copied by the device and waited for at once (a miss, a split part): its
+     * checksum taken while the copy engine reads the same buffer, not before the copy starts
+     * (a mismatched record then reaches its slot, its read still failed). Read by the
+     * workers with no lock. */
+    int verify_in_copy;
     /* A device copy whose ready word a gate may wait on, still not done this long after it
      * was queued (ns; 0: never), is held behind the device, and so behind that gate (another
      * thread freeing device or pinned memory while the gate spins waits in the driver for the
@@ -701,13 +706,18 @@ static void *worker_main(void *p) {
             pthread_mutex_unlock(&r->mu);
         }
         int checked = !err && rq.verify;
-        if (checked) {
+        /* (the synchronous device copy below: the checksums taken while it runs) */
+        int in_copy = checked || (!err && rq.group && rq.group->verify);
+        in_copy = in_copy && dc && r->bounce && nread > 0 &&
+                  __atomic_load_n(&r->verify_in_copy, __ATOMIC_RELAXED) &&
+                  !(copy_behind && !urgent && !rq.group);
+        if (checked && !in_copy) {
             if (checksum_update(kind, 0, into.dest, (size_t)rq.length) != rq.expected)
                 err = CHECKSUM_MISMATCH;
             t2 = now_ns();
         }
         uint32_t part_crc = 0; /* a part of a verified split request: its own checksum */
-        if (!err && rq.group && rq.group->verify) {
+        if (!err && rq.group && rq.group->verify && !in_copy) {
             part_crc = checksum_update(kind, 0, into.dest, (size_t)nread);
             t2 = now_ns();
         }
@@ -737,12 +747,30 @@ static void *worker_main(void *p) {
                             __atomic_add_fetch(&r->words_queued, 1, __ATOMIC_RELAXED);
                         }
                     }
+                } else if (in_copy) {
+                    if (devcopy_start(dc, rq.dest, into.dest, (size_t)nread)) {
+                        err = DEVICE_COPY_FAILED;
+                        checked = 0; /* (no checksum taken) */
+                    } else {
+                        uint64_t v0 = now_ns();
+                        if (checked && checksum_update(kind, 0, into.dest, (size_t)rq.length) !=
+                                           rq.expected)
+                            err = CHECKSUM_MISMATCH;
+                        if (rq.group && rq.group->verify)
+                            part_crc = checksum_update(kind, 0, into.dest, (size_t)nread);
+                        t2 = t1 + (now_ns() - v0); /* (the checksum's own time) */
+                        /* (a failed copy wins: the context may be unusable, not the record) */
+                        if (devcopy_wait(dc)) err = DEVICE_COPY_FAILED;
+                    }
                 } else if (devcopy_copy(dc, rq.dest, into.dest, (size_t)nread))
                     err = DEVICE_COPY_FAILED;
                 /* (waited for; or left running with its word the worker's: watched again in
                  * finish_behind) */
                 if (!queued || rq.ready) disarm_copy(r, w);
                 copy_ns = now_ns() - c0;
+                /* (in_copy: the copy's time beyond the checksum it overlapped, which counts as
+                 * verifying; 1 ns at least, so that the copy is still counted) */
+                if (in_copy) copy_ns -= copy_ns > t2 - t1 ? t2 - t1 : copy_ns - 1;
             } else if (r->device_copy) /* no stream: the slot may be device memory */
                 err = DEVICE_COPY_FAILED;
             else {
@@ -1646,6 +1674,19 @@ static int set_words_by_driver(ReaderObject *r, PyObject *v, void *c) {
     return 0;
 }
 
+static PyObject *get_verify_in_copy(ReaderObject *r, void *c) {
+    return PyBool_FromLong(__atomic_load_n(&r->verify_in_copy, __ATOMIC_RELAXED));
+}
+static int set_verify_in_copy(ReaderObject *r, PyObject *v, void *c) {
+    int on = v ? PyObject_IsTrue(v) : -1;
+    if (on < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "verify_in_copy needs a bool");
+        return -1;
+    }
+    __atomic_store_n(&r->verify_in_copy, on, __ATOMIC_RELAXED);
+    return 0;
+}
+
 static PyObject *get_copy_held_us(ReaderObject *r, void *c) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&r->held_ns, __ATOMIC_RELAXED) / 1000);
 }
@@ -1704,6 +1745,9 @@ static PyGetSetDef Reader_getset[] = {
     {"words_by_driver", (getter)get_words_by_driver, (setter)set_words_by_driver,
      "copy_behind: read-ahead's ready words stored by the driver as its copies land (True), "
      "or by the worker once it has waited for them", NULL},
+    {"verify_in_copy", (getter)get_verify_in_copy, (setter)set_verify_in_copy,
+     "device copies waited for at once: a record's checksum taken while its copy runs "
+     "(a mismatched record reaches its slot, its read still failed)", NULL},
     {"copy_held_us", (getter)get_copy_held_us, (setter)set_copy_held_us,
      "device copies: one a gate waits on, still not done this many us after it was queued, "
      "gives its gate up (its ready word READY_FAILED); 0: never", NULL},

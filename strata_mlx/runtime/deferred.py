@@ -260,29 +260,33 @@ class RoutingBoard:
         return row[1 : 1 + n].tolist()
 
 
-def load_gate(table: GateTable, k: int, depth: int) -> None:
+def load_gate(table: GateTable, k: int, depth: int, wide: int | None = None) -> None:
     """The device gate's kernels (and the board's, where `table.board_on`) compiled and
     loaded before decode, for tokens of `k` routed experts (uint32 ids, as argpartition gives
-    them; `depth` lookahead routers' k ids joined on the board), run once on the table's
+    them; up to `depth` lookahead routers' `wide` ids, k by default, joined on the board: the
+    board's kernel is compiled for each width), run once on the table's
     spare rows, which read every expert landed. Their first launch would otherwise fall in
     the first gated token: compiling the gate (NVRTC) takes about a second where MLX has no
     cached copy, and loading a module may synchronize the device."""
     row_at, board_at = (mx.array([a], dtype=mx.uint64) for a in table.spare_address())
     outs = list(gate(mx.zeros((k,), dtype=mx.uint32), row_at))
     if table.board_on:
-        for n in range(k, BOARD_IDS + 1, k)[: depth + 1]:
-            outs.append(board(mx.zeros((n,), dtype=mx.uint32), board_at, mx.array([1])))
+        for n in [k + j * (wide or k) for j in range(depth + 1)]:
+            if n <= BOARD_IDS:
+                outs.append(board(mx.zeros((n,), dtype=mx.uint32), board_at, mx.array([1])))
     mx.eval(*outs)
 
 
-def load_device_gate(cache, k: int, depth: int, asked: bool | None) -> None:
+def load_device_gate(
+    cache, k: int, depth: int, asked: bool | None, wide: int | None = None
+) -> None:
     """`load_gate` for an ExpertCache whose decode gates on the device. Where its kernels
     cannot load (no NVRTC, a device before sm_70), a one-line warning and no device gate:
     with `decode_gate` left to its default (`asked` None), decode runs ungated, as where no
     device can wait; asked for, gated decode waits on the host instead."""
     table = cache.sched.residency.gate
     try:
-        load_gate(table, k, depth)
+        load_gate(table, k, depth, wide)
         return
     except (RuntimeError, ValueError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]

@@ -259,6 +259,11 @@ def build_module(manifest, cfg: RuntimeConfig, path: Path) -> tuple[nn.Module, o
         raise StoreError(f"{source}: config: {str(e).splitlines()[0]}") from None
     check_experts(manifest, module, args, source)
     extra = cfg.read_ahead.extra
+    if extra and cfg.trace is not None:
+        raise OptionError(
+            f"lookahead_extra {extra}: a routing trace records top-k predictions; not with --trace",
+            "lookahead_extra",
+        )
     if extra and not all(hasattr(b, "route_ids") for b in module.moe_blocks().values()):
         raise OptionError(
             f"lookahead_extra {extra}: the {manifest.model_type} family's router gives no ids "
@@ -342,6 +347,7 @@ def build_expert_cache(
         spin_us=cfg.read_spin_us,
         spinners=cfg.read_spinners,
     )
+    reader.verify_in_copy = cfg.verify_in_copy
     cache = ExpertCache(
         path,
         manifest,
@@ -372,7 +378,8 @@ def build_expert_cache(
         gate.board_on = cache.pipelined.device_gate and asked is not False
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
         if cache.pipelined.device_gate:
-            load_device_gate(cache, k, cfg.read_ahead.depth, asked=cfg.decode_gate)
+            wide = min(k + cfg.read_ahead.extra, manifest.num_experts)  # (lookahead_extra)
+            load_device_gate(cache, k, cfg.read_ahead.depth, asked=cfg.decode_gate, wide=wide)
     return cache
 
 

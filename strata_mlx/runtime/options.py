@@ -103,6 +103,15 @@ class RuntimeConfig:
         default=True,
         metadata=opt("CUDA: read the next record while the last one's copy runs.", variant="cb"),
     )
+    # CUDA with device_copy: a miss's record (or a split part) copied while its checksum is
+    # taken, not after it: on an H100's tmpfs a part's checksum took 35-71 us and its copy 68,
+    # of a miss's ~300-550 us from submission to landing. Off until a GPU run says what it
+    # saves.
+    verify_in_copy: bool = field(
+        default=False,
+        metadata=opt("CUDA: a miss's checksum taken while its copy runs (a mismatched record "
+                     "reaches its slot; its read fails all the same).", variant="vc"),
+    )  # fmt: skip
     read_ahead: ReadAhead = field(default_factory=ReadAhead, metadata=group())
     scheduler: str = field(
         default="loop",

@@ -253,6 +253,21 @@ class Reader:
         self._r.words_by_driver = bool(on)
 
     @property
+    def verify_in_copy(self) -> bool:
+        """(device_copy, bounce) A record copied by the device and waited for at once (a
+        miss, a split request's part): its checksum taken while the copy engine reads the same
+        buffer instead of before the copy starts, so that the two overlap. A record whose
+        checksum does not match then reaches its slot; its read fails all the same (its ready
+        word READY_FAILED, CHECKSUM_MISMATCH). False (the default): a whole record verified
+        before its copy, a mismatched one never copied (a split request's parts are copied
+        as they come either way). Settable at any time."""
+        return self._r.verify_in_copy
+
+    @verify_in_copy.setter
+    def verify_in_copy(self, on: bool) -> None:
+        self._r.verify_in_copy = bool(on)
+
+    @property
     def copy_held_us(self) -> int:
         """(device_copy) A device copy whose ready word a gate may wait on, still not done
         this many microseconds after it was queued, is held behind the device and so behind

@@ -722,3 +722,14 @@ def test_wider_lookahead_on_a_family_without_a_router_of_ids_is_refused(store):
 
     with pytest.raises(OptionError, match=r"^lookahead_extra 2: the olmoe family's router"):
         strata_mlx.load(store("olmoe"), lookahead_extra=2)
+
+
+def test_wider_lookahead_with_a_routing_trace_is_refused(store):
+    """lookahead_extra beside a routing trace (which records top-k predictions): a one-line
+    OptionError naming the option."""
+    from strata_mlx.config import OptionError
+    from strata_mlx.stream.stats import RoutingTrace
+
+    path = store("qwen3_moe")
+    with pytest.raises(OptionError, match=r"^lookahead_extra 2: a routing trace"):
+        strata_mlx.load(path, lookahead_extra=2, trace=RoutingTrace())

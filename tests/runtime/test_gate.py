@@ -256,7 +256,7 @@ def test_a_cache_closed_under_a_decode_on_another_thread_unmaps_after_it(store, 
     # The table mapped as on CUDA; the decode's gate stays the host's (no device here, so
     # no gate kernel to load either).
     monkeypatch.setattr(experts, "GateTable", lambda m, device: GateTable(m, device=True))
-    monkeypatch.setattr(deferred, "load_gate", lambda table, k, depth: None)
+    monkeypatch.setattr(deferred, "load_gate", lambda table, k, depth, wide=None: None)
     model, _ = strata_mlx.load(
         path, arena_gb=arena_gb(path, 0.25), decode_gate=True, decode_token_below=0.0
     )
@@ -483,6 +483,33 @@ def load_emulated(monkeypatch, path, fraction: float, **opts):
     table = model.expert_cache.sched.residency.gate
     seen["rows"] = {table.row_address(l): table.row(l) for l in model.expert_cache.layers}
     return model, seen
+
+
+def test_the_board_kernel_is_loaded_for_every_width_its_layers_join(monkeypatch):
+    """load_gate: the board's kernel (compiled per width) runs at load for a token's k ids
+    joined with up to `depth` routers' ids, k each or `wide` each (lookahead_extra), widths
+    past a board row's BOARD_IDS left out (such layers skip the board)."""
+    import strata_mlx.runtime.deferred as deferred
+    from custom_kernels.gate import BOARD_IDS
+
+    widths = []
+    monkeypatch.setattr(deferred, "gate", lambda ids, at: (ids, ids))
+    monkeypatch.setattr(deferred, "board", lambda ids, at, seq: widths.append(ids.size) or ids)
+
+    class Table:
+        board_on = True
+
+        def spare_address(self):
+            return 1, 2
+
+    for depth, wide, want in (
+        (2, None, [10, 20, 30]),
+        (2, 13, [10, 23, 36]),
+        (3, 20, [10, 30, 50]),
+    ):
+        widths.clear()
+        deferred.load_gate(Table(), 10, depth, wide)
+        assert widths == want and max(widths) <= BOARD_IDS
 
 
 def test_loading_a_device_gated_model_runs_its_gate_once_on_the_spare_row(store, monkeypatch):

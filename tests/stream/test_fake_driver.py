@@ -142,6 +142,28 @@ elif case.startswith("slow:"):  # read-ahead, one thread, 120 ms a read, no copy
         s = r.stats()
         out.update(seen=sorted(seen), errs=[d[1] for d in done], held=s["copies_held"],
                    given_up=s["words_given_up"], words=words.tolist())
+elif case.startswith("verify:"):  # checksums taken before the copy or while it runs
+    from strata_mlx import _reader
+
+    data = np.fromfile(path, np.uint8, rb)
+    good = _reader.checksum("crc32c", data.tobytes())
+    words = np.full(4, -1, dtype=np.int32)
+    dest = np.zeros(4 * rb + 4096, dtype=np.uint8)
+    at = (dest.ctypes.data + 4095) // 4096 * 4096
+    slot = lambda i: np.ctypeslib.as_array((ctypes.c_uint8 * rb).from_address(at + i * rb))
+    req = lambda t, f, crc: (t, f, 0, rb, at + t * rb, crc, (words.ctypes.data + 4 * t, 7))
+    done, split = [], 0
+    # records split into parts by idle threads (verified part by part), then whole ones
+    for tags, parts in (((0, 1), rb // 4), ((2, 3), 0)):
+        with Reader(8, bounce=True, device_copy=True, split=parts, record_bytes=rb) as r:
+            r.verify_in_copy = case.endswith(":1")
+            f = r.open(path, direct=False, checksum="crc32c")
+            r.submit([req(tags[0], f, good), req(tags[1], f, good ^ 1)], True)
+            done += r.wait(list(tags), timeout=10)
+            split += r.stats()["split"]
+    out.update(errs=[d[1] for d in sorted(done)], words=words.tolist(), split=split,
+               good_bytes=[bool((slot(i) == data).all()) for i in (0, 2)],
+               bad_copied=bool((slot(3) == data).all()))
 else:  # "held": one read, its copy held STUB_HOLD_MS; the word watched every ms
     held_us = int(case.split(":")[1])
     word = np.full(1, -1, dtype=np.int32)
@@ -263,6 +285,21 @@ def test_a_landed_read_ahead_copy_is_not_taken_for_held_behind_a_slow_read(fake_
     assert out["held"] == 0 and out["given_up"] == 0
     assert -3 not in out["seen"]
     assert out["words"] == [7] * 5 and out["errs"] == [0] * 5
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the stand-in driver is a Linux library")
+def test_a_checksum_taken_while_the_copy_runs_fails_a_wrong_record_all_the_same(fake_driver):
+    """verify_in_copy: urgent records, split into parts and whole, verified while their
+    device copy runs land exactly; a wrong checksum still fails its read and its ready word,
+    though a whole record's bytes now reach the slot (verified before the copy they never
+    do; a split record's parts are copied as they come either way)."""
+    from strata_mlx.stream.reader import CHECKSUM_MISMATCH, READY_FAILED
+
+    for on in (True, False):
+        out = fake_driver(f"verify:{int(on)}")
+        assert out["errs"] == [0, CHECKSUM_MISMATCH] * 2 and out["split"] == 2
+        assert out["words"] == [7, READY_FAILED] * 2 and out["good_bytes"] == [True, True]
+        assert out["bad_copied"] == on
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the stand-in driver is a Linux library")
