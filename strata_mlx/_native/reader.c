@@ -1664,27 +1664,25 @@ static PyObject *get_closed(ReaderObject *r, void *c) { return PyBool_FromLong(r
 static PyObject *get_words_by_driver(ReaderObject *r, void *c) {
     return PyBool_FromLong(__atomic_load_n(&r->words_by_driver, __ATOMIC_RELAXED));
 }
-static int set_words_by_driver(ReaderObject *r, PyObject *v, void *c) {
+/* A switch the workers read with no lock, set from Python's truth of v. */
+static int set_switch(int *field, PyObject *v, const char *name) {
     int on = v ? PyObject_IsTrue(v) : -1;
     if (on < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "words_by_driver needs a bool");
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s needs a bool", name);
         return -1;
     }
-    __atomic_store_n(&r->words_by_driver, on, __ATOMIC_RELAXED);
+    __atomic_store_n(field, on, __ATOMIC_RELAXED);
     return 0;
+}
+static int set_words_by_driver(ReaderObject *r, PyObject *v, void *c) {
+    return set_switch(&r->words_by_driver, v, "words_by_driver");
 }
 
 static PyObject *get_verify_in_copy(ReaderObject *r, void *c) {
     return PyBool_FromLong(__atomic_load_n(&r->verify_in_copy, __ATOMIC_RELAXED));
 }
 static int set_verify_in_copy(ReaderObject *r, PyObject *v, void *c) {
-    int on = v ? PyObject_IsTrue(v) : -1;
-    if (on < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "verify_in_copy needs a bool");
-        return -1;
-    }
-    __atomic_store_n(&r->verify_in_copy, on, __ATOMIC_RELAXED);
-    return 0;
+    return set_switch(&r->verify_in_copy, v, "verify_in_copy");
 }
 
 static PyObject *get_copy_held_us(ReaderObject *r, void *c) {

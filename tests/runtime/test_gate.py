@@ -1184,11 +1184,10 @@ def test_a_negative_sync_threshold_forces_sync_on_a_gated_cache():
     assert choose_mode(0.0, False, 0.3, 0.02, gated=True) == "token"
 
 
-def test_a_decoder_whose_gates_keep_giving_up_stops_gating_and_stays_exact(store, monkeypatch):
-    """Once `decode_gate_give_ups` gates have waited out their timeout, the decoder runs as
-    without the gate ("layers" / "sync"), the rest of that token's recompute included,
-    warning once; gates given up at once (a held copy's, a failed read's) are counted and
-    recomputed but do not stop it. The tokens equal the per-layer handshake's."""
+def host_gated_after_sync(store, monkeypatch):
+    """(prompt ids, the per-layer handshake's 6 tokens and log-probabilities, its model, a
+    model gated through the host's gate that stops gating after 2 gates waited out their
+    timeout) on the qwen3_next store, an arena of a quarter of its experts."""
     path = store("qwen3_next")
     ids = prompt_ids(24, seed=5)
     gb = arena_gb(path, 0.25)
@@ -1197,8 +1196,16 @@ def test_a_decoder_whose_gates_keep_giving_up_stops_gating_and_stays_exact(store
     monkeypatch.setenv("STRATA_MLX_GATE", "host")
     model, _ = strata_mlx.load(
         path, arena_gb=gb, decode_gate=True, decode_token_below=0.0, decode_gate_give_ups=2,
-        decode_copy_held_ms=50,
     )  # fmt: skip
+    return ids, ref, sync, model
+
+
+def test_a_decoder_whose_gates_keep_giving_up_stops_gating_and_stays_exact(store, monkeypatch):
+    """Once `decode_gate_give_ups` gates have waited out their timeout, the decoder runs as
+    without the gate ("layers" / "sync"), the rest of that token's recompute included,
+    warning once; gates given up at once (a held copy's, a failed read's) are counted and
+    recomputed but do not stop it. The tokens equal the per-layer handshake's."""
+    ids, ref, sync, model = host_gated_after_sync(store, monkeypatch)
     first, second, *_ = model.expert_cache.layers
     # every gate of these two layers gives up: both in the first token, which reaches the
     # limit; its recompute from `first` then rebuilds `second` ungated (no third flag)
@@ -1220,15 +1227,7 @@ def test_gates_given_up_at_once_are_recomputed_but_never_stop_gating(store, monk
     """A gate given up at once (its word FAILED: a copy held past decode_copy_held_ms, a
     failed read), every token's first layer: each counted and its token recomputed exactly,
     and gating never stops, the limit of 2 notwithstanding (no warning)."""
-    path = store("qwen3_next")
-    ids = prompt_ids(24, seed=5)
-    gb = arena_gb(path, 0.25)
-    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
-    ref = decode(sync, ids, 6)
-    monkeypatch.setenv("STRATA_MLX_GATE", "host")
-    model, _ = strata_mlx.load(
-        path, arena_gb=gb, decode_gate=True, decode_token_below=0.0, decode_gate_give_ups=2,
-    )  # fmt: skip
+    ids, ref, sync, model = host_gated_after_sync(store, monkeypatch)
     first = min(model.expert_cache.layers)
     flagged = late_at(monkeypatch, first, times=100, waited_us=60_000)
     with warnings.catch_warnings():
