@@ -92,9 +92,9 @@ class SparseMoeBlock(nn.Module):
             logits = logits + bonus
         return top_k_route(logits, self.top_k, self.norm_topk_prob)
 
-    def route_ids(self, x: mx.array, k: int | None = None) -> mx.array:
-        """route(x)'s ids alone (lookahead's router); `k`: the top k instead of top_k."""
-        return top_k_route(self.gate(x), k or self.top_k, self.norm_topk_prob, ids=True)
+    def route_ids(self, x: mx.array) -> mx.array:
+        """route(x)'s ids alone (lookahead's router)."""
+        return top_k_route(self.gate(x), self.top_k, self.norm_topk_prob, ids=True)
 
     def __call__(self, x: mx.array) -> mx.array:
         inds, scores = self.route(x, self.switch_mlp.route_bonus())

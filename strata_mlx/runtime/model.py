@@ -42,10 +42,18 @@ def decode_defaults(config: RuntimeConfig, cache: ExpertCache) -> RuntimeConfig:
 
 
 def _wider(block, extra: int, num_experts: int):
-    """`block`'s lookahead router with one token's top k + `extra` ids (lookahead_extra);
-    several tokens' (prefill's) top k as ever."""
+    """`block`'s lookahead router with one token's top k + `extra` ids, best first
+    (lookahead_extra; Predictor.rank keeps that order); several tokens' (prefill's) top k as
+    ever."""
     k = min(block.top_k + extra, num_experts)
-    return lambda x: block.route_ids(x, k if x.size == x.shape[-1] else None)
+
+    def route(x: mx.array) -> mx.array:
+        if x.size != x.shape[-1]:
+            return block.route_ids(x)
+        # (the router's order: its softmax keeps the logits' order)
+        return mx.argsort(-block.gate(x), axis=-1)[..., :k]
+
+    return route
 
 
 class StrataModel:

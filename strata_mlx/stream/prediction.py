@@ -263,6 +263,10 @@ class Predictor:
         return self.read_ahead.predicts and self.decode_miss_rate >= self.read_ahead.decode_min_miss
 
     def rank(self, ids: np.ndarray | list[int]) -> list[int]:
+        if self.read_ahead.extra and isinstance(ids, list) and self.read_ahead.min_tokens <= 1:
+            # (lookahead_extra: one token's ids come best first, the top k before the extra
+            # ones: read in that order, an extra never takes a slot before a top-k expert)
+            return list(dict.fromkeys(ids))
         return rank_by_tokens(ids, self.read_ahead.min_tokens)
 
     def after_wait(self, layer: int, nxt: int | None, needed: int) -> tuple[int, list[int]] | None:
