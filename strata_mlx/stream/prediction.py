@@ -92,7 +92,7 @@ class ReadAhead:
     # Decode's one token: each layer ahead predicted as the router's top k + extra, not its
     # top k, and all of them read ahead. On the full-size model's routing shape (random
     # weights; docs/benchmarks.md, "Wider decode lookahead"), +5 cut decode's misses by a
-    # third for 32-42 % more bytes, +10 by nearly half for 68-86 % more: a trade for a fast
+    # third for 32-43 % more bytes, +10 by 44-45 % for 69-85 % more: a trade for a fast
     # drive, not measured on a GPU yet.
     extra: int = field(
         default=0,
