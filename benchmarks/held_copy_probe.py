@@ -12,6 +12,7 @@ up: `late` 1 and `copy_s` about the gate's timeout. Prints one JSON line an acti
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -138,6 +139,10 @@ def main() -> None:
     ap.add_argument("--timeout-ms", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=1)
     args = ap.parse_args()
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        sys.exit("held_copy_probe: needs a CUDA driver (libcuda.so.1 did not load)")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "record.bin")
         with open(path, "wb") as f:
