@@ -1,7 +1,8 @@
 """The reader's device-copy path on this CPU, through a stand-in CUDA driver: a small C library
 built here as libcuda.so.1 (the reader loads the driver at run time by that name), whose copies
-are memcpy and whose waits may be held for a set time (STUB_HOLD_MS), standing in for a copy
-held behind a decode gate. What it checks is the reader's own logic around the driver: how
+are memcpy run when their stream is waited for (reading their source then, as a copy engine
+would) and whose waits may be held for a set time (STUB_HOLD_MS), standing in for a copy held
+behind a decode gate. What it checks is the reader's own logic around the driver: how
 many copy streams a process makes, that a worker pins its buffers as it starts, and that a
 held copy's ready word is given up (READY_FAILED) once held past `copy_held_us`, then stored
 once the copy lands. Each case runs in a process of its own (the driver is loaded once a
@@ -19,6 +20,7 @@ import textwrap
 import pytest
 
 STUB = r"""
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,15 +41,28 @@ CUresult cuDevicePrimaryCtxRetain(void **c, int d) { (void)d; *c = (void *)1; re
 CUresult cuCtxSetCurrent(void *c) { (void)c; return 0; }
 CUresult cuStreamCreate(void **s, unsigned f) { (void)f; *s = (void *)(long)++made; return 0; }
 CUresult cuStreamDestroy_v2(void *s) { (void)s; return 0; }
-CUresult cuStreamQuery(void *s) { (void)s; return 0; }
+/* A stream's copies run when it is waited for (as a copy engine's would, reading their
+ * source then): a reader that reuses a buffer before waiting for its copy lands wrong bytes. */
+typedef struct { void *dst; const void *src; size_t n; } Copy;
+static Copy pending[256][64];
+static int n_pending[256];
+static pthread_mutex_t streams_mu = PTHREAD_MUTEX_INITIALIZER;
+static void flush(void *s) {
+    long i = (long)s & 255;
+    pthread_mutex_lock(&streams_mu);
+    for (int k = 0; k < n_pending[i]; k++) memcpy(pending[i][k].dst, pending[i][k].src, pending[i][k].n);
+    n_pending[i] = 0;
+    pthread_mutex_unlock(&streams_mu);
+}
+CUresult cuStreamQuery(void *s) { flush(s); return 0; }
 CUresult cuStreamSynchronize(void *s) {
-    (void)s;
     const char *ms = getenv("STUB_HOLD_MS");
     int once = atomic_exchange(&hold_next, 0);
     if (once > 0)
         hold(once);
     else if (ms && atoi(ms) > 0)
         hold(atoi(ms));
+    flush(s);
     return 0;
 }
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned f) {
@@ -55,11 +70,18 @@ CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned f) {
 }
 CUresult cuMemHostUnregister(void *p) { (void)p; unpinned++; return 0; }
 CUresult cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t n, void *s) {
-    (void)s; memcpy((void *)dst, src, n); copies++; return 0;
+    long i = (long)s & 255;
+    pthread_mutex_lock(&streams_mu);
+    int full = n_pending[i] == 64;
+    if (!full) pending[i][n_pending[i]++] = (Copy){(void *)dst, src, n};
+    pthread_mutex_unlock(&streams_mu);
+    if (full) return 2; /* (CUDA_ERROR_OUT_OF_MEMORY: never in these tests) */
+    copies++;
+    return 0;
 }
 CUresult cuGetErrorString(CUresult e, const char **s) { (void)e; *s = "stub"; return 0; }
-/* (the copies before it are done: memcpy at once) */
-CUresult cuLaunchHostFunc(void *s, void (*fn)(void *), void *arg) { (void)s; fn(arg); return 0; }
+/* (the copies queued before it land first) */
+CUresult cuLaunchHostFunc(void *s, void (*fn)(void *), void *arg) { flush(s); fn(arg); return 0; }
 int stub_count(int which) {
     return which == 0 ? made : which == 1 ? pinned : which == 2 ? unpinned : copies;
 }
@@ -199,7 +221,9 @@ def fake_driver_lib(tmp_path_factory):
     d = tmp_path_factory.mktemp("fake_cuda")
     (d / "stub.c").write_text(STUB)
     lib = d / "libcuda.so.1"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib), str(d / "stub.c")], check=True)
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-O1", "-pthread", "-o", str(lib), str(d / "stub.c")], check=True
+    )
     return lib
 
 
