@@ -139,8 +139,9 @@ struct ReaderObject {
      * device to go idle, holding copies queued meanwhile: benchmarks/held_copy_probe.py): the
      * watcher thread turns its word from pending to READY_FAILED, and those of the reads
      * still queued, the gates give up at once (their token is recomputed) instead of after
-     * their timeout, and the copies land once the device is idle. copies_held counts them. Per worker, its copy in flight: the word (NULL: none) and
-     * when it was queued, stored by the worker, read by the watcher (atomics). */
+     * their timeout, and the copies land once the device is idle. copies_held counts them.
+     * Per worker, its copy in flight: the word (NULL: none) and when it was queued, stored by
+     * the worker, read by the watcher (atomics). */
     unsigned long long held_ns, copies_held;
     int32_t **copy_word;
     uint64_t *copy_since;

@@ -41,8 +41,8 @@ A token runs in one of three ways, chosen from the running share of decode layer
     the device. A gate that gives up (a read stuck past its timeout) sets a flag the token's
     end reads: that layer is recomputed by the per-layer handshake (a token built on this
     one meanwhile is discarded, as after a miss); once `gate_give_ups` of them have waited out
-    their timeout in the decoder's life it stops gating (the rest of that token included), warning once. Where
-    the device cannot wait (no CUDA), the host's gate runs each layer's check before its
+    their timeout in the decoder's life it stops gating (the rest of that token included),
+    warning once. Where the device cannot wait (no CUDA), the host's gate runs each layer's check before its
     experts are queued and waits for its reads, as "sync" does. No token is built on a gated
     one before it is verified: its last checks may give a miss the slot of a layer not
     computing yet, which a token built on top ("token" mode: slots looked up when built)
@@ -451,8 +451,8 @@ class PipelinedDecoder(Decoder):
         stopped = self.gave_up
         # Only a gate that waited out its timeout counts toward stopping: one given up at once
         # (a held copy's, past decode_copy_held_ms; a failed read's) cost a recompute only.
-        stuck = [w >= timeout_ms() * 1000 for f, w in zip(flags[0::2], flags[1::2]) if f]
-        self.given_up += sum(stuck)
+        timeout_us = timeout_ms() * 1000
+        self.given_up += sum(1 for f, w in zip(flags[0::2], flags[1::2]) if f and w >= timeout_us)
         if self.gave_up and not stopped:
             warnings.warn(
                 f"gated decode: {self.given_up} gates waited out their {timeout_ms()} ms "

@@ -378,7 +378,7 @@ def build_expert_cache(
         gate.board_on = cache.pipelined.device_gate and asked is not False
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
         if cache.pipelined.device_gate:
-            wide = min(k + cfg.read_ahead.extra, manifest.num_experts)  # (lookahead_extra)
+            wide = cfg.read_ahead.decode_width(k, manifest.num_experts)  # (lookahead_extra)
             load_device_gate(cache, k, cfg.read_ahead.depth, asked=cfg.decode_gate, wide=wide)
     return cache
 

@@ -41,11 +41,9 @@ def decode_defaults(config: RuntimeConfig, cache: ExpertCache) -> RuntimeConfig:
     )
 
 
-def _wider(block, extra: int, num_experts: int):
-    """`block`'s lookahead router with one token's top k + `extra` ids, best first
-    (lookahead_extra; Predictor.rank keeps that order); several tokens' (prefill's) top k as
-    ever."""
-    k = min(block.top_k + extra, num_experts)
+def _wider(block, k: int):
+    """`block`'s lookahead router with one token's `k` best ids, best first (lookahead_extra;
+    Predictor.rank keeps that order); several tokens' (prefill's) top k as ever."""
 
     def route(x: mx.array) -> mx.array:
         if x.size != x.shape[-1]:
@@ -78,13 +76,13 @@ class StrataModel:
         self.store_path = Path(store_path)
         self.pipeline = pipeline
         self.blocks = dict(module.moe_blocks() if blocks is None else blocks)
-        extra = config.read_ahead.extra
+        ahead, n = config.read_ahead, expert_cache.manifest.num_experts
         for layer, block in self.blocks.items():
             block.switch_mlp.attach(expert_cache)
             # A family's `route_ids` gives the ids without building the scores' graph.
             ids = getattr(block, "route_ids", None)
-            if extra and ids is not None:
-                ids = _wider(block, extra, expert_cache.manifest.num_experts)
+            if ahead.extra and ids is not None:
+                ids = _wider(block, ahead.decode_width(block.top_k, n))
             expert_cache.register_router(layer, ids or (lambda x, b=block: b.route(x)[0]))
         for _, m in module.named_modules():
             if isinstance(m, SwitchGLU) and m.expert_cache is None:

@@ -137,6 +137,10 @@ class ReadAhead:
     def predicts(self) -> bool:
         return self.policy == "lookahead"
 
+    def decode_width(self, k: int, num_experts: int) -> int:
+        """Experts one decode token's lookahead predicts for a layer ahead (`extra`)."""
+        return min(k + self.extra, num_experts)
+
 
 @dataclass(frozen=True)
 class Ahead:
@@ -186,11 +190,13 @@ class ExpectedUse:
         return distance + len(self.layers) * (1.0 / q - 1.0)
 
 
-def rank_by_tokens(ids: np.ndarray, min_tokens: int = 1) -> list[int]:
+def rank_by_tokens(ids: np.ndarray, min_tokens: int = 1, in_order: bool = False) -> list[int]:
     """Distinct experts in `ids` ([T, k] top-k ids, or one token's as a list), most tokens
-    first, ties by id."""
+    first, ties by id; one token's list kept in its own order with `in_order`."""
     if isinstance(ids, list):  # one token's (decode): each expert once, by id
-        return sorted(set(ids)) if min_tokens <= 1 else []
+        if min_tokens > 1:
+            return []
+        return list(dict.fromkeys(ids)) if in_order else sorted(set(ids))
     ids = np.asarray(ids)
     if ids.ndim == 2 and ids.shape[0] == 1:  # one token (decode): each expert once, by id
         return sorted(set(ids[0].tolist())) if min_tokens <= 1 else []
@@ -263,11 +269,9 @@ class Predictor:
         return self.read_ahead.predicts and self.decode_miss_rate >= self.read_ahead.decode_min_miss
 
     def rank(self, ids: np.ndarray | list[int]) -> list[int]:
-        if self.read_ahead.extra and isinstance(ids, list) and self.read_ahead.min_tokens <= 1:
-            # (lookahead_extra: one token's ids come best first, the top k before the extra
-            # ones: read in that order, an extra never takes a slot before a top-k expert)
-            return list(dict.fromkeys(ids))
-        return rank_by_tokens(ids, self.read_ahead.min_tokens)
+        # (lookahead_extra: one token's ids come best first, the top k before the extra ones:
+        # read in that order, an extra never takes a slot before a top-k expert)
+        return rank_by_tokens(ids, self.read_ahead.min_tokens, in_order=self.read_ahead.extra > 0)
 
     def after_wait(self, layer: int, nxt: int | None, needed: int) -> tuple[int, list[int]] | None:
         """What to read once `layer`'s own misses are in: static's profile-ranked next layer;

@@ -190,8 +190,7 @@ class Reader:
             after a shorter one (a whole record after a split request's part) never has a
             buffer let go of and made again: on CUDA letting go of a pinned buffer waits for
             the device to go idle, behind a decode gate that may be waiting for that very
-            read (``stats()["bounce_regrown"]`` counts them), and pinning one synchronizes
-            with the device too.
+            read (``stats()["bounce_regrown"]`` counts them).
         spin_us: a thread with nothing to read polls for new work this long (us) before it
             sleeps (0: it sleeps at once). A sleeping thread's wake-up takes a trip through
             the OS scheduler (38-107 us on H100 machines) before a decode miss's read starts;
