@@ -949,8 +949,14 @@ def test_gated_decode_through_the_device_gate_equals_sync(store, family, monkeyp
     calls = spy_calls(monkeypatch)
     model, sync = gated_and_sync(store(family), 0.1, prompt_ids(24, seed=7), 12)
     assert model.expert_cache.pipelined.device_gate
-    s = model.expert_cache.stats
-    assert s.gate_timeouts == 0 and s.misses > 0 and s.gated_mode_tokens == 12 - UNGATED_FIRST
+    s, r = model.expert_cache.stats, model.expert_cache.sched.reader.stats()
+    # A gate may be given up for a copy held behind it (another thread's free while it spins:
+    # test_fresh_gated_models_in_one_process_give_up_no_gate), its token recomputed; none
+    # waits out its timeout, and the hold ends well within it.
+    seen = {k: r[k] for k in ("urgent_max_ns", "copies_held", "words_given_up")}
+    assert s.gate_timeouts <= r["copies_held"] + r["words_given_up"], seen
+    assert model.decoder.given_up == 0 and r["urgent_max_ns"] < 1e9, seen
+    assert s.misses > 0 and s.gated_mode_tokens == 12 - UNGATED_FIRST
     checks = model.expert_cache.pipelined.checks._thread  # (reads only: spy_calls)
     assert checks not in calls["eval"] + calls["async_eval"] + calls["token_ids"]
     assert checks in calls["split_ids"] and checks not in calls["host_ids"]
