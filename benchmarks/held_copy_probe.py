@@ -32,6 +32,9 @@ ACTIONS = {
     "free_host": "cuMemFreeHost of pinned memory allocated before the gate",
     "mlx_free": "MLX freeing a host-made array with its cache limit 0 (its managed memory)",
     "mlx_event": "an MLX CPU-stream result used on the GPU (an event in managed memory)",
+    "module_load": "cuModuleLoadData of a one-kernel PTX module (the driver compiles it)",
+    "mlx_new_kernel": "a custom MLX kernel's first call (NVRTC, then its module loaded)",
+    "mlx_compiled": "an mx.compile'd function's first call (its fused kernel compiled, loaded)",
 }
 
 CHILD = r"""
@@ -49,6 +52,7 @@ class Shape:
         return 0
 
 path, action, timeout_ms = sys.argv[1], sys.argv[2], int(sys.argv[3])
+PTX = b".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry probe_k()\n{\n  ret;\n}\n"
 cu = ctypes.CDLL("libcuda.so.1")
 rb = 1 << 20
 g = GateTable(Shape(), device=True)
@@ -108,6 +112,17 @@ def holder():
     elif action == "mlx_event":
         c = mx.add(mx.array([1.0]), 1.0, stream=mx.cpu)
         mx.eval(mx.multiply(c, 2.0, stream=mx.gpu))
+    elif action == "module_load":
+        mod = ctypes.c_void_p()
+        rc = cu.cuModuleLoadData(ctypes.byref(mod), PTX)
+    elif action == "mlx_new_kernel":  # (a source of its own each run: no cached copy)
+        k = mx.fast.cuda_kernel(name=f"probe_{time.time_ns()}", input_names=["a"],
+                                output_names=["b"], source="b[0] = a[0] + 1.0f;")
+        mx.eval(k(inputs=[mx.array([1.0])], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                  output_shapes=[(1,)], output_dtypes=[mx.float32])[0])
+    elif action == "mlx_compiled":
+        f = mx.compile(lambda a: mx.tanh(a * 1.7) / (a + 3.1) - mx.sqrt(a + 5.3))
+        mx.eval(f(mx.array([0.5, 0.25])))
     held["rc"], held["s"] = rc, time.monotonic() - t0
 
 with Reader(1, bounce=True, device_copy=True, record_bytes=rb) as r:
