@@ -2,7 +2,7 @@
 decode paths (per-layer sync, pipelined at several lags) on the same store and prompt.
 
     python benchmarks/decode.py STORE -p 2048 -g 128 [--arena-gb G] [--policies demand,lookahead]
-        [--modes sync,layers:1,token:4,token:8,token:16,adaptive] [--no-baseline] [--rounds 2]
+        [--modes sync,layers:1,token,token:4,adaptive] [--no-baseline] [--rounds 2]
         [--interleave]
 
 Without --arena-gb every expert is made resident (warm()) and one loaded model per policy
@@ -86,7 +86,7 @@ def run_strata(model, ids, gen, step, on_first=None):
 def set_mode(model, mode: str) -> None:
     """sync | layers:LAG (each layer checked LAG layers late, never whole tokens) |
     token:CHUNK (whole tokens overlapped with the next one's build, CHUNK layers submitted at
-    once, never the sync fallback) | adaptive (the runtime's defaults) | adaptive+token (the
+    once, 0 or none the whole token, never the sync fallback) | adaptive (the runtime's defaults) | adaptive+token (the
     same, "token" mode allowed while decode lookahead predicts). A "+general" suffix: one
     token's layers call the expert kernels' general entry with an index of the pairs, as
     before they called `pairs` (LayerCompute.by_pair), for a side-by-side timing; "+perlayer":
@@ -107,7 +107,7 @@ def set_mode(model, mode: str) -> None:
             model, int(lag), token_below=0.0, layers_chunk=int(chunk or 1)
         )
     elif name == "token":
-        model.decoder = PipelinedDecoder(model, sync_above=1.0, token_below=1.0, chunk=int(n or 4))
+        model.decoder = PipelinedDecoder(model, sync_above=1.0, token_below=1.0, chunk=int(n or 0))
     elif name in ("adaptive", "adaptive+token"):
         rt = model.runtime  # (the loaded model's lag and chunk: 4 with the routing board)
         model.decoder = PipelinedDecoder(
@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--prefill-step-size", type=int, default=1024)
     ap.add_argument("--arena-gb", type=float, default=None)
     ap.add_argument("--policies", default="demand")
-    ap.add_argument("--modes", default="sync,layers:1,token:4,token:8,token:16,adaptive")
+    ap.add_argument("--modes", default="sync,layers:1,token,token:4,adaptive")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument(

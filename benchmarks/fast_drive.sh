@@ -170,10 +170,10 @@ plan)  # tmpfs: plan against bench's cold lookahead, ROUNDS rounds (benchmarks/p
      --json "$OUT/plan-vs-bench.json" 2>"$OUT/plan-vs-bench.err" | tee "$OUT/plan-vs-bench.log"
   ;;
 resident)  # every expert resident, beside mlx-lm's own model, interleaved (benchmarks/decode.py):
-  # "token" mode with its routing read in one transfer a token (the default) and one a layer
+  # "token" mode with the whole token in one submit (the default) and 4 layers a submit
   build
   timeout 560 python3 benchmarks/decode.py "$SHM" -p 2048 -g 128 --rounds "${ROUNDS:-3}" \
-     --modes "${MODES:-token:4,token:4+perlayer}" --json "$OUT/resident.json" 2>&1 | tee "$OUT/resident.log"
+     --modes "${MODES:-token,token:4}" --json "$OUT/resident.json" 2>&1 | tee "$OUT/resident.log"
   ;;
 alternate)  # tmpfs: the old tree's bench and this code's, alternating ROUNDS times (POL for
   # both, NEWPOL this code's extra variants, once), then decode's host time a layer of each

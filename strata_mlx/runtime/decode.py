@@ -18,7 +18,7 @@ A token runs in one of three ways, chosen from the running share of decode layer
 (`ExpertCache.decode_layer_miss_rate`):
 
   - "token" (below `token_below`, the warm case): the whole token is built and submitted in
-    chunks of `chunk` layers without a check; its layers are verified once the next token is
+    chunks of `chunk` layers (0: the whole token at once) without a check; its layers are verified once the next token is
     built too (`Step` / `finish`), so the host builds token t+1 while the device computes
     token t, as mlx-lm's generate_step does. A miss discards both and recomputes from the
     missed layer. No read-ahead is issued in this mode.
@@ -264,16 +264,17 @@ class PipelinedDecoder(Decoder):
         lag: int = 1,
         sync_above: float = 0.3,
         token_below: float = 0.02,
-        chunk: int = 4,
+        chunk: int = 0,
         layers_chunk: int = 1,
         token_while_predicting: bool = False,
         gate_give_ups: int = 0,
     ):
         if lag < 0:
             raise ValueError(f"decode lag must be >= 0, got {lag}")
-        for name, v in (("decode_chunk", chunk), ("decode_layers_chunk", layers_chunk)):
-            if v < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
+        if chunk < 0:
+            raise ValueError(f"decode_chunk must be >= 0 (0: the whole token), got {chunk}")
+        if layers_chunk < 1:
+            raise ValueError(f"decode_layers_chunk must be >= 1, got {layers_chunk}")
         for name, v in (("decode_sync_above", sync_above), ("decode_token_below", token_below)):
             if not 0 <= v <= 1:
                 raise ValueError(f"{name} must lie in [0, 1], got {v}")
@@ -319,8 +320,7 @@ class PipelinedDecoder(Decoder):
             self.sync_above, self.token_below = kept
 
     def mode(self) -> str:
-        """How the next token runs: "token", "layers", "sync" or "gated" (see the module
-        docstring)."""
+        """How the next token runs: "token", "layers", "sync" or "gated" (module docstring)."""
         return self._mode(gated=True)
 
     def _mode(self, gated: bool) -> str:
@@ -483,7 +483,7 @@ class PipelinedDecoder(Decoder):
         n = len(self.layers)
         checked = step.mode in ("layers", "gated")  # as built; "token" mode at its end
         lag = self.lag if checked else n
-        chunk = self.layers_chunk if checked else self.chunk
+        chunk = self.layers_chunk if checked else self.chunk or n
         lookahead = checked  # "token" mode checks too late for a prediction
         gated = step.mode == "gated"
         outs: list[mx.array] = []

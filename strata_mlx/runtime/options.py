@@ -192,10 +192,13 @@ class RuntimeConfig:
         metadata=opt("pipelined: whole tokens, overlapped with the next one's build, while "
                      "fewer layers than this miss.", (0.0, 1.0)),
     )  # fmt: skip
+    # One submit a token, as mlx-lm's generate_step makes: every expert resident on an H100,
+    # 0.81-1.02x mlx-lm's time a token against 0.98-1.13x with 4 layers a submit (medians of
+    # the rounds' ratios in three interleaved runs; docs/benchmarks.md, "Every expert resident").
     decode_chunk: int = field(
-        default=4,
-        metadata=opt("pipelined token mode: layers submitted to the device at once.",
-                     (1, 1 << 10)),
+        default=0,
+        metadata=opt("pipelined token mode: layers submitted to the device at once (0: the "
+                     "whole token).", (0, 1 << 10)),
     )  # fmt: skip
     decode_layers_chunk: int | None = field(
         default=None,

@@ -45,6 +45,7 @@ VARIANTS = {
     "layers-chunk3-lag1": dict(decode_lag=1, decode_token_below=0.0, decode_layers_chunk=3),
     "token-chunk1": dict(decode_token_below=1.0, decode_sync_above=1.0, decode_chunk=1),
     "token-chunk3": dict(decode_token_below=1.0, decode_sync_above=1.0, decode_chunk=3),
+    "token-whole": dict(decode_token_below=1.0, decode_sync_above=1.0),  # (one submit a token)
     "adaptive": dict(),
     # lookahead predicting, token mode allowed meanwhile (decode_token_while_predicting)
     "adaptive-lookahead-token": dict(read_ahead="lookahead", decode_token_while_predicting=True),
