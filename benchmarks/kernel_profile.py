@@ -11,7 +11,8 @@ expert (strata-mlx's arena warmed) and decode the same prompt greedily with thei
 before the profiled `-g`; rounds alternate which model goes first. Per token: the kernels'
 summed time, the device's busy time (their union), the span from the first kernel's start to
 the last's end (busy plus the device's idle gaps, which the host's pace sets), and the
-kernel count; then the kernels whose time a token differs most between the two.
+kernel count; then the kernels whose time a token differs most between the two, with the
+grid each one's launches most often had (how much work a launch of that name was given).
 """
 
 from __future__ import annotations
@@ -71,10 +72,14 @@ def summarize(events: list[dict], tokens: int) -> dict:
             busy += t - max(s, end)
             end = t
     by = collections.defaultdict(lambda: [0.0, 0])
+    grids = collections.defaultdict(collections.Counter)  # name -> its launches' grid sizes
     for e in events:
         key = ("copy: " if e["cat"] != "kernel" else "") + short(e.get("name", "?"))
         by[key][0] += float(e["dur"])
         by[key][1] += 1
+        grid = e.get("args", {}).get("grid")
+        if grid is not None:
+            grids[key][str(grid).replace(" ", "")] += 1
     span = (iv[-1][1] - iv[0][0]) if iv else 0.0
     return {
         "sum_ms": sum(float(e["dur"]) for e in events) / tokens / 1e3,
@@ -82,6 +87,7 @@ def summarize(events: list[dict], tokens: int) -> dict:
         "span_ms": span / tokens / 1e3,
         "kernels": len(events) / tokens,
         "by_name": {k: (v[0] / tokens / 1e3, v[1] / tokens) for k, v in by.items()},
+        "grid": {k: c.most_common(1)[0][0] for k, c in grids.items()},
     }
 
 
@@ -147,12 +153,15 @@ def main() -> None:
         names,
         key=lambda k: -abs(last["strata"].get(k, zero)[0] - last["mlx-lm"].get(k, zero)[0]),
     )
-    print(f"\nthe last round, by kernel (us a token / launches a token), the {a.top} largest gaps:")
-    print(f"{'kernel':72} {'mlx-lm':>16} {'strata-mlx':>16}")
+    grid = {name: got[name][-1]["grid"] for name in got}
+    print("\nthe last round, by kernel (us a token / launches a token; the commonest grid of")
+    print(f"each one's launches), the {a.top} largest gaps:")
+    print(f"{'kernel':72} {'mlx-lm':>16} {'strata-mlx':>16}  grids")
     for k in rows[: a.top]:
         lt, lc = last["mlx-lm"].get(k, zero)
         st, sc = last["strata"].get(k, zero)
-        print(f"{k:72} {lt * 1e3:9.1f} /{lc:5.1f} {st * 1e3:9.1f} /{sc:5.1f}")
+        g = f"{grid['mlx-lm'].get(k, '-')} {grid['strata'].get(k, '-')}"
+        print(f"{k:72} {lt * 1e3:9.1f} /{lc:5.1f} {st * 1e3:9.1f} /{sc:5.1f}  {g}")
 
 
 if __name__ == "__main__":
