@@ -184,7 +184,7 @@ def main() -> None:
             )
             set_mode(resident, "sync")
             run_strata(resident, ids[: step + 1], 4, step)
-            set_mode(resident, "token:8")
+            set_mode(resident, "token")
             run_strata(resident, ids[: step + 1], 4, step)
             residents[policy] = resident
     for r in range(a.rounds):

@@ -4,7 +4,9 @@ reader's device copy until the gate gives up (CUDA only).
 Each action runs in a fresh process: a gate waits on the device for a record's ready word
 (giving up after --timeout-ms), a second thread makes one driver call, then a reader copies
 the record and stores the word. A copy held by the call lands only when the gate has given
-up: `late` 1 and `copy_s` about the gate's timeout. Prints one JSON line an action.
+up: `late` 1 and `copy_s` about the gate's timeout. Prints one JSON line an action. (The MLX
+actions run MLX on the holder's thread, whose evaluation may wait behind the spinning gate:
+their `holder_s` is then about the timeout whatever the call did.)
 
     python benchmarks/held_copy_probe.py --actions none,ctx_sync,free_managed,free_device
 """
@@ -32,9 +34,12 @@ ACTIONS = {
     "free_host": "cuMemFreeHost of pinned memory allocated before the gate",
     "mlx_free": "MLX freeing a host-made array with its cache limit 0 (its managed memory)",
     "mlx_event": "an MLX CPU-stream result used on the GPU (an event in managed memory)",
-    "module_load": "cuModuleLoadData of a one-kernel PTX module (the driver compiles it)",
-    "mlx_new_kernel": "a custom MLX kernel's first call (NVRTC, then its module loaded)",
-    "mlx_compiled": "an mx.compile'd function's first call (its fused kernel compiled, loaded)",
+    "module_load": "cuModuleLoadData of a one-kernel PTX module (the same each run: the driver"
+    " compiles it once, then loads it from its cache)",
+    "mlx_new_kernel": "a custom MLX kernel's first call (a new name each run: NVRTC, then its "
+    "module loaded)",
+    "mlx_compiled": "an mx.compile'd function's first call (its fused kernel compiled, or taken "
+    "from MLX's disk cache where an earlier run put it, then loaded)",
 }
 
 CHILD = r"""

@@ -48,9 +48,16 @@ def profiler():
 
 
 def short(name: str) -> str:
-    """A kernel's name without template arguments and parameter lists."""
-    name = re.sub(r"<.*>", "<>", name)
-    return re.sub(r"\(.*\)", "", name)[:70]
+    """A kernel's name without template arguments and its parameter list."""
+    name = re.sub(r"<.*>", "<>", name.replace("(anonymous namespace)", "anon")).rstrip()
+    if name.endswith(")"):  # the parameter list: back to its matching "("
+        depth = 0
+        for i in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                name = name[:i].rstrip()
+                break
+    return name[:70]
 
 
 def device_events(prof) -> list[dict]:
@@ -60,7 +67,10 @@ def device_events(prof) -> list[dict]:
         with open(path) as f:
             trace = json.load(f)
     events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
-    return [e for e in events if e.get("cat") in DEVICE_CATS and "dur" in e]
+    got = [e for e in events if e.get("cat") in DEVICE_CATS and "dur" in e]
+    if not got:
+        raise SystemExit("error: the profiler recorded no CUDA kernel (MLX not on a CUDA GPU?)")
+    return got
 
 
 def summarize(events: list[dict], tokens: int) -> dict:
@@ -95,11 +105,11 @@ def profiled(steps, skip: int, gen: int) -> dict:
     """`gen` tokens of a (token, logprobs) generator profiled after `skip` unprofiled ones."""
     for _ in range(skip):
         next(steps)
-    prof = profiler()
-    prof.start()
-    for _ in range(gen):
-        tok, _ = next(steps)
-    prof.stop()
+    mx.synchronize()  # (the device idle at both ends: no kernel half in the window)
+    with profiler() as prof:
+        for _ in range(gen):
+            next(steps)
+        mx.synchronize()
     steps.close()
     return summarize(device_events(prof), gen)
 
@@ -113,6 +123,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
+    for flag, v in (("-g", a.gen_tokens), ("--rounds", a.rounds), ("--skip", a.skip + 1)):
+        if v < 1:
+            raise SystemExit(f"error: {flag} must be at least {1 if flag != '--skip' else 0}")
     try:
         m = load_manifest(a.store)
     except StoreError as e:

@@ -689,37 +689,44 @@ def test_token_routing_read_once_equals_a_read_per_layer(store, variant, monkeyp
 def test_wider_lookahead_reads_more_ahead_and_keeps_every_token(store, decode_mode, monkeypatch):
     """lookahead_extra: one token's lookahead routers give the top k + extra ids, best first
     (their top k the first k, kept in that order by the predictor's ranking), several tokens'
-    their top k; decode hands the read-ahead a layer's k + extra predicted experts, and tokens
+    their top k; decode hands the read-ahead a layer's k + extra predicted experts (the
+    per-layer handshake's predictions; pipelined decode's checks', checked at once, `lag` 0,
+    so that on this two-layer store the first layer's check predicts the second), and tokens
     and log-probabilities equal the per-layer handshake's without it. (How many of them are
     read is not compared: in an arena of a few slots a layer, that depends on which reads have
     landed and which layers still compute as each prediction comes.)"""
     path, ids = store("qwen3_moe"), prompt_ids(24, seed=11)
-    widths = []  # decode's predictions handed to the read-ahead: their lengths
+    sent = []  # (where, width) of decode's predictions handed to the read-ahead
     read_ahead, predicted = Scheduler.read_ahead, Scheduler.predicted
 
-    def spy_read_ahead(self, layer, ranked, *a, **kw):  # (pipelined decode's checks)
-        widths.extend([len(ranked)] if self.arena.decoding else [])
+    def spy_read_ahead(self, layer, ranked, *a, **kw):  # (pipelined checks pass `protect`)
+        if self.arena.decoding:
+            sent.append(("checks" if "protect" in kw else "after_wait", len(ranked)))
         return read_ahead(self, layer, ranked, *a, **kw)
 
-    def spy_predicted(self, layer, ranked, *a):  # (the per-layer handshake's)
-        widths.extend([len(ranked)] if self.arena.decoding else [])
+    def spy_predicted(self, layer, ranked, *a):
+        if self.arena.decoding:
+            sent.append(("handshake", len(ranked)))
         return predicted(self, layer, ranked, *a)
 
     monkeypatch.setattr(Scheduler, "read_ahead", spy_read_ahead)
     monkeypatch.setattr(Scheduler, "predicted", spy_predicted)
-    opts = dict(arena_gb=arena_for(path, 0.25), read_ahead="lookahead",
+    opts = dict(arena_gb=arena_for(path, 0.6), read_ahead="lookahead",
                 lookahead_decode_min_miss=0.0)  # fmt: skip
+    mode = dict(decode="sync") if decode_mode == "sync" else dict(decode_lag=0)
+    where = "handshake" if decode_mode == "sync" else "checks"
     ref_model, _ = strata_mlx.load(path, decode="sync", **opts)
     ref = decode(ref_model, ids, 8)
     ref_model.expert_cache.close()
-    widths.clear()
-    narrow, _ = strata_mlx.load(path, decode=decode_mode, **opts)
+    sent.clear()
+    narrow, _ = strata_mlx.load(path, **mode, **opts)
     assert decode(narrow, ids, 8)[0] == ref[0]
-    assert widths and max(widths) == narrow.args.num_experts_per_tok, widths
+    k = narrow.args.num_experts_per_tok
+    assert (where, k) in sent and max(w for _, w in sent) == k, sent
     narrow.expert_cache.close()
-    model, _ = strata_mlx.load(path, decode=decode_mode, lookahead_extra=3, **opts)
+    model, _ = strata_mlx.load(path, lookahead_extra=3, **mode, **opts)
     ec = model.expert_cache
-    k, n = model.args.num_experts_per_tok, load_manifest(path).num_experts
+    n = load_manifest(path).num_experts
     for layer, block in model.blocks.items():
         for tokens, width in ((1, min(k + 3, n)), (5, k)):
             x = mx.random.normal((1, tokens, model.args.hidden_size), key=mx.random.key(tokens))
@@ -729,10 +736,10 @@ def test_wider_lookahead_reads_more_ahead_and_keeps_every_token(store, decode_mo
             assert all(set(t) == set(w[:k]) for t, w in zip(top.tolist(), wide.tolist()))
             if tokens == 1:
                 assert ec.predictor.rank(wide[0].tolist()) == wide[0].tolist()
-    widths.clear()
+    sent.clear()
     got = decode(model, ids, 8)
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
-    assert max(widths) == min(k + 3, n), widths  # (a decode token's k + 3, handed whole)
+    assert (where, min(k + 3, n)) in sent, sent  # (a decode token's k + 3, handed whole)
     ec.close()
 
 
