@@ -153,9 +153,10 @@ def main() -> None:
         for name, run in runs if r % 2 == 0 else runs[::-1]:
             s = run()
             got[name].append(s)
+            idle = s["span_ms"] - s["busy_ms"]
             print(
                 f"round {r} {name}: ms a token: kernels {s['sum_ms']:.2f}, device busy "
-                f"{s['busy_ms']:.2f}, span {s['span_ms']:.2f} (idle {s['span_ms'] - s['busy_ms']:.2f});"
+                f"{s['busy_ms']:.2f}, span {s['span_ms']:.2f} (idle {idle:.2f});"
                 f" {s['kernels']:.0f} kernels and copies a token",
                 flush=True,
             )

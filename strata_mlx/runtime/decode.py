@@ -17,10 +17,10 @@ later against the row it was built with:
 A token runs in one of three ways, chosen from the running share of decode layers that missed
 (`ExpertCache.decode_layer_miss_rate`):
 
-  - "token" (below `token_below`, the warm case): the whole token is built and submitted in
-    chunks of `chunk` layers (0: the whole token at once) without a check; its layers are verified once the next token is
-    built too (`Step` / `finish`), so the host builds token t+1 while the device computes
-    token t, as mlx-lm's generate_step does. A miss discards both and recomputes from the
+  - "token" (below `token_below`, the warm case): the whole token is built and submitted (in
+    chunks of `chunk` layers; 0: at once) without a check; its layers are verified once the
+    next token is built too (`Step` / `finish`), so the host builds token t+1 while the device
+    computes token t, as mlx-lm's generate_step does. A miss discards both and recomputes from the
     missed layer. No read-ahead is issued in this mode.
   - "layers" (up to `sync_above`, or whenever decode lookahead predicts, unless
     `token_while_predicting` lets the share of layers that missed alone decide): layers are
