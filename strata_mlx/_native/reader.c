@@ -561,6 +561,19 @@ typedef struct {
 } Behind;
 
 /* Wait for the thread's queued copy and complete its read (mu not held; taken here). */
+/* The checksum a read owes, of its buffer: a whole record's against its expected value
+ * (CHECKSUM_MISMATCH where it differs), or a verified split request's part its own, in
+ * *part_crc (combined once the last part is in); 0 otherwise. */
+static int take_checksum(int kind, const Request *rq, const void *buf, size_t nread,
+                         uint32_t *part_crc) {
+    if (rq->verify)
+        return checksum_update(kind, 0, buf, (size_t)rq->length) != rq->expected
+                   ? CHECKSUM_MISMATCH
+                   : 0;
+    if (rq->group && rq->group->verify) *part_crc = checksum_update(kind, 0, buf, nread);
+    return 0;
+}
+
 static void finish_behind(ReaderObject *r, int w, DevCopyThread *dc, Behind *b) {
     if (!b->active) return;
     uint64_t c0 = now_ns();
@@ -707,19 +720,14 @@ static void *worker_main(void *p) {
             pthread_mutex_unlock(&r->mu);
         }
         int checked = !err && rq.verify;
-        /* (the synchronous device copy below: the checksums taken while it runs) */
-        int in_copy = checked || (!err && rq.group && rq.group->verify);
-        in_copy = in_copy && dc && r->bounce && nread > 0 &&
-                  __atomic_load_n(&r->verify_in_copy, __ATOMIC_RELAXED) &&
-                  !(copy_behind && !urgent && !rq.group);
-        if (checked && !in_copy) {
-            if (checksum_update(kind, 0, into.dest, (size_t)rq.length) != rq.expected)
-                err = CHECKSUM_MISMATCH;
-            t2 = now_ns();
-        }
+        int verifies = checked || (!err && rq.group && rq.group->verify);
+        /* (the synchronous device copy below: the checksum taken while it runs) */
+        int in_copy = verifies && dc && r->bounce && nread > 0 &&
+                      __atomic_load_n(&r->verify_in_copy, __ATOMIC_RELAXED) &&
+                      !(copy_behind && !urgent && !rq.group);
         uint32_t part_crc = 0; /* a part of a verified split request: its own checksum */
-        if (!err && rq.group && rq.group->verify && !in_copy) {
-            part_crc = checksum_update(kind, 0, into.dest, (size_t)nread);
+        if (verifies && !in_copy) {
+            err = take_checksum(kind, &rq, into.dest, (size_t)nread, &part_crc);
             t2 = now_ns();
         }
         /* The previous read's copy ran while this one was read: it completes first, and
@@ -754,11 +762,7 @@ static void *worker_main(void *p) {
                         checked = 0; /* (no checksum taken) */
                     } else {
                         uint64_t v0 = now_ns();
-                        if (checked && checksum_update(kind, 0, into.dest, (size_t)rq.length) !=
-                                           rq.expected)
-                            err = CHECKSUM_MISMATCH;
-                        if (rq.group && rq.group->verify)
-                            part_crc = checksum_update(kind, 0, into.dest, (size_t)nread);
+                        err = take_checksum(kind, &rq, into.dest, (size_t)nread, &part_crc);
                         t2 = t1 + (now_ns() - v0); /* (the checksum's own time) */
                         /* (a failed copy wins: the context may be unusable, not the record) */
                         if (devcopy_wait(dc)) err = DEVICE_COPY_FAILED;
