@@ -192,14 +192,14 @@ class ExpectedUse:
 
 def rank_by_tokens(ids: np.ndarray, min_tokens: int = 1, in_order: bool = False) -> list[int]:
     """Distinct experts in `ids` ([T, k] top-k ids, or one token's as a list), most tokens
-    first, ties by id; one token's list kept in its own order with `in_order`."""
+    first, ties by id; one token's kept in its own order with `in_order`."""
     if isinstance(ids, list):  # one token's (decode): each expert once, by id
         if min_tokens > 1:
             return []
         return list(dict.fromkeys(ids)) if in_order else sorted(set(ids))
     ids = np.asarray(ids)
-    if ids.ndim == 2 and ids.shape[0] == 1:  # one token (decode): each expert once, by id
-        return sorted(set(ids[0].tolist())) if min_tokens <= 1 else []
+    if ids.ndim == 2 and ids.shape[0] == 1:  # one token (decode), as a list
+        return rank_by_tokens(ids[0].tolist(), min_tokens, in_order)
     counts = np.bincount(ids.reshape(-1))
     order = np.argsort(-counts, kind="stable")  # most tokens first, ties by id
     return order[counts[order] >= max(min_tokens, 1)].tolist()

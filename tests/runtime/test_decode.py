@@ -734,8 +734,9 @@ def test_wider_lookahead_reads_more_ahead_and_keeps_every_token(store, decode_mo
             assert wide.shape[-1] == width
             top = np.array(block.route_ids(x)).reshape(tokens, -1)
             assert all(set(t) == set(w[:k]) for t, w in zip(top.tolist(), wide.tolist()))
-            if tokens == 1:
+            if tokens == 1:  # (as a list, and as pipelined checks hand it: [1, k + 3])
                 assert ec.predictor.rank(wide[0].tolist()) == wide[0].tolist()
+                assert ec.predictor.rank(wide) == wide[0].tolist()
     sent.clear()
     got = decode(model, ids, 8)
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
