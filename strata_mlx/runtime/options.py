@@ -105,8 +105,9 @@ class RuntimeConfig:
     )
     # CUDA with device_copy: a miss's record (or a split part) copied while its checksum is
     # taken, not after it: on an H100's tmpfs a part's checksum took 35-71 us and its copy 68,
-    # of a miss's ~300-550 us from submission to landing. Off until a GPU run says what it
-    # saves.
+    # of a miss's ~300-550 us from submission to landing. Off: decode with it ran 0.83-1.09x
+    # as fast, within the runs' spread (docs/decisions.md, "A miss's checksum while its copy
+    # runs").
     verify_in_copy: bool = field(
         default=False,
         metadata=opt("CUDA: a miss's checksum taken while its copy runs (a mismatched record "
@@ -175,8 +176,8 @@ class RuntimeConfig:
         metadata=opt("pipelined (routing checked a layer late, no per-layer sync) | sync.",
                      choices=MODES),
     )  # fmt: skip
-    # With the routing board (gated decode on CUDA, by default), 4 layers submitted at once and checked 4 behind
-    # (docs/decisions.md, "The routing board"); elsewhere 1 and 1.
+    # With the routing board (gated decode on CUDA, by default), 4 layers submitted at once
+    # and checked 4 behind (docs/decisions.md, "The routing board"); elsewhere 1 and 1.
     decode_lag: int | None = field(
         default=None,
         metadata=opt("pipelined: layers the host reads routing behind.", (0, 1 << 10),

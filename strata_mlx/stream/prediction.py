@@ -90,10 +90,10 @@ class ReadAhead:
     )
 
     # Decode's one token: each layer ahead predicted as the router's top k + extra, not its
-    # top k, and all of them read ahead. On the full-size model's routing shape (random
-    # weights; docs/benchmarks.md, "Wider decode lookahead"), +5 cut decode's misses by a
-    # third for 32-43 % more bytes, +10 by 44-45 % for 69-85 % more: a trade for a fast
-    # drive, not measured on a GPU yet.
+    # top k, and all of them read ahead. On an H100 (docs/benchmarks.md, "Wider decode
+    # lookahead") +5 and +10 cut decode's misses from 7.7 % to 4.3 and 2.6, but the extra
+    # reads made the misses left land later: decode 0.79-0.94x and 0.62-0.73x as fast, on the
+    # tmpfs and behind 6 GB/s. Off.
     extra: int = field(
         default=0,
         metadata=opt(
