@@ -949,13 +949,12 @@ def test_gated_decode_through_the_device_gate_equals_sync(store, family, monkeyp
     calls = spy_calls(monkeypatch)
     model, sync = gated_and_sync(store(family), 0.1, prompt_ids(24, seed=7), 12)
     assert model.expert_cache.pipelined.device_gate
-    s, r = model.expert_cache.stats, model.expert_cache.sched.reader.stats()
+    s = model.expert_cache.stats
     # A gate may be given up for a copy held behind it (another thread's free while it spins:
     # test_fresh_gated_models_in_one_process_give_up_no_gate), its token recomputed; none
-    # waits out its timeout, and the hold ends well within it.
-    seen = {k: r[k] for k in ("urgent_max_ns", "copies_held", "words_given_up")}
-    assert s.gate_timeouts <= r["copies_held"] + r["words_given_up"], seen
-    assert model.decoder.given_up == 0 and r["urgent_max_ns"] < 1e9, seen
+    # waits out its timeout.
+    given_up_only_for_held_copies(s, model.expert_cache.sched.reader.stats())
+    assert model.decoder.given_up == 0
     assert s.misses > 0 and s.gated_mode_tokens == 12 - UNGATED_FIRST
     checks = model.expert_cache.pipelined.checks._thread  # (reads only: spy_calls)
     assert checks not in calls["eval"] + calls["async_eval"] + calls["token_ids"]
@@ -989,12 +988,17 @@ def test_fresh_gated_models_in_one_process_give_up_no_gate(store, board):
         s, r = model.expert_cache.stats, model.expert_cache.sched.reader.stats()
         model.expert_cache.close()
         assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
-        # (a gate given up only for a held copy, its hold then ended: the reader's longest miss
-        # well under the gate's 5 s timeout)
-        seen = {k: r[k] for k in ("urgent_max_ns", "copies_held", "words_given_up")}
-        released = r["copies_held"] + r["words_given_up"]
-        assert s.gate_timeouts <= released and s.misses > 0, (model_number, seen)
-        assert r["urgent_max_ns"] < 1e9, (model_number, seen)
+        given_up_only_for_held_copies(s, r, model_number)
+        assert s.misses > 0, model_number
+
+
+def given_up_only_for_held_copies(s, r: dict, *context) -> None:
+    """Of a gated decode's stats `s` and its reader's `r`: every gate given up was given up
+    for a held copy (its word, or a read's queued behind it, given up), and the hold ended:
+    the reader's longest miss well under the gates' 5 s timeout."""
+    seen = {k: r[k] for k in ("urgent_max_ns", "copies_held", "words_given_up")}
+    assert s.gate_timeouts <= r["copies_held"] + r["words_given_up"], (*context, seen)
+    assert r["urgent_max_ns"] < 1e9, (*context, seen)
 
 
 class TableShape:
