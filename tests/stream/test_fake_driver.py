@@ -106,6 +106,11 @@ def started(r):
             last, still = now, time.monotonic()
         time.sleep(0.01)
     return r
+def landing(n):
+    # n ready words (-1: pending) and n record-sized slots from a page-aligned address (their
+    # buffer returned too: kept alive with them)
+    dest = np.zeros(n * rb + 4096, dtype=np.uint8)
+    return np.full(n, -1, dtype=np.int32), dest, (dest.ctypes.data + 4095) // 4096 * 4096
 if case == "streams":
     a = started(Reader(8, bounce=True, overlap=True, device_copy=True, record_bytes=rb))
     out["one"] = count(0)
@@ -122,9 +127,7 @@ elif case == "pins":
     out["unpinned_at_close"] = count(2)
 elif case.startswith("queued:"):  # four reads on two threads, each copy held STUB_HOLD_MS
     held_us = int(case.split(":")[1])
-    words = np.full(4, -1, dtype=np.int32)
-    dest = np.zeros(4 * rb + 4096, dtype=np.uint8)
-    at = (dest.ctypes.data + 4095) // 4096 * 4096
+    words, dest, at = landing(4)
     with Reader(1, bounce=True, overlap=True, device_copy=True, record_bytes=rb) as r:
         r.copy_held_us = held_us
         f = r.open(path, direct=False)
@@ -145,9 +148,7 @@ elif case.startswith("slow:"):  # read-ahead, one thread, 120 ms a read, no copy
     from strata_mlx.stream.reader import limit_drive
 
     held_us = int(case.split(":")[1])
-    words = np.full(5, -1, dtype=np.int32)
-    dest = np.zeros(5 * rb + 4096, dtype=np.uint8)
-    at = (dest.ctypes.data + 4095) // 4096 * 4096
+    words, dest, at = landing(5)
     limit_drive(rb / 0.12 / 1e9)
     with Reader(1, bounce=True, device_copy=True, copy_behind=True, record_bytes=rb) as r:
         r.words_by_driver = True
@@ -169,9 +170,7 @@ elif case.startswith("verify:"):  # checksums taken before the copy or while it 
 
     data = np.fromfile(path, np.uint8, rb)
     good = _reader.checksum("crc32c", data.tobytes())
-    words = np.full(4, -1, dtype=np.int32)
-    dest = np.zeros(4 * rb + 4096, dtype=np.uint8)
-    at = (dest.ctypes.data + 4095) // 4096 * 4096
+    words, dest, at = landing(4)
     slot = lambda i: np.ctypeslib.as_array((ctypes.c_uint8 * rb).from_address(at + i * rb))
     req = lambda t, f, crc: (t, f, 0, rb, at + t * rb, crc, (words.ctypes.data + 4 * t, 7))
     done, split = [], 0
@@ -188,9 +187,7 @@ elif case.startswith("verify:"):  # checksums taken before the copy or while it 
                bad_copied=bool((slot(3) == data).all()))
 else:  # "held": one read, its copy held STUB_HOLD_MS; the word watched every ms
     held_us = int(case.split(":")[1])
-    word = np.full(1, -1, dtype=np.int32)
-    dest = np.zeros(rb + 4096, dtype=np.uint8)
-    at = (dest.ctypes.data + 4095) // 4096 * 4096
+    word, dest, at = landing(1)
     with Reader(1, bounce=True, device_copy=True, record_bytes=rb) as r:
         r.copy_held_us = held_us
         f = r.open(path, direct=False)
