@@ -86,8 +86,9 @@ def run_strata(model, ids, gen, step, on_first=None):
 def set_mode(model, mode: str) -> None:
     """sync | layers:LAG (each layer checked LAG layers late, never whole tokens) |
     token:CHUNK (whole tokens overlapped with the next one's build, CHUNK layers submitted at
-    once, 0 or none the whole token, never the sync fallback) | adaptive (the runtime's defaults) | adaptive+token (the
-    same, "token" mode allowed while decode lookahead predicts). A "+general" suffix: one
+    once, 0 or none the whole token, never the sync fallback) | adaptive (the runtime's
+    defaults) | adaptive+token (the same, "token" mode allowed while decode lookahead
+    predicts). A "+general" suffix: one
     token's layers call the expert kernels' general entry with an index of the pairs, as
     before they called `pairs` (LayerCompute.by_pair), for a side-by-side timing; "+perlayer":
     "token" mode reads each layer's routing back on its own, as before a token's was read in

@@ -42,11 +42,11 @@ A token runs in one of three ways, chosen from the running share of decode layer
     end reads: that layer is recomputed by the per-layer handshake (a token built on this
     one meanwhile is discarded, as after a miss); once `gate_give_ups` of them have waited out
     their timeout in the decoder's life it stops gating (the rest of that token included),
-    warning once. Where the device cannot wait (no CUDA), the host's gate runs each layer's check before its
-    experts are queued and waits for its reads, as "sync" does. No token is built on a gated
-    one before it is verified: its last checks may give a miss the slot of a layer not
-    computing yet, which a token built on top ("token" mode: slots looked up when built)
-    would read unchecked. A token that may launch a kernel the process has not loaded (the
+    warning once. Where the device cannot wait (no CUDA), the host's gate runs each layer's
+    check before its experts are queued and waits for its reads, as "sync" does. No token is
+    built on a gated one before it is verified: its last checks may give a miss the slot of a
+    layer not computing yet, which a token built on top ("token" mode: slots looked up when
+    built) would read unchecked. A token that may launch a kernel the process has not loaded (the
     first with its cache's buffer shapes, one that grows a buffer or whose keys reach a count
     where attention changes kernels) runs ungated: CUDA may
     synchronize the context to load a module, and a read's copy then waits behind the
