@@ -271,10 +271,9 @@ def test_api_refuses_the_same_values(store):
         for bad in (-4, 6):
             with pytest.raises(OptionError, match=name):
                 strata_mlx.load(path, **{name: bad})
-    model, _ = strata_mlx.load(path, read_piece_kb=64, decode_gate=True, decode_board_spin_us=500)
+    model, _ = strata_mlx.load(path, read_piece_kb=64)
     try:
         assert model.expert_cache.sched.reader.piece == 64 * 1024
-        assert model.expert_cache.pipelined.board.spin_s == 500e-6
         ids = prompt_ids(6)
         for kw in (
             {"max_tokens": 0},

@@ -2014,30 +2014,27 @@ static PyObject *mod_replace_words(PyObject *m, PyObject *args) {
     return PyLong_FromSsize_t(replaced);
 }
 
-/* wait_word(address, value, timeout_s, spin_s=1e-4): until the int32 word at address holds
- * value (True) or timeout_s has passed (False), outside the GIL: a word a device stores into
- * mapped host memory. Polled without sleeping for its first spin_s (a sleep's wake-up takes
- * tens of us of timer slack, a fair share of a decode layer), then between sleeps of a few
- * us. */
+/* wait_word(address, value, timeout_s): until the int32 word at address holds value (True)
+ * or timeout_s has passed (False), outside the GIL: a word a device stores into mapped host
+ * memory. Polled without sleeping for its first 100 us (a sleep's wake-up takes tens of us
+ * of timer slack, a fair share of a decode layer), then between sleeps of a few us. */
 static PyObject *mod_wait_word(PyObject *m, PyObject *args) {
     unsigned long long addr;
     int value;
-    double timeout_s, spin_s = 1e-4;
-    if (!PyArg_ParseTuple(args, "Kid|d:wait_word", &addr, &value, &timeout_s, &spin_s))
-        return NULL;
-    if (!addr || addr % sizeof(int32_t) || !(timeout_s >= 0) || !(spin_s >= 0)) {
+    double timeout_s;
+    if (!PyArg_ParseTuple(args, "Kid:wait_word", &addr, &value, &timeout_s)) return NULL;
+    if (!addr || addr % sizeof(int32_t) || !(timeout_s >= 0)) {
         PyErr_SetString(PyExc_ValueError, "wait_word: a NULL or unaligned address, or a "
-                                          "negative timeout or spin");
+                                          "negative timeout");
         return NULL;
     }
-    uint64_t spin_ns = (uint64_t)(spin_s * 1e9);
     const int32_t *w = (const int32_t *)(uintptr_t)addr;
     int seen;
     Py_BEGIN_ALLOW_THREADS
     uint64_t start = now_ns(), end = start + (uint64_t)(timeout_s * 1e9), now = start;
     struct timespec pause = {0, 5000};
     while (!(seen = __atomic_load_n(w, __ATOMIC_ACQUIRE) == value) && now < end) {
-        if (now - start > spin_ns)
+        if (now - start > 100000)
             nanosleep(&pause, NULL);
         now = now_ns();
     }

@@ -212,7 +212,6 @@ class RoutingBoard:
         self._at: dict[int, mx.array] = {}  # layer -> its board row's device address
         self._seq = 0  # the last sequence number a layer's routing went onto the board with
         self.reads = self.fallbacks = 0  # routings read from the board; read from MLX instead
-        self.spin_s = 1e-4  # a check polls its layer's word this long before it sleeps
 
     def put(self, layer: int, d: Deferred, untraced: bool) -> mx.array | None:
         """`d`'s routing (and lookahead's predictions joined to it) onto the board; the
@@ -245,7 +244,7 @@ class RoutingBoard:
         table = self.sched.residency.gate
         row = table.board_row(layer)
         t0, limit = time.monotonic(), 2e-3 * timeout_ms()
-        while not wait_word(row.ctypes.data, seq, 0.05, self.spin_s):
+        while not wait_word(row.ctypes.data, seq, 0.05):
             if self.stopping() or self.sched.closed or table.device_address is None:
                 raise RuntimeError(CLOSED)
             waited = time.monotonic() - t0

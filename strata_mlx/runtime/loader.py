@@ -377,7 +377,6 @@ def build_expert_cache(
         gate.copy_held_us = round(cfg.decode_copy_held_ms * 1000)
         asked = cfg.decode_gate_board  # (None: on where the device gate runs)
         gate.board_on = cache.pipelined.device_gate and asked is not False
-        cache.pipelined.board.spin_s = cfg.decode_board_spin_us * 1e-6
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
         if cache.pipelined.device_gate:
             wide = cfg.read_ahead.decode_width(k, manifest.num_experts)  # (lookahead_extra)

@@ -265,16 +265,6 @@ class RuntimeConfig:
                      "host memory for its check, instead of a command buffer of its own.",
                      variant="bd", switch=True, shown="on where the device gate runs (CUDA)"),
     )  # fmt: skip
-    # A check waiting for its layer's routing on the board polls the word this long, then
-    # sleeps a few us between looks, each sleep stretched by Linux's timer slack (50 us by
-    # default): a word is seen ~35 us after the device wrote it once the poll is over, ~10
-    # while polling (docs/benchmarks.md, "A link the chain's figures leave out"), for a CPU
-    # core busy while the check waits.
-    decode_board_spin_us: int = field(
-        default=100,
-        metadata=opt("gated (CUDA): a check polls its layer's routing word this many us "
-                     "before it sleeps between looks.", (0, 1_000_000), variant="bs"),
-    )  # fmt: skip
     # Off, a predicting decoder runs "layers" mode: measured on the H200, token mode cost
     # lookahead 41.6 against demand's 32.0 ms/token where 0.9 % of lookups missed.
     decode_token_while_predicting: bool = field(

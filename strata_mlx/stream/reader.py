@@ -508,12 +508,11 @@ def unmap_host(address: int) -> None:
     _reader.unmap_host(address)
 
 
-def wait_word(address: int, value: int, timeout_s: float, spin_s: float = 1e-4) -> bool:
+def wait_word(address: int, value: int, timeout_s: float) -> bool:
     """Until the int32 word at ``address`` holds ``value`` (True) or ``timeout_s`` has passed
-    (False), polled outside the GIL (without sleeping for its first ``spin_s``, then between
-    sleeps of a few us): a word a device stores into mapped host memory (stream.gate's
-    routing board)."""
-    return _reader.wait_word(address, value, timeout_s, spin_s)
+    (False), polled outside the GIL (without sleeping for its first 100 us): a word a
+    device stores into mapped host memory (stream.gate's routing board)."""
+    return _reader.wait_word(address, value, timeout_s)
 
 
 def replace_words(address: int, count: int, old: int, new: int) -> int:

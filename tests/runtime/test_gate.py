@@ -1599,23 +1599,6 @@ def test_wait_word_sees_a_store_from_another_thread_and_times_out_without_one():
     assert wait_word(words.ctypes.data + 4, 7, 5.0) and time.monotonic() - t0 < 2.0
     with pytest.raises(ValueError, match="wait_word"):
         wait_word(words.ctypes.data + 2, 7, 0.01)
-    with pytest.raises(ValueError, match="spin"):
-        wait_word(words.ctypes.data, 7, 0.01, -1.0)
-
-
-def test_wait_word_polls_for_its_spin_then_sleeps_between_looks():
-    """`spin_s`: the waiting thread polls the word (a CPU busy all along) for that long, then
-    sleeps between looks; either way it sees the store."""
-    from strata_mlx.stream.reader import wait_word
-
-    cpu = {}
-    for spin in (0.0, 10.0):
-        words = np.zeros(1, dtype=np.int32)
-        threading.Timer(0.15, lambda w=words: w.__setitem__(0, 7)).start()
-        c0 = time.thread_time()
-        assert wait_word(words.ctypes.data, 7, 5.0, spin)
-        cpu[spin] = time.thread_time() - c0
-    assert cpu[10.0] > 0.05 and cpu[0.0] < cpu[10.0] / 2, cpu
 
 
 def test_the_gate_is_on_by_default_only_where_the_device_can_wait(store, monkeypatch):
