@@ -447,7 +447,7 @@ widen)  # decode's lookahead wider than the router's top k (:xN, N more experts 
 pieces)  # records read, checksummed and copied in pieces (the reader's `piece`, bench `:pcN`):
   # the data path whole and in pieces of PIECES KB (read_path.py), a miss's steps (demand, whole
   # against 64 KB pieces: profile_decode --evals), then bench on the tmpfs; the device copy's GPU
-  # test (whole and in pieces) while the store is written. ~7 min; BENCH=0 leaves bench out
+  # test (whole and in pieces) while the store is written. ~7 min
   build
   synth "$SHM" &
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/stream/test_reader.py \
@@ -456,10 +456,10 @@ pieces)  # records read, checksummed and copied in pieces (the reader's `piece`,
   v=bounce+verify+overlap+dc+dm+cb
   for kb in ${PIECES:-128 32}; do
     timeout 100 python3 benchmarks/read_path.py "$SHM" --touch --seconds 2 --rounds 3 \
-      --piece-kb "$kb" --variants "$v,$v+pc" 2>&1 | sed "s/^/pieces of $kb KB: /"
+      --piece-kb "$kb" --variants "$v,$v+pc" 2>&1 | grep "median" | sed "s/^/pieces of $kb KB: /"
   done 2>&1 | tee "$OUT/read-path-pieces.log"
   for p in demand demand:pc64; do echo "== $p"; evals --policy "$p"; done 2>&1 | tee "$OUT/evals-pieces.log"
-  [ "${BENCH:-1}" = 0 ] || G=${G:-64} LIMIT=${LIMIT:-300} bench "bench-pieces" "$SHM" \
+  G=${G:-64} LIMIT=${LIMIT:-300} bench "bench-pieces" "$SHM" \
     "${POL:-lookahead,lookahead:pc128,demand,demand:pc64}"
   ;;
 kprofile)  # a resident decode token's device time by kernel, strata-mlx beside mlx-lm (CUPTI
