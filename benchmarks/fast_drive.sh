@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|pieces|kprofile
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|kprofile
 # Policies name options beside the defaults of the code run: gated decode on CUDA runs with
 # the routing board by default, 4 layers a commit, checked 4 behind (`:bd1` is
 # `:bd1:lc4:lag4`); without it (OLDGT below, `:bd0:lc1:lag1`) each layer alone, checked 1
@@ -444,24 +444,6 @@ widen)  # decode's lookahead wider than the router's top k (:xN, N more experts 
       "${POL:-lookahead,lookahead:x5,lookahead:x10,lookahead:vc1}"
   done
   ;;
-pieces)  # records read, checksummed and copied in pieces (the reader's `piece`, bench `:pcN`):
-  # the data path whole and in pieces of PIECES KB (read_path.py), a miss's steps (demand, whole
-  # against 64 KB pieces: profile_decode --evals), then bench on the tmpfs; the device copy's GPU
-  # test (whole and in pieces) while the store is written. ~7 min
-  build
-  synth "$SHM" &
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/stream/test_reader.py \
-    -k device_copy_lands 2>&1 | tail -3 | tee "$OUT/pieces-tests.log"
-  wait
-  v=bounce+verify+overlap+dc+dm+cb
-  for kb in ${PIECES:-128 32}; do
-    timeout 100 python3 benchmarks/read_path.py "$SHM" --touch --seconds 2 --rounds 3 \
-      --piece-kb "$kb" --variants "$v,$v+pc" 2>&1 | grep "median" | sed "s/^/pieces of $kb KB: /"
-  done 2>&1 | tee "$OUT/read-path-pieces.log"
-  for p in demand demand:pc64; do echo "== $p"; evals --policy "$p"; done 2>&1 | tee "$OUT/evals-pieces.log"
-  G=${G:-64} LIMIT=${LIMIT:-300} bench "bench-pieces" "$SHM" \
-    "${POL:-lookahead,lookahead:pc128,demand,demand:pc64}"
-  ;;
 kprofile)  # a resident decode token's device time by kernel, strata-mlx beside mlx-lm (CUPTI
   # through PyTorch's profiler: benchmarks/kernel_profile.py), then the gate's GPU tests
   build
@@ -487,5 +469,5 @@ pairs)  # one token's layers through the kernels' `pairs` against their general 
      --modes token:4,token:4+general --json "$OUT/pairs-resident.json" 2>&1 | tee "$OUT/pairs-resident.log"
   timeout 150 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 30 2>&1 | tee "$OUT/pairs-build.log"
   ;;
-*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|pieces|kprofile"; exit 2;;
+*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|kprofile"; exit 2;;
 esac

@@ -11,8 +11,7 @@ the bounce copy lands through the driver's page migration), as the expert cache 
 device (the expert cache's default there); without it the CPU copies into managed memory.
 "dm": (with dc) into an arena in plain device memory (the cache's device_arena option) instead
 of managed memory. "cb": (with dc) the reader's copy_behind (the next record read while the
-last one's copy runs). "pc": (with dc) the reader's piece (`--piece-kb`: each record read,
-checksummed and copied in pieces of that size, each piece's copy queued once it is read).
+last one's copy runs).
 "4k": into an arena left in 4 KB pages (Arena(hugepages=False); by default the CPU backend's
 arena asks Linux for huge pages, which CUDA's managed memory does not take).
 --touch: each batch of landed slots is then read by the device (a sum over their rows,
@@ -33,18 +32,17 @@ from strata_mlx.format.store import load_manifest
 from strata_mlx.stream.arena import Arena
 from strata_mlx.stream.probe import IN_FLIGHT, probe_data_path
 
-PARTS = ("direct", "bounce", "verify", "overlap", "4k", "dc", "dm", "cb", "pc")
+PARTS = ("direct", "bounce", "verify", "overlap", "4k", "dc", "dm", "cb")
 
 
 def read_round(store: Path, m, arena: Arena, variant: set, workers: int, seconds: float,
-               touch: bool, seed: int, piece_kb: int = 0) -> dict:  # fmt: skip
+               touch: bool, seed: int) -> dict:  # fmt: skip
     """One round of the data path's probe (strata_mlx.stream.probe.probe_data_path) with the
     variant's steps, into `arena`; per read: pread, checksum and device-copy times."""
     res = probe_data_path(store, m, workers, seconds, verify="verify" in variant,
                           overlap="overlap" in variant, device_copy="dc" in variant,
                           touch=touch, seed=seed, bounce="bounce" in variant,
-                          arena=arena, copy_behind="cb" in variant,
-                          piece=piece_kb * 1024 if "pc" in variant else 0)  # fmt: skip
+                          arena=arena, copy_behind="cb" in variant)  # fmt: skip
     st = res["stats"]
     busy = sum(st["busy_ns"]) + sum(st["verify_ns"])
     per = max(st["requests_done"], 1) * 1e3  # ns -> us a read
@@ -63,7 +61,6 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--touch", action="store_true")
-    ap.add_argument("--piece-kb", type=int, default=128, help="the pieces of `pc` variants")
     ap.add_argument("--variants", default="direct,bounce,bounce+verify,bounce+verify+overlap")
     a = ap.parse_args()
     variants = [v for v in a.variants.split(",") if v]
@@ -91,7 +88,7 @@ def main() -> None:
         for v in order:
             parts = set(v.split("+"))
             res = read_round(a.store, m, arenas["4k" if "4k" in parts else "", "dm" in parts], parts, a.workers, a.seconds,
-                             a.touch, seed=i, piece_kb=a.piece_kb)  # fmt: skip
+                             a.touch, seed=i)  # fmt: skip
             runs[v].append(res["gb_per_s"])
             print(f"round {i} {v}: {res['gb_per_s']:.3f} GB/s ({res['reads']} reads, "
                   f"{res['verified']} verified, preads at once <= {res['preads_max']}; a read: "

@@ -133,13 +133,6 @@ struct ReaderObject {
      * (a mismatched record then reaches its slot, its read still failed). Read by the
      * workers with no lock. */
     int verify_in_copy;
-    /* A record copied by the device, longer than this (bytes, ALIGNMENT-sized; 0: never), is
-     * read, checksummed and copied piece by piece: each piece's copy queued as soon as its
-     * pread and checksum are done, so the copy engine moves the record while the rest of it
-     * is read, and the checksum reads each piece while it is still in the core's cache (a
-     * mismatched record then reaches its slot, its read still failed). Read by the workers
-     * with no lock. */
-    Py_ssize_t piece;
     /* A device copy whose ready word a gate may wait on, still not done this long after it
      * was queued (ns; 0: never), is held behind the device, and so behind that gate (another
      * thread freeing device or pinned memory while the gate spins waits in the driver for the
@@ -571,50 +564,14 @@ typedef struct {
 /* The checksum a read owes, of its buffer: a whole record's against its expected value
  * (CHECKSUM_MISMATCH where it differs), or a verified split request's part its own, in
  * *part_crc (combined once the last part is in); 0 otherwise. */
-static int check_crc(const Request *rq, uint32_t crc, uint32_t *part_crc) {
-    if (rq->verify) return crc != rq->expected ? CHECKSUM_MISMATCH : 0;
-    if (rq->group && rq->group->verify) *part_crc = crc;
-    return 0;
-}
-
 static int take_checksum(int kind, const Request *rq, const void *buf, size_t nread,
                          uint32_t *part_crc) {
-    if (!rq->verify && !(rq->group && rq->group->verify)) return 0;
-    size_t n = rq->verify ? (size_t)rq->length : nread;
-    return check_crc(rq, checksum_update(kind, 0, buf, n), part_crc);
-}
-
-/* `into` (a bounce buffer) read piece by piece (`size` bytes each: the reader's `piece`), each
- * checksummed (`verifies`) and its copy to `dest` queued on the worker's stream once read;
- * the copies are not waited for. The bytes read, the read's error (or DEVICE_COPY_FAILED),
- * the checksum of the bytes read, and the ns spent checksumming. */
-static int read_pieces(Py_ssize_t size, DevCopyThread *dc, int fd, int direct, int kind,
-                       const Request *into, char *dest, int verifies, long long *nread,
-                       uint32_t *crc, uint64_t *verify_ns) {
-    long long got = 0;
-    int err = 0;
-    *crc = 0;
-    *verify_ns = 0;
-    while (!err && got < into->length) {
-        Request piece = *into;
-        piece.offset += got;
-        piece.dest += got;
-        piece.length = into->length - got < size ? into->length - got : size;
-        long long n = 0;
-        uint64_t p0 = now_ns();
-        err = read_fully(fd, direct, &piece, &n);
-        if (!err) drive_hold(p0, n);
-        if (n > 0 && verifies) {
-            uint64_t v0 = now_ns();
-            *crc = checksum_update(kind, *crc, piece.dest, (size_t)n);
-            *verify_ns += now_ns() - v0;
-        }
-        if (n > 0 && devcopy_start(dc, dest + got, piece.dest, (size_t)n))
-            err = DEVICE_COPY_FAILED;
-        got += n;
-    }
-    *nread = got;
-    return err;
+    if (rq->verify)
+        return checksum_update(kind, 0, buf, (size_t)rq->length) != rq->expected
+                   ? CHECKSUM_MISMATCH
+                   : 0;
+    if (rq->group && rq->group->verify) *part_crc = checksum_update(kind, 0, buf, nread);
+    return 0;
 }
 
 static void finish_behind(ReaderObject *r, int w, DevCopyThread *dc, Behind *b) {
@@ -753,20 +710,9 @@ static void *worker_main(void *p) {
             else
                 err = ENOMEM;
         }
-        /* (pieces: the record's copy runs beside its read; its checksum is known at the end) */
-        Py_ssize_t piece = __atomic_load_n(&r->piece, __ATOMIC_RELAXED);
-        int pieced = !err && dc && r->bounce && piece > 0 && rq.length > piece;
-        uint32_t piece_crc = 0;
-        uint64_t piece_verify_ns = 0;
-        if (pieced)
-            err = read_pieces(piece, dc, fd, direct, kind, &into, rq.dest,
-                              rq.verify || (rq.group && rq.group->verify), &nread, &piece_crc,
-                              &piece_verify_ns);
-        else if (!err) {
-            err = read_fully(fd, direct, &into, &nread);
-            if (!err) drive_hold(t0, nread);
-        }
-        uint64_t t1 = now_ns() - piece_verify_ns, t2 = t1;
+        if (!err) err = read_fully(fd, direct, &into, &nread);
+        if (!err) drive_hold(t0, nread);
+        uint64_t t1 = now_ns(), t2 = t1;
         if (r->overlap || copy_behind) { /* the drive's slot is free: the next read starts now */
             pthread_mutex_lock(&r->mu);
             r->preading--;
@@ -776,14 +722,11 @@ static void *worker_main(void *p) {
         int checked = !err && rq.verify;
         int verifies = checked || (!err && rq.group && rq.group->verify);
         /* (the synchronous device copy below: the checksum taken while it runs) */
-        int in_copy = !pieced && verifies && dc && r->bounce && nread > 0 &&
+        int in_copy = verifies && dc && r->bounce && nread > 0 &&
                       __atomic_load_n(&r->verify_in_copy, __ATOMIC_RELAXED) &&
                       !(copy_behind && !urgent && !rq.group);
         uint32_t part_crc = 0; /* a part of a verified split request: its own checksum */
-        if (verifies && pieced) {
-            err = check_crc(&rq, piece_crc, &part_crc);
-            t2 = t1 + piece_verify_ns;
-        } else if (verifies && !in_copy) {
+        if (verifies && !in_copy) {
             err = take_checksum(kind, &rq, into.dest, (size_t)nread, &part_crc);
             t2 = now_ns();
         }
@@ -792,9 +735,7 @@ static void *worker_main(void *p) {
         finish_behind(r, w, dc, &behind);
         uint64_t copy_ns = 0, memcpy_ns = 0; /* the copy engine's, the CPU's */
         int queued = 0;
-        /* (pieces' copies, queued whatever the checksum said, are waited for before the
-         * buffer is read into again) */
-        if (r->bounce && nread > 0 && (err != CHECKSUM_MISMATCH || pieced)) {
+        if (r->bounce && nread > 0 && err != CHECKSUM_MISMATCH) {
             if (dc) { /* from pageable memory too, where registering failed: staged */
                 uint64_t c0 = now_ns();
                 /* the word a gate may wait on (a part's group lives until its last part is
@@ -803,7 +744,7 @@ static void *worker_main(void *p) {
                 if (copy_behind && !urgent && !rq.group) {
                     /* read-ahead: queued, waited for after the next read (or before this
                      * thread sleeps); an urgent read is waited for at once */
-                    if (!pieced && devcopy_start(dc, rq.dest, into.dest, (size_t)nread))
+                    if (devcopy_start(dc, rq.dest, into.dest, (size_t)nread))
                         err = DEVICE_COPY_FAILED;
                     else {
                         queued = 1;
@@ -815,8 +756,6 @@ static void *worker_main(void *p) {
                             __atomic_add_fetch(&r->words_queued, 1, __ATOMIC_RELAXED);
                         }
                     }
-                } else if (pieced) {
-                    if (devcopy_wait(dc)) err = DEVICE_COPY_FAILED;
                 } else if (in_copy) {
                     if (devcopy_start(dc, rq.dest, into.dest, (size_t)nread)) {
                         err = DEVICE_COPY_FAILED;
@@ -1751,21 +1690,6 @@ static int set_verify_in_copy(ReaderObject *r, PyObject *v, void *c) {
     return set_switch(&r->verify_in_copy, v, "verify_in_copy");
 }
 
-static PyObject *get_piece(ReaderObject *r, void *c) {
-    return PyLong_FromSsize_t(__atomic_load_n(&r->piece, __ATOMIC_RELAXED));
-}
-static int set_piece(ReaderObject *r, PyObject *v, void *c) {
-    Py_ssize_t n = v && PyLong_Check(v) ? PyLong_AsSsize_t(v) : -1;
-    if (n == -1 && PyErr_Occurred()) return -1;
-    if (n < 0 || n % ALIGNMENT) {
-        PyErr_Format(PyExc_ValueError, "piece must be 0 or a multiple of %d bytes, got %R",
-                     ALIGNMENT, v ? v : Py_None);
-        return -1;
-    }
-    __atomic_store_n(&r->piece, n, __ATOMIC_RELAXED);
-    return 0;
-}
-
 static PyObject *get_copy_held_us(ReaderObject *r, void *c) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&r->held_ns, __ATOMIC_RELAXED) / 1000);
 }
@@ -1827,9 +1751,6 @@ static PyGetSetDef Reader_getset[] = {
     {"verify_in_copy", (getter)get_verify_in_copy, (setter)set_verify_in_copy,
      "device copies waited for at once: a record's checksum taken while its copy runs "
      "(a mismatched record reaches its slot, its read still failed)", NULL},
-    {"piece", (getter)get_piece, (setter)set_piece,
-     "device copies: a record longer than this many bytes read, checksummed and copied piece "
-     "by piece, each piece's copy queued once it is read; 0: whole", NULL},
     {"copy_held_us", (getter)get_copy_held_us, (setter)set_copy_held_us,
      "device copies: one a gate waits on, still not done this many us after it was queued, "
      "gives its gate up (its ready word READY_FAILED); 0: never", NULL},

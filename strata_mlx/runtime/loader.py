@@ -348,7 +348,6 @@ def build_expert_cache(
         spinners=cfg.read_spinners,
     )
     reader.verify_in_copy = cfg.verify_in_copy
-    reader.piece = cfg.read_piece_kb * 1024
     cache = ExpertCache(
         path,
         manifest,

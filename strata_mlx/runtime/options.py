@@ -53,15 +53,6 @@ class RuntimeConfig:
         metadata=opt("Split reads into parts of at least this many KB (0: whole records).",
                      (0, 1 << 20), check=multiple_of_4kb, variant="s"),
     )  # fmt: skip
-    # CUDA with device_copy: a record read, checksummed and copied in pieces of this many KB,
-    # each piece's copy queued as soon as it is read, so that the copy engine moves a record
-    # while the rest of it is read and the checksum reads each piece from the core's cache
-    # (reader.Reader's piece). 0: whole records, as before.
-    read_piece_kb: int = field(
-        default=0,
-        metadata=opt("CUDA: read, checksum and copy each record in pieces of this many KB "
-                     "(0: whole).", (0, 1 << 20), check=multiple_of_4kb, variant="pc"),
-    )  # fmt: skip
     # A reader thread with nothing to read polls for work this long before it sleeps
     # (reader.Reader's spin_us), so that a decode miss's read, or its parts, start without a
     # sleeping thread's wake-up; at most read_spinners threads poll at once, a CPU core each.

@@ -140,7 +140,6 @@ def probe_data_path(
     arena=None,
     device_memory: bool = False,
     copy_behind: bool = False,
-    piece: int = 0,
 ) -> dict:
     """The bandwidth the expert cache gets into its arena: random records of the store read
     as the cache reads them (direct I/O; the bounce buffer where the machine needs one; the
@@ -151,8 +150,7 @@ def probe_data_path(
     `bounce` (None: where the cache would use it) and `arena` (None: a new one of
     IN_FLIGHT x workers slots; else its first slots) let benchmarks/read_path.py take each
     step apart; `device_memory`: with the device copy, a new arena is plain device memory (the
-    cache's device_arena), else managed memory; `copy_behind` and `piece`: the reader's
-    options of those names.
+    cache's device_arena), else managed memory; `copy_behind`: the reader's option of that name.
 
     Reads stay queued as the cache's prefill keeps them (hundreds a layer): IN_FLIGHT x workers
     slots, each read again once its touch has run. The touch is queued, not waited for: a slot
@@ -182,7 +180,6 @@ def probe_data_path(
         workers, bounce=bounce, overlap=overlap, device_copy=device_copy, copy_behind=copy_behind
     )
     with reader as r:
-        r.piece = piece
         f = r.open(path, checksum=manifest.checksum if verify else None)
         tag = 0
 

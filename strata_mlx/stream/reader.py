@@ -267,20 +267,6 @@ class Reader:
         self._r.verify_in_copy = bool(on)
 
     @property
-    def piece(self) -> int:
-        """(device_copy, bounce) A record longer than this many bytes (a multiple of 4096; 0,
-        the default: never) is read in pieces of it, each piece checksummed and its copy into
-        the slot queued as soon as it is read: the copy engine moves the record while the
-        rest of it is read, and each piece's checksum reads it while it is still in the
-        core's cache. A record whose checksum does not match then reaches its slot; its read
-        fails all the same. Settable at any time."""
-        return self._r.piece
-
-    @piece.setter
-    def piece(self, nbytes: int) -> None:
-        self._r.piece = nbytes
-
-    @property
     def copy_held_us(self) -> int:
         """(device_copy) A device copy whose ready word a gate may wait on, still not done
         this many microseconds after it was queued, is held behind the device and so behind

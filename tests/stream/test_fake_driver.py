@@ -185,35 +185,6 @@ elif case.startswith("verify:"):  # checksums taken before the copy or while it 
     out.update(errs=[d[1] for d in sorted(done)], words=words.tolist(), split=split,
                good_bytes=[bool((slot(i) == data).all()) for i in (0, 2)],
                bad_copied=bool((slot(3) == data).all()))
-elif case.startswith("pieces:"):  # records read, checksummed and copied in pieces (or whole)
-    from strata_mlx import _reader
-
-    n = 6
-    data = np.random.default_rng(0).integers(0, 256, n * rb, dtype=np.uint8)
-    many = path + ".many"
-    data.tofile(many)
-    rec = lambda i: data[i * rb:(i + 1) * rb]
-    crc = [_reader.checksum("crc32c", rec(i).tobytes()) for i in range(n)]
-    words, dest, at = landing(3 * n)
-    slot = lambda t: np.ctypeslib.as_array((ctypes.c_uint8 * rb).from_address(at + t * rb))
-    # slot t gets record t % n; record 1's expected checksum is wrong
-    req = lambda t, f: (t, f, t % n * rb, rb, at + t * rb, crc[t % n] ^ (t % n == 1),
-                        (words.ctypes.data + 4 * t, 7))
-    done, split = [], 0
-    # two urgent records split into parts, n urgent whole ones, n read-ahead ones whose
-    # copies run behind the next read (two buffers a thread, each read into again)
-    for tags, urgent, parts in ((range(2), True, rb // 4), (range(n, 2 * n), True, 0),
-                                (range(2 * n, 3 * n), False, 0)):
-        with Reader(8 if parts else 2, bounce=True, device_copy=True, copy_behind=True,
-                    split=parts, record_bytes=rb) as r:
-            r.piece = int(case.split(":")[1])
-            f = r.open(many, direct=False, checksum="crc32c")
-            r.submit([req(t, f) for t in tags], urgent)
-            done += r.wait(list(tags), timeout=10)
-            split += r.stats()["split"]
-    out.update(errs={d[0]: d[1] for d in done}, words=words.tolist(), split=split,
-               landed=[bool((slot(t) == rec(t % n)).all()) for t in range(3 * n)],
-               copies=count(3))
 else:  # "held": one read, its copy held STUB_HOLD_MS; the word watched every ms
     held_us = int(case.split(":")[1])
     word, dest, at = landing(1)
@@ -350,31 +321,6 @@ def test_a_checksum_taken_while_the_copy_runs_fails_a_wrong_record_all_the_same(
         assert out["errs"] == [0, CHECKSUM_MISMATCH] * 2 and out["split"] == 2
         assert out["words"] == [7, READY_FAILED] * 2 and out["good_bytes"] == [True, True]
         assert out["bad_copied"] == on
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="the stand-in driver is a Linux library")
-def test_records_read_and_copied_in_pieces_land_exactly_and_a_wrong_one_still_fails(fake_driver):
-    """Reader.piece: urgent records (split into parts and whole) and read-ahead records whose
-    copies run behind the next read, each read, checksummed and copied in 4 KB pieces, land
-    byte for byte in their slots (the stand-in's copies read their source only when their
-    stream is waited for: a buffer read into again before that would land wrong bytes); a
-    record whose checksum does not match fails its read and its word, its bytes now in its
-    slot (a whole one read without pieces never reaches it)."""
-    from strata_mlx.stream.reader import CHECKSUM_MISMATCH, READY_FAILED
-
-    n = 6
-    for piece in (4096, 0):
-        out = fake_driver(f"pieces:{piece}")
-        tags = [*range(2), *range(n, 3 * n)]
-        bad = [t for t in tags if t % n == 1]
-        assert out["split"] == 2
-        assert out["errs"] == {str(t): CHECKSUM_MISMATCH if t in bad else 0 for t in tags}
-        assert [out["words"][t] for t in tags] == [READY_FAILED if t in bad else 7 for t in tags]
-        assert all(out["landed"][t] for t in tags if t not in bad)
-        # (a part is copied as it comes either way; a whole record only in pieces)
-        assert [out["landed"][t] for t in bad] == [True, piece > 0, piece > 0]
-        # 8 parts of 16 KB and the whole records (those mismatched not copied without pieces)
-        assert out["copies"] == (8 * 4 + 2 * n * 16 if piece else 8 + 2 * n - 2)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the stand-in driver is a Linux library")

@@ -728,18 +728,14 @@ def device_copy_store(store):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
 @pytest.mark.parametrize("copy_behind", [False, True], ids=["wait", "behind"])
 @pytest.mark.parametrize("device_memory", [False, True], ids=["managed", "device"])
-def test_device_copy_lands_verified_records_in_device_memory(
-    store, device_memory, copy_behind, pieces
-):
+def test_device_copy_lands_verified_records_in_device_memory(store, device_memory, copy_behind):
     """CUDA: records read through pinned bounce buffers and the copy engine into an arena kept
     on the device (managed memory) or in plain device memory equal the file's bytes, as MLX
     reads them there; the device buffer stayed where the reads went. With copy_behind, the
     read-ahead half's copies are waited for after each worker's next read, the urgent half's
-    at once; with pieces, each record is read, checksummed and copied 4 KB at a time: every
-    record lands and completes all the same."""
+    at once: every record lands and completes all the same."""
     import mlx.core as mx
 
     from strata_mlx.format.store import EXPERTS
@@ -751,9 +747,6 @@ def test_device_copy_lands_verified_records_in_device_memory(
     mx.eval(arena.rows.astype(mx.uint32).sum())  # the device has touched every slot first
     reader = Reader(4, bounce=True, overlap=True, device_copy=True, copy_behind=copy_behind)
     with reader as r:
-        if pieces:
-            assert rb > 4096
-            r.piece = 4096
         f = r.open(path / EXPERTS, checksum=m.checksum)
         reqs = [(i, f, m.record(*k)[0], rb, arena.address(i), m.record(*k)[1])
                 for i, k in enumerate(keys)]  # fmt: skip
