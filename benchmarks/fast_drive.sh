@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|kprofile
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|gil|kprofile
 # Policies name options beside the defaults of the code run: gated decode on CUDA runs with
 # the routing board by default, 4 layers a commit, checked 4 behind (`:bd1` is
 # `:bd1:lc4:lag4`); without it (OLDGT below, `:bd0:lc1:lag1`) each layer alone, checked 1
@@ -444,6 +444,13 @@ widen)  # decode's lookahead wider than the router's top k (:xN, N more experts 
       "${POL:-lookahead,lookahead:x5,lookahead:x10,lookahead:vc1}"
   done
   ;;
+gil)  # tmpfs: a gated token's chain with the checks' waits for the GIL once their layer's
+  # routing is on the board (profile_decode.py --evals, each of PROFILE_POL)
+  build
+  synth "$SHM"
+  for p in ${PROFILE_POL:-demand lookahead}; do echo "== $p"; evals --policy "$p"; done 2>&1 \
+    | tee "$OUT/gil.log"
+  ;;
 kprofile)  # a resident decode token's device time by kernel, strata-mlx beside mlx-lm (CUPTI
   # through PyTorch's profiler: benchmarks/kernel_profile.py), then the gate's GPU tests
   build
@@ -469,5 +476,5 @@ pairs)  # one token's layers through the kernels' `pairs` against their general 
      --modes token:4,token:4+general --json "$OUT/pairs-resident.json" 2>&1 | tee "$OUT/pairs-resident.log"
   timeout 150 python3 benchmarks/token_build.py "$SHM" --rounds 3 --reps 30 2>&1 | tee "$OUT/pairs-build.log"
   ;;
-*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|kprofile"; exit 2;;
+*) echo "usage: $0 store|shm|path|bench|profile|disk|evict|extra|plan|old-vs-new STORE ROUND|alternate|resident|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|gil|kprofile"; exit 2;;
 esac

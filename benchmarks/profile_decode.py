@@ -346,7 +346,8 @@ def timed_evals(steps, ec, a) -> None:
         f"evals: wall {inside_w * per:.2f}, CPU {inside_c * per:.2f}; CPU outside them "
         f"{(cpu - inside_c) * per:.2f}; checks' thread CPU {ec.stats.check_cpu_s * per:.2f}, "
         f"from its routing reads to the misses submitted {ec.stats.check_claim_s * per:.2f} "
-        "(--check-delay-ms's delays included)"
+        f"(--check-delay-ms's delays included), waiting for the GIL once a routing was on the "
+        f"board {ec.stats.check_gil_s * per:.2f}"
     )
     if reads["urgent_reads"]:
         u = reads["urgent_reads"]

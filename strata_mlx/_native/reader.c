@@ -1935,10 +1935,12 @@ static PyObject *mod_replace_words(PyObject *m, PyObject *args) {
     return PyLong_FromSsize_t(replaced);
 }
 
-/* wait_word(address, value, timeout_s): until the int32 word at address holds value (True)
- * or timeout_s has passed (False), outside the GIL: a word a device stores into mapped host
+/* wait_word(address, value, timeout_s): until the int32 word at address holds value or
+ * timeout_s has passed (None), outside the GIL: a word a device stores into mapped host
  * memory. Polled without sleeping for its first 100 us (a sleep's wake-up takes tens of us
- * of timer slack, a fair share of a decode layer), then between sleeps of a few us. */
+ * of timer slack, a fair share of a decode layer), then between sleeps of a few us. Seen: the
+ * seconds from seeing it to holding the GIL again (what another thread's hold of the GIL
+ * added to the wait). */
 static PyObject *mod_wait_word(PyObject *m, PyObject *args) {
     unsigned long long addr;
     int value;
@@ -1951,6 +1953,7 @@ static PyObject *mod_wait_word(PyObject *m, PyObject *args) {
     }
     const int32_t *w = (const int32_t *)(uintptr_t)addr;
     int seen;
+    uint64_t seen_at;
     Py_BEGIN_ALLOW_THREADS
     uint64_t start = now_ns(), end = start + (uint64_t)(timeout_s * 1e9), now = start;
     struct timespec pause = {0, 5000};
@@ -1959,8 +1962,10 @@ static PyObject *mod_wait_word(PyObject *m, PyObject *args) {
             nanosleep(&pause, NULL);
         now = now_ns();
     }
+    seen_at = now_ns();
     Py_END_ALLOW_THREADS
-    return PyBool_FromLong(seen);
+    if (!seen) Py_RETURN_NONE;
+    return PyFloat_FromDouble((double)(now_ns() - seen_at) * 1e-9);
 }
 
 static PyObject *mod_limit_drive(PyObject *m, PyObject *arg) {

@@ -491,6 +491,8 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
         "decode_check_cpu_ms_per_token": d.check_cpu_s / per_tok * 1e3,
         # ... and their time from each routing read to its misses' reads submitted
         "decode_check_claim_ms_per_token": d.check_claim_s / per_tok * 1e3,
+        # ... and their waits for the GIL once each layer's routing was on the board
+        "decode_check_gil_ms_per_token": d.check_gil_s / per_tok * 1e3,
         # a miss's read, from its submission to its landing (its ready word stored)
         "decode_miss_landing_us": run.urgent_ns / run.urgent_reads / 1e3
         if run.urgent_reads
@@ -525,8 +527,9 @@ def _modes(s: dict) -> str:
     checks = s["decode_check_ms_per_token"]
     cpu = s.get("decode_check_cpu_ms_per_token", 0.0)
     claim = s.get("decode_check_claim_ms_per_token", 0.0)
+    gil = s.get("decode_check_gil_ms_per_token", 0.0)
     aside = (
-        f"; checks aside {checks:.1f} ms/tok (cpu {cpu:.1f}, to reads {claim:.1f})"
+        f"; checks aside {checks:.1f} ms/tok (cpu {cpu:.1f}, GIL {gil:.1f}, to reads {claim:.1f})"
         if checks
         else ""
     )

@@ -244,7 +244,7 @@ class RoutingBoard:
         table = self.sched.residency.gate
         row = table.board_row(layer)
         t0, limit = time.monotonic(), 2e-3 * timeout_ms()
-        while not wait_word(row.ctypes.data, seq, 0.05):
+        while (gil := wait_word(row.ctypes.data, seq, 0.05)) is None:
             if self.stopping() or self.sched.closed or table.device_address is None:
                 raise RuntimeError(CLOSED)
             waited = time.monotonic() - t0
@@ -257,6 +257,7 @@ class RoutingBoard:
                     f"in {waited:.1f} s (never submitted to the device)"
                 )
         self.reads += 1
+        self.sched.stats.check_gil_s += gil
         return row[1 : 1 + n].tolist()
 
 

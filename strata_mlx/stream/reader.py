@@ -494,10 +494,11 @@ def unmap_host(address: int) -> None:
     _reader.unmap_host(address)
 
 
-def wait_word(address: int, value: int, timeout_s: float) -> bool:
-    """Until the int32 word at ``address`` holds ``value`` (True) or ``timeout_s`` has passed
-    (False), polled outside the GIL (without sleeping for its first 100 us): a word a
-    device stores into mapped host memory (stream.gate's routing board)."""
+def wait_word(address: int, value: int, timeout_s: float) -> float | None:
+    """Until the int32 word at ``address`` holds ``value`` or ``timeout_s`` has passed (None),
+    polled outside the GIL (without sleeping for its first 100 us): a word a device stores
+    into mapped host memory (stream.gate's routing board). Once seen, the seconds from seeing
+    it to holding the GIL again (another thread's hold of it, added to the wait)."""
     return _reader.wait_word(address, value, timeout_s)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
 import time
 import warnings
@@ -27,6 +28,7 @@ from strata_mlx.generation.generate import stream_generate
 from strata_mlx.stream.gate import CLOSED, FAILED, GateTable
 from strata_mlx.stream.prediction import Predictor
 from strata_mlx.stream.reader import ALIGNMENT, READY_FAILED, Reader
+from strata_mlx.stream.stats import ExpertStats
 
 # With the device gate the decoder's first token runs ungated (PipelinedDecoder._loads_code:
 # no token ran with its cache's shapes yet), so that its kernels are loaded before a gate waits.
@@ -899,7 +901,7 @@ def test_the_board_kernel_writes_ids_then_their_sequence_number_and_orders_the_g
     seen = {}
 
     def land():  # the gate's word only once the board's word is in
-        if wait_word(row.ctypes.data, 11, 5.0):
+        if wait_word(row.ctypes.data, 11, 5.0) is not None:
             seen["ids"] = row[1:6].tolist()  # (in place before their sequence number)
             g.table[0, 3] = 8
 
@@ -1564,7 +1566,7 @@ def test_a_board_read_waits_for_its_word_falls_back_once_submitted_and_stops_whe
     class Sched:
         closed = False
         residency = type("Residency", (), {"gate": g})
-        stats = None
+        stats = ExpertStats()
 
     stop = {"now": False}
     board = RoutingBoard(Sched(), lambda: stop["now"])
@@ -1593,12 +1595,38 @@ def test_wait_word_sees_a_store_from_another_thread_and_times_out_without_one():
     from strata_mlx.stream.reader import wait_word
 
     words = np.zeros(2, dtype=np.int32)
-    assert not wait_word(words.ctypes.data, 7, 0.02)
+    assert wait_word(words.ctypes.data, 7, 0.02) is None
     threading.Timer(0.05, lambda: words.__setitem__(1, 7)).start()
     t0 = time.monotonic()
-    assert wait_word(words.ctypes.data + 4, 7, 5.0) and time.monotonic() - t0 < 2.0
+    gil = wait_word(words.ctypes.data + 4, 7, 5.0)
+    assert gil is not None and 0 <= gil < 2.0 and time.monotonic() - t0 < 2.0
     with pytest.raises(ValueError, match="wait_word"):
         wait_word(words.ctypes.data + 2, 7, 0.01)
+
+
+def test_wait_word_reports_how_long_another_thread_held_the_gil_after_the_word():
+    """What a check's wait for its routing cannot see from Python: the decoding thread
+    holding the GIL (as MLX's graph building does) once the word is in. A thread stores the
+    word, then runs Python for 0.15 s without a switch: wait_word saw the word at once and
+    says it held the GIL again only ~0.15 s later."""
+    from strata_mlx.stream.reader import wait_word
+
+    words = np.zeros(1, dtype=np.int32)
+
+    def store_then_hold():
+        words[0] = 7
+        end = time.monotonic() + 0.15
+        while time.monotonic() < end:  # (pure Python: the GIL held throughout)
+            pass
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)
+    try:
+        threading.Timer(0.05, store_then_hold).start()
+        gil = wait_word(words.ctypes.data, 7, 5.0)
+    finally:
+        sys.setswitchinterval(interval)
+    assert gil is not None and 0.1 < gil < 1.0, gil
 
 
 def test_the_gate_is_on_by_default_only_where_the_device_can_wait(store, monkeypatch):
