@@ -51,8 +51,8 @@ class ExpertStats:
     # on that thread only: where the decoding thread checks, this span is in host_s)
     check_claim_s: float = 0.0
     # and its time from seeing each layer's routing on the board to holding the GIL again:
-    # how long the decoding thread's hold of the GIL (MLX's graph building and evaluation
-    # hold it) kept the check from starting
+    # how long other threads' hold of the GIL (the decoding thread's, building layers) kept
+    # the check from starting
     check_gil_s: float = 0.0
     topped_up: int = 0  # read-ahead the scheduler's loop added when the drive ran low
     loop_s: float = 0.0  # time the scheduler's loop thread held the GIL
