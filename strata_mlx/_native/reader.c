@@ -1999,7 +1999,8 @@ static PyMethodDef module_methods[] = {
      "reads in place"},
     {"unmap_host", mod_unmap_host, METH_VARARGS, "unmap_host(address): undo map_host"},
     {"wait_word", mod_wait_word, METH_VARARGS,
-     "wait_word(address, value, timeout_s) -> whether the int32 word came to hold value"},
+     "wait_word(address, value, timeout_s) -> None if the int32 word did not come to hold "
+     "value in time, else the seconds from seeing it to holding the GIL again"},
     {"replace_words", mod_replace_words, METH_VARARGS,
      "replace_words(address, count, old, new) -> int32 words that held old and now hold new"},
     {"advise_hugepages", mod_advise_hugepages, METH_VARARGS,
