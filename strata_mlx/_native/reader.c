@@ -1940,7 +1940,7 @@ static PyObject *mod_replace_words(PyObject *m, PyObject *args) {
  * memory. Polled without sleeping for its first 100 us (a sleep's wake-up takes tens of us
  * of timer slack, a fair share of a decode layer), then between sleeps of a few us. Seen: the
  * seconds from seeing it to holding the GIL again (what another thread's hold of the GIL
- * added to the wait). */
+ * added to the wait); 0.0 for a word already in when called, the GIL never let go of. */
 static PyObject *mod_wait_word(PyObject *m, PyObject *args) {
     unsigned long long addr;
     int value;
@@ -1952,6 +1952,9 @@ static PyObject *mod_wait_word(PyObject *m, PyObject *args) {
         return NULL;
     }
     const int32_t *w = (const int32_t *)(uintptr_t)addr;
+    /* Already in: the GIL is kept (let go of, a thread waiting for it would take it and this
+     * one would wait for its turn: a check running behind the device finds its word in) */
+    if (__atomic_load_n(w, __ATOMIC_ACQUIRE) == value) return PyFloat_FromDouble(0.0);
     int seen;
     uint64_t seen_at;
     Py_BEGIN_ALLOW_THREADS

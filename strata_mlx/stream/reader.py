@@ -498,7 +498,8 @@ def wait_word(address: int, value: int, timeout_s: float) -> float | None:
     """Until the int32 word at ``address`` holds ``value`` or ``timeout_s`` has passed (None),
     polled outside the GIL (without sleeping for its first 100 us): a word a device stores
     into mapped host memory (stream.gate's routing board). Once seen, the seconds from seeing
-    it to holding the GIL again (another thread's hold of it, added to the wait)."""
+    it to holding the GIL again (another thread's hold of it, added to the wait); 0.0 for a
+    word already in, the GIL kept throughout."""
     return _reader.wait_word(address, value, timeout_s)
 
 
