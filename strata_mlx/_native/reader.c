@@ -560,7 +560,6 @@ typedef struct {
     int32_t ready_value;
 } Behind;
 
-/* Wait for the thread's queued copy and complete its read (mu not held; taken here). */
 /* The checksum a read owes, of its buffer: a whole record's against its expected value
  * (CHECKSUM_MISMATCH where it differs), or a verified split request's part its own, in
  * *part_crc (combined once the last part is in); 0 otherwise. */
@@ -574,6 +573,7 @@ static int take_checksum(int kind, const Request *rq, const void *buf, size_t nr
     return 0;
 }
 
+/* Wait for the thread's queued copy and complete its read (mu not held; taken here). */
 static void finish_behind(ReaderObject *r, int w, DevCopyThread *dc, Behind *b) {
     if (!b->active) return;
     uint64_t c0 = now_ns();
