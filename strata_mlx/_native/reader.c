@@ -39,162 +39,7 @@
 #include "checksum.h"
 #include "devcopy.h"
 
-#define ALIGNMENT 4096
-#define SHORT_READ (-1)
-#define CHECKSUM_MISMATCH (-2)
-#define DEVICE_COPY_FAILED (-3)
-#define READY_PENDING (-1) /* a ready word's value from its request's submission until it lands */
-#define READY_FAILED (-3)  /* ... and once its read failed (strata_mlx.stream.gate) */
-#define MAX_CHUNK ((size_t)1 << 30)      /* one pread at most 1 GiB (Linux and macOS limits) */
-#define WAIT_SLICE_NS 100000000ULL       /* wait() re-takes the GIL this often to see Ctrl-C */
-
-/* A request read as several parts by several workers (split reads, see Reader_submit): one
- * completion, reported by the worker that finishes the last part, after it has verified the
- * whole record where a checksum is expected: from the parts' checksums, each taken where its
- * part was read (so a record whose parts land in device memory is verified too), combined in
- * order (checksum_combine). Guarded by mu; freed with its completion. */
-typedef struct {
-    long long tag;
-    int parts, pending, started; /* parts in all; not finished; taken by a worker */
-    int err;                     /* the first error of any part */
-    long long nread;             /* bytes read by all parts */
-    char *dest;
-    Py_ssize_t length;
-    uint32_t expected;
-    char verify;
-    int32_t *ready; /* the request's ready word (see Request), or NULL */
-    int32_t ready_value;
-    Py_ssize_t part;  /* bytes a part (the last may be shorter) */
-    uint64_t submitted; /* now_ns() at an urgent submission, else 0 (Request.submitted) */
-    uint32_t crcs[];  /* with verify: each part's checksum, taken by the thread that read it */
-} Group;
-
-typedef struct {
-    long long tag;
-    int file;
-    long long offset;
-    Py_ssize_t length;
-    char *dest;
-    uint32_t expected; /* the checksum of the `length` bytes, where `verify` */
-    char verify;
-    Group *group; /* a part of a split request (its checksum is the group's), or NULL */
-    char lead;    /* the group's first part: queued() counts requests, not parts */
-    /* Where the record's landing is announced to a device that waits for it (the decode
-     * gate, strata_mlx.stream.gate), with release order: READY_PENDING as the request is
-     * submitted; `ready_value` once the whole record sits verified in `dest` (a device copy
-     * completed), before the completion is reported; READY_FAILED instead when the read
-     * failed (an I/O error, a short read, a checksum mismatch, a failed device copy), so that
-     * a device waiting for it gives up at once; nothing more for a request cancelled before
-     * it started. NULL: no word. */
-    int32_t *ready;
-    int32_t ready_value;
-    /* now_ns() at submission for a request submitted urgent (a miss), else 0: its latency to
-     * landing (its ready word stored, its completion reported, the read failed or not) goes
-     * into the urgent_* stats. (A read-ahead request promoted later does not count; urgent
-     * requests never take copy_behind's deferred path, which would not count them.) */
-    uint64_t submitted;
-} Request;
-
-typedef struct {
-    long long tag;
-    int err;
-    long long nread;
-} Completion;
-
-typedef struct { /* FIFO: live items are items[head .. len) */
-    Request *items;
-    Py_ssize_t head, len, cap;
-} Queue;
-
-typedef struct ReaderObject ReaderObject;
-typedef struct {
-    ReaderObject *reader;
-    int index;
-} WorkerArg;
-
-struct ReaderObject {
-    PyObject_HEAD
-    int nworkers, nstarted, sync_ready, closing;
-    /* threads: nworkers, or 2 x nworkers with overlap (a pread slot is let go of before the
-     * bounce copy and the checksum, so `nworkers` preads stay in flight while other threads
-     * finish theirs); per-thread arrays below are nthreads long */
-    int nthreads, overlap;
-    int preading, preading_max; /* threads inside a pread now; the most at once (mu) */
-    int bounce; /* read into a per-worker buffer, then copy into dest (see worker_main) */
-    int device_copy; /* that copy by the GPU's copy engine from pinned memory (devcopy.h) */
-    int copy_behind; /* read-ahead's copy waited for after the worker's next read (worker_main) */
-    /* copy_behind: a read-ahead record's ready word stored by the driver's host function as
-     * its copy lands (a gate waiting for it sees it at once), else by the worker once it has
-     * waited for the copy (after its next read): no host function queued on the copy's
-     * stream, whose next copy then waits for none. Read by the workers with no lock. */
-    int words_by_driver;
-    /* A record copied by the device and waited for at once (a miss, a split part): its
-     * checksum taken while the copy engine reads the same buffer, not before the copy starts
-     * (a mismatched record then reaches its slot, its read still failed). Read by the
-     * workers with no lock. */
-    int verify_in_copy;
-    /* A device copy whose ready word a gate may wait on, still not done this long after it
-     * was queued (ns; 0: never), is held behind the device, and so behind that gate (another
-     * thread freeing device or pinned memory while the gate spins waits in the driver for the
-     * device to go idle, holding copies queued meanwhile: benchmarks/held_copy_probe.py): the
-     * watcher thread turns its word from pending to READY_FAILED, and those of the reads
-     * still queued, the gates give up at once (their token is recomputed) instead of after
-     * their timeout, and the copies land once the device is idle. copies_held counts them.
-     * Per worker, its copy in flight: the word (NULL: none) and when it was queued, stored by
-     * the worker, read by the watcher (atomics). */
-    unsigned long long held_ns, copies_held;
-    int32_t **copy_word;
-    uint64_t *copy_since;
-    pthread_t watcher; /* (with device_copy) */
-    int watching, watch_stop;
-    pthread_mutex_t watch_mu;
-    pthread_cond_t watch_cv;
-    Py_ssize_t split; /* smallest part of a split request in bytes; 0: never split */
-    pthread_t *threads;
-    WorkerArg *args;
-    pthread_mutex_t mu;
-    pthread_cond_t work; /* workers sleep here: queued work, resume or stop */
-    pthread_cond_t done; /* wait() sleeps here: a completion, a cancel or close */
-    /* --- guarded by mu --- */
-    int paused, stopping;
-    Queue urgent, ahead;
-    Completion *done_items;
-    Py_ssize_t n_done, cap_done;
-    long long *current; /* per worker: tag being read, valid while reading[w] */
-    char *reading;
-    long long *behind; /* copy_behind, per worker: the tag whose copy runs, valid while behind_on[w] */
-    char *behind_on;
-    int *fds, nfiles, cap_files;
-    char *direct, *checksum; /* per file: opened O_DIRECT; CHECKSUM_* of its records */
-    unsigned long long bytes_read, requests_done, errors, verified, *busy_ns, *verify_ns;
-    unsigned long long split_requests; /* requests read in parts */
-    unsigned long long device_copies, device_copy_ns; /* copies by the copy engine, their time */
-    /* requests submitted urgent and landed (or failed): how many; their ns from submission
-     * to landing, in all and the longest; their ns from submission to a worker taking them
-     * (or their first part) up (mu) */
-    unsigned long long urgent_reads, urgent_ns, urgent_max_ns, urgent_queued_ns;
-    /* their reads (or parts) by a thread: how many; ns in the pread, the checksum, the copy
-     * into the destination (mu) */
-    unsigned long long urgent_parts, urgent_pread_ns, urgent_verify_ns, urgent_copy_ns;
-    /* bounce buffers are made at least this large (bytes; 0: as large as the read needing
-     * them), and how many were let go of for a larger one since (mu) */
-    Py_ssize_t bounce_min;
-    unsigned long long bounce_regrown;
-    unsigned long long words_queued; /* ready words left to the driver's host function */
-    unsigned long long words_given_up; /* queued reads' words given up while a copy was held */
-    int notify_r, notify_w; /* the completion pipe (-1 until notify_fd()), its ends */
-    int notified;           /* a byte was written since the last ack() */
-    Py_ssize_t notify_below; /* announce only while fewer requests are queued (-1: always) */
-    /* Spinning: a worker with nothing to read polls `posted` for up to spin_ns before it
-     * sleeps, while fewer than `spinners` do. A sleeping thread's wake-up is a round trip
-     * through the OS scheduler (38-107 us measured on H100 machines before a decode miss's
-     * read was taken up, 14-18 with threads polling); a polling one takes the read at once.
-     * `posted` (atomic) counts wake-ups of r->work: work queued, resumed, stopping. */
-    uint64_t spin_ns;
-    int spinners, spinning; /* spinning: changed under mu, atomically (read without mu) */
-    unsigned long long posted;
-    unsigned long long spin_takes; /* reads taken by a worker that was spinning (mu) */
-};
+#include "reader.h"
 
 static Py_ssize_t q_size(const Queue *q);
 
@@ -203,7 +48,7 @@ static Py_ssize_t q_size(const Queue *q);
  * worker looks at the queues under mu once it stops, and it counts itself out of
  * `spinning` only under mu, so work queued before this call is seen), or all with `all`.
  * (A sleeper woken beside a poller, run first on a busy CPU, would take the read from it.) */
-static void wake_work(ReaderObject *r, int all) {
+void wake_work(ReaderObject *r, int all) {
     __atomic_add_fetch(&r->posted, 1, __ATOMIC_SEQ_CST);
     if (all)
         pthread_cond_broadcast(&r->work);
@@ -237,7 +82,7 @@ static void announce(ReaderObject *r, int completion) {
         notify(r);
 }
 
-static uint64_t now_ns(void) {
+uint64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
@@ -962,6 +807,13 @@ static void drop_queued(Queue *q) {
 }
 
 static void stop_workers(ReaderObject *r, int release_gil) {
+    if (release_gil) { /* (the watcher queues reads: stopped before the workers) */
+        Py_BEGIN_ALLOW_THREADS
+        quick_stop(r);
+        Py_END_ALLOW_THREADS
+    } else {
+        quick_stop(r); /* (it never needs the GIL) */
+    }
     pthread_mutex_lock(&r->mu);
     r->stopping = 1; /* workers finish their read and exit: what is queued stays queued */
     wake_work(r, 1);
@@ -1020,6 +872,7 @@ static void Reader_dealloc(ReaderObject *r) {
     free(r->verify_ns);
     free(r->copy_word);
     free(r->copy_since);
+    quick_free(r);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
@@ -1208,6 +1061,88 @@ static int split_parts(const ReaderObject *r, const Request *rq, Py_ssize_t per)
     return parts >= 2 ? (int)parts : 1;
 }
 
+/* Queue `reqs` at the back of the urgent or the read-ahead queue (mu held): -1 without
+ * memory (nothing queued), else the parts queued. With `check_flight` and quick misses armed,
+ * a request whose ready word is a gate-table word whose record is in flight (Quick.flight)
+ * is not queued but its tag put in `skipped`; the others mark theirs in flight. */
+Py_ssize_t queue_locked(ReaderObject *r, Request *reqs, Py_ssize_t n, int urgent,
+                        int check_flight, long long *skipped, Py_ssize_t *nskipped) {
+    Queue *q = urgent ? &r->urgent : &r->ahead;
+    /* Split reads: while workers would sit idle (few requests queued or in flight, as in
+     * decode, where a layer misses a handful of records), each request of this batch is read
+     * as up to idle / n parts of at least `split` bytes by as many workers, so a record's
+     * latency is that of its parts, read side by side. Deep queues (prefill) stay whole. */
+    Py_ssize_t parts_total = n, per = 0;
+    if (r->split > 0 && n > 0) {
+        Py_ssize_t busy = q_size(&r->urgent) + q_size(&r->ahead);
+        if (r->overlap) busy += r->preading; /* threads finishing a read hold no slot */
+        else
+            for (int w = 0; w < r->nworkers; w++) busy += r->reading[w];
+        per = busy < r->nworkers ? (r->nworkers - busy) / n : 0;
+        if (per >= 2) {
+            parts_total = 0;
+            for (Py_ssize_t i = 0; i < n; i++) parts_total += split_parts(r, &reqs[i], per);
+        }
+    }
+    /* reserve completion slots for everything that can still complete, so workers never
+     * allocate */
+    Py_ssize_t need = r->n_done + q_size(&r->urgent) + q_size(&r->ahead) + r->nthreads + n;
+    if (need > r->cap_done) {
+        Completion *d = realloc(r->done_items, sizeof(Completion) * (size_t)(need * 2));
+        if (d) {
+            r->done_items = d;
+            r->cap_done = need * 2;
+        }
+    }
+    if (need > r->cap_done || q_reserve(q, parts_total) < 0) return -1;
+    Quick *qm = &r->quick;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* (quick misses) a record another request reads already is skipped */
+        int32_t *word = reqs[i].ready;
+        if (check_flight && qm->armed && word >= qm->table &&
+            word < qm->table + (Py_ssize_t)qm->npos * qm->nexp) {
+            uint8_t *f = &qm->flight[word - qm->table];
+            if (*f) {
+                skipped[(*nskipped)++] = reqs[i].tag;
+                continue;
+            }
+            *f = 1;
+        }
+        /* pending from here on (an earlier read of the same record may have failed); stored
+         * once the batch is sure to be queued, before a worker can take it */
+        if (reqs[i].ready) __atomic_store_n(reqs[i].ready, READY_PENDING, __ATOMIC_RELEASE);
+        int parts = per >= 2 ? split_parts(r, &reqs[i], per) : 1;
+        Group *g = NULL;
+        Py_ssize_t part = parts > 1 ? ((reqs[i].length + parts - 1) / parts + ALIGNMENT - 1) /
+                                          ALIGNMENT * ALIGNMENT
+                                    : reqs[i].length;
+        if (parts > 1 && (g = malloc(sizeof(Group) + sizeof(uint32_t) * (size_t)parts))) {
+            parts = (int)((reqs[i].length + part - 1) / part);
+            *g = (Group){reqs[i].tag, parts, parts, 0, 0, 0, reqs[i].dest, reqs[i].length,
+                         reqs[i].expected, reqs[i].verify, reqs[i].ready, reqs[i].ready_value,
+                         part, reqs[i].submitted};
+            r->split_requests++;
+        }
+        if (!g) { /* whole (or no memory for a group: whole, too) */
+            q_push(q, &reqs[i]);
+            continue;
+        }
+        for (int k = 0; k < parts; k++) {
+            Request pr = reqs[i];
+            Py_ssize_t at = (Py_ssize_t)k * part;
+            pr.offset += at;
+            pr.dest += at;
+            pr.length = reqs[i].length - at < part ? reqs[i].length - at : part;
+            pr.verify = 0;
+            pr.ready = NULL; /* the group's, once every part is in */
+            pr.group = g;
+            pr.lead = k == 0;
+            q_push(q, &pr);
+        }
+    }
+    return parts_total;
+}
+
 static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"requests", "urgent", NULL};
     PyObject *reqs_obj, *seq = NULL;
@@ -1296,80 +1231,29 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
     uint64_t submitted = urgent ? now_ns() : 0;
     for (Py_ssize_t i = 0; i < n; i++)
         reqs[i].group = NULL, reqs[i].lead = 0, reqs[i].submitted = submitted;
-    pthread_mutex_lock(&r->mu);
-    Queue *q = urgent ? &r->urgent : &r->ahead;
-    /* Split reads: while workers would sit idle (few requests queued or in flight, as in
-     * decode, where a layer misses a handful of records), each request of this batch is read
-     * as up to idle / n parts of at least `split` bytes by as many workers, so a record's
-     * latency is that of its parts, read side by side. Deep queues (prefill) stay whole. */
-    Py_ssize_t parts_total = n, per = 0;
-    if (r->split > 0 && n > 0) {
-        Py_ssize_t busy = q_size(&r->urgent) + q_size(&r->ahead);
-        if (r->overlap) busy += r->preading; /* threads finishing a read hold no slot */
-        else
-            for (int w = 0; w < r->nworkers; w++) busy += r->reading[w];
-        per = busy < r->nworkers ? (r->nworkers - busy) / n : 0;
-        if (per >= 2) {
-            parts_total = 0;
-            for (Py_ssize_t i = 0; i < n; i++) parts_total += split_parts(r, &reqs[i], per);
-        }
-    }
-    /* reserve completion slots for everything that can still complete, so workers never
-     * allocate */
-    Py_ssize_t need = r->n_done + q_size(&r->urgent) + q_size(&r->ahead) + r->nthreads + n;
-    if (need > r->cap_done) {
-        Completion *d = realloc(r->done_items, sizeof(Completion) * (size_t)(need * 2));
-        if (d) {
-            r->done_items = d;
-            r->cap_done = need * 2;
-        }
-    }
-    if (need > r->cap_done || q_reserve(q, parts_total) < 0) {
-        pthread_mutex_unlock(&r->mu);
+    long long *skipped = PyMem_RawMalloc(sizeof(long long) * (size_t)(n + 1));
+    Py_ssize_t nskipped = 0;
+    if (!skipped) {
         PyErr_NoMemory();
         goto fail;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        /* pending from here on (an earlier read of the same record may have failed); stored
-         * once the batch is sure to be queued, before a worker can take it */
-        if (reqs[i].ready) __atomic_store_n(reqs[i].ready, READY_PENDING, __ATOMIC_RELEASE);
-        int parts = per >= 2 ? split_parts(r, &reqs[i], per) : 1;
-        Group *g = NULL;
-        Py_ssize_t part = parts > 1 ? ((reqs[i].length + parts - 1) / parts + ALIGNMENT - 1) /
-                                          ALIGNMENT * ALIGNMENT
-                                    : reqs[i].length;
-        if (parts > 1 && (g = malloc(sizeof(Group) + sizeof(uint32_t) * (size_t)parts))) {
-            parts = (int)((reqs[i].length + part - 1) / part);
-            *g = (Group){reqs[i].tag, parts, parts, 0, 0, 0, reqs[i].dest, reqs[i].length,
-                         reqs[i].expected, reqs[i].verify, reqs[i].ready, reqs[i].ready_value,
-                         part, reqs[i].submitted};
-            r->split_requests++;
-        }
-        if (!g) { /* whole (or no memory for a group: whole, too) */
-            q_push(q, &reqs[i]);
-            continue;
-        }
-        for (int k = 0; k < parts; k++) {
-            Request pr = reqs[i];
-            Py_ssize_t at = (Py_ssize_t)k * part;
-            pr.offset += at;
-            pr.dest += at;
-            pr.length = reqs[i].length - at < part ? reqs[i].length - at : part;
-            pr.verify = 0;
-            pr.ready = NULL; /* the group's, once every part is in */
-            pr.group = g;
-            pr.lead = k == 0;
-            q_push(q, &pr);
-        }
-    }
+    pthread_mutex_lock(&r->mu);
+    Py_ssize_t parts_total = queue_locked(r, reqs, n, urgent, 1, skipped, &nskipped);
     pthread_mutex_unlock(&r->mu);
+    if (parts_total < 0) {
+        PyMem_RawFree(skipped);
+        PyErr_NoMemory();
+        goto fail;
+    }
     /* One worker woken, after the lock is let go: each worker that takes a read wakes the
      * next while reads are queued. Waking one per read here cost the submitting thread (which
      * holds the GIL) ~4 us a worker: 33 us a submit with 8 workers against 5.6 with one. */
     if (parts_total > 0) wake_work(r, 0);
     PyMem_RawFree(reqs);
     Py_DECREF(seq);
-    Py_RETURN_NONE;
+    PyObject *out = tag_list(skipped, nskipped);
+    PyMem_RawFree(skipped);
+    return out;
 fail:
     PyMem_RawFree(reqs);
     Py_XDECREF(seq);
@@ -1557,7 +1441,7 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
         Py_XDECREF(verify);
         return NULL;
     }
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K,s:K,s:K,"
+    PyObject *d = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K,s:K,s:K,"
                          "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
                          "bytes_read", bytes, "requests_done", reqs, "errors", errs,
                          "verified", verified, "split", split, "busy_ns", busy,
@@ -1571,6 +1455,8 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
                          "urgent_pread_ns", urgent_pread, "urgent_verify_ns", urgent_verify,
                          "urgent_copy_ns", urgent_copy, "copies_held", held,
                          "words_given_up", given_up);
+    if (d && quick_stats(r, d) < 0) Py_CLEAR(d);
+    return d;
 }
 
 static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
@@ -1580,6 +1466,7 @@ static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
     r->urgent_reads = r->urgent_ns = r->urgent_max_ns = r->urgent_queued_ns = 0;
     r->spin_takes = r->urgent_parts = r->urgent_pread_ns = r->urgent_verify_ns = 0;
     r->urgent_copy_ns = r->words_given_up = 0;
+    quick_reset_stats(r);
     __atomic_store_n(&r->words_queued, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&r->copies_held, 0, __ATOMIC_RELAXED);
     r->preading_max = r->preading;
@@ -1739,6 +1626,21 @@ static PyMethodDef Reader_methods[] = {
      "notify_below(n): notify_fd announces only while fewer than n requests are queued "
      "(n < 0: at every completion)"},
     {"queued", (PyCFunction)Reader_queued, METH_NOARGS, "requests queued, not yet started"},
+    {"quick_arm", (PyCFunction)Reader_quick_arm, METH_VARARGS,
+     "quick_arm(table, flight, npos, nexp, file, length, offsets, sums): start watching"},
+    {"quick_give", (PyCFunction)Reader_quick_give, METH_O,
+     "quick_give([(slot, address)]): slots into the reserve"},
+    {"quick_take", (PyCFunction)Reader_quick_take, METH_NOARGS,
+     "quick_take() -> the reserve's slots, taken back"},
+    {"quick_free", (PyCFunction)Reader_quick_free, METH_NOARGS,
+     "quick_free() -> slots in the reserve"},
+    {"quick_watch", (PyCFunction)Reader_quick_watch, METH_VARARGS,
+     "quick_watch(board, seq, k, pos) -> watches posted"},
+    {"quick_wait", (PyCFunction)Reader_quick_wait, METH_VARARGS,
+     "quick_wait(n, timeout_s) -> whether n watches are done"},
+    {"quick_claims", (PyCFunction)Reader_quick_claims, METH_NOARGS,
+     "quick_claims() -> [(pos, expert, slot, tag)] queued since the last call"},
+    {"quick_drop", (PyCFunction)Reader_quick_drop, METH_NOARGS, "quick_drop(): watches dropped"},
     {NULL},
 };
 

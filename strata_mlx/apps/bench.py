@@ -493,6 +493,9 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
         "decode_check_claim_ms_per_token": d.check_claim_s / per_tok * 1e3,
         # ... and their waits for the GIL once each layer's routing was on the board
         "decode_check_gil_ms_per_token": d.check_gil_s / per_tok * 1e3,
+        # misses the reader read off the routing board itself (decode_quick_misses), a token
+        "decode_quick_per_token": d.quick_misses / per_tok,
+        "decode_misses_per_token": d.misses / per_tok,
         # a miss's read, from its submission to its landing (its ready word stored)
         "decode_miss_landing_us": run.urgent_ns / run.urgent_reads / 1e3
         if run.urgent_reads
@@ -537,6 +540,9 @@ def _modes(s: dict) -> str:
     device = f"; device at gates {waited:.1f} ms/tok" if waited else ""
     us = s.get("decode_miss_landing_us", 0.0)
     landing = f"; a miss lands {us:.0f} us after its read's submission" if us else ""
+    quick = s.get("decode_quick_per_token", 0.0)
+    if quick:
+        landing += f"; quick misses {quick:.1f} of {s['decode_misses_per_token']:.1f}/tok"
     held = s.get("decode_copies_held", 0)
     gave = f"{s['decode_gate_timeouts']}" + (f" ({held} words for a held copy)" if held else "")
     return f" [modes: {seen}; gates given up {gave}{aside}{device}{landing}]"

@@ -73,6 +73,7 @@ class Gated:
     board: tuple[int, int, int] | None = None
     sent: bool = False
     needed: list[int] | None = None  # the distinct experts its check found, ascending
+    watch: int = 0  # the reader's watch of its board row for quick misses (0: none)
 
 
 def token_ids(a: mx.array) -> list[int] | None:
@@ -232,6 +233,8 @@ class RoutingBoard:
             at = self._at[layer] = mx.array([table.board_address(layer)], dtype=mx.uint64)
         self._seq = self._seq % (2**31 - 1) + 1  # (int32, never 0: a row not yet written)
         g.board = (layer, self._seq, src.size)
+        if self.sched.quick is not None:  # its misses read by the reader as the ids land
+            g.watch = self.sched.quick.watch(layer, self._seq, d.inds.size)
         return board(src, at, mx.array([self._seq], dtype=mx.int32))[: d.inds.size]
 
     def read(self, d: Deferred) -> list[int] | None:
@@ -250,6 +253,8 @@ class RoutingBoard:
             waited = time.monotonic() - t0
             if d.gated.sent and waited > limit:
                 self.fallbacks += 1
+                if d.gated.watch:  # (the reader's watches wait for the same board)
+                    self.sched.quick.drop()
                 return None
             if waited > 5 * limit:
                 raise RuntimeError(
@@ -258,6 +263,8 @@ class RoutingBoard:
                 )
         self.reads += 1
         self.sched.stats.check_gil_s += gil
+        if d.gated.watch:  # the reader's own reads of its misses queued, in its log
+            self.sched.quick.wait(d.gated.watch)
         return row[1 : 1 + n].tolist()
 
 
@@ -528,6 +535,9 @@ class DeferredHandshake:
         tags = owner.claim(layer, needed)
         claimed = time.perf_counter()
         owner.predict(g.targets, g.preds, self._next.get(layer), layer, needed, pred_ids)
+        if sched.quick is not None:  # the reserve made whole for the layers after this one
+            with sched.lock:
+                sched.quick.refill(sched.busy_layers)
         if aside:
             st.check_s += time.perf_counter() - t0
             st.check_cpu_s += time.thread_time() - c1

@@ -315,6 +315,7 @@ class ExpertCache:
         except BaseException:
             if gate is not None:
                 self.pipelined.checks.cancel()  # none may submit a read after it
+                self.sched.drop_watches()  # nor the reader's own
                 gate.abandon()
             raise
         finally:
@@ -358,6 +359,7 @@ class ExpertCache:
         built yet would make it wait for another token's prediction."""
         self.settle()
         self.pipelined.ahead_tags.clear()
+        self.sched.release_reserve()  # (prefill gets every slot)
         if self.sched.residency.gate is not None:
             self.pipelined.checks.reset()  # a failed check's error, never raised, goes
             self.sched.residency.gate.reset()  # words a token abandoned by an error left
@@ -477,9 +479,4 @@ class ExpertCache:
         is evaluated): no slot is in use, neither a handshake's pins nor a pipelined layer's
         (but `keep`'s, about to be recomputed)."""
         self.pipelined.checks.drain()  # (none of them pins a slot after this)
-        with self.sched.lock:
-            self.arena.unpin_all()
-            busy = self.sched.busy_layers
-            busy.clear()
-            if keep is not None:
-                busy.add(keep)
+        self.sched.settle(keep)

@@ -256,6 +256,16 @@ class RuntimeConfig:
                      "host memory for its check, instead of a command buffer of its own.",
                      variant="bd", switch=True, shown="on where the device gate runs (CUDA)"),
     )  # fmt: skip
+    # Gated decode's misses read by the reader's own thread as soon as a layer's routing is on
+    # the board, into slots of a reserve set aside beforehand, not once the layer's check
+    # (Python, which waits for the GIL) has run (strata_mlx.stream.quick).
+    decode_quick_misses: int = field(
+        default=0,
+        metadata=opt("gated (CUDA, with the routing board): a reserve of this many arena "
+                     "slots into which the reader's own thread reads a layer's misses as its "
+                     "routing lands on the board (0: off; the layer's check reads them).",
+                     (0, 1 << 16), variant="qm"),
+    )  # fmt: skip
     # Off, a predicting decoder runs "layers" mode: measured on the H200, token mode cost
     # lookahead 41.6 against demand's 32.0 ms/token where 0.9 % of lookups missed.
     decode_token_while_predicting: bool = field(

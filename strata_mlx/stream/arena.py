@@ -532,6 +532,32 @@ class Arena:
         distance = getattr(self.policy, "distance", None)
         return distance is None or distance(victim) > self.read_ahead_bar
 
+    def set_aside(self, n: int, protect: set[int] | None) -> list[tuple[int, Key | None]]:
+        """Up to `n` slots taken out of use, free ones first, then victims' (none of a
+        layer in `protect`): (slot, the expert evicted from it or None). Such a slot holds
+        nothing and is given out by nothing here until `take_aside` or `give_back`
+        (stream.quick's reserve)."""
+        out: list[tuple[int, Key | None]] = []
+        while len(out) < n and self._free:
+            out.append((self._free.pop(), None))
+        if len(out) < n:
+            evictable = self._evictable(protect, None)
+            while len(out) < n and (victim := self.policy.victim(evictable)) is not None:
+                slot = self.slot_of.pop(victim)
+                self.policy.remove(victim)
+                self.owner[slot] = None
+                out.append((slot, victim))
+        return out
+
+    def take_aside(self, slot: int, key: Key) -> None:
+        """A slot set aside now takes `key`, its read in flight (as `allocate` gives one)."""
+        self._assign(slot, key)
+        self.policy.touch(key)
+
+    def give_back(self, slots) -> None:
+        """Slots set aside and never taken are free again."""
+        self._free.extend(slots)
+
     def loaded(self, slot: int) -> None:
         self.loading.discard(slot)
 

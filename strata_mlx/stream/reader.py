@@ -301,7 +301,7 @@ class Reader:
         """Whether the file was opened with direct I/O (and so needs aligned requests)."""
         return self._r.is_direct(file_index)
 
-    def submit(self, requests: Sequence[Request], urgent: bool = False) -> None:
+    def submit(self, requests: Sequence[Request], urgent: bool = False) -> list[int]:
         """Queue a batch of ``(tag, file_index, offset, length, dest_address)`` requests,
         each optionally with a sixth element: the expected checksum of the ``length`` bytes
         (None: not checked), for a file opened with ``checksum=``; and a seventh: its ready
@@ -313,8 +313,17 @@ class Reader:
         file opened without one (or not in 32 bits), a ready word's address NULL or not 4-byte
         aligned, or (direct files) an offset, length or address that is not a multiple of
         :data:`ALIGNMENT`.
+
+        Returns the tags of the requests not queued: with quick misses armed
+        (:mod:`strata_mlx.stream.quick`), those whose ready word's record is being read
+        already.
         """
-        self._r.submit(requests, urgent)
+        return self._r.submit(requests, urgent)
+
+    @property
+    def native(self):
+        """The extension's reader (its quick misses: :mod:`strata_mlx.stream.quick`)."""
+        return self._r
 
     def cancel(self, tags: Iterable[int]) -> list[int]:
         """Drop queued read-ahead requests with these tags; returns the tags dropped.

@@ -45,6 +45,7 @@ import numpy as np
 from ..format.store import EXPERTS, Manifest, StoreError
 from .arena import Arena, Key
 from .gate import GateTable
+from .quick import QuickMisses
 from .reader import CHECKSUM_MISMATCH, SHORT_READ, error_message
 from .stats import ExpertStats
 
@@ -126,10 +127,10 @@ def read_error(sched: Scheduler, key: Key, err: int, nbytes: int) -> ExpertReadE
     return ExpertReadError(f"{sched.store / EXPERTS}: layer {layer} expert {expert}: {why}")
 
 
-class Scheduler:
-    """Reads, residency and statistics, shared by both schedulers. How completions are
-    collected is each one's own: `wait`, `_absorb` (completions into residency),
-    `_reserved` (the reserve's reads to send now) and `_check_failed`."""
+class ReadBooks:
+    """The scheduler's books of reads: the requests it makes (their victims evicted, their
+    slots assigned), those in flight, and their completions made resident. Reads the
+    reader queued itself (stream.quick) are taken into them."""
 
     def __init__(self, store: str | Path, manifest: Manifest, arena: Arena, reader, verify: bool):
         self.store = Path(store)
@@ -152,6 +153,13 @@ class Scheduler:
         self.residency = ResidencyRows(manifest, arena.n_slots)
         self.busy_layers: set[int] = set()  # layers computing on the device (pipelined decode)
         self.early: set[Key] = set()  # misses read before their claim (start_misses)
+        # The reader's quick misses (stream.quick), where gated decode uses them
+        self.quick: QuickMisses | None = None
+
+    @property
+    def file_index(self) -> int:
+        """The experts file's index in the reader."""
+        return self._file
 
     @property
     def reader(self):
@@ -164,6 +172,114 @@ class Scheduler:
     @reader.setter
     def reader(self, value) -> None:
         self._reader = value
+
+    # ---- reads ------------------------------------------------------------------------
+
+    def _submit(self, keys: list[Key], protect, keep, urgent: bool = False) -> list[int]:
+        """Reads (read-ahead unless `urgent`) of those of `keys` neither resident nor in
+        flight, in order, into slots whose expert is of no layer in `protect` and not in
+        `keep`, until no such slot is left; their tags."""
+        return self._send(self._requests(keys, protect, keep, urgent), urgent)
+
+    def _requests(
+        self, keys: list[Key], protect, keep, urgent: bool = False, batch_from: int | None = None
+    ) -> list[tuple]:
+        """`_submit`'s reads, recorded as in flight, not yet handed to the reader (their
+        victims asked of the policy as one batch from `batch_from` keys; None: the arena's
+        BATCH_FROM)."""
+        if self.quick is not None:  # (the reader's own reads are in flight too)
+            self.quick.absorb()
+        tag_of, slot_of = self.tag_of, self.arena.slot_of
+        todo = [k for k in dict.fromkeys(keys) if k not in tag_of and k not in slot_of]
+        reqs = []
+        # up to the first key with no slot that may be given up: the rest waits for demand
+        for key, (slot, victim) in zip(
+            todo, self.arena.allocate_many(todo, protect, keep, batch_from)
+        ):
+            self.evicted(victim)
+            reqs.append(self._start_read(key, slot, urgent))
+        return reqs
+
+    def _send(self, reqs: list[tuple], urgent: bool) -> list[int]:
+        """Hand `reqs` to the reader in one batch; their tags."""
+        if reqs and not urgent:
+            self.stats.readahead_submitted += len(reqs)
+        return self._handed(reqs, urgent)
+
+    def _handed(self, reqs: list[tuple], urgent: bool) -> list[int]:
+        """`reqs` submitted; the tags each key is read under. The reader skips a request
+        for a record its quick misses already read (stream.quick): that request is undone
+        (its slot back in the arena) and the key's quick read taken in its place."""
+        if not reqs:
+            return []
+        skipped = self.reader.submit(reqs, urgent)
+        if not skipped:
+            return [r[0] for r in reqs]
+        keys = {}
+        for tag in skipped:
+            r = self.reads.pop(tag)
+            del self.tag_of[r.key]
+            self.arena.release(r.slot)
+            keys[tag] = r.key
+        self.quick.absorb()
+        return [self.tag_of[keys[r[0]]] if r[0] in keys else r[0] for r in reqs]
+
+    def take_read(self, tag: int, key: Key, slot: int) -> None:
+        """A read of `key` into `slot` the reader queued itself (urgent: stream.quick), in
+        flight in these books from now on."""
+        self.reads[tag] = _Read(key, slot, True)
+        self.tag_of[key] = tag
+
+    def _start_read(self, key: Key, slot: int, urgent: bool) -> tuple:
+        """Record a read of `key` into `slot` as in flight; its request for the reader."""
+        tag = self._tags = self._tags + 1
+        pos, m = self.residency.pos[key[0]], self.manifest  # (manifest.record, without its lookups)
+        expected = m.checksums[pos][key[1]] if self.verify else None
+        self.reads[tag] = _Read(key, slot, urgent)
+        self.tag_of[key] = tag
+        address, ready = self.arena.address(slot), self.residency.ready(key, slot)
+        offset = m.offsets[pos][key[1]]
+        return (tag, self._file, offset, self.record_bytes, address, expected, ready)
+
+    def evicted(self, key: Key | None) -> None:
+        """`key` left the arena (None: nothing did); read-ahead evicted unused was wasted."""
+        if key is None:
+            return
+        self.residency.set(key, -1)
+        self.early.discard(key)
+        if key in self.prefetched:
+            self.prefetched.discard(key)
+            self.stats.wasted_readahead += 1
+
+    def _finish(self, completions) -> ExpertReadError | None:
+        """Completions into residency; the error of the first failed read, if any."""
+        errors, quick = [], self.quick
+        if quick is not None:  # (its reads' completions may be among them)
+            quick.absorb()
+        for tag, err, nbytes in completions:
+            r = self.reads.pop(tag, None)
+            if r is None:
+                continue
+            del self.tag_of[r.key]
+            if quick is not None:
+                quick.finished(r.key)
+            if err or nbytes != self.record_bytes:
+                self.arena.release(r.slot)
+                errors.append((r.key, err, nbytes))
+                continue
+            self.arena.loaded(r.slot)
+            self.residency.set(r.key, r.slot)
+            self.stats.experts_read += 1
+            self.stats.bytes_read += nbytes
+            if not r.urgent and not r.layer_wanted:
+                self.prefetched.add(r.key)
+        return read_error(self, *errors[0]) if errors else None
+
+
+class Scheduler(ReadBooks):
+    """Reads, residency and statistics, shared by both schedulers. How completions are
+    collected is each one's own: `wait`, `_absorb` (completions into residency),
+    `_reserved` (the reserve's reads to send now) and `_check_failed`."""
 
     # ---- what the handshake asks -------------------------------------------------------
 
@@ -182,6 +298,8 @@ class Scheduler:
         misses urgently, pin them all; the tags the computation must wait for."""
         with self.lock:
             self._check_failed()
+            if self.quick is not None:
+                self.quick.absorb()
             row = self.residency.row(layer)
             if self.early:  # misses read before their claim: each key looked at alone
                 resident, rest = [], needed
@@ -260,7 +378,7 @@ class Scheduler:
             reqs, i = [], 0
             while True:
                 for slot, victim in self.arena.allocate_many(keys[i:]):
-                    self._evicted(victim)
+                    self.evicted(victim)
                     reqs.append(self._start_read(keys[i], slot, urgent=True))
                     i += 1
                 if i == len(keys):
@@ -269,9 +387,7 @@ class Scheduler:
                 if not self.reads:
                     raise RuntimeError("arena exhausted: every slot is pinned")
                 self.collect(block=True)
-            if reqs:
-                self.reader.submit(reqs, True)
-            return [r[0] for r in reqs]
+            return self._handed(reqs, True)
 
     def start_misses(self, layer: int, experts: list[int], protect: set[int]) -> None:
         """Urgent reads of `layer`'s absent `experts`, started before the handshake that
@@ -324,7 +440,30 @@ class Scheduler:
                 r = self.reads.pop(tag)
                 del self.tag_of[r.key]
                 self.arena.release(r.slot)
+                if self.quick is not None:
+                    self.quick.finished(r.key)
                 self.stats.readahead_dropped += 1
+
+    def settle(self, keep: int | None = None) -> None:
+        """The device finished everything built so far: no slot is in use (but layer
+        `keep`'s, about to be recomputed), and boards the reader still watches will not come."""
+        self.drop_watches()
+        with self.lock:
+            self.arena.unpin_all()
+            self.busy_layers.clear()
+            if keep is not None:
+                self.busy_layers.add(keep)
+
+    def drop_watches(self) -> None:
+        """The reader's quick misses watch no more boards (stream.quick)."""
+        if self.quick is not None:
+            self.quick.drop()
+
+    def release_reserve(self) -> None:
+        """The quick misses' reserve back to the arena (a generation starts)."""
+        if self.quick is not None:
+            with self.lock:
+                self.quick.release()
 
     def collect(self, block: bool) -> None:
         """Make landed reads resident; with `block`, wait for at least one if any is out."""
@@ -349,80 +488,6 @@ class Scheduler:
                 self._reader.close()
             if self.residency.gate is not None:  # (the reader's threads, its writers, are gone)
                 self.residency.gate.close()
-
-    # ---- reads ------------------------------------------------------------------------
-
-    def _submit(self, keys: list[Key], protect, keep, urgent: bool = False) -> list[int]:
-        """Reads (read-ahead unless `urgent`) of those of `keys` neither resident nor in
-        flight, in order, into slots whose expert is of no layer in `protect` and not in
-        `keep`, until no such slot is left; their tags."""
-        return self._send(self._requests(keys, protect, keep, urgent), urgent)
-
-    def _requests(
-        self, keys: list[Key], protect, keep, urgent: bool = False, batch_from: int | None = None
-    ) -> list[tuple]:
-        """`_submit`'s reads, recorded as in flight, not yet handed to the reader (their
-        victims asked of the policy as one batch from `batch_from` keys; None: the arena's
-        BATCH_FROM)."""
-        tag_of, slot_of = self.tag_of, self.arena.slot_of
-        todo = [k for k in dict.fromkeys(keys) if k not in tag_of and k not in slot_of]
-        reqs = []
-        # up to the first key with no slot that may be given up: the rest waits for demand
-        for key, (slot, victim) in zip(
-            todo, self.arena.allocate_many(todo, protect, keep, batch_from)
-        ):
-            self._evicted(victim)
-            reqs.append(self._start_read(key, slot, urgent))
-        return reqs
-
-    def _send(self, reqs: list[tuple], urgent: bool) -> list[int]:
-        """Hand `reqs` to the reader in one batch; their tags."""
-        if reqs:
-            if not urgent:
-                self.stats.readahead_submitted += len(reqs)
-            self.reader.submit(reqs, urgent)
-        return [r[0] for r in reqs]
-
-    def _start_read(self, key: Key, slot: int, urgent: bool) -> tuple:
-        """Record a read of `key` into `slot` as in flight; its request for the reader."""
-        tag = self._tags = self._tags + 1
-        pos, m = self.residency.pos[key[0]], self.manifest  # (manifest.record, without its lookups)
-        expected = m.checksums[pos][key[1]] if self.verify else None
-        self.reads[tag] = _Read(key, slot, urgent)
-        self.tag_of[key] = tag
-        address, ready = self.arena.address(slot), self.residency.ready(key, slot)
-        offset = m.offsets[pos][key[1]]
-        return (tag, self._file, offset, self.record_bytes, address, expected, ready)
-
-    def _evicted(self, key: Key | None) -> None:
-        """`key` left the arena (None: nothing did); read-ahead evicted unused was wasted."""
-        if key is None:
-            return
-        self.residency.set(key, -1)
-        self.early.discard(key)
-        if key in self.prefetched:
-            self.prefetched.discard(key)
-            self.stats.wasted_readahead += 1
-
-    def _finish(self, completions) -> ExpertReadError | None:
-        """Completions into residency; the error of the first failed read, if any."""
-        errors = []
-        for tag, err, nbytes in completions:
-            r = self.reads.pop(tag, None)
-            if r is None:
-                continue
-            del self.tag_of[r.key]
-            if err or nbytes != self.record_bytes:
-                self.arena.release(r.slot)
-                errors.append((r.key, err, nbytes))
-                continue
-            self.arena.loaded(r.slot)
-            self.residency.set(r.key, r.slot)
-            self.stats.experts_read += 1
-            self.stats.bytes_read += nbytes
-            if not r.urgent and not r.layer_wanted:
-                self.prefetched.add(r.key)
-        return read_error(self, *errors[0]) if errors else None
 
 
 class SyncScheduler(Scheduler):

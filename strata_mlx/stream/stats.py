@@ -54,6 +54,9 @@ class ExpertStats:
     # how long other threads' hold of the GIL (the decoding thread's, building layers) kept
     # the check from starting
     check_gil_s: float = 0.0
+    # gated decode with quick misses (stream.quick): misses the reader's own thread read off
+    # the routing board, before their layer's check (counted in `misses` too)
+    quick_misses: int = 0
     topped_up: int = 0  # read-ahead the scheduler's loop added when the drive ran low
     loop_s: float = 0.0  # time the scheduler's loop thread held the GIL
     # its CPU time meanwhile (thread_time: what others' threads and processes take of its

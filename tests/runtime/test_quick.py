@@ -1,0 +1,260 @@
+"""Quick misses (strata_mlx.stream.quick, _native/quick.c): the reader's own thread reads a
+gated layer's misses off the routing board into a reserve of slots.
+
+The reader alone: a watched board row's ids not landed and not in flight read into reserve
+slots (their ready words the gate table's, their checksums verified), logged for the
+scheduler; a record in flight never read twice (the reader skips the scheduler's request for
+it); a reserve run dry leaves the rest; a dropped watch ends the wait for a board that never
+came. The scheduler: a request the reader skipped is undone and the quick read taken in its
+place. Gated decode through the emulated device gate (tests/runtime/test_gate.py) with quick
+misses equals the per-layer handshake bit for bit, and the reserve goes back to the arena
+when a generation starts."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import prompt_ids
+from test_gate import arena_gb, decode, load_emulated
+
+import strata_mlx
+from strata_mlx.format.checksums import checksum
+from strata_mlx.stream.reader import ALIGNMENT, READY_FAILED, Reader
+
+RB = 8192  # a record's bytes
+NPOS, NEXP = 2, 8
+
+
+class Board:
+    """A reader armed for quick misses over a file of NPOS x NEXP random records: the gate
+    table, flight bytes, a board row per layer position, an arena of `slots` slots."""
+
+    def __init__(self, tmp_path, slots: int = 6, verify: bool = True, corrupt: int = -1):
+        rng = np.random.default_rng(3)
+        self.data = rng.integers(0, 256, NPOS * NEXP * RB, dtype=np.uint8)
+        path = tmp_path / "experts.bin"
+        path.write_bytes(self.data.tobytes())
+        self.table = np.full((NPOS, NEXP), -1, dtype=np.int32)
+        self.flight = np.zeros((NPOS, NEXP), dtype=np.uint8)
+        self.board = np.zeros((NPOS, 17), dtype=np.int32)
+        raw = np.zeros((slots + 1) * RB, dtype=np.uint8)
+        start = (-raw.ctypes.data) % ALIGNMENT
+        self.arena = raw[start : start + slots * RB].reshape(slots, RB)
+        self.reader = Reader(2)
+        self.f = self.reader.open(str(path), direct=False, checksum="crc32c" if verify else None)
+        offsets = np.arange(NPOS * NEXP, dtype=np.int64).reshape(NPOS, NEXP) * RB
+        sums = np.array(
+            [checksum("crc32c", self.record(i)) for i in range(NPOS * NEXP)], dtype=np.uint32
+        ).reshape(NPOS, NEXP)
+        if corrupt >= 0:
+            sums.reshape(-1)[corrupt] ^= 1
+        self.q = self.reader.native
+        self.q.quick_arm(
+            self.table.ctypes.data, self.flight.ctypes.data, NPOS, NEXP, self.f, RB, offsets,
+            sums if verify else None,
+        )  # fmt: skip
+
+    def record(self, i: int) -> np.ndarray:
+        return self.data[i * RB : (i + 1) * RB]
+
+    def give(self, slots) -> None:
+        self.q.quick_give([(s, self.arena[s].ctypes.data) for s in slots])
+
+    def post(self, pos: int, seq: int, ids: list[int]) -> int:
+        return self.q.quick_watch(self.board[pos].ctypes.data, seq, len(ids), pos)
+
+    def write(self, pos: int, seq: int, ids: list[int]) -> None:
+        """What the device's board kernel does: the ids, then their sequence number."""
+        self.board[pos, 1 : 1 + len(ids)] = ids
+        self.board[pos, 0] = seq
+
+    def landed(self, claims) -> None:
+        """Every claimed read waited for: each record in its slot, its word its slot."""
+        done = self.reader.wait([tag for *_, tag in claims], 5.0)
+        assert len(done) == len(claims) and not any(err for _, err, _ in done)
+        for pos, e, slot, _ in claims:
+            assert self.table[pos, e] == slot
+            assert np.array_equal(self.arena[slot], self.record(pos * NEXP + e))
+
+
+def test_a_watched_layers_misses_are_read_into_the_reserve_as_its_ids_land(tmp_path):
+    b = Board(tmp_path)
+    b.table[1, 2] = 5  # landed: not read
+    b.flight[1, 4] = 1  # another read is for it: not read twice
+    b.give([0, 1, 2])
+    n = b.post(1, 7, [2, 3, 4, 6])
+    assert not b.q.quick_wait(n, 0.05)  # nothing on the board yet: nothing read
+    assert b.q.quick_claims() == [] and b.q.quick_free() == 3
+    b.write(1, 7, [2, 3, 4, 6])
+    assert b.q.quick_wait(n, 5.0)
+    claims = b.q.quick_claims()
+    assert [(p, e) for p, e, _, _ in claims] == [(1, 3), (1, 6)]
+    assert sorted(s for _, _, s, _ in claims) == [1, 2]  # from the reserve's top
+    assert all(tag < 0 for *_, tag in claims)  # (the scheduler's tags are positive)
+    assert b.flight[1, 3] == b.flight[1, 6] == 1 and b.q.quick_free() == 1
+    b.landed(claims)
+    st = b.reader.stats()
+    assert st["quick_reads"] == 2 and st["quick_boards"] == 1 and st["quick_dry"] == 0
+    assert st["urgent_reads"] == 2  # (read as misses: urgent, their latency counted)
+    assert b.q.quick_claims() == []  # taken once
+    b.reader.close()
+
+
+def test_the_reader_skips_a_request_for_a_record_in_flight_and_marks_the_others(tmp_path):
+    b = Board(tmp_path)
+    b.give([0])
+    b.write(0, 3, [5])
+    assert b.q.quick_wait(b.post(0, 3, [5]), 5.0)
+    (claim,) = b.q.quick_claims()
+    word = b.table.ctypes.data
+    reqs = [
+        (1, b.f, 5 * RB, RB, b.arena[3].ctypes.data, None, (word + 4 * 5, 3)),  # quick's
+        (2, b.f, 1 * RB, RB, b.arena[4].ctypes.data, None, (word + 4 * 1, 4)),
+        (3, b.f, 0, RB, b.arena[5].ctypes.data),  # no ready word: never skipped
+    ]
+    assert b.reader.submit(reqs) == [1]
+    assert b.flight[0, 1] == 1  # the scheduler clears it once the read is in its books
+    done = {t: err for t, err, _ in b.reader.wait([claim[3], 2, 3], 5.0)}
+    assert done == {claim[3]: 0, 2: 0, 3: 0}
+    assert b.table[0, 5] == claim[2] and b.table[0, 1] == 4  # read once, into quick's slot
+    b.reader.close()
+
+
+def test_a_dry_reserve_leaves_the_rest_and_a_corrupt_record_fails_its_word(tmp_path):
+    b = Board(tmp_path, corrupt=0 * NEXP + 2)
+    b.give([0, 1])
+    b.write(0, 1, [2, 4, 6])
+    assert b.q.quick_wait(b.post(0, 1, [2, 4, 6]), 5.0)
+    claims = b.q.quick_claims()
+    assert [e for _, e, _, _ in claims] == [2, 4]
+    assert b.reader.stats()["quick_dry"] == 1 and b.table[0, 6] == -1 and b.flight[0, 6] == 0
+    done = {t: err for t, err, _ in b.reader.wait([c[3] for c in claims], 5.0)}
+    assert done[claims[0][3]] != 0 and done[claims[1][3]] == 0  # its checksum is checked
+    assert b.table[0, 2] == READY_FAILED and b.table[0, 4] == claims[1][2]
+    b.reader.close()
+
+
+def test_dropped_watches_end_their_wait_and_later_ones_are_watched(tmp_path):
+    b = Board(tmp_path)
+    b.give([0, 1])
+    stuck = b.post(0, 9, [1])  # a board that never comes
+    later = b.post(1, 10, [2])
+    b.write(1, 10, [2])
+    waited = []
+    t = threading.Thread(target=lambda: waited.append(b.q.quick_wait(later, 5.0)))
+    t.start()
+    time.sleep(0.05)
+    assert t.is_alive() and b.q.quick_claims() == []  # behind the stuck one, in order
+    b.q.quick_drop()
+    t.join(5.0)
+    assert waited == [True] and b.q.quick_claims() == []  # dropped: left to the checks
+    n = b.post(1, 11, [3])
+    b.write(1, 11, [3])
+    assert stuck < later < n and b.q.quick_wait(n, 5.0)
+    assert [e for _, e, _, _ in b.q.quick_claims()] == [3]
+    assert sorted(b.q.quick_take()) == [0]  # the reserve back; none left
+    assert b.q.quick_free() == 0
+    b.reader.close()
+
+
+def test_quick_misses_refuse_bad_arguments_and_a_reader_not_armed(tmp_path):
+    with Reader(1) as r:
+        with pytest.raises(RuntimeError, match="not armed"):
+            r.native.quick_watch(4096, 1, 1, 0)
+    b = Board(tmp_path)
+    with pytest.raises(RuntimeError, match="already armed"):
+        b.q.quick_arm(b.table.ctypes.data, b.flight.ctypes.data, NPOS, NEXP, b.f, RB,
+                      np.zeros(NPOS * NEXP, dtype=np.int64), None)  # fmt: skip
+    with pytest.raises(ValueError, match="k outside"):
+        b.q.quick_watch(b.board.ctypes.data, 1, 0, 0)
+    with pytest.raises(ValueError, match="position outside"):
+        b.q.quick_watch(b.board.ctypes.data, 1, 1, NPOS)
+    with pytest.raises(TypeError, match="not \\(slot, address\\)"):
+        b.q.quick_give([3])
+    b.reader.close()
+    with Reader(1) as r:
+        f = r.open(str(tmp_path / "experts.bin"), direct=False)
+        with pytest.raises(ValueError, match="holds 8 bytes"):
+            r.native.quick_arm(b.table.ctypes.data, b.flight.ctypes.data, NPOS, NEXP, f, RB,
+                               np.zeros(1, dtype=np.int64), None)  # fmt: skip
+        with pytest.raises(ValueError, match="without a checksum"):
+            r.native.quick_arm(b.table.ctypes.data, b.flight.ctypes.data, NPOS, NEXP, f, RB,
+                               np.zeros(NPOS * NEXP, dtype=np.int64),
+                               np.zeros(NPOS * NEXP, dtype=np.uint32))  # fmt: skip
+
+
+def quick_model(monkeypatch, path, fraction: float, reserve: int, **opts):
+    model, seen = load_emulated(
+        monkeypatch, path, fraction, decode_gate_board=True, decode_quick_misses=reserve, **opts
+    )
+    assert model.expert_cache.sched.quick is not None
+    return model, seen
+
+
+def books_whole(sched) -> None:
+    """Every slot is a key's, free, or the reserve's; no read is in flight in the reader's
+    flight bytes that the scheduler's books do not hold."""
+    arena, quick = sched.arena, sched.quick
+    held = set(arena.slot_of.values()) | set(arena._free) | quick.held
+    assert len(held) == arena.n_slots == len(arena.slot_of) + len(arena._free) + len(quick.held)
+    flying = {(quick.layer_at[p], e) for p, e in zip(*np.nonzero(quick.flight))}
+    assert flying <= set(sched.tag_of)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("policy", ["lookahead", "demand"])
+def test_gated_decode_with_quick_misses_equals_sync(store, family, policy, monkeypatch):
+    path = store(family)
+    ids = prompt_ids(24, seed=11)
+    gb = arena_gb(path, 0.5)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead=policy)
+    ref = decode(sync, ids, 10)
+    model, _ = quick_model(monkeypatch, path, 0.5, 4, read_ahead=policy)
+    ec = model.expert_cache
+    got = decode(model, ids, 10)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    s, sched = ec.stats, ec.sched
+    assert s.gate_timeouts == 0 and s.gated_mode_tokens > 0
+    assert 0 < s.quick_misses <= s.misses and sched.quick.timeouts == 0
+    sched.drain()
+    books_whole(sched)
+    ec.idle()  # a generation starts: the reserve goes back
+    assert not sched.quick.held and sched.reader.native.quick_free() == 0
+    books_whole(sched)
+    got = decode(model, ids, 10)  # ... and a second generation is exact too
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    for m in (model, sync):
+        m.expert_cache.close()
+
+
+def test_a_request_the_reader_skips_is_undone_and_the_quick_read_taken(store, monkeypatch):
+    path = store("qwen3_moe")
+    model, _ = quick_model(monkeypatch, path, 0.5, 2)
+    ec = model.expert_cache
+    sched, quick = ec.sched, ec.sched.quick
+    layer = ec.layers[0]
+    e = int(np.nonzero(sched.row(layer) < 0)[0][0])  # an expert not resident
+    with sched.lock:
+        quick.refill(None)
+    gate = sched.residency.gate
+    gate.board_row(layer)[1] = e
+    gate.board_row(layer)[0] = 77  # (the device's board kernel)
+    assert quick.wait(quick.watch(layer, 77, 1))
+    with sched.lock:
+        sched.quick = None  # the scheduler's view before the reader's read: not absorbed
+        reqs = sched._requests([(layer, e)], None, None)
+        (mine,) = reqs
+        sched.quick = quick
+        free = len(sched.arena._free)
+        (tag,) = sched._send(reqs, False)
+    assert tag < 0 and tag != mine[0] and mine[0] not in sched.reads
+    assert sched.tag_of[(layer, e)] == tag and sched.reads[tag].urgent
+    assert len(sched.arena._free) == free + 1  # the scheduler's slot given back
+    assert (layer, e) in sched.early and ec.stats.quick_misses == 1
+    sched.drain()
+    assert sched.row(layer)[e] == sched.arena.slot_of[(layer, e)]
+    books_whole(sched)
+    ec.close()
