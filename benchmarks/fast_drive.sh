@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|gil|kprofile
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|gil|kprofile|quick
 # Policies name options beside the defaults of the code run: gated decode on CUDA runs with
 # the routing board by default, 4 layers a commit, checked 4 behind (`:bd1` is
 # `:bd1:lc4:lag4`); without it (OLDGT below, `:bd0:lc1:lag1`) each layer alone, checked 1
@@ -450,6 +450,18 @@ gil)  # tmpfs: a gated token's chain with the checks' waits for the GIL once the
   synth "$SHM"
   for p in ${PROFILE_POL:-demand lookahead}; do echo "== $p"; evals --policy "$p"; done 2>&1 \
     | tee "$OUT/gil.log"
+  ;;
+quick)  # quick misses (stream.quick: the reader's own thread reads a gated layer's misses off
+  # the routing board into a reserve of QM slots, 32): their GPU tests and the device gate's
+  # equality test, then bench's POL on the tmpfs (default: demand and lookahead, each without
+  # and with :qm$QM); TESTS=0 skips the tests
+  build
+  synth "$SHM"
+  [ "${TESTS:-1}" = 0 ] || timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
+     tests/runtime/test_quick.py tests/runtime/test_gate.py -k "quick or equals_sync" 2>&1 \
+     | tail -6 | tee "$OUT/quick-tests.log"
+  q=${QM:-32}
+  bench "bench-quick" "$SHM" "${POL:-demand,demand:qm$q,lookahead,lookahead:qm$q}"
   ;;
 kprofile)  # a resident decode token's device time by kernel, strata-mlx beside mlx-lm (CUPTI
   # through PyTorch's profiler: benchmarks/kernel_profile.py), then the gate's GPU tests

@@ -8,7 +8,7 @@ it); a reserve run dry leaves the rest; a dropped watch ends the wait for a boar
 came. The scheduler: a request the reader skipped is undone and the quick read taken in its
 place. Gated decode through the emulated device gate (tests/runtime/test_gate.py) with quick
 misses equals the per-layer handshake bit for bit, and the reserve goes back to the arena
-when a generation starts."""
+when a generation starts; on the GPU (`-m gpu`) through the device gate and its board."""
 
 from __future__ import annotations
 
@@ -18,7 +18,14 @@ import time
 import numpy as np
 import pytest
 from conftest import prompt_ids
-from test_gate import arena_gb, decode, load_emulated
+from test_gate import (
+    UNGATED_FIRST,
+    arena_gb,
+    cuda_ready,
+    decode,
+    given_up_only_for_held_copies,
+    load_emulated,
+)
 
 import strata_mlx
 from strata_mlx.format.checksums import checksum
@@ -258,3 +265,28 @@ def test_a_request_the_reader_skips_is_undone_and_the_quick_read_taken(store, mo
     assert sched.row(layer)[e] == sched.arena.slot_of[(layer, e)]
     books_whole(sched)
     ec.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("policy", ["lookahead", "demand"])
+def test_quick_misses_through_the_device_gate_equal_sync(store, family, policy):
+    assert cuda_ready()
+    path = store(family)
+    ids, gb = prompt_ids(24, seed=7), arena_gb(path, 0.2)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead=policy)
+    ref = decode(sync, ids, 12)
+    model, _ = strata_mlx.load(
+        path, arena_gb=gb, read_ahead=policy, decode_gate=True, decode_token_below=0.0,
+        decode_quick_misses=4,
+    )  # fmt: skip
+    ec = model.expert_cache
+    assert ec.pipelined.device_gate and ec.sched.residency.gate.board_on
+    got = decode(model, ids, 12)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    s = ec.stats
+    given_up_only_for_held_copies(s, ec.sched.reader.stats())
+    assert s.gated_mode_tokens == 12 - UNGATED_FIRST and 0 < s.quick_misses <= s.misses
+    assert ec.sched.quick.timeouts == 0 and ec.pipelined.board.fallbacks == 0
+    for m in (model, sync):
+        m.expert_cache.close()
