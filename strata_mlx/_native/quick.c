@@ -15,9 +15,10 @@
  * it had submitted them; each layer's check waits for the watch of its layer to be done
  * (`quick_wait`) before it claims, so the two never both read a record.
  *
- * `flight`, a byte per gate-table word: set under the reader's mutex as a request whose ready
- * word is that word is queued, here or by `submit` (which skips a request whose byte is set,
- * returning its tag), and cleared by the scheduler once the read is finished in its books.
+ * `flight`, a byte per gate-table word (the reader's memory; `quick_arm` returns a view of it):
+ * set under the reader's mutex as a request whose ready word is that word is queued, here or
+ * by `submit` (which skips a request whose byte is set, returning its tag), and cleared by the
+ * scheduler once the read is finished in its books.
  *
  * The watcher never calls the Python API and never waits for the GIL; it takes the reader's
  * mutex only to queue, never while it polls a board. */
@@ -158,15 +159,14 @@ void quick_free(ReaderObject *r) {
     free(q->dests);
     free(q->watch);
     free(q->log);
+    free(q->flight);
     if (q->armed) pthread_cond_destroy(&q->cv);
     memset(q, 0, sizeof *q);
 }
 
+/* 0 where armed (-1 and an exception where not): a closed reader's watcher has stopped, and
+ * its calls that only look or give back answer as for nothing left (`closing`). */
 static int quick_ready(ReaderObject *r) {
-    if (r->closing) {
-        PyErr_SetString(PyExc_ValueError, "Reader is closed");
-        return -1;
-    }
     if (!r->quick.armed) {
         PyErr_SetString(PyExc_RuntimeError, "quick misses are not armed (quick_arm)");
         return -1;
@@ -191,24 +191,21 @@ static void *copy_buffer(PyObject *obj, Py_ssize_t count, Py_ssize_t size, const
 }
 
 PyObject *Reader_quick_arm(ReaderObject *r, PyObject *args) {
-    unsigned long long table, flight;
+    unsigned long long table;
     int npos, nexp, file;
     Py_ssize_t length;
     PyObject *offsets_obj, *sums_obj;
-    if (!PyArg_ParseTuple(args, "KKiiinOO:quick_arm", &table, &flight, &npos, &nexp, &file,
-                          &length, &offsets_obj, &sums_obj))
+    if (!PyArg_ParseTuple(args, "KiiinOO:quick_arm", &table, &npos, &nexp, &file, &length,
+                          &offsets_obj, &sums_obj))
         return NULL;
-    if (r->closing) {
-        PyErr_SetString(PyExc_ValueError, "Reader is closed");
-        return NULL;
-    }
+    if (check_open(r) < 0) return NULL;
     Quick *q = &r->quick;
     if (q->armed) {
         PyErr_SetString(PyExc_RuntimeError, "quick_arm: already armed");
         return NULL;
     }
     const char *bad = NULL;
-    if (!table || table % sizeof(int32_t) || !flight) bad = "a NULL or unaligned table or flight";
+    if (!table || table % sizeof(int32_t)) bad = "a NULL or unaligned table";
     else if (npos < 1 || nexp < 1) bad = "npos and nexp must be >= 1";
     else if (file < 0 || file >= r->nfiles) bad = "file is not an open file";
     else if (length < 1) bad = "length must be >= 1";
@@ -236,10 +233,17 @@ PyObject *Reader_quick_arm(ReaderObject *r, PyObject *args) {
             free(sums);
             return NULL;
         }
+    /* (the reader's own: its watcher reads it until it is stopped, whatever Python frees) */
+    uint8_t *flight = calloc((size_t)count, 1);
+    if (!flight) {
+        free(offsets);
+        free(sums);
+        return PyErr_NoMemory();
+    }
     pthread_mutex_lock(&r->mu);
     *q = (Quick){.armed = 1,
                  .table = (int32_t *)(uintptr_t)table,
-                 .flight = (uint8_t *)(uintptr_t)flight,
+                 .flight = flight,
                  .npos = npos,
                  .nexp = nexp,
                  .file = file,
@@ -255,7 +259,7 @@ PyObject *Reader_quick_arm(ReaderObject *r, PyObject *args) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     q->running = 1;
-    Py_RETURN_NONE;
+    return PyMemoryView_FromMemory((char *)flight, count, PyBUF_WRITE);
 }
 
 /* Grow the reserve's arrays to hold `extra` more slots, and the log as many claims (mu). */
@@ -280,7 +284,7 @@ static int grow_reserve(Quick *q, Py_ssize_t extra) {
 }
 
 PyObject *Reader_quick_give(ReaderObject *r, PyObject *arg) {
-    if (quick_ready(r) < 0) return NULL;
+    if (quick_ready(r) < 0 || check_open(r) < 0) return NULL;
     PyObject *seq = PySequence_Fast(arg, "quick_give takes a sequence of (slot, address)");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -360,7 +364,7 @@ PyObject *Reader_quick_watch(ReaderObject *r, PyObject *args) {
     unsigned long long board;
     int seq, k, pos;
     if (!PyArg_ParseTuple(args, "Kiii:quick_watch", &board, &seq, &k, &pos)) return NULL;
-    if (quick_ready(r) < 0) return NULL;
+    if (quick_ready(r) < 0 || check_open(r) < 0) return NULL;
     Quick *q = &r->quick;
     if (!board || board % sizeof(int32_t) || k < 1 || k > QUICK_MAX_IDS || pos < 0 ||
         pos >= q->npos) {
@@ -402,6 +406,7 @@ PyObject *Reader_quick_wait(ReaderObject *r, PyObject *args) {
         return NULL;
     }
     Quick *q = &r->quick;
+    if (r->closing) Py_RETURN_TRUE; /* (its watcher stopped: nothing more is queued) */
     if (__atomic_load_n(&q->watched, __ATOMIC_ACQUIRE) >= n) Py_RETURN_TRUE; /* (GIL kept) */
     int done;
     Py_BEGIN_ALLOW_THREADS

@@ -25,7 +25,8 @@ typedef struct {
     int armed;
     int32_t *table;  /* the gate table, [npos][nexp] int32 words */
     uint8_t *flight; /* [npos][nexp]: a read of the record queued and not yet finished by the
-                      * scheduler (set here as it is queued, cleared by the scheduler) */
+                      * scheduler (set here as it is queued, cleared by the scheduler through
+                      * the view quick_arm returns); the reader's own memory */
     int npos, nexp, file;
     Py_ssize_t length;    /* a record's bytes */
     long long *offsets;   /* [npos][nexp]: each record's offset in `file` */

@@ -707,7 +707,7 @@ static int checksum_kind(PyObject *name) {
     return -1;
 }
 
-static int check_open(ReaderObject *r) {
+int check_open(ReaderObject *r) {
     if (r->closing) {
         PyErr_SetString(PyExc_ValueError, "Reader is closed");
         return -1;
@@ -1627,7 +1627,7 @@ static PyMethodDef Reader_methods[] = {
      "(n < 0: at every completion)"},
     {"queued", (PyCFunction)Reader_queued, METH_NOARGS, "requests queued, not yet started"},
     {"quick_arm", (PyCFunction)Reader_quick_arm, METH_VARARGS,
-     "quick_arm(table, flight, npos, nexp, file, length, offsets, sums): start watching"},
+     "quick_arm(table, npos, nexp, file, length, offsets, sums) -> the flight bytes"},
     {"quick_give", (PyCFunction)Reader_quick_give, METH_O,
      "quick_give([(slot, address)]): slots into the reserve"},
     {"quick_take", (PyCFunction)Reader_quick_take, METH_NOARGS,

@@ -54,18 +54,20 @@ class QuickMisses:
         self._r = native
         m = sched.manifest
         self.layer_at = {pos: layer for layer, pos in gate.pos.items()}
-        self.flight = np.zeros(gate.table.shape, dtype=np.uint8)
         offsets = np.ascontiguousarray(np.array(m.offsets, dtype=np.int64))
         sums = np.array(m.checksums, dtype=np.uint32) if sched.verify else None
-        self._r.quick_arm(
-            gate.address,
-            self.flight.ctypes.data,
-            *gate.table.shape,
-            sched.file_index,
-            sched.record_bytes,
-            offsets,
-            None if sums is None else np.ascontiguousarray(sums),
-        )
+        # the reader's flight bytes (its own memory), cleared here by `finished`
+        self.flight = np.frombuffer(
+            self._r.quick_arm(
+                gate.address,
+                *gate.table.shape,
+                sched.file_index,
+                sched.record_bytes,
+                offsets,
+                None if sums is None else np.ascontiguousarray(sums),
+            ),
+            dtype=np.uint8,
+        ).reshape(gate.table.shape)
         self.held: set[int] = set()  # reserve slots the reader holds
         self.timeouts = 0  # checks that gave up waiting for their layer's watch
 

@@ -45,7 +45,6 @@ class Board:
         path = tmp_path / "experts.bin"
         path.write_bytes(self.data.tobytes())
         self.table = np.full((NPOS, NEXP), -1, dtype=np.int32)
-        self.flight = np.zeros((NPOS, NEXP), dtype=np.uint8)
         self.board = np.zeros((NPOS, 17), dtype=np.int32)
         raw = np.zeros((slots + 1) * RB, dtype=np.uint8)
         start = (-raw.ctypes.data) % ALIGNMENT
@@ -59,10 +58,10 @@ class Board:
         if corrupt >= 0:
             sums.reshape(-1)[corrupt] ^= 1
         self.q = self.reader.native
-        self.q.quick_arm(
-            self.table.ctypes.data, self.flight.ctypes.data, NPOS, NEXP, self.f, RB, offsets,
-            sums if verify else None,
-        )  # fmt: skip
+        flight = self.q.quick_arm(
+            self.table.ctypes.data, NPOS, NEXP, self.f, RB, offsets, sums if verify else None
+        )
+        self.flight = np.frombuffer(flight, dtype=np.uint8).reshape(NPOS, NEXP)
 
     def record(self, i: int) -> np.ndarray:
         return self.data[i * RB : (i + 1) * RB]
@@ -173,7 +172,7 @@ def test_quick_misses_refuse_bad_arguments_and_a_reader_not_armed(tmp_path):
             r.native.quick_watch(4096, 1, 1, 0)
     b = Board(tmp_path)
     with pytest.raises(RuntimeError, match="already armed"):
-        b.q.quick_arm(b.table.ctypes.data, b.flight.ctypes.data, NPOS, NEXP, b.f, RB,
+        b.q.quick_arm(b.table.ctypes.data, NPOS, NEXP, b.f, RB,
                       np.zeros(NPOS * NEXP, dtype=np.int64), None)  # fmt: skip
     with pytest.raises(ValueError, match="k outside"):
         b.q.quick_watch(b.board.ctypes.data, 1, 0, 0)
@@ -181,14 +180,19 @@ def test_quick_misses_refuse_bad_arguments_and_a_reader_not_armed(tmp_path):
         b.q.quick_watch(b.board.ctypes.data, 1, 1, NPOS)
     with pytest.raises(TypeError, match="not \\(slot, address\\)"):
         b.q.quick_give([3])
-    b.reader.close()
+    b.give([0])
+    b.reader.close()  # its watcher stopped: what looks or gives back answers, nothing more
+    b.q.quick_drop()
+    assert b.q.quick_claims() == [] and b.q.quick_wait(99, 0.0) and b.q.quick_take() == [0]
+    with pytest.raises(ValueError, match="closed"):
+        b.post(0, 1, [1])
     with Reader(1) as r:
         f = r.open(str(tmp_path / "experts.bin"), direct=False)
         with pytest.raises(ValueError, match="holds 8 bytes"):
-            r.native.quick_arm(b.table.ctypes.data, b.flight.ctypes.data, NPOS, NEXP, f, RB,
+            r.native.quick_arm(b.table.ctypes.data, NPOS, NEXP, f, RB,
                                np.zeros(1, dtype=np.int64), None)  # fmt: skip
         with pytest.raises(ValueError, match="without a checksum"):
-            r.native.quick_arm(b.table.ctypes.data, b.flight.ctypes.data, NPOS, NEXP, f, RB,
+            r.native.quick_arm(b.table.ctypes.data, NPOS, NEXP, f, RB,
                                np.zeros(NPOS * NEXP, dtype=np.int64),
                                np.zeros(NPOS * NEXP, dtype=np.uint32))  # fmt: skip
 
