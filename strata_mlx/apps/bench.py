@@ -48,6 +48,7 @@ class Run:
     urgent_reads: int = 0
     urgent_ns: int = 0
     copies_held: int = 0  # words given up for a copy held past decode_copy_held_ms (queued too)
+    quick_dry: int = 0  # misses the reader's quick misses left for want of a reserve slot
 
 
 def _drop_page_cache(store: Path) -> bool:
@@ -168,6 +169,7 @@ def run_policy(
     run.copies_held = sum(
         after.get(k, 0) - reads.get(k, 0) for k in ("copies_held", "words_given_up")
     )
+    run.quick_dry = after.get("quick_dry", 0) - reads.get("quick_dry", 0)
     run.decode = ec.stats.minus(before)
     if layers is not None:
         layers.cut("decode")
@@ -496,6 +498,7 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
         # misses the reader read off the routing board itself (decode_quick_misses), a token
         "decode_quick_per_token": d.quick_misses / per_tok,
         "decode_misses_per_token": d.misses / per_tok,
+        "decode_quick_dry_per_token": run.quick_dry / per_tok,
         # a miss's read, from its submission to its landing (its ready word stored)
         "decode_miss_landing_us": run.urgent_ns / run.urgent_reads / 1e3
         if run.urgent_reads
@@ -542,7 +545,11 @@ def _modes(s: dict) -> str:
     landing = f"; a miss lands {us:.0f} us after its read's submission" if us else ""
     quick = s.get("decode_quick_per_token", 0.0)
     if quick:
-        landing += f"; quick misses {quick:.1f} of {s['decode_misses_per_token']:.1f}/tok"
+        dry = s.get("decode_quick_dry_per_token", 0.0)
+        landing += (
+            f"; quick misses {quick:.1f} of {s['decode_misses_per_token']:.1f}/tok"
+            f" ({dry:.1f} left for want of a slot)"
+        )
     held = s.get("decode_copies_held", 0)
     gave = f"{s['decode_gate_timeouts']}" + (f" ({held} words for a held copy)" if held else "")
     return f" [modes: {seen}; gates given up {gave}{aside}{device}{landing}]"
