@@ -454,14 +454,14 @@ gil)  # tmpfs: a gated token's chain with the checks' waits for the GIL once the
 quick)  # quick misses (stream.quick: the reader's own thread reads a gated layer's misses off
   # the routing board into a reserve of QM slots, 32): their GPU tests and the device gate's
   # equality test, then bench's POL on the tmpfs (default: demand and lookahead, each without
-  # and with :qm$QM); TESTS=0 skips the tests
+  # and with :qm$QM, and lookahead reading its predictions too, :qa1); TESTS=0 skips the tests
   build
   synth "$SHM"
   [ "${TESTS:-1}" = 0 ] || timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
      tests/runtime/test_quick.py tests/runtime/test_gate.py -k "quick or equals_sync" 2>&1 \
      | tail -6 | tee "$OUT/quick-tests.log"
   q=${QM:-32}
-  bench "bench-quick" "$SHM" "${POL:-demand,demand:qm$q,lookahead,lookahead:qm$q}"
+  bench "bench-quick" "$SHM" "${POL:-demand,demand:qm$q,lookahead,lookahead:qm$q,lookahead:qm$q:qa1}"
   ;;
 kprofile)  # a resident decode token's device time by kernel, strata-mlx beside mlx-lm (CUPTI
   # through PyTorch's profiler: benchmarks/kernel_profile.py), then the gate's GPU tests

@@ -57,26 +57,35 @@ static int wait_board(Quick *q, const Watch *w, unsigned long long gen, int *wai
     return 1;
 }
 
-/* `w`'s misses queued into the reserve's slots (mu held): their number. */
-static Py_ssize_t claim_layer(ReaderObject *r, const Watch *w) {
+/* Reads of a group of `w`'s board ids, `n` from `from` (the first is 1), for layer position
+ * `pos`, queued into the reserve's slots (mu held): urgent (the layer's own misses: every slot
+ * the reserve has) or read-ahead (a lookahead router's predictions for a later layer: only
+ * while more than `ahead_floor` slots are left). Their number. */
+static Py_ssize_t claim_ids(ReaderObject *r, const Watch *w, int from, int n, int pos,
+                            int urgent) {
     Quick *q = &r->quick;
     Request reqs[QUICK_MAX_IDS];
-    Py_ssize_t n = 0;
-    uint64_t submitted = now_ns();
-    for (int j = 0; j < w->k; j++) {
-        int32_t e = __atomic_load_n(&w->board[1 + j], __ATOMIC_RELAXED);
+    Py_ssize_t m = 0, floor = urgent ? 0 : q->ahead_floor;
+    uint64_t submitted = urgent ? now_ns() : 0;
+    for (int j = from; j < from + n; j++) {
+        int32_t e = __atomic_load_n(&w->board[j], __ATOMIC_RELAXED);
         if (e < 0 || e >= q->nexp) continue;
-        Py_ssize_t at = (Py_ssize_t)w->pos * q->nexp + e;
-        if (q->flight[at] || __atomic_load_n(&q->table[at], __ATOMIC_ACQUIRE) != READY_PENDING)
+        Py_ssize_t at = (Py_ssize_t)pos * q->nexp + e;
+        if (__atomic_load_n(&q->table[at], __ATOMIC_ACQUIRE) != READY_PENDING) continue;
+        if (q->flight[at]) { /* being read: where that is read-ahead still queued, its layer's
+                              * gate waits for it now */
+            if (urgent) q->promoted += promote_word(r, &q->table[at]);
             continue;
-        if (q->nfree == 0) {
-            q->dry++;
-            continue;
+        }
+        if (q->nfree <= floor) {
+            q->dry += urgent;
+            if (urgent) continue;
+            break;
         }
         q->nfree--;
         q->flight[at] = 1;
         long long tag = --q->tag;
-        reqs[n++] = (Request){.tag = tag,
+        reqs[m++] = (Request){.tag = tag,
                               .file = q->file,
                               .offset = q->offsets[at],
                               .length = q->length,
@@ -88,18 +97,31 @@ static Py_ssize_t claim_layer(ReaderObject *r, const Watch *w) {
                               .ready = &q->table[at],
                               .ready_value = (int32_t)q->slots[q->nfree],
                               .submitted = submitted};
-        q->log[q->nlog++] = (Claim){w->pos, e, q->slots[q->nfree], tag};
+        q->log[q->nlog++] = (Claim){pos, e, q->slots[q->nfree], tag, urgent};
     }
-    if (n && queue_locked(r, reqs, n, 1, 0, NULL, NULL) < 0) {
+    if (m && queue_locked(r, reqs, m, urgent, 0, NULL, NULL) < 0) {
         /* no memory to queue them: their slots back in the reserve (taken from its top, where
-         * they still sit), their records left to the scheduler's claim */
-        q->nfree += n;
-        q->nlog -= n;
-        for (Py_ssize_t i = 0; i < n; i++)
-            q->flight[(Py_ssize_t)q->log[q->nlog + i].pos * q->nexp + q->log[q->nlog + i].expert] = 0;
+         * they still sit), their records left to the scheduler */
+        q->nfree += m;
+        q->nlog -= m;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            const Claim *c = &q->log[q->nlog + i];
+            q->flight[(Py_ssize_t)c->pos * q->nexp + c->expert] = 0;
+        }
         return 0;
     }
-    q->reads += (unsigned long long)n;
+    if (urgent) q->reads += (unsigned long long)m;
+    else q->ahead_reads += (unsigned long long)m;
+    return m;
+}
+
+/* `w`'s misses, then (with `ahead`) its predictions' reads: how many were queued (or
+ * promoted: one more where any was) (mu held). */
+static Py_ssize_t claim_layer(ReaderObject *r, const Watch *w) {
+    unsigned long long promoted = r->quick.promoted;
+    Py_ssize_t n = claim_ids(r, w, 1, w->k, w->pos, 1) + (r->quick.promoted > promoted);
+    for (int t = 0, from = 1 + w->k; t < w->nahead; from += w->ahead_n[t++])
+        n += claim_ids(r, w, from, w->ahead_n[t], w->ahead_pos[t], 0);
     return n;
 }
 
@@ -195,8 +217,9 @@ PyObject *Reader_quick_arm(ReaderObject *r, PyObject *args) {
     int npos, nexp, file;
     Py_ssize_t length;
     PyObject *offsets_obj, *sums_obj;
-    if (!PyArg_ParseTuple(args, "KiiinOO:quick_arm", &table, &npos, &nexp, &file, &length,
-                          &offsets_obj, &sums_obj))
+    Py_ssize_t ahead_floor = -1;
+    if (!PyArg_ParseTuple(args, "KiiinOO|n:quick_arm", &table, &npos, &nexp, &file, &length,
+                          &offsets_obj, &sums_obj, &ahead_floor))
         return NULL;
     if (check_open(r) < 0) return NULL;
     Quick *q = &r->quick;
@@ -249,7 +272,8 @@ PyObject *Reader_quick_arm(ReaderObject *r, PyObject *args) {
                  .file = file,
                  .length = length,
                  .offsets = offsets,
-                 .sums = sums};
+                 .sums = sums,
+                 .ahead_floor = ahead_floor < 0 ? PY_SSIZE_T_MAX : ahead_floor};
     pthread_cond_init(&q->cv, NULL);
     pthread_mutex_unlock(&r->mu);
     int rc = pthread_create(&q->thread, NULL, quick_main, r);
@@ -363,7 +387,9 @@ PyObject *Reader_quick_free(ReaderObject *r, PyObject *unused) {
 PyObject *Reader_quick_watch(ReaderObject *r, PyObject *args) {
     unsigned long long board;
     int seq, k, pos;
-    if (!PyArg_ParseTuple(args, "Kiii:quick_watch", &board, &seq, &k, &pos)) return NULL;
+    PyObject *ahead = NULL;
+    if (!PyArg_ParseTuple(args, "Kiii|O:quick_watch", &board, &seq, &k, &pos, &ahead))
+        return NULL;
     if (quick_ready(r) < 0 || check_open(r) < 0) return NULL;
     Quick *q = &r->quick;
     if (!board || board % sizeof(int32_t) || k < 1 || k > QUICK_MAX_IDS || pos < 0 ||
@@ -371,6 +397,32 @@ PyObject *Reader_quick_watch(ReaderObject *r, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "quick_watch: a NULL or unaligned board, k outside "
                      "1..%d or a position outside the table", QUICK_MAX_IDS);
         return NULL;
+    }
+    Watch watch = {(int32_t *)(uintptr_t)board, seq, k, pos, 0, {0}, {0}};
+    PyObject *seq_ahead = NULL;
+    if (ahead && ahead != Py_None) {
+        seq_ahead = PySequence_Fast(ahead, "quick_watch: ahead is a sequence of (pos, n)");
+        if (!seq_ahead) return NULL;
+        Py_ssize_t na = PySequence_Fast_GET_SIZE(seq_ahead);
+        int total = k;
+        for (Py_ssize_t t = 0; t < na; t++) {
+            PyObject *item = PySequence_Fast_GET_ITEM(seq_ahead, t);
+            int tp, tn;
+            if (t >= QUICK_MAX_AHEAD || !PyTuple_Check(item) ||
+                !PyArg_ParseTuple(item, "ii", &tp, &tn) || tp < 0 || tp >= q->npos || tn < 1 ||
+                (total += tn) > QUICK_MAX_IDS) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_ValueError, "quick_watch: ahead holds up to %d (position, "
+                             "ids) pairs of positions in the table, %d ids in all",
+                             QUICK_MAX_AHEAD, QUICK_MAX_IDS);
+                Py_DECREF(seq_ahead);
+                return NULL;
+            }
+            watch.ahead_pos[t] = tp;
+            watch.ahead_n[t] = tn;
+            watch.nahead++;
+        }
+        Py_DECREF(seq_ahead);
     }
     pthread_mutex_lock(&r->mu);
     if (q->wlen == q->wcap) {
@@ -389,7 +441,7 @@ PyObject *Reader_quick_watch(ReaderObject *r, PyObject *args) {
             q->wcap = cap;
         }
     }
-    q->watch[q->wlen++] = (Watch){(int32_t *)(uintptr_t)board, seq, k, pos};
+    q->watch[q->wlen++] = watch;
     long long posted = ++q->posted;
     pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&r->mu);
@@ -435,7 +487,8 @@ PyObject *Reader_quick_claims(ReaderObject *r, PyObject *unused) {
     if (!c) return PyErr_NoMemory();
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
-        PyObject *t = Py_BuildValue("(iiLL)", c[i].pos, c[i].expert, c[i].slot, c[i].tag);
+        PyObject *t = Py_BuildValue("(iiLLO)", c[i].pos, c[i].expert, c[i].slot, c[i].tag,
+                                    c[i].urgent ? Py_True : Py_False);
         if (!t) Py_CLEAR(out);
         else PyList_SET_ITEM(out, i, t);
     }
@@ -465,7 +518,9 @@ int quick_stats(ReaderObject *r, PyObject *d) {
     } items[] = {{"quick_reads", q->reads},
                  {"quick_dry", q->dry},
                  {"quick_boards", q->boards},
-                 {"quick_late_boards", q->late_boards}};
+                 {"quick_late_boards", q->late_boards},
+                 {"quick_ahead_reads", q->ahead_reads},
+                 {"quick_promoted", q->promoted}};
     pthread_mutex_unlock(&r->mu);
     for (size_t i = 0; i < sizeof items / sizeof *items; i++) {
         PyObject *v = PyLong_FromUnsignedLongLong(items[i].v);
@@ -480,5 +535,5 @@ int quick_stats(ReaderObject *r, PyObject *d) {
 
 void quick_reset_stats(ReaderObject *r) { /* (mu held) */
     Quick *q = &r->quick;
-    q->reads = q->dry = q->boards = q->late_boards = 0;
+    q->reads = q->dry = q->boards = q->late_boards = q->ahead_reads = q->promoted = 0;
 }

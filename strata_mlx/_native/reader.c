@@ -214,6 +214,26 @@ static void q_remove(Queue *q, Py_ssize_t i) {
     if (q->head == q->len) q->head = q->len = 0;
 }
 
+/* The read-ahead requests queued for the record whose ready word is `word` (a split one's
+ * parts too) moved to the back of the urgent queue: a gate waits for it now. Whether any
+ * moved (mu held). */
+int promote_word(ReaderObject *r, const int32_t *word) {
+    Queue *a = &r->ahead;
+    int moved = 0;
+    for (Py_ssize_t i = a->head; i < a->len;) {
+        Request rq = a->items[i];
+        if ((rq.group ? rq.group->ready : rq.ready) != word) {
+            i++;
+            continue;
+        }
+        if (q_reserve(&r->urgent, 1) < 0) break;
+        q_push(&r->urgent, &rq);
+        q_remove(a, i);
+        moved = 1;
+    }
+    return moved;
+}
+
 /* ---------------------------------------------------------------- workers */
 
 /* pread until `length` bytes or EOF. Returns 0, an errno, or SHORT_READ. */

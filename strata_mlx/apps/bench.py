@@ -499,6 +499,7 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
         "decode_quick_per_token": d.quick_misses / per_tok,
         "decode_misses_per_token": d.misses / per_tok,
         "decode_quick_dry_per_token": run.quick_dry / per_tok,
+        "decode_quick_ahead_per_token": d.quick_ahead / per_tok,
         # a miss's read, from its submission to its landing (its ready word stored)
         "decode_miss_landing_us": run.urgent_ns / run.urgent_reads / 1e3
         if run.urgent_reads
@@ -546,9 +547,10 @@ def _modes(s: dict) -> str:
     quick = s.get("decode_quick_per_token", 0.0)
     if quick:
         dry = s.get("decode_quick_dry_per_token", 0.0)
+        ahead = s.get("decode_quick_ahead_per_token", 0.0)
         landing += (
             f"; quick misses {quick:.1f} of {s['decode_misses_per_token']:.1f}/tok"
-            f" ({dry:.1f} left for want of a slot)"
+            f" ({dry:.1f} left for want of a slot, {ahead:.1f} predictions read ahead)"
         )
     held = s.get("decode_copies_held", 0)
     gave = f"{s['decode_gate_timeouts']}" + (f" ({held} words for a held copy)" if held else "")

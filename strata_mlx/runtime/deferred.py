@@ -234,7 +234,8 @@ class RoutingBoard:
         self._seq = self._seq % (2**31 - 1) + 1  # (int32, never 0: a row not yet written)
         g.board = (layer, self._seq, src.size)
         if self.sched.quick is not None:  # its misses read by the reader as the ids land
-            g.watch = self.sched.quick.watch(layer, self._seq, d.inds.size)
+            ahead = [(t, p.size) for t, p in zip(g.targets, g.preds)]
+            g.watch = self.sched.quick.watch(layer, self._seq, d.inds.size, ahead)
         return board(src, at, mx.array([self._seq], dtype=mx.int32))[: d.inds.size]
 
     def read(self, d: Deferred) -> list[int] | None:

@@ -378,7 +378,9 @@ def build_expert_cache(
         asked = cfg.decode_gate_board  # (None: on where the device gate runs)
         gate.board_on = cache.pipelined.device_gate and asked is not False
         if gate.board_on and cfg.decode_quick_misses:
-            cache.sched.quick = QuickMisses(cache.sched, gate, cfg.decode_quick_misses)
+            cache.sched.quick = QuickMisses(
+                cache.sched, gate, cfg.decode_quick_misses, cfg.decode_quick_ahead
+            )
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
         if cache.pipelined.device_gate:
             wide = cfg.read_ahead.decode_width(k, manifest.num_experts)  # (lookahead_extra)

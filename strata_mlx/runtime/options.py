@@ -266,6 +266,12 @@ class RuntimeConfig:
                      "routing lands on the board (0: off; the layer's check reads them).",
                      (0, 1 << 16), variant="qm"),
     )  # fmt: skip
+    decode_quick_ahead: bool = field(
+        default=False,
+        metadata=opt("gated, with decode_quick_misses: the reader also reads lookahead's "
+                     "predictions off the board, as read-ahead, while more than half its "
+                     "reserve is left.", variant="qa", switch=True),
+    )  # fmt: skip
     # Off, a predicting decoder runs "layers" mode: measured on the H200, token mode cost
     # lookahead 41.6 against demand's 32.0 ms/token where 0.9 % of lookups missed.
     decode_token_while_predicting: bool = field(

@@ -41,16 +41,17 @@ WAIT_S = 0.05
 
 class QuickMisses:
     """The reader's quick misses for one scheduler (stream.scheduler) and its gate table,
-    with a reserve of `size` slots. Every method but `watch`, `wait` and `drop` runs under the
-    scheduler's lock."""
+    with a reserve of `size` slots; `ahead`: the reader reads lookahead's predictions off the
+    board too, as read-ahead, while more than half the reserve is left. Every method but
+    `watch`, `wait` and `drop` runs under the scheduler's lock."""
 
-    def __init__(self, sched, gate: GateTable, size: int):
+    def __init__(self, sched, gate: GateTable, size: int, ahead: bool = False):
         if size < 1:
             raise ValueError(f"the quick misses' reserve needs a slot at least, got {size}")
         native = getattr(sched.reader, "native", None)
         if native is None or not hasattr(native, "quick_arm"):
             raise ValueError("quick misses need the native reader")
-        self.sched, self.gate, self.size = sched, gate, size
+        self.sched, self.gate, self.size, self.ahead = sched, gate, size, ahead
         self._r = native
         m = sched.manifest
         self.layer_at = {pos: layer for layer, pos in gate.pos.items()}
@@ -65,6 +66,7 @@ class QuickMisses:
                 sched.record_bytes,
                 offsets,
                 None if sums is None else np.ascontiguousarray(sums),
+                size // 2 if ahead else -1,
             ),
             dtype=np.uint8,
         ).reshape(gate.table.shape)
@@ -73,11 +75,13 @@ class QuickMisses:
 
     # ---- the watch (any thread) ----------------------------------------------------------
 
-    def watch(self, layer: int, seq: int, k: int) -> int:
-        """Watch `layer`'s board row for `seq` and read the misses among its first `k` ids:
-        the number to `wait` for."""
-        row = self.gate.board_row(layer)
-        return self._r.quick_watch(row.ctypes.data, seq, k, self.gate.pos[layer])
+    def watch(self, layer: int, seq: int, k: int, ahead: list[tuple[int, int]]) -> int:
+        """Watch `layer`'s board row for `seq` and read the misses among its first `k` ids,
+        then (with `self.ahead`) read ahead each (later layer, how many ids) of `ahead`'s
+        predictions, which follow them on the board: the number to `wait` for."""
+        row, pos = self.gate.board_row(layer), self.gate.pos
+        later = [(pos[t], n) for t, n in ahead] if self.ahead else None
+        return self._r.quick_watch(row.ctypes.data, seq, k, pos[layer], later)
 
     def wait(self, n: int) -> bool:
         """Until the watch numbered `n` is done (its misses queued and logged); False (every
@@ -100,14 +104,18 @@ class QuickMisses:
         claims = self._r.quick_claims()
         if not claims:
             return
-        sched = self.sched
-        for pos, expert, slot, tag in claims:
+        sched, st = self.sched, self.sched.stats
+        for pos, expert, slot, tag, urgent in claims:
             key = (self.layer_at[pos], expert)
             self.held.discard(slot)
             sched.arena.take_aside(slot, key)
-            sched.take_read(tag, key, slot)
-            sched.early.add(key)  # (a miss read before its claim, as start_misses makes)
-        sched.stats.quick_misses += len(claims)
+            sched.take_read(tag, key, slot, urgent)
+            if urgent:
+                sched.early.add(key)  # (a miss read before its claim, as start_misses makes)
+                st.quick_misses += 1
+            else:
+                st.quick_ahead += 1
+                st.readahead_submitted += 1
 
     def finished(self, key) -> None:
         """A read of `key` left the scheduler's books (landed, failed or cancelled)."""

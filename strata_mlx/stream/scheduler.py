@@ -224,10 +224,10 @@ class ReadBooks:
         self.quick.absorb()
         return [self.tag_of[keys[r[0]]] if r[0] in keys else r[0] for r in reqs]
 
-    def take_read(self, tag: int, key: Key, slot: int) -> None:
-        """A read of `key` into `slot` the reader queued itself (urgent: stream.quick), in
-        flight in these books from now on."""
-        self.reads[tag] = _Read(key, slot, True)
+    def take_read(self, tag: int, key: Key, slot: int, urgent: bool) -> None:
+        """A read of `key` into `slot` the reader queued itself (stream.quick), in flight in
+        these books from now on."""
+        self.reads[tag] = _Read(key, slot, urgent)
         self.tag_of[key] = tag
 
     def _start_read(self, key: Key, slot: int, urgent: bool) -> tuple:

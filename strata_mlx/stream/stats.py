@@ -57,6 +57,8 @@ class ExpertStats:
     # gated decode with quick misses (stream.quick): misses the reader's own thread read off
     # the routing board, before their layer's check (counted in `misses` too)
     quick_misses: int = 0
+    # ... and lookahead's predictions it read ahead off the board (decode_quick_ahead)
+    quick_ahead: int = 0
     topped_up: int = 0  # read-ahead the scheduler's loop added when the drive ran low
     loop_s: float = 0.0  # time the scheduler's loop thread held the GIL
     # its CPU time meanwhile (thread_time: what others' threads and processes take of its

@@ -39,7 +39,9 @@ class Board:
     """A reader armed for quick misses over a file of NPOS x NEXP random records: the gate
     table, flight bytes, a board row per layer position, an arena of `slots` slots."""
 
-    def __init__(self, tmp_path, slots: int = 6, verify: bool = True, corrupt: int = -1):
+    def __init__(
+        self, tmp_path, slots: int = 6, verify: bool = True, corrupt: int = -1, floor: int = -1
+    ):
         rng = np.random.default_rng(3)
         self.data = rng.integers(0, 256, NPOS * NEXP * RB, dtype=np.uint8)
         path = tmp_path / "experts.bin"
@@ -59,8 +61,9 @@ class Board:
             sums.reshape(-1)[corrupt] ^= 1
         self.q = self.reader.native
         flight = self.q.quick_arm(
-            self.table.ctypes.data, NPOS, NEXP, self.f, RB, offsets, sums if verify else None
-        )
+            self.table.ctypes.data, NPOS, NEXP, self.f, RB, offsets, sums if verify else None,
+            floor,
+        )  # fmt: skip
         self.flight = np.frombuffer(flight, dtype=np.uint8).reshape(NPOS, NEXP)
 
     def record(self, i: int) -> np.ndarray:
@@ -69,8 +72,8 @@ class Board:
     def give(self, slots) -> None:
         self.q.quick_give([(s, self.arena[s].ctypes.data) for s in slots])
 
-    def post(self, pos: int, seq: int, ids: list[int]) -> int:
-        return self.q.quick_watch(self.board[pos].ctypes.data, seq, len(ids), pos)
+    def post(self, pos: int, seq: int, ids: list[int], ahead=None) -> int:
+        return self.q.quick_watch(self.board[pos].ctypes.data, seq, len(ids), pos, ahead)
 
     def write(self, pos: int, seq: int, ids: list[int]) -> None:
         """What the device's board kernel does: the ids, then their sequence number."""
@@ -79,9 +82,9 @@ class Board:
 
     def landed(self, claims) -> None:
         """Every claimed read waited for: each record in its slot, its word its slot."""
-        done = self.reader.wait([tag for *_, tag in claims], 5.0)
+        done = self.reader.wait([c[3] for c in claims], 5.0)
         assert len(done) == len(claims) and not any(err for _, err, _ in done)
-        for pos, e, slot, _ in claims:
+        for pos, e, slot, *_ in claims:
             assert self.table[pos, e] == slot
             assert np.array_equal(self.arena[slot], self.record(pos * NEXP + e))
 
@@ -97,9 +100,9 @@ def test_a_watched_layers_misses_are_read_into_the_reserve_as_its_ids_land(tmp_p
     b.write(1, 7, [2, 3, 4, 6])
     assert b.q.quick_wait(n, 5.0)
     claims = b.q.quick_claims()
-    assert [(p, e) for p, e, _, _ in claims] == [(1, 3), (1, 6)]
-    assert sorted(s for _, _, s, _ in claims) == [1, 2]  # from the reserve's top
-    assert all(tag < 0 for *_, tag in claims)  # (the scheduler's tags are positive)
+    assert [(p, e, urgent) for p, e, _, _, urgent in claims] == [(1, 3, True), (1, 6, True)]
+    assert sorted(c[2] for c in claims) == [1, 2]  # from the reserve's top
+    assert all(c[3] < 0 for c in claims)  # (the scheduler's tags are positive)
     assert b.flight[1, 3] == b.flight[1, 6] == 1 and b.q.quick_free() == 1
     b.landed(claims)
     st = b.reader.stats()
@@ -129,13 +132,41 @@ def test_the_reader_skips_a_request_for_a_record_in_flight_and_marks_the_others(
     b.reader.close()
 
 
+def test_predictions_are_read_ahead_while_the_reserve_lasts_and_promoted_when_needed(tmp_path):
+    """With `ahead` (lookahead's predictions for later layers after the layer's own ids on
+    the board), the predictions not landed are read as read-ahead while more than the floor
+    of the reserve is left; when a later layer's own ids name one still queued, it moves to
+    the urgent queue, and it is read once."""
+    b = Board(tmp_path, floor=2)
+    b.give([0, 1, 2, 3, 4])
+    b.reader.pause()  # (nothing starts: the read-ahead stays queued)
+    ids = [1, 5, 6, 7]  # layer 0's own id 1, then 3 predictions for layer 1
+    b.write(0, 4, ids)
+    assert b.q.quick_wait(b.post(0, 4, ids[:1], [(1, 3)]), 5.0)
+    claims = b.q.quick_claims()
+    assert [(p, e, urgent) for p, e, _, _, urgent in claims] == [
+        (0, 1, True), (1, 5, False), (1, 6, False)
+    ]  # fmt: skip
+    assert b.q.quick_free() == 2 and b.reader.stats()["quick_ahead_reads"] == 2
+    assert b.reader.stats()["queued_ahead"] == 2 and b.reader.stats()["quick_dry"] == 0
+    b.write(1, 5, [6, 3])  # layer 1's own ids: 6 is queued read-ahead, 3 a miss
+    assert b.q.quick_wait(b.post(1, 5, [6, 3]), 5.0)
+    (miss,) = b.q.quick_claims()
+    st = b.reader.stats()
+    assert miss[:2] == (1, 3) and miss[4] and st["quick_promoted"] == 1
+    assert st["queued_ahead"] == 1 and st["queued_urgent"] == 3  # (the promoted one behind)
+    b.reader.resume()
+    b.landed(claims + [miss])
+    b.reader.close()
+
+
 def test_a_dry_reserve_leaves_the_rest_and_a_corrupt_record_fails_its_word(tmp_path):
     b = Board(tmp_path, corrupt=0 * NEXP + 2)
     b.give([0, 1])
     b.write(0, 1, [2, 4, 6])
     assert b.q.quick_wait(b.post(0, 1, [2, 4, 6]), 5.0)
     claims = b.q.quick_claims()
-    assert [e for _, e, _, _ in claims] == [2, 4]
+    assert [e for _, e, *_ in claims] == [2, 4]
     assert b.reader.stats()["quick_dry"] == 1 and b.table[0, 6] == -1 and b.flight[0, 6] == 0
     done = {t: err for t, err, _ in b.reader.wait([c[3] for c in claims], 5.0)}
     assert done[claims[0][3]] != 0 and done[claims[1][3]] == 0  # its checksum is checked
@@ -160,7 +191,7 @@ def test_dropped_watches_end_their_wait_and_later_ones_are_watched(tmp_path):
     n = b.post(1, 11, [3])
     b.write(1, 11, [3])
     assert stuck < later < n and b.q.quick_wait(n, 5.0)
-    assert [e for _, e, _, _ in b.q.quick_claims()] == [3]
+    assert [e for _, e, *_ in b.q.quick_claims()] == [3]
     assert sorted(b.q.quick_take()) == [0]  # the reserve back; none left
     assert b.q.quick_free() == 0
     b.reader.close()
@@ -216,20 +247,24 @@ def books_whole(sched) -> None:
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
-@pytest.mark.parametrize("policy", ["lookahead", "demand"])
+@pytest.mark.parametrize("policy", ["lookahead", "lookahead:qa1", "demand"])
 def test_gated_decode_with_quick_misses_equals_sync(store, family, policy, monkeypatch):
     path = store(family)
     ids = prompt_ids(24, seed=11)
     gb = arena_gb(path, 0.5)
-    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead=policy)
+    read_ahead, ahead = policy.split(":")[0], policy.endswith(":qa1")
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead=read_ahead)
     ref = decode(sync, ids, 10)
-    model, _ = quick_model(monkeypatch, path, 0.5, 4, read_ahead=policy)
+    model, _ = quick_model(
+        monkeypatch, path, 0.5, 4, read_ahead=read_ahead, decode_quick_ahead=ahead
+    )
     ec = model.expert_cache
     got = decode(model, ids, 10)
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
     s, sched = ec.stats, ec.sched
     assert s.gate_timeouts == 0 and s.gated_mode_tokens > 0
     assert 0 < s.quick_misses <= s.misses and sched.quick.timeouts == 0
+    assert (s.quick_ahead > 0) == ahead
     sched.drain()
     books_whole(sched)
     ec.idle()  # a generation starts: the reserve goes back
@@ -253,7 +288,7 @@ def test_a_request_the_reader_skips_is_undone_and_the_quick_read_taken(store, mo
     gate = sched.residency.gate
     gate.board_row(layer)[1] = e
     gate.board_row(layer)[0] = 77  # (the device's board kernel)
-    assert quick.wait(quick.watch(layer, 77, 1))
+    assert quick.wait(quick.watch(layer, 77, 1, []))
     with sched.lock:
         sched.quick = None  # the scheduler's view before the reader's read: not absorbed
         reqs = sched._requests([(layer, e)], None, None)
