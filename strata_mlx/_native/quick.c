@@ -457,6 +457,7 @@ PyObject *Reader_quick_wait(ReaderObject *r, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "quick_wait: a negative timeout");
         return NULL;
     }
+    if (timeout_s > 1e6) timeout_s = 1e6; /* (in ns, as uint64_t) */
     Quick *q = &r->quick;
     if (r->closing) Py_RETURN_TRUE; /* (its watcher stopped: nothing more is queued) */
     if (__atomic_load_n(&q->watched, __ATOMIC_ACQUIRE) >= n) Py_RETURN_TRUE; /* (GIL kept) */

@@ -107,6 +107,10 @@ class QuickMisses:
         sched, st = self.sched, self.sched.stats
         for pos, expert, slot, tag, urgent in claims:
             key = (self.layer_at[pos], expert)
+            mine = sched.tag_of.get(key)
+            if mine is not None:  # recorded, not yet sent (a batch of the scheduler's): this
+                sched.withdraw(mine)  # read in its place; the request is never sent
+                sched.superseded[mine] = tag
             self.held.discard(slot)
             sched.arena.take_aside(slot, key)
             sched.take_read(tag, key, slot, urgent)

@@ -153,8 +153,10 @@ class ReadBooks:
         self.residency = ResidencyRows(manifest, arena.n_slots)
         self.busy_layers: set[int] = set()  # layers computing on the device (pipelined decode)
         self.early: set[Key] = set()  # misses read before their claim (start_misses)
-        # The reader's quick misses (stream.quick), where gated decode uses them
+        # The reader's quick misses (stream.quick), where gated decode uses them, and the
+        # requests recorded here but not yet sent that their reads superseded: tag -> theirs
         self.quick: QuickMisses | None = None
+        self.superseded: dict[int, int] = {}
 
     @property
     def file_index(self) -> int:
@@ -207,22 +209,32 @@ class ReadBooks:
         return self._handed(reqs, urgent)
 
     def _handed(self, reqs: list[tuple], urgent: bool) -> list[int]:
-        """`reqs` submitted; the tags each key is read under. The reader skips a request
-        for a record its quick misses already read (stream.quick): that request is undone
-        (its slot back in the arena) and the key's quick read taken in its place."""
+        """`reqs` submitted; the tags each key is read under. A request for a record the
+        reader's quick misses read meanwhile (stream.quick) is undone (its slot back in the
+        arena) and the quick read taken in its place: one they read before these books took
+        theirs in is not sent (`superseded`), one they read since is skipped by the reader."""
         if not reqs:
             return []
-        skipped = self.reader.submit(reqs, urgent)
-        if not skipped:
+        sent = [r for r in reqs if r[0] in self.reads] if self.superseded else reqs
+        skipped = self.reader.submit(sent, urgent) if sent else []
+        if not skipped and not self.superseded:
             return [r[0] for r in reqs]
-        keys = {}
-        for tag in skipped:
-            r = self.reads.pop(tag)
-            del self.tag_of[r.key]
-            self.arena.release(r.slot)
-            keys[tag] = r.key
-        self.quick.absorb()
-        return [self.tag_of[keys[r[0]]] if r[0] in keys else r[0] for r in reqs]
+        keys = {tag: self.withdraw(tag) for tag in skipped or ()}
+        if keys:
+            self.quick.absorb()
+        over = self.superseded
+        return [
+            self.tag_of[keys[t]] if t in keys else over.pop(t) if t in over else t
+            for t in (r[0] for r in reqs)
+        ]
+
+    def withdraw(self, tag: int) -> Key:
+        """A read recorded and never handed to the reader taken out of these books (its slot
+        back in the arena); its key."""
+        r = self.reads.pop(tag)
+        del self.tag_of[r.key]
+        self.arena.release(r.slot)
+        return r.key
 
     def take_read(self, tag: int, key: Key, slot: int, urgent: bool) -> None:
         """A read of `key` into `slot` the reader queued itself (stream.quick), in flight in
@@ -265,6 +277,7 @@ class ReadBooks:
                 quick.finished(r.key)
             if err or nbytes != self.record_bytes:
                 self.arena.release(r.slot)
+                self.early.discard(r.key)  # (read again, it is counted again)
                 errors.append((r.key, err, nbytes))
                 continue
             self.arena.loaded(r.slot)

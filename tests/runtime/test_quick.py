@@ -329,3 +329,39 @@ def test_quick_misses_through_the_device_gate_equal_sync(store, family, policy):
     assert ec.sched.quick.timeouts == 0 and ec.pipelined.board.fallbacks == 0
     for m in (model, sync):
         m.expert_cache.close()
+
+
+def test_a_request_the_quick_reads_superseded_in_its_batch_is_never_sent(store, monkeypatch):
+    """A batch of the scheduler's (read-ahead for one layer, then the reserve's reads) records
+    a read of an expert, the reader's quick misses read it, and the batch's next requests
+    take that read into the books before the batch is sent: the recorded request is undone
+    then, never sent, and the batch answers with the quick read's tag."""
+    path = store("qwen3_moe")
+    model, _ = quick_model(monkeypatch, path, 0.5, 2)
+    ec = model.expert_cache
+    sched, quick = ec.sched, ec.sched.quick
+    layer = ec.layers[0]
+    e, other = (int(x) for x in np.nonzero(sched.row(layer) < 0)[0][:2])  # two not resident
+    with sched.lock:
+        quick.refill(None)
+        sched.quick = None
+        first = sched._requests([(layer, e)], None, None)  # recorded, not sent
+        sched.quick = quick
+    gate = sched.residency.gate
+    gate.board_row(layer)[1] = e
+    gate.board_row(layer)[0] = 78
+    assert quick.wait(quick.watch(layer, 78, 1, []))  # the reader reads it meanwhile
+    requests = sched.reader.stats()["requests_done"] + sched.reader.stats()["in_flight"]
+    with sched.lock:
+        second = sched._requests([(layer, other)], None, None)  # (takes the quick read in)
+        tags = sched._send(first + second, False)
+    assert tags[0] < 0 and tags[0] == sched.tag_of[(layer, e)] and tags[1] == second[0][0]
+    assert not sched.superseded and first[0][0] not in sched.reads
+    sched.drain()
+    st = sched.reader.stats()
+    assert st["requests_done"] + st["in_flight"] <= requests + 2  # the quick read's, other's
+    assert sched.row(layer)[e] == sched.arena.slot_of[(layer, e)] >= 0
+    assert sched.row(layer)[other] == sched.arena.slot_of[(layer, other)] >= 0
+    books_whole(sched)
+    assert not quick.flight.any()
+    ec.close()
