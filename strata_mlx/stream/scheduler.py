@@ -6,6 +6,8 @@ layer is predicted to need (`read_ahead`) and what would be worth reading after 
 map (expert -> slot, on the host and as the device's per-layer rows: `ResidencyRows`) and
 counts what happened.
 
+The books of reads (`ReadBooks`: requests made, reads in flight, completions made resident)
+take in the reads the reader queued itself with gated decode's quick misses (stream.quick).
 Two schedulers share that contract:
 
 - `SyncScheduler` ("sync"): completions are collected inside the handshake's own calls, and
