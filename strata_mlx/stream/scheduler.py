@@ -6,8 +6,7 @@ layer is predicted to need (`read_ahead`) and what would be worth reading after 
 map (expert -> slot, on the host and as the device's per-layer rows: `ResidencyRows`) and
 counts what happened.
 
-The books of reads (`ReadBooks`: requests made, reads in flight, completions made resident)
-take in the reads the reader queued itself with gated decode's quick misses (stream.quick).
+The books of reads (`ReadBooks`) take in those the reader queued itself (stream.quick).
 Two schedulers share that contract:
 
 - `SyncScheduler` ("sync"): completions are collected inside the handshake's own calls, and
@@ -155,8 +154,8 @@ class ReadBooks:
         self.residency = ResidencyRows(manifest, arena.n_slots)
         self.busy_layers: set[int] = set()  # layers computing on the device (pipelined decode)
         self.early: set[Key] = set()  # misses read before their claim (start_misses)
-        # The reader's quick misses (stream.quick), where gated decode uses them, and the
-        # requests recorded here but not yet sent that their reads superseded: tag -> theirs
+        # The reader's quick misses (stream.quick), and requests recorded, not sent, that
+        # their reads superseded (tag -> theirs)
         self.quick: QuickMisses | None = None
         self.superseded: dict[int, int] = {}
 
@@ -212,9 +211,8 @@ class ReadBooks:
 
     def _handed(self, reqs: list[tuple], urgent: bool) -> list[int]:
         """`reqs` submitted; the tags each key is read under. A request for a record the
-        reader's quick misses read meanwhile (stream.quick) is undone (its slot back in the
-        arena) and the quick read taken in its place: one they read before these books took
-        theirs in is not sent (`superseded`), one they read since is skipped by the reader."""
+        reader's quick misses read meanwhile (stream.quick) is undone and the quick read
+        taken in its place: not sent (`superseded`), or skipped by the reader."""
         if not reqs:
             return []
         sent = [r for r in reqs if r[0] in self.reads] if self.superseded else reqs
@@ -231,8 +229,7 @@ class ReadBooks:
         ]
 
     def withdraw(self, tag: int) -> Key:
-        """A read recorded and never handed to the reader taken out of these books (its slot
-        back in the arena); its key."""
+        """A read recorded, never handed to the reader, out of these books; its key."""
         r = self.reads.pop(tag)
         del self.tag_of[r.key]
         self.arena.release(r.slot)
