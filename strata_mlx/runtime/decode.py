@@ -86,6 +86,7 @@ from .deferred import joint_routing, spread_routing
 Sample = Callable[[mx.array], tuple[mx.array, mx.array]]
 
 MODES = ("pipelined", "sync")
+WHOLE_TOKEN = 1 << 20  # a lag past every layer: checked at the token's end
 
 
 def choose_mode(
@@ -255,6 +256,19 @@ def _seed_of(key: mx.array) -> int:
     return (hi << 32) | lo
 
 
+def _check(lag: int, chunk: int, layers_chunk: int, sync_above: float, token_below: float):
+    """PipelinedDecoder's arguments, each in its range (ValueError naming it where not)."""
+    if lag < 0:
+        raise ValueError(f"decode lag must be >= 0, got {lag}")
+    if chunk < 0:
+        raise ValueError(f"decode_chunk must be >= 0 (0: the whole token), got {chunk}")
+    if layers_chunk < 1:
+        raise ValueError(f"decode_layers_chunk must be >= 1, got {layers_chunk}")
+    for name, v in (("decode_sync_above", sync_above), ("decode_token_below", token_below)):
+        if not 0 <= v <= 1:
+            raise ValueError(f"{name} must lie in [0, 1], got {v}")
+
+
 class PipelinedDecoder(Decoder):
     """Decode steps (one token each) of `model` with deferred routing checks."""
 
@@ -268,19 +282,14 @@ class PipelinedDecoder(Decoder):
         layers_chunk: int = 1,
         token_while_predicting: bool = False,
         gate_give_ups: int = 0,
+        gated_lag: int | None = None,
     ):
-        if lag < 0:
-            raise ValueError(f"decode lag must be >= 0, got {lag}")
-        if chunk < 0:
-            raise ValueError(f"decode_chunk must be >= 0 (0: the whole token), got {chunk}")
-        if layers_chunk < 1:
-            raise ValueError(f"decode_layers_chunk must be >= 1, got {layers_chunk}")
-        for name, v in (("decode_sync_above", sync_above), ("decode_token_below", token_below)):
-            if not 0 <= v <= 1:
-                raise ValueError(f"{name} must lie in [0, 1], got {v}")
+        _check(lag, chunk, layers_chunk, sync_above, token_below)
         self.model = model
         self.expert_cache = model.expert_cache
-        self.lag = lag
+        # a gated token's layers are checked this far behind as it is built (WHOLE_TOKEN: at
+        # its end; None: `lag`)
+        self.lag, self.gated_lag = lag, lag if gated_lag is None else gated_lag
         self.sync_above = sync_above
         self.token_below = token_below
         self.chunk = chunk
@@ -482,10 +491,10 @@ class PipelinedDecoder(Decoder):
         ec = self.expert_cache
         n = len(self.layers)
         checked = step.mode in ("layers", "gated")  # as built; "token" mode at its end
-        lag = self.lag if checked else n
+        gated = step.mode == "gated"
+        lag = (self.gated_lag if gated else self.lag) if checked else n
         chunk = self.layers_chunk if checked else self.chunk or n
         lookahead = checked  # "token" mode checks too late for a prediction
-        gated = step.mode == "gated"
         outs: list[mx.array] = []
         while True:
             if i < n:

@@ -35,7 +35,7 @@ from ..generation.tokenizer import load_tokenizer
 from ..models.base import normalize_config
 from ..stream import memory
 from ..stream.arena import Arena
-from ..stream.quick import QuickMisses
+from ..stream.quick import QUICK_RESERVE, QuickMisses
 from .deferred import load_device_gate
 from .experts import ExpertCache, device_gate_available, tell_words
 from .model import StrataModel
@@ -377,10 +377,9 @@ def build_expert_cache(
         gate.copy_held_us = round(cfg.decode_copy_held_ms * 1000)
         asked = cfg.decode_gate_board  # (None: on where the device gate runs)
         gate.board_on = cache.pipelined.device_gate and asked is not False
-        if gate.board_on and cfg.decode_quick_misses:
-            cache.sched.quick = QuickMisses(
-                cache.sched, gate, cfg.decode_quick_misses, cfg.decode_quick_ahead
-            )
+        quick = QUICK_RESERVE if cfg.decode_quick_misses is None else cfg.decode_quick_misses
+        if gate.board_on and quick:
+            cache.sched.quick = QuickMisses(cache.sched, gate, quick, cfg.decode_quick_ahead)
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)
         if cache.pipelined.device_gate:
             wide = cfg.read_ahead.decode_width(k, manifest.num_experts)  # (lookahead_extra)

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..models.switch import SwitchGLU
-from .decode import Decoder, PipelinedDecoder, SyncDecoder
+from .decode import WHOLE_TOKEN, Decoder, PipelinedDecoder, SyncDecoder
 from .experts import ExpertCache
 
 if TYPE_CHECKING:  # loader.py builds the model object: a runtime import would be circular
@@ -29,16 +29,27 @@ def decode_defaults(config: RuntimeConfig, cache: ExpertCache) -> RuntimeConfig:
     """`config` with the decode options left to their defaults (None) set for `cache`, each on
     its own: the routing board as its gate table has it (on where decode gates on the device,
     unless asked off); with it, layers submitted 4 at a time and checked 4 behind (the ungated
-    tokens of such a decoder too), else 1 and 1."""
+    tokens of such a decoder too), else 1 and 1; with quick misses (the reader's reserve, as
+    loaded: 0 where none), 8 at a time (a gated token's checks waited for at its end:
+    `gated_lag`)."""
     gate = cache.sched.residency.gate
     board = gate is not None and gate.board_on and cache.pipelined.device_gate
+    quick = cache.sched.quick
     n = 4 if board else 1
     lag, chunk = config.decode_lag, config.decode_layers_chunk
     return config.replace(
         decode_gate_board=board,
         decode_lag=n if lag is None else lag,
-        decode_layers_chunk=n if chunk is None else chunk,
+        decode_layers_chunk=(8 if quick else n) if chunk is None else chunk,
+        decode_quick_misses=quick.size if quick else 0,
     )
+
+
+def gated_lag(asked: int | None, cache: ExpertCache) -> int | None:
+    """How far behind a gated token's layers are checked as it is built: with quick misses
+    (a miss's read no longer waits for its layer's check), not before its end (None: the
+    decoder's `lag`, as for its other tokens), unless `decode_lag` was asked for."""
+    return WHOLE_TOKEN if asked is None and cache.sched.quick is not None else None
 
 
 def _wider(block, k: int):
@@ -72,6 +83,7 @@ class StrataModel:
     ):
         self.module = module
         self.expert_cache = expert_cache
+        asked_lag = config.decode_lag
         self.runtime = config = decode_defaults(config, expert_cache)
         self.store_path = Path(store_path)
         self.pipeline = pipeline
@@ -100,6 +112,7 @@ class StrataModel:
                 config.decode_layers_chunk,
                 token_while_predicting=config.decode_token_while_predicting,
                 gate_give_ups=config.decode_gate_give_ups,
+                gated_lag=gated_lag(asked_lag, expert_cache),
             )
 
     # ---- the family model's surface ----------------------------------------------------------

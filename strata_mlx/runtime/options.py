@@ -205,7 +205,7 @@ class RuntimeConfig:
         default=None,
         metadata=opt("pipelined layers and gated modes: layers submitted to the device at "
                      "once.", (1, 1 << 10), variant="lc",
-                     shown="4 with the routing board, else 1"),
+                     shown="8 with quick misses, 4 with the routing board, else 1"),
     )  # fmt: skip
     # Gated decode: with misses, a token's layers are queued ahead of their routing checks and
     # each layer's experts wait on the device for their reads (strata_mlx.stream.gate), where
@@ -258,13 +258,16 @@ class RuntimeConfig:
     )  # fmt: skip
     # Gated decode's misses read by the reader's own thread as soon as a layer's routing is on
     # the board, into slots of a reserve set aside beforehand, not once the layer's check
-    # (Python, which waits for the GIL) has run (strata_mlx.stream.quick).
-    decode_quick_misses: int = field(
-        default=0,
+    # (Python, which waits for the GIL) has run (strata_mlx.stream.quick). With them a gated
+    # token's checks are waited for at its end, its layers submitted 8 at a time: on an H100's
+    # tmpfs 1.13-1.18x lookahead's decode speed, 1.16-1.27x demand's (docs/decisions.md,
+    # "Quick misses").
+    decode_quick_misses: int | None = field(
+        default=None,
         metadata=opt("gated (CUDA, with the routing board): a reserve of this many arena "
                      "slots into which the reader's own thread reads a layer's misses as its "
                      "routing lands on the board (0: off; the layer's check reads them).",
-                     (0, 1 << 16), variant="qm"),
+                     (0, 1 << 16), variant="qm", shown="32 where the routing board runs"),
     )  # fmt: skip
     decode_quick_ahead: bool = field(
         default=False,

@@ -1502,48 +1502,57 @@ def test_a_held_copy_under_the_stand_in_driver_is_recomputed(store, monkeypatch,
     model.expert_cache.close()
 
 
-def test_the_routing_board_is_on_by_default_and_brings_chunks_of_4_checked_4_behind(
+def test_the_routing_board_and_quick_misses_are_on_by_default_with_their_chunks_and_lags(
     store, monkeypatch
 ):
     """Left to their defaults, a model whose decode gates on the device has the routing board
-    on, with layers submitted 4 at a time and checked 4 behind, its checks read the board (no
-    fallback), and tokens and log-probabilities equal the per-layer handshake's; asked off,
-    each layer is committed alone and checked 1 behind. Where no device gate runs (this CPU,
-    unemulated), the board stays off even asked for; each default given its own value keeps
-    it."""
+    and quick misses on (a reserve of 32 slots), with layers submitted 8 at a time and a
+    gated token checked at its end (its ungated tokens 4 behind), its checks read the board
+    (no fallback), and tokens and log-probabilities equal the per-layer handshake's; quick
+    misses asked off, 4 at a time and 4 behind; the board asked off, each layer committed
+    alone and checked 1 behind. Where no device gate runs (this CPU, unemulated), the board
+    stays off even asked for; each default given its own value keeps it."""
+    from strata_mlx.runtime.decode import WHOLE_TOKEN
+
     path = store("qwen3_next")
     ids = prompt_ids(24, seed=13)
     gb = arena_gb(path, 0.2)
     plain, _ = strata_mlx.load(path, arena_gb=gb, decode_gate_board=True)
     assert plain.expert_cache.pipelined.device_gate is False
-    assert plain.runtime.decode_gate_board is False
+    assert plain.runtime.decode_gate_board is False and plain.runtime.decode_quick_misses == 0
     assert (plain.runtime.decode_lag, plain.runtime.decode_layers_chunk) == (1, 1)
     plain.expert_cache.close()
     sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
     ref = decode(sync, ids, 6)
     off, _ = load_emulated(monkeypatch, path, 0.2, read_ahead="lookahead", decode_gate_board=False)
     assert not off.expert_cache.sched.residency.gate.board_on
-    assert off.runtime.decode_gate_board is False
+    assert off.runtime.decode_gate_board is False and off.expert_cache.sched.quick is None
     assert (off.runtime.decode_lag, off.runtime.decode_layers_chunk) == (1, 1)
     got = decode(off, ids, 6)
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
     assert off.expert_cache.pipelined.board.reads == 0
     assert off.expert_cache.stats.misses > 0
     off.expert_cache.close()
-    model, _ = load_emulated(monkeypatch, path, 0.2, read_ahead="lookahead")
-    ec = model.expert_cache
-    assert ec.sched.residency.gate.board_on and model.runtime.decode_gate_board is True
-    assert (model.runtime.decode_lag, model.runtime.decode_layers_chunk) == (4, 4)
-    assert model.decoder.lag == 4 and model.decoder.layers_chunk == 4
-    got = decode(model, ids, 6)
-    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
-    assert ec.pipelined.board.reads > 0 and ec.pipelined.board.fallbacks == 0
-    assert ec.stats.gate_timeouts == 0 and ec.stats.misses > 0
-    ec.close()
-    # the board with a lag of its own: the chunk keeps its default
+    for quick, chunk, lag in ((None, 8, WHOLE_TOKEN), (0, 4, 4)):
+        model, _ = load_emulated(
+            monkeypatch, path, 0.2, read_ahead="lookahead", decode_quick_misses=quick
+        )
+        ec = model.expert_cache
+        assert ec.sched.residency.gate.board_on and model.runtime.decode_gate_board is True
+        assert (model.runtime.decode_lag, model.runtime.decode_layers_chunk) == (4, chunk)
+        assert model.decoder.lag == 4 and model.decoder.gated_lag == lag
+        assert model.runtime.decode_quick_misses == (32 if quick is None else 0)
+        got = decode(model, ids, 6)
+        assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+        assert ec.pipelined.board.reads > 0 and ec.pipelined.board.fallbacks == 0
+        assert ec.stats.gate_timeouts == 0 and ec.stats.misses > 0
+        assert (ec.stats.quick_misses > 0) == (quick is None)
+        ec.close()
+    # the board with a lag of its own: the chunk keeps its default, gated tokens that lag
     asked, _ = load_emulated(monkeypatch, path, 0.2, read_ahead="lookahead", decode_lag=1)
     assert asked.expert_cache.sched.residency.gate.board_on
-    assert (asked.runtime.decode_lag, asked.runtime.decode_layers_chunk) == (1, 4)
+    assert (asked.runtime.decode_lag, asked.runtime.decode_layers_chunk) == (1, 8)
+    assert asked.decoder.gated_lag == 1
     got = decode(asked, ids, 6)
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
     assert asked.expert_cache.pipelined.board.reads > 0

@@ -309,7 +309,8 @@ def test_a_request_the_reader_skips_is_undone_and_the_quick_read_taken(store, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
 @pytest.mark.parametrize("policy", ["lookahead", "demand"])
-def test_quick_misses_through_the_device_gate_equal_sync(store, family, policy):
+@pytest.mark.parametrize("lag", [None, 48], ids=["lag-default", "lag48"])
+def test_quick_misses_through_the_device_gate_equal_sync(store, family, policy, lag):
     assert cuda_ready()
     path = store(family)
     ids, gb = prompt_ids(24, seed=7), arena_gb(path, 0.2)
@@ -317,7 +318,7 @@ def test_quick_misses_through_the_device_gate_equal_sync(store, family, policy):
     ref = decode(sync, ids, 12)
     model, _ = strata_mlx.load(
         path, arena_gb=gb, read_ahead=policy, decode_gate=True, decode_token_below=0.0,
-        decode_quick_misses=4,
+        decode_quick_misses=4, decode_lag=lag, decode_layers_chunk=8 if lag else None,
     )  # fmt: skip
     ec = model.expert_cache
     assert ec.pipelined.device_gate and ec.sched.residency.gate.board_on
