@@ -377,7 +377,9 @@ def build_expert_cache(
         gate.copy_held_us = round(cfg.decode_copy_held_ms * 1000)
         asked = cfg.decode_gate_board  # (None: on where the device gate runs)
         gate.board_on = cache.pipelined.device_gate and asked is not False
-        quick = QUICK_RESERVE if cfg.decode_quick_misses is None else cfg.decode_quick_misses
+        quick = cfg.decode_quick_misses
+        if quick is None:  # (at most an eighth of the arena: the rest keeps its experts)
+            quick = min(QUICK_RESERVE, n_slots // 8)
         if gate.board_on and quick:
             cache.sched.quick = QuickMisses(cache.sched, gate, quick, cfg.decode_quick_ahead)
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)

@@ -267,7 +267,8 @@ class RuntimeConfig:
         metadata=opt("gated (CUDA, with the routing board): a reserve of this many arena "
                      "slots into which the reader's own thread reads a layer's misses as its "
                      "routing lands on the board (0: off; the layer's check reads them).",
-                     (0, 1 << 16), variant="qm", shown="32 where the routing board runs"),
+                     (0, 1 << 16), variant="qm",
+                     shown="32 (an eighth of the arena at most) where the routing board runs"),
     )  # fmt: skip
     decode_quick_ahead: bool = field(
         default=False,

@@ -33,8 +33,8 @@ import numpy as np
 
 from .gate import GateTable
 
-# The reserve's slots by default: a token misses ~110 records at most on the full-size store
-# (demand, 35 % of its lookups), and every layer's check refills it; none ran dry in benches
+# The reserve's slots by default (at most an eighth of the arena's): a layer misses a few
+# records, every layer's check refills it, and none ran dry in benches of the full-size store
 # with 32 (0.5 % of a 6.5 GB arena's slots).
 QUICK_RESERVE = 32
 
