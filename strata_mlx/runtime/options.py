@@ -260,7 +260,7 @@ class RuntimeConfig:
     # the board, into slots of a reserve set aside beforehand, not once the layer's check
     # (Python, which waits for the GIL) has run (strata_mlx.stream.quick). With them a gated
     # token's checks are waited for at its end, its layers submitted 8 at a time: on an H100's
-    # tmpfs 1.13-1.18x lookahead's decode speed, 1.16-1.27x demand's (docs/decisions.md,
+    # tmpfs 1.13-1.18x lookahead's decode speed, 1.26-1.27x demand's (docs/decisions.md,
     # "Quick misses").
     decode_quick_misses: int | None = field(
         default=None,
