@@ -282,14 +282,13 @@ class PipelinedDecoder(Decoder):
         layers_chunk: int = 1,
         token_while_predicting: bool = False,
         gate_give_ups: int = 0,
-        gated_lag: int | None = None,
+        gated: tuple[int, int] | None = None,
     ):
         _check(lag, chunk, layers_chunk, sync_above, token_below)
         self.model = model
         self.expert_cache = model.expert_cache
-        # a gated token's layers are checked this far behind as it is built (WHOLE_TOKEN: at
-        # its end; None: `lag`)
-        self.lag, self.gated_lag = lag, lag if gated_lag is None else gated_lag
+        # a gated token's (lag, layers_chunk) where its own (WHOLE_TOKEN: checked at its end)
+        self.lag, self.gated_lag, self.gated_chunk = lag, *(gated or (lag, layers_chunk))
         self.sync_above = sync_above
         self.token_below = token_below
         self.chunk = chunk
@@ -493,7 +492,7 @@ class PipelinedDecoder(Decoder):
         checked = step.mode in ("layers", "gated")  # as built; "token" mode at its end
         gated = step.mode == "gated"
         lag = (self.gated_lag if gated else self.lag) if checked else n
-        chunk = self.layers_chunk if checked else self.chunk or n
+        chunk = (self.gated_chunk if gated else self.layers_chunk) if checked else self.chunk or n
         lookahead = checked  # "token" mode checks too late for a prediction
         outs: list[mx.array] = []
         while True:

@@ -380,6 +380,12 @@ def build_expert_cache(
         quick = cfg.decode_quick_misses
         if quick is None:  # (at most an eighth of the arena: the rest keeps its experts)
             quick = min(QUICK_RESERVE, n_slots // 8)
+        elif quick > n_slots // 2 and gate.board_on:
+            raise OptionError(
+                f"decode_quick_misses {quick}: the arena has {n_slots} slots, and a reserve "
+                f"may hold half of them at most ({n_slots // 2})",
+                "decode_quick_misses",
+            )
         if gate.board_on and quick:
             cache.sched.quick = QuickMisses(cache.sched, gate, quick, cfg.decode_quick_ahead)
         tell_words(cache.sched, decoding=False)  # (until a phase says otherwise)

@@ -29,9 +29,8 @@ def decode_defaults(config: RuntimeConfig, cache: ExpertCache) -> RuntimeConfig:
     """`config` with the decode options left to their defaults (None) set for `cache`, each on
     its own: the routing board as its gate table has it (on where decode gates on the device,
     unless asked off); with it, layers submitted 4 at a time and checked 4 behind (the ungated
-    tokens of such a decoder too), else 1 and 1; with quick misses (the reader's reserve, as
-    loaded: 0 where none), 8 at a time (a gated token's checks waited for at its end:
-    `gated_lag`)."""
+    tokens of such a decoder too), else 1 and 1; the quick misses' reserve as loaded (0: none;
+    with them a gated token goes its own way: `gated_steps`)."""
     gate = cache.sched.residency.gate
     board = gate is not None and gate.board_on and cache.pipelined.device_gate
     quick = cache.sched.quick
@@ -40,16 +39,20 @@ def decode_defaults(config: RuntimeConfig, cache: ExpertCache) -> RuntimeConfig:
     return config.replace(
         decode_gate_board=board,
         decode_lag=n if lag is None else lag,
-        decode_layers_chunk=(8 if quick else n) if chunk is None else chunk,
+        decode_layers_chunk=n if chunk is None else chunk,
         decode_quick_misses=quick.size if quick else 0,
     )
 
 
-def gated_lag(asked: int | None, cache: ExpertCache) -> int | None:
-    """How far behind a gated token's layers are checked as it is built: with quick misses
-    (a miss's read no longer waits for its layer's check), not before its end (None: the
-    decoder's `lag`, as for its other tokens), unless `decode_lag` was asked for."""
-    return WHOLE_TOKEN if asked is None and cache.sched.quick is not None else None
+def gated_steps(asked: RuntimeConfig, cache: ExpertCache) -> tuple[int, int] | None:
+    """(lag, chunk) of a gated token with quick misses, where a miss's read no longer waits
+    for its layer's check: checked at its end and submitted 8 layers at a time, each unless
+    asked for (`decode_lag`, `decode_layers_chunk` as given); None (the decoder's own, as its
+    other tokens') without quick misses."""
+    if cache.sched.quick is None:
+        return None
+    lag, chunk = asked.decode_lag, asked.decode_layers_chunk
+    return (WHOLE_TOKEN if lag is None else lag, 8 if chunk is None else chunk)
 
 
 def _wider(block, k: int):
@@ -83,7 +86,7 @@ class StrataModel:
     ):
         self.module = module
         self.expert_cache = expert_cache
-        asked_lag = config.decode_lag
+        asked = config
         self.runtime = config = decode_defaults(config, expert_cache)
         self.store_path = Path(store_path)
         self.pipeline = pipeline
@@ -112,7 +115,7 @@ class StrataModel:
                 config.decode_layers_chunk,
                 token_while_predicting=config.decode_token_while_predicting,
                 gate_give_ups=config.decode_gate_give_ups,
-                gated_lag=gated_lag(asked_lag, expert_cache),
+                gated=gated_steps(asked, expert_cache),
             )
 
     # ---- the family model's surface ----------------------------------------------------------

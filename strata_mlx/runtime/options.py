@@ -181,7 +181,8 @@ class RuntimeConfig:
     decode_lag: int | None = field(
         default=None,
         metadata=opt("pipelined: layers the host reads routing behind.", (0, 1 << 10),
-                     variant="lag", shown="4 with the routing board, else 1"),
+                     variant="lag", shown="4 with the routing board, else 1 (quick misses: "
+                     "gated tokens at their end)"),
     )  # fmt: skip
     decode_sync_above: float = field(
         default=0.3,
@@ -205,7 +206,7 @@ class RuntimeConfig:
         default=None,
         metadata=opt("pipelined layers and gated modes: layers submitted to the device at "
                      "once.", (1, 1 << 10), variant="lc",
-                     shown="8 with quick misses, 4 with the routing board, else 1"),
+                     shown="4 with the routing board (gated tokens 8 with quick misses), else 1"),
     )  # fmt: skip
     # Gated decode: with misses, a token's layers are queued ahead of their routing checks and
     # each layer's experts wait on the device for their reads (strata_mlx.stream.gate), where
@@ -256,12 +257,9 @@ class RuntimeConfig:
                      "host memory for its check, instead of a command buffer of its own.",
                      variant="bd", switch=True, shown="on where the device gate runs (CUDA)"),
     )  # fmt: skip
-    # Gated decode's misses read by the reader's own thread as soon as a layer's routing is on
-    # the board, into slots of a reserve set aside beforehand, not once the layer's check
-    # (Python, which waits for the GIL) has run (strata_mlx.stream.quick). With them a gated
-    # token's checks are waited for at its end, its layers submitted 8 at a time: on an H100's
-    # tmpfs 1.13-1.18x lookahead's decode speed, 1.26-1.27x demand's (docs/decisions.md,
-    # "Quick misses").
+    # Gated decode's misses read by the reader's own thread off the board (stream.quick), a
+    # gated token then checked at its end, 8 layers a submit: on an H100's tmpfs 1.13-1.18x
+    # lookahead's decode speed, 1.26-1.27x demand's (docs/decisions.md, "Quick misses").
     decode_quick_misses: int | None = field(
         default=None,
         metadata=opt("gated (CUDA, with the routing board): a reserve of this many arena "

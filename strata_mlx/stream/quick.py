@@ -24,7 +24,8 @@ Safe slots: the reserve is refilled by a layer's check with victims of no layer 
 not finished (the scheduler's `busy_layers`, as read-ahead's), so nothing on the device reads
 a reserve slot; a slot given to a miss is written only by its read, which its gate waits for.
 
-Off by default (RuntimeConfig.decode_quick_misses: the reserve's size; 0: off).
+On by default where the routing board runs (RuntimeConfig.decode_quick_misses: the
+reserve's size, 32 or an eighth of the arena; 0: off).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ from .gate import GateTable
 # records, every layer's check refills it, and benches of the full-size store with 32 (0.5 %
 # of a 6.5 GB arena's slots) left 0.05-0.09 misses a token to the checks for want of a slot.
 QUICK_RESERVE = 32
+
+# Later layers a watch reads predictions for at most (quick.h's QUICK_MAX_AHEAD)
+MAX_AHEAD = 8
 
 # A layer's check waits this long for the watch of its layer (the ids were in before it read
 # them: the watcher's turn takes microseconds). Past it, or where the check could not read the
@@ -85,7 +89,7 @@ class QuickMisses:
         then (with `self.ahead`) read ahead each (later layer, how many ids) of `ahead`'s
         predictions, which follow them on the board: the number to `wait` for."""
         row, pos = self.gate.board_row(layer), self.gate.pos
-        later = [(pos[t], n) for t, n in ahead] if self.ahead else None
+        later = [(pos[t], n) for t, n in ahead[:MAX_AHEAD]] if self.ahead else None
         return self._r.quick_watch(row.ctypes.data, seq, k, pos[layer], later)
 
     def wait(self, n: int) -> bool:

@@ -111,8 +111,9 @@ class HoldingReader:
         self._out: dict[int, None] = {}  # tags submitted and not collected, oldest first
 
     def submit(self, reqs, urgent=False):
-        self._reader.submit(reqs, urgent)
-        self._out.update(dict.fromkeys(r[0] for r in reqs))
+        skipped = self._reader.submit(reqs, urgent)  # (quick misses read those already)
+        self._out.update(dict.fromkeys(r[0] for r in reqs if r[0] not in skipped))
+        return skipped
 
     def cancel(self, tags):
         return []

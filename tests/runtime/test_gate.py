@@ -1507,10 +1507,10 @@ def test_the_routing_board_and_quick_misses_are_on_by_default_with_their_chunks_
 ):
     """Left to their defaults, a model whose decode gates on the device has the routing board
     and quick misses on (a reserve of 32 slots, an eighth of the arena at most: none in a
-    tiny arena), with layers submitted 8 at a time and a
-    gated token checked at its end (its ungated tokens 4 behind), its checks read the board
-    (no fallback), and tokens and log-probabilities equal the per-layer handshake's; quick
-    misses asked off, 4 at a time and 4 behind; the board asked off, each layer committed
+    tiny arena), a gated token submitted 8 layers at a time and checked at its end (its
+    ungated tokens 4 and 4 behind), its checks read the board (no fallback), and tokens and
+    log-probabilities equal the per-layer handshake's; quick misses asked off, 4 at a time
+    and 4 behind; the board asked off, each layer committed
     alone and checked 1 behind. Where no device gate runs (this CPU, unemulated), the board
     stays off even asked for; each default given its own value keeps it."""
     from strata_mlx.runtime.decode import WHOLE_TOKEN
@@ -1535,14 +1535,15 @@ def test_the_routing_board_and_quick_misses_are_on_by_default_with_their_chunks_
     assert off.expert_cache.stats.misses > 0
     off.expert_cache.close()
     # (the default reserve is an eighth of the arena at most: 2 of the 16 slots of half)
-    for quick, chunk, lag, fraction in ((None, 8, WHOLE_TOKEN, 0.5), (0, 4, 4, 0.2)):
+    for quick, gated, fraction in (((None, (WHOLE_TOKEN, 8), 0.5)), (0, (4, 4), 0.2)):
         model, _ = load_emulated(
             monkeypatch, path, fraction, read_ahead="lookahead", decode_quick_misses=quick
         )
         ec = model.expert_cache
         assert ec.sched.residency.gate.board_on and model.runtime.decode_gate_board is True
-        assert (model.runtime.decode_lag, model.runtime.decode_layers_chunk) == (4, chunk)
-        assert model.decoder.lag == 4 and model.decoder.gated_lag == lag
+        assert (model.runtime.decode_lag, model.runtime.decode_layers_chunk) == (4, 4)
+        assert (model.decoder.lag, model.decoder.layers_chunk) == (4, 4)  # (ungated tokens')
+        assert (model.decoder.gated_lag, model.decoder.gated_chunk) == gated
         assert model.runtime.decode_quick_misses == (2 if quick is None else 0)
         got = decode(model, ids, 6)  # (outputs are the same at every arena size)
         assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
@@ -1550,11 +1551,11 @@ def test_the_routing_board_and_quick_misses_are_on_by_default_with_their_chunks_
         assert ec.stats.gate_timeouts == 0 and ec.stats.misses > 0
         assert (ec.stats.quick_misses > 0) == (quick is None)
         ec.close()
-    # the board with a lag of its own: the chunk keeps its default, gated tokens that lag
+    # the board with a lag of its own: the chunks keep their defaults, gated tokens that lag
     asked, _ = load_emulated(monkeypatch, path, 0.5, read_ahead="lookahead", decode_lag=1)
     assert asked.expert_cache.sched.residency.gate.board_on
-    assert (asked.runtime.decode_lag, asked.runtime.decode_layers_chunk) == (1, 8)
-    assert asked.decoder.gated_lag == 1
+    assert (asked.runtime.decode_lag, asked.runtime.decode_layers_chunk) == (1, 4)
+    assert (asked.decoder.gated_lag, asked.decoder.gated_chunk) == (1, 8)
     got = decode(asked, ids, 6)
     assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
     assert asked.expert_cache.pipelined.board.reads > 0

@@ -366,3 +366,10 @@ def test_a_request_the_quick_reads_superseded_in_its_batch_is_never_sent(store, 
     books_whole(sched)
     assert not quick.flight.any()
     ec.close()
+
+
+def test_a_reserve_past_half_the_arena_is_refused_in_one_line(store, monkeypatch):
+    from strata_mlx.config import OptionError
+
+    with pytest.raises(OptionError, match=r"^decode_quick_misses 999: the arena has \d+ slots"):
+        quick_model(monkeypatch, store("qwen3_moe"), 0.5, 999)
