@@ -146,7 +146,7 @@ class ReadBooks:
         # With verify, the reader's threads check each record's checksum as it lands.
         checksum = manifest.checksum if verify else None
         path = str(self.store / EXPERTS)
-        self._file = reader.open(path, checksum=checksum) if reader is not None else None
+        self.file_index = reader.open(path, checksum=checksum) if reader is not None else None
         self.reads: dict[int, _Read] = {}  # tag -> read in flight
         self.tag_of: dict[Key, int] = {}
         self._tags = 0
@@ -158,11 +158,6 @@ class ReadBooks:
         # their reads superseded (tag -> theirs)
         self.quick: QuickMisses | None = None
         self.superseded: dict[int, int] = {}
-
-    @property
-    def file_index(self) -> int:
-        """The experts file's index in the reader."""
-        return self._file
 
     @property
     def reader(self):
@@ -250,7 +245,7 @@ class ReadBooks:
         self.tag_of[key] = tag
         address, ready = self.arena.address(slot), self.residency.ready(key, slot)
         offset = m.offsets[pos][key[1]]
-        return (tag, self._file, offset, self.record_bytes, address, expected, ready)
+        return (tag, self.file_index, offset, self.record_bytes, address, expected, ready)
 
     def evicted(self, key: Key | None) -> None:
         """`key` left the arena (None: nothing did); read-ahead evicted unused was wasted."""
@@ -348,9 +343,11 @@ class Scheduler(ReadBooks):
                 if tag is not None:  # in flight: read-ahead is promoted
                     if not early:
                         st.streamed_ahead += 1
-                    self.reads[tag].layer_wanted = True
+                    r = self.reads[tag]
+                    r.layer_wanted = True
                     waits.append(tag)
-                    urgent.append(tag)
+                    if not r.urgent:  # (a miss's read is urgent already)
+                        urgent.append(tag)
                 elif self.arena.resident(key):
                     if early:
                         self.arena.touch(key)
