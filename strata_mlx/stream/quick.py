@@ -79,6 +79,9 @@ class QuickMisses:
             ),
             dtype=np.uint8,
         ).reshape(gate.table.shape)
+        # each layer's board row's host address and position (numpy's `ctypes` takes
+        # microseconds a call, on the thread building the token)
+        self._rows = {l: (gate.board_row(l).ctypes.data, p) for l, p in gate.pos.items()}
         self.held: set[int] = set()  # reserve slots the reader holds
         self.timeouts = 0  # checks that gave up waiting for their layer's watch
 
@@ -88,9 +91,9 @@ class QuickMisses:
         """Watch `layer`'s board row for `seq` and read the misses among its first `k` ids,
         then (with `self.ahead`) read ahead each (later layer, how many ids) of `ahead`'s
         predictions, which follow them on the board: the number to `wait` for."""
-        row, pos = self.gate.board_row(layer), self.gate.pos
-        later = [(pos[t], n) for t, n in ahead[:MAX_AHEAD]] if self.ahead else None
-        return self._r.quick_watch(row.ctypes.data, seq, k, pos[layer], later)
+        at, pos = self._rows[layer]
+        later = [(self.gate.pos[t], n) for t, n in ahead[:MAX_AHEAD]] if self.ahead else None
+        return self._r.quick_watch(at, seq, k, pos, later)
 
     def wait(self, n: int) -> bool:
         """Until the watch numbered `n` is done (its misses queued and logged); False (every
