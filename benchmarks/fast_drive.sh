@@ -452,16 +452,16 @@ gil)  # tmpfs: a gated token's chain with the checks' waits for the GIL once the
     | tee "$OUT/gil.log"
   ;;
 quick)  # quick misses (stream.quick: the reader's own thread reads a gated layer's misses off
-  # the routing board into a reserve of QM slots, 32): their GPU tests and the device gate's
-  # equality test, then bench's POL on the tmpfs (default: demand and lookahead, each without
-  # and with :qm$QM, and lookahead reading its predictions too, :qa1); TESTS=0 skips the tests
+  # the routing board into a reserve of slots; the default on CUDA): their GPU tests and the
+  # device gate's equality test, then bench's POL on the tmpfs (default: demand and lookahead,
+  # each with the defaults and with the path before them, :qm0, and lookahead reading its
+  # predictions off the board too, :qa1); TESTS=0 skips the tests
   build
   synth "$SHM"
   [ "${TESTS:-1}" = 0 ] || timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
      tests/runtime/test_quick.py tests/runtime/test_gate.py -k "quick or equals_sync" 2>&1 \
      | tail -6 | tee "$OUT/quick-tests.log"
-  q=${QM:-32}
-  bench "bench-quick" "$SHM" "${POL:-demand,demand:qm$q,lookahead,lookahead:qm$q,lookahead:qm$q:qa1}"
+  bench "bench-quick" "$SHM" "${POL:-demand,demand:qm0,lookahead,lookahead:qm0,lookahead:qa1}"
   ;;
 kprofile)  # a resident decode token's device time by kernel, strata-mlx beside mlx-lm (CUPTI
   # through PyTorch's profiler: benchmarks/kernel_profile.py), then the gate's GPU tests
