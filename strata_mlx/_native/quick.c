@@ -366,12 +366,7 @@ PyObject *Reader_quick_take(ReaderObject *r, PyObject *unused) {
     }
     pthread_mutex_unlock(&r->mu);
     if (!slots) return PyErr_NoMemory();
-    PyObject *out = PyList_New(n);
-    for (Py_ssize_t i = 0; out && i < n; i++) {
-        PyObject *s = PyLong_FromLongLong(slots[i]);
-        if (!s) Py_CLEAR(out);
-        else PyList_SET_ITEM(out, i, s);
-    }
+    PyObject *out = tag_list(slots, n);
     PyMem_RawFree(slots);
     return out;
 }

@@ -758,7 +758,7 @@ static long long *parse_tags(PyObject *seq_obj, Py_ssize_t *n) {
     return tags;
 }
 
-static PyObject *tag_list(const long long *tags, Py_ssize_t n) {
+PyObject *tag_list(const long long *tags, Py_ssize_t n) {
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
         PyObject *t = PyLong_FromLongLong(tags[i]);
@@ -1647,7 +1647,8 @@ static PyMethodDef Reader_methods[] = {
      "(n < 0: at every completion)"},
     {"queued", (PyCFunction)Reader_queued, METH_NOARGS, "requests queued, not yet started"},
     {"quick_arm", (PyCFunction)Reader_quick_arm, METH_VARARGS,
-     "quick_arm(table, npos, nexp, file, length, offsets, sums) -> the flight bytes"},
+     "quick_arm(table, npos, nexp, file, length, offsets, sums[, ahead_floor]) -> the flight "
+     "bytes"},
     {"quick_give", (PyCFunction)Reader_quick_give, METH_O,
      "quick_give([(slot, address)]): slots into the reserve"},
     {"quick_take", (PyCFunction)Reader_quick_take, METH_NOARGS,
@@ -1655,11 +1656,11 @@ static PyMethodDef Reader_methods[] = {
     {"quick_free", (PyCFunction)Reader_quick_free, METH_NOARGS,
      "quick_free() -> slots in the reserve"},
     {"quick_watch", (PyCFunction)Reader_quick_watch, METH_VARARGS,
-     "quick_watch(board, seq, k, pos) -> watches posted"},
+     "quick_watch(board, seq, k, pos[, ahead]) -> watches posted"},
     {"quick_wait", (PyCFunction)Reader_quick_wait, METH_VARARGS,
      "quick_wait(n, timeout_s) -> whether n watches are done"},
     {"quick_claims", (PyCFunction)Reader_quick_claims, METH_NOARGS,
-     "quick_claims() -> [(pos, expert, slot, tag)] queued since the last call"},
+     "quick_claims() -> [(pos, expert, slot, tag, urgent)] queued since the last call"},
     {"quick_drop", (PyCFunction)Reader_quick_drop, METH_NOARGS, "quick_drop(): watches dropped"},
     {NULL},
 };

@@ -178,6 +178,7 @@ struct ReaderObject {
 INTERNAL uint64_t now_ns(void);
 INTERNAL int check_open(ReaderObject *r); /* -1 and ValueError where closed */
 INTERNAL int promote_word(ReaderObject *r, const int32_t *word);
+INTERNAL PyObject *tag_list(const long long *tags, Py_ssize_t n); /* a list of ints */
 INTERNAL void wake_work(ReaderObject *r, int all);
 /* Queue requests (mu held; see Reader_submit): -1 without memory, else the parts queued. */
 INTERNAL Py_ssize_t queue_locked(ReaderObject *r, Request *reqs, Py_ssize_t n, int urgent,

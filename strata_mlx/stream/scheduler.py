@@ -185,8 +185,7 @@ class ReadBooks:
         """`_submit`'s reads, recorded as in flight, not yet handed to the reader (their
         victims asked of the policy as one batch from `batch_from` keys; None: the arena's
         BATCH_FROM)."""
-        if self.quick is not None:  # (the reader's own reads are in flight too)
-            self.quick.absorb()
+        self._take_quick_reads()  # (the reader's own reads are in flight too)
         tag_of, slot_of = self.tag_of, self.arena.slot_of
         todo = [k for k in dict.fromkeys(keys) if k not in tag_of and k not in slot_of]
         reqs = []
@@ -224,25 +223,30 @@ class ReadBooks:
         ]
 
     def withdraw(self, tag: int) -> Key:
-        """A read recorded, never handed to the reader, out of these books; its key."""
+        """A read that never started out of these books (not sent, skipped, cancelled); its
+        key."""
         r = self.reads.pop(tag)
         del self.tag_of[r.key]
         self.arena.release(r.slot)
         return r.key
 
     def take_read(self, tag: int, key: Key, slot: int, urgent: bool) -> None:
-        """A read of `key` into `slot` the reader queued itself (stream.quick), in flight in
-        these books from now on."""
+        """A read of `key` into `slot` in flight in these books from now on (one the reader
+        queued itself too: stream.quick)."""
         self.reads[tag] = _Read(key, slot, urgent)
         self.tag_of[key] = tag
+
+    def _take_quick_reads(self) -> None:
+        """The reads the reader queued itself since the last call into these books."""
+        if self.quick is not None:
+            self.quick.absorb()
 
     def _start_read(self, key: Key, slot: int, urgent: bool) -> tuple:
         """Record a read of `key` into `slot` as in flight; its request for the reader."""
         tag = self._tags = self._tags + 1
         pos, m = self.residency.pos[key[0]], self.manifest  # (manifest.record, without its lookups)
         expected = m.checksums[pos][key[1]] if self.verify else None
-        self.reads[tag] = _Read(key, slot, urgent)
-        self.tag_of[key] = tag
+        self.take_read(tag, key, slot, urgent)
         address, ready = self.arena.address(slot), self.residency.ready(key, slot)
         offset = m.offsets[pos][key[1]]
         return (tag, self.file_index, offset, self.record_bytes, address, expected, ready)
@@ -260,8 +264,7 @@ class ReadBooks:
     def _finish(self, completions) -> ExpertReadError | None:
         """Completions into residency; the error of the first failed read, if any."""
         errors, quick = [], self.quick
-        if quick is not None:  # (its reads' completions may be among them)
-            quick.absorb()
+        self._take_quick_reads()  # (their completions may be among these)
         for tag, err, nbytes in completions:
             r = self.reads.pop(tag, None)
             if r is None:
@@ -305,8 +308,7 @@ class Scheduler(ReadBooks):
         misses urgently, pin them all; the tags the computation must wait for."""
         with self.lock:
             self._check_failed()
-            if self.quick is not None:
-                self.quick.absorb()
+            self._take_quick_reads()
             row = self.residency.row(layer)
             if self.early:  # misses read before their claim: each key looked at alone
                 resident, rest = [], needed
@@ -446,11 +448,9 @@ class Scheduler(ReadBooks):
             if not stale:
                 return
             for tag in self.reader.cancel(stale):
-                r = self.reads.pop(tag)
-                del self.tag_of[r.key]
-                self.arena.release(r.slot)
+                key = self.withdraw(tag)
                 if self.quick is not None:
-                    self.quick.finished(r.key)
+                    self.quick.finished(key)
                 self.stats.readahead_dropped += 1
 
     def settle(self, keep: int | None = None) -> None:
