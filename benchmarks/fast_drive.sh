@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|gil|kprofile|quick
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|gil|kprofile|quick|miss
 # Policies name options beside the defaults of the code run: gated decode on CUDA runs with
 # the routing board by default, 4 layers a commit, checked 4 behind (`:bd1` is
 # `:bd1:lc4:lag4`); without it (OLDGT below, `:bd0:lc1:lag1`) each layer alone, checked 1
@@ -462,6 +462,17 @@ quick)  # quick misses (stream.quick: the reader's own thread reads a gated laye
      tests/runtime/test_quick.py tests/runtime/test_gate.py -k "quick or equals_sync" 2>&1 \
      | tail -6 | tee "$OUT/quick-tests.log"
   bench "bench-quick" "$SHM" "${POL:-demand,demand:qm0,lookahead,lookahead:qm0,lookahead:qa1}"
+  ;;
+miss)  # tmpfs: a decode miss's read alone (benchmarks/miss_latency.py: batches of a gated
+  # layer's misses, MISSES records each, from submission until their ready words say landed),
+  # the reader's defaults beside VARIANTS (threads polling for work, part sizes, the checksum
+  # beside the copy or none, more threads)
+  build
+  synth "$SHM"
+  for k in ${MISSES:-2 4}; do
+    timeout 200 python3 benchmarks/miss_latency.py "$SHM" --misses "$k" --rounds 2 \
+      --variants "${VARIANTS:-base,rs2000,s128,s512,s0,vc1,nv,w16,rs2000:s128}"
+  done 2>&1 | tee "$OUT/miss-latency.log"
   ;;
 kprofile)  # a resident decode token's device time by kernel, strata-mlx beside mlx-lm (CUPTI
   # through PyTorch's profiler: benchmarks/kernel_profile.py), then the gate's GPU tests
