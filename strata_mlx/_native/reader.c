@@ -56,6 +56,19 @@ void wake_work(ReaderObject *r, int all) {
         pthread_cond_signal(&r->work);
 }
 
+void wake_parts(ReaderObject *r, Py_ssize_t parts) {
+    if (parts <= 0) return;
+    if (!__atomic_load_n(&r->wake_each, __ATOMIC_RELAXED) || parts == 1) {
+        wake_work(r, 0);
+        return;
+    }
+    __atomic_add_fetch(&r->posted, 1, __ATOMIC_SEQ_CST);
+    /* (a polling worker takes a part without a wake-up) */
+    Py_ssize_t n = parts - __atomic_load_n(&r->spinning, __ATOMIC_SEQ_CST);
+    if (n > r->nthreads) n = r->nthreads;
+    for (Py_ssize_t i = 0; i < n; i++) pthread_cond_signal(&r->work);
+}
+
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
@@ -1268,7 +1281,7 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
     /* One worker woken, after the lock is let go: each worker that takes a read wakes the
      * next while reads are queued. Waking one per read here cost the submitting thread (which
      * holds the GIL) ~4 us a worker: 33 us a submit with 8 workers against 5.6 with one. */
-    if (parts_total > 0) wake_work(r, 0);
+    wake_parts(r, parts_total);
     PyMem_RawFree(reqs);
     Py_DECREF(seq);
     PyObject *out = tag_list(skipped, nskipped);
@@ -1597,6 +1610,13 @@ static int set_verify_in_copy(ReaderObject *r, PyObject *v, void *c) {
     return set_switch(&r->verify_in_copy, v, "verify_in_copy");
 }
 
+static PyObject *get_wake_each(ReaderObject *r, void *c) {
+    return PyBool_FromLong(__atomic_load_n(&r->wake_each, __ATOMIC_RELAXED));
+}
+static int set_wake_each(ReaderObject *r, PyObject *v, void *c) {
+    return set_switch(&r->wake_each, v, "wake_each");
+}
+
 static PyObject *get_copy_held_us(ReaderObject *r, void *c) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&r->held_ns, __ATOMIC_RELAXED) / 1000);
 }
@@ -1674,6 +1694,9 @@ static PyGetSetDef Reader_getset[] = {
     {"verify_in_copy", (getter)get_verify_in_copy, (setter)set_verify_in_copy,
      "device copies waited for at once: a record's checksum taken while its copy runs "
      "(a mismatched record reaches its slot, its read still failed)", NULL},
+    {"wake_each", (getter)get_wake_each, (setter)set_wake_each,
+     "parts queued for sleeping workers wake one worker each, not one that wakes the next",
+     NULL},
     {"copy_held_us", (getter)get_copy_held_us, (setter)set_copy_held_us,
      "device copies: one a gate waits on, still not done this many us after it was queued, "
      "gives its gate up (its ready word READY_FAILED); 0: never", NULL},

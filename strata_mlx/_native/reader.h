@@ -110,6 +110,10 @@ struct ReaderObject {
      * (a mismatched record then reaches its slot, its read still failed). Read by the
      * workers with no lock. */
     int verify_in_copy;
+    /* Parts queued for sleeping workers wake one worker each (up to every worker), rather
+     * than one that wakes the next as it takes a part: a miss's parts then start one wake-up
+     * after they are queued, not one wake-up after another. Read with no lock. */
+    int wake_each;
     /* A device copy whose ready word a gate may wait on, still not done this long after it
      * was queued (ns; 0: never), is held behind the device, and so behind that gate (another
      * thread freeing device or pinned memory while the gate spins waits in the driver for the
@@ -180,6 +184,9 @@ INTERNAL int check_open(ReaderObject *r); /* -1 and ValueError where closed */
 INTERNAL int promote_word(ReaderObject *r, const int32_t *word);
 INTERNAL PyObject *tag_list(const long long *tags, Py_ssize_t n); /* a list of ints */
 INTERNAL void wake_work(ReaderObject *r, int all);
+/* `parts` parts just queued (mu not held): as wake_work, or one worker woken a part where
+ * `wake_each` is set. */
+INTERNAL void wake_parts(ReaderObject *r, Py_ssize_t parts);
 /* Queue requests (mu held; see Reader_submit): -1 without memory, else the parts queued. */
 INTERNAL Py_ssize_t queue_locked(ReaderObject *r, Request *reqs, Py_ssize_t n, int urgent,
                                  int check_flight, long long *skipped, Py_ssize_t *nskipped);

@@ -267,6 +267,17 @@ class Reader:
         self._r.verify_in_copy = bool(on)
 
     @property
+    def wake_each(self) -> bool:
+        """Parts queued for sleeping threads wake one thread each (up to every thread) instead
+        of one thread that wakes the next as it takes a part, so that a miss's parts start a
+        wake-up after they are queued rather than one wake-up after another. Settable."""
+        return self._r.wake_each
+
+    @wake_each.setter
+    def wake_each(self, on: bool) -> None:
+        self._r.wake_each = bool(on)
+
+    @property
     def copy_held_us(self) -> int:
         """(device_copy) A device copy whose ready word a gate may wait on, still not done
         this many microseconds after it was queued, is held behind the device and so behind

@@ -435,12 +435,16 @@ def test_checksum_requests_are_validated(data_file):
 
 @pytest.mark.parametrize("bounce", [False, True])
 @pytest.mark.parametrize("direct", [True, False])
-def test_split_reads_land_whole_and_complete_once(data_file, direct, bounce):
+@pytest.mark.parametrize("wake_each", [False, True])
+def test_split_reads_land_whole_and_complete_once(data_file, direct, bounce, wake_each):
     path, payload = data_file
     big = 4 * RECORD  # 4 parts of one RECORD each with split=RECORD and 8 idle workers
     sums = [checksum("crc32c", payload[i * big : (i + 1) * big]) for i in range(4)]
     buf, addr = aligned(4 * big)
     with Reader(workers=8, bounce=bounce, split=RECORD) as r:
+        assert not r.wake_each  # (a part's worker wakes the next by default)
+        r.wake_each = wake_each
+        assert r.wake_each == wake_each
         f = r.open(path, direct=direct, checksum="crc32c")
         # 2 requests, 8 idle workers: 4 parts each
         r.submit([(t, f, t * big, big, addr + t * big, sums[t]) for t in (0, 1)], urgent=True)
