@@ -471,7 +471,7 @@ miss)  # tmpfs: a decode miss's read alone (benchmarks/miss_latency.py: batches 
   synth "$SHM"
   for k in ${MISSES:-2 4}; do
     timeout 200 python3 benchmarks/miss_latency.py "$SHM" --misses "$k" --rounds 2 \
-      --variants "${VARIANTS:-base,we1,rs2000,s128,s128:we1,s0,vc1,nv,w16:we1,rs2000:s128}"
+      --variants "${VARIANTS:-base,wk1,rs2000,s128,s128:wk1,s0,vc1,nv,w16:wk1,rs2000:s128}"
   done 2>&1 | tee "$OUT/miss-latency.log"
   ;;
 kprofile)  # a resident decode token's device time by kernel, strata-mlx beside mlx-lm (CUPTI

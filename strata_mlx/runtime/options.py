@@ -42,12 +42,8 @@ class RuntimeConfig:
         metadata=opt("Reader threads.", (1, MAX_IO_WORKERS), panel=PANEL_MEMORY, variant="io"),
     )
     # Split reads: while workers would idle (decode's few misses a layer), a record is read as
-    # parts of at least this many KB by several workers side by side (reader.Reader's split).
-    # A gated layer's device waits for its misses' reads: on an H100 with the full-size store,
-    # parts of 128-256 KB cut that wait from 21-27 to 15-16 ms a token on a tmpfs, and gated
-    # demand decode ran 1.08-1.34x as fast there and 1.18x behind a 12 GB/s emulated drive,
-    # within its spread on a 3.5 GB/s disk. Ungated decode and Metal are not measured with
-    # them since (docs/decisions.md, "Split reads").
+    # parts of at least this many KB by several workers side by side (reader.Reader's split):
+    # gated demand decode 1.08-1.34x as fast on an H100's tmpfs (docs/decisions.md).
     read_split_kb: int = field(
         default=256,
         metadata=opt("Split reads into parts of at least this many KB (0: whole records).",
@@ -68,6 +64,12 @@ class RuntimeConfig:
     )  # fmt: skip
     # The reader's threads let go of their slot on the drive once a pread returns, before the
     # bounce copy and the checksum (reader.Reader's overlap): io_workers preads in flight.
+    # Parts queued for sleeping reader threads wake a thread each, not one that wakes the
+    # next as it takes its part (reader.Reader's wake_each): a miss's parts start together.
+    read_wake_each: bool = field(
+        default=False,
+        metadata=opt("Each part of a split read wakes a reader thread of its own.", variant="wk"),
+    )
     read_overlap: bool = field(
         default=True,
         metadata=opt("Reader threads free the drive before copying and checksumming.",
@@ -81,24 +83,17 @@ class RuntimeConfig:
         default=True,
         metadata=opt("CUDA: reads reach the arena by the GPU's copy engine.", variant="dc"),
     )
-    # CUDA with device_copy: the arena is plain device memory (allocated by a GPU op, its
-    # address read by a kernel), which the host never maps; off, CUDA managed memory kept on
-    # the device (advised and prefetched there), which the copy engine writes through the
-    # driver's unified-memory layer (10.7 GB/s into it on an H200 from a 37 GB/s tmpfs).
-    # On by default: on an H200 reading a 27-39 GB/s tmpfs, lookahead's cold prefill chunk
-    # takes 1.37 s against 2.27-2.33 s in managed memory and decode 12.3-12.7 tok/s against
-    # 9.4-9.8 (docs/benchmarks.md); demand reads lose 5-18 % of prefill there (decisions.md).
+    # CUDA with device_copy: the arena is plain device memory (allocated by a GPU op), which
+    # the host never maps; off, CUDA managed memory kept on the device. On an H200's tmpfs:
+    # lookahead's cold prefill chunk 1.37 s against 2.27-2.33 s (docs/decisions.md).
     device_arena: bool = field(
         default=True,
         metadata=opt("CUDA: the arena in plain device memory (else managed memory).",
                      variant="da"),
     )  # fmt: skip
-    # CUDA with device_copy: a reader thread queues a read-ahead record's copy and reads the
-    # next record while it runs, waiting for the copy only then (two pinned buffers a thread);
-    # urgent reads are still waited for at once (reader.Reader's copy_behind). On an H200
-    # reading a 33-37 GB/s tmpfs: the data path 16.1 -> 16.8 and 17.7 -> 18.9 GB/s, lookahead's
-    # prefill chunk 1540 / 1443 -> 1359 / 1384 ms (cold / warm), decode 11.8 -> 13.2 / 12.4
-    # tok/s, one run each (docs/benchmarks.md).
+    # CUDA with device_copy: a reader thread reads the next record while a read-ahead record's
+    # copy runs (reader.Reader's copy_behind; urgent reads are waited for at once). On an H200's
+    # tmpfs the data path 16.1 -> 16.8 and 17.7 -> 18.9 GB/s (docs/benchmarks.md).
     copy_behind: bool = field(
         default=True,
         metadata=opt("CUDA: read the next record while the last one's copy runs.", variant="cb"),
