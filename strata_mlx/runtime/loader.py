@@ -382,6 +382,7 @@ def build_expert_cache(
         if quick is None:  # (at most an eighth of the arena: the rest keeps its experts)
             quick = min(QUICK_RESERVE, n_slots // 8)
         elif quick > n_slots // 2 and gate.board_on:
+            cache.close()  # (its reader's threads and the mapped table, not left to the GC)
             raise OptionError(
                 f"decode_quick_misses {quick}: the arena has {n_slots} slots, and a reserve "
                 f"may hold half of them at most ({n_slots // 2})",

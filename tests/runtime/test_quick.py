@@ -228,10 +228,23 @@ def test_quick_misses_refuse_bad_arguments_and_a_reader_not_armed(tmp_path):
                                np.zeros(NPOS * NEXP, dtype=np.uint32))  # fmt: skip
 
 
+LOADED: list = []  # models quick_model loaded, closed after their test
+
+
+@pytest.fixture(autouse=True)
+def _close_loaded(monkeypatch):
+    """Each test's models closed at its end, while the emulated gate's stand-ins are still in
+    place (their gate table is unmapped by the stand-in, not by a CUDA call that fails here)."""
+    yield
+    while LOADED:
+        LOADED.pop().expert_cache.close()
+
+
 def quick_model(monkeypatch, path, fraction: float, reserve: int, **opts):
     model, seen = load_emulated(
         monkeypatch, path, fraction, decode_gate_board=True, decode_quick_misses=reserve, **opts
     )
+    LOADED.append(model)
     assert model.expert_cache.sched.quick is not None
     return model, seen
 
