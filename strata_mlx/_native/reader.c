@@ -1111,7 +1111,7 @@ Py_ssize_t queue_locked(ReaderObject *r, Request *reqs, Py_ssize_t n, int urgent
         if (r->overlap) busy += r->preading; /* threads finishing a read hold no slot */
         else
             for (int w = 0; w < r->nworkers; w++) busy += r->reading[w];
-        per = busy < r->nworkers ? (r->nworkers - busy) / n : 0;
+        per = busy < r->nworkers ? (r->nworkers - busy) / (__atomic_load_n(&r->spread, __ATOMIC_RELAXED) ? 1 : n) : 0;
         if (per >= 2) {
             parts_total = 0;
             for (Py_ssize_t i = 0; i < n; i++) parts_total += split_parts(r, &reqs[i], per);
@@ -1617,6 +1617,13 @@ static int set_wake_each(ReaderObject *r, PyObject *v, void *c) {
     return set_switch(&r->wake_each, v, "wake_each");
 }
 
+static PyObject *get_spread(ReaderObject *r, void *c) {
+    return PyBool_FromLong(__atomic_load_n(&r->spread, __ATOMIC_RELAXED));
+}
+static int set_spread(ReaderObject *r, PyObject *v, void *c) {
+    return set_switch(&r->spread, v, "spread");
+}
+
 static PyObject *get_copy_held_us(ReaderObject *r, void *c) {
     return PyLong_FromUnsignedLongLong(__atomic_load_n(&r->held_ns, __ATOMIC_RELAXED) / 1000);
 }
@@ -1697,6 +1704,8 @@ static PyGetSetDef Reader_getset[] = {
     {"wake_each", (getter)get_wake_each, (setter)set_wake_each,
      "parts queued for sleeping workers wake one worker each, not one that wakes the next",
      NULL},
+    {"spread", (getter)get_spread, (setter)set_spread,
+     "split reads: each request of a batch in up to `idle` parts (not idle / n)", NULL},
     {"copy_held_us", (getter)get_copy_held_us, (setter)set_copy_held_us,
      "device copies: one a gate waits on, still not done this many us after it was queued, "
      "gives its gate up (its ready word READY_FAILED); 0: never", NULL},

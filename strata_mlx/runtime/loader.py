@@ -349,7 +349,7 @@ def build_expert_cache(
         spinners=cfg.read_spinners,
     )
     reader.verify_in_copy = cfg.verify_in_copy
-    reader.wake_each = cfg.read_wake_each
+    reader.spread = cfg.read_spread
     cache = ExpertCache(
         path,
         manifest,

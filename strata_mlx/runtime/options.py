@@ -64,11 +64,11 @@ class RuntimeConfig:
     )  # fmt: skip
     # The reader's threads let go of their slot on the drive once a pread returns, before the
     # bounce copy and the checksum (reader.Reader's overlap): io_workers preads in flight.
-    # Parts queued for sleeping reader threads wake a thread each, not one that wakes the
-    # next as it takes its part (reader.Reader's wake_each): a miss's parts start together.
-    read_wake_each: bool = field(
+    # A batch of misses split over every idle reader thread, each woken for its part, not
+    # idle / batch-size parts a record with one thread waking the next (reader.Reader's spread).
+    read_spread: bool = field(
         default=False,
-        metadata=opt("Each part of a split read wakes a reader thread of its own.", variant="wk"),
+        metadata=opt("Split a batch's reads over every idle reader thread.", variant="sp"),
     )
     read_overlap: bool = field(
         default=True,

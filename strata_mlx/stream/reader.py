@@ -267,15 +267,17 @@ class Reader:
         self._r.verify_in_copy = bool(on)
 
     @property
-    def wake_each(self) -> bool:
-        """Parts queued for sleeping threads wake one thread each (up to every thread) instead
-        of one thread that wakes the next as it takes a part, so that a miss's parts start a
-        wake-up after they are queued rather than one wake-up after another. Settable."""
-        return self._r.wake_each
+    def spread(self) -> bool:
+        """Split reads spread over every idle thread: each request of a batch in up to `idle`
+        parts (not `idle / batch size`: a batch lands when its last part does, so its bytes
+        over every thread set its time), and each part queued for a sleeping thread wakes one
+        (not one that wakes the next as it takes its part). Off by default. Settable (the
+        native reader's `spread` and `wake_each` apart, for benchmarks)."""
+        return self._r.spread and self._r.wake_each
 
-    @wake_each.setter
-    def wake_each(self, on: bool) -> None:
-        self._r.wake_each = bool(on)
+    @spread.setter
+    def spread(self, on: bool) -> None:
+        self._r.spread = self._r.wake_each = bool(on)
 
     @property
     def copy_held_us(self) -> int:

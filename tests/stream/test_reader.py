@@ -435,18 +435,18 @@ def test_checksum_requests_are_validated(data_file):
 
 @pytest.mark.parametrize("bounce", [False, True])
 @pytest.mark.parametrize("direct", [True, False])
-@pytest.mark.parametrize("wake_each", [False, True])
-def test_split_reads_land_whole_and_complete_once(data_file, direct, bounce, wake_each):
+@pytest.mark.parametrize("spread", [False, True])
+def test_split_reads_land_whole_and_complete_once(data_file, direct, bounce, spread):
     path, payload = data_file
     big = 4 * RECORD  # 4 parts of one RECORD each with split=RECORD and 8 idle workers
     sums = [checksum("crc32c", payload[i * big : (i + 1) * big]) for i in range(4)]
     buf, addr = aligned(4 * big)
     with Reader(workers=8, bounce=bounce, split=RECORD) as r:
-        assert not r.wake_each  # (a part's worker wakes the next by default)
-        r.wake_each = wake_each
-        assert r.wake_each == wake_each
+        assert not r.spread  # (idle / n parts a request, a part's worker wakes the next)
+        r.spread = spread
+        assert r.spread == spread == r.native.wake_each
         f = r.open(path, direct=direct, checksum="crc32c")
-        # 2 requests, 8 idle workers: 4 parts each
+        # 2 requests, 8 idle workers: 4 parts each (spread: 8 each, at most 4 of RECORD)
         r.submit([(t, f, t * big, big, addr + t * big, sums[t]) for t in (0, 1)], urgent=True)
         assert r.wait([0, 1], timeout=10) == [(0, 0, big), (1, 0, big)]
         stats = r.stats()
@@ -464,6 +464,25 @@ def test_split_reads_land_whole_and_complete_once(data_file, direct, bounce, wak
         drain(r, 9)
         assert r.stats()["split"] == 3
     assert buf[: 2 * big].tobytes() == payload[: 2 * big]
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_a_spread_batch_is_split_over_every_idle_worker(data_file, spread):
+    """3 requests of 4 RECORDs, 8 idle workers: idle / 3 = 2 parts each (6 in all); spread,
+    up to 8 parts each, at most one RECORD a part: 4 each (12 in all), queued beyond the
+    workers; either way every byte lands where it belongs."""
+    path, payload = data_file
+    big = 4 * RECORD
+    buf, addr = aligned(3 * big)
+    with Reader(workers=8, start_paused=True, split=RECORD) as r:
+        r.spread = spread
+        f = r.open(path)
+        r.submit([(t, f, t * big, big, addr + t * big) for t in range(3)], urgent=True)
+        assert r.queued() == 3  # (a split request counts once until its first part starts)
+        r.resume()
+        assert sorted(drain(r, 3)) == [(t, 0, big) for t in range(3)]
+        assert r.stats()["urgent_parts"] == (12 if spread else 6)
+    assert buf.tobytes() == payload[: 3 * big]
 
 
 def test_urgent_reads_report_their_latency(data_file):
