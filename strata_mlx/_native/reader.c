@@ -1111,7 +1111,7 @@ Py_ssize_t queue_locked(ReaderObject *r, Request *reqs, Py_ssize_t n, int urgent
         if (r->overlap) busy += r->preading; /* threads finishing a read hold no slot */
         else
             for (int w = 0; w < r->nworkers; w++) busy += r->reading[w];
-        per = busy < r->nworkers ? (r->nworkers - busy) / (__atomic_load_n(&r->spread, __ATOMIC_RELAXED) ? 1 : n) : 0;
+        per = busy < r->nworkers ? (r->nworkers - busy) / (urgent && __atomic_load_n(&r->spread, __ATOMIC_RELAXED) ? 1 : n) : 0;
         if (per >= 2) {
             parts_total = 0;
             for (Py_ssize_t i = 0; i < n; i++) parts_total += split_parts(r, &reqs[i], per);

@@ -468,20 +468,23 @@ def test_split_reads_land_whole_and_complete_once(data_file, direct, bounce, spr
 
 @pytest.mark.parametrize("spread", [False, True])
 def test_a_spread_batch_is_split_over_every_idle_worker(data_file, spread):
-    """3 requests of 4 RECORDs, 8 idle workers: idle / 3 = 2 parts each (6 in all); spread,
-    up to 8 parts each, at most one RECORD a part: 4 each (12 in all), queued beyond the
-    workers; either way every byte lands where it belongs."""
+    """3 urgent requests of 4 RECORDs, 8 idle workers: idle / 3 = 2 parts each (6 in all);
+    spread, up to 8 parts each, at most one RECORD a part: 4 each (12 in all), queued beyond
+    the workers. Read-ahead keeps idle / 3. Either way every byte lands where it belongs."""
     path, payload = data_file
     big = 4 * RECORD
     buf, addr = aligned(3 * big)
     with Reader(workers=8, start_paused=True, split=RECORD) as r:
         r.spread = spread
         f = r.open(path)
-        r.submit([(t, f, t * big, big, addr + t * big) for t in range(3)], urgent=True)
-        assert r.queued() == 3  # (a split request counts once until its first part starts)
-        r.resume()
-        assert sorted(drain(r, 3)) == [(t, 0, big) for t in range(3)]
-        assert r.stats()["urgent_parts"] == (12 if spread else 6)
+        for urgent in (True, False):
+            r.submit([(t, f, t * big, big, addr + t * big) for t in range(3)], urgent=urgent)
+            assert r.queued() == 3  # (a split request counts once until its first part starts)
+            r.resume()
+            assert sorted(drain(r, 3)) == [(t, 0, big) for t in range(3)]
+            r.pause()
+        st = r.stats()
+        assert st["urgent_parts"] == (12 if spread else 6) and st["split"] == 6
     assert buf.tobytes() == payload[: 3 * big]
 
 
