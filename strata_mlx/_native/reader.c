@@ -1111,7 +1111,11 @@ Py_ssize_t queue_locked(ReaderObject *r, Request *reqs, Py_ssize_t n, int urgent
         if (r->overlap) busy += r->preading; /* threads finishing a read hold no slot */
         else
             for (int w = 0; w < r->nworkers; w++) busy += r->reading[w];
-        per = busy < r->nworkers ? (r->nworkers - busy) / (urgent && __atomic_load_n(&r->spread, __ATOMIC_RELAXED) ? 1 : n) : 0;
+        Py_ssize_t idle = busy < r->nworkers ? r->nworkers - busy : 0;
+        /* (spread: a batch of misses no larger than the idle workers; prefill's hundreds of
+         * misses a layer stay whole, as read-ahead stays idle / n) */
+        int spread = urgent && n <= idle && __atomic_load_n(&r->spread, __ATOMIC_RELAXED);
+        per = spread ? idle : idle / n;
         if (per >= 2) {
             parts_total = 0;
             for (Py_ssize_t i = 0; i < n; i++) parts_total += split_parts(r, &reqs[i], per);

@@ -114,10 +114,11 @@ struct ReaderObject {
      * than one that wakes the next as it takes a part: a miss's parts then start one wake-up
      * after they are queued, not one wake-up after another. Read with no lock. */
     int wake_each;
-    /* Split reads: each request of an urgent batch in up to `idle` parts, not `idle / n`
-     * (the batch's parts spread over every idle worker, queued beyond them where there are
-     * more: a batch of misses lands when its last part does, so its bytes over every worker
-     * set its time; read-ahead keeps its larger parts). */
+    /* Split reads: each request of an urgent batch of at most `idle` requests in up to
+     * `idle` parts, not `idle / n` (the batch's parts spread over every idle worker, queued
+     * beyond them where there are more: a batch of misses lands when its last part does, so
+     * its bytes over every worker set its time; read-ahead and prefill's large batches of
+     * misses keep their larger parts). */
     int spread;
     /* A device copy whose ready word a gate may wait on, still not done this long after it
      * was queued (ns; 0: never), is held behind the device, and so behind that gate (another

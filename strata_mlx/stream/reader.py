@@ -268,11 +268,12 @@ class Reader:
 
     @property
     def spread(self) -> bool:
-        """Split reads spread over every idle thread: each request of an urgent batch in up to
-        `idle` parts (not `idle / batch size`: a batch of misses lands when its last part
-        does, so its bytes over every thread set its time), and each part queued for a
-        sleeping thread wakes one (not one that wakes the next as it takes its part). Off by
-        default. Settable (the native reader's `spread` and `wake_each` apart, for benchmarks)."""
+        """Split reads spread over every idle thread: each request of an urgent batch no
+        larger than the idle threads (a decode layer's misses) in up to `idle` parts, not
+        `idle / batch size` (the batch lands when its last part does, so its bytes over every
+        thread set its time), and each part queued for a sleeping thread wakes one (not one
+        that wakes the next as it takes its part). Off by default. Settable (the native
+        reader's `spread` and `wake_each` apart, for benchmarks)."""
         return self._r.spread and self._r.wake_each
 
     @spread.setter

@@ -470,7 +470,8 @@ def test_split_reads_land_whole_and_complete_once(data_file, direct, bounce, spr
 def test_a_spread_batch_is_split_over_every_idle_worker(data_file, spread):
     """3 urgent requests of 4 RECORDs, 8 idle workers: idle / 3 = 2 parts each (6 in all);
     spread, up to 8 parts each, at most one RECORD a part: 4 each (12 in all), queued beyond
-    the workers. Read-ahead keeps idle / 3. Either way every byte lands where it belongs."""
+    the workers. Read-ahead keeps idle / 3, and 9 urgent requests (more than the workers, as
+    prefill's misses) stay whole. Either way every byte lands where it belongs."""
     path, payload = data_file
     big = 4 * RECORD
     buf, addr = aligned(3 * big)
@@ -485,6 +486,11 @@ def test_a_spread_batch_is_split_over_every_idle_worker(data_file, spread):
             r.pause()
         st = r.stats()
         assert st["urgent_parts"] == (12 if spread else 6) and st["split"] == 6
+        r.reset_stats()
+        r.submit([(10 + t, f, 0, big, addr) for t in range(9)], urgent=True)
+        r.resume()
+        drain(r, 9)
+        assert r.stats()["urgent_parts"] == 9 and r.stats()["split"] == 0
     assert buf.tobytes() == payload[: 3 * big]
 
 
