@@ -465,14 +465,13 @@ quick)  # quick misses (stream.quick: the reader's own thread reads a gated laye
   ;;
 miss)  # tmpfs: a decode miss's read alone (benchmarks/miss_latency.py: batches of a gated
   # layer's misses, MISSES records each, from submission until their ready words say landed),
-  # the reader's defaults beside VARIANTS (parts' threads woken each, a batch spread over every
-  # idle thread, threads polling for work, part sizes, the checksum beside the copy or none,
-  # more threads)
+  # the reader's defaults beside VARIANTS (a batch spread over every idle thread, threads
+  # polling for work, part sizes, the checksum beside the copy or none, more threads)
   build
   synth "$SHM"
   for k in ${MISSES:-2 4}; do
     timeout 200 python3 benchmarks/miss_latency.py "$SHM" --misses "$k" --rounds 2 \
-      --variants "${VARIANTS:-base,wk1,sp1,s128:sp1,s128,rs2000,s0,vc1,nv,w16:sp1,s128:sp1:w16}"
+      --variants "${VARIANTS:-base,sp1,s128:sp1,s128,rs2000,s0,vc1,nv,w16:sp1,s128:sp1:w16}"
   done 2>&1 | tee "$OUT/miss-latency.log"
   ;;
 kprofile)  # a resident decode token's device time by kernel, strata-mlx beside mlx-lm (CUPTI

@@ -5,17 +5,16 @@ between a decode's layers; then the reader's own split of that time (the wait fo
 part's pread, checksum and copy).
 
     python benchmarks/miss_latency.py STORE [--misses 2] [--batches 300] [--gap-us 250]
-        [--variants base,wk1,sp1,s128:sp1,rs2000,s0,vc1,nv,w16:sp1] [--rounds 2]
+        [--variants base,sp1,s128:sp1,rs2000,s0,vc1,nv,w16:sp1] [--rounds 2]
 
 A variant is `base` (the runtime's defaults: 8 threads, 256 KB parts, checksums, on CUDA the
 copy engine into an arena in device memory) or `:`-joined changes to it: `sN` parts of N KB
-(0: whole records), `wk1` each part's thread woken for it (not by the thread before it),
-`sp1` a batch split over every idle thread (up to idle parts a record, not idle / K; with
-wk1), `rsN` threads poll N us for work before sleeping (`rnK`: K of them at most), `wN` N
-threads, `vc1` a checksum taken while its copy runs, `nv` no checksum. Variants rotate round
-by round, so drift falls on all alike. The host polls the words (the device's gate polls the
-same words in mapped memory, ~1 us a poll): what this measures is the reader's part of a
-gated layer's wait.
+(0: whole records), `sp1` a batch split over every idle thread (up to idle parts a record,
+not idle / K, a thread woken for each part, not one that wakes the next), `rsN` threads poll
+N us for work before sleeping (`rnK`: K of them at most), `wN` N threads, `vc1` a checksum
+taken while its copy runs, `nv` no checksum. Variants rotate round by round, so drift falls
+on all alike. The host polls the words (the device's gate polls the same words in mapped
+memory, ~1 us a poll): what this measures is the reader's part of a gated layer's wait.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from strata_mlx.format.store import EXPERTS, load_manifest
 from strata_mlx.stream.arena import Arena
 from strata_mlx.stream.reader import Reader, error_message, needs_bounce, uses_device_copy
 
-DEFAULTS = {"s": 256, "rs": 0, "rn": 4, "w": 8, "vc": 0, "nv": 0, "wk": 0, "sp": 0}
+DEFAULTS = {"s": 256, "rs": 0, "rn": 4, "w": 8, "vc": 0, "nv": 0, "sp": 0}
 
 
 def parse(variant: str) -> dict:
@@ -65,8 +64,7 @@ def run_variant(store: Path, m, arena: Arena, v: dict, a, seed: int) -> dict:
                     spinners=v["rn"])  # fmt: skip
     with reader as r:
         r.verify_in_copy = bool(v["vc"])
-        r.native.wake_each = bool(v["wk"] or v["sp"])
-        r.native.spread = bool(v["sp"])
+        r.spread = bool(v["sp"])
         f = r.open(store / EXPERTS, checksum=None if v["nv"] else m.checksum)
         tag = 0
         for b in range(a.warmup + a.batches):
@@ -123,7 +121,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--gap-us", type=int, default=250, help="idle time between batches")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--variants", default="base,wk1,sp1,s128:sp1,rs2000,s0,vc1,nv,w16:sp1")
+    ap.add_argument("--variants", default="base,sp1,s128:sp1,rs2000,s0,vc1,nv,w16:sp1")
     a = ap.parse_args()
     variants = [v for v in a.variants.split(",") if v]
     settings = {v: parse(v) for v in variants}

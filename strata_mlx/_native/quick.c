@@ -115,11 +115,6 @@ static Py_ssize_t claim_ids(ReaderObject *r, const Watch *w, int from, int n, in
     return m;
 }
 
-/* Parts queued, urgent and read-ahead (mu held). */
-static Py_ssize_t q_parts(const ReaderObject *r) {
-    return r->urgent.len - r->urgent.head + r->ahead.len - r->ahead.head;
-}
-
 /* `w`'s misses, then (with `ahead`) its predictions' reads: how many were queued (or
  * promoted: one more where any was) (mu held). */
 static Py_ssize_t claim_layer(ReaderObject *r, const Watch *w) {
@@ -154,13 +149,11 @@ static void *quick_main(void *p) {
         q->whead++;
         q->boards++;
         q->late_boards += waited;
-        Py_ssize_t queued = q_parts(r);
-        Py_ssize_t n = claim_layer(r, &w);
-        queued = q_parts(r) - queued;
+        Py_ssize_t n = claim_layer(r, &w), owed = take_owed(r);
         __atomic_store_n(&q->watched, q->watched + 1, __ATOMIC_RELEASE);
         if (n) {
             pthread_mutex_unlock(&r->mu);
-            wake_parts(r, queued > 0 ? queued : 1); /* (a promotion queues none) */
+            wake_spread(r, owed);
             pthread_mutex_lock(&r->mu);
         }
     }

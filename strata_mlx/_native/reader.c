@@ -56,17 +56,23 @@ void wake_work(ReaderObject *r, int all) {
         pthread_cond_signal(&r->work);
 }
 
-void wake_parts(ReaderObject *r, Py_ssize_t parts) {
-    if (parts <= 0) return;
-    if (!__atomic_load_n(&r->wake_each, __ATOMIC_RELAXED) || parts == 1) {
+Py_ssize_t take_owed(ReaderObject *r) {
+    Py_ssize_t owed = r->wake_owed;
+    r->wake_owed = 0;
+    return owed;
+}
+
+void wake_spread(ReaderObject *r, Py_ssize_t owed) {
+    if (owed <= 1) {
         wake_work(r, 0);
         return;
     }
     __atomic_add_fetch(&r->posted, 1, __ATOMIC_SEQ_CST);
-    /* (a polling worker takes a part without a wake-up) */
-    Py_ssize_t n = parts - __atomic_load_n(&r->spinning, __ATOMIC_SEQ_CST);
-    if (n > r->nthreads) n = r->nthreads;
+    /* (a polling worker takes a part without a wake-up; at most nworkers read at once) */
+    Py_ssize_t n = owed - __atomic_load_n(&r->spinning, __ATOMIC_SEQ_CST);
+    if (n > r->nworkers) n = r->nworkers;
     for (Py_ssize_t i = 0; i < n; i++) pthread_cond_signal(&r->work);
+    if (n > 0) __atomic_add_fetch(&r->spread_wakes, (unsigned long long)n, __ATOMIC_RELAXED);
 }
 
 static inline void cpu_relax(void) {
@@ -1106,6 +1112,7 @@ Py_ssize_t queue_locked(ReaderObject *r, Request *reqs, Py_ssize_t n, int urgent
      * as up to idle / n parts of at least `split` bytes by as many workers, so a record's
      * latency is that of its parts, read side by side. Deep queues (prefill) stay whole. */
     Py_ssize_t parts_total = n, per = 0;
+    int spread = 0;
     if (r->split > 0 && n > 0) {
         Py_ssize_t busy = q_size(&r->urgent) + q_size(&r->ahead);
         if (r->overlap) busy += r->preading; /* threads finishing a read hold no slot */
@@ -1114,7 +1121,7 @@ Py_ssize_t queue_locked(ReaderObject *r, Request *reqs, Py_ssize_t n, int urgent
         Py_ssize_t idle = busy < r->nworkers ? r->nworkers - busy : 0;
         /* (spread: a batch of misses no larger than the idle workers; prefill's hundreds of
          * misses a layer stay whole, as read-ahead stays idle / n) */
-        int spread = urgent && n <= idle && __atomic_load_n(&r->spread, __ATOMIC_RELAXED);
+        spread = urgent && n <= idle && __atomic_load_n(&r->spread, __ATOMIC_RELAXED);
         per = spread ? idle : idle / n;
         if (per >= 2) {
             parts_total = 0;
@@ -1162,8 +1169,10 @@ Py_ssize_t queue_locked(ReaderObject *r, Request *reqs, Py_ssize_t n, int urgent
         }
         if (!g) { /* whole (or no memory for a group: whole, too) */
             q_push(q, &reqs[i]);
+            r->wake_owed += spread;
             continue;
         }
+        r->wake_owed += spread ? parts : 0;
         for (int k = 0; k < parts; k++) {
             Request pr = reqs[i];
             Py_ssize_t at = (Py_ssize_t)k * part;
@@ -1276,6 +1285,7 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
     }
     pthread_mutex_lock(&r->mu);
     Py_ssize_t parts_total = queue_locked(r, reqs, n, urgent, 1, skipped, &nskipped);
+    Py_ssize_t owed = take_owed(r);
     pthread_mutex_unlock(&r->mu);
     if (parts_total < 0) {
         PyMem_RawFree(skipped);
@@ -1284,8 +1294,9 @@ static PyObject *Reader_submit(ReaderObject *r, PyObject *args, PyObject *kw) {
     }
     /* One worker woken, after the lock is let go: each worker that takes a read wakes the
      * next while reads are queued. Waking one per read here cost the submitting thread (which
-     * holds the GIL) ~4 us a worker: 33 us a submit with 8 workers against 5.6 with one. */
-    wake_parts(r, parts_total);
+     * holds the GIL) ~4 us a worker: 33 us a submit with 8 workers against 5.6 with one; only
+     * a spread batch (a handful of misses, `spread`) wakes one a part. */
+    if (parts_total > 0) wake_spread(r, owed);
     PyMem_RawFree(reqs);
     Py_DECREF(seq);
     PyObject *out = tag_list(skipped, nskipped);
@@ -1457,7 +1468,8 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
                        urgent_verify = r->urgent_verify_ns, urgent_copy = r->urgent_copy_ns,
                        queued_words = __atomic_load_n(&r->words_queued, __ATOMIC_RELAXED),
                        held = __atomic_load_n(&r->copies_held, __ATOMIC_RELAXED),
-                       given_up = r->words_given_up;
+                       given_up = r->words_given_up,
+                       spread_wakes = __atomic_load_n(&r->spread_wakes, __ATOMIC_RELAXED);
     Py_ssize_t nu = q_size(&r->urgent), na = q_size(&r->ahead), nd = r->n_done;
     int inflight = 0, preading_max = r->preading_max;
     for (int w = 0; w < r->nthreads; w++) inflight += r->reading[w] + r->behind_on[w];
@@ -1479,7 +1491,7 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
         return NULL;
     }
     PyObject *d = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
                          "bytes_read", bytes, "requests_done", reqs, "errors", errs,
                          "verified", verified, "split", split, "busy_ns", busy,
                          "verify_ns", verify, "queued_urgent", nu, "queued_ahead", na,
@@ -1491,7 +1503,7 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
                          "spin_takes", spin_takes, "urgent_parts", urgent_parts,
                          "urgent_pread_ns", urgent_pread, "urgent_verify_ns", urgent_verify,
                          "urgent_copy_ns", urgent_copy, "copies_held", held,
-                         "words_given_up", given_up);
+                         "words_given_up", given_up, "spread_wakes", spread_wakes);
     if (d && quick_stats(r, d) < 0) Py_CLEAR(d);
     return d;
 }
@@ -1506,6 +1518,7 @@ static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
     quick_reset_stats(r);
     __atomic_store_n(&r->words_queued, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&r->copies_held, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&r->spread_wakes, 0, __ATOMIC_RELAXED);
     r->preading_max = r->preading;
     memset(r->busy_ns, 0, sizeof(unsigned long long) * (size_t)r->nthreads);
     memset(r->verify_ns, 0, sizeof(unsigned long long) * (size_t)r->nthreads);
@@ -1614,13 +1627,6 @@ static int set_verify_in_copy(ReaderObject *r, PyObject *v, void *c) {
     return set_switch(&r->verify_in_copy, v, "verify_in_copy");
 }
 
-static PyObject *get_wake_each(ReaderObject *r, void *c) {
-    return PyBool_FromLong(__atomic_load_n(&r->wake_each, __ATOMIC_RELAXED));
-}
-static int set_wake_each(ReaderObject *r, PyObject *v, void *c) {
-    return set_switch(&r->wake_each, v, "wake_each");
-}
-
 static PyObject *get_spread(ReaderObject *r, void *c) {
     return PyBool_FromLong(__atomic_load_n(&r->spread, __ATOMIC_RELAXED));
 }
@@ -1705,11 +1711,9 @@ static PyGetSetDef Reader_getset[] = {
     {"verify_in_copy", (getter)get_verify_in_copy, (setter)set_verify_in_copy,
      "device copies waited for at once: a record's checksum taken while its copy runs "
      "(a mismatched record reaches its slot, its read still failed)", NULL},
-    {"wake_each", (getter)get_wake_each, (setter)set_wake_each,
-     "parts queued for sleeping workers wake one worker each, not one that wakes the next",
-     NULL},
     {"spread", (getter)get_spread, (setter)set_spread,
-     "split reads: each request of a batch in up to `idle` parts (not idle / n)", NULL},
+     "split reads: each request of an urgent batch no larger than the idle workers in up to "
+     "`idle` parts (not idle / n), a worker woken for each part", NULL},
     {"copy_held_us", (getter)get_copy_held_us, (setter)set_copy_held_us,
      "device copies: one a gate waits on, still not done this many us after it was queued, "
      "gives its gate up (its ready word READY_FAILED); 0: never", NULL},

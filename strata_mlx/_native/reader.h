@@ -110,16 +110,18 @@ struct ReaderObject {
      * (a mismatched record then reaches its slot, its read still failed). Read by the
      * workers with no lock. */
     int verify_in_copy;
-    /* Parts queued for sleeping workers wake one worker each (up to every worker), rather
-     * than one that wakes the next as it takes a part: a miss's parts then start one wake-up
-     * after they are queued, not one wake-up after another. Read with no lock. */
-    int wake_each;
     /* Split reads: each request of an urgent batch of at most `idle` requests in up to
      * `idle` parts, not `idle / n` (the batch's parts spread over every idle worker, queued
      * beyond them where there are more: a batch of misses lands when its last part does, so
      * its bytes over every worker set its time; read-ahead and prefill's large batches of
      * misses keep their larger parts). */
     int spread;
+    /* Parts of spread batches queued and not yet woken for (mu): the submitter wakes a worker
+     * for each once it lets go of mu (wake_spread), not one that wakes the next as it takes a
+     * part, so a miss's parts start one wake-up after they are queued, not one after another;
+     * `spread_wakes` counts those wake-ups (atomic). */
+    Py_ssize_t wake_owed;
+    unsigned long long spread_wakes;
     /* A device copy whose ready word a gate may wait on, still not done this long after it
      * was queued (ns; 0: never), is held behind the device, and so behind that gate (another
      * thread freeing device or pinned memory while the gate spins waits in the driver for the
@@ -190,9 +192,11 @@ INTERNAL int check_open(ReaderObject *r); /* -1 and ValueError where closed */
 INTERNAL int promote_word(ReaderObject *r, const int32_t *word);
 INTERNAL PyObject *tag_list(const long long *tags, Py_ssize_t n); /* a list of ints */
 INTERNAL void wake_work(ReaderObject *r, int all);
-/* `parts` parts just queued (mu not held): as wake_work, or one worker woken a part where
- * `wake_each` is set. */
-INTERNAL void wake_parts(ReaderObject *r, Py_ssize_t parts);
+/* The parts of spread batches queued since the last call, zeroed (mu held). */
+INTERNAL Py_ssize_t take_owed(ReaderObject *r);
+/* Work queued (mu not held): `owed` (take_owed's) sleeping workers woken, one a part of a
+ * spread batch, else as wake_work(r, 0). */
+INTERNAL void wake_spread(ReaderObject *r, Py_ssize_t owed);
 /* Queue requests (mu held; see Reader_submit): -1 without memory, else the parts queued. */
 INTERNAL Py_ssize_t queue_locked(ReaderObject *r, Request *reqs, Py_ssize_t n, int urgent,
                                  int check_flight, long long *skipped, Py_ssize_t *nskipped);

@@ -62,14 +62,14 @@ class RuntimeConfig:
         metadata=opt("Reader threads that may poll at once (read_spin_us).", (1, 1 << 11),
                      variant="rn"),
     )  # fmt: skip
-    # The reader's threads let go of their slot on the drive once a pread returns, before the
-    # bounce copy and the checksum (reader.Reader's overlap): io_workers preads in flight.
     # A batch of misses split over every idle reader thread, each woken for its part, not
     # idle / batch-size parts a record with one thread waking the next (reader.Reader's spread).
     read_spread: bool = field(
         default=False,
         metadata=opt("Split a batch's reads over every idle reader thread.", variant="sp"),
     )
+    # The reader's threads let go of their slot on the drive once a pread returns, before the
+    # bounce copy and the checksum (reader.Reader's overlap): io_workers preads in flight.
     read_overlap: bool = field(
         default=True,
         metadata=opt("Reader threads free the drive before copying and checksumming.",

@@ -271,14 +271,14 @@ class Reader:
         """Split reads spread over every idle thread: each request of an urgent batch no
         larger than the idle threads (a decode layer's misses) in up to `idle` parts, not
         `idle / batch size` (the batch lands when its last part does, so its bytes over every
-        thread set its time), and each part queued for a sleeping thread wakes one (not one
-        that wakes the next as it takes its part). Off by default. Settable (the native
-        reader's `spread` and `wake_each` apart, for benchmarks)."""
-        return self._r.spread and self._r.wake_each
+        thread set its time), and a thread woken for each part (not one that wakes the next
+        as it takes its part; ``stats()["spread_wakes"]`` counts them). Off by default.
+        Settable."""
+        return self._r.spread
 
     @spread.setter
     def spread(self, on: bool) -> None:
-        self._r.spread = self._r.wake_each = bool(on)
+        self._r.spread = bool(on)
 
     @property
     def copy_held_us(self) -> int:
@@ -422,7 +422,8 @@ class Reader:
         engine or the CPU (``urgent_pread_ns``, ``urgent_verify_ns``, ``urgent_copy_ns``),
         ``spin_takes`` (reads, or parts, taken by a thread that was polling: ``spin_us``),
         ``copies_held`` (ready words given up for a copy held past ``copy_held_us``),
-        ``words_given_up`` (queued reads' words given up meanwhile), and the current
+        ``words_given_up`` (queued reads' words given up meanwhile), ``spread_wakes``
+        (threads woken, one a part, for spread batches: ``spread``), and the current
         ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a thread holds) and
         uncollected ``completions``."""
         return self._r.stats()

@@ -336,15 +336,17 @@ def test_quick_misses_through_the_device_gate_equal_sync(store, family, policy, 
         decode_quick_misses=4, decode_lag=lag, decode_layers_chunk=8 if lag else None,
     )  # fmt: skip
     ec = model.expert_cache
-    assert ec.pipelined.device_gate and ec.sched.residency.gate.board_on
-    got = decode(model, ids, 12)
-    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
-    s = ec.stats
-    given_up_only_for_held_copies(s, ec.sched.reader.stats())
-    assert s.gated_mode_tokens == 12 - UNGATED_FIRST and 0 < s.quick_misses <= s.misses
-    assert ec.sched.quick.timeouts == 0 and ec.pipelined.board.fallbacks == 0
-    for m in (model, sync):
-        m.expert_cache.close()
+    try:
+        assert ec.pipelined.device_gate and ec.sched.residency.gate.board_on
+        got = decode(model, ids, 12)
+        assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+        s = ec.stats
+        given_up_only_for_held_copies(s, ec.sched.reader.stats())
+        assert s.gated_mode_tokens == 12 - UNGATED_FIRST and 0 < s.quick_misses <= s.misses
+        assert ec.sched.quick.timeouts == 0 and ec.pipelined.board.fallbacks == 0
+    finally:
+        for m in (model, sync):
+            m.expert_cache.close()
 
 
 def test_a_request_the_quick_reads_superseded_in_its_batch_is_never_sent(store, monkeypatch):

@@ -444,7 +444,7 @@ def test_split_reads_land_whole_and_complete_once(data_file, direct, bounce, spr
     with Reader(workers=8, bounce=bounce, split=RECORD) as r:
         assert not r.spread  # (idle / n parts a request, a part's worker wakes the next)
         r.spread = spread
-        assert r.spread == spread == r.native.wake_each
+        assert r.spread == spread
         f = r.open(path, direct=direct, checksum="crc32c")
         # 2 requests, 8 idle workers: 4 parts each (spread: 8 each, at most 4 of RECORD)
         r.submit([(t, f, t * big, big, addr + t * big, sums[t]) for t in (0, 1)], urgent=True)
@@ -478,9 +478,10 @@ def test_a_spread_batch_is_split_over_every_idle_worker(data_file, spread):
     with Reader(workers=8, start_paused=True, split=RECORD) as r:
         r.spread = spread
         f = r.open(path)
-        for urgent in (True, False):
+        for urgent, queue in ((True, "queued_urgent"), (False, "queued_ahead")):
             r.submit([(t, f, t * big, big, addr + t * big) for t in range(3)], urgent=urgent)
             assert r.queued() == 3  # (a split request counts once until its first part starts)
+            assert r.stats()[queue] == (12 if spread and urgent else 6)  # (parts)
             r.resume()
             assert sorted(drain(r, 3)) == [(t, 0, big) for t in range(3)]
             r.pause()
@@ -488,10 +489,34 @@ def test_a_spread_batch_is_split_over_every_idle_worker(data_file, spread):
         assert st["urgent_parts"] == (12 if spread else 6) and st["split"] == 6
         r.reset_stats()
         r.submit([(10 + t, f, 0, big, addr) for t in range(9)], urgent=True)
+        assert r.stats()["queued_urgent"] == 9
         r.resume()
         drain(r, 9)
         assert r.stats()["urgent_parts"] == 9 and r.stats()["split"] == 0
+        assert r.stats()["spread_wakes"] == 0  # (neither batch woke a thread a part)
     assert buf.tobytes() == payload[: 3 * big]
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_a_spread_batch_wakes_a_thread_for_each_part(data_file, spread):
+    """2 urgent requests of 4 RECORDs, 8 sleeping workers: 8 parts either way; spread wakes a
+    thread for each (every worker), else one that wakes the next as it takes its part. A
+    read-ahead batch never wakes a thread a part."""
+    path, payload = data_file
+    big = 4 * RECORD
+    buf, addr = aligned(2 * big)
+    with Reader(workers=8, split=RECORD) as r:
+        r.spread = spread
+        f = r.open(path)
+        time.sleep(0.05)  # (threads asleep, or polling where the fixture has them poll)
+        r.submit([(t, f, t * big, big, addr + t * big) for t in range(2)], urgent=True)
+        assert sorted(drain(r, 2)) == [(t, 0, big) for t in range(2)]
+        woken = r.stats()["spread_wakes"]
+        assert 0 < woken <= 8 if spread else woken == 0
+        r.submit([(t, f, t * big, big, addr + t * big) for t in range(2)])
+        assert sorted(drain(r, 2)) == [(t, 0, big) for t in range(2)]
+        assert r.stats()["spread_wakes"] == woken
+    assert buf.tobytes() == payload[: 2 * big]
 
 
 def test_urgent_reads_report_their_latency(data_file):
