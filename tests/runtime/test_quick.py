@@ -260,16 +260,18 @@ def books_whole(sched) -> None:
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
-@pytest.mark.parametrize("policy", ["lookahead", "lookahead:qa1", "demand"])
+@pytest.mark.parametrize("policy", ["lookahead", "lookahead:qa1", "demand", "demand:sp1"])
 def test_gated_decode_with_quick_misses_equals_sync(store, family, policy, monkeypatch):
+    """(`:sp1`: a layer's misses spread over every idle reader thread, read_spread)"""
     path = store(family)
     ids = prompt_ids(24, seed=11)
     gb = arena_gb(path, 0.5)
     read_ahead, ahead = policy.split(":")[0], policy.endswith(":qa1")
+    spread = {"read_spread": True, "read_split_kb": 4} if policy.endswith(":sp1") else {}
     sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead=read_ahead)
     ref = decode(sync, ids, 10)
     model, _ = quick_model(
-        monkeypatch, path, 0.5, 4, read_ahead=read_ahead, decode_quick_ahead=ahead
+        monkeypatch, path, 0.5, 4, read_ahead=read_ahead, decode_quick_ahead=ahead, **spread
     )
     ec = model.expert_cache
     got = decode(model, ids, 10)
@@ -278,6 +280,7 @@ def test_gated_decode_with_quick_misses_equals_sync(store, family, policy, monke
     assert s.gate_timeouts == 0 and s.gated_mode_tokens > 0
     assert 0 < s.quick_misses <= s.misses and sched.quick.timeouts == 0
     assert (s.quick_ahead > 0) == ahead
+    assert (sched.reader.stats()["spread_wakes"] > 0) == bool(spread)
     sched.drain()
     books_whole(sched)
     ec.idle()  # a generation starts: the reserve goes back
