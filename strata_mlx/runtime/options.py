@@ -43,7 +43,8 @@ class RuntimeConfig:
     )
     # Split reads: while workers would idle (decode's few misses a layer), a record is read as
     # parts of at least this many KB by several workers side by side (reader.Reader's split):
-    # gated demand decode 1.08-1.34x as fast on an H100's tmpfs (docs/decisions.md).
+    # gated demand decode 1.08-1.34x as fast on an H100's tmpfs (docs/decisions.md, "Split
+    # reads").
     read_split_kb: int = field(
         default=256,
         metadata=opt("Split reads into parts of at least this many KB (0: whole records).",
@@ -85,7 +86,7 @@ class RuntimeConfig:
     )
     # CUDA with device_copy: the arena is plain device memory (allocated by a GPU op), which
     # the host never maps; off, CUDA managed memory kept on the device. On an H200's tmpfs:
-    # lookahead's cold prefill chunk 1.37 s against 2.27-2.33 s (docs/decisions.md).
+    # lookahead's cold prefill chunk 1.37 s against 2.05-2.33 s (docs/benchmarks.md).
     device_arena: bool = field(
         default=True,
         metadata=opt("CUDA: the arena in plain device memory (else managed memory).",
