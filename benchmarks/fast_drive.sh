@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|gil|kprofile|quick|miss
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|gil|kprofile|quick|miss|spread
 # Policies name options beside the defaults of the code run: gated decode on CUDA runs with
 # the routing board by default, 4 layers a commit, checked 4 behind (`:bd1` is
 # `:bd1:lc4:lag4`); without it (OLDGT below, `:bd0:lc1:lag1`) each layer alone, checked 1
@@ -473,6 +473,18 @@ miss)  # tmpfs: a decode miss's read alone (benchmarks/miss_latency.py: batches 
     timeout 200 python3 benchmarks/miss_latency.py "$SHM" --misses "$k" --rounds 2 \
       --variants "${VARIANTS:-base,sp1,s128:sp1,s128,rs2000,s0,vc1,nv,w16:sp1,s128:sp1:w16}"
   done 2>&1 | tee "$OUT/miss-latency.log"
+  ;;
+spread)  # a layer's misses spread over every idle reader thread (read_spread, `:sp1`) against
+  # the defaults: the quick misses' GPU tests (their spread twin is a CPU test), then bench of
+  # POL twice on the tmpfs, the second in the reverse order (drift along a bench falls on both)
+  build
+  synth "$SHM"
+  [ "${TESTS:-1}" = 0 ] || timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
+     tests/runtime/test_quick.py tests/runtime/test_gate.py -k "quick or equals_sync" 2>&1 \
+     | tail -30 | tee "$OUT/spread-tests.log" | tail -3
+  pol=${POL:-demand,demand:sp1,lookahead:sp1,lookahead}
+  G=${G:-64} bench "bench-spread-a" "$SHM" "$pol"
+  G=${G:-64} bench "bench-spread-b" "$SHM" "$(echo "$pol" | tr ',' '\n' | tac | paste -sd,)"
   ;;
 kprofile)  # a resident decode token's device time by kernel, strata-mlx beside mlx-lm (CUPTI
   # through PyTorch's profiler: benchmarks/kernel_profile.py), then the gate's GPU tests
