@@ -1109,8 +1109,9 @@ Py_ssize_t queue_locked(ReaderObject *r, Request *reqs, Py_ssize_t n, int urgent
     Queue *q = urgent ? &r->urgent : &r->ahead;
     /* Split reads: while workers would sit idle (few requests queued or in flight, as in
      * decode, where a layer misses a handful of records), each request of this batch is read
-     * as up to idle / n parts of at least `split` bytes by as many workers, so a record's
-     * latency is that of its parts, read side by side. Deep queues (prefill) stay whole. */
+     * as up to idle / n parts of at least `split` bytes by as many workers (up to idle parts
+     * where `spread`), so a record's latency is that of its parts, read side by side. Deep
+     * queues (prefill) stay whole. */
     Py_ssize_t parts_total = n, per = 0;
     int spread = 0;
     if (r->split > 0 && n > 0) {
@@ -2001,7 +2002,8 @@ PyMODINIT_FUNC PyInit__reader(void) {
         PyModule_AddIntConstant(m, "SHORT_READ", SHORT_READ) < 0 ||
         PyModule_AddIntConstant(m, "CHECKSUM_MISMATCH", CHECKSUM_MISMATCH) < 0 ||
         PyModule_AddIntConstant(m, "DEVICE_COPY_FAILED", DEVICE_COPY_FAILED) < 0 ||
-        PyModule_AddIntConstant(m, "READY_FAILED", READY_FAILED) < 0) {
+        PyModule_AddIntConstant(m, "READY_FAILED", READY_FAILED) < 0 ||
+        PyModule_AddIntConstant(m, "QUICK_MAX_AHEAD", QUICK_MAX_AHEAD) < 0) {
         Py_DECREF(m);
         return NULL;
     }

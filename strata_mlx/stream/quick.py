@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _reader
 from .gate import GateTable
 
 # The reserve's slots by default (at most an eighth of the arena's): a layer misses a few
@@ -39,8 +40,8 @@ from .gate import GateTable
 # of a 6.5 GB arena's slots) left 0.05-0.09 misses a token to the checks for want of a slot.
 QUICK_RESERVE = 32
 
-# Later layers a watch reads predictions for at most (quick.h's QUICK_MAX_AHEAD)
-MAX_AHEAD = 8
+# Later layers a watch reads predictions for at most (the native watch's own bound)
+MAX_AHEAD = _reader.QUICK_MAX_AHEAD
 
 # A layer's check waits this long for the watch of its layer (the ids were in before it read
 # them: the watcher's turn takes microseconds). Past it, or where the check could not read the
