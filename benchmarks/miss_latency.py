@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -135,7 +136,9 @@ def main() -> None:
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for i in range(a.rounds):
         for v in variants[i % len(variants) :] + variants[: i % len(variants)]:
-            runs[v].append(run_variant(a.store, m, arena, settings[v], a, seed=i))
+            runs[v].append(res := run_variant(a.store, m, arena, settings[v], a, seed=i))
+            print(f"round {i} {v}: median {statistics.median(res['lat']):.0f} us",
+                  file=sys.stderr, flush=True)  # fmt: skip
     first = None
     for v in variants:
         lat = [x for res in runs[v] for x in res["lat"]]
