@@ -419,6 +419,24 @@ def test_gguf_header_fields(tmp_path, arch, key, value, vtype, field):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
+def test_gguf_merges_tokenizers_panics_on_fail_in_one_line(tmp_path):
+    """A merge whose join is not a token, in a vocabulary this small: tokenizers panics
+    (pyo3's PanicException, a BaseException) where a larger one gets its error; the
+    conversion still fails in one line, nothing written."""
+    from strata_mlx.convert.gguf import convert_gguf
+
+    meta, tensors = tiny_gguf.qwen3moe()
+    meta["tokenizer.ggml.tokens"] = (["h", "e"], V.ARRAY, V.STRING)
+    meta["tokenizer.ggml.token_type"] = ([1, 1], V.ARRAY, V.INT32)
+    meta["tokenizer.ggml.merges"] = (["h e"], V.ARRAY, V.STRING)
+    path = tiny_gguf.write(tmp_path / "m.gguf", "qwen3moe", meta, tensors)
+    with pytest.raises(StoreError) as e:
+        convert_gguf(path, tmp_path / "out", progress=False, calibration_tokens=0)
+    msg = _one_line(e.value)
+    assert str(path) in msg and "rejected by tokenizers" in msg, msg
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
 def test_gguf_tokenizer_that_encodes_nothing_does_not_hang(tmp_path):
     """A vocabulary of control tokens only: the calibration text encodes to no ids, which
     used to loop forever doubling an empty list."""

@@ -70,7 +70,11 @@ def build_tokenizer(g: Gguf, out: Path, vocab_size: int) -> bool:
         return _build_tokenizer(g, out, vocab_size)
     except (StoreError, MemoryError):
         raise
-    except Exception as e:  # tokenizers raises bare Exceptions (a merge of unknown tokens)
+    except BaseException as e:
+        # tokenizers raises bare Exceptions (a merge of unknown tokens), and on some merges
+        # panics: pyo3's PanicException, a BaseException, which nothing else raises here
+        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+            raise
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise StoreError(f"{g.path}: tokenizer metadata rejected by tokenizers ({msg})") from None
 
