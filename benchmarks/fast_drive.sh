@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|gil|kprofile|quick|miss|spread
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|gil|kprofile|quick|miss|spread|gatestalls
 # Policies name options beside the defaults of the code run: gated decode on CUDA runs with
 # the routing board by default, 4 layers a commit, checked 4 behind (`:bd1` is
 # `:bd1:lc4:lag4`); without it (OLDGT below, `:bd0:lc1:lag1`) each layer alone, checked 1
@@ -485,6 +485,24 @@ spread)  # a layer's misses spread over every idle reader thread (read_spread, `
   pol=${POL:-demand,demand:sp1,lookahead:sp1,lookahead}
   G=${G:-64} bench "bench-spread-a" "$SHM" "$pol"
   G=${G:-64} bench "bench-spread-b" "$SHM" "$(echo "$pol" | tr ',' '\n' | tac | paste -sd,)"
+  ;;
+gatestalls)  # gated decode's stalls caught as they happen (benchmarks/gate_stalls.py): RUNS
+  # generations (bench's cold run, then warm ones) of POL (demand) on LOADS fresh loads, gates
+  # timing out after 1.5 s and never stopping the gate, a dump of the reads' state and every
+  # thread's stack at a stall; the old tree's code first where $OLD holds one
+  build
+  synth "$SHM"
+  spy=$(spybin)
+  stalls() {  # TAG: this script over the code on PYTHONPATH
+    STRATA_MLX_GATE_TIMEOUT_MS=${GATE_MS:-1500} timeout "${LIMIT:-260}" python3 "$root/benchmarks/gate_stalls.py" \
+       "$SHM" --policy "${POL:-demand}" --loads "${LOADS:-3}" --runs "${RUNS:-4}" -g "${G:-64}" \
+       --py-spy "$spy" --out "$OUT/stalls-$1" 2>&1 | grep -v "^ *[0-9]" | tee "$OUT/gate-stalls-$1.log"
+  }
+  root=$PWD
+  if [ -d "$OLD" ]; then
+    (cd "$OLD" && build && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" stalls old)
+  fi
+  stalls new
   ;;
 kprofile)  # a resident decode token's device time by kernel, strata-mlx beside mlx-lm (CUPTI
   # through PyTorch's profiler: benchmarks/kernel_profile.py), then the gate's GPU tests

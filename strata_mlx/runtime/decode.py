@@ -163,7 +163,8 @@ class Decoder:
     def mode(self) -> str:
         return "sync"
 
-    def start(self, tokens: mx.array, cache: list):
+    def start(self, tokens: mx.array, cache: list, gate: bool = True):
+        """Build one token and submit it; `gate`: it may wait on a device gate."""
         raise NotImplementedError
 
     def finish(self, step, later=None) -> bool:
@@ -193,8 +194,12 @@ class Decoder:
         token built ahead and never verified is rolled back, so `cache` then covers every
         yielded token but the last."""
         ec = self.expert_cache
+        # The prompt's last token is prefill's, and waits on no device gate: in prefill's
+        # phase no held copy is given up (tell_words), and on an H200 four device gates of a
+        # second generation's first token, built right after its prompt's chunks, waited out
+        # their timeout, which stopped gated decode for the model's life (2.6x slower after).
         with ec.phase(decoding=False):
-            step = self.start(y[None], cache)
+            step = self.start(y[None], cache, gate=False)
         later = None
         with ec.phase(decoding=True, gating=self.gates):
             try:
@@ -236,7 +241,7 @@ class SyncDecoder(Decoder):
         self.forward = forward
         self.expert_cache = expert_cache
 
-    def start(self, tokens: mx.array, cache: list) -> Done:
+    def start(self, tokens: mx.array, cache: list, gate: bool = True) -> Done:
         predicting = self.expert_cache.predicts_in_decode()
         return Done(self.forward(tokens, cache=cache), predicting)
 
@@ -366,12 +371,14 @@ class PipelinedDecoder(Decoder):
         decoder's life."""
         return 0 < self.gate_give_ups <= self.given_up
 
-    def start(self, tokens: mx.array, cache: list) -> Step:
+    def start(self, tokens: mx.array, cache: list, gate: bool = True) -> Step:
         """Build one token (tokens [1, 1], possibly not yet evaluated) and submit it; in
-        "token" mode nothing is verified until `finish`."""
+        "token" mode nothing is verified until `finish`; without `gate`, never on the device's
+        gate (the host's gate may still run it)."""
         ec = self.expert_cache
         mode = self.mode()
-        if mode == "gated" and self._loads_code(cache):
+        device_gate = ec.pipelined.device_gate
+        if mode == "gated" and (not gate and device_gate or self._loads_code(cache)):
             mode = self._mode(gated=False)
         step = Step(cache, mode, ec.predicts_in_decode())
         if step.mode == "sync":
@@ -383,7 +390,7 @@ class PipelinedDecoder(Decoder):
             if step.mode in ("layers", "gated"):
                 ec.settle()  # the last token is verified and drained: no slot in use
             self._build(step, 0, self.embed(tokens))
-        if mode != "gated" and ec.pipelined.device_gate:  # (its kernels loaded: `_loads_code`)
+        if mode != "gated" and device_gate:  # (its kernels loaded: `_loads_code`)
             self.ran.add(_shapes(cache))
         return step
 
