@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|gil|kprofile|quick|miss|spread|gatestalls
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|gil|kprofile|quick|miss|spread|gatestalls|fused
 # Policies name options beside the defaults of the code run: gated decode on CUDA runs with
 # the routing board by default, 4 layers a commit, checked 4 behind (`:bd1` is
 # `:bd1:lc4:lag4`); without it (OLDGT below, `:bd0:lc1:lag1`) each layer alone, checked 1
@@ -503,6 +503,15 @@ gatestalls)  # gated decode's stalls caught as they happen (benchmarks/gate_stal
     (cd "$OLD" && build && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" stalls old)
   fi
   stalls new
+  ;;
+fused)  # the routing board's write and the gate in one kernel a layer (decode_gate_fused,
+  # `:gf1`) against the two: their GPU tests, then bench of POL on the tmpfs
+  build
+  synth "$SHM"
+  [ "${TESTS:-1}" = 0 ] || timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+     tests/runtime/test_gate.py tests/runtime/test_quick.py -k "board or quick_misses_through" 2>&1 \
+     | tail -30 | tee "$OUT/fused-tests.log" | tail -3
+  G=${G:-64} bench "bench-fused" "$SHM" "${POL:-demand,demand:gf1,lookahead:gf1,lookahead}"
   ;;
 kprofile)  # a resident decode token's device time by kernel, strata-mlx beside mlx-lm (CUPTI
   # through PyTorch's profiler: benchmarks/kernel_profile.py), then the gate's GPU tests

@@ -161,3 +161,58 @@ def board(ids: mx.array, board_at: mx.array, seq: mx.array) -> mx.array:
         template=[("I", ids.dtype), ("N", n)],
     )
     return out
+
+
+# The board and the gate as one kernel: a layer's ids (the routing first, lookahead's
+# predictions joined after it) into its board row, the sequence number after them, then the
+# routing's gate, in one launch a gated layer instead of two (and no slice of the board's
+# output between them): the host's build of a gated token does one call less a layer.
+BOARD_GATE_BODY = r"""
+  const uint32_t j = threadIdx.x;
+  volatile int* brow = reinterpret_cast<volatile int*>(board_at[0]);
+  if (j == 0) {
+    late[0] = 0;
+    late[1] = 0;
+  }
+  if (j < N) brow[1 + j] = (int)ids[j];
+  __threadfence_system();
+  __syncthreads();
+  if (j == 0) {
+    __threadfence_system();
+    brow[0] = seq[0];
+  }
+""" + BODY.split("__syncthreads();", 1)[1]
+
+_BOARD_GATE: Callable | None = None
+
+
+def board_gate(
+    ids: mx.array, k: int, board_at: mx.array, seq: mx.array, row_at: mx.array,
+    timeout: int | None = None,
+) -> tuple[mx.array, mx.array]:  # fmt: skip
+    """`gate(board(ids, board_at, seq)[:k], row_at)` in one kernel: ids [n] (n <= BOARD_IDS,
+    the routing's k first) written into the board row with `seq` after them, then the first
+    k gated -> (slots uint32 [k], late int32 [2])."""
+    global _BOARD_GATE
+    if _BOARD_GATE is None:
+        _BOARD_GATE = mx.fast.cuda_kernel(
+            name="strata_board_gate",
+            input_names=["ids", "board_at", "seq", "row_at"],
+            output_names=["slots", "late"],
+            source=BOARD_GATE_BODY,
+            header=HEADER,
+            ensure_row_contiguous=True,
+        )
+    n = ids.size
+    if not 0 < k <= n <= BOARD_IDS:
+        raise ValueError(f"{n} ids, {k} of them gated, for one board row of {BOARD_IDS}")
+    width = -(-n // 32) * 32
+    return tuple(_BOARD_GATE(
+        inputs=[ids, board_at, seq, row_at],
+        grid=(width, 1, 1),
+        threadgroup=(width, 1, 1),
+        output_shapes=[(k,), (LATE_WORDS,)],
+        output_dtypes=[mx.uint32, mx.int32],
+        template=[("I", ids.dtype), ("N", n), ("K", k),
+                  ("TIMEOUT_US", (timeout or timeout_ms()) * 1000)],
+    ))  # fmt: skip

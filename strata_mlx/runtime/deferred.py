@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from custom_kernels.gate import BOARD_IDS, LATE_WORDS, board, gate, timeout_ms
+from custom_kernels.gate import BOARD_IDS, LATE_WORDS, board, board_gate, gate, timeout_ms
 
 from ..stream.gate import GateTable
 from ..stream.prediction import Predictor
@@ -214,11 +214,12 @@ class RoutingBoard:
         self._seq = 0  # the last sequence number a layer's routing went onto the board with
         self.reads = self.fallbacks = 0  # routings read from the board; read from MLX instead
 
-    def put(self, layer: int, d: Deferred, untraced: bool) -> mx.array | None:
-        """`d`'s routing (and lookahead's predictions joined to it) onto the board; the
-        routing ids for its gate, which then runs after the board's kernel. None where the
-        board does not apply (off, a trace recording routing, more ids than a row holds, or
-        predictions of another shape or dtype than the routing's)."""
+    def put(self, layer: int, d: Deferred, untraced: bool) -> tuple | None:
+        """`d`'s routing (and lookahead's predictions joined to it) made ready for the board:
+        the arguments of the board's kernel (ids, row address, sequence number), whose
+        routing ids the layer's gate then takes. None where the board does not apply (off, a
+        trace recording routing, more ids than a row holds, or predictions of another shape
+        or dtype than the routing's)."""
         g, table = d.gated, self.sched.residency.gate
         if not table.board_on or not untraced:
             return None
@@ -236,7 +237,7 @@ class RoutingBoard:
         if self.sched.quick is not None:  # its misses read by the reader as the ids land
             ahead = [(t, p.size) for t, p in zip(g.targets, g.preds)]
             g.watch = self.sched.quick.watch(layer, self._seq, d.inds.size, ahead)
-        return board(src, at, mx.array([self._seq], dtype=mx.int32))[: d.inds.size]
+        return src, at, mx.array([self._seq], dtype=mx.int32)
 
     def read(self, d: Deferred) -> list[int] | None:
         """The ints `put` had the device write for `d`, once written. None if they have not
@@ -269,8 +270,21 @@ class RoutingBoard:
         return row[1 : 1 + n].tolist()
 
 
+def gated_slots(put: tuple | None, inds: mx.array, row_at: mx.array, fused: bool):
+    """A device-gated layer's (slots, the gate's flags): its routing `inds` gated alone (no
+    board: `put` None), or after the board's kernel (`put`: RoutingBoard.put's arguments for
+    it), or with the board in one kernel (`fused`)."""
+    if put is None:
+        return gate(inds.reshape(-1), row_at)
+    if fused:
+        ids, at, seq = put
+        return board_gate(ids, inds.size, at, seq, row_at)
+    return gate(board(*put)[: inds.size], row_at)
+
+
 def load_gate(table: GateTable, k: int, depth: int, wide: int | None = None) -> None:
-    """The device gate's kernels (and the board's, where `table.board_on`) compiled and
+    """The device gate's kernels (and the board's, where `table.board_on`, alone or with the
+    gate as one: `table.board_fused`) compiled and
     loaded before decode, for tokens of `k` routed experts (uint32 ids, as argpartition gives
     them; up to `depth` lookahead routers' `wide` ids, k by default, joined on the board: the
     board's kernel is compiled for each width), run once on the table's
@@ -281,8 +295,13 @@ def load_gate(table: GateTable, k: int, depth: int, wide: int | None = None) -> 
     outs = list(gate(mx.zeros((k,), dtype=mx.uint32), row_at))
     if table.board_on:
         for n in [k + j * (wide or k) for j in range(depth + 1)]:
-            if n <= BOARD_IDS:
-                outs.append(board(mx.zeros((n,), dtype=mx.uint32), board_at, mx.array([1])))
+            if n > BOARD_IDS:
+                continue
+            ids, seq = mx.zeros((n,), dtype=mx.uint32), mx.array([1], dtype=mx.int32)
+            if table.board_fused:
+                outs += board_gate(ids, k, board_at, seq, row_at)
+            else:
+                outs.append(board(ids, board_at, seq))
     mx.eval(*outs)
 
 
@@ -431,14 +450,14 @@ class DeferredHandshake:
         if self.device_gate:
             if not self.warmed:
                 self._warm(inds, preds)
-            ids = self.board.put(layer, d, self.owner().trace is None)
-            if ids is None:
+            put = self.board.put(layer, d, self.owner().trace is None)
+            if put is None:
                 if g.joint is None:  # (what the check reads: an array of its own)
                     g.joint = own_ids(inds, preds)
                 mx.async_eval(*d.outputs())  # alone: the device reaches them before the gate
-                ids = inds.reshape(-1)
             self.checks.submit(d)  # (read while this thread builds on: GateChecks)
-            slots, g.late = gate(ids, self._row_address(layer))
+            fused = sched.residency.gate.board_fused
+            slots, g.late = gated_slots(put, inds, self._row_address(layer), fused)
         else:
             sched.stats.host_s += time.perf_counter() - t
             tags = self.check_gated(d, self.owner().trace)

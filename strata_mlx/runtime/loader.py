@@ -378,6 +378,7 @@ def build_expert_cache(
         gate.copy_held_us = round(cfg.decode_copy_held_ms * 1000)
         asked = cfg.decode_gate_board  # (None: on where the device gate runs)
         gate.board_on = cache.pipelined.device_gate and asked is not False
+        gate.board_fused = gate.board_on and cfg.decode_gate_fused
         quick = cfg.decode_quick_misses
         if quick is None:  # (at most an eighth of the arena: the rest keeps its experts)
             quick = min(QUICK_RESERVE, n_slots // 8)

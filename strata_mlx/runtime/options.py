@@ -216,20 +216,16 @@ class RuntimeConfig:
                      "instead of a per-layer sync.", variant="gt", switch=True,
                      shown="on where the device can wait (CUDA)"),
     )  # fmt: skip
-    # A gate gives up when its read is stuck (after 5 s by default), failed, or its copy is
-    # held (decode_copy_held_ms). A few in one decoder's life waiting out the timeout mean
-    # something holds the reads back, and every one more costs the timeout and a recompute:
-    # once this many have, the decoder stops gating and runs "layers" / "sync" as without the
-    # gate, warning once. One given up at once costs a recompute only, and does not count.
+    # A gate gives up when its read is stuck (after 5 s), failed, or its copy is held. A few
+    # waiting out the timeout in a decoder's life mean something holds the reads back: the
+    # decoder then stops gating, warning once. One given up at once does not count.
     decode_gate_give_ups: int = field(
         default=4,
         metadata=opt("gated: gates that waited out their timeout (a stuck read) before the "
                      "decoder stops gating; 0: never stops.", (0, 1 << 20), variant="gg"),
     )  # fmt: skip
-    # A record's device copy takes ~50-70 us; another thread freeing device or pinned memory
-    # (cuMemFree, cuMemFreeHost, MLX's events in managed memory) while a gate spins waits in
-    # the driver for the device to go idle and holds every copy queued meanwhile until that
-    # gate gives up (docs/decisions.md, "A copy held behind its gate").
+    # A record's device copy takes ~50-70 us; a free of device or pinned memory while a gate
+    # spins holds every copy queued meanwhile (docs/decisions.md, "A copy held behind its gate").
     decode_copy_held_ms: float = field(
         default=50.0,
         metadata=opt("gated (CUDA): a device copy held this long gives up the gate waiting for "
@@ -252,6 +248,11 @@ class RuntimeConfig:
         metadata=opt("gated (CUDA): each layer's routing written by the device into mapped "
                      "host memory for its check, instead of a command buffer of its own.",
                      variant="bd", switch=True, shown="on where the device gate runs (CUDA)"),
+    )  # fmt: skip
+    decode_gate_fused: bool = field(
+        default=False,
+        metadata=opt("gated, with the routing board: its write and the gate in one kernel a "
+                     "layer (one call less a layer for the host).", variant="gf", switch=True),
     )  # fmt: skip
     # Gated decode's misses read by the reader's own thread off the board (stream.quick), a
     # gated token then checked at its end, 8 layers a submit: on an H100's tmpfs 1.13-1.18x

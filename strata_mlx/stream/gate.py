@@ -69,6 +69,9 @@ class GateTable:
     # Whether gated layers' checks read their routing from the board (RuntimeConfig.
     # decode_gate_board; runtime.deferred.RoutingBoard).
     board_on = False
+    # With it, whether the board's write and the gate are one kernel a layer (RuntimeConfig.
+    # decode_gate_fused; custom_kernels.gate.board_gate).
+    board_fused = False
 
     def __init__(self, manifest: Manifest, device: bool = False):
         self.num_experts = manifest.num_experts

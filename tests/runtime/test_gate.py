@@ -446,8 +446,14 @@ def emulated_device_gate(monkeypatch, seconds: float = 5.0) -> dict:
         row[0] = seq.item()
         return ids
 
+    def board_gate(ids, k, board_at, seq, row_at):
+        """The board and the gate's one kernel (decode_gate_fused): the two above, looked up
+        when called (a test that replaces either replaces it here too)."""
+        return deferred.gate(deferred.board(ids, board_at, seq)[:k], row_at)
+
     monkeypatch.setattr(deferred, "gate", gate)
     monkeypatch.setattr(deferred, "board", board)
+    monkeypatch.setattr(deferred, "board_gate", board_gate)
     return seen
 
 
@@ -487,19 +493,29 @@ def load_emulated(monkeypatch, path, fraction: float, **opts):
     return model, seen
 
 
-def test_the_board_kernel_is_loaded_for_every_width_its_layers_join(monkeypatch):
-    """load_gate: the board's kernel (compiled per width) runs at load for a token's k ids
-    joined with up to `depth` routers' ids, k each or `wide` each (lookahead_extra), widths
-    past a board row's BOARD_IDS left out (such layers skip the board)."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_board_kernel_is_loaded_for_every_width_its_layers_join(monkeypatch, fused):
+    """load_gate: the board's kernel (compiled per width; with `board_fused`, the board and
+    gate's one kernel, gating the k first) runs at load for a token's k ids joined with up to
+    `depth` routers' ids, k each or `wide` each (lookahead_extra), widths past a board row's
+    BOARD_IDS left out (such layers skip the board)."""
     import strata_mlx.runtime.deferred as deferred
     from custom_kernels.gate import BOARD_IDS
 
-    widths = []
+    widths, gated = [], []
     monkeypatch.setattr(deferred, "gate", lambda ids, at: (ids, ids))
     monkeypatch.setattr(deferred, "board", lambda ids, at, seq: widths.append(ids.size) or ids)
 
+    def board_gate(ids, k, board_at, seq, row_at):
+        widths.append(ids.size)
+        gated.append(k)
+        return ids[:k], ids[:2]
+
+    monkeypatch.setattr(deferred, "board_gate", board_gate)
+
     class Table:
         board_on = True
+        board_fused = fused
 
         def spare_address(self):
             return 1, 2
@@ -510,8 +526,10 @@ def test_the_board_kernel_is_loaded_for_every_width_its_layers_join(monkeypatch)
         (3, 20, [10, 30, 50]),
     ):
         widths.clear()
+        gated.clear()
         deferred.load_gate(Table(), 10, depth, wide)
         assert widths == want and max(widths) <= BOARD_IDS
+        assert gated == ([10] * len(want) if fused else [])
 
 
 def test_loading_a_device_gated_model_runs_its_gate_once_on_the_spare_row(store, monkeypatch):
@@ -913,6 +931,47 @@ def test_the_board_kernel_writes_ids_then_their_sequence_number_and_orders_the_g
     t.join()
     assert row[0] == 11 and seen["ids"] == [3, 1, 7, 2, 6]
     assert out.tolist() == [3, 1, 7, 2, 6] and slots.tolist() == [8] and late.tolist()[0] == 0
+    g.close()
+
+
+@pytest.mark.gpu
+def test_the_board_and_gate_kernel_writes_the_board_before_its_gate_waits():
+    """custom_kernels.gate.board_gate on the device: the joined ids land in the board row with
+    the sequence number after them before the first k wait at the gate (a host thread that
+    sees the board's word stores the gate's word), and the gate's slots and flags are the
+    two kernels' (the lone gate's on the board's output)."""
+    from custom_kernels.gate import board, board_gate, gate
+    from strata_mlx.stream.reader import wait_word
+
+    assert cuda_ready()
+    g = GateTable(TableShape(), device=True)
+    ids = mx.array([3, 1, 7, 2, 6], dtype=mx.uint32) + 0  # (computed on the device)
+    at = mx.array([g.board_address(0)], dtype=mx.uint64)
+    row_at = mx.array([g.row_address(0)], dtype=mx.uint64)
+    row = g.board_row(0)
+    g.table[0, [3, 1]] = [4, 5]  # (resident: the warm kernels pass at once)
+    warm = board_gate(ids, 2, at, mx.array([10], dtype=mx.int32), row_at, 2000)
+    mx.eval(*warm)  # (compiled before the timed wait below: NVRTC, ~1.2 s)
+    assert row[0] == 10 and warm[0].tolist() == [4, 5] and warm[1].tolist() == [0, 0]
+    two = gate(board(ids, at, mx.array([10], dtype=mx.int32))[:2], row_at, 2000)
+    mx.eval(*two)
+    assert [a.tolist() for a in two] == [a.tolist() for a in warm]
+
+    seen = {}
+    g.table[0, 3] = -1  # (its read not landed: the gate waits for it)
+
+    def land():  # the gate's word only once the board's word is in
+        if wait_word(row.ctypes.data, 11, 5.0) is not None:
+            seen["ids"] = row[1:6].tolist()  # (in place before their sequence number)
+            g.table[0, 3] = 8
+
+    t = threading.Thread(target=land)
+    t.start()
+    slots, late = board_gate(ids, 2, at, mx.array([11], dtype=mx.int32), row_at, 2000)
+    mx.eval(slots, late)
+    t.join()
+    assert row[0] == 11 and seen["ids"] == [3, 1, 7, 2, 6]
+    assert slots.tolist() == [8, 5] and late.tolist()[0] == 0
     g.close()
 
 
@@ -1388,15 +1447,22 @@ def emulated_board(monkeypatch, model, write: bool = True) -> dict:
 
 @pytest.mark.parametrize(
     "opts,commits",
-    [({"decode_layers_chunk": 1, "decode_lag": 1}, 1.0), ({}, 0.25)],
-    ids=["each", "chunk4-lag4"],
+    [
+        ({"decode_layers_chunk": 1, "decode_lag": 1}, 1.0),
+        ({}, 0.25),
+        ({"decode_gate_fused": True}, 0.25),
+    ],
+    ids=["each", "chunk4-lag4", "fused"],
 )
 def test_gated_checks_reading_the_routing_board_stay_exact(store, opts, commits, monkeypatch):
     """`decode_gate_board`: each gated layer's routing (its predictions joined) goes onto the
     board, where its check reads it, with no command buffer of its own: the decoder's
     commits alone, every layer or (chunks of 4, checks 4 behind) every 4 layers, and never a
     wait for a check whose layer is not on the device. Tokens and log-probabilities equal
-    the per-layer handshake's, no gate gives up, every check read the board."""
+    the per-layer handshake's, no gate gives up, every check read the board; with
+    `decode_gate_fused`, every board went with its gate in one call."""
+    import strata_mlx.runtime.deferred as deferred
+
     path = store("qwen3_next")
     ids = prompt_ids(24, seed=11)
     sync, _ = strata_mlx.load(path, arena_gb=arena_gb(path, 0.2), decode="sync")
@@ -1405,6 +1471,8 @@ def test_gated_checks_reading_the_routing_board_stay_exact(store, opts, commits,
         monkeypatch, path, 0.2, read_ahead="lookahead", decode_gate_board=True, **opts
     )
     seen = emulated_board(monkeypatch, model)
+    fused, one = [], deferred.board_gate
+    monkeypatch.setattr(deferred, "board_gate", lambda *a: fused.append(a[1]) or one(*a))
     out, first = [], None
     for r in stream_generate(model, None, ids, 6):
         out.append((r.token, np.array(r.logprobs)))
@@ -1420,6 +1488,10 @@ def test_gated_checks_reading_the_routing_board_stay_exact(store, opts, commits,
         and board.fallbacks == 0
     )
     assert seen["unsent waits"] == 0
+    want = opts.get("decode_gate_fused", False)
+    assert ec.sched.residency.gate.board_fused == want
+    k = load_manifest(path).config["num_experts_per_tok"]
+    assert len(fused) == (seen["calls"] if want else 0) and set(fused) <= {k}
     # a gated token's commits: a commit a layer (the head's among them), or one every 4
     # layers: here the head's alone
     assert seen["commits"] - first <= (6 - UNGATED_FIRST) * max(commits * layers, 1)

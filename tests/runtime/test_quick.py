@@ -325,8 +325,11 @@ def test_a_request_the_reader_skips_is_undone_and_the_quick_read_taken(store, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next"])
 @pytest.mark.parametrize("policy", ["lookahead", "demand"])
-@pytest.mark.parametrize("lag", [None, 48], ids=["lag-default", "lag48"])
-def test_quick_misses_through_the_device_gate_equal_sync(store, family, policy, lag):
+@pytest.mark.parametrize(
+    "lag,fused", [(None, False), (48, False), (48, True)], ids=["lag-default", "lag48", "fused"]
+)
+def test_quick_misses_through_the_device_gate_equal_sync(store, family, policy, lag, fused):
+    """(`fused`: the board's write and the gate in one kernel, decode_gate_fused)"""
     assert cuda_ready()
     path = store(family)
     # (half the experts: a reserve of 4 fits, at most half the arena's slots; a fifth's 3
@@ -337,10 +340,12 @@ def test_quick_misses_through_the_device_gate_equal_sync(store, family, policy, 
     model, _ = strata_mlx.load(
         path, arena_gb=gb, read_ahead=policy, decode_gate=True, decode_token_below=0.0,
         decode_quick_misses=4, decode_lag=lag, decode_layers_chunk=8 if lag else None,
+        decode_gate_fused=fused,
     )  # fmt: skip
     ec = model.expert_cache
     try:
         assert ec.pipelined.device_gate and ec.sched.residency.gate.board_on
+        assert ec.sched.residency.gate.board_fused == fused
         got = decode(model, ids, 12)
         assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
         s = ec.stats
