@@ -321,9 +321,9 @@ def test_a_generation_starts_with_no_slot_in_use(store):
             seen.append(("handshake", set(ec.sched.busy_layers), set(ec.arena.pinned)))
         return handshake(layer, x, inds)
 
-    def start_token(tokens, cache):
+    def start_token(tokens, cache, gate=True):
         seen.append(("token", set(ec.sched.busy_layers), set(ec.arena.pinned)))
-        return start(tokens, cache)
+        return start(tokens, cache, gate)
 
     ec.run_layer, dec.start = run_layer, start_token
     for n, ids in enumerate(prompts):
