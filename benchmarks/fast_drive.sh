@@ -493,14 +493,17 @@ gatestalls)  # gated decode's stalls caught as they happen (benchmarks/gate_stal
   build
   synth "$SHM"
   spy=$(spybin)
-  stalls() {  # TAG: this script over the code on PYTHONPATH
-    STRATA_MLX_GATE_TIMEOUT_MS=${GATE_MS:-1500} timeout "${LIMIT:-260}" python3 "$root/benchmarks/gate_stalls.py" \
-       "$SHM" --policy "${POL:-demand}" --loads "${LOADS:-3}" --runs "${RUNS:-4}" -g "${G:-64}" \
+  stalls() {  # TAG: this script over the code on PYTHONPATH (its dumps in one .tgz)
+    STRATA_MLX_GATE_TIMEOUT_MS=${GATE_MS:-1500} timeout "${LIMIT:-200}" python3 "$root/benchmarks/gate_stalls.py" \
+       "$SHM" --policy "${POL:-demand}" --loads "${LOADS:-2}" --runs "${RUNS:-4}" -g "${G:-64}" \
        --py-spy "$spy" --out "$OUT/stalls-$1" 2>&1 | grep -v "^ *[0-9]" | tee "$OUT/gate-stalls-$1.log"
+    [ -d "$OUT/stalls-$1" ] && tar -czf "$OUT/stalls-$1.tgz" -C "$OUT" "stalls-$1" && rm -r "$OUT/stalls-$1"
   }
   root=$PWD
-  if [ -d "$OLD" ]; then
+  if [ -d "$OLD" ]; then  # (.old is ignored by git: carried only where the call names it)
     (cd "$OLD" && build && PYTHONPATH="${PYTHONPATH%%:*}:$OLD" stalls old)
+  else
+    echo "no old tree at $OLD: this code's runs only"
   fi
   stalls new
   ;;
@@ -508,10 +511,10 @@ fused)  # the routing board's write and the gate in one kernel a layer (decode_g
   # `:gf1`) against the two: their GPU tests, then bench of POL on the tmpfs
   build
   synth "$SHM"
-  [ "${TESTS:-1}" = 0 ] || timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+  [ "${TESTS:-1}" = 0 ] || timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
      tests/runtime/test_gate.py tests/runtime/test_quick.py -k "board or quick_misses_through" 2>&1 \
      | tail -30 | tee "$OUT/fused-tests.log" | tail -3
-  G=${G:-64} bench "bench-fused" "$SHM" "${POL:-demand,demand:gf1,lookahead:gf1,lookahead}"
+  G=${G:-64} LIMIT=${LIMIT:-330} bench "bench-fused" "$SHM" "${POL:-demand,demand:gf1,lookahead:gf1,lookahead}"
   ;;
 kprofile)  # a resident decode token's device time by kernel, strata-mlx beside mlx-lm (CUPTI
   # through PyTorch's profiler: benchmarks/kernel_profile.py), then the gate's GPU tests

@@ -69,12 +69,15 @@ def dump(path: Path, ec, since: float, py_spy: str | None) -> None:
             f.write(state(ec) + "\n")
         except Exception as e:  # (a diagnostic: what it could not read is part of it)
             f.write(f"state: {type(e).__name__}: {e}\n")
-        if py_spy:
-            r = subprocess.run(
-                [py_spy, "dump", "--native", "--pid", str(os.getpid())],
-                capture_output=True, text=True, timeout=60,
-            )  # fmt: skip
-            f.write(r.stdout + r.stderr)
+        if py_spy:  # (--nonblocking: the process is not paused, its reads go on)
+            try:
+                r = subprocess.run(
+                    [py_spy, "dump", "--native", "--nonblocking", "--pid", str(os.getpid())],
+                    capture_output=True, text=True, timeout=60,
+                )  # fmt: skip
+                f.write(r.stdout + r.stderr)
+            except (OSError, subprocess.SubprocessError) as e:
+                f.write(f"py-spy: {e}\n")
         for tid in sorted(os.listdir("/proc/self/task")):
             parts = []
             for k in ("comm", "wchan", "syscall"):
@@ -113,7 +116,7 @@ def main() -> None:
     ap.add_argument("--arena-gb", type=float, default=6.5)
     ap.add_argument("--prefill-step-size", type=int, default=1024)
     ap.add_argument("--stall-s", type=float, default=1.0)
-    ap.add_argument("--max-dumps", type=int, default=4)
+    ap.add_argument("--max-dumps", type=int, default=2)
     ap.add_argument("--py-spy", default=None)
     ap.add_argument("--out", default=".")
     a = ap.parse_args()
@@ -154,7 +157,7 @@ def main() -> None:
             runner.close(model)
             del model, ec
             runner.release()
-    print(f"{a.loads} loads: gates given up {total}, stalls dumped {len(dumps)}")
+    print(f"in all, {a.loads} loads: gates given up {total}, stalls dumped {len(dumps)}")
 
 
 if __name__ == "__main__":

@@ -261,10 +261,10 @@ def install() -> None:
             T.watch.append(r)
         return tags
 
-    def traced_start(self, tokens, cache):
+    def traced_start(self, tokens, cache, gate=True):
         T.token += 1
         T.memory.append((T.token, mx.get_active_memory() + mx.get_cache_memory()))
-        return start(self, tokens, cache)
+        return start(self, tokens, cache, gate)
 
     def traced_finish(self, step, later=None):
         if T.stacks is not None:  # the token's checks wait for the device: not a stalled build
