@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 DISK=${DISK:-/root/strata-synth}   # the store on the machine's disk
 SHM=${SHM:-/dev/shm/strata-synth}  # the same store on tmpfs
-OLD=${OLD:-$PWD/.old}              # a tree of the code to compare against (git archive)
+OLD=${OLD:-$PWD/.old}  # a tree of the code to compare against (git archive; ignored: carry it)
 OLDGT=${OLDGT-:bd0:lc1:lag1}       # gated decode's options without the routing board
 export PYTHONUNBUFFERED=1
 export PYTHONFAULTHANDLER=1  # (a native crash prints every thread's Python stack)
