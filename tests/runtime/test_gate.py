@@ -896,13 +896,27 @@ def test_a_copy_held_behind_its_gate_gives_the_gate_up_at_once(tmp_path):
     assert waited["held"] == 0 and waited["seconds"] >= 2.5
 
 
+def land_on_board(g: GateTable, row: np.ndarray, seq: int, seen: dict) -> threading.Thread:
+    """A host thread, started, that stores expert 3's gate word (slot 8) only once the board
+    row `row` holds `seq`, and keeps the five ids it then holds in `seen["ids"]`."""
+    from strata_mlx.stream.reader import wait_word
+
+    def land():
+        if wait_word(row.ctypes.data, seq, 5.0) is not None:
+            seen["ids"] = row[1:6].tolist()  # (in place before their sequence number)
+            g.table[0, 3] = 8
+
+    t = threading.Thread(target=land)
+    t.start()
+    return t
+
+
 @pytest.mark.gpu
 def test_the_board_kernel_writes_ids_then_their_sequence_number_and_orders_the_gate():
     """custom_kernels.gate.board on the device: a layer's joined ids land in its board row
     with the sequence number after them, the ids come out unchanged, and a gate fed its
     output runs after it (a host thread that sees the board's word stores the gate's word)."""
     from custom_kernels.gate import board, gate
-    from strata_mlx.stream.reader import wait_word
 
     assert cuda_ready()
     g = GateTable(TableShape(), device=True)
@@ -917,14 +931,7 @@ def test_the_board_kernel_writes_ids_then_their_sequence_number_and_orders_the_g
     assert row[0] == 10
 
     seen = {}
-
-    def land():  # the gate's word only once the board's word is in
-        if wait_word(row.ctypes.data, 11, 5.0) is not None:
-            seen["ids"] = row[1:6].tolist()  # (in place before their sequence number)
-            g.table[0, 3] = 8
-
-    t = threading.Thread(target=land)
-    t.start()
+    t = land_on_board(g, row, 11, seen)
     out = board(ids, at, mx.array([11], dtype=mx.int32))
     slots, late = gate(out[:1], mx.array([g.row_address(0)], dtype=mx.uint64), 2000)
     mx.eval(out, slots, late)
@@ -941,7 +948,6 @@ def test_the_board_and_gate_kernel_writes_the_board_before_its_gate_waits():
     sees the board's word stores the gate's word), and the gate's slots and flags are the
     two kernels' (the lone gate's on the board's output)."""
     from custom_kernels.gate import board, board_gate, gate
-    from strata_mlx.stream.reader import wait_word
 
     assert cuda_ready()
     g = GateTable(TableShape(), device=True)
@@ -959,14 +965,7 @@ def test_the_board_and_gate_kernel_writes_the_board_before_its_gate_waits():
 
     seen = {}
     g.table[0, 3] = -1  # (its read not landed: the gate waits for it)
-
-    def land():  # the gate's word only once the board's word is in
-        if wait_word(row.ctypes.data, 11, 5.0) is not None:
-            seen["ids"] = row[1:6].tolist()  # (in place before their sequence number)
-            g.table[0, 3] = 8
-
-    t = threading.Thread(target=land)
-    t.start()
+    t = land_on_board(g, row, 11, seen)
     slots, late = board_gate(ids, 2, at, mx.array([11], dtype=mx.int32), row_at, 2000)
     mx.eval(slots, late)
     t.join()
