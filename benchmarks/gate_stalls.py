@@ -94,7 +94,7 @@ def watchdog(ec, stop: threading.Event, a, dumps: list) -> None:
     s = ec.stats
     last, t_last = None, time.monotonic()
     while not stop.wait(0.1):
-        now = (s.tokens, s.lookups, s.experts_read, s.chunks if hasattr(s, "chunks") else 0)
+        now = (s.tokens, s.lookups, s.experts_read)
         if now != last:
             last, t_last = now, time.monotonic()
         elif time.monotonic() - t_last > a.stall_s and len(dumps) < a.max_dumps:
