@@ -430,7 +430,8 @@ def _total(chunks: list[ExpertStats]) -> ExpertStats:
 def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> dict:
     """One run's figures. Floors: ssd (bytes over probe-ssd), read (bytes over the data path's
     own probe: what the engine can get into its arena), compute (fake-stream); decode's floor
-    is max(compute, bytes a token over the data path)."""
+    is max(compute, bytes a token over the data path), its serial floor the compute plus its
+    misses' bytes over the data path (what a token costs where no read is predicted)."""
     p = _total(run.chunks)
     n = max(len(run.chunks), 1)
     compute_floor = _mean([c.wall_s for c in fake.chunks])
@@ -442,6 +443,11 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
     decode_compute = fake.decode_s / fake.decode_tokens if fake.decode_tokens else 0.0
     decode_read = d.bytes_read / per_tok / (path_gbps * 1e9) if path_gbps > 0 else 0.0
     decode_floor = max(decode_compute, decode_read)
+    # A miss is read once its layer's routing is known and the layer's experts wait for it:
+    # with no prediction its read cannot overlap the compute, so what misses cost adds up.
+    record = d.bytes_read / d.experts_read if d.experts_read else 0.0
+    miss_read = d.misses * record / per_tok / (path_gbps * 1e9) if path_gbps > 0 else 0.0
+    serial_floor = decode_compute + miss_read
     decode_s = run.decode_s / per_tok
     return {
         "policy": run.policy,
@@ -467,6 +473,8 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
         else 0.0,
         "decode_floor_ms": decode_floor * 1e3,
         "decode_floor_ratio": decode_s / decode_floor if decode_floor else 0.0,
+        "decode_serial_floor_ms": serial_floor * 1e3,
+        "decode_serial_ratio": decode_s / serial_floor if serial_floor else 0.0,
         "decode_tps": run.decode_tokens / run.decode_s if run.decode_s else 0.0,
         "decode_ms_per_token": run.decode_s / per_tok * 1e3,
         "decode_wait_ms_per_token": d.exposed_wait_s / per_tok * 1e3,
@@ -521,7 +529,9 @@ def _line(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> str:
         f"x{s['path_floor_ratio']:.2f} of the data path's (read {s['read_floor_ms']:.0f} ms) | "
         f"decode {s['decode_tps']:.2f} tok/s (wait {s['decode_wait_ms_per_token']:.1f}, sync {s['decode_sync_ms_per_token']:.1f}, "
         f"host {s['decode_host_ms_per_token']:.1f} ms/tok; miss {s['decode_miss_pct']:.1f}%), "
-        f"x{s['decode_floor_ratio']:.2f} of its floor ({s['decode_floor_ms']:.1f} ms)" + _modes(s)
+        f"x{s['decode_floor_ratio']:.2f} of its floor ({s['decode_floor_ms']:.1f} ms), "
+        f"x{s['decode_serial_ratio']:.2f} of the compute plus its misses' reads "
+        f"({s['decode_serial_floor_ms']:.1f} ms)" + _modes(s)
     )
 
 
@@ -584,6 +594,7 @@ def markdown_table(result: dict) -> str:
         "decode_sync_ms_per_token",
         "decode_miss_pct",
         "decode_floor_ratio",
+        "decode_serial_ratio",
     ]
     head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
     rows = []

@@ -249,6 +249,13 @@ def test_synthetic_store_and_bench(tmp_path):
         assert row["path_floor_ratio"] > 0 and row["decode_floor_ratio"] > 0
         assert row["decode_floor_ms"] > 0
     assert rows[("demand", "cold")]["read_floor_ms"] > 0
+    # demand predicts nothing: each read is a miss, so its serial floor (compute plus the
+    # misses' reads) is the sum of the two parts of its floor, their max
+    floor, serial = demand["decode_floor_ms"], demand["decode_serial_floor_ms"]
+    assert floor < serial <= 2 * floor
+    assert demand["decode_serial_ratio"] == pytest.approx(
+        demand["decode_floor_ratio"] * floor / serial
+    )
 
 
 def test_probe_ssd_cli(store):
