@@ -431,7 +431,8 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
     """One run's figures. Floors: ssd (bytes over probe-ssd), read (bytes over the data path's
     own probe: what the engine can get into its arena), compute (fake-stream); decode's floor
     is max(compute, bytes a token over the data path), its serial floor the compute plus its
-    misses' bytes over the data path (what a token costs where no read is predicted)."""
+    misses' bytes over the data path where that is more (what a token costs where no read is
+    predicted)."""
     p = _total(run.chunks)
     n = max(len(run.chunks), 1)
     compute_floor = _mean([c.wall_s for c in fake.chunks])
@@ -444,10 +445,11 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
     decode_read = d.bytes_read / per_tok / (path_gbps * 1e9) if path_gbps > 0 else 0.0
     decode_floor = max(decode_compute, decode_read)
     # A miss is read once its layer's routing is known and the layer's experts wait for it:
-    # with no prediction its read cannot overlap the compute, so what misses cost adds up.
+    # its read does not overlap the compute, so what misses cost adds to it (read-ahead still
+    # in flight when its layer needs it is waited for too, and not counted here).
     record = d.bytes_read / d.experts_read if d.experts_read else 0.0
     miss_read = d.misses * record / per_tok / (path_gbps * 1e9) if path_gbps > 0 else 0.0
-    serial_floor = decode_compute + miss_read
+    serial_floor = max(decode_floor, decode_compute + miss_read)
     decode_s = run.decode_s / per_tok
     return {
         "policy": run.policy,
