@@ -427,12 +427,25 @@ def _total(chunks: list[ExpertStats]) -> ExpertStats:
     return t
 
 
+def _decode_floors(run: Run, fake: Run, path_gbps: float) -> tuple[float, float]:
+    """Decode's floor, max(compute, bytes a token over the data path), and its serial floor,
+    the compute plus the misses' bytes over the data path where that is more (s a token)."""
+    d, per_tok = run.decode, max(run.decode_tokens, 1)
+    compute = fake.decode_s / fake.decode_tokens if fake.decode_tokens else 0.0
+    read = d.bytes_read / per_tok / (path_gbps * 1e9) if path_gbps > 0 else 0.0
+    floor = max(compute, read)
+    # A miss is read once its layer's routing is known and the layer's experts wait for it:
+    # its read does not overlap the compute, so what misses cost adds to it (read-ahead still
+    # in flight when its layer needs it is waited for too, and not counted here).
+    record = d.bytes_read / d.experts_read if d.experts_read else 0.0
+    misses = d.misses * record / per_tok / (path_gbps * 1e9) if path_gbps > 0 else 0.0
+    return floor, max(floor, compute + misses)
+
+
 def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> dict:
     """One run's figures. Floors: ssd (bytes over probe-ssd), read (bytes over the data path's
-    own probe: what the engine can get into its arena), compute (fake-stream); decode's floor
-    is max(compute, bytes a token over the data path), its serial floor the compute plus its
-    misses' bytes over the data path where that is more (what a token costs where no read is
-    predicted)."""
+    own probe: what the engine can get into its arena), compute (fake-stream); decode's two
+    (`_decode_floors`)."""
     p = _total(run.chunks)
     n = max(len(run.chunks), 1)
     compute_floor = _mean([c.wall_s for c in fake.chunks])
@@ -441,15 +454,7 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
     chunk_s = p.wall_s / n
     d = run.decode
     per_tok = max(run.decode_tokens, 1)
-    decode_compute = fake.decode_s / fake.decode_tokens if fake.decode_tokens else 0.0
-    decode_read = d.bytes_read / per_tok / (path_gbps * 1e9) if path_gbps > 0 else 0.0
-    decode_floor = max(decode_compute, decode_read)
-    # A miss is read once its layer's routing is known and the layer's experts wait for it:
-    # its read does not overlap the compute, so what misses cost adds to it (read-ahead still
-    # in flight when its layer needs it is waited for too, and not counted here).
-    record = d.bytes_read / d.experts_read if d.experts_read else 0.0
-    miss_read = d.misses * record / per_tok / (path_gbps * 1e9) if path_gbps > 0 else 0.0
-    serial_floor = max(decode_floor, decode_compute + miss_read)
+    decode_floor, serial_floor = _decode_floors(run, fake, path_gbps)
     decode_s = run.decode_s / per_tok
     return {
         "policy": run.policy,
