@@ -537,8 +537,8 @@ def _line(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> str:
         f"decode {s['decode_tps']:.2f} tok/s (wait {s['decode_wait_ms_per_token']:.1f}, sync {s['decode_sync_ms_per_token']:.1f}, "
         f"host {s['decode_host_ms_per_token']:.1f} ms/tok; miss {s['decode_miss_pct']:.1f}%), "
         f"x{s['decode_floor_ratio']:.2f} of its floor ({s['decode_floor_ms']:.1f} ms), "
-        f"x{s['decode_serial_ratio']:.2f} of the compute plus its misses' reads "
-        f"({s['decode_serial_floor_ms']:.1f} ms)" + _modes(s)
+        f"x{s['decode_serial_ratio']:.2f} of its serial floor "
+        f"({s['decode_serial_floor_ms']:.1f} ms: the compute plus its misses' reads)" + _modes(s)
     )
 
 
