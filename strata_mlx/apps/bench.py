@@ -139,13 +139,23 @@ def policy_options(policy: str) -> dict:
 
 
 def run_policy(
-    model, ids: list[int], gen: int, step: int, policy: str, phase: str, layers=None
+    model,
+    ids: list[int],
+    gen: int,
+    step: int,
+    policy: str,
+    phase: str,
+    layers=None,
+    status=None,
 ) -> Run:
     """Prefill `ids` in chunks of `step`, then decode `gen` tokens greedily as generate does
     (the decode time runs from the first generated token, the prefill's, to the last).
-    `layers` (plots.LayerCounts) is cut where the chunks' and decode's stats are taken."""
+    `layers` (plots.LayerCounts) is cut where the chunks' and decode's stats are taken;
+    `status(text)` is told where the run is, after each chunk and each token."""
     run = Run(policy, phase)
     ec = model.expert_cache
+    say = status or (lambda _: None)
+    label = f"{policy} {phase}"
 
     def chunk_done(chunk: ExpertStats) -> None:
         run.chunks.append(chunk)
@@ -153,15 +163,21 @@ def run_policy(
             layers.cut("prefill")
 
     steps = generate_step(
-        model, mx.array(ids), gen + 1, make_sampler(0.0), step, on_chunk=chunk_done
+        model,
+        mx.array(ids),
+        gen + 1,
+        make_sampler(0.0),
+        step,
+        on_chunk=chunk_done,
+        prompt_progress_callback=lambda done, total: say(f"{label}: prefill {done}/{total} tok"),
     )
     next(steps)  # the prefill and the first token
     if layers is not None:
         layers.cut("first")  # the last prompt token's forward: in no chunk, not decode
     before, reads = ec.stats.copy(), ec.reader.stats()
     t = time.perf_counter()
-    for _ in steps:
-        pass
+    for i, _ in enumerate(steps, 1):
+        say(f"{label}: decode {i}/{gen} tok")
     run.decode_s = time.perf_counter() - t
     after = ec.reader.stats()
     run.urgent_reads = after["urgent_reads"] - reads["urgent_reads"]
@@ -191,6 +207,7 @@ def bench(
     probe_seconds: float = 2.0,
     seed: int = 0,
     log=print,
+    status=None,
     eviction: str = "nextuse-duel",
     baseline: str | None = None,
     plot: str | Path | None = None,
@@ -203,7 +220,8 @@ def bench(
     trace written there (strata_mlx.stream.trace; one file per run when there are several: trace.run_path); with `baseline="mlx-lm"`, then mlx-lm's own model and
     strata-mlx's on the same prompt, side by side (strata_mlx.baseline). `pipeline` (a
     function that returns a fresh strata_mlx.distributed.Pipeline): every load is pipelined,
-    each run adds its ranks' figures; ranks other than 0 serve and return {}."""
+    each run adds its ranks' figures; ranks other than 0 serve and return {}. `status(text)`:
+    where the bench is, told as often as a chunk or a token ends (a progress line's text)."""
     path = Path(path)
     _check_baseline_and_plot(path, baseline, plot, pipeline)
     m = load_manifest(path)
@@ -227,7 +245,9 @@ def bench(
         serve_loads(path, [fake_cfg] + configs, pipeline, lambda: _drop_page_cache(path))
         return {}
 
-    runner = _Runner(path, gen_tokens, prefill_step_size, pipeline, log)
+    say = status or (lambda _: None)
+    runner = _Runner(path, gen_tokens, prefill_step_size, pipeline, log, say)
+    say("probing the drive and the data path")
     ssd_gbps, path_gbps = _probes(path, m, base, io_workers, probe_seconds, log)
     runner.release()  # (the data path's arena)
     fake = runner.compute_floor(fake_cfg, ids)
@@ -273,6 +293,7 @@ def bench(
     if baseline is not None:
         from .baseline import compare
 
+        say("mlx-lm's model beside ours")
         result["baseline"] = compare(path, ids, gen_tokens, prefill_step_size, base, log=log)
     return result
 
@@ -294,17 +315,25 @@ class _Runner:
     rank's figures)."""
 
     def __init__(
-        self, path: Path, gen_tokens: int, prefill_step_size: int, pipeline=None, log=print
+        self,
+        path: Path,
+        gen_tokens: int,
+        prefill_step_size: int,
+        pipeline=None,
+        log=print,
+        status=lambda _: None,
     ):
         self.path, self.gen_tokens, self.step = path, gen_tokens, prefill_step_size
         self.pipeline = pipeline
-        self.log = log
+        self.log, self.status = log, status
 
     def compute_floor(self, fake_cfg: RuntimeConfig, ids: list[int]) -> Run:
         """The fake-stream run (every expert resident), after a warm-up pass."""
+        self.status("compute floor: loading")
         model = self.load(fake_cfg)
         # The first pass compiles kernels (MLX CUDA JITs them), which no run should pay.
-        run_policy(model, ids[: min(len(ids), self.step + 1)], 2, self.step, "warmup", "-")
+        head = ids[: min(len(ids), self.step + 1)]
+        run_policy(model, head, 2, self.step, "compute floor", "warm-up", status=self.status)
         fake = self.run(model, ids, "fake-stream", "compute")
         self.close(model)
         del model
@@ -322,6 +351,7 @@ class _Runner:
         """One policy's cold run then its warm run on the same load, each logged by `line`;
         `trace`: where the cold run's routing goes. The runs, and the arena's GB."""
         dropped = _drop_page_cache(self.path)
+        self.status(f"{policy}: loading")
         model = self.load(cfg)
         arena_gb = model.expert_cache.arena.nbytes / 1e9
         layers = None
@@ -357,7 +387,7 @@ class _Runner:
         ranked = hasattr(model, "rank_stats")
         before = model.rank_stats() if ranked else None
         t = time.perf_counter()
-        run = run_policy(model, ids, self.gen_tokens, self.step, policy, phase, layers)
+        run = run_policy(model, ids, self.gen_tokens, self.step, policy, phase, layers, self.status)
         if ranked:
             from ..runtime.distributed import rank_figures
 

@@ -1,10 +1,12 @@
 """Long steps a user starts show progress on stderr: conversion's calibration pass, warm(),
-and a prefill that outlasts its delay (generate's prompt bar)."""
+a prefill that outlasts its delay (generate's prompt bar), and bench's runs."""
 
 from __future__ import annotations
 
+import io
 import time
 
+from strata_mlx.apps.cli.common import StatusLine
 from strata_mlx.apps.cli.generate import PrefillBar
 from strata_mlx.runtime import experts
 
@@ -36,7 +38,7 @@ def test_prefill_bar_speaks_only_past_its_delay(monkeypatch, capsys):
     bar.update(100, 100)
     bar.close()
     assert "prefill" not in capsys.readouterr().err  # a short prefill stays quiet
-    monkeypatch.setattr(PrefillBar, "DELAY_S", 0.05)
+    monkeypatch.setattr(StatusLine, "DELAY_S", 0.05)
     bar = PrefillBar()
     bar.update(0, 100)
     time.sleep(1.2)  # the timer redraws it while the one chunk runs
@@ -57,3 +59,40 @@ def test_a_long_step_without_progress_of_its_own_ticks(capsys):
     with ticking("reading model.gguf", enabled=False):
         pass
     assert capsys.readouterr().err == ""
+
+
+def test_status_line_shows_past_its_delay_and_clears_itself(monkeypatch):
+    out = io.StringIO()
+    line = StatusLine(file=out, enabled=True)
+    line.set("demand cold: prefill 0/64 tok")
+    line.echo("a figure")
+    line.close()
+    assert out.getvalue() == ""  # a quick command prints no status; its output goes to stdout
+    monkeypatch.setattr(StatusLine, "DELAY_S", 0.05)
+    out = io.StringIO()
+    line = StatusLine(file=out, enabled=True)
+    line.set("demand cold: prefill 0/64 tok")
+    time.sleep(1.2)  # one step with no news: the timer redraws the time elapsed
+    assert "demand cold: prefill 0/64 tok [00:0" in out.getvalue()
+    line.set("demand cold: decode 3/8 tok")
+    line.close()
+    assert out.getvalue().endswith("\r")  # the line cleared, the cursor back at its start
+    assert StatusLine(file=io.StringIO()).bar.disable  # not a terminal: no status by default
+
+
+def test_bench_tells_its_status_by_chunk_and_token(store):
+    from strata_mlx.apps.bench import run_policy
+    from strata_mlx.runtime.loader import load
+
+    said = []
+    model, _ = load(store("qwen3_moe"), arena_gb=0.01)
+    try:
+        run_policy(model, list(range(1, 40)), 3, 16, "demand", "cold", status=said.append)
+    finally:
+        model.expert_cache.close()
+    prefill = [s for s in said if "prefill" in s]
+    assert prefill[0] == "demand cold: prefill 0/39 tok"
+    assert "demand cold: prefill 16/39 tok" in prefill and prefill[-1].endswith("39/39 tok")
+    assert [s for s in said if "decode" in s] == [
+        f"demand cold: decode {i}/3 tok" for i in (1, 2, 3)
+    ]

@@ -12,6 +12,7 @@ from .common import (
     Pipeline,
     PipelineSplit,
     PipelineTimeout,
+    StatusLine,
     TraceFile,
     builtin_model,
     check_output_file,
@@ -91,24 +92,29 @@ def bench(
 
         group = init()
         make_pipeline = lambda: Pipeline(group, pipeline_split, pipeline_timeout)  # noqa: E731
-    result = run_bench(
-        model,
-        prompt_tokens,
-        generation_tokens,
-        arena_gb,
-        runtime.prefill_step_size,
-        names,
-        repeats,
-        runtime.io_workers,
-        runtime.read_ahead.static_cap,
-        eviction=runtime.eviction,
-        config=runtime,
-        log=typer.echo,
-        baseline=baseline,
-        plot=plot,
-        pipeline=make_pipeline,
-        trace=trace_file,
-    )
+    status = StatusLine()
+    try:
+        result = run_bench(
+            model,
+            prompt_tokens,
+            generation_tokens,
+            arena_gb,
+            runtime.prefill_step_size,
+            names,
+            repeats,
+            runtime.io_workers,
+            runtime.read_ahead.static_cap,
+            eviction=runtime.eviction,
+            config=runtime,
+            log=status.echo,
+            status=status.set,
+            baseline=baseline,
+            plot=plot,
+            pipeline=make_pipeline,
+            trace=trace_file,
+        )
+    finally:
+        status.close()
     if not result:  # a rank other than 0: it served rank 0's runs
         return
     typer.echo(markdown_table(result))

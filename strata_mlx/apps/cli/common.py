@@ -327,3 +327,80 @@ def chat_flag(
     if chat is False and wants_chat:
         raise OptionError("--system-prompt and --chat-template-config need the chat template")
     return wants_chat if chat is None else chat
+
+
+class StatusLine:
+    """Where a long command is, on one line of stderr: by default the text last `set` and the
+    time since the command began (`bar`: tqdm's own arguments instead, such as a total and a
+    unit, with `count`), redrawn each second by a timer thread (one step, such as a prefill
+    chunk on a CPU, can take tens of seconds), shown once the command has run DELAY_S and
+    only where stderr is a terminal (None: tqdm's own test) unless `enabled` says. `echo`
+    prints a line of output above it."""
+
+    DELAY_S = 2.0
+
+    def __init__(self, file=None, enabled: bool | None = None, **bar):
+        import sys
+        import threading
+
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            **{"bar_format": "{desc} [{elapsed}]", **bar},
+            file=file or sys.stderr,
+            delay=self.DELAY_S,
+            leave=False,
+            disable=None if enabled is None else not enabled,
+        )
+        self.done = threading.Event()
+        self.thread = None
+        self.shown = False  # (tqdm's own close clears only a bar its updates drew)
+        if not self.bar.disable:
+            self.thread = threading.Thread(target=self._redraw, daemon=True)
+            self.thread.start()
+
+    def set(self, text: str) -> None:
+        self.bar.set_description_str(text, refresh=False)
+
+    def count(self, n: int) -> None:
+        """The steps done (a bar with a total), drawn now if the line is shown."""
+        with self.bar.get_lock():
+            self.bar.n = n
+            self._draw()
+
+    def echo(self, line: str) -> None:
+        if self.bar.disable:
+            typer.echo(line)
+            return
+        with self.bar.get_lock():
+            if self.shown:
+                self.bar.clear(nolock=True)
+            typer.echo(line)
+            self._draw()
+
+    def _draw(self) -> None:
+        if self.bar.desc and not self.done.is_set() and time_since(self.bar) >= self.DELAY_S:
+            self.bar.refresh(nolock=True)
+            self.shown = True
+
+    def _redraw(self) -> None:
+        while not self.done.wait(1.0):
+            with self.bar.get_lock():
+                self._draw()
+
+    def close(self) -> None:
+        if self.done.is_set():
+            return
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join()
+        if self.shown:
+            self.bar.clear()
+        self.bar.close()
+
+
+def time_since(bar) -> float:
+    """Seconds since `bar` (a tqdm, whose clock is time.time) started."""
+    import time
+
+    return time.time() - bar.start_t

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import typer
@@ -19,6 +18,7 @@ from .common import (
     Pipeline,
     PipelineSplit,
     PipelineTimeout,
+    StatusLine,
     TraceFile,
     builtin_model,
     chat_flag,
@@ -295,53 +295,26 @@ def _print_stream(model, tok, ids, args: dict, cfg, sampling, kv, prompt_cache, 
 
 
 class PrefillBar:
-    """The prompt's progress on stderr, shown once a prefill outlasts DELAY_S: positions done
-    (a chunk at a time) and the time elapsed, redrawn each second by a timer thread, since
-    one chunk can take tens of seconds on a CPU."""
-
-    DELAY_S = 2.0
+    """The prompt's progress on stderr (StatusLine): positions done, a chunk at a time, and
+    the time elapsed; made at the prompt's first call, which gives its length. Shown where
+    stderr is not a terminal too, as conversion's bars are."""
 
     def __init__(self):
-        import threading
-
-        self.bar = None
-        self.done = threading.Event()
-        self.thread = None
+        self.line = None
+        self.closed = False
 
     def update(self, done: int, total: int) -> None:
-        import threading
-
-        from tqdm import tqdm
-
-        if self.bar is None and not self.done.is_set():
-            self.bar = tqdm(
-                total=total, desc="prefill", unit="tok", delay=self.DELAY_S, leave=False
+        if self.line is None and not self.closed:
+            self.line = StatusLine(
+                enabled=True, desc="prefill", total=total, unit="tok", bar_format=None
             )
-            self.thread = threading.Thread(target=self._redraw, daemon=True)
-            self.thread.start()
-        if self.bar is not None:
-            self.bar.n = done
-            if time_since(self.bar) >= self.DELAY_S:
-                self.bar.refresh()
-
-    def _redraw(self) -> None:
-        while not self.done.wait(1.0):
-            bar = self.bar
-            if bar is not None and time_since(bar) >= self.DELAY_S:
-                bar.refresh()
+        if self.line is not None:
+            self.line.count(done)
 
     def close(self) -> None:
-        if not self.done.is_set():
-            self.done.set()
-            if self.thread is not None:
-                self.thread.join()
-            if self.bar is not None:
-                self.bar.close()
-
-
-def time_since(bar) -> float:
-    """Seconds since `bar` (a tqdm, whose clock is time.time) started."""
-    return time.time() - bar.start_t
+        self.closed = True
+        if self.line is not None:
+            self.line.close()
 
 
 def _print_summary(model, last, verbose: bool, pipe) -> None:
