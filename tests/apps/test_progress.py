@@ -4,6 +4,7 @@ a prefill that outlasts its delay (generate's prompt bar), and bench's runs."""
 from __future__ import annotations
 
 import io
+import re
 import time
 
 from strata_mlx.apps.cli.common import StatusLine
@@ -41,8 +42,8 @@ def test_prefill_bar_speaks_only_past_its_delay(monkeypatch, capsys):
     monkeypatch.setattr(StatusLine, "DELAY_S", 0.05)
     bar = PrefillBar()
     bar.update(0, 100)
-    time.sleep(1.2)  # the timer redraws it while the one chunk runs
-    assert "prefill" in capsys.readouterr().err
+    err = []  # the timer draws it while the one chunk runs
+    assert until(lambda: err.append(capsys.readouterr().err) or "prefill" in "".join(err))
     bar.update(50, 100)
     bar.close()
     assert "50/100" in capsys.readouterr().err
@@ -61,22 +62,45 @@ def test_a_long_step_without_progress_of_its_own_ticks(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_status_line_shows_past_its_delay_and_clears_itself(monkeypatch):
-    out = io.StringIO()
-    line = StatusLine(file=out, enabled=True)
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def until(test, seconds: float = 5.0) -> bool:
+    """Polls `test` until it holds (a timer thread draws about once a second)."""
+    end = time.monotonic() + seconds
+    while not test():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_status_line_shows_past_its_delay_and_clears_itself(monkeypatch, capsys):
+    out = Terminal()
+    line = StatusLine(file=out)  # on by default on a terminal
     line.set("demand cold: prefill 0/64 tok")
     line.echo("a figure")
     line.close()
-    assert out.getvalue() == ""  # a quick command prints no status; its output goes to stdout
+    assert out.getvalue() == ""  # a quick command prints no status
+    assert capsys.readouterr().out == "a figure\n"  # its output goes to stdout
     monkeypatch.setattr(StatusLine, "DELAY_S", 0.05)
-    out = io.StringIO()
-    line = StatusLine(file=out, enabled=True)
+    out = Terminal()
+    line = StatusLine(file=out)
     line.set("demand cold: prefill 0/64 tok")
-    time.sleep(1.2)  # one step with no news: the timer redraws the time elapsed
-    assert "demand cold: prefill 0/64 tok [00:0" in out.getvalue()
+    # one step with no news: the timer draws the time elapsed
+    assert until(lambda: "demand cold: prefill 0/64 tok [00:0" in out.getvalue())
+    shown = len(out.getvalue())
+    line.echo("a figure")  # cleared, printed on stdout, drawn again
+    assert capsys.readouterr().out == "a figure\n"
+    again = out.getvalue()[shown:]
+    assert again.startswith("\r") and re.search(r"prefill 0/64 tok \[00:\d\d\]$", again)
     line.set("demand cold: decode 3/8 tok")
+    assert until(lambda: "decode 3/8 tok" in out.getvalue())
     line.close()
     assert out.getvalue().endswith("\r")  # the line cleared, the cursor back at its start
+    assert capsys.readouterr().out == ""
     assert StatusLine(file=io.StringIO()).bar.disable  # not a terminal: no status by default
 
 

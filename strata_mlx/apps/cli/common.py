@@ -331,7 +331,7 @@ def chat_flag(
 
 class StatusLine:
     """Where a long command is, on one line of stderr: by default the text last `set` and the
-    time since the command began (`bar`: tqdm's own arguments instead, such as a total and a
+    time since the line was made (`bar`: tqdm's own arguments instead, such as a total and a
     unit, with `count`), redrawn each second by a timer thread (one step, such as a prefill
     chunk on a CPU, can take tens of seconds), shown once the command has run DELAY_S and
     only where stderr is a terminal (None: tqdm's own test) unless `enabled` says. `echo`
@@ -363,7 +363,7 @@ class StatusLine:
         self.bar.set_description_str(text, refresh=False)
 
     def count(self, n: int) -> None:
-        """The steps done (a bar with a total), drawn now if the line is shown."""
+        """The steps done (a bar with a total), drawn now once DELAY_S has passed."""
         with self.bar.get_lock():
             self.bar.n = n
             self._draw()
