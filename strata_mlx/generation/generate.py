@@ -423,18 +423,24 @@ def cache_prompt(
     prefill_step_size: int | None = None,
     on_chunk=None,
     prompt_cache: list | None = None,
+    prompt_progress_callback: Callable[[int, int], None] | None = None,
 ) -> list:
     """The cache after every token of `ids` (mlx-lm's cache_prompt: the last token is run
-    too), continuing `prompt_cache` if given; evaluated."""
+    too), continuing `prompt_cache` if given; evaluated. `prompt_progress_callback(done,
+    total)` as generate_step calls it: 0, after each chunk, and `total` at the end."""
     if not ids:
         raise OptionError("empty prompt")
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, kv)
     step = prefill_step_size or model.runtime.prefill_step_size or 512
+    total = len(ids)
+    progress = prompt_progress_callback or (lambda *_: None)
+    progress(0, total)
     with model.expert_cache.phase(decoding=False):
-        y = prefill(model, mx.array(ids), cache, step, on_chunk, kv)
+        y = prefill(model, mx.array(ids), cache, step, on_chunk, kv, lambda d: progress(d, total))
         model(y[None], cache=cache)
     maybe_quantize(cache, kv)
     mx.eval([s for c in cache for s in c.state])
+    progress(total, total)
     return cache
 
 

@@ -120,3 +120,30 @@ def test_bench_tells_its_status_by_chunk_and_token(store):
     assert [s for s in said if "decode" in s] == [
         f"demand cold: decode {i}/3 tok" for i in (1, 2, 3)
     ]
+
+
+def test_cache_prompt_shows_the_prompts_progress(store, tmp_path, monkeypatch):
+    """A long system prompt cached for an agent prefills for minutes on a large model: the
+    command shows generate's prompt bar, fed by the prefill's chunks."""
+    from typer.testing import CliRunner
+
+    from strata_mlx.apps.cli import app
+    from strata_mlx.generation.generate import cache_prompt
+    from strata_mlx.runtime.loader import load
+
+    model, _ = load(store("qwen3_moe"), arena_gb=0.01)
+    told = []
+    try:
+        cache_prompt(
+            model, list(range(1, 40)), None, 16, prompt_progress_callback=lambda *a: told.append(a)
+        )
+    finally:
+        model.expert_cache.close()
+    assert told == [(0, 39), (16, 39), (32, 39), (38, 39), (39, 39)]
+    monkeypatch.setattr(StatusLine, "DELAY_S", 0.0)
+    out = tmp_path / "c.safetensors"
+    ids = ",".join(str(i) for i in range(1, 40))
+    args = ["cache-prompt", "--model", store("qwen3_moe"), "--prompt-tokens", ids]
+    r = CliRunner().invoke(app, [*map(str, args), "--prompt-cache-file", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "prefill" in r.stderr and "39/39" in r.stderr and out.exists()

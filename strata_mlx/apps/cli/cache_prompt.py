@@ -98,8 +98,14 @@ def cache_prompt(
 
     context = getattr(m.args, "max_position_embeddings", None)
     check_context(len(ids), 0, context, kv.max_kv_size is not None, cli=True)
+    from .generate import PrefillBar
+
     t = time.perf_counter()
-    cache = run_prompt(m, ids, kv, cfg.prefill_step_size)
+    bar = PrefillBar()
+    try:
+        cache = run_prompt(m, ids, kv, cfg.prefill_step_size, prompt_progress_callback=bar.update)
+    finally:
+        bar.close()
     dt = time.perf_counter() - t
     save_prompt_cache(prompt_cache_file, cache, m, ids,
                       {"chat_template_config": json.dumps(template_kwargs)})  # fmt: skip
