@@ -444,8 +444,11 @@ def cache_prompt(
     return cache
 
 
-def teacher_forced_logits(model, ids: list[int], step: int | None = None) -> np.ndarray:
-    """float32 [T, vocab] logits of every prompt position (prefilled in chunks of `step`)."""
+def teacher_forced_logits(
+    model, ids: list[int], step: int | None = None, on_progress=None
+) -> np.ndarray:
+    """float32 [T, vocab] logits of every prompt position (prefilled in chunks of `step`;
+    `on_progress(done)` after each, as forward_chunks calls it)."""
     step = step or model.runtime.prefill_step_size or 512
     out = []
     forward_chunks(
@@ -454,5 +457,6 @@ def teacher_forced_logits(model, ids: list[int], step: int | None = None) -> np.
         model.make_cache(),
         step,
         on_logits=lambda logits: out.append(np.array(logits[0].astype(mx.float32))),
+        on_progress=on_progress,
     )
     return np.concatenate(out, axis=0)

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import typer
 
 from ..config import OptionError
 
@@ -250,20 +249,13 @@ def dumps_equal(dir_a: str | Path, dir_b: str | Path) -> list[str]:
     )
 
 
-# ---- commands ------------------------------------------------------------------------------
+# ---- a traced run --------------------------------------------------------------------------
 
 
-def kld_command(
-    ref: Path = typer.Option(..., "--ref", help="Reference logits .npy [T, vocab]."),
-    test: Path = typer.Option(..., "--test", help="Logits to test, same shape."),
-):
-    """KLD(ref || test) and top-1 agreement of two teacher-forced logits files."""
-    typer.echo(kld_report(load_logits(ref), load_logits(test)).line())
-
-
-def traced_run(model_path: str | Path, ids: list[int], config):
+def traced_run(model_path: str | Path, ids: list[int], config, on_progress=None):
     """Load the store with `config`, trace routing over teacher-forced `ids`:
-    (RoutingTrace, logits [T, vocab])."""
+    (RoutingTrace, logits [T, vocab]). `on_progress(done)`: the positions done, a chunk at a
+    time."""
     from ..runtime.loader import load
     from ..stream.stats import RoutingTrace
     from .generate import teacher_forced_logits
@@ -275,62 +267,7 @@ def traced_run(model_path: str | Path, ids: list[int], config):
         model.expert_cache.close()
         raise OptionError(f"--prompt-tokens: token ids must lie in [0, {vocab})")
     try:
-        logits = teacher_forced_logits(model, ids, config.prefill_step_size)
+        logits = teacher_forced_logits(model, ids, config.prefill_step_size, on_progress)
     finally:
         model.expert_cache.close()
     return trace, logits
-
-
-def route_parity_command(
-    model: Path = typer.Option(..., "--model", help="A strata-mlx store."),
-    prompt_tokens: str | None = typer.Option(
-        None, "--prompt-tokens", help="Prompt as token ids: 1,2,3."
-    ),
-    random_tokens: int = typer.Option(
-        64, "--random-tokens", help="Without --prompt-tokens: this many seeded random ids."
-    ),
-    arena_gb_a: float | None = typer.Option(None, "--arena-gb-a"),
-    arena_gb_b: float | None = typer.Option(None, "--arena-gb-b"),
-    read_ahead_a: str = typer.Option("lookahead", "--read-ahead-a"),
-    read_ahead_b: str = typer.Option("demand", "--read-ahead-b"),
-    prefill_step_size: int = typer.Option(512, "--prefill-step-size"),
-    io_workers: int = typer.Option(8, "--io-workers"),
-):
-    """Route the same prompt under two runtime configurations; per-layer top-k mismatches.
-    Exit code 1 if any token's expert set differs."""
-    from ..format.store import load_manifest
-    from ..runtime.loader import RuntimeConfig
-
-    if prefill_step_size < 1:
-        raise OptionError(f"--prefill-step-size {prefill_step_size}: must be at least 1")
-    if prompt_tokens is not None:
-        from ..config import parse_tokens
-
-        ids = parse_tokens(prompt_tokens, "--prompt-tokens")
-    else:
-        if random_tokens < 1:
-            raise OptionError(f"--random-tokens {random_tokens}: must be at least 1")
-        vocab = load_manifest(model).config.get("vocab_size", 128)
-        ids = np.random.default_rng(0).integers(0, vocab, size=random_tokens).tolist()
-    runs = []
-    for arena_gb, read_ahead in ((arena_gb_a, read_ahead_a), (arena_gb_b, read_ahead_b)):
-        cfg = RuntimeConfig(
-            arena_gb=arena_gb,
-            read_ahead=read_ahead,
-            prefill_step_size=prefill_step_size,
-            io_workers=io_workers,
-        )
-        runs.append(traced_run(model, ids, cfg))
-    (trace_a, logits_a), (trace_b, logits_b) = runs
-    rep = route_parity(trace_a, trace_b)
-    for line in rep.layer_lines():
-        typer.echo(line)
-    typer.echo(rep.line())
-    same = np.array_equal(logits_a, logits_b)
-    typer.echo(
-        "logits: bit-identical"
-        if same
-        else f"logits: differ; {kld_report(logits_a, logits_b).line()}"
-    )
-    if not rep.ok:
-        raise typer.Exit(1)

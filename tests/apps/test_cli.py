@@ -602,6 +602,13 @@ def test_generate_help_fits_a_screen_in_its_first_panel():
     assert "<bool>" not in flat
     assert not re.search(r"\(default[^)]*\)\.? \[default", flat)
     commands = typer.main.get_command(app).commands
+    # the listing: each command's first paragraph, wrapped to the panel, not cut at the
+    # docstring's own line breaks (typer's rich listing keeps them)
+    listing = _invoke("--help").stdout
+    for name, c in commands.items():
+        if name != "kernels":  # (a group: its one-line help is its own)
+            assert c.short_help and "\n" not in c.short_help, name
+            assert c.short_help.split()[-1] in listing, name
     for args in [[], *([name] for name in commands), ["kernels", "show"]]:
         r = _invoke(*args, "-h")
         assert r.exit_code == 0 and "Usage:" in r.stdout and "<bool>" not in r.stdout, args

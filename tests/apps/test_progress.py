@@ -147,3 +147,33 @@ def test_cache_prompt_shows_the_prompts_progress(store, tmp_path, monkeypatch):
     r = CliRunner().invoke(app, [*map(str, args), "--prompt-cache-file", str(out)])
     assert r.exit_code == 0, r.output
     assert "prefill" in r.stderr and "39/39" in r.stderr and out.exists()
+
+
+def test_route_parity_tells_each_runs_positions(store, monkeypatch):
+    """route-parity loads and teacher-forces a prompt twice (seconds on a real store, silent
+    before): its status line names the run and the positions done, a chunk at a time."""
+    from typer.testing import CliRunner
+
+    from strata_mlx.apps.cli import app, route_parity
+
+    said, closed = [], []
+
+    class Recorded:
+        def set(self, text):
+            said.append(text)
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(route_parity, "StatusLine", Recorded)
+    ids = ",".join(str(i) for i in range(1, 21))
+    args = ["route-parity", "--model", store("qwen3_moe"), "--prompt-tokens", ids]
+    r = CliRunner().invoke(app, [*map(str, args), "--prefill-step-size", "8"])
+    assert r.exit_code == 0, r.output
+    runs = [("a", "lookahead"), ("b", "demand")]
+    assert said == [
+        f"run {n} ({p}): {s}"
+        for n, p in runs
+        for s in ["loading", "8/20 positions", "16/20 positions", "20/20 positions"]
+    ]
+    assert closed == [True] and "logits: bit-identical" in r.stdout

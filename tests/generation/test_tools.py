@@ -19,11 +19,9 @@ from strata_mlx.generation.generate import teacher_forced_logits
 from strata_mlx.generation.tools import (
     MoeDumper,
     dumps_equal,
-    kld_command,
     kld_report,
     load_logits,
     route_parity,
-    route_parity_command,
     traced_run,
 )
 from strata_mlx.runtime.experts import RoutingTrace
@@ -182,9 +180,12 @@ def test_moe_dumps_of_exact_configurations_are_byte_equal(store, tmp_path):
 
 
 def _app() -> typer.Typer:
+    from strata_mlx.apps.cli.kld import kld
+    from strata_mlx.apps.cli.route_parity import route_parity as command
+
     app = typer.Typer()
-    app.command("kld")(kld_command)
-    app.command("route-parity")(route_parity_command)
+    app.command("kld")(kld)
+    app.command("route-parity")(command)
     return app
 
 

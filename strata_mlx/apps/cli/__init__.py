@@ -10,7 +10,19 @@ from __future__ import annotations
 import typer
 
 from ... import __version__
-from . import bench, cache_prompt, cache_sim, convert, generate, kernels, plan, probe_ssd, serve
+from . import (
+    bench,
+    cache_prompt,
+    cache_sim,
+    convert,
+    generate,
+    kernels,
+    kld,
+    plan,
+    probe_ssd,
+    route_parity,
+    serve,
+)
 from .common import Command, Group, user_errors
 
 app = typer.Typer(
@@ -48,18 +60,7 @@ app.command("probe-ssd", cls=Command)(user_errors(probe_ssd.probe_ssd))
 app.add_typer(kernels.kernels_app, name="kernels")
 app.command(cls=Command)(user_errors(serve.serve))
 
-
-def _register_tools() -> None:
-    from ...generation.tools import kld_command, route_parity_command
-
-    app.command("kld", cls=Command, help="KLD and top-1 agreement between two logits files.")(
-        user_errors(kld_command)
-    )
-    app.command(
-        "route-parity", cls=Command, help="Routing of two configurations, per layer and token."
-    )(user_errors(route_parity_command))
-
-
-_register_tools()
+app.command(cls=Command)(user_errors(kld.kld))
+app.command("route-parity", cls=Command)(user_errors(route_parity.route_parity))
 
 __all__ = ["app"]

@@ -52,7 +52,13 @@ class _HelpFlag:
 
 
 class Command(_HelpFlag, TyperCommand):
-    pass
+    """A command listed under `strata-mlx --help` by its docstring's first paragraph on one
+    line (typer's rich listing keeps the docstring's line breaks)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.short_help is None and self.help:
+            self.short_help = " ".join(inspect.cleandoc(self.help).split("\n\n")[0].split())
 
 
 class Group(_HelpFlag, TyperGroup):
