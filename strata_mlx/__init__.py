@@ -17,8 +17,8 @@ import os
 if not os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
 
-from .generation.generate import GenerationResponse, generate, stream_generate
-from .runtime.loader import RuntimeConfig, load
+from .generation.generate import GenerationResponse, generate, load, stream_generate
+from .runtime.loader import RuntimeConfig
 
 __all__ = ["load", "generate", "stream_generate", "GenerationResponse", "RuntimeConfig"]
 __version__ = "0.1.0"

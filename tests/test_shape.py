@@ -77,10 +77,7 @@ LAYERS = ("format", "stream", "models", "runtime", "generation", "convert", "app
 SHARED = ("strata_mlx.config", "strata_mlx.configs", "strata_mlx._reader")
 
 # (importing module, imported module) pairs against the order that remain, and why.
-LAYER_EXCEPTIONS = {
-    # load() returns (model, tokenizer) as mlx-lm's load() does.
-    ("strata_mlx.runtime.loader", "strata_mlx.generation.tokenizer"): "load() loads it",
-}
+LAYER_EXCEPTIONS: dict[tuple[str, str], str] = {}
 # config.py is below every layer: the choice lists it checks against travel in the options'
 # declarations, so it imports none of them.
 SHARED_EXCEPTIONS: set[tuple[str, str]] = set()

@@ -342,7 +342,7 @@ def compare(
 ) -> dict:
     """mlx-lm's model, then strata-mlx's (every expert resident unless `config.arena_gb` says
     otherwise), on the same prompt: speed of each, their ratios, logits and token parity."""
-    from ..runtime.loader import GB, RuntimeConfig, load
+    from ..runtime.loader import GB, RuntimeConfig, load_model
 
     path = Path(path)
     m = load_manifest(path)
@@ -359,7 +359,7 @@ def compare(
     cfg = (config or RuntimeConfig()).replace(prefill_step_size=step)
     if cfg.arena_gb is None:
         cfg = cfg.replace(arena_gb=m.expert_bytes / GB)
-    model, _ = load(path, config=cfg)
+    model = load_model(path, config=cfg)
     try:
         model.expert_cache.warm()
         _warmup(run_strata, model, ids, step)

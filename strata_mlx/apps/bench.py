@@ -26,7 +26,7 @@ import numpy as np
 from ..config import OptionError, runtime_options
 from ..format.store import EXPERTS, load_manifest, write_text_atomic
 from ..generation.generate import generate_step, make_sampler
-from ..runtime.loader import RuntimeConfig, load
+from ..runtime.loader import RuntimeConfig, load_model
 from ..stream import trace as traces
 from ..stream.reader import drive_limit_gbps, drive_note
 from ..stream.stats import ExpertStats, RoutingTrace
@@ -378,7 +378,9 @@ class _Runner:
         return runs, arena_gb
 
     def load(self, cfg: RuntimeConfig):
-        model, _ = load(self.path, config=cfg, pipeline=self.pipeline() if self.pipeline else None)
+        model = load_model(
+            self.path, config=cfg, pipeline=self.pipeline() if self.pipeline else None
+        )
         if hasattr(model, "rank_stats"):
             model.wait_ready()
         return model

@@ -129,8 +129,7 @@ def calibrate(
         return
     from tqdm import tqdm
 
-    from ..generation.generate import forward_chunks
-    from ..runtime.loader import load
+    from ..generation.generate import forward_chunks, load
 
     path = writer.finalize()
     total = -(-tokens // CALIBRATION_STEP) * len(writer.manifest.moe_layers)

@@ -1,4 +1,5 @@
-"""Generation: chunked prefill, decode, sampling; `stream_generate` and `generate`.
+"""Generation: `load` (a store's model and tokenizer), chunked prefill, decode, sampling;
+`stream_generate` and `generate`.
 
 Shapes follow mlx-lm: `stream_generate` is a generator of GenerationResponse objects and the
 CLI is a thin shell over it. Each response also carries the expert cache's statistics.
@@ -19,6 +20,7 @@ from ..config import OptionError, check_prompt_length, check_sampling
 from ..stream.stats import ExpertStats
 from .prompt_cache import KVOptions, make_prompt_cache, maybe_quantize, quantize_due
 from .sampling import LogitsProcessor, Sampler, make_sampler  # make_sampler lived here
+from .tokenizer import load_tokenizer
 
 # MLX keeps the buffers it frees for reuse until they and the live ones near its memory
 # limit; past that, an allocation hands cached buffers back to the device's allocator first,
@@ -47,6 +49,24 @@ class GenerationResponse:
     expert_stats: ExpertStats | None = None  # whole generation so far
     prefill_stats: ExpertStats | None = None
     chunks: list[ExpertStats] = field(default_factory=list)  # per prefill chunk
+
+
+def load(
+    path,
+    arena_gb: float | None = None,
+    config=None,
+    pipeline=None,
+    reserve_bytes: int = 0,
+    **overrides,
+):
+    """Load a strata-mlx store: (model, tokenizer or None), as mlx-lm's load(); the model is
+    runtime.loader.load_model's, which takes the same arguments. The tokenizer's files are
+    checked before the model allocates anything."""
+    from ..runtime.loader import load_model
+
+    tokenizer = load_tokenizer(path)
+    model = load_model(path, arena_gb, config, pipeline, reserve_bytes, **overrides)
+    return model, tokenizer
 
 
 def forward_chunks(

@@ -256,12 +256,12 @@ def traced_run(model_path: str | Path, ids: list[int], config, on_progress=None)
     """Load the store with `config`, trace routing over teacher-forced `ids`:
     (RoutingTrace, logits [T, vocab]). `on_progress(done)`: the positions done, a chunk at a
     time."""
-    from ..runtime.loader import load
+    from ..runtime.loader import load_model
     from ..stream.stats import RoutingTrace
     from .generate import teacher_forced_logits
 
     trace = RoutingTrace()
-    model, _ = load(model_path, config=config.replace(trace=trace))
+    model = load_model(model_path, config=config.replace(trace=trace))
     vocab = model.args.vocab_size
     if any(not 0 <= i < vocab for i in ids):
         model.expert_cache.close()

@@ -523,12 +523,12 @@ def rank_figure_line(f: dict) -> str:
 def serve_loads(path, configs: list, make_pipeline, before_load=None) -> None:
     """A rank other than 0 under `bench --pipeline`: load the store once for each of
     `configs`, in rank 0's order, and serve each model until rank 0 closes it."""
-    from .loader import load
+    from .loader import load_model
 
     for cfg in configs:
         if before_load is not None and not cfg.fake_stream:
             before_load()
-        model, _ = load(path, config=cfg, pipeline=make_pipeline())
+        model = load_model(path, config=cfg, pipeline=make_pipeline())
         serve_stage(model)
 
 

@@ -31,7 +31,6 @@ from ..format.store import (
     load_profile,
     verify_dense,
 )
-from ..generation.tokenizer import load_tokenizer
 from ..models.base import normalize_config
 from ..stream import memory
 from ..stream.arena import Arena
@@ -151,7 +150,7 @@ def choose_arena(
     return arena, step
 
 
-def load(
+def load_model(
     path: str | Path,
     arena_gb: float | None = None,
     config: RuntimeConfig | None = None,
@@ -159,8 +158,8 @@ def load(
     reserve_bytes: int = 0,
     **overrides,
 ):
-    """Load a strata-mlx store: returns (model, tokenizer or None), as mlx-lm's load(); the
-    model is a StrataModel (runtime/model.py), a context manager that closes its cache.
+    """Load a strata-mlx store's model: a StrataModel (runtime/model.py), a context manager
+    that closes its cache (`strata_mlx.load` adds the tokenizer, as mlx-lm's load() does).
     `pipeline` (a strata_mlx.distributed.Pipeline): load only this rank's layers.
     `reserve_bytes`: memory the caller will hold beside the model (serve's kept prompt
     caches): the automatic arena leaves it free, the memory guard counts it."""
@@ -180,7 +179,6 @@ def load(
     path = Path(path)
     manifest = load_manifest(path)
     module, args = build_module(manifest, cfg, path)
-    tokenizer = load_tokenizer(path)  # its files are checked before anything is allocated
 
     dense_path = path / DENSE
     if cfg.verify:
@@ -203,7 +201,7 @@ def load(
     model = StrataModel(module, cache, cfg, path, blocks, pipeline)
     if pipeline is not None:
         model = pipeline.wrap(model)
-    return model, tokenizer
+    return model
 
 
 def store_args(path: str | Path):

@@ -70,9 +70,9 @@ def test_plan_names_the_arena_load_allocates(store, monkeypatch):
         prefill_step_size=64,
         prompt_tokens=128,
     )
-    from strata_mlx.runtime.loader import load
+    from strata_mlx.runtime.loader import load_model
 
-    model, _ = load(path, prefill_step_size=64)
+    model = load_model(path, prefill_step_size=64)
     try:
         assert f.slots == model.expert_cache.arena.n_slots
         assert f.prefill_step_size == model.runtime.prefill_step_size
@@ -915,7 +915,7 @@ def test_a_chunk_after_a_prefix_runs_at_that_position(store, monkeypatch):
     rest filled without computing them) and the chunk lands after it."""
     from strata_mlx.apps.plan import calibration as cal
     from strata_mlx.generation import prompt_cache
-    from strata_mlx.runtime.loader import RuntimeConfig, load
+    from strata_mlx.runtime.loader import RuntimeConfig, load_model
 
     made = []
     make = prompt_cache.make_prompt_cache
@@ -923,7 +923,7 @@ def test_a_chunk_after_a_prefix_runs_at_that_position(store, monkeypatch):
         prompt_cache, "make_prompt_cache", lambda m: made.append(make(m)) or made[-1]
     )
     cfg = RuntimeConfig(arena_gb=0.01, read_ahead="demand", fake_stream=True)
-    model, _ = load(store("qwen3_moe"), config=cfg)
+    model = load_model(store("qwen3_moe"), config=cfg)
     try:
         assert cal._time_after_prefix(model, list(range(1, 40)), 64, 8) > 0
     finally:

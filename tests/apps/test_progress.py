@@ -22,9 +22,9 @@ def test_conversions_calibration_pass_shows_a_bar(hf_checkpoint, tmp_path, capsy
 
 
 def test_warm_shows_a_bar_once_it_outlasts_its_delay(store, monkeypatch, capsys):
-    from strata_mlx.runtime.loader import load
+    from strata_mlx.runtime.loader import load_model
 
-    model, _ = load(store("qwen3_moe"), arena_gb=0.01)
+    model = load_model(store("qwen3_moe"), arena_gb=0.01)
     try:
         monkeypatch.setattr(experts, "WARM_BAR_DELAY_S", 0.0)
         model.expert_cache.warm()
@@ -106,10 +106,10 @@ def test_status_line_shows_past_its_delay_and_clears_itself(monkeypatch, capsys)
 
 def test_bench_tells_its_status_by_chunk_and_token(store):
     from strata_mlx.apps.bench import run_policy
-    from strata_mlx.runtime.loader import load
+    from strata_mlx.runtime.loader import load_model
 
     said = []
-    model, _ = load(store("qwen3_moe"), arena_gb=0.01)
+    model = load_model(store("qwen3_moe"), arena_gb=0.01)
     try:
         run_policy(model, list(range(1, 40)), 3, 16, "demand", "cold", status=said.append)
     finally:
@@ -129,9 +129,9 @@ def test_cache_prompt_shows_the_prompts_progress(store, tmp_path, monkeypatch):
 
     from strata_mlx.apps.cli import app
     from strata_mlx.generation.generate import cache_prompt
-    from strata_mlx.runtime.loader import load
+    from strata_mlx.runtime.loader import load_model
 
-    model, _ = load(store("qwen3_moe"), arena_gb=0.01)
+    model = load_model(store("qwen3_moe"), arena_gb=0.01)
     told = []
     try:
         cache_prompt(

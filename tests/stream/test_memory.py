@@ -171,7 +171,7 @@ def test_memory_a_caller_keeps_beside_the_model_is_left_free(store, monkeypatch)
 
     from strata_mlx.apps import server
     from strata_mlx.apps.server import app as server_app
-    from strata_mlx.runtime import loader
+    from strata_mlx.generation import generate
 
     class Loaded(Exception):
         pass
@@ -179,7 +179,7 @@ def test_memory_a_caller_keeps_beside_the_model_is_left_free(store, monkeypatch)
     def load(*a, **kw):
         raise Loaded(kw["reserve_bytes"])
 
-    monkeypatch.setattr(loader, "load", load)
+    monkeypatch.setattr(generate, "load", load)
     kv = server_app.kv_reserve(path, DEFAULT_DECODE_CONCURRENCY).bytes  # (the test below)
     for size, expect in ((10, 123), (0, 0)):
         with pytest.raises(Loaded) as e:

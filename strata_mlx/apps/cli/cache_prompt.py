@@ -60,8 +60,8 @@ def cache_prompt(
     import time
 
     from ...generation.generate import cache_prompt as run_prompt
+    from ...generation.generate import load
     from ...generation.prompt_cache import save_prompt_cache
-    from ...runtime.loader import load
 
     kv = kv_options(args)
     check_output_file(prompt_cache_file, "--prompt-cache-file")

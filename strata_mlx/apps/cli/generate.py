@@ -131,7 +131,7 @@ def generate(
     _check_experts_per_token(model, cfg.experts_per_token)
     pipe = _pipeline(args, kv)
     cfg = _with_hooks(cfg, dump_moe, trace_file, pipe)
-    from ...runtime.loader import load
+    from ...generation.generate import load
 
     m, tok = load(model, config=cfg, pipeline=pipe)
     from ...generation.prompt_cache import make_prompt_cache

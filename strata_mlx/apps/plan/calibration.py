@@ -228,7 +228,7 @@ def calibrate(
     (measure_real) for the handshake, recall and an absent lookup's cost.
     `progress(step name)` is called before each step."""
     from ...format.store import load_manifest
-    from ...runtime.loader import RuntimeConfig, load
+    from ...runtime.loader import RuntimeConfig, load_model
 
     say = progress or (lambda _name: None)
     vocab = load_manifest(path).config["vocab_size"]
@@ -238,7 +238,7 @@ def calibrate(
     cfg = RuntimeConfig(
         arena_gb=arena_gb, read_ahead="demand", fake_stream=True, prefill_step_size=longest
     )
-    model, _ = load(path, config=cfg)
+    model = load_model(path, config=cfg)
     try:
         fixed, per_token, position, token_s = _time_prefill(model, ids, plan, say)
         per_mode = _time_decode_modes(model, ids, longest, say)

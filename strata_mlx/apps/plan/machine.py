@@ -215,7 +215,7 @@ def measure_compute(
     a layer too (calibration.CalibrationPlan). `progress(step name)` is called before each step."""
     from ...format.store import load_manifest
     from ...runtime.decode import PipelinedDecoder
-    from ...runtime.loader import RuntimeConfig, load
+    from ...runtime.loader import RuntimeConfig, load_model
     from ..bench import run_policy
 
     say = progress or (lambda _name: None)
@@ -226,7 +226,7 @@ def measure_compute(
     cfg = RuntimeConfig(
         arena_gb=arena_gb, read_ahead="demand", fake_stream=True, prefill_step_size=step
     )
-    model, _ = load(path, config=cfg)
+    model = load_model(path, config=cfg)
     try:
         say("compile")
         run_policy(model, ids[: min(tokens, 8)], 1, step, "warmup", "-")  # kernels compile once
@@ -381,11 +381,11 @@ def measure_real(path: Path, ids: list[int], step: int, tokens: int, arena_gb: f
     the fake-stream run, whose expert outputs are whatever the slots hold: the hidden states
     there lack the updates that move routing from one layer to the next (on an H200: the
     forecast streamed ahead 87 % of the absent lookups on that recall, bench 70 %)."""
-    from ...runtime.loader import RuntimeConfig, load
+    from ...runtime.loader import RuntimeConfig, load_model
     from ..bench import run_policy
 
     cfg = RuntimeConfig(arena_gb=arena_gb, decode="sync", prefill_step_size=step)
-    model, _ = load(path, config=cfg)
+    model = load_model(path, config=cfg)
     try:
         n_layers = len(model.expert_cache.layers)
         run = run_policy(model, ids[: min(len(ids), step) + 1], tokens, step, "handshake", "-")

@@ -494,7 +494,7 @@ def _load_counting_kv(
     """load() with the memory guard counting `kept` bytes of prompt caches and the KV caches
     of the requests decoding at once (kv_reserve): (model, tokenizer, the KVReserve or None).
     A refusal names --decode-concurrency."""
-    from ...runtime.loader import load
+    from ...generation.generate import load
 
     # a pipeline's ranks hold one sequence's caches, split by layers: not counted here
     if pipe is not None:
