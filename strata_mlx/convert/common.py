@@ -11,7 +11,6 @@ import contextlib
 import contextvars
 import os
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -169,34 +168,6 @@ def calibrate(
     finally:
         bar.close()
         model.expert_cache.close()
-
-
-@contextmanager
-def ticking(desc: str, enabled: bool = True):
-    """A bar with no total for one long step that reports nothing as it goes (gguf-py's header
-    parse: seconds for a tokenizer of 49 K entries): its elapsed time, redrawn each second."""
-    import threading
-
-    from tqdm import tqdm
-
-    # shown from 1 s on: a quick step prints nothing (an error after it stays one line)
-    bar = tqdm(
-        desc=desc, total=None, bar_format="{desc}: {elapsed}", disable=not enabled, delay=1.0
-    )
-    done = threading.Event()
-
-    def redraw() -> None:
-        while not done.wait(1.0):
-            bar.refresh()
-
-    thread = threading.Thread(target=redraw, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-        bar.close()
 
 
 class _TracedProgress:

@@ -7,8 +7,8 @@ import io
 import re
 import time
 
-from strata_mlx.apps.cli.common import StatusLine
 from strata_mlx.apps.cli.generate import PrefillBar
+from strata_mlx.progress import StatusLine
 from strata_mlx.runtime import experts
 
 
@@ -51,12 +51,13 @@ def test_prefill_bar_speaks_only_past_its_delay(monkeypatch, capsys):
 
 def test_a_long_step_without_progress_of_its_own_ticks(capsys):
     """gguf-py's header parse reports nothing for seconds: its bar shows the time elapsed."""
-    from strata_mlx.convert.common import ticking
+    from strata_mlx.progress import ticking
 
     with ticking("reading model.gguf"):
         time.sleep(1.3)
     err = capsys.readouterr().err
     assert "reading model.gguf: 00:01" in err, err
+    assert err.endswith("\n") and "\n" not in err[:-1]  # kept, as conversion's bars are
     with ticking("reading model.gguf", enabled=False):
         pass
     assert capsys.readouterr().err == ""

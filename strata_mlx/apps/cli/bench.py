@@ -8,11 +8,11 @@ from typing import Annotated
 import typer
 
 from ...config import OptionError, check_runtime
+from ...progress import StatusLine
 from .common import (
     Pipeline,
     PipelineSplit,
     PipelineTimeout,
-    StatusLine,
     TraceFile,
     builtin_model,
     check_output_file,

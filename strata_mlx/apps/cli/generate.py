@@ -10,6 +10,7 @@ from ...config import (
     OptionError,
     parse_tokens,
 )
+from ...progress import StatusLine
 from .common import (
     KV_FLAGS,
     PANEL_RESEARCH,
@@ -18,7 +19,6 @@ from .common import (
     Pipeline,
     PipelineSplit,
     PipelineTimeout,
-    StatusLine,
     TraceFile,
     builtin_model,
     chat_flag,

@@ -9,7 +9,7 @@ import numpy as np
 import typer
 
 from ...config import OptionError
-from .common import StatusLine
+from ...progress import StatusLine
 
 
 def route_parity(

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from ...format.store import StoreError
-from ..common import check_output, ticking
+from ...progress import ticking
+from ..common import check_output
 from .config import GgufConfig, has_experts, moe_config
 from .finite import check_finite_tensors
 from .gpt_oss import convert_gpt_oss, gpt_oss_config
