@@ -332,10 +332,14 @@ def test_output_files_are_checked_before_anything_loads(tmp_path, command, flag)
         (["--kv-bits", "7"], "--kv-bits"),
         (["--max-kv-size", "2"], "--max-kv-size"),
         (["--pipeline", "--max-kv-size", "64"], "--pipeline"),
+        # uvicorn failed on it once the model was up, and the server's worker kept the
+        # process from exiting
+        (["--log-level", "bogus"], "--log-level 'bogus': one of critical, error, warning"),
     ],
 )
 def test_serve_kv_flags_are_checked_before_loading(tmp_path, args, names):
-    """serve's KV cache flags (mlx-lm's) fail in one line before a store is looked at."""
+    """serve's KV cache flags (mlx-lm's) and its log level fail in one line before a store
+    is looked at."""
     line = _error_line(run("serve", "--model", tmp_path / "no-such-store", *args))
     assert names in line
 

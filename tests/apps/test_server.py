@@ -97,13 +97,16 @@ def load_tiny(path):
 
 
 @contextlib.contextmanager
-def running(app):
-    """`app` served by uvicorn on a thread, on a free port; yields the base URL."""
+def running(app, **config):
+    """`app` served by uvicorn on a thread, on a free port (`config`: more of uvicorn.Config's
+    arguments); yields the base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, **config
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

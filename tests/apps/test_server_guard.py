@@ -1,7 +1,7 @@
 """The server against hostile clients (strata_mlx.apps.server.guard and the body limit): a
 foreign Host or Origin is a 403 (DNS rebinding), a body over the limit a 413 (by its
 Content-Length or as it streams), a stream cut by shutdown ends with its protocol's error event,
-and a soak: a 50 MiB body, slow clients trickling bodies and many idle connections while a
+connections past the cap or gone quiet are closed, and a soak: a 50 MiB body, slow clients trickling bodies and many idle connections while a
 normal client keeps getting answers within a second and the server's RSS stays bounded."""
 
 from __future__ import annotations
@@ -138,6 +138,87 @@ def test_a_stream_cut_at_shutdown_ends_with_an_error_event(model, path, body, la
     assert "shut down" in "".join(events[-3:])
 
 
+def _closed(s: socket.socket, within: float) -> bool:
+    """Whether the server closes `s` (after any answer it sends) within `within` seconds."""
+    s.settimeout(within)
+    try:
+        while data := s.recv(4096):
+            del data
+    except TimeoutError:
+        return False
+    except OSError:  # reset
+        pass
+    return True
+
+
+def test_connections_past_the_cap_or_gone_quiet_are_closed(model):
+    """A client that opens connections and sends nothing, or half a head, held each one for
+    good, and enough of them took every file descriptor: past the cap a new connection closes
+    the oldest one waiting on its client; one quiet for the stall time is closed; a client that
+    keeps sending, and a request in the app's hands, are never cut."""
+    from strata_mlx.apps.server.guard import guarded_http
+
+    app = create_app(*model, NAME, max_tokens_limit=LONG)
+    with running(app, http=guarded_http(limit=16, stall_s=60.0)) as base:
+        port = int(base.rsplit(":", 1)[1])
+        quiet = [socket.create_connection(("127.0.0.1", port)) for _ in range(50)]
+        # past the cap each new one closed the oldest: the first 34 are gone at once
+        assert [_closed(s, 0.5) for s in quiet] == [True] * 34 + [False] * 16
+        with httpx.Client(base_url=base, trust_env=False, timeout=5) as http:
+            t = time.monotonic()
+            assert http.get("/v1/models").status_code == 200
+            assert time.monotonic() - t < 2.0
+        for s in quiet:
+            s.close()
+    app = create_app(*model, NAME, max_tokens_limit=LONG)
+    with running(app, http=guarded_http(limit=16, stall_s=1.0)) as base:
+        port = int(base.rsplit(":", 1)[1])
+        quiet = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+        half = []
+        for _ in range(5):
+            half.append(socket.create_connection(("127.0.0.1", port)))
+            half[-1].sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n")
+        # under the cap: closed once quiet for 1 s
+        assert all(_closed(s, 5.0) for s in quiet + half)
+        # a body a byte each 0.3 s, 3 s in all: never quiet for 1 s, answered
+        body = json.dumps({"model": NAME, "prompt": "the cat", "max_tokens": 1}).encode()
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body))  # fmt: skip
+            for i in range(10):
+                time.sleep(0.3)
+                s.sendall(body[i : i + 1])
+            s.sendall(body[10:])
+            s.settimeout(30)
+            assert s.recv(100).startswith(b"HTTP/1.1 200")
+    # with every connection's request in the app's hands (two streams left unread), a new one
+    # is answered 503 at once
+    with running(app_for_cap(model), http=guarded_http(limit=2, stall_s=1.0)) as base:
+        port = int(base.rsplit(":", 1)[1])
+        never = {str(i): -100 for i in model[1].eos_token_ids}  # streams that run on
+        long = json.dumps({"model": NAME, "prompt": "the cat", "max_tokens": LONG,
+                           "stream": True, "logit_bias": never}).encode()  # fmt: skip
+        streams = []
+        for _ in range(2):
+            streams.append(socket.create_connection(("127.0.0.1", port)))
+            streams[-1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                                % len(long) + long)  # fmt: skip
+        time.sleep(1.5)  # past the stall time: neither is cut
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.settimeout(5)
+            answer = s.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 503") and b"too_many_connections" in answer
+        for s in streams:
+            s.settimeout(5)
+            assert s.recv(12).startswith(b"HTTP/1.1 200")
+            s.close()
+
+
+def app_for_cap(model):
+    return create_app(*model, NAME, max_tokens_limit=LONG, max_queue=4)
+
+
 def rss_mb(pid: int) -> float:
     return int(subprocess.check_output(["ps", "-o", "rss=", "-p", str(pid)])) / 1024
 
@@ -260,3 +341,15 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(mod
         assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
         r = http.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 1})
         assert "characters" not in r.text
+
+
+def test_a_server_uvicorn_fails_to_start_exits(tiny):  # noqa: F811
+    """uvicorn failing before its lifespan (here a log level it does not know) left the
+    server's worker thread running: the process printed the error and never exited."""
+    code = (
+        "import sys; from strata_mlx.apps.server import serve\n"
+        f"try: serve({str(tiny)!r}, port=0, log_level='bogus')\n"
+        "except KeyError: sys.exit(7)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 7, r.stderr[-2000:]

@@ -27,6 +27,10 @@ from .common import (
     runtime_command,
 )
 
+# uvicorn's (uvicorn.config.LOG_LEVELS), named here so that a wrong one is refused before the
+# model loads: uvicorn itself fails on it only once the model is up
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
 
 @runtime_command
 def serve(
@@ -92,7 +96,9 @@ def serve(
     max_body_bytes: int = typer.Option(
         DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", help="The largest request body; more is a 413."
     ),
-    log_level: str = typer.Option("info", "--log-level"),
+    log_level: str = typer.Option(
+        "info", "--log-level", help=f"The server's log: {', '.join(LOG_LEVELS)}."
+    ),
     prompt_cache_size: int = typer.Option(
         10, "--prompt-cache-size", help="Conversations whose KV cache is kept for reuse (0: off)."
     ),
@@ -132,6 +138,8 @@ def serve(
     if prompt_cache_dir is not None and prompt_cache_dir.exists() and not prompt_cache_dir.is_dir():
         raise OptionError(f"--prompt-cache-dir {prompt_cache_dir}: not a directory")
     check_number("shutdown_timeout", shutdown_timeout, 0, cli=True)
+    if log_level.lower() not in LOG_LEVELS:
+        raise OptionError(f"--log-level {log_level!r}: one of {', '.join(LOG_LEVELS)}")
     check_pipeline_flags(pipeline, pipeline_split, pipeline_timeout)
     kv = kv_options(args)
     if pipeline and (kv.max_kv_size or kv.kv_bits):  # each rank has its own cache

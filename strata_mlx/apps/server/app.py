@@ -470,12 +470,20 @@ def serve(
     )  # fmt: skip
     print("\n".join(lines), flush=True)
     try:
+        from .guard import guarded_http
+
         config = uvicorn.Config(
-            app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout
+            app,
+            log_level=log_level,
+            timeout_graceful_shutdown=shutdown_timeout,
+            http=guarded_http(),
         )
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()
+        # the lifespan's shutdown closes the engine; where uvicorn failed before its lifespan
+        # began, its worker would keep the process from exiting (a second close only waits)
+        engine.close(timeout=shutdown_timeout)
         if pipe is not None:
             model.close()
         model.expert_cache.close()

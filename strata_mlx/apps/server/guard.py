@@ -2,14 +2,16 @@
 a loopback server out of reach of web pages (a page doing DNS rebinding sends its own name as
 Host; a cross-site form post sends its own Origin), and the clean end of an event stream that
 shutdown cuts (uvicorn cancels what still runs when the grace period ends: the stream gets its
-protocol's final error event rather than a bare close), and the request body's size limit.
-Never: parses a request body or knows an endpoint's schema (a stream registers its own final
+protocol's final error event rather than a bare close), the request body's size limit, and
+the connections themselves (a cap, and clients that stop sending: `guarded_http`). Never: parses a request body or knows an endpoint's schema (a stream registers its own final
 bytes with `end_stream_with`)."""
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
+import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -210,3 +212,92 @@ class StreamEnd:
             # outside the response's own cancelled task group, the connection still writes
             await send({"type": "http.response.body", "body": end(), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+# ---- connections: a cap, and clients that stop sending -----------------------------------------
+
+# A client has this long to send the next bytes of a request's head or body: uvicorn sets no
+# limit of its own (it leaves that to a proxy in front), so a client that opens connections and
+# sends nothing, or half a head, held each one, and enough of them took every file descriptor.
+STALL_S = 30.0
+
+
+def max_connections() -> int:
+    """The open connections a server keeps: half the process's file descriptors (the store,
+    the reader and the model hold some), at most 1024, at least 16."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 16
+    return max(16, min(1024, soft // 2))
+
+
+def _busy() -> bytes:
+    body = json.dumps(
+        {"error": {"message": "too many open connections; try again", "type": "server_error",
+                   "param": None, "code": "too_many_connections"}}
+    ).encode()  # fmt: skip
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def guarded_http(limit: int | None = None, stall_s: float = STALL_S) -> type:
+    """uvicorn's h11 protocol with two limits of its own: a connection whose client sends
+    nothing for `stall_s` while its request's head or body is due (or, between requests, the
+    next one) is closed; past `limit` open connections (max_connections()) a new one closes
+    the oldest that waits on its client, or where every one has a request in the app's hands
+    is answered 503 and closed. A request the app holds is never cut."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    limit = limit or max_connections()
+    busy = _busy()
+
+    class GuardedH11(H11Protocol):
+        def connection_made(self, transport) -> None:
+            self.opened = self.last_data = time.monotonic()
+            self.stall_timer = None
+            super().connection_made(transport)
+            # (a connection closed here stays in the set until its close completes)
+            live = [c for c in self.connections if not c.transport.is_closing()]
+            if len(live) > limit:
+                waiting = [c for c in live if c is not self and c.waiting()]
+                if not waiting:
+                    transport.write(busy)
+                    transport.close()
+                    return
+                min(waiting, key=lambda c: c.opened).transport.close()
+            self.stall_timer = self.loop.call_later(stall_s, self.check_stall)
+
+        def data_received(self, data: bytes) -> None:
+            self.last_data = time.monotonic()
+            super().data_received(data)
+
+        def connection_lost(self, exc) -> None:
+            if self.stall_timer is not None:
+                self.stall_timer.cancel()
+                self.stall_timer = None
+            super().connection_lost(exc)
+
+        def waiting(self) -> bool:
+            """Whether the request's head or body (or the next request) is due from the
+            client, and this side is reading."""
+            return self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not (
+                self.flow is not None and self.flow.read_paused
+            )
+
+        def check_stall(self) -> None:
+            quiet = time.monotonic() - self.last_data
+            if quiet >= stall_s and self.waiting():
+                self.stall_timer = None
+                self.transport.close()
+            else:
+                self.stall_timer = self.loop.call_later(
+                    stall_s - quiet if quiet < stall_s else stall_s, self.check_stall
+                )
+
+    return GuardedH11
