@@ -560,8 +560,8 @@ def resolve(spec, flag: str = "eviction") -> tuple[str, Callable]:
         obj = importlib.import_module(module)
         for part in attr.split("."):
             obj = getattr(obj, part)
-    except ImportError as e:
-        raise OptionError(f"{flag} {spec!r}: cannot import {module} ({e})", "eviction") from None
+    except (ImportError, ValueError) as e:  # (ValueError: an empty or relative module name)
+        raise OptionError(f"{flag} {spec!r}: cannot import {module!r} ({e})", "eviction") from None
     except AttributeError:
         raise OptionError(f"{flag} {spec!r}: {module} has no {attr}", "eviction") from None
     if not callable(obj):
@@ -575,11 +575,34 @@ def _check_methods(obj, spec, flag: str) -> None:
         raise OptionError(f"{flag} {spec!r}: a policy needs {', '.join(missing)}", "eviction")
 
 
+def _arguments(factory, spec, flag: str, given: dict) -> dict:
+    """What of `given` the factory takes; an OptionError where it needs anything else (a
+    function that is no policy's factory, such as os:system)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature to read: nothing is passed
+        return {}
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in given.items() if takes_all or k in params}
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as e:
+        raise OptionError(
+            f"{flag} {spec!r}: not a policy's class or factory ({e}; it may take only "
+            "`layers` and `profile`)",
+            "eviction",
+        ) from None
+    return kwargs
+
+
 def check(spec, flag: str = "eviction") -> None:
-    """That `spec` names a policy, and a class given has the three methods (before a load)."""
+    """That `spec` names a policy, and a class given has the three methods and takes what
+    build() passes (before a load)."""
     _, factory = resolve(spec, flag)
     if isinstance(factory, type):
         _check_methods(factory, spec, flag)
+    if not (isinstance(spec, str) and spec in POLICIES):
+        _arguments(factory, spec, flag, {"layers": None, "profile": None})
 
 
 def build(spec, profile: np.ndarray | None = None, layers: list[int] | None = None):
@@ -587,12 +610,8 @@ def build(spec, profile: np.ndarray | None = None, layers: list[int] | None = No
     if isinstance(spec, str) and spec in POLICIES:
         return make_policy(spec, profile, layers)
     _, factory = resolve(spec)
-    given = {"layers": layers, "profile": profile}
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):  # no signature to read: nothing is passed
-        params = {}
-    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    policy = factory(**{k: v for k, v in given.items() if takes_all or k in params})
+    policy = factory(
+        **_arguments(factory, spec, "eviction", {"layers": layers, "profile": profile})
+    )
     _check_methods(policy, spec, "eviction")
     return policy

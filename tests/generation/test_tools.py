@@ -246,3 +246,21 @@ def test_kld_of_non_finite_logits_is_refused(tmp_path, value):
                         str(test)], capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "non-finite" in r.stderr and "nan" not in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--arena-gb-a", "0"], "--arena-gb-a 0.0: expected a finite number"),
+        (["--read-ahead-b", "bogus"], "--read-ahead-b 'bogus': one of demand"),
+        (["--io-workers", "0"], "--io-workers 0: expected an integer"),
+        # a 100 M-token prompt ran silent until killed: the context bounds it
+        (["--random-tokens", "100000000"], "--random-tokens 100000000: more than the model's"),
+    ],
+)
+def test_route_parity_names_the_flag_at_fault(store, args, says):
+    from strata_mlx.apps.cli import app
+
+    r = CliRunner().invoke(app, ["route-parity", "--model", str(store(FAMILY)), *args])
+    assert r.exit_code == 2
+    assert r.stderr.startswith(f"error: {says}") and r.stderr.count("\n") == 1, r.stderr

@@ -220,7 +220,9 @@ class NoVictim:
     "spec, says",
     [
         ("fifo", "unknown eviction policy"),
-        ("no_such_module:P", "cannot import no_such_module"),
+        ("no_such_module:P", "cannot import 'no_such_module'"),
+        (":P", "cannot import '' \\(Empty module name\\)"),
+        ("os:system", "not a policy's class or factory .*'command'"),  # a function, not one
         ("strata_mlx.stream.policies:Nope", "has no Nope"),
         ("strata_mlx.stream.policies:CANDIDATES", "is not a class"),
         (NoVictim, "a policy needs victim"),

@@ -39,34 +39,57 @@ def route_parity(
     Each configuration loads the store and teacher-forces the prompt; the lines name each
     layer's tokens whose top-k expert set differs, then whether the logits are bit-identical.
     Exit code 1 if any token's expert set differs."""
+    from ...config import check_runtime, parse_tokens
     from ...format.store import load_manifest
     from ...generation.tools import kld_report, route_parity, traced_run
     from ...runtime.loader import RuntimeConfig
 
     if prefill_step_size < 1:
         raise OptionError(f"--prefill-step-size {prefill_step_size}: must be at least 1")
+    configs = {}
+    for name, arena_gb, read_ahead in (
+        ("a", arena_gb_a, read_ahead_a),
+        ("b", arena_gb_b, read_ahead_b),
+    ):
+        cfg = RuntimeConfig(
+            arena_gb=arena_gb,
+            read_ahead=read_ahead,
+            prefill_step_size=prefill_step_size,
+            io_workers=io_workers,
+        )
+        try:
+            check_runtime(cfg, cli=True)
+        except OptionError as e:  # the flag of this configuration: --arena-gb-a, ...
+            msg = str(e)
+            for flag in ("--arena-gb", "--read-ahead"):
+                if msg.startswith(flag + " "):
+                    msg = f"{flag}-{name}{msg[len(flag) :]}"
+            raise OptionError(msg) from None
+        configs[name] = cfg
+    config = load_manifest(model).config
+    context = config.get("max_position_embeddings")
     if prompt_tokens is not None:
-        from ...config import parse_tokens
-
         ids = parse_tokens(prompt_tokens, "--prompt-tokens")
     else:
         if random_tokens < 1:
             raise OptionError(f"--random-tokens {random_tokens}: must be at least 1")
-        vocab = load_manifest(model).config.get("vocab_size", 128)
+        if isinstance(context, int) and random_tokens > context:
+            raise OptionError(
+                f"--random-tokens {random_tokens}: more than the model's context of {context} "
+                "(max_position_embeddings)"
+            )
+        vocab = config.get("vocab_size", 128)
         ids = np.random.default_rng(0).integers(0, vocab, size=random_tokens).tolist()
+    if isinstance(context, int) and len(ids) > context:
+        raise OptionError(
+            f"--prompt-tokens: {len(ids)} tokens, more than the model's context of {context} "
+            "(max_position_embeddings)"
+        )
     runs = []
     status = StatusLine()  # (on a terminal: the output is read by scripts)
     try:
-        for name, arena_gb, read_ahead in (
-            ("a", arena_gb_a, read_ahead_a),
-            ("b", arena_gb_b, read_ahead_b),
-        ):
-            cfg = RuntimeConfig(
-                arena_gb=arena_gb,
-                read_ahead=read_ahead,
-                prefill_step_size=prefill_step_size,
-                io_workers=io_workers,
-            )
+        for name, cfg in configs.items():
+            read_ahead = cfg.read_ahead.policy
             status.set(f"run {name} ({read_ahead}): loading")
             runs.append(
                 traced_run(
