@@ -99,6 +99,25 @@ def test_convert_errors_are_one_line_and_leave_nothing(hf_checkpoint, tmp_path):
     assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
 
 
+@pytest.mark.parametrize(
+    "source, flags, says",
+    [
+        ("--synthetic", ["-q"], "-q: not taken by --synthetic (only by --hf-path)"),
+        ("--synthetic", ["--split-experts", "4"], "--split-experts: not taken by --synthetic"),
+        ("--gguf-path", ["--dtype", "bfloat16"], "--dtype: not taken by --gguf-path"),
+        ("--hf-path", ["--set", "num_experts=4"], "--set: not taken by --hf-path"),
+        ("--hf-path", ["--seed", "3"], "--seed: not taken by --hf-path (only by --synthetic)"),
+    ],
+)
+def test_convert_refuses_a_flag_its_source_does_not_take(tmp_path, source, flags, says):
+    """Each was ignored without a word, the store written as if it had not been given."""
+    value = {"--synthetic": "bench-small", "--gguf-path": tmp_path / "m.gguf"}.get(source, tmp_path)
+    out = tmp_path / "out"
+    line = _error_line(run("convert", source, value, "--mlx-path", out, *flags))
+    assert line == f"error: {says}" or line.startswith(f"error: {says} "), line
+    assert not out.exists()
+
+
 def test_convert_warns_without_tokenizer_and_quantizes(hf_checkpoint, tmp_path):
     out = tmp_path / "q"
     r = run(
@@ -175,6 +194,17 @@ def test_generate_errors(store, tmp_path):
     assert "--prompt-tokens" in line
     line = _error_line(run("generate", "--model", store("qwen3_moe"), "--prompt-tokens", "999"))
     assert "token ids" in line
+    # token ids beside a text or system prompt: one of them was dropped without a word
+    for command, flag, value in [
+        ("generate", "--system-prompt", "You are a pirate"),
+        ("generate", "-p", "hello"),
+        ("cache-prompt", "--chat-template-config", "{}"),
+    ]:
+        out = ["--prompt-cache-file", tmp_path / "c.safetensors"] if command != "generate" else []
+        line = _error_line(run(command, "--model", tmp_path / "nope", "--prompt-tokens", "1",
+                               flag, value, *out))  # fmt: skip
+        assert line.startswith("error: --prompt-tokens and --"), line
+    assert not (tmp_path / "c.safetensors").exists()
 
 
 def test_synthetic_store_and_bench(tmp_path):

@@ -16,6 +16,7 @@ from .common import (
     builtin_model,
     chat_flag,
     check_output_file,
+    check_prompt_flags,
     kv_options,
     runtime_command,
     template_config,
@@ -67,6 +68,7 @@ def cache_prompt(
     check_output_file(prompt_cache_file, "--prompt-cache-file")
     template_kwargs = template_config(chat_template_config)
     chat = chat_flag(chat, system_prompt, chat_template_config)
+    check_prompt_flags(prompt, prompt_tokens, system_prompt, chat_template_config)
     if prompt is None and prompt_tokens is None and system_prompt is None:
         raise OptionError("give --prompt/-p, --prompt-tokens or --system-prompt")
     model, arena_gb = builtin_model(model, runtime.arena_gb)

@@ -324,6 +324,23 @@ def kv_options(args: dict):
     return kv
 
 
+def check_prompt_flags(prompt, prompt_tokens, system_prompt, chat_template_config) -> None:
+    """--prompt-tokens are the model's input as it is: a text prompt, a system prompt or the
+    chat template's variables beside them would be dropped without a word."""
+    if prompt_tokens is None:
+        return
+    for value, flag in (
+        (prompt, "--prompt"),
+        (system_prompt, "--system-prompt"),
+        (chat_template_config, "--chat-template-config"),
+    ):
+        if value is not None:
+            raise OptionError(
+                f"--prompt-tokens and {flag}: token ids are the model's input as they are "
+                "(no text, no chat template); give one or the other"
+            )
+
+
 def chat_flag(
     chat: bool | None, system_prompt: str | None, chat_template_config: str | None
 ) -> bool:

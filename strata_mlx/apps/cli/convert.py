@@ -75,6 +75,7 @@ def convert(
     sources = [s for s in (hf_path, gguf_path, synthetic) if s is not None]
     if len(sources) != 1:
         raise OptionError("give exactly one of --hf-path, --gguf-path, --synthetic")
+    _check_source_flags(flags, "hf" if hf_path else "gguf" if gguf_path else "synthetic")
     if synthetic is not None:
         from ...convert.synthetic import Recipe
 
@@ -98,6 +99,33 @@ def convert(
     with overwriting(overwrite):
         out = _convert(hf_path, gguf_path, synthetic, mlx_path, flags)
     typer.echo(f"wrote {out}")
+
+
+# The flags only some sources take: (flag, its default, the sources that take it). A flag
+# given to another source was ignored without a word (-q with --synthetic wrote a store of
+# its shape's own format).
+SOURCE_FLAGS = {
+    "quantize": ("-q", False, ("hf",)),
+    "q_bits": ("--q-bits", 4, ("hf",)),
+    "q_group_size": ("--q-group-size", 64, ("hf",)),
+    "q_mode": ("--q-mode", None, ("hf",)),
+    "dtype": ("--dtype", None, ("hf", "synthetic")),
+    "split_experts": ("--split-experts", None, ("gguf",)),
+    "router": ("--router", "structured", ("synthetic",)),
+    "recipe": ("--recipe", "default", ("synthetic",)),
+    "set_": ("--set", None, ("synthetic",)),
+    "seed": ("--seed", 0, ("synthetic",)),
+}
+SOURCE_NAMES = {"hf": "--hf-path", "gguf": "--gguf-path", "synthetic": "--synthetic"}
+
+
+def _check_source_flags(flags: dict, source: str) -> None:
+    for name, (flag, default, takers) in SOURCE_FLAGS.items():
+        if source not in takers and flags[name] not in (default, []):
+            raise OptionError(
+                f"{flag}: not taken by {SOURCE_NAMES[source]} "
+                f"(only by {', '.join(SOURCE_NAMES[t] for t in takers)})"
+            )
 
 
 def _exit_on_sigterm() -> None:

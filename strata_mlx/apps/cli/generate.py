@@ -24,6 +24,7 @@ from .common import (
     chat_flag,
     check_output_file,
     check_pipeline_flags,
+    check_prompt_flags,
     kv_options,
     runtime_command,
     save_npy,
@@ -112,6 +113,7 @@ def generate(
 ):
     """Generate text from a store, streaming experts through the arena."""
     args = dict(locals())
+    check_prompt_flags(prompt, prompt_tokens, system_prompt, chat_template_config)
     if prompt is None and prompt_tokens is None:
         if model is not None:
             raise OptionError("give --prompt/-p or --prompt-tokens")
