@@ -178,6 +178,10 @@ def read(path: str | Path) -> Trace:
 
 def _split(z, key: str) -> list[np.ndarray]:
     rows, counts = z[key], z[f"{key}_T"]
+    if rows.ndim != 2 or not np.issubdtype(rows.dtype, np.integer):
+        raise ValueError(f"{key}: {rows.dtype} {list(rows.shape)}, not integer ids [rows, k]")
+    if counts.ndim != 1 or not np.issubdtype(counts.dtype, np.integer):
+        raise ValueError(f"{key}_T: {counts.dtype} {list(counts.shape)}, not integer counts")
     if counts.sum() != len(rows) or (counts < 0).any():
         raise ValueError(f"{key}_T does not add up to the rows of {key}")
     return (
@@ -198,18 +202,42 @@ def _parse(z, path: Path) -> Trace:
     ids = {l: _split(z, f"L{l}") for l in layers}
     predicted = {int(k[1:]): _split(z, k) for k in files if k[0] == "P" and k[1:].isdigit()}
     biggest = max((int(a.max()) for calls in ids.values() for a in calls if a.size), default=-1)
-    num_experts = int(z["num_experts"]) if "num_experts" in files else biggest + 1
+    num_experts = _scalar(z, "num_experts", biggest + 1)
     if (
         biggest >= num_experts
         or min((int(a.min()) for calls in ids.values() for a in calls if a.size), default=0) < 0
     ):
         raise ValueError(f"routing ids outside [0, {num_experts})")
+    record_bytes = _scalar(z, "record_bytes", 0)
+    if record_bytes < 0:
+        raise ValueError(f"record_bytes {record_bytes}: negative")
+    decode_from = _scalar(z, "decode_from", None)
+    calls = min(len(ids[l]) for l in layers)
+    if decode_from is not None and not 0 <= decode_from <= calls:
+        raise ValueError(f"decode_from {decode_from}: outside the trace's {calls} calls")
+    profile = z["profile"] if "profile" in files else None
+    if profile is not None:
+        if profile.shape != (len(layers), num_experts):
+            raise ValueError(f"profile {list(profile.shape)}: expected [{len(layers)} layers, "
+                             f"{num_experts} experts]")  # fmt: skip
+        if not np.issubdtype(profile.dtype, np.number) or not np.isfinite(profile).all():
+            raise ValueError("profile: not finite numbers")
     return Trace(
         layers=layers,
         num_experts=num_experts,
-        record_bytes=int(z["record_bytes"]) if "record_bytes" in files else 0,
+        record_bytes=record_bytes,
         ids=ids,
         predicted=predicted,
-        decode_from=int(z["decode_from"]) if "decode_from" in files else None,
-        profile=z["profile"] if "profile" in files else None,
+        decode_from=decode_from,
+        profile=profile,
     )
+
+
+def _scalar(z, key: str, default):
+    """An integer scalar of the file, or `default` where the file has none."""
+    if key not in z.files:
+        return default
+    a = z[key]
+    if a.ndim != 0 or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{key}: {a.dtype} {list(a.shape)}, not an integer")
+    return int(a)

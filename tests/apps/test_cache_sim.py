@@ -137,7 +137,7 @@ def test_cache_sim_prints_a_line_per_policy(tmp_path):
     [
         (["--slots", 3], "--slots 3: a layer needs"),
         (["--slots", 12, "--policy", "nope"], "--policy 'nope': unknown eviction policy"),
-        (["--slots", 12, "--policy", "no_such_module:P"], "cannot import no_such_module"),
+        (["--slots", 12, "--policy", "no_such_module:P"], "cannot import 'no_such_module'"),
         (["--slots", 12, "--policy", ","], "--policy: name at least one"),
     ],
 )

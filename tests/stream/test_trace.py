@@ -77,6 +77,13 @@ def test_files_of_the_decode_benchmark_are_read(tmp_path):
     assert t.layers == [2] and t.num_experts == 4 and t.record_bytes == 0 and t.calls == 2
 
 
+ONE = {
+    "L0": np.array([[0, 1], [1, 3], [2, 2]]),
+    "L0_T": np.array([2, 1]),
+    "num_experts": np.array(4),
+}
+
+
 @pytest.mark.parametrize(
     "content, says",
     [
@@ -85,6 +92,15 @@ def test_files_of_the_decode_benchmark_are_read(tmp_path):
         ({"L0": np.zeros((3, 2), np.int16), "L0_T": np.array([2], np.int32)}, "does not add up"),
         ({"format": np.array("other")}, "format 'other'"),
         ({"x": np.zeros(2)}, "no routing ids"),
+        # each below was read, and gave a traceback or figures that meant nothing
+        ({**ONE, "profile": np.ones((1, 3))}, r"profile \[1, 3\]: expected \[1 layers, 4"),
+        ({**ONE, "profile": np.full((1, 4), np.nan)}, "profile: not finite"),
+        ({**ONE, "decode_from": np.array(-1)}, "decode_from -1: outside the trace's 2 calls"),
+        ({**ONE, "decode_from": np.array(1000)}, "decode_from 1000: outside"),
+        ({**ONE, "record_bytes": np.array(-1)}, "record_bytes -1: negative"),
+        ({**ONE, "num_experts": np.array(2.5)}, "num_experts: float64 .*not an integer"),
+        ({"L0": np.arange(3), "L0_T": np.array([2, 1])}, r"L0: int64 \[3\], not integer ids"),
+        ({"L0": np.zeros((3, 2)), "L0_T": np.array([2, 1])}, "L0: float64 .*not integer ids"),
     ],
 )
 def test_a_file_that_is_not_a_trace_is_a_one_line_error(tmp_path, content, says):
