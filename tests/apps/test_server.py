@@ -350,6 +350,16 @@ def test_out_of_range_sampling_fields_are_400s(served):
         ({"logit_bias": {"-1": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 500}}, "logit_bias"),
         ({"stop": ["a", 3]}, "stop"),
+        # each below was answered 200, the field ignored
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "no"}}]}, "tools"),
+        ({"response_format": {"type": "bogus"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format",
+        ),  # (no constrained decoding: not the answer asked for)
+        ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
     ]
     url = base + "/v1/chat/completions"
     with httpx.Client(trust_env=False, timeout=30) as http:
@@ -1117,3 +1127,23 @@ def test_serve_says_what_it_serves_and_names_the_model_as_given(tiny, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_chat_template_kwargs_reach_the_template(served, monkeypatch):
+    """enable_thinking=false and the like (mlx-lm's and vLLM's field) were dropped without a
+    word; response_format "text" is what the server does anyway."""
+    base, _, tok = served
+    seen = []
+    render = tok.apply_chat_template
+
+    def recorded(messages, add_generation_prompt=True, **kwargs):
+        seen.append(kwargs)
+        return render(messages, add_generation_prompt, **kwargs)
+
+    monkeypatch.setattr(tok, "apply_chat_template", recorded)
+    body = {"model": NAME, "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 2,
+            "chat_template_kwargs": {"enable_thinking": False}, "response_format": {"type": "text"}}  # fmt: skip
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        r = http.post(base + "/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert seen == [{"enable_thinking": False}]

@@ -13,7 +13,10 @@ Sampling fields are mlx-lm's server's (temperature, top_p, top_k, min_p, xtc_pro
 xtc_threshold, logit_bias, repetition_penalty and repetition_context_size, presence_penalty,
 frequency_penalty and their context sizes, seed, stop), built into one sampler by
 strata_mlx.generation.sampling exactly as `generate`'s flags are; an omitted temperature is OpenAI's 1.
-Chat requests' `tools` go through the model's chat template (`tool_choice` "auto" or "none");
+Chat requests' `tools` (OpenAI's function shape, checked) go through the model's chat template
+(`tool_choice` "auto" or "none"), and so do `chat_template_kwargs` (the template's variables,
+such as Qwen3's enable_thinking); `response_format` other than "text" is a 400 (no constrained
+decoding);
 the model's `<think>` reasoning comes back as `reasoning_content` and its Qwen3 `<tool_call>`
 blocks as `tool_calls`, streamed as OpenAI streams them (strata_mlx.generation.chat_output).
 

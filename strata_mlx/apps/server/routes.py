@@ -395,6 +395,14 @@ def chat_job(state: ServeState, req: ChatCompletionRequest) -> ChatJob:
     check_prompt_chars(state, sum(len(m["content"]) for m in messages), "messages")
     tools = bool(req.tools) and req.tool_choice != "none"
     extra = {"tools": req.tools} if tools else {}
+    variables = req.chat_template_kwargs or {}
+    fixed = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+    if taken := sorted(set(variables) & fixed):
+        raise APIError(
+            f"chat_template_kwargs: {', '.join(taken)} set by the request itself",
+            param="chat_template_kwargs",
+        )
+    extra.update(variables)
     tokenizer = state.tokenizer
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)

@@ -4,11 +4,11 @@ Never: touches the model or the engine."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ...config import (
     MAX_SEED,
@@ -69,15 +69,43 @@ class SamplingFields(_Strict):
         return [("n", self.n != 1)]
 
 
+class ResponseFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     tools: list[dict] | None = None
     tool_choice: Literal["auto", "none"] | None = None  # "required" / a named one: not done
+    response_format: ResponseFormat | None = None  # only "text": no constrained decoding
+    # variables of the chat template (enable_thinking=false for Qwen3), as mlx-lm's and
+    # vLLM's servers take them
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _functions(cls, tools):
+        """OpenAI's shape, which the chat template renders: a function with a name, its
+        parameters a JSON Schema object."""
+        for i, t in enumerate(tools or []):
+            fn = t.get("function")
+            if t.get("type") != "function" or not isinstance(fn, dict):
+                raise ValueError(f"tools.{i}: expected {{'type': 'function', 'function': {{...}}}}")
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"tools.{i}.function.name: a non-empty string")
+            if not isinstance(fn.get("parameters", {}), dict):
+                raise ValueError(f"tools.{i}.function.parameters: a JSON Schema object")
+        return tools
 
     def unsupported(self):
-        return super().unsupported() + [("logprobs", self.logprobs)]
+        constrained = self.response_format is not None and self.response_format.type != "text"
+        return super().unsupported() + [
+            ("logprobs", self.logprobs),
+            ("response_format", constrained),
+        ]
 
 
 class CompletionRequest(SamplingFields):
