@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +147,7 @@ class StoreWriter:
         (remove_dead_temps), and the old store is put back."""
         if not (self.tmp / MANIFEST).is_file():
             self.finalize()
-        with _writing(self.out):
+        with _writing(self.out), _RENAMES:
             _fsync_tree(self.tmp)  # on the drive before the old store is let go of
             os.chmod(self.tmp, 0o755)  # mkdtemp made it private
             if self.out.is_symlink() or self.out.is_file():
@@ -307,6 +308,9 @@ def _finish_replacement(out: Path) -> None:
 # (StoreWriter's constructor, the `with` around it, commit()'s two renames) leaves nothing
 # behind, and an old store moved aside is put back.
 _UNFINISHED: dict[Path, Path] = {}
+# Held by commit() over its renames, and by discard_unfinished(), which a thread of its own may
+# call while the main thread converts (a signal taken at once, apps/cli/convert.py).
+_RENAMES = threading.RLock()
 
 
 def _discard(tmp: Path, out: Path) -> None:
@@ -319,15 +323,25 @@ def _discard(tmp: Path, out: Path) -> None:
 
 
 @atexit.register
-def _discard_unfinished() -> None:
+def discard_unfinished() -> list[Path]:
+    """Give up every temporary store directory of this process (at exit, or at a signal): a
+    store being moved into place is let finish its renames first. The stores given up."""
+    with _RENAMES:
+        return _discard_all()
+
+
+def _discard_all() -> list[Path]:
+    given_up = []
     for tmp, out in list(_UNFINISHED.items()):
         owner = _temp_owner(tmp, out)
         if owner is None or owner[0] != os.getpid():
             continue  # a forked child's exit: the directory is its parent's
         try:
             _discard(tmp, out)
+            given_up.append(out)
         except OSError:
             pass  # left to the next conversion's remove_dead_temps (its name says whose)
+    return given_up
 
 
 def _make_temp(out: Path) -> Path:

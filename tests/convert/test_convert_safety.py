@@ -481,3 +481,35 @@ def test_cli_refuses_nan_weights_in_one_line(hf_checkpoint, tmp_path):
             "--allow-non-finite", env=quiet)  # fmt: skip
     assert r.returncode == 0, r.stderr
     load_manifest(out)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_inside_native_code_stops_the_conversion_at_once(tmp_path, sig):
+    """Ctrl-C waited for MLX's evaluation to return (one calibration layer of a large model on
+    a CPU: minutes), as Python runs handlers only between its own steps. Here the main thread
+    sits in one long numpy call with a conversion's temporary store open."""
+    out = tmp_path / "s"
+    code = (
+        "import numpy as np\n"
+        "from strata_mlx.apps.cli.convert import exit_on_signals\n"
+        "from strata_mlx.format.writer import _make_temp\n"
+        "exit_on_signals()\n"
+        f"_make_temp(__import__('pathlib').Path({str(out)!r}))\n"
+        "print('ready', flush=True)\n"
+        "a = np.random.default_rng(0).normal(size=(3000, 3000))\n"
+        "for _ in range(20):\n"
+        "    np.linalg.svd(a)\n"  # seconds each inside LAPACK
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert p.stdout.readline() == "ready\n"
+    assert _temps(out)
+    time.sleep(0.5)  # inside the first svd
+    t = time.monotonic()
+    p.send_signal(sig)
+    p.wait(30)
+    assert time.monotonic() - t < 2.0
+    assert p.returncode == 128 + sig
+    err = p.stderr.read()
+    assert err.strip() == f"{signal.Signals(sig).name}: stopped; {out} not written", err
+    assert not _temps(out) and not out.exists()

@@ -83,7 +83,7 @@ def convert(
     from ...convert.common import check_output, overwriting
 
     check_output(mlx_path, *(s for s in (hf_path, gguf_path) if s), overwrite=overwrite)
-    _exit_on_sigterm()  # SIGTERM unwinds: the temporary directory is removed on the way out
+    exit_on_signals()  # Ctrl-C and SIGTERM: the unfinished store removed, an exit at once
     if q_mode is not None and q_mode not in Q_MODES:
         raise OptionError(f"--q-mode {q_mode}: one of {', '.join(Q_MODES)}")
     if q_mode is not None and not quantize:
@@ -128,13 +128,45 @@ def _check_source_flags(flags: dict, source: str) -> None:
             )
 
 
-def _exit_on_sigterm() -> None:
-    import signal
+_WATCHING = False
 
-    def handler(signum, frame):
+
+def exit_on_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM end a conversion at once: its unfinished store is removed
+    and the process exits 128 + the signal. Python runs a signal's handler only once the main
+    thread is back in the interpreter, and one calibration layer of a large model inside MLX's
+    evaluation took minutes on a CPU; the C-level handler writes the signal to a pipe, which a
+    thread of its own reads whatever the main thread is doing."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    from ...format.writer import discard_unfinished
+
+    global _WATCHING
+    if _WATCHING or threading.current_thread() is not threading.main_thread():
+        return
+    _WATCHING = True
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+
+    def unwind(signum, frame):  # (the main thread's own way out, should it get there first)
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, handler)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, unwind)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        signum = os.read(read, 1)[0]
+        given_up = discard_unfinished()
+        what = f"; {', '.join(map(str, given_up))} not written" if given_up else ""
+        sys.stderr.write(f"\n{signal.Signals(signum).name}: stopped{what}\n")
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    threading.Thread(target=watch, name="strata-signals", daemon=True).start()
 
 
 def _convert(hf_path, gguf_path, synthetic, mlx_path, flags: dict) -> Path:
