@@ -198,6 +198,10 @@ class MoeDumper:
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise OptionError(f"{self.directory}: exists and is not a directory")
+        if next(self.directory.glob("layer*_call*.npy"), None) is not None:
+            # (a shorter run's dump over a longer one's leaves the longer one's last calls,
+            # which dumps_equal would compare as if this run had written them)
+            raise OptionError(f"{self.directory}: holds an earlier dump; give a new directory")
         self.directory.mkdir(parents=True, exist_ok=True)
         self.calls: dict[int, int] = {}
         self.files = 0

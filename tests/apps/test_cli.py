@@ -330,6 +330,11 @@ def test_probe_ssd_ranges_are_one_line_errors(store, args, names):
     assert names in line
 
 
+def test_probe_ssd_of_a_directory_says_what_it_is(tmp_path):
+    line = _error_line(run("probe-ssd", tmp_path))  # it said "no such file"
+    assert line == f"error: {tmp_path}: not a regular file; give a large file on the drive"
+
+
 @pytest.mark.parametrize(
     "command, flag",
     [
@@ -365,6 +370,7 @@ def test_output_files_are_checked_before_anything_loads(tmp_path, command, flag)
         # uvicorn failed on it once the model was up, and the server's worker kept the
         # process from exiting
         (["--log-level", "bogus"], "--log-level 'bogus': one of critical, error, warning"),
+        (["-m", "100", "--max-tokens-limit", "10"], "--max-tokens 100: more than"),
     ],
 )
 def test_serve_kv_flags_are_checked_before_loading(tmp_path, args, names):

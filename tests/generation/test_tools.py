@@ -174,6 +174,9 @@ def test_moe_dumps_of_exact_configurations_are_byte_equal(store, tmp_path):
     assert dumps_equal(*dirs) == sorted(names[:2])
     with pytest.raises(ValueError, match="nowhere"):
         dumps_equal(dirs[0], tmp_path / "nowhere")
+    # a second dump into the first's directory would leave its extra calls behind
+    with pytest.raises(OptionError, match="holds an earlier dump"):
+        MoeDumper(dirs[0])
 
 
 # ---- commands ------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from ...config import (
+    OptionError,
     parse_tokens,
 )
 
@@ -29,8 +30,10 @@ def probe_ssd(
     counts = tuple(parse_tokens(workers, "--workers"))
     for n in counts:
         check_int("workers", n, 1, MAX_IO_WORKERS, cli=True)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{path}: no such file")
+    if not path.is_file():  # a directory, a device, a FIFO: no records to read at random
+        raise OptionError(f"{path}: not a regular file; give a large file on the drive")
     rows = probe(path, record_bytes=record_bytes, seconds=seconds, workers_list=counts)
     if note := drive_note():
         typer.echo(note)
