@@ -244,16 +244,20 @@ class BatchGenerator:
             self.sequences.remove(seq)
 
     def step(
-        self, on_error: Callable[[Sequence, BaseException], None] | None = None
+        self,
+        on_error: Callable[[Sequence, BaseException], None] | None = None,
+        stop_prefill: Callable[[Sequence], bool] | None = None,
     ) -> list[tuple[Sequence, GenerationResponse]]:
         """One step: prefill chunks, then one token of every decoding sequence. The sequences
         of a failed prefill forward (their chunks run together) or token step are removed
-        and handed to `on_error` (without it, the error is raised)."""
+        and handed to `on_error` (without it, the error is raised). A prefill forward stops
+        at its next MoE layer once `stop_prefill` is true of every sequence in it (their
+        error: runtime.experts.PrefillStopped)."""
         ec = self.model.expert_cache
         ec.idle()  # everything earlier steps built is evaluated
         prefilling = [s for s in self.sequences if not s.decoding][: self.prompt_concurrency]
         if prefilling:
-            self._prefill_chunks(prefilling, on_error)
+            self._prefill_chunks(prefilling, on_error, stop_prefill)
             mx.clear_cache()  # (generate.RELEASE_EVERY: as mlx-lm's after each prompt chunk)
         rows = [s for s in self.sequences if s.decoding]
         if not rows:
@@ -282,7 +286,10 @@ class BatchGenerator:
         return out
 
     def _prefill_chunks(
-        self, seqs: list[Sequence], on_error: Callable[[Sequence, BaseException], None] | None
+        self,
+        seqs: list[Sequence],
+        on_error: Callable[[Sequence, BaseException], None] | None,
+        stop: Callable[[Sequence], bool] | None = None,
     ) -> None:
         """The next prefill chunk of each of `seqs` (generate.forward_chunks' chunks: the same
         forwards), run together: batch_forward's rows, each chunk's dense computation its own
@@ -297,8 +304,10 @@ class BatchGenerator:
                     (seq, mx.array(seq.ids[:n_prompt])[None, seq.prefilled : seq.prefilled + n])
                 )
         if rows:
+            ec = self.model.expert_cache
+            stopped = (lambda: all(stop(s) for s, _ in rows)) if stop is not None else None
             try:
-                with self.model.expert_cache.phase(decoding=False):
+                with ec.phase(decoding=False), ec.stoppable(stopped):
                     if len(rows) == 1:
                         seq, tokens = rows[0]
                         self.model(tokens, cache=seq.cache)

@@ -183,6 +183,11 @@ def _route_sync(inds: mx.array, x: mx.array, preds: list[mx.array], join: bool):
     return joint
 
 
+class PrefillStopped(Exception):
+    """A prefill forward stopped at a MoE layer by its `stoppable` check: the KV caches it
+    was extending hold part of a chunk, to be dropped."""
+
+
 class ExpertCache:
     """The handshake of every MoE layer of one model, over its scheduler (reads, residency,
     statistics: strata_mlx.stream.scheduler) and its predictor (strata_mlx.stream.prediction)."""
@@ -247,8 +252,21 @@ class ExpertCache:
         # A batched token step (strata_mlx.generation.batch) sets this (`gathering`): each
         # sequence's MoE layer is handed to it, which runs the layer once for every sequence.
         self.gather: Callable[[int, mx.array, mx.array], mx.array] | None = None
+        # Asked at each prefill layer's handshake (`stoppable`): true stops the forward there.
+        self.stop_check: Callable[[], bool] | None = None
 
     # ---- public ----------------------------------------------------------------------
+
+    @contextmanager
+    def stoppable(self, check: Callable[[], bool] | None):
+        """Within: a prefill forward raises PrefillStopped at its next MoE layer once `check()`
+        is true (a server's client gone: one prompt chunk can take seconds on a GPU, minutes on
+        a CPU). Decode steps are never stopped here: they end between tokens."""
+        before, self.stop_check = self.stop_check, check
+        try:
+            yield
+        finally:
+            self.stop_check = before
 
     @contextmanager
     def gathering(self, gather: Callable[[int, mx.array, mx.array], mx.array] | None):
@@ -370,6 +388,8 @@ class ExpertCache:
         """Experts of `layer` for x [..., D] routed to inds [..., k] -> [..., k, D]."""
         if self.gather is not None:
             return self.gather(layer, x, inds)
+        if self.stop_check is not None and not self.decoding and self.stop_check():
+            raise PrefillStopped(f"prefill stopped at layer {layer}")
         if self.sched.closed:
             raise RuntimeError(CLOSED)
         if self.pipelined.records is not None:

@@ -110,6 +110,44 @@ def test_removed_sequence_leaves_the_others_exact(store):
     model.expert_cache.close()
 
 
+def test_a_prefill_forward_stops_only_once_every_sequence_in_it_is_gone(store):
+    """stop_prefill true of one of two sequences prefilling together: their forward runs on
+    (the other still wants it) and that sequence gets what it gets alone; true of every one:
+    the forward stops at its next MoE layer, each sequence handed over with PrefillStopped."""
+    from strata_mlx.runtime.experts import PrefillStopped
+
+    path = store("qwen3_moe")
+    model, _ = small_arena(path)
+    a, b = prompt_ids(20, seed=1), prompt_ids(20, seed=2)
+    want = alone(model, b, 3, 0.0, None)[0]
+    gen = BatchGenerator(model, None, decode_concurrency=2, prompt_concurrency=2,
+                         prefill_step_size=8)  # fmt: skip
+    sa, sb = gen.insert(a, 3), gen.insert(b, 3)
+    failed, tokens = [], []
+    while gen.sequences:
+        for seq, r in gen.step(on_error=lambda s, e: failed.append((s, e)),
+                               stop_prefill=lambda s: s is sa):  # fmt: skip
+            if seq is sb:
+                tokens.append(r.token)
+            if seq is sa:
+                gen.remove(sa)  # (its client is gone: it would be removed between steps)
+    assert failed == [] and tokens == want
+    ec = model.expert_cache
+    layers_run = []
+    run_layer = ec.run_layer
+    # (the handshakes themselves: a row's forward hands its layer to the batch first)
+    ec.run_layer = lambda *x: (ec.gather is None and layers_run.append(x[0])) or run_layer(*x)
+    gen = BatchGenerator(model, None, decode_concurrency=2, prompt_concurrency=2,
+                         prefill_step_size=8)  # fmt: skip
+    sa, sb = gen.insert(a, 3), gen.insert(b, 3)
+    assert gen.step(on_error=lambda s, e: failed.append((s, e)), stop_prefill=lambda s: True) == []
+    assert [s for s, _ in failed] == [sa, sb] and not gen.sequences
+    assert all(isinstance(e, PrefillStopped) for _, e in failed)
+    assert layers_run == [ec.layers[0]]  # stopped at the first MoE layer's handshake
+    ec.run_layer = run_layer
+    model.expert_cache.close()
+
+
 @pytest.mark.parametrize("one_forward", [True, False])
 def test_one_moe_call_per_layer_reads_the_union(store, one_forward):
     """A batched step runs each MoE layer once for all rows: as many handshakes as one

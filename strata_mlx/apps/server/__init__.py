@@ -27,7 +27,8 @@ stream. What a request can get wrong is answered 4xx with an OpenAI-style error 
 itself, e.g. a corrupt store):
 
 - a request whose client disconnects is cancelled, queued or running, streaming or not: the
-  worker stops at its next token, or mid-prefill at the end of the chunk it is in;
+  worker stops at its next token, or mid-prefill at the next MoE layer of its chunk (a
+  batched prefill forward once every request in it is gone);
 - at most `max_queue` requests wait behind the running one; more are answered 429 with a
   Retry-After estimated from recent requests' durations;
 - a prompt longer than `max_prompt_tokens` and a max_tokens above `max_tokens_limit` are 400s

@@ -23,6 +23,7 @@ from ...config import (
     DEFAULT_SHUTDOWN_TIMEOUT,
 )
 from ...generation.sampling import SamplingOptions
+from ...runtime.experts import PrefillStopped
 from .schemas import APIError
 
 # ---- generation ----------------------------------------------------------------------------
@@ -55,8 +56,9 @@ class Engine:
     or with `decode_concurrency` > 1 that many at once, stepped together.
 
     Every job carries a cancel event, set when its client disconnects or its request task is
-    cancelled (shutdown); the worker checks it before starting the job, between prefill
-    chunks (a long prompt stops mid-prefill) and after every token.
+    cancelled (shutdown); the worker checks it before starting the job, at each MoE layer of
+    a prefill forward (ExpertCache.stoppable: a long prompt stops inside its chunk) and after
+    every token.
     Counters are changed by the event loop and the worker, under `_counts`.
     """
 
@@ -220,7 +222,12 @@ class Engine:
             kv_group_size=self.kv.kv_group_size,
             quantized_kv_start=self.kv.quantized_kv_start,
         )
-        with contextlib.closing(gen):
+
+        def gone() -> bool:
+            return self._closing.is_set() or (cancelled is not None and cancelled.is_set())
+
+        ec = self.model.expert_cache
+        with contextlib.closing(gen), ec.stoppable(gone):
             try:
                 for r in gen:
                     n += 1
@@ -238,8 +245,8 @@ class Engine:
                     if self._closing.is_set() or (cancelled is not None and cancelled.is_set()):
                         stopped = True
                         break
-            except _Stopped:  # between two prefill chunks: a long prompt stops there
-                stopped = True
+            except (_Stopped, PrefillStopped):  # a long prompt stops between its chunks, or
+                stopped = True  # inside one at its next MoE layer
         # Closed or finished, the cache covers the prompt and every token but the last; kept
         # only where each layer's own count agrees.
         covered = job.ids + tokens[:-1]
@@ -391,12 +398,19 @@ class StepLoop:
 
         def failed(seq, e: BaseException) -> None:
             r = running.pop(id(seq))
+            if isinstance(e, PrefillStopped):  # every client of its prefill forward left
+                self._finish(r, stopped=True)
+                return
             self._end(r)
             r.done.set_exception(e)
 
+        def gone(seq) -> bool:
+            r = running.get(id(seq))
+            return self.engine._closing.is_set() or r is None or r.cancelled.is_set()
+
         before = self.engine.model.expert_cache.stats.copy()
         t0 = time.perf_counter()
-        out = gen.step(on_error=failed)
+        out = gen.step(on_error=failed, stop_prefill=gone)
         self._count_step(before, time.perf_counter() - t0, len(out))
         for seq, resp in out:
             r = running[id(seq)]
