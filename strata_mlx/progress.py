@@ -9,8 +9,6 @@ import threading
 import time
 from contextlib import contextmanager
 
-import typer
-
 
 class StatusLine:
     """Where a long command is, on one line of stderr: by default the text last `set` and the
@@ -59,6 +57,8 @@ class StatusLine:
             self._draw()
 
     def echo(self, line: str) -> None:
+        import typer
+
         if self.bar.disable:
             typer.echo(line)
             return
@@ -84,6 +84,8 @@ class StatusLine:
         self.done.set()
         if self.thread is not None:
             self.thread.join()
+        if self.leave and not self.bar.disable and time_since(self.bar) >= self.delay:
+            self.shown = True  # (past its delay: kept, drawn or not yet by the timer)
         if self.shown and self.leave:
             with self.bar.get_lock():
                 self.bar.refresh(nolock=True)  # its final time

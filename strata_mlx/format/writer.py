@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -147,15 +148,16 @@ class StoreWriter:
         (remove_dead_temps), and the old store is put back."""
         if not (self.tmp / MANIFEST).is_file():
             self.finalize()
-        with _writing(self.out), _RENAMES:
+        with _writing(self.out):
             _fsync_tree(self.tmp)  # on the drive before the old store is let go of
             os.chmod(self.tmp, 0o755)  # mkdtemp made it private
             if self.out.is_symlink() or self.out.is_file():
                 raise StoreError(f"{self.out}: not a directory; refusing to replace it")
-            if self.out.exists():
-                os.replace(self.out, self.tmp / REPLACED)
-            os.replace(self.tmp, self.out)
-            _UNFINISHED.pop(self.tmp, None)
+            with _RENAMES:
+                if self.out.exists():
+                    os.replace(self.out, self.tmp / REPLACED)
+                os.replace(self.tmp, self.out)
+                _UNFINISHED.pop(self.tmp, None)
             _fsync_dir(self.out.parent)  # the rename itself
             _finish_replacement(self.out)
         return self.out
@@ -311,6 +313,7 @@ _UNFINISHED: dict[Path, Path] = {}
 # Held by commit() over its renames, and by discard_unfinished(), which a thread of its own may
 # call while the main thread converts (a signal taken at once, apps/cli/convert.py).
 _RENAMES = threading.RLock()
+_STOPPING = False  # a signal's discard has run: no temporary directory is made after it
 
 
 def _discard(tmp: Path, out: Path) -> None:
@@ -323,21 +326,30 @@ def _discard(tmp: Path, out: Path) -> None:
 
 
 @atexit.register
-def discard_unfinished() -> list[Path]:
+def discard_unfinished(stop: bool = False) -> list[Path]:
     """Give up every temporary store directory of this process (at exit, or at a signal): a
-    store being moved into place is let finish its renames first. The stores given up."""
+    store being moved into place, or a directory being made, is let finish first. `stop`:
+    from another thread while the main one may still be writing (a signal's): no directory
+    is made after, and one the main thread writes into as it goes is removed again. The
+    stores given up."""
+    global _STOPPING
     with _RENAMES:
-        return _discard_all()
+        _STOPPING = _STOPPING or stop
+        return _discard_all(tries=50 if stop else 1)
 
 
-def _discard_all() -> list[Path]:
+def _discard_all(tries: int) -> list[Path]:
     given_up = []
     for tmp, out in list(_UNFINISHED.items()):
         owner = _temp_owner(tmp, out)
         if owner is None or owner[0] != os.getpid():
             continue  # a forked child's exit: the directory is its parent's
         try:
-            _discard(tmp, out)
+            for _ in range(tries):  # (a file made inside meanwhile fails the rmdir: again)
+                _discard(tmp, out)
+                if not tmp.exists():
+                    break
+                time.sleep(0.002)
             given_up.append(out)
         except OSError:
             pass  # left to the next conversion's remove_dead_temps (its name says whose)
@@ -345,7 +357,9 @@ def _discard_all() -> list[Path]:
 
 
 def _make_temp(out: Path) -> Path:
-    with _writing(out):
+    with _writing(out), _RENAMES:  # (a signal's discard waits for the stamp: it reads it)
+        if _STOPPING:
+            raise SystemExit("stopping: no store is started")
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{_owner_tag()}.", dir=out.parent))
         _UNFINISHED[tmp] = out

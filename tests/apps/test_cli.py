@@ -370,7 +370,6 @@ def test_output_files_are_checked_before_anything_loads(tmp_path, command, flag)
         # uvicorn failed on it once the model was up, and the server's worker kept the
         # process from exiting
         (["--log-level", "bogus"], "--log-level 'bogus': one of critical, error, warning"),
-        (["-m", "100", "--max-tokens-limit", "10"], "--max-tokens 100: more than"),
     ],
 )
 def test_serve_kv_flags_are_checked_before_loading(tmp_path, args, names):

@@ -1150,7 +1150,8 @@ def test_chat_template_kwargs_reach_the_template(served, monkeypatch):
 
     monkeypatch.setattr(tok, "apply_chat_template", recorded)
     body = {"model": NAME, "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 2,
-            "chat_template_kwargs": {"enable_thinking": False}, "response_format": {"type": "text"}}  # fmt: skip
+            "chat_template_kwargs": {"enable_thinking": False},
+            "response_format": {"type": "text"}}  # fmt: skip
     with httpx.Client(trust_env=False, timeout=30) as http:
         r = http.post(base + "/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text

@@ -1,8 +1,9 @@
 """The server against hostile clients (strata_mlx.apps.server.guard and the body limit): a
 foreign Host or Origin is a 403 (DNS rebinding), a body over the limit a 413 (by its
 Content-Length or as it streams), a stream cut by shutdown ends with its protocol's error event,
-connections past the cap or gone quiet are closed, and a soak: a 50 MiB body, slow clients trickling bodies and many idle connections while a
-normal client keeps getting answers within a second and the server's RSS stays bounded."""
+connections past the cap or gone quiet are closed, and a soak: a 50 MiB body, slow clients
+trickling bodies and many idle connections while a normal client keeps getting answers within a
+second and the server's RSS stays bounded."""
 
 from __future__ import annotations
 
@@ -162,8 +163,9 @@ def test_connections_past_the_cap_or_gone_quiet_are_closed(model):
     with running(app, http=guarded_http(limit=16, stall_s=60.0)) as base:
         port = int(base.rsplit(":", 1)[1])
         quiet = [socket.create_connection(("127.0.0.1", port)) for _ in range(50)]
-        # past the cap each new one closed the oldest: the first 34 are gone at once
-        assert [_closed(s, 0.5) for s in quiet] == [True] * 34 + [False] * 16
+        # past the cap each new one closed the quietest: the first 34 are gone at once
+        assert [_closed(s, 5.0) for s in quiet[:34]] == [True] * 34
+        assert [_closed(s, 0.2) for s in quiet[34:]] == [False] * 16
         with httpx.Client(base_url=base, trust_env=False, timeout=5) as http:
             t = time.monotonic()
             assert http.get("/v1/models").status_code == 200
@@ -171,16 +173,16 @@ def test_connections_past_the_cap_or_gone_quiet_are_closed(model):
         for s in quiet:
             s.close()
     app = create_app(*model, NAME, max_tokens_limit=LONG)
-    with running(app, http=guarded_http(limit=16, stall_s=1.0)) as base:
+    with running(app, http=guarded_http(limit=16, stall_s=2.0)) as base:
         port = int(base.rsplit(":", 1)[1])
         quiet = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
         half = []
         for _ in range(5):
             half.append(socket.create_connection(("127.0.0.1", port)))
             half[-1].sendall(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n")
-        # under the cap: closed once quiet for 1 s
-        assert all(_closed(s, 5.0) for s in quiet + half)
-        # a body a byte each 0.3 s, 3 s in all: never quiet for 1 s, answered
+        # under the cap: closed once quiet for 2 s
+        assert all(_closed(s, 10.0) for s in quiet + half)
+        # a body a byte each 0.3 s, 3 s in all: never quiet for 2 s, answered
         body = json.dumps({"model": NAME, "prompt": "the cat", "max_tokens": 1}).encode()
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
@@ -349,7 +351,7 @@ def test_a_server_uvicorn_fails_to_start_exits(tiny):  # noqa: F811
     code = (
         "import sys; from strata_mlx.apps.server import serve\n"
         f"try: serve({str(tiny)!r}, port=0, log_level='bogus')\n"
-        "except KeyError: sys.exit(7)\n"
+        "except Exception: sys.exit(7)\n"  # (uvicorn's own error for the level: KeyError)
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 7, r.stderr[-2000:]

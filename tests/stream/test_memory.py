@@ -266,7 +266,9 @@ def test_serve_s_automatic_arena_gives_the_kv_caches_their_share(store, monkeypa
 
     def app(model, *a, **kw):  # what serve needs of the app, nothing that starts threads
         asked.append((model.expert_cache.arena.n_slots, kw["decode_concurrency"]))
-        engine = SimpleNamespace(decode_concurrency=kw["decode_concurrency"])
+        engine = SimpleNamespace(
+            decode_concurrency=kw["decode_concurrency"], close=lambda timeout: True
+        )
         return SimpleNamespace(state=SimpleNamespace(engine=engine))
 
     def run(self, sockets=None):

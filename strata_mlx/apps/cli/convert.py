@@ -115,6 +115,7 @@ SOURCE_FLAGS = {
     "recipe": ("--recipe", "default", ("synthetic",)),
     "set_": ("--set", None, ("synthetic",)),
     "seed": ("--seed", 0, ("synthetic",)),
+    "allow_non_finite": ("--allow-non-finite", False, ("hf", "gguf")),
 }
 SOURCE_NAMES = {"hf": "--hf-path", "gguf": "--gguf-path", "synthetic": "--synthetic"}
 
@@ -151,16 +152,18 @@ def exit_on_signals() -> None:
     read, write = os.pipe()
     os.set_blocking(write, False)
 
-    def unwind(signum, frame):  # (the main thread's own way out, should it get there first)
-        raise SystemExit(128 + signum)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, unwind)
+    # the watcher alone ends the process: a handler raising in the main thread would race it
+    # (unwinding a commit's renames half-done, or exiting before its line is out)
+    stops = (signal.SIGINT, signal.SIGTERM)
+    for sig in stops:
+        signal.signal(sig, lambda signum, frame: None)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
 
     def watch() -> None:
-        signum = os.read(read, 1)[0]
-        given_up = discard_unfinished()
+        signum = 0
+        while signum not in stops:  # (the pipe carries every signal with a Python handler)
+            signum = os.read(read, 1)[0]
+        given_up = discard_unfinished(stop=True)
         what = f"; {', '.join(map(str, given_up))} not written" if given_up else ""
         sys.stderr.write(f"\n{signal.Signals(signum).name}: stopped{what}\n")
         sys.stderr.flush()

@@ -194,12 +194,6 @@ def _check_sizes(args: dict) -> None:
     for name in ("max_tokens_limit", "max_prompt_tokens"):
         if args[name] is not None:
             check_int(name, args[name], 1, cli=True)
-    limit = args["max_tokens_limit"]
-    if limit is not None and args["max_tokens"] > limit:
-        raise OptionError(
-            f"--max-tokens {args['max_tokens']}: more than --max-tokens-limit {limit} (every "
-            "request giving no max_tokens would be refused)"
-        )
     check_int("max_queue", args["max_queue"], 0, cli=True)
     if args["decode_concurrency"] is not None:
         check_int("decode_concurrency", args["decode_concurrency"], 1, cli=True)

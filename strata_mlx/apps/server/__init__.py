@@ -40,7 +40,7 @@ itself, e.g. a corrupt store):
   password); with allowed origins, browsers' CORS preflights from them succeed;
 - a connection whose client sends nothing for 30 s while its request's head or body is due is
   closed, and past a cap of open connections a new one closes the oldest such connection
-  (a request the app holds is never cut; guard.guarded_http);
+  (a request whose body is in is never cut; guard.guarded_http);
 - on SIGTERM the server stops accepting, lets requests in flight finish for up to
   `shutdown_timeout` seconds, then cancels what is left and exits.
 """

@@ -477,13 +477,14 @@ def serve(
             log_level=log_level,
             timeout_graceful_shutdown=shutdown_timeout,
             http=guarded_http(),
+            ws="none",  # (no websocket routes: no connection leaves the guarded protocol)
         )
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()
         # the lifespan's shutdown closes the engine; where uvicorn failed before its lifespan
         # began, its worker would keep the process from exiting (a second close only waits)
-        engine.close(timeout=shutdown_timeout)
+        engine.close(timeout=min(shutdown_timeout, 2.0))
         if pipe is not None:
             model.close()
         model.expert_cache.close()

@@ -201,8 +201,11 @@ class Engine:
         self.prefilled_tokens += len(job.ids) - reused
         tokens: list[int] = []
 
+        def gone() -> bool:
+            return self._closing.is_set() or (cancelled is not None and cancelled.is_set())
+
         def progress(done: int, total: int) -> None:  # between prefill chunks, and at the end
-            if self._closing.is_set() or (cancelled is not None and cancelled.is_set()):
+            if gone():
                 raise _Stopped
 
         gen = stream_generate(
@@ -222,12 +225,7 @@ class Engine:
             kv_group_size=self.kv.kv_group_size,
             quantized_kv_start=self.kv.quantized_kv_start,
         )
-
-        def gone() -> bool:
-            return self._closing.is_set() or (cancelled is not None and cancelled.is_set())
-
-        ec = self.model.expert_cache
-        with contextlib.closing(gen), ec.stoppable(gone):
+        with contextlib.closing(gen), self.model.expert_cache.stoppable(gone):
             try:
                 for r in gen:
                     n += 1
@@ -242,11 +240,11 @@ class Engine:
                         on_text(r.text)
                     if finish is not None:
                         break
-                    if self._closing.is_set() or (cancelled is not None and cancelled.is_set()):
+                    if gone():
                         stopped = True
                         break
-            except (_Stopped, PrefillStopped):  # a long prompt stops between its chunks, or
-                stopped = True  # inside one at its next MoE layer
+            except (_Stopped, PrefillStopped):  # a prompt stopped between or inside its chunks
+                stopped = True
         # Closed or finished, the cache covers the prompt and every token but the last; kept
         # only where each layer's own count agrees.
         covered = job.ids + tokens[:-1]
@@ -258,11 +256,15 @@ class Engine:
         m = self.mean_request_s
         self.mean_request_s = elapsed if m is None else m + 0.2 * (elapsed - m)
         if r is not None and r.expert_stats is not None:
-            if self.served is None:
-                self.served = r.expert_stats.copy()
-            else:
-                self.served.add(r.expert_stats)
+            self._serve_stats(r.expert_stats)
         return Result(text, finish or "length", len(job.ids), n, matched)
+
+    def _serve_stats(self, stats) -> None:
+        """A request's expert-cache figures added to the server's (`served`)."""
+        if self.served is None:
+            self.served = stats.copy()
+        else:
+            self.served.add(stats)
 
     def keep(self, covered: list[int], cache: list) -> None:
         """Keep `cache` (covering `covered`) for reuse, its arrays computed first, here on the

@@ -3,8 +3,9 @@ a loopback server out of reach of web pages (a page doing DNS rebinding sends it
 Host; a cross-site form post sends its own Origin), and the clean end of an event stream that
 shutdown cuts (uvicorn cancels what still runs when the grace period ends: the stream gets its
 protocol's final error event rather than a bare close), the request body's size limit, and
-the connections themselves (a cap, and clients that stop sending: `guarded_http`). Never: parses a request body or knows an endpoint's schema (a stream registers its own final
-bytes with `end_stream_with`)."""
+the connections themselves (a cap, and clients that stop sending: `guarded_http`). Never:
+parses a request body or knows an endpoint's schema (a stream registers its own final bytes
+with `end_stream_with`)."""
 
 from __future__ import annotations
 
@@ -247,10 +248,11 @@ def _busy() -> bytes:
 
 def guarded_http(limit: int | None = None, stall_s: float = STALL_S) -> type:
     """uvicorn's h11 protocol with two limits of its own: a connection whose client sends
-    nothing for `stall_s` while its request's head or body is due (or, between requests, the
-    next one) is closed; past `limit` open connections (max_connections()) a new one closes
-    the oldest that waits on its client, or where every one has a request in the app's hands
-    is answered 503 and closed. A request the app holds is never cut."""
+    nothing for `stall_s` while its request's head or body is due (or, after a response, the
+    next request) is closed; past `limit` open connections (max_connections()) a new one
+    closes the one that has waited on its client the longest since it last sent, or where
+    every one has its request in (head and body) is answered 503 and closed. A request whose
+    body is in is never cut."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -259,23 +261,31 @@ def guarded_http(limit: int | None = None, stall_s: float = STALL_S) -> type:
 
     class GuardedH11(H11Protocol):
         def connection_made(self, transport) -> None:
-            self.opened = self.last_data = time.monotonic()
+            self.last_data = time.monotonic()
             self.stall_timer = None
             super().connection_made(transport)
             # (a connection closed here stays in the set until its close completes)
             live = [c for c in self.connections if not c.transport.is_closing()]
             if len(live) > limit:
-                waiting = [c for c in live if c is not self and c.waiting()]
+                # (getattr: a connection upgraded to another protocol is not one of these)
+                waiting = [c for c in live if c is not self and getattr(c, "waiting", None)]
+                waiting = [c for c in waiting if c.waiting()]
                 if not waiting:
                     transport.write(busy)
                     transport.close()
                     return
-                min(waiting, key=lambda c: c.opened).transport.close()
+                min(waiting, key=lambda c: c.last_data).transport.close()
             self.stall_timer = self.loop.call_later(stall_s, self.check_stall)
 
         def data_received(self, data: bytes) -> None:
             self.last_data = time.monotonic()
             super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            # the client's turn begins: its quiet time counts from here, not from the bytes
+            # of a request the app held for longer than stall_s
+            self.last_data = time.monotonic()
+            super().on_response_complete()
 
         def connection_lost(self, exc) -> None:
             if self.stall_timer is not None:

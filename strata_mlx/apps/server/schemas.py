@@ -96,7 +96,7 @@ class ChatCompletionRequest(SamplingFields):
                 raise ValueError(f"tools.{i}: expected {{'type': 'function', 'function': {{...}}}}")
             if not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise ValueError(f"tools.{i}.function.name: a non-empty string")
-            if not isinstance(fn.get("parameters", {}), dict):
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
                 raise ValueError(f"tools.{i}.function.parameters: a JSON Schema object")
         return tools
 
