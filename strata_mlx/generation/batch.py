@@ -37,6 +37,7 @@ from greenlet import greenlet
 
 from ..config import OptionError
 from ..models.base import RowCaches
+from ..runtime.experts import stoppable
 from . import generate
 from .generate import GenerationResponse, add_token
 from .prompt_cache import KVOptions, make_prompt_cache, maybe_quantize
@@ -307,7 +308,7 @@ class BatchGenerator:
             ec = self.model.expert_cache
             stopped = (lambda: all(stop(s) for s, _ in rows)) if stop is not None else None
             try:
-                with ec.phase(decoding=False), ec.stoppable(stopped):
+                with ec.phase(decoding=False), stoppable(ec, stopped):
                     if len(rows) == 1:
                         seq, tokens = rows[0]
                         self.model(tokens, cache=seq.cache)

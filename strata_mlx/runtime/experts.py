@@ -188,6 +188,18 @@ class PrefillStopped(Exception):
     was extending hold part of a chunk, to be dropped."""
 
 
+@contextmanager
+def stoppable(cache: ExpertCache, check: Callable[[], bool] | None):
+    """Within: a prefill forward through `cache` raises PrefillStopped at its next MoE layer
+    once `check()` is true (a server's client gone: one prompt chunk can take seconds on a
+    GPU, minutes on a CPU). Decode steps are never stopped here: they end between tokens."""
+    before, cache.stop_check = cache.stop_check, check
+    try:
+        yield
+    finally:
+        cache.stop_check = before
+
+
 class ExpertCache:
     """The handshake of every MoE layer of one model, over its scheduler (reads, residency,
     statistics: strata_mlx.stream.scheduler) and its predictor (strata_mlx.stream.prediction)."""
@@ -252,21 +264,9 @@ class ExpertCache:
         # A batched token step (strata_mlx.generation.batch) sets this (`gathering`): each
         # sequence's MoE layer is handed to it, which runs the layer once for every sequence.
         self.gather: Callable[[int, mx.array, mx.array], mx.array] | None = None
-        # Asked at each prefill layer's handshake (`stoppable`): true stops the forward there.
-        self.stop_check: Callable[[], bool] | None = None
+        self.stop_check: Callable[[], bool] | None = None  # (see `stoppable`)
 
     # ---- public ----------------------------------------------------------------------
-
-    @contextmanager
-    def stoppable(self, check: Callable[[], bool] | None):
-        """Within: a prefill forward raises PrefillStopped at its next MoE layer once `check()`
-        is true (a server's client gone: one prompt chunk can take seconds on a GPU, minutes on
-        a CPU). Decode steps are never stopped here: they end between tokens."""
-        before, self.stop_check = self.stop_check, check
-        try:
-            yield
-        finally:
-            self.stop_check = before
 
     @contextmanager
     def gathering(self, gather: Callable[[int, mx.array, mx.array], mx.array] | None):

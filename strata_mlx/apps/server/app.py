@@ -402,7 +402,6 @@ def serve(
     spill to that directory, up to `prompt_cache_dir_bytes` (strata_mlx.apps.prompt_cache_dir).
     `decode_concurrency` None: DEFAULT_DECODE_CONCURRENCY, halved until the requests' KV caches
     fit beside the model (a number given is kept, or refused)."""
-    import uvicorn
 
     from ...runtime.loader import RuntimeConfig
 
@@ -470,16 +469,7 @@ def serve(
     )  # fmt: skip
     print("\n".join(lines), flush=True)
     try:
-        from .guard import guarded_http
-
-        config = uvicorn.Config(
-            app,
-            log_level=log_level,
-            timeout_graceful_shutdown=shutdown_timeout,
-            http=guarded_http(),
-            ws="none",  # (no websocket routes: no connection leaves the guarded protocol)
-        )
-        uvicorn.Server(config).run(sockets=[sock])
+        _run(app, sock, log_level, shutdown_timeout)
     finally:
         sock.close()
         # the lifespan's shutdown closes the engine; where uvicorn failed before its lifespan
@@ -488,6 +478,22 @@ def serve(
         if pipe is not None:
             model.close()
         model.expert_cache.close()
+
+
+def _run(app, sock, log_level: str, shutdown_timeout: float) -> None:
+    """uvicorn serving `app` on `sock` until shutdown, through the guarded h11 protocol."""
+    import uvicorn
+
+    from .guard import guarded_http
+
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        timeout_graceful_shutdown=shutdown_timeout,
+        http=guarded_http(),
+        ws="none",  # (no websocket routes: no connection leaves the guarded protocol)
+    )
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 def _load_counting_kv(

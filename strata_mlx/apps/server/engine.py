@@ -23,7 +23,7 @@ from ...config import (
     DEFAULT_SHUTDOWN_TIMEOUT,
 )
 from ...generation.sampling import SamplingOptions
-from ...runtime.experts import PrefillStopped
+from ...runtime.experts import PrefillStopped, stoppable
 from .schemas import APIError
 
 # ---- generation ----------------------------------------------------------------------------
@@ -57,7 +57,7 @@ class Engine:
 
     Every job carries a cancel event, set when its client disconnects or its request task is
     cancelled (shutdown); the worker checks it before starting the job, at each MoE layer of
-    a prefill forward (ExpertCache.stoppable: a long prompt stops inside its chunk) and after
+    a prefill forward (runtime.experts.stoppable: a long prompt stops inside its chunk) and after
     every token.
     Counters are changed by the event loop and the worker, under `_counts`.
     """
@@ -225,7 +225,7 @@ class Engine:
             kv_group_size=self.kv.kv_group_size,
             quantized_kv_start=self.kv.quantized_kv_start,
         )
-        with contextlib.closing(gen), self.model.expert_cache.stoppable(gone):
+        with contextlib.closing(gen), stoppable(self.model.expert_cache, gone):
             try:
                 for r in gen:
                     n += 1
