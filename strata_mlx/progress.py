@@ -52,6 +52,8 @@ class StatusLine:
 
     def count(self, n: int) -> None:
         """The steps done (a bar with a total), drawn now once its delay has passed."""
+        if self.bar.disable:
+            return
         with self.bar.get_lock():
             self.bar.n = n
             self._draw()
@@ -86,12 +88,9 @@ class StatusLine:
             self.thread.join()
         if self.leave and not self.bar.disable and time_since(self.bar) >= self.delay:
             self.shown = True  # (past its delay: kept, drawn or not yet by the timer)
-        if self.shown and self.leave:
-            with self.bar.get_lock():
-                self.bar.refresh(nolock=True)  # its final time
-                self.bar.fp.write("\n")
-                self.bar.fp.flush()
-            self.bar.disable = True  # (tqdm's close would clear it)
+        if self.shown and self.leave:  # tqdm's close draws it a last time and keeps it, if it
+            self.bar.leave = True  # thinks it was drawn (the timer's draws are not counted)
+            self.bar.last_print_t = time.time()  # (tqdm's clock)
         elif self.shown:
             self.bar.clear()
         self.bar.close()

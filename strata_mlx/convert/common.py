@@ -126,13 +126,14 @@ def calibrate(
     `progress`: a bar over the layers' routing decisions (seconds to minutes on a CPU)."""
     if tokens <= 0 or not writer.manifest.moe_layers:
         return
-    from tqdm import tqdm
-
     from ..generation.generate import forward_chunks, load
+    from ..progress import StatusLine
 
     path = writer.finalize()
     total = -(-tokens // CALIBRATION_STEP) * len(writer.manifest.moe_layers)
-    bar = tqdm(total=total, desc="calibration", unit="layer", disable=not progress)
+    # redrawn each second: one layer's pass on a CPU can take minutes
+    bar = StatusLine(enabled=progress, delay=0.0, leave=True, desc="calibration", total=total,
+                     unit="layer", bar_format=None)  # fmt: skip
     trace = _TracedProgress(bar)
     try:
         model, tok = load(path, arena_gb=arena_gb, read_ahead="demand", trace=trace)
@@ -179,11 +180,12 @@ class _TracedProgress:
         self.inner = RoutingTrace()
         self.ids = self.inner.ids
         self.predicted = self.inner.predicted
-        self.bar = bar
+        self.bar, self.done = bar, 0
 
     def record(self, layer: int, ids: np.ndarray) -> None:
         self.inner.record(layer, ids)
-        self.bar.update(1)
+        self.done += 1
+        self.bar.count(self.done)
 
     def record_prediction(self, layer: int, ids: np.ndarray) -> None:
         self.inner.record_prediction(layer, ids)
