@@ -348,9 +348,9 @@ def _discard_all(tries: int) -> list[Path]:
             for _ in range(tries):  # (a file made inside meanwhile fails the rmdir: again)
                 _discard(tmp, out)
                 if not tmp.exists():
+                    given_up.append(out)
                     break
                 time.sleep(0.002)
-            given_up.append(out)
         except OSError:
             pass  # left to the next conversion's remove_dead_temps (its name says whose)
     return given_up
@@ -358,8 +358,8 @@ def _discard_all(tries: int) -> list[Path]:
 
 def _make_temp(out: Path) -> Path:
     with _writing(out), _RENAMES:  # (a signal's discard waits for the stamp: it reads it)
-        if _STOPPING:
-            raise SystemExit("stopping: no store is started")
+        if _STOPPING:  # the signal's thread is ending the process: wait for it
+            threading.Event().wait()
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{_owner_tag()}.", dir=out.parent))
         _UNFINISHED[tmp] = out

@@ -172,6 +172,16 @@ def test_connections_past_the_cap_or_gone_quiet_are_closed(model):
             assert time.monotonic() - t < 2.0
         for s in quiet:
             s.close()
+        # the quietest goes, not the oldest: the oldest of 16 has just sent half a head
+        time.sleep(0.5)  # (the closes above land)
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]
+        time.sleep(0.2)
+        held[0].sendall(b"GET /v1/models HTTP/1.1\r\n")
+        time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", port)):
+            assert _closed(held[1], 5.0) and not _closed(held[0], 0.2)
+        for s in held:
+            s.close()
     app = create_app(*model, NAME, max_tokens_limit=LONG)
     with running(app, http=guarded_http(limit=16, stall_s=2.0)) as base:
         port = int(base.rsplit(":", 1)[1])
@@ -351,7 +361,9 @@ def test_a_server_uvicorn_fails_to_start_exits(tiny):  # noqa: F811
     code = (
         "import sys; from strata_mlx.apps.server import serve\n"
         f"try: serve({str(tiny)!r}, port=0, log_level='bogus')\n"
-        "except Exception: sys.exit(7)\n"  # (uvicorn's own error for the level: KeyError)
+        "except Exception as e: print(repr(e)); sys.exit(7)\n"  # (uvicorn's error: KeyError)
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 7, r.stderr[-2000:]
+    assert "bogus" in r.stdout  # (uvicorn's own error, after the model and its worker are up)
+    assert "OpenAI-compatible API at" in r.stdout

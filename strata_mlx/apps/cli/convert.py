@@ -163,11 +163,15 @@ def exit_on_signals() -> None:
         signum = 0
         while signum not in stops:  # (the pipe carries every signal with a Python handler)
             signum = os.read(read, 1)[0]
-        given_up = discard_unfinished(stop=True)
-        what = f"; {', '.join(map(str, given_up))} not written" if given_up else ""
-        sys.stderr.write(f"\n{signal.Signals(signum).name}: stopped{what}\n")
-        sys.stderr.flush()
-        os._exit(128 + signum)
+        try:
+            given_up = discard_unfinished(stop=True)
+            what = f"; {', '.join(map(str, given_up))} not written" if given_up else ""
+            sys.stderr.write(f"\n{signal.Signals(signum).name}: stopped{what}\n")
+            sys.stderr.flush()
+        except BaseException:
+            pass  # (stderr a pipe Ctrl-C closed: the exit below must come all the same)
+        finally:
+            os._exit(128 + signum)
 
     threading.Thread(target=watch, name="strata-signals", daemon=True).start()
 

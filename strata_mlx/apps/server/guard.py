@@ -274,7 +274,8 @@ def guarded_http(limit: int | None = None, stall_s: float = STALL_S) -> type:
                     transport.write(busy)
                     transport.close()
                     return
-                min(waiting, key=lambda c: c.last_data).transport.close()
+                # abort: a close would wait for bytes a client that reads nothing never takes
+                min(waiting, key=lambda c: c.last_data).transport.abort()
             self.stall_timer = self.loop.call_later(stall_s, self.check_stall)
 
         def data_received(self, data: bytes) -> None:
@@ -304,7 +305,7 @@ def guarded_http(limit: int | None = None, stall_s: float = STALL_S) -> type:
             quiet = time.monotonic() - self.last_data
             if quiet >= stall_s and self.waiting():
                 self.stall_timer = None
-                self.transport.close()
+                self.transport.abort()  # (it owes the client nothing: see connection_made)
             else:
                 self.stall_timer = self.loop.call_later(
                     stall_s - quiet if quiet < stall_s else stall_s, self.check_stall
