@@ -144,6 +144,16 @@ def test_bad_profile_names_the_field(store, tmp_path, profile, why):
     assert "profile.json" in msg and why in msg, msg
 
 
+def test_a_profile_that_is_a_directory_is_refused(store, tmp_path):
+    """It read as a store without a profile: static read-ahead and profile eviction ran
+    unranked without a word."""
+    path = _copy(store(FAMILY), tmp_path / "s")
+    (path / "profile.json").unlink(missing_ok=True)
+    (path / "profile.json").mkdir()
+    with pytest.raises(StoreError, match="profile.json: not a file"):
+        load_profile(path, load_manifest(path))
+
+
 # ---- tokenizer files and the chat template -------------------------------------------------
 
 

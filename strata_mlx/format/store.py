@@ -481,8 +481,10 @@ def _validate(m: Manifest, store: Path) -> None:
 def load_profile(store: str | Path, m: Manifest) -> np.ndarray | None:
     """Per-layer expert counts [n_moe_layers, num_experts] from calibration, or None."""
     path = Path(store) / PROFILE
-    if not path.is_file():
+    if not path.exists():
         return None
+    if not path.is_file():  # (a directory read as "no profile", static read-ahead unranked)
+        raise StoreError(f"{path}: not a file")
     f = JsonFields(path)
     raw = f.dict(read_json(path, "profile"), "profile", ("counts",))
     rows = f.list(raw["counts"], "counts", len(m.moe_layers))
