@@ -365,12 +365,13 @@ def check_logits_processors(
             )
 
 
-def check_prompt_length(n_tokens: int, context: int | None) -> None:
-    """A prompt longer than the model's context is refused (a 9,200-token prompt to an
-    8,192-context model used to run for 12 minutes past what the model was trained on)."""
+def check_prompt_length(n_tokens: int, context: int | None, what: str = "prompt") -> None:
+    """A prompt (`what`: the flag that gives it) longer than the model's context is refused (a
+    9,200-token prompt to an 8,192-context model used to run for 12 minutes past what the
+    model was trained on)."""
     if context is not None and n_tokens > context:
         raise OptionError(
-            f"prompt: {n_tokens} tokens, more than the model's context of {context} "
+            f"{what}: {n_tokens} tokens, more than the model's context of {context} "
             "(max_position_embeddings)"
         )
 

@@ -579,13 +579,14 @@ def _arguments(factory, spec, flag: str, given: dict) -> dict:
     """What of `given` the factory takes; an OptionError where it needs anything else (a
     function that is no policy's factory, such as os:system)."""
     try:
-        params = inspect.signature(factory).parameters
+        signature = inspect.signature(factory)
     except (TypeError, ValueError):  # no signature to read: nothing is passed
         return {}
+    params = signature.parameters
     takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
     kwargs = {k: v for k, v in given.items() if takes_all or k in params}
     try:
-        inspect.signature(factory).bind(**kwargs)
+        signature.bind(**kwargs)
     except TypeError as e:
         raise OptionError(
             f"{flag} {spec!r}: not a policy's class or factory ({e}; it may take only "

@@ -211,10 +211,6 @@ def _parse(z, path: Path) -> Trace:
     record_bytes = _scalar(z, "record_bytes", 0)
     if record_bytes < 0:
         raise ValueError(f"record_bytes {record_bytes}: negative")
-    decode_from = _scalar(z, "decode_from", None)
-    calls = min(len(ids[l]) for l in layers)
-    if decode_from is not None and not 0 <= decode_from <= calls:
-        raise ValueError(f"decode_from {decode_from}: outside the trace's {calls} calls")
     profile = z["profile"] if "profile" in files else None
     if profile is not None:
         if profile.shape != (len(layers), num_experts):
@@ -222,15 +218,20 @@ def _parse(z, path: Path) -> Trace:
                              f"{num_experts} experts]")  # fmt: skip
         if not np.issubdtype(profile.dtype, np.number) or not np.isfinite(profile).all():
             raise ValueError("profile: not finite numbers")
-    return Trace(
+    trace = Trace(
         layers=layers,
         num_experts=num_experts,
         record_bytes=record_bytes,
         ids=ids,
         predicted=predicted,
-        decode_from=decode_from,
+        decode_from=_scalar(z, "decode_from", None),  # (None: by the rule, always within)
         profile=profile,
     )
+    if not 0 <= trace.decode_from <= trace.calls:
+        raise ValueError(
+            f"decode_from {trace.decode_from}: outside the trace's {trace.calls} calls"
+        )
+    return trace
 
 
 def _scalar(z, key: str, default):

@@ -258,7 +258,7 @@ def test_kld_of_non_finite_logits_is_refused(tmp_path, value):
         (["--read-ahead-b", "bogus"], "--read-ahead-b 'bogus': one of demand"),
         (["--io-workers", "0"], "--io-workers 0: expected an integer"),
         # a 100 M-token prompt ran silent until killed: the context bounds it
-        (["--random-tokens", "100000000"], "--random-tokens 100000000: more than the model's"),
+        (["--random-tokens", "100000000"], "--random-tokens: 100000000 tokens, more than the"),
     ],
 )
 def test_route_parity_names_the_flag_at_fault(store, args, says):

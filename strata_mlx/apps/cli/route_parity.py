@@ -39,7 +39,7 @@ def route_parity(
     Each configuration loads the store and teacher-forces the prompt; the lines name each
     layer's tokens whose top-k expert set differs, then whether the logits are bit-identical.
     Exit code 1 if any token's expert set differs."""
-    from ...config import check_runtime, parse_tokens
+    from ...config import check_prompt_length, check_runtime, parse_tokens
     from ...format.store import load_manifest
     from ...generation.tools import kld_report, route_parity, traced_run
     from ...runtime.loader import RuntimeConfig
@@ -70,21 +70,13 @@ def route_parity(
     context = config.get("max_position_embeddings")
     if prompt_tokens is not None:
         ids = parse_tokens(prompt_tokens, "--prompt-tokens")
+        check_prompt_length(len(ids), context, "--prompt-tokens")
     else:
         if random_tokens < 1:
             raise OptionError(f"--random-tokens {random_tokens}: must be at least 1")
-        if isinstance(context, int) and random_tokens > context:
-            raise OptionError(
-                f"--random-tokens {random_tokens}: more than the model's context of {context} "
-                "(max_position_embeddings)"
-            )
+        check_prompt_length(random_tokens, context, "--random-tokens")  # (before making them)
         vocab = config.get("vocab_size", 128)
         ids = np.random.default_rng(0).integers(0, vocab, size=random_tokens).tolist()
-    if isinstance(context, int) and len(ids) > context:
-        raise OptionError(
-            f"--prompt-tokens: {len(ids)} tokens, more than the model's context of {context} "
-            "(max_position_embeddings)"
-        )
     runs = []
     status = StatusLine()  # (on a terminal: the output is read by scripts)
     try:

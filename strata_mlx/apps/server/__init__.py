@@ -39,7 +39,7 @@ itself, e.g. a corrupt store):
   time) or gets 401 (/dashboard, a browser's page, also takes HTTP Basic with the key as the
   password); with allowed origins, browsers' CORS preflights from them succeed;
 - a connection whose client sends nothing for 30 s while its request's head or body is due is
-  closed, and past a cap of open connections a new one closes the oldest such connection
+  closed, and past a cap of open connections a new one closes the quietest such connection
   (a request whose body is in is never cut; guard.guarded_http);
 - on SIGTERM the server stops accepting, lets requests in flight finish for up to
   `shutdown_timeout` seconds, then cancels what is left and exits.

@@ -235,10 +235,9 @@ def max_connections() -> int:
 
 
 def _busy() -> bytes:
-    body = json.dumps(
-        {"error": {"message": "too many open connections; try again", "type": "server_error",
-                   "param": None, "code": "too_many_connections"}}
-    ).encode()  # fmt: skip
+    error = APIError("too many open connections; try again", 503,
+                     code="too_many_connections", type="server_error")  # fmt: skip
+    body = json.dumps(error.body()).encode()
     head = (
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
