@@ -111,6 +111,12 @@ class Replay:
 def _check_slots(trace: traces.Trace, slots: int) -> None:
     if slots < 1:
         raise OptionError(f"--slots {slots}: expected at least 1")
+    records = len(trace.layers) * trace.num_experts
+    if slots > records:
+        raise OptionError(
+            f"--slots {slots}: more than the trace's {records} expert records (every one "
+            f"fits at {records})"
+        )
     widest = max(
         (len(np.unique(trace.ids[l][c])) for l in trace.layers for c in range(trace.calls)),
         default=0,
@@ -355,8 +361,11 @@ def compare(trace: traces.Trace, slots: int, names: list, read_ahead: str = "non
 
 def parse_slots(text: str) -> list[int]:
     """--slots: one arena size or a comma-separated sweep."""
+    parts = text.split(",")
+    if len(parts) > 1 and not all(v.strip() for v in parts):
+        raise OptionError(f"--slots {text!r}: an empty entry; expected e.g. 2000,4000")
     try:
-        sizes = [int(v) for v in text.split(",") if v.strip()]
+        sizes = [int(v) for v in parts if v.strip()]
     except ValueError:
         raise OptionError(
             f"--slots {text!r}: expected slot counts, e.g. 7099 or 2000,4000"

@@ -311,6 +311,12 @@ def test_probe_ssd_cli(store):
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("GB/s") == 2
+    assert "records of" not in r.stdout  # (the size asked for is the size read)
+    # a size direct reads cannot take is read as 4 KB, and the output says so
+    r = run("probe-ssd", Path(store("qwen3_moe")) / "experts.bin", "--seconds", "0.1",
+            "--workers", "1", "--record-bytes", "3")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "records of 4096 bytes (--record-bytes 3, rounded" in r.stdout
 
 
 @pytest.mark.parametrize(

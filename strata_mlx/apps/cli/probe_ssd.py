@@ -37,6 +37,11 @@ def probe_ssd(
     rows = probe(path, record_bytes=record_bytes, seconds=seconds, workers_list=counts)
     if note := drive_note():
         typer.echo(note)
+    if rows and rows[0]["record_bytes"] != record_bytes:  # (direct reads come in 4 KB units)
+        typer.echo(
+            f"records of {rows[0]['record_bytes']} bytes (--record-bytes {record_bytes}, "
+            "rounded to 4 KB units and to the file's size)"
+        )
     for row in rows:
         typer.echo(
             f"workers {row['workers']:>3}: {row['gb_per_s']:.2f} GB/s ({row['reads']} reads, direct={row['direct']})"
