@@ -4,7 +4,7 @@
 # 6-17 GB/s SSD), so that the engine, not the drive, shows where the time goes. Each stage fits
 # one device call (docs/benchmarks.md has the tables and what they answer). From the repo root
 # there, after ../shared/device's MLX CUDA install:
-#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|gil|kprofile|quick|miss|spread|gatestalls|fused
+#   export PYTHONPATH=/tmp/site; bash benchmarks/fast_drive.sh store|shm|path|bench|profile|disk|evict|extra|plan|resident|old-vs-new|alternate|wide|laptop|orders|conns|gate|gate-copy|trace|stalls|gated|hostprof|decodewait|disktrace|readcost|chain|spin|membw|defaults|pairs|widen|gil|kprofile|quick|miss|spread|gatestalls|fused|duel
 # Policies name options beside the defaults of the code run: gated decode on CUDA runs with
 # the routing board by default, 4 layers a commit, checked 4 behind (`:bd1` is
 # `:bd1:lc4:lag4`); without it (OLDGT below, `:bd0:lc1:lag1`) each layer alone, checked 1
@@ -515,6 +515,17 @@ fused)  # the routing board's write and the gate in one kernel a layer (decode_g
      tests/runtime/test_gate.py tests/runtime/test_quick.py -k "board or quick_misses_through" 2>&1 \
      | tail -30 | tee "$OUT/fused-tests.log" | tail -3
   G=${G:-64} LIMIT=${LIMIT:-330} bench "bench-fused" "$SHM" "${POL:-demand,demand:gf1,lookahead:gf1,lookahead}"
+  ;;
+duel)  # decode's prediction kept only where its tokens are faster (lookahead_decode_duel,
+  # `:dd1`) beside lookahead predicting, lookahead that never predicts in decode and demand:
+  # bench of POL on the tmpfs, then behind each of DRIVES (GB/s, emulated; empty: none)
+  build
+  synth "$SHM"
+  pol=${POL:-lookahead,lookahead:dd1,lookahead:never,demand,lookahead:dd1}
+  G=${G:-128} LIMIT=${LIMIT:-330} bench "bench-duel" "$SHM" "$pol"
+  for d in ${DRIVES-}; do
+    STRATA_MLX_DRIVE_GBPS=$d G=${G:-128} LIMIT=${LIMIT:-330} bench "bench-duel-drive$d" "$SHM" "$pol"
+  done
   ;;
 kprofile)  # a resident decode token's device time by kernel, strata-mlx beside mlx-lm (CUPTI
   # through PyTorch's profiler: benchmarks/kernel_profile.py), then the gate's GPU tests

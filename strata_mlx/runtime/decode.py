@@ -201,6 +201,7 @@ class Decoder:
         with ec.phase(decoding=False):
             step = self.start(y[None], cache, gate=False)
         later = None
+        clock = _TokenClock(ec.predictor)
         with ec.phase(decoding=True, gating=self.gates):
             try:
                 for n in range(max_tokens):
@@ -221,6 +222,7 @@ class Decoder:
                         later = None
                     mx.eval(token)
                     _count_mode(ec, step)
+                    clock.final(step.predicting, first=n == 0)
                     t = token.item()
                     yield t, logprobs
                     if n + 1 == max_tokens:
@@ -253,6 +255,22 @@ def _count_mode(expert_cache, step) -> None:
     name = f"{step.begun}_mode_tokens"
     setattr(st, name, getattr(st, name) + 1)
     st.predicting_tokens += step.predicting
+
+
+class _TokenClock:
+    """Each decode token's wall time from the token before it final to its own, told to the
+    predictor (which keeps prediction on in decode only while it pays: prediction.DecodeDuel).
+    The caller's time at the yield is in it: a token built ahead computes meanwhile."""
+
+    def __init__(self, predictor):
+        self.predictor = predictor
+        self.last = 0.0  # when the token before was final
+
+    def final(self, predicted: bool, first: bool) -> None:
+        now = time.perf_counter()
+        if not first:  # (the first is the prompt's last token, built in prefill's phase)
+            self.predictor.decode_token(predicted, now - self.last)
+        self.last = now
 
 
 def _seed_of(key: mx.array) -> int:

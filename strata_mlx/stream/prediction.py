@@ -105,6 +105,22 @@ class ReadAhead:
         ),
     )
 
+    # Decode's prediction hides a miss's read behind the layers before it, but costs the host
+    # the predicted routers' ids (the checks' thread ~6 ms more CPU a token on an H100) and
+    # the drive the reads it guesses wrong. Which wins depends on the drive, the arena and
+    # the model, so decode times its tokens each way and keeps the faster (DecodeDuel): on an
+    # H100 1.24-1.25x the tok/s of predicting every token on the tmpfs, 1.18-1.19x behind an
+    # emulated 2 GB/s drive, a tie behind 6 GB/s (docs/benchmarks.md).
+    decode_duel: bool = field(
+        default=True,
+        metadata=opt(
+            "lookahead in decode: time tokens with and without prediction and keep the "
+            "faster way (timed again every ~100 tokens).",
+            name="lookahead_decode_duel",
+            variant="dd",
+        ),
+    )
+
     # Replayed on the traces of docs/research.md (section 6), the score reads fewer records
     # than plain lookahead where the arena holds most of a pass's experts; off by default
     # until a live run on the full-size store says what it does to ms/token.
@@ -190,6 +206,54 @@ class ExpectedUse:
         return distance + len(self.layers) * (1.0 / q - 1.0)
 
 
+class DecodeDuel:
+    """Decode with or without lookahead's prediction, whichever its tokens say is faster: a
+    trial of `block` tokens each way, in the order predict, demand, demand, predict (a drift
+    of the machine's pace over the trial falls on both ways alike), then the way whose
+    tokens took less (median) for `keep` tokens, then a trial again. A token counts for the
+    way it was begun in, and only where the token before it was begun the same way: the
+    first tokens after a switch still find the other way's reads (or their absence) in the
+    arena. Which way a token runs never changes what it computes."""
+
+    TRIAL = (True, False, False, True)
+
+    def __init__(self, block: int = 4, keep: int = 96):
+        self.block, self.keep = block, keep
+        self.position = 0  # tokens into the cycle: the trial's, then the kept way's
+        self.choice = True  # the kept way: predict until a trial says otherwise
+        self.samples: dict[bool, list[float]] = {True: [], False: []}
+        self.last: bool | None = None  # the way the last token counted was begun
+
+    @property
+    def trial_tokens(self) -> int:
+        return len(self.TRIAL) * self.block
+
+    @property
+    def predicting(self) -> bool:
+        """Whether the next token is begun predicting."""
+        if self.position < self.trial_tokens:
+            return self.TRIAL[self.position // self.block]
+        return self.choice
+
+    def token(self, predicted: bool, seconds: float) -> None:
+        """A decode token begun `predicted` is final, `seconds` after the one before it."""
+        if predicted == self.last and self.position < self.trial_tokens:
+            self.samples[predicted].append(seconds)
+        self.last = predicted
+        self.position += 1
+        if self.position == self.trial_tokens:
+            self.choice = self._faster()
+        elif self.position >= self.trial_tokens + self.keep:
+            self.position = 0
+            self.samples = {True: [], False: []}
+
+    def _faster(self) -> bool:
+        timed, untimed = self.samples[True], self.samples[False]
+        if not timed or not untimed:  # (a way not run: the miss rate kept prediction off)
+            return self.choice
+        return float(np.median(timed)) <= float(np.median(untimed))
+
+
 def rank_by_tokens(ids: np.ndarray, min_tokens: int = 1, in_order: bool = False) -> list[int]:
     """Distinct experts in `ids` ([T, k] top-k ids, or one token's as a list), most tokens
     first, ties by id; one token's kept in its own order with `in_order`."""
@@ -230,6 +294,8 @@ class Predictor:
         self.decode_layer_miss_rate = 0.0
         self.layer0_width = 0  # experts the first layer needed last time
         self.expected = ExpectedUse(self.layers) if read_ahead.score else None
+        duel = read_ahead.decode_duel and read_ahead.predicts
+        self.duel = DecodeDuel() if duel else None
 
     def register_router(self, layer: int, route) -> None:
         self.routers[layer] = route
@@ -243,7 +309,7 @@ class Predictor:
         """The layers `layer`'s handshake predicts from its input, nearest first."""
         if not self.read_ahead.predicts:
             return []
-        if decoding and self.decode_miss_rate < self.read_ahead.decode_min_miss:
+        if decoding and not self.predicts_in_decode():
             return []
         return self._targets.get(layer, [])
 
@@ -266,7 +332,17 @@ class Predictor:
         return Ahead(layer, experts, self.expected.bar(layer, distance))
 
     def predicts_in_decode(self) -> bool:
-        return self.read_ahead.predicts and self.decode_miss_rate >= self.read_ahead.decode_min_miss
+        """Whether the next decode token predicts: lookahead's, while decode's running miss
+        rate is at least `decode_min_miss` and the duel (where on) says so."""
+        ra = self.read_ahead
+        if not ra.predicts or self.decode_miss_rate < ra.decode_min_miss:
+            return False
+        return self.duel is None or self.duel.predicting
+
+    def decode_token(self, predicted: bool, seconds: float) -> None:
+        """A decode token is final (DecodeDuel.token); nothing without the duel."""
+        if self.duel is not None:
+            self.duel.token(predicted, seconds)
 
     def rank(self, ids: np.ndarray | list[int]) -> list[int]:
         # (lookahead_extra: one token's ids come best first, the top k before the extra ones:

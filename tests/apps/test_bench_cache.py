@@ -75,3 +75,18 @@ def test_bench_line_reads_keep_three_figures_and_nothing_read_says_so():
         "496/chunk at 0.0016 GB/s,"
     )
     assert _reads({"experts_read_per_chunk": 0, "gb_per_s": 0.0}) == "0/chunk"
+
+
+def test_compute_floor_is_the_fastest_pass_of_each_phase():
+    from strata_mlx.apps.bench import Run, _fastest
+    from strata_mlx.stream.stats import ExpertStats
+
+    def run(chunk_s: list[float], decode_s: float) -> Run:
+        chunks = [ExpertStats(wall_s=s) for s in chunk_s]
+        return Run("fake-stream", "compute", chunks, ExpertStats(), decode_s, 8)
+
+    slow_prefill, slow_decode = run([0.7, 0.7], 0.1), run([0.3, 0.4], 0.2)
+    best = _fastest([slow_prefill, slow_decode])
+    assert [c.wall_s for c in best.chunks] == [0.3, 0.4]
+    assert (best.decode_s, best.decode_tokens) == (0.1, 8)
+    assert best.decode is slow_prefill.decode

@@ -227,7 +227,10 @@ def test_decode_falls_back_to_sync_while_most_layers_miss(store):
         assert sum(m) == 12 and m[0] >= 1
     assert modes[1.0][2] == 0 and modes[0.3][2] > modes[0.3][1]
     # with lookahead the handshakes predict while decode's misses run above 2 %: counted too
-    model, _ = strata_mlx.load(path, arena_gb=gb, read_ahead="lookahead")
+    # (without the duel, whose trials would leave tokens unpredicted by the clock's say)
+    model, _ = strata_mlx.load(
+        path, arena_gb=gb, read_ahead="lookahead", lookahead_decode_duel=False
+    )
     decode(model, ids, 12)
     assert model.expert_cache.stats.predicting_tokens >= 6
 
@@ -352,7 +355,10 @@ def test_token_mode_while_lookahead_predicts_is_exact(store, fraction):
         ("layers", dict()),
         ("token", dict(decode_token_while_predicting=True)),
     ):
-        model, _ = strata_mlx.load(path, arena_gb=gb, read_ahead="lookahead", **kw)
+        # (without the duel, which would leave tokens unpredicted by the clock's say)
+        model, _ = strata_mlx.load(
+            path, arena_gb=gb, read_ahead="lookahead", lookahead_decode_duel=False, **kw
+        )
         if fraction == 1.0:
             model.expert_cache.warm()
         runs[name] = decode(model, ids, 12), model.expert_cache.stats
@@ -763,3 +769,29 @@ def test_wider_lookahead_with_a_routing_trace_is_refused(store):
     path = store("qwen3_moe")
     with pytest.raises(OptionError, match=r"^lookahead_extra 2: a routing trace"):
         strata_mlx.load(path, lookahead_extra=2, trace=RoutingTrace())
+
+
+@pytest.mark.parametrize("variant", ["adaptive", "gated-adaptive"])
+def test_the_decode_duel_switches_prediction_between_tokens_exactly(store, variant):
+    """With lookahead's duel, decode tokens alternate between predicting and not (trials of
+    one token each way here); tokens and logits equal the per-layer-sync path's."""
+    path = store("qwen3_moe")
+    ids = prompt_ids(24, seed=14)
+    gb = arena_for(path, 0.25)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead="demand")
+    ref = decode(sync, ids, 16)
+    kw = {**VARIANTS[variant], "read_ahead": "lookahead"}
+    model, _ = strata_mlx.load(
+        path, arena_gb=gb, lookahead_decode_duel=True, lookahead_decode_min_miss=0.0, **kw
+    )
+    duel = model.expert_cache.predictor.duel
+    duel.block, duel.keep = 1, 3
+    told, token = [], duel.token
+    duel.token = lambda predicted, s: told.append((predicted, s)) or token(predicted, s)
+    tokens, lp = decode(model, ids, 16)
+    assert tokens == ref[0]
+    assert np.array_equal(lp, ref[1])
+    ways = [predicted for predicted, _ in told]
+    assert len(told) == 15 and True in ways and False in ways  # (the prompt's last untold)
+    assert all(s > 0 for _, s in told)
+    assert 0 < model.expert_cache.stats.predicting_tokens < 16

@@ -306,3 +306,43 @@ def test_lookahead_that_never_predicts_in_decode_reads_ahead_in_prefill_alone(st
     assert tokens["never"] == tokens["lookahead"]
     assert 0 < stats["never"].readahead_submitted < stats["lookahead"].readahead_submitted
     assert stats["never"].predicting_tokens <= 2 < stats["lookahead"].predicting_tokens
+
+
+def test_the_decode_duel_keeps_the_faster_way_and_times_it_again():
+    from strata_mlx.stream.prediction import DecodeDuel
+
+    duel = DecodeDuel(block=2, keep=3)
+    pace = {True: 0.030, False: 0.020}  # s a token: here not predicting is faster
+    ways = []
+    for _ in range(2 * (8 + 3)):
+        way = duel.predicting
+        ways.append(way)
+        duel.token(way, pace[way])
+    trial = [True, True, False, False, False, False, True, True]
+    assert ways == 2 * (trial + [False] * 3)
+    # a way's first token after the other's is not timed: the arena holds the other's reads
+    duel = DecodeDuel(block=2, keep=3)
+    for way, s in zip(trial, [9.0, 0.03, 9.0, 0.02, 0.02, 0.02, 9.0, 0.03]):
+        duel.token(way, s)
+    assert duel.samples == {True: [0.03, 0.03], False: [0.02, 0.02, 0.02]}
+    assert duel.predicting is False
+    # a trial in which one way never ran (the miss rate kept prediction off) changes nothing
+    duel = DecodeDuel(block=2, keep=3)
+    for _ in range(8):
+        duel.token(False, 0.01)
+    assert duel.predicting is True
+
+
+def test_the_decode_duel_is_lookaheads_alone():
+    from strata_mlx.stream.prediction import Predictor, ReadAhead
+
+    class Manifest:
+        moe_layers, num_experts = [0, 1], 4
+
+    on = Predictor(ReadAhead(policy="lookahead", decode_duel=True), Manifest(), None)
+    assert on.duel is not None and on.predicts_in_decode()
+    on.duel.block = 1
+    on.decode_token(True, 0.01)  # the trial's second block: demand's
+    assert not on.predicts_in_decode() and on.targets(0, decoding=True) == []
+    demand = Predictor(ReadAhead(policy="demand", decode_duel=True), Manifest(), None)
+    assert demand.duel is None and not demand.predicts_in_decode()
