@@ -37,7 +37,7 @@ from . import chat_turn
 from .server.engine import Result
 from .server.guard import end_stream_with
 from .server.routes import chat_job, serve_state, shutdown_error
-from .server.schemas import APIError, ChatCompletionRequest, validation_error
+from .server.schemas import APIError, ChatCompletionRequest, chat_request, validation_error
 
 # ---- request models ------------------------------------------------------------------------
 
@@ -223,7 +223,7 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
     }
     if req.top_k is not None:
         body["top_k"] = req.top_k
-    return ChatCompletionRequest.model_validate_json(json.dumps(body))
+    return chat_request(body, {"stop": "stop_sequences"})
 
 
 # ---- the answer as Anthropic's ---------------------------------------------------------------

@@ -40,7 +40,7 @@ from . import chat_turn
 from .server.engine import Result, ServeState
 from .server.guard import end_stream_with
 from .server.routes import serve_state, shutdown_error
-from .server.schemas import APIError, ChatCompletionRequest
+from .server.schemas import APIError, ChatCompletionRequest, chat_request
 
 # ---- request model -------------------------------------------------------------------------
 
@@ -164,6 +164,11 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
             code="unsupported",
         )
     fmt = (req.text or {}).get("format") or {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise APIError(
+            f'text.format: expected an object such as {{"type": "text"}}, got {fmt!r}',
+            param="text.format",
+        )
     if fmt.get("type") != "text":
         raise _unsupported(f"the output format {fmt.get('type')!r} is", "text.format")
     if req.tool_choice not in (None, "auto", "none"):
@@ -186,7 +191,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         "tools": _tools(req),
         "tool_choice": req.tool_choice,
     }
-    return ChatCompletionRequest.model_validate_json(json.dumps(body))
+    return chat_request(body, {"messages": "input", "max_tokens": "max_output_tokens"})
 
 
 # ---- the answer as a response object -------------------------------------------------------

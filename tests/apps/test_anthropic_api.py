@@ -152,6 +152,9 @@ def test_models_list_names_the_model_for_anthropic_clients(clients):
     assert [m.id for m in o.models.list().data] == [NAME]
 
 
+JSON = {"Content-Type": "application/json"}
+
+
 def test_bad_requests_answer_anthropic_error_bodies(clients, served):
     a, _ = clients
     with pytest.raises(anthropic.NotFoundError) as e:
@@ -183,6 +186,12 @@ def test_bad_requests_answer_anthropic_error_bodies(clients, served):
             tools=[{"name": "f", "input_schema": {"type": "object"}}],
             tool_choice={"type": "any"},
         ),
+        # what the chat request made of it refuses (it was a 500)
+        dict(
+            max_tokens=4,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{"name": "", "input_schema": {"type": "object"}}],
+        ),
     ]
     for kw in bad:
         with pytest.raises(anthropic.BadRequestError) as e:
@@ -193,8 +202,14 @@ def test_bad_requests_answer_anthropic_error_bodies(clients, served):
     base, _, _ = served
     with httpx.Client(trust_env=False, timeout=30) as http:  # max_tokens is required
         r = http.post(base + "/v1/messages", json={"model": NAME, "messages": []})
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    assert "max_tokens" in r.json()["error"]["message"]
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert "max_tokens" in r.json()["error"]["message"]
+        # a lone surrogate (the client cannot send one); count_tokens templates the same
+        lone = dict(max_tokens=4, messages=[{"role": "user", "content": "\udc00"}])
+        for path, body in [("", lone), ("/count_tokens", lone), ("/count_tokens", bad[-1])]:
+            data = json.dumps({"model": NAME, **body})  # (ASCII: the surrogate escaped)
+            r = http.post(f"{base}/v1/messages{path}", content=data, headers=JSON)
+            assert r.status_code == 400 and r.json()["type"] == "error", (path, r.text)
 
 
 def test_an_api_key_is_taken_as_anthropic_clients_send_it(tiny):

@@ -150,11 +150,18 @@ def test_bad_requests_are_400s_naming_the_parameter(client):
         (dict(tools=[{"type": "web_search"}]), "tools.0"),
         (dict(text={"format": {"type": "json_object"}}), "text.format"),
         (dict(temperature=3.0), "temperature"),
+        # what the chat request made of it refuses, or a format that is no object (500s once)
+        (dict(tools=[{"type": "function", "name": "f", "parameters": "x"}]), "tools"),
+        (dict(tools=[{"type": "function", "name": ""}]), "tools"),
+        (dict(text={"format": "json"}), "text.format"),
     ]
     for kw, param in bad:
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(model=NAME, input="hi", **kw)
         assert e.value.body["param"] == param, kw
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=NAME, input=[])
+    assert e.value.body["param"] == "input"
     image = [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y"}]}]
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=NAME, input=image)

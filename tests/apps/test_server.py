@@ -646,6 +646,15 @@ def test_limits_and_out_of_range_fields_are_400s(served, client):
         assert r.status_code == 400
         r = http.put(url, json={})
         assert r.status_code == 405 and "error" in r.json()
+        assert r.headers["allow"] == "POST"  # (HTTP requires it of a 405)
+        # JSON sent as a form (curl's -d) or with no type: a 415 that says what to send
+        for headers in ({"content-type": "application/x-www-form-urlencoded"}, {}):
+            r = http.post(url, content=json.dumps(body), headers=headers)
+            assert r.status_code == 415, r.text
+            assert "Content-Type: application/json" in r.json()["error"]["message"]
+        # HEAD wherever GET answers
+        r = http.head(base + "/v1/models")
+        assert r.status_code == 200 and r.content == b""
     assert chat(client, "the cat", max_tokens=2).usage.completion_tokens >= 1
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...config import (
@@ -29,7 +30,7 @@ from ...config import (
 from ...stream.memory import MemoryGuardError
 from ..dashboard import add_routes
 from .engine import Engine, ServeState
-from .guard import LOOPBACK_NAMES, BodyLimit, HostGuard, StreamEnd, is_loopback
+from .guard import LOOPBACK_NAMES, BodyLimit, HostGuard, JsonBodies, StreamEnd, is_loopback
 from .routes import (
     api_error,
     chat_completions,
@@ -190,7 +191,8 @@ def create_app(
     # Starlette runs the last middleware added first: a stream cut at shutdown is ended
     # cleanly, a foreign Host or Origin is refused before anything else, CORS answers
     # preflights (which carry no credentials) before the key is checked, and adds its headers
-    # to 401s too.
+    # to 401s too; a body not sent as JSON is refused once the key is checked.
+    app.add_middleware(JsonBodies)
     if api_key:
         app.add_middleware(_BearerAuth, key=api_key)
     if allowed_origins:
@@ -221,6 +223,9 @@ def create_app(
     # GET /dashboard, and / sends a browser there
     app.state.dashboard = add_routes(app, model, engine, lambda: stats_body(state))
     app.get("/", include_in_schema=False)(_to_dashboard)
+    for route in app.routes:  # HEAD wherever GET answers, as HTTP asks of a server
+        if isinstance(route, APIRoute) and "GET" in route.methods:
+            route.methods.add("HEAD")
     return app
 
 

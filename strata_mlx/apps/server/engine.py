@@ -145,8 +145,9 @@ class Engine:
                 self.rejected += 1
                 wait = self.retry_after()
                 raise APIError(
-                    f"too many requests: {self.queued} already waiting (--max-queue "
-                    f"{self.max_queue}); retry after {wait} s",
+                    f"too many requests: {self.queued} waiting and {self.active} running, "
+                    f"as many as this server takes (--max-queue {self.max_queue} beyond "
+                    f"--decode-concurrency {self.decode_concurrency}); retry after {wait} s",
                     429,
                     code="queue_full",
                     type="rate_limit_error",

@@ -81,7 +81,8 @@ async def http_error(request: Request, exc: StarletteHTTPException):
             f"the request body is over this server's limit of {limit} bytes (--max-body-bytes)"
         )
         return APIError(message, 413, code="request_too_large").response()
-    return APIError(message, exc.status_code, type=kind).response()
+    # (a 405's Allow header, which HTTP requires, comes in the exception's headers)
+    return APIError(message, exc.status_code, type=kind, headers=exc.headers).response()
 
 
 async def internal_error(request: Request, exc: Exception):

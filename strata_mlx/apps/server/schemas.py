@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ...config import (
     MAX_SEED,
@@ -172,7 +172,24 @@ def generation_error(e: Exception) -> APIError:
     return APIError(one_line(e), 500, type="server_error")
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
+def chat_request(body: dict, names: dict[str, str] | None = None) -> ChatCompletionRequest:
+    """The chat-completions request another API's request (Anthropic's messages, a response)
+    asks for, validated as the chat route validates its own body: what it refuses is the
+    client's (a tool named "", a parameters schema that is not an object), a 400 naming the
+    parameter as chat completions names it, or as `names` maps its first part to the other
+    API's ({"messages": "input"})."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        err = validation_error(e)
+    head, _, rest = (err.param or "").partition(".")
+    if names and head in names:
+        param = names[head] + (f".{rest}" if rest else "")
+        err = APIError(err.message.replace(err.param, param, 1), param=param, code=err.code)
+    raise err
+
+
+def validation_error(exc: RequestValidationError | ValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return APIError("invalid request body")
