@@ -33,7 +33,7 @@ def names(kind: str) -> list[str]:
 def read(kind: str, name: str) -> dict:
     """configs/KIND/NAME.json as a dict, or a StoreError naming the file and the known names."""
     path = _folder(kind) / f"{name}.json"
-    if not path.is_file():
+    if name not in names(kind) or not path.is_file():  # (no path: "../runtime/x" is no NAME)
         raise StoreError(f"{path}: no such {KINDS[kind]} (known: {', '.join(names(kind))})")
     try:
         data = json.loads(path.read_text())

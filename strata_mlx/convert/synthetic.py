@@ -114,6 +114,30 @@ def synthetic_config(name: str) -> dict:
     return configs.read("models", name)
 
 
+# (the affine widths the expert kernels decode, and MLX's quantization groups)
+EXPERT_BITS = (2, 3, 4, 5, 6, 8)
+EXPERT_GROUP_SIZES = (32, 64, 128)
+
+
+def check_experts(bits, gs, config: dict, where: str) -> None:
+    """A synthetic shape's experts can be written at all, before any is (OptionError naming
+    the key): the affine width and group the kernels take, and each expert input width a
+    whole number of groups."""
+    if bits not in EXPERT_BITS:
+        raise OptionError(f"{where}: expert_bits {bits}: one of {EXPERT_BITS}")
+    if gs not in EXPERT_GROUP_SIZES:
+        raise OptionError(f"{where}: expert_group_size {gs}: one of {EXPERT_GROUP_SIZES}")
+    for key in ("hidden_size", "moe_intermediate_size"):
+        width = config.get(key)
+        if not isinstance(width, int) or isinstance(width, bool) or width < gs or width % gs:
+            raise OptionError(
+                f"{where}: {key} {width}: expert inputs come in groups of expert_group_size "
+                f"{gs}; give a positive multiple of it"
+            )
+    if "model_type" not in config:
+        raise OptionError(f"{where}: the shape names no model_type")
+
+
 def _expert_layout(D: int, inter: int, bits: int, gs: int, dtype):
     tensors, table = {}, {}
     for p, (out, inn) in {
@@ -202,6 +226,7 @@ def build_synthetic(
     cfg.pop("_comment", None)
     bits = cfg.pop("expert_bits", 4)
     gs = cfg.pop("expert_group_size", 64)
+    check_experts(bits, gs, cfg, f"synthetic shape {name or 'given'}")
     if router not in ("uniform", "structured"):
         raise OptionError(f"--router {router}: uniform or structured")
     cfg = normalize_config(cfg)

@@ -494,12 +494,17 @@ def load_profile(store: str | Path, m: Manifest) -> np.ndarray | None:
 
 
 def write_atomic(path: str | Path, write, tmp_suffix: str = ".tmp") -> None:
-    """`write(tmp)` writes the whole file at a temporary path beside `path` (its name plus
-    `tmp_suffix`: a writer that insists on an extension gets one), which then replaces `path`
-    in one rename: a reader sees the old file or the new, never half of one; on any failure
-    the temporary file is removed and `path` is left as it was."""
+    """`write(tmp)` writes the whole file at a temporary path beside `path` (a new name of
+    this call's own, ending in `tmp_suffix`: a writer that insists on an extension gets one),
+    which then replaces `path` in one rename: a reader sees the old file or the new, never
+    half of one; on any failure the temporary file is removed and `path` is left as it was.
+    No file of the user's is taken for the temporary one (`<name>.tmp` was, and went)."""
+    import secrets
+
     path = Path(path)
-    tmp = path.with_name(path.name + tmp_suffix)
+    # (named, not created: the writer creates it with the process's umask, as it would the
+    # file itself; mkstemp's would be 0600)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}{tmp_suffix}")
     try:
         write(tmp)
         os.replace(tmp, path)

@@ -201,7 +201,8 @@ class Decoder:
         with ec.phase(decoding=False):
             step = self.start(y[None], cache, gate=False)
         later = None
-        clock = _TokenClock(ec.predictor)
+        pr = ec.predictor
+        clock = _TokenClock(pr)
         with ec.phase(decoding=True, gating=self.gates):
             try:
                 for n in range(max_tokens):
@@ -209,11 +210,15 @@ class Decoder:
                     token, logprobs = sample(step.logits)
                     # The next token is built on this one before this one is verified, while
                     # the device computes it ("token" mode; mlx-lm's generate_step overlaps
-                    # alike).
-                    later = None
+                    # alike), unless the next token reads ahead where this one did not (the
+                    # read-ahead duel's switch: the mode is chosen again for it).
+                    later, begun = None, False
                     ahead = n + 1 < max_tokens and may_build_ahead() and self.builds_on(step)
                     if ahead and self.mode() == "token":
-                        later = self.start(token[None], cache)
+                        pr.decode_begin()
+                        begun = True
+                        if ec.predicts_in_decode() == step.predicting:
+                            later = self.start(token[None], cache)
                     if not self.finish(step, later):
                         # A layer missed: the logits were recomputed and `later` discarded.
                         # Sample again from the same key: the tokens equal the sync path's.
@@ -229,6 +234,8 @@ class Decoder:
                         break
                     if later is None:
                         between()
+                        if not begun:
+                            pr.decode_begin()
                     step, later = later or self.start(mx.array([[t]]), cache), None
             finally:
                 if later is not None:  # closed at a yield: the token built ahead is unchecked
@@ -265,6 +272,7 @@ class _TokenClock:
     def __init__(self, predictor):
         self.predictor = predictor
         self.last = 0.0  # when the token before was final
+        predictor.decode_start()
 
     def final(self, predicted: bool, first: bool) -> None:
         now = time.perf_counter()

@@ -109,7 +109,7 @@ class ReadAhead:
     # the predicted routers' ids (the checks' thread ~6 ms more CPU a token on an H100) and
     # the drive the reads it guesses wrong. Which wins depends on the drive, the arena and
     # the model, so decode times its tokens each way and keeps the faster (DecodeDuel): on an
-    # H100 1.24-1.25x the tok/s of predicting every token on the tmpfs, 1.18-1.19x behind an
+    # H100 1.06-1.26x the tok/s of predicting every token on the tmpfs, 1.18-1.19x behind an
     # emulated 2 GB/s drive, a tie behind 6 GB/s (docs/benchmarks.md).
     decode_duel: bool = field(
         default=True,
@@ -210,42 +210,47 @@ class DecodeDuel:
     """Decode with or without lookahead's prediction, whichever its tokens say is faster: a
     trial of `block` tokens each way, in the order predict, demand, demand, predict (a drift
     of the machine's pace over the trial falls on both ways alike), then the way whose
-    tokens took less (median) for `keep` tokens, then a trial again. A token counts for the
-    way it was begun in, and only where the token before it was begun the same way: the
-    first tokens after a switch still find the other way's reads (or their absence) in the
-    arena. Which way a token runs never changes what it computes."""
+    tokens took less (median) for `keep` tokens, then a trial again. A token takes its way
+    when it is begun (`begin`; a token built ahead of the last one's check is begun before
+    that one is final) and counts for that way, only where the token before it was begun the
+    same way: the first tokens after a switch still find the other way's reads (or their
+    absence) in the arena. Which way a token runs never changes what it computes."""
 
     TRIAL = (True, False, False, True)
 
     def __init__(self, block: int = 4, keep: int = 96):
+        if block < 1 or keep < 1:
+            raise ValueError(f"a duel needs a block and a keep of 1 at least: {block}, {keep}")
         self.block, self.keep = block, keep
-        self.position = 0  # tokens into the cycle: the trial's, then the kept way's
+        self.position = 0  # of the next token begun: the trial's, then the kept way's
         self.choice = True  # the kept way: predict until a trial says otherwise
+        self.predicting = True  # the way of the token begun last (the one being built)
         self.samples: dict[bool, list[float]] = {True: [], False: []}
-        self.last: bool | None = None  # the way the last token counted was begun
+        self.last: bool | None = None  # the way of the last token timed
 
     @property
     def trial_tokens(self) -> int:
         return len(self.TRIAL) * self.block
 
-    @property
-    def predicting(self) -> bool:
-        """Whether the next token is begun predicting."""
-        if self.position < self.trial_tokens:
-            return self.TRIAL[self.position // self.block]
-        return self.choice
+    def begin(self) -> None:
+        """A decode token is begun: it takes the cycle's next way."""
+        p, trial = self.position, self.trial_tokens
+        if p == 0:  # a trial begins: its own samples only
+            self.samples = {True: [], False: []}
+        elif p == trial:
+            self.choice = self._faster()
+        self.predicting = self.TRIAL[p // self.block] if p < trial else self.choice
+        self.position = (p + 1) % (trial + self.keep)
+
+    def start(self) -> None:
+        """A generation's decode starts: its first token's time is not one of the way before."""
+        self.last = None
 
     def token(self, predicted: bool, seconds: float) -> None:
         """A decode token begun `predicted` is final, `seconds` after the one before it."""
-        if predicted == self.last and self.position < self.trial_tokens:
+        if predicted == self.last:
             self.samples[predicted].append(seconds)
         self.last = predicted
-        self.position += 1
-        if self.position == self.trial_tokens:
-            self.choice = self._faster()
-        elif self.position >= self.trial_tokens + self.keep:
-            self.position = 0
-            self.samples = {True: [], False: []}
 
     def _faster(self) -> bool:
         timed, untimed = self.samples[True], self.samples[False]
@@ -339,8 +344,18 @@ class Predictor:
             return False
         return self.duel is None or self.duel.predicting
 
+    def decode_start(self) -> None:
+        """A generation's decode starts (DecodeDuel.start); nothing without the duel."""
+        if self.duel is not None:
+            self.duel.start()
+
+    def decode_begin(self) -> None:
+        """A decode token is begun (DecodeDuel.begin)."""
+        if self.duel is not None:
+            self.duel.begin()
+
     def decode_token(self, predicted: bool, seconds: float) -> None:
-        """A decode token is final (DecodeDuel.token); nothing without the duel."""
+        """A decode token is final (DecodeDuel.token)."""
         if self.duel is not None:
             self.duel.token(predicted, seconds)
 

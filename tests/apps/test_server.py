@@ -652,9 +652,14 @@ def test_limits_and_out_of_range_fields_are_400s(served, client):
             r = http.post(url, content=json.dumps(body), headers=headers)
             assert r.status_code == 415, r.text
             assert "Content-Type: application/json" in r.json()["error"]["message"]
-        # HEAD wherever GET answers
-        r = http.head(base + "/v1/models")
-        assert r.status_code == 200 and r.content == b""
+        # ... on the routes that read JSON: elsewhere routing answers, as for any method
+        r = http.post(base + "/v1/models", content=b"x")
+        assert r.status_code == 405 and r.headers["allow"] == "GET", r.text
+        assert http.post(base + "/v1/nowhere", content=b"x").status_code == 404
+        # HEAD wherever GET answers: the headers alone
+        got, head = http.get(base + "/v1/models"), http.head(base + "/v1/models")
+        assert head.status_code == 200 and head.content == b""
+        assert head.headers["content-length"] == got.headers["content-length"]
     assert chat(client, "the cat", max_tokens=2).usage.completion_tokens >= 1
 
 

@@ -106,3 +106,41 @@ def test_recipe_before_issue_17_is_the_old_name_of_weak_experts():
     old = Recipe.named("before-issue-17")
     assert old == Recipe.named("weak-experts") == Recipe.weak_experts() != Recipe()
     assert old.manifest_entry() == "weak-experts"
+
+
+def _convert(path, *extra) -> subprocess.CompletedProcess:
+    sets = [arg for k, v in TINY.items() for arg in ("--set", f"{k}={v}")] + list(extra)
+    return subprocess.run(
+        [sys.executable, "-m", "strata_mlx", "convert", "--synthetic", "bench-small"]
+        + ["--mlx-path", str(path), "--calibration-tokens", "4", *sets],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_set_takes_a_bool_as_a_word_and_refuses_shapes_no_expert_fits(tmp_path):
+    """--set norm_topk_prob=false wrote true (bool("false")); an expert width or group the
+    experts cannot take was a ZeroDivisionError, or failed after the whole conversion."""
+    r = _convert(tmp_path / "s", "--set", "norm_topk_prob=false")
+    assert r.returncode == 0, r.stderr
+    assert load_manifest(tmp_path / "s").config["norm_topk_prob"] is False
+    for bad, says in [
+        ("expert_group_size=0", "expert_group_size 0: one of"),
+        ("expert_bits=0", "expert_bits 0: one of"),
+        ("hidden_size=100", "hidden_size 100: expert inputs come in groups"),
+        ("norm_topk_prob=maybe", "'maybe' is not a valid bool"),
+    ]:
+        r = _convert(tmp_path / "bad", "--set", bad)
+        assert r.returncode == 2 and says in r.stderr, (bad, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()
+
+
+def test_a_synthetic_shape_is_a_name_not_a_path(tmp_path):
+    for name in ("../runtime/h200", str(tmp_path / "x")):
+        r = subprocess.run(
+            [sys.executable, "-m", "strata_mlx", "convert", "--synthetic", name]
+            + ["--mlx-path", str(tmp_path / "s")],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode != 0 and "no such synthetic shape" in r.stderr, r.stderr

@@ -144,3 +144,17 @@ def test_write_atomic_leaves_the_old_file_when_writing_fails(tmp_path):
     store_module.write_text_atomic(path, "new")
     assert path.read_text() == "new"
     assert [p.name for p in tmp_path.iterdir()] == ["figures.json"]
+
+
+def test_write_atomic_takes_no_file_of_the_users_for_its_temporary(tmp_path):
+    """The temporary file is a name of the write's own: a user's `figures.json.tmp` (once the
+    fixed temporary name) is neither overwritten nor removed, and the new file gets the
+    mode the process's umask gives, not a private temporary's."""
+    path, mine = tmp_path / "figures.json", tmp_path / "figures.json.tmp"
+    mine.write_text("precious")
+    store_module.write_text_atomic(path, "new")
+    assert path.read_text() == "new" and mine.read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figures.json", "figures.json.tmp"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask

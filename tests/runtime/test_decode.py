@@ -784,14 +784,26 @@ def test_the_decode_duel_switches_prediction_between_tokens_exactly(store, varia
     model, _ = strata_mlx.load(
         path, arena_gb=gb, lookahead_decode_duel=True, lookahead_decode_min_miss=0.0, **kw
     )
-    duel = model.expert_cache.predictor.duel
+    ec, pr = model.expert_cache, model.expert_cache.predictor
+    duel = pr.duel
     duel.block, duel.keep = 1, 3
-    told, token = [], duel.token
-    duel.token = lambda predicted, s: told.append((predicted, s)) or token(predicted, s)
+    told, token, rank, ranked = [], duel.token, pr.rank, [0]
+
+    def counted_rank(ids):  # (a prediction ranked: the way that predicts)
+        ranked[0] += 1
+        return rank(ids)
+
+    def tell(predicted: bool, s: float) -> None:  # each token's way and what it ranked
+        told.append((predicted, ranked[0]))
+        token(predicted, s)
+
+    pr.rank, duel.token = counted_rank, tell
     tokens, lp = decode(model, ids, 16)
     assert tokens == ref[0]
     assert np.array_equal(lp, ref[1])
-    ways = [predicted for predicted, _ in told]
-    assert len(told) == 15 and True in ways and False in ways  # (the prompt's last untold)
-    assert all(s > 0 for _, s in told)
-    assert 0 < model.expert_cache.stats.predicting_tokens < 16
+    assert len(told) == 15  # (the prompt's last token is untold)
+    predictions = {True: 0, False: 0}  # ranked while a token of each way was built
+    for (predicted, after), (_, before) in zip(told[1:], told):
+        predictions[predicted] += after - before
+    assert predictions[True] > 0 and predictions[False] == 0, predictions
+    assert 0 < ec.stats.predicting_tokens < 16

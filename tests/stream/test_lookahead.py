@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from conftest import prompt_ids
 
 import strata_mlx
@@ -311,26 +312,41 @@ def test_lookahead_that_never_predicts_in_decode_reads_ahead_in_prefill_alone(st
 def test_the_decode_duel_keeps_the_faster_way_and_times_it_again():
     from strata_mlx.stream.prediction import DecodeDuel
 
-    duel = DecodeDuel(block=2, keep=3)
-    pace = {True: 0.030, False: 0.020}  # s a token: here not predicting is faster
-    ways = []
-    for _ in range(2 * (8 + 3)):
-        way = duel.predicting
-        ways.append(way)
-        duel.token(way, pace[way])
+    def run(duel, tokens: int, pace) -> list[bool]:
+        ways = []
+        for i in range(tokens):
+            duel.begin()
+            ways.append(duel.predicting)
+            duel.token(duel.predicting, pace(duel.predicting, i))
+        return ways
+
     trial = [True, True, False, False, False, False, True, True]
+    # here not predicting is faster: kept after each trial of 2 tokens a block
+    ways = run(DecodeDuel(block=2, keep=3), 2 * (8 + 3), lambda way, i: 0.03 if way else 0.02)
     assert ways == 2 * (trial + [False] * 3)
     # a way's first token after the other's is not timed: the arena holds the other's reads
     duel = DecodeDuel(block=2, keep=3)
-    for way, s in zip(trial, [9.0, 0.03, 9.0, 0.02, 0.02, 0.02, 9.0, 0.03]):
-        duel.token(way, s)
+    run(duel, 8, lambda way, i: [9.0, 0.03, 9.0, 0.02, 0.02, 0.02, 9.0, 0.03][i])
     assert duel.samples == {True: [0.03, 0.03], False: [0.02, 0.02, 0.02]}
+    duel.begin()
     assert duel.predicting is False
+    # nor is a generation's first (its decode starts after a prefill)
+    duel = DecodeDuel(block=2, keep=3)
+    duel.begin()
+    duel.token(True, 1.0)
+    duel.start()
+    duel.begin()
+    duel.token(True, 2.0)
+    assert duel.samples[True] == []
     # a trial in which one way never ran (the miss rate kept prediction off) changes nothing
     duel = DecodeDuel(block=2, keep=3)
     for _ in range(8):
+        duel.begin()
         duel.token(False, 0.01)
+    duel.begin()
     assert duel.predicting is True
+    with pytest.raises(ValueError):
+        DecodeDuel(keep=0)
 
 
 def test_the_decode_duel_is_lookaheads_alone():
@@ -342,7 +358,9 @@ def test_the_decode_duel_is_lookaheads_alone():
     on = Predictor(ReadAhead(policy="lookahead", decode_duel=True), Manifest(), None)
     assert on.duel is not None and on.predicts_in_decode()
     on.duel.block = 1
-    on.decode_token(True, 0.01)  # the trial's second block: demand's
+    on.decode_begin()  # the trial's first block: predicting
+    assert on.predicts_in_decode()
+    on.decode_begin()  # its second: demand's
     assert not on.predicts_in_decode() and on.targets(0, decoding=True) == []
     demand = Predictor(ReadAhead(policy="demand", decode_duel=True), Manifest(), None)
     assert demand.duel is None and not demand.predicts_in_decode()

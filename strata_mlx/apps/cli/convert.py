@@ -176,6 +176,24 @@ def exit_on_signals() -> None:
     threading.Thread(target=watch, name="strata-signals", daemon=True).start()
 
 
+def _set_value(item: str, was, value: str):
+    """--set KEY=VALUE's value as the type the shape's KEY has (a bool from true / false:
+    bool("false") is True)."""
+    kind = type(was)
+    if kind is bool:
+        word = value.strip().lower()
+        if word in ("true", "1", "yes"):
+            return True
+        if word in ("false", "0", "no"):
+            return False
+    else:
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    raise OptionError(f"--set {item}: {value!r} is not a valid {kind.__name__}")
+
+
 def _convert(hf_path, gguf_path, synthetic, mlx_path, flags: dict) -> Path:
     """The converter of the one source given, with the `convert` command's `flags` it takes."""
     if hf_path is not None:
@@ -212,11 +230,7 @@ def _convert(hf_path, gguf_path, synthetic, mlx_path, flags: dict) -> Path:
                 raise OptionError(
                     f"--set {item}: expected KEY=VALUE with KEY one of {sorted(config)}"
                 )
-            try:
-                config[key] = type(config[key])(value)
-            except ValueError:
-                kind = type(config[key]).__name__
-                raise OptionError(f"--set {item}: {value!r} is not a valid {kind}") from None
+            config[key] = _set_value(item, config[key], value)
         out = convert_synthetic(
             synthetic,
             mlx_path,

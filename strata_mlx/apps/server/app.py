@@ -30,7 +30,15 @@ from ...config import (
 from ...stream.memory import MemoryGuardError
 from ..dashboard import add_routes
 from .engine import Engine, ServeState
-from .guard import LOOPBACK_NAMES, BodyLimit, HostGuard, JsonBodies, StreamEnd, is_loopback
+from .guard import (
+    LOOPBACK_NAMES,
+    BodyLimit,
+    HeadAsGet,
+    HostGuard,
+    JsonBodies,
+    StreamEnd,
+    is_loopback,
+)
 from .routes import (
     api_error,
     chat_completions,
@@ -192,7 +200,8 @@ def create_app(
     # cleanly, a foreign Host or Origin is refused before anything else, CORS answers
     # preflights (which carry no credentials) before the key is checked, and adds its headers
     # to 401s too; a body not sent as JSON is refused once the key is checked.
-    app.add_middleware(JsonBodies)
+    json_paths: set[str] = set()  # (the POST routes', once they are added below)
+    app.add_middleware(JsonBodies, paths=json_paths)
     if api_key:
         app.add_middleware(_BearerAuth, key=api_key)
     if allowed_origins:
@@ -208,6 +217,7 @@ def create_app(
         app.add_middleware(HostGuard, hosts=hosts, allowed_origins=allowed_origins)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(StreamEnd)
+    app.add_middleware(HeadAsGet)
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -223,9 +233,7 @@ def create_app(
     # GET /dashboard, and / sends a browser there
     app.state.dashboard = add_routes(app, model, engine, lambda: stats_body(state))
     app.get("/", include_in_schema=False)(_to_dashboard)
-    for route in app.routes:  # HEAD wherever GET answers, as HTTP asks of a server
-        if isinstance(route, APIRoute) and "GET" in route.methods:
-            route.methods.add("HEAD")
+    json_paths.update(r.path for r in app.routes if isinstance(r, APIRoute) and "POST" in r.methods)
     return app
 
 
