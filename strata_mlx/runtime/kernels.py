@@ -214,6 +214,8 @@ def example_layout(fmt: str, hidden: int, inter: int, down: str | None = None) -
         affine = re.fullmatch(r"affine(\d+)-g(\d+)", name)
         if affine:
             bits, gs = int(affine[1]), int(affine[2])
+            if not (1 <= bits <= 8 and gs > 0):  # (affine0-g64, affine4-g0)
+                raise ValueError(f"{name}: bits 1 to 8 and a group of 1 input at least")
             if n_in * bits % 32 or n_in % gs:
                 raise ValueError(f"{name}: {n_in} inputs are not whole words and groups")
             comps[f"{p}.weight"] = ("uint32", (out, n_in * bits // 32))

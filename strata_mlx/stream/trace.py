@@ -165,15 +165,18 @@ def read(path: str | Path) -> Trace:
         z = np.load(path, allow_pickle=False)
     except FileNotFoundError:
         raise OptionError(f"{path}: no such trace file") from None
-    except (OSError, ValueError, zipfile.BadZipFile) as e:
-        raise OptionError(f"{path}: not a trace file ({str(e).splitlines()[0]})") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # (EOFError: empty)
+        detail = str(e).splitlines()[0] if str(e) else "empty"
+        raise OptionError(f"{path}: not a trace file ({detail})") from None
     if not isinstance(z, np.lib.npyio.NpzFile):
         raise OptionError(f"{path}: not a trace file (one array, not an .npz)")
     try:
         with z:
             return _parse(z, path)
-    except (KeyError, ValueError, IndexError, zipfile.BadZipFile) as e:
+    except (KeyError, ValueError, IndexError, EOFError, zipfile.BadZipFile) as e:
         raise OptionError(f"{path}: not a trace file ({e})") from None
+    except AttributeError:  # (a member that is no .npy array reads as bytes)
+        raise OptionError(f"{path}: not a trace file (a member is no array)") from None
 
 
 def _split(z, key: str) -> list[np.ndarray]:

@@ -215,3 +215,22 @@ def test_read_ahead_needs_predictions_and_an_online_policy():
         cache_sim.replay(t, 12, "lru", "lookahead")
     with pytest.raises(OptionError, match="--read-ahead 'always': one of none"):
         cache_sim.replay(t, 12, "lru", "always")
+
+
+def test_a_trace_file_that_is_empty_or_holds_no_arrays_is_one_line(tmp_path):
+    """An empty file printed only "Aborted." (numpy's EOFError); an .npz whose member is no
+    .npy array an AttributeError's traceback."""
+    import zipfile
+
+    empty, hollow = tmp_path / "e.npz", tmp_path / "h.npz"
+    empty.write_bytes(b"")
+    trace.write(hollow, trace.Trace([0], 16, 8192, {0: [np.arange(8).reshape(4, 2)]}))
+    with zipfile.ZipFile(hollow) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    with zipfile.ZipFile(hollow, "w") as z:
+        for n, data in members.items():
+            z.writestr(n, b"" if n.startswith("L0") else data)
+    for f in (empty, hollow):
+        r = run_cli(f, "--slots", 4)
+        assert r.returncode != 0 and f"{f}: not a trace file" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1

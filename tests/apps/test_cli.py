@@ -168,6 +168,12 @@ def test_convert_q_mode_mxfp4_is_convert_hfs(hf_checkpoint, tmp_path):
         run("convert", "--hf-path", src, "--mlx-path", tmp_path / "y", "--q-mode", "mxfp4")
     )
     assert "--q-mode mxfp4" in line and "-q" in line
+    # so are -q's width and group without it (a float store was written without a word)
+    for flag, value in (("--q-bits", "3"), ("--q-group-size", "32")):
+        line = _error_line(run("convert", "--hf-path", src, "--mlx-path", tmp_path / "z",
+                               flag, value))  # fmt: skip
+        assert line == f"error: {flag} {value}: a setting of -q; add -q (--quantize)"
+    assert not (tmp_path / "z").exists()
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
     r = run("convert", "--help")
     assert "--q-mode" in r.stdout and "mxfp4" in r.stdout
@@ -789,3 +795,21 @@ def test_the_docs_list_the_q_bits_convert_takes(hf_checkpoint, tmp_path):
     r = run("convert", "--hf-path", src, "--mlx-path", tmp_path / "s", "-q", "--q-bits", 5)
     assert f"--q-bits 5: one of {', '.join(listed)}" in _error_line(r)
     assert not (tmp_path / "s").exists()
+
+
+def test_outputs_into_the_store_or_onto_each_other_are_refused(store, tmp_path):
+    """`--trace STORE/manifest.json` wrote over the store's manifest (unreadable after) and
+    `--trace x --logits-out x` kept the trace alone; both refused before anything runs."""
+    path = Path(store("qwen3_moe"))
+    gen = ("generate", "--model", path, "--prompt-tokens", "1,2,3", "-m", "1")
+    line = _error_line(run(*gen, "--trace", path / "manifest.json"))
+    assert f"--trace {path / 'manifest.json'}: inside the store" in line
+    same = tmp_path / "x"
+    line = _error_line(run(*gen, "--trace", same, "--logits-out", same))
+    assert f"--trace {same}: --logits-out writes there too" in line
+    line = _error_line(run("plan", path, "--json", path / "plan.json"))
+    assert "--json" in line and "inside the store" in line
+    from strata_mlx.format.store import load_manifest
+
+    assert not same.exists() and not (path / "plan.json").exists()
+    assert load_manifest(path).num_experts > 0

@@ -954,3 +954,26 @@ def test_a_layer_that_missed_costs_lag_plus_one_layers_again(monkeypatch):
         assert d["modes"].get("layers", 0) > 0
         extra[lag] = d["s_per_token"] - x
     assert extra[1] > 0 and extra[3] == pytest.approx(2 * extra[1])
+
+
+def test_a_cached_calibration_holding_figures_no_run_gives_is_none(tmp_path, monkeypatch):
+    """A cache entry holding NaN or a negative time forecast "nan tok/s" and a compute floor
+    of minus 2 million ms: it is taken for none, and plan calibrates again."""
+    import json
+
+    from strata_mlx.apps.plan import calibration as cal
+
+    monkeypatch.setenv("STRATA_MLX_HOME", str(tmp_path))
+    shape, plan_ = _shape(), cal.calibration_plan("cpu", 64, 64)
+    good = cal.Calibration(1e-3, 1e-4, 0.01, 0.02, 0.03, 1e-4, recall={1: 0.5})
+    cal.store(shape, plan_, good)
+    assert cal.cached(shape, plan_) == good
+    for field, bad in [("decode_s", float("nan")), ("prefill_token_s", -1e-4),
+                       ("chunk_fixed_s", float("inf")), ("handshake_s", -1.0),
+                       ("recall", {"1": 1.5})]:  # fmt: skip
+        entries = json.loads(cal.cache_file().read_text())
+        (key,) = entries
+        entries[key] = {**entries[key], field: bad}
+        cal.cache_file().write_text(json.dumps(entries))
+        assert cal.cached(shape, plan_) is None, field
+        cal.store(shape, plan_, good)

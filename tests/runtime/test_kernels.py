@@ -1024,3 +1024,16 @@ def test_kernels_show_refuses_widths_and_counts_below_one(flag, value):
     assert r.exit_code == 2 and r.output.strip() == (
         f"error: {flag} {value}: expected an integer in [1, 1048576]"
     ), r.output
+
+
+@pytest.mark.parametrize("fmt", ["affine4-g0", "affine0-g64", "affine9-g64"])
+def test_kernels_show_refuses_an_affine_format_of_no_bits_or_group(fmt):
+    """`kernels show affine4-g0` was a ZeroDivisionError's traceback."""
+    from typer.testing import CliRunner
+
+    from strata_mlx.cli import app
+
+    r = CliRunner().invoke(app, ["kernels", "show", fmt])
+    assert r.exit_code == 2 and r.output.strip() == (
+        f"error: {fmt}: bits 1 to 8 and a group of 1 input at least"
+    ), r.output

@@ -16,6 +16,7 @@ from .common import (
     TraceFile,
     builtin_model,
     check_output_file,
+    check_outputs,
     check_pipeline_flags,
     runtime_command,
 )
@@ -68,6 +69,7 @@ def bench(
     check_output_file(json_out, "--json")
     check_output_file(plot, "--plot", suffix=".png")
     check_output_file(trace_file, "--trace")
+    check_outputs(model, {"--json": json_out, "--plot": plot, "--trace": trace_file})
     if trace_file is not None and pipeline:
         raise OptionError("--trace: a pipelined run's routing is not traced yet")
     names = tuple(p for p in policies.split(",") if p)

@@ -16,6 +16,7 @@ from .common import (
     builtin_model,
     chat_flag,
     check_output_file,
+    check_outputs,
     check_prompt_flags,
     kv_options,
     runtime_command,
@@ -66,6 +67,7 @@ def cache_prompt(
 
     kv = kv_options(args)
     check_output_file(prompt_cache_file, "--prompt-cache-file")
+    check_outputs(model, {"--prompt-cache-file": prompt_cache_file})
     template_kwargs = template_config(chat_template_config)
     chat = chat_flag(chat, system_prompt, chat_template_config)
     check_prompt_flags(prompt, prompt_tokens, system_prompt, chat_template_config)

@@ -314,6 +314,23 @@ def check_output_file(path: Path | None, flag: str, suffix: str | None = None) -
         )
 
 
+def check_outputs(model, outputs: dict[str, Path | None]) -> None:
+    """Before anything runs: no two output flags name one file (the second write replaced
+    the first's), and none names a file inside the model's store (a trace written over its
+    manifest.json left the store unreadable); `model`: the --model given, or None."""
+    seen: dict[Path, str] = {}
+    store = Path(model).resolve() if model is not None and Path(model).is_dir() else None
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        where = Path(path).resolve()
+        if where in seen:
+            raise OptionError(f"{flag} {path}: {seen[where]} writes there too; give each its own")
+        seen[where] = flag
+        if store is not None and store in where.parents:
+            raise OptionError(f"{flag} {path}: inside the store {model}; write it elsewhere")
+
+
 def kv_options(args: dict):
     """mlx-lm's KV cache flags (KV_FLAGS, in a command's `args` by name) as checked KVOptions."""
     from ...generation.prompt_cache import KVOptions

@@ -25,8 +25,10 @@ def convert(
     quantize: bool = typer.Option(
         False, "--quantize", "-q", help="Quantize the experts.", metavar=""
     ),
-    q_bits: int = typer.Option(4, "--q-bits"),
-    q_group_size: int = typer.Option(64, "--q-group-size"),
+    q_bits: int | None = typer.Option(None, "--q-bits", help="With -q: bits (default 4)."),
+    q_group_size: int | None = typer.Option(
+        None, "--q-group-size", help="With -q: inputs a scale (default 64)."
+    ),
     q_mode: str | None = typer.Option(
         None,
         "--q-mode",
@@ -88,6 +90,11 @@ def convert(
         raise OptionError(f"--q-mode {q_mode}: one of {', '.join(Q_MODES)}")
     if q_mode is not None and not quantize:
         raise OptionError(f"--q-mode {q_mode}: the mode of -q; add -q (--quantize)")
+    for flag, value in (("--q-bits", q_bits), ("--q-group-size", q_group_size)):
+        if value is not None and not quantize:  # (it wrote a float store without a word)
+            raise OptionError(f"{flag} {value}: a setting of -q; add -q (--quantize)")
+    q_bits = flags["q_bits"] = 4 if q_bits is None else q_bits
+    q_group_size = flags["q_group_size"] = 64 if q_group_size is None else q_group_size
     if q_bits not in (2, 3, 4, 8):
         raise OptionError(f"--q-bits {q_bits}: one of 2, 3, 4, 8")
     if q_group_size not in (32, 64, 128):
@@ -106,8 +113,8 @@ def convert(
 # its shape's own format).
 SOURCE_FLAGS = {
     "quantize": ("-q", False, ("hf",)),
-    "q_bits": ("--q-bits", 4, ("hf",)),
-    "q_group_size": ("--q-group-size", 64, ("hf",)),
+    "q_bits": ("--q-bits", None, ("hf",)),
+    "q_group_size": ("--q-group-size", None, ("hf",)),
     "q_mode": ("--q-mode", None, ("hf",)),
     "dtype": ("--dtype", None, ("hf", "synthetic")),
     "split_experts": ("--split-experts", None, ("gguf",)),

@@ -23,6 +23,7 @@ from .common import (
     builtin_model,
     chat_flag,
     check_output_file,
+    check_outputs,
     check_pipeline_flags,
     check_prompt_flags,
     kv_options,
@@ -121,6 +122,7 @@ def generate(
     sampling = _sampling(args)  # every flag is checked before a model is loaded
     check_output_file(logits_out, "--logits-out")
     check_output_file(trace_file, "--trace")
+    check_outputs(model, {"--logits-out": logits_out, "--trace": trace_file})
     check_pipeline_flags(pipeline, pipeline_split, pipeline_timeout)
     kv = kv_options(args)
     template_kwargs = template_config(chat_template_config)

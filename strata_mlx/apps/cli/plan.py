@@ -9,6 +9,7 @@ import typer
 from .common import (
     builtin_model,
     check_output_file,
+    check_outputs,
 )
 
 
@@ -61,6 +62,7 @@ def plan(
         cli=True,
     )  # fmt: skip (the flags' names in the message)
     check_output_file(json_out, "--json")
+    check_outputs(model, {"--json": json_out})
     model, arena_gb = builtin_model(model, arena_gb)
     f = run_plan(model, arena_gb, prefill_step_size, prompt_tokens, generation_tokens, io_workers,
                  target_memory, target_ssd_gbps, target_tflops, measure)  # fmt: skip

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import platform
 import time
 from collections.abc import Callable
@@ -140,10 +141,26 @@ class Calibration:
 
     @classmethod
     def from_json(cls, d: dict) -> Calibration:
+        """A cached calibration; ValueError where a figure could not have been measured (a
+        time not finite or below 0, a token's time of 0, a recall outside [0, 1]), so
+        that `cached` takes the entry for none and calibrates again: a cache holding NaN
+        forecast "nan tok/s" and a compute floor of minus 2 million ms."""
         d = dict(d)
-        d["recall"] = {int(k): v for k, v in d.get("recall", {}).items()}
-        d["recall_union"] = {int(k): v for k, v in d.get("recall_union", {}).items()}
-        return cls(**d)
+        d["recall"] = {int(k): float(v) for k, v in d.get("recall", {}).items()}
+        d["recall_union"] = {int(k): float(v) for k, v in d.get("recall_union", {}).items()}
+        cal = cls(**d)
+        times = (cal.decode_layers_s, cal.decode_sync_s, cal.handshake_s, cal.sync_beyond_s,
+                 cal.position_s, cal.absent_s or 0.0)  # fmt: skip
+        per_token = (cal.prefill_token_s, cal.decode_s)
+        shares = (*cal.recall.values(), *cal.recall_union.values())
+        if not (
+            math.isfinite(cal.chunk_fixed_s)
+            and all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in per_token)
+            and all(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0 for t in times)
+            and all(0.0 <= r <= 1.0 for r in shares)
+        ):
+            raise ValueError("a calibration figure out of its range")
+        return cal
 
 
 def machine_key() -> str:
