@@ -365,9 +365,7 @@ def convert_hf(
     try:
         model.load_weights(list(dense.items()), strict=True)
     except ValueError as e:
-        raise StoreError(
-            f"{src}: checkpoint does not match {model_type}: {str(e).splitlines()[0]}"
-        ) from None
+        raise StoreError(f"{src}: checkpoint does not match {model_type}: {_one_line(e)}") from None
     if quantize:
         store_config["quantization"] = _quantize_dense(model, q_bits, q_group_size)
         dense = dict(tree_flatten(model.parameters()))
@@ -505,7 +503,10 @@ def _write_experts(
                 mx.eval(tensors)
                 if not allow_non_finite:
                     _check_expert_finite(weights, prefix, names, e, tensors, fdtype, src, mlx_quant)
-                writer.add_expert(layer, e, {k: _np(v) for k, v in tensors.items()})
+                try:
+                    writer.add_expert(layer, e, {k: _np(v) for k, v in tensors.items()})
+                except StoreError as err:  # (shaped unlike the layer's first expert)
+                    raise StoreError(f"{src}: {err}") from None
                 bar.update(1)
 
 
@@ -530,3 +531,9 @@ def _np(a: mx.array):
     from ..format.quant import to_numpy
 
     return to_numpy(a)
+
+
+def _one_line(e: Exception, limit: int = 400) -> str:
+    """MLX's message on one line, the names it lists included (they follow its first line)."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

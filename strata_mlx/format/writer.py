@@ -93,7 +93,10 @@ class StoreWriter:
         return self.tmp
 
     def add_expert(self, layer: int, expert: int, arrays: dict[str, np.ndarray]) -> None:
-        rec = self.manifest.layout_of(layer).pack(arrays)
+        try:
+            rec = self.manifest.layout_of(layer).pack(arrays)
+        except ValueError as e:  # (an expert shaped unlike the layer's first: the source's)
+            raise StoreError(f"layer {layer} expert {expert}: {e}") from None
         pos = self.manifest.layer_position(layer)
         self.manifest.offsets[pos][expert] = self._pos
         self.manifest.checksums[pos][expert] = checksum(CHECKSUM, rec)

@@ -483,6 +483,37 @@ def test_cli_refuses_nan_weights_in_one_line(hf_checkpoint, tmp_path):
     load_manifest(out)
 
 
+def test_an_expert_shaped_unlike_the_others_or_a_stray_tensor_is_one_line(hf_checkpoint, tmp_path):
+    """One expert's down_proj of another shape was a ValueError's traceback; a tensor the
+    model does not have was named nowhere (MLX lists names after its message's first line)."""
+    import torch
+    from safetensors.torch import load_file
+
+    quiet = {**os.environ, "PYTHONWARNINGS": "ignore"}  # the checkpoint has no tokenizer
+    for name, change in [
+        ("shape", lambda w: w.__setitem__(DOWN, w[DOWN][:, :-1].clone())),
+        ("stray", lambda w: w.__setitem__("model.layers.0.mlp.stray.weight", torch.zeros(2))),
+    ]:
+        src = shutil.copytree(hf_checkpoint("qwen3_moe"), tmp_path / f"src-{name}")
+        (f,) = src.glob("*.safetensors")
+        w = load_file(f)
+        change(w)
+        _save(src, w)
+        out = tmp_path / f"s-{name}"
+        r = run("convert", "--hf-path", src, "--mlx-path", out, "--calibration-tokens", 0,
+                env=quiet)  # fmt: skip
+        line = _error_line(r)
+        assert str(src) in line and "Traceback" not in r.stderr, r.stderr
+        if name == "shape":
+            assert "layer 1 expert 4: expert tensor down_proj.weight: shape" in line
+        else:
+            assert "model.layers.0.mlp.stray.weight" in line
+        assert not out.exists() and not _temps(out)
+
+
+DOWN = "model.layers.1.mlp.experts.4.down_proj.weight"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_inside_native_code_stops_the_conversion_at_once(tmp_path, sig):
     """Ctrl-C waited for MLX's evaluation to return (one calibration layer of a large model on
