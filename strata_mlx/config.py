@@ -377,9 +377,13 @@ def check_prompt_length(n_tokens: int, context: int | None, what: str = "prompt"
 
 
 def parse_tokens(text: str, flag: str) -> list[int]:
-    """A flag's comma-separated integers: "1,2,3" (token ids, worker counts)."""
+    """A flag's comma-separated integers: "1,2,3" (token ids, worker counts); an empty entry
+    ("1,,2": a token lost to a typo) is refused, not dropped."""
+    parts = text.replace(" ", "").split(",")
+    if any(parts) and not all(parts):
+        raise OptionError(f"{flag} {text!r}: an empty entry; expected e.g. 1,2,3")
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+        ids = [int(t) for t in parts if t]
     except ValueError:
         raise OptionError(f"{flag}: expected comma-separated integers, got {text!r}") from None
     if not ids:

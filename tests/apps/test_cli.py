@@ -331,6 +331,7 @@ def test_probe_ssd_cli(store):
         (["--workers", "0"], "--workers 0"),
         (["--workers", "1,300"], "--workers 300"),
         (["--workers", ","], "--workers: empty"),
+        (["--workers", "1,,4"], "--workers '1,,4': an empty entry"),
         (["--record-bytes", "-5"], "--record-bytes"),
         (["--seconds", "0"], "--seconds"),
         (["--seconds", "nan"], "--seconds"),
