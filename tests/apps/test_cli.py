@@ -211,6 +211,12 @@ def test_generate_errors(store, tmp_path):
                                flag, value, *out))  # fmt: skip
         assert line.startswith("error: --prompt-tokens and --"), line
     assert not (tmp_path / "c.safetensors").exists()
+    # ... or --chat, which has no text to template; nor --chat beside its opposite
+    gen = ("generate", "--model", tmp_path / "nope")
+    line = _error_line(run(*gen, "--prompt-tokens", "1", "--chat"))
+    assert line.startswith("error: --prompt-tokens and --chat"), line
+    line = _error_line(run(*gen, "-p", "hi", "--chat", "--ignore-chat-template"))
+    assert line == "error: --ignore-chat-template and --chat: give one or the other"
 
 
 def test_synthetic_store_and_bench(tmp_path):

@@ -70,7 +70,7 @@ def cache_prompt(
     check_outputs(model, {"--prompt-cache-file": prompt_cache_file})
     template_kwargs = template_config(chat_template_config)
     chat = chat_flag(chat, system_prompt, chat_template_config)
-    check_prompt_flags(prompt, prompt_tokens, system_prompt, chat_template_config)
+    check_prompt_flags(prompt, prompt_tokens, system_prompt, chat_template_config, chat)
     if prompt is None and prompt_tokens is None and system_prompt is None:
         raise OptionError("give --prompt/-p, --prompt-tokens or --system-prompt")
     model, arena_gb = builtin_model(model, runtime.arena_gb)

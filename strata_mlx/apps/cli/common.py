@@ -341,15 +341,18 @@ def kv_options(args: dict):
     return kv
 
 
-def check_prompt_flags(prompt, prompt_tokens, system_prompt, chat_template_config) -> None:
-    """--prompt-tokens are the model's input as it is: a text prompt, a system prompt or the
-    chat template's variables beside them would be dropped without a word."""
+def check_prompt_flags(
+    prompt, prompt_tokens, system_prompt, chat_template_config, chat: bool | None = None
+) -> None:
+    """--prompt-tokens are the model's input as it is: a text prompt, a system prompt, the
+    chat template's variables or --chat beside them would be dropped without a word."""
     if prompt_tokens is None:
         return
     for value, flag in (
         (prompt, "--prompt"),
         (system_prompt, "--system-prompt"),
         (chat_template_config, "--chat-template-config"),
+        (True if chat else None, "--chat"),
     ):
         if value is not None:
             raise OptionError(

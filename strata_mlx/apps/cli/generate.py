@@ -114,7 +114,9 @@ def generate(
 ):
     """Generate text from a store, streaming experts through the arena."""
     args = dict(locals())
-    check_prompt_flags(prompt, prompt_tokens, system_prompt, chat_template_config)
+    check_prompt_flags(prompt, prompt_tokens, system_prompt, chat_template_config, chat)
+    if ignore_chat_template and chat:
+        raise OptionError("--ignore-chat-template and --chat: give one or the other")
     if prompt is None and prompt_tokens is None:
         if model is not None:
             raise OptionError("give --prompt/-p or --prompt-tokens")
