@@ -192,6 +192,8 @@ def load_prompt_cache(path: str | Path, model=None) -> tuple[list, list[int], di
     """(cache, the tokens it covers, its metadata) from a file `save_prompt_cache` wrote;
     with `model`, refused unless it was made by this model (store and experts per token)."""
     path = Path(path)
+    if path.is_dir():
+        raise PromptCacheError(f"{path}: is a directory; name a prompt cache file")
     if not path.is_file():
         raise PromptCacheError(f"{path}: no such prompt cache file")
     try:

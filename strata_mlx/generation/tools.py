@@ -26,6 +26,8 @@ def load_logits(path: str | Path) -> np.ndarray:
     """A .npy of finite float logits [T, vocab]; a one-line OptionError naming the file
     otherwise."""
     path = Path(path)
+    if path.is_dir():
+        raise OptionError(f"{path}: is a directory; name a .npy file")
     if not path.is_file():
         raise OptionError(f"{path}: no such file")
     try:

@@ -442,6 +442,8 @@ def test_damaged_payload_is_refused_by_its_checksum(saved, tmp_path):
     _write(bad, arrays, {**meta, "tokens": tokens}, checksum=False)
     with pytest.raises(PromptCacheError, match="checksum mismatch"):
         load_prompt_cache(bad, model)
+    with pytest.raises(PromptCacheError, match=f"{tmp_path}: is a directory"):  # ("no such")
+        load_prompt_cache(tmp_path, model)
 
 
 def test_files_without_a_checksum_are_refused_with_how_to_remake_them(saved, tmp_path):

@@ -204,6 +204,8 @@ def test_commands(store, tmp_path):
 
     r = runner.invoke(_app(), ["kld", "--ref", str(ref), "--test", str(tmp_path / "no.npy")])
     assert isinstance(r.exception, ValueError) and "no.npy" in str(r.exception)
+    r = runner.invoke(_app(), ["kld", "--ref", str(ref), "--test", str(tmp_path)])
+    assert str(r.exception) == f"{tmp_path}: is a directory; name a .npy file"  # ("no such")
 
     cfg_a, cfg_b = configs(path)
     r = runner.invoke(
