@@ -44,3 +44,25 @@ def test_the_decoder_follows_the_runtime_config(store):
         assert model.decoding() is model.sync_decoder
     with strata_mlx.load(path)[0] as model:
         assert isinstance(model.decoding(), PipelinedDecoder)
+
+
+def test_a_policy_of_the_profile_on_a_store_without_one_warns(store, tmp_path):
+    """--read-ahead static and --eviction profile rank experts by the store's routing
+    profile; on a store converted without one they ranked by id without a word."""
+    import shutil
+    import warnings
+
+    path = shutil.copytree(store("qwen3_moe"), tmp_path / "s")
+    (path / "profile.json").unlink()
+    for kw, says in [
+        (dict(read_ahead="static"), "--read-ahead static ranks experts by id"),
+        (dict(eviction="profile"), "--eviction profile ranks experts by id"),
+    ]:
+        with pytest.warns(UserWarning, match="no routing profile") as seen:
+            model, _ = strata_mlx.load(path, **kw)
+        assert says in str(seen[0].message)
+        model.expert_cache.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model, _ = strata_mlx.load(path, read_ahead="lookahead")  # (none needs it)
+    model.expert_cache.close()
