@@ -161,8 +161,10 @@ class StoreWriter:
                     os.replace(self.out, self.tmp / REPLACED)
                 os.replace(self.tmp, self.out)
                 _UNFINISHED.pop(self.tmp, None)
+                _COMMITTED.add(self.out)
             _fsync_dir(self.out.parent)  # the rename itself
             _finish_replacement(self.out)
+            _COMMITTED.discard(self.out)
         return self.out
 
     def abort(self) -> None:
@@ -178,6 +180,8 @@ class StoreWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
+            if _STOPPING:  # a signal's thread removed the directory under us and is ending
+                threading.Event().wait()  # the process: its line is the one to print
             self.abort()
             if issubclass(exc_type, OSError):  # a full disk, a read-only filesystem
                 raise StoreError(
@@ -317,6 +321,20 @@ _UNFINISHED: dict[Path, Path] = {}
 # call while the main thread converts (a signal taken at once, apps/cli/convert.py).
 _RENAMES = threading.RLock()
 _STOPPING = False  # a signal's discard has run: no temporary directory is made after it
+_COMMITTED: set[Path] = set()  # moved into place, the store it replaced not yet deleted
+
+
+def finish_committed() -> list[Path]:
+    """Stores this process moved into place whose commit() has not finished (the store each
+    replaced still inside it, its owner stamp still there): finished now, before a signal's
+    exit. The stores, which are written whole."""
+    with _RENAMES:
+        done = sorted(_COMMITTED)
+        for out in done:
+            _fsync_dir(out.parent)
+            _finish_replacement(out)
+        _COMMITTED.clear()
+    return done
 
 
 def _discard(tmp: Path, out: Path) -> None:

@@ -461,7 +461,6 @@ def _warn_unprofiled(path, cfg: RuntimeConfig) -> None:
         uses.append("--eviction profile")
     if uses:
         warnings.warn(
-            f"{path}: no routing profile (profile.json); {' and '.join(uses)} "
-            "ranks experts by id",
+            f"{path}: no routing profile (profile.json); {' and '.join(uses)} ranks experts by id",
             stacklevel=2,
         )

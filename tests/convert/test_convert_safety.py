@@ -166,6 +166,25 @@ def test_a_replacement_killed_between_its_renames_is_undone(gguf, tmp_path):
     assert _fingerprint(out) == before and not (out / REPLACED).exists()
 
 
+def test_a_signal_after_the_renames_finishes_the_store_and_says_it_is_written(
+    gguf, tmp_path, monkeypatch
+):
+    """Ctrl-C just after commit() moved the new store into place printed "stopped" alone and
+    left the old store and the owner stamp inside the new one: the signal's thread finishes
+    what commit() had left (the store is whole) and names it as written."""
+    from strata_mlx.format import writer
+
+    out = _convert(gguf, tmp_path / "s")
+    before = _fingerprint(out)
+    shutil.copytree(out, tmp_path / "old")
+    os.replace(tmp_path / "old", out / REPLACED)
+    _stamp(out, os.getpid())
+    monkeypatch.setattr(writer, "_COMMITTED", {out})
+    assert writer.finish_committed() == [out]
+    assert _fingerprint(out) == before and not (out / REPLACED).exists()
+    assert not (out / writer.OWNER).exists() and writer.finish_committed() == []
+
+
 def test_a_failed_commit_puts_the_old_store_back(gguf, tmp_path, monkeypatch):
     out = _convert(gguf, tmp_path / "s")
     before = _fingerprint(out)

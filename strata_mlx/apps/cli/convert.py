@@ -150,7 +150,7 @@ def exit_on_signals() -> None:
     import sys
     import threading
 
-    from ...format.writer import discard_unfinished
+    from ...format.writer import discard_unfinished, finish_committed
 
     global _WATCHING
     if _WATCHING or threading.current_thread() is not threading.main_thread():
@@ -171,8 +171,9 @@ def exit_on_signals() -> None:
         while signum not in stops:  # (the pipe carries every signal with a Python handler)
             signum = os.read(read, 1)[0]
         try:
-            given_up = discard_unfinished(stop=True)
+            given_up, written = discard_unfinished(stop=True), finish_committed()
             what = f"; {', '.join(map(str, given_up))} not written" if given_up else ""
+            what += f"; {', '.join(map(str, written))} written" if written else ""
             sys.stderr.write(f"\n{signal.Signals(signum).name}: stopped{what}\n")
             sys.stderr.flush()
         except BaseException:
