@@ -162,9 +162,9 @@ class StoreWriter:
                 os.replace(self.tmp, self.out)
                 _UNFINISHED.pop(self.tmp, None)
                 _COMMITTED.add(self.out)
-            _fsync_dir(self.out.parent)  # the rename itself
-            _finish_replacement(self.out)
-            _COMMITTED.discard(self.out)
+                _fsync_dir(self.out.parent)  # the rename itself
+                _finish_replacement(self.out)
+                _COMMITTED.discard(self.out)
         return self.out
 
     def abort(self) -> None:

@@ -174,6 +174,9 @@ def test_convert_q_mode_mxfp4_is_convert_hfs(hf_checkpoint, tmp_path):
                                flag, value))  # fmt: skip
         assert line == f"error: {flag} {value}: a setting of -q; add -q (--quantize)"
     assert not (tmp_path / "z").exists()
+    line = _error_line(run("convert", "--hf-path", src, "--mlx-path", tmp_path / "z", "-q",
+                           "--q-mode", "mxfp4", "--q-bits", "3"))  # fmt: skip
+    assert line == "error: --q-bits 3: affine's; --q-mode mxfp4 has its own"
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
     r = run("convert", "--help")
     assert "--q-mode" in r.stdout and "mxfp4" in r.stdout

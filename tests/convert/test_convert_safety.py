@@ -176,11 +176,17 @@ def test_a_signal_after_the_renames_finishes_the_store_and_says_it_is_written(
 
     out = _convert(gguf, tmp_path / "s")
     before = _fingerprint(out)
-    shutil.copytree(out, tmp_path / "old")
-    os.replace(tmp_path / "old", out / REPLACED)
-    _stamp(out, os.getpid())
-    monkeypatch.setattr(writer, "_COMMITTED", {out})
-    assert writer.finish_committed() == [out]
+    finish = writer._finish_replacement
+
+    def interrupted(path):  # the signal lands after the renames, before the old store goes
+        monkeypatch.setattr(writer, "_finish_replacement", finish)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer, "_finish_replacement", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _convert(gguf, out, overwrite=True)
+    assert (out / REPLACED).is_dir() and (out / writer.OWNER).is_file()
+    assert writer.finish_committed() == [out]  # (the signal's thread, before its exit)
     assert _fingerprint(out) == before and not (out / REPLACED).exists()
     assert not (out / writer.OWNER).exists() and writer.finish_committed() == []
 

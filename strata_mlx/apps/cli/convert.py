@@ -93,6 +93,8 @@ def convert(
     for flag, value in (("--q-bits", q_bits), ("--q-group-size", q_group_size)):
         if value is not None and not quantize:  # (it wrote a float store without a word)
             raise OptionError(f"{flag} {value}: a setting of -q; add -q (--quantize)")
+        if value is not None and q_mode == "mxfp4":  # (MXFP4's own: 4 bits, blocks of 32)
+            raise OptionError(f"{flag} {value}: affine's; --q-mode mxfp4 has its own")
     q_bits = flags["q_bits"] = 4 if q_bits is None else q_bits
     q_group_size = flags["q_group_size"] = 64 if q_group_size is None else q_group_size
     if q_bits not in (2, 3, 4, 8):

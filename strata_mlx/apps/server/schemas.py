@@ -177,15 +177,15 @@ def chat_request(body: dict, names: dict[str, str] | None = None) -> ChatComplet
     asks for, validated as the chat route validates its own body: what it refuses is the
     client's (a tool named "", a parameters schema that is not an object), a 400 naming the
     parameter as chat completions names it, or as `names` maps its first part to the other
-    API's ({"messages": "input"}) where no index follows (the other API's list may not line
-    up with the chat request's: a system message added first)."""
+    API's ({"messages": "input"}), the rest dropped where an index follows (the other API's
+    list may not line up with the chat request's: a system message added first)."""
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
         err = validation_error(e)
     head, _, rest = (err.param or "").partition(".")
-    if names and head in names and not rest[:1].isdigit():
-        param = names[head] + (f".{rest}" if rest else "")
+    if names and head in names:
+        param = names[head] + (f".{rest}" if rest and not rest[:1].isdigit() else "")
         err = APIError(err.message.replace(err.param, param, 1), param=param, code=err.code)
     raise err
 
