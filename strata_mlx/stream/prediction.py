@@ -115,7 +115,8 @@ class ReadAhead:
         default=True,
         metadata=opt(
             "lookahead in decode: time tokens with and without prediction and keep the "
-            "faster way (timed again every ~100 tokens).",
+            "faster way (timed again every ~100 tokens; --lookahead-decode-min-miss 0 "
+            "predicts always).",
             name="lookahead_decode_duel",
             variant="dd",
         ),
@@ -338,11 +339,12 @@ class Predictor:
 
     def predicts_in_decode(self) -> bool:
         """Whether the next decode token predicts: lookahead's, while decode's running miss
-        rate is at least `decode_min_miss` and the duel (where on) says so."""
+        rate is at least `decode_min_miss` and the duel (where on) says so; always where
+        `decode_min_miss` is 0 (as its flag says)."""
         ra = self.read_ahead
         if not ra.predicts or self.decode_miss_rate < ra.decode_min_miss:
             return False
-        return self.duel is None or self.duel.predicting
+        return self.duel is None or ra.decode_min_miss <= 0 or self.duel.predicting
 
     def decode_start(self) -> None:
         """A generation's decode starts (DecodeDuel.start); nothing without the duel."""

@@ -781,9 +781,7 @@ def test_the_decode_duel_switches_prediction_between_tokens_exactly(store, varia
     sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync", read_ahead="demand")
     ref = decode(sync, ids, 16)
     kw = {**VARIANTS[variant], "read_ahead": "lookahead"}
-    model, _ = strata_mlx.load(
-        path, arena_gb=gb, lookahead_decode_duel=True, lookahead_decode_min_miss=0.0, **kw
-    )
+    model, _ = strata_mlx.load(path, arena_gb=gb, lookahead_decode_duel=True, **kw)
     ec, pr = model.expert_cache, model.expert_cache.predictor
     duel = pr.duel
     duel.block, duel.keep = 1, 3

@@ -362,5 +362,10 @@ def test_the_decode_duel_is_lookaheads_alone():
     assert on.predicts_in_decode()
     on.decode_begin()  # its second: demand's
     assert not on.predicts_in_decode() and on.targets(0, decoding=True) == []
+    always = Predictor(ReadAhead(policy="lookahead", decode_min_miss=0.0), Manifest(), None)
+    always.duel.block = 1
+    always.decode_begin()
+    always.decode_begin()  # (the demand block: --lookahead-decode-min-miss 0 predicts still)
+    assert always.predicts_in_decode()
     demand = Predictor(ReadAhead(policy="demand", decode_duel=True), Manifest(), None)
     assert demand.duel is None and not demand.predicts_in_decode()
