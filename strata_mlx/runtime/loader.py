@@ -328,8 +328,7 @@ def build_expert_cache(
     profile = load_profile(path, full_manifest)
     if stage is not None:
         profile = stage.profile(profile)
-    if profile is None:
-        _warn_unprofiled(path, cfg)
+    _warn_unprofiled(path, cfg, profile)
     from ..stream.reader import Reader, needs_bounce, uses_device_copy
 
     device_copy = cfg.device_copy and uses_device_copy()
@@ -451,11 +450,13 @@ def _brief(xs: list[int]) -> str:
     return str(xs) if len(xs) <= 8 else f"[{xs[0]}, {xs[1]}, ..., {xs[-1]}] ({len(xs)})"
 
 
-def _warn_unprofiled(path, cfg: RuntimeConfig) -> None:
+def _warn_unprofiled(path, cfg: RuntimeConfig, profile) -> None:
     """A policy that ranks experts by the store's routing profile, on a store without one
     (converted with --calibration-tokens 0): it ranks them by id, and said nothing."""
     import warnings
 
+    if profile is not None:
+        return
     uses = [f"--read-ahead {cfg.read_ahead.policy}"] if cfg.read_ahead.policy == "static" else []
     if cfg.eviction == "profile":
         uses.append("--eviction profile")
