@@ -15,7 +15,6 @@ from .common import (
     PipelineTimeout,
     TraceFile,
     builtin_model,
-    check_output_file,
     check_outputs,
     check_pipeline_flags,
     runtime_command,
@@ -66,10 +65,8 @@ def bench(
     check_int("generation_tokens", generation_tokens, 1, 1 << 20, cli=True)
     check_int("repeats", repeats, 1, 1000, cli=True)
     check_pipeline_flags(pipeline, pipeline_split, pipeline_timeout)
-    check_output_file(json_out, "--json")
-    check_output_file(plot, "--plot", suffix=".png")
-    check_output_file(trace_file, "--trace")
-    check_outputs(model, {"--json": json_out, "--plot": plot, "--trace": trace_file})
+    outputs = {"--json": json_out, "--plot": plot, "--trace": trace_file}
+    check_outputs(model, outputs, suffixes={"--plot": ".png"})
     if trace_file is not None and pipeline:
         raise OptionError("--trace: a pipelined run's routing is not traced yet")
     names = tuple(p for p in policies.split(",") if p)

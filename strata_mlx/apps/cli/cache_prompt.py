@@ -15,7 +15,6 @@ from .common import (
     Model,
     builtin_model,
     chat_flag,
-    check_output_file,
     check_outputs,
     check_prompt_flags,
     kv_options,
@@ -66,7 +65,6 @@ def cache_prompt(
     from ...generation.prompt_cache import save_prompt_cache
 
     kv = kv_options(args)
-    check_output_file(prompt_cache_file, "--prompt-cache-file")
     check_outputs(model, {"--prompt-cache-file": prompt_cache_file})
     template_kwargs = template_config(chat_template_config)
     chat = chat_flag(chat, system_prompt, chat_template_config)

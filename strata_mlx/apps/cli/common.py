@@ -314,15 +314,20 @@ def check_output_file(path: Path | None, flag: str, suffix: str | None = None) -
         )
 
 
-def check_outputs(model, outputs: dict[str, Path | None]) -> None:
-    """Before anything runs: no two output flags name one file (the second write replaced
-    the first's), and none names a file inside the model's store (a trace written over its
-    manifest.json left the store unreadable); `model`: the --model given, or None."""
+def check_outputs(
+    model, outputs: dict[str, Path | None], suffixes: dict[str, str] | None = None
+) -> None:
+    """Before anything runs: each output file a flag names can be written
+    (check_output_file, with its flag's suffix in `suffixes`), no two flags name one file
+    (the second write replaced the first's), and none names a file inside the model's store
+    (a trace written over its manifest.json left the store unreadable); `model`: the
+    --model given, or None."""
     seen: dict[Path, str] = {}
     store = Path(model).resolve() if model is not None and Path(model).is_dir() else None
     for flag, path in outputs.items():
         if path is None:
             continue
+        check_output_file(path, flag, (suffixes or {}).get(flag))
         where = Path(path).resolve()
         if where in seen:
             raise OptionError(f"{flag} {path}: {seen[where]} writes there too; give each its own")

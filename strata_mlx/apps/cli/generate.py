@@ -22,7 +22,6 @@ from .common import (
     TraceFile,
     builtin_model,
     chat_flag,
-    check_output_file,
     check_outputs,
     check_pipeline_flags,
     check_prompt_flags,
@@ -122,8 +121,6 @@ def generate(
             raise OptionError("give --prompt/-p or --prompt-tokens")
         prompt = "What is the capital of France?"
     sampling = _sampling(args)  # every flag is checked before a model is loaded
-    check_output_file(logits_out, "--logits-out")
-    check_output_file(trace_file, "--trace")
     check_outputs(model, {"--logits-out": logits_out, "--trace": trace_file})
     check_pipeline_flags(pipeline, pipeline_split, pipeline_timeout)
     kv = kv_options(args)

@@ -8,7 +8,6 @@ import typer
 
 from .common import (
     builtin_model,
-    check_output_file,
     check_outputs,
 )
 
@@ -61,7 +60,6 @@ def plan(
         prefill_step_size=prefill_step_size,
         cli=True,
     )  # fmt: skip (the flags' names in the message)
-    check_output_file(json_out, "--json")
     check_outputs(model, {"--json": json_out})
     model, arena_gb = builtin_model(model, arena_gb)
     f = run_plan(model, arena_gb, prefill_step_size, prompt_tokens, generation_tokens, io_workers,
