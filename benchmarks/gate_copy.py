@@ -236,7 +236,7 @@ def spin_gate(table, spin_ms: int) -> mx.array:
 
     table.table[0, 63] = -1
     ids = mx.array([63], dtype=mx.uint32)
-    row = mx.array([table.row_address(0)], dtype=mx.uint64)
+    row = table.gate_at(table.row_address(0))
     _, late = gate(ids, row, spin_ms)
     mx.async_eval(late)
     time.sleep(0.02)  # the gate is waiting

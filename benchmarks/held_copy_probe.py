@@ -61,7 +61,7 @@ PTX = b".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry probe_k()
 cu = ctypes.CDLL("libcuda.so.1")
 rb = 1 << 20
 g = GateTable(Shape(), device=True)
-row_at = mx.array([g.row_address(0)], dtype=mx.uint64)
+row_at = g.gate_at(g.row_address(0))
 g.table[0, 1] = 0
 mx.eval(*gate(mx.array([1], dtype=mx.uint32), row_at, timeout_ms))
 arena = Arena(1, rb, on_device=True, device_memory=True)

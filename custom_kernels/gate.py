@@ -10,7 +10,9 @@ within a poll. A pair still waiting after `timeout_us` gives up: it writes slot 
 the per-layer handshake (its output is then never used): a bug or a stuck read costs time,
 never a wrong token. `late[1]` is the longest any pair waited, in microseconds: the time the
 device stood still at this gate, read with the flag. A word marked as no read coming (-2: the
-table closed; -3: its read failed, or its token was abandoned) gives up at once.
+table closed; -3: its read failed, or its token was abandoned) gives up at once, and so does
+every pair waiting while the table's stop word is set (the reader's watcher sets it while a
+device copy is held behind the device: strata_mlx.stream.gate).
 
 CUDA only (MLX's cuda_kernel; `%globaltimer` for the timeout, `__nanosleep` between polls:
 sm_70 and later). Metal has no such kernel yet: there the gate is the host's (the check runs
@@ -48,18 +50,19 @@ BODY = r"""
   __syncthreads();
   if (j < K) {
     volatile const int* row = reinterpret_cast<volatile const int*>(row_at[0]);
+    volatile const int* stop = reinterpret_cast<volatile const int*>(row_at[1]);
     const int e = (int)ids[j];
     int s = row[e];
     if (s == -1) {
       const unsigned long long t0 = sk_now_ns();
-      do {
+      while (*stop == 0 && sk_now_ns() - t0 <= (unsigned long long)TIMEOUT_US * 1000ull) {
         sk_pause();
-      } while ((s = row[e]) == -1 &&
-               sk_now_ns() - t0 <= (unsigned long long)TIMEOUT_US * 1000ull);
+        if ((s = row[e]) != -1) break;
+      }
       const unsigned long long waited_us = (sk_now_ns() - t0) / 1000ull;
       atomicMax(&late[1], (int)(waited_us < 2147483647ull ? waited_us : 2147483647ull));
     }
-    if (s < 0) {  // still -1 past the timeout, closed (-2) or failed (-3): give up
+    if (s < 0) {  // still -1 (past the timeout, or stopped), closed (-2) or failed (-3)
       late[0] = 1;
       s = 0;
     }
@@ -82,9 +85,10 @@ def timeout_ms() -> int:
 
 
 def gate(ids: mx.array, row_at: mx.array, timeout: int | None = None) -> tuple[mx.array, mx.array]:
-    """ids [k] (one token's routed experts), row_at uint64 [1] (the device address of their
-    layer's gate-table row) -> (slots uint32 [k], late int32 [2]: 1 if a pair gave up, then
-    the longest any pair waited in microseconds)."""
+    """ids [k] (one token's routed experts), row_at uint64 [2] (the device addresses of their
+    layer's gate-table row and of the table's stop word: GateTable.gate_at) -> (slots uint32
+    [k], late int32 [2]: 1 if a pair gave up, then the longest any pair waited in
+    microseconds)."""
     global _KERNEL
     if _KERNEL is None:
         _KERNEL = mx.fast.cuda_kernel(
@@ -99,6 +103,7 @@ def gate(ids: mx.array, row_at: mx.array, timeout: int | None = None) -> tuple[m
     width = -(-k // 32) * 32
     if width > 1024:
         raise ValueError(f"{k} pairs in one gate; at most 1024")
+    check_row_at(row_at)
     slots, late = _KERNEL(
         inputs=[ids, row_at],
         grid=(width, 1, 1),
@@ -110,6 +115,12 @@ def gate(ids: mx.array, row_at: mx.array, timeout: int | None = None) -> tuple[m
         template=[("I", ids.dtype), ("K", k), ("TIMEOUT_US", (timeout or timeout_ms()) * 1000)],
     )
     return slots, late
+
+
+def check_row_at(row_at: mx.array) -> None:
+    """A gate's addresses: the row's, then the stop word's (the kernel reads both)."""
+    if row_at.dtype != mx.uint64 or row_at.shape != (2,):
+        raise ValueError(f"row_at: uint64 [2] (row, stop word), got {row_at.dtype} {row_at.shape}")
 
 
 # The routing board's kernel: a layer's ids (its routing, and lookahead's predictions joined to
@@ -206,6 +217,7 @@ def board_gate(
     n = ids.size
     if not 0 < k <= n <= BOARD_IDS:
         raise ValueError(f"{n} ids, {k} of them gated, for one board row of {BOARD_IDS}")
+    check_row_at(row_at)
     width = -(-n // 32) * 32
     return tuple(_BOARD_GATE(
         inputs=[ids, board_at, seq, row_at],

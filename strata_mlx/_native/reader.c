@@ -386,7 +386,8 @@ static void give_up_queued(ReaderObject *r) {
 
 /* The watcher: while held_ns is set, every quarter of it (1 ms at least), a copy armed longer
  * than held_ns has its word, still pending, made READY_FAILED (a word the landing or anything
- * else changed meanwhile is left alone), and while any is, so have the reads still queued. A
+ * else changed meanwhile is left alone), and while any is, so have the reads still queued,
+ * and stop_word is set (every gate gives up, whatever word it waits on). A
  * thread of its own, so that a worker held anywhere in the driver (queueing its copy or
  * waiting for it) is seen. (Lock order: watch_mu, then mu.) */
 static void *watch_main(void *p) {
@@ -429,7 +430,11 @@ static void *watch_main(void *p) {
             any = 1;
             if (give_up_word(word)) __atomic_add_fetch(&r->copies_held, 1, __ATOMIC_RELAXED);
         }
-        if (any) give_up_queued(r);
+        if (!any) continue;
+        give_up_queued(r);
+        int32_t *stop = __atomic_load_n(&r->stop_word, __ATOMIC_ACQUIRE);
+        if (stop && __atomic_exchange_n(stop, 1, __ATOMIC_ACQ_REL) == 0)
+            __atomic_add_fetch(&r->gates_stopped, 1, __ATOMIC_RELAXED);
     }
     pthread_mutex_unlock(&r->watch_mu);
     return NULL;
@@ -1469,6 +1474,7 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
                        urgent_verify = r->urgent_verify_ns, urgent_copy = r->urgent_copy_ns,
                        queued_words = __atomic_load_n(&r->words_queued, __ATOMIC_RELAXED),
                        held = __atomic_load_n(&r->copies_held, __ATOMIC_RELAXED),
+                       stopped = __atomic_load_n(&r->gates_stopped, __ATOMIC_RELAXED),
                        given_up = r->words_given_up,
                        spread_wakes = __atomic_load_n(&r->spread_wakes, __ATOMIC_RELAXED);
     Py_ssize_t nu = q_size(&r->urgent), na = q_size(&r->ahead), nd = r->n_done;
@@ -1492,7 +1498,7 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
         return NULL;
     }
     PyObject *d = Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:N,s:N,s:n,s:n,s:i,s:n,s:i,s:K,s:K,s:K,s:K,"
-                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
+                         "s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}",
                          "bytes_read", bytes, "requests_done", reqs, "errors", errs,
                          "verified", verified, "split", split, "busy_ns", busy,
                          "verify_ns", verify, "queued_urgent", nu, "queued_ahead", na,
@@ -1504,7 +1510,8 @@ static PyObject *Reader_stats(ReaderObject *r, PyObject *unused) {
                          "spin_takes", spin_takes, "urgent_parts", urgent_parts,
                          "urgent_pread_ns", urgent_pread, "urgent_verify_ns", urgent_verify,
                          "urgent_copy_ns", urgent_copy, "copies_held", held,
-                         "words_given_up", given_up, "spread_wakes", spread_wakes);
+                         "words_given_up", given_up, "spread_wakes", spread_wakes,
+                         "gates_stopped", stopped);
     if (d && quick_stats(r, d) < 0) Py_CLEAR(d);
     return d;
 }
@@ -1519,6 +1526,7 @@ static PyObject *Reader_reset_stats(ReaderObject *r, PyObject *unused) {
     quick_reset_stats(r);
     __atomic_store_n(&r->words_queued, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&r->copies_held, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&r->gates_stopped, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&r->spread_wakes, 0, __ATOMIC_RELAXED);
     r->preading_max = r->preading;
     memset(r->busy_ns, 0, sizeof(unsigned long long) * (size_t)r->nthreads);
@@ -1660,6 +1668,25 @@ static int set_copy_held_us(ReaderObject *r, PyObject *v, void *c) {
     return 0;
 }
 
+static PyObject *get_stop_word(ReaderObject *r, void *c) {
+    return PyLong_FromVoidPtr(__atomic_load_n(&r->stop_word, __ATOMIC_ACQUIRE));
+}
+static int set_stop_word(ReaderObject *r, PyObject *v, void *c) {
+    if (!v || !PyLong_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "stop_word needs an int address, got %s",
+                     v ? Py_TYPE(v)->tp_name : "nothing (it cannot be deleted)");
+        return -1;
+    }
+    void *at = PyLong_AsVoidPtr(v);
+    if (!at && PyErr_Occurred()) return -1;
+    if ((uintptr_t)at % sizeof(int32_t)) {
+        PyErr_Format(PyExc_ValueError, "stop_word %S is not aligned for an int32", v);
+        return -1;
+    }
+    __atomic_store_n(&r->stop_word, (int32_t *)at, __ATOMIC_RELEASE);
+    return 0;
+}
+
 static PyMethodDef Reader_methods[] = {
     {"open", (PyCFunction)(void (*)(void))Reader_open, METH_VARARGS | METH_KEYWORDS,
      "open(path, direct=True, checksum=None) -> file index"},
@@ -1718,6 +1745,9 @@ static PyGetSetDef Reader_getset[] = {
     {"copy_held_us", (getter)get_copy_held_us, (setter)set_copy_held_us,
      "device copies: one a gate waits on, still not done this many us after it was queued, "
      "gives its gate up (its ready word READY_FAILED); 0: never", NULL},
+    {"stop_word", (getter)get_stop_word, (setter)set_stop_word,
+     "the address of an int32 set to 1 while a copy is held past copy_held_us (every gate "
+     "polling it gives up); 0: none. It must outlive the reader or be set to 0 first", NULL},
     {NULL},
 };
 

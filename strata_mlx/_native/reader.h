@@ -130,8 +130,14 @@ struct ReaderObject {
      * still queued, the gates give up at once (their token is recomputed) instead of after
      * their timeout, and the copies land once the device is idle. copies_held counts them.
      * Per worker, its copy in flight: the word (NULL: none) and when it was queued, stored by
-     * the worker, read by the watcher (atomics). */
-    unsigned long long held_ns, copies_held;
+     * the worker, read by the watcher (atomics).
+     * While a copy is held, stop_word (NULL: none; a word of the gate table's mapped memory
+     * that every gate polls beside its own) is set to 1: a gate waiting on a word no read
+     * has been submitted for yet (its check's thread waiting on the thread held in the
+     * driver) gives up too, the device goes idle and the hold ends. The decoder clears it
+     * once its token's gates have run. gates_stopped counts its rises from 0. */
+    unsigned long long held_ns, copies_held, gates_stopped;
+    int32_t *stop_word;
     int32_t **copy_word;
     uint64_t *copy_since;
     pthread_t watcher; /* (with device_copy) */

@@ -481,6 +481,9 @@ class PipelinedDecoder(Decoder):
         layers = [j for j, _ in step.late]
         flags = mx.concatenate([f for _, f in step.late]).tolist()
         step.late = []
+        table = self.expert_cache.sched.residency.gate
+        if table.stopped():  # (the token's gates have run: none is waiting on the word)
+            table.go_on()
         st = self.expert_cache.stats
         st.gate_wait_s += sum(flags[1::2]) * 1e-6
         late = [j for j, f in zip(layers, flags[0::2]) if f]

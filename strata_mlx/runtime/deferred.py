@@ -291,7 +291,8 @@ def load_gate(table: GateTable, k: int, depth: int, wide: int | None = None) -> 
     spare rows, which read every expert landed. Their first launch would otherwise fall in
     the first gated token: compiling the gate (NVRTC) takes about a second where MLX has no
     cached copy, and loading a module may synchronize the device."""
-    row_at, board_at = (mx.array([a], dtype=mx.uint64) for a in table.spare_address())
+    row, board_address = table.spare_address()
+    row_at, board_at = table.gate_at(row), mx.array([board_address], dtype=mx.uint64)
     outs = list(gate(mx.zeros((k,), dtype=mx.uint32), row_at))
     if table.board_on:
         for n in [k + j * (wide or k) for j in range(depth + 1)]:
@@ -360,7 +361,7 @@ class DeferredHandshake:
         fail = table.fail_pending if table is not None else lambda: None
         self.checks = GateChecks(self._check_aside, fail)
         self._next = dict(zip(layers, layers[1:]))
-        self._row_at: dict[int, mx.array] = {}  # layer -> its gate-table row's device address
+        self._row_at: dict[int, mx.array] = {}  # layer -> its gate's row_at (GateTable.gate_at)
         self.board = RoutingBoard(sched, lambda: self.checks.stopping)
         self.records: list[Deferred] | None = None  # inside `building()`: where layers go
         self.lookahead = True  # whether those layers may predict
@@ -486,8 +487,8 @@ class DeferredHandshake:
     def _row_address(self, layer: int) -> mx.array:
         at = self._row_at.get(layer)
         if at is None:
-            address = self.sched.residency.gate.row_address(layer)
-            at = self._row_at[layer] = mx.array([address], dtype=mx.uint64)
+            table = self.sched.residency.gate
+            at = self._row_at[layer] = table.gate_at(table.row_address(layer))
         return at
 
     def _landed_slots(self, layer: int, inds: mx.array) -> mx.array:

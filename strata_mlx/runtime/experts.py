@@ -250,7 +250,9 @@ class ExpertCache:
             loop=loop,
         )
         if gate:
-            self.sched.residency.gate = GateTable(manifest, device=device_gate)
+            table = self.sched.residency.gate = GateTable(manifest, device=device_gate)
+            if device_gate:  # (the table outlives the reader: Scheduler.close)
+                reader.stop_word = table.stop_address
         self._dropped = closed_when_dropped(self)
         self.trace, self.route_bonus, self.dump = trace, route_bonus, dump
         # inside `phase(decoding=True)`: generation's decode steps (`gating`: a gate may wait)

@@ -8,7 +8,11 @@ rollback, no per-layer host round trip before the experts are queued.
 
 One int32 word per (MoE layer, expert): its slot once the record is in place, -1 otherwise;
 FAILED once its read failed, or the token waiting for it was abandoned; CLOSED once the table
-is closed. A gate gives up at once on either (its token is recomputed, or never used).
+is closed. A gate gives up at once on either (its token is recomputed, or never used), and on
+any word while the table's stop word is set: the reader's watcher sets it while a device copy
+is held behind the device (a gate may wait on a read that nothing can submit meanwhile: the
+thread holding the copy, in the driver, may hold the GIL the check that submits it needs), the
+decoder clears it once its token's gates have run (`go_on`).
 Written by
   - the reader's threads, as a read completes (Request.ready in _native/reader.c: the slot
     stored with release order after the record sits verified in its slot, its device copy
@@ -83,7 +87,8 @@ class GateTable:
         self.spare = shape[0]
         rows = shape[0] + 1
         board_at = -(-rows * shape[1] * 4 // 256) * 256  # (its own cache lines)
-        nbytes = max(board_at + rows * BOARD_WIDTH * 4, 4)
+        stop_at = -(-(board_at + rows * BOARD_WIDTH * 4) // 256) * 256  # (and the stop word)
+        nbytes = stop_at + 4
         self._mem = mmap.mmap(-1, -(-nbytes // PAGE) * PAGE)  # page aligned, as mapping needs
         self.table = np.frombuffer(self._mem, dtype=np.int32, count=shape[0] * shape[1])
         self.table = self.table.reshape(shape)
@@ -93,6 +98,10 @@ class GateTable:
             self._mem, dtype=np.int32, count=rows * BOARD_WIDTH, offset=board_at
         ).reshape(rows, BOARD_WIDTH)  # zeros: no sequence number written yet
         self._board_at = board_at
+        # The stop word: 1 while every gate gives up at once (`stop`).
+        self.stop_word = np.frombuffer(self._mem, dtype=np.int32, count=1, offset=stop_at)
+        self.stop_address = self.stop_word.ctypes.data
+        self._stop_at = stop_at
         self.device_address: int | None = None
         # Decodes running (`in_use`), and whether close() left the unmapping to the last.
         self._lock = threading.Lock()
@@ -127,6 +136,24 @@ class GateTable:
         if self.device_address is None:
             raise RuntimeError("the gate table is not mapped for a device")
         return self.device_address + self._board_at + 4 * BOARD_WIDTH * position
+
+    def gate_at(self, row_address: int) -> mx.array:
+        """A gate kernel's `row_at` for the row at device address `row_address` (`row_address`,
+        `spare_address`): uint64 [row, the stop word], mapped tables only."""
+        if self.device_address is None:
+            raise RuntimeError("the gate table is not mapped for a device")
+        return mx.array([row_address, self.device_address + self._stop_at], dtype=mx.uint64)
+
+    def stopped(self) -> bool:
+        """Whether the stop word is set: the reader's watcher saw a device copy held behind
+        the device (Reader.stop_word), and every gate gives up at once until `go_on`."""
+        return bool(self.stop_word[0])
+
+    def go_on(self) -> None:
+        """The stop word cleared: gates wait for their words again. Called once the gates
+        that were stopped have run (the decoder, having read their flags); set again by the
+        watcher within a quarter of decode_copy_held_ms where a copy is still held."""
+        self.stop_word[0] = 0
 
     def row_address(self, layer: int) -> int:
         """The device address of `layer`'s row (mapped tables only)."""
@@ -169,9 +196,10 @@ class GateTable:
         the token left in flight land meanwhile: only words still FAILED after the wait go
         back to -1, each atomically, so a landed slot is never taken for one not in place
         (its expert resident, every gate needing it would wait out its timeout)."""
-        if (self.table == FAILED).any():
+        if (self.table == FAILED).any() or self.stopped():
             self._wait_for_device()
             replace_words(self.address, self.table.size, FAILED, -1)
+            self.go_on()
 
     @contextmanager
     def in_use(self):

@@ -298,6 +298,21 @@ class Reader:
     def copy_held_us(self, us: int) -> None:
         self._r.copy_held_us = int(us)
 
+    @property
+    def stop_word(self) -> int:
+        """(device_copy) The address of an int32 (0: none; the gate table's stop word:
+        strata_mlx.stream.gate) that the watcher of held copies sets to 1 whenever it finds
+        a copy held past ``copy_held_us``: every gate polling it gives up, including one
+        waiting on a read nothing has submitted yet (the check that would submit it may wait
+        on the thread that holds the copy), so the device goes idle and the hold ends. The
+        word's owner clears it; it must outlive the reader, or be set to 0 first.
+        ``stats()["gates_stopped"]`` counts its rises from 0. Settable."""
+        return self._r.stop_word
+
+    @stop_word.setter
+    def stop_word(self, address: int) -> None:
+        self._r.stop_word = int(address)
+
     def open(
         self, path: str | os.PathLike, direct: bool = True, checksum: str | None = None
     ) -> int:
@@ -422,7 +437,8 @@ class Reader:
         engine or the CPU (``urgent_pread_ns``, ``urgent_verify_ns``, ``urgent_copy_ns``),
         ``spin_takes`` (reads, or parts, taken by a thread that was polling: ``spin_us``),
         ``copies_held`` (ready words given up for a copy held past ``copy_held_us``),
-        ``words_given_up`` (queued reads' words given up meanwhile), ``spread_wakes``
+        ``words_given_up`` (queued reads' words given up meanwhile), ``gates_stopped``
+        (rises of ``stop_word`` from 0), ``spread_wakes``
         (threads woken, one a part, for spread batches: ``spread``), and the current
         ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a thread holds) and
         uncollected ``completions``."""
@@ -431,7 +447,7 @@ class Reader:
     def reset_stats(self) -> None:
         """Zero bytes_read, requests_done, errors, verified, split, busy_ns, verify_ns, the
         device copies' counts, bounce_regrown, words_by_driver, the urgent_* ones,
-        spin_takes, copies_held and words_given_up."""
+        spin_takes, copies_held, words_given_up and gates_stopped."""
         self._r.reset_stats()
 
     def close(self) -> None:

@@ -413,17 +413,18 @@ def emulated_device_gate(monkeypatch, seconds: float = 5.0) -> dict:
     seen = {"rows": {}, "held": 0, "waited_us": 0, "unknown": []}
 
     def gate(ids, row_at):
-        row, wanted, held = seen["rows"].get(row_at.item()), ids.tolist(), seen["held"]
+        at, stop_at = row_at.tolist()
+        row, wanted, held = seen["rows"].get(at), ids.tolist(), seen["held"]
         if row is None:  # (a row not among the layers': the table's spare, run at load)
-            seen["unknown"].append((row_at.item(), len(wanted)))
-            row = np.ctypeslib.as_array(
-                (ctypes.c_int32 * (max(wanted) + 1)).from_address(row_at.item())
-            )
+            seen["unknown"].append((at, len(wanted)))
+            row = np.ctypeslib.as_array((ctypes.c_int32 * (max(wanted) + 1)).from_address(at))
+        stop = ctypes.c_int32.from_address(stop_at)
         t0 = time.monotonic()
         deadline = t0 + seconds
-        # (as the kernel: waits while a word is -1, gives up at once on CLOSED or FAILED)
+        # (as the kernel: waits while a word is -1 and the stop word is 0, gives up at once on
+        # CLOSED or FAILED)
         while -1 in (words := [int(row[e]) for e in wanted]) and time.monotonic() < deadline:
-            if min(words) < -1:
+            if min(words) < -1 or stop.value:
                 break
             seen["held"] += 1
             time.sleep(0.0005)
@@ -520,6 +521,9 @@ def test_the_board_kernel_is_loaded_for_every_width_its_layers_join(monkeypatch,
         def spare_address(self):
             return 1, 2
 
+        def gate_at(self, row):
+            return mx.array([row, 3], dtype=mx.uint64)
+
     for depth, wide, want in (
         (2, None, [10, 20, 30]),
         (2, 13, [10, 23, 36]),
@@ -567,7 +571,7 @@ def test_a_gate_kernel_that_fails_to_load_warns_and_decodes_exactly(store, asked
     calls = []
 
     def broken(ids, row_at):
-        calls.append(row_at.item())
+        calls.append(row_at.tolist())
         raise RuntimeError("[cuda_kernel] NVRTC compilation failed.\nstrata_gate: long log")
 
     monkeypatch.setattr(deferred, "gate", broken)
@@ -782,7 +786,7 @@ def run_gate(g: GateTable, ids: list[int], timeout: int | None = None):
     evaluate, the microseconds its longest pair waited by the device's clock)."""
     from custom_kernels.gate import gate
 
-    row_at = mx.array([g.row_address(0)], dtype=mx.uint64)
+    row_at = g.gate_at(g.row_address(0))
     t0 = time.perf_counter()
     slots, late = gate(mx.array(ids, dtype=mx.uint32), row_at, timeout)
     mx.eval(slots, late)
@@ -829,11 +833,12 @@ class Shape:
     def layer_position(self, layer):
         return 0
 
-path, held_us = sys.argv[1], int(sys.argv[2])
+path, held_us, unsubmitted, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
+waits_on = 3 if unsubmitted else 2  # (the gate's word: the held read's own, or one never read)
 cu = ctypes.CDLL("libcuda.so.1")
 rb = 1 << 20
 g = GateTable(Shape(), device=True)
-row_at = mx.array([g.row_address(0)], dtype=mx.uint64)
+row_at = g.gate_at(g.row_address(0))
 g.table[0, 1] = 0  # (landed: the gate compiled and run once, passing at once)
 mx.eval(*gate(mx.array([1], dtype=mx.uint32), row_at, 3000))
 arena = Arena(1, rb, on_device=True, device_memory=True)
@@ -848,10 +853,12 @@ def free():  # waits in the driver for the device to go idle: past the gate
 
 with Reader(1, bounce=True, device_copy=True, record_bytes=rb) as r:
     r.copy_held_us = held_us
+    if stop:
+        r.stop_word = g.stop_address
     f = r.open(path, direct=False)
-    slots, late = gate(mx.array([2], dtype=mx.uint32) + 0, row_at, 3000)
+    slots, late = gate(mx.array([waits_on], dtype=mx.uint32) + 0, row_at, 3000)
     mx.async_eval(slots, late)
-    time.sleep(0.2)  # the gate waits on the device for word (0, 2)
+    time.sleep(0.2)  # the gate waits on the device for its word
     holder = threading.Thread(target=free)
     holder.start()
     time.sleep(0.05)
@@ -861,10 +868,11 @@ with Reader(1, bounce=True, device_copy=True, record_bytes=rb) as r:
     seconds = time.monotonic() - t0
     (done,) = r.wait([1])
     holder.join()
-    held = r.stats()["copies_held"]
+    held, stopped = r.stats()["copies_held"], r.stats()["gates_stopped"]
+    r.stop_word = 0
 ok = bool(np.array_equal(np.array(arena.rows[0] + 0), np.fromfile(path, np.uint8, rb)))
 print(json.dumps(dict(seconds=seconds, late=flag, held=held, err=done[1], word=int(g.table[0, 2]),
-                      bytes_ok=ok)))
+                      bytes_ok=ok, stopped=stopped)))
 g.close()
 """
 
@@ -875,7 +883,10 @@ def test_a_copy_held_behind_its_gate_gives_the_gate_up_at_once(tmp_path):
     frees device memory while the gate spins, which waits in the driver for the device to go
     idle and holds the copy queued meanwhile): with copy_held_us, the copy's ready word goes
     FAILED once it has waited that long, the gate gives up at once, the copy then lands and
-    its word reads its slot; without it, the gate waits out its whole timeout (3 s here)."""
+    its word reads its slot; without it, the gate waits out its whole timeout (3 s here).
+    A gate waiting on a word no read was submitted for (its check's thread may wait on the
+    thread held in the driver) gives up at once too, for the table's stop word, which the
+    watcher sets (Reader.stop_word); without the stop word it waits out its timeout."""
     import json
     import subprocess
     import sys
@@ -884,16 +895,20 @@ def test_a_copy_held_behind_its_gate_gives_the_gate_up_at_once(tmp_path):
     path = tmp_path / "record.bin"
     path.write_bytes(np.random.default_rng(5).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
     runs = {}
-    for held_us in (50_000, 0):
-        out = subprocess.run([sys.executable, "-c", HELD_COPY, str(path), str(held_us)],
+    for case in ((50_000, 0, 1), (0, 0, 1), (50_000, 1, 1), (50_000, 1, 0)):
+        args = [str(path)] + [str(a) for a in case]
+        out = subprocess.run([sys.executable, "-c", HELD_COPY, *args],
                              capture_output=True, text=True, timeout=120)  # fmt: skip
         assert out.returncode == 0, out.stderr[-2000:]
-        runs[held_us] = json.loads(out.stdout.strip().splitlines()[-1])
-    released, waited = runs[50_000], runs[0]
-    for run in (released, waited):
+        runs[case] = json.loads(out.stdout.strip().splitlines()[-1])
+    for run in runs.values():
         assert run["late"] == 1 and run["err"] == 0 and run["word"] == 0 and run["bytes_ok"]
+    released, waited = runs[50_000, 0, 1], runs[0, 0, 1]
     assert released["held"] == 1 and released["seconds"] < 1.0
-    assert waited["held"] == 0 and waited["seconds"] >= 2.5
+    assert waited["held"] == 0 and waited["seconds"] >= 2.5 and waited["stopped"] == 0
+    stopped, unstopped = runs[50_000, 1, 1], runs[50_000, 1, 0]
+    assert stopped["held"] == 1 and stopped["stopped"] == 1 and stopped["seconds"] < 1.0
+    assert unstopped["held"] == 1 and unstopped["seconds"] >= 2.5
 
 
 def land_on_board(g: GateTable, row: np.ndarray, seq: int, seen: dict) -> threading.Thread:
@@ -927,13 +942,13 @@ def test_the_board_kernel_writes_ids_then_their_sequence_number_and_orders_the_g
     # so that the host thread's 5 s wait below times the device, not the compiler.
     g.table[0, 1] = 1  # (resident: the warm gate passes at once)
     warm = board(ids, at, mx.array([10], dtype=mx.int32))
-    mx.eval(warm, gate(warm[1:2], mx.array([g.row_address(0)], dtype=mx.uint64), 2000)[0])
+    mx.eval(warm, gate(warm[1:2], g.gate_at(g.row_address(0)), 2000)[0])
     assert row[0] == 10
 
     seen = {}
     t = land_on_board(g, row, 11, seen)
     out = board(ids, at, mx.array([11], dtype=mx.int32))
-    slots, late = gate(out[:1], mx.array([g.row_address(0)], dtype=mx.uint64), 2000)
+    slots, late = gate(out[:1], g.gate_at(g.row_address(0)), 2000)
     mx.eval(out, slots, late)
     t.join()
     assert row[0] == 11 and seen["ids"] == [3, 1, 7, 2, 6]
@@ -953,7 +968,7 @@ def test_the_board_and_gate_kernel_writes_the_board_before_its_gate_waits():
     g = GateTable(TableShape(), device=True)
     ids = mx.array([3, 1, 7, 2, 6], dtype=mx.uint32) + 0  # (computed on the device)
     at = mx.array([g.board_address(0)], dtype=mx.uint64)
-    row_at = mx.array([g.row_address(0)], dtype=mx.uint64)
+    row_at = g.gate_at(g.row_address(0))
     row = g.board_row(0)
     g.table[0, [3, 1]] = [4, 5]  # (resident: the warm kernels pass at once)
     warm = board_gate(ids, 2, at, mx.array([10], dtype=mx.int32), row_at, 2000)
@@ -1053,11 +1068,14 @@ def test_fresh_gated_models_in_one_process_give_up_no_gate(store, board):
 
 
 def given_up_only_for_held_copies(s, r: dict, *context) -> None:
-    """Of a gated decode's stats `s` and its reader's `r`: every gate given up was given up
-    for a held copy (its word, or a read's queued behind it, given up), and the hold ended:
-    the reader's longest miss well under the gates' 5 s timeout."""
-    seen = {k: r[k] for k in ("urgent_max_ns", "copies_held", "words_given_up")}
-    assert s.gate_timeouts <= r["copies_held"] + r["words_given_up"], (*context, seen)
+    """Of a gated decode's stats `s` and its reader's `r`: gates were given up only where a
+    copy was held (its word, a queued read's, or any through the stop word, given up), and
+    the hold ended: the reader's longest miss well under the gates' 5 s timeout."""
+    names = ("urgent_max_ns", "copies_held", "words_given_up", "gates_stopped")
+    seen = {k: r[k] for k in names}
+    assert s.gate_timeouts == 0 or r["copies_held"] > 0, (*context, seen)
+    if not r["gates_stopped"]:
+        assert s.gate_timeouts <= r["copies_held"] + r["words_given_up"], (*context, seen)
     assert r["urgent_max_ns"] < 1e9, (*context, seen)
 
 
@@ -1309,6 +1327,45 @@ def test_gates_given_up_at_once_are_recomputed_but_never_stop_gating(store, monk
     assert not model.decoder.gave_up and model.decoder.given_up == 0
     for m in (model, sync):
         m.expert_cache.close()
+
+
+def test_gates_stopped_by_the_stop_word_are_recomputed_and_the_decoder_clears_it(
+    store, monkeypatch
+):
+    """The table's stop word set (the reader's watcher sets it while a device copy is held:
+    a gate may wait on a read nothing can submit meanwhile): every gate of the next gated
+    token whose words are not all landed gives up at once, whatever it waits on, the token is
+    recomputed exactly, and the decoder clears the word once that token's gates have run;
+    gating goes on (none waited out its timeout)."""
+    from strata_mlx.runtime.deferred import DeferredHandshake
+
+    path, ids = store("qwen3_next"), prompt_ids(24, seed=7)
+    gb = arena_gb(path, 0.25)
+    sync, _ = strata_mlx.load(path, arena_gb=gb, decode="sync")
+    ref = decode(sync, ids, 6)
+    sync.expert_cache.close()
+    check_gated, checks = DeferredHandshake.check_gated, [0]
+
+    def stopping(self, d, trace, aside=False):
+        checks[0] += 1
+        table = self.sched.residency.gate
+        if checks[0] == 10:
+            table.stop_word[0] = 1
+        if table.stopped():  # (reads submitted late: their gates see their words -1)
+            time.sleep(0.05)
+        return check_gated(self, d, trace, aside)
+
+    monkeypatch.setattr(DeferredHandshake, "check_gated", stopping)
+    # (no board, no prediction: the checks alone submit reads, each for its own layer)
+    model, _ = load_emulated(monkeypatch, path, 0.25, decode_gate_board=False, read_ahead="demand")
+    table = model.expert_cache.sched.residency.gate
+    got = decode(model, ids, 6)
+    assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
+    s = model.expert_cache.stats
+    assert checks[0] > 10 and s.gate_timeouts >= 1 and not table.stopped()
+    assert model.decoder.given_up == 0 and not model.decoder.gave_up
+    assert s.gated_mode_tokens == 6 - UNGATED_FIRST
+    model.expert_cache.close()
 
 
 def test_bench_names_the_gates_given_up_for_a_held_copy_and_refuses_a_negative_hold():

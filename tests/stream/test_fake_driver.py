@@ -188,21 +188,27 @@ elif case.startswith("verify:"):  # checksums taken before the copy or while it 
 else:  # "held": one read, its copy held STUB_HOLD_MS; the word watched every ms
     held_us = int(case.split(":")[1])
     word, dest, at = landing(1)
+    stop = np.zeros(1, dtype=np.int32)  # (the gate table's stop word)
     with Reader(1, bounce=True, device_copy=True, record_bytes=rb) as r:
         r.copy_held_us = held_us
+        r.stop_word = stop.ctypes.data
         f = r.open(path, direct=False)
         t0 = time.monotonic()
         r.submit([(1, f, 0, rb, at, None, (word.ctypes.data, 7))], True)
-        seen = []
+        seen, stop_ms = [], None
         while time.monotonic() - t0 < 5.0:
             w = int(word[0])
             if not seen or seen[-1][0] != w:
                 seen.append((w, round((time.monotonic() - t0) * 1000)))
+            if stop_ms is None and stop[0]:
+                stop_ms = round((time.monotonic() - t0) * 1000)
             if w == 7:
                 break
             time.sleep(0.001)
         (done,) = r.wait([1])
-        out.update(seen=seen, err=done[1], held=r.stats()["copies_held"], failed=READY_FAILED)
+        out.update(seen=seen, err=done[1], held=r.stats()["copies_held"], failed=READY_FAILED,
+                   stop_ms=stop_ms, stopped=r.stats()["gates_stopped"], stop=int(stop[0]))
+        r.stop_word = 0
     data = np.fromfile(path, np.uint8, rb)
     out["bytes_ok"] = bool((np.ctypeslib.as_array((ctypes.c_uint8 * rb).from_address(at)) == data).all())
 print(json.dumps(out))
@@ -264,9 +270,11 @@ def test_a_device_copying_worker_pins_its_buffer_as_it_starts(fake_driver):
 @pytest.mark.skipif(sys.platform != "linux", reason="the stand-in driver is a Linux library")
 def test_a_copy_held_past_copy_held_us_gives_its_word_up_then_lands(fake_driver):
     """A copy held 1.5 s: with copy_held_us 50 ms the watcher turns its pending word into
-    READY_FAILED once it has been held that long (a gate waiting on it gives up at once), and
-    the word reads its value once the copy lands; without it the word stays pending the
-    whole hold. The record's bytes arrive either way, with no error."""
+    READY_FAILED once it has been held that long (a gate waiting on it gives up at once) and
+    sets the stop word (every gate gives up: one may wait on a read nothing can submit while
+    the copy is held), and the word reads its value once the copy lands; without it the word
+    stays pending the whole hold and the stop word 0. The record's bytes arrive either way,
+    with no error."""
     given_up = fake_driver("held:50000", STUB_HOLD_MS="1500")
     failed = given_up["failed"]
     values = [w for w, _ in given_up["seen"]]
@@ -274,7 +282,12 @@ def test_a_copy_held_past_copy_held_us_gives_its_word_up_then_lands(fake_driver)
     at = dict((w, ms) for w, ms in given_up["seen"])
     assert 45 <= at[failed] < 1500 <= at[7]
     assert given_up["err"] == 0 and given_up["bytes_ok"]
+    # The stop word, set with it (every gate gives up, whatever word it waits on), once: the
+    # decoder clears it
+    assert 45 <= given_up["stop_ms"] < 1500 and given_up["stop"] == 1
+    assert given_up["stopped"] == 1
     waited = fake_driver("held:0", STUB_HOLD_MS="1500")
+    assert waited["stop_ms"] is None and waited["stopped"] == 0
     assert [w for w, _ in waited["seen"]] == [-1, 7] and waited["held"] == 0
     assert dict(waited["seen"])[7] >= 1500 and waited["err"] == 0 and waited["bytes_ok"]
 
