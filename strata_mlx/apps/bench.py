@@ -48,6 +48,7 @@ class Run:
     urgent_reads: int = 0
     urgent_ns: int = 0
     copies_held: int = 0  # words given up for a copy held past decode_copy_held_ms (queued too)
+    gates_stopped: int = 0  # ... and times every gate was stopped for one (GateTable.stopped)
     quick_dry: int = 0  # misses the reader's quick misses left for want of a reserve slot
 
 
@@ -185,6 +186,7 @@ def run_policy(
     run.copies_held = sum(
         after.get(k, 0) - reads.get(k, 0) for k in ("copies_held", "words_given_up")
     )
+    run.gates_stopped = after.get("gates_stopped", 0) - reads.get("gates_stopped", 0)
     run.quick_dry = after.get("quick_dry", 0) - reads.get("quick_dry", 0)
     run.decode = ec.stats.minus(before)
     if layers is not None:
@@ -547,6 +549,8 @@ def _summary(run: Run, fake: Run, ssd_gbps: float, path_gbps: float = 0.0) -> di
         "decode_gate_timeouts": d.gate_timeouts,
         # ... of them, those whose device copy was held past decode_copy_held_ms
         "decode_copies_held": run.copies_held,
+        # ... and the times every gate was stopped for one (the gate table's stop word)
+        "decode_gates_stopped": run.gates_stopped,
         # the device's time at its gates, waiting for reads (gated decode's wait)
         "decode_gate_wait_ms_per_token": d.gate_wait_s / per_tok * 1e3,
         # the device gate's checks, on their own thread (beside the decoding thread's time)
@@ -621,8 +625,11 @@ def _modes(s: dict) -> str:
             f"; quick misses {quick:.1f} of {s['decode_misses_per_token']:.1f}/tok"
             f" ({dry:.1f} left for want of a slot, {ahead:.1f} predictions read ahead)"
         )
-    held = s.get("decode_copies_held", 0)
-    gave = f"{s['decode_gate_timeouts']}" + (f" ({held} words for a held copy)" if held else "")
+    held, stops = s.get("decode_copies_held", 0), s.get("decode_gates_stopped", 0)
+    stopped = f", every gate stopped {stops}x" if stops else ""
+    gave = f"{s['decode_gate_timeouts']}" + (
+        f" ({held} words for a held copy{stopped})" if held else ""
+    )
     return f" [modes: {seen}; gates given up {gave}{aside}{device}{landing}]"
 
 

@@ -1370,8 +1370,8 @@ def test_gates_stopped_by_the_stop_word_are_recomputed_and_the_decoder_clears_it
 
 def test_bench_names_the_gates_given_up_for_a_held_copy_and_refuses_a_negative_hold():
     """bench's gated line: the gates given up, and the words given up for a copy held past
-    decode_copy_held_ms (its own and the queued reads') where any; the option's range held
-    with a one-line error."""
+    decode_copy_held_ms (its own and the queued reads') where any, with the times every gate
+    was stopped for it; the option's range held with a one-line error."""
     from strata_mlx.apps.bench import _modes
     from strata_mlx.config import OptionError, check_runtime
     from strata_mlx.runtime.loader import RuntimeConfig
@@ -1379,6 +1379,8 @@ def test_bench_names_the_gates_given_up_for_a_held_copy_and_refuses_a_negative_h
     s = {"decode_modes": {"token": 0, "layers": 0, "sync": 1, "gated": 63},
          "decode_check_ms_per_token": 0.0, "decode_gate_timeouts": 3, "decode_copies_held": 2}  # fmt: skip
     assert "gates given up 3 (2 words for a held copy)]" in _modes(s)
+    s["decode_gates_stopped"] = 1
+    assert "gates given up 3 (2 words for a held copy, every gate stopped 1x)]" in _modes(s)
     s["decode_copies_held"] = 0
     assert "gates given up 3]" in _modes(s)
     with pytest.raises(OptionError, match=r"^--decode-copy-held-ms -1.0: expected a finite"):
