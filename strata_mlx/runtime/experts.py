@@ -250,9 +250,7 @@ class ExpertCache:
             loop=loop,
         )
         if gate:
-            table = self.sched.residency.gate = GateTable(manifest, device=device_gate)
-            if device_gate:  # (the table outlives the reader: Scheduler.close)
-                reader.stop_word = table.stop_address
+            self.sched.residency.gate = GateTable(manifest, device=device_gate, reader=reader)
         self._dropped = closed_when_dropped(self)
         self.trace, self.route_bonus, self.dump = trace, route_bonus, dump
         # inside `phase(decoding=True)`: generation's decode steps (`gating`: a gate may wait)

@@ -62,7 +62,8 @@ FAILED = READY_FAILED  # its read failed, or its token was abandoned: given up o
 
 class GateTable:
     """Expert -> landed slot (-1: not in place) per MoE layer of `manifest`; `device`: mapped
-    for the CUDA device (`device_address`)."""
+    for the CUDA device (`device_address`), the stop word then `reader`'s (its watcher of held
+    copies sets it; the table outlives the reader: Scheduler.close)."""
 
     # Whether the driver stores prefill's read-ahead ready words too (runtime.experts.
     # tell_words; RuntimeConfig.prefill_words_by_driver), as it does decode's.
@@ -77,7 +78,7 @@ class GateTable:
     # decode_gate_fused; custom_kernels.gate.board_gate).
     board_fused = False
 
-    def __init__(self, manifest: Manifest, device: bool = False):
+    def __init__(self, manifest: Manifest, device: bool = False, reader=None):
         self.num_experts = manifest.num_experts
         self.pos = {l: manifest.layer_position(l) for l in manifest.moe_layers}
         shape = (len(self.pos), self.num_experts)
@@ -111,6 +112,8 @@ class GateTable:
             from .reader import map_host
 
             self.device_address = map_host(self.address, len(self._mem))
+            if reader is not None:
+                reader.native.stop_word = self.stop_address
 
     def ready(self, key: Key, slot: int) -> tuple[int, int]:
         """A read request's ready word for `key` landing in `slot`: (address, value)."""

@@ -290,28 +290,13 @@ class Reader:
         :data:`READY_FAILED`, and while any copy is held, the words of the reads still queued
         too; the gates give up at once instead of after their timeout (their token is
         recomputed), the device goes idle, the copies land, their words then stored as ever.
-        0 (the default): never. Settable at any time (``stats()["copies_held"]`` and
-        ``["words_given_up"]`` count the words given up: held copies', queued reads')."""
+        0 (the default): never. Settable at any time. The native reader's ``stop_word`` (the
+        gate table's) is set to 1 too: every gate gives up, whatever it waits on."""
         return self._r.copy_held_us
 
     @copy_held_us.setter
     def copy_held_us(self, us: int) -> None:
         self._r.copy_held_us = int(us)
-
-    @property
-    def stop_word(self) -> int:
-        """(device_copy) The address of an int32 (0: none; the gate table's stop word:
-        strata_mlx.stream.gate) that the watcher of held copies sets to 1 whenever it finds
-        a copy held past ``copy_held_us``: every gate polling it gives up, including one
-        waiting on a read nothing has submitted yet (the check that would submit it may wait
-        on the thread that holds the copy), so the device goes idle and the hold ends. The
-        word's owner clears it; it must outlive the reader, or be set to 0 first.
-        ``stats()["gates_stopped"]`` counts its rises from 0. Settable."""
-        return self._r.stop_word
-
-    @stop_word.setter
-    def stop_word(self, address: int) -> None:
-        self._r.stop_word = int(address)
 
     def open(
         self, path: str | os.PathLike, direct: bool = True, checksum: str | None = None
@@ -437,11 +422,10 @@ class Reader:
         engine or the CPU (``urgent_pread_ns``, ``urgent_verify_ns``, ``urgent_copy_ns``),
         ``spin_takes`` (reads, or parts, taken by a thread that was polling: ``spin_us``),
         ``copies_held`` (ready words given up for a copy held past ``copy_held_us``),
-        ``words_given_up`` (queued reads' words given up meanwhile), ``gates_stopped``
-        (rises of ``stop_word`` from 0), ``spread_wakes``
-        (threads woken, one a part, for spread batches: ``spread``), and the current
-        ``queued_urgent``, ``queued_ahead``, ``in_flight`` (requests a thread holds) and
-        uncollected ``completions``."""
+        ``words_given_up`` (queued reads' words given up meanwhile), ``gates_stopped`` (rises
+        of the native reader's ``stop_word`` from 0), ``spread_wakes`` (threads woken, one a
+        part, for spread batches: ``spread``), and the current ``queued_urgent``,
+        ``queued_ahead``, ``in_flight`` (requests a thread holds), uncollected ``completions``."""
         return self._r.stats()
 
     def reset_stats(self) -> None:

@@ -257,7 +257,7 @@ def test_a_cache_closed_under_a_decode_on_another_thread_unmaps_after_it(store, 
     monkeypatch.setattr(reader, "unmap_host", lambda a: seen.append(("unmap", thread())))
     # The table mapped as on CUDA; the decode's gate stays the host's (no device here, so
     # no gate kernel to load either).
-    monkeypatch.setattr(experts, "GateTable", lambda m, device: GateTable(m, device=True))
+    monkeypatch.setattr(experts, "GateTable", lambda m, device, reader: GateTable(m, True, reader))
     monkeypatch.setattr(deferred, "load_gate", lambda table, k, depth, wide=None: None)
     model, _ = strata_mlx.load(
         path, arena_gb=arena_gb(path, 0.25), decode_gate=True, decode_token_below=0.0
@@ -854,7 +854,7 @@ def free():  # waits in the driver for the device to go idle: past the gate
 with Reader(1, bounce=True, device_copy=True, record_bytes=rb) as r:
     r.copy_held_us = held_us
     if stop:
-        r.stop_word = g.stop_address
+        r.native.stop_word = g.stop_address
     f = r.open(path, direct=False)
     slots, late = gate(mx.array([waits_on], dtype=mx.uint32) + 0, row_at, 3000)
     mx.async_eval(slots, late)
@@ -869,7 +869,7 @@ with Reader(1, bounce=True, device_copy=True, record_bytes=rb) as r:
     (done,) = r.wait([1])
     holder.join()
     held, stopped = r.stats()["copies_held"], r.stats()["gates_stopped"]
-    r.stop_word = 0
+    r.native.stop_word = 0
 ok = bool(np.array_equal(np.array(arena.rows[0] + 0), np.fromfile(path, np.uint8, rb)))
 print(json.dumps(dict(seconds=seconds, late=flag, held=held, err=done[1], word=int(g.table[0, 2]),
                       bytes_ok=ok, stopped=stopped)))
@@ -886,7 +886,7 @@ def test_a_copy_held_behind_its_gate_gives_the_gate_up_at_once(tmp_path):
     its word reads its slot; without it, the gate waits out its whole timeout (3 s here).
     A gate waiting on a word no read was submitted for (its check's thread may wait on the
     thread held in the driver) gives up at once too, for the table's stop word, which the
-    watcher sets (Reader.stop_word); without the stop word it waits out its timeout."""
+    watcher sets (the native reader's stop_word); without it the gate waits out its timeout."""
     import json
     import subprocess
     import sys

@@ -191,7 +191,7 @@ else:  # "held": one read, its copy held STUB_HOLD_MS; the word watched every ms
     stop = np.zeros(1, dtype=np.int32)  # (the gate table's stop word)
     with Reader(1, bounce=True, device_copy=True, record_bytes=rb) as r:
         r.copy_held_us = held_us
-        r.stop_word = stop.ctypes.data
+        r.native.stop_word = stop.ctypes.data
         f = r.open(path, direct=False)
         t0 = time.monotonic()
         r.submit([(1, f, 0, rb, at, None, (word.ctypes.data, 7))], True)
@@ -208,7 +208,7 @@ else:  # "held": one read, its copy held STUB_HOLD_MS; the word watched every ms
         (done,) = r.wait([1])
         out.update(seen=seen, err=done[1], held=r.stats()["copies_held"], failed=READY_FAILED,
                    stop_ms=stop_ms, stopped=r.stats()["gates_stopped"], stop=int(stop[0]))
-        r.stop_word = 0
+        r.native.stop_word = 0
     data = np.fromfile(path, np.uint8, rb)
     out["bytes_ok"] = bool((np.ctypeslib.as_array((ctypes.c_uint8 * rb).from_address(at)) == data).all())
 print(json.dumps(out))
