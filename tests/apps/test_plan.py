@@ -977,3 +977,24 @@ def test_a_cached_calibration_holding_figures_no_run_gives_is_none(tmp_path, mon
         cal.cache_file().write_text(json.dumps(entries))
         assert cal.cached(shape, plan_) is None, field
         cal.store(shape, plan_, good)
+
+
+def test_plan_on_a_device_that_gates_decode_says_its_forecast_is_ungated(store, monkeypatch):
+    """Where the device gates decode (CUDA), plan's decode forecast is the per-layer
+    handshake's (Metal's way; the gate's is not modelled): a note says so and names the flag
+    that decodes as forecast; a target machine's plan, or a device without the gate, has none."""
+    import strata_mlx.runtime.experts as experts
+    from strata_mlx.apps.plan.machine import Compute
+
+    path = store("qwen3_moe")
+    canned = (Compute.of((1e-3, 5e-3)), "fake-stream (canned)", "calibration: canned")
+    monkeypatch.setattr(plan, "_calibrated", lambda *a: canned)
+    for gated in (True, False):
+        monkeypatch.setattr(experts, "device_gate_available", lambda gated=gated: gated)
+        here = plan.plan(path, prompt_tokens=96, prefill_step_size=48, gen_tokens=4,
+                         probe_seconds=0.05)  # fmt: skip
+        noted = [n for n in here.notes if "per-layer handshake" in n]
+        assert len(noted) == gated and all("--no-decode-gate" in n for n in noted)
+    target = plan.plan(path, prompt_tokens=96, prefill_step_size=48, gen_tokens=4,
+                       target_memory_gb=24, target_ssd_gbps=6)  # fmt: skip
+    assert not [n for n in target.notes if "per-layer handshake" in n]
