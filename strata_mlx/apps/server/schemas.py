@@ -4,6 +4,7 @@ Never: touches the model or the engine."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
@@ -179,18 +180,24 @@ def chat_request(body: dict, names: dict[str, str] | None = None) -> ChatComplet
     parameter as chat completions names it, or as `names` maps its first part to the other
     API's ({"messages": "input"}), the rest dropped where an index follows (the other API's
     list may not line up with the chat request's: a system message added first)."""
+
+    def rename(loc: list[str]) -> list[str]:
+        if not names or not loc or loc[0] not in names:
+            return loc
+        return [names[loc[0]]] + ([] if len(loc) < 2 or loc[1].isdigit() else loc[1:])
+
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
-        err = validation_error(e)
-    head, _, rest = (err.param or "").partition(".")
-    if names and head in names:
-        param = names[head] + (f".{rest}" if rest and not rest[:1].isdigit() else "")
-        err = APIError(err.message.replace(err.param, param, 1), param=param, code=err.code)
-    raise err
+        raise validation_error(e, rename) from None
 
 
-def validation_error(exc: RequestValidationError | ValidationError) -> APIError:
+def validation_error(
+    exc: RequestValidationError | ValidationError,
+    rename: Callable[[list[str]], list[str]] | None = None,
+) -> APIError:
+    """The first of `exc`'s errors as a 400 naming its parameter (its location, through
+    `rename` where given: another API's name for it)."""
     errors = exc.errors()
     if not errors:
         return APIError("invalid request body")
@@ -198,7 +205,7 @@ def validation_error(exc: RequestValidationError | ValidationError) -> APIError:
     loc = [str(p) for p in e.get("loc", ()) if p != "body"]
     if e.get("type") == "json_invalid":
         return APIError(f"request body is not valid JSON: {e.get('msg')}", code="invalid_json")
-    param = ".".join(loc) or None
+    param = ".".join(rename(loc) if rename else loc) or None
     msg = e.get("msg", "invalid value")
     if e.get("type") == "missing":
         if param is None:
