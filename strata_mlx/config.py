@@ -376,16 +376,19 @@ def check_prompt_length(n_tokens: int, context: int | None, what: str = "prompt"
         )
 
 
-def parse_tokens(text: str, flag: str) -> list[int]:
-    """A flag's comma-separated integers: "1,2,3" (token ids, worker counts); an empty entry
-    ("1,,2": a token lost to a typo) is refused, not dropped."""
+def parse_tokens(text: str, flag: str, what: str = "integers", example: str = "1,2,3") -> list[int]:
+    """A flag's comma-separated integers: "1,2,3" (token ids, worker counts, slot counts:
+    `what`, as the errors name them); an empty entry ("1,,2": a token lost to a typo) is
+    refused, not dropped."""
     parts = text.replace(" ", "").split(",")
     if any(parts) and not all(parts):
-        raise OptionError(f"{flag} {text!r}: an empty entry; expected e.g. 1,2,3")
+        raise OptionError(f"{flag} {text!r}: an empty entry; expected e.g. {example}")
     try:
         ids = [int(t) for t in parts if t]
     except ValueError:
-        raise OptionError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+        raise OptionError(
+            f"{flag} {text!r}: expected comma-separated {what}, e.g. {example}"
+        ) from None
     if not ids:
-        raise OptionError(f"{flag}: empty; expected comma-separated integers")
+        raise OptionError(f"{flag}: empty; expected comma-separated {what}")
     return ids

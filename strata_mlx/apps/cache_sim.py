@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import OptionError
+from ..config import OptionError, parse_tokens
 from ..stream import arena as arena_module
 from ..stream import policies
 from ..stream import trace as traces
@@ -361,18 +361,7 @@ def compare(trace: traces.Trace, slots: int, names: list, read_ahead: str = "non
 
 def parse_slots(text: str) -> list[int]:
     """--slots: one arena size or a comma-separated sweep."""
-    parts = text.split(",")
-    if len(parts) > 1 and not all(v.strip() for v in parts):
-        raise OptionError(f"--slots {text!r}: an empty entry; expected e.g. 2000,4000")
-    try:
-        sizes = [int(v) for v in parts if v.strip()]
-    except ValueError:
-        raise OptionError(
-            f"--slots {text!r}: expected slot counts, e.g. 7099 or 2000,4000"
-        ) from None
-    if not sizes:
-        raise OptionError("--slots: give at least one slot count")
-    return sizes
+    return parse_tokens(text, "--slots", "slot counts", "2000,4000")
 
 
 def report(

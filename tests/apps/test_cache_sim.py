@@ -169,7 +169,10 @@ def test_cache_sim_sweeps_arena_sizes_and_plots_them(tmp_path):
                                                   "16 slots (50.0 %)"]  # fmt: skip
     assert matplotlib.image.imread(png).ndim == 3
     r = run_cli(f, "--slots", "4,x")
-    assert r.returncode != 0 and "--slots '4,x': expected slot counts" in r.stderr
+    assert (
+        r.returncode != 0
+        and "--slots '4,x': expected comma-separated slot counts, e.g. 2000,4000" in r.stderr
+    )
 
 
 def predicted_trace(perfect: bool) -> trace.Trace:
