@@ -823,3 +823,30 @@ def test_outputs_into_the_store_or_onto_each_other_are_refused(store, tmp_path):
 
     assert not same.exists() and not (path / "plan.json").exists()
     assert load_manifest(path).num_experts > 0
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["serve", "--port", "abc"], "error: Invalid value for '--port': Input should be a valid "
+         "integer, unable to parse string as an integer (strata-mlx serve -h for help)"),
+        (["bogus"], "error: No such command 'bogus'. (strata-mlx -h for help)"),
+        (["generate", "--nope"], "error: No such option: --nope (Possible options: --model, "
+         "--top-k, --top-p) (strata-mlx generate -h for help)"),
+        (["kernels", "show"], "error: Missing argument 'FORMAT'. (strata-mlx kernels show -h "
+         "for help)"),
+        (["convert", "--q-bits"], "error: Option '--q-bits' requires an argument."),
+    ],
+)  # fmt: skip
+def test_usage_errors_are_one_line_as_every_user_error(args, line):
+    """A flag's value of the wrong type, an unknown command or option, a missing argument:
+    one line on stderr and exit 2 as our own errors (typer's were a five-line box), the
+    command's help named where typer knows the command."""
+    assert _error_line(run(*args)) == line
+
+
+def test_no_arguments_show_the_help_and_exit_2():
+    """No command (or a group with none): the help, on stdout, and exit 2 as typer had it."""
+    for args in ([], ["kernels"]):
+        r = run(*args)
+        assert r.returncode == 2 and "Usage: strata-mlx" in r.stdout and not r.stderr.strip()

@@ -1,8 +1,9 @@
 """The `strata-mlx` command: a thin shell over the Python API, one module per command.
 
 Flag names follow mlx-lm where one exists. Every user error ends as one line on stderr
-naming the file and what is wrong, with exit code 2 (common.user_errors). This module only
-builds the typer app from the commands.
+naming the file or flag and what is wrong, with exit code 2 (common.user_errors; typer's
+usage errors through common.Group.main). This module only builds the typer app from the
+commands.
 """
 
 from __future__ import annotations

@@ -62,7 +62,29 @@ class Command(_HelpFlag, TyperCommand):
 
 
 class Group(_HelpFlag, TyperGroup):
-    pass
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        """typer's main, but a usage error (an unknown command or option, a value of the
+        wrong type) ends as every user error here does, one line on stderr and its exit code
+        (2), not typer's boxed panel. Typer's click is vendored and its exceptions are not
+        exported: they are told by click's public interface (`format_message`,
+        `exit_code`)."""
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except typer.Abort:  # (EOF at a prompt)
+            typer.echo("Aborted.", err=True)
+            raise SystemExit(1) from None
+        except Exception as e:
+            show, code = getattr(e, "format_message", None), getattr(e, "exit_code", None)
+            if not callable(show) or not isinstance(code, int):
+                raise
+            if type(e).__name__ != "NoArgsIsHelpError":  # (no arguments: the help, shown)
+                ctx = getattr(e, "ctx", None)
+                hint = f" ({ctx.command_path} -h for help)" if ctx is not None else ""
+                typer.echo(f"error: {' '.join(show().split())}{hint}", err=True)
+            raise SystemExit(code) from None
+        raise SystemExit(code if isinstance(code, int) else 0)
 
 
 def user_errors(fn):
