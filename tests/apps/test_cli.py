@@ -808,8 +808,9 @@ def test_the_docs_list_the_q_bits_convert_takes(hf_checkpoint, tmp_path):
 
 
 def test_outputs_into_the_store_or_onto_each_other_are_refused(store, tmp_path):
-    """`--trace STORE/manifest.json` wrote over the store's manifest (unreadable after) and
-    `--trace x --logits-out x` kept the trace alone; both refused before anything runs."""
+    """`--trace STORE/manifest.json` wrote over the store's manifest (unreadable after),
+    `--trace x --logits-out x` kept the trace alone, and an output over a file the command
+    reads destroyed it; each refused before anything runs."""
     path = Path(store("qwen3_moe"))
     gen = ("generate", "--model", path, "--prompt-tokens", "1,2,3", "-m", "1")
     line = _error_line(run(*gen, "--trace", path / "manifest.json"))
@@ -819,6 +820,14 @@ def test_outputs_into_the_store_or_onto_each_other_are_refused(store, tmp_path):
     assert f"--trace {same}: --logits-out writes there too" in line
     line = _error_line(run("plan", path, "--json", path / "plan.json"))
     assert "--json" in line and "inside the store" in line
+    # an output over a file the command reads: a prompt cache, the reference logits
+    cache, ref = tmp_path / "c.safetensors", tmp_path / "ref.npy"
+    cache.write_bytes(b"a cache"), ref.write_bytes(b"logits")
+    line = _error_line(run(*gen, "--prompt-cache-file", cache, "--logits-out", cache))
+    assert f"--logits-out {cache}: --prompt-cache-file reads it; give each its own file" in line
+    line = _error_line(run(*gen, "--logits-ref", ref, "--trace", ref))
+    assert f"--trace {ref}: --logits-ref reads it" in line
+    assert cache.read_bytes() == b"a cache" and ref.read_bytes() == b"logits"
     from strata_mlx.format.store import load_manifest
 
     assert not same.exists() and not (path / "plan.json").exists()

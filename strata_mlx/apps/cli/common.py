@@ -337,14 +337,18 @@ def check_output_file(path: Path | None, flag: str, suffix: str | None = None) -
 
 
 def check_outputs(
-    model, outputs: dict[str, Path | None], suffixes: dict[str, str] | None = None
+    model,
+    outputs: dict[str, Path | None],
+    suffixes: dict[str, str] | None = None,
+    inputs: dict[str, Path | None] | None = None,
 ) -> None:
     """Before anything runs: each output file a flag names can be written
     (check_output_file, with its flag's suffix in `suffixes`), no two flags name one file
-    (the second write replaced the first's), and none names a file inside the model's store
+    (the second write replaced the first's), none names a file one of `inputs` reads (a
+    prompt cache overwritten by the logits), and none names a file inside the model's store
     (a trace written over its manifest.json left the store unreadable); `model`: the
     --model given, or None."""
-    seen: dict[Path, str] = {}
+    seen = {Path(p).resolve(): f"{flag} reads it" for flag, p in (inputs or {}).items() if p}
     store = Path(model).resolve() if model is not None and Path(model).is_dir() else None
     for flag, path in outputs.items():
         if path is None:
@@ -352,8 +356,8 @@ def check_outputs(
         check_output_file(path, flag, (suffixes or {}).get(flag))
         where = Path(path).resolve()
         if where in seen:
-            raise OptionError(f"{flag} {path}: {seen[where]} writes there too; give each its own")
-        seen[where] = flag
+            raise OptionError(f"{flag} {path}: {seen[where]}; give each its own file")
+        seen[where] = f"{flag} writes there too"
         if store is not None and store in where.parents:
             raise OptionError(f"{flag} {path}: inside the store {model}; write it elsewhere")
 

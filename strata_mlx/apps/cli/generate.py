@@ -121,7 +121,11 @@ def generate(
             raise OptionError("give --prompt/-p or --prompt-tokens")
         prompt = "What is the capital of France?"
     sampling = _sampling(args)  # every flag is checked before a model is loaded
-    check_outputs(model, {"--logits-out": logits_out, "--trace": trace_file})
+    check_outputs(
+        model,
+        {"--logits-out": logits_out, "--trace": trace_file},
+        inputs={"--prompt-cache-file": prompt_cache_file, "--logits-ref": logits_ref},
+    )
     check_pipeline_flags(pipeline, pipeline_split, pipeline_timeout)
     kv = kv_options(args)
     template_kwargs = template_config(chat_template_config)
