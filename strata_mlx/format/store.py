@@ -20,6 +20,7 @@ talks to the arena; readers get byte ranges and layouts from here and nothing el
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -316,6 +317,8 @@ def load_manifest(store: str | Path) -> Manifest:
     # A manifest without `checksum` predates crc32c: zlib's crc32 of each record, under "crc32".
     checksum = f.str(ex.get("checksum", "crc32"), "experts.checksum", CHECKSUMS)
     sums_key = "checksums" if "checksum" in ex else "crc32"
+    if sums_key not in ex and "checksums" in ex:  # (a store of today's without its kind)
+        f.fail("experts.checksum", "missing")
     f.dict(ex, "experts", (sums_key,))
     dense_checksum = raw.get("dense_checksum")
     if dense_checksum is not None:
@@ -498,19 +501,33 @@ def write_atomic(path: str | Path, write, tmp_suffix: str = ".tmp") -> None:
     this call's own, ending in `tmp_suffix`: a writer that insists on an extension gets one),
     which then replaces `path` in one rename: a reader sees the old file or the new, never
     half of one; on any failure the temporary file is removed and `path` is left as it was.
-    No file of the user's is taken for the temporary one (`<name>.tmp` was, and went)."""
+    No file of the user's is taken for the temporary one (`<name>.tmp` was, and went).
+    A symbolic link's target is replaced, the link kept; a path that is no regular file (a
+    device such as /dev/null, a pipe) is refused, never replaced by one. A write the file
+    system refuses (full, read-only) is a StoreError naming `path`."""
     import secrets
 
-    path = Path(path)
+    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
+    if path.exists() and not path.is_file():
+        raise StoreError(f"{path}: not a regular file (a device, a pipe); give a file's path")
     # (named, not created: the writer creates it with the process's umask, as it would the
     # file itself; mkstemp's would be 0600)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}{tmp_suffix}")
     try:
         write(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        # (MLX's own writers say "[write] Unable to write N bytes to file." for a full disk)
+        if isinstance(e, OSError) or "Unable to write" in str(e):
+            full = not isinstance(e, OSError) or e.errno in (None, errno.ENOSPC, errno.EDQUOT)
+            hint = "; is the disk full?" if full else ""
+            raise StoreError(f"{path}: cannot write it ({_reason(e)}){hint}") from e
         raise
+
+
+def _reason(e: BaseException) -> str:
+    return e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip()
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from ..config import OptionError, check_prompt_length, check_sampling
+from ..config import OptionError, check_int, check_prompt_length, check_sampling
 from ..stream.stats import ExpertStats
 from .prompt_cache import KVOptions, make_prompt_cache, maybe_quantize, quantize_due
 from .sampling import LogitsProcessor, Sampler, make_sampler  # make_sampler lived here
@@ -151,6 +151,8 @@ def generate_step(
     prompt, after each prefill chunk, and with `total` once the first token's logits are in;
     an exception it raises between chunks stops the generation there (the server's cancel)."""
     sampler = sampler or make_sampler()
+    if prefill_step_size is not None:  # (a step of 0 or less ran no chunk: the prompt skipped)
+        check_int("prefill_step_size", prefill_step_size, 1)
     total = prompt.shape[0]
     progress = prompt_progress_callback or (lambda *_: None)
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, kv)
@@ -225,6 +227,7 @@ def stream_generate(
     `max_kv_size`, `kv_bits`, `kv_group_size`, `quantized_kv_start` and
     `prompt_progress_callback` (generate_step) are mlx-lm's."""
     check_sampling(max_tokens, temp, top_p, seed)
+    stop = _check_continuation(model, stop, prompt_cache, cached_tokens)
     kv = KVOptions(max_kv_size, kv_bits, kv_group_size, quantized_kv_start)
     kv.check()
     if seed is not None:
@@ -324,7 +327,7 @@ def _prompt_ids(model, tokenizer, prompt: str | list[int], cached_tokens) -> lis
             raise OptionError("this store has no tokenizer: pass token ids")
         ids = tokenizer.encode(prompt)
     else:
-        ids = list(prompt)
+        ids = _token_list(prompt)
     if not ids:
         raise OptionError("empty prompt")
     vocab = model.args.vocab_size
@@ -334,6 +337,45 @@ def _prompt_ids(model, tokenizer, prompt: str | list[int], cached_tokens) -> lis
         len(ids) + len(cached_tokens or ()), getattr(model.args, "max_position_embeddings", None)
     )
     return ids
+
+
+def _token_list(prompt) -> list[int]:
+    """Token ids as Python ints, from a list, a NumPy or MLX array of integers; anything else
+    (bytes, floats, booleans, strings, None) is refused by name."""
+    if isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__"):
+        raise OptionError(f"prompt: text or token ids, got {type(prompt).__name__}")
+    items = prompt.tolist() if isinstance(prompt, (np.ndarray, mx.array)) else list(prompt)
+    ids = []
+    for i in items:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise OptionError(f"prompt token ids must be integers, got {type(i).__name__} {i!r}")
+        ids.append(int(i))
+    return ids
+
+
+def _check_continuation(model, stop, prompt_cache, cached_tokens) -> list[str] | None:
+    """stop (a string is one stop string, as OpenAI's API takes it) as a list of strings; a
+    prompt cache of the model's layers, and cached tokens only beside one."""
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (
+        not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) for x in stop)
+    ):
+        raise OptionError(f"stop: a string or a list of strings, got {stop!r}")
+    if prompt_cache is not None:
+        layers = len(model.layers)
+        if (
+            not isinstance(prompt_cache, list)
+            or len(prompt_cache) != layers
+            or not all(hasattr(c, "offset") for c in prompt_cache)
+        ):
+            raise OptionError(
+                f"prompt_cache: a list of the model's {layers} layer caches (make_prompt_cache, "
+                "load_prompt_cache)"
+            )
+    elif cached_tokens:
+        raise OptionError("cached_tokens: the tokens a prompt_cache covers; no prompt_cache given")
+    return None if stop is None else list(stop)
 
 
 def add_token(

@@ -624,6 +624,59 @@ def test_user_errors_keep_a_bug_s_traceback():
     assert issubclass(OptionError, ValueError)
 
 
+def test_a_file_system_refusing_an_output_is_one_line(capsys):
+    """A full disk, a read-only or over-quota file system, a path through a file: one line
+    naming the file (--dump-moe's .npy files, --trace under a full disk were tracebacks);
+    a library's message whose first line ends in a colon keeps the names on its next."""
+    import errno
+
+    import typer
+
+    from strata_mlx.apps.cli.common import user_errors
+    from strata_mlx.format.store import StoreError
+
+    for code, words in ((errno.ENOSPC, "No space left on device"),
+                        (errno.EROFS, "Read-only file system")):  # fmt: skip
+
+        @user_errors
+        def refused(code=code, words=words):
+            raise OSError(code, words, "dump/layer000_call0000_x.npy")
+
+        with pytest.raises(typer.Exit) as e:
+            refused()
+        assert e.value.exit_code == 2
+        assert capsys.readouterr().err == f"error: dump/layer000_call0000_x.npy: {words}\n"
+
+    @user_errors
+    def missing():
+        raise StoreError("d/dense.safetensors: Missing 1 parameters: \nlm_head.weight.")
+
+    with pytest.raises(typer.Exit):
+        missing()
+    assert capsys.readouterr().err == (
+        "error: d/dense.safetensors: Missing 1 parameters: lm_head.weight.\n"
+    )
+
+    @user_errors
+    def other():  # (an OSError of another kind, from our code or a library's: a bug)
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    with pytest.raises(OSError, match="Bad file"):
+        other()
+
+
+def test_an_output_flag_naming_a_pipe_or_device_is_refused(store, tmp_path):
+    """`--json /dev/null` replaced the device with a regular file: a path that exists and is
+    no regular file (a pipe here) is refused before anything runs, and left as it was."""
+    import stat
+
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)
+    line = _error_line(run("plan", store("qwen3_moe"), "--json", fifo))
+    assert line == f"error: --json {fifo}: not a regular file (a device, a pipe); name a file"
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
 def test_a_bad_kernels_variable_is_one_line_and_exit_2(store):
     env = {**os.environ, "STRATA_MLX_KERNELS": "bogus"}
     r = run("generate", "--model", store("qwen3_moe"), "-p", "hi", "-m", "1", env=env)

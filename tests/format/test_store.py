@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 
 import pytest
 
@@ -137,8 +138,16 @@ def test_write_atomic_leaves_the_old_file_when_writing_fails(tmp_path):
         tmp.write_text("new, but only ha")
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(StoreError, match=r"figures.json: cannot write it \(No space left on "
+                       r"device\); is the disk full\?$"):  # fmt: skip
         store_module.write_atomic(path, half_then_fail)
+    assert path.read_text() == "old"
+    # MLX's own writers' words for a full disk
+    with pytest.raises(StoreError, match=r"cannot write it \(\[write\] Unable to write 5"):
+        store_module.write_atomic(path, lambda tmp: _raise(RuntimeError("[write] Unable to "
+                                                                        "write 5 bytes to file.")))  # fmt: skip
+    with pytest.raises(ValueError, match="a bug"):  # (anything else is not the file system's)
+        store_module.write_atomic(path, lambda tmp: _raise(ValueError("a bug")))
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["figures.json"]
     store_module.write_text_atomic(path, "new")
@@ -158,3 +167,24 @@ def test_write_atomic_takes_no_file_of_the_users_for_its_temporary(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def _raise(e: BaseException):
+    raise e
+
+
+def test_write_atomic_writes_through_a_link_and_never_replaces_a_device_or_pipe(tmp_path):
+    """A symbolic link's target gets the new file and the link stays a link; a path that is
+    no regular file (a pipe here, /dev/null on a user's command line: it was replaced by a
+    regular file) is refused and left as it was."""
+    target, link = tmp_path / "real.json", tmp_path / "link.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    store_module.write_text_atomic(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "real.json"]
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(StoreError, match="pipe: not a regular file"):
+        store_module.write_text_atomic(fifo, "x")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)

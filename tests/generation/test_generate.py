@@ -198,3 +198,43 @@ def test_mlx_buffer_cache_is_emptied_around_the_prompt(store, monkeypatch):
     assert events == ["clear", "chunk", "chunk", "clear"] + ["token", "token", "clear"] * 2 + [
         "token"
     ]
+
+
+def test_the_api_refuses_what_it_would_misread(store):
+    """Token ids as a NumPy or MLX array of integers are the list's; bytes, floats, booleans,
+    strings and None as a prompt, a prefill step of 0 or less (it ran no chunk: the prompt
+    skipped), a stop list holding no strings, a prompt cache that is not the model's layers
+    and cached tokens without one are refused by name (they were misread, or a library's
+    error); one stop string alone is taken as OpenAI's API takes it."""
+    import mlx.core as mx
+    import numpy as np
+
+    from strata_mlx.config import OptionError
+
+    model, _ = strata_mlx.load(store("qwen3_moe"))
+    tok, ids = WordTokenizer(), prompt_ids(8, seed=9)
+    want = strata_mlx.generate(model, tok, ids, max_tokens=3)
+    for same in (np.array(ids), np.array(ids, dtype=np.int32), mx.array(ids), tuple(ids)):
+        assert strata_mlx.generate(model, tok, same, max_tokens=3) == want
+    bad = [
+        (dict(prompt=b"hello"), "prompt: text or token ids, got bytes"),
+        (dict(prompt=None), "prompt: text or token ids, got NoneType"),
+        (dict(prompt=5), "prompt: text or token ids, got int"),
+        (dict(prompt=[1.5, 2.0]), "must be integers, got float 1.5"),
+        (dict(prompt=[True]), "must be integers, got bool True"),
+        (dict(prompt=["a"]), "must be integers, got str 'a'"),
+        (dict(prefill_step_size=-1), "prefill_step_size -1: expected an integer in"),
+        (dict(prefill_step_size=0), "prefill_step_size 0"),
+        (dict(stop=[None]), r"stop: a string or a list of strings, got \[None\]"),
+        (dict(prompt_cache=[]), "prompt_cache: a list of the model's"),
+        (dict(prompt_cache=[1, 2]), "prompt_cache: a list of the model's"),
+        (dict(cached_tokens=[1, 2]), "cached_tokens: the tokens a prompt_cache covers"),
+    ]
+    for kw, message in bad:
+        kw = {"prompt": ids, **kw}
+        with pytest.raises(OptionError, match=message):
+            strata_mlx.generate(model, tok, max_tokens=3, **kw)
+    words = want.split()
+    cut = strata_mlx.generate(model, tok, ids, max_tokens=3, stop=words[1])
+    assert cut == strata_mlx.generate(model, tok, ids, max_tokens=3, stop=[words[1]])
+    assert cut == f"{words[0]} "

@@ -4,6 +4,7 @@ model, and checks of output files and chat template variables. Never runs a mode
 
 from __future__ import annotations
 
+import errno
 import functools
 import inspect
 import typing
@@ -39,6 +40,18 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     # StoreError covers ExpertReadError and MemoryGuardError; the OS errors name a user's path
     return (StoreError, OptionError, PromptCacheError, ChatTemplateError, PipelineError,
             FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)  # fmt: skip
+
+
+# What a file system says of a user's output (full, read-only, over a quota or a size limit,
+# a path through a file): a one-line error naming the file, not a bug.
+_USER_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.ENOTDIR)
+
+
+def one_line(message: str, limit: int = 400) -> str:
+    """An error's message on one line: its lines joined (a library's first line may end in a
+    colon, the names it lists on the next), cut at `limit` characters."""
+    text = " ".join(line.strip() for line in message.splitlines() if line.strip())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _HelpFlag:
@@ -97,9 +110,11 @@ def user_errors(fn):
         try:
             return fn(*a, **kw)
         except Exception as e:
+            if isinstance(e, OSError) and e.errno in _USER_ERRNOS and e.filename:
+                fail(f"{e.filename}: {e.strerror}")
             if not isinstance(e, _user_error_types()):
                 raise
-            fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            fail(one_line(str(e)) or type(e).__name__)
 
     return wrapper
 
@@ -326,6 +341,8 @@ def check_output_file(path: Path | None, flag: str, suffix: str | None = None) -
     where = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise OptionError(f"{flag} {path}: is a directory; name a file")
+    if path.exists() and not path.is_file():  # (a write would replace /dev/null with a file)
+        raise OptionError(f"{flag} {path}: not a regular file (a device, a pipe); name a file")
     if not where.is_dir():
         raise OptionError(f"{flag} {path}: no directory {where}")
     if not os.access(where, os.W_OK | os.X_OK):
