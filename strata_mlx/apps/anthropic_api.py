@@ -180,6 +180,8 @@ def _user(i: int, blocks: list[Block]) -> list[dict]:
                 out.append({"role": "user", "content": JOIN.join(text)})
                 text = []
             content = _result_text(b, param)
+            if b.is_error:  # (a tool message has no such flag: the model reads it in the text)
+                content = f"Error: {content}"
             out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
         else:
             raise _unsupported(f"{b.type!r} blocks in user messages are", param)

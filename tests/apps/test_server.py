@@ -1170,3 +1170,56 @@ def test_chat_template_kwargs_reach_the_template(served, monkeypatch):
         r = http.post(base + "/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert seen == [{"enable_thinking": False}]
+
+
+def test_agents_requests_reach_the_template_as_they_mean_them(tiny, capfd, says):
+    """What coding agents send: a "developer" message is the system prompt (OpenAI's newer
+    name; the template knows "system"); a tool call's arguments nested past Python's recursion
+    limit stay text (a 500 before); an Anthropic tool result with is_error says so in the text
+    the model reads (the flag was dropped); tools a chat template does not render are said
+    once on stderr (they are dropped, as mlx-lm's server drops them)."""
+    model, tok = load_tiny(tiny)
+    prompts = says(["the"])  # (the prompts the model is given, recorded)
+    try:
+        with (
+            running(create_app(model, tok, NAME, decode_concurrency=1)) as base,
+            httpx.Client(base_url=base, trust_env=False, timeout=60) as http,
+        ):
+
+            def prompt_tokens(messages, **kw) -> list[int]:
+                body = {"model": NAME, "messages": messages, "max_tokens": 1, **kw}
+                r = http.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                return prompts[-1]
+
+            user = {"role": "user", "content": "the cat sat"}
+            as_system = prompt_tokens([{"role": "system", "content": "a dog"}, user])
+            assert prompt_tokens([{"role": "developer", "content": "a dog"}, user]) == as_system
+            nested = "[" * 5000 + "]" * 5000
+            call = {"id": "c1", "type": "function",
+                    "function": {"name": "f", "arguments": nested}}  # fmt: skip
+            history = [user, {"role": "assistant", "content": None, "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "c1", "content": "ok"}]  # fmt: skip
+            prompt_tokens(history)
+            capfd.readouterr()
+            tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+            prompt_tokens([user], tools=tools)
+            prompt_tokens([user], tools=tools)
+            err = capfd.readouterr().err
+            assert err.count("renders no tools: requests' tools do not reach the model") == 1
+
+            def result_tokens(is_error: bool) -> int:
+                block = {"type": "tool_result", "tool_use_id": "t1", "content": "no such file",
+                         "is_error": is_error}  # fmt: skip
+                use = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+                body = {"model": NAME, "messages": [
+                    {"role": "user", "content": "the cat"},
+                    {"role": "assistant", "content": [use]},
+                    {"role": "user", "content": [block]}]}  # fmt: skip
+                r = http.post("/v1/messages/count_tokens", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["input_tokens"]
+
+            assert result_tokens(True) > result_tokens(False)
+    finally:
+        model.expert_cache.close()

@@ -553,6 +553,10 @@ class ServeState:
     # the model's context (max_position_embeddings; None: its config names none): a longer
     # prompt is refused, and max_tokens ends at the context's end (a rotating KV cache aside)
     context: int | None = None
+    # whether the chat template renders a request's tools (found at the first request with
+    # tools: a template without them drops them, as mlx-lm's server does, and the server says
+    # so once on stderr)
+    template_takes_tools: bool | None = None
 
     @property
     def model(self):

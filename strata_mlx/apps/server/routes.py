@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ def _template_tool_call(call: dict) -> dict:
     if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
         try:
             fn = {**fn, "arguments": json.loads(fn["arguments"])}
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # (text as it came: nested too deep too)
             pass
         call = {**call, "function": fn}
     return call
@@ -385,7 +386,8 @@ def chat_job(state: ServeState, req: ChatCompletionRequest) -> ChatJob:
             content = "".join(parts)
         else:
             content = m.content or ""
-        msg = {"role": m.role, "content": content}
+        # OpenAI's "developer" messages are its system messages; chat templates know "system"
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_calls is not None:
@@ -409,6 +411,8 @@ def chat_job(state: ServeState, req: ChatCompletionRequest) -> ChatJob:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     except Exception as e:  # the template's raise_exception, or a jinja error
         raise APIError(f"messages: the chat template failed: {e}", param="messages") from None
+    if tools and state.template_takes_tools is None:
+        _tell_if_tools_dropped(state, text, messages, variables)
     # As Hugging Face's apply_chat_template(tokenize=True): the template places any special
     # tokens itself.
     ids = _encode(state, text, "messages", add_special_tokens=False)
@@ -417,6 +421,25 @@ def chat_job(state: ServeState, req: ChatCompletionRequest) -> ChatJob:
     # the tool-call format the template renders is the one the model writes
     fmt = tools and tool_format(tokenizer.chat_template)
     return ChatJob(job, fmt, opens_reasoning(text))
+
+
+def _tell_if_tools_dropped(state, text: str, messages: list[dict], variables: dict) -> None:
+    """Whether the chat template renders tools at all (the prompt without them the same):
+    one line on stderr where it does not, once a server."""
+    try:
+        bare = state.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **variables
+        )
+    except Exception:  # (a template that fails without tools renders them)
+        bare = None
+    state.template_takes_tools = bare != text
+    if not state.template_takes_tools:
+        print(
+            f"warning: the chat template of {state.model_name} renders no tools: requests' "
+            "tools do not reach the model",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 async def completions(req: CompletionRequest, request: Request):
