@@ -6,6 +6,7 @@ reads a store for the runtime (store.py validates what is read)."""
 from __future__ import annotations
 
 import atexit
+import errno
 import glob
 import json
 import os
@@ -64,6 +65,9 @@ class StoreWriter:
         ):
             raise ValueError("every layer's records must be the same size (pad them)")
         self.out = Path(out)
+        # A store there now is the one the conversion was allowed to replace; one that
+        # appears while it runs (another conversion to the same place) is not replaced.
+        self.replacing = self.out.exists()
         remove_dead_temps(self.out)
         self.tmp = _make_temp(self.out)
         try:
@@ -157,15 +161,31 @@ class StoreWriter:
             if self.out.is_symlink() or self.out.is_file():
                 raise StoreError(f"{self.out}: not a directory; refusing to replace it")
             with _RENAMES:
-                if self.out.exists():
+                if self.replacing and self.out.exists():
                     os.replace(self.out, self.tmp / REPLACED)
-                os.replace(self.tmp, self.out)
+                    os.replace(self.tmp, self.out)
+                else:
+                    self._move_into_place()
                 _UNFINISHED.pop(self.tmp, None)
                 _COMMITTED.add(self.out)
                 _fsync_dir(self.out.parent)  # the rename itself
                 _finish_replacement(self.out)
                 _COMMITTED.discard(self.out)
         return self.out
+
+    def _move_into_place(self) -> None:
+        """The temporary directory renamed to `out`, where no store was: the rename fails
+        onto a directory holding anything (a store another process moved there meanwhile),
+        which is left as it is."""
+        try:
+            os.rename(self.tmp, self.out)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise StoreError(
+                f"{self.out}: another conversion wrote a store there meanwhile; this one "
+                "was not moved over it"
+            ) from None
 
     def abort(self) -> None:
         try:

@@ -212,6 +212,26 @@ def test_a_failed_commit_puts_the_old_store_back(gguf, tmp_path, monkeypatch):
     assert _fingerprint(out) == before and not _temps(out)
 
 
+def test_a_store_written_there_meanwhile_is_not_replaced(gguf, tmp_path, monkeypatch):
+    """Two conversions to one new path at once both said "wrote", the first store lost: one
+    that began with no store there does not move its own over a store that appeared while
+    it ran (another conversion's, copied in here just before the move); it says so, and
+    leaves that store and no temporary directory."""
+    import strata_mlx.format.writer as writer
+
+    other = _convert(gguf, tmp_path / "other")
+    out, real = tmp_path / "s", writer._fsync_tree
+
+    def another_wrote_first(d):
+        shutil.copytree(other, out)
+        return real(d)
+
+    monkeypatch.setattr(writer, "_fsync_tree", another_wrote_first)
+    with pytest.raises(StoreError, match="another conversion wrote a store there meanwhile"):
+        _convert(gguf, out)
+    assert _fingerprint(out) == _fingerprint(other) and not _temps(out)
+
+
 def test_the_new_store_is_on_the_drive_before_the_old_one_is_moved_aside(
     gguf, tmp_path, monkeypatch
 ):
