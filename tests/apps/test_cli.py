@@ -881,6 +881,14 @@ def test_outputs_into_the_store_or_onto_each_other_are_refused(store, tmp_path):
     line = _error_line(run(*gen, "--logits-ref", ref, "--trace", ref))
     assert f"--trace {ref}: --logits-ref reads it" in line
     assert cache.read_bytes() == b"a cache" and ref.read_bytes() == b"logits"
+    # the built-in model (no --model): its store, in strata-mlx's cache directory
+    home = tmp_path / "home"
+    (home / "store").mkdir(parents=True)
+    env = {**os.environ, "STRATA_MLX_HOME": str(home)}
+    line = _error_line(run("cache-prompt", "-p", "hi", "--prompt-cache-file",
+                           home / "store" / "manifest.json", env=env))  # fmt: skip
+    assert "inside the store of the built-in model" in line
+    assert sorted(p.name for p in home.rglob("*")) == ["store"]
     from strata_mlx.format.store import load_manifest
 
     assert not same.exists() and not (path / "plan.json").exists()

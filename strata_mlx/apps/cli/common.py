@@ -367,6 +367,10 @@ def check_outputs(
     --model given, or None."""
     seen = {Path(p).resolve(): f"{flag} reads it" for flag, p in (inputs or {}).items() if p}
     store = Path(model).resolve() if model is not None and Path(model).is_dir() else None
+    if model is None:  # the built-in model's store, in strata-mlx's cache directory
+        from ..default_model import cache_dir
+
+        store, model = cache_dir().resolve(), f"of the built-in model ({cache_dir()})"
     for flag, path in outputs.items():
         if path is None:
             continue
