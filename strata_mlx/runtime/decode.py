@@ -218,7 +218,11 @@ class Decoder:
                         pr.decode_begin()
                         begun = True
                         if ec.predicts_in_decode() == step.predicting:
-                            later = self.start(token[None], cache)
+                            # (an id past the vocabulary, a custom sampler's, is refused
+                            # below; the token built on it meanwhile must not read past the
+                            # embedding: MLX's gather does not check its indices)
+                            safe = mx.clip(token, 0, logprobs.shape[-1] - 1)
+                            later = self.start(safe[None], cache)
                     if not self.finish(step, later):
                         # A layer missed: the logits were recomputed and `later` discarded.
                         # Sample again from the same key: the tokens equal the sync path's.
@@ -229,6 +233,11 @@ class Decoder:
                     _count_mode(ec, step)
                     clock.final(step.predicting, first=n == 0)
                     t = token.item()
+                    if not 0 <= t < logprobs.shape[-1]:
+                        raise ValueError(
+                            f"the sampler gave token id {t}, outside the vocabulary "
+                            f"[0, {logprobs.shape[-1]})"
+                        )
                     yield t, logprobs
                     if n + 1 == max_tokens:
                         break

@@ -238,3 +238,24 @@ def test_the_api_refuses_what_it_would_misread(store):
     cut = strata_mlx.generate(model, tok, ids, max_tokens=3, stop=words[1])
     assert cut == strata_mlx.generate(model, tok, ids, max_tokens=3, stop=[words[1]])
     assert cut == f"{words[0]} "
+
+
+@pytest.mark.parametrize("decode", ["pipelined", "sync"])
+def test_a_sampler_giving_an_id_past_the_vocabulary_is_an_error_not_a_crash(store, decode):
+    """A custom sampler's id past the vocabulary (or negative) is refused by name before it
+    is yielded; the token built on it ahead meanwhile reads a clamped id (MLX's gather does
+    not check its indices: it was a segmentation fault). The model decodes on after it."""
+    import mlx.core as mx
+
+    model, _ = strata_mlx.load(store("qwen3_moe"), decode=decode)
+    tok, ids = WordTokenizer(), prompt_ids(8, seed=9)
+    want = strata_mlx.generate(model, tok, ids, max_tokens=3)
+    for bad in (10**6, -1):
+
+        def sampler(logprobs, bad=bad):
+            return mx.array([bad], dtype=mx.int32)
+
+        with pytest.raises(ValueError, match=rf"the sampler gave token id {bad}, outside the "
+                                             r"vocabulary \[0, \d+\)"):  # fmt: skip
+            strata_mlx.generate(model, tok, ids, max_tokens=3, sampler=sampler)
+    assert strata_mlx.generate(model, tok, ids, max_tokens=3) == want
