@@ -186,11 +186,20 @@ def text_from_bytes(data: bytes, what: str) -> str:
         ) from None
 
 
-def read_stdin(what: str = "stdin") -> str:
-    """Standard input as UTF-8 text, whatever the locale says (text_from_bytes)."""
+# The most of standard input read as a prompt: far past any model's context in text (a
+# million tokens is a few MB), short of exhausting memory on an endless stream (/dev/zero).
+STDIN_LIMIT = 256 << 20
+
+
+def read_stdin(what: str = "stdin", limit: int = STDIN_LIMIT) -> str:
+    """Standard input as UTF-8 text, whatever the locale says (text_from_bytes); more than
+    `limit` bytes is an OptionError, not a reader holding all of it."""
     import sys
 
-    return text_from_bytes(sys.stdin.buffer.read(), what)
+    data = sys.stdin.buffer.read(limit + 1)
+    if len(data) > limit:
+        raise OptionError(f"{what}: more than {limit >> 20} MB; no model's context holds that")
+    return text_from_bytes(data, what)
 
 
 def _token_str(t, path: Path, field: str) -> str | None:

@@ -238,3 +238,31 @@ def test_cli_non_utf8_prompt_and_system_prompt_are_one_line(store, tmp_path):
         assert r.returncode == 2 and r.stderr.count("\n") == 1, (args, r.stderr)
         assert "not UTF-8 text" in r.stderr
     assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_standard_input_past_its_limit_is_refused_not_held(monkeypatch):
+    """An endless stream on stdin (`-p - < /dev/zero`) read as a prompt ended in a
+    MemoryError: past the limit it is an OptionError, having read just past it."""
+    import io
+    import sys
+
+    from strata_mlx.config import OptionError
+    from strata_mlx.generation.tokenizer import read_stdin
+
+    class Endless(io.RawIOBase):
+        served = 0
+
+        def readable(self):
+            return True
+
+        def readinto(self, b):
+            b[:] = b"a" * len(b)
+            Endless.served += len(b)
+            return len(b)
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(Endless())))
+    with pytest.raises(OptionError, match=r"^--prompt - \(stdin\): more than 1 MB; no model"):
+        read_stdin("--prompt - (stdin)", limit=1 << 20)
+    assert Endless.served < 2 << 20
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("café".encode())))
+    assert read_stdin(limit=1 << 20) == "café"
