@@ -464,6 +464,15 @@ def check_kv_matches(path: str | Path, cache: list, kv: KVOptions, cli: bool = F
             f"{path}: the saved KV cache is rotating, size {sorted(sizes)[0]}: give {flag} "
             f"{sorted(sizes)[0]}"
         )
+    # (a quantized cache is continued as it is: asked for other bits, it would not be them)
+    kinds = {(c.bits, c.group_size) for c in cache if isinstance(c, QuantizedKVCache)}
+    if kv.kv_bits is not None and kinds and kinds != {(kv.kv_bits, kv.kv_group_size)}:
+        bits, group = sorted(kinds)[0]
+        flags = ("--kv-bits", "--kv-group-size") if cli else ("kv_bits", "kv_group_size")
+        raise PromptCacheError(
+            f"{path}: the saved KV cache is quantized to {bits} bits in groups of {group}; "
+            f"{flags[0]} {kv.kv_bits} {flags[1]} {kv.kv_group_size}"
+        )
 
 
 def _first(e: BaseException) -> str:

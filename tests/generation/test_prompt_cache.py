@@ -24,6 +24,7 @@ from strata_mlx.generation.prompt_cache import (
     KVOptions,
     PromptCacheError,
     PromptCacheLRU,
+    check_kv_matches,
     load_prompt_cache,
     make_prompt_cache,
     save_prompt_cache,
@@ -200,6 +201,11 @@ def test_rotating_and_quantized_caches_round_trip(store, wide_store, tmp_path):
         warm = stream_generate(model, None, ids[20:], 6, prefill_step_size=8, prompt_cache=cache,
                                cached_tokens=tokens, **vars(kv))  # fmt: skip
         assert [r.token for r in warm] == cold
+        if kv.kv_bits is not None:  # other bits asked for than the saved cache's: refused
+            check_kv_matches(f, cache, kv)
+            with pytest.raises(PromptCacheError, match="quantized to 8 bits in groups of 32; "
+                                                       "kv_bits 4 kv_group_size 32"):  # fmt: skip
+                check_kv_matches(f, cache, KVOptions(kv_bits=4, kv_group_size=32))
         model.expert_cache.close()
 
 
