@@ -36,7 +36,7 @@ from ..generation.chat_output import ToolCall
 from . import chat_turn
 from .server.engine import Result
 from .server.guard import end_stream_with
-from .server.routes import chat_job, serve_state, shutdown_error
+from .server.routes import chat_prompt, serve_state, shutdown_error
 from .server.schemas import APIError, ChatCompletionRequest, chat_request, validation_error
 
 # ---- request models ------------------------------------------------------------------------
@@ -377,9 +377,10 @@ async def messages(req: MessagesRequest, request: Request):
 
 
 async def count_tokens(req: CountTokensRequest, request: Request):
-    """The prompt's length in tokens, as /v1/messages would template it."""
-    chat = await asyncio.to_thread(chat_job, serve_state(request), to_chat(req))
-    return {"input_tokens": len(chat.job.ids)}
+    """The prompt's length in tokens, as /v1/messages would template it (past the model's
+    context too: a client asks in order to know)."""
+    ids, _, _ = await asyncio.to_thread(chat_prompt, serve_state(request), to_chat(req))
+    return {"input_tokens": len(ids)}
 
 
 # ---- routes --------------------------------------------------------------------------------

@@ -1223,3 +1223,26 @@ def test_agents_requests_reach_the_template_as_they_mean_them(tiny, capfd, says)
             assert result_tokens(True) > result_tokens(False)
     finally:
         model.expert_cache.close()
+
+
+def test_count_tokens_counts_past_the_context(tiny, tmp_path):
+    """Anthropic's count_tokens answers a prompt longer than the model's context with its
+    count (a client asks in order to know; it was a 400), where /v1/messages refuses it."""
+    d = tmp_path / "tiny"
+    shutil.copytree(tiny, d)
+    set_context(d, 16)
+    model, tok = load_tiny(d)
+    body = {"model": NAME, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "the cat sat on the mat " * 8}]}  # fmt: skip
+    try:
+        with (
+            running(create_app(model, tok, NAME)) as base,
+            httpx.Client(base_url=base, trust_env=False, timeout=60) as http,
+        ):
+            r = http.post("/v1/messages/count_tokens", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["input_tokens"] > 16
+            r = http.post("/v1/messages", json=body)
+            assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    finally:
+        model.expert_cache.close()

@@ -370,6 +370,17 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 def chat_job(state: ServeState, req: ChatCompletionRequest) -> ChatJob:
     """Template and tokenize a chat request into a job, as /v1/chat/completions does (the
     Anthropic and Responses APIs translate their requests into one); APIError if bad."""
+    ids, text, tools = chat_prompt(state, req)
+    given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    job = _make_job(state, req, ids, getattr(req, given), "messages", given)
+    # the tool-call format the template renders is the one the model writes
+    fmt = tools and tool_format(state.tokenizer.chat_template)
+    return ChatJob(job, fmt, opens_reasoning(text))
+
+
+def chat_prompt(state: ServeState, req: ChatCompletionRequest) -> tuple[list[int], str, bool]:
+    """A chat request's prompt: (its token ids, its text, whether it offers tools), templated
+    as chat_job does, without a job's limits (count_tokens counts past the context)."""
     _check_request(state, req)
     _need_tokenizer(state, "use /v1/completions with token ids")
     messages = []
@@ -415,12 +426,7 @@ def chat_job(state: ServeState, req: ChatCompletionRequest) -> ChatJob:
         _tell_if_tools_dropped(state, text, messages, variables)
     # As Hugging Face's apply_chat_template(tokenize=True): the template places any special
     # tokens itself.
-    ids = _encode(state, text, "messages", add_special_tokens=False)
-    given = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    job = _make_job(state, req, ids, getattr(req, given), "messages", given)
-    # the tool-call format the template renders is the one the model writes
-    fmt = tools and tool_format(tokenizer.chat_template)
-    return ChatJob(job, fmt, opens_reasoning(text))
+    return _encode(state, text, "messages", add_special_tokens=False), text, tools
 
 
 def _tell_if_tools_dropped(state, text: str, messages: list[dict], variables: dict) -> None:
