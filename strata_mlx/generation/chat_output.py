@@ -195,6 +195,19 @@ def tool_format(chat_template: str | None) -> ToolFormat:
     return FORMATS["qwen3"]
 
 
+def _in_string(text: str) -> bool:
+    """Whether JSON text ends inside a string literal (an odd count of unescaped quotes)."""
+    inside = escaped = False
+    for c in text:
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = inside
+        elif c == '"':
+            inside = not inside
+    return inside
+
+
 def _holdback(text: str, tags: list[str]) -> int:
     """Length of the longest end of `text` that begins one of `tags`."""
     for n in range(min(len(text), max(map(len, tags)) - 1), 0, -1):
@@ -257,6 +270,10 @@ class ChatStream:
             else:  # inside a tool call: wait for its end
                 close = self.fmt.close
                 i = self.pending.find(close) if close else -1
+                # (a close inside a JSON string is an argument's text, code that writes the
+                # tag: the call ends at a close outside every string)
+                while i >= 0 and self.fmt.name == "qwen3" and _in_string(self.pending[:i]):
+                    i = self.pending.find(close, i + 1)
                 if i < 0:
                     break
                 body = self.pending[:i]

@@ -137,3 +137,24 @@ def test_tool_format_is_picked_from_the_chat_template():
     assert tool_format("[TOOL_CALLS]").name == "mistral"
     out = parse("[TOOL_CALLS] not json", tools=tool_format("[TOOL_CALLS]"))
     assert out.tool_calls == [] and out.content == "[TOOL_CALLS] not json"
+
+
+def test_a_close_tag_inside_an_argument_string_does_not_end_the_call():
+    """Code an agent asks the model to write may hold "</tool_call>" in an argument: inside
+    a JSON string it ends no call (the whole call came back as text), streamed in pieces or
+    not; a malformed call before a good one still stays text, the good one a call."""
+    text = ('<tool_call>\n{"name": "write", "arguments": {"code": "print(\\"</tool_call>\\")"}}'
+            "\n</tool_call> after")  # fmt: skip
+    want = '{"code": "print(\\"</tool_call>\\")"}'
+    out = parse(text, tools=True)
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("write", want)]
+    assert out.content == " after"
+    stream = ChatStream(True)
+    events = [e for k in range(0, len(text), 3) for e in stream.feed(text[k : k + 3])]
+    events += stream.close()
+    calls = [v for k, v in events if k == "tool_call"]
+    assert [(c.name, c.arguments) for c in calls] == [("write", want)]
+    assert "".join(v for k, v in events if k == "content") == " after"
+    out = parse('<tool_call>oops</tool_call> t <tool_call>{"name": "f", "arguments": {}}'
+                "</tool_call>", tools=True)  # fmt: skip
+    assert out.content == "<tool_call>oops</tool_call> t " and out.tool_calls[0].name == "f"
