@@ -47,7 +47,7 @@ from .server.schemas import APIError, ChatCompletionRequest, chat_request
 
 class ResponsesRequest(BaseModel):
     # as the chat path's: no coercion; fields that do not change the output (store, user,
-    # metadata, reasoning, parallel_tool_calls, ...) are ignored
+    # reasoning, ...) are ignored; metadata and parallel_tool_calls come back as given
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
@@ -66,6 +66,8 @@ class ResponsesRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     top_k: int = 0
     min_p: float = 0.0
+    metadata: dict[str, str] | None = None
+    parallel_tool_calls: bool = True
 
 
 # ---- the request as chat completions take it -----------------------------------------------
@@ -339,11 +341,12 @@ def _response(state: ServeState, req: ResponsesRequest, rid: str, created: int) 
         "max_output_tokens": req.max_output_tokens,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
-        "parallel_tool_calls": True,
+        "parallel_tool_calls": req.parallel_tool_calls,
         "tool_choice": req.tool_choice or "auto",
         "tools": req.tools or [],
         "text": {"format": {"type": "text"}},
-        "metadata": {},
+        "metadata": req.metadata or {},
+        "store": False,  # (nothing is kept: previous_response_id is refused)
         "usage": None,
     }
 

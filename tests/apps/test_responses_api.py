@@ -280,3 +280,19 @@ def test_a_failure_mid_stream_ends_it_with_an_error_event(tool_served, monkeypat
     failed = events[-1].response
     assert failed.status == "failed" and failed.error.message == "the store is corrupt"
     c.close()
+
+
+def test_a_response_echoes_its_metadata_and_parallel_tool_calls_and_stores_nothing(client):
+    """metadata and parallel_tool_calls come back as the request set them (they came back
+    {} and true whatever it set), and store says false: nothing is kept here, whatever the
+    request asked (a later previous_response_id is refused)."""
+    for streamed in (False, True):
+        kw = dict(metadata={"task": "t1"}, parallel_tool_calls=False, store=True)
+        if streamed:
+            *_, r = respond_streamed(client, "the cat", **kw)
+        else:
+            r = respond(client, "the cat", **kw)
+        assert r.metadata == {"task": "t1"} and r.parallel_tool_calls is False
+        assert r.store is False
+    r = respond(client, "the cat")
+    assert r.metadata == {} and r.parallel_tool_calls is True
