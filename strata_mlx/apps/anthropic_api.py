@@ -119,8 +119,11 @@ def _result_text(b: Block, param: str) -> str:
         return b.content or ""
     parts = []
     for k, part in enumerate(b.content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise _unsupported(f"{part.get('type')!r} blocks are", f"{param}.content.{k}")
+        where = f"{param}.content.{k}"
+        if part.get("type") != "text":
+            raise _unsupported(f"{part.get('type')!r} blocks are", where)
+        if not isinstance(part.get("text"), str):
+            raise APIError(f"{where}.text: a text block's text must be a string", param=where)
         parts.append(part["text"])
     return JOIN.join(parts)
 

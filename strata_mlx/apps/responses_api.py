@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..config import MAX_SEED
 from ..generation.chat_output import ToolCall
@@ -68,6 +68,16 @@ class ResponsesRequest(BaseModel):
     min_p: float = 0.0
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool = True
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _items(cls, v):
+        """A list holds input items, objects (a string in it read "input.str: Input should be
+        a valid string")."""
+        if isinstance(v, list) and not all(isinstance(x, dict) for x in v):
+            i = next(i for i, x in enumerate(v) if not isinstance(x, dict))
+            raise ValueError(f"item {i} is a {type(v[i]).__name__}, not an input item (an object)")
+        return v
 
 
 # ---- the request as chat completions take it -----------------------------------------------

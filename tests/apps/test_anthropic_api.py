@@ -210,6 +210,15 @@ def test_bad_requests_answer_anthropic_error_bodies(clients, served):
             data = json.dumps({"model": NAME, **body})  # (ASCII: the surrogate escaped)
             r = http.post(f"{base}/v1/messages{path}", content=data, headers=JSON)
             assert r.status_code == 400 and r.json()["type"] == "error", (path, r.text)
+        # a tool result's text block whose text is no string (it said text blocks were
+        # not supported)
+        block = {"type": "tool_result", "tool_use_id": "t1",
+                 "content": [{"type": "text", "text": 5}]}  # fmt: skip
+        body = {"model": NAME, "max_tokens": 4, "messages": [{"role": "user", "content": [block]}]}
+        r = http.post(base + "/v1/messages", json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            "messages.0.content.0.content.0.text: a text block's text must be a string"
+        )
 
 
 def test_an_api_key_is_taken_as_anthropic_clients_send_it(tiny):

@@ -162,6 +162,9 @@ def test_bad_requests_are_400s_naming_the_parameter(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=NAME, input=[])
     assert e.value.body["param"] == "input"
+    with pytest.raises(openai.BadRequestError) as e:  # (it said "input.str: ... a string")
+        client.responses.create(model=NAME, input=["hello"])
+    assert e.value.body["message"] == "input: item 0 is a str, not an input item (an object)"
     image = [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y"}]}]
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=NAME, input=image)

@@ -207,6 +207,8 @@ def validation_error(
         return APIError(f"request body is not valid JSON: {e.get('msg')}", code="invalid_json")
     param = ".".join(rename(loc) if rename else loc) or None
     msg = e.get("msg", "invalid value")
+    if e.get("type") == "value_error" and "error" in e.get("ctx", {}):  # (ours: no "Value
+        msg = str(e["ctx"]["error"])  # error, " before it)
     if e.get("type") == "missing":
         if param is None:
             return APIError("the request has no body: expected a JSON object", code="missing")
