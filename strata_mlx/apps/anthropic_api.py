@@ -29,7 +29,7 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.routing import APIRoute, APIRouter
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..generation.chat_output import ToolCall
@@ -279,19 +279,8 @@ def _message(state, content: list[dict]) -> dict:
     }
 
 
-def _error_type(status: int) -> str:
-    return {
-        401: "authentication_error",
-        403: "permission_error",
-        404: "not_found_error",
-        413: "request_too_large",
-        429: "rate_limit_error",
-        503: "overloaded_error",
-    }.get(status, "api_error" if status >= 500 else "invalid_request_error")
-
-
 def error_body(e: APIError) -> dict:
-    return {"type": "error", "error": {"type": _error_type(e.status), "message": e.message}}
+    return e.anthropic_body()
 
 
 def _event(name: str, data: dict) -> bytes:
@@ -409,7 +398,9 @@ class _AnthropicRoute(APIRoute):
 
 def add_routes(app: FastAPI) -> None:
     """POST /v1/messages and /v1/messages/count_tokens on `app` (strata_mlx.apps.server's)."""
-    router = APIRouter(route_class=_AnthropicRoute)
-    router.post("/v1/messages")(messages)
-    router.post("/v1/messages/count_tokens")(count_tokens)
-    app.include_router(router)
+    # (on the app's own router: an included router is one entry of app.routes, whose paths
+    # the app's guards, listing the POST routes, would not see)
+    for path, endpoint in (("/v1/messages", messages), ("/v1/messages/count_tokens", count_tokens)):
+        app.router.add_api_route(
+            path, endpoint, methods=["POST"], route_class_override=_AnthropicRoute
+        )

@@ -210,6 +210,15 @@ def test_bad_requests_answer_anthropic_error_bodies(clients, served):
             data = json.dumps({"model": NAME, **body})  # (ASCII: the surrogate escaped)
             r = http.post(f"{base}/v1/messages{path}", content=data, headers=JSON)
             assert r.status_code == 400 and r.json()["type"] == "error", (path, r.text)
+        # refused before the route runs (the guards: a body not sent as JSON, one nested
+        # past the parser's depth): Anthropic's body too, as on its routes' own errors
+        for path in ("", "/count_tokens"):
+            r = http.post(f"{base}/v1/messages{path}", content=b"{}", headers={
+                "content-type": "text/plain"})  # fmt: skip
+            assert r.status_code == 415 and r.json()["type"] == "error", r.text
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        r = http.post(base + "/v1/messages", content=b"[" * 100_000, headers=JSON)
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
         # a tool result's text block whose text is no string (it said text blocks were
         # not supported)
         block = {"type": "tool_result", "tool_use_id": "t1",

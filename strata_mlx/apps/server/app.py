@@ -95,7 +95,7 @@ class _BearerAuth:
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": challenge},
                 )
-                await err.response()(scope, receive, send)
+                await err.response(scope.get("path", ""))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

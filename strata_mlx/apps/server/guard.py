@@ -128,7 +128,7 @@ class HostGuard:
                     403,
                     code="host_not_allowed",
                 )
-                await err.response()(scope, receive, send)
+                await err.response(scope.get("path", ""))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -153,7 +153,7 @@ class BodyLimit:
             return
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.limit:
-            await body_too_large(self.limit).response()(scope, receive, send)
+            await body_too_large(self.limit).response(scope.get("path", ""))(scope, receive, send)
             return
         seen = 0
 
@@ -192,7 +192,7 @@ class JsonBodies:
                     f"(got {shown})",
                     415,
                     code="unsupported_media_type",
-                ).response()(scope, receive, send)
+                ).response(scope.get("path", ""))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

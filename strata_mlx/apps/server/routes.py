@@ -66,11 +66,11 @@ def _template_tool_call(call: dict) -> dict:
 
 
 async def api_error(request: Request, exc: APIError):
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def invalid_request(request: Request, exc: RequestValidationError):
-    return validation_error(exc).response()
+    return validation_error(exc).response(request.url.path)
 
 
 async def http_error(request: Request, exc: StarletteHTTPException):
@@ -81,13 +81,14 @@ async def http_error(request: Request, exc: StarletteHTTPException):
         message = (
             f"the request body is over this server's limit of {limit} bytes (--max-body-bytes)"
         )
-        return APIError(message, 413, code="request_too_large").response()
+        return APIError(message, 413, code="request_too_large").response(request.url.path)
     # (a 405's Allow header, which HTTP requires, comes in the exception's headers)
-    return APIError(message, exc.status_code, type=kind, headers=exc.headers).response()
+    err = APIError(message, exc.status_code, type=kind, headers=exc.headers)
+    return err.response(request.url.path)
 
 
 async def internal_error(request: Request, exc: Exception):
-    return APIError(one_line(exc), 500, type="server_error").response()
+    return APIError(one_line(exc), 500, type="server_error").response(request.url.path)
 
 
 def shutdown_error() -> APIError:

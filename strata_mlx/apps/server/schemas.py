@@ -157,8 +157,26 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        """The error as Anthropic's API shapes it."""
+        kind = {
+            401: "authentication_error",
+            403: "permission_error",
+            404: "not_found_error",
+            413: "request_too_large",
+            429: "rate_limit_error",
+            503: "overloaded_error",
+        }.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error's response to a request for `path`: Anthropic's body on its routes,
+        whatever raised it (a guard before the route, the route itself), OpenAI's elsewhere."""
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_ROUTES) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+ANTHROPIC_ROUTES = "/v1/messages"  # (and /v1/messages/count_tokens)
 
 
 def one_line(e: BaseException) -> str:
