@@ -380,7 +380,7 @@ def parse_tokens(text: str, flag: str, what: str = "integers", example: str = "1
     """A flag's comma-separated integers: "1,2,3" (token ids, worker counts, slot counts:
     `what`, as the errors name them); an empty entry ("1,,2": a token lost to a typo) is
     refused, not dropped."""
-    parts = text.replace(" ", "").split(",")
+    parts = [p.strip() for p in text.split(",")]  # ("1 2" is no "12": refused below)
     if any(parts) and not all(parts):
         raise OptionError(f"{flag} {text!r}: an empty entry; expected e.g. {example}")
     try:

@@ -158,10 +158,15 @@ class PromptCacheDir:
                 break
             try:
                 cache, tokens, _ = load_prompt_cache(entry.path, self.model)
+            except PromptCacheError:  # unreadable now (corrupt): never usable
+                self._drop(entry)
+                continue
+            try:
                 check_kv_matches(entry.path, cache, self.kv)
             except PromptCacheError:
-                # unreadable now (corrupt, or made under other KV options): never usable here
-                self._drop(entry)
+                # made under other KV options: not usable by this server, kept for one that
+                # runs with them (forgotten here, not deleted)
+                self._entries.pop(entry.path, None)
                 continue
             n = reusable_prefix(tokens, cache, prompt)  # a recurrent state is not trimmed
             if n <= more_than:

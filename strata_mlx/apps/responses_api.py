@@ -67,7 +67,7 @@ class ResponsesRequest(BaseModel):
     top_k: int = 0
     min_p: float = 0.0
     metadata: dict[str, str] | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # (null: the default, true)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -351,7 +351,7 @@ def _response(state: ServeState, req: ResponsesRequest, rid: str, created: int) 
         "max_output_tokens": req.max_output_tokens,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
-        "parallel_tool_calls": req.parallel_tool_calls,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
         "tool_choice": req.tool_choice or "auto",
         "tools": req.tools or [],
         "text": {"format": {"type": "text"}},

@@ -503,13 +503,15 @@ def write_atomic(path: str | Path, write, tmp_suffix: str = ".tmp") -> None:
     half of one; on any failure the temporary file is removed and `path` is left as it was.
     No file of the user's is taken for the temporary one (`<name>.tmp` was, and went).
     A symbolic link's target is replaced, the link kept; a path that is no regular file (a
-    device such as /dev/null, a pipe) is refused, never replaced by one. A write the file
-    system refuses (full, read-only) is a StoreError naming `path`."""
+    device such as /dev/null, a pipe) is refused, never replaced by one. A write that fails
+    with an OSError (a full disk, a read-only file system, no permission) or MLX's words for
+    a full disk is an OutputError naming `path`: a StoreError (one line for a user) and an
+    OSError still (callers that let a cache's write fail go on)."""
     import secrets
 
     path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
     if path.exists() and not path.is_file():
-        raise StoreError(f"{path}: not a regular file (a device, a pipe); give a file's path")
+        raise OutputError(f"{path}: not a regular file (a device, a pipe); give a file's path")
     # (named, not created: the writer creates it with the process's umask, as it would the
     # file itself; mkstemp's would be 0600)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}{tmp_suffix}")
@@ -522,8 +524,12 @@ def write_atomic(path: str | Path, write, tmp_suffix: str = ".tmp") -> None:
         if isinstance(e, OSError) or "Unable to write" in str(e):
             full = not isinstance(e, OSError) or e.errno in (None, errno.ENOSPC, errno.EDQUOT)
             hint = "; is the disk full?" if full else ""
-            raise StoreError(f"{path}: cannot write it ({_reason(e)}){hint}") from e
+            raise OutputError(f"{path}: cannot write it ({_reason(e)}){hint}") from e
         raise
+
+
+class OutputError(StoreError, OSError):
+    """An output file write_atomic could not write: a StoreError, and an OSError too."""
 
 
 def _reason(e: BaseException) -> str:

@@ -65,10 +65,10 @@ class StoreWriter:
         ):
             raise ValueError("every layer's records must be the same size (pad them)")
         self.out = Path(out)
+        remove_dead_temps(self.out)  # (may put back a store a dead conversion moved aside)
         # A store there now is the one the conversion was allowed to replace; one that
         # appears while it runs (another conversion to the same place) is not replaced.
         self.replacing = self.out.exists()
-        remove_dead_temps(self.out)
         self.tmp = _make_temp(self.out)
         try:
             self._start(model_type, config, layout, moe_layers, num_experts, layer_layouts)

@@ -270,10 +270,7 @@ class ChatStream:
             else:  # inside a tool call: wait for its end
                 close = self.fmt.close
                 i = self.pending.find(close) if close else -1
-                # (a close inside a JSON string is an argument's text, code that writes the
-                # tag: the call ends at a close outside every string)
-                while i >= 0 and self.fmt.name == "qwen3" and _in_string(self.pending[:i]):
-                    i = self.pending.find(close, i + 1)
+                i = self._skip_quoted(i, close)
                 if i < 0:
                     break
                 body = self.pending[:i]
@@ -281,6 +278,21 @@ class ChatStream:
                 self.mode, self.trim = "content", True
                 self._calls(out, body, close)
         return out
+
+    def _skip_quoted(self, i: int, close: str) -> int:
+        """The close that ends the call begun in `pending`, from the first at `i`: one inside
+        a JSON string is an argument's text (code that writes the tag), so the next is taken,
+        unless a new call opens before it (the JSON was broken: the first close ends it,
+        as `close` does for a call still open at the end); -1: wait for more."""
+        first = i
+        while i >= 0 and self.fmt.name == "qwen3" and _in_string(self.pending[:i]):
+            after = i + len(close)
+            j = self.pending.find(close, after)
+            opened = self.pending.find(self.fmt.open, after)
+            if opened >= 0 and (j < 0 or opened < j):
+                return first
+            i = j
+        return i
 
     def _calls(self, out: list, body: str, close: str) -> None:
         calls = self.fmt.parse(body)
@@ -296,6 +308,13 @@ class ChatStream:
         out: list[tuple[str, object]] = []
         if self.mode == "tool" and self.fmt.close is None:  # a block that runs to the end
             self._calls(out, self.pending, "")
+        elif self.mode == "tool" and self.fmt.close in self.pending:  # a close taken for an
+            # argument's text and none after it: the first ends the call after all
+            i = self.pending.find(self.fmt.close)
+            body, rest = self.pending[:i], self.pending[i + len(self.fmt.close) :]
+            self.pending, self.mode, self.trim = "", "content", True
+            self._calls(out, body, self.fmt.close)
+            return out + self.feed(rest) + self.close()
         elif self.mode == "tool":  # cut off mid-call: the model's words, as written
             out.append(("content", self.fmt.open + self.pending))
         elif self.pending:

@@ -151,7 +151,7 @@ def generate_step(
     prompt, after each prefill chunk, and with `total` once the first token's logits are in;
     an exception it raises between chunks stops the generation there (the server's cancel)."""
     sampler = sampler or make_sampler()
-    if prefill_step_size is not None:  # (a step of 0 or less ran no chunk: the prompt skipped)
+    if prefill_step_size:  # (0: the model's; a negative step ran no chunk: the prompt skipped)
         check_int("prefill_step_size", prefill_step_size, 1)
     total = prompt.shape[0]
     progress = prompt_progress_callback or (lambda *_: None)
@@ -344,6 +344,8 @@ def _token_list(prompt) -> list[int]:
     (bytes, floats, booleans, strings, None) is refused by name."""
     if isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__"):
         raise OptionError(f"prompt: text or token ids, got {type(prompt).__name__}")
+    if isinstance(prompt, (np.ndarray, mx.array)) and prompt.ndim != 1:
+        raise OptionError(f"prompt: token ids in one dimension, got an array of {prompt.ndim}")
     items = prompt.tolist() if isinstance(prompt, (np.ndarray, mx.array)) else list(prompt)
     ids = []
     for i in items:

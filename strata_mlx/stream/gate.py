@@ -63,7 +63,7 @@ FAILED = READY_FAILED  # its read failed, or its token was abandoned: given up o
 class GateTable:
     """Expert -> landed slot (-1: not in place) per MoE layer of `manifest`; `device`: mapped
     for the CUDA device (`device_address`), the stop word then `reader`'s (its watcher of held
-    copies sets it; the table outlives the reader: Scheduler.close)."""
+    copies sets it, until close())."""
 
     # Whether the driver stores prefill's read-ahead ready words too (runtime.experts.
     # tell_words; RuntimeConfig.prefill_words_by_driver), as it does decode's.
@@ -99,7 +99,7 @@ class GateTable:
             self._mem, dtype=np.int32, count=rows * BOARD_WIDTH, offset=board_at
         ).reshape(rows, BOARD_WIDTH)  # zeros: no sequence number written yet
         self._board_at = board_at
-        # The stop word: 1 while every gate gives up at once (`stop`).
+        # The stop word: 1 while every gate gives up at once (`stopped`, `go_on`).
         self.stop_word = np.frombuffer(self._mem, dtype=np.int32, count=1, offset=stop_at)
         self.stop_address = self.stop_word.ctypes.data
         self._stop_at = stop_at
@@ -114,6 +114,8 @@ class GateTable:
             self.device_address = map_host(self.address, len(self._mem))
             if reader is not None:
                 reader.native.stop_word = self.stop_address
+        # (the reader whose watcher sets the stop word, which lets go of it at close())
+        self._reader = reader if self.device_address is not None else None
 
     def ready(self, key: Key, slot: int) -> tuple[int, int]:
         """A read request's ready word for `key` landing in `slot`: (address, value)."""
@@ -149,7 +151,8 @@ class GateTable:
 
     def stopped(self) -> bool:
         """Whether the stop word is set: the reader's watcher saw a device copy held behind
-        the device (Reader.stop_word), and every gate gives up at once until `go_on`."""
+        the device (the native reader's stop_word), and every gate gives up at once until
+        `go_on`."""
         return bool(self.stop_word[0])
 
     def go_on(self) -> None:
@@ -228,6 +231,8 @@ class GateTable:
         runs (`in_use`; another thread's), it may still launch gates (which then give up at
         once): the mapping stays until it ends."""
         self.table[self.table < 0] = CLOSED
+        if self._reader is not None:  # (no longer set into memory that may be let go of)
+            self._reader.native.stop_word = 0
         with self._lock:
             self._closing = True
             if self._users == 0:

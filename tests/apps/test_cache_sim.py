@@ -140,6 +140,8 @@ def test_cache_sim_prints_a_line_per_policy(tmp_path):
         (["--slots", 12, "--policy", "no_such_module:P"], "cannot import 'no_such_module'"),
         (["--slots", 12, "--policy", ","], "--policy: name at least one"),
         (["--slots", "4,,8"], "--slots '4,,8': an empty entry"),
+        # (spaces inside an entry: not 20004000 slots)
+        (["--slots", "2000 4000"], "--slots '2000 4000': expected comma-separated slot counts"),
         (["--slots", 10**12], "--slots 1000000000000: more than the trace's 16 expert records"),
     ],
 )

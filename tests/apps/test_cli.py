@@ -884,11 +884,13 @@ def test_outputs_into_the_store_or_onto_each_other_are_refused(store, tmp_path):
     # the built-in model (no --model): its store, in strata-mlx's cache directory
     home = tmp_path / "home"
     (home / "store").mkdir(parents=True)
+    (home / "store" / "manifest.json").write_text("{}")
     env = {**os.environ, "STRATA_MLX_HOME": str(home)}
     line = _error_line(run("cache-prompt", "-p", "hi", "--prompt-cache-file",
                            home / "store" / "manifest.json", env=env))  # fmt: skip
-    assert "inside the store of the built-in model" in line
-    assert sorted(p.name for p in home.rglob("*")) == ["store"]
+    assert f"inside the built-in model's store {home.resolve() / 'store'}" in line
+    assert sorted(p.name for p in home.rglob("*")) == ["manifest.json", "store"]
+    assert (home / "store" / "manifest.json").read_text() == "{}"
     from strata_mlx.format.store import load_manifest
 
     assert not same.exists() and not (path / "plan.json").exists()

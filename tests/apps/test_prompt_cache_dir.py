@@ -1,7 +1,7 @@
 """Prompt caches kept on disk (strata_mlx.apps.prompt_cache_dir, `serve --prompt-cache-dir`): a
 restarted server, or one whose memory evicted a conversation, continues it prefilling only the
 new turn, answering what a cold prefill answers; the directory is bounded oldest first and
-files it cannot use are dropped or left alone."""
+files it cannot use are dropped (broken) or left alone (another model's, other KV options)."""
 
 from __future__ import annotations
 
@@ -160,6 +160,14 @@ def test_the_directory_is_bounded_oldest_first_and_skips_what_it_cannot_use(tiny
         assert sorted(e.tokens for e in d._entries.values()) == [[1, 2, 3, 4], [7, 8, 9]]
         assert d.take([7, 8, 9, 1]) == (None, 0) and not broken.exists()
         assert foreign.exists() and (tmp_path / "notes.safetensors").exists()
+        # a file made under other KV options (a server started with --max-kv-size): not
+        # used by it, and kept for a server with the options it was made under
+        from strata_mlx.generation.prompt_cache import KVOptions
+
+        rotating = PromptCacheDir(tmp_path, model, kv=KVOptions(max_kv_size=16))
+        assert rotating.take([1, 2, 3, 4, 5]) == (None, 0)
+        assert d.file_for([1, 2, 3, 4]).exists() and rotating.dropped == 0
+        assert PromptCacheDir(tmp_path, model).take([1, 2, 3, 4, 5])[1] == 4
 
         # what the in-memory caches evict is written to the directory
         lru = SpillingPromptCacheLRU(d, max_entries=1)

@@ -158,3 +158,18 @@ def test_a_close_tag_inside_an_argument_string_does_not_end_the_call():
     out = parse('<tool_call>oops</tool_call> t <tool_call>{"name": "f", "arguments": {}}'
                 "</tool_call>", tools=True)  # fmt: skip
     assert out.content == "<tool_call>oops</tool_call> t " and out.tool_calls[0].name == "f"
+    # a broken call whose string never ends: a later call still counts (its open tag ends
+    # the broken one at its first close), and the text after it is the text, streamed too
+    broken = '<tool_call>{"name": "a", "arguments": {"x": "open}}</tool_call>'
+    for tail, content, calls in (
+        (' t <tool_call>{"name": "b", "arguments": {}}</tool_call>', broken + " t ", ["b"]),
+        (" t", broken + " t", []),
+    ):
+        out = parse(broken + tail, tools=True)
+        assert out.content == content
+        assert [c.name for c in out.tool_calls] == calls
+        stream = ChatStream(True)
+        text = broken + tail
+        events = [e for k in range(0, len(text), 4) for e in stream.feed(text[k : k + 4])]
+        events += stream.close()
+        assert "".join(v for k, v in events if k == "content") == out.content

@@ -202,8 +202,8 @@ def test_mlx_buffer_cache_is_emptied_around_the_prompt(store, monkeypatch):
 
 def test_the_api_refuses_what_it_would_misread(store):
     """Token ids as a NumPy or MLX array of integers are the list's; bytes, floats, booleans,
-    strings and None as a prompt, a prefill step of 0 or less (it ran no chunk: the prompt
-    skipped), a stop list holding no strings, a prompt cache that is not the model's layers
+    strings, None and arrays not of one dimension as a prompt, a negative prefill step (it
+    ran no chunk: the prompt skipped; 0 is the model's step), a stop list holding no strings, a prompt cache that is not the model's layers
     and cached tokens without one are refused by name (they were misread, or a library's
     error); one stop string alone is taken as OpenAI's API takes it."""
     import mlx.core as mx
@@ -224,7 +224,10 @@ def test_the_api_refuses_what_it_would_misread(store):
         (dict(prompt=[True]), "must be integers, got bool True"),
         (dict(prompt=["a"]), "must be integers, got str 'a'"),
         (dict(prefill_step_size=-1), "prefill_step_size -1: expected an integer in"),
-        (dict(prefill_step_size=0), "prefill_step_size 0"),
+        (dict(prefill_step_size=-512), "prefill_step_size -512"),
+        (dict(prefill_step_size=2.5), "prefill_step_size 2.5"),
+        (dict(prompt=np.array(5)), "token ids in one dimension, got an array of 0"),
+        (dict(prompt=mx.array([ids])), "token ids in one dimension, got an array of 2"),
         (dict(stop=[None]), r"stop: a string or a list of strings, got \[None\]"),
         (dict(prompt_cache=[]), "prompt_cache: a list of the model's"),
         (dict(prompt_cache=[1, 2]), "prompt_cache: a list of the model's"),
@@ -234,6 +237,7 @@ def test_the_api_refuses_what_it_would_misread(store):
         kw = {"prompt": ids, **kw}
         with pytest.raises(OptionError, match=message):
             strata_mlx.generate(model, tok, max_tokens=3, **kw)
+    assert strata_mlx.generate(model, tok, ids, max_tokens=3, prefill_step_size=0) == want
     words = want.split()
     cut = strata_mlx.generate(model, tok, ids, max_tokens=3, stop=words[1])
     assert cut == strata_mlx.generate(model, tok, ids, max_tokens=3, stop=[words[1]])

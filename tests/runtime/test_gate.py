@@ -1061,6 +1061,7 @@ def test_fresh_gated_models_in_one_process_give_up_no_gate(store, board):
         )  # fmt: skip
         got = decode(model, ids, 12)
         s, r = model.expert_cache.stats, model.expert_cache.sched.reader.stats()
+        assert model.decoder.given_up == 0, model_number  # (none waited out its timeout)
         model.expert_cache.close()
         assert got[0] == ref[0] and np.array_equal(got[1], ref[1])
         given_up_only_for_held_copies(s, r, model_number)

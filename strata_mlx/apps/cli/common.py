@@ -92,7 +92,7 @@ class Group(_HelpFlag, TyperGroup):
             show, code = getattr(e, "format_message", None), getattr(e, "exit_code", None)
             if not callable(show) or not isinstance(code, int):
                 raise
-            if type(e).__name__ != "NoArgsIsHelpError":  # (no arguments: the help, shown)
+            if type(e).__name__ != "NoArgsIsHelpError":  # (typer printed the help for it)
                 ctx = getattr(e, "ctx", None)
                 hint = f" ({ctx.command_path} -h for help)" if ctx is not None else ""
                 typer.echo(f"error: {' '.join(show().split())}{hint}", err=True)
@@ -367,10 +367,11 @@ def check_outputs(
     --model given, or None."""
     seen = {Path(p).resolve(): f"{flag} reads it" for flag, p in (inputs or {}).items() if p}
     store = Path(model).resolve() if model is not None and Path(model).is_dir() else None
-    if model is None:  # the built-in model's store, in strata-mlx's cache directory
+    home = None
+    if model is None:  # the built-in model's stores, in strata-mlx's cache directory
         from ..default_model import cache_dir
 
-        store, model = cache_dir().resolve(), f"of the built-in model ({cache_dir()})"
+        home = cache_dir().resolve()
     for flag, path in outputs.items():
         if path is None:
             continue
@@ -381,6 +382,17 @@ def check_outputs(
         seen[where] = f"{flag} writes there too"
         if store is not None and store in where.parents:
             raise OptionError(f"{flag} {path}: inside the store {model}; write it elsewhere")
+        if home is not None and (builtin := _store_above(where, home)) is not None:
+            raise OptionError(
+                f"{flag} {path}: inside the built-in model's store {builtin}; write it elsewhere"
+            )
+
+
+def _store_above(where: Path, home: Path) -> Path | None:
+    """The store directory (one holding a manifest) below `home` that `where` lies in."""
+    return next(
+        (d for d in where.parents if home in d.parents and (d / "manifest.json").is_file()), None
+    )
 
 
 def kv_options(args: dict):
