@@ -1246,3 +1246,28 @@ def test_count_tokens_counts_past_the_context(tiny, tmp_path):
             assert r.status_code == 400 and "context" in r.json()["error"]["message"]
     finally:
         model.expert_cache.close()
+
+
+def test_whitespace_before_a_tool_call_is_not_streamed_as_content(tool_served, says):
+    """The model's whitespace before a tool call: the unstreamed message's content is null,
+    and the stream sends no content either (it sent the spaces); whitespace that is all the
+    model says comes through both ways alike, and text before a call keeps its whitespace."""
+    base, _ = tool_served
+    c = openai_client(base)
+    user = {"role": "user", "content": "what is the weather in paris"}
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+    def both(pieces) -> tuple[str | None, str]:
+        says(pieces)
+        whole = c.chat.completions.create(model=NAME, messages=[user], tools=TOOLS)
+        says(pieces)
+        streamed = ""
+        for chunk in c.chat.completions.create(
+            model=NAME, messages=[user], tools=TOOLS, stream=True
+        ):
+            streamed += "".join(ch.delta.content or "" for ch in chunk.choices)
+        return whole.choices[0].message.content, streamed
+
+    assert both(["  ", " \n\n", call[:9], call[9:]]) == (None, "")
+    assert both(["  ", " "]) == ("   ", "   ")
+    assert both(["Sure ", " \n", call]) == ("Sure  \n", "Sure  \n")

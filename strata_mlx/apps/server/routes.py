@@ -310,6 +310,9 @@ def _stream(engine, request: Request, req: SamplingFields, job: Job, kind: str, 
     end_stream_with(request, lambda: _sse(shutdown_error().body()) + b"data: [DONE]\n\n")
 
     parser = ChatStream(tools, in_reasoning) if kind == "chat" else None
+    # With tools offered, content that is whitespace alone so far waits: before a tool call
+    # it is dropped, as the unstreamed answer's content is then null.
+    lead = {"held": "", "open": not tools}
 
     def deltas(parsed) -> list[bytes]:
         out = []
@@ -317,6 +320,14 @@ def _stream(engine, request: Request, req: SamplingFields, job: Job, kind: str, 
             if what == "tool_call":
                 index = len(parser.tool_calls) - 1
                 delta = {"tool_calls": [value.as_dict(index)]}
+                lead["held"] = ""
+            elif what == "content" and not lead["open"]:
+                value = lead["held"] + value
+                if not value.strip():
+                    lead["held"] = value
+                    continue
+                lead.update(held="", open=True)
+                delta = {"content": value}
             else:
                 delta = {"reasoning_content" if what == "reasoning" else "content": value}
             out.append(_sse(chunk(None, None, delta=delta)))
@@ -337,6 +348,8 @@ def _stream(engine, request: Request, req: SamplingFields, job: Job, kind: str, 
                 if parser is not None:
                     for c in deltas(parser.close()):
                         yield c
+                    if lead["held"] and not parser.tool_calls:  # whitespace was all it said
+                        yield _sse(chunk(None, None, delta={"content": lead["held"]}))
                     finish = "tool_calls" if parser.tool_calls else finish
                 yield _sse(chunk(None, finish))
                 if include_usage:
