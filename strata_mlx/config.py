@@ -54,6 +54,13 @@ class OptionError(ValueError):
         self.param = param
 
 
+def one_line(message: str, limit: int = 400) -> str:
+    """An error's message on one line: its lines joined (a library's first line may end in a
+    colon, the names it lists on the next), cut at `limit` characters."""
+    text = " ".join(line.strip() for line in message.splitlines() if line.strip())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _name(name: str, cli: bool) -> str:
     return "--" + name.replace("_", "-") if cli else name
 

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..config import one_line
 from ..format.quant import expert_tensors, layout_for
 from ..format.store import PROJECTIONS, StoreError
 from ..format.writer import StoreWriter
@@ -365,7 +366,9 @@ def convert_hf(
     try:
         model.load_weights(list(dense.items()), strict=True)
     except ValueError as e:
-        raise StoreError(f"{src}: checkpoint does not match {model_type}: {_one_line(e)}") from None
+        raise StoreError(
+            f"{src}: checkpoint does not match {model_type}: {one_line(str(e))}"
+        ) from None
     if quantize:
         store_config["quantization"] = _quantize_dense(model, q_bits, q_group_size)
         dense = dict(tree_flatten(model.parameters()))
@@ -531,9 +534,3 @@ def _np(a: mx.array):
     from ..format.quant import to_numpy
 
     return to_numpy(a)
-
-
-def _one_line(e: Exception, limit: int = 400) -> str:
-    """MLX's message on one line, the names it lists included (they follow its first line)."""
-    text = " ".join(str(e).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -22,6 +22,7 @@ from ...config import (
     RuntimeOption,
     check_number,
     check_runtime,
+    one_line,
     runtime_options,
 )
 from ...format.store import StoreError
@@ -45,13 +46,6 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 # What a file system says of a user's output (full, read-only, over a quota or a size limit,
 # a path through a file): a one-line error naming the file, not a bug.
 _USER_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.ENOTDIR)
-
-
-def one_line(message: str, limit: int = 400) -> str:
-    """An error's message on one line: its lines joined (a library's first line may end in a
-    colon, the names it lists on the next), cut at `limit` characters."""
-    text = " ".join(line.strip() for line in message.splitlines() if line.strip())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _HelpFlag:
@@ -95,7 +89,7 @@ class Group(_HelpFlag, TyperGroup):
             if type(e).__name__ != "NoArgsIsHelpError":  # (typer printed the help for it)
                 ctx = getattr(e, "ctx", None)
                 hint = f" ({ctx.command_path} -h for help)" if ctx is not None else ""
-                typer.echo(f"error: {' '.join(show().split())}{hint}", err=True)
+                typer.echo(f"error: {one_line(show())}{hint}", err=True)
             raise SystemExit(code) from None
         raise SystemExit(code if isinstance(code, int) else 0)
 
