@@ -27,9 +27,7 @@ from collections.abc import AsyncIterator
 from typing import Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..generation.chat_output import ToolCall
@@ -37,7 +35,7 @@ from . import chat_turn
 from .server.engine import Result
 from .server.guard import end_stream_with
 from .server.routes import chat_prompt, serve_state, shutdown_error
-from .server.schemas import APIError, ChatCompletionRequest, chat_request, validation_error
+from .server.schemas import APIError, ChatCompletionRequest, chat_request
 
 # ---- request models ------------------------------------------------------------------------
 
@@ -279,10 +277,6 @@ def _message(state, content: list[dict]) -> dict:
     }
 
 
-def error_body(e: APIError) -> dict:
-    return e.anthropic_body()
-
-
 def _event(name: str, data: dict) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
@@ -309,7 +303,7 @@ async def messages(req: MessagesRequest, request: Request):
         )
 
     turn = await chat_turn.stream(state, request, chat)  # admitted here: a full queue is a 429
-    end_stream_with(request, lambda: _event("error", error_body(shutdown_error())))
+    end_stream_with(request, lambda: _event("error", shutdown_error().anthropic_body()))
 
     async def events() -> AsyncIterator[bytes]:
         start = _message(state, [])
@@ -359,7 +353,7 @@ async def messages(req: MessagesRequest, request: Request):
                 )
                 yield _event("message_stop", {"type": "message_stop"})
             else:
-                yield _event("error", error_body(value))
+                yield _event("error", value.anthropic_body())
 
     return StreamingResponse(
         events(),
@@ -378,29 +372,8 @@ async def count_tokens(req: CountTokensRequest, request: Request):
 # ---- routes --------------------------------------------------------------------------------
 
 
-class _AnthropicRoute(APIRoute):
-    """A route whose errors, its body's validation included, are Anthropic's error body."""
-
-    def get_route_handler(self):
-        handler = super().get_route_handler()
-
-        async def route(request: Request):
-            try:
-                return await handler(request)
-            except RequestValidationError as e:
-                err = validation_error(e)
-            except APIError as e:
-                err = e
-            return JSONResponse(error_body(err), status_code=err.status, headers=err.headers)
-
-        return route
-
-
 def add_routes(app: FastAPI) -> None:
-    """POST /v1/messages and /v1/messages/count_tokens on `app` (strata_mlx.apps.server's)."""
-    # (on the app's own router: an included router is one entry of app.routes, whose paths
-    # the app's guards, listing the POST routes, would not see)
-    for path, endpoint in (("/v1/messages", messages), ("/v1/messages/count_tokens", count_tokens)):
-        app.router.add_api_route(
-            path, endpoint, methods=["POST"], route_class_override=_AnthropicRoute
-        )
+    """POST /v1/messages and /v1/messages/count_tokens on `app` (strata_mlx.apps.server's,
+    whose error handlers answer these paths in Anthropic's body: APIError.response)."""
+    app.post("/v1/messages")(messages)
+    app.post("/v1/messages/count_tokens")(count_tokens)
