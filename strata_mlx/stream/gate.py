@@ -60,6 +60,10 @@ CLOSED = -2  # a word not landed when the table closed: the gate kernel gives up
 FAILED = READY_FAILED  # its read failed, or its token was abandoned: given up on at once too
 
 
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
 class GateTable:
     """Expert -> landed slot (-1: not in place) per MoE layer of `manifest`; `device`: mapped
     for the CUDA device (`device_address`), the stop word then `reader`'s (its watcher of held
@@ -87,10 +91,9 @@ class GateTable:
         # (`spare_address`).
         self.spare = shape[0]
         rows = shape[0] + 1
-        board_at = -(-rows * shape[1] * 4 // 256) * 256  # (its own cache lines)
-        stop_at = -(-(board_at + rows * BOARD_WIDTH * 4) // 256) * 256  # (and the stop word)
-        nbytes = stop_at + 4
-        self._mem = mmap.mmap(-1, -(-nbytes // PAGE) * PAGE)  # page aligned, as mapping needs
+        board_at = _round_up(rows * shape[1] * 4, 256)  # (its own cache lines)
+        stop_at = _round_up(board_at + rows * BOARD_WIDTH * 4, 256)  # (and the stop word)
+        self._mem = mmap.mmap(-1, _round_up(stop_at + 4, PAGE))  # page aligned, as mapping needs
         self.table = np.frombuffer(self._mem, dtype=np.int32, count=shape[0] * shape[1])
         self.table = self.table.reshape(shape)
         self.table.fill(-1)  # (the spare row stays 0)
