@@ -32,6 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from .._nextuse import Evictable
+from ..config import OptionError
 from ..format.store import ALIGNMENT
 from .reader import advise_hugepages, prefer_device
 
@@ -374,6 +375,11 @@ class Arena:
         self.rows = slot_rows(self.buffer, n_slots, record_bytes, self._start)
         mx.eval(self.rows)
         self.policy = make_policy(eviction, profile, layers)
+        # A plug-in's victims are held to the interface (`_check_victim`); the built-ins and
+        # the candidates, named without a module, are not.
+        self._plug_in = None
+        if not isinstance(eviction, str) or ":" in eviction:
+            self._plug_in = getattr(eviction, "__name__", str(eviction))
         self.decoding: bool | None = None  # the phase generation last told (None: none yet)
         self.slot_of: dict[Key, int] = {}
         self.owner: list[Key | None] = [None] * n_slots
@@ -468,7 +474,17 @@ class Arena:
         while i < n:
             victims = batch(evictable, keys[i:])
             if not victims:
+                if self._plug_in is not None:
+                    self._check_victim(None, evictable)
                 break
+            if self._plug_in is not None:
+                if len(set(victims)) < len(victims):
+                    raise OptionError(
+                        f"eviction policy {self._plug_in}: victims() named a key twice",
+                        "eviction",
+                    )
+                for victim in victims:  # (each evictable now: none of them is taken yet)
+                    self._check_victim(victim, evictable)
             given = keys[i : i + len(victims)]
             for victim, key in zip(victims, given):
                 slot = self.slot_of.pop(victim)
@@ -504,6 +520,8 @@ class Arena:
             slot = self._free.pop()
         else:
             victim = self.policy.victim(evictable)
+            if self._plug_in is not None:
+                self._check_victim(victim, evictable)
             if victim is None or not self._beyond_bar(victim):
                 return None
             slot = self.slot_of.pop(victim)
@@ -511,6 +529,22 @@ class Arena:
         self._assign(slot, key)
         self.policy.touch(key)
         return slot, victim
+
+    def _check_victim(self, victim: Key | None, evictable: Evictable) -> None:
+        """An OptionError naming the plug-in where its victim breaks the interface: a key
+        not resident, one a computation reads (pinned) or a read lands in (loading), or
+        None while a resident key could go (a read would wait for a slot forever)."""
+        if victim is None:
+            if not any(evictable(k) for k in self.slot_of):
+                return
+            why = "victim() returned None while resident experts could be evicted"
+        elif victim not in self.slot_of:
+            why = f"victim {victim!r} is not resident"
+        elif not evictable(victim):
+            why = f"victim {victim!r} may not be evicted (pinned, or its read in flight)"
+        else:
+            return
+        raise OptionError(f"eviction policy {self._plug_in}: {why}", "eviction")
 
     @contextmanager
     def scored(self, ahead: Ahead | None) -> Iterator[None]:
@@ -542,7 +576,12 @@ class Arena:
             out.append((self._free.pop(), None))
         if len(out) < n:
             evictable = self._evictable(protect, None)
-            while len(out) < n and (victim := self.policy.victim(evictable)) is not None:
+            while len(out) < n:
+                victim = self.policy.victim(evictable)
+                if self._plug_in is not None:
+                    self._check_victim(victim, evictable)
+                if victim is None:
+                    break
                 slot = self.slot_of.pop(victim)
                 self.policy.remove(victim)
                 self.owner[slot] = None

@@ -16,10 +16,10 @@ from conftest import prompt_ids
 import strata_mlx
 from strata_mlx.apps import cache_sim
 from strata_mlx.config import OptionError
-from strata_mlx.format.store import load_manifest
+from strata_mlx.format.store import ALIGNMENT, load_manifest
 from strata_mlx.generation.generate import stream_generate, teacher_forced_logits
 from strata_mlx.stream import nextuse, policies, trace
-from strata_mlx.stream.arena import LRU
+from strata_mlx.stream.arena import LRU, Arena
 from strata_mlx.stream.stats import RoutingTrace
 
 FAMILY = "qwen3_moe"
@@ -232,6 +232,63 @@ class NoVictim:
 def test_a_bad_policy_is_refused_before_the_store_is_read(tmp_path, spec, says):
     with pytest.raises(OptionError, match=says):
         strata_mlx.load(tmp_path / "no-store", eviction=spec)
+
+
+class Never(LRU):
+    """Never names a victim."""
+
+    def victim(self, evictable):
+        return None
+
+    victims = None  # (LRU's batch would name them)
+
+
+class Stranger(Never):
+    def victim(self, evictable):
+        return (999, 999)
+
+
+class IgnoresPins(LRU):
+    """The most recently used expert, whether a computation reads it or not."""
+
+    def victim(self, evictable):
+        return next(reversed(self._order), None)
+
+    victims = None
+
+
+class Twice(LRU):
+    def victims(self, evictable, keys):
+        first = super().victim(evictable)
+        return [first] * len(keys) if first is not None else []
+
+
+@pytest.mark.parametrize(
+    "policy, says",
+    [
+        (Never, "victim\\(\\) returned None while resident experts could be evicted"),
+        (Stranger, "victim \\(999, 999\\) is not resident"),
+        (IgnoresPins, "victim \\(.*\\) may not be evicted \\(pinned, or its read in flight\\)"),
+    ],
+)
+def test_a_plug_in_that_breaks_the_interface_is_named_not_obeyed(store, policy, says):
+    # Obeyed, the first waited for a slot forever, the second and third crashed the arena
+    # (KeyError, or a computation reading a slot refilled under it), the last a KeyError.
+    model = load_small(store(FAMILY), policy, decode="sync")
+    try:
+        with pytest.raises(OptionError, match=f"eviction policy {policy.__name__}: {says}"):
+            generate(model, n=4)
+    finally:
+        model.expert_cache.close()
+
+
+def test_a_plug_in_batch_naming_a_key_twice_is_refused():
+    arena = Arena(2, ALIGNMENT, eviction=Twice)
+    for slot, _ in arena.allocate_many([(0, 0), (0, 1)]):
+        arena.loaded(slot)
+    with pytest.raises(OptionError, match="eviction policy Twice: victims\\(\\) named a key twice"):
+        arena.allocate_many([(1, 0), (1, 1)], batch_from=1)
+    assert sorted(arena.slot_of) == [(0, 0), (0, 1)]  # (nothing taken)
 
 
 def drive(policy, uses, evict_among):
