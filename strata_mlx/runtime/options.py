@@ -34,7 +34,7 @@ class RuntimeConfig:
 
     arena_gb: float | None = field(
         default=None,
-        metadata=opt("Arena size in GB.", (0.0, None), lo_open=True, panel=PANEL_MEMORY,
+        metadata=opt("Arena size in GiB (2^30 bytes).", (0.0, None), lo_open=True, panel=PANEL_MEMORY,
                      shown="from memory"),
     )  # fmt: skip
     io_workers: int = field(

@@ -922,3 +922,27 @@ def test_no_arguments_show_the_help_and_exit_2():
     for args in ([], ["kernels"]):
         r = run(*args)
         assert r.returncode == 2 and "Usage: strata-mlx" in r.stdout and not r.stderr.strip()
+
+
+def test_route_parity_without_a_model_compares_the_builtin_one(store, monkeypatch):
+    """`strata-mlx route-parity` with no --model: the built-in model, each configuration's
+    arena its automatic one unless given (it was the one command that required --model)."""
+    from typer.testing import CliRunner
+
+    from strata_mlx.apps import default_model
+    from strata_mlx.apps.cli import app
+    from strata_mlx.generation import tools
+
+    path = store("qwen3_moe")
+    monkeypatch.setattr(default_model, "default_store", lambda: path)
+    monkeypatch.setattr(default_model, "default_arena_gb", lambda _s: 0.0001)
+    arenas, real = [], tools.traced_run
+    monkeypatch.setattr(
+        tools,
+        "traced_run",
+        lambda m, ids, cfg, *a: arenas.append((m, cfg.arena_gb)) or real(m, ids, cfg, *a),
+    )
+    r = CliRunner().invoke(app, ["route-parity", "--random-tokens", "8", "--arena-gb-b", "0.001"])
+    assert r.exit_code == 0, r.output
+    assert arenas == [(path, 0.0001), (path, 0.001)]
+    assert "logits: bit-identical" in r.output

@@ -33,7 +33,7 @@ def bench(
         "demand,static,lookahead",
         "--policies",
         help="Read-ahead policies, each with variants that set a runtime option: "
-        "lookahead:sync:d1 (see README).",
+        "lookahead:sync:d1 (docs/usage.md lists them).",
     ),
     repeats: int = typer.Option(1, "--repeats", help="A/B rounds; the order rotates each round."),
     json_out: Path | None = typer.Option(None, "--json", help="Write all figures as JSON."),

@@ -13,7 +13,9 @@ from ...progress import StatusLine
 
 
 def route_parity(
-    model: Path = typer.Option(..., "--model", help="A strata-mlx store."),
+    model: Path | None = typer.Option(
+        None, "--model", help="A strata-mlx store (default: the built-in model)."
+    ),
     prompt_tokens: str | None = typer.Option(
         None, "--prompt-tokens", help="Prompt as token ids: 1,2,3."
     ),
@@ -21,7 +23,7 @@ def route_parity(
         64, "--random-tokens", help="Without --prompt-tokens: this many seeded random ids."
     ),
     arena_gb_a: float | None = typer.Option(
-        None, "--arena-gb-a", help="Configuration a's arena in GB (default: load's choice)."
+        None, "--arena-gb-a", help="Configuration a's arena in GiB (default: load's choice)."
     ),
     arena_gb_b: float | None = typer.Option(None, "--arena-gb-b", help="Configuration b's."),
     read_ahead_a: str = typer.Option(
@@ -43,9 +45,14 @@ def route_parity(
     from ...format.store import load_manifest
     from ...generation.tools import kld_report, route_parity, traced_run
     from ...runtime.loader import RuntimeConfig
+    from .common import builtin_model
 
     if prefill_step_size < 1:
         raise OptionError(f"--prefill-step-size {prefill_step_size}: must be at least 1")
+    if model is None:  # the built-in model, each arena its automatic one unless given
+        model, auto = builtin_model(None, None)
+        arena_gb_a = auto if arena_gb_a is None else arena_gb_a
+        arena_gb_b = auto if arena_gb_b is None else arena_gb_b
     configs = {}
     for name, arena_gb, read_ahead in (
         ("a", arena_gb_a, read_ahead_a),
