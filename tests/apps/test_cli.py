@@ -946,3 +946,26 @@ def test_route_parity_without_a_model_compares_the_builtin_one(store, monkeypatc
     assert r.exit_code == 0, r.output
     assert arenas == [(path, 0.0001), (path, 0.001)]
     assert "logits: bit-identical" in r.output
+
+
+def test_ctrl_c_ends_the_line_prints_the_figures_and_writes_no_output(store, tmp_path):
+    """Ctrl-C mid-generation: the text so far on a line of its own, the run's figures, exit
+    130, and no --trace of a part of the run (the shell's prompt was glued to the text)."""
+    import signal
+
+    trace = tmp_path / "t.npz"
+    p = subprocess.Popen(
+        [*CLI, "generate", "--model", str(store("qwen3_moe")), "--prompt-tokens", "1,2,3",
+         "-m", "500", "--decode", "sync", "--trace", str(trace)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    assert p.stdout.read(8)  # decoding (token ids: the store has no tokenizer)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    text, _, figures = out.partition("\n==========\n")
+    assert figures, out  # (the text ended its line before the figures)
+    generated = int(figures.split("Generation: ")[1].split(" tokens")[0])
+    assert 0 < generated < 500
+    assert not trace.exists() and "Traceback" not in err

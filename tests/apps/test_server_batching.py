@@ -170,7 +170,7 @@ def test_the_queue_bound_counts_the_batch(model):
         c.close()
 
 
-def test_serve_says_whether_a_step_fits_the_arena(model, tiny):  # noqa: F811
+def test_serve_says_whether_a_step_fits_the_arena(model, tiny, monkeypatch):  # noqa: F811
     from strata_mlx.apps.server.app import started_lines
 
     model, _ = model  # 5 slots; 2 MoE layers of 8 experts, top-2
@@ -178,6 +178,11 @@ def test_serve_says_whether_a_step_fits_the_arena(model, tiny):  # noqa: F811
     assert "up to 2 requests decode together: a step uses up to 8 experts" in lines[2]
     assert "lower --decode-concurrency" in lines[2]
     assert len(started_lines(NAME, tiny, model, "127.0.0.1", 8080)) == 3  # one at a time
+    # a request's step alone needs more than the slots (4 against 3): fewer requests cannot
+    # help, and the line does not say they would
+    monkeypatch.setattr(model.expert_cache.arena, "n_slots", 3)
+    line = started_lines(NAME, tiny, model, "127.0.0.1", 8080, decode_concurrency=2)[2]
+    assert line.endswith("(more than the arena's slots, as one request's step alone)")
 
 
 def test_the_api_and_the_cli_default_to_the_same_concurrency():

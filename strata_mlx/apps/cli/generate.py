@@ -167,8 +167,10 @@ def generate(
     prompt_cache, cached = _resume(m, tok, prompt_cache_file, kv, ids, prompt, prompt_tokens, chat)
     if prompt_cache is not None and ids[: len(cached)] == cached:
         ids = ids[len(cached) :]
-    last = _print_stream(m, tok, ids, args, cfg, sampling, kv, prompt_cache, cached)
+    last, stopped = _print_stream(m, tok, ids, args, cfg, sampling, kv, prompt_cache, cached)
     _print_summary(m, last, verbose, pipe)
+    if stopped:  # Ctrl-C: what was generated, its figures, and no output file of a part
+        raise SystemExit(130)
     _close(m, cfg, trace_file)
 
 
@@ -268,13 +270,32 @@ def _prompt_logits(model, ids, step: int, logits_out, logits_ref) -> None:
 
 
 def _print_stream(model, tok, ids, args: dict, cfg, sampling, kv, prompt_cache, cached):
-    """Generate and print each piece as it comes (text, or token ids without a tokenizer);
-    the last response, or None when nothing was generated."""
-    from ...generation.generate import stream_generate
-
+    """Generate and print each piece as it comes (text, or token ids without a tokenizer):
+    (the last response or None when nothing was generated, whether Ctrl-C stopped it)."""
     last = None
     bar = PrefillBar()
-    for last in stream_generate(
+    try:
+        for last in _stream(model, tok, ids, args, cfg, sampling, kv, prompt_cache, cached, bar):
+            bar.close()
+            if tok is not None:
+                typer.echo(last.text, nl=False)
+            else:
+                typer.echo(f"{last.token} ", nl=False)
+    except KeyboardInterrupt:
+        bar.close()
+        if last is not None:
+            typer.echo("")  # (the shell's prompt on a line of its own)
+        return last, True
+    bar.close()
+    typer.echo("")
+    return last, False
+
+
+def _stream(model, tok, ids, args: dict, cfg, sampling, kv, prompt_cache, cached, bar):
+    """stream_generate with generate's flags."""
+    from ...generation.generate import stream_generate
+
+    return stream_generate(
         model,
         tok,
         ids,
@@ -290,15 +311,7 @@ def _print_stream(model, tok, ids, args: dict, cfg, sampling, kv, prompt_cache, 
         kv_group_size=kv.kv_group_size,
         quantized_kv_start=kv.quantized_kv_start,
         prompt_progress_callback=bar.update,
-    ):
-        bar.close()
-        if tok is not None:
-            typer.echo(last.text, nl=False)
-        else:
-            typer.echo(f"{last.token} ", nl=False)
-    bar.close()
-    typer.echo("")
-    return last
+    )
 
 
 class PrefillBar:

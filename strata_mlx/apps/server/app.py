@@ -326,15 +326,19 @@ def started_lines(
     if decode_concurrency > 1 and top_k:
         # a step's union of experts, every MoE layer's; past the arena each step evicts
         # what the next needs (docs/benchmarks.md, "Does batching decodes share reads?")
-        need = min(decode_concurrency * top_k, cache.manifest.num_experts) * len(cache.layers)
+        experts, layers = cache.manifest.num_experts, len(cache.layers)
+        need = min(decode_concurrency * top_k, experts) * layers
+        alone = min(top_k, experts) * layers  # (fewer requests help only down to this)
+        note = ""
+        if need > slots:
+            note = (
+                " (more than the arena's slots: try a lower --decode-concurrency)"
+                if alone <= slots
+                else " (more than the arena's slots, as one request's step alone)"
+            )
         lines.append(
             f"  up to {decode_concurrency} requests decode together: a step uses up to "
-            f"{need} experts"
-            + (
-                " (more than the arena's slots: try a lower --decode-concurrency)"
-                if need > slots
-                else ""
-            )
+            f"{need} experts{note}"
         )
     lines.append(f"  OpenAI-compatible API at {base}/v1   dashboard: {base}/dashboard")
     r = kv_reserved
