@@ -40,6 +40,12 @@ from .common import (
 
 def read_config(src: Path) -> dict[str, Any]:
     path = src / "config.json"
+    if src.is_file() and src.suffix.lower() == ".gguf":
+        raise StoreError(
+            f"{src}: a GGUF file, not a Hugging Face checkpoint (convert takes it as --gguf-path)"
+        )
+    if not src.exists():
+        raise StoreError(f"{src}: no such directory (expected a Hugging Face checkpoint)")
     if not path.is_file():
         raise StoreError(f"{path}: missing (not a Hugging Face checkpoint directory)")
     try:

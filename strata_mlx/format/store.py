@@ -289,13 +289,26 @@ def read_json(path: Path, what: str = "JSON") -> Any:
         raise StoreError(f"{path}: unreadable {what} ({msg})") from None
 
 
+def _not_a_store(path: Path) -> str:
+    """Why `path`, no directory, is no store: what it is and, for a model file, the convert
+    flag that takes it."""
+    if not path.exists():
+        return "no such directory (expected a strata-mlx store)"
+    if path.suffix.lower() == ".gguf":
+        return (
+            "a GGUF file, not a strata-mlx store; convert it first: strata-mlx convert "
+            f"--gguf-path {path} --mlx-path DIR"
+        )
+    return "not a directory (expected a strata-mlx store)"
+
+
 def load_manifest(store: str | Path) -> Manifest:
     """Read and validate a store's manifest against the files beside it: every field's type
     and range, before anything is allocated or computed."""
     store = Path(store)
     path = store / MANIFEST
     if not store.is_dir():
-        raise StoreError(f"{store}: not a directory (expected a strata-mlx store)")
+        raise StoreError(f"{store}: {_not_a_store(store)}")
     if not path.is_file():
         raise StoreError(f"{path}: missing (not a strata-mlx store; convert the model first)")
     raw = read_json(path)

@@ -969,3 +969,21 @@ def test_ctrl_c_ends_the_line_prints_the_figures_and_writes_no_output(store, tmp
     generated = int(figures.split("Generation: ")[1].split(" tokens")[0])
     assert 0 < generated < 500
     assert not trace.exists() and "Traceback" not in err
+
+
+def test_a_path_that_is_no_store_says_what_it_is_and_which_flag_takes_it(tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    line = _error_line(run("generate", "--model", gguf, "-p", "hi"))
+    assert line == (
+        f"error: {gguf}: a GGUF file, not a strata-mlx store; convert it first: strata-mlx "
+        f"convert --gguf-path {gguf} --mlx-path DIR"
+    )
+    out = tmp_path / "out"
+    line = _error_line(run("convert", "--hf-path", gguf, "--mlx-path", out))
+    assert line.endswith("not a Hugging Face checkpoint (convert takes it as --gguf-path)")
+    nowhere = tmp_path / "nowhere"
+    for args in (("generate", "--model", nowhere, "-p", "hi"), ("serve", "--model", nowhere)):
+        line = _error_line(run(*args))
+        assert line == f"error: {nowhere}: no such directory (expected a strata-mlx store)"
+    assert not out.exists()

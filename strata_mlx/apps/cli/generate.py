@@ -45,7 +45,11 @@ def _research_flag(names: str, help: str):
 def generate(
     model: Model = None,
     prompt: str | None = typer.Option(
-        None, "--prompt", "-p", help="Prompt text ('-' reads stdin)."
+        None,
+        "--prompt",
+        "-p",
+        help="Prompt text ('-' reads stdin; the built-in model's default: 'What is the "
+        "capital of France?').",
     ),
     prompt_tokens: str | None = typer.Option(
         None, "--prompt-tokens", help="Prompt as token ids: 1,2,3."

@@ -425,7 +425,7 @@ def serve(
     cfg = (config or RuntimeConfig()).replace(**runtime)
     path = Path(model_path)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such store")
+        raise FileNotFoundError(f"{path}: no such directory (expected a strata-mlx store)")
     pipe = None
     if pipeline:
         from ...runtime.distributed import Pipeline, serve_stage
