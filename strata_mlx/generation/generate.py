@@ -321,11 +321,13 @@ class _Clock:
 
 def _prompt_ids(model, tokenizer, prompt: str | list[int], cached_tokens) -> list[int]:
     """The prompt's token ids (text encoded by `tokenizer`), checked against the vocabulary
-    and, with the cached tokens before them, the model's context."""
+    and, with the cached tokens before them, the model's context. Text that begins with the
+    BOS token (a chat template's) gets no second one, as mlx-lm's stream_generate does."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise OptionError("this store has no tokenizer: pass token ids")
-        ids = tokenizer.encode(prompt)
+        bos = getattr(tokenizer, "bos_token", None)
+        ids = tokenizer.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))
     else:
         ids = _token_list(prompt)
     if not ids:

@@ -263,3 +263,21 @@ def test_a_sampler_giving_an_id_past_the_vocabulary_is_an_error_not_a_crash(stor
                                              r"vocabulary \[0, \d+\)"):  # fmt: skip
             strata_mlx.generate(model, tok, ids, max_tokens=3, sampler=sampler)
     assert strata_mlx.generate(model, tok, ids, max_tokens=3) == want
+
+
+def test_text_that_begins_with_bos_gets_no_second_one():
+    """A chat template's text carries its BOS; encoding it with the tokenizer's own BOS again
+    doubled it (mlx-lm's stream_generate checks the same)."""
+    from types import SimpleNamespace
+
+    from strata_mlx.generation.generate import _prompt_ids
+
+    class Tok:
+        bos_token = "<s>"
+
+        def encode(self, text, add_special_tokens=True):
+            return [1] * add_special_tokens + [2] * len(text.split())
+
+    model = SimpleNamespace(args=SimpleNamespace(vocab_size=8, max_position_embeddings=64))
+    assert _prompt_ids(model, Tok(), "<s> hi there", None) == [2, 2, 2]
+    assert _prompt_ids(model, Tok(), "hi there", None) == [1, 2, 2]
