@@ -367,3 +367,28 @@ def test_a_server_uvicorn_fails_to_start_exits(tiny):  # noqa: F811
     assert r.returncode == 7, r.stderr[-2000:]
     assert "bogus" in r.stdout  # (uvicorn's own error, after the model and its worker are up)
     assert "OpenAI-compatible API at" in r.stdout
+
+
+@pytest.mark.parametrize("key", [None, "k"])
+def test_serving_beyond_loopback_without_a_key_is_warned_of(tiny, key):  # noqa: F811
+    import os
+    import signal
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "strata_mlx", "serve", "--model", str(tiny), "--port", str(port)]
+    cmd += ["--model-name", NAME, "--log-level", "critical", "--host", "0.0.0.0"]
+    env = {k: v for k, v in os.environ.items() if k != "STRATA_MLX_API_KEY"}
+    if key is not None:
+        env["STRATA_MLX_API_KEY"] = key
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_serving(
+            [proc], lambda: httpx.get(f"http://127.0.0.1:{port}/v1/models", trust_env=False)
+        )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    warned = "warning: --host 0.0.0.0 without --api-key: anyone who reaches this address"
+    assert (warned in err) == (key is None), err

@@ -8,6 +8,7 @@ import base64
 import contextlib
 import hmac
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -485,6 +486,13 @@ def serve(
         concurrency_chosen=decode_concurrency is None,
     )  # fmt: skip
     print("\n".join(lines), flush=True)
+    if api_key is None and not is_loopback(host):
+        print(
+            f"warning: --host {host} without --api-key: anyone who reaches this address can "
+            "use the server",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         _run(app, sock, log_level, shutdown_timeout)
     finally:
