@@ -103,7 +103,7 @@ def _variant(v: str) -> dict | None:
         rest = v[len(prefix) :]
         if o.is_switch and rest in ("0", "1"):
             return {o.name: rest == "1"}
-        if not o.is_switch and rest.isdigit():
+        if not o.is_switch and rest.isascii() and rest.isdigit():  # (not "²")
             return {o.name: int(rest)}
     return None
 
@@ -122,12 +122,26 @@ def variant_grammar() -> str:
     return " | ".join(out + names())
 
 
+def trace_paths(trace: str | Path, order: list[str], round: int, repeats: int) -> dict:
+    """Where each run of one round (its policies in `order`) writes its trace, by position:
+    trace.run_path's names, a policy named twice in a round numbered by its turn (the second
+    run's file replaced the first's)."""
+    several = len(order) * repeats > 1
+    out, turn = {}, dict.fromkeys(order, 0)
+    for i, policy in enumerate(order):
+        turn[policy] += 1
+        name = policy if order.count(policy) == 1 else f"{policy}-{turn[policy]}"
+        out[i] = traces.run_path(trace, name, round, several)
+    return out
+
+
 def policy_options(policy: str) -> dict:
     """Runtime options of a bench policy name: a read-ahead policy, then `:variant`s, each
     setting one option (`lookahead:sync:d3`: the loop-less scheduler, 3 layers predicted
     ahead). The values are checked with the rest of the config (check_runtime)."""
     name, *variants = policy.split(":")
     out: dict = {"read_ahead": name}
+    by: dict[str, str] = {}  # option -> the variant that set it
     for v in variants:
         options = _variant(v)
         if options is None:
@@ -135,6 +149,13 @@ def policy_options(policy: str) -> dict:
                 f"--policies {policy!r}: unknown variant {v!r} ({variant_grammar()})",
                 "policies",
             )
+        for option in options:
+            if option in by:
+                raise OptionError(
+                    f"--policies {policy!r}: {by[option]!r} and {v!r} both set {option}; give one",
+                    "policies",
+                )
+            by[option] = v
         out.update(options)
     return out
 
@@ -259,12 +280,12 @@ def bench(
 
     runs: list[Run] = []
     for r, order in enumerate(rounds):
-        for policy in order:
+        paths = trace_paths(trace, order, r, repeats) if trace is not None else {}
+        for i, policy in enumerate(order):
             cfg = base.replace(**policy_options(policy))
-            out = None
-            if trace is not None:
+            out = paths.get(i)
+            if out is not None:
                 cfg = cfg.replace(trace=RoutingTrace())
-                out = traces.run_path(trace, policy, r, len(policies) * repeats > 1)
             cold_warm, arena_size_gb = runner.cold_and_warm(cfg, ids, policy, out, plot, line)
             runs += cold_warm
     result = {

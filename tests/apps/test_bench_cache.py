@@ -59,7 +59,15 @@ def test_bench_policy_variants_name_the_runtime_options():
     with pytest.raises(OptionError, match="unknown variant 'ov2'"):
         policy_options("demand:ov2")
     # every eviction policy by name, the candidates of stream/policies.py too
-    assert policy_options("demand:nextuse-duel:lru")["eviction"] == "lru"
+    assert policy_options("demand:lru")["eviction"] == "lru"
+    assert policy_options("demand:arc")["eviction"] == "arc"
+    # two variants of one option: refused, not the last one taken without a word
+    with pytest.raises(OptionError, match="'nextuse-duel' and 'lru' both set eviction"):
+        policy_options("demand:nextuse-duel:lru")
+    with pytest.raises(OptionError, match="'sync' and 'loop' both set"):
+        policy_options("lookahead:sync:loop")
+    with pytest.raises(OptionError, match="unknown variant 'd²'"):  # (str.isdigit takes "²")
+        policy_options("lookahead:d²")
     # the scored read-ahead beside plain lookahead in one bench
     assert policy_options("lookahead:nextuse-duel:sc1")["lookahead_score"] is True
     assert policy_options("demand:nextuse-duel") == {
@@ -90,3 +98,18 @@ def test_compute_floor_is_the_fastest_pass_of_each_phase():
     assert [c.wall_s for c in best.chunks] == [0.3, 0.4]
     assert (best.decode_s, best.decode_tokens) == (0.1, 8)
     assert best.decode is slow_prefill.decode
+
+
+def test_a_policy_named_twice_in_a_bench_traces_to_two_files(tmp_path):
+    """`--policies demand,demand --trace t.npz` wrote t-demand-r0.npz twice, the second run's
+    file replacing the first's."""
+    from strata_mlx.apps.bench import trace_paths
+
+    t = tmp_path / "t.npz"
+    paths = trace_paths(t, ["demand", "lookahead", "demand"], 0, 1)
+    assert [p.name for p in paths.values()] == [
+        "t-demand-1-r0.npz",
+        "t-lookahead-r0.npz",
+        "t-demand-2-r0.npz",
+    ]
+    assert trace_paths(t, ["demand"], 0, 1) == {0: t}  # a lone run: the file named

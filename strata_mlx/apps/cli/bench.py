@@ -15,6 +15,7 @@ from .common import (
     PipelineTimeout,
     TraceFile,
     builtin_model,
+    check_output_file,
     check_outputs,
     check_pipeline_flags,
     runtime_command,
@@ -59,7 +60,7 @@ def bench(
     """
     from ...config import check_int
     from ..bench import bench as run_bench
-    from ..bench import markdown_table, policy_options, save
+    from ..bench import markdown_table, policy_options, save, trace_paths
 
     check_int("prompt_tokens", prompt_tokens, 2, 1 << 24, cli=True)  # one chunk and a rest
     check_int("generation_tokens", generation_tokens, 1, 1 << 20, cli=True)
@@ -79,6 +80,11 @@ def bench(
             if e.param == "policies":  # an unknown variant names the flag already
                 raise
             raise OptionError(f"--policies {name!r}: {e}", "policies") from None
+    if trace_file is not None:  # each run's own file, as the rounds' rotated orders name them
+        for r in range(repeats):
+            order = list(names[r % len(names) :] + names[: r % len(names)])
+            for path in trace_paths(trace_file, order, r, repeats).values():
+                check_output_file(path, "--trace")
     if plot is not None:
         from ..plots import require
 
