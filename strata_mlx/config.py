@@ -230,12 +230,27 @@ def check_option(o: RuntimeOption, v: Any, cli: bool = False) -> None:
 
 
 def check_runtime(cfg, cli: bool = False) -> None:
-    """Every option of a runtime.options.RuntimeConfig, by its declaration."""
+    """Every option of a runtime.options.RuntimeConfig, by its declaration, and its research
+    hooks: `dump` a callable, `trace` a RoutingTrace (strata_mlx.stream.stats), each or None
+    (a file name given as `trace` loaded, then failed at the first layer)."""
     for o in runtime_options(type(cfg)):
         value = cfg
         for attr in o.path:
             value = getattr(value, attr)
         check_option(o, value, cli)
+    dump, trace = getattr(cfg, "dump", None), getattr(cfg, "trace", None)
+    if dump is not None and not callable(dump):
+        raise OptionError(
+            f"dump={dump!r}: a callable (layer, x, ids, scores, y), such as "
+            "strata_mlx.generation.tools.MoeDumper(dir)",
+            "dump",
+        )
+    if trace is not None and not callable(getattr(trace, "record", None)):
+        raise OptionError(
+            f"trace={trace!r}: a strata_mlx.stream.stats.RoutingTrace (write it to a file "
+            "afterwards with strata_mlx.stream.trace.write)",
+            "trace",
+        )
 
 
 def multiple_of_4kb(v: int, flag: str) -> None:

@@ -3,6 +3,8 @@ constructor), called like the family model, and closing its cache as a context m
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import pytest
 
@@ -66,3 +68,19 @@ def test_a_policy_of_the_profile_on_a_store_without_one_warns(store, tmp_path):
         warnings.simplefilter("error")
         model, _ = strata_mlx.load(path, read_ahead="lookahead")  # (none needs it)
     model.expert_cache.close()
+
+
+@pytest.mark.parametrize(
+    "hook, says",
+    [
+        (dict(trace="run.npz"), "trace='run.npz': a strata_mlx.stream.stats.RoutingTrace"),
+        (dict(dump=123), "dump=123: a callable"),
+    ],
+)
+def test_a_research_hook_of_the_wrong_kind_is_refused_at_load(store, hook, says):
+    """It loaded, then the first generate failed inside the cache ('str' object has no
+    attribute 'record')."""
+    from strata_mlx.config import OptionError
+
+    with pytest.raises(OptionError, match=re.escape(says)):
+        strata_mlx.load(store("qwen3_moe"), **hook)
