@@ -485,14 +485,7 @@ def serve(
         automatic_arena=cfg.arena_gb is None, kept_bytes=kept,
         concurrency_chosen=decode_concurrency is None,
     )  # fmt: skip
-    print("\n".join(lines), flush=True)
-    if api_key is None and not is_loopback(host):
-        print(
-            f"warning: --host {host} without --api-key: anyone who reaches this address can "
-            "use the server",
-            file=sys.stderr,
-            flush=True,
-        )
+    _announce(lines, host, api_key)
     try:
         _run(app, sock, log_level, shutdown_timeout)
     finally:
@@ -503,6 +496,18 @@ def serve(
         if pipe is not None:
             model.close()
         model.expert_cache.close()
+
+
+def _announce(lines: list[str], host: str, api_key: str | None) -> None:
+    """The started lines on stdout; on stderr, a server any address reaches without a key."""
+    print("\n".join(lines), flush=True)
+    if api_key is None and not is_loopback(host):
+        print(
+            f"warning: --host {host} without --api-key: anyone who reaches this address can "
+            "use the server",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _run(app, sock, log_level: str, shutdown_timeout: float) -> None:
