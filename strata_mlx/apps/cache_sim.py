@@ -15,12 +15,19 @@ replay's LRU misses equal a live run's with demand reads and the per-layer hands
 (tests/test_cache_sim.py checks it). These are demand misses unless `--read-ahead` models
 decode's lookahead from the trace's predictions (replay's docstring): then MB/token counts
 the read-ahead too, and the misses are the reads a token still waits for.
-Belady's optimum evicts the resident expert next used farthest in the future: no online
-policy misses less.
 
-Decode figures count from the trace's decode_from call (bench's decode tokens); MB a token
-is misses x the store's record bytes / decode tokens. The prefill is replayed too, so the
-arena enters decode holding what it would, and its misses are reported beside decode's.
+Belady's optimum evicts the unpinned resident expert whose next use in decode is farthest
+in the future; one next used in a prompt goes first (evicting it costs decode no read: the
+prompt's miss reads it again). No eviction misses less in decode, and no read-ahead reads
+less in decode (misses + read ahead: reading a record before its use saves no read).
+"gap closed" is the share of LRU's decode misses above that optimum that a policy saves,
+counting the reads ahead of a read-ahead line too (the misses alone a read-ahead could
+take below the optimum: they are what a token waits for, not what it reads).
+
+Decode figures count the trace's decode calls (every generation's decode steps: bench's
+decode tokens); MB a token is reads x the store's record bytes / decode tokens. The prompts
+are replayed too, so the arena enters decode holding what it would, and their misses are
+reported beside decode's.
 
 Nothing here loads a model or reads expert records.
 """
@@ -28,6 +35,7 @@ Nothing here loads a model or reads expert records.
 from __future__ import annotations
 
 import heapq
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,18 +87,23 @@ class Replay:
         """Decode's reads a token, MB (record bytes x (misses + read-ahead) / decode tokens)."""
         if not self.decode_tokens:
             return 0.0
-        reads = self.decode_misses + self.decode_ahead_reads
-        return reads * self.record_bytes / self.decode_tokens / 1e6
+        return self.decode_reads * self.record_bytes / self.decode_tokens / 1e6
+
+    @property
+    def decode_reads(self) -> int:
+        """Records read in decode: misses and read-ahead."""
+        return self.decode_misses + self.decode_ahead_reads
 
     @property
     def prefill_share(self) -> float:
-        """The prefill's share of the run's reads, %."""
-        total = self.prefill_misses + self.decode_misses
+        """The prefill's share of the run's reads (decode's read-ahead included), %."""
+        total = self.prefill_misses + self.decode_reads
         return 100.0 * self.prefill_misses / total if total else 0.0
 
     def line(self, lru: Replay | None = None, best: Replay | None = None) -> str:
         """One line: decode miss % and MB/token, the prefill's; with the LRU and Belady
-        replays, the share of LRU's distance to the optimum this policy closes."""
+        replays, the share of LRU's decode misses above the optimum's that this policy's
+        decode reads save (module docstring)."""
         mb = f"{self.mb_per_token:8.2f} MB/token" if self.record_bytes else "    - MB/token"
         out = (
             f"{self.policy:>12}: decode {self.miss_pct:5.1f} % miss "
@@ -101,7 +114,7 @@ class Replay:
             used = 100 * self.decode_ahead_used / self.decode_ahead_reads
             out += f" | read ahead {self.decode_ahead_reads / max(self.decode_tokens, 1):.1f}/token, {used:.0f} % used"
         if lru is not None and best is not None and lru.decode_misses > best.decode_misses:
-            closed = (lru.decode_misses - self.decode_misses) / (
+            closed = (lru.decode_misses - self.decode_reads) / (
                 lru.decode_misses - best.decode_misses
             )
             out += f" | gap closed {100 * closed:5.1f} %"
@@ -109,6 +122,8 @@ class Replay:
 
 
 def _check_slots(trace: traces.Trace, slots: int) -> None:
+    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)):
+        raise OptionError(f"--slots {slots!r}: expected a whole number of slots")
     if slots < 1:
         raise OptionError(f"--slots {slots}: expected at least 1")
     records = len(trace.layers) * trace.num_experts
@@ -174,8 +189,8 @@ class _Arena:
                 or len(self.resident) < self.slots
                 or len(missed) - i < arena_module.BATCH_FROM
             ):
-                if len(self.resident) >= self.slots:
-                    self.evict(pinned)
+                if len(self.resident) >= self.slots and not self.evict(pinned):
+                    raise OptionError(f"--slots {self.slots}: every slot is pinned")
                 self.resident.add(missed[i])
                 self.pol.touch(missed[i])
                 i += 1
@@ -190,10 +205,13 @@ class _Arena:
 
     def _victims(self, batch, pinned: set, keys: list) -> list:
         """The policy's `victims` for `keys`, evicted (as evict's, one after another)."""
-        victims = batch(lambda v, p=pinned: v not in p, keys)
-        for victim in victims or [None]:
-            if victim is None or victim not in self.resident:
-                raise OptionError(f"policy {self.name}: victim {victim!r} is not resident")
+        victims = list(batch(lambda v, p=pinned: v not in p, keys) or [])
+        if not victims and not self._may_go(None, pinned):
+            raise OptionError(f"--slots {self.slots}: every slot is pinned")
+        if len(set(victims)) < len(victims):
+            raise OptionError(f"eviction policy {self.name}: victims() named a key twice")
+        for victim in victims:
+            self._may_go(victim, pinned)
             self.pol.remove(victim)
             self.resident.discard(victim)
             self.ahead.discard(victim)
@@ -207,7 +225,7 @@ class _Arena:
             if k in self.resident:
                 continue
             if len(self.resident) >= self.slots and not self.evict(pinned, bar):
-                break  # as the scheduler: the rest waits for demand
+                break  # as the scheduler: the rest waits for demand (or no slot is free)
             self.resident.add(k)
             self.pol.touch(k)
             self.ahead.add(k)
@@ -215,12 +233,31 @@ class _Arena:
             reads += 1
         return reads
 
+    def _may_go(self, victim, pinned: set) -> bool:
+        """Whether the policy's `victim` may be evicted: False for None where every resident
+        is pinned (the arena is full of the running layer and its read-ahead); an
+        OptionError naming the policy where the victim breaks the interface (as the arena's
+        for a plug-in: obeyed, it would count fewer misses than any live run has)."""
+        if victim is None:
+            if all(k in pinned for k in self.resident):
+                return False
+            why = "victim() returned None while resident experts could be evicted"
+        elif victim not in self.resident:
+            why = f"victim {victim!r} is not resident"
+        elif victim in pinned:
+            why = (
+                f"victim {victim!r} may not be evicted (pinned: the running layer's, or read ahead)"
+            )
+        else:
+            return True
+        raise OptionError(f"eviction policy {self.name}: {why}")
+
     def evict(self, pinned: set, bar: float | None = None) -> bool:
-        """Evict the policy's victim among the unpinned; False (nothing evicted) where the
-        victim is expected used within `bar` handshakes."""
+        """Evict the policy's victim among the unpinned; False (nothing evicted) where every
+        resident is pinned, or the victim is expected used within `bar` handshakes."""
         victim = self.pol.victim(lambda v, p=pinned: v not in p)
-        if victim is None or victim not in self.resident:
-            raise OptionError(f"policy {self.name}: victim {victim!r} is not resident")
+        if not self._may_go(victim, pinned):
+            return False  # as the scheduler: no slot to read ahead into
         if bar is not None and self.distance is not None and self.distance(victim) <= bar:
             return False  # the arena gives no slot: wanted sooner than the read-ahead
         self.pol.remove(victim)
@@ -258,14 +295,14 @@ def replay(trace: traces.Trace, slots: int, policy, read_ahead: str = "none") ->
             raise OptionError("--read-ahead: Belady's optimum reads nothing ahead")
         return _belady(trace, slots)
     name, pol, preds = _online(trace, policy, read_ahead)
+    given = policy if isinstance(policy, str) else getattr(policy, "__name__", str(policy))
     nxt = dict(zip(trace.layers, trace.layers[1:]))
     out = Replay(name if read_ahead == "none" else f"{name}+{read_ahead}", slots,
                  trace.record_bytes, trace.decode_tokens)  # fmt: skip
     expected = ExpectedUse(trace.layers) if read_ahead == "scored" else None
     told = getattr(pol, "predicted", None)
-    arena = _Arena(pol, name, slots)
-    for c in range(trace.calls):
-        decode = c >= trace.decode_from
+    arena = _Arena(pol, given, slots)  # (a plug-in class named as given, not by its base's name)
+    for c, decode in enumerate(trace.decoding().tolist()):
         arena.set_phase(decode)
         for layer in trace.layers:
             pol.current = layer
@@ -296,16 +333,20 @@ def replay(trace: traces.Trace, slots: int, policy, read_ahead: str = "none") ->
 
 
 def _belady(trace: traces.Trace, slots: int) -> Replay:
-    """Evict the unpinned resident expert whose next use is farthest in the future (a lazy
-    heap of next uses)."""
+    """Evict the unpinned resident expert whose next use in decode is farthest in the future,
+    one next used in a prompt as one never used again (a lazy heap of next uses): the fewest
+    decode misses (module docstring)."""
     seq = [(d, [(l, int(e)) for e in es]) for d, l, es in trace.lookups()]
     never = len(seq)
     nxt: list[list[int]] = [[0] * len(k) for _, k in seq]
     last: dict = {}
     for i in range(len(seq) - 1, -1, -1):
+        decode = seq[i][0]
         for j, key in enumerate(seq[i][1]):
             nxt[i][j] = last.get(key, never)
-            last[key] = i
+            # (evicted before a prompt's use, an expert costs decode nothing: the prompt's
+            # miss reads it again, as keeping it would have had it there)
+            last[key] = i if decode else never
     out = Replay("belady", slots, trace.record_bytes, trace.decode_tokens)
     resident: set = set()
     heap: list = []  # (-next use, key): live while it is the key's next use
@@ -373,33 +414,55 @@ def report(
 ) -> list[str]:
     """cache-sim's lines: the trace, then one line per policy, for each arena size; with
     `plot`, a PNG of decode MB/token (miss % without record bytes) against the arena."""
-    names = [p for p in policy_list.split(",") if p]
+    names = [p.strip() for p in policy_list.split(",") if p.strip()]
     if not names:
         raise OptionError("--policy: name at least one (e.g. lru,belady)")
     sizes = parse_slots(str(slots))
     if read_ahead not in READ_AHEAD:
         raise OptionError(f"--read-ahead {read_ahead!r}: one of {', '.join(READ_AHEAD)}")
     if plot is not None:
+        if _same_file(plot, path):
+            raise OptionError(f"--plot {plot}: is the trace being read ({path}); name another file")
         from .plots import require
 
         require()
     trace = traces.read(path)
-    lines, sweep = [], []
+    lines, sweep, gaps = [], [], False
     for n in sizes:
         results = compare(trace, n, names, read_ahead)
         sweep.append(results)
         by = {r.policy: r for r in results}
         lru, best = by.get("lru"), by.get("belady")
+        gaps = gaps or (
+            lru is not None and best is not None and lru.decode_misses > best.decode_misses
+        )
         records = len(trace.layers) * trace.num_experts
+        several = len(trace.decode_spans) > 1
         lines.append(
-            f"{path}: {trace.calls} calls ({trace.decode_from} prompt, {trace.decode_tokens} "
-            f"decode), {len(trace.layers)} MoE layers x {trace.num_experts} experts, "
+            f"{path}: {trace.calls} calls ({trace.prompt_calls} prompt, {trace.decode_tokens} "
+            f"decode{f' in {len(trace.decode_spans)} generations' if several else ''}), "
+            f"{len(trace.layers)} MoE layers x {trace.num_experts} experts, "
             f"{n} slots ({100 * n / records:.1f} %)"
         )
         lines += [r.line(lru, best) for r in results]
+    if gaps:
+        lines.append(
+            "gap closed: the share of LRU's decode misses above Belady's fewest that a policy's "
+            "decode reads save (its misses, and with --read-ahead its reads ahead)"
+        )
     if plot is not None:
         plot_sweep(sweep, plot, str(path))
     return lines
+
+
+def _same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether paths `a` and `b` name one file (the same path, a link to it, a hard link)."""
+    if Path(a).resolve() == Path(b).resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # (either missing: not one file)
+        return False
 
 
 def plot_sweep(sweep: list[list[Replay]], path: str | Path, title: str = "") -> Path:

@@ -232,6 +232,8 @@ class Decoder:
                     mx.eval(token)
                     _count_mode(ec, step)
                     clock.final(step.predicting, first=n == 0)
+                    if n == 0 and ec.trace is not None:  # (the prompt's last token recorded)
+                        ec.trace.begin_decode()
                     t = token.item()
                     if not 0 <= t < logprobs.shape[-1]:
                         raise ValueError(
@@ -249,6 +251,8 @@ class Decoder:
             finally:
                 if later is not None:  # closed at a yield: the token built ahead is unchecked
                     self.discard(later)
+                if ec.trace is not None:
+                    ec.trace.end_decode()
 
 
 class SyncDecoder(Decoder):

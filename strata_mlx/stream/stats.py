@@ -130,9 +130,19 @@ class RoutingTrace:
     ids: dict[int, list[np.ndarray]] = field(default_factory=dict)  # layer -> per call [T, k]
     # lookahead: layer -> per call, the ids predicted for it from the previous layer's input
     predicted: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    # (calls recorded by then, True where decode began): strata_mlx.stream.trace.spans_of
+    decode_marks: list[tuple[int, bool]] = field(default_factory=list)
 
     def record(self, layer: int, ids: np.ndarray) -> None:
         self.ids.setdefault(layer, []).append(ids)
 
     def record_prediction(self, layer: int, ids: np.ndarray) -> None:
         self.predicted.setdefault(layer, []).append(ids)
+
+    def begin_decode(self) -> None:
+        """The calls recorded from here on are decode steps (told by the decoder)."""
+        self.decode_marks.append((max(map(len, self.ids.values()), default=0), True))
+
+    def end_decode(self) -> None:
+        """The calls recorded from here on are not (a next generation's prompt)."""
+        self.decode_marks.append((max(map(len, self.ids.values()), default=0), False))

@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..config import OptionError
+from ..config import MAX_NUMBER, OptionError
+from ..format.store import StoreError
 from . import trace as traces
 
 
@@ -68,13 +70,20 @@ PRESETS = {
 
 
 def check(knobs: RoutingKnobs) -> None:
+    """An OptionError naming the first knob outside its range (NaN and infinity too: their
+    logits are NaN, and every token's top-k is then the same few experts)."""
     for name in ("reuse", "context", "layer_corr"):
         v = getattr(knobs, name)
         if not 0.0 <= v <= 1.0:
             raise OptionError(f"{name} {v!r}: expected a number in [0, 1]")
     for name in ("skew", "drift"):
-        if getattr(knobs, name) < 0:
-            raise OptionError(f"{name} {getattr(knobs, name)!r}: expected a number >= 0")
+        v = getattr(knobs, name)
+        if not (math.isfinite(v) and 0 <= v <= MAX_NUMBER):
+            raise OptionError(f"{name} {v!r}: expected a number from 0 to {MAX_NUMBER:g}")
+    if not 1 <= knobs.num_experts <= traces.MAX_EXPERTS:
+        raise OptionError(
+            f"num_experts {knobs.num_experts}: expected 1 to {traces.MAX_EXPERTS} (a trace's most)"
+        )
     if not 1 <= knobs.top_k <= knobs.num_experts:
         raise OptionError(f"top_k {knobs.top_k}: expected 1 to num_experts ({knobs.num_experts})")
     if knobs.layers < 1 or knobs.dim < 1:
@@ -140,6 +149,8 @@ def make_trace(
     calibration)."""
     if prompt_tokens < 1 or decode_tokens < 0 or prefill_step_size < 1:
         raise OptionError("prompt_tokens and prefill_step_size >= 1, decode_tokens >= 0")
+    if record_bytes < 0:
+        raise OptionError(f"record_bytes {record_bytes}: expected a number of bytes >= 0")
     total = prompt_tokens + decode_tokens
     ids, pred = routing(knobs, total, seed)
     calibration, _ = routing(knobs, calibration_tokens, seed, stream=1)
@@ -168,11 +179,12 @@ def layer_lru_hit_rate(trace: traces.Trace, slots: int) -> float:
     """Decode lookups hit by a separate LRU of `slots` experts in each layer (the published
     statistic's measure), over every layer."""
     hits = lookups = 0
+    decoding = trace.decoding()
     for layer in trace.layers:
         lru: OrderedDict[int, None] = OrderedDict()
-        for c, rows in enumerate(trace.ids[layer]):
+        for c, rows in enumerate(trace.ids[layer][: trace.calls]):
             for e in np.unique(rows).tolist():
-                if c >= trace.decode_from:
+                if decoding[c]:
                     lookups += 1
                     hits += e in lru
                 lru[e] = None
@@ -188,7 +200,7 @@ def summary(trace: traces.Trace, knobs: RoutingKnobs) -> dict:
     distinct = np.mean([len(np.unique(trace.ids[l][0])) for l in trace.layers])
     recall = []
     for l in trace.layers[1:]:
-        for c in range(trace.decode_from, trace.calls):
+        for c in np.flatnonzero(trace.decoding()):
             p, q = trace.predicted[l][c][0], trace.ids[l][c][0]
             recall.append(len(set(p.tolist()) & set(q.tolist())) / knobs.top_k)
     counts = np.bincount(np.concatenate([np.concatenate(trace.ids[l]).ravel() for l in trace.layers]),
@@ -204,6 +216,16 @@ def summary(trace: traces.Trace, knobs: RoutingKnobs) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python -m strata_mlx.stream.synthetic_trace OUT ...`: a bad flag or an output that
+    cannot be written exits with one line; Ctrl-C exits 130 quietly, leaving no file (the
+    trace is written whole or not at all)."""
+    try:
+        _main(argv)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
+def _main(argv: list[str] | None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="the trace file to write (.npz)")
     ap.add_argument("--preset", default="published", choices=sorted(PRESETS))
@@ -214,6 +236,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--record-bytes", type=int, default=0, help="one record's bytes (MB/token)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.record_bytes < 0:
+        raise SystemExit(f"error: --record-bytes {a.record_bytes}: expected a number of bytes >= 0")
+    _check_out(a.out)
     knobs = PRESETS[a.preset]
     for item in a.set:
         name, _, value = item.partition("=")
@@ -229,11 +254,23 @@ def main(argv: list[str] | None = None) -> None:
         )
     except OptionError as e:
         raise SystemExit(f"error: {e}") from None
-    traces.write(a.out, t)
+    try:
+        traces.write(a.out, t)
+    except StoreError as e:  # (an OutputError: a full disk, no permission)
+        raise SystemExit(f"error: {e}") from None
     stats = summary(t, knobs)
     print(f"{a.out}: {knobs}")
     print("  " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                            for k, v in stats.items()))  # fmt: skip
+
+
+def _check_out(out: Path) -> None:
+    """Before the trace is drawn: `out` can be a file (not a directory, in one that exists)."""
+    where = out.parent if str(out.parent) else Path(".")
+    if out.is_dir():
+        raise SystemExit(f"error: {out}: is a directory; name a file")
+    if not where.is_dir():
+        raise SystemExit(f"error: {out}: no directory {where}")
 
 
 if __name__ == "__main__":

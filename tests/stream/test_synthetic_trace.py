@@ -11,10 +11,12 @@ import pytest
 
 from strata_mlx.apps import cache_sim
 from strata_mlx.config import OptionError
+from strata_mlx.format.store import write_atomic
 from strata_mlx.stream import trace
 from strata_mlx.stream.synthetic_trace import (
     PRESETS,
     RoutingKnobs,
+    check,
     main,
     make_trace,
     routing,
@@ -77,3 +79,57 @@ def test_bad_knobs_are_refused():
         main(["/tmp/unused.npz", "--set", "nope=1"])
     with pytest.raises(SystemExit, match="error: reuse 2.0"):
         main(["/tmp/unused.npz", "--set", "reuse=2"])
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--set", "skew=nan"], "error: skew nan: expected a number from 0 to"),
+        (["--set", "skew=inf"], "error: skew inf: expected a number from 0 to"),
+        (["--set", "drift=nan"], "error: drift nan: expected a number from 0 to"),
+        (["--record-bytes", "-5"], "error: --record-bytes -5: expected a number of bytes >= 0"),
+    ],
+)
+def test_bad_flags_are_one_line_and_write_nothing(tmp_path, args, says):
+    out = tmp_path / "t.npz"
+    with pytest.raises(SystemExit, match=says):
+        main([str(out), *args])
+    assert not out.exists()
+
+
+def test_a_trace_holds_at_most_a_store_s_experts_a_layer():
+    # (past it the file written is one the reader refuses)
+    with pytest.raises(OptionError, match="num_experts 2000000: expected 1 to 1048576"):
+        check(dataclasses.replace(SMALL, num_experts=2_000_000))
+
+
+def test_an_output_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit, match=f"error: {tmp_path}: is a directory; name a file"):
+        main([str(tmp_path)])
+    with pytest.raises(SystemExit, match=f"error: {tmp_path / 'no' / 't.npz'}: no directory"):
+        main([str(tmp_path / "no" / "t.npz")])
+
+    def full_disk(tmp):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trace, "write_atomic", lambda path, save: write_atomic(path, full_disk))
+    with pytest.raises(SystemExit, match="error: .*t.npz: cannot write it"):
+        main([str(tmp_path / "t.npz"), "--prompt-tokens", "8", "--decode-tokens", "2",
+              "--set", "layers=2"])  # fmt: skip
+
+
+def test_ctrl_c_exits_130_and_leaves_no_file(tmp_path, monkeypatch):
+    out = tmp_path / "t.npz"
+
+    def interrupted(f, **arrays):
+        f.write(b"half a file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez_compressed", interrupted)
+    try:
+        main([str(out), "--prompt-tokens", "8", "--decode-tokens", "2", "--set", "layers=2"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C ended in a KeyboardInterrupt traceback")
+    except SystemExit as e:
+        assert e.code == 130
+    assert list(tmp_path.iterdir()) == []
