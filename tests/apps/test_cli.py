@@ -830,6 +830,12 @@ def test_prompt_and_max_tokens_past_the_context_are_refused(store, tmp_path):
     line = _error_line(run("cache-prompt", "--model", path, "--prompt-tokens", long,
                            "--prompt-cache-file", out))  # fmt: skip
     assert "context of 512" in line and not out.exists()
+    # bench runs what generate would: refused as it is (it ran past the context without a word)
+    line = _error_line(run("bench", "--model", path, "-p", 500, "-g", 20, "--json", out))
+    assert line.endswith(
+        "past the model's context of 512 (max_position_embeddings): shorten -p or -g"
+    )
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("flag", ["--target-memory", "--target-ssd-gbps", "--arena-gb"])

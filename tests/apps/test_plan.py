@@ -194,7 +194,8 @@ def test_cli_plan_prints_the_forecast_and_a_target_machine(store, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "fake-stream" in r.stdout and "plan --measure" in r.stderr  # its progress bar
     r = subprocess.run(
-        [*CLI, "plan", str(path), "--target-memory", "24", "--target-ssd-gbps", "8"], **run
+        [*CLI, "plan", str(path), "-p", "256", "--target-memory", "24", "--target-ssd-gbps", "8"],
+        **run,
     )
     assert r.returncode == 0, r.stderr
     assert "a 24 GB machine" in r.stdout and "8.00 GB/s" in r.stdout
@@ -835,9 +836,9 @@ def test_decode_runs_the_prompts_last_token_first_untimed(monkeypatch):
 
     asked = []
 
-    def hits(p, layers, slots, prompt, step, n):
+    def hits(p, layers, slots, prompt, step, n, tokens=None):
         asked.append(n)
-        return np.array([0.0] + [1.0] * (n - 1))
+        return np.array([0.0 if t == 0 else 1.0 for t in (range(n) if tokens is None else tokens)])
 
     monkeypatch.setattr(forecasting, "decode_hits", hits)
     shape = _shape(layers=48)

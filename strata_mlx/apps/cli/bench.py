@@ -91,6 +91,10 @@ def bench(
         require()
     model, arena_gb = builtin_model(model, runtime.arena_gb)
     runtime = runtime.replace(arena_gb=arena_gb)
+    from ...runtime.loader import store_args
+    from ..plan import check_context
+
+    check_context(store_args(model), prompt_tokens, generation_tokens, cli=True)  # as generate
     make_pipeline = None
     if pipeline:  # under mlx.launch: every rank loads each run; rank 0 drives and prints
         from ...runtime.distributed import Pipeline, init

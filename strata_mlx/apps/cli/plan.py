@@ -63,7 +63,7 @@ def plan(
     check_outputs(model, {"--json": json_out})
     model, arena_gb = builtin_model(model, arena_gb)
     f = run_plan(model, arena_gb, prefill_step_size, prompt_tokens, generation_tokens, io_workers,
-                 target_memory, target_ssd_gbps, target_tflops, measure)  # fmt: skip
+                 target_memory, target_ssd_gbps, target_tflops, measure, cli=True)  # fmt: skip
     typer.echo("\n".join(f.lines()))
     if json_out is not None:
         save(f, json_out)

@@ -7,9 +7,11 @@ rates), forecasting (the forecast itself and the arena and chunk it recommends).
 
 Owns the forecast: from a store, a Hugging Face checkpoint directory (config.json and the
 safetensors headers only) or a GGUF file (its header only), plus a machine (this one: its
-memory and a short probe of the drive; or `--target-memory` / `--target-ssd-gbps`), it says
-whether the model fits, the arena and prefill chunk load() would pick (loader.choose_arena,
-the same code), the share of experts resident, and the expected prefill and decode tok/s.
+memory and a short probe of the drive; or `--target-memory` / `--target-ssd-gbps`; its compute
+at `--target-tflops`), it says whether the model fits with the KV cache of the prompt and the
+generated tokens (-p + -g positions, within the model's context), the arena and prefill chunk
+load() would pick (loader.choose_arena, the same code, with room for that KV cache), the share
+of experts resident, and the expected prefill and decode tok/s.
 Never converts anything and never allocates an arena beyond the short runs that measure the
 compute of a store on this machine (calibration's, once per shape, or --measure's).
 
@@ -55,6 +57,8 @@ The model (measured against `strata-mlx bench`: docs/benchmarks.md, "Forecasts")
     target machine, or when that decode read too little, the misses' reads at the probe's
     bandwidth for that many in flight, and streamed-ahead reads only what the layers
     between prediction and use do not hide.
+  - Cost: chunks and decode tokens one by one up to residency.EXACT_STEPS, then in runs
+    (residency.runs), so that -p and -g in the millions take a second, not a step each.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ...config import OptionError, check_prompt_length
 from ...format.store import StoreError
 from ...stream.reader import drive_from_env, drive_note
 from . import calibration
@@ -105,15 +110,21 @@ def plan(
     probe_seconds: float = 1.0,
     q_bits: int | None = None,
     split_experts: int | None = None,
+    cli: bool = False,
 ) -> Forecast:
     """The forecast for `model` on this machine, or on a target machine where
-    `target_memory_gb` / `target_ssd_gbps` are given (the other taken from this one)."""
+    `target_memory_gb` / `target_ssd_gbps` are given (the other taken from this one);
+    `target_tflops` alone: this machine's memory and drive, its compute estimated at that
+    rate. Errors name the options as flags with `cli`."""
     from ...runtime.loader import default_prefill_step, physical_memory
 
     shape = model_shape(model, q_bits, split_experts)
     if shape.n_records == 0:
         raise StoreError(f"{model}: no experts (a dense model): nothing streams")
+    check_context(shape.args, prompt_tokens, gen_tokens, cli)
     targeted = target_memory_gb is not None or target_ssd_gbps is not None
+    if measure:
+        _check_measure(shape, targeted or target_tflops is not None, cli)
     if targeted:
         here = None
         if target_memory_gb is None or target_ssd_gbps is None:
@@ -139,21 +150,72 @@ def plan(
                 f"target compute taken as the reference 24 GB laptop's ({tflops:g} TFLOP/s "
                 "effective; --target-tflops to change)"
             )
-    elif measure and shape.source == "store":
+    elif measure:
         tokens = measure_tokens or min(step, prompt_tokens)
         fake_arena = min(arena_gb or 1.0, 1.0, shape.expert_bytes / GB)
         with _steps("plan --measure", 4 + len(MEASURE_MODES)) as say:
             on_gpu = calibration.backend() == "gpu"
             compute = measure_compute(Path(shape.path), step, tokens, 8, fake_arena, say, on_gpu)
         source = f"fake-stream, {tokens} tokens"
-    elif shape.source == "store":
+    elif shape.source == "store" and target_tflops is None:
         compute, source, note = _calibrated(shape, arena_gb, step, prompt_tokens)
         notes.append(note)
     else:
         tflops = target_tflops or measured_tflops()
         compute = estimate_compute(shape, tflops, measured_memory_gbps())
         source = f"estimate: {tflops:.3g} TFLOP/s"
-        notes.append("compute estimated from FLOPs (no store to time in fake-stream mode)")
+        notes.append(
+            "compute estimated from FLOPs at the given TFLOP/s (this machine's memory and drive)"
+            if target_tflops is not None
+            else "compute estimated from FLOPs (no store to time in fake-stream mode)"
+        )
+    notes += _machine_notes(machine, targeted)
+    f = forecast(shape, machine, compute, source, arena_gb, step, prompt_tokens, gen_tokens)
+    f.notes = notes + f.notes
+    return f
+
+
+def check_context(args, prompt_tokens: int, gen_tokens: int, cli: bool = False) -> None:
+    """-p and -g within the context of the model whose ModelArgs are `args`, as generate
+    refuses them (config.check_context, without its rotating cache): past it a forecast (or a
+    bench run) is of a run generate does not make, and a KV cache the model never holds."""
+    context = getattr(args, "max_position_embeddings", None)
+    if not isinstance(context, int) or context <= 0:
+        return
+    p, g = ("-p", "-g") if cli else ("prompt_tokens", "gen_tokens")
+    check_prompt_length(prompt_tokens, context, p)
+    if prompt_tokens + gen_tokens > context:
+        raise OptionError(
+            f"{p} {prompt_tokens} + {g} {gen_tokens} = {prompt_tokens + gen_tokens} tokens, past "
+            f"the model's context of {context} (max_position_embeddings): shorten {p} or {g}",
+            "gen_tokens",
+        )
+
+
+def _check_measure(shape: ModelShape, targeted: bool, cli: bool) -> None:
+    """--measure times a store's own chunk on this machine: nothing to time for a checkpoint
+    or a GGUF, and this machine's time is no target's."""
+    flag = "--measure" if cli else "measure"
+    if targeted:
+        target = "--target-memory/--target-ssd-gbps/--target-tflops" if cli else "target_*"
+        raise OptionError(
+            f"{flag} times this machine: it cannot forecast a target machine ({target})",
+            "measure",
+        )
+    if shape.source != "store":
+        what = "a Hugging Face checkpoint" if shape.source == "hf" else "a GGUF file"
+        raise OptionError(
+            f"{flag} times a store's own chunk: {shape.path} is {what} (convert it first)",
+            "measure",
+        )
+
+
+def _machine_notes(machine: Machine, targeted: bool) -> list[str]:
+    """What the forecast's machine reads through, and how its decode differs from the
+    forecast's."""
+    from ...runtime.experts import device_gate_available
+
+    notes = []
     if drive_from_env():
         notes.append(f"reads through {drive_note()}")
     if machine.read_source == "data path":
@@ -161,17 +223,13 @@ def plan(
             "reads here land through a bounce buffer or the device copy: the read floor is the "
             "data path's GB/s (the drive and every step into the arena), not probe-ssd's"
         )
-    from ...runtime.experts import device_gate_available
-
     if not targeted and device_gate_available():
         notes.append(
             "decode is forecast through the per-layer handshake, as Metal decodes; this "
             "device gates decode by default (--no-decode-gate decodes as forecast), measured "
             "1.3-1.8x as fast on an H100 with misses"
         )
-    f = forecast(shape, machine, compute, source, arena_gb, step, prompt_tokens, gen_tokens)
-    f.notes = notes + f.notes
-    return f
+    return notes
 
 
 def _calibrated(
@@ -232,7 +290,7 @@ def _steps(title: str, total: int) -> Iterator[Callable[[str], None]]:
 
 __all__ = [
     "GB", "MIN_ABSENT", "Compute", "Forecast", "Machine", "ModelShape", "RealDecode",
-    "compare", "decode_forecast", "decode_hits", "forecast", "from_store", "hit_probability",
-    "lookahead_recall", "measure_real", "model_shape", "pick_probabilities", "plan",
-    "reuse_gap", "save", "smoothed_shares",
+    "check_context", "compare", "decode_forecast", "decode_hits", "forecast", "from_store",
+    "hit_probability", "lookahead_recall", "measure_real", "model_shape", "pick_probabilities",
+    "plan", "reuse_gap", "save", "smoothed_shares",
 ]  # fmt: skip

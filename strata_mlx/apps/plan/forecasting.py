@@ -15,7 +15,7 @@ from ...format.store import (
     write_text_atomic,
 )
 from .machine import GB, Compute, Machine, read_gbps
-from .residency import decode_hits, pick_probabilities, prefill_reads
+from .residency import decode_hits, pick_probabilities, prefill_reads, runs
 from .shapes import ModelShape
 
 TOLERANCE = 0.25  # the issue's +-25 %
@@ -34,11 +34,12 @@ class Forecast:
     resident_share: float = 0.0
     expert_gb: float = 0.0
     dense_gb: float = 0.0
+    kv_cache_gb: float = 0.0  # the KV cache and recurrent state at -p + -g positions
     ssd_gbps: float = 0.0
     read_source: str = ""  # the probe ssd_gbps came from (machine.read_floor_source) or "given"
     prompt_tokens: int = 0
     gen_tokens: int = 0  # decode tokens forecast after the cold prompt
-    distinct_per_chunk: float = 0.0  # experts a full chunk needs, all layers
+    distinct_per_chunk: float = 0.0  # experts a full chunk (or a shorter prompt) needs
     gb_read_per_chunk: float = 0.0  # mean over the cold prompt's chunks
     ssd_floor_s: float = 0.0  # mean per chunk: the read floor, at ssd_gbps
     compute_floor_s: float = 0.0  # a chunk's compute, the mean over the prompt's chunks
@@ -68,7 +69,8 @@ class Forecast:
         if not self.fits:
             return out + [f"  note: {n}" for n in self.notes]
         out += [
-            f"  experts {self.expert_gb:.2f} GB, dense {self.dense_gb:.2f} GB; "
+            f"  experts {self.expert_gb:.2f} GB, dense {self.dense_gb:.2f} GB, KV cache "
+            f"{self.kv_cache_gb:.2f} GB ({self.prompt_tokens + self.gen_tokens} positions); "
             f"arena {self.arena_bytes / GB:.2f} GB = {self.slots} slots "
             f"({100 * self.resident_share:.1f} % of the experts resident), "
             f"prefill chunk {self.prefill_step_size}",
@@ -134,6 +136,71 @@ def _prediction_shares(compute: Compute, L: int, k: int, depth: int, lag1: int):
     return shares
 
 
+# Within a run of decode tokens (residency.runs) the decoder's rule runs for up to WINDOW
+# tokens, each standing for its share of the run's: near a threshold its mode alternates every
+# few tokens, and a run taken whole would alternate run by run instead (on a 12-layer shape,
+# 1159 of 8000 tokens in sync mode token by token, 3545 by runs taken whole).
+WINDOW = 128
+
+
+@dataclass(frozen=True)
+class _TokenCost:
+    """One decode token in one decoder mode: its seconds, compute, synced layers' handshake,
+    and its lookups' shares streamed ahead and missed; the share of layers with a miss."""
+
+    s: float
+    compute_s: float
+    synced_s: float
+    ahead: float
+    missed: float
+    layer_missed: float
+
+
+def _token_cost(shape: ModelShape, machine: Machine, compute: Compute, cfg):
+    """cost(mode, predicting, absent, at) -> _TokenCost of a token whose lookups are absent
+    from the arena with probability `absent`, its attention over the context `at` s."""
+    k, L, rb = shape.top_k, max(shape.moe_layers, 1), shape.record_bytes
+    # (ungated, the lag's default is 1: 4 goes with gated decode's routing board)
+    lag = 1 if cfg.decode_lag is None else cfg.decode_lag
+    distance = {"sync": 1, "layers": lag + 1, "token": 1}  # prediction to use
+    shares = _prediction_shares(compute, L, k, cfg.read_ahead.depth, distance["layers"])
+    # the sync handshake's Python and its route sync beyond the compute, on every synced
+    # layer whether it missed or not; the deferred path's are in fake-stream's own time
+    synced_layer_s = compute.handshake_s + compute.sync_beyond_s
+
+    def read_s(n: float) -> float:  # n reads of one layer, issued together
+        return n * rb / (read_gbps(machine, n) * 1e9) if n > 0 else 0.0
+
+    def cost(mode: str, predicting: bool, absent: float, at: float) -> _TokenCost:
+        ahead, missed = shares(mode, absent) if predicting else (0.0, absent)
+        layer_missed = 1 - (1 - missed) ** k  # a layer with at least one miss
+        base = compute.mode_s(mode) + at
+        synced = L * synced_layer_s if mode == "sync" else 0.0
+        s = base + synced
+        if compute.absent_s is not None:  # measured: every absent lookup, missed or not
+            s += L * k * (missed + ahead) * compute.absent_s
+        else:
+            # streamed-ahead reads are hidden behind the layers between prediction and use
+            s += L * read_s(k * missed)
+            s += L * max(read_s(k * ahead) - distance[mode] * base / L, 0.0)
+        if mode == "layers":
+            # a layer that missed is drained and recomputed synced, and the `lag` layers built
+            # after it on its wrong output are discarded and built again
+            redo = (lag + 1) * (compute.mode_s("sync") + at) / L
+            s += L * layer_missed * (redo + synced_layer_s)
+            synced += L * layer_missed * synced_layer_s
+        return _TokenCost(s, base, synced, ahead, missed, layer_missed)
+
+    return cost
+
+
+def _after(rates: list[float], c: _TokenCost, layers: int) -> None:
+    """The decoder's running averages [layers with a miss, lookups missed] after `layers`
+    decode layers like those of `c` (runtime.decode: 0.02 and 0.01 toward each layer's)."""
+    rates[0] = c.layer_missed + (rates[0] - c.layer_missed) * 0.98**layers
+    rates[1] = c.missed + (rates[1] - c.missed) * 0.99**layers
+
+
 def decode_forecast(
     shape: ModelShape,
     machine: Machine,
@@ -146,7 +213,9 @@ def decode_forecast(
 ) -> dict:
     """Decode of `gen_tokens` after a cold prompt in chunks of `step`, token by token through
     the decoder's own rules (strata_mlx.runtime.decode; thresholds from RuntimeConfig's defaults),
-    without the device gate: gated decode (the default on CUDA) is not forecast.
+    without the device gate: gated decode (the default on CUDA) is not forecast. Past the
+    first EXACT_STEPS, in runs of many tokens (residency.runs), so that its cost does not
+    grow with `gen_tokens`.
     The prompt's last token runs first, untimed: it goes through the decoder outside any chunk
     (the arena's and the decoder's state move with it), and bench's decode time starts after it;
     counted, the coldest token of all (the decoder's averages at their start) was charged to
@@ -155,70 +224,57 @@ def decode_forecast(
     from ...runtime.loader import RuntimeConfig
 
     cfg = RuntimeConfig()
-    k, L, rb = shape.top_k, max(shape.moe_layers, 1), shape.record_bytes
-    hits = decode_hits(p, L, slots, prompt_tokens, step, gen_tokens + 1)
-    # (ungated, the lag's default is 1: 4 goes with gated decode's routing board)
-    lag = 1 if cfg.decode_lag is None else cfg.decode_lag
-    distance = {"sync": 1, "layers": lag + 1, "token": 1}  # prediction to use
-    shares = _prediction_shares(compute, L, k, cfg.read_ahead.depth, distance["layers"])
+    k, L = shape.top_k, max(shape.moe_layers, 1)
+    steps = runs(gen_tokens + 1)
+    middles = [t + (n - 1) // 2 for t, n in steps]
+    hits = decode_hits(p, L, slots, prompt_tokens, step, gen_tokens + 1, middles)
+    token_cost = _token_cost(shape, machine, compute, cfg)
 
-    def read_s(n: float) -> float:  # n reads of one layer, issued together
-        return n * rb / (read_gbps(machine, n) * 1e9) if n > 0 else 0.0
-
-    layer_rate, miss_rate = 0.0, 1.0  # the decoder's running averages, as a fresh load has them
-    modes: dict[str, int] = {}
-    total_s = compute_s = handshake_s = misses = ahead_sum = miss_sum = 0.0
-    for t in range(gen_tokens + 1):
-        absent = 1 - hits[t]
+    def mode_at(layer_rate: float, miss_rate: float) -> tuple[str, bool]:
         predicting = miss_rate >= cfg.read_ahead.decode_min_miss
-        mode = choose_mode(
+        return choose_mode(
             layer_rate,
             predicting,
             cfg.decode_sync_above,
             cfg.decode_token_below,
             cfg.decode_token_while_predicting,
-        )
-        ahead, missed = shares(mode, absent) if predicting else (0.0, absent)
-        layer_missed = 1 - (1 - missed) ** k  # a layer with at least one miss
-        at = compute.decode_position_s(prompt_tokens + t)  # its attention over the context
-        base = compute.mode_s(mode) + at
-        # the sync handshake's Python and its route sync beyond the compute, on every synced
-        # layer whether it missed or not; the deferred path's are in fake-stream's own time
-        synced_layer_s = compute.handshake_s + compute.sync_beyond_s
-        synced = L * synced_layer_s if mode == "sync" else 0.0
-        cost = base + synced
-        if compute.absent_s is not None:  # measured: every absent lookup, missed or not
-            cost += L * k * (missed + ahead) * compute.absent_s
-        else:
-            # streamed-ahead reads are hidden behind the layers between prediction and use
-            cost += L * read_s(k * missed)
-            cost += L * max(read_s(k * ahead) - distance[mode] * base / L, 0.0)
-        if mode == "layers":
-            # a layer that missed is drained and recomputed synced, and the `lag` layers built
-            # after it on its wrong output are discarded and built again
-            redo = (lag + 1) * (compute.mode_s("sync") + at) / L
-            cost += L * layer_missed * (redo + synced_layer_s)
-            synced += L * layer_missed * synced_layer_s
-        for _ in range(L):
-            layer_rate += 0.02 * (layer_missed - layer_rate)
-            miss_rate += 0.01 * (missed - miss_rate)
-        if t == 0:  # the prompt's last token: state only
-            continue
-        modes[mode] = modes.get(mode, 0) + 1
-        total_s += cost
-        compute_s += base
-        handshake_s += synced
-        misses += L * k * missed
-        ahead_sum += ahead
-        miss_sum += missed
-    n = max(gen_tokens, 1)
+        ), predicting
+
+    rates = [0.0, 1.0]  # the decoder's running averages, as a fresh load has them
+    modes: dict[str, int] = {}
+    sums = dict.fromkeys(("s", "compute_s", "synced_s", "misses", "hit", "ahead", "missed"), 0.0)
+    for (t, n), hit in zip(steps, hits, strict=True):
+        # its attention over the context, at the run's mean position
+        at = compute.decode_position_s(prompt_tokens + t + (n - 1) / 2)
+        costs: dict[tuple[str, bool], _TokenCost] = {}
+        w, done = min(n, WINDOW), 0
+        for i in range(w):
+            key = mode_at(*rates)
+            c = costs[key] = costs.get(key) or token_cost(*key, 1 - hit, at)
+            _after(rates, c, L)
+            m = n // w + (i < n % w)  # the run's tokens this one stands for
+            # the averages move straight toward what this token gives: where that stays in
+            # this mode, so does every later token of the run
+            steady = mode_at(*rates) == key == mode_at(c.layer_missed, c.missed)
+            if steady:
+                m = n - done
+                _after(rates, c, L * (m - 1))
+            done += m
+            if t:  # (token 0, the prompt's last: state only)
+                modes[key[0]] = modes.get(key[0], 0) + m
+                for name, v in zip(sums, (c.s, c.compute_s, c.synced_s, L * k * c.missed, hit,
+                                          c.ahead, c.missed)):  # fmt: skip
+                    sums[name] += m * v
+            if steady:
+                break
+    g = max(gen_tokens, 1)
     return {
-        "shares": (float(hits[1:].mean()) if gen_tokens else 0.0, ahead_sum / n, miss_sum / n),
+        "shares": (sums["hit"] / g, sums["ahead"] / g, sums["missed"] / g),
         "modes": modes,
-        "misses_per_token": misses / n,
-        "compute_s": compute_s / n,
-        "handshake_s": handshake_s / n,
-        "s_per_token": total_s / n,
+        "misses_per_token": sums["misses"] / g,
+        "compute_s": sums["compute_s"] / g,
+        "handshake_s": sums["synced_s"] / g,
+        "s_per_token": sums["s"] / g,
     }
 
 
@@ -239,17 +295,18 @@ def _prefill_forecast(
     prompt_tokens = f.prompt_tokens
     rb = shape.record_bytes
     chunks = prefill_reads(p, slots, prompt_tokens, step)
-    total_s, bytes_read, ssd_s, compute_s, start = 0.0, 0.0, 0.0, 0.0, 0
-    for tokens, reads in chunks:
+    total_s, bytes_read, ssd_s, compute_s = 0.0, 0.0, 0.0, 0.0
+    for c, n, tokens, reads in chunks:
         ssd = reads * rb / (machine.ssd_gbps * 1e9)
-        chunk_s = compute.chunk_s(tokens, start)
-        total_s += max(ssd, chunk_s)
-        bytes_read += reads * rb
-        ssd_s += ssd
-        compute_s += chunk_s
-        start += tokens
-    n = len(chunks)
-    f.distinct_per_chunk = float(np.sum(-np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * step)))
+        chunk_s = compute.chunk_s(tokens, (c + (n - 1) / 2) * step)  # at the run's mean start
+        total_s += n * max(ssd, chunk_s)
+        bytes_read += n * reads * rb
+        ssd_s += n * ssd
+        compute_s += n * chunk_s
+    n = sum(n for _, n, _, _ in chunks)
+    # the most a chunk holds: a prompt shorter than the chunk is one chunk of its own length
+    chunk = min(step, prompt_tokens)
+    f.distinct_per_chunk = float(np.sum(-np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * chunk)))
     f.gb_read_per_chunk = bytes_read / n / 1e9
     f.ssd_floor_s = ssd_s / n
     f.compute_floor_s = compute_s / n
@@ -272,9 +329,6 @@ def forecast(
     prompt_tokens: int = 2048,
     gen_tokens: int = 128,
 ) -> Forecast:
-    from ...runtime.loader import choose_arena
-    from ...stream.memory import MemoryGuardError
-
     if prompt_tokens < 1 or gen_tokens < 1:
         raise OptionError(
             f"a forecast needs >= 1 prompt and decode token, got {prompt_tokens} and {gen_tokens}"
@@ -293,25 +347,10 @@ def forecast(
         gen_tokens=gen_tokens,
         compute_source=compute_source,
     )
-    available = machine.available_bytes
-    if available is None:
-        available = max(machine.memory_bytes - shape.dense_bytes, 0)
-    try:
-        arena, step = choose_arena(
-            shape.args,
-            shape.record_bytes,
-            shape.n_records,
-            shape.dense_bytes,
-            arena_gb,
-            prefill_step_size,
-            machine.memory_bytes,
-            available,
-            kv_itemsize=shape.kv_itemsize,
-        )
-    except MemoryGuardError as e:
-        f.fits = False
-        f.verdict = f"does not fit: {e}"
+    fitted = _fit(f, shape, machine, arena_gb, prefill_step_size)
+    if fitted is None:
         return f
+    arena, step, auto = fitted
     slots = max(1, min(arena // shape.record_bytes, shape.n_records))
     f.arena_bytes, f.prefill_step_size, f.slots = arena, step, slots
     f.resident_share = slots / max(shape.n_records, 1)
@@ -337,27 +376,89 @@ def forecast(
     f.decode_tps = 1e3 / f.decode_ms_per_token if f.decode_ms_per_token else 0.0
     if shape.profile is None:
         f.notes.append("no routing profile: expert popularity taken as uniform")
-    auto, _ = choose_arena(
-        shape.args,
-        shape.record_bytes,
-        shape.n_records,
-        shape.dense_bytes,
-        None,
-        step,
-        machine.memory_bytes,
-        available,
-        kv_itemsize=shape.kv_itemsize,
-    )
     f.recommended_arena_gb = auto / GB
     f.recommendation = recommend(f, shape, machine, auto)
     return f
 
 
+def _fit(
+    f: Forecast,
+    shape: ModelShape,
+    machine: Machine,
+    arena_gb: float | None,
+    prefill_step_size: int | None,
+) -> tuple[int, int, int] | None:
+    """(arena, chunk, automatic arena) as load() picks them (loader.choose_arena), with room
+    beside them for the KV cache of the prompt and the generated tokens; or None, with `f`'s
+    verdict saying what does not fit. load() counts one chunk's KV cache (it knows no prompt):
+    the rest, up to -p + -g positions, is held beside the arena as serve's kept caches are."""
+    from ...runtime.loader import choose_arena, default_prefill_step
+    from ...stream import memory
+    from ...stream.memory import MemoryGuardError
+
+    available = machine.available_bytes
+    if available is None:
+        available = max(machine.memory_bytes - shape.dense_bytes, 0)
+    step = prefill_step_size or default_prefill_step(machine.memory_bytes)
+    positions = f.prompt_tokens + f.gen_tokens
+    kv = memory.kv_cache_bytes(shape.args, positions, shape.kv_itemsize)
+    beyond = max(kv - memory.kv_cache_bytes(shape.args, step, shape.kv_itemsize), 0)
+    f.kv_cache_gb = kv / 1e9
+
+    def arena_for(gb: float | None, reserve: int) -> int:
+        return choose_arena(
+            shape.args,
+            shape.record_bytes,
+            shape.n_records,
+            shape.dense_bytes,
+            gb,
+            step,
+            machine.memory_bytes,
+            available,
+            reserve_bytes=reserve,
+            kv_itemsize=shape.kv_itemsize,
+        )[0]
+
+    try:
+        arena = arena_for(arena_gb, beyond)
+        auto = arena if arena_gb is None else arena_for(None, beyond)
+    except MemoryGuardError as e:
+        f.fits, f.verdict = False, f"does not fit: {e}"
+        if beyond and arena_gb is None and _fits(lambda: arena_for(None, 0)):
+            f.verdict = (
+                f"does not fit: the KV cache of -p {f.prompt_tokens} + -g {f.gen_tokens} "
+                f"tokens takes {kv / GB:.1f} GB: with a chunk's scratch, one expert and the "
+                f"reserve, more than the {available / GB:.1f} GB available beside the dense "
+                "weights; shorten -p or -g"
+            )
+        return None
+    chunk_only = arena_for(None, 0) if beyond else auto
+    if arena_gb is None and auto < chunk_only:
+        f.notes.append(
+            f"load()'s automatic arena ({chunk_only / GB:.3g} GB) counts one chunk's KV cache; "
+            f"{positions} positions take {kv / GB:.2f} GB: the arena here leaves room for them "
+            f"(pass --arena-gb {auto / GB:.3g} to generate or bench)"
+        )
+    return arena, step, auto
+
+
+def _fits(choose) -> bool:
+    """Whether `choose()` (loader.choose_arena) finds an arena that fits."""
+    from ...stream.memory import MemoryGuardError
+
+    try:
+        choose()
+    except MemoryGuardError:
+        return False
+    return True
+
+
 def recommend(f: Forecast, shape: ModelShape, machine: Machine, auto_bytes: int) -> str:
     """`--arena-gb A --prefill-step-size S`, and why: the arena is what memory leaves once the
-    dense weights, a chunk's scratch and KV cache are held (load()'s automatic arena); the
-    chunk, because each chunk reads every expert it needs once, so a longer chunk reads fewer
-    bytes a token, bounded by the scratch a chunk's activations take."""
+    dense weights, a chunk's scratch and the KV cache of -p + -g positions are held (load()'s
+    automatic arena, with room for that KV cache); the chunk, because each chunk reads every
+    expert it needs once, so a longer chunk reads fewer bytes a token, bounded by the scratch
+    a chunk's activations take."""
     share = min(auto_bytes // shape.record_bytes, shape.n_records) / max(shape.n_records, 1)
     held = (
         "every expert: nothing streams after the first read"
@@ -367,7 +468,8 @@ def recommend(f: Forecast, shape: ModelShape, machine: Machine, auto_bytes: int)
     arena = (
         f"--arena-gb {auto_bytes / GB:.3g} (the automatic arena: "
         f"{machine.memory_bytes / GB:.0f} GB of memory less {shape.dense_bytes / GB:.2f} GB of "
-        f"dense weights and a chunk's scratch and KV cache; it holds {held})"
+        f"dense weights, a chunk's scratch and the KV cache of {f.prompt_tokens} + "
+        f"{f.gen_tokens} positions; it holds {held})"
     )
     per_token = f.gb_read_per_chunk / max(min(f.prefill_step_size, f.prompt_tokens), 1)
     chunk = (

@@ -74,29 +74,59 @@ def hit_probability(q: np.ndarray, gap: int) -> np.ndarray:
     return -np.expm1(np.log1p(-np.minimum(q, 1 - 1e-12)) * gap)
 
 
-def prefill_reads(p: np.ndarray, slots: int, prompt: int, step: int) -> list[tuple[int, float]]:
-    """[(tokens, experts read)] for each chunk of a cold prompt."""
-    out = []
-    done = 0
-    q_full = -np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * step)
+# Chunks of a prompt, or decode tokens, the forecast takes one by one; past them, runs of
+# 1/RUN_SHARE of those before, each taken at its middle one: by then a chunk's reads and a
+# decode token's residency move slowly, and 16 M of them take ~1,650 steps, not 16 M.
+EXACT_STEPS = 1024
+RUN_SHARE = 64
+
+
+def runs(count: int) -> list[tuple[int, int]]:
+    """(first, how many) covering 0 .. count - 1: one by one up to EXACT_STEPS, then runs of
+    1/RUN_SHARE of those before them."""
+    out, i = [], 0
+    while i < count:
+        n = 1 if i < EXACT_STEPS else min(i // RUN_SHARE, count - i)
+        out.append((i, n))
+        i += n
+    return out
+
+
+def prefill_reads(
+    p: np.ndarray, slots: int, prompt: int, step: int
+) -> list[tuple[int, int, int, float]]:
+    """[(first chunk, chunks, tokens a chunk, experts a chunk reads)] of a cold prompt: its
+    whole chunks in runs (runs(): a run's reads are its middle chunk's), then a short last
+    one."""
+    lp = np.log1p(-np.minimum(p, 1 - 1e-12))
+    q_full = -np.expm1(lp * step)
     gap = reuse_gap(q_full, slots, max(prompt // step, 1))
-    c = 0
-    while done < prompt:
-        t = min(step, prompt - done)
-        q = -np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * t)
+
+    def reads(c: int, tokens: int) -> float:
+        q = -np.expm1(lp * tokens)
         hit = hit_probability(q_full, min(gap, c)) if c else np.zeros_like(q)
-        out.append((t, float(np.sum(q * (1 - hit)))))
-        done += t
-        c += 1
+        return float(np.sum(q * (1 - hit)))
+
+    whole, rest = divmod(prompt, step)
+    out = [(c, n, step, reads(c + (n - 1) // 2, step)) for c, n in runs(whole)]
+    if rest:
+        out.append((whole, 1, rest, reads(whole, rest)))
     return out
 
 
 def decode_hits(
-    p: np.ndarray, layers: int, slots: int, prompt: int, step: int, gen: int
+    p: np.ndarray,
+    layers: int,
+    slots: int,
+    prompt: int,
+    step: int,
+    gen: int,
+    tokens: list[int] | None = None,
 ) -> np.ndarray:
     """[gen] share of each decode token's lookups resident, decoding right after a cold
     prompt: the arena starts with what the prefill's layer sweep left and turns over to
-    decode's own working set.
+    decode's own working set. `tokens`: the decode tokens (each < gen) to give the share of,
+    in place of every one.
 
     What the sweep left: its (chunk, layer) positions walked from the newest back, each adding
     the experts it touched that no newer position had, until `slots` are accounted for (LRU
@@ -104,12 +134,43 @@ def decode_hits(
     its last min(t, g*) tokens (g*: decode's LRU reuse gap), or if the prefill left it and it
     has not been pushed out: once decode has brought in more items than the arena had free,
     the prefill's items go, oldest first (taken as evenly spread)."""
-    p_layers = p.reshape(layers, -1)
-    left = np.zeros_like(p_layers)
-    room = float(slots)
-    sizes = [min(step, prompt - c) for c in range(0, max(prompt, 0), step)]
-    newest_first = ((tokens, l) for tokens in reversed(sizes) for l in reversed(range(layers)))
-    for tokens, l in newest_first:
+    left = _prefill_leftovers(p.reshape(layers, -1), slots, prompt, step).reshape(-1)
+    held = float(left.sum())
+    free = max(slots - held, 0.0)
+    g_star = reuse_gap(p, slots, max(gen, 1))
+    tokens = range(gen) if tokens is None else tokens
+    out = np.empty(len(tokens))
+    for i, t in enumerate(tokens):
+        own = hit_probability(p, min(t, g_star))
+        new = float(np.sum(hit_probability(p, t) * (1 - left)))
+        kept = min(max(1 - max(new - free, 0.0) / held, 0.0), 1.0) if held > 0 else 0.0
+        hit = 1 - (1 - own) * (1 - left * kept)
+        out[i] = float(np.sum(p * hit) / np.sum(p))
+    return out
+
+
+def _prefill_leftovers(p_layers: np.ndarray, slots: int, prompt: int, step: int) -> np.ndarray:
+    """[layers, experts] chance the cold prefill's sweep left each expert resident: its
+    (chunk, layer) positions from the newest back, as decode_hits says. While the room lasts,
+    the newest m chunks together leave what their tokens touched (1 - (1 - p)^tokens): the
+    largest m that fits is found by bisection, and only the chunk before them is walked layer
+    by layer (it fills the room), so that the cost does not grow with the prompt's chunks."""
+    chunks = -(-max(prompt, 0) // step)
+    last = prompt - (chunks - 1) * step  # the last chunk's tokens, short or whole
+
+    def newest(m: int) -> np.ndarray:  # what the newest m chunks touched
+        return hit_probability(p_layers, 0 if m == 0 else last + (m - 1) * step)
+
+    lo, hi = 0, chunks  # the most chunks whose experts all fit
+    if newest(hi).sum() <= slots:
+        lo = hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if newest(mid).sum() <= slots else (lo, mid)
+    left = newest(lo)
+    room = slots - float(left.sum())
+    tokens = last if lo == 0 else step  # the chunk before them
+    for l in reversed(range(p_layers.shape[0]) if lo < chunks else ()):
         add = hit_probability(p_layers[l], tokens) * (1 - left[l])
         total = float(add.sum())
         if total <= 0:
@@ -119,15 +180,4 @@ def decode_hits(
         room -= f * total
         if room <= 1e-9:
             break
-    left = left.reshape(-1)
-    held = float(left.sum())
-    free = max(slots - held, 0.0)
-    g_star = reuse_gap(p, slots, max(gen, 1))
-    out = np.empty(gen)
-    for t in range(gen):
-        own = hit_probability(p, min(t, g_star))
-        new = float(np.sum(hit_probability(p, t) * (1 - left)))
-        kept = min(max(1 - max(new - free, 0.0) / held, 0.0), 1.0) if held > 0 else 0.0
-        hit = 1 - (1 - own) * (1 - left * kept)
-        out[t] = float(np.sum(p * hit) / np.sum(p))
-    return out
+    return left
