@@ -61,9 +61,16 @@ def plan(
         cli=True,
     )  # fmt: skip (the flags' names in the message)
     check_outputs(model, {"--json": json_out})
+    builtin = model is None and arena_gb is None
     model, arena_gb = builtin_model(model, arena_gb)
     f = run_plan(model, arena_gb, prefill_step_size, prompt_tokens, generation_tokens, io_workers,
                  target_memory, target_ssd_gbps, target_tflops, measure, cli=True)  # fmt: skip
     typer.echo("\n".join(f.lines()))
+    if builtin:  # (the forecast is of generate's arena; the recommendation of load()'s)
+        typer.echo(
+            f"note: the built-in model runs with a quarter of its experts resident "
+            f"(--arena-gb {arena_gb:.3g}, as generate and serve give it) so that it streams; "
+            "the recommended arena is what load() would choose"
+        )
     if json_out is not None:
         save(f, json_out)
