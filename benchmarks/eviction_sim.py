@@ -30,7 +30,7 @@ def main() -> None:
     a = ap.parse_args()
     t = trace.read(a.trace)
     print(
-        f"{a.trace}: {t.decode_from} prompt calls, {t.decode_tokens} decode tokens, {a.slots} slots"
+        f"{a.trace}: {t.prompt_calls} prompt calls, {t.decode_tokens} decode tokens, {a.slots} slots"
     )
     for r in cache_sim.compare(t, a.slots, a.policies.split(",")):
         print(

@@ -72,9 +72,7 @@ class Timed:
         self.spent[self.decoding] += time.perf_counter() - t
 
 
-def measure(
-    trace: traces.Trace, slots: int, spec: str, decode_from: int, read_ahead: str = "none"
-) -> tuple:
+def measure(trace: traces.Trace, slots: int, spec: str, read_ahead: str = "none") -> tuple:
     """(replay, prefill seconds, decode seconds) of one timed replay (`read_ahead`:
     cache_sim.replay's, decode's lookahead modelled from the trace's predictions)."""
     made = []
@@ -85,12 +83,14 @@ def measure(
 
     factory.name = spec
     calls = {"n": 0}
+    decoding = trace.decoding()  # (every generation's decode steps)
     inner_set = Timed.current.fset
 
     def counting(self, layer):  # the phase by call, for policies without a phase hook
         calls["n"] += 1
         if not hasattr(self.inner, "phase"):
-            self.decoding = (calls["n"] - 1) // len(trace.layers) >= decode_from
+            call = (calls["n"] - 1) // len(trace.layers)
+            self.decoding = call < len(decoding) and bool(decoding[call])
         inner_set(self, layer)
 
     Timed.current = Timed.current.setter(counting)
@@ -112,7 +112,7 @@ def main() -> None:
     t = traces.read(a.trace)
     print(f"{a.trace}: {a.slots} slots, best of {a.rounds}; policy time")
     for spec in a.policy.split(","):
-        runs = [measure(t, a.slots, spec, t.decode_from, a.read_ahead) for _ in range(a.rounds)]
+        runs = [measure(t, a.slots, spec, a.read_ahead) for _ in range(a.rounds)]
         r, pre, dec = min(runs, key=lambda x: x[1] + x[2])
         print(
             f"{spec:>18}: prefill {1e6 * pre / max(r.prefill_misses, 1):6.1f} us a miss "

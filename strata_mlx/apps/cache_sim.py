@@ -208,8 +208,11 @@ class _Arena:
         victims = list(batch(lambda v, p=pinned: v not in p, keys) or [])
         if not victims and not self._may_go(None, pinned):
             raise OptionError(f"--slots {self.slots}: every slot is pinned")
-        if len(set(victims)) < len(victims):
-            raise OptionError(f"eviction policy {self.name}: victims() named a key twice")
+        if len(set(victims)) < len(victims) or len(victims) > len(keys):
+            raise OptionError(
+                f"eviction policy {self.name}: victims() named a key twice, or more keys "
+                f"than the {len(keys)} asked for"
+            )
         for victim in victims:
             self._may_go(victim, pinned)
             self.pol.remove(victim)

@@ -232,8 +232,8 @@ class Decoder:
                     mx.eval(token)
                     _count_mode(ec, step)
                     clock.final(step.predicting, first=n == 0)
-                    if n == 0 and ec.trace is not None:  # (the prompt's last token recorded)
-                        ec.trace.begin_decode()
+                    if n == 0:  # (the prompt's last token recorded)
+                        _mark_decode(ec.trace, "begin_decode")
                     t = token.item()
                     if not 0 <= t < logprobs.shape[-1]:
                         raise ValueError(
@@ -251,8 +251,15 @@ class Decoder:
             finally:
                 if later is not None:  # closed at a yield: the token built ahead is unchecked
                     self.discard(later)
-                if ec.trace is not None:
-                    ec.trace.end_decode()
+                _mark_decode(ec.trace, "end_decode")
+
+
+def _mark_decode(trace, mark: str) -> None:
+    """A routing trace told where decode begins or ends, where it takes such marks (a
+    script's own recorder may not: its split is then guessed, strata_mlx.stream.trace)."""
+    told = getattr(trace, mark, None)
+    if told is not None:
+        told()
 
 
 class SyncDecoder(Decoder):

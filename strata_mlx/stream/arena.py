@@ -478,9 +478,10 @@ class Arena:
                     self._check_victim(None, evictable)
                 break
             if self._plug_in is not None:
-                if len(set(victims)) < len(victims):
+                if len(set(victims)) < len(victims) or len(victims) > n - i:
                     raise OptionError(
-                        f"eviction policy {self._plug_in}: victims() named a key twice",
+                        f"eviction policy {self._plug_in}: victims() named a key twice, or "
+                        f"more keys than the {n - i} asked for",
                         "eviction",
                     )
                 for victim in victims:  # (each evictable now: none of them is taken yet)

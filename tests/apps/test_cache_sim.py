@@ -326,21 +326,31 @@ class Twice(LRU):
         return [first] * len(keys) if first is not None else []
 
 
+class Greedy(LRU):
+    """Every evictable key, however few were asked for."""
+
+    def victims(self, evictable, keys):
+        return [k for k in self._order if evictable(k)]
+
+
 @pytest.mark.parametrize(
     "policy, says",
     [
         (IgnoresPins, r"victim \(0, 2\) may not be evicted \(pinned"),
         (Never, r"victim\(\) returned None while resident experts could be evicted"),
         (Twice, r"victims\(\) named a key twice"),
+        (Greedy, r"victims\(\) named a key twice, or more keys than the 16 asked for"),
     ],
 )
 def test_a_plug_in_victim_the_arena_would_refuse_is_refused(policy, says):
     # (obeyed, the pinned victim missed fewer than any live run: a layer's expert evicted
     # for another of the same layer, both counted resident)
-    wide = [list(range(16)), list(range(16, 32))]
-    t = one_layer([[0, 1], [2, 3]] if policy is not Twice else wide, 0, 64)
+    # (the batch call: 16 misses at once; 32 slots, so that more than 16 may go)
+    wide = [list(range(32)), list(range(32, 48))]
+    batch = policy in (Twice, Greedy)
+    t = one_layer(wide if batch else [[0, 1], [2, 3]], 0, 64)
     with pytest.raises(OptionError, match=f"eviction policy {policy.__name__}: {says}"):
-        cache_sim.replay(t, 2 if policy is not Twice else 16, policy)
+        cache_sim.replay(t, 32 if batch else 2, policy)
 
 
 def test_the_plot_may_not_overwrite_the_trace(tmp_path):

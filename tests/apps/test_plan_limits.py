@@ -45,13 +45,17 @@ def test_the_kv_cache_of_prompt_and_generated_tokens_counts_in_the_verdict(store
     f = plan.forecast(shape, machine, (1e-3, 1e-2), "test", None, 64, 400, 8)  # 64 KiB more
     assert f.fits and f.slots < shape.n_records
     assert any("one chunk's KV cache" in n for n in f.notes)
-    assert f.kv_cache_gb == pytest.approx(kv(408) / 1e9)
+    assert f.kv_cache_gb == pytest.approx(kv(408) / 1024**3)  # (GiB, as the arena's)
     assert f"KV cache {f.kv_cache_gb:.2f} GB (408 positions)" in "\n".join(f.lines())
 
     f = plan.forecast(shape, machine, (1e-3, 1e-2), "test", None, 64, 2000, 8)  # 448 KiB more
     assert not f.fits
     assert "the KV cache of -p 2000 + -g 8 tokens" in f.verdict
     assert "shorten -p or -g" in f.verdict
+    # an arena given (8 experts' worth) fits beside one chunk's KV cache, not beside -p + -g's:
+    # the verdict names them, not the memory guard's smaller --arena-gb
+    f = plan.forecast(shape, machine, (1e-3, 1e-2), "test", 8 * 8192 / 1024**3, 64, 2000, 8)
+    assert not f.fits and "the KV cache of -p 2000 + -g 8 tokens" in f.verdict
 
 
 def test_plan_refuses_a_prompt_and_generation_past_the_models_context(store, canned):

@@ -263,6 +263,13 @@ class Twice(LRU):
         return [first] * len(keys) if first is not None else []
 
 
+class Greedy(LRU):
+    """Every evictable key, however few were asked for."""
+
+    def victims(self, evictable, keys):
+        return [k for k in self._order if evictable(k)]
+
+
 @pytest.mark.parametrize(
     "policy, says",
     [
@@ -272,8 +279,8 @@ class Twice(LRU):
     ],
 )
 def test_a_plug_in_that_breaks_the_interface_is_named_not_obeyed(store, policy, says):
-    # Obeyed, the first waited for a slot forever, the second and third crashed the arena
-    # (KeyError, or a computation reading a slot refilled under it), the last a KeyError.
+    # Obeyed, the first waited for a slot forever, the second crashed the arena (KeyError),
+    # the third refilled a slot a computation was reading.
     model = load_small(store(FAMILY), policy, decode="sync")
     try:
         with pytest.raises(OptionError, match=f"eviction policy {policy.__name__}: {says}"):
@@ -282,13 +289,16 @@ def test_a_plug_in_that_breaks_the_interface_is_named_not_obeyed(store, policy, 
         model.expert_cache.close()
 
 
-def test_a_plug_in_batch_naming_a_key_twice_is_refused():
-    arena = Arena(2, ALIGNMENT, eviction=Twice)
-    for slot, _ in arena.allocate_many([(0, 0), (0, 1)]):
+@pytest.mark.parametrize("policy", [Twice, Greedy])
+def test_a_plug_in_batch_naming_a_key_twice_or_too_many_is_refused(policy):
+    # (obeyed: the second victim's slot was taken twice; the extra victims left the policy
+    # but kept their slots, never to be evicted again)
+    arena = Arena(3, ALIGNMENT, eviction=policy)
+    for slot, _ in arena.allocate_many([(0, 0), (0, 1), (0, 2)]):
         arena.loaded(slot)
-    with pytest.raises(OptionError, match="eviction policy Twice: victims\\(\\) named a key twice"):
+    with pytest.raises(OptionError, match=f"eviction policy {policy.__name__}: victims\\(\\)"):
         arena.allocate_many([(1, 0), (1, 1)], batch_from=1)
-    assert sorted(arena.slot_of) == [(0, 0), (0, 1)]  # (nothing taken)
+    assert sorted(arena.slot_of) == [(0, 0), (0, 1), (0, 2)]  # (nothing taken)
 
 
 def drive(policy, uses, evict_among):

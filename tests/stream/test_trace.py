@@ -23,7 +23,6 @@ from strata_mlx.stream import trace
 from strata_mlx.stream.stats import RoutingTrace
 
 # The decoder marks decode's spans in the trace (RoutingTrace.begin_decode / end_decode)
-MARKS = hasattr(RoutingTrace, "begin_decode")
 
 FAMILY = "qwen3_moe"
 
@@ -209,7 +208,6 @@ def test_the_decode_split_is_the_decoder_s_marks_not_a_guess(tmp_path):
     assert trace.of_routing(unmarked, manifest).decode_spans == [(2, 11)]
 
 
-@pytest.mark.skipif(not MARKS, reason="the runtime marks no decode spans")
 @pytest.mark.parametrize("decode", ["pipelined", "sync"])
 def test_a_live_run_s_decode_spans_are_each_generation_s_decode_steps(store, decode):
     path = store(FAMILY)
@@ -221,6 +219,30 @@ def test_a_live_run_s_decode_spans_are_each_generation_s_decode_steps(store, dec
     model.expert_cache.close()
     assert [len(c) for c in t.ids[t.layers[0]]] == [8, 8, 1, 1, 1, 1, 1] * 2
     assert t.decode_spans == [(4, 7), (11, 14)]
+
+
+def test_a_script_s_own_recorder_without_marks_still_records(store):
+    """A recorder of a research script's own (record and record_prediction only) is taken:
+    the decoder tells marks only where a recorder takes them, and the split is guessed."""
+
+    class Mine:
+        def __init__(self):
+            self.ids, self.predicted = {}, {}
+
+        def record(self, layer, ids):
+            self.ids.setdefault(layer, []).append(ids)
+
+        def record_prediction(self, layer, ids):
+            self.predicted.setdefault(layer, []).append(ids)
+
+    model, _ = strata_mlx.load(store(FAMILY), trace=Mine(), read_ahead="demand")
+    # 19 tokens in chunks of 8: 8, 8, 2, the last token, 3 decode steps (a length the guess,
+    # decode from the call after the first one-token call, reads right)
+    list(stream_generate(model, None, prompt_ids(19, seed=2), max_tokens=4, prefill_step_size=8))
+    t = trace.of_model(model)
+    model.expert_cache.close()
+    assert [len(c) for c in t.ids[t.layers[0]]] == [8, 8, 2, 1, 1, 1, 1]
+    assert t.decode_spans == [(4, 7)]
 
 
 def test_a_trace_of_no_call_yet_round_trips(tmp_path):

@@ -173,9 +173,11 @@ def generate(
         ids = ids[len(cached) :]
     last, stopped = _print_stream(m, tok, ids, args, cfg, sampling, kv, prompt_cache, cached)
     _print_summary(m, last, verbose, pipe)
-    if stopped:  # Ctrl-C: what was generated, its figures, and no output file of a part
+    # Ctrl-C: what was generated and its figures; the MoE dump closed with the layers it has,
+    # no --trace of a part of the run, exit 130
+    _close(m, cfg, None if stopped else trace_file)
+    if stopped:
         raise SystemExit(130)
-    _close(m, cfg, trace_file)
 
 
 # SamplingOptions' fields, as generate's flags of the same names

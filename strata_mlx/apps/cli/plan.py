@@ -70,7 +70,8 @@ def plan(
         typer.echo(
             f"note: the built-in model runs with a quarter of its experts resident "
             f"(--arena-gb {arena_gb:.3g}, as generate and serve give it) so that it streams; "
-            "the recommended arena is what load() would choose"
+            "the recommended arena is load()'s automatic one, with room for the KV cache of "
+            "-p + -g"
         )
     if json_out is not None:
         save(f, json_out)

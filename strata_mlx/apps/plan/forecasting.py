@@ -403,7 +403,7 @@ def _fit(
     positions = f.prompt_tokens + f.gen_tokens
     kv = memory.kv_cache_bytes(shape.args, positions, shape.kv_itemsize)
     beyond = max(kv - memory.kv_cache_bytes(shape.args, step, shape.kv_itemsize), 0)
-    f.kv_cache_gb = kv / 1e9
+    f.kv_cache_gb = kv / GB  # (GiB, as the arena's figures and --arena-gb)
 
     def arena_for(gb: float | None, reserve: int) -> int:
         return choose_arena(
@@ -424,7 +424,7 @@ def _fit(
         auto = arena if arena_gb is None else arena_for(None, beyond)
     except MemoryGuardError as e:
         f.fits, f.verdict = False, f"does not fit: {e}"
-        if beyond and arena_gb is None and _fits(lambda: arena_for(None, 0)):
+        if beyond and _fits(lambda: arena_for(arena_gb, 0)):  # (it fits but for that cache)
             f.verdict = (
                 f"does not fit: the KV cache of -p {f.prompt_tokens} + -g {f.gen_tokens} "
                 f"tokens takes {kv / GB:.1f} GB: with a chunk's scratch, one expert and the "
