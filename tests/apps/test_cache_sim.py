@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import prompt_ids
+from test_policies import Greedy, IgnoresPins, Never, Twice
 
 import strata_mlx
 from strata_mlx.apps import cache_sim
@@ -302,35 +303,6 @@ def test_read_ahead_stops_where_every_slot_is_pinned():
     for ahead in ("lookahead", "scored"):
         r = cache_sim.replay(t, 2, "lru", ahead)
         assert r.decode_ahead_reads == 0 and r.decode_misses == plain.decode_misses
-
-
-class IgnoresPins(LRU):
-    """The most recently used expert, whether the running layer uses it or not."""
-
-    def victim(self, evictable):
-        return next(reversed(self._order), None)
-
-    victims = None
-
-
-class Never(LRU):
-    def victim(self, evictable):
-        return None
-
-    victims = None
-
-
-class Twice(LRU):
-    def victims(self, evictable, keys):
-        first = super().victim(evictable)
-        return [first] * len(keys) if first is not None else []
-
-
-class Greedy(LRU):
-    """Every evictable key, however few were asked for."""
-
-    def victims(self, evictable, keys):
-        return [k for k in self._order if evictable(k)]
 
 
 @pytest.mark.parametrize(

@@ -234,6 +234,9 @@ def test_a_bad_policy_is_refused_before_the_store_is_read(tmp_path, spec, says):
         strata_mlx.load(tmp_path / "no-store", eviction=spec)
 
 
+# Plug-ins that break the interface (cache-sim's tests take them too)
+
+
 class Never(LRU):
     """Never names a victim."""
 
