@@ -16,8 +16,9 @@ class StatusLine:
     unit, with `count`), redrawn each second by a timer thread (one step, such as a prefill
     chunk on a CPU, can take tens of seconds), shown once the command has run `delay` seconds
     (DELAY_S unless given) and only where stderr is a terminal (None: tqdm's own test) unless
-    `enabled` says. `echo` prints a line of output above it. At close the line is cleared, or
-    with `leave` kept as last drawn."""
+    `enabled` says. `echo` prints a line of output above it. `poll()`, where given, is asked
+    at each draw for a text shown after the rest (where a step is inside itself: a prefill
+    chunk's MoE layer). At close the line is cleared, or with `leave` kept as last drawn."""
 
     DELAY_S = 2.0
 
@@ -27,12 +28,14 @@ class StatusLine:
         enabled: bool | None = None,
         delay: float | None = None,
         leave: bool = False,
+        poll=None,
         **bar,
     ):
         from tqdm import tqdm
 
         self.delay = self.DELAY_S if delay is None else delay
         self.leave = leave
+        self.poll = poll
         self.bar = tqdm(
             **{"bar_format": "{desc} [{elapsed}]", **bar},
             file=file or sys.stderr,
@@ -72,6 +75,8 @@ class StatusLine:
 
     def _draw(self) -> None:
         if self.bar.desc and not self.done.is_set() and time_since(self.bar) >= self.delay:
+            if self.poll is not None:
+                self.bar.set_postfix_str(self.poll(), refresh=False)
             self.bar.refresh(nolock=True)
             self.shown = True
 

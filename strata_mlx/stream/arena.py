@@ -381,6 +381,7 @@ class Arena:
         if not isinstance(eviction, str) or ":" in eviction:
             self._plug_in = getattr(eviction, "__name__", str(eviction))
         self.decoding: bool | None = None  # the phase generation last told (None: none yet)
+        self.layer: int | None = None  # the layer whose handshake runs now (set_layer)
         self.slot_of: dict[Key, int] = {}
         self.owner: list[Key | None] = [None] * n_slots
         self.pinned: set[int] = set()
@@ -420,7 +421,7 @@ class Arena:
 
     def set_layer(self, layer: int) -> None:
         """Tell the eviction policy which layer runs now (the layer-aware one uses it)."""
-        self.policy.current = layer
+        self.policy.current = self.layer = layer
 
     def set_phase(self, decoding: bool) -> None:
         """Generation moves into decode steps or out of them (prefill): the policy's

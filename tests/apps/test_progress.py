@@ -49,6 +49,28 @@ def test_prefill_bar_speaks_only_past_its_delay(monkeypatch, capsys):
     assert "50/100" in capsys.readouterr().err
 
 
+def test_the_prefill_bar_names_the_moe_layer_a_chunk_has_reached(store, monkeypatch, capsys):
+    """A chunk of a long prompt takes seconds and its bar moved a chunk at a time (a 371-token
+    prompt sat at 0 % for 14 s): each draw names the chunk's MoE layer."""
+    from strata_mlx.apps.cli.generate import where_in_chunk
+    from strata_mlx.runtime.loader import load_model
+
+    model = load_model(store("qwen3_moe"), arena_gb=0.01)
+    try:
+        where, layers = where_in_chunk(model), model.expert_cache.layers
+        assert where() == ""  # (no handshake yet)
+        model.expert_cache.arena.set_layer(layers[-1])
+        assert where() == f"layer {len(layers)}/{len(layers)}"
+        monkeypatch.setattr(StatusLine, "DELAY_S", 0.05)
+        bar = PrefillBar(where)
+        bar.update(0, 100)
+        err = []  # the timer draws it while the one chunk runs
+        assert until(lambda: err.append(capsys.readouterr().err) or "layer 2/2" in "".join(err))
+        bar.close()
+    finally:
+        model.expert_cache.close()
+
+
 def test_a_long_step_without_progress_of_its_own_ticks(capsys):
     """gguf-py's header parse reports nothing for seconds: its bar shows the time elapsed."""
     from tqdm import tqdm

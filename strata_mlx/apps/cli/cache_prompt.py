@@ -100,10 +100,10 @@ def cache_prompt(
 
     context = getattr(m.args, "max_position_embeddings", None)
     check_context(len(ids), 0, context, kv.max_kv_size is not None, cli=True)
-    from .generate import PrefillBar
+    from .generate import PrefillBar, where_in_chunk
 
     t = time.perf_counter()
-    bar = PrefillBar()
+    bar = PrefillBar(where_in_chunk(m))
     try:
         cache = run_prompt(m, ids, kv, cfg.prefill_step_size, prompt_progress_callback=bar.update)
     finally:

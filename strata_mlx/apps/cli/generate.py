@@ -279,7 +279,7 @@ def _print_stream(model, tok, ids, args: dict, cfg, sampling, kv, prompt_cache, 
     """Generate and print each piece as it comes (text, or token ids without a tokenizer):
     (the last response or None when nothing was generated, whether Ctrl-C stopped it)."""
     last = None
-    bar = PrefillBar()
+    bar = PrefillBar(where_in_chunk(model))
     try:
         for last in _stream(model, tok, ids, args, cfg, sampling, kv, prompt_cache, cached, bar):
             bar.close()
@@ -320,20 +320,34 @@ def _stream(model, tok, ids, args: dict, cfg, sampling, kv, prompt_cache, cached
     )
 
 
-class PrefillBar:
-    """The prompt's progress on stderr (StatusLine): positions done, a chunk at a time, and
-    the time elapsed; made at the prompt's first call, which gives its length. Shown where
-    stderr is not a terminal too, as conversion's bars are."""
+def where_in_chunk(model):
+    """The MoE layer a chunk's handshake has reached, as "layer 12/48" (a chunk of a long
+    prompt takes seconds: its bar moves a chunk at a time)."""
+    cache = model.expert_cache
+    position = {l: i for i, l in enumerate(cache.layers)}
 
-    def __init__(self):
+    def where() -> str:
+        at = position.get(cache.arena.layer)
+        return "" if at is None else f"layer {at + 1}/{len(position)}"
+
+    return where
+
+
+class PrefillBar:
+    """The prompt's progress on stderr (StatusLine): positions done, a chunk at a time, the
+    MoE layer the chunk has reached (`where()`) and the time elapsed; made at the prompt's
+    first call, which gives its length. Shown where stderr is not a terminal too, as
+    conversion's bars are."""
+
+    def __init__(self, where=None):
         self.line = None
         self.closed = False
+        self.where = where
 
     def update(self, done: int, total: int) -> None:
         if self.line is None and not self.closed:
-            self.line = StatusLine(
-                enabled=True, desc="prefill", total=total, unit="tok", bar_format=None
-            )
+            self.line = StatusLine(enabled=True, desc="prefill", total=total, unit="tok",
+                                   bar_format=None, poll=self.where)  # fmt: skip
         if self.line is not None:
             self.line.count(done)
 
