@@ -679,7 +679,7 @@ def test_an_output_flag_naming_a_pipe_or_device_is_refused(store, tmp_path):
 
 def test_a_bad_kernels_variable_is_one_line_and_exit_2(store):
     env = {**os.environ, "STRATA_MLX_KERNELS": "bogus"}
-    r = run("generate", "--model", store("qwen3_moe"), "-p", "hi", "-m", "1", env=env)
+    r = run("generate", "--model", store("qwen3_moe"), "--prompt-tokens", "1,2", "-m", "1", env=env)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == "error: STRATA_MLX_KERNELS='bogus': one of reference, cuda, metal"
 
@@ -993,3 +993,27 @@ def test_a_path_that_is_no_store_says_what_it_is_and_which_flag_takes_it(tmp_pat
         line = _error_line(run(*args))
         assert line == f"error: {nowhere}: no such directory (expected a strata-mlx store)"
     assert not out.exists()
+
+
+def test_generate_leaves_room_for_the_whole_kv_cache_of_its_prompt(store, monkeypatch):
+    """load()'s arena leaves room for one chunk's KV cache; generate knows its prompt and
+    max tokens before it loads and reserves the rest (a long prompt's cache grew past the room
+    while an automatic arena held the rest of memory)."""
+    from typer.testing import CliRunner
+
+    from strata_mlx.apps.cli import app
+    from strata_mlx.runtime import loader
+
+    path = store("qwen3_moe")
+    reserved, real = [], loader.load_model
+    monkeypatch.setattr(
+        loader, "load_model", lambda *a, reserve_bytes=0, **kw: reserved.append(reserve_bytes)
+        or real(*a, reserve_bytes=reserve_bytes, **kw)
+    )  # fmt: skip
+    for n in (400, 8):  # (a KV cache grows 256 positions at a time)
+        r = CliRunner().invoke(app, ["generate", "--model", str(path), "--prompt-tokens",
+                                     ",".join(["5"] * n), "-m", "20", "--prefill-step-size", "16"])  # fmt: skip
+        assert r.exit_code == 0, r.output
+    chunk = loader.sequence_kv_bytes(path, 16)
+    assert reserved == [loader.sequence_kv_bytes(path, 420) - chunk, 0]
+    assert reserved[0] > 0

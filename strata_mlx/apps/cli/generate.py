@@ -142,9 +142,17 @@ def generate(
     _check_experts_per_token(model, cfg.experts_per_token)
     pipe = _pipeline(args, kv)
     cfg = _with_hooks(cfg, dump_moe, trace_file, pipe)
-    from ...generation.generate import load
+    from ...format.store import load_manifest
+    from ...generation.tokenizer import load_tokenizer
+    from ...runtime.loader import load_model
 
-    m, tok = load(model, config=cfg, pipeline=pipe)
+    load_manifest(model)  # (a path that is no store is told so before anything of the prompt)
+    tok, ids, reserve = load_tokenizer(model), None, 0  # (its files checked before the model's)
+    if pipe is None:  # the prompt first: the arena leaves room for its whole KV cache
+        ids, chat, prompt = _prompt(tok, model, prompt, prompt_tokens, system_prompt, chat,
+                                    auto_chat, template_kwargs, max_tokens, kv)  # fmt: skip
+        reserve = _kv_past_a_chunk(model, cfg, kv, len(ids) + max_tokens)
+    m = load_model(model, config=cfg, pipeline=pipe, reserve_bytes=reserve)
     from ...generation.prompt_cache import make_prompt_cache
 
     make_prompt_cache(m, kv, cli=True)  # a family that cannot take the KV flags: named here
@@ -157,16 +165,9 @@ def generate(
         m.wait_ready()
     else:
         pipe = None
-    if prompt == "-":
-        from ...generation.tokenizer import read_stdin
-
-        prompt = read_stdin("--prompt - (stdin)")  # non-UTF-8 input is one line
-    chat = chat or (auto_chat and tok is not None and bool(tok.chat_template))
-    ids = _prompt_ids(tok, model, prompt, prompt_tokens, system_prompt, chat, template_kwargs)
-    from ...config import check_context
-
-    context = getattr(m.args, "max_position_embeddings", None)
-    check_context(len(ids), max_tokens, context, kv.max_kv_size is not None, cli=True)
+    if ids is None:  # (a pipeline's rank 0: the prompt read once its stages are ready)
+        ids, chat, prompt = _prompt(tok, model, prompt, prompt_tokens, system_prompt, chat,
+                                    auto_chat, template_kwargs, max_tokens, kv)  # fmt: skip
     _prompt_logits(m, ids, cfg.prefill_step_size, logits_out, logits_ref)
     prompt_cache, cached = _resume(m, tok, prompt_cache_file, kv, ids, prompt, prompt_tokens, chat)
     if prompt_cache is not None and ids[: len(cached)] == cached:
@@ -244,6 +245,37 @@ def _pipeline(args: dict, kv):
             "--pipeline: --max-kv-size, --kv-bits and --prompt-cache-file are not pipelined yet"
         )
     return Pipeline(split=args["pipeline_split"], timeout_s=args["pipeline_timeout"])
+
+
+def _prompt(tok, model, prompt, prompt_tokens, system_prompt, chat, auto_chat, template_kwargs,
+            max_tokens: int, kv):  # fmt: skip
+    """(the prompt's token ids, whether the chat template made them, its text: stdin's for
+    '-'), the ids checked against the model's context with the tokens to generate."""
+    if prompt == "-":
+        from ...generation.tokenizer import read_stdin
+
+        prompt = read_stdin("--prompt - (stdin)")  # non-UTF-8 input is one line
+    chat = chat or (auto_chat and tok is not None and bool(tok.chat_template))
+    ids = _prompt_ids(tok, model, prompt, prompt_tokens, system_prompt, chat, template_kwargs)
+    from ...config import check_context
+    from ...runtime.loader import store_args
+
+    context = getattr(store_args(model), "max_position_embeddings", None)
+    check_context(len(ids), max_tokens, context, kv.max_kv_size is not None, cli=True)
+    return ids, chat, prompt
+
+
+def _kv_past_a_chunk(model, cfg, kv, positions: int) -> int:
+    """The KV cache (and recurrent state) of `positions` positions beyond the one chunk's
+    that load()'s arena already leaves room for: a long prompt's cache grew past it while an
+    automatic arena held the rest of memory."""
+    from ...runtime.loader import default_prefill_step, sequence_kv_bytes
+
+    if kv.max_kv_size:  # (a rotating cache holds no more than this)
+        positions = min(positions, kv.max_kv_size)
+    step = cfg.prefill_step_size or default_prefill_step()
+    whole = sequence_kv_bytes(model, positions, kv.kv_bits, kv.kv_group_size)
+    return max(whole - sequence_kv_bytes(model, step), 0)
 
 
 def _prompt_ids(tok, model, prompt, prompt_tokens, system_prompt, chat, template_kwargs):
