@@ -26,7 +26,7 @@ import numpy as np
 from ..config import OptionError, runtime_options
 from ..format.store import EXPERTS, load_manifest, write_text_atomic
 from ..generation.generate import generate_step, make_sampler
-from ..runtime.loader import RuntimeConfig, load_model
+from ..runtime.loader import RuntimeConfig, kv_past_a_chunk, load_model
 from ..stream import trace as traces
 from ..stream.reader import drive_limit_gbps, drive_note
 from ..stream.stats import ExpertStats, RoutingTrace
@@ -270,6 +270,8 @@ def bench(
 
     say = status or (lambda _: None)
     runner = _Runner(path, gen_tokens, prefill_step_size, pipeline, log, say)
+    if pipeline is None:  # (as generate reserves it)
+        runner.reserve = kv_past_a_chunk(path, prompt_tokens + gen_tokens, prefill_step_size)
     say("probing the drive and the data path")
     ssd_gbps, path_gbps = _probes(path, m, base, io_workers, probe_seconds, log)
     runner.release()  # (the data path's arena)
@@ -349,6 +351,7 @@ class _Runner:
         self.path, self.gen_tokens, self.step = path, gen_tokens, prefill_step_size
         self.pipeline = pipeline
         self.log, self.status = log, status
+        self.reserve = 0  # memory load() leaves free beside the arena (load_model's)
 
     def compute_floor(self, fake_cfg: RuntimeConfig, ids: list[int]) -> Run:
         """The fake-stream run (every expert resident), after a warm-up pass."""
@@ -403,9 +406,8 @@ class _Runner:
         return runs, arena_gb
 
     def load(self, cfg: RuntimeConfig):
-        model = load_model(
-            self.path, config=cfg, pipeline=self.pipeline() if self.pipeline else None
-        )
+        pipe = self.pipeline() if self.pipeline else None
+        model = load_model(self.path, config=cfg, pipeline=pipe, reserve_bytes=self.reserve)
         if hasattr(model, "rank_stats"):
             model.wait_ready()
         return model

@@ -236,6 +236,24 @@ def sequence_kv_bytes(
     return fixed + math.ceil((total - fixed) * per_element / itemsize)
 
 
+def kv_past_a_chunk(
+    path: str | Path,
+    positions: int,
+    step: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    max_kv_size: int | None = None,
+) -> int:
+    """The KV cache (and recurrent state) of `positions` positions (at most `max_kv_size`, a
+    rotating cache's) beyond the one chunk of `step` (None: the default) that load()'s arena
+    leaves room for: what a caller that knows its prompt passes as `reserve_bytes`, so that
+    an automatic arena does not hold the memory a long prompt's cache grows into."""
+    if max_kv_size:
+        positions = min(positions, max_kv_size)
+    whole = sequence_kv_bytes(path, positions, kv_bits, kv_group_size)
+    return max(whole - sequence_kv_bytes(path, step or default_prefill_step()), 0)
+
+
 def build_module(manifest, cfg: RuntimeConfig, path: Path) -> tuple[nn.Module, object]:
     """(the family's model, unevaluated, its ModelArgs) from the store's config, every MoE
     block routing to `cfg.experts_per_token` experts when that is set."""

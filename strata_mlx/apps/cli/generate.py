@@ -144,14 +144,16 @@ def generate(
     cfg = _with_hooks(cfg, dump_moe, trace_file, pipe)
     from ...format.store import load_manifest
     from ...generation.tokenizer import load_tokenizer
-    from ...runtime.loader import load_model
+    from ...runtime.loader import kv_past_a_chunk, load_model
 
     load_manifest(model)  # (a path that is no store is told so before anything of the prompt)
     tok, ids, reserve = load_tokenizer(model), None, 0  # (its files checked before the model's)
     if pipe is None:  # the prompt first: the arena leaves room for its whole KV cache
         ids, chat, prompt = _prompt(tok, model, prompt, prompt_tokens, system_prompt, chat,
                                     auto_chat, template_kwargs, max_tokens, kv)  # fmt: skip
-        reserve = _kv_past_a_chunk(model, cfg, kv, len(ids) + max_tokens)
+        positions = len(ids) + max_tokens
+        reserve = kv_past_a_chunk(model, positions, cfg.prefill_step_size, kv.kv_bits,
+                                  kv.kv_group_size, kv.max_kv_size)  # fmt: skip
     m = load_model(model, config=cfg, pipeline=pipe, reserve_bytes=reserve)
     from ...generation.prompt_cache import make_prompt_cache
 
@@ -263,19 +265,6 @@ def _prompt(tok, model, prompt, prompt_tokens, system_prompt, chat, auto_chat, t
     context = getattr(store_args(model), "max_position_embeddings", None)
     check_context(len(ids), max_tokens, context, kv.max_kv_size is not None, cli=True)
     return ids, chat, prompt
-
-
-def _kv_past_a_chunk(model, cfg, kv, positions: int) -> int:
-    """The KV cache (and recurrent state) of `positions` positions beyond the one chunk's
-    that load()'s arena already leaves room for: a long prompt's cache grew past it while an
-    automatic arena held the rest of memory."""
-    from ...runtime.loader import default_prefill_step, sequence_kv_bytes
-
-    if kv.max_kv_size:  # (a rotating cache holds no more than this)
-        positions = min(positions, kv.max_kv_size)
-    step = cfg.prefill_step_size or default_prefill_step()
-    whole = sequence_kv_bytes(model, positions, kv.kv_bits, kv.kv_group_size)
-    return max(whole - sequence_kv_bytes(model, step), 0)
 
 
 def _prompt_ids(tok, model, prompt, prompt_tokens, system_prompt, chat, template_kwargs):
