@@ -115,6 +115,18 @@ def test_a_policy_named_twice_in_a_bench_traces_to_two_files(tmp_path):
     assert trace_paths(t, ["demand"], 0, 1) == {0: t}  # a lone run: the file named
 
 
+def reserves(monkeypatch, module) -> list[int]:
+    """Each `module.load_model` call's reserve_bytes, from here on (the call itself made)."""
+    seen, real = [], module.load_model
+
+    def load_model(*a, reserve_bytes=0, **kw):
+        seen.append(reserve_bytes)
+        return real(*a, reserve_bytes=reserve_bytes, **kw)
+
+    monkeypatch.setattr(module, "load_model", load_model)
+    return seen
+
+
 def test_bench_leaves_room_for_the_kv_cache_of_its_prompt_and_tokens(store, monkeypatch):
     """As generate: the KV cache of -p + -g beyond the one chunk load()'s arena leaves room
     for is reserved beside the arena, in every run's load (the compute floor's too)."""
@@ -122,11 +134,7 @@ def test_bench_leaves_room_for_the_kv_cache_of_its_prompt_and_tokens(store, monk
     from strata_mlx.runtime import loader
 
     path = store("qwen3_moe")
-    reserved, real = [], bench.load_model
-    monkeypatch.setattr(
-        bench, "load_model", lambda *a, reserve_bytes=0, **kw: reserved.append(reserve_bytes)
-        or real(*a, reserve_bytes=reserve_bytes, **kw)
-    )  # fmt: skip
+    reserved = reserves(monkeypatch, bench)
     bench.bench(path, prompt_tokens=300, gen_tokens=2, prefill_step_size=16,
                 policies=("demand",), probe_seconds=0.05, log=lambda *_: None)  # fmt: skip
     want = loader.sequence_kv_bytes(path, 302) - loader.sequence_kv_bytes(path, 16)

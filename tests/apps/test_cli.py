@@ -999,17 +999,14 @@ def test_generate_leaves_room_for_the_whole_kv_cache_of_its_prompt(store, monkey
     """load()'s arena leaves room for one chunk's KV cache; generate knows its prompt and
     max tokens before it loads and reserves the rest (a long prompt's cache grew past the room
     while an automatic arena held the rest of memory)."""
+    from test_bench_cache import reserves
     from typer.testing import CliRunner
 
     from strata_mlx.apps.cli import app
     from strata_mlx.runtime import loader
 
     path = store("qwen3_moe")
-    reserved, real = [], loader.load_model
-    monkeypatch.setattr(
-        loader, "load_model", lambda *a, reserve_bytes=0, **kw: reserved.append(reserve_bytes)
-        or real(*a, reserve_bytes=reserve_bytes, **kw)
-    )  # fmt: skip
+    reserved = reserves(monkeypatch, loader)
     for n in (400, 8):  # (a KV cache grows 256 positions at a time)
         r = CliRunner().invoke(app, ["generate", "--model", str(path), "--prompt-tokens",
                                      ",".join(["5"] * n), "-m", "20", "--prefill-step-size", "16"])  # fmt: skip
