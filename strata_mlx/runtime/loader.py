@@ -224,16 +224,34 @@ def sequence_kv_bytes(
     store at `path`, as the memory guard counts caches (memory.kv_cache_bytes, at the store's
     activation itemsize); with `kv_bits`, the attention part as a quantized cache's codes
     plus a scale and a bias per `kv_group_size` elements."""
+    return _kv_bytes(*_kv_shape(path), positions, kv_bits, kv_group_size)
+
+
+def _kv_shape(path: str | Path):
+    """(ModelArgs, the KV cache's bytes an element) of the store at `path`."""
     path = Path(path)
     manifest = load_manifest(path)
-    args = model_args(manifest, path)
-    itemsize = memory.activation_itemsize(manifest.config.get("torch_dtype"))
+    return model_args(manifest, path), memory.activation_itemsize(
+        manifest.config.get("torch_dtype")
+    )
+
+
+def _kv_bytes(args, itemsize: int, positions: int, kv_bits: int | None, kv_group_size: int) -> int:
     total = memory.kv_cache_bytes(args, positions, itemsize)
     if not kv_bits:
         return total
     fixed = memory.kv_cache_bytes(args, 0, itemsize)  # recurrent state: not quantized
     per_element = kv_bits / 8 + 2 * itemsize / kv_group_size
     return fixed + math.ceil((total - fixed) * per_element / itemsize)
+
+
+def kv_beyond_a_chunk(
+    args, itemsize: int, positions: int, step: int, kv_bits: int | None = None, kv_group_size=64
+) -> int:
+    """The KV cache (and recurrent state) of `positions` positions beyond the one chunk of
+    `step` that choose_arena leaves room for (memory.kv_cache_bytes at `step`, unquantized)."""
+    whole = _kv_bytes(args, itemsize, positions, kv_bits, kv_group_size)
+    return max(whole - memory.kv_cache_bytes(args, step, itemsize), 0)
 
 
 def kv_past_a_chunk(
@@ -250,8 +268,9 @@ def kv_past_a_chunk(
     an automatic arena does not hold the memory a long prompt's cache grows into."""
     if max_kv_size:
         positions = min(positions, max_kv_size)
-    whole = sequence_kv_bytes(path, positions, kv_bits, kv_group_size)
-    return max(whole - sequence_kv_bytes(path, step or default_prefill_step()), 0)
+    args, itemsize = _kv_shape(path)  # (the manifest read once)
+    step = step or default_prefill_step()
+    return kv_beyond_a_chunk(args, itemsize, positions, step, kv_bits, kv_group_size)
 
 
 def build_module(manifest, cfg: RuntimeConfig, path: Path) -> tuple[nn.Module, object]:

@@ -521,9 +521,7 @@ class Arena:
         if self._free:
             slot = self._free.pop()
         else:
-            victim = self.policy.victim(evictable)
-            if self._plug_in is not None:
-                self._check_victim(victim, evictable)
+            victim = self._victim(evictable)
             if victim is None or not self._beyond_bar(victim):
                 return None
             slot = self.slot_of.pop(victim)
@@ -531,6 +529,13 @@ class Arena:
         self._assign(slot, key)
         self.policy.touch(key)
         return slot, victim
+
+    def _victim(self, evictable: Evictable) -> Key | None:
+        """The policy's victim, a plug-in's checked (`_check_victim`)."""
+        victim = self.policy.victim(evictable)
+        if self._plug_in is not None:
+            self._check_victim(victim, evictable)
+        return victim
 
     def _check_victim(self, victim: Key | None, evictable: Evictable) -> None:
         """An OptionError naming the plug-in where its victim breaks the interface: a key
@@ -578,12 +583,7 @@ class Arena:
             out.append((self._free.pop(), None))
         if len(out) < n:
             evictable = self._evictable(protect, None)
-            while len(out) < n:
-                victim = self.policy.victim(evictable)
-                if self._plug_in is not None:
-                    self._check_victim(victim, evictable)
-                if victim is None:
-                    break
+            while len(out) < n and (victim := self._victim(evictable)) is not None:
                 slot = self.slot_of.pop(victim)
                 self.policy.remove(victim)
                 self.owner[slot] = None

@@ -141,8 +141,11 @@ class RoutingTrace:
 
     def begin_decode(self) -> None:
         """The calls recorded from here on are decode steps (told by the decoder)."""
-        self.decode_marks.append((max(map(len, self.ids.values()), default=0), True))
+        self._mark(True)
 
     def end_decode(self) -> None:
         """The calls recorded from here on are not (a next generation's prompt)."""
-        self.decode_marks.append((max(map(len, self.ids.values()), default=0), False))
+        self._mark(False)
+
+    def _mark(self, begins: bool) -> None:
+        self.decode_marks.append((max(map(len, self.ids.values()), default=0), begins))

@@ -142,15 +142,15 @@ def generate(
     _check_experts_per_token(model, cfg.experts_per_token)
     pipe = _pipeline(args, kv)
     cfg = _with_hooks(cfg, dump_moe, trace_file, pipe)
-    from ...format.store import load_manifest
     from ...generation.tokenizer import load_tokenizer
-    from ...runtime.loader import kv_past_a_chunk, load_model
+    from ...runtime.loader import kv_past_a_chunk, load_model, store_args
 
-    load_manifest(model)  # (a path that is no store is told so before anything of the prompt)
+    # (a path that is no store is told so before anything of the prompt)
+    context = getattr(store_args(model), "max_position_embeddings", None)
     tok, ids, reserve = load_tokenizer(model), None, 0  # (its files checked before the model's)
     if pipe is None:  # the prompt first: the arena leaves room for its whole KV cache
         ids, chat, prompt = _prompt(tok, model, prompt, prompt_tokens, system_prompt, chat,
-                                    auto_chat, template_kwargs, max_tokens, kv)  # fmt: skip
+                                    auto_chat, template_kwargs, max_tokens, kv, context)  # fmt: skip
         positions = len(ids) + max_tokens
         reserve = kv_past_a_chunk(model, positions, cfg.prefill_step_size, kv.kv_bits,
                                   kv.kv_group_size, kv.max_kv_size)  # fmt: skip
@@ -169,7 +169,7 @@ def generate(
         pipe = None
     if ids is None:  # (a pipeline's rank 0: the prompt read once its stages are ready)
         ids, chat, prompt = _prompt(tok, model, prompt, prompt_tokens, system_prompt, chat,
-                                    auto_chat, template_kwargs, max_tokens, kv)  # fmt: skip
+                                    auto_chat, template_kwargs, max_tokens, kv, context)  # fmt: skip
     _prompt_logits(m, ids, cfg.prefill_step_size, logits_out, logits_ref)
     prompt_cache, cached = _resume(m, tok, prompt_cache_file, kv, ids, prompt, prompt_tokens, chat)
     if prompt_cache is not None and ids[: len(cached)] == cached:
@@ -250,9 +250,9 @@ def _pipeline(args: dict, kv):
 
 
 def _prompt(tok, model, prompt, prompt_tokens, system_prompt, chat, auto_chat, template_kwargs,
-            max_tokens: int, kv):  # fmt: skip
+            max_tokens: int, kv, context):  # fmt: skip
     """(the prompt's token ids, whether the chat template made them, its text: stdin's for
-    '-'), the ids checked against the model's context with the tokens to generate."""
+    '-'), the ids checked against the model's `context` with the tokens to generate."""
     if prompt == "-":
         from ...generation.tokenizer import read_stdin
 
@@ -260,9 +260,7 @@ def _prompt(tok, model, prompt, prompt_tokens, system_prompt, chat, auto_chat, t
     chat = chat or (auto_chat and tok is not None and bool(tok.chat_template))
     ids = _prompt_ids(tok, model, prompt, prompt_tokens, system_prompt, chat, template_kwargs)
     from ...config import check_context
-    from ...runtime.loader import store_args
 
-    context = getattr(store_args(model), "max_position_embeddings", None)
     check_context(len(ids), max_tokens, context, kv.max_kv_size is not None, cli=True)
     return ids, chat, prompt
 

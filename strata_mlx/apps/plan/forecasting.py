@@ -15,7 +15,7 @@ from ...format.store import (
     write_text_atomic,
 )
 from .machine import GB, Compute, Machine, read_gbps
-from .residency import decode_hits, pick_probabilities, prefill_reads, runs
+from .residency import decode_hits, hit_probability, pick_probabilities, prefill_reads, runs
 from .shapes import ModelShape
 
 TOLERANCE = 0.25  # the issue's +-25 %
@@ -306,7 +306,7 @@ def _prefill_forecast(
     n = sum(n for _, n, _, _ in chunks)
     # the most a chunk holds: a prompt shorter than the chunk is one chunk of its own length
     chunk = min(step, prompt_tokens)
-    f.distinct_per_chunk = float(np.sum(-np.expm1(np.log1p(-np.minimum(p, 1 - 1e-12)) * chunk)))
+    f.distinct_per_chunk = float(np.sum(hit_probability(p, chunk)))
     f.gb_read_per_chunk = bytes_read / n / 1e9
     f.ssd_floor_s = ssd_s / n
     f.compute_floor_s = compute_s / n
@@ -392,7 +392,7 @@ def _fit(
     beside them for the KV cache of the prompt and the generated tokens; or None, with `f`'s
     verdict saying what does not fit. load() counts one chunk's KV cache (it knows no prompt):
     the rest, up to -p + -g positions, is held beside the arena as serve's kept caches are."""
-    from ...runtime.loader import choose_arena, default_prefill_step
+    from ...runtime.loader import choose_arena, default_prefill_step, kv_beyond_a_chunk
     from ...stream import memory
     from ...stream.memory import MemoryGuardError
 
@@ -402,7 +402,7 @@ def _fit(
     step = prefill_step_size or default_prefill_step(machine.memory_bytes)
     positions = f.prompt_tokens + f.gen_tokens
     kv = memory.kv_cache_bytes(shape.args, positions, shape.kv_itemsize)
-    beyond = max(kv - memory.kv_cache_bytes(shape.args, step, shape.kv_itemsize), 0)
+    beyond = kv_beyond_a_chunk(shape.args, shape.kv_itemsize, positions, step)
     f.kv_cache_gb = kv / GB  # (GiB, as the arena's figures and --arena-gb)
 
     def arena_for(gb: float | None, reserve: int) -> int:
@@ -436,8 +436,9 @@ def _fit(
     if arena_gb is None and auto < chunk_only:
         f.notes.append(
             f"load()'s automatic arena ({chunk_only / GB:.3g} GB) counts one chunk's KV cache; "
-            f"{positions} positions take {kv / GB:.2f} GB: the arena here leaves room for them "
-            f"(pass --arena-gb {auto / GB:.3g} to generate or bench)"
+            f"{positions} positions take {kv / GB:.2f} GB: the arena here leaves room for them, "
+            "as generate and bench do (from Python: load()'s reserve_bytes, "
+            "loader.kv_past_a_chunk)"
         )
     return arena, step, auto
 

@@ -98,12 +98,11 @@ def prefill_reads(
     """[(first chunk, chunks, tokens a chunk, experts a chunk reads)] of a cold prompt: its
     whole chunks in runs (runs(): a run's reads are its middle chunk's), then a short last
     one."""
-    lp = np.log1p(-np.minimum(p, 1 - 1e-12))
-    q_full = -np.expm1(lp * step)
+    q_full = hit_probability(p, step)  # (an expert's chance to be picked in a chunk)
     gap = reuse_gap(q_full, slots, max(prompt // step, 1))
 
     def reads(c: int, tokens: int) -> float:
-        q = -np.expm1(lp * tokens)
+        q = hit_probability(p, tokens)
         hit = hit_probability(q_full, min(gap, c)) if c else np.zeros_like(q)
         return float(np.sum(q * (1 - hit)))
 
